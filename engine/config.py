@@ -1,0 +1,122 @@
+"""Frozen configuration dataclasses: every boundary of the engine takes one of these.
+
+Invariants are checked at construction, with messages a user can act on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+FULL_FORMATS = ("auto", "fp32", "fp16", "bf16")
+QUANT_FORMATS = ("int8", "fp8", "int4")
+FORMATS = FULL_FORMATS + QUANT_FORMATS
+KEY_SCHEMES = ("channel", "token")
+OVERFLOW_POLICIES = ("stop", "slide")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """How the KV cache is stored.
+
+    k_format / v_format: auto (model dtype), fp32, fp16, bf16, int8, fp8 (e4m3) or int4.
+    k_scheme: "channel" quantizes keys per channel over each full block (KIVI/KVQuant style);
+        "token" quantizes keys per token (per head for int8/fp8, groups of 32 for int4).
+    full_precision_layers: layer indices kept in the model dtype whatever the formats say.
+    window / sinks: keep the first `sinks` tokens and the newest `window` tokens (StreamingLLM);
+        window=None keeps everything.
+    budget_mb: the most KV memory the session may hold, in MiB.
+    overflow: what a turn does when the budget is full: "stop" or "slide" into a window.
+    """
+
+    k_format: str = "auto"
+    v_format: str = "auto"
+    k_scheme: str = "channel"
+    full_precision_layers: tuple[int, ...] = ()
+    window: int | None = None
+    sinks: int = 4
+    block_size: int = 16
+    budget_mb: float = 1024.0
+    overflow: str = "stop"
+
+    def __post_init__(self):
+        for name in ("k_format", "v_format"):
+            value = getattr(self, name)
+            if value not in FORMATS:
+                raise ConfigError(f"{name}={value!r} is not a cache format; choose one of {', '.join(FORMATS)}")
+        if self.k_scheme not in KEY_SCHEMES:
+            raise ConfigError(f"k_scheme={self.k_scheme!r}: choose 'channel' or 'token'")
+        object.__setattr__(self, "full_precision_layers", tuple(sorted(set(int(i) for i in self.full_precision_layers))))
+        if any(i < 0 for i in self.full_precision_layers):
+            raise ConfigError("full_precision_layers must be layer indices >= 0")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
+            raise ConfigError(f"block_size={self.block_size!r}: use a whole number of tokens from 1 to 256 (16 is a good default)")
+        if self.sinks < 0:
+            raise ConfigError(f"sinks={self.sinks}: the number of attention-sink tokens cannot be negative")
+        if self.window is not None:
+            if self.window < 1:
+                raise ConfigError(f"window={self.window}: a window must hold at least 1 token (or use None for no window)")
+            if self.window < self.block_size:
+                raise ConfigError(f"window={self.window} is smaller than one block ({self.block_size} tokens): "
+                                  f"raise the window or lower block_size")
+        if not self.budget_mb > 0:
+            raise ConfigError(f"budget_mb={self.budget_mb}: the KV budget must be a positive number of MiB")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ConfigError(f"overflow={self.overflow!r}: choose 'stop' (end the turn with a message) or 'slide' (switch to a window)")
+        if self.overflow == "slide" and self.window is None and self.budget_mb <= 0:
+            raise ConfigError("overflow='slide' needs a positive budget")
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.k_format in QUANT_FORMATS or self.v_format in QUANT_FORMATS
+
+    def label(self) -> str:
+        """Short human name of the mode, for status lines and plots."""
+        kv = self.k_format if self.k_format == self.v_format else f"K {self.k_format} / V {self.v_format}"
+        if self.k_format == "int4" and self.k_scheme == "token":
+            kv += " (per-token keys)"
+        if self.window is not None:
+            kv += f", window {self.window} + {self.sinks} sinks"
+        return kv
+
+    def with_(self, **changes) -> "CacheConfig":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.7
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 256
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature}: use 0 for greedy or a positive value")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k}: use 0 to disable or a positive count")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty}: must be positive (1.0 disables it)")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be at least 1")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "default"            # "default", a local HF folder, or a .gguf file
+    device: str = "auto"              # auto, cpu, cuda, cuda:N
+    dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA), fp32, fp16, bf16
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        if not self.device.startswith(("auto", "cpu", "cuda")):
+            raise ConfigError(f"device={self.device!r}: choose auto, cpu or cuda[:N]")
+        if self.dtype not in ("auto", "fp32", "fp16", "bf16"):
+            raise ConfigError(f"dtype={self.dtype!r}: choose auto, fp32, fp16 or bf16")

@@ -1,0 +1,176 @@
+"""Torch references of the cache kernels. Each has the signature of its Triton twin.
+
+The engine runs these on the CPU; on CUDA the dispatch in kernels/__init__.py picks Triton.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .formats import FP8_DTYPE, FP8_MAX, INT4_LEVELS, INT8_MAX, SCALE_DTYPE, PageFormat
+
+_MIN_SCALE = 1e-6
+
+
+def _reduce_dims(fmt: PageFormat) -> tuple[int, ...]:
+    # over x: [n, bs, H, D]
+    return {"channel": (1,), "token": (3,), "group": (4,)}[fmt.scale_axis]
+
+
+def _grouped(x: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
+    if fmt.scale_axis == "group":
+        return x.unflatten(-1, (x.shape[-1] // fmt.group, fmt.group))
+    return x
+
+
+def quantize(x: torch.Tensor, fmt: PageFormat):
+    """x: [n, bs, H, D] float -> (data, scale, zero) laid out as `fmt.shapes` per block."""
+    assert x.dim() == 4
+    if not fmt.is_quantized:
+        return x.to(fmt.data_dtype()), None, None
+    xf = _grouped(x.float(), fmt)
+    dims = _reduce_dims(fmt)
+    if fmt.symmetric:
+        amax = xf.abs().amax(dim=dims, keepdim=True)
+        qmax = FP8_MAX if fmt.name == "fp8" else INT8_MAX
+        scale = (amax / qmax).clamp_min(_MIN_SCALE).to(SCALE_DTYPE).float()
+        y = xf / scale
+        if fmt.name == "fp8":
+            q = y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        else:
+            q = y.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        zero = None
+    else:
+        lo = xf.amin(dim=dims, keepdim=True).to(SCALE_DTYPE).float()
+        hi = xf.amax(dim=dims, keepdim=True)
+        scale = ((hi - lo) / INT4_LEVELS).clamp_min(_MIN_SCALE).to(SCALE_DTYPE).float()
+        q = ((xf - lo) / scale).round().clamp(0, INT4_LEVELS).to(torch.uint8)
+        zero = lo
+    if fmt.scale_axis == "group":
+        q = q.flatten(-2)
+    if fmt.name == "int4":
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    scale = scale.squeeze(dims[0]).to(SCALE_DTYPE)
+    if zero is not None:
+        zero = zero.squeeze(dims[0]).to(SCALE_DTYPE)
+    return q, scale, zero
+
+
+def dequantize(data: torch.Tensor, scale, zero, fmt: PageFormat) -> torch.Tensor:
+    """Inverse of `quantize`: [n, bs, H, D'] pages -> [n, bs, H, D] float32."""
+    if not fmt.is_quantized:
+        return data.float()
+    if fmt.name == "int4":
+        q = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).float()
+    else:
+        q = data.float()
+    s = scale.float()
+    z = zero.float() if zero is not None else None
+    if fmt.scale_axis == "channel":      # [n, H, D] -> broadcast over tokens
+        s = s.unsqueeze(1)
+        z = z.unsqueeze(1) if z is not None else None
+    elif fmt.scale_axis == "token":      # [n, bs, H] -> broadcast over channels
+        s = s.unsqueeze(-1)
+        z = z.unsqueeze(-1) if z is not None else None
+    else:                                # [n, bs, H, G] -> repeat per group
+        s = s.repeat_interleave(fmt.group, dim=-1)
+        z = z.repeat_interleave(fmt.group, dim=-1) if z is not None else None
+    return q * s + z if z is not None else q * s
+
+
+def store_blocks(src: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor, scale, zero, fmt: PageFormat) -> None:
+    """Quantize whole blocks and write them into their pages.
+
+    src: [n, bs, H, D] float; block_ids: [n] int; data/scale/zero: page tensors [num_blocks, ...].
+    """
+    assert src.shape[0] == block_ids.shape[0]
+    q, s, z = quantize(src, fmt)
+    idx = block_ids.long()
+    data.index_copy_(0, idx, q)
+    if s is not None:
+        scale.index_copy_(0, idx, s)
+    if z is not None:
+        zero.index_copy_(0, idx, z)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """positions: [T] -> cos, sin: [T, D] float32 (rotate-half layout, halves duplicated)."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D]. Rotate-half convention of Hugging Face Llama."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def slot_positions(seq_len: int, window_start: int, num_sinks: int, device=None):
+    """Valid slots of a sequence's block table and their in-cache positions (StreamingLLM).
+
+    Slot j is held if j < num_sinks or window_start <= j < seq_len; a sink keeps position j,
+    a window slot gets num_sinks + (j - window_start). Without a window: (0, 0) -> positions 0..n-1.
+    """
+    sink = torch.arange(min(num_sinks, seq_len), device=device)
+    win = torch.arange(max(window_start, num_sinks), seq_len, device=device)
+    slots = torch.cat((sink, win))
+    positions = torch.cat((sink, num_sinks + (win - window_start)))
+    return slots, positions
+
+
+def gather_kv(data, scale, zero, fmt: PageFormat, block_table: torch.Tensor, slots: torch.Tensor, block_size: int):
+    """Dequantized K or V of the chosen slots of one sequence: [len(slots), H, D] float32."""
+    nb = int(slots.max().item()) // block_size + 1 if slots.numel() else 0
+    blocks = block_table[:nb].long()
+    pages = dequantize(data[blocks], None if scale is None else scale[blocks],
+                       None if zero is None else zero[blocks], fmt)
+    flat = pages.flatten(0, 1)
+    return flat.index_select(0, slots)
+
+
+def paged_decode_attention(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero,
+                           block_tables, seq_lens, window_starts, num_sinks,
+                           inv_freq, sm_scale: float, k_fmt: PageFormat, v_fmt: PageFormat):
+    """One query token per sequence over its paged, possibly quantized K/V.
+
+    q: [B, Hq, D], already rotated at its own position. Keys are stored before RoPE and rotated
+    here at their in-cache position (see `slot_positions`). block_tables: [B, max_blocks] int32;
+    seq_lens, window_starts, num_sinks: [B] int32. Returns out [B, Hq, D] and the natural-log
+    sum of exp of the scores, lse [B, Hq], both float32, so a caller can merge partial results.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_data.shape[2]
+    bs = k_data.shape[1]
+    group = Hq // Hkv
+    out = torch.zeros(B, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq), -math.inf, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        slots, pos = slot_positions(int(seq_lens[b]), int(window_starts[b]), int(num_sinks[b]), q.device)
+        if slots.numel() == 0:
+            continue
+        k = gather_kv(k_data, k_scale, k_zero, k_fmt, block_tables[b], slots, bs)
+        v = gather_kv(v_data, v_scale, v_zero, v_fmt, block_tables[b], slots, bs)
+        cos, sin = rope_cos_sin(pos, inv_freq)
+        k = apply_rope(k, cos, sin)                                  # [T, Hkv, D]
+        qb = q[b].float().view(Hkv, group, D)
+        scores = torch.einsum("hgd,thd->hgt", qb, k) * sm_scale       # [Hkv, group, T]
+        m = scores.amax(-1, keepdim=True)
+        p = (scores - m).exp()
+        denom = p.sum(-1, keepdim=True)
+        out[b] = (torch.einsum("hgt,thd->hgd", p, v) / denom).reshape(Hq, D)
+        lse[b] = (m + denom.log()).reshape(Hq)
+    return out, lse
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Combine two attention results over disjoint key sets. out: [..., D], lse: [...]."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wa = (lse_a - m).exp()
+    wb = (lse_b - m).exp()
+    total = wa + wb
+    out = (out_a * wa[..., None] + out_b * wb[..., None]) / total.clamp_min(1e-30)[..., None]
+    return out, m + total.log()
