@@ -87,6 +87,8 @@ def store_blocks(src: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor,
     assert src.shape[0] == block_ids.shape[0]
     q, s, z = quantize(src, fmt)
     idx = block_ids.long()
+    if q.dtype == FP8_DTYPE:  # index_copy_ has no float8 kernel on the CPU; copy the bytes
+        data, q = data.view(torch.uint8), q.view(torch.uint8)
     data.index_copy_(0, idx, q)
     if s is not None:
         scale.index_copy_(0, idx, s)

@@ -1,0 +1,240 @@
+"""A session is one conversation: its messages, its token ids, its paged KV cache."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+
+from . import memory
+from .config import CacheConfig, ConfigError, SamplingParams
+from .events import LayerBytes, StatsSnapshot, TokenDelta, TurnFinished
+from .kv_cache import MIB, KVCache
+from .sampling import sample
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+PREFILL_CHUNK = 512
+
+
+class BudgetFull(RuntimeError):
+    """The next tokens do not fit in the KV budget; the message says what to do."""
+
+
+class Session:
+    def __init__(self, engine: "Engine", system_prompt: str | None = None, cache: CacheConfig | None = None,
+                 history: list[dict] | None = None):
+        self.engine = engine
+        self.system_prompt = system_prompt
+        self.messages: list[dict] = [dict(m) for m in (history or [])]
+        self.cache = KVCache(engine.model.config, cache or engine.config.cache, engine.dtype_name, engine.device)
+        self.token_ids: list[int] = []      # the conversation as tokens
+        self._cached = 0                    # how many of token_ids the cache has seen
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0)
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.cache.config
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def _check_budget(self, num_new: int) -> None:
+        need = self.cache.blocks_needed(num_new)
+        if self.cache.pool.can_allocate(need):
+            return
+        c = self.cache.config
+        if c.overflow == "slide" and c.window is None:
+            self._slide_to_fit()
+            if self.cache.pool.can_allocate(self.cache.blocks_needed(num_new)):
+                return
+        raise BudgetFull(self._budget_message(num_new))
+
+    def _budget_message(self, num_new: int) -> str:
+        c = self.cache.config
+        fit = self.tokens_left()
+        return (f"The KV cache budget ({c.budget_mb:g} MiB, {c.label()}) is full: {self.cache.tokens_held} tokens are "
+                f"held and {num_new} more were needed, but only {fit} fit. Reset the session, switch to a sliding "
+                f"window, choose a smaller format (int8 or int4), or raise the budget.")
+
+    def _slide_to_fit(self) -> None:
+        c = self.cache.config
+        sink_blocks = -(-c.sinks // c.block_size)
+        blocks = self.cache.budget_blocks(c) - sink_blocks - 2   # headroom for the block being filled
+        window = blocks * c.block_size
+        if window < c.block_size:
+            raise BudgetFull(f"the budget ({c.budget_mb:g} MiB) is too small even for a sliding window: raise it")
+        self.set_cache(c.with_(window=window))
+
+    def _forward(self, ids: list[int], all_logits: bool) -> torch.Tensor:
+        """Run ids through the model, chunked; every token joins the cache. Returns float32 logits."""
+        c = self.cache.config
+        chunk = c.block_size if c.window is not None else PREFILL_CHUNK
+        outs = []
+        for i in range(0, len(ids), chunk):
+            part = ids[i:i + chunk]
+            self._check_budget(len(part))
+            plan = self.cache.begin(len(part))
+            x = torch.tensor(part, dtype=torch.long, device=self.engine.device)
+            logits = self.engine.model.forward(x, lambda layer, q, k, v: self.cache.attend(layer, q, k, v, plan),
+                                               all_logits=all_logits)
+            self.cache.end(plan)
+            self._cached += len(part)
+            outs.append(logits)
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    def append(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced: feed token_ids (after any pending ones); returns their logits [T, vocab]."""
+        token_ids = [int(t) for t in token_ids]
+        pending = self.token_ids[self._cached:]
+        self.token_ids.extend(token_ids)
+        logits = self._forward(pending + token_ids, all_logits=True)
+        return logits[len(pending):]
+
+    # ---- chat -------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict]) -> str:
+        msgs = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + messages
+        return self.engine.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    def _new_tokens_for(self, rendered: str) -> list[int]:
+        """The tokens to add for this turn: the rendered text past what the session already holds."""
+        tok = self.engine.tokenizer
+        held = tok.decode(self.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if self.token_ids and rendered.startswith(held):
+            return tok.encode(rendered[len(held):], add_special_tokens=False)
+        if self.token_ids:                      # the text diverged: start the cache over
+            self.reset()
+        return tok.encode(rendered, add_special_tokens=False)
+
+    def send(self, text: str, params: SamplingParams | None = None,
+             should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
+        """Add a user message and stream the reply: TokenDelta ..., then one TurnFinished."""
+        params = params or SamplingParams()
+        tok = self.engine.tokenizer
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0)
+        started = time.perf_counter()
+        rendered = self._render(self.messages + [{"role": "user", "content": text}])
+        new_ids = self._new_tokens_for(rendered)
+        prompt = self.token_ids[self._cached:] + new_ids
+        kept = len(self.token_ids)
+        try:
+            if self.cache.config.window is None and self.cache.config.overflow == "stop":
+                need = self.cache.blocks_needed(len(prompt))
+                if not self.cache.pool.can_allocate(need):
+                    raise BudgetFull(self._budget_message(len(prompt)))
+            self.token_ids.extend(new_ids)
+            logits = self._forward(prompt, all_logits=False)[-1]
+        except BudgetFull as exc:
+            # the user's message is not added; a half-prefilled prompt leaves the cache, the chat stays
+            del self.token_ids[kept:]
+            if self._cached > kept:
+                self.reset()
+            yield TurnFinished("", "budget", str(exc), self.stats())
+            return
+        self.messages.append({"role": "user", "content": text})
+        self._turn["prefill_tokens"] = len(prompt)
+        self._turn["prefill_s"] = time.perf_counter() - started
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
+        reply: list[int] = []
+        emitted = ""
+        reason, message = "length", ""
+        decode_started = time.perf_counter()
+        try:
+            for step in range(params.max_new_tokens):
+                if should_stop is not None and should_stop():
+                    reason = "stopped"
+                    break
+                next_id = sample(logits.cpu(), params, self.token_ids[-1024:], generator)
+                if step == 0:
+                    self._turn["ttft_s"] = time.perf_counter() - started
+                self.token_ids.append(next_id)
+                if next_id in self.engine.stop_ids:
+                    reason = "eos"
+                    break
+                reply.append(next_id)
+                text_now = tok.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                if not text_now.endswith("\ufffd") and len(text_now) > len(emitted):
+                    yield TokenDelta(text_now[len(emitted):], (next_id,))
+                    emitted = text_now
+                if step + 1 == params.max_new_tokens:
+                    break
+                try:
+                    logits = self._forward([next_id], all_logits=False)[-1]
+                except BudgetFull as exc:
+                    reason, message = "budget", str(exc)
+                    break
+                self._turn["decode_tokens"] += 1
+        finally:
+            self._turn["decode_s"] = time.perf_counter() - decode_started
+            final = tok.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            self.messages.append({"role": "assistant", "content": final})
+        if len(final) > len(emitted):
+            yield TokenDelta(final[len(emitted):], ())
+        yield TurnFinished(final, reason, message, self.stats())
+
+    def reply(self, text: str, params: SamplingParams | None = None) -> str:
+        for event in self.send(text, params):
+            if isinstance(event, TurnFinished):
+                return event.text
+        return ""
+
+    # ---- cache control ----------------------------------------------------------------
+
+    def set_cache(self, config: CacheConfig) -> None:
+        """Switch the cache mode live: convert the blocks held, keep the conversation."""
+        from .convert import convert_cache
+        self.cache = convert_cache(self.cache, config)
+
+    def reset(self) -> int:
+        """Free every block; the messages stay and are prefilled again on the next turn."""
+        freed = self.cache.reset()
+        self.token_ids.clear()
+        self._cached = 0
+        if str(self.engine.device).startswith("cuda"):
+            torch.cuda.empty_cache()
+        return freed
+
+    # ---- statistics ---------------------------------------------------------------------
+
+    def tokens_left(self) -> int:
+        """More tokens that fit in the budget in this mode; -1 when a window bounds the cache."""
+        cache = self.cache
+        c = cache.config
+        if c.window is not None:
+            return -1
+        free_blocks = cache.pool.get_num_free_blocks()
+        in_last = len(cache.table) * c.block_size - cache.seq_len
+        return free_blocks * c.block_size + in_last
+
+    def stats(self) -> StatsSnapshot:
+        cache = self.cache
+        c = cache.config
+        per_block, tail = cache.layout_bytes(c)
+        layers = tuple(LayerBytes(i, k, v, kc.fmt.label, vc.fmt.label)
+                       for i, ((k, v), (kc, vc)) in enumerate(zip(cache.layer_bytes(), cache.layers)))
+        t = self._turn
+        return StatsSnapshot(
+            time_s=time.monotonic(),
+            cache_label=c.label(),
+            layers=layers,
+            kv_bytes=sum(l.k_bytes + l.v_bytes for l in layers),
+            budget_bytes=int(c.budget_mb * MIB),
+            block_size=c.block_size,
+            blocks_used=cache.pool.num_used_blocks,
+            blocks_free=cache.pool.get_num_free_blocks(),
+            blocks_budget=cache.pool.num_blocks,
+            tokens_in_context=len(self.token_ids),
+            tokens_held=cache.tokens_held,
+            tokens_evicted=cache.tokens_evicted,
+            tokens_left=self.tokens_left(),
+            bytes_per_token=per_block / c.block_size,
+            prefill_tokens=t["prefill_tokens"],
+            prefill_tok_s=t["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0,
+            decode_tok_s=t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0,
+            ttft_s=t["ttft_s"],
+            memory=memory.probe(),
+        )
