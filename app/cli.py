@@ -1,0 +1,19 @@
+"""The `kvchat` command: the desktop app, or a terminal subcommand (chat, bench)."""
+from __future__ import annotations
+
+import sys
+
+TERMINAL_COMMANDS = {"chat", "bench", "-h", "--help"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TERMINAL_COMMANDS:
+        from engine.cli import main as engine_main
+        return engine_main(argv)
+    from app.main import main as gui_main   # Qt is imported only for the app
+    return gui_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
