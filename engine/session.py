@@ -10,6 +10,7 @@ from . import memory
 from .config import CacheConfig, ConfigError, SamplingParams
 from .events import LayerBytes, StatsSnapshot, TokenDelta, TurnFinished
 from .kv_cache import MIB, KVCache
+from .detok import StreamDecoder
 from .sampling import sample
 
 if TYPE_CHECKING:
@@ -83,13 +84,16 @@ class Session:
             outs.append(logits)
         return torch.cat(outs) if all_logits else outs[-1]
 
-    def append(self, token_ids: list[int]) -> torch.Tensor:
-        """Teacher-forced: feed token_ids (after any pending ones); returns their logits [T, vocab]."""
+    def append(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
+        """Teacher-forced: feed token_ids (after any pending ones) into the cache.
+
+        Returns their logits [T, vocab], or only the last token's [1, vocab] when all_logits is False.
+        """
         token_ids = [int(t) for t in token_ids]
         pending = self.token_ids[self._cached:]
         self.token_ids.extend(token_ids)
-        logits = self._forward(pending + token_ids, all_logits=True)
-        return logits[len(pending):]
+        logits = self._forward(pending + token_ids, all_logits=all_logits)
+        return logits[len(pending):] if all_logits else logits
 
     # ---- chat -------------------------------------------------------------------------
 
@@ -140,7 +144,7 @@ class Session:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
         reply: list[int] = []
-        emitted = ""
+        stream = StreamDecoder(tok)
         reason, message = "length", ""
         decode_started = time.perf_counter()
         try:
@@ -156,10 +160,9 @@ class Session:
                     reason = "eos"
                     break
                 reply.append(next_id)
-                text_now = tok.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                if not text_now.endswith("\ufffd") and len(text_now) > len(emitted):
-                    yield TokenDelta(text_now[len(emitted):], (next_id,))
-                    emitted = text_now
+                delta = stream.push(next_id)
+                if delta:
+                    yield TokenDelta(delta, (next_id,))
                 if step + 1 == params.max_new_tokens:
                     break
                 try:
@@ -170,10 +173,11 @@ class Session:
                 self._turn["decode_tokens"] += 1
         finally:
             self._turn["decode_s"] = time.perf_counter() - decode_started
-            final = tok.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            final = stream.text()
             self.messages.append({"role": "assistant", "content": final})
-        if len(final) > len(emitted):
-            yield TokenDelta(final[len(emitted):], ())
+        rest = stream.flush()
+        if rest:
+            yield TokenDelta(rest, ())
         yield TurnFinished(final, reason, message, self.stats())
 
     def reply(self, text: str, params: SamplingParams | None = None) -> str:

@@ -1,0 +1,145 @@
+"""`kvchat bench memory`: bytes the KV cache holds per token in each format, from the tensors held.
+
+For each mode it fills a session's cache with --tokens tokens (K and V written through the cache
+exactly as the model writes them; the values do not change the bytes) and reads back the bytes of
+every page tensor and full-precision tail, per layer. Reported per mode: bytes per token of the
+pages (data + scales + zero points, the steady state), the metadata's share, the fixed
+full-precision tail of the block being filled, the ratio to fp16, and a check that the bytes held
+equal `kernels.bytes_per_block` times the blocks held plus the tails.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kernels.formats import bytes_per_block
+
+from .config import CacheConfig, EngineConfig
+from .kv_cache import KVCache
+
+MODES = {
+    "fp32": CacheConfig(k_format="fp32", v_format="fp32"),
+    "fp16": CacheConfig(k_format="fp16", v_format="fp16"),
+    "bf16": CacheConfig(k_format="bf16", v_format="bf16"),
+    "int8": CacheConfig(k_format="int8", v_format="int8"),
+    "int8-token": CacheConfig(k_format="int8", v_format="int8", k_scheme="token"),
+    "fp8": CacheConfig(k_format="fp8", v_format="fp8"),
+    "fp8-token": CacheConfig(k_format="fp8", v_format="fp8", k_scheme="token"),
+    "int4": CacheConfig(k_format="int4", v_format="int4"),
+    "int4-token": CacheConfig(k_format="int4", v_format="int4", k_scheme="token"),
+    "k-int8-v-int4": CacheConfig(k_format="int8", v_format="int4"),
+    "int4-fp-layers-0-1": CacheConfig(k_format="int4", v_format="int4", full_precision_layers=(0, 1)),
+}
+TARGETS = {"int8": 0.57, "fp8": 0.57, "int4": 0.35}   # page bytes per token over fp16's, at most
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="default, a local HF folder, or a .gguf file")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens written into each cache")
+    parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(MODES),
+                        help=f"comma-separated, from: {', '.join(MODES)}")
+    parser.add_argument("--block-size", type=int, default=16)
+
+
+def _model_config(model: str):
+    from .loader import locate, read_config
+    from .model import ModelConfig
+    return ModelConfig.from_hf(read_config(locate(model).folder))
+
+
+def fill(cache: KVCache, num_tokens: int, seed: int = 0) -> None:
+    """Write num_tokens of random K/V into every layer, through the cache's own write path."""
+    m = cache.model
+    gen = torch.Generator().manual_seed(seed)
+    done = 0
+    while done < num_tokens:
+        n = min(cache.block_size * 8, num_tokens - done)
+        plan = cache.begin(n)
+        for kc, vc in cache.layers:
+            for comp in (kc, vc):
+                x = torch.randn(n, m.num_kv_heads, m.head_dim, generator=gen)
+                comp.write(x.to(cache.device), plan.first_slot, cache.table)
+        cache.end(plan)
+        done += n
+
+
+def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = "fp32") -> dict:
+    cache = KVCache(model_cfg, config, model_dtype, "cpu")
+    fill(cache, num_tokens)
+    m = model_cfg
+    layers, pages_total, tails_total, meta_total = [], 0, 0, 0
+    for i, (kc, vc) in enumerate(cache.layers):
+        row = {"layer": i}
+        for role, comp in (("k", kc), ("v", vc)):
+            pages = {name: t.numel() * t.element_size() for name, t in comp.pages.items()}
+            tail = 0 if comp.tail is None else comp.tail.numel() * comp.tail.element_size()
+            row[role] = {"format": comp.fmt.label, "bytes": comp.nbytes, "data": pages["data"],
+                         "scale": pages.get("scale", 0), "zero": pages.get("zero", 0), "tail": tail}
+            pages_total += sum(pages.values())
+            meta_total += pages.get("scale", 0) + pages.get("zero", 0)
+            tails_total += tail
+        layers.append(row)
+    blocks = len(cache.table)
+    per_block_expected = sum(bytes_per_block(f.fmt, config.block_size, m.num_kv_heads, m.head_dim)
+                             for comps in cache.layers for f in comps)
+    fp16_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
+    page_per_token = pages_total / (blocks * config.block_size)
+    return {
+        "label": config.label(),
+        "tokens": num_tokens,
+        "blocks": blocks,
+        "kv_bytes": cache.nbytes,
+        "page_bytes": pages_total,
+        "metadata_bytes": meta_total,
+        "tail_bytes": tails_total,
+        "bytes_per_token": page_per_token,
+        "bytes_per_token_per_layer": page_per_token / m.num_layers,
+        "metadata_per_token": meta_total / (blocks * config.block_size),
+        "metadata_fraction_of_fp16": meta_total / (blocks * config.block_size) / fp16_per_token,
+        "ratio_to_fp16": page_per_token / fp16_per_token,
+        "ratio_to_fp16_with_tail": cache.nbytes / (num_tokens * fp16_per_token),
+        "matches_bytes_per_block": pages_total == blocks * per_block_expected,
+        "per_layer": layers,
+    }
+
+
+def run(args) -> dict:
+    model_cfg = _model_config(args.model)
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
+    m = model_cfg
+    result = {
+        "model": args.model,
+        "layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
+        "block_size": args.block_size,
+        "fp16_bytes_per_token": 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2,
+        "tail_dtype": "fp32 (the model dtype on the CPU; bf16 on CUDA)",
+        "modes": {},
+    }
+    for name in args.modes:
+        config = MODES[name].with_(block_size=args.block_size)
+        if any(i >= m.num_layers for i in config.full_precision_layers):
+            continue
+        result["modes"][name] = measure(m, config, args.tokens)
+    checks = {}
+    for name, limit in TARGETS.items():
+        if name in result["modes"]:
+            checks[f"{name} <= {limit}x fp16"] = result["modes"][name]["ratio_to_fp16"] <= limit
+    checks["bytes held == bytes_per_block x blocks"] = all(r["matches_bytes_per_block"] for r in result["modes"].values())
+    result["checks"] = checks
+    return result
+
+
+def summarize(result: dict) -> str:
+    lines = [f"{result['model']}: {result['layers']} layers x {result['kv_heads']} KV heads x {result['head_dim']}, "
+             f"block {result['block_size']}; fp16 = {result['fp16_bytes_per_token']:,} B/token",
+             f"{'mode':<20}{'B/token':>9}{'per layer':>10}{'x fp16':>8}{'metadata':>10}{'meta/fp16':>10}{'tail B':>9}"]
+    for name, r in result["modes"].items():
+        lines.append(f"{name:<20}{r['bytes_per_token']:>9.0f}{r['bytes_per_token_per_layer']:>10.1f}"
+                     f"{r['ratio_to_fp16']:>8.3f}{r['metadata_per_token']:>10.1f}{r['metadata_fraction_of_fp16']:>10.2%}"
+                     f"{r['tail_bytes']:>9,}")
+    for what, ok in result["checks"].items():
+        lines.append(f"{'PASS' if ok else 'FAIL'}  {what}")
+    return "\n".join(lines)

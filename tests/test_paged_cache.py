@@ -1,0 +1,77 @@
+"""Paged KV cache in full precision: block-size invariance, exact bytes, growth, reset."""
+import math
+
+import pytest
+import torch
+
+from engine import CacheConfig, Engine, EngineConfig
+
+
+def _ids(engine, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, engine.model.config.vocab_size, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine.load(EngineConfig(model=tiny_llama))
+
+
+def test_outputs_identical_for_block_sizes(engine):
+    """Prefill + token-by-token decode give bit-identical logits with block sizes 1, 16 and 64."""
+    ids = _ids(engine, 150)
+    results = []
+    for bs in (1, 16, 64):
+        s = engine.new_session(cache=CacheConfig(block_size=bs))
+        first = s.append(ids[:100])
+        rest = torch.cat([s.append([t]) for t in ids[100:]])
+        results.append(torch.cat((first, rest)))
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("bs", [1, 16, 64])
+def test_reported_bytes_equal_tensors_and_formula(engine, bs):
+    """Per-layer K/V bytes equal the tensors held and 2 x layers x kv_heads x head_dim x bytes x blocks."""
+    c = engine.model.config
+    s = engine.new_session(cache=CacheConfig(block_size=bs))
+    for n in (1, 37, 64, 130):
+        s.append(_ids(engine, n, seed=n))
+        tokens = s.cache.num_tokens
+        per_comp = c.num_kv_heads * c.head_dim * 4 * math.ceil(tokens / bs) * bs
+        snap = s.stats()
+        for layer, (kc, vc) in zip(snap.layers, s.cache.layers):
+            held_k = sum(t.numel() * t.element_size() for t in kc.pages.values())
+            held_v = sum(t.numel() * t.element_size() for t in vc.pages.values())
+            assert layer.k_bytes == held_k == per_comp
+            assert layer.v_bytes == held_v == per_comp
+        assert snap.kv_bytes == 2 * c.num_layers * per_comp
+
+
+def test_memory_grows_with_conversation_and_reset_returns_it(engine):
+    """KV bytes start at 0, grow block by block (not preallocated), and reset returns every block."""
+    s = engine.new_session(cache=CacheConfig(block_size=16, budget_mb=64))
+    assert s.stats().kv_bytes == 0
+    sizes = []
+    for _ in range(5):
+        s.append(_ids(engine, 20))
+        sizes.append(s.stats().kv_bytes)
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    assert sizes[-1] < 64 * 2**20 / 100          # nowhere near the budget
+    freed = s.reset()
+    snap = s.stats()
+    assert freed == sizes[-1]
+    assert snap.kv_bytes == 0 and snap.blocks_used == 0 and snap.tokens_held == 0
+    assert all(t.numel() == 0 for kc, vc in s.cache.layers for t in (*kc.pages.values(), *vc.pages.values()))
+
+
+def test_memory_never_passes_budget(engine):
+    """Filling a small budget stops at it: bytes held never exceed budget_mb."""
+    budget_mb = 0.05
+    s = engine.new_session(cache=CacheConfig(block_size=16, budget_mb=budget_mb))
+    from engine import BudgetFull
+    with pytest.raises(BudgetFull):
+        for _ in range(200):
+            s.append(_ids(engine, 7))
+            assert s.stats().kv_bytes <= budget_mb * 2**20
+    assert s.stats().kv_bytes <= budget_mb * 2**20
