@@ -1,0 +1,49 @@
+"""`kvchat` with no subcommand: the desktop app."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvchat", description="Desktop chat that shows and controls its KV cache")
+    parser.add_argument("--model", help="'default', a local Hugging Face folder or a .gguf file (saved in Settings)")
+    return parser.parse_args(argv)
+
+
+def load_style(app) -> None:
+    style = RESOURCES / "style.qss"
+    if style.is_file():
+        app.setStyleSheet(style.read_text(encoding="utf-8"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    from PySide6.QtWidgets import QApplication
+
+    from .history import HistoryStore
+    from .main_window import MainWindow
+    from .settings_store import SettingsStore
+
+    app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "kvchat"])
+    app.setApplicationName("kvchat")
+    app.setOrganizationName("kvchat")
+    app.setApplicationDisplayName("kvchat")
+    load_style(app)
+    store = SettingsStore()
+    if args.model:
+        settings = store.load()
+        store.save(type(settings)(args.model, settings.cache, settings.sampling, settings.system_prompt))
+    history = HistoryStore()
+    window = MainWindow(store, history)
+    window.show()
+    code = app.exec()
+    history.close()
+    return int(code)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,384 @@
+"""The main window: conversation list, chat, input, dashboard dock; wires the GUI to the engine thread.
+
+The GUI thread never waits on the engine: every command is a queued signal through EngineHost,
+and every answer comes back as a signal carrying a frozen dataclass.
+"""
+from __future__ import annotations
+
+import os
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (QDockWidget, QHBoxLayout, QLabel, QMainWindow, QProgressBar, QPushButton,
+                               QSplitter, QVBoxLayout, QWidget)
+
+from engine.config import EngineConfig
+from engine.events import StatsSnapshot, TokenDelta, TurnFinished
+
+from .banner import Banner
+from .chat_input import ChatInput
+from .chat_view import ChatView
+from .conversation_list import ConversationList
+from .dashboard import Dashboard
+from .history import HistoryStore
+from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened, format_bytes
+from .settings_dialog import SettingsDialog
+from .settings_store import AppSettings, SettingsStore
+from .worker import EngineHost, _default_loader
+
+
+def engine_threads() -> int:
+    """Torch threads for the engine: all cores but one, which stays free for painting the GUI."""
+    override = os.environ.get("KVCHAT_THREADS")
+    return int(override) if override else max(1, (os.cpu_count() or 2) - 1)
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, store: SettingsStore, history: HistoryStore, loader=_default_loader, autoload: bool = True):
+        super().__init__()
+        self.setWindowTitle("kvchat")
+        self.store, self.history = store, history
+        self.settings: AppSettings = store.load()
+        self.engine_info: EngineReady | None = None
+        self.session_ready = False
+        self.generating = False
+        self.conversation_id: int | None = None
+        self.turn_conversation_id: int | None = None
+        self.session_cache = self.settings.cache
+        self.latest_stats: StatsSnapshot | None = None
+        self.last_error: ErrorEvent | None = None
+        self._closing = False
+        self._build()
+        self._connect_host(EngineHost(loader, self))
+        self._restore_layout()
+        self.show_conversation(store.last_conversation(), open_session=False)
+        self._update_controls()
+        if autoload:
+            self.load_engine()
+
+    # --- construction ---
+
+    def _build(self) -> None:
+        self.conversations = ConversationList(self.history)
+        self.conversations.chosen.connect(self.show_conversation)
+        self.conversations.deleted.connect(self._conversation_deleted)
+        self.new_button = QPushButton("New chat", objectName="newChatButton")
+        left = QWidget(objectName="sidePanel")
+        left_layout = QVBoxLayout(left)
+        left_layout.setContentsMargins(8, 8, 4, 8)
+        left_layout.addWidget(self.new_button)
+        left_layout.addWidget(self.conversations, 1)
+
+        self.banner = Banner()
+        self.banner.settings_requested.connect(self.open_settings)
+        self.chat = ChatView()
+        self.input = ChatInput()
+        self.input.submitted.connect(self.send)
+        self.send_button = QPushButton("Send", objectName="sendButton")
+        self.stop_button = QPushButton("Stop", objectName="stopButton")
+        self.reset_button = QPushButton("Reset session", objectName="resetButton")
+        self.settings_button = QPushButton("Settings…", objectName="settingsButton")
+        buttons = QHBoxLayout()
+        for button in (self.settings_button, self.reset_button):
+            buttons.addWidget(button)
+        buttons.addStretch(1)
+        buttons.addWidget(self.stop_button)
+        buttons.addWidget(self.send_button)
+        center = QWidget(objectName="chatPanel")
+        center_layout = QVBoxLayout(center)
+        center_layout.setContentsMargins(4, 8, 8, 8)
+        center_layout.addWidget(self.banner)
+        center_layout.addWidget(self.chat, 1)
+        center_layout.addWidget(self.input)
+        center_layout.addLayout(buttons)
+
+        self.splitter = QSplitter(Qt.Orientation.Horizontal, objectName="mainSplitter")
+        self.splitter.addWidget(left)
+        self.splitter.addWidget(center)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([220, 600])
+        self.setCentralWidget(self.splitter)
+
+        self.dashboard = Dashboard()
+        self.dock = QDockWidget("KV memory", self, objectName="dashboardDock")
+        self.dock.setWidget(self.dashboard)
+        self.dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                              | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+                              | QDockWidget.DockWidgetFeature.DockWidgetClosable)
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.dock)
+        self.resizeDocks([self.dock], [540], Qt.Orientation.Horizontal)
+
+        self.status_label = QLabel("Starting…", objectName="statusLine")
+        self.load_bar = QProgressBar(maximumWidth=220, textVisible=True)
+        self.load_bar.setVisible(False)
+        self.statusBar().addWidget(self.status_label, 1)     # a transient message (reset, stop) shows in its place
+        self.statusBar().addPermanentWidget(self.load_bar)
+        self._build_actions()
+
+    def _build_actions(self) -> None:
+        def action(text, shortcuts, slot, button=None):
+            act = QAction(text, self)
+            act.setShortcuts([QKeySequence(s) for s in shortcuts])
+            act.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+            act.triggered.connect(slot)
+            self.addAction(act)
+            if button is not None:
+                button.clicked.connect(act.trigger)
+                button.setToolTip(f"{text} ({QKeySequence(shortcuts[0]).toString(QKeySequence.SequenceFormat.NativeText)})")
+            return act
+
+        self.send_action = action("Send", ["Ctrl+Return"], self.input.submit, self.send_button)
+        self.stop_action = action("Stop", ["Esc", "Ctrl+."], self.stop, self.stop_button)
+        self.new_action = action("New chat", ["Ctrl+N"], self.new_chat, self.new_button)
+        self.settings_action = action("Settings…", ["Ctrl+,", "Ctrl+P"], self.open_settings, self.settings_button)
+        self.reset_action = action("Reset session", ["Ctrl+Shift+R"], self.reset_session, self.reset_button)
+        quit_action = action("Quit", ["Ctrl+Q"], self.close)
+        menu = self.menuBar()
+        chat_menu = menu.addMenu("&Chat")
+        for act in (self.new_action, self.send_action, self.stop_action, self.reset_action):
+            chat_menu.addAction(act)
+        chat_menu.addSeparator()
+        chat_menu.addAction(self.settings_action)
+        chat_menu.addAction(quit_action)
+        view_menu = menu.addMenu("&View")
+        view_menu.addAction(self.dock.toggleViewAction())
+
+    def _connect_host(self, host: EngineHost) -> None:
+        self.host = host
+        worker = host                   # its signals arrive in the GUI thread
+        worker.progress.connect(self._on_progress)
+        worker.ready.connect(self._on_ready)
+        worker.session_opened.connect(self._on_session_opened)
+        worker.token.connect(self._on_token)
+        worker.turn_finished.connect(self._on_turn_finished)
+        worker.stats.connect(self._on_stats)
+        worker.mode_switched.connect(self._on_mode_switched)
+        worker.reset_done.connect(self._on_reset_done)
+        worker.error.connect(self._on_error)
+
+    def _restore_layout(self) -> None:
+        self.resize(1320, 820)
+        for key, restore in (("geometry", self.restoreGeometry), ("state", self.restoreState),
+                             ("splitter", self.splitter.restoreState)):
+            state = self.store.layout(key)
+            if state is not None:
+                restore(state)
+
+    # --- commands ---
+
+    def load_engine(self) -> None:
+        self.session_ready = False
+        self.load_bar.setRange(0, 0)
+        self.load_bar.setVisible(True)
+        self.status_label.setText(f"Loading {self.settings.model}…")
+        self._update_controls()
+        self.host.load(EngineConfig(model=self.settings.model, cache=self.settings.cache, num_threads=engine_threads()))
+
+    def send(self, text: str) -> None:
+        text = text.strip()
+        if not text or not self.session_ready or self.generating:
+            return
+        self.banner.hide_message()
+        if self.conversation_id is None:
+            self.conversation_id = self.history.create(text, self.session_cache, self.settings.system_prompt)
+            self.store.set_last_conversation(self.conversation_id)
+        self.history.add_message(self.conversation_id, "user", text)
+        self.conversations.refresh(self.conversation_id)
+        self.input.clear()
+        self.chat.add_message("user", text)
+        self.chat.begin_reply()
+        self.generating = True
+        self.turn_conversation_id = self.conversation_id
+        self._update_controls()
+        self.host.send(text, self.settings.sampling)
+
+    def stop(self) -> None:
+        if self.generating:
+            self.host.stop()
+            self.statusBar().showMessage("Stopping…", 2000)
+
+    def new_chat(self) -> None:
+        self.stop()
+        self.show_conversation(None)
+        self.input.setFocus()
+
+    def show_conversation(self, conversation_id: int | None, open_session: bool = True) -> None:
+        """Show a saved conversation (or an empty new one) and, once the engine is up, open its session."""
+        self.stop()
+        conversation = self.history.get(conversation_id) if conversation_id is not None else None
+        self.conversation_id = conversation.id if conversation else None
+        self.store.set_last_conversation(self.conversation_id)
+        self.chat.clear()
+        messages = self.history.messages(conversation.id) if conversation else []
+        for message in messages:
+            self.chat.add_message(message["role"], message["content"])
+        self.session_cache = (conversation.cache if conversation and conversation.cache else self.settings.cache)
+        self.conversations.refresh(self.conversation_id)
+        if open_session and self.engine_info is not None:
+            self._open_session(messages)
+
+    def _open_session(self, messages: list[dict]) -> None:
+        self.session_ready = False
+        self._update_controls()
+        conversation = self.history.get(self.conversation_id) if self.conversation_id is not None else None
+        prompt = conversation.system_prompt if conversation else self.settings.system_prompt
+        self.host.open_session(self.conversation_id, prompt, self.session_cache, messages)
+
+    def reset_session(self) -> None:
+        if self.session_ready and not self.generating:
+            self.host.reset()
+
+    def open_settings(self) -> SettingsDialog:
+        """Open the dialog (non-blocking); its result is applied when the user presses OK."""
+        num_layers = self.engine_info.num_layers if self.engine_info else None
+        current = AppSettings(self.settings.model, self.session_cache, self.settings.sampling,
+                              self.settings.system_prompt)
+        dialog = SettingsDialog(current, num_layers, self)
+        dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+        self.settings_dialog = dialog
+        return dialog
+
+    def apply_settings(self, new: AppSettings | None) -> None:
+        if new is None:
+            return
+        old = self.settings
+        self.settings = new
+        self.store.save(new)
+        if new.model != old.model or self.engine_info is None:
+            self.session_cache = new.cache      # the reload opens the session in the chosen mode
+            self.load_engine()
+        elif new.cache != self.session_cache:
+            self.host.set_cache(new.cache)      # queued behind any reply in flight; applied live
+
+    # --- engine events ---
+
+    def _on_progress(self, event: LoadProgress) -> None:
+        if event.fraction is None:
+            self.load_bar.setRange(0, 0)
+        else:
+            self.load_bar.setRange(0, 100)
+            self.load_bar.setValue(int(event.fraction * 100))
+        self.status_label.setText(event.message)
+        self.dashboard.summary.setText(event.message)
+
+    def _on_ready(self, event: EngineReady) -> None:
+        self.engine_info = event
+        self._loaded_model = self.settings.model
+        self.load_bar.setVisible(False)
+        self.chat.assistant_name = event.model_name
+        self.dashboard.data.mark("load", "model loaded")
+        self.statusBar().showMessage(f"Loaded {event.model_name} on {event.device} in {event.load_s:.1f} s", 5000)
+        messages = self.history.messages(self.conversation_id) if self.conversation_id is not None else []
+        self._open_session(messages)
+
+    def _on_session_opened(self, event: SessionOpened) -> None:
+        self.session_ready = True
+        self.session_cache = event.cache
+        if event.stats is not None:
+            self._on_stats(event.stats)
+        self._update_controls()
+
+    def _on_token(self, event: TokenDelta) -> None:
+        if self.turn_conversation_id == self.conversation_id:
+            self.chat.append_reply(event.text)
+
+    def _on_turn_finished(self, event: TurnFinished) -> None:
+        visible = self.turn_conversation_id == self.conversation_id
+        if event.text and self.turn_conversation_id is not None:
+            self.history.add_message(self.turn_conversation_id, "assistant", event.text)
+        if visible:
+            reply = self.chat.end_reply(event.text)
+            if reply is not None and not event.text:
+                self.chat.remove_message(reply)
+            if event.message:
+                self.chat.add_notice(event.message)
+            if event.finish_reason == "stopped":
+                self.statusBar().showMessage("Stopped.", 3000)
+        self.generating = False
+        self.turn_conversation_id = None
+        self.conversations.refresh(self.conversation_id)
+        self._update_controls()
+
+    def _on_stats(self, snapshot: StatsSnapshot) -> None:
+        self.latest_stats = snapshot
+        self.dashboard.data.add(snapshot)
+        self._update_status()
+
+    def _on_mode_switched(self, event: ModeSwitched) -> None:
+        self.session_cache = event.new
+        if self.conversation_id is not None:
+            self.history.set_cache(self.conversation_id, event.new)
+            self.conversations.refresh(self.conversation_id)
+        self.dashboard.data.mark("mode", f"→ {event.new.label()}")
+        if event.stats is not None:
+            self._on_stats(event.stats)
+        self.statusBar().showMessage(f"Cache switched to {event.new.label()}", 5000)
+
+    def _on_reset_done(self, event: ResetDone) -> None:
+        self.dashboard.data.mark("reset", f"reset −{format_bytes(event.freed_bytes)}")
+        if event.stats is not None:
+            self._on_stats(event.stats)
+        self.last_reset_message = f"Session reset: returned {format_bytes(event.freed_bytes)} of KV memory"
+        self.statusBar().showMessage(self.last_reset_message, 8000)
+
+    def _on_error(self, event: ErrorEvent) -> None:
+        self.last_error = event
+        if event.kind == "load":
+            self.load_bar.setVisible(False)
+            if self.engine_info is None:
+                self.status_label.setText("No model loaded")
+            else:                       # the previous model is still loaded; keep using it
+                self.settings = AppSettings(self._loaded_model, self.settings.cache, self.settings.sampling,
+                                            self.settings.system_prompt)
+                self.store.save(self.settings)
+                self.session_ready = True
+        if event.kind == "send":
+            reply = self.chat.end_reply()
+            if reply is not None and not reply.text().strip("…"):
+                self.chat.remove_message(reply)
+            self.generating = False
+            self.turn_conversation_id = None
+        if event.kind == "send":
+            self.chat.add_notice(f"{event.title}: {event.message}")
+        else:
+            self.banner.show_message(event.title, event.message, settings_button=event.kind in ("load", "cache", "session"))
+        self._update_controls()
+
+    def _conversation_deleted(self, conversation_id: int) -> None:
+        if conversation_id == self.conversation_id:
+            self.new_chat()
+
+    # --- view state ---
+
+    def _update_status(self) -> None:
+        parts = []
+        if self.engine_info is not None:
+            parts += [self.engine_info.model_name, self.engine_info.device]
+        parts.append(self.session_cache.label())
+        if self.latest_stats is not None:
+            parts.append(f"{self.latest_stats.tokens_held:,} tokens in cache")
+            parts.append(f"{self.latest_stats.decode_tok_s:.1f} tok/s")
+        self.status_label.setText("  ·  ".join(parts))
+
+    def _update_controls(self) -> None:
+        can_send = self.session_ready and not self.generating
+        self.send_button.setEnabled(can_send)
+        self.send_action.setEnabled(can_send)
+        self.stop_button.setEnabled(self.generating)
+        self.stop_action.setEnabled(self.generating)
+        self.reset_button.setEnabled(can_send)
+        self.reset_action.setEnabled(can_send)
+        if self.session_ready:
+            self._update_status()
+
+    def closeEvent(self, event) -> None:
+        self._closing = True
+        self.store.set_layout("geometry", self.saveGeometry())
+        self.store.set_layout("state", self.saveState())
+        self.store.set_layout("splitter", self.splitter.saveState())
+        self.store.sync()
+        self.dashboard.timer.stop()
+        self.host.shutdown()
+        super().closeEvent(event)

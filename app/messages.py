@@ -1,0 +1,66 @@
+"""What the engine worker tells the window, beyond the engine's own events.
+
+Frozen dataclasses only: signals between the threads never carry dicts, tensors or live objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import CacheConfig
+from engine.events import StatsSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProgress:
+    message: str
+    fraction: float | None              # 0.0-1.0, or None when the step has no measurable length
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReady:
+    model_name: str
+    device: str
+    num_layers: int
+    load_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOpened:
+    conversation_id: int | None
+    cache: CacheConfig
+    num_messages: int
+    stats: StatsSnapshot | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModeSwitched:
+    old: CacheConfig
+    new: CacheConfig
+    stats: StatsSnapshot | None
+
+
+@dataclass(frozen=True, slots=True)
+class ResetDone:
+    freed_bytes: int
+    stats: StatsSnapshot | None
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    """Something the user must hear about. `kind` says which command failed."""
+
+    kind: str                           # "load", "session", "send", "cache", "reset"
+    title: str
+    message: str                        # what happened and what to do, in one or two sentences
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Binary units, as the dashboard axes use them: 0 B, 512 B, 3.5 KiB, 12.0 MiB, 1.25 GiB."""
+    value = float(num_bytes)
+    if abs(value) < 1024:
+        return f"{int(value)} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024.0
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.2f} {unit}" if abs(value) < 10 else f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")

@@ -1,0 +1,83 @@
+"""User settings in QSettings: model, cache and sampling choices, system prompt, window layout.
+
+Configs are stored as JSON text, so an INI file and the native registry read back the same types.
+KVCHAT_SETTINGS_FILE (or the `path` argument) points the store at an INI file; tests use that.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from PySide6.QtCore import QByteArray, QSettings
+
+from engine.config import CacheConfig, ConfigError, SamplingParams
+
+from .history import cache_from_json, cache_to_json
+
+DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, max_new_tokens=256)
+
+
+@dataclass(frozen=True, slots=True)
+class AppSettings:
+    """Everything the Settings dialog edits."""
+
+    model: str = "default"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sampling: SamplingParams = DEFAULT_SAMPLING
+    system_prompt: str = ""
+
+
+class SettingsStore:
+    def __init__(self, path: str | os.PathLike | None = None):
+        path = path or os.environ.get("KVCHAT_SETTINGS_FILE")
+        if path:
+            self._qs = QSettings(str(path), QSettings.Format.IniFormat)
+        else:
+            self._qs = QSettings("kvchat", "kvchat")
+
+    @property
+    def file_name(self) -> str:
+        return self._qs.fileName()
+
+    def load(self) -> AppSettings:
+        defaults = AppSettings()
+        cache = cache_from_json(str(self._qs.value("engine/cache", ""))) or defaults.cache
+        sampling = _sampling_from_json(str(self._qs.value("engine/sampling", ""))) or defaults.sampling
+        return AppSettings(model=str(self._qs.value("engine/model", defaults.model)) or defaults.model,
+                           cache=cache, sampling=sampling,
+                           system_prompt=str(self._qs.value("chat/system_prompt", "")))
+
+    def save(self, settings: AppSettings) -> None:
+        self._qs.setValue("engine/model", settings.model)
+        self._qs.setValue("engine/cache", cache_to_json(settings.cache))
+        self._qs.setValue("engine/sampling", json.dumps(asdict(settings.sampling), sort_keys=True))
+        self._qs.setValue("chat/system_prompt", settings.system_prompt)
+        self._qs.sync()
+
+    def layout(self, key: str) -> QByteArray | None:
+        value = self._qs.value(f"window/{key}")
+        return value if isinstance(value, QByteArray) and not value.isEmpty() else None
+
+    def set_layout(self, key: str, state: QByteArray) -> None:
+        self._qs.setValue(f"window/{key}", state)
+
+    def last_conversation(self) -> int | None:
+        value = self._qs.value("chat/last_conversation", None)
+        try:
+            return int(value) if value not in (None, "", "None") else None
+        except (TypeError, ValueError):
+            return None
+
+    def set_last_conversation(self, conversation_id: int | None) -> None:
+        self._qs.setValue("chat/last_conversation", "" if conversation_id is None else int(conversation_id))
+
+    def sync(self) -> None:
+        self._qs.sync()
+
+
+def _sampling_from_json(text: str) -> SamplingParams | None:
+    try:
+        return SamplingParams(**json.loads(text))
+    except (ValueError, TypeError, ConfigError):
+        return None

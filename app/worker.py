@@ -1,0 +1,296 @@
+"""The engine thread: one QObject, moved to a QThread, owns the engine and its session.
+
+Commands arrive as queued signals (so they run in the worker thread, one after another); events
+leave as signals carrying frozen dataclasses. Stop is a thread-safe flag the decode loop checks
+before every step, not a queued command: the worker is busy in that loop when Stop matters.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Callable
+
+from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+from engine.events import StatsSnapshot, TokenDelta, TurnFinished
+
+from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened
+
+STATS_INTERVAL_S = 0.1                  # session.stats() is cheap, but no more than ~10 Hz
+TOKEN_BATCH_S = 0.02                    # at most ~50 token signals a second reach the GUI
+WORKER_NICE = 5
+
+
+def _default_loader(config: EngineConfig, progress: Callable[[str, float | None], None]):
+    from engine import Engine
+
+    return Engine.load(config, progress=progress)
+
+
+def _load_error_message(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, ConfigError) or type(exc).__name__ == "ModelLoadError":
+        return text.splitlines()[0]     # already a one-line message that says what to do
+    return f"{type(exc).__name__}: {text}"
+
+
+class EngineWorker(QObject):
+    """Lives in the engine thread. Every slot runs there; nothing here touches a widget."""
+
+    progress = Signal(object)           # LoadProgress
+    ready = Signal(object)              # EngineReady
+    session_opened = Signal(object)     # SessionOpened
+    token = Signal(object)              # TokenDelta
+    turn_finished = Signal(object)      # TurnFinished
+    stats = Signal(object)              # StatsSnapshot
+    mode_switched = Signal(object)      # ModeSwitched
+    reset_done = Signal(object)         # ResetDone
+    error = Signal(object)              # ErrorEvent
+
+    def __init__(self, loader=_default_loader):
+        super().__init__()
+        self._loader = loader
+        self._engine = None
+        self._session = None
+        self._stop = threading.Event()
+
+    # --- called from the GUI thread (thread-safe, never blocks) ---
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def clear_stop(self) -> None:
+        self._stop.clear()
+
+    # --- slots, run in the engine thread ---
+
+    @Slot()
+    def lower_priority(self) -> None:
+        """Let the GUI thread win the CPU whenever both want it (Linux: per-thread nice).
+
+        The decoder still gets every cycle the GUI does not use; an interactive window does not
+        stall behind it on a machine with few cores."""
+        if hasattr(os, "setpriority") and sys.platform.startswith("linux"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+            except OSError:
+                pass
+
+    @Slot(object)
+    def load(self, config: EngineConfig) -> None:
+        """Load a model. On failure the previous engine and session, if any, stay in use."""
+        start = time.monotonic()
+
+        def report(message: str, fraction: float | None = None) -> None:
+            self.progress.emit(LoadProgress(str(message), fraction))
+
+        report("Loading model…", None)
+        try:
+            engine = self._loader(config, report)
+        except Exception as exc:  # noqa: BLE001 - every load failure becomes a message for the user
+            self.error.emit(ErrorEvent("load", "Could not load the model", _load_error_message(exc)))
+            return
+        self._engine, self._session = engine, None
+        self.ready.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
+                                    time.monotonic() - start))
+
+    @Slot(object, object, object, object)
+    def open_session(self, conversation_id, system_prompt, cache, history) -> None:
+        """Start a conversation; `history` ((role, content) pairs) resumes a saved one."""
+        if self._engine is None:
+            return
+        try:
+            turns = [{"role": role, "content": content} for role, content in history or ()]
+            self._session = self._engine.new_session(system_prompt=system_prompt or None, cache=cache,
+                                                     history=turns or None)
+        except ConfigError as exc:
+            self.error.emit(ErrorEvent("session", "These cache settings do not work", str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001
+            self.error.emit(ErrorEvent("session", "Could not open the conversation", f"{type(exc).__name__}: {exc}"))
+            return
+        self.session_opened.emit(SessionOpened(conversation_id, self._session.cache_config,
+                                               len(self._session.messages), self._snapshot()))
+
+    @Slot(str, object)
+    def send(self, text: str, sampling: SamplingParams) -> None:
+        if self._session is None:
+            self.error.emit(ErrorEvent("send", "No model loaded", "Wait for the model to load, or pick one in Settings."))
+            return
+        last_stats = last_token = 0.0
+        rate = _DecodeRate()
+        pending: list[TokenDelta] = []
+        try:
+            for event in self._session.send(text, sampling, should_stop=self._stop.is_set):
+                if isinstance(event, TokenDelta):
+                    now = time.monotonic()
+                    rate.add(now, len(event.token_ids))
+                    pending.append(event)
+                    if now - last_token >= TOKEN_BATCH_S:     # a fast model's tokens go out in small batches
+                        last_token = now
+                        self._emit_tokens(pending)
+                    if now - last_stats >= STATS_INTERVAL_S:
+                        last_stats = now
+                        self._emit_stats(rate.tok_s())
+                elif isinstance(event, TurnFinished):
+                    self._emit_tokens(pending)
+                    self.stats.emit(event.stats)
+                    self.turn_finished.emit(event)
+        except Exception as exc:  # noqa: BLE001 - the conversation must stay usable after a failed turn
+            self.error.emit(ErrorEvent("send", "The reply failed", f"{type(exc).__name__}: {exc}"))
+
+    @Slot(object)
+    def set_cache(self, cache: CacheConfig) -> None:
+        if self._session is None:
+            return
+        old = self._session.cache_config
+        try:
+            self._session.set_cache(cache)
+        except ConfigError as exc:
+            self.error.emit(ErrorEvent("cache", "Cannot switch the cache mode", str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001
+            self.error.emit(ErrorEvent("cache", "Cannot switch the cache mode", f"{type(exc).__name__}: {exc}"))
+            return
+        self.mode_switched.emit(ModeSwitched(old, self._session.cache_config, self._snapshot()))
+
+    @Slot()
+    def reset(self) -> None:
+        if self._session is None:
+            return
+        try:
+            freed = int(self._session.reset())
+        except Exception as exc:  # noqa: BLE001
+            self.error.emit(ErrorEvent("reset", "Reset failed", f"{type(exc).__name__}: {exc}"))
+            return
+        self.reset_done.emit(ResetDone(freed, self._snapshot()))
+
+    @Slot()
+    def poll_stats(self) -> None:
+        self._emit_stats()
+
+    def _snapshot(self) -> StatsSnapshot | None:
+        if self._session is None:
+            return None
+        try:
+            return self._session.stats()
+        except Exception:  # noqa: BLE001 - a missing snapshot only leaves the dashboard one frame behind
+            return None
+
+    def _emit_tokens(self, pending: list[TokenDelta]) -> None:
+        if pending:
+            self.token.emit(pending[0] if len(pending) == 1 else
+                            TokenDelta("".join(d.text for d in pending), tuple(i for d in pending for i in d.token_ids)))
+            pending.clear()
+
+    def _emit_stats(self, live_decode_tok_s: float | None = None) -> None:
+        snapshot = self._snapshot()
+        if snapshot is None:
+            return
+        if live_decode_tok_s is not None and not snapshot.decode_tok_s:
+            # the engine reports a turn's decode rate when the turn ends; mid-turn we measure it here
+            snapshot = replace(snapshot, decode_tok_s=live_decode_tok_s)
+        self.stats.emit(snapshot)
+
+
+class _DecodeRate:
+    """Tokens per second over the last WINDOW_S of a streaming reply."""
+
+    WINDOW_S = 2.0
+
+    def __init__(self):
+        self._events: deque[tuple[float, int]] = deque()
+
+    def add(self, now: float, num_tokens: int) -> None:
+        self._events.append((now, num_tokens))
+        while self._events and now - self._events[0][0] > self.WINDOW_S:
+            self._events.popleft()
+
+    def tok_s(self) -> float:
+        if len(self._events) < 2:
+            return 0.0
+        span = self._events[-1][0] - self._events[0][0]
+        return sum(n for _, n in list(self._events)[1:]) / span if span > 0 else 0.0
+
+
+EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished", "stats", "mode_switched",
+                 "reset_done", "error")
+
+
+class EngineHost(QObject):
+    """The GUI side of the bridge: owns the thread, forwards commands as queued signals.
+
+    It re-emits every worker event from the GUI thread, so listeners (the window, tests) get them
+    there; a plain Python callable connected straight to the worker would run in the engine thread.
+    """
+
+    progress = Signal(object)
+    ready = Signal(object)
+    session_opened = Signal(object)
+    token = Signal(object)
+    turn_finished = Signal(object)
+    stats = Signal(object)
+    mode_switched = Signal(object)
+    reset_done = Signal(object)
+    error = Signal(object)
+
+    _load = Signal(object)
+    _open = Signal(object, object, object, object)
+    _send = Signal(str, object)
+    _set_cache = Signal(object)
+    _reset = Signal()
+    _poll = Signal()
+
+    def __init__(self, loader=_default_loader, parent: QObject | None = None):
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName("kvchat-engine")
+        self.worker = EngineWorker(loader)
+        self.worker.moveToThread(self.thread)
+        self._load.connect(self.worker.load)
+        self._open.connect(self.worker.open_session)
+        self._send.connect(self.worker.send)
+        self._set_cache.connect(self.worker.set_cache)
+        self._reset.connect(self.worker.reset)
+        self._poll.connect(self.worker.poll_stats)
+        self.thread.started.connect(self.worker.lower_priority)
+        for name in EVENT_SIGNALS:
+            getattr(self.worker, name).connect(getattr(self, name), Qt.ConnectionType.QueuedConnection)
+        self.thread.start()
+
+    def load(self, config: EngineConfig) -> None:
+        self._load.emit(config)
+
+    def open_session(self, conversation_id: int | None, system_prompt: str | None,
+                     cache: CacheConfig | None, history: list[dict] | None) -> None:
+        turns = tuple((m["role"], m["content"]) for m in history or ())
+        self._open.emit(conversation_id, system_prompt, cache, turns)
+
+    def send(self, text: str, sampling: SamplingParams) -> None:
+        self.worker.clear_stop()        # here, not in the worker: a Stop pressed before the turn starts still counts
+        self._send.emit(text, sampling)
+
+    def stop(self) -> None:
+        self.worker.request_stop()
+
+    def set_cache(self, cache: CacheConfig) -> None:
+        self._set_cache.emit(cache)
+
+    def reset(self) -> None:
+        self._reset.emit()
+
+    def poll_stats(self) -> None:
+        self._poll.emit()
+
+    def shutdown(self, timeout_ms: int = 120_000) -> bool:
+        """Stop any reply, let the running command end, and join the thread."""
+        if not self.thread.isRunning():
+            return True
+        self.worker.request_stop()
+        self.thread.quit()
+        return self.thread.wait(timeout_ms)

@@ -1,0 +1,163 @@
+"""A small fake engine with the real engine's API, for GUI tests that only drive signals.
+
+Bytes follow a simple per-format rule so mode switches and resets show up as exact numbers.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+from engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
+
+NUM_LAYERS = 4
+ELEMENTS_PER_TOKEN = 2 * 32             # kv_heads x head_dim of the fake model
+BYTES_PER_ELEMENT = {"auto": 4, "fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5}
+
+
+class ModelLoadError(RuntimeError):
+    """Named like the engine's, so the worker treats it the same way."""
+
+
+class FakeSession:
+    def __init__(self, engine: "FakeEngine", cache: CacheConfig, history=None):
+        self.engine = engine
+        self.cache_config = cache
+        self.messages: list[dict] = [dict(m) for m in history or ()]
+        self.tokens_in_context = sum(len(m["content"].split()) for m in self.messages)
+        self.tokens_held = 0            # a resumed chat is prefilled lazily, on the next send
+        self.tokens_evicted = 0
+        self.decode_tok_s = 0.0
+        self.sent: list[str] = []
+
+    def _token_bytes(self, layer: int) -> tuple[float, float]:
+        cache = self.cache_config
+        full = layer in cache.full_precision_layers
+        k = BYTES_PER_ELEMENT["auto" if full else cache.k_format] * ELEMENTS_PER_TOKEN
+        v = BYTES_PER_ELEMENT["auto" if full else cache.v_format] * ELEMENTS_PER_TOKEN
+        return k, v
+
+    def _bytes_per_token(self) -> float:
+        return sum(sum(self._token_bytes(i)) for i in range(NUM_LAYERS))
+
+    def _budget_tokens(self) -> int:
+        return int(self.cache_config.budget_mb * 1024 * 1024 // self._bytes_per_token())
+
+    def send(self, text: str, sampling: SamplingParams, should_stop=lambda: False):
+        self.sent.append(text)
+        self.messages.append({"role": "user", "content": text})
+        prompt = len(text.split()) + 4
+        needed = self.tokens_in_context - self.tokens_held + prompt
+        if self.tokens_held + needed > self._budget_tokens():
+            self.messages.pop()
+            yield TurnFinished("", "budget", f"This prompt needs {needed} tokens but the budget holds "
+                               f"{self._budget_tokens()}: raise the KV budget in Settings or start a new chat.",
+                               self.stats())
+            return
+        self.tokens_held += needed
+        self.tokens_in_context += prompt
+        pieces, reason, start = [], "length", time.monotonic()
+        for i in range(sampling.max_new_tokens):
+            if should_stop():
+                reason = "stopped"
+                break
+            time.sleep(self.engine.step_s)
+            piece = self.engine.reply_words[i % len(self.engine.reply_words)] + " "
+            pieces.append(piece)
+            self.tokens_held += 1
+            self.tokens_in_context += 1
+            self.decode_tok_s = (i + 1) / max(1e-6, time.monotonic() - start)
+            yield TokenDelta(piece, (i,))
+        reply = "".join(pieces).strip()
+        self.messages.append({"role": "assistant", "content": reply})
+        yield TurnFinished(reply, reason, "", self.stats())
+
+    def set_cache(self, cache: CacheConfig) -> None:
+        if cache.k_format == "fp8" and self.engine.refuse_fp8:
+            raise ConfigError("fp8 keys are not supported by this fake device: choose int8 or int4")
+        self.cache_config = cache
+
+    def reset(self) -> int:
+        freed = self.stats().kv_bytes
+        self.tokens_held = 0
+        return freed
+
+    def stats(self) -> StatsSnapshot:
+        cache = self.cache_config
+        layers = []
+        for i in range(NUM_LAYERS):
+            k, v = self._token_bytes(i)
+            full = i in cache.full_precision_layers
+            layers.append(LayerBytes(i, int(k * self.tokens_held), int(v * self.tokens_held),
+                                     "fp32" if full else cache.k_format, "fp32" if full else cache.v_format))
+        kv = sum(layer.k_bytes + layer.v_bytes for layer in layers)
+        budget = int(cache.budget_mb * 1024 * 1024)
+        per_token = self._bytes_per_token()
+        blocks_used = -(-self.tokens_held // cache.block_size)
+        blocks_budget = int(budget // (per_token * cache.block_size))
+        return StatsSnapshot(
+            time_s=time.monotonic(), cache_label=cache.label(), layers=tuple(layers), kv_bytes=kv,
+            budget_bytes=budget, block_size=cache.block_size, blocks_used=blocks_used,
+            blocks_free=max(0, blocks_budget - blocks_used), blocks_budget=blocks_budget,
+            tokens_in_context=self.tokens_in_context, tokens_held=self.tokens_held,
+            tokens_evicted=self.tokens_evicted, tokens_left=max(0, self._budget_tokens() - self.tokens_held),
+            bytes_per_token=per_token, prefill_tokens=0, prefill_tok_s=500.0, decode_tok_s=self.decode_tok_s,
+            ttft_s=0.01, memory=MemoryProbe(300 * 1024 * 1024 + kv, 0, 0, 0))
+
+
+class FakeEngine:
+    def __init__(self, config: EngineConfig, step_s: float = 0.005):
+        self.config = config
+        self.model_name = "fake-model"
+        self.device = "cpu"
+        self.num_layers = NUM_LAYERS
+        self.tokenizer = None
+        self.step_s = step_s
+        self.refuse_fp8 = True
+        self.reply_words = ["Hello", "from", "the", "fake", "engine."]
+        self.sessions: list[FakeSession] = []
+
+    def new_session(self, system_prompt=None, cache=None, history=None) -> FakeSession:
+        session = FakeSession(self, cache or self.config.cache, history)
+        self.sessions.append(session)
+        return session
+
+
+class FakeLoader:
+    """Stands in for Engine.load; remembers what it built. A model path containing 'missing' fails."""
+
+    def __init__(self, step_s: float = 0.005, load_s: float = 0.0):
+        self.step_s = step_s
+        self.load_s = load_s
+        self.engines: list[FakeEngine] = []
+
+    def __call__(self, config: EngineConfig, progress) -> FakeEngine:
+        progress("Reading weights", 0.5)
+        time.sleep(self.load_s)
+        if "missing" in config.model:
+            raise ModelLoadError(f"model file {config.model} not found: choose a model folder or .gguf in Settings")
+        engine = FakeEngine(config, self.step_s)
+        self.engines.append(engine)
+        progress("Ready", 1.0)
+        return engine
+
+
+def isolate_app(monkeypatch, tmp_path) -> None:
+    """Point the history database and QSettings at tmp_path; Qt renders offscreen."""
+    monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("KVCHAT_SETTINGS_FILE", str(tmp_path / "settings.ini"))
+
+
+def open_window(qtbot, loader, autoload: bool = True):
+    """A MainWindow on the isolated stores, shown, registered with qtbot for closing."""
+    from app.history import HistoryStore
+    from app.main_window import MainWindow
+    from app.settings_store import SettingsStore
+
+    window = MainWindow(SettingsStore(), HistoryStore(), loader=loader, autoload=autoload)
+    # pytest-qt holds widgets weakly; without a strong reference the window (and its running engine
+    # thread) could be collected before teardown closes it
+    qtbot.kvchat_windows = getattr(qtbot, "kvchat_windows", []) + [window]
+    qtbot.addWidget(window, before_close_func=lambda w: w.history.close())
+    window.show()
+    return window
