@@ -54,7 +54,10 @@ class Engine:
             progress("reading weights", 0.6)
         mc = ModelConfig.from_hf(read_config(files.folder))
         state = load_state_dict(files.folder)
-        model = Transformer(mc, state, _DTYPES[dtype_name], device)
+        weights = config.weights
+        if weights == "int4" and device != "cpu":
+            weights = "dense"      # the packed int4 kernel used here is the CPU one
+        model = Transformer(mc, state, _DTYPES[dtype_name], device, weights)
         if progress:
             progress("loading tokenizer", 0.9)
         tokenizer = load_tokenizer(files.folder)

@@ -104,10 +104,16 @@ class Layer:
 
 
 class Transformer:
-    """Weights as plain tensors; q/k/v and gate/up fused so a decode step runs fewer, larger matmuls."""
+    """Weights as plain tensors; q/k/v and gate/up fused so a decode step runs fewer, larger matmuls.
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str):
+    weights="int4" packs every projection and the output head into int4 groups of 32 (see
+    qlinear.py); only the matmul inputs drop to bf16, the residual stream keeps the model dtype.
+    """
+
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+                 weights: str = "dense"):
         self.config = config
+        self.weights = weights
         self.dtype = dtype
         self.device = device
         c = config
@@ -151,9 +157,37 @@ class Transformer:
         else:
             self.lm_head = head.to(device=device, dtype=dtype)
         self.inv_freq = config.inv_freq().to(device)
+        self._linear = {}
+        if weights == "int4":
+            self._pack_int4()
+
+    def _pack_int4(self) -> None:
+        from .qlinear import Int4Linear, can_pack
+        for L in self.layers:
+            for w_name, b_name in (("w_qkv", "b_qkv"), ("w_o", "b_o"), ("w_gate_up", "b_gate_up"), ("w_down", "b_down")):
+                w = getattr(L, w_name)
+                if can_pack(w):
+                    self._linear[id(w)] = Int4Linear(w, getattr(L, b_name))
+        # the output head stays dense: GGUFs usually store it at 8 bits or more (SmolLM2: Q8_0)
+        # the packed copies replace the dense projections; the embedding stays for lookups
+        for L in self.layers:
+            for w_name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+                w = getattr(L, w_name)
+                if id(w) in self._linear:
+                    setattr(L, w_name, _Packed(self._linear.pop(id(w))))
+        if id(self.lm_head) in self._linear:
+            self.lm_head = _Packed(self._linear.pop(id(self.lm_head)))
+
+    @staticmethod
+    def _mm(x: torch.Tensor, w, b=None) -> torch.Tensor:
+        if isinstance(w, _Packed):
+            return w.linear(x)
+        return F.linear(x, w, b)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; statistics in fp32 as the reference does
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.config.rms_norm_eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return w * xf.to(self.dtype)
@@ -168,25 +202,35 @@ class Transformer:
         x = self.embed[token_ids]
         for i, L in enumerate(self.layers):
             h = self._rms_norm(x, L.norm_attn)
-            qkv = F.linear(h, L.w_qkv, L.b_qkv)
+            qkv = self._mm(h, L.w_qkv, L.b_qkv)
             q = qkv[:, :q_size].view(T, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(T, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].view(T, c.num_kv_heads, c.head_dim)
             o = attention(i, q, k, v)
-            x = x + F.linear(o.reshape(T, q_size).to(self.dtype), L.w_o, L.b_o)
+            x = x + self._mm(o.reshape(T, q_size).to(self.dtype), L.w_o, L.b_o)
             h = self._rms_norm(x, L.norm_mlp)
-            gu = F.linear(h, L.w_gate_up, L.b_gate_up)
+            gu = self._mm(h, L.w_gate_up, L.b_gate_up)
             gate, up = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L.w_down, L.b_down)
+            x = x + self._mm(F.silu(gate) * up, L.w_down, L.b_down)
         if not all_logits:
             x = x[-1:]
         x = self._rms_norm(x, self.norm)
-        return F.linear(x, self.lm_head).float()
+        return self._mm(x, self.lm_head).float()
 
     def weight_bytes(self) -> int:
         seen, total = set(), 0
         for t in [self.embed, self.norm, self.lm_head] + [getattr(L, s) for L in self.layers for s in Layer.__slots__]:
-            if t is not None and t.data_ptr() not in seen:
+            if isinstance(t, _Packed):
+                total += t.linear.nbytes
+            elif t is not None and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
+
+
+class _Packed:
+    """Marks a projection whose dense weight was replaced by a packed int4 linear."""
+    __slots__ = ("linear",)
+
+    def __init__(self, linear):
+        self.linear = linear
