@@ -25,6 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-load", action="store_true", help="skip the cold/warm load-time measurement")
 
 
@@ -89,16 +90,23 @@ def run(args) -> dict:
     from .engine import Engine
     from .loader import locate
 
-    engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype))        # weights="auto"
+    dense = engine if engine.model.weights == "dense" else \
+        Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, weights="dense"))
     hf_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     ref = AutoModelForCausalLM.from_pretrained(str(locate(args.model).folder), dtype=hf_dtype)
     ids = prompt_ids(engine.tokenizer, args.prompt_tokens)
-    _time_kvchat(engine, ids[:64], 4)           # warm up both paths
+    _time_kvchat(engine, ids[:64], 4)           # warm up every path
+    _time_kvchat(dense, ids[:64], 4)
     _time_transformers(ref, ids[:64], 4)
-    ours, theirs = [], []
+    ours, ours_dense, theirs = [], [], []
     for _ in range(args.runs):                  # interleaved
         theirs.append(_time_transformers(ref, ids, args.new_tokens))
         ours.append(_time_kvchat(engine, ids, args.new_tokens))
+        if dense is not engine:
+            ours_dense.append(_time_kvchat(dense, ids, args.new_tokens))
     result = {
         "model": engine.model_name,
         "device": "cpu",
@@ -107,11 +115,16 @@ def run(args) -> dict:
         "prompt_tokens": len(ids),
         "new_tokens": args.new_tokens,
         "runs": args.runs,
+        "weights": engine.model.weights,
         "kvchat": {k: _median(ours, k) for k in ("prefill_tok_s", "decode_tok_s", "ttft_s")},
         "transformers": {k: _median(theirs, k) for k in ("prefill_tok_s", "decode_tok_s", "ttft_s")},
     }
     result["ratio_decode_vs_transformers"] = result["kvchat"]["decode_tok_s"] / result["transformers"]["decode_tok_s"]
     result["ratio_prefill_vs_transformers"] = result["kvchat"]["prefill_tok_s"] / result["transformers"]["prefill_tok_s"]
+    if ours_dense:
+        result["kvchat_dense_weights"] = {k: _median(ours_dense, k) for k in ("prefill_tok_s", "decode_tok_s", "ttft_s")}
+        result["ratio_decode_dense_vs_transformers"] = (result["kvchat_dense_weights"]["decode_tok_s"]
+                                                        / result["transformers"]["decode_tok_s"])
     if not args.no_load:
         result["load_s_cold"] = _load_time(args.model, cold=True)
         result["load_s_warm"] = statistics.median(_load_time(args.model, cold=False) for _ in range(3))
@@ -122,8 +135,11 @@ def summarize(r: dict) -> str:
     k, t = r["kvchat"], r["transformers"]
     lines = [f"{r['model']} on {r['device']} ({r['dtype']}), {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, "
              f"median of {r['runs']} interleaved runs",
-             f"  kvchat       prefill {k['prefill_tok_s']:7.1f} tok/s  decode {k['decode_tok_s']:6.1f} tok/s  TTFT {k['ttft_s'] * 1000:6.0f} ms",
-             f"  transformers prefill {t['prefill_tok_s']:7.1f} tok/s  decode {t['decode_tok_s']:6.1f} tok/s  TTFT {t['ttft_s'] * 1000:6.0f} ms",
+             f"  kvchat ({r['weights']:5s}) prefill {k['prefill_tok_s']:7.1f} tok/s  decode {k['decode_tok_s']:6.1f} tok/s  TTFT {k['ttft_s'] * 1000:6.0f} ms",
+             *([f"  kvchat (dense) prefill {r['kvchat_dense_weights']['prefill_tok_s']:7.1f} tok/s  decode "
+                f"{r['kvchat_dense_weights']['decode_tok_s']:6.1f} tok/s  TTFT {r['kvchat_dense_weights']['ttft_s'] * 1000:6.0f} ms"]
+               if "kvchat_dense_weights" in r else []),
+             f"  transformers   prefill {t['prefill_tok_s']:7.1f} tok/s  decode {t['decode_tok_s']:6.1f} tok/s  TTFT {t['ttft_s'] * 1000:6.0f} ms",
              f"  decode ratio {r['ratio_decode_vs_transformers']:.2f}x, prefill ratio {r['ratio_prefill_vs_transformers']:.2f}x"]
     if "load_s_cold" in r:
         lines.append(f"  load: cold {r['load_s_cold']:.1f} s (GGUF conversion), warm {r['load_s_warm']:.1f} s")

@@ -112,7 +112,7 @@ class EngineConfig:
     model: str = "default"            # "default", a local HF folder, or a .gguf file
     device: str = "auto"              # auto, cpu, cuda, cuda:N
     dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA), fp32, fp16, bf16
-    weights: str = "dense"            # dense (the dtype above) or int4 (packed groups of 32, bf16 activations; CPU)
+    weights: str = "auto"             # auto, dense (the dtype above) or int4 (packed copies for CPU decode)
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None
 
@@ -121,5 +121,5 @@ class EngineConfig:
             raise ConfigError(f"device={self.device!r}: choose auto, cpu or cuda[:N]")
         if self.dtype not in ("auto", "fp32", "fp16", "bf16"):
             raise ConfigError(f"dtype={self.dtype!r}: choose auto, fp32, fp16 or bf16")
-        if self.weights not in ("dense", "int4"):
-            raise ConfigError(f"weights={self.weights!r}: choose dense or int4")
+        if self.weights not in ("auto", "dense", "int4"):
+            raise ConfigError(f"weights={self.weights!r}: choose auto, dense or int4")

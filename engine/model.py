@@ -96,6 +96,8 @@ class ModelConfig:
 
 
 # attention(layer, q [T, Hq, D], k [T, Hkv, D] before RoPE, v [T, Hkv, D]) -> [T, Hq, D]
+DECODE_ROWS = 8
+
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -106,8 +108,9 @@ class Layer:
 class Transformer:
     """Weights as plain tensors; q/k/v and gate/up fused so a decode step runs fewer, larger matmuls.
 
-    weights="int4" packs every projection and the output head into int4 groups of 32 (see
-    qlinear.py); only the matmul inputs drop to bf16, the residual stream keeps the model dtype.
+    weights="int4" adds packed int4 copies (groups of 32, see qlinear.py) of every projection that
+    decode steps read instead of the dense weights: a quarter of the bytes per token. Prefill keeps
+    the dense weights. Only the matmul inputs drop to bf16; the residual stream keeps the model dtype.
     """
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
@@ -169,19 +172,14 @@ class Transformer:
                 if can_pack(w):
                     self._linear[id(w)] = Int4Linear(w, getattr(L, b_name))
         # the output head stays dense: GGUFs usually store it at 8 bits or more (SmolLM2: Q8_0)
-        # the packed copies replace the dense projections; the embedding stays for lookups
-        for L in self.layers:
-            for w_name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
-                w = getattr(L, w_name)
-                if id(w) in self._linear:
-                    setattr(L, w_name, _Packed(self._linear.pop(id(w))))
-        if id(self.lm_head) in self._linear:
-            self.lm_head = _Packed(self._linear.pop(id(self.lm_head)))
 
-    @staticmethod
-    def _mm(x: torch.Tensor, w, b=None) -> torch.Tensor:
-        if isinstance(w, _Packed):
-            return w.linear(x)
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, b=None) -> torch.Tensor:
+        # decode steps (a few rows) read the packed int4 copy; prefill's large matmuls stay dense,
+        # where the packed kernel is slower than the BLAS GEMM
+        if x.shape[0] <= DECODE_ROWS and self._linear:
+            packed = self._linear.get(id(w))
+            if packed is not None:
+                return packed(x)
         return F.linear(x, w, b)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -220,17 +218,8 @@ class Transformer:
     def weight_bytes(self) -> int:
         seen, total = set(), 0
         for t in [self.embed, self.norm, self.lm_head] + [getattr(L, s) for L in self.layers for s in Layer.__slots__]:
-            if isinstance(t, _Packed):
-                total += t.linear.nbytes
-            elif t is not None and t.data_ptr() not in seen:
+            if t is not None and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
-        return total
+        return total + sum(p.nbytes for p in self._linear.values())
 
-
-class _Packed:
-    """Marks a projection whose dense weight was replaced by a packed int4 linear."""
-    __slots__ = ("linear",)
-
-    def __init__(self, linear):
-        self.linear = linear

@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def default_engine():
     from engine import Engine, EngineConfig
-    return Engine.load(EngineConfig(model="default"))
+    # dense fp32 weights: the path whose logits must match transformers exactly
+    return Engine.load(EngineConfig(model="default", weights="dense"))
 
 
 @pytest.fixture(scope="session")
