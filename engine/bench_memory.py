@@ -2,10 +2,11 @@
 
 For each mode it fills a session's cache with --tokens tokens (K and V written through the cache
 exactly as the model writes them; the values do not change the bytes) and reads back the bytes of
-every page tensor and full-precision tail, per layer. Reported per mode: bytes per token of the
+every page tensor and full-precision block, per layer. Reported per mode: bytes per token of the
 pages (data + scales + zero points, the steady state), the metadata's share, the fixed
-full-precision tail of the block being filled, the ratio to fp16, and a check that the bytes held
-equal `kernels.bytes_per_block` times the blocks held plus the tails.
+full-precision blocks of quantized components (the block being filled and the first block), the
+ratio to fp16, and a check that the bytes held equal `kernels.bytes_per_block` times the blocks
+held plus those fixed blocks.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = 
         row = {"layer": i}
         for role, comp in (("k", kc), ("v", vc)):
             pages = {name: t.numel() * t.element_size() for name, t in comp.pages.items()}
-            tail = 0 if comp.tail is None else comp.tail.numel() * comp.tail.element_size()
+            tail = sum(t.numel() * t.element_size() for t in (comp.tail, comp.head) if t is not None)
             row[role] = {"format": comp.fmt.label, "bytes": comp.nbytes, "data": pages["data"],
                          "scale": pages.get("scale", 0), "zero": pages.get("zero", 0), "tail": tail}
             pages_total += sum(pages.values())
@@ -81,6 +82,7 @@ def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = 
             tails_total += tail
         layers.append(row)
     blocks = len(cache.table)
+    fixed_expected = cache.layout_bytes(config)[1]
     per_block_expected = sum(bytes_per_block(f.fmt, config.block_size, m.num_kv_heads, m.head_dim)
                              for comps in cache.layers for f in comps)
     fp16_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
@@ -99,7 +101,7 @@ def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = 
         "metadata_fraction_of_fp16": meta_total / (blocks * config.block_size) / fp16_per_token,
         "ratio_to_fp16": page_per_token / fp16_per_token,
         "ratio_to_fp16_with_tail": cache.nbytes / (num_tokens * fp16_per_token),
-        "matches_bytes_per_block": pages_total == blocks * per_block_expected,
+        "matches_bytes_per_block": pages_total == blocks * per_block_expected and tails_total == fixed_expected,
         "per_layer": layers,
     }
 
@@ -115,7 +117,8 @@ def run(args) -> dict:
         "layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
         "block_size": args.block_size,
         "fp16_bytes_per_token": 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2,
-        "tail_dtype": "fp32 (the model dtype on the CPU; bf16 on CUDA)",
+        "fixed_blocks": "quantized components hold two full-precision blocks (the block being filled and the "
+                        "first block) in the model dtype: fp32 on the CPU, bf16 on CUDA",
         "modes": {},
     }
     for name in args.modes:
@@ -135,11 +138,11 @@ def run(args) -> dict:
 def summarize(result: dict) -> str:
     lines = [f"{result['model']}: {result['layers']} layers x {result['kv_heads']} KV heads x {result['head_dim']}, "
              f"block {result['block_size']}; fp16 = {result['fp16_bytes_per_token']:,} B/token",
-             f"{'mode':<20}{'B/token':>9}{'per layer':>10}{'x fp16':>8}{'metadata':>10}{'meta/fp16':>10}{'tail B':>9}"]
+             f"{'mode':<20}{'B/token':>9}{'per layer':>10}{'x fp16':>8}{'metadata':>10}{'meta/fp16':>10}{'fixed fp B':>12}"]
     for name, r in result["modes"].items():
         lines.append(f"{name:<20}{r['bytes_per_token']:>9.0f}{r['bytes_per_token_per_layer']:>10.1f}"
                      f"{r['ratio_to_fp16']:>8.3f}{r['metadata_per_token']:>10.1f}{r['metadata_fraction_of_fp16']:>10.2%}"
-                     f"{r['tail_bytes']:>9,}")
+                     f"{r['tail_bytes']:>12,}")
     for what, ok in result["checks"].items():
         lines.append(f"{'PASS' if ok else 'FAIL'}  {what}")
     return "\n".join(lines)

@@ -37,6 +37,8 @@ MODES = {
     "int8-v": CacheConfig(v_format="int8"),
     "int4-k": CacheConfig(k_format="int4"),
     "int4-v": CacheConfig(v_format="int4"),
+    "fp8-k": CacheConfig(k_format="fp8"),
+    "fp8-v": CacheConfig(v_format="fp8"),
     "fp8-token": CacheConfig(k_format="fp8", v_format="fp8", k_scheme="token"),
     "int8-token": CacheConfig(k_format="int8", v_format="int8", k_scheme="token"),
 }
@@ -223,9 +225,10 @@ def run(args) -> dict:
         "threads": torch.get_num_threads(),
         "modes": {},
     }
-    compared = compare_modes(engine, ids, modes, limits, args.step)
-    result["baseline"] = compared.pop("baseline")
-    result["modes"] = compared
+    if modes:
+        compared = compare_modes(engine, ids, modes, limits, args.step)
+        result["baseline"] = compared.pop("baseline")
+        result["modes"] = compared
     if args.long:
         stream = load_tokens(engine.tokenizer, "stream", LONG["tokens"])
         result["long"] = {name: long_stream(engine, MODES[name], stream, LONG["last"], LONG["lead"])
@@ -236,9 +239,11 @@ def run(args) -> dict:
 
 
 def summarize(result: dict) -> str:
-    lines = [f"{result['model']}, {result['tokens']} tokens of {result['text']}, {result['step']} token(s) per step; "
-             f"baseline perplexity {result['baseline']['ppl']:.3f}",
-             f"{'mode':<16}{'tokens':>7}{'top-1':>9}{'KL':>10}{'ppl ratio':>11}{'last/first q':>14}{'KV KiB':>9}"]
+    lines = []
+    if result["modes"]:
+        lines += [f"{result['model']}, {result['tokens']} tokens of {result['text']}, {result['step']} token(s) per "
+                  f"step; baseline perplexity {result['baseline']['ppl']:.3f}",
+                  f"{'mode':<16}{'tokens':>7}{'top-1':>9}{'KL':>10}{'ppl ratio':>11}{'last/first q':>14}{'KV KiB':>9}"]
     for name, r in result["modes"].items():
         lines.append(f"{name:<16}{r['tokens']:>7}{r['top1_agreement']:>9.2%}{r['mean_kl']:>10.5f}{r['ppl_ratio']:>11.4f}"
                      f"{r['last_over_first_quarter']:>14.4f}{r['kv_bytes'] / 1024:>9.0f}")

@@ -39,6 +39,8 @@ def _slot_values(comp: Component, cache: KVCache, blocks: list[int]) -> torch.Te
     for i in blocks:
         if comp.fmt.is_quantized and i == last and cache.seq_len % bs:
             parts.append(comp.tail.float())
+        elif i == 0 and comp.head is not None:
+            parts.append(comp.head.float())
         else:
             ids = torch.tensor([cache.table[i]], dtype=torch.long, device=cache.device)
             parts.append(comp.read_blocks(ids)[0])
@@ -85,6 +87,8 @@ def convert_cache(old: KVCache, config: CacheConfig) -> KVCache:
                     nc.pages[name][new_ids] = t[old_ids]
                 if oc.tail is not None:
                     nc.tail = oc.tail.clone()
+                if oc.head is not None and keep and keep[0] == 0:
+                    nc.head = oc.head.clone()
             elif seq_len:
                 nc.write(_slot_values(oc, old, keep)[:seq_len], 0, new.table)
     return new

@@ -2,7 +2,9 @@
 
 Block ids come from a BlockPool and are shared by all layers; each layer keeps its own page
 tensors for K and for V, so layers may differ in format. Quantized components keep the block
-being filled in full precision (the tail) and quantize it once, when it is full.
+being filled in full precision (the tail) and quantize it once, when it is full; they keep the
+first block of the table (the first tokens, which hold the attention sinks) in full precision
+too (the head), since most attention mass lands there.
 
 Slots: the block table's blocks laid end to end. With a window, the first `num_sink_blocks`
 blocks hold the sinks and blocks that leave the window are freed; in-cache positions follow
@@ -20,88 +22,10 @@ from kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, page_forma
 
 from .block_pool import BlockPool
 from .config import CacheConfig, ConfigError
+from .kv_pages import Component
 from .model import ModelConfig
 
 MIB = 1024 * 1024
-
-
-class Component:
-    """The pages of one layer's K or V: data/scale/zero tensors indexed by block id."""
-
-    def __init__(self, fmt: PageFormat, block_size: int, num_heads: int, head_dim: int, tail_dtype, device):
-        self.fmt = fmt
-        self.block_size, self.num_heads, self.head_dim = block_size, num_heads, head_dim
-        self.shapes = fmt.shapes(block_size, num_heads, head_dim)
-        self.pages = {name: torch.empty((0, *shape), dtype=dtype, device=device) for name, (shape, dtype) in self.shapes.items()}
-        # the block being filled, full precision, only where the pages are quantized
-        # allocated on first write so an empty cache holds no bytes at all
-        self.tail: torch.Tensor | None = None
-        self.tail_dtype, self.device = tail_dtype, device
-
-    def resize(self, num_blocks: int) -> None:
-        for name, t in self.pages.items():
-            n = t.shape[0]
-            if num_blocks > n:
-                grow = torch.zeros((num_blocks - n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                self.pages[name] = torch.cat((t, grow)) if n else grow
-            elif num_blocks < n:
-                self.pages[name] = t[:num_blocks].clone()
-
-    @property
-    def nbytes(self) -> int:
-        total = sum(t.numel() * t.element_size() for t in self.pages.values())
-        if self.tail is not None:
-            total += self.tail.numel() * self.tail.element_size()
-        return total
-
-    def tensors(self):
-        return self.pages["data"], self.pages.get("scale"), self.pages.get("zero")
-
-    def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """[n] block ids -> [n, bs, H, D] float32, dequantized."""
-        data, scale, zero = self.tensors()
-        return kernels.dequantize(data[block_ids], None if scale is None else scale[block_ids],
-                                  None if zero is None else zero[block_ids], self.fmt)
-
-    def write(self, x: torch.Tensor, first_slot: int, table: list[int]) -> None:
-        """Write x [T, H, D] at slots first_slot.. of the table (pages or tail, quantizing full blocks)."""
-        bs = self.block_size
-        T = x.shape[0]
-        if not self.fmt.is_quantized:
-            slots = torch.arange(first_slot, first_slot + T)
-            blocks = torch.tensor(table, dtype=torch.long)[slots // bs]
-            flat = self.pages["data"].view(-1, self.num_heads, self.head_dim)
-            flat.index_copy_(0, (blocks * bs + slots % bs).to(flat.device), x.to(flat.dtype))
-            return
-        if self.tail is None:
-            self.tail = torch.zeros(bs, self.num_heads, self.head_dim, dtype=self.tail_dtype, device=self.device)
-        start = (first_slot // bs) * bs
-        filled = first_slot - start
-        seq = torch.cat((self.tail[:filled].to(x.dtype), x)) if filled else x
-        n_full = seq.shape[0] // bs
-        if n_full:
-            ids = torch.tensor(table[start // bs:start // bs + n_full], dtype=torch.long, device=x.device)
-            src = seq[:n_full * bs].reshape(n_full, bs, self.num_heads, self.head_dim)
-            kernels.store_blocks(src, ids, *self.tensors(), self.fmt)
-        rest = seq[n_full * bs:]
-        self.tail.zero_()
-        self.tail[:rest.shape[0]] = rest.to(self.tail.dtype)
-
-    def read_slots(self, table: list[int], seq_len: int, slots: torch.Tensor) -> torch.Tensor:
-        """Float32 values [len(slots), H, D] of the chosen slots (< seq_len)."""
-        bs = self.block_size
-        if not self.fmt.is_quantized:
-            blocks = torch.tensor(table, dtype=torch.long)[slots // bs]
-            flat = self.pages["data"].view(-1, self.num_heads, self.head_dim)
-            return flat.index_select(0, (blocks * bs + slots % bs).to(flat.device)).float()
-        n_full = seq_len // bs
-        parts = []
-        if n_full:
-            pages = self.read_blocks(torch.tensor(table[:n_full], dtype=torch.long, device=self.device))
-            parts.append(pages.flatten(0, 1))
-        if seq_len > n_full * bs:
-            parts.append(self.tail[:seq_len - n_full * bs].float())
-        return torch.cat(parts).index_select(0, slots.to(self.device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +41,24 @@ class Plan:
     seq_len: int                  # slots before this step
     window_start: int
     num_sinks: int
+    all_flat: torch.Tensor        # [P + T] page rows (block id * bs + offset) of past and new slots
+    new_flat: torch.Tensor        # [T] page rows of the new slots
+    all_cos: torch.Tensor         # [P + T, D]
+    all_sin: torch.Tensor         # [P + T, D], sign-folded for fast_rope
+    new_sin_folded: torch.Tensor  # [T, D]
+
+
+def fold_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [N, D] -> [-sin_lo, sin_hi], so rotate_half(x) * sin == swap_halves(x) * folded."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def fast_rope(x: torch.Tensor, cos: torch.Tensor, sin_folded: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] rotated (rotate-half RoPE) in three ops; equals kernels.apply_rope."""
+    n, h, d = x.shape
+    swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
+    return torch.addcmul(x * cos[:, None], swapped, sin_folded[:, None])
 
 
 class KVCache:
@@ -137,7 +79,7 @@ class KVCache:
                 page_format(config.v_format, "v", config.k_scheme, self.model_dtype))
 
     def layout_bytes(self, config: CacheConfig) -> tuple[int, int]:
-        """(bytes of one block over all layers, fixed bytes of the full-precision tails) for a config."""
+        """(bytes of one block over all layers, fixed bytes of the full-precision tails and heads) for a config."""
         m = self.model
         per_block = tail = 0
         elem = torch.empty((), dtype=FULL_DTYPES[self.model_dtype]).element_size()
@@ -145,7 +87,7 @@ class KVCache:
             for fmt in self.formats_for(config, layer):
                 per_block += bytes_per_block(fmt, config.block_size, m.num_kv_heads, m.head_dim)
                 if fmt.is_quantized:
-                    tail += config.block_size * m.num_kv_heads * m.head_dim * elem
+                    tail += 2 * config.block_size * m.num_kv_heads * m.head_dim * elem
         return per_block, tail
 
     def budget_blocks(self, config: CacheConfig) -> int:
@@ -215,7 +157,13 @@ class KVCache:
         past_cos, past_sin = kernels.rope_cos_sin(pos.to(self.device), self.inv_freq)
         new_pos = torch.arange(num_new, device=self.device) + slots.numel()
         new_cos, new_sin = kernels.rope_cos_sin(new_pos, self.inv_freq)
-        return Plan(num_new, seq_len, slots, past_cos, past_sin, new_cos, new_sin, seq_len, ws, ns)
+        bs = self.block_size
+        all_slots = torch.cat((slots, torch.arange(seq_len, seq_len + num_new)))
+        table = torch.tensor(self.table, dtype=torch.long)
+        all_flat = (table[all_slots // bs] * bs + all_slots % bs).to(self.device)
+        return Plan(num_new, seq_len, slots, past_cos, past_sin, new_cos, new_sin, seq_len, ws, ns,
+                    all_flat, all_flat[slots.numel():], torch.cat((past_cos, new_cos)),
+                    fold_sin(torch.cat((past_sin, new_sin))), fold_sin(new_sin))
 
     def end(self, plan: Plan) -> int:
         """Account the new tokens and free blocks that left the window; returns blocks freed."""
@@ -232,11 +180,15 @@ class KVCache:
             first_abs = (self.num_sink_blocks + self.evicted_blocks) * self.block_size
             if first_abs + self.block_size > start_abs:
                 break
+            if self.num_sink_blocks == 0:      # the first block leaves: so does its full-precision copy
+                for comps in self.layers:
+                    for comp in comps:
+                        comp.head = None
             self.pool.free(self.table.pop(self.num_sink_blocks))
             self.evicted_blocks += 1
             freed += 1
-        if freed:
-            self._resize_pages()
+        # the page tensors keep their size: the next block reuses the lowest free id, so a full
+        # window holds constant memory instead of shrinking and regrowing by one block each step
         return freed
 
     def _resize_pages(self) -> None:
@@ -252,6 +204,10 @@ class KVCache:
         kc, vc = self.layers[layer]
         T = q.shape[0]
         assert T == plan.num_new and k.shape[0] == T
+        if q.is_cuda and T == 1:
+            return self._attend_paged(kc, vc, q, k, v, plan)
+        if not (kc.fmt.is_quantized or vc.fmt.is_quantized):
+            return self._attend_dense(kc, vc, q, k, v, plan)
         q_rot = kernels.apply_rope(q.float(), plan.new_cos, plan.new_sin)
         k_new = kernels.apply_rope(k.float(), plan.new_cos, plan.new_sin)
         if plan.past_slots.numel():
@@ -270,6 +226,71 @@ class KVCache:
             q_rot.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0),
             v_all.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+    def _attend_dense(self, kc: Component, vc: Component, q, k, v, plan: Plan) -> torch.Tensor:
+        """Full-precision pages: write the new tokens, then read past and new slots in one gather."""
+        T = q.shape[0]
+        k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
+        k_pages.index_copy_(0, plan.new_flat, k.to(k_pages.dtype))
+        v_pages.index_copy_(0, plan.new_flat, v.to(v_pages.dtype))
+        k_all = fast_rope(k_pages.index_select(0, plan.all_flat).float(), plan.all_cos, plan.all_sin)
+        v_all = v_pages.index_select(0, plan.all_flat).float()
+        q_rot = fast_rope(q.float(), plan.new_cos, plan.new_sin_folded)
+        P = k_all.shape[0] - T
+        mask = torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(diagonal=P) if T > 1 else None
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_rot.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0),
+            v_all.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+    def _attend_paged(self, kc: Component, vc: Component, q, k, v, plan: Plan) -> torch.Tensor:
+        """CUDA decode: the paged kernel over whole quantized blocks, merged with the full-precision rest.
+
+        q [1, Hq, D], k/v [1, Hkv, D] -> [1, Hq, D], the same result as the gather path. The slots split
+        into the head block [0, lo) and the partial block [hi, seq_len), held in full precision by quantized
+        components and attended here, and the blocks [lo, hi) in between, which the kernel reads from the
+        pages. Without quantized components lo = 0, hi = seq_len and the kernel reads everything.
+        """
+        bs = self.block_size
+        quantized = kc.fmt.is_quantized or vc.fmt.is_quantized
+        seq_len = plan.seq_len + 1
+        lo = bs if any(c.head is not None for c in (kc, vc)) else 0
+        hi = (plan.seq_len // bs) * bs if quantized else seq_len
+        slots, pos = kernels.slot_positions(seq_len, plan.window_start, plan.num_sinks)   # CPU geometry
+        new_pos = int(pos[-1])
+        side = (slots < lo) | (slots >= hi)
+        side_slots, side_pos = slots[side], pos[side]
+        if quantized:            # read before writing: the write may quantize the tail block away
+            k_side = torch.cat((kc.read_side(self.table, side_slots[:-1], hi), k.float()))
+            v_side = torch.cat((vc.read_side(self.table, side_slots[:-1], hi), v.float()))
+        kc.write(k, plan.first_slot, self.table)
+        vc.write(v, plan.first_slot, self.table)
+        D = q.shape[-1]
+        sm_scale = 1.0 / math.sqrt(D)
+        out = lse = None
+        if quantized:            # the side slots always include the new token
+            q_rot = kernels.apply_rope(q.float(), plan.new_cos, plan.new_sin)
+            cos, sin = kernels.rope_cos_sin(side_pos.to(q.device), self.inv_freq)
+            k_side = kernels.apply_rope(k_side, cos, sin)
+            Hkv = k_side.shape[1]
+            scores = torch.einsum("hgd,rhd->hgr", q_rot[0].view(Hkv, -1, D), k_side) * sm_scale
+            lse = torch.logsumexp(scores, -1)                                               # [Hkv, g]
+            out = torch.einsum("hgr,rhd->hgd", (scores - lse[..., None]).exp(), v_side).reshape(1, -1, D)
+            lse = lse.reshape(1, -1)
+        ws, ns = max(plan.window_start - lo, 0), max(plan.num_sinks - lo, 0)
+        mid_pos = pos[(slots >= lo) & (slots < hi)]
+        if hi - lo > 0 and mid_pos.numel():
+            _, shifted = kernels.slot_positions(hi - lo, ws, ns)
+            assert shifted.numel() == mid_pos.numel()
+            offset = int(mid_pos[0] - shifted[0])      # RoPE scores depend on q - k only: shift q instead
+            q_cos, q_sin = kernels.rope_cos_sin(torch.tensor([new_pos - offset], device=q.device), self.inv_freq)
+            i32 = dict(dtype=torch.int32, device=q.device)
+            mid_out, mid_lse = kernels.paged_decode_attention(
+                kernels.apply_rope(q.float(), q_cos, q_sin), *kc.tensors(), *vc.tensors(),
+                torch.tensor([self.table[lo // bs:-(-hi // bs)]], **i32), torch.tensor([hi - lo], **i32),
+                torch.tensor([ws], **i32), torch.tensor([ns], **i32), self.inv_freq, sm_scale, kc.fmt, vc.fmt)
+            out, lse = (mid_out, mid_lse) if out is None else kernels.merge_attention(out, lse, mid_out, mid_lse)
+        return out.to(q.dtype)
 
     # ---- memory -------------------------------------------------------------------------
 

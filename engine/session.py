@@ -40,20 +40,24 @@ class Session:
 
     # ---- forward ----------------------------------------------------------------------
 
-    def _check_budget(self, num_new: int) -> None:
+    def _check_budget(self, num_new: int) -> bool:
+        """True when num_new tokens fit; False when the session just slid into a window (chunk again)."""
         need = self.cache.blocks_needed(num_new)
         if self.cache.pool.can_allocate(need):
-            return
+            return True
         c = self.cache.config
         if c.overflow == "slide" and c.window is None:
             self._slide_to_fit()
-            if self.cache.pool.can_allocate(self.cache.blocks_needed(num_new)):
-                return
+            return False
         raise BudgetFull(self._budget_message(num_new))
 
     def _budget_message(self, num_new: int) -> str:
         c = self.cache.config
         fit = self.tokens_left()
+        if c.window is not None:
+            return (f"The KV cache budget ({c.budget_mb:g} MiB) cannot hold a window of {c.window} + {c.sinks} sinks "
+                    f"tokens in {c.label()} while taking {num_new} new tokens: lower the window, choose a smaller "
+                    f"format (int8 or int4), or raise the budget.")
         return (f"The KV cache budget ({c.budget_mb:g} MiB, {c.label()}) is full: {self.cache.tokens_held} tokens are "
                 f"held and {num_new} more were needed, but only {fit} fit. Reset the session, switch to a sliding "
                 f"window, choose a smaller format (int8 or int4), or raise the budget.")
@@ -69,12 +73,14 @@ class Session:
 
     def _forward(self, ids: list[int], all_logits: bool) -> torch.Tensor:
         """Run ids through the model, chunked; every token joins the cache. Returns float32 logits."""
-        c = self.cache.config
-        chunk = c.block_size if c.window is not None else PREFILL_CHUNK
         outs = []
-        for i in range(0, len(ids), chunk):
-            part = ids[i:i + chunk]
-            self._check_budget(len(part))
+        i = 0
+        while i < len(ids):
+            c = self.cache.config           # re-read: overflow="slide" may switch to a window mid-prompt
+            part = ids[i:i + (c.block_size if c.window is not None else PREFILL_CHUNK)]
+            if not self._check_budget(len(part)):
+                continue
+            i += len(part)
             plan = self.cache.begin(len(part))
             x = torch.tensor(part, dtype=torch.long, device=self.engine.device)
             logits = self.engine.model.forward(x, lambda layer, q, k, v: self.cache.attend(layer, q, k, v, plan),
@@ -91,8 +97,16 @@ class Session:
         """
         token_ids = [int(t) for t in token_ids]
         pending = self.token_ids[self._cached:]
+        c = self.cache.config
+        if c.window is None and c.overflow == "stop":
+            if not self.cache.pool.can_allocate(self.cache.blocks_needed(len(pending) + len(token_ids))):
+                raise BudgetFull(self._budget_message(len(pending) + len(token_ids)))
         self.token_ids.extend(token_ids)
-        logits = self._forward(pending + token_ids, all_logits=all_logits)
+        try:
+            logits = self._forward(pending + token_ids, all_logits=all_logits)
+        except BudgetFull:
+            del self.token_ids[self._cached:]   # tokens the cache did not take leave the conversation
+            raise
         return logits[len(pending):] if all_logits else logits
 
     # ---- chat -------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 A layer component (its K or its V) is stored as up to three page tensors indexed by block id:
     data  [num_blocks, *data_shape]   the values (model dtype, int8, float8_e4m3fn, or packed int4)
     scale [num_blocks, *scale_shape]  fp16, when quantized
-    zero  [num_blocks, *scale_shape]  fp16 offset (the group minimum), when asymmetric
+    zero  [num_blocks, *scale_shape]  fp16 offset, when asymmetric: the group minimum (int4) or the
+                                      mid-range the codes are centred on (int8 / fp8)
 Scale axes:
     "none"    full precision
     "channel" one scale per (head, channel) over the block's tokens: keys, KIVI / KVQuant style
@@ -89,12 +90,17 @@ def page_format(fmt: str, role: str, key_scheme: str = "channel", model_dtype: s
 
     Chosen by measured fidelity on SmolLM2-135M (see README): keys quantize far better per
     channel over a block than per token; values per token (8-bit) or in groups of 32 (4-bit).
+    fp8 keys are centred on each channel's mid-range in the block (a zero point): e4m3 keeps a
+    relative error whatever the scale, so only removing the channel offset shrinks it (top-1
+    96.8% -> 98.6%, KL 0.0046 -> 0.0006, for 24 more bytes per token per layer).
     """
     if fmt == "auto":
         fmt = model_dtype
     if fmt in FULL_DTYPES:
         return PageFormat(fmt)
     per_channel = role == "k" and key_scheme == "channel"
+    if fmt == "fp8" and per_channel:
+        return PageFormat("fp8", "channel", symmetric=False)
     if fmt in ("int8", "fp8"):
         return PageFormat(fmt, "channel" if per_channel else "token", symmetric=True)
     if fmt == "int4":

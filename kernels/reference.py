@@ -41,6 +41,16 @@ def quantize(x: torch.Tensor, fmt: PageFormat):
         else:
             q = y.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         zero = None
+    elif fmt.name != "int4":   # int8 / fp8 centred on the mid-range (zero), codes symmetric around it
+        lo, hi = xf.amin(dim=dims, keepdim=True), xf.amax(dim=dims, keepdim=True)
+        zero = ((hi + lo) / 2).to(SCALE_DTYPE).float()
+        qmax = FP8_MAX if fmt.name == "fp8" else INT8_MAX
+        scale = (torch.maximum(hi - zero, zero - lo) / qmax).clamp_min(_MIN_SCALE).to(SCALE_DTYPE).float()
+        y = (xf - zero) / scale
+        if fmt.name == "fp8":
+            q = y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        else:
+            q = y.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     else:
         lo = xf.amin(dim=dims, keepdim=True).to(SCALE_DTYPE).float()
         hi = xf.amax(dim=dims, keepdim=True)

@@ -125,7 +125,25 @@ def _store_kernel(src, block_ids, data, scale, zero, num_heads, s_n, s_t, s_h, s
         tl.store(ptr, xe.to(data.dtype.element_ty), mask=m2)
         tl.store(ptr + 1, xo.to(data.dtype.element_ty), mask=m2)
     else:
-        if ASYM:       # q = round((x - min) / scale), scale = (max - min) / LEVELS, zero = min
+        if ASYM and KIND != 3:   # centred: zero = mid-range, q = (x - zero) / scale, scale = max|x - zero| / QMAX
+            lo_e, lo_o = _reduce(xe, xo, tmask, False, AXIS, BS_PAD, HALF, GROUP)
+            hi_e, hi_o = _reduce(xe, xo, tmask, True, AXIS, BS_PAD, HALF, GROUP)
+            z_e = ((hi_e + lo_e) * 0.5).to(tl.float16)
+            z_o = ((hi_o + lo_o) * 0.5).to(tl.float16)
+            zf_e = z_e.to(tl.float32)
+            zf_o = z_o.to(tl.float32)
+            s_e = tl.maximum(tl.math.div_rn(tl.maximum(hi_e - zf_e, zf_e - lo_e), QMAX), 1e-6).to(tl.float16)
+            s_o = tl.maximum(tl.math.div_rn(tl.maximum(hi_o - zf_o, zf_o - lo_o), QMAX), 1e-6).to(tl.float16)
+            qe = tl.minimum(tl.maximum(tl.math.div_rn(xe - zf_e, s_e.to(tl.float32)), -QMAX), QMAX)
+            qo = tl.minimum(tl.maximum(tl.math.div_rn(xo - zf_o, s_o.to(tl.float32)), -QMAX), QMAX)
+            if KIND == 2:
+                qe = _snap_e4m3(qe)
+                qo = _snap_e4m3(qo)
+            else:
+                qe = _rint(qe)
+                qo = _rint(qo)
+            _store_stat(zero, z_e, z_o, page, h, row, c, tmask, num_heads, AXIS, HALF, GROUP)
+        elif ASYM:     # q = round((x - min) / scale), scale = (max - min) / LEVELS, zero = min
             lo_e, lo_o = _reduce(xe, xo, tmask, False, AXIS, BS_PAD, HALF, GROUP)
             hi_e, hi_o = _reduce(xe, xo, tmask, True, AXIS, BS_PAD, HALF, GROUP)
             lo_e = lo_e.to(tl.float16)
