@@ -41,6 +41,8 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, a local HF folder, or a .gguf file")
+    parser.add_argument("--weights", default="dense", choices=["auto", "dense", "int4"],
+                        help="model weights; dense (default) so only the cache differs between modes")
     parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(DEFAULT_MODES),
                         help=f"comma-separated, from: {', '.join(MODES)}")
     parser.add_argument("--keys", type=int, default=4, help="keys per (length, depth) cell")
@@ -87,7 +89,7 @@ def run(args) -> dict:
     from .engine import Engine
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine.load(EngineConfig(model=args.model))
+    engine = Engine.load(EngineConfig(model=args.model, weights=args.weights))
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown modes {unknown}: choose from {', '.join(MODES)}")

@@ -55,6 +55,8 @@ LONG = {"tokens": 10_000, "last": 1_000, "lead": 1_000}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, a local HF folder, or a .gguf file")
+    parser.add_argument("--weights", default="dense", choices=["auto", "dense", "int4"],
+                        help="model weights; dense (default) so only the cache differs between modes")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of text per (non-window) mode")
     parser.add_argument("--window-tokens", type=int, default=WINDOW_TOKENS, help="tokens per window mode")
     parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(DEFAULT_MODES),
@@ -70,7 +72,7 @@ def _engine(args):
     from .engine import Engine
     if args.threads:
         torch.set_num_threads(args.threads)
-    return Engine.load(EngineConfig(model=args.model))
+    return Engine.load(EngineConfig(model=args.model, weights=args.weights))
 
 
 class _Tally:

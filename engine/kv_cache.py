@@ -12,6 +12,7 @@ StreamingLLM (see kernels.reference.slot_positions).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -75,8 +76,14 @@ class KVCache:
     def formats_for(self, config: CacheConfig, layer: int) -> tuple[PageFormat, PageFormat]:
         if layer in config.full_precision_layers:
             return page_format(self.model_dtype, "k"), page_format(self.model_dtype, "v")
-        return (page_format(config.k_format, "k", config.k_scheme, self.model_dtype),
-                page_format(config.v_format, "v", config.k_scheme, self.model_dtype))
+        return tuple(self._fit(page_format(f, role, config.k_scheme, self.model_dtype))
+                     for f, role in ((config.k_format, "k"), (config.v_format, "v")))
+
+    def _fit(self, fmt: PageFormat) -> PageFormat:
+        # groups of 32 channels need head_dim to split evenly; smaller heads use smaller groups
+        if fmt.scale_axis == "group" and self.model.head_dim % fmt.group:
+            return dataclasses.replace(fmt, group=math.gcd(fmt.group, self.model.head_dim))
+        return fmt
 
     def layout_bytes(self, config: CacheConfig) -> tuple[int, int]:
         """(bytes of one block over all layers, fixed bytes of the full-precision tails and heads) for a config."""

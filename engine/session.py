@@ -185,6 +185,7 @@ class Session:
                     reason, message = "budget", str(exc)
                     break
                 self._turn["decode_tokens"] += 1
+                self._turn["decode_s"] = time.perf_counter() - decode_started   # live rate for stats()
         finally:
             self._turn["decode_s"] = time.perf_counter() - decode_started
             final = stream.text()

@@ -75,3 +75,14 @@ def test_memory_never_passes_budget(engine):
             s.append(_ids(engine, 7))
             assert s.stats().kv_bytes <= budget_mb * 2**20
     assert s.stats().kv_bytes <= budget_mb * 2**20
+
+
+def test_int4_groups_shrink_for_small_heads(tmp_path):
+    """int4 on a model with head_dim 16 quantizes in groups of 16 instead of failing."""
+    from engine.testing import tiny_model_dir
+    engine = Engine.load(EngineConfig(model=tiny_model_dir(tmp_path, hidden=64, heads=4, kv_heads=2)))
+    s = engine.new_session()
+    s.append(_ids(engine, 40))
+    s.set_cache(CacheConfig(k_format="int4", v_format="int4", k_scheme="token"))
+    s.append(_ids(engine, 20, seed=2))
+    assert {l.v_format for l in s.stats().layers} == {"int4 (groups of 16, asym)"}
