@@ -10,7 +10,8 @@ Scale axes:
     "channel" one scale per (head, channel) over the block's tokens: keys, KIVI / KVQuant style
     "token"   one scale per (token, head)
     "group"   one scale per (token, head, group of `group` channels)
-Dequantized value: data * scale (+ zero when asymmetric). int4 packs channel 2i in the low
+Dequantized value: data * scale (+ zero when asymmetric). fp8 scales are one-byte powers of two
+(see POW2_BIAS). int4 packs channel 2i in the low
 nibble and 2i+1 in the high nibble of byte i.
 """
 from __future__ import annotations
@@ -23,6 +24,10 @@ FULL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloa
 SCALE_DTYPE = torch.float16
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# fp8 scales are powers of two stored as a biased exponent byte (value 2 ** (code - 127), as in
+# the OCP MX formats' E8M0): dividing by a power of two is exact, so the scale costs one byte and
+# adds no rounding to a floating-point code.
+POW2_BIAS = 127
 INT8_MAX = 127.0
 INT4_LEVELS = 15.0
 
@@ -65,7 +70,7 @@ class PageFormat:
                 "token": (block_size, num_heads),
                 "group": (block_size, num_heads, head_dim // self.group),
             }[self.scale_axis]
-            out["scale"] = (scale_shape, SCALE_DTYPE)
+            out["scale"] = (scale_shape, torch.uint8 if self.name == "fp8" else SCALE_DTYPE)
             if not self.symmetric:
                 out["zero"] = (scale_shape, SCALE_DTYPE)
         return out

@@ -24,6 +24,28 @@ def _grouped(x: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
     return x
 
 
+def pow2_code(v: torch.Tensor) -> torch.Tensor:
+    """Biased exponent of the smallest power of two >= v (v float32, normal): 2 ** (code - 127)."""
+    bits = v.float().contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def pow2_value(code: torch.Tensor) -> torch.Tensor:
+    return (code.to(torch.int32) << 23).view(torch.float32)
+
+
+def _scale(raw: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
+    """The scale a format stores for a raw scale, as the float32 it dequantizes with."""
+    raw = raw.clamp_min(_MIN_SCALE)
+    if fmt.name == "fp8":
+        return pow2_value(pow2_code(raw))
+    return raw.to(SCALE_DTYPE).float()
+
+
+def _stored(scale: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
+    return pow2_code(scale).to(torch.uint8) if fmt.name == "fp8" else scale.to(SCALE_DTYPE)
+
+
 def quantize(x: torch.Tensor, fmt: PageFormat):
     """x: [n, bs, H, D] float -> (data, scale, zero) laid out as `fmt.shapes` per block."""
     assert x.dim() == 4
@@ -34,7 +56,7 @@ def quantize(x: torch.Tensor, fmt: PageFormat):
     if fmt.symmetric:
         amax = xf.abs().amax(dim=dims, keepdim=True)
         qmax = FP8_MAX if fmt.name == "fp8" else INT8_MAX
-        scale = (amax / qmax).clamp_min(_MIN_SCALE).to(SCALE_DTYPE).float()
+        scale = _scale(amax / qmax, fmt)
         y = xf / scale
         if fmt.name == "fp8":
             q = y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -45,7 +67,7 @@ def quantize(x: torch.Tensor, fmt: PageFormat):
         lo, hi = xf.amin(dim=dims, keepdim=True), xf.amax(dim=dims, keepdim=True)
         zero = ((hi + lo) / 2).to(SCALE_DTYPE).float()
         qmax = FP8_MAX if fmt.name == "fp8" else INT8_MAX
-        scale = (torch.maximum(hi - zero, zero - lo) / qmax).clamp_min(_MIN_SCALE).to(SCALE_DTYPE).float()
+        scale = _scale(torch.maximum(hi - zero, zero - lo) / qmax, fmt)
         y = (xf - zero) / scale
         if fmt.name == "fp8":
             q = y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -61,7 +83,7 @@ def quantize(x: torch.Tensor, fmt: PageFormat):
         q = q.flatten(-2)
     if fmt.name == "int4":
         q = q[..., 0::2] | (q[..., 1::2] << 4)
-    scale = scale.squeeze(dims[0]).to(SCALE_DTYPE)
+    scale = _stored(scale.squeeze(dims[0]), fmt)
     if zero is not None:
         zero = zero.squeeze(dims[0]).to(SCALE_DTYPE)
     return q, scale, zero
@@ -75,7 +97,7 @@ def dequantize(data: torch.Tensor, scale, zero, fmt: PageFormat) -> torch.Tensor
         q = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).float()
     else:
         q = data.float()
-    s = scale.float()
+    s = pow2_value(scale) if fmt.name == "fp8" else scale.float()
     z = zero.float() if zero is not None else None
     if fmt.scale_axis == "channel":      # [n, H, D] -> broadcast over tokens
         s = s.unsqueeze(1)

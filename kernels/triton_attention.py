@@ -36,7 +36,11 @@ def _load_kv(data_ptr, scale_ptr, zero_ptr, page, off, head, d, mask, num_heads,
             sidx = row[:, None]
         else:            # groups of channels: scale [num_blocks, bs, H, D // GROUP]
             sidx = row[:, None] * (HEAD_DIM // GROUP) + (d // GROUP)[None, :]
-        x = x * tl.load(scale_ptr + sidx, mask=m2, other=0.0).to(tl.float32)
+        if scale_ptr.dtype.element_ty == tl.uint8:    # fp8: power-of-two scale as an exponent byte
+            code = tl.load(scale_ptr + sidx, mask=m2, other=0).to(tl.int32)
+            x = x * (code << 23).to(tl.float32, bitcast=True)
+        else:
+            x = x * tl.load(scale_ptr + sidx, mask=m2, other=0.0).to(tl.float32)
         if ASYM:
             x = x + tl.load(zero_ptr + sidx, mask=m2, other=0.0).to(tl.float32)
     return x

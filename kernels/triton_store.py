@@ -38,6 +38,18 @@ def _snap_e4m3(y):
 
 
 @triton.jit
+def _pow2_code(v):
+    # v: float32 > 0, normal -> biased exponent of the smallest power of two >= v
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _pow2_value(code):
+    return (code << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _round_bf16(x):
     # Snap float32 to the bf16 grid (ties to even) so the cast is exact: the interpreter's own
     # float32 -> bf16 cast truncates, the GPU's rounds; this way both equal torch's.
@@ -132,10 +144,20 @@ def _store_kernel(src, block_ids, data, scale, zero, num_heads, s_n, s_t, s_h, s
             z_o = ((hi_o + lo_o) * 0.5).to(tl.float16)
             zf_e = z_e.to(tl.float32)
             zf_o = z_o.to(tl.float32)
-            s_e = tl.maximum(tl.math.div_rn(tl.maximum(hi_e - zf_e, zf_e - lo_e), QMAX), 1e-6).to(tl.float16)
-            s_o = tl.maximum(tl.math.div_rn(tl.maximum(hi_o - zf_o, zf_o - lo_o), QMAX), 1e-6).to(tl.float16)
-            qe = tl.minimum(tl.maximum(tl.math.div_rn(xe - zf_e, s_e.to(tl.float32)), -QMAX), QMAX)
-            qo = tl.minimum(tl.maximum(tl.math.div_rn(xo - zf_o, s_o.to(tl.float32)), -QMAX), QMAX)
+            r_e = tl.maximum(tl.math.div_rn(tl.maximum(hi_e - zf_e, zf_e - lo_e), QMAX), 1e-6)
+            r_o = tl.maximum(tl.math.div_rn(tl.maximum(hi_o - zf_o, zf_o - lo_o), QMAX), 1e-6)
+            if KIND == 2:      # fp8: a power-of-two scale, stored as its exponent byte
+                s_e = _pow2_code(r_e)
+                s_o = _pow2_code(r_o)
+                sf_e = _pow2_value(s_e)
+                sf_o = _pow2_value(s_o)
+            else:
+                s_e = r_e.to(tl.float16)
+                s_o = r_o.to(tl.float16)
+                sf_e = s_e.to(tl.float32)
+                sf_o = s_o.to(tl.float32)
+            qe = tl.minimum(tl.maximum(tl.math.div_rn(xe - zf_e, sf_e), -QMAX), QMAX)
+            qo = tl.minimum(tl.maximum(tl.math.div_rn(xo - zf_o, sf_o), -QMAX), QMAX)
             if KIND == 2:
                 qe = _snap_e4m3(qe)
                 qo = _snap_e4m3(qo)
@@ -157,10 +179,20 @@ def _store_kernel(src, block_ids, data, scale, zero, num_heads, s_n, s_t, s_h, s
             _store_stat(zero, lo_e, lo_o, page, h, row, c, tmask, num_heads, AXIS, HALF, GROUP)
         else:          # q = x / scale, scale = max|x| / QMAX
             a_e, a_o = _reduce(tl.abs(xe), tl.abs(xo), tmask, True, AXIS, BS_PAD, HALF, GROUP)
-            s_e = tl.maximum(tl.math.div_rn(a_e, QMAX), 1e-6).to(tl.float16)
-            s_o = tl.maximum(tl.math.div_rn(a_o, QMAX), 1e-6).to(tl.float16)
-            qe = tl.minimum(tl.maximum(tl.math.div_rn(xe, s_e.to(tl.float32)), -QMAX), QMAX)
-            qo = tl.minimum(tl.maximum(tl.math.div_rn(xo, s_o.to(tl.float32)), -QMAX), QMAX)
+            r_e = tl.maximum(tl.math.div_rn(a_e, QMAX), 1e-6)
+            r_o = tl.maximum(tl.math.div_rn(a_o, QMAX), 1e-6)
+            if KIND == 2:      # fp8: a power-of-two scale, stored as its exponent byte
+                s_e = _pow2_code(r_e)
+                s_o = _pow2_code(r_o)
+                sf_e = _pow2_value(s_e)
+                sf_o = _pow2_value(s_o)
+            else:
+                s_e = r_e.to(tl.float16)
+                s_o = r_o.to(tl.float16)
+                sf_e = s_e.to(tl.float32)
+                sf_o = s_o.to(tl.float32)
+            qe = tl.minimum(tl.maximum(tl.math.div_rn(xe, sf_e), -QMAX), QMAX)
+            qo = tl.minimum(tl.maximum(tl.math.div_rn(xo, sf_o), -QMAX), QMAX)
             if KIND == 2:
                 qe = _snap_e4m3(qe)
                 qo = _snap_e4m3(qo)
