@@ -243,8 +243,12 @@ class KVCache:
         k_all = fast_rope(k_pages.index_select(0, plan.all_flat).float(), plan.all_cos, plan.all_sin)
         v_all = v_pages.index_select(0, plan.all_flat).float()
         q_rot = fast_rope(q.float(), plan.new_cos, plan.new_sin_folded)
+        if T == 1:     # one query: three batched matmuls beat SDPA's GQA expansion on small heads
+            Hkv, D = k_all.shape[1], k_all.shape[2]
+            scores = torch.bmm(q_rot[0].view(Hkv, -1, D), k_all.permute(1, 2, 0)) * D ** -0.5   # [Hkv, g, P+1]
+            return torch.bmm(scores.softmax(-1), v_all.transpose(0, 1)).reshape(1, -1, D)
         P = k_all.shape[0] - T
-        mask = torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(diagonal=P) if T > 1 else None
+        mask = torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(diagonal=P)
         out = torch.nn.functional.scaled_dot_product_attention(
             q_rot.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0),
             v_all.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
