@@ -178,6 +178,13 @@ class ChatView(QScrollArea):
         self._messages.clear()
         self._follow = True
 
+    def set_assistant_name(self, name: str) -> None:
+        """Name the model's replies, those already shown (restored before the model loaded) included."""
+        self.assistant_name = name
+        for message in self.messages():
+            if getattr(message, "role", None) == "assistant":
+                message.author_label.setText(name)
+
     def add_message(self, role: str, text: str) -> MessageWidget:
         author = {"user": "You", "assistant": self.assistant_name}.get(role, "kvchat")
         message = MessageWidget(role, author, text, self._column)

@@ -25,6 +25,9 @@ class Marker:
     label: str
 
 
+HOLD_GAP_S = 0.25                       # longer silences are drawn as held values
+
+
 class DashboardData:
     SERIES = ("kv", "budget", "rss", "torch", "gpu", "decode", "prefill", "tokens_held")
 
@@ -48,6 +51,12 @@ class DashboardData:
         if previous is not None and snapshot.tokens_evicted > previous.tokens_evicted:
             evicted = snapshot.tokens_evicted - previous.tokens_evicted
             self.mark("evict", f"evicted {evicted:,} tok", t)
+        if self.times and t - self.times[-1] > HOLD_GAP_S:
+            # nothing was reported for a while: the previous values held until now, so the curves
+            # step at this sample instead of sloping across the idle gap
+            self.times.append(t)
+            for series in self.series.values():
+                series.append(series[-1])
         self.times.append(t)
         memory = snapshot.memory
         values = {"kv": snapshot.kv_bytes, "budget": snapshot.budget_bytes, "rss": memory.rss_bytes,

@@ -267,7 +267,7 @@ class MainWindow(QMainWindow):
         self.engine_info = event
         self._loaded_model = self.settings.model
         self.load_bar.setVisible(False)
-        self.chat.assistant_name = event.model_name
+        self.chat.set_assistant_name(event.model_name)
         self.dashboard.data.mark("load", "model loaded")
         self.statusBar().showMessage(f"Loaded {event.model_name} on {event.device} in {event.load_s:.1f} s", 5000)
         messages = self.history.messages(self.conversation_id) if self.conversation_id is not None else []
