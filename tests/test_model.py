@@ -66,3 +66,25 @@ def test_greedy_matches_transformers_generate(default_engine):
             ours.append(nxt)
             logits = session.append([nxt])[-1]
         assert ours == out, p
+
+
+@pytest.mark.slow
+def test_int4_decode_weights_track_dense(default_engine):
+    """weights=auto packs the 4-bit GGUF's projections for decode; it agrees with dense fp32 on >= 97% of tokens."""
+    from engine.texts import load_tokens
+    fast = Engine.load(EngineConfig(model="default"))
+    assert fast.model.weights == "int4" and default_engine.model.weights == "dense"
+    toks = load_tokens(fast.tokenizer, "prose", 129)
+    rows = []
+    for engine in (fast, default_engine):
+        s = engine.new_session()
+        rows.append(torch.cat([s.append([t]) for t in toks[:-1]]))
+    agree = (rows[0].argmax(-1) == rows[1].argmax(-1)).float().mean().item()
+    assert agree >= 0.97
+    prefill = fast.new_session().append(toks[:-1])      # prefill runs the dense weights: exact
+    assert (prefill - default_engine.new_session().append(toks[:-1])).abs().max().item() <= 1e-4
+
+
+def test_safetensors_folder_defaults_to_dense(tiny_llama):
+    """weights=auto keeps dense weights for a safetensors folder (no 4-bit grid to recover)."""
+    assert Engine.load(EngineConfig(model=tiny_llama)).model.weights == "dense"
