@@ -47,6 +47,7 @@ class Plan:
     all_cos: torch.Tensor         # [P + T, D]
     all_sin: torch.Tensor         # [P + T, D], sign-folded for fast_rope
     new_sin_folded: torch.Tensor  # [T, D]
+    contiguous: bool              # all_flat == 0..P+T-1: pages can be sliced instead of gathered
 
 
 def fold_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -161,16 +162,29 @@ class KVCache:
         seq_len = self.seq_len
         ws, ns = self._geometry(self.num_tokens)
         slots, pos = kernels.slot_positions(seq_len, ws, ns)
-        past_cos, past_sin = kernels.rope_cos_sin(pos.to(self.device), self.inv_freq)
-        new_pos = torch.arange(num_new, device=self.device) + slots.numel()
-        new_cos, new_sin = kernels.rope_cos_sin(new_pos, self.inv_freq)
+        P = slots.numel()
+        all_pos = torch.cat((pos, torch.arange(P, P + num_new)))
+        cos, sin = self._rope_rows(all_pos)
         bs = self.block_size
         all_slots = torch.cat((slots, torch.arange(seq_len, seq_len + num_new)))
         table = torch.tensor(self.table, dtype=torch.long)
         all_flat = (table[all_slots // bs] * bs + all_slots % bs).to(self.device)
-        return Plan(num_new, seq_len, slots, past_cos, past_sin, new_cos, new_sin, seq_len, ws, ns,
-                    all_flat, all_flat[slots.numel():], torch.cat((past_cos, new_cos)),
-                    fold_sin(torch.cat((past_sin, new_sin))), fold_sin(new_sin))
+        # a single conversation without a window holds blocks 0..n-1 in order (lowest id first)
+        contiguous = P == seq_len and all(b == i for i, b in enumerate(self.table))
+        sin_folded = fold_sin(sin)
+        return Plan(num_new, seq_len, slots, cos[:P], sin[:P], cos[P:], sin[P:], seq_len, ws, ns,
+                    all_flat, all_flat[P:], cos, sin_folded, sin_folded[P:], contiguous)
+
+    def _rope_rows(self, positions: torch.Tensor):
+        """cos, sin [len(positions), D] from a table grown on demand (positions repeat every step)."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[0] < need:
+            size = 1 << max(8, (need - 1).bit_length())
+            table = kernels.rope_cos_sin(torch.arange(size, device=self.device), self.inv_freq)
+            self._rope_table = table
+        idx = positions.to(self.device)
+        return table[0].index_select(0, idx), table[1].index_select(0, idx)
 
     def end(self, plan: Plan) -> int:
         """Account the new tokens and free blocks that left the window; returns blocks freed."""
@@ -240,8 +254,12 @@ class KVCache:
         k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
         k_pages.index_copy_(0, plan.new_flat, k.to(k_pages.dtype))
         v_pages.index_copy_(0, plan.new_flat, v.to(v_pages.dtype))
-        k_all = fast_rope(k_pages.index_select(0, plan.all_flat).float(), plan.all_cos, plan.all_sin)
-        v_all = v_pages.index_select(0, plan.all_flat).float()
+        if plan.contiguous:
+            n = plan.all_flat.shape[0]
+            k_all, v_all = k_pages[:n].float(), v_pages[:n].float()
+        else:
+            k_all, v_all = k_pages.index_select(0, plan.all_flat).float(), v_pages.index_select(0, plan.all_flat).float()
+        k_all = fast_rope(k_all, plan.all_cos, plan.all_sin)
         q_rot = fast_rope(q.float(), plan.new_cos, plan.new_sin_folded)
         if T == 1:     # one query: three batched matmuls beat SDPA's GQA expansion on small heads
             Hkv, D = k_all.shape[1], k_all.shape[2]
