@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-load", action="store_true", help="skip the cold/warm load-time measurement")
+    p.add_argument("--long-context", action="store_true",
+                   help="also measure decode with 4,096 tokens cached against 256 (kvchat only)")
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -79,6 +81,27 @@ def _load_time(model: str, cold: bool) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _decode_by_context(engine, runs: int, steps: int = 32) -> dict:
+    """Decode tok/s with 256 and 4,096 tokens already cached (interleaved), and their ratio."""
+    try:
+        from .texts import load_tokens
+        ids = load_tokens(engine.tokenizer, "stream", 4096 + steps)
+    except Exception:
+        ids = prompt_ids(engine.tokenizer, 4096 + steps)
+    speeds: dict[int, list[float]] = {256: [], 4096: []}
+    for _ in range(runs):
+        for n in speeds:
+            session = engine.new_session()
+            session.append(ids[:n], all_logits=False)
+            t0 = time.perf_counter()
+            for i in range(steps):
+                session.append([ids[n + i]], all_logits=False)
+            speeds[n].append(steps / (time.perf_counter() - t0))
+            session.reset()
+    at = {n: statistics.median(v) for n, v in speeds.items()}
+    return {"decode_tok_s_at_256": at[256], "decode_tok_s_at_4096": at[4096], "ratio_4096_vs_256": at[4096] / at[256]}
+
+
 def _median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -125,6 +148,8 @@ def run(args) -> dict:
         result["kvchat_dense_weights"] = {k: _median(ours_dense, k) for k in ("prefill_tok_s", "decode_tok_s", "ttft_s")}
         result["ratio_decode_dense_vs_transformers"] = (result["kvchat_dense_weights"]["decode_tok_s"]
                                                         / result["transformers"]["decode_tok_s"])
+    if getattr(args, "long_context", False):
+        result["decode_by_context"] = _decode_by_context(engine, args.runs)
     if not args.no_load:
         result["load_s_cold"] = _load_time(args.model, cold=True)
         result["load_s_warm"] = statistics.median(_load_time(args.model, cold=False) for _ in range(3))
@@ -141,6 +166,10 @@ def summarize(r: dict) -> str:
                if "kvchat_dense_weights" in r else []),
              f"  transformers   prefill {t['prefill_tok_s']:7.1f} tok/s  decode {t['decode_tok_s']:6.1f} tok/s  TTFT {t['ttft_s'] * 1000:6.0f} ms",
              f"  decode ratio {r['ratio_decode_vs_transformers']:.2f}x, prefill ratio {r['ratio_prefill_vs_transformers']:.2f}x"]
+    if "decode_by_context" in r:
+        c = r["decode_by_context"]
+        lines.append(f"  decode with 4,096 cached: {c['decode_tok_s_at_4096']:.1f} tok/s, with 256: "
+                     f"{c['decode_tok_s_at_256']:.1f} tok/s ({c['ratio_4096_vs_256']:.2f}x)")
     if "load_s_cold" in r:
         lines.append(f"  load: cold {r['load_s_cold']:.1f} s (GGUF conversion), warm {r['load_s_warm']:.1f} s")
     return "\n".join(lines)
