@@ -60,7 +60,7 @@ def fast_rope(x: torch.Tensor, cos: torch.Tensor, sin_folded: torch.Tensor) -> t
     """x [N, H, D] rotated (rotate-half RoPE) in three ops; equals kernels.apply_rope."""
     n, h, d = x.shape
     swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
-    return torch.addcmul(x * cos[:, None], swapped, sin_folded[:, None])
+    return (x * cos[:, None]).addcmul_(swapped, sin_folded[:, None])
 
 
 class KVCache:

@@ -238,7 +238,7 @@ class Session:
         t = self._turn
         return StatsSnapshot(
             time_s=time.monotonic(),
-            cache_label=c.label(),
+            cache_label=c.label().replace("auto", cache.model_dtype),
             layers=layers,
             kv_bytes=sum(l.k_bytes + l.v_bytes for l in layers),
             budget_bytes=int(c.budget_mb * MIB),
