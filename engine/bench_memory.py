@@ -16,7 +16,7 @@ import torch
 
 from kernels.formats import bytes_per_block
 
-from .config import CacheConfig, EngineConfig
+from .config import CacheConfig
 from .kv_cache import KVCache
 
 MODES = {

@@ -1,7 +1,6 @@
 """Engine: a loaded model, its tokenizer and the sessions that chat with it."""
 from __future__ import annotations
 
-import os
 import time
 
 import torch

@@ -10,7 +10,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from . import memory
-from .config import CacheConfig, ConfigError, SamplingParams
+from .config import CacheConfig, SamplingParams
 from .events import LayerBytes, StatsSnapshot, TokenDelta, TurnFinished
 from .kv_cache import MIB, KVCache
 from .detok import StreamDecoder

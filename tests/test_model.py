@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig
 from engine.testing import tiny_model_dir
 
 CASES = [
