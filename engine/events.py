@@ -60,6 +60,6 @@ class TokenDelta:
 @dataclass(frozen=True, slots=True)
 class TurnFinished:
     text: str                           # the whole reply
-    finish_reason: str                  # "eos", "length", "stopped", "budget"
+    finish_reason: str                  # "eos", "length", "stopped", "budget", "context"
     message: str                        # for humans; empty unless something needs saying
     stats: StatsSnapshot

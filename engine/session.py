@@ -136,6 +136,9 @@ class Session:
         new_ids = self._new_tokens_for(rendered)
         prompt = self.token_ids[self._cached:] + new_ids
         kept = len(self.token_ids)
+        if self._past_context(len(prompt)):
+            yield TurnFinished("", "context", self._context_message(len(prompt)), self.stats())
+            return
         try:
             if self.cache.config.window is None and self.cache.config.overflow == "stop":
                 need = self.cache.blocks_needed(len(prompt))
@@ -166,6 +169,9 @@ class Session:
                 if should_stop is not None and should_stop():
                     reason = "stopped"
                     break
+                if self._past_context(1):
+                    reason, message = "context", self._context_message(1)
+                    break
                 next_id = sample(logits.cpu(), params, self.token_ids[-1024:], generator)
                 if step == 0:
                     self._turn["ttft_s"] = time.perf_counter() - started
@@ -194,6 +200,17 @@ class Session:
         if rest:
             yield TokenDelta(rest, ())
         yield TurnFinished(final, reason, message, self.stats())
+
+    def _past_context(self, num_new: int) -> bool:
+        """Would num_new more tokens pass the model's context? A window re-positions, so it never does."""
+        limit = self.engine.model.config.max_position_embeddings
+        return self.cache.config.window is None and self.cache.num_tokens + num_new > limit
+
+    def _context_message(self, num_new: int) -> str:
+        limit = self.engine.model.config.max_position_embeddings
+        return (f"The conversation would pass {self.engine.model_name}'s context of {limit:,} tokens "
+                f"({self.cache.num_tokens:,} held, {num_new:,} more needed): switch the cache to a sliding "
+                f"window with sinks to keep going, or start a new chat.")
 
     def reply(self, text: str, params: SamplingParams | None = None) -> str:
         for event in self.send(text, params):

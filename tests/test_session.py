@@ -110,3 +110,18 @@ def test_reset_keeps_messages_and_next_turn_reprefills(tiny_engine):
     events = list(s.send("two", SamplingParams(temperature=0, max_new_tokens=5)))
     assert events[-1].stats.prefill_tokens > 8
     assert len(s.messages) == 4
+
+
+def test_context_limit_stops_turn_and_window_continues(tmp_path):
+    """Past the model's context a turn ends with advice; the chat is intact and a window lets it go on."""
+    from engine import CacheConfig, Engine, EngineConfig
+    from engine.testing import tiny_model_dir
+    engine = Engine.load(EngineConfig(model=tiny_model_dir(tmp_path, max_positions=64)))
+    s = engine.new_session()
+    events = list(s.send("hello " * 80, SamplingParams(temperature=0, max_new_tokens=4)))
+    final = events[-1]
+    assert final.finish_reason == "context" and "sliding window" in final.message
+    assert s.messages == [] and s.stats().kv_bytes == 0
+    s.set_cache(CacheConfig(window=32, sinks=4))
+    final = list(s.send("hello " * 80, SamplingParams(temperature=0, max_new_tokens=4)))[-1]
+    assert final.finish_reason in ("length", "eos") and len(s.messages) == 2
