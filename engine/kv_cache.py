@@ -35,10 +35,6 @@ class Plan:
     num_new: int
     first_slot: int
     past_slots: torch.Tensor      # [P] valid slots before this step
-    past_cos: torch.Tensor        # [P, D]
-    past_sin: torch.Tensor
-    new_cos: torch.Tensor         # [T, D]
-    new_sin: torch.Tensor
     seq_len: int                  # slots before this step
     window_start: int
     num_sinks: int
@@ -46,7 +42,8 @@ class Plan:
     new_flat: torch.Tensor        # [T] page rows of the new slots
     all_cos: torch.Tensor         # [P + T, D]
     all_sin: torch.Tensor         # [P + T, D], sign-folded for fast_rope
-    new_sin_folded: torch.Tensor  # [T, D]
+    new_cos: torch.Tensor         # [T, D], the new tokens' rows of all_cos
+    new_sin: torch.Tensor         # [T, D], the new tokens' rows of all_sin
     contiguous: bool              # all_flat == 0..P+T-1: pages can be sliced instead of gathered
 
 
@@ -172,8 +169,8 @@ class KVCache:
         # a single conversation without a window holds blocks 0..n-1 in order (lowest id first)
         contiguous = P == seq_len and all(b == i for i, b in enumerate(self.table))
         sin_folded = fold_sin(sin)
-        return Plan(num_new, seq_len, slots, cos[:P], sin[:P], cos[P:], sin[P:], seq_len, ws, ns,
-                    all_flat, all_flat[P:], cos, sin_folded, sin_folded[P:], contiguous)
+        return Plan(num_new, seq_len, slots, seq_len, ws, ns, all_flat, all_flat[P:], cos, sin_folded,
+                    cos[P:], sin_folded[P:], contiguous)
 
     def _rope_rows(self, positions: torch.Tensor):
         """cos, sin [len(positions), D] from a table grown on demand (positions repeat every step)."""
@@ -229,28 +226,17 @@ class KVCache:
             return self._attend_paged(kc, vc, q, k, v, plan)
         if not (kc.fmt.is_quantized or vc.fmt.is_quantized):
             return self._attend_dense(kc, vc, q, k, v, plan)
-        q_rot = kernels.apply_rope(q.float(), plan.new_cos, plan.new_sin)
-        k_new = kernels.apply_rope(k.float(), plan.new_cos, plan.new_sin)
+        # quantized pages: read the past before writing, since a write may quantize the tail away
+        k_all, v_all = k.float(), v.float()
         if plan.past_slots.numel():
-            k_past = kernels.apply_rope(kc.read_slots(self.table, plan.seq_len, plan.past_slots), plan.past_cos, plan.past_sin)
-            v_past = vc.read_slots(self.table, plan.seq_len, plan.past_slots)
-            k_all, v_all = torch.cat((k_past, k_new)), torch.cat((v_past, v.float()))
-        else:
-            k_all, v_all = k_new, v.float()
+            k_all = torch.cat((kc.read_slots(self.table, plan.seq_len, plan.past_slots), k_all))
+            v_all = torch.cat((vc.read_slots(self.table, plan.seq_len, plan.past_slots), v_all))
         kc.write(k, plan.first_slot, self.table)
         vc.write(v, plan.first_slot, self.table)
-        P = k_all.shape[0] - T
-        mask = None
-        if T > 1:
-            mask = torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(diagonal=P)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q_rot.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0),
-            v_all.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+        return self._attention(q, fast_rope(k_all, plan.all_cos, plan.all_sin), v_all, plan)
 
     def _attend_dense(self, kc: Component, vc: Component, q, k, v, plan: Plan) -> torch.Tensor:
         """Full-precision pages: write the new tokens, then read past and new slots in one gather."""
-        T = q.shape[0]
         k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
         k_pages.index_copy_(0, plan.new_flat, k.to(k_pages.dtype))
         v_pages.index_copy_(0, plan.new_flat, v.to(v_pages.dtype))
@@ -259,8 +245,13 @@ class KVCache:
             k_all, v_all = k_pages[:n].float(), v_pages[:n].float()
         else:
             k_all, v_all = k_pages.index_select(0, plan.all_flat).float(), v_pages.index_select(0, plan.all_flat).float()
-        k_all = fast_rope(k_all, plan.all_cos, plan.all_sin)
-        q_rot = fast_rope(q.float(), plan.new_cos, plan.new_sin_folded)
+        return self._attention(q, fast_rope(k_all, plan.all_cos, plan.all_sin), v_all, plan)
+
+    @staticmethod
+    def _attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """q [T, Hq, D] before RoPE; k_all (rotated) / v_all [P + T, Hkv, D], the new tokens last -> [T, Hq, D]."""
+        T = q.shape[0]
+        q_rot = fast_rope(q.float(), plan.new_cos, plan.new_sin)
         if T == 1:     # one query: three batched matmuls beat SDPA's GQA expansion on small heads
             Hkv, D = k_all.shape[1], k_all.shape[2]
             scores = torch.bmm(q_rot[0].view(Hkv, -1, D), k_all.permute(1, 2, 0)) * D ** -0.5   # [Hkv, g, P+1]
@@ -298,7 +289,7 @@ class KVCache:
         sm_scale = 1.0 / math.sqrt(D)
         out = lse = None
         if quantized:            # the side slots always include the new token
-            q_rot = kernels.apply_rope(q.float(), plan.new_cos, plan.new_sin)
+            q_rot = fast_rope(q.float(), plan.new_cos, plan.new_sin)
             cos, sin = kernels.rope_cos_sin(side_pos.to(q.device), self.inv_freq)
             k_side = kernels.apply_rope(k_side, cos, sin)
             Hkv = k_side.shape[1]

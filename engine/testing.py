@@ -22,6 +22,13 @@ _CORPUS = [
 ]
 
 
+def random_ids(engine, n: int, seed: int = 0) -> list[int]:
+    """n reproducible token ids from an engine's vocabulary, special ids 0-2 excluded."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, engine.model.config.vocab_size, (n,), generator=g).tolist()
+
+
 def build_tokenizer(folder: Path, vocab_size: int = 320):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -5,6 +5,7 @@ import torch
 from engine import BudgetFull, CacheConfig, Engine, EngineConfig, SamplingParams
 from engine.events import TurnFinished
 from engine.kv_cache import MIB
+from engine.testing import random_ids as _ids
 
 
 @pytest.fixture(scope="module")
@@ -13,11 +14,6 @@ def engine(tmp_path_factory):
     folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-budget"), hidden=128, heads=4, kv_heads=2, head_dim=64,
                             layers=2, max_positions=2048, seed=4)
     return Engine.load(EngineConfig(model=folder))
-
-
-def _ids(engine, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, engine.model.config.vocab_size, (n,), generator=g).tolist()
 
 
 def _budget_for(engine, config: CacheConfig, blocks: int) -> float:

@@ -4,6 +4,7 @@ import torch
 
 from engine import CacheConfig, Engine, EngineConfig
 from engine.config import ConfigError
+from engine.testing import random_ids as _ids
 from kernels.formats import bytes_per_block
 
 FORMAT_PAIRS = [("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "int8"), ("fp8", "fp8"),
@@ -16,11 +17,6 @@ def engine(tmp_path_factory):
     folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-hd64"), hidden=128, heads=4, kv_heads=2, head_dim=64,
                             layers=2, max_positions=1024, seed=1)
     return Engine.load(EngineConfig(model=folder))
-
-
-def _ids(engine, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, engine.model.config.vocab_size, (n,), generator=g).tolist()
 
 
 def _page_bytes(comp, block_id):

@@ -5,11 +5,7 @@ import pytest
 import torch
 
 from engine import CacheConfig, Engine, EngineConfig
-
-
-def _ids(engine, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, engine.model.config.vocab_size, (n,), generator=g).tolist()
+from engine.testing import random_ids as _ids
 
 
 @pytest.fixture(scope="module")

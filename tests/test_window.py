@@ -6,6 +6,7 @@ import torch
 
 import kernels
 from engine import CacheConfig, Engine, EngineConfig
+from engine.testing import random_ids as _ids
 
 
 @pytest.fixture(scope="module")
@@ -14,11 +15,6 @@ def engine(tmp_path_factory):
     folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-window"), hidden=128, heads=4, kv_heads=2, head_dim=64,
                             layers=2, max_positions=128, seed=2)
     return Engine.load(EngineConfig(model=folder))
-
-
-def _ids(engine, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, engine.model.config.vocab_size, (n,), generator=g).tolist()
 
 
 def _expected_blocks(n, window, sinks, bs):
