@@ -50,6 +50,24 @@ def _pow2_value(code):
 
 
 @triton.jit
+def _stored_scale(r, KIND: tl.constexpr):
+    # r: float32 scale -> (what the page stores, the float32 it dequantizes with)
+    if KIND == 2:      # fp8: a power-of-two scale, stored as its exponent byte
+        code = _pow2_code(r)
+        return code, _pow2_value(code)
+    s = r.to(tl.float16)
+    return s, s.to(tl.float32)
+
+
+@triton.jit
+def _to_code(y, KIND: tl.constexpr):
+    # y: float32 within range -> the value the int8 / fp8 data page stores exactly
+    if KIND == 2:
+        return _snap_e4m3(y)
+    return _rint(y)
+
+
+@triton.jit
 def _round_bf16(x):
     # Snap float32 to the bf16 grid (ties to even) so the cast is exact: the interpreter's own
     # float32 -> bf16 cast truncates, the GPU's rounds; this way both equal torch's.
@@ -146,24 +164,12 @@ def _store_kernel(src, block_ids, data, scale, zero, num_heads, s_n, s_t, s_h, s
             zf_o = z_o.to(tl.float32)
             r_e = tl.maximum(tl.math.div_rn(tl.maximum(hi_e - zf_e, zf_e - lo_e), QMAX), 1e-6)
             r_o = tl.maximum(tl.math.div_rn(tl.maximum(hi_o - zf_o, zf_o - lo_o), QMAX), 1e-6)
-            if KIND == 2:      # fp8: a power-of-two scale, stored as its exponent byte
-                s_e = _pow2_code(r_e)
-                s_o = _pow2_code(r_o)
-                sf_e = _pow2_value(s_e)
-                sf_o = _pow2_value(s_o)
-            else:
-                s_e = r_e.to(tl.float16)
-                s_o = r_o.to(tl.float16)
-                sf_e = s_e.to(tl.float32)
-                sf_o = s_o.to(tl.float32)
+            s_e, sf_e = _stored_scale(r_e, KIND)
+            s_o, sf_o = _stored_scale(r_o, KIND)
             qe = tl.minimum(tl.maximum(tl.math.div_rn(xe - zf_e, sf_e), -QMAX), QMAX)
             qo = tl.minimum(tl.maximum(tl.math.div_rn(xo - zf_o, sf_o), -QMAX), QMAX)
-            if KIND == 2:
-                qe = _snap_e4m3(qe)
-                qo = _snap_e4m3(qo)
-            else:
-                qe = _rint(qe)
-                qo = _rint(qo)
+            qe = _to_code(qe, KIND)
+            qo = _to_code(qo, KIND)
             _store_stat(zero, z_e, z_o, page, h, row, c, tmask, num_heads, AXIS, HALF, GROUP)
         elif ASYM:     # q = round((x - min) / scale), scale = (max - min) / LEVELS, zero = min
             lo_e, lo_o = _reduce(xe, xo, tmask, False, AXIS, BS_PAD, HALF, GROUP)
@@ -181,24 +187,12 @@ def _store_kernel(src, block_ids, data, scale, zero, num_heads, s_n, s_t, s_h, s
             a_e, a_o = _reduce(tl.abs(xe), tl.abs(xo), tmask, True, AXIS, BS_PAD, HALF, GROUP)
             r_e = tl.maximum(tl.math.div_rn(a_e, QMAX), 1e-6)
             r_o = tl.maximum(tl.math.div_rn(a_o, QMAX), 1e-6)
-            if KIND == 2:      # fp8: a power-of-two scale, stored as its exponent byte
-                s_e = _pow2_code(r_e)
-                s_o = _pow2_code(r_o)
-                sf_e = _pow2_value(s_e)
-                sf_o = _pow2_value(s_o)
-            else:
-                s_e = r_e.to(tl.float16)
-                s_o = r_o.to(tl.float16)
-                sf_e = s_e.to(tl.float32)
-                sf_o = s_o.to(tl.float32)
+            s_e, sf_e = _stored_scale(r_e, KIND)
+            s_o, sf_o = _stored_scale(r_o, KIND)
             qe = tl.minimum(tl.maximum(tl.math.div_rn(xe, sf_e), -QMAX), QMAX)
             qo = tl.minimum(tl.maximum(tl.math.div_rn(xo, sf_o), -QMAX), QMAX)
-            if KIND == 2:
-                qe = _snap_e4m3(qe)
-                qo = _snap_e4m3(qo)
-            else:
-                qe = _rint(qe)
-                qo = _rint(qo)
+            qe = _to_code(qe, KIND)
+            qo = _to_code(qo, KIND)
         _store_stat(scale, s_e, s_o, page, h, row, c, tmask, num_heads, AXIS, HALF, GROUP)
         if KIND == 3:  # two codes per byte: even channel low nibble, odd channel high nibble
             packed = qe.to(tl.uint8) | (qo.to(tl.uint8) << 4)
