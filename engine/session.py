@@ -51,6 +51,13 @@ class Session:
             return False
         raise BudgetFull(self._budget_message(num_new))
 
+    def _check_whole_fits(self, num_new: int) -> None:
+        """With overflow="stop" and no window, refuse up front what cannot fit, so nothing is half-prefilled."""
+        c = self.cache.config
+        if c.window is None and c.overflow == "stop" and \
+                not self.cache.pool.can_allocate(self.cache.blocks_needed(num_new)):
+            raise BudgetFull(self._budget_message(num_new))
+
     def _budget_message(self, num_new: int) -> str:
         c = self.cache.config
         fit = self.tokens_left()
@@ -97,10 +104,7 @@ class Session:
         """
         token_ids = [int(t) for t in token_ids]
         pending = self.token_ids[self._cached:]
-        c = self.cache.config
-        if c.window is None and c.overflow == "stop":
-            if not self.cache.pool.can_allocate(self.cache.blocks_needed(len(pending) + len(token_ids))):
-                raise BudgetFull(self._budget_message(len(pending) + len(token_ids)))
+        self._check_whole_fits(len(pending) + len(token_ids))
         self.token_ids.extend(token_ids)
         try:
             logits = self._forward(pending + token_ids, all_logits=all_logits)
@@ -140,10 +144,7 @@ class Session:
             yield TurnFinished("", "context", self._context_message(len(prompt)), self.stats())
             return
         try:
-            if self.cache.config.window is None and self.cache.config.overflow == "stop":
-                need = self.cache.blocks_needed(len(prompt))
-                if not self.cache.pool.can_allocate(need):
-                    raise BudgetFull(self._budget_message(len(prompt)))
+            self._check_whole_fits(len(prompt))
             self.token_ids.extend(new_ids)
             logits = self._forward(prompt, all_logits=False)[-1]
         except BudgetFull as exc:
