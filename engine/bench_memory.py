@@ -44,9 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_config(model: str):
-    from .loader import locate, read_config
+    from .engine import read_model_config
     from .model import ModelConfig
-    return ModelConfig.from_hf(read_config(locate(model).folder))
+    return read_model_config(model)
 
 
 def fill(cache: KVCache, num_tokens: int, seed: int = 0) -> None:

@@ -112,7 +112,8 @@ class EngineConfig:
     model: str = "default"            # "default", a local HF folder, or a .gguf file
     device: str = "auto"              # auto, cpu, cuda, cuda:N
     dtype: str = "auto"               # auto (fp32 on CPU, bf16 on CUDA), fp32, fp16, bf16
-    weights: str = "auto"             # auto, dense (the dtype above) or int4 (packed copies for CPU decode)
+    weights: str = "auto"             # auto (a GGUF's own blocks, packed; a folder's stored dtype), dense (the
+                                      # dtype above: the exact reference), or int8 / int4 (quantize on load)
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None
 
@@ -121,5 +122,5 @@ class EngineConfig:
             raise ConfigError(f"device={self.device!r}: choose auto, cpu or cuda[:N]")
         if self.dtype not in ("auto", "fp32", "fp16", "bf16"):
             raise ConfigError(f"dtype={self.dtype!r}: choose auto, fp32, fp16 or bf16")
-        if self.weights not in ("auto", "dense", "int4"):
-            raise ConfigError(f"weights={self.weights!r}: choose auto, dense or int4")
+        if self.weights not in ("auto", "dense", "int8", "int4"):
+            raise ConfigError(f"weights={self.weights!r}: choose auto, dense, int8 or int4")

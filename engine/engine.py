@@ -6,12 +6,31 @@ import time
 import torch
 
 from .config import CacheConfig, EngineConfig
-from .loader import ModelLoadError, Progress, load_state_dict, load_tokenizer, locate, read_config
+from .gguf_file import GGUFFile
+from .loader import (ModelLoadError, Progress, gguf_tokenizer, load_state_dict, load_tokenizer, locate, read_config,
+                     remove_conversion_cache)
+from .memory_check import check_fits, folder_bytes
 from .model import ModelConfig, Transformer
+from .weights import from_gguf, from_state_dict
 from .session import Session
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
+
+
+def read_model_config(model: str) -> ModelConfig:
+    """The architecture numbers of a model spec, from config.json or the GGUF header (no weights read)."""
+    files = locate(model)
+    return ModelConfig.from_gguf(GGUFFile(files.path)) if files.is_gguf else ModelConfig.from_hf(read_config(files.folder))
+
+
+def load_transformers_reference(model: str, dtype=torch.float32):
+    """transformers' own model on the same weights (a GGUF dequantized by transformers + gguf): for checks."""
+    from transformers import AutoModelForCausalLM
+    files = locate(model)
+    if files.is_gguf:
+        return AutoModelForCausalLM.from_pretrained(str(files.path.parent), gguf_file=files.path.name, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(str(files.folder), dtype=dtype)
 
 
 def resolve_device(device: str) -> str:
@@ -23,7 +42,8 @@ def resolve_device(device: str) -> str:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: Transformer, tokenizer, name: str, load_s: float, converted: bool):
+    def __init__(self, config: EngineConfig, model: Transformer, tokenizer, name: str, load_s: float,
+                 notice: str | None = None):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -31,7 +51,7 @@ class Engine:
         self.device = model.device
         self.dtype_name = {v: k for k, v in _DTYPES.items()}[model.dtype]
         self.load_s = load_s
-        self.converted = converted
+        self.notice = notice          # something the user should hear about the load (old caches removed)
         self.stop_ids = self._stop_ids()
 
     @property
@@ -46,23 +66,30 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
         dtype_name = config.dtype if config.dtype != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
+        dtype = _DTYPES[dtype_name]
         if progress:
             progress("locating model", 0.0)
-        files = locate(config.model, progress)
-        if progress:
-            progress("reading weights", 0.6)
-        mc = ModelConfig.from_hf(read_config(files.folder))
-        state = load_state_dict(files.folder)
-        weights = config.weights
-        if weights == "auto":      # 4-bit sources decode from packed int4 on the CPU: the same grid, 1/8 the bytes
-            weights = "int4" if files.source_quant.startswith(("Q4", "IQ4")) else "dense"
-        if weights == "int4" and device != "cpu":
-            weights = "dense"      # the packed int4 kernel used here is the CPU one
-        model = Transformer(mc, state, _DTYPES[dtype_name], device, weights)
-        if progress:
-            progress("loading tokenizer", 0.9)
-        tokenizer = load_tokenizer(files.folder)
-        engine = cls(config, model, tokenizer, files.name, time.perf_counter() - started, files.converted)
+        notice = remove_conversion_cache()
+        if notice and progress:
+            progress(notice, 0.0)
+        files = locate(config.model)
+        if files.is_gguf:
+            gf = GGUFFile(files.path)
+            mc = ModelConfig.from_gguf(gf)
+            check_fits(mc, gf.tensor_bytes, config.weights, device, files.path.name)
+            tokenizer = gguf_tokenizer(files.path, progress)
+            if progress:
+                progress("mapping weights", 0.5)
+            model = from_gguf(mc, gf, dtype, device, config.weights)
+            gf.release_pages()
+        else:
+            mc = ModelConfig.from_hf(read_config(files.folder))
+            check_fits(mc, folder_bytes(files.folder), config.weights, device, files.name)
+            if progress:
+                progress("reading weights", 0.5)
+            model = from_state_dict(mc, load_state_dict(files.folder), dtype, device, config.weights)
+            tokenizer = load_tokenizer(files.folder)
+        engine = cls(config, model, tokenizer, files.name, time.perf_counter() - started, notice)
         engine.new_session().cache   # validates the cache config against this model
         if progress:
             progress("ready", 1.0)

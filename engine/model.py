@@ -27,7 +27,7 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: tuple  # (type, factor, low_freq_factor, high_freq_factor, original_max) or ()
+    rope_scaling: tuple  # (type, factor, low_freq_factor, high_freq_factor, original_max), ("factors", (f, ...)), or ()
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -77,15 +77,29 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
         )
 
+    @classmethod
+    def from_gguf(cls, gf) -> "ModelConfig":
+        cfg = cls.from_hf(gf.hf_config())
+        factors = gf.rope_factors()
+        if factors is not None:
+            if len(factors) != cfg.head_dim // 2:
+                raise ModelLoadError(f"{gf.path.name}: rope_freqs has {len(factors)} entries, expected {cfg.head_dim // 2}")
+            from dataclasses import replace
+            cfg = replace(cfg, rope_scaling=("factors", factors))
+        return cfg
+
     def inv_freq(self) -> torch.Tensor:
         """[head_dim/2] float32 rotary frequencies, with llama3 / linear scaling applied."""
         d = self.head_dim
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         if self.rope_scaling:
-            kind, factor, low, high, orig = self.rope_scaling
+            kind, factor = self.rope_scaling[:2]
             if kind == "linear":
                 inv = inv / factor
+            elif kind == "factors":     # a GGUF's rope_freqs tensor: one divisor per frequency
+                inv = inv / torch.tensor(factor, dtype=torch.float64)
             else:  # llama3: long wavelengths slowed by `factor`, short kept, smooth in between
+                low, high, orig = self.rope_scaling[2:]
                 wavelen = 2 * math.pi / inv
                 low_wl, high_wl = orig / low, orig / high
                 smooth = (orig / wavelen - low) / (high - low)
@@ -96,99 +110,38 @@ class ModelConfig:
 
 
 # attention(layer, q [T, Hq, D], k [T, Hkv, D] before RoPE, v [T, Hkv, D]) -> [T, Hq, D]
-DECODE_ROWS = 8
-
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Layer:
-    __slots__ = ("w_qkv", "b_qkv", "w_o", "b_o", "w_gate_up", "b_gate_up", "w_down", "b_down", "norm_attn", "norm_mlp")
+    """One decoder layer's weights: q/k/v and gate/up fused so a step runs fewer, larger matmuls."""
+    __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp")
+
+    def __init__(self, qkv, o, gate_up, down, norm_attn: torch.Tensor, norm_mlp: torch.Tensor):
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.norm_attn, self.norm_mlp = norm_attn, norm_mlp
 
 
 class Transformer:
-    """Weights as plain tensors; q/k/v and gate/up fused so a decode step runs fewer, larger matmuls.
+    """The forward pass over linears of any kind (see qlinear.py): dense, packed int4 or int8.
 
-    weights="int4" adds packed int4 copies (groups of 32, see qlinear.py) of every projection that
-    decode steps read instead of the dense weights: a quarter of the bytes per token. Prefill keeps
-    the dense weights. Only the matmul inputs drop to bf16; the residual stream keeps the model dtype.
+    `table` is the embedding matrix as a linear: `table.rows(ids)` dequantizes only the rows asked
+    for, and a tied output head is the same object, so its bytes are held once. `weights` names the weight path: "dense" (the exact reference), "gguf" (the file's blocks kept
+    packed), "int8" / "int4" (float weights quantized on load), or the stored dtype.
     """
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
-                 weights: str = "dense"):
+    def __init__(self, config: ModelConfig, table, layers: list[Layer], norm: torch.Tensor, lm_head,
+                 dtype: torch.dtype, device: str, weights: str, quant: str = ""):
         self.config = config
-        self.weights = weights
+        self.table = table
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
         self.dtype = dtype
         self.device = device
-        c = config
-
-        def take(name: str, required: bool = True):
-            t = state.pop(name, None)
-            if t is None:
-                if required:
-                    raise ModelLoadError(f"weight {name} is missing: the checkpoint does not match its config.json")
-                return None
-            return t.to(device=device, dtype=dtype)
-
-        def cat(*ts):
-            return None if any(t is None for t in ts) else torch.cat(ts, 0).contiguous()
-
-        self.embed = take("model.embed_tokens.weight")
-        if self.embed.shape != (c.vocab_size, c.hidden_size):
-            raise ModelLoadError(f"embedding shape {tuple(self.embed.shape)} does not match config "
-                                 f"({c.vocab_size}, {c.hidden_size})")
-        self.layers = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            L = Layer()
-            L.w_qkv = cat(take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
-                          take(p + "self_attn.v_proj.weight"))
-            L.b_qkv = cat(take(p + "self_attn.q_proj.bias", c.qkv_bias), take(p + "self_attn.k_proj.bias", c.qkv_bias),
-                          take(p + "self_attn.v_proj.bias", c.qkv_bias)) if c.qkv_bias else None
-            L.w_o = take(p + "self_attn.o_proj.weight")
-            L.b_o = take(p + "self_attn.o_proj.bias", c.o_bias) if c.o_bias else None
-            L.w_gate_up = cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
-            L.b_gate_up = cat(take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")) if c.mlp_bias else None
-            L.w_down = take(p + "mlp.down_proj.weight")
-            L.b_down = take(p + "mlp.down_proj.bias") if c.mlp_bias else None
-            L.norm_attn = take(p + "input_layernorm.weight")
-            L.norm_mlp = take(p + "post_attention_layernorm.weight")
-            self.layers.append(L)
-        self.norm = take("model.norm.weight")
-        head = state.pop("lm_head.weight", None)
-        if c.tie_word_embeddings or head is None:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = head.to(device=device, dtype=dtype)
+        self.weights = weights
+        self.quant = quant              # what the file holds, e.g. "Q4_1 (+Q8_0)"; "" for float sources
         self.inv_freq = config.inv_freq().to(device)
-        self._linear = {}
-        if weights == "int4":
-            self._pack_int4()
-
-    def _pack_int4(self) -> None:
-        from .qlinear import Int4Linear, can_pack
-        for L in self.layers:
-            for w_name, b_name in (("w_qkv", "b_qkv"), ("w_o", "b_o"), ("w_gate_up", "b_gate_up"), ("w_down", "b_down")):
-                w = getattr(L, w_name)
-                if can_pack(w):
-                    self._linear[id(w)] = Int4Linear(w, getattr(L, b_name))
-        # the output head stays dense: GGUFs usually store it at 8 bits or more (SmolLM2: Q8_0)
-
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, b=None) -> torch.Tensor:
-        # decode steps (a few rows) read the packed int4 copy; prefill's large matmuls stay dense,
-        # where the packed kernel is slower than the BLAS GEMM
-        if x.shape[0] <= DECODE_ROWS and self._linear:
-            packed = self._linear.get(id(w))
-            if packed is not None:
-                return packed(x)
-        return F.linear(x, w, b)
-
-    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]; statistics in fp32 as the reference does
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, self.config.rms_norm_eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return w * xf.to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: Attention, all_logits: bool = False) -> torch.Tensor:
@@ -197,29 +150,30 @@ class Transformer:
         T = token_ids.shape[0]
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
-        x = self.embed[token_ids]
+        x = self.table.rows(token_ids).to(self.dtype)
+        eps = c.rms_norm_eps
         for i, L in enumerate(self.layers):
-            h = self._rms_norm(x, L.norm_attn)
-            qkv = self._mm(h, L.w_qkv, L.b_qkv)
+            qkv = L.qkv.fused(x, norm=L.norm_attn, eps=eps)
             q = qkv[:, :q_size].view(T, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(T, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].view(T, c.num_kv_heads, c.head_dim)
             o = attention(i, q, k, v)
-            x = x + self._mm(o.reshape(T, q_size).to(self.dtype), L.w_o, L.b_o)
-            h = self._rms_norm(x, L.norm_mlp)
-            gu = self._mm(h, L.w_gate_up, L.b_gate_up)
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + self._mm(F.silu(gate) * up, L.w_down, L.b_down)
+            x = L.o.fused(o.reshape(T, q_size).to(self.dtype), residual=x)
+            gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps)
+            x = L.down.fused(gu, swiglu=True, residual=x)
         if not all_logits:
             x = x[-1:]
-        x = self._rms_norm(x, self.norm)
-        return self._mm(x, self.lm_head).float()
+        return self.lm_head.fused(x, norm=self.norm, eps=eps).float()
 
     def weight_bytes(self) -> int:
-        seen, total = set(), 0
-        for t in [self.embed, self.norm, self.lm_head] + [getattr(L, s) for L in self.layers for s in Layer.__slots__]:
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total + sum(p.nbytes for p in self._linear.values())
+        """Bytes the weights hold resident: packed codes, scales, norms and the embedding table."""
+        linears = [self.table, self.lm_head] + [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
+        norms = [self.norm] + [t for L in self.layers for t in (L.norm_attn, L.norm_mlp)]
+        total = sum(lin.nbytes for lin in {id(x): x for x in linears}.values())
+        return total + sum(t.numel() * t.element_size() for t in norms)
 
+    def linear_kinds(self) -> dict[str, int]:
+        """Packed kind -> number of linears, e.g. {"int4": 120, "int8": 1}."""
+        from collections import Counter
+        return dict(Counter(p.kind for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down))
+                    + Counter([self.lm_head.kind]))

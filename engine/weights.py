@@ -1,0 +1,181 @@
+"""Build the Transformer's weights from a source: a GGUF read in place, or a safetensors state dict.
+
+Weight paths (EngineConfig.weights):
+- "auto": a GGUF keeps its own blocks packed (4-bit types as int4 groups of 32, 5-8 bit types as
+  per-channel int8, 16-bit as 16-bit); a safetensors folder keeps its stored dtype.
+- "dense": every weight dequantized to the model dtype (fp32 on the CPU): the exact reference.
+- "int8" / "int4": float weights quantized on load (opt-in, for safetensors folders).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .gguf_file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, q4_blocks, q8_grid, unpermute_rows
+from .loader import ModelLoadError
+from .model import Layer, ModelConfig, Transformer
+from .qlinear import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
+
+_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "") -> Transformer:
+    """linear(names, bias_names) -> a linear; tensor(name) -> a norm vector."""
+    layers = []
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        w = lambda *ms: [p + m + ".weight" for m in ms]                      # noqa: E731
+        b = lambda on, *ms: [p + m + ".bias" for m in ms] if on else None    # noqa: E731
+        layers.append(Layer(
+            qkv=linear(w(*_PROJ[:3]), b(mc.qkv_bias, *_PROJ[:3])),
+            o=linear(w(_PROJ[3]), b(mc.o_bias, _PROJ[3])),
+            gate_up=linear(w(*_PROJ[4:6]), b(mc.mlp_bias, *_PROJ[4:6])),
+            down=linear(w(_PROJ[6]), b(mc.mlp_bias, _PROJ[6])),
+            norm_attn=tensor(p + "input_layernorm.weight"),
+            norm_mlp=tensor(p + "post_attention_layernorm.weight")))
+    table = linear(["model.embed_tokens.weight"], None)
+    head = table if mc.tie_word_embeddings else linear(["lm_head.weight"], None)
+    return Transformer(mc, table, layers, tensor("model.norm.weight"), head, dtype, device, weights, quant)
+
+
+# ---- safetensors ---------------------------------------------------------------------------------
+
+def from_state_dict(mc: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+                    weights: str) -> Transformer:
+    if mc.tie_word_embeddings or "lm_head.weight" not in state:
+        mc = _tied(mc)
+
+    def get(name: str) -> torch.Tensor:
+        t = state.get(name)
+        if t is None:
+            raise ModelLoadError(f"weight {name} is missing: the checkpoint does not match its config.json")
+        return t
+
+    stored = get("model.embed_tokens.weight").dtype
+    # the stored dtype stays on the CPU when it is 16-bit (bf16 runs on AVX512-BF16 where present)
+    keep16 = weights == "auto" and device == "cpu" and stored in (torch.bfloat16, torch.float16)
+    wdtype = stored if keep16 else dtype
+
+    def tensor(name: str) -> torch.Tensor:
+        return get(name).to(device=device, dtype=dtype)
+
+    def linear(names, bias_names):
+        w = torch.cat([get(n) for n in names], 0) if len(names) > 1 else get(names[0])
+        b = cat_bias([tensor(n) for n in bias_names]) if bias_names else None
+        if weights in ("int8", "int4"):
+            return quantize_float(w, b, weights)
+        return DenseLinear(w.to(device=device, dtype=wdtype), b)
+
+    label = weights if weights != "auto" else {torch.float32: "fp32", torch.bfloat16: "bf16",
+                                               torch.float16: "fp16"}.get(wdtype, "dense")
+    model = _assemble(mc, linear, tensor, dtype, device, label)
+    state.clear()
+    return model
+
+
+def _tied(mc: ModelConfig) -> ModelConfig:
+    from dataclasses import replace
+    return replace(mc, tie_word_embeddings=True)
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------
+
+def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, weights: str) -> Transformer:
+    packed = weights == "auto" and device == "cpu"
+    permute = {"self_attn.q_proj": mc.num_heads, "self_attn.k_proj": mc.num_kv_heads} if mc.model_type == "llama" else {}
+
+    def heads_of(name: str) -> int | None:
+        for key, h in permute.items():
+            if f".{key}." in name:
+                return h
+        return None
+
+    def dense(name: str) -> torch.Tensor:
+        w = gf.dequantize(name)
+        h = heads_of(name)
+        w = np.ascontiguousarray(unpermute_rows(w, h) if h else w)
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    def tensor(name: str) -> torch.Tensor:
+        return dense(name).reshape(-1).to(device=device, dtype=dtype)
+
+    def part(name: str):
+        """(kind, payload) for one stored matrix, in the closest packed form."""
+        kind, data = gf.raw(name)
+        k = gf.tensors[gf.gguf_name(name)].shape[0]
+        h = heads_of(name)
+        rows = (lambda a: unpermute_rows(a, h)) if h else (lambda a: a)
+        if k % 32 == 0 and kind in INT4_GRID_TYPES:
+            return "q4", tuple(torch.from_numpy(np.ascontiguousarray(rows(a))) for a in q4_blocks(kind, data))
+        if k % 32 == 0 and kind in INT8_GRID_TYPES:
+            codes, scale, zero, group = q8_rows(gf, name)
+            return f"q8/{group}/{zero is not None}", tuple(
+                None if a is None else torch.from_numpy(np.ascontiguousarray(rows(a))) for a in (codes, scale, zero))
+        w = dense(name)
+        if kind in ("F16", "BF16"):
+            return "16", w.to(torch.bfloat16 if kind == "BF16" else torch.float16)
+        if kind == "F32" or k % 32:
+            return "32", w
+        return "q4f", w            # 2-3 bit and IQ types: re-gridded to 16 levels per group of 32
+
+    def linear(names, bias_names):
+        bias = cat_bias([tensor(n) for n in bias_names]) if bias_names else None
+        if not packed:
+            w = torch.cat([dense(n) for n in names], 0)
+            if weights in ("int8", "int4"):
+                return quantize_float(w, bias, weights)
+            return DenseLinear(w.to(device=device, dtype=dtype), bias)
+        parts = [part(n) for n in names]
+        groups: list[list] = []
+        for kind, payload in parts:          # neighbours of one kind fuse into one matmul
+            if groups and groups[-1][0] == kind:
+                groups[-1][1].append(payload)
+            else:
+                groups.append([kind, [payload]])
+        made = [_make(kind, payloads) for kind, payloads in groups]
+        if len(made) == 1:
+            made[0].bias = bias
+            return made[0]
+        return ConcatLinear(made, bias)
+
+    if mc.tie_word_embeddings or not gf.has("lm_head.weight"):
+        mc = _tied(mc)
+    return _assemble(mc, linear, tensor, dtype, device, "gguf" if packed else weights, gf.quant_summary())
+
+
+def q8_rows(gf: GGUFFile, name: str, chunk: int = 2048):
+    """Codes [N, K] int8 and the file's own scales (and zeros) of a 5-8 bit tensor, a chunk of rows at a time.
+
+    Each value the file holds is code * scale + zero exactly, so the codes are recovered by
+    rounding (value - zero) / scale of gguf's own dequantization: nothing is re-quantized.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    kind, data = gf.raw(name)
+    qtype = GGMLQuantizationType[kind]
+    scale, zero, group = q8_grid(kind, data)
+    n, k = data.shape[0], gf.tensors[gf.gguf_name(name)].shape[0]
+    codes = np.empty((n, k), dtype=np.int8)
+    for lo in range(0, n, chunk):
+        w = np.asarray(dequantize(data[lo:lo + chunk], qtype), dtype=np.float32).reshape(-1, k // group, group)
+        if zero is not None:
+            w = w - zero[lo:lo + chunk, :, None]
+        s = scale[lo:lo + chunk, :, None]
+        q = np.divide(w, s, out=np.zeros_like(w), where=s != 0)
+        codes[lo:lo + chunk] = np.rint(q).reshape(-1, k)
+    return codes, scale, zero, group
+
+
+def _make(kind: str, payloads: list):
+    if kind == "q4":
+        codes, scale, zero = (torch.cat(x, 0) for x in zip(*payloads))
+        return Q4Linear(codes, scale, zero)
+    if kind.startswith("q8"):
+        codes, scale, zero = (None if x[0] is None else torch.cat(x, 0) for x in zip(*payloads))
+        return Q8Linear(codes, scale, zero)
+    w = torch.cat(payloads, 0)
+    if kind == "q4f":
+        return Q4Linear.from_float(w)
+    return DenseLinear(w)

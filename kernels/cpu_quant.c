@@ -1,0 +1,292 @@
+// Matrix-vector products over quantized weights, for CPU decode; and dequantization for prefill.
+//
+// Weights are read in their packed form and never expanded in memory:
+//   q4: codes packed two per byte, groups of 32 along K; byte j of a group holds element j in its
+//       low nibble and element j + 16 in its high nibble (the layout of GGUF Q4_0 / Q4_1).
+//       w = code * scale + zero, one scale and zero per group.
+//   q8: int8 codes, groups of G (16 or 32) along K; w = code * scale (+ zero when given).
+// x: [M, K] float32 with K a multiple of 32, y: [M, N] float32. Output rows are split across
+// OpenMP threads.
+// Built at first use by kernels/cpu_quant.py with the machine's C compiler (-O3 -march=native).
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define MAXM 8
+
+#ifdef __AVX2__
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+#endif
+
+static void quantize_x(const float *x, int M, int K, int16_t *xq, float *xs, float *sums) {
+    // per row and group of 32: xq = round(x / s) in [-32767, 32767], s = max|x| / 32767, and
+    // sums = s * sum of xq. 16-bit activations keep the products exact to about 1e-5 (8-bit ones, as
+    // llama.cpp uses, flipped near-tied greedy choices of the default model). The sums come from the
+    // quantized x so that code and zero terms see the same input: with the exact sum, a zero point of
+    // -8 * scale (Q4_0) would not cancel the codes' offset.
+    int ng = K / 32;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < ng; g++) {
+            const float *v = x + (size_t)m * K + g * 32;
+            float amax = 0.f;
+            for (int j = 0; j < 32; j++) {
+                float a = v[j] < 0 ? -v[j] : v[j];
+                amax = a > amax ? a : amax;
+            }
+            float s = amax / 32767.f, inv = amax > 0 ? 32767.f / amax : 0.f;
+            int16_t *o = xq + (size_t)m * K + g * 32;
+            int isum = 0;
+            for (int j = 0; j < 32; j++) {
+                o[j] = (int16_t)__builtin_lrintf(v[j] * inv);
+                isum += o[j];
+            }
+            xs[m * ng + g] = s;
+            sums[m * ng + g] = s * (float)isum;
+        }
+}
+
+// What a decode step does to x before and after a matmul, fused here to save a dozen small torch
+// ops per layer: mode 1 applies RMSNorm with weight norm_w, mode 2 SwiGLU (x has 2K columns:
+// silu(x[:, :K]) * x[:, K:]); resid, when given, is added to the output.
+static const float *prep(const float *x, int M, int K, int mode, const float *norm_w, float eps, float *buf) {
+    if (mode == 0) return x;
+    for (int m = 0; m < M; m++) {
+        float *o = buf + (size_t)m * K;
+        if (mode == 1) {
+            const float *v = x + (size_t)m * K;
+            double ss = 0;
+            for (int j = 0; j < K; j++) ss += (double)v[j] * v[j];
+            float r = 1.f / sqrtf((float)(ss / K) + eps);
+            for (int j = 0; j < K; j++) o[j] = v[j] * r * norm_w[j];
+        } else {
+            const float *a = x + (size_t)m * 2 * K, *b = a + K;
+            for (int j = 0; j < K; j++) o[j] = a[j] / (1.f + expf(-a[j])) * b[j];
+        }
+    }
+    return buf;
+}
+
+#ifdef __AVX2__
+static inline __m256 zero_terms(const float *zr, const float *sums, int ng, float *tail) {
+    // sum over groups of zero * sum(x), eight groups a step; the remainder goes to *tail
+    __m256 z = _mm256_setzero_ps();
+    int h = 0;
+    for (; h + 8 <= ng; h += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zr + h), _mm256_loadu_ps(sums + h), z);
+    float t = 0.f;
+    for (; h < ng; h++) t += zr[h] * sums[h];
+    *tail = t;
+    return z;
+}
+
+static inline __m256i q4_group(const uint8_t *b, const int16_t *v) {
+    // 32 codes (16 bytes) against 32 int16 activations -> 8 int32 partial sums
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i x = _mm_loadu_si128((const __m128i *)b);
+    __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(x, mask));
+    __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(x, 4), mask));
+    return _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
+                            _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
+}
+
+// one row of x (decode): two independent accumulators, everything in registers
+static float q4_row1(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
+                     const float *sums, int ng) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 2 <= ng; g += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + g * 32)), _mm256_set1_ps(sc[g] * xs[g]), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16 + 16, xq + g * 32 + 32)),
+                             _mm256_set1_ps(sc[g + 1] * xs[g + 1]), a1);
+    }
+    if (g < ng)
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + g * 32)), _mm256_set1_ps(sc[g] * xs[g]), a0);
+    float tail;
+    __m256 z = zero_terms(zr, sums, ng, &tail);
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
+}
+
+static inline __m256i q8_half(const int8_t *w, const int16_t *v) {
+    // 16 int8 codes against 16 int16 activations -> 8 int32 partial sums
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
+                             _mm256_loadu_si256((const __m256i *)v));
+}
+
+static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G, const int16_t *xq, const float *xs,
+                     const float *sums32, int nx) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int g = 0; g < nx; g++) {
+        __m256i p0 = q8_half(row + g * 32, xq + g * 32), p1 = q8_half(row + g * 32 + 16, xq + g * 32 + 16);
+        if (G == 32) {
+            __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
+            if (g & 1) a1 = _mm256_fmadd_ps(f, _mm256_set1_ps(sc[g] * xs[g]), a1);
+            else a0 = _mm256_fmadd_ps(f, _mm256_set1_ps(sc[g] * xs[g]), a0);
+        } else {
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(sc[2 * g] * xs[g]), a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(sc[2 * g + 1] * xs[g]), a1);
+        }
+    }
+    float tail = 0.f;
+    __m256 z = zr && G == 32 ? zero_terms(zr, sums32, nx, &tail) : _mm256_setzero_ps();
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
+}
+#endif
+
+// x is quantized to int16 per group of 32, so inner products are integer multiply-adds
+// (16 per instruction on AVX2), with one float multiply-add per group.
+void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const float *scale, const float *zero,
+             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid) {
+    // scratch: 6 * M * K bytes + 2 * M * K / 32 floats
+    int ng = K / 32;
+    float *buf = (float *)scratch;
+    int16_t *xq = (int16_t *)(buf + (size_t)M * K);
+    float *xs = (float *)(xq + (size_t)M * K), *sums = xs + (size_t)M * ng;
+    quantize_x(prep(x, M, K, mode, norm_w, eps, buf), M, K, xq, xs, sums);
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *row = codes + (size_t)n * (K / 2);
+        const float *sc = scale + (size_t)n * ng, *zr = zero + (size_t)n * ng;
+        float out[MAXM];
+#ifdef __AVX2__
+        if (M == 1) {
+            y[n] = q4_row1(row, sc, zr, xq, xs, sums, ng) + (resid ? resid[n] : 0.f);
+            continue;
+        }
+        __m256 acc[MAXM];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        for (int g = 0; g < ng; g++) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
+            __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));                       // elements 0..15
+            __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));    // 16..31
+            for (int m = 0; m < M; m++) {
+                const int16_t *v = xq + (size_t)m * K + g * 32;
+                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
+                                             _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[g] * xs[m * ng + g]), acc[m]);
+            }
+        }
+        for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]);
+#else
+        for (int m = 0; m < M; m++) out[m] = 0.f;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *b = row + g * 16;
+            for (int m = 0; m < M; m++) {
+                const int16_t *v = xq + (size_t)m * K + g * 32;
+                int d = 0;
+                for (int j = 0; j < 16; j++) d += (b[j] & 15) * v[j] + (b[j] >> 4) * v[j + 16];
+                out[m] += sc[g] * xs[m * ng + g] * (float)d;
+            }
+        }
+#endif
+        for (int m = 0; m < M; m++) {
+            float z = 0.f;
+            const float *sm = sums + (size_t)m * ng;
+            for (int g = 0; g < ng; g++) z += zr[g] * sm[g];
+            y[(size_t)m * N + n] = out[m] + z + (resid ? resid[(size_t)m * N + n] : 0.f);
+        }
+    }
+}
+
+void q8_gemv(const float *x, int M, int K, const int8_t *codes, const float *scale, const float *zero, int G,
+             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid) {
+    // G is 16 or 32; zero may be NULL (symmetric); scratch as for q4_gemv
+    int ng = K / G, nx = K / 32;
+    float *buf = (float *)scratch;
+    int16_t *xq = (int16_t *)(buf + (size_t)M * K);
+    float *xs = (float *)(xq + (size_t)M * K), *sums32 = xs + (size_t)M * nx;
+    quantize_x(prep(x, M, K, mode, norm_w, eps, buf), M, K, xq, xs, sums32);
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const int8_t *row = codes + (size_t)n * K;
+        const float *sc = scale + (size_t)n * ng;
+        float out[MAXM];
+#ifdef __AVX2__
+        if (M == 1 && (!zero || G == 32)) {
+            y[n] = q8_row1(row, sc, zero ? zero + (size_t)n * ng : NULL, G, xq, xs, sums32, nx) + (resid ? resid[n] : 0.f);
+            continue;
+        }
+        __m256 acc[MAXM];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        for (int g32 = 0; g32 < nx; g32++) {
+            __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g32 * 32)));
+            __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g32 * 32 + 16)));
+            float s0 = G == 32 ? sc[g32] : sc[2 * g32], s1 = G == 32 ? sc[g32] : sc[2 * g32 + 1];
+            for (int m = 0; m < M; m++) {
+                const int16_t *v = xq + (size_t)m * K + g32 * 32;
+                __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)v));
+                __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(v + 16)));
+                float sx = xs[m * nx + g32];
+                __m256 f;
+                if (G == 32)
+                    f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(s0 * sx));
+                else
+                    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0 * sx),
+                                        _mm256_mul_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1 * sx)));
+                acc[m] = _mm256_add_ps(acc[m], f);
+            }
+        }
+        for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]);
+#else
+        for (int m = 0; m < M; m++) out[m] = 0.f;
+        for (int g = 0; g < ng; g++)
+            for (int m = 0; m < M; m++) {
+                const int16_t *v = xq + (size_t)m * K + g * G;
+                int d = 0;
+                for (int j = 0; j < G; j++) d += row[g * G + j] * v[j];
+                out[m] += sc[g] * xs[m * nx + g * G / 32] * (float)d;
+            }
+#endif
+        for (int m = 0; m < M; m++) {
+            float z = 0.f;
+            if (zero) {   // sums over groups of G of the quantized x
+                const float *zr = zero + (size_t)n * ng;
+                const int16_t *xr = xq + (size_t)m * K;
+                if (G == 32)
+                    for (int g = 0; g < ng; g++) z += zr[g] * sums32[m * nx + g];
+                else
+                    for (int g = 0; g < ng; g++) {
+                        int s = 0;
+                        for (int j = 0; j < G; j++) s += xr[g * G + j];
+                        z += zr[g] * xs[m * nx + g * G / 32] * (float)s;
+                    }
+            }
+            y[(size_t)m * N + n] = out[m] + z + (resid ? resid[(size_t)m * N + n] : 0.f);
+        }
+    }
+}
+
+void q4_dequant(const uint8_t *codes, const float *scale, const float *zero, int N, int K, float *out) {
+    int ng = K / 32;
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *b = codes + (size_t)n * (K / 2) + g * 16;
+            float s = scale[(size_t)n * ng + g], z = zero[(size_t)n * ng + g];
+            float *o = out + (size_t)n * K + g * 32;
+            for (int j = 0; j < 16; j++) {
+                o[j] = (b[j] & 15) * s + z;
+                o[j + 16] = (b[j] >> 4) * s + z;
+            }
+        }
+}
+
+void q8_dequant(const int8_t *codes, const float *scale, const float *zero, int G, int N, int K, float *out) {
+    int ng = K / G;
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+        for (int g = 0; g < ng; g++) {
+            float s = scale[(size_t)n * ng + g], z = zero ? zero[(size_t)n * ng + g] : 0.f;
+            const int8_t *b = codes + (size_t)n * K + g * G;
+            float *o = out + (size_t)n * K + g * G;
+            for (int j = 0; j < G; j++) o[j] = b[j] * s + z;
+        }
+}

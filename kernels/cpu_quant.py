@@ -1,0 +1,166 @@
+"""CPU kernels over quantized weights (cpu_quant.c), built once with the machine's C compiler.
+
+`available()` says whether the library could be built and loaded; callers fall back to torch's
+packed kernels when it cannot. Each function has a torch reference below with the same signature.
+The library links the OpenMP runtime torch already loaded (libgomp), so both share one thread pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_quant.c")
+MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
+_lib = None
+_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    override = os.environ.get("KVCHAT_CACHE_DIR")
+    if override:
+        return Path(override) / "kernels"
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("kvchat")) / "kernels"
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found (cc / gcc)")
+    src = SOURCE.read_bytes()
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    machine = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
+        if Path("/proc/cpuinfo").exists() else ""
+    key = hashlib.sha256(src + " ".join(flags + [cc, machine]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_quant-{key}.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}.so")
+        res = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {res.stderr.strip()[:400]}")
+        tmp.replace(out)
+    lib = ctypes.CDLL(str(out))
+    P, I = ctypes.c_void_p, ctypes.c_int
+    F = ctypes.c_float
+    lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P]
+    lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P]
+    lib.q4_dequant.argtypes = [P, P, P, I, I, P]
+    lib.q8_dequant.argtypes = [P, P, P, I, I, I, P]
+    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant):
+        f.restype = None
+    return lib
+
+
+def available() -> bool:
+    global _lib, _error
+    if _lib is None and _error is None:
+        if os.environ.get("KVCHAT_NO_CPU_KERNELS"):
+            _error = "disabled by KVCHAT_NO_CPU_KERNELS"
+        else:
+            try:
+                _lib = _build()
+            except (OSError, RuntimeError) as exc:
+                _error = str(exc)
+    return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    available()
+    return _error
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+PREP_NONE, PREP_RMSNORM, PREP_SWIGLU = 0, 1, 2
+
+
+def _prep_args(x, k, norm, eps, swiglu, residual):
+    mode = PREP_RMSNORM if norm is not None else PREP_SWIGLU if swiglu else PREP_NONE
+    assert x.shape[1] == (2 * k if swiglu else k) and x.is_contiguous() and x.dtype == torch.float32
+    assert residual is None or residual.is_contiguous()
+    return mode, _ptr(norm), float(eps), _ptr(residual)
+
+
+# x: [M, K] fp32 contiguous ([M, 2K] with swiglu), M <= MAX_ROWS; codes: [N, K/2] uint8; scale, zero: [N, K/32]
+# fp32. Optional: norm [K] applies RMSNorm to x first, swiglu applies silu(x[:, :K]) * x[:, K:], residual
+# [M, N] is added to the output. -> [M, N]
+def q4_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, norm=None, eps=0.0,
+            swiglu=False, residual=None) -> torch.Tensor:
+    n, k = codes.shape[0], codes.shape[1] * 2
+    m = x.shape[0]
+    y = torch.empty(m, n)
+    scratch = torch.empty(m * k * 7, dtype=torch.uint8)
+    _lib.q4_gemv(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), n, y.data_ptr(),
+                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual))
+    return y
+
+
+# codes: [N, K] int8; scale (zero or None): [N, K/G] fp32; the rest as q4_gemv -> [M, N]
+def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+            norm=None, eps=0.0, swiglu=False, residual=None) -> torch.Tensor:
+    n, k = codes.shape
+    m = x.shape[0]
+    y = torch.empty(m, n)
+    scratch = torch.empty(m * k * 7, dtype=torch.uint8)
+    _lib.q8_gemv(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), _ptr(zero), group, n, y.data_ptr(),
+                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual))
+    return y
+
+
+def q4_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    n, half = codes.shape
+    out = torch.empty(n, half * 2)
+    _lib.q4_dequant(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), n, half * 2, out.data_ptr())
+    return out
+
+
+def q8_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+    n, k = codes.shape
+    out = torch.empty(n, k)
+    _lib.q8_dequant(codes.data_ptr(), scale.data_ptr(), _ptr(zero), group, n, k, out.data_ptr())
+    return out
+
+
+# ---- torch references (same signatures) ------------------------------------------------------------
+
+def q4_dequant_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    n, half = codes.shape
+    b = codes.view(n, half // 16, 16)
+    q = torch.cat((b & 15, b >> 4), -1).float()                  # [N, G, 32]
+    return (q * scale[..., None] + zero[..., None]).view(n, half * 2)
+
+
+def q8_dequant_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+    n, k = codes.shape
+    w = codes.view(n, k // group, group).float() * scale[..., None]
+    if zero is not None:
+        w = w + zero[..., None]
+    return w.view(n, k)
+
+
+def prep_ref(x, norm=None, eps=0.0, swiglu=False):
+    if norm is not None:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm, eps)
+    if swiglu:
+        a, b = x.chunk(2, -1)
+        return torch.nn.functional.silu(a) * b
+    return x
+
+
+def q4_gemv_ref(x, codes, scale, zero, norm=None, eps=0.0, swiglu=False, residual=None):
+    y = prep_ref(x, norm, eps, swiglu) @ q4_dequant_ref(codes, scale, zero).t()
+    return y if residual is None else y + residual
+
+
+def q8_gemv_ref(x, codes, scale, zero, group, norm=None, eps=0.0, swiglu=False, residual=None):
+    y = prep_ref(x, norm, eps, swiglu) @ q8_dequant_ref(codes, scale, zero, group).t()
+    return y if residual is None else y + residual
