@@ -28,6 +28,7 @@ FORMAT_COLOURS = {"full": ("#2563eb", "#93c5fd"), "int8": ("#15803d", "#86efac")
 MARKER_COLOURS = {"mode": "#7e22ce", "evict": "#c2410c", "reset": "#15803d", "load": "#64748b"}
 MEMORY_SERIES = {"kv": ("KV held", "#2563eb", 2.5, Qt.PenStyle.SolidLine),
                  "budget": ("budget", "#dc2626", 1.5, Qt.PenStyle.DashLine),
+                 "weights": ("weights", "#a16207", 1.5, Qt.PenStyle.DotLine),
                  "rss": ("process RSS", "#64748b", 1.5, Qt.PenStyle.SolidLine),
                  "torch": ("torch allocator", "#0d9488", 1.5, Qt.PenStyle.SolidLine),
                  "gpu": ("GPU (NVML)", "#ca8a04", 1.5, Qt.PenStyle.SolidLine)}
@@ -214,13 +215,15 @@ class Dashboard(QWidget):
             f"{format_bytes(snapshot.budget_bytes)} budget ({snapshot.usage:.1%}) · "
             f"{snapshot.bytes_per_token:,.0f} B/token<br>decode {snapshot.decode_tok_s:.1f} tok/s · "
             f"prefill {snapshot.prefill_tok_s:.0f} tok/s · TTFT {snapshot.ttft_s * 1000:.0f} ms · "
-            f"RSS {format_bytes(snapshot.memory.rss_bytes)}")
+            f"RSS {format_bytes(snapshot.memory.rss_bytes)}"
+            + (f"<br>weights {format_bytes(snapshot.weight_bytes)} ({snapshot.weights_label}) beside KV "
+               f"{format_bytes(snapshot.kv_bytes)}" if snapshot.weight_bytes else ""))
 
     def _draw_memory(self, times: np.ndarray) -> None:
         lowest, highest = math.inf, LOG_FLOOR_MIB
         for name, curve in self.memory_curves.items():
             values = np.maximum(np.fromiter(self.data.series[name], float) / MIB, LOG_FLOOR_MIB)
-            if name in ("torch", "gpu") and not (values > LOG_FLOOR_MIB).any():
+            if name in ("torch", "gpu", "weights") and not (values > LOG_FLOOR_MIB).any():
                 curve.setData([], [])
                 continue
             curve.setData(times, values)

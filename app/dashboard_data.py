@@ -29,7 +29,7 @@ HOLD_GAP_S = 0.25                       # longer silences are drawn as held valu
 
 
 class DashboardData:
-    SERIES = ("kv", "budget", "rss", "torch", "gpu", "decode", "prefill", "tokens_held")
+    SERIES = ("kv", "weights", "budget", "rss", "torch", "gpu", "decode", "prefill", "tokens_held")
 
     def __init__(self, start_s: float | None = None):
         self.start_s = time.monotonic() if start_s is None else start_s
@@ -59,7 +59,8 @@ class DashboardData:
                 series.append(series[-1])
         self.times.append(t)
         memory = snapshot.memory
-        values = {"kv": snapshot.kv_bytes, "budget": snapshot.budget_bytes, "rss": memory.rss_bytes,
+        values = {"kv": snapshot.kv_bytes, "weights": snapshot.weight_bytes, "budget": snapshot.budget_bytes,
+                  "rss": memory.rss_bytes,
                   "torch": memory.torch_allocated_bytes, "gpu": memory.gpu_used_bytes,
                   "decode": snapshot.decode_tok_s, "prefill": snapshot.prefill_tok_s,
                   "tokens_held": snapshot.tokens_held}
@@ -124,7 +125,8 @@ def series_hover_text(data: DashboardData, kind: str, t: float) -> str | None:
     if kind == "speed":
         return f"{head}\ndecode {values['decode']:.1f} tok/s\nprefill {values['prefill']:.1f} tok/s"
     lines = [head, f"KV held {format_bytes(values['kv'])} ({int(values['kv']):,} B)",
-             f"budget {format_bytes(values['budget'])}", f"process RSS {format_bytes(values['rss'])}"]
+             f"budget {format_bytes(values['budget'])}", f"weights {format_bytes(values['weights'])}",
+             f"process RSS {format_bytes(values['rss'])}"]
     if values["torch"]:
         lines.append(f"torch allocator {format_bytes(values['torch'])}")
     if values["gpu"]:

@@ -269,7 +269,10 @@ class MainWindow(QMainWindow):
         self.load_bar.setVisible(False)
         self.chat.set_assistant_name(event.model_name)
         self.dashboard.data.mark("load", "model loaded")
-        self.statusBar().showMessage(f"Loaded {event.model_name} on {event.device} in {event.load_s:.1f} s", 5000)
+        weights = f" ({event.weights_label}, {format_bytes(event.weight_bytes)})" if event.weight_bytes else ""
+        notice = f" · {event.notice}" if event.notice else ""
+        self.statusBar().showMessage(f"Loaded {event.model_name}{weights} on {event.device} in {event.load_s:.1f} s"
+                                     f"{notice}", 15000 if notice else 5000)
         messages = self.history.messages(self.conversation_id) if self.conversation_id is not None else []
         self._open_session(messages)
 
@@ -356,6 +359,8 @@ class MainWindow(QMainWindow):
         parts = []
         if self.engine_info is not None:
             parts += [self.engine_info.model_name, self.engine_info.device]
+            if self.engine_info.weight_bytes:
+                parts.append(f"weights {self.engine_info.weights_label} {format_bytes(self.engine_info.weight_bytes)}")
         parts.append(self.session_cache.label())
         if self.latest_stats is not None:
             parts.append(f"{self.latest_stats.tokens_held:,} tokens in cache")

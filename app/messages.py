@@ -22,6 +22,9 @@ class EngineReady:
     device: str
     num_layers: int
     load_s: float
+    weights_label: str = ""             # e.g. "Q4_1 (+Q8_0), packed"
+    weight_bytes: int = 0
+    notice: str = ""                    # something to tell the user about the load (old caches removed)
 
 
 @dataclass(frozen=True, slots=True)

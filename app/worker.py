@@ -97,7 +97,8 @@ class EngineWorker(QObject):
             return
         self._engine, self._session = engine, None
         self.ready.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
-                                    time.monotonic() - start))
+                                    time.monotonic() - start, getattr(engine, "weights_label", ""),
+                                    int(getattr(engine, "weight_bytes", 0)), getattr(engine, "notice", None) or ""))
 
     @Slot(object, object, object, object)
     def open_session(self, conversation_id, system_prompt, cache, history) -> None:

@@ -1,11 +1,15 @@
-"""`kvchat bench speed`: prefill / decode tok/s and TTFT, kvchat against transformers generate().
+"""`kvchat bench speed`: kvchat against llama.cpp (and transformers) on the same file.
 
-Both run the same weights on the same prompt; runs are interleaved and medians reported, so a
-noisy machine moves both sides alike. Load time is measured cold (empty conversion cache, in a
-subprocess) and warm.
+Decode and prefill tok/s and TTFT in one process, runs interleaved, medians reported, so a noisy
+machine moves every side alike. llama.cpp (llama-cpp-python, when importable) is timed with its
+own eval loop: the prompt in one `eval`, then one token per `eval`, no Python sampling. Memory and
+start time come from one-shot answers in fresh processes: peak RSS, wall time, time to the first
+token, cold (empty cache dir) and warm. `--model preset:llama-3.2-1b:Q4_0` benchmarks a
+random-weight GGUF of that shape, written once into the cache dir (engine/gguf_writer.py).
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -17,18 +21,36 @@ import torch
 
 FALLBACK_TEXT = ("The library was quiet in the early morning, and the reading room smelled of old paper and "
                  "floor polish. ")
+ANSWER_PROMPT = "What is the capital of France?"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", default="default", help="default, a .gguf or HF folder, or preset:NAME:TYPE "
+                                                      "(e.g. preset:llama-3.2-1b:Q4_0)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--no-load", action="store_true", help="skip the cold/warm load-time measurement")
+    p.add_argument("--threads", type=int, default=None, help="threads for every side (default: all cores)")
+    p.add_argument("--no-load", action="store_true", help="skip the fresh-process memory and start-time runs")
+    p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--transformers", choices=["auto", "yes", "no"], default="auto",
+                   help="time transformers generate() too (auto: the default model only)")
     p.add_argument("--long-context", action="store_true",
                    help="also measure decode with 4,096 tokens cached against 256 (kvchat only)")
+
+
+def resolve_model(spec: str) -> str:
+    """A model spec as Engine.load takes it; preset:NAME:TYPE writes (once) and returns that GGUF."""
+    if spec.startswith("preset:"):
+        from .gguf_writer import bench_model_path
+        _, preset, qtype = spec.split(":")
+        return str(bench_model_path(preset, qtype))
+    return spec
+
+
+def model_path(spec: str) -> str:
+    from .loader import locate
+    return str(locate(spec).path)
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
@@ -46,13 +68,24 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 def _time_kvchat(engine, ids: list[int], new_tokens: int) -> dict:
     session = engine.new_session()
     t0 = time.perf_counter()
-    logits = session.append(ids, all_logits=False)[-1]
-    nxt = int(logits.argmax())
+    nxt = int(session.append(ids, all_logits=False)[-1].argmax())
     t1 = time.perf_counter()
     for _ in range(new_tokens - 1):
         nxt = int(session.append([nxt], all_logits=False)[-1].argmax())
     t2 = time.perf_counter()
     session.reset()
+    return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": (new_tokens - 1) / (t2 - t1), "ttft_s": t1 - t0}
+
+
+def _time_llamacpp(llm, ids: list[int], new_tokens: int) -> dict:
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t1 = time.perf_counter()
+    nxt = ids[-1]
+    for _ in range(new_tokens - 1):    # fixed input token: the eval loop alone, no sampling
+        llm.eval([nxt])
+    t2 = time.perf_counter()
     return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": (new_tokens - 1) / (t2 - t1), "ttft_s": t1 - t0}
 
 
@@ -70,15 +103,78 @@ def _time_transformers(model, ids: list[int], new_tokens: int) -> dict:
             "ttft_s": ttft}
 
 
-def _load_time(model: str, cold: bool) -> float:
+def _llamacpp(path: str, threads: int, n_ctx: int):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    return Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                 verbose=False)
+
+
+# one-shot answers in fresh processes: what a user sees starting the app or `kvchat chat --prompt`
+_KVCHAT_ONESHOT = """
+import json, resource, sys, time
+t0 = time.perf_counter()
+from engine import Engine, EngineConfig, SamplingParams
+from engine.events import TokenDelta
+engine = Engine.load(EngineConfig(model=sys.argv[1], num_threads=int(sys.argv[2])))
+loaded = time.perf_counter()
+rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+first = None
+for ev in engine.new_session().send(sys.argv[3], SamplingParams(temperature=0.0, max_new_tokens=64)):
+    if first is None and isinstance(ev, TokenDelta):
+        first = time.perf_counter()
+print(json.dumps({"load_s": loaded - t0, "first_token_s": (first or time.perf_counter()) - t0,
+                  "wall_s": time.perf_counter() - t0, "peak_rss_after_load": rss_load,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "weight_bytes": engine.model.weight_bytes()}))
+"""
+
+_LLAMACPP_ONESHOT = """
+import json, resource, sys, time
+t0 = time.perf_counter()
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=int(sys.argv[2]), verbose=False)
+loaded = time.perf_counter()
+rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+first = None
+msgs = [{"role": "user", "content": sys.argv[3]}]
+for chunk in llm.create_chat_completion(msgs, max_tokens=64, temperature=0.0, stream=True):
+    if first is None and chunk["choices"][0]["delta"].get("content"):
+        first = time.perf_counter()
+print(json.dumps({"load_s": loaded - t0, "first_token_s": (first or time.perf_counter()) - t0,
+                  "wall_s": time.perf_counter() - t0, "peak_rss_after_load": rss_load,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def _oneshot(code: str, model: str, threads: int, cache_dir: str | None = None) -> dict:
     env = dict(os.environ)
-    code = ("import time; t=time.perf_counter(); from engine import Engine, EngineConfig; "
-            f"Engine.load(EngineConfig(model={model!r})); print(time.perf_counter()-t)")
-    with tempfile.TemporaryDirectory() as tmp:
-        if cold:
-            env["KVCHAT_CACHE_DIR"] = tmp
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    if cache_dir:
+        env["KVCHAT_CACHE_DIR"] = cache_dir
+    out = subprocess.run([sys.executable, "-c", code, model, str(threads), ANSWER_PROMPT], env=env,
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode:
+        raise RuntimeError(f"one-shot run failed: {out.stderr.strip()[-600:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _median_dict(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def copy_bandwidth_gbs(mb: int = 256) -> float:
+    """Memory copy bandwidth (bytes read + written per second), the ceiling a weight-streaming decode faces."""
+    src = torch.ones(mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
 
 
 def _decode_by_context(engine, runs: int, steps: int = 32) -> dict:
@@ -102,74 +198,104 @@ def _decode_by_context(engine, runs: int, steps: int = 32) -> dict:
     return {"decode_tok_s_at_256": at[256], "decode_tok_s_at_4096": at[4096], "ratio_4096_vs_256": at[4096] / at[256]}
 
 
-def _median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
 def run(args) -> dict:
-    from transformers import AutoModelForCausalLM
+    from .config import CacheConfig, EngineConfig
+    from .engine import Engine, load_transformers_reference
 
-    from .config import EngineConfig
-    from .engine import Engine
-    from .loader import locate
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype))        # weights="auto"
-    dense = engine if engine.model.weights == "dense" else \
-        Engine.load(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, weights="dense"))
-    hf_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    ref = AutoModelForCausalLM.from_pretrained(str(locate(args.model).folder), dtype=hf_dtype)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    spec = resolve_model(args.model)
+    path = model_path(spec)
+    budget = CacheConfig(budget_mb=4096)
+    engine = Engine.load(EngineConfig(model=spec, device="cpu", cache=budget, num_threads=threads))
     ids = prompt_ids(engine.tokenizer, args.prompt_tokens)
-    _time_kvchat(engine, ids[:64], 4)           # warm up every path
-    _time_kvchat(dense, ids[:64], 4)
-    _time_transformers(ref, ids[:64], 4)
-    ours, ours_dense, theirs = [], [], []
-    for _ in range(args.runs):                  # interleaved
-        theirs.append(_time_transformers(ref, ids, args.new_tokens))
-        ours.append(_time_kvchat(engine, ids, args.new_tokens))
-        if dense is not engine:
-            ours_dense.append(_time_kvchat(dense, ids, args.new_tokens))
+    sides = {"kvchat": lambda n: _time_kvchat(engine, ids[:n] if n else ids, args.new_tokens if not n else 4)}
+    llm = None if args.no_llamacpp or not path.endswith(".gguf") else \
+        _llamacpp(path, threads, args.prompt_tokens + args.new_tokens + 16)
+    if llm is not None:
+        sides["llamacpp"] = lambda n: _time_llamacpp(llm, ids[:n] if n else ids, args.new_tokens if not n else 4)
+    want_hf = args.transformers == "yes" or (args.transformers == "auto" and args.model == "default")
+    if want_hf:
+        ref = load_transformers_reference(spec)
+        sides["transformers"] = lambda n: _time_transformers(ref, ids[:n] if n else ids,
+                                                             args.new_tokens if not n else 4)
+    for f in sides.values():                     # warm every path
+        f(64)
+    runs: dict[str, list[dict]] = {k: [] for k in sides}
+    for _ in range(args.runs):                   # interleaved
+        for name, f in sides.items():
+            runs[name].append(f(0))
     result = {
-        "model": engine.model_name,
-        "device": "cpu",
-        "dtype": args.dtype,
-        "threads": torch.get_num_threads(),
-        "prompt_tokens": len(ids),
-        "new_tokens": args.new_tokens,
-        "runs": args.runs,
-        "weights": engine.model.weights,
-        "kvchat": {k: _median(ours, k) for k in ("prefill_tok_s", "decode_tok_s", "ttft_s")},
-        "transformers": {k: _median(theirs, k) for k in ("prefill_tok_s", "decode_tok_s", "ttft_s")},
+        "model": engine.model_name, "path": path, "quant": engine.model.quant, "weights": engine.model.weights,
+        "device": "cpu", "threads": threads, "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
+        "runs": args.runs, "kernels": _kernels_label(),
+        "weight_bytes": engine.model.weight_bytes(), "file_bytes": os.path.getsize(path) if os.path.isfile(path) else None,
     }
-    result["ratio_decode_vs_transformers"] = result["kvchat"]["decode_tok_s"] / result["transformers"]["decode_tok_s"]
-    result["ratio_prefill_vs_transformers"] = result["kvchat"]["prefill_tok_s"] / result["transformers"]["prefill_tok_s"]
-    if ours_dense:
-        result["kvchat_dense_weights"] = {k: _median(ours_dense, k) for k in ("prefill_tok_s", "decode_tok_s", "ttft_s")}
-        result["ratio_decode_dense_vs_transformers"] = (result["kvchat_dense_weights"]["decode_tok_s"]
-                                                        / result["transformers"]["decode_tok_s"])
+    for name, r in runs.items():
+        result[name] = _median_dict(r)
+    k = result["kvchat"]
+    step_s = 1 / k["decode_tok_s"]
+    result["weight_read_gbs"] = engine.model.weight_bytes() / step_s / 1e9
+    result["copy_gbs"] = copy_bandwidth_gbs()
+    for peer in ("llamacpp", "transformers"):
+        if peer in result:
+            result[f"ratio_decode_vs_{peer}"] = k["decode_tok_s"] / result[peer]["decode_tok_s"]
+            result[f"ratio_prefill_vs_{peer}"] = k["prefill_tok_s"] / result[peer]["prefill_tok_s"]
     if getattr(args, "long_context", False):
         result["decode_by_context"] = _decode_by_context(engine, args.runs)
+    del engine, llm
     if not args.no_load:
-        result["load_s_cold"] = _load_time(args.model, cold=True)
-        result["load_s_warm"] = statistics.median(_load_time(args.model, cold=False) for _ in range(3))
+        result.update(_fresh_process_runs(spec, path, threads, args.runs, "llamacpp" in sides))
     return result
 
 
+def _kernels_label() -> str:
+    from kernels import cpu_quant
+    return "cpu_quant.c" if cpu_quant.available() else f"torch reference ({cpu_quant.unavailable_reason()})"
+
+
+def _fresh_process_runs(spec: str, path: str, threads: int, runs: int, with_llamacpp: bool) -> dict:
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out["kvchat_cold"] = _oneshot(_KVCHAT_ONESHOT, spec, threads, cache_dir=tmp)   # first start ever
+        warm, peer = [], []
+        for _ in range(runs):
+            warm.append(_oneshot(_KVCHAT_ONESHOT, spec, threads, cache_dir=tmp))
+            if with_llamacpp:
+                peer.append(_oneshot(_LLAMACPP_ONESHOT, path, threads))
+    out["kvchat_warm"] = _median_dict(warm)
+    if peer:
+        out["llamacpp_oneshot"] = _median_dict(peer)
+        out["ratio_rss_vs_llamacpp"] = out["kvchat_warm"]["peak_rss"] / out["llamacpp_oneshot"]["peak_rss"]
+    return out
+
+
 def summarize(r: dict) -> str:
-    k, t = r["kvchat"], r["transformers"]
-    lines = [f"{r['model']} on {r['device']} ({r['dtype']}), {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, "
-             f"median of {r['runs']} interleaved runs",
-             f"  kvchat ({r['weights']:5s}) prefill {k['prefill_tok_s']:7.1f} tok/s  decode {k['decode_tok_s']:6.1f} tok/s  TTFT {k['ttft_s'] * 1000:6.0f} ms",
-             *([f"  kvchat (dense) prefill {r['kvchat_dense_weights']['prefill_tok_s']:7.1f} tok/s  decode "
-                f"{r['kvchat_dense_weights']['decode_tok_s']:6.1f} tok/s  TTFT {r['kvchat_dense_weights']['ttft_s'] * 1000:6.0f} ms"]
-               if "kvchat_dense_weights" in r else []),
-             f"  transformers   prefill {t['prefill_tok_s']:7.1f} tok/s  decode {t['decode_tok_s']:6.1f} tok/s  TTFT {t['ttft_s'] * 1000:6.0f} ms",
-             f"  decode ratio {r['ratio_decode_vs_transformers']:.2f}x, prefill ratio {r['ratio_prefill_vs_transformers']:.2f}x"]
+    mb = 2**20
+    lines = [f"{r['model']} ({r['quant']}, weights {r['weights']}, {r['weight_bytes'] / mb:.0f} MiB resident"
+             + (f", file {r['file_bytes'] / mb:.0f} MiB" if r.get("file_bytes") else "") + f") on {r['threads']} "
+             f"threads, {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, median of {r['runs']} "
+             f"interleaved runs; kernels: {r['kernels']}"]
+    for name in ("kvchat", "llamacpp", "transformers"):
+        if name in r:
+            s = r[name]
+            lines.append(f"  {name:12s} prefill {s['prefill_tok_s']:7.1f} tok/s  decode {s['decode_tok_s']:6.1f} tok/s  "
+                         f"TTFT {s['ttft_s'] * 1000:6.0f} ms")
+    for peer in ("llamacpp", "transformers"):
+        if f"ratio_decode_vs_{peer}" in r:
+            lines.append(f"  vs {peer}: decode {r[f'ratio_decode_vs_{peer}']:.2f}x, prefill "
+                         f"{r[f'ratio_prefill_vs_{peer}']:.2f}x")
+    lines.append(f"  weight reads while decoding {r['weight_read_gbs']:.1f} GB/s; memory copy {r['copy_gbs']:.1f} GB/s")
     if "decode_by_context" in r:
         c = r["decode_by_context"]
         lines.append(f"  decode with 4,096 cached: {c['decode_tok_s_at_4096']:.1f} tok/s, with 256: "
                      f"{c['decode_tok_s_at_256']:.1f} tok/s ({c['ratio_4096_vs_256']:.2f}x)")
-    if "load_s_cold" in r:
-        lines.append(f"  load: cold {r['load_s_cold']:.1f} s (GGUF conversion), warm {r['load_s_warm']:.1f} s")
+    for key, label in (("kvchat_cold", "kvchat, first start"), ("kvchat_warm", "kvchat, warm"),
+                       ("llamacpp_oneshot", "llama.cpp")):
+        if key in r:
+            s = r[key]
+            lines.append(f"  one 64-token answer, {label:19s}: first token {s['first_token_s']:.2f} s, wall "
+                         f"{s['wall_s']:.2f} s, peak RSS {s['peak_rss'] / mb:.0f} MiB")
+    if "ratio_rss_vs_llamacpp" in r:
+        lines.append(f"  peak RSS vs llama.cpp: {r['ratio_rss_vs_llamacpp']:.2f}x")
     return "\n".join(lines)

@@ -33,6 +33,15 @@ def load_transformers_reference(model: str, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(str(files.folder), dtype=dtype)
 
 
+def describe_weights(model: Transformer) -> str:
+    """What the weights are, for status lines: "Q4_1 (+Q8_0), packed" or "bf16"."""
+    if model.weights == "gguf":
+        return f"{model.quant}, packed"
+    if model.quant:
+        return f"{model.quant} as {model.weights}"
+    return model.weights
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,6 +62,8 @@ class Engine:
         self.load_s = load_s
         self.notice = notice          # something the user should hear about the load (old caches removed)
         self.stop_ids = self._stop_ids()
+        self.weight_bytes = model.weight_bytes()
+        self.weights_label = describe_weights(model)
 
     @property
     def num_layers(self) -> int:

@@ -44,6 +44,8 @@ class StatsSnapshot:
     decode_tok_s: float
     ttft_s: float                       # time to first token of the last turn
     memory: MemoryProbe
+    weight_bytes: int = 0               # the model's weights as held (packed codes, scales, norms)
+    weights_label: str = ""             # what they are, e.g. "Q4_1 (+Q8_0), packed"
 
     @property
     def usage(self) -> float:

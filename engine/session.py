@@ -274,4 +274,6 @@ class Session:
             decode_tok_s=t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0,
             ttft_s=t["ttft_s"],
             memory=memory.probe(),
+            weight_bytes=self.engine.weight_bytes,
+            weights_label=self.engine.weights_label,
         )

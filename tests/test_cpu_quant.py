@@ -1,0 +1,76 @@
+"""The C kernels over packed weights (kernels/cpu_quant.c) against their torch references."""
+import pytest
+import torch
+
+from kernels import cpu_quant as cq
+
+pytestmark = pytest.mark.skipif(not cq.available(), reason=f"C kernels unavailable: {cq.unavailable_reason()}")
+
+
+def _q4(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02
+    zero = -8 * scale + torch.randn(n, k // 32, generator=g) * 0.01
+    return codes, scale, zero
+
+
+def _q8(n, k, group, with_zero, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, k // group, generator=g) * 0.002
+    zero = torch.randn(n, k // group, generator=g) * 0.01 if with_zero else None
+    return codes, scale, zero
+
+
+def _close(out, ref, rel=2e-4):
+    # activations are quantized to int16 per group of 32 inside the kernel: errors ~1e-5 of the output scale
+    return (out - ref).abs().max().item() <= rel * ref.abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (96, 576), (576, 1536), (50, 256)])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_q4_gemv_matches_reference(n, k, m):
+    """q4 matvec equals dequantize-then-matmul for 1-8 rows, odd row counts and several K."""
+    codes, scale, zero = _q4(n, k)
+    x = torch.randn(m, k)
+    assert _close(cq.q4_gemv(x, codes, scale, zero), cq.q4_gemv_ref(x, codes, scale, zero))
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("with_zero", [False, True])
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_q8_gemv_matches_reference(group, with_zero, m):
+    """q8 matvec with groups of 16 (Q6_K) or 32 (Q8_0, Q5_K), with and without zero points."""
+    codes, scale, zero = _q8(80, 512, group, with_zero)
+    x = torch.randn(m, 512)
+    assert _close(cq.q8_gemv(x, codes, scale, zero, group), cq.q8_gemv_ref(x, codes, scale, zero, group))
+
+
+def test_fused_norm_swiglu_residual():
+    """RMSNorm before, SwiGLU before and a residual after are fused exactly as the reference composes them."""
+    codes, scale, zero = _q4(128, 256)
+    x, norm, resid = torch.randn(2, 256) * 3, torch.rand(256) + 0.5, torch.randn(2, 128)
+    assert _close(cq.q4_gemv(x, codes, scale, zero, norm=norm, eps=1e-5, residual=resid),
+                  cq.q4_gemv_ref(x, codes, scale, zero, norm=norm, eps=1e-5, residual=resid))
+    gu = torch.randn(1, 512)
+    assert _close(cq.q4_gemv(gu, codes, scale, zero, swiglu=True), cq.q4_gemv_ref(gu, codes, scale, zero, swiglu=True))
+    c8, s8, _ = _q8(128, 256, 32, False)
+    assert _close(cq.q8_gemv(x[:1], c8, s8, None, 32, norm=norm, eps=1e-5, residual=resid[:1]),
+                  cq.q8_gemv_ref(x[:1], c8, s8, None, 32, norm=norm, eps=1e-5, residual=resid[:1]))
+
+
+def test_dequant_exact():
+    """Dequantization in C is bit-exact with the torch reference (prefill reads these slabs)."""
+    codes, scale, zero = _q4(40, 128)
+    assert torch.equal(cq.q4_dequant(codes, scale, zero), cq.q4_dequant_ref(codes, scale, zero))
+    c8, s8, z8 = _q8(40, 128, 16, True)
+    assert torch.equal(cq.q8_dequant(c8, s8, z8, 16), cq.q8_dequant_ref(c8, s8, z8, 16))
+
+
+def test_zero_point_offset_cancels():
+    """A Q4_0 grid (zero = -8 * scale) on an input with a large common offset stays accurate (no cancellation)."""
+    codes = torch.full((16, 32), 0x88, dtype=torch.uint8)     # every code 8: every weight exactly 0
+    scale = torch.full((16, 2), 0.5)
+    x = torch.randn(1, 64) + 100.0
+    assert cq.q4_gemv(x, codes, scale, -8 * scale).abs().max().item() <= 1e-3
