@@ -228,13 +228,16 @@ def _weights(name: str, numpy_shape: tuple[int, ...], type_name: str, rng: np.ra
         w = permute(w, shape.heads if name.endswith(".attn_q.weight") else shape.kv_heads)
         return quantize(w, type_name)
     step = max(1, CHUNK_ELEMENTS // cols)
-    parts = []
+    out = None
     for start in range(0, rows, step):
         w = rng.standard_normal((min(step, rows - start), cols), dtype=np.float32)
         w *= np.float32(0.02)
-        parts.append(quantize(w, type_name))
+        part = quantize(w, type_name)
         del w
-    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        if out is None:
+            out = np.empty((rows, part.shape[1]), dtype=part.dtype)
+        out[start:start + len(part)] = part
+    return out
 
 
 # ------------------------------------------------------------------------------------------- writing

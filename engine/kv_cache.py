@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels import cpu_quant
 from kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, page_format
 
 from .block_pool import BlockPool
@@ -240,6 +241,11 @@ class KVCache:
         k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
         k_pages.index_copy_(0, plan.new_flat, k.to(k_pages.dtype))
         v_pages.index_copy_(0, plan.new_flat, v.to(v_pages.dtype))
+        if q.shape[0] == 1 and cpu_quant.can_attend(q, k_pages):
+            # one call per layer: keys rotated in registers, no gathered or re-rotated copies
+            out = cpu_quant.attn_decode(q[0].float().contiguous(), plan.new_cos[0], plan.new_sin[0], k_pages, v_pages,
+                                        plan.all_flat, plan.all_cos, plan.all_sin, q.shape[-1] ** -0.5)
+            return out.view(1, *out.shape)
         if plan.contiguous:
             n = plan.all_flat.shape[0]
             k_all, v_all = k_pages[:n].float(), v_pages[:n].float()

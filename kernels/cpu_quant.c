@@ -290,3 +290,63 @@ void q8_dequant(const int8_t *codes, const float *scale, const float *zero, int 
             for (int j = 0; j < G; j++) o[j] = b[j] * s + z;
         }
 }
+
+// Decode attention of one new token over full-precision (fp32) pages, keys stored before RoPE.
+// q: [Hq, D] before RoPE; qcos, qsin: [D] for the new token; pages k, v: [R, Hkv, D]; rows: [L] page
+// rows of the slots attended (the new token's last); cos, sin: [L, D]. sin is sign-folded, so that
+// rope(x) = x * cos + swap_halves(x) * sin. out: [Hq, D]; scratch: Hq * L floats. D <= 256, Hq / Hkv <= 8.
+// Each key is rotated once in registers and shared by the g query heads of its group: nothing is
+// re-rotated in memory and no [L, Hkv, D] temporaries are made.
+static inline float dot_f32(const float *a, const float *b, int n) {
+#ifdef __AVX2__
+    if (n % 16 == 0) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+        }
+        return hsum8(_mm256_add_ps(a0, a1));
+    }
+#endif
+    float acc = 0.f;
+    for (int i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+void attn_decode_f32(const float *q, int Hq, int Hkv, int D, const float *qcos, const float *qsin,
+                     const float *kp, const float *vp, const int64_t *rows, int L, const float *cos,
+                     const float *sin, float sm_scale, float *out, float *scratch) {
+    int g = Hq / Hkv, half = D / 2;
+    #pragma omp parallel for schedule(static)
+    for (int h = 0; h < Hkv; h++) {
+        float *sc = scratch + (size_t)h * g * L;               // [g, L] scores
+        float qrot[8 * 256];                                   // [g, D] rotated queries
+        for (int j = 0; j < g; j++) {
+            const float *x = q + (size_t)(h * g + j) * D;
+            for (int d = 0; d < D; d++)
+                qrot[j * D + d] = x[d] * qcos[d] + x[d < half ? d + half : d - half] * qsin[d];
+        }
+        for (int p = 0; p < L; p++) {
+            const float *k = kp + ((size_t)rows[p] * Hkv + h) * D, *c = cos + (size_t)p * D, *s = sin + (size_t)p * D;
+            float kr[256];
+            for (int d = 0; d < half; d++) kr[d] = k[d] * c[d] + k[d + half] * s[d];
+            for (int d = half; d < D; d++) kr[d] = k[d] * c[d] + k[d - half] * s[d];
+            for (int j = 0; j < g; j++) sc[(size_t)j * L + p] = dot_f32(qrot + j * D, kr, D) * sm_scale;
+        }
+        for (int j = 0; j < g; j++) {
+            float *sj = sc + (size_t)j * L, mx = sj[0], sum = 0.f;
+            for (int p = 1; p < L; p++) mx = sj[p] > mx ? sj[p] : mx;
+            for (int p = 0; p < L; p++) {
+                sj[p] = expf(sj[p] - mx);
+                sum += sj[p];
+            }
+            float inv = 1.f / sum, *o = out + (size_t)(h * g + j) * D;
+            for (int d = 0; d < D; d++) o[d] = 0.f;
+            for (int p = 0; p < L; p++) {
+                const float *v = vp + ((size_t)rows[p] * Hkv + h) * D;
+                float w = sj[p] * inv;
+                for (int d = 0; d < D; d++) o[d] += w * v[d];
+            }
+        }
+    }
+}

@@ -53,7 +53,8 @@ def _build() -> ctypes.CDLL:
     lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P]
     lib.q4_dequant.argtypes = [P, P, P, I, I, P]
     lib.q8_dequant.argtypes = [P, P, P, I, I, I, P]
-    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant):
+    lib.attn_decode_f32.argtypes = [P, I, I, I, P, P, P, P, P, I, P, P, F, P, P]
+    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_f32):
         f.restype = None
     return lib
 
@@ -128,6 +129,45 @@ def q8_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
     out = torch.empty(n, k)
     _lib.q8_dequant(codes.data_ptr(), scale.data_ptr(), _ptr(zero), group, n, k, out.data_ptr())
     return out
+
+
+MAX_HEAD_DIM, MAX_GROUP = 256, 8
+
+
+def can_attend(q: torch.Tensor, pages: torch.Tensor) -> bool:
+    """The C decode attention covers fp32 pages on the CPU with head_dim <= 256 and <= 8 query heads per kv head."""
+    hq, d = q.shape[-2:]
+    hkv = pages.shape[-2]
+    return (pages.dtype == torch.float32 and not pages.is_cuda and d <= MAX_HEAD_DIM and d % 2 == 0
+            and hq % hkv == 0 and hq // hkv <= MAX_GROUP and available())
+
+
+# q: [Hq, D] before RoPE; q_cos, q_sin: [D]; k_pages, v_pages: [R, Hkv, D] fp32; rows: [L] int64;
+# cos, sin: [L, D] (sin sign-folded, see engine.kv_cache.fold_sin) -> [Hq, D]
+def attn_decode(q, q_cos, q_sin, k_pages, v_pages, rows, cos, sin, sm_scale: float) -> torch.Tensor:
+    hq, d = q.shape
+    hkv = k_pages.shape[-2]
+    n = rows.shape[0]
+    out = torch.empty(hq, d)
+    scratch = torch.empty(hq * n)
+    _lib.attn_decode_f32(q.data_ptr(), hq, hkv, d, q_cos.data_ptr(), q_sin.data_ptr(), k_pages.data_ptr(),
+                         v_pages.data_ptr(), rows.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), float(sm_scale),
+                         out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+def attn_decode_ref(q, q_cos, q_sin, k_pages, v_pages, rows, cos, sin, sm_scale: float) -> torch.Tensor:
+    def rope(x, c, s):   # x [N, H, D], c/s [N, D]
+        n, h, d = x.shape
+        swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
+        return x * c[:, None] + swapped * s[:, None]
+    hq, d = q.shape
+    k = rope(k_pages[rows], cos, sin)                       # [L, Hkv, D]
+    v = v_pages[rows]
+    hkv = k.shape[1]
+    qr = rope(q[None], q_cos[None], q_sin[None])[0].view(hkv, hq // hkv, d)
+    w = torch.softmax(torch.einsum("hgd,lhd->hgl", qr, k) * sm_scale, -1)
+    return torch.einsum("hgl,lhd->hgd", w, v).reshape(hq, d)
 
 
 # ---- torch references (same signatures) ------------------------------------------------------------

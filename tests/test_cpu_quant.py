@@ -74,3 +74,17 @@ def test_zero_point_offset_cancels():
     scale = torch.full((16, 2), 0.5)
     x = torch.randn(1, 64) + 100.0
     assert cq.q4_gemv(x, codes, scale, -8 * scale).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("hq,hkv,d,n", [(9, 3, 64, 1), (9, 3, 64, 37), (8, 8, 32, 20), (32, 8, 128, 50), (4, 1, 16, 5)])
+def test_attn_decode_matches_reference(hq, hkv, d, n):
+    """Decode attention over fp32 pages (keys rotated on the fly, rows in any order) equals the torch reference."""
+    g = torch.Generator().manual_seed(n)
+    k_pages, v_pages = torch.randn(64, hkv, d, generator=g), torch.randn(64, hkv, d, generator=g)
+    rows = torch.randperm(64, generator=g)[:n]
+    angles = torch.rand(n + 1, d // 2, generator=g) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    q = torch.randn(hq, d, generator=g)
+    args = (q, cos[-1], sin[-1], k_pages, v_pages, rows, cos[:n].contiguous(), sin[:n].contiguous(), d ** -0.5)
+    assert torch.allclose(cq.attn_decode(*args), cq.attn_decode_ref(*args), atol=1e-5, rtol=1e-4)
