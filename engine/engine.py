@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from kernels import cpu_quant
 
 from .config import CacheConfig, EngineConfig
 from .gguf_file import GGUFFile
 from .loader import (ModelLoadError, Progress, gguf_tokenizer, load_state_dict, load_tokenizer, locate, read_config,
                      remove_conversion_cache)
-from .memory_check import check_fits, folder_bytes
+from .memory_check import check_fits, folder_bytes, trim_heap
 from .model import ModelConfig, Transformer
 from .weights import from_gguf, from_state_dict
 from .session import Session
@@ -84,22 +87,31 @@ class Engine:
         if notice and progress:
             progress(notice, 0.0)
         files = locate(config.model)
-        if files.is_gguf:
-            gf = GGUFFile(files.path)
-            mc = ModelConfig.from_gguf(gf)
-            check_fits(mc, gf.tensor_bytes, config.weights, device, files.path.name)
-            tokenizer = gguf_tokenizer(files.path, progress)
-            if progress:
-                progress("mapping weights", 0.5)
-            model = from_gguf(mc, gf, dtype, device, config.weights)
-            gf.release_pages()
-        else:
-            mc = ModelConfig.from_hf(read_config(files.folder))
-            check_fits(mc, folder_bytes(files.folder), config.weights, device, files.name)
-            if progress:
-                progress("reading weights", 0.5)
-            model = from_state_dict(mc, load_state_dict(files.folder), dtype, device, config.weights)
-            tokenizer = load_tokenizer(files.folder)
+        # the C kernels build (first start only) and the tokenizer loads while the weights are read
+        pool = ThreadPoolExecutor(2, thread_name_prefix="kvchat-load")
+        try:
+            if device == "cpu":
+                pool.submit(cpu_quant.available)
+            if files.is_gguf:
+                gf = GGUFFile(files.path)
+                mc = ModelConfig.from_gguf(gf)
+                check_fits(mc, gf.tensor_bytes, config.weights, device, files.path.name)
+                tokenizer = pool.submit(gguf_tokenizer, files.path, progress)
+                if progress:
+                    progress("mapping weights", 0.5)
+                model = from_gguf(mc, gf, dtype, device, config.weights)
+                gf.release_pages()
+            else:
+                mc = ModelConfig.from_hf(read_config(files.folder))
+                check_fits(mc, folder_bytes(files.folder), config.weights, device, files.name)
+                tokenizer = pool.submit(load_tokenizer, files.folder)
+                if progress:
+                    progress("reading weights", 0.5)
+                model = from_state_dict(mc, load_state_dict(files.folder), dtype, device, config.weights)
+            tokenizer = tokenizer.result()
+        finally:
+            pool.shutdown(wait=True)
+        trim_heap()
         engine = cls(config, model, tokenizer, files.name, time.perf_counter() - started, notice)
         engine.new_session().cache   # validates the cache config against this model
         if progress:

@@ -28,10 +28,10 @@ _STRING, _ARRAY = 8, 9
 
 
 class _Tensor:
-    __slots__ = ("name", "type_name", "shape", "data", "n_bytes")
+    __slots__ = ("name", "type_name", "shape", "data", "n_bytes", "offset")
 
-    def __init__(self, name: str, type_name: str, shape: tuple[int, ...], data: np.ndarray):
-        self.name, self.type_name, self.shape, self.data = name, type_name, shape, data
+    def __init__(self, name: str, type_name: str, shape: tuple[int, ...], data: np.ndarray, offset: int):
+        self.name, self.type_name, self.shape, self.data, self.offset = name, type_name, shape, data, offset
         self.n_bytes = int(data.nbytes)
 
 
@@ -95,7 +95,7 @@ class GGUFFile:
                 data = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype.name])
             if len(dims) == 1:
                 data = data.reshape(-1)
-            self.tensors[name] = _Tensor(name, qtype.name, tuple(int(d) for d in dims), data)
+            self.tensors[name] = _Tensor(name, qtype.name, tuple(int(d) for d in dims), data, begin)
 
     def field(self, key: str, default=None):
         value = self.fields.get(key)
@@ -193,14 +193,26 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path.name}: tensor type {kind} is not supported: re-quantize the model to "
                                  f"Q4_K_M, Q8_0 or F16") from exc
 
-    def release_pages(self) -> None:
-        """Drop the file's pages from this process's resident set (they stay in the page cache)."""
+    def release_pages(self, hf_name: str | None = None) -> None:
+        """Drop the file's pages (one tensor's, or all) from this process's resident set.
+
+        They stay in the page cache, so a later read costs no disk access; a load releases each
+        tensor once it is packed, so the file never sits in memory beside its packed copy.
+        """
         mm = getattr(self._map, "_mmap", None)
-        if mm is not None and hasattr(mm, "madvise"):
-            try:
-                mm.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError):
-                pass
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        start, length = 0, len(mm)
+        if hf_name is not None:
+            t = self.tensors.get(self.gguf_name(hf_name))
+            if t is None:
+                return
+            start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+            length = t.offset + t.n_bytes - start
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, length)
+        except (OSError, ValueError):
+            pass
 
 
 def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -45,3 +45,12 @@ def check_fits(mc, stored_bytes: int, weights: str, device: str, name: str) -> N
         raise ModelLoadError(f"{name} needs about {need / GIB:.1f} GiB of {where} with weights={weights!r} "
                              f"and {have / GIB:.1f} GiB is free: close other programs, choose a smaller "
                              f"quantization (Q4_K_M) or a smaller model")
+
+
+def trim_heap() -> None:
+    """Give the allocator's free pages back to the system after a load's temporaries (glibc only)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -127,7 +127,10 @@ def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, we
             if weights in ("int8", "int4"):
                 return quantize_float(w, bias, weights)
             return DenseLinear(w.to(device=device, dtype=dtype), bias)
-        parts = [part(n) for n in names]
+        parts = []
+        for n in names:
+            parts.append(part(n))
+            gf.release_pages(n)
         groups: list[list] = []
         for kind, payload in parts:          # neighbours of one kind fuse into one matmul
             if groups and groups[-1][0] == kind:
