@@ -55,8 +55,13 @@ LONG = {"tokens": 10_000, "last": 1_000, "lead": 1_000}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, a local HF folder, or a .gguf file")
-    parser.add_argument("--weights", default="dense", choices=["auto", "dense", "int4"],
+    parser.add_argument("--weights", default="dense", choices=["auto", "dense", "int8", "int4"],
                         help="model weights; dense (default) so only the cache differs between modes")
+    parser.add_argument("--weight-fidelity", default=None, metavar="TYPES",
+                        help="instead of cache modes: the packed weight path against dense fp32 per GGUF type, "
+                             "comma-separated ('file' is the model's own file; 'all' = file,Q4_0,Q4_1,Q5_0,Q5_1,"
+                             "Q8_0,F16), over --weight-tokens tokens")
+    parser.add_argument("--weight-tokens", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of text per (non-window) mode")
     parser.add_argument("--window-tokens", type=int, default=WINDOW_TOKENS, help="tokens per window mode")
     parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(DEFAULT_MODES),
@@ -210,6 +215,15 @@ def check_targets(result: dict) -> dict[str, bool]:
 
 
 def run(args) -> dict:
+    if getattr(args, "weight_fidelity", None):
+        from . import bench_weights
+        types = args.weight_fidelity.split(",")
+        if types == ["all"]:
+            types = ["file", *bench_weights.DEFAULT_TYPES]
+        started = time.perf_counter()
+        weights = bench_weights.run_types(args.model, types, args.weight_tokens, args.threads)
+        return {"model": args.model, "modes": {}, "weights": weights, "seconds": time.perf_counter() - started,
+                "checks": bench_weights.checks(weights)}
     engine = _engine(args)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
@@ -249,6 +263,10 @@ def summarize(result: dict) -> str:
     for name, r in result["modes"].items():
         lines.append(f"{name:<16}{r['tokens']:>7}{r['top1_agreement']:>9.2%}{r['mean_kl']:>10.5f}{r['ppl_ratio']:>11.4f}"
                      f"{r['last_over_first_quarter']:>14.4f}{r['kv_bytes'] / 1024:>9.0f}")
+    if result.get("weights"):
+        from .bench_weights import summarize as weights_table
+        lines += [f"{result['model']}: packed weights against dense fp32 of the same file, teacher-forced"]
+        lines += weights_table(result["weights"])
     for name, r in result.get("long", {}).items():
         lines.append(f"long stream {name}: {r['tokens']} tokens (max positions {r['max_position_embeddings']}), "
                      f"ppl over the last 1,000 {r['ppl_last']:.3f} vs fresh full {r['ppl_last_fresh_full']:.3f}: "

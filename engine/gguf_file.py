@@ -215,10 +215,12 @@ class GGUFFile:
             pass
 
 
-def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """4-bit blocks as packed codes [N, K/2] uint8 (Q4_0's nibble order) and scale, zero [N, K/32] float32.
+def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
+    """4-bit blocks as packed codes [N, K/2] uint8 (Q4_0's nibble order) and their scales.
 
-    The value of code q is q * scale + zero: exactly the file's value, never re-rounded.
+    The value of code q is q * scale + zero: exactly the file's value, never re-rounded. The scales
+    come as keyword arguments of kernels.cpu_quant.Scales: float [N, K/32] scale and zero, or for
+    Q4_K its 6-bit codes with the float d and -dmin of each super-block of 8 groups.
     """
     n = data.shape[0]
     if kind in ("Q4_0", "Q4_1"):
@@ -227,7 +229,7 @@ def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
         d = _f16(blocks[..., 0:2])
         # Q4_0: w = d * (q - 8); Q4_1: w = d * q + m
         zero = -8 * d if kind == "Q4_0" else _f16(blocks[..., 2:4])
-        return np.ascontiguousarray(blocks[..., size - 16:]).reshape(n, -1), d, zero
+        return np.ascontiguousarray(blocks[..., size - 16:]).reshape(n, -1), {"scale": d, "zero": zero}
     if kind == "Q4_K":
         blocks = data.reshape(n, -1, 144)                                     # super-blocks of 256
         d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
@@ -236,33 +238,43 @@ def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
         codes = np.stack((qs & 0x0F, qs >> 4), 3)                             # [N, S, 4, 2, 32]: groups of 32
         g = codes.reshape(n, -1, 2, 16)                                       # repack: j low, j + 16 high
         packed = g[:, :, 0] | (g[:, :, 1] << 4)
-        return packed.reshape(n, -1), (d[..., None] * sc).reshape(n, -1), (-dmin[..., None] * mn).reshape(n, -1)
+        return packed.reshape(n, -1), {"scale": sc.astype(np.uint8).reshape(n, -1), "scale_sup": d,
+                                       "zero": mn.astype(np.uint8).reshape(n, -1), "zero_sup": -dmin, "per": 8}
     raise ValueError(kind)
 
 
 INT8_GRID_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
-def q8_grid(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """Scale (and zero) per group of the 5-8 bit types, read from their block headers: ([N, K/G], zero, G)."""
+def q8_grid(kind: str, data: np.ndarray) -> tuple[dict, int]:
+    """Scales of the 5-8 bit types from their block headers (Scales keyword arguments) and the group size."""
     n = data.shape[0]
     if kind == "Q8_0":
-        return _f16(data.reshape(n, -1, 34)[..., 0:2]), None, 32
+        return {"scale": _f16(data.reshape(n, -1, 34)[..., 0:2])}, 32
     if kind == "Q5_0":
-        return _f16(data.reshape(n, -1, 22)[..., 0:2]), None, 32
+        return {"scale": _f16(data.reshape(n, -1, 22)[..., 0:2])}, 32
     if kind == "Q5_1":
         b = data.reshape(n, -1, 24)
-        return _f16(b[..., 0:2]), _f16(b[..., 2:4]), 32
+        return {"scale": _f16(b[..., 0:2]), "zero": _f16(b[..., 2:4])}, 32
     if kind == "Q5_K":
         b = data.reshape(n, -1, 176)
         sc, mn = _k_scale_min(b[..., 4:16])
-        return ((_f16(b[..., 0:2])[..., None] * sc).reshape(n, -1),
-                (-_f16(b[..., 2:4])[..., None] * mn).reshape(n, -1), 32)
+        return {"scale": sc.astype(np.uint8).reshape(n, -1), "scale_sup": _f16(b[..., 0:2]),
+                "zero": mn.astype(np.uint8).reshape(n, -1), "zero_sup": -_f16(b[..., 2:4]), "per": 8}, 32
     if kind == "Q6_K":
         b = data.reshape(n, -1, 210)
-        sc = b[..., 192:208].view(np.int8).astype(np.float32)
-        return (_f16(b[..., 208:210])[..., None] * sc).reshape(n, -1), None, 16
+        return {"scale": np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, -1),
+                "scale_sup": _f16(b[..., 208:210]), "per": 16}, 16
     raise ValueError(kind)
+
+
+def dense_scales(grid: dict) -> tuple[np.ndarray, np.ndarray | None]:
+    """float32 [N, G] scale and zero of a grid from q8_grid / q4_blocks, computed as gguf computes them."""
+    def widen(q, sup):
+        if q is None or sup is None:
+            return q
+        return (np.repeat(sup, grid.get("per", 1), axis=-1) * q.astype(np.float32)).astype(np.float32)
+    return widen(grid["scale"], grid.get("scale_sup")), widen(grid.get("zero"), grid.get("zero_sup"))
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

@@ -81,6 +81,19 @@ class DenseLinear(_Fused):
         return _nbytes(self.weight, self.bias)
 
 
+def _compact(scale, zero) -> cpu_quant.Scales:
+    """Scales as given (two-level K-quant scales stay two-level), floats as float16 where that is exact."""
+    if isinstance(scale, cpu_quant.Scales):
+        if scale.scale_sup is not None:
+            return scale
+        scale, zero = scale.scale, scale.zero
+    scale = scale.float().contiguous()
+    zero = zero.float().contiguous() if zero is not None else None
+    if torch.equal(scale.half().float(), scale) and (zero is None or torch.equal(zero.half().float(), zero)):
+        return cpu_quant.Scales(scale.half(), zero.half() if zero is not None else None)
+    return cpu_quant.Scales(scale, zero)
+
+
 class _Packed(_Fused):
     """Shared by the packed kinds: decode through the C kernel, prefill through dequantized slabs."""
 
@@ -127,12 +140,13 @@ class _Packed(_Fused):
 class Q4Linear(_Packed):
     kind = "q4"
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
-        # codes: [N, K/2] uint8 (group g, byte j: element j low nibble, j + 16 high); scale, zero: [N, K/32]
+    def __init__(self, codes: torch.Tensor, scale, zero: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+        # codes: [N, K/2] uint8 (group g, byte j: element j low nibble, j + 16 high); scale, zero: [N, K/32],
+        # or a cpu_quant.Scales
         n, half = codes.shape
-        assert half % 16 == 0 and scale.shape == zero.shape == (n, half // 16), (codes.shape, scale.shape)
+        self.scales = _compact(scale, zero)
+        assert half % 16 == 0 and self.scales.scale.shape == (n, half // 16), (codes.shape, self.scales.scale.shape)
         self.codes = codes.contiguous()
-        self.scale, self.zero = scale.float().contiguous(), zero.float().contiguous()
         self.bias = bias
         self.out_features, self.in_features = n, half * 2
 
@@ -154,32 +168,31 @@ class Q4Linear(_Packed):
         return cls.from_codes(q, scale, lo, bias)
 
     def _gemv(self, x, **prep):
-        return cpu_quant.q4_gemv(x, self.codes, self.scale, self.zero, **prep)
+        return cpu_quant.q4_gemv(x, self.codes, self.scales, **prep)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return cpu_quant.q4_dequant_ref(self.codes[ids], self.scale[ids], self.zero[ids])
+        return cpu_quant.q4_dequant_ref(self.codes[ids], self.scales.index(ids))
 
     def _dequant_rows(self, lo, hi):
         f = cpu_quant.q4_dequant if cpu_quant.available() else cpu_quant.q4_dequant_ref
-        return f(self.codes[lo:hi], self.scale[lo:hi], self.zero[lo:hi])
+        return f(self.codes[lo:hi], self.scales.rows(lo, hi))
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.codes, self.scale, self.zero, self.bias)
+        return _nbytes(self.codes, self.bias) + self.scales.nbytes
 
 
 class Q8Linear(_Packed):
     kind = "q8"
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+    def __init__(self, codes: torch.Tensor, scale, zero: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None):
-        # codes: [N, K] int8; scale (and zero): [N, K / G] with G = 16 or 32
+        # codes: [N, K] int8; scale (and zero): [N, K / G] with G = 16 or 32, or a cpu_quant.Scales
         n, k = codes.shape
-        self.group = k // scale.shape[1]
-        assert self.group in (16, 32) and k % 32 == 0, (codes.shape, scale.shape)
+        self.scales = _compact(scale, zero)
+        self.group = k // self.scales.scale.shape[1]
+        assert self.group in (16, 32) and k % 32 == 0, (codes.shape, self.scales.scale.shape)
         self.codes = codes.to(torch.int8).contiguous()
-        self.scale = scale.float().contiguous()
-        self.zero = zero.float().contiguous() if zero is not None else None
         self.bias = bias
         self.out_features, self.in_features = n, k
 
@@ -193,20 +206,19 @@ class Q8Linear(_Packed):
         return cls(q, scale, None, bias)
 
     def _gemv(self, x, **prep):
-        return cpu_quant.q8_gemv(x, self.codes, self.scale, self.zero, self.group, **prep)
+        return cpu_quant.q8_gemv(x, self.codes, self.scales, None, self.group, **prep)
 
     def _dequant_rows(self, lo, hi):
         f = cpu_quant.q8_dequant if cpu_quant.available() else cpu_quant.q8_dequant_ref
-        return f(self.codes[lo:hi], self.scale[lo:hi], None if self.zero is None else self.zero[lo:hi], self.group)
+        return f(self.codes[lo:hi], self.scales.rows(lo, hi), None, self.group)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup from the same codes a tied output head reads: [T, K]."""
-        return cpu_quant.q8_dequant_ref(self.codes[ids], self.scale[ids],
-                                        None if self.zero is None else self.zero[ids], self.group)
+        return cpu_quant.q8_dequant_ref(self.codes[ids], self.scales.index(ids), None, self.group)
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.codes, self.scale, self.zero, self.bias)
+        return _nbytes(self.codes, self.bias) + self.scales.nbytes
 
 
 class ConcatLinear(_Fused):

@@ -12,7 +12,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .gguf_file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, q4_blocks, q8_grid, unpermute_rows
+from kernels.cpu_quant import Scales
+
+from .gguf_file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, dense_scales, q4_blocks, q8_grid, unpermute_rows
 from .loader import ModelLoadError
 from .model import Layer, ModelConfig, Transformer
 from .qlinear import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
@@ -107,12 +109,15 @@ def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, we
         k = gf.tensors[gf.gguf_name(name)].shape[0]
         h = heads_of(name)
         rows = (lambda a: unpermute_rows(a, h)) if h else (lambda a: a)
+        def tensors(codes, grid):
+            t = lambda a: torch.from_numpy(np.ascontiguousarray(rows(a)))      # noqa: E731
+            return t(codes), {key: (t(a) if isinstance(a, np.ndarray) else a) for key, a in grid.items()}
+
         if k % 32 == 0 and kind in INT4_GRID_TYPES:
-            return "q4", tuple(torch.from_numpy(np.ascontiguousarray(rows(a))) for a in q4_blocks(kind, data))
+            return f"q4/{kind}", tensors(*q4_blocks(kind, data))
         if k % 32 == 0 and kind in INT8_GRID_TYPES:
-            codes, scale, zero, group = q8_rows(gf, name)
-            return f"q8/{group}/{zero is not None}", tuple(
-                None if a is None else torch.from_numpy(np.ascontiguousarray(rows(a))) for a in (codes, scale, zero))
+            codes, grid = q8_rows(gf, name)
+            return f"q8/{kind}", tensors(codes, grid)
         w = dense(name)
         if kind in ("F16", "BF16"):
             return "16", w.to(torch.bfloat16 if kind == "BF16" else torch.float16)
@@ -158,7 +163,8 @@ def q8_rows(gf: GGUFFile, name: str, chunk: int = 2048):
     from gguf.quants import dequantize
     kind, data = gf.raw(name)
     qtype = GGMLQuantizationType[kind]
-    scale, zero, group = q8_grid(kind, data)
+    grid, group = q8_grid(kind, data)
+    scale, zero = dense_scales(grid)
     n, k = data.shape[0], gf.tensors[gf.gguf_name(name)].shape[0]
     codes = np.empty((n, k), dtype=np.int8)
     for lo in range(0, n, chunk):
@@ -168,16 +174,16 @@ def q8_rows(gf: GGUFFile, name: str, chunk: int = 2048):
         s = scale[lo:lo + chunk, :, None]
         q = np.divide(w, s, out=np.zeros_like(w), where=s != 0)
         codes[lo:lo + chunk] = np.rint(q).reshape(-1, k)
-    return codes, scale, zero, group
+    return codes, grid
 
 
 def _make(kind: str, payloads: list):
-    if kind == "q4":
-        codes, scale, zero = (torch.cat(x, 0) for x in zip(*payloads))
-        return Q4Linear(codes, scale, zero)
-    if kind.startswith("q8"):
-        codes, scale, zero = (None if x[0] is None else torch.cat(x, 0) for x in zip(*payloads))
-        return Q8Linear(codes, scale, zero)
+    if kind.startswith(("q4/", "q8/")):
+        codes = torch.cat([c for c, _ in payloads], 0)
+        grids = [g for _, g in payloads]
+        scales = Scales(**{key: (torch.cat([g[key] for g in grids], 0) if isinstance(grids[0][key], torch.Tensor)
+                                 else grids[0][key]) for key in grids[0]})
+        return Q4Linear(codes, scales) if kind.startswith("q4/") else Q8Linear(codes, scales)
     w = torch.cat(payloads, 0)
     if kind == "q4f":
         return Q4Linear.from_float(w)

@@ -16,6 +16,33 @@
 #endif
 
 #define MAXM 8
+#define MAXG 1024          // groups per row: K up to 32768 (groups of 32) or 16384 (groups of 16)
+
+// How scales and zeros are stored (`kind`), each widened into a stack buffer once per row:
+//   0: float32; 1: float16, where the file's values are exactly float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0);
+//   2: uint8 codes times a float32 per super-block of `per` groups (Q4_K, Q5_K: d * sc, -dmin * m);
+//   3: int8 codes times a float32 per super-block (Q6_K). Kinds 2 and 3 rebuild the products in
+//   float32 exactly as gguf computes them, at 0.25-0.5 bit per weight instead of 2.
+static inline const float *row_f32(const void *p, const float *sup, int per, size_t row, int n, int kind,
+                                   float *buf) {
+    if (!p) return NULL;
+    size_t off = row * n;
+    if (kind == 0) return (const float *)p + off;
+    if (kind == 1) {
+        const _Float16 *h = (const _Float16 *)p + off;
+        for (int i = 0; i < n; i++) buf[i] = (float)h[i];
+    } else {
+        const float *s = sup + row * (n / per);
+        if (kind == 2) {
+            const uint8_t *q = (const uint8_t *)p + off;
+            for (int i = 0; i < n; i++) buf[i] = s[i / per] * (float)q[i];
+        } else {
+            const int8_t *q = (const int8_t *)p + off;
+            for (int i = 0; i < n; i++) buf[i] = s[i / per] * (float)q[i];
+        }
+    }
+    return buf;
+}
 
 #ifdef __AVX2__
 static inline float hsum8(__m256 v) {
@@ -142,8 +169,9 @@ static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G,
 
 // x is quantized to int16 per group of 32, so inner products are integer multiply-adds
 // (16 per instruction on AVX2), with one float multiply-add per group.
-void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const float *scale, const float *zero,
-             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid) {
+void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const void *scale, const void *zero,
+             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid, int kind,
+             const float *ssup, const float *zsup, int per) {
     // scratch: 6 * M * K bytes + 2 * M * K / 32 floats
     int ng = K / 32;
     float *buf = (float *)scratch;
@@ -153,7 +181,8 @@ void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const float *sc
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + (size_t)n * (K / 2);
-        const float *sc = scale + (size_t)n * ng, *zr = zero + (size_t)n * ng;
+        float sbuf[MAXG], zbuf[MAXG];
+        const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zr = row_f32(zero, zsup, per, n, ng, kind, zbuf);
         float out[MAXM];
 #ifdef __AVX2__
         if (M == 1) {
@@ -196,8 +225,9 @@ void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const float *sc
     }
 }
 
-void q8_gemv(const float *x, int M, int K, const int8_t *codes, const float *scale, const float *zero, int G,
-             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid) {
+void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scale, const void *zero, int G,
+             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid, int kind,
+             const float *ssup, const float *zsup, int per) {
     // G is 16 or 32; zero may be NULL (symmetric); scratch as for q4_gemv
     int ng = K / G, nx = K / 32;
     float *buf = (float *)scratch;
@@ -207,11 +237,13 @@ void q8_gemv(const float *x, int M, int K, const int8_t *codes, const float *sca
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const int8_t *row = codes + (size_t)n * K;
-        const float *sc = scale + (size_t)n * ng;
+        float sbuf[MAXG], zbuf[MAXG];
+        const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf);
+        const float *zrow = row_f32(zero, zsup, per, n, ng, kind, zbuf);
         float out[MAXM];
 #ifdef __AVX2__
         if (M == 1 && (!zero || G == 32)) {
-            y[n] = q8_row1(row, sc, zero ? zero + (size_t)n * ng : NULL, G, xq, xs, sums32, nx) + (resid ? resid[n] : 0.f);
+            y[n] = q8_row1(row, sc, zrow, G, xq, xs, sums32, nx) + (resid ? resid[n] : 0.f);
             continue;
         }
         __m256 acc[MAXM];
@@ -248,7 +280,7 @@ void q8_gemv(const float *x, int M, int K, const int8_t *codes, const float *sca
         for (int m = 0; m < M; m++) {
             float z = 0.f;
             if (zero) {   // sums over groups of G of the quantized x
-                const float *zr = zero + (size_t)n * ng;
+                const float *zr = zrow;
                 const int16_t *xr = xq + (size_t)m * K;
                 if (G == 32)
                     for (int g = 0; g < ng; g++) z += zr[g] * sums32[m * nx + g];
@@ -264,31 +296,39 @@ void q8_gemv(const float *x, int M, int K, const int8_t *codes, const float *sca
     }
 }
 
-void q4_dequant(const uint8_t *codes, const float *scale, const float *zero, int N, int K, float *out) {
+void q4_dequant(const uint8_t *codes, const void *scale, const void *zero, int N, int K, float *out, int kind,
+                const float *ssup, const float *zsup, int per) {
     int ng = K / 32;
     #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++)
+    for (int n = 0; n < N; n++) {
+        float sbuf[MAXG], zbuf[MAXG];
+        const float *sr = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zrr = row_f32(zero, zsup, per, n, ng, kind, zbuf);
         for (int g = 0; g < ng; g++) {
             const uint8_t *b = codes + (size_t)n * (K / 2) + g * 16;
-            float s = scale[(size_t)n * ng + g], z = zero[(size_t)n * ng + g];
+            float s = sr[g], z = zrr[g];
             float *o = out + (size_t)n * K + g * 32;
             for (int j = 0; j < 16; j++) {
                 o[j] = (b[j] & 15) * s + z;
                 o[j + 16] = (b[j] >> 4) * s + z;
             }
         }
+    }
 }
 
-void q8_dequant(const int8_t *codes, const float *scale, const float *zero, int G, int N, int K, float *out) {
+void q8_dequant(const int8_t *codes, const void *scale, const void *zero, int G, int N, int K, float *out, int kind,
+                const float *ssup, const float *zsup, int per) {
     int ng = K / G;
     #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++)
+    for (int n = 0; n < N; n++) {
+        float sbuf[MAXG], zbuf[MAXG];
+        const float *sr = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zrr = row_f32(zero, zsup, per, n, ng, kind, zbuf);
         for (int g = 0; g < ng; g++) {
-            float s = scale[(size_t)n * ng + g], z = zero ? zero[(size_t)n * ng + g] : 0.f;
+            float s = sr[g], z = zrr ? zrr[g] : 0.f;
             const int8_t *b = codes + (size_t)n * K + g * G;
             float *o = out + (size_t)n * K + g * G;
             for (int j = 0; j < G; j++) o[j] = b[j] * s + z;
         }
+    }
 }
 
 // Decode attention of one new token over full-precision (fp32) pages, keys stored before RoPE.

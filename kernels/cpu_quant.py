@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,10 +50,10 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     P, I = ctypes.c_void_p, ctypes.c_int
     F = ctypes.c_float
-    lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P]
-    lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P]
-    lib.q4_dequant.argtypes = [P, P, P, I, I, P]
-    lib.q8_dequant.argtypes = [P, P, P, I, I, I, P]
+    lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P, I, P, P, I]
+    lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P, I, P, P, I]
+    lib.q4_dequant.argtypes = [P, P, P, I, I, P, I, P, P, I]
+    lib.q8_dequant.argtypes = [P, P, P, I, I, I, P, I, P, P, I]
     lib.attn_decode_f32.argtypes = [P, I, I, I, P, P, P, P, P, I, P, P, F, P, P]
     for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_f32):
         f.restype = None
@@ -84,6 +85,61 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 PREP_NONE, PREP_RMSNORM, PREP_SWIGLU = 0, 1, 2
 
 
+MAX_GROUPS = 1024     # MAXG in the C source: groups per row
+
+
+@dataclass(frozen=True, eq=False)
+class Scales:
+    """Per-group scales (and zeros) of a packed weight, stored as one of the C kernels' kinds.
+
+    scale, zero: [N, G] float32 or float16; or uint8 / int8 codes that multiply scale_sup / zero_sup
+    [N, G / per] float32 (the K-quants' two-level scales, kept as the file has them).
+    """
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None
+    scale_sup: torch.Tensor | None = None
+    zero_sup: torch.Tensor | None = None
+    per: int = 1
+
+    @property
+    def kind(self) -> int:
+        if self.scale_sup is not None:
+            return 2 if self.scale.dtype == torch.uint8 else 3
+        return 1 if self.scale.dtype == torch.float16 else 0
+
+    def args(self) -> tuple:
+        assert self.scale.shape[-1] <= MAX_GROUPS and self.scale.is_contiguous()
+        assert self.zero is None or (self.zero.is_contiguous() and self.zero.dtype == self.scale.dtype)
+        return self.kind, _ptr(self.scale_sup), _ptr(self.zero_sup), self.per
+
+    def rows(self, lo: int, hi: int) -> "Scales":
+        cut = lambda t: None if t is None else t[lo:hi]          # noqa: E731
+        return Scales(self.scale[lo:hi], cut(self.zero), cut(self.scale_sup), cut(self.zero_sup), self.per)
+
+    def index(self, ids: torch.Tensor) -> "Scales":
+        pick = lambda t: None if t is None else t[ids]           # noqa: E731
+        return Scales(self.scale[ids], pick(self.zero), pick(self.scale_sup), pick(self.zero_sup), self.per)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 [N, G] scales and zeros (or None)."""
+        def widen(t, sup):
+            if t is None:
+                return None
+            if sup is None:
+                return t.float()
+            return sup.repeat_interleave(self.per, -1) * t.float()
+        return widen(self.scale, self.scale_sup), widen(self.zero, self.zero_sup)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.scale, self.zero, self.scale_sup, self.zero_sup)
+                   if t is not None)
+
+
+def _scales(scale, zero) -> Scales:
+    return scale if isinstance(scale, Scales) else Scales(scale, zero)
+
+
 def _prep_args(x, k, norm, eps, swiglu, residual):
     mode = PREP_RMSNORM if norm is not None else PREP_SWIGLU if swiglu else PREP_NONE
     assert x.shape[1] == (2 * k if swiglu else k) and x.is_contiguous() and x.dtype == torch.float32
@@ -94,40 +150,44 @@ def _prep_args(x, k, norm, eps, swiglu, residual):
 # x: [M, K] fp32 contiguous ([M, 2K] with swiglu), M <= MAX_ROWS; codes: [N, K/2] uint8; scale, zero: [N, K/32]
 # fp32. Optional: norm [K] applies RMSNorm to x first, swiglu applies silu(x[:, :K]) * x[:, K:], residual
 # [M, N] is added to the output. -> [M, N]
-def q4_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, norm=None, eps=0.0,
+def q4_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, norm=None, eps=0.0,
             swiglu=False, residual=None) -> torch.Tensor:
+    s = _scales(scale, zero)
     n, k = codes.shape[0], codes.shape[1] * 2
     m = x.shape[0]
     y = torch.empty(m, n)
     scratch = torch.empty(m * k * 7, dtype=torch.uint8)
-    _lib.q4_gemv(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), n, y.data_ptr(),
-                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual))
+    _lib.q4_gemv(x.data_ptr(), m, k, codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), n, y.data_ptr(),
+                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual), *s.args())
     return y
 
 
 # codes: [N, K] int8; scale (zero or None): [N, K/G] fp32; the rest as q4_gemv -> [M, N]
-def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero, group: int,
             norm=None, eps=0.0, swiglu=False, residual=None) -> torch.Tensor:
+    s = _scales(scale, zero)
     n, k = codes.shape
     m = x.shape[0]
     y = torch.empty(m, n)
     scratch = torch.empty(m * k * 7, dtype=torch.uint8)
-    _lib.q8_gemv(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), _ptr(zero), group, n, y.data_ptr(),
-                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual))
+    _lib.q8_gemv(x.data_ptr(), m, k, codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), group, n, y.data_ptr(),
+                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual), *s.args())
     return y
 
 
-def q4_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def q4_dequant(codes: torch.Tensor, scale, zero=None) -> torch.Tensor:
+    s = _scales(scale, zero)
     n, half = codes.shape
     out = torch.empty(n, half * 2)
-    _lib.q4_dequant(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), n, half * 2, out.data_ptr())
+    _lib.q4_dequant(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), n, half * 2, out.data_ptr(), *s.args())
     return out
 
 
-def q8_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+def q8_dequant(codes: torch.Tensor, scale, zero, group: int) -> torch.Tensor:
+    s = _scales(scale, zero)
     n, k = codes.shape
     out = torch.empty(n, k)
-    _lib.q8_dequant(codes.data_ptr(), scale.data_ptr(), _ptr(zero), group, n, k, out.data_ptr())
+    _lib.q8_dequant(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), group, n, k, out.data_ptr(), *s.args())
     return out
 
 
@@ -172,14 +232,16 @@ def attn_decode_ref(q, q_cos, q_sin, k_pages, v_pages, rows, cos, sin, sm_scale:
 
 # ---- torch references (same signatures) ------------------------------------------------------------
 
-def q4_dequant_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def q4_dequant_ref(codes: torch.Tensor, scale, zero=None) -> torch.Tensor:
+    scale, zero = _scales(scale, zero).dense()
     n, half = codes.shape
     b = codes.view(n, half // 16, 16)
     q = torch.cat((b & 15, b >> 4), -1).float()                  # [N, G, 32]
     return (q * scale[..., None] + zero[..., None]).view(n, half * 2)
 
 
-def q8_dequant_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+def q8_dequant_ref(codes: torch.Tensor, scale, zero, group: int) -> torch.Tensor:
+    scale, zero = _scales(scale, zero).dense()
     n, k = codes.shape
     w = codes.view(n, k // group, group).float() * scale[..., None]
     if zero is not None:

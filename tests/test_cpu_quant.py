@@ -73,7 +73,8 @@ def test_zero_point_offset_cancels():
     codes = torch.full((16, 32), 0x88, dtype=torch.uint8)     # every code 8: every weight exactly 0
     scale = torch.full((16, 2), 0.5)
     x = torch.randn(1, 64) + 100.0
-    assert cq.q4_gemv(x, codes, scale, -8 * scale).abs().max().item() <= 1e-3
+    # the code and zero terms are each about 25,600 here: what is left is fp32 rounding, not a mismatch of inputs
+    assert cq.q4_gemv(x, codes, scale, -8 * scale).abs().max().item() <= 0.01
 
 
 @pytest.mark.parametrize("hq,hkv,d,n", [(9, 3, 64, 1), (9, 3, 64, 37), (8, 8, 32, 20), (32, 8, 128, 50), (4, 1, 16, 5)])
@@ -88,3 +89,15 @@ def test_attn_decode_matches_reference(hq, hkv, d, n):
     q = torch.randn(hq, d, generator=g)
     args = (q, cos[-1], sin[-1], k_pages, v_pages, rows, cos[:n].contiguous(), sin[:n].contiguous(), d ** -0.5)
     assert torch.allclose(cq.attn_decode(*args), cq.attn_decode_ref(*args), atol=1e-5, rtol=1e-4)
+
+
+def test_half_scales_read_like_float_scales():
+    """float16 scales and zeros (kept where the file's values are exactly float16) give the float32 results."""
+    codes, scale, zero = _q4(96, 256)
+    scale, zero = scale.half(), zero.half()
+    x = torch.randn(1, 256)
+    full = cq.q4_gemv(x, codes, scale.float(), zero.float())
+    assert torch.equal(cq.q4_gemv(x, codes, scale, zero), full)
+    assert torch.equal(cq.q4_dequant(codes, scale, zero), cq.q4_dequant_ref(codes, scale, zero))
+    c8, s8, z8 = _q8(96, 256, 32, True)
+    assert torch.equal(cq.q8_gemv(x, c8, s8.half(), z8.half(), 32), cq.q8_gemv(x, c8, s8.half().float(), z8.half().float(), 32))

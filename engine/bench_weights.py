@@ -1,0 +1,124 @@
+"""What the packed weight path costs in fidelity, per GGUF type: `kvchat bench quality --weight-fidelity`.
+
+For each type, one GGUF holds the model's weights in that type (the default model's own file, or
+its weights requantized with gguf's quantizers into the type, so every type sees real weight
+statistics). The packed path (weights="auto": the file's blocks kept packed, int16 activations in
+the C kernels) is teacher-forced over a text one token per step, the decode path, against a dense
+fp32 forward over the same file's weights dequantized by gguf's own `dequantize`. Reported: top-1
+agreement, mean KL(dense || packed), perplexity ratio, and the largest logit difference of a
+whole-text prefill (which dequantizes slabs of the same codes).
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import CacheConfig, EngineConfig
+
+TARGETS = {"top1_min": 0.98, "kl_max": 0.002}
+# types the default model (hidden 576) can hold: K-quants need rows of 256 and fall back to these
+DEFAULT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
+
+
+def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
+    """Write src's tensors requantized into `mix` (gguf_writer.MIXES) to out, with all of src's metadata."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    from .gguf_writer import MIXES, quantize, tensor_type
+    reader = GGUFReader(str(src))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    layers = int(reader.fields[f"{arch}.block_count"].contents())
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
+    writer = GGUFWriter(tmp, arch)
+    try:
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+                continue
+            vtype = GGUFValueType(field.types[0])
+            sub = GGUFValueType(field.types[1]) if vtype == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), vtype, sub)
+        writer.add_file_type(int(MIXES[mix][2]))
+        for t in reader.tensors:
+            x = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            kind = tensor_type(mix, t.name, layers, tied) if x.ndim == 2 else "F32"
+            if x.ndim == 2 and kind.endswith("_K") and x.shape[1] % 256:
+                kind = "Q8_0" if kind == "Q6_K" else "Q5_0"       # llama.cpp's fallback for short rows
+            data = quantize(x, kind)
+            writer.add_tensor(t.name, data, raw_shape=x.shape, raw_dtype=GGMLQuantizationType[kind])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
+    """Packed against dense fp32 on one file, teacher-forced one token per step over ids."""
+    from .engine import Engine
+    cache = CacheConfig(budget_mb=512)
+    packed = Engine.load(EngineConfig(model=path, cache=cache, num_threads=threads))
+    dense = Engine.load(EngineConfig(model=path, weights="dense", cache=cache, num_threads=threads))
+    sp, sd = packed.new_session(), dense.new_session()
+    agree, kl, nll_p, nll_d = 0, 0.0, 0.0, 0.0
+    for i in range(len(ids) - 1):
+        lp = torch.log_softmax(sp.append([ids[i]])[-1].double(), -1)
+        ld = torch.log_softmax(sd.append([ids[i]])[-1].double(), -1)
+        agree += int(lp.argmax() == ld.argmax())
+        kl += float((ld.exp() * (ld - lp)).sum())
+        nll_p -= float(lp[ids[i + 1]])
+        nll_d -= float(ld[ids[i + 1]])
+    n = len(ids) - 1
+    prefill_diff = (packed.new_session().append(ids) - dense.new_session().append(ids)).abs().max().item()
+    return {"quant": packed.model.quant, "kinds": packed.model.linear_kinds(), "tokens": n,
+            "top1_agreement": agree / n, "mean_kl": kl / n, "ppl_ratio": math.exp((nll_p - nll_d) / n),
+            "prefill_max_logit_diff": prefill_diff, "weight_bytes": packed.model.weight_bytes(),
+            "dense_weight_bytes": dense.model.weight_bytes()}
+
+
+def run_types(model: str, types: list[str], tokens: int, threads: int | None = None) -> dict:
+    from .loader import cache_root, locate
+    from .texts import load_tokens
+    src = locate(model).path
+    out_dir = cache_root() / "weight-fidelity"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for kind in types:
+        if kind == "file":
+            path = src
+        else:
+            path = out_dir / f"{src.stem}-{kind}.gguf"
+            if not path.is_file():
+                requantize_gguf(src, path, kind)
+        from .engine import Engine
+        tok = Engine.load(EngineConfig(model=str(path))).tokenizer
+        results[kind] = fidelity(str(path), load_tokens(tok, "prose", tokens + 1), threads)
+    return results
+
+
+def checks(results: dict) -> dict[str, bool]:
+    out = {}
+    for kind, r in results.items():
+        out[f"weights {kind}: top-1 >= {TARGETS['top1_min']:.0%}"] = r["top1_agreement"] >= TARGETS["top1_min"]
+        out[f"weights {kind}: mean KL <= {TARGETS['kl_max']}"] = r["mean_kl"] <= TARGETS["kl_max"]
+    return out
+
+
+def summarize(results: dict) -> list[str]:
+    lines = [f"{'weights':<8}{'held as':<18}{'tokens':>7}{'top-1':>9}{'KL':>11}{'ppl ratio':>11}{'prefill Δ':>11}"
+             f"{'MiB':>7}"]
+    for kind, r in results.items():
+        held = "+".join(f"{k}×{n}" for k, n in sorted(r["kinds"].items()))
+        lines.append(f"{kind:<8}{held:<18}{r['tokens']:>7}{r['top1_agreement']:>9.2%}{r['mean_kl']:>11.6f}"
+                     f"{r['ppl_ratio']:>11.4f}{r['prefill_max_logit_diff']:>11.2e}{r['weight_bytes'] / 2**20:>7.0f}")
+    return lines

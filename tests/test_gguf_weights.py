@@ -1,0 +1,113 @@
+"""GGUF files read in place: every supported type kept packed, exact against gguf's dequantize, bad files refused."""
+import numpy as np
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, ModelLoadError
+from engine.gguf_file import GGUFFile
+from engine.gguf_writer import write_random_gguf
+from engine.memory_check import check_fits
+from engine.model import ModelConfig
+
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_0", "Q5_1", "Q6_K", "Q8_0", "F16", "BF16")
+# what each type is held as: 4-bit grids as q4, 5-8 bit grids as q8 codes with the file's scales, 16-bit as is
+HELD = {"Q4_0": {"q4", "q8"}, "Q4_1": {"q4", "q8"}, "Q4_K": {"q4"}, "Q4_K_M": {"q4", "q8"}, "Q5_0": {"q8"},
+        "Q5_1": {"q8"}, "Q6_K": {"q8"}, "Q8_0": {"q8"}, "F16": {"fp16"}, "BF16": {"bf16"}}
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    return {t: str(write_random_gguf(folder / f"tiny-{t}.gguf", "tiny", t, seed=3)) for t in TYPES}
+
+
+def _linears(model):
+    return [("head", model.lm_head)] + [(f"{i}.{n}", getattr(L, n)) for i, L in enumerate(model.layers)
+                                        for n in ("qkv", "o", "gate_up", "down")]
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_packed_weights_equal_gguf_dequantize(tiny_ggufs, kind):
+    """Each packed linear dequantizes to exactly what gguf's dequantize gives (codes never re-rounded)."""
+    packed = Engine.load(EngineConfig(model=tiny_ggufs[kind]))
+    dense = Engine.load(EngineConfig(model=tiny_ggufs[kind], weights="dense"))
+    kinds = {k for name in packed.model.linear_kinds() for k in name.split("+")}    # "q4+q8": q|k in Q4_K, v in Q6_K
+    assert packed.model.weights == "gguf" and kinds <= HELD[kind] | {"q8"} and kinds & HELD[kind]
+    for (name, a), (_, b) in zip(_linears(packed.model), _linears(dense.model)):
+        wa, wb = a.dequantize(), b.dequantize()
+        assert torch.allclose(wa, wb, rtol=1e-6, atol=1e-7), (kind, name, (wa - wb).abs().max().item())
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_packed_logits_track_dense(tiny_ggufs, kind):
+    """Decode steps (C kernels, int16 activations) and prefill (dequantized slabs) track the dense fp32 forward."""
+    packed = Engine.load(EngineConfig(model=tiny_ggufs[kind]))
+    dense = Engine.load(EngineConfig(model=tiny_ggufs[kind], weights="dense"))
+    ids = torch.randint(3, 49152, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    # bf16 weights multiply bf16 activations (8-bit mantissas); every other kind keeps activations at >= 11 bits
+    rel = 1e-2 if kind == "BF16" else 2e-3
+    prefill, ref = packed.new_session().append(ids), dense.new_session().append(ids)
+    assert (prefill - ref).abs().max().item() <= rel * ref.abs().max().item()
+    sp, sd = packed.new_session(), dense.new_session()
+    for t in ids:
+        lp, ld = sp.append([t])[-1], sd.append([t])[-1]
+        assert (lp - ld).abs().max().item() <= rel * ld.abs().max().item()
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_resident_bytes_close_to_file(tiny_ggufs, kind):
+    """Resident weight bytes stay within 1.3x the file's tensor bytes (no dense copy anywhere)."""
+    packed = Engine.load(EngineConfig(model=tiny_ggufs[kind]))
+    file_bytes = GGUFFile(tiny_ggufs[kind]).tensor_bytes
+    assert packed.model.weight_bytes() <= 1.3 * file_bytes, (packed.model.weight_bytes(), file_bytes)
+
+
+def test_gguf_matches_transformers(tiny_ggufs):
+    """Our dense read of a GGUF (names, q/k row order, tied head) matches transformers' own GGUF loader."""
+    from engine.engine import load_transformers_reference
+    path = tiny_ggufs["Q8_0"]
+    ref = load_transformers_reference(path)
+    ids = list(range(100, 140))
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0]
+    ours = Engine.load(EngineConfig(model=path, weights="dense")).new_session().append(ids)
+    assert (ours - theirs).abs().max().item() <= 1e-3
+
+
+def test_truncated_and_foreign_gguf_refused(tiny_ggufs, tmp_path):
+    """A GGUF cut short, or of an architecture outside the Llama family, is refused with a clear message."""
+    data = open(tiny_ggufs["Q4_0"], "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="past the end|not a readable GGUF"):
+        Engine.load(EngineConfig(model=str(cut)))
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(_with_arch(data, b"falcon"))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'falcon'"):
+        Engine.load(EngineConfig(model=str(foreign)))
+
+
+def _with_arch(data: bytes, arch: bytes) -> bytes:
+    # general.architecture is a length-prefixed string: rewrite the length and the bytes
+    key = b"general.architecture"
+    at = data.index(key) + len(key) + 4                   # past the key and the value type
+    old_len = int.from_bytes(data[at:at + 8], "little")
+    return data[:at] + len(arch).to_bytes(8, "little") + arch + data[at + 8 + old_len:]
+
+
+def test_model_too_big_refused_before_loading():
+    """A model whose weights cannot fit in this machine's memory is refused with the numbers, before any read."""
+    big = ModelConfig("llama", 128256, 8192, 80, 64, 8, 128, 28672, 1e-5, 500000.0, (), 8192, False, False, False,
+                      False)
+    with pytest.raises(ModelLoadError, match=r"needs about \d+\.\d GiB .* GiB is free"):
+        check_fits(big, 40 * 2**30, "dense", "cpu", "llama-70b.gguf")
+
+
+def test_gguf_metadata_read_without_gguf_reader(tiny_ggufs):
+    """Our header reader gives the architecture numbers (and skips the vocabulary) quickly."""
+    gf = GGUFFile(tiny_ggufs["Q4_K_M"])
+    cfg = gf.hf_config()
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) \
+        == (2, 256, 4, 2)
+    assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"]
+    assert gf.type_name("blk.0.attn_q.weight") == "Q4_K" and np.asarray(gf.tensors["output_norm.weight"].data).dtype == np.float32
