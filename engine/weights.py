@@ -109,6 +109,7 @@ def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, we
         k = gf.tensors[gf.gguf_name(name)].shape[0]
         h = heads_of(name)
         rows = (lambda a: unpermute_rows(a, h)) if h else (lambda a: a)
+
         def tensors(codes, grid):
             t = lambda a: torch.from_numpy(np.ascontiguousarray(rows(a)))      # noqa: E731
             return t(codes), {key: (t(a) if isinstance(a, np.ndarray) else a) for key, a in grid.items()}

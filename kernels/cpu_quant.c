@@ -337,6 +337,47 @@ void q8_dequant(const int8_t *codes, const void *scale, const void *zero, int G,
 // rope(x) = x * cos + swap_halves(x) * sin. out: [Hq, D]; scratch: Hq * L floats. D <= 256, Hq / Hkv <= 8.
 // Each key is rotated once in registers and shared by the g query heads of its group: nothing is
 // re-rotated in memory and no [L, Hkv, D] temporaries are made.
+#ifdef __AVX2__
+// exp of 8 floats: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for
+// precision) and p a degree-6 polynomial (relative error ~1e-7 over the softmax's range x <= 0).
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+static float exp_span(float *s, int lo, int hi, float mx) {
+    // s[lo:hi] = exp(s - mx) in place; returns their sum
+    int p = lo;
+    float sum = 0.f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
+    for (; p + 8 <= hi; p += 8) {
+        __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), m));
+        _mm256_storeu_ps(s + p, w);
+        acc = _mm256_add_ps(acc, w);
+    }
+    sum = hsum8(acc);
+#endif
+    for (; p < hi; p++) {
+        s[p] = expf(s[p] - mx);
+        sum += s[p];
+    }
+    return sum;
+}
+
 static inline float dot_f32(const float *a, const float *b, int n) {
 #ifdef __AVX2__
     if (n % 16 == 0) {
@@ -356,37 +397,63 @@ static inline float dot_f32(const float *a, const float *b, int n) {
 void attn_decode_f32(const float *q, int Hq, int Hkv, int D, const float *qcos, const float *qsin,
                      const float *kp, const float *vp, const int64_t *rows, int L, const float *cos,
                      const float *sin, float sm_scale, float *out, float *scratch) {
+    // scratch: Hq * L scores, then S * Hq * (D + 2) partial results. The slots are cut into S spans,
+    // one task each, so the threads stay busy whatever the number of kv heads; a task reads each
+    // slot's RoPE row once for all heads, whose K and V rows lie side by side in the pages. The
+    // spans' partial softmaxes are merged at the end (as flash-decoding does).
     int g = Hq / Hkv, half = D / 2;
+    int S = L >= 256 ? 4 : L >= 64 ? 2 : 1;
+    float *part = scratch + (size_t)Hq * L;
+    float qrot[8 * 256 * 8];                               // [Hq, D] rotated queries, shared read-only
+    for (int i = 0; i < Hq; i++)
+        for (int d = 0; d < D; d++)
+            qrot[i * D + d] = q[i * D + d] * qcos[d] + q[i * D + (d < half ? d + half : d - half)] * qsin[d];
     #pragma omp parallel for schedule(static)
-    for (int h = 0; h < Hkv; h++) {
-        float *sc = scratch + (size_t)h * g * L;               // [g, L] scores
-        float qrot[8 * 256];                                   // [g, D] rotated queries
-        for (int j = 0; j < g; j++) {
-            const float *x = q + (size_t)(h * g + j) * D;
-            for (int d = 0; d < D; d++)
-                qrot[j * D + d] = x[d] * qcos[d] + x[d < half ? d + half : d - half] * qsin[d];
-        }
-        for (int p = 0; p < L; p++) {
-            const float *k = kp + ((size_t)rows[p] * Hkv + h) * D, *c = cos + (size_t)p * D, *s = sin + (size_t)p * D;
-            float kr[256];
-            for (int d = 0; d < half; d++) kr[d] = k[d] * c[d] + k[d + half] * s[d];
-            for (int d = half; d < D; d++) kr[d] = k[d] * c[d] + k[d - half] * s[d];
-            for (int j = 0; j < g; j++) sc[(size_t)j * L + p] = dot_f32(qrot + j * D, kr, D) * sm_scale;
-        }
-        for (int j = 0; j < g; j++) {
-            float *sj = sc + (size_t)j * L, mx = sj[0], sum = 0.f;
-            for (int p = 1; p < L; p++) mx = sj[p] > mx ? sj[p] : mx;
-            for (int p = 0; p < L; p++) {
-                sj[p] = expf(sj[p] - mx);
-                sum += sj[p];
+    for (int c = 0; c < S; c++) {
+        int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
+        float kr[256];
+        for (int p = lo; p < hi; p++) {
+            const float *cp = cos + (size_t)p * D, *sp = sin + (size_t)p * D;
+            for (int h = 0; h < Hkv; h++) {
+                const float *k = kp + ((size_t)rows[p] * Hkv + h) * D;
+                for (int d = 0; d < half; d++) kr[d] = k[d] * cp[d] + k[d + half] * sp[d];
+                for (int d = half; d < D; d++) kr[d] = k[d] * cp[d] + k[d - half] * sp[d];
+                for (int j = 0; j < g; j++)
+                    scratch[(size_t)(h * g + j) * L + p] = dot_f32(qrot + (h * g + j) * D, kr, D) * sm_scale;
             }
-            float inv = 1.f / sum, *o = out + (size_t)(h * g + j) * D;
+        }
+        for (int i = 0; i < Hq; i++) {
+            float *si = scratch + (size_t)i * L, mx = -INFINITY, sum = 0.f;
+            float *o = part + ((size_t)c * Hq + i) * (D + 2);
+            for (int p = lo; p < hi; p++) mx = si[p] > mx ? si[p] : mx;
+            if (hi > lo) sum = exp_span(si, lo, hi, mx);
+            o[D] = mx;
+            o[D + 1] = sum;
             for (int d = 0; d < D; d++) o[d] = 0.f;
-            for (int p = 0; p < L; p++) {
-                const float *v = vp + ((size_t)rows[p] * Hkv + h) * D;
-                float w = sj[p] * inv;
-                for (int d = 0; d < D; d++) o[d] += w * v[d];
-            }
         }
+        for (int p = lo; p < hi; p++)
+            for (int h = 0; h < Hkv; h++) {
+                const float *v = vp + ((size_t)rows[p] * Hkv + h) * D;
+                for (int j = 0; j < g; j++) {
+                    float w = scratch[(size_t)(h * g + j) * L + p], *o = part + ((size_t)c * Hq + h * g + j) * (D + 2);
+                    for (int d = 0; d < D; d++) o[d] += w * v[d];
+                }
+            }
+    }
+    for (int i = 0; i < Hq; i++) {             // merge the spans: rescale each to the largest maximum
+        float mx = -INFINITY, total = 0.f, *dst = out + (size_t)i * D;
+        for (int c = 0; c < S; c++) {
+            float m = part[((size_t)c * Hq + i) * (D + 2) + D];
+            mx = m > mx ? m : mx;
+        }
+        for (int d = 0; d < D; d++) dst[d] = 0.f;
+        for (int c = 0; c < S; c++) {
+            const float *o = part + ((size_t)c * Hq + i) * (D + 2);
+            if (o[D + 1] == 0.f) continue;                   // an empty span
+            float w = expf(o[D] - mx);
+            total += w * o[D + 1];
+            for (int d = 0; d < D; d++) dst[d] += w * o[d];
+        }
+        for (int d = 0; d < D; d++) dst[d] /= total;
     }
 }

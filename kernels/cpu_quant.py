@@ -191,15 +191,15 @@ def q8_dequant(codes: torch.Tensor, scale, zero, group: int) -> torch.Tensor:
     return out
 
 
-MAX_HEAD_DIM, MAX_GROUP = 256, 8
+MAX_HEAD_DIM = 256
 
 
 def can_attend(q: torch.Tensor, pages: torch.Tensor) -> bool:
-    """The C decode attention covers fp32 pages on the CPU with head_dim <= 256 and <= 8 query heads per kv head."""
+    """The C decode attention covers fp32 pages on the CPU with head_dim <= 256 and heads x head_dim <= 16384."""
     hq, d = q.shape[-2:]
     hkv = pages.shape[-2]
     return (pages.dtype == torch.float32 and not pages.is_cuda and d <= MAX_HEAD_DIM and d % 2 == 0
-            and hq % hkv == 0 and hq // hkv <= MAX_GROUP and available())
+            and hq % hkv == 0 and hq * d <= 16384 and available())
 
 
 # q: [Hq, D] before RoPE; q_cos, q_sin: [D]; k_pages, v_pages: [R, Hkv, D] fp32; rows: [L] int64;
@@ -209,7 +209,7 @@ def attn_decode(q, q_cos, q_sin, k_pages, v_pages, rows, cos, sin, sm_scale: flo
     hkv = k_pages.shape[-2]
     n = rows.shape[0]
     out = torch.empty(hq, d)
-    scratch = torch.empty(hq * n)
+    scratch = torch.empty(hq * n + 4 * hq * (d + 2))
     _lib.attn_decode_f32(q.data_ptr(), hq, hkv, d, q_cos.data_ptr(), q_sin.data_ptr(), k_pages.data_ptr(),
                          v_pages.data_ptr(), rows.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), float(sm_scale),
                          out.data_ptr(), scratch.data_ptr())

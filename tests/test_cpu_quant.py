@@ -101,3 +101,16 @@ def test_half_scales_read_like_float_scales():
     assert torch.equal(cq.q4_dequant(codes, scale, zero), cq.q4_dequant_ref(codes, scale, zero))
     c8, s8, z8 = _q8(96, 256, 32, True)
     assert torch.equal(cq.q8_gemv(x, c8, s8.half(), z8.half(), 32), cq.q8_gemv(x, c8, s8.half().float(), z8.half().float(), 32))
+
+
+def test_attn_decode_long_spans_merge():
+    """Past 256 slots each kv head's slots are split into spans whose softmaxes are merged: same result."""
+    g = torch.Generator().manual_seed(7)
+    n = 300
+    k_pages, v_pages = torch.randn(400, 3, 64, generator=g), torch.randn(400, 3, 64, generator=g)
+    rows = torch.randperm(400, generator=g)[:n]
+    angles = torch.rand(n, 32, generator=g) * 6
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((-angles.sin(), angles.sin()), -1)
+    q = torch.randn(9, 64, generator=g) * 3
+    args = (q, cos[-1], sin[-1], k_pages, v_pages, rows, cos, sin, 0.125)
+    assert torch.allclose(cq.attn_decode(*args), cq.attn_decode_ref(*args), atol=1e-5, rtol=1e-4)
