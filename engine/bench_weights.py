@@ -50,7 +50,7 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
             if x.ndim == 2 and kind.endswith("_K") and x.shape[1] % 256:
                 kind = "Q8_0" if kind == "Q6_K" else "Q5_0"       # llama.cpp's fallback for short rows
             data = quantize(x, kind)
-            writer.add_tensor(t.name, data, raw_shape=x.shape, raw_dtype=GGMLQuantizationType[kind])
+            writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType[kind])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

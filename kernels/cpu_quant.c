@@ -33,12 +33,16 @@ static inline const float *row_f32(const void *p, const float *sup, int per, siz
         for (int i = 0; i < n; i++) buf[i] = (float)h[i];
     } else {
         const float *s = sup + row * (n / per);
-        if (kind == 2) {
-            const uint8_t *q = (const uint8_t *)p + off;
-            for (int i = 0; i < n; i++) buf[i] = s[i / per] * (float)q[i];
-        } else {
-            const int8_t *q = (const int8_t *)p + off;
-            for (int i = 0; i < n; i++) buf[i] = s[i / per] * (float)q[i];
+        for (int b = 0; b < n / per; b++) {          // one super-block at a time: no division per element
+            float d = s[b];
+            float *o = buf + b * per;
+            if (kind == 2) {
+                const uint8_t *q = (const uint8_t *)p + off + b * per;
+                for (int i = 0; i < per; i++) o[i] = d * (float)q[i];
+            } else {
+                const int8_t *q = (const int8_t *)p + off + b * per;
+                for (int i = 0; i < per; i++) o[i] = d * (float)q[i];
+            }
         }
     }
     return buf;
