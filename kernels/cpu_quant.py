@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,17 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     available()
     return _error
+
+
+_local = threading.local()
+
+
+def _scratch_bytes(n: int) -> torch.Tensor:
+    """A scratch buffer of at least n bytes, reused by this thread's kernel calls (one at a time)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < n:
+        buf = _local.scratch = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+    return buf
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -156,7 +168,7 @@ def q4_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, norm=None, e
     n, k = codes.shape[0], codes.shape[1] * 2
     m = x.shape[0]
     y = torch.empty(m, n)
-    scratch = torch.empty(m * k * 7, dtype=torch.uint8)
+    scratch = _scratch_bytes(m * k * 7)
     _lib.q4_gemv(x.data_ptr(), m, k, codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), n, y.data_ptr(),
                  scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual), *s.args())
     return y
@@ -169,7 +181,7 @@ def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero, group: int,
     n, k = codes.shape
     m = x.shape[0]
     y = torch.empty(m, n)
-    scratch = torch.empty(m * k * 7, dtype=torch.uint8)
+    scratch = _scratch_bytes(m * k * 7)
     _lib.q8_gemv(x.data_ptr(), m, k, codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), group, n, y.data_ptr(),
                  scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual), *s.args())
     return y
