@@ -11,7 +11,6 @@ whole-text prefill (which dequantizes slabs of the same codes).
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,17 +25,15 @@ DEFAULT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
 
 def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
     """Write src's tensors requantized into `mix` (gguf_writer.MIXES) to out, with all of src's metadata."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
     from gguf.quants import dequantize
 
-    from .gguf_writer import MIXES, quantize, tensor_type
+    from .gguf_writer import MIXES, atomic_writer, quantize, tensor_type
     reader = GGUFReader(str(src))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     layers = int(reader.fields[f"{arch}.block_count"].contents())
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
-    writer = GGUFWriter(tmp, arch)
-    try:
+    with atomic_writer(out, arch) as writer:
         for key, field in reader.fields.items():
             if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
                 continue
@@ -54,12 +51,6 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 

@@ -15,6 +15,7 @@ most half a step of its sub-block.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -270,6 +271,22 @@ def _copy_tokenizer(writer: GGUFWriter, source: Path) -> int:
     return vocab
 
 
+@contextlib.contextmanager
+def atomic_writer(path: Path, arch: str):
+    """A GGUFWriter whose file appears at `path` complete or not at all (temporary name, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    writer = GGUFWriter(tmp, arch)
+    try:
+        yield writer
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: str, seed: int = 0,
                       vocab_from: str | os.PathLike | None = None) -> Path:
     """Write a random-weight llama GGUF of `shape` in mix `qtype` to `path` and return the path.
@@ -285,11 +302,7 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
         from engine.loader import default_gguf_path
         vocab_from = default_gguf_path()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-
-    writer = GGUFWriter(tmp, "llama")
-    try:
+    with atomic_writer(path, "llama") as writer:
         writer.add_name(f"random {shape.name} {qtype}")
         writer.add_block_count(shape.layers)
         writer.add_context_length(shape.context)
@@ -319,12 +332,6 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
         for index, (name, dims, kind) in enumerate(plan):
             rng = np.random.default_rng([seed, index])
             writer.write_tensor_data(_weights(name, dims, kind, rng, shape))
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return path
 
 
