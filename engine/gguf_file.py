@@ -199,16 +199,20 @@ class GGUFFile:
         They stay in the page cache, so a later read costs no disk access; a load releases each
         tensor once it is packed, so the file never sits in memory beside its packed copy.
         """
+        if hf_name is None:
+            return self.release_range(0, len(self._map))
+        t = self.tensors.get(self.gguf_name(hf_name))
+        if t is not None:
+            self.release_range(t.offset, t.n_bytes)
+
+    def release_range(self, start: int, length: int) -> None:
+        """Drop the pages of bytes [start, start + length) of the file from the resident set."""
         mm = getattr(self._map, "_mmap", None)
         if mm is None or not hasattr(mm, "madvise"):
             return
-        start, length = 0, len(mm)
-        if hf_name is not None:
-            t = self.tensors.get(self.gguf_name(hf_name))
-            if t is None:
-                return
-            start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
-            length = t.offset + t.n_bytes - start
+        end = min(len(mm), start + length)
+        start = start // mmap.PAGESIZE * mmap.PAGESIZE
+        length = end - start
         try:
             mm.madvise(mmap.MADV_DONTNEED, start, length)
         except (OSError, ValueError):

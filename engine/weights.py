@@ -164,10 +164,20 @@ def q8_rows(gf: GGUFFile, name: str, chunk: int = 2048):
     from gguf.quants import dequantize
     kind, data = gf.raw(name)
     qtype = GGMLQuantizationType[kind]
+    t = gf.tensors[gf.gguf_name(name)]
+    n, k = data.shape[0], t.shape[0]
+    if kind == "Q8_0":
+        # the codes are the blocks' bytes after their scale: copied a chunk of rows at a time, each
+        # chunk's file pages released at once, so a large table never sits in memory twice
+        codes, scale = np.empty((n, k), dtype=np.int8), np.empty((n, k // 32), dtype=np.float32)
+        row_bytes = data.shape[1]
+        for lo in range(0, n, chunk):
+            blocks = data[lo:lo + chunk].reshape(-1, k // 32, 34)
+            codes[lo:lo + chunk] = blocks[..., 2:].view(np.int8).reshape(-1, k)
+            scale[lo:lo + chunk] = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+            gf.release_range(t.offset + lo * row_bytes, blocks.shape[0] * row_bytes)
+        return codes, {"scale": scale}
     grid, group = q8_grid(kind, data)
-    n, k = data.shape[0], gf.tensors[gf.gguf_name(name)].shape[0]
-    if kind == "Q8_0":        # the codes are the blocks' bytes after their scale: no arithmetic needed
-        return np.ascontiguousarray(data.reshape(n, -1, 34)[..., 2:]).view(np.int8).reshape(n, k), grid
     scale, zero = dense_scales(grid)
     codes = np.empty((n, k), dtype=np.int8)
     for lo in range(0, n, chunk):
@@ -182,9 +192,11 @@ def q8_rows(gf: GGUFFile, name: str, chunk: int = 2048):
 
 def _make(kind: str, payloads: list):
     if kind.startswith(("q4/", "q8/")):
-        codes = torch.cat([c for c, _ in payloads], 0)
+        def join(parts):          # one part stays as it is: no transient copy of a large head
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+        codes = join([c for c, _ in payloads])
         grids = [g for _, g in payloads]
-        scales = Scales(**{key: (torch.cat([g[key] for g in grids], 0) if isinstance(grids[0][key], torch.Tensor)
+        scales = Scales(**{key: (join([g[key] for g in grids]) if isinstance(grids[0][key], torch.Tensor)
                                  else grids[0][key]) for key in grids[0]})
         return Q4Linear(codes, scales) if kind.startswith("q4/") else Q8Linear(codes, scales)
     w = torch.cat(payloads, 0)
