@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .loader import ModelLoadError
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kernels.cpu_quant import Scales
 
