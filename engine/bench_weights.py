@@ -78,7 +78,7 @@ def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
 
 
 def run_types(model: str, types: list[str], tokens: int, threads: int | None = None) -> dict:
-    from .loader import cache_root, locate
+    from .loader import cache_root, gguf_tokenizer, locate
     from .texts import load_tokens
     src = locate(model).path
     out_dir = cache_root() / "weight-fidelity"
@@ -91,8 +91,7 @@ def run_types(model: str, types: list[str], tokens: int, threads: int | None = N
             path = out_dir / f"{src.stem}-{kind}.gguf"
             if not path.is_file():
                 requantize_gguf(src, path, kind)
-        from .engine import Engine
-        tok = Engine.load(EngineConfig(model=str(path))).tokenizer
+        tok = gguf_tokenizer(path)          # cached per file: no engine loaded just for it
         results[kind] = fidelity(str(path), load_tokens(tok, "prose", tokens + 1), threads)
     return results
 

@@ -76,7 +76,11 @@ def cmd_chat(args) -> int:
                             seed=args.seed)
     session = engine.new_session(system_prompt=args.system)
     if args.prompt is not None:
-        _stream(session, args.prompt, params)
+        try:
+            _stream(session, args.prompt, params)
+        except KeyboardInterrupt:           # Ctrl+C mid-reply: what came so far stays printed
+            print("\n(stopped)", file=sys.stderr)
+            return 130
         return 0
     print(f"kvchat: {engine.model_name} on {engine.device}, cache {session.cache_config.label()}. "
           f"Commands: /reset, /stats, /quit")

@@ -171,17 +171,25 @@ static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G,
 }
 #endif
 
-// x is quantized to int16 per group of 32, so inner products are integer multiply-adds
-// (16 per instruction on AVX2), with one float multiply-add per group.
+// The activations a matvec reads: x prepared (mode) and quantized to int16 per group of 32, so inner
+// products are integer multiply-adds (16 per instruction on AVX2) with one float multiply-add per
+// group. scratch: 6 * M * K bytes + 2 * M * K / 32 floats, carved into the pieces returned.
+static void activations(const float *x, int M, int K, int mode, const float *norm_w, float eps, void *scratch,
+                        int16_t **xq, float **xs, float **sums) {
+    float *buf = (float *)scratch;
+    *xq = (int16_t *)(buf + (size_t)M * K);
+    *xs = (float *)(*xq + (size_t)M * K);
+    *sums = *xs + (size_t)M * (K / 32);
+    quantize_x(prep(x, M, K, mode, norm_w, eps, buf), M, K, *xq, *xs, *sums);
+}
+
 void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const void *scale, const void *zero,
              int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid, int kind,
              const float *ssup, const float *zsup, int per) {
-    // scratch: 6 * M * K bytes + 2 * M * K / 32 floats
     int ng = K / 32;
-    float *buf = (float *)scratch;
-    int16_t *xq = (int16_t *)(buf + (size_t)M * K);
-    float *xs = (float *)(xq + (size_t)M * K), *sums = xs + (size_t)M * ng;
-    quantize_x(prep(x, M, K, mode, norm_w, eps, buf), M, K, xq, xs, sums);
+    int16_t *xq;
+    float *xs, *sums;
+    activations(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + (size_t)n * (K / 2);
@@ -234,10 +242,9 @@ void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scal
              const float *ssup, const float *zsup, int per) {
     // G is 16 or 32; zero may be NULL (symmetric); scratch as for q4_gemv
     int ng = K / G, nx = K / 32;
-    float *buf = (float *)scratch;
-    int16_t *xq = (int16_t *)(buf + (size_t)M * K);
-    float *xs = (float *)(xq + (size_t)M * K), *sums32 = xs + (size_t)M * nx;
-    quantize_x(prep(x, M, K, mode, norm_w, eps, buf), M, K, xq, xs, sums32);
+    int16_t *xq;
+    float *xs, *sums32;
+    activations(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums32);
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const int8_t *row = codes + (size_t)n * K;

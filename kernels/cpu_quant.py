@@ -31,7 +31,7 @@ def _cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvchat")) / "kernels"
 
 
-def _build() -> ctypes.CDLL:
+def _build(retry: bool = True) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (cc / gcc)")
@@ -48,7 +48,13 @@ def _build() -> ctypes.CDLL:
         if res.returncode:
             raise RuntimeError(f"compiling {SOURCE.name} failed: {res.stderr.strip()[:400]}")
         tmp.replace(out)
-    lib = ctypes.CDLL(str(out))
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError:             # a damaged cached build (an interrupted copy, a full disk): build it once again
+        if not retry:
+            raise
+        out.unlink(missing_ok=True)
+        return _build(retry=False)
     P, I = ctypes.c_void_p, ctypes.c_int
     F = ctypes.c_float
     lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P, I, P, P, I]
