@@ -14,10 +14,10 @@ import argparse
 
 import torch
 
-from kernels.formats import bytes_per_block
-
 from .config import CacheConfig
-from .kv_cache import KVCache
+from .kv_layout import WindowGeometry, kv_layout
+from .kv_manager import KVCacheManager, Sequence
+from .kv_pages import PageStore
 
 MODES = {
     "fp32": CacheConfig(k_format="fp32", v_format="fp32"),
@@ -49,49 +49,58 @@ def _model_config(model: str):
     return read_model_config(model)
 
 
-def fill(cache: KVCache, num_tokens: int, seed: int = 0) -> None:
-    """Write num_tokens of random K/V into every layer, through the cache's own write path."""
-    m = cache.model
+def fill(manager: KVCacheManager, store: PageStore, seq: Sequence, num_tokens: int, seed: int = 0) -> None:
+    """Write num_tokens of random K/V into every layer of seq, through the page store's own write paths."""
+    layout = seq.layout
     gen = torch.Generator().manual_seed(seed)
     done = 0
     while done < num_tokens:
-        n = min(cache.block_size * 8, num_tokens - done)
-        plan = cache.begin(n)
-        for kc, vc in cache.layers:
-            for comp in (kc, vc):
-                x = torch.randn(n, m.num_kv_heads, m.head_dim, generator=gen)
-                comp.write(x.to(cache.device), plan.first_slot, cache.table)
-        cache.end(plan)
+        n = min(layout.block_size * 8, num_tokens - done)
+        res = manager.reserve(seq, n)
+        store.reserve(layout, manager.pool.high_water, layout.budget_blocks(manager.budget_bytes))
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        slots = torch.arange(res.first_slot, res.first_slot + n)
+        rows = table[slots // layout.block_size] * layout.block_size + slots % layout.block_size
+        for pair in store.components(layout):
+            for comp in pair:
+                x = torch.randn(n, layout.num_kv_heads, layout.head_dim, generator=gen)
+                if comp.fmt.is_quantized:
+                    comp.write(seq.seq_id, x, res.first_slot, seq.block_table)
+                else:
+                    comp.write_rows(x, rows)
+        manager.commit(res)
         done += n
 
 
 def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = "fp32") -> dict:
-    cache = KVCache(model_cfg, config, model_dtype, "cpu")
-    fill(cache, num_tokens)
+    layout = kv_layout(model_cfg, config, model_dtype, "cpu")
+    manager, store = KVCacheManager(1 << 40), PageStore("cpu")
+    seq = manager.new_sequence(layout, WindowGeometry.of(config))
+    fill(manager, store, seq, num_tokens)
     m = model_cfg
+    blocks = len(seq.block_table)
     layers, pages_total, tails_total, meta_total = [], 0, 0, 0
-    for i, (kc, vc) in enumerate(cache.layers):
+    for i, pair in enumerate(store.components(layout)):
         row = {"layer": i}
-        for role, comp in (("k", kc), ("v", vc)):
-            pages = {name: t.numel() * t.element_size() for name, t in comp.pages.items()}
-            tail = sum(t.numel() * t.element_size() for t in (comp.tail, comp.head) if t is not None)
-            row[role] = {"format": comp.fmt.label, "bytes": comp.nbytes, "data": pages["data"],
+        for role, comp in zip(("k", "v"), pair):
+            # bytes of the rows this conversation's blocks use in each page tensor, read from the tensors
+            pages = {name: t[0].numel() * t.element_size() * blocks for name, t in comp.pages.items()}
+            tail = sum(t.numel() * t.element_size() for t in (*comp.tails.values(), *comp.heads.values()))
+            row[role] = {"format": comp.fmt.label, "bytes": sum(pages.values()) + tail, "data": pages["data"],
                          "scale": pages.get("scale", 0), "zero": pages.get("zero", 0), "tail": tail}
             pages_total += sum(pages.values())
             meta_total += pages.get("scale", 0) + pages.get("zero", 0)
             tails_total += tail
         layers.append(row)
-    blocks = len(cache.table)
-    fixed_expected = cache.layout_bytes(config)[1]
-    per_block_expected = sum(bytes_per_block(f.fmt, config.block_size, m.num_kv_heads, m.head_dim)
-                             for comps in cache.layers for f in comps)
     fp16_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
     page_per_token = pages_total / (blocks * config.block_size)
+    held = pages_total + tails_total
     return {
         "label": config.label(),
         "tokens": num_tokens,
         "blocks": blocks,
-        "kv_bytes": cache.nbytes,
+        "kv_bytes": held,
+        "storage_bytes": store.layer_bytes(),
         "page_bytes": pages_total,
         "metadata_bytes": meta_total,
         "tail_bytes": tails_total,
@@ -100,8 +109,8 @@ def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = 
         "metadata_per_token": meta_total / (blocks * config.block_size),
         "metadata_fraction_of_fp16": meta_total / (blocks * config.block_size) / fp16_per_token,
         "ratio_to_fp16": page_per_token / fp16_per_token,
-        "ratio_to_fp16_with_tail": cache.nbytes / (num_tokens * fp16_per_token),
-        "matches_bytes_per_block": pages_total == blocks * per_block_expected and tails_total == fixed_expected,
+        "ratio_to_fp16_with_tail": held / (num_tokens * fp16_per_token),
+        "matches_bytes_per_block": pages_total == blocks * layout.block_bytes and held == layout.sequence_bytes(num_tokens),
         "per_layer": layers,
     }
 
@@ -118,7 +127,7 @@ def run(args) -> dict:
         "block_size": args.block_size,
         "fp16_bytes_per_token": 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2,
         "fixed_blocks": "quantized components hold two full-precision blocks (the block being filled and the "
-                        "first block) in the model dtype: fp32 on the CPU, bf16 on CUDA",
+                        "first block) in 16 bits (bf16 on the CPU, the model dtype on CUDA)",
         "modes": {},
     }
     for name in args.modes:

@@ -1,114 +1,125 @@
-"""Live switch of a session's cache mode: convert the blocks held, never run the model again.
+"""Live switch of a conversation's cache mode: convert the blocks held, never run the model again.
 
-Components whose format does not change keep their pages byte for byte (a stored value is never
-re-quantized); the others are dequantized and written in the new format. Blocks that fall out of
-a new window go back to the pool.
+Only the manager's public API is used: a new window is applied in place (stored keys carry
+absolute positions, so a window changes which blocks are kept, not what they hold); a new layout
+reads the held slots, gives the old blocks back, reserves blocks in the new layout and writes
+them there. Components whose format does not change keep their pages byte for byte (a stored
+value is never re-quantized); the others are dequantized and written in the new format.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .attention import rope_cos_sin, rotate
 from .config import CacheConfig, ConfigError
-from .kv_cache import MIB, Component, KVCache
+from .kv_layout import MIB, WindowGeometry
+from .kv_manager import NoFreeBlocks, Sequence
+from .kv_pages import Component
 
 
-def _surviving_blocks(cache: KVCache, config: CacheConfig, sink_blocks: int) -> list[int]:
-    """Indices into cache.table of the blocks a window in `config` keeps."""
-    keep = list(range(len(cache.table)))
-    if config.window is None:
-        return keep
-    bs = cache.block_size
-    start_abs = max(config.sinks, cache.num_tokens - config.window)
-    evicted = cache.evicted_blocks
-    while len(keep) > sink_blocks + 1:
-        first_abs = (sink_blocks + evicted) * bs
-        if first_abs + bs > start_abs:
-            break
-        keep.pop(sink_blocks)
-        evicted += 1
-    return keep
-
-
-def _slot_values(comp: Component, cache: KVCache, blocks: list[int]) -> torch.Tensor:
-    """Float values of the chosen table blocks laid end to end: [len(blocks) * bs, H, D]."""
-    bs = cache.block_size
-    last = len(cache.table) - 1
-    parts = []
-    for i in blocks:
-        if comp.fmt.is_quantized and i == last and cache.seq_len % bs:
-            parts.append(comp.tail.float())
-        elif i == 0 and comp.head is not None:
-            parts.append(comp.head.float())
-        else:
-            ids = torch.tensor([cache.table[i]], dtype=torch.long, device=cache.device)
-            parts.append(comp.read_blocks(ids)[0])
-    if not parts:
-        return torch.empty(0, comp.num_heads, comp.head_dim)
-    return torch.cat(parts)
-
-
-def convert_cache(old: KVCache, config: CacheConfig) -> KVCache:
-    m = old.model
-    bad = [i for i in config.full_precision_layers if i >= m.num_layers]
-    if bad:
-        raise ConfigError(f"full_precision_layers {bad} do not exist: the model has layers 0-{m.num_layers - 1}")
-    if config.block_size != old.block_size and old.evicted_blocks:
-        raise ConfigError("the block size can change only before the window has evicted tokens: reset the session first")
-    if config.block_size != old.block_size:
-        return _rebuild(old, config)
-    sink_blocks = math.ceil(config.sinks / config.block_size) if config.window else 0
-    if old.evicted_blocks and config.window is not None and sink_blocks != old.num_sink_blocks:
-        raise ConfigError(f"the window has already evicted tokens around {old.config.sinks} sinks; changing the number "
+def convert_sequence(runner, seq: Sequence, old: CacheConfig, new: CacheConfig) -> Sequence:
+    """seq in mode `old` -> a sequence in mode `new` holding the same tokens (seq itself when the layout stays)."""
+    m = runner.manager
+    geometry = WindowGeometry.of(new)
+    if new.block_size != old.block_size and seq.evicted:
+        raise ConfigError(f"the window has already dropped {seq.evicted * seq.block_size} tokens, so the block size "
+                          f"cannot change now: reset the session first")
+    if seq.evicted and new.window is not None and geometry.sink_blocks != seq.sink_blocks:
+        raise ConfigError(f"the window has already evicted tokens around {old.sinks} sinks; changing the number "
                           f"of sinks now needs a reset")
-    if old.evicted_blocks:
-        sink_blocks = old.num_sink_blocks
-    keep = _surviving_blocks(old, config, sink_blocks)
-    new = KVCache(m, config, old.model_dtype, old.device)
-    if len(keep) > new.pool.num_blocks:
-        need_mb = len(keep) * new.layout_bytes(config)[0] / MIB
-        raise ConfigError(f"the conversation holds {old.tokens_held} tokens, which need {need_mb:.1f} MiB in "
-                          f"{config.label()}, more than the {config.budget_mb:g} MiB budget: raise the budget, "
+    with runner.lock:
+        layout = runner.layout(new)
+        if layout.budget_blocks(m.budget_bytes) < 1:
+            raise ConfigError(f"a KV budget of {m.budget_bytes / MIB:g} MiB does not hold even one block of "
+                              f"{new.block_size} tokens in {new.label()}: raise the budget")
+        if layout.block_size == seq.layout.block_size:
+            m.apply_window(seq, geometry)     # first drop what the new window does not keep
+        else:
+            seq.geometry = geometry
+        if layout == seq.layout:
+            return seq
+        return _relayout(runner, seq, layout, new)
+
+
+def _relayout(runner, seq: Sequence, layout, new: CacheConfig) -> Sequence:
+    m, store = runner.manager, runner.store
+    n = seq.seq_len
+    need = layout.blocks_for(n) * layout.block_bytes + layout.side_bytes(n, n >= layout.block_size)
+    room = m.free_bytes() + m.reclaimable_bytes({seq.seq_id}) + m.sequence_bytes(seq)
+    if need > room:
+        raise ConfigError(f"the conversation holds {seq.tokens_held} tokens, which need {need / MIB:.1f} MiB in "
+                          f"{new.label()}, more than the {m.budget_bytes / MIB:g} MiB budget allows: raise the budget, "
                           f"use a window or a smaller format, or reset the session")
-    new.table = new.pool.allocate_many(len(keep))
-    new._resize_pages()
-    dropped = len(old.table) - len(keep)
-    new.num_tokens = old.num_tokens
-    new.evicted_blocks = old.evicted_blocks + dropped
-    new.num_sink_blocks = sink_blocks if (config.window is not None or old.evicted_blocks) else 0
-    seq_len = new.seq_len
-    old_ids = torch.tensor([old.table[i] for i in keep], dtype=torch.long, device=old.device)
-    new_ids = torch.tensor(new.table, dtype=torch.long, device=old.device)
-    for old_comps, new_comps in zip(old.layers, new.layers):
-        for oc, nc in zip(old_comps, new_comps):
-            if oc.fmt == nc.fmt:
-                for name, t in oc.pages.items():
-                    nc.pages[name][new_ids] = t[old_ids]
-                if oc.tail is not None:
-                    nc.tail = oc.tail.clone()
-                if oc.head is not None and keep and keep[0] == 0:
-                    nc.head = oc.head.clone()
-            elif seq_len:
-                nc.write(_slot_values(oc, old, keep)[:seq_len], 0, new.table)
-    return new
+    old_comps = store.components(seq.layout)
+    new_layout_comps = store.components(layout)
+    same_blocks = layout.block_size == seq.layout.block_size
+    slots = torch.arange(n)
+    abs_pos = torch.tensor([seq.absolute(j) for j in range(n)], dtype=torch.long)
+    cos, sin = rope_cos_sin(abs_pos, runner.inv_freq.cpu())
+    cos, sin = cos.to(runner.device), sin.to(runner.device)
+    # read everything the new layout needs before the old blocks go back
+    carried = []
+    for (okc, ovc), (nkc, nvc) in zip(old_comps, new_layout_comps):
+        pair = []
+        for role, oc, nc in (("k", okc, nkc), ("v", ovc, nvc)):
+            if same_blocks and oc.fmt == nc.fmt:
+                pair.append(("copy", _copy_out(oc, seq)))
+            else:
+                values = _values(oc, seq, slots)
+                if role == "k" and oc.fmt.is_quantized != nc.fmt.is_quantized:
+                    # full precision holds keys rotated at their absolute positions, quantized pages before RoPE
+                    values = rotate(values, cos, sin) if nc.fmt.is_quantized is False else rotate(values, cos, -sin)
+                pair.append(("write", values))
+        carried.append(pair)
+    num_tokens, evicted, sink_blocks, keep_head = seq.num_tokens, seq.evicted, seq.sink_blocks, seq.has_head
+    runner.close(seq)
+    child = m.new_sequence(layout, seq.geometry)
+    child.sink_blocks = sink_blocks
+    try:
+        res = m.reserve(child, n)
+    except NoFreeBlocks:       # checked above; only a race with another step could get here
+        raise ConfigError("the budget filled while converting: reset the session") from None
+    store.reserve(layout, m.pool.high_water, layout.budget_blocks(m.budget_bytes) + 1)
+    bs = layout.block_size
+    table = torch.tensor(child.block_table, dtype=torch.long)
+    rows = (table[slots // bs] * bs + slots % bs).to(runner.device)
+    for (nkc, nvc), pair in zip(new_layout_comps, carried):
+        for nc, (how, payload) in zip((nkc, nvc), pair):
+            if how == "copy":
+                _copy_in(nc, child, payload)
+            elif nc.fmt.is_quantized:
+                if n:
+                    nc.write(child.seq_id, payload, 0, child.block_table, keep_head=keep_head or evicted == 0)
+            else:
+                nc.write_rows(payload, rows)
+    m.adopt(res, num_tokens, evicted)
+    runner.drop_unused_layouts()
+    return child
 
 
-def _rebuild(old: KVCache, config: CacheConfig) -> KVCache:
-    """New block size: lay every token out again (only possible while nothing was evicted)."""
-    new = KVCache(old.model, config, old.model_dtype, old.device)
-    n = old.seq_len
-    need = math.ceil(n / config.block_size)
-    if need > new.pool.num_blocks:
-        raise ConfigError(f"the conversation's {n} tokens do not fit the {config.budget_mb:g} MiB budget in "
-                          f"{config.label()}: raise the budget or reset the session")
-    new.table = new.pool.allocate_many(need)
-    new._resize_pages()
-    new.num_tokens = old.num_tokens
-    all_blocks = list(range(len(old.table)))
-    for old_comps, new_comps in zip(old.layers, new.layers):
-        for oc, nc in zip(old_comps, new_comps):
-            if n:
-                nc.write(_slot_values(oc, old, all_blocks)[:n], 0, new.table)
-    new._evict()
-    return new
+def _values(comp: Component, seq: Sequence, slots: torch.Tensor) -> torch.Tensor:
+    """Float values [len(slots), H, D] of a sequence's slots as stored (full-precision keys stay rotated)."""
+    if comp.fmt.is_quantized:
+        return comp.read_slots(seq.seq_id, seq.block_table, seq.seq_len, slots)
+    bs = comp.block_size
+    table = torch.tensor(seq.block_table, dtype=torch.long)
+    rows = (table[slots // bs] * bs + slots % bs).to(comp.device)
+    return comp.flat_pages().index_select(0, rows).float()
+
+
+def _copy_out(comp: Component, seq: Sequence) -> dict:
+    ids = torch.tensor(seq.block_table, dtype=torch.long, device=comp.device)
+    out = {name: t.index_select(0, ids) for name, t in comp.pages.items()}
+    out["tail"] = comp.tails.get(seq.seq_id)
+    out["head"] = comp.heads.get(seq.block_table[0]) if seq.block_table else None
+    return out
+
+
+def _copy_in(comp: Component, seq: Sequence, saved: dict) -> None:
+    ids = torch.tensor(seq.block_table, dtype=torch.long, device=comp.device)
+    for name, t in comp.pages.items():
+        t.index_copy_(0, ids, saved[name])
+    if saved["tail"] is not None:
+        comp.tails[seq.seq_id] = saved["tail"]
+    if saved["head"] is not None and seq.block_table:
+        comp.heads[seq.block_table[0]] = saved["head"]

@@ -9,13 +9,15 @@ import torch
 from kernels import cpu_quant
 
 from .config import CacheConfig, EngineConfig
+from .kv_layout import MIB
 from .gguf_file import GGUFFile
 from .loader import (ModelLoadError, Progress, gguf_tokenizer, load_state_dict, load_tokenizer, locate, read_config,
                      remove_conversion_cache)
 from .memory_check import check_fits, folder_bytes, trim_heap
 from .model import ModelConfig, Transformer
 from .weights import from_gguf, from_state_dict
-from .session import Session
+from .runner import ModelRunner
+from .session import ModelInfo, Session
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
@@ -67,6 +69,9 @@ class Engine:
         self.stop_ids = self._stop_ids()
         self.weight_bytes = model.weight_bytes()
         self.weights_label = describe_weights(model)
+        self.runner = ModelRunner(model, self.dtype_name, config.cache.budget_mb)
+        self.info = ModelInfo(name, tokenizer, self.stop_ids, model.config.max_position_embeddings,
+                              self.weight_bytes, self.weights_label)
 
     @property
     def num_layers(self) -> int:
@@ -113,7 +118,7 @@ class Engine:
             pool.shutdown(wait=True)
         trim_heap()
         engine = cls(config, model, tokenizer, files.name, time.perf_counter() - started, notice)
-        engine.new_session().cache   # validates the cache config against this model
+        engine.runner.check(config.cache)   # validates the cache config against this model
         if progress:
             progress("ready", 1.0)
         return engine
@@ -128,5 +133,18 @@ class Engine:
         return frozenset(ids)
 
     def new_session(self, system_prompt: str | None = None, cache: CacheConfig | None = None,
-                    history: list[dict] | None = None) -> Session:
-        return Session(self, system_prompt, cache, history)
+                    history: list[dict] | None = None, prefix_cache: bool = True) -> Session:
+        """A conversation in the engine's shared KV pool. The budget is the engine's: a cache config
+        carrying another budget_mb sets it for every conversation."""
+        cache = cache or self.config.cache
+        if int(cache.budget_mb * MIB) != self.runner.manager.budget_bytes:
+            self.runner.set_budget(cache.budget_mb)
+        return Session(self.runner, self.info, cache, system_prompt, history, prefix_cache)
+
+    @property
+    def budget_mb(self) -> float:
+        return self.runner.manager.budget_bytes / MIB
+
+    def clear_prefix_cache(self) -> int:
+        """Free the blocks kept only for prefix reuse; returns the bytes freed."""
+        return self.runner.clear_prefix_cache()

@@ -22,6 +22,28 @@ class MemoryProbe:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolStats:
+    """The engine's KV pool, shared by every conversation (and server request)."""
+
+    budget_bytes: int
+    held_bytes: int                     # blocks in use or kept for prefix reuse, plus full-precision sides
+    free_bytes: int
+    evictable_blocks: int               # freed blocks kept for prefix reuse: reclaimable at any time
+    evictable_bytes: int
+    shared_blocks: int                  # blocks referenced by more than one conversation
+    blocks_in_use: int
+    prefix_queries: int                 # prompt tokens looked up in the prefix index
+    prefix_hits: int                    # of those, tokens found cached
+    conversations: tuple[tuple[int, int, int, bool], ...] = ()   # (id, blocks, bytes, is this one)
+    released: int = 0                   # idle conversations released so far to make room
+    storage_bytes: int = 0              # page storage actually allocated (capacity included)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class StatsSnapshot:
     """One look at a session after a step. Every byte count comes from tensors actually held."""
 
@@ -46,6 +68,11 @@ class StatsSnapshot:
     memory: MemoryProbe
     weight_bytes: int = 0               # the model's weights as held (packed codes, scales, norms)
     weights_label: str = ""             # what they are, e.g. "Q4_1 (+Q8_0), packed"
+    context_tokens: int = 0             # the model's trained context (0: unknown)
+    full_precision_bytes_per_token: float = 0.0   # the same tokens with every component at full precision
+    prefix_reused_tokens: int = 0       # prompt tokens of the last turn found in the prefix cache
+    pool: PoolStats | None = None
+    notice: str = ""                    # something that happened to the cache the user should hear about
 
     @property
     def usage(self) -> float:

@@ -143,8 +143,10 @@ class Transformer:
         self.inv_freq = config.inv_freq().to(device)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, attention: Attention, all_logits: bool = False) -> torch.Tensor:
-        """token_ids: [T] -> logits [T, vocab] (all_logits) or [1, vocab] for the last token, float32."""
+    def forward(self, token_ids: torch.Tensor, attention: Attention, all_logits: bool = False,
+                rows: list[int] | None = None) -> torch.Tensor:
+        """token_ids: [T] -> logits float32 [T, vocab] (all_logits), [len(rows), vocab] for the chosen rows
+        (a batch's last tokens), or [1, vocab] for the last token."""
         c = self.config
         T = token_ids.shape[0]
         q_size = c.num_heads * c.head_dim
@@ -160,7 +162,9 @@ class Transformer:
             x = L.o.fused(o.reshape(T, q_size).to(self.dtype), residual=x)
             gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps)
             x = L.down.fused(gu, swiglu=True, residual=x)
-        if not all_logits:
+        if rows is not None:
+            x = x[rows]
+        elif not all_logits:
             x = x[-1:]
         return self.lm_head.fused(x, norm=self.norm, eps=eps).float()
 

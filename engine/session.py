@@ -1,168 +1,302 @@
-"""A session is one conversation: its messages, its token ids, its paged KV cache."""
+"""A session is one conversation: its messages, its token ids, its sequence in the engine's KV pool.
+
+The chat layer: chat template, sampling, events, the overflow policy. The model runner does the
+forward passes and owns the cache; a session holds one `Sequence` of it (and, after a regenerate,
+the sequences of the replies it kept as alternatives).
+"""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 
 from . import memory
-from .config import CacheConfig, SamplingParams
-from .events import LayerBytes, StatsSnapshot, TokenDelta, TurnFinished
-from .kv_cache import MIB, KVCache
+from .config import CacheConfig, ConfigError, SamplingParams
+from .convert import convert_sequence
 from .detok import StreamDecoder
+from .events import LayerBytes, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
+from .kv_layout import MIB
+from .kv_manager import NoFreeBlocks
+from .memory_check import trim_heap
+from .runner import ModelRunner
 from .sampling import sample
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 PREFILL_CHUNK = 512
+_PLACEHOLDER = "\x00kvchat-content-{}\x00"
 
 
 class BudgetFull(RuntimeError):
     """The next tokens do not fit in the KV budget; the message says what to do."""
 
 
+class Stopped(Exception):
+    """The user stopped the turn while its prompt was being read."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a session needs to know about the loaded model besides the runner."""
+
+    name: str
+    tokenizer: object
+    stop_ids: frozenset[int]
+    max_context: int
+    weight_bytes: int = 0
+    weights_label: str = ""
+
+
+@dataclass
+class Alternative:
+    """A reply the user regenerated away from, kept with its cache until the budget needs the room."""
+
+    text: str
+    seq: object
+    token_ids: list[int] = field(default_factory=list)
+
+
+def clean_text(text: str) -> str:
+    """Lone surrogates (which UTF-8 cannot hold) become U+FFFD instead of failing deep in the tokenizer."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 class Session:
-    def __init__(self, engine: "Engine", system_prompt: str | None = None, cache: CacheConfig | None = None,
-                 history: list[dict] | None = None):
-        self.engine = engine
-        self.system_prompt = system_prompt
-        self.messages: list[dict] = [dict(m) for m in (history or [])]
-        self.cache = KVCache(engine.model.config, cache or engine.config.cache, engine.dtype_name, engine.device)
-        self.token_ids: list[int] = []      # the conversation as tokens
-        self._cached = 0                    # how many of token_ids the cache has seen
-        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0)
+    def __init__(self, runner: ModelRunner, info: ModelInfo, cache: CacheConfig, system_prompt: str | None = None,
+                 history: list[dict] | None = None, prefix_cache: bool = True):
+        self.runner = runner
+        self.info = info
+        self.system_prompt = clean_text(system_prompt) if system_prompt else system_prompt
+        self.messages: list[dict] = [dict(m, content=clean_text(m["content"])) for m in (history or [])]
+        self._config = cache
+        self.seq = runner.new_sequence(cache)
+        self.prefix_cache = prefix_cache
+        self.token_ids: list[int] = []      # the conversation as tokens; the cache holds the first seq.num_tokens
+        self.alternatives: list[Alternative] = []   # earlier replies to the last user message
+        self._prompt_end = 0                # tokens before the last reply
+        self._prompt_logits: torch.Tensor | None = None
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        self.notice = ""
 
     @property
     def cache_config(self) -> CacheConfig:
-        return self.cache.config
+        return self._config
+
+    @property
+    def tokenizer(self):
+        return self.info.tokenizer
+
+    @property
+    def _cached(self) -> int:
+        return self.seq.num_tokens
+
+    def _sync(self) -> None:
+        """A sequence released for another conversation holds nothing: its tokens are read again next turn."""
+        if self.seq.released and self.seq.num_tokens == 0 and self.token_ids:
+            self.seq.released = False
+            self.token_ids.clear()
+            self._prompt_logits = None
+            self.notice = "This conversation's cache was released to make room for another; its history is read again."
 
     # ---- forward ----------------------------------------------------------------------
 
-    def _check_budget(self, num_new: int) -> bool:
-        """True when num_new tokens fit; False when the session just slid into a window (chunk again)."""
-        need = self.cache.blocks_needed(num_new)
-        if self.cache.pool.can_allocate(need):
-            return True
-        c = self.cache.config
-        if c.overflow == "slide" and c.window is None:
-            self._slide_to_fit()
-            return False
-        raise BudgetFull(self._budget_message(num_new))
+    def _chunk(self) -> int:
+        c = self._config
+        if c.window is None:
+            return PREFILL_CHUNK
+        return max(c.block_size, min(PREFILL_CHUNK, c.window) // c.block_size * c.block_size)
 
-    def _check_whole_fits(self, num_new: int) -> None:
-        """With overflow="stop" and no window, refuse up front what cannot fit, so nothing is half-prefilled."""
-        c = self.cache.config
-        if c.window is None and c.overflow == "stop" and \
-                not self.cache.pool.can_allocate(self.cache.blocks_needed(num_new)):
-            raise BudgetFull(self._budget_message(num_new))
+    def _fits(self, num_new: int) -> bool:
+        """Could num_new more tokens fit, counting what releasing idle conversations would free?"""
+        seq, m = self.seq, self.runner.manager
+        layout = seq.layout
+        blocks = max(0, layout.blocks_for(seq.seq_len + num_new) - len(seq.block_table))
+        need = blocks * layout.block_bytes + layout.fixed_bytes
+        return need <= m.free_bytes() + m.reclaimable_bytes({seq.seq_id})
 
-    def _budget_message(self, num_new: int) -> str:
-        c = self.cache.config
-        fit = self.tokens_left()
-        if c.window is not None:
-            return (f"The KV cache budget ({c.budget_mb:g} MiB) cannot hold a window of {c.window} + {c.sinks} sinks "
-                    f"tokens in {c.label()} while taking {num_new} new tokens: lower the window, choose a smaller "
-                    f"format (int8 or int4), or raise the budget.")
-        return (f"The KV cache budget ({c.budget_mb:g} MiB, {c.label()}) is full: {self.cache.tokens_held} tokens are "
-                f"held and {num_new} more were needed, but only {fit} fit. Reset the session, switch to a sliding "
-                f"window, choose a smaller format (int8 or int4), or raise the budget.")
-
-    def _slide_to_fit(self) -> None:
-        c = self.cache.config
-        sink_blocks = -(-c.sinks // c.block_size)
-        blocks = self.cache.budget_blocks(c) - sink_blocks - 2   # headroom for the block being filled
-        window = blocks * c.block_size
-        if window < c.block_size:
-            raise BudgetFull(f"the budget ({c.budget_mb:g} MiB) is too small even for a sliding window: raise it")
-        self.set_cache(c.with_(window=window))
-
-    def _forward(self, ids: list[int], all_logits: bool) -> torch.Tensor:
-        """Run ids through the model, chunked; every token joins the cache. Returns float32 logits."""
+    def _forward(self, ids: list[int], all_logits: bool, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Run ids through the model in chunks; each chunk joins the cache or, on any error, leaves it untouched."""
         outs = []
         i = 0
         while i < len(ids):
-            c = self.cache.config           # re-read: overflow="slide" may switch to a window mid-prompt
-            part = ids[i:i + (c.block_size if c.window is not None else PREFILL_CHUNK)]
-            if not self._check_budget(len(part)):
-                continue
+            if should_stop is not None and i and should_stop():
+                raise Stopped()
+            part = ids[i:i + self._chunk()]
+            try:
+                (logits,) = self.runner.step([(self.seq, part)], all_logits=all_logits)
+            except NoFreeBlocks:
+                c = self._config
+                if c.overflow == "slide" and c.window is None:
+                    self._slide_to_fit()
+                    continue
+                raise BudgetFull(self._budget_message(len(ids) - i)) from None
             i += len(part)
-            plan = self.cache.begin(len(part))
-            x = torch.tensor(part, dtype=torch.long, device=self.engine.device)
-            logits = self.engine.model.forward(x, lambda layer, q, k, v: self.cache.attend(layer, q, k, v, plan),
-                                               all_logits=all_logits)
-            self.cache.end(plan)
-            self._cached += len(part)
             outs.append(logits)
         return torch.cat(outs) if all_logits else outs[-1]
+
+    def _budget_message(self, num_new: int) -> str:
+        c = self._config
+        budget = self.runner.manager.budget_bytes / MIB
+        if c.window is not None:
+            return (f"The KV budget ({budget:g} MiB) cannot hold a window of {c.window} + {c.sinks} sinks tokens in "
+                    f"{c.label()} while taking {num_new} new tokens: lower the window, choose a smaller format, "
+                    f"or raise the budget.")
+        smaller = "int4" if c.k_format == "int8" else "int8 or int4"
+        advice = ["switch to a sliding window"]
+        if c.k_format != "int4":
+            advice.append(f"choose a smaller format ({smaller})")
+        if self.seq.num_tokens:
+            advice.insert(0, "reset the session")
+        return (f"The KV budget ({budget:g} MiB, {c.label()}) is full: {self.seq.tokens_held} tokens are held and "
+                f"{num_new} more were needed, but only {self.tokens_left()} fit. To go on: {', '.join(advice)}, "
+                f"or raise the budget.")
+
+    def _slide_to_fit(self) -> None:
+        c = self._config
+        layout = self.seq.layout
+        blocks = layout.budget_blocks(self.runner.manager.budget_bytes) - -(-c.sinks // c.block_size) - 2
+        window = blocks * c.block_size - self._chunk()
+        if window < c.block_size:
+            raise BudgetFull(f"The KV budget ({self.runner.manager.budget_bytes / MIB:g} MiB) is too small even for "
+                             f"a sliding window: raise it.")
+        self.set_cache(c.with_(window=window))
+        self.notice = f"The budget filled: the cache now slides, keeping the newest {window} tokens and {c.sinks} sinks."
 
     def append(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
         """Teacher-forced: feed token_ids (after any pending ones) into the cache.
 
-        Returns their logits [T, vocab], or only the last token's [1, vocab] when all_logits is False.
-        """
+        Returns their logits [T, vocab], or only the last token's [1, vocab] when all_logits is False."""
+        self._sync()
         token_ids = [int(t) for t in token_ids]
+        vocab = self.runner.model.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0-{vocab - 1})")
         pending = self.token_ids[self._cached:]
-        self._check_whole_fits(len(pending) + len(token_ids))
+        feed = pending + token_ids
+        if self._past_context(len(feed)):
+            raise BudgetFull(self._context_message(len(feed)))
+        self._check_whole_fits(len(feed))
+        kept = len(self.token_ids)
         self.token_ids.extend(token_ids)
         try:
-            logits = self._forward(pending + token_ids, all_logits=all_logits)
-        except BudgetFull:
-            del self.token_ids[self._cached:]   # tokens the cache did not take leave the conversation
+            logits = self._forward(feed, all_logits=all_logits)
+        except BaseException:
+            del self.token_ids[max(kept, self._cached):]   # tokens the cache did not take leave the conversation
             raise
         return logits[len(pending):] if all_logits else logits
 
+    def _check_whole_fits(self, num_new: int) -> None:
+        """With overflow="stop" and no window, refuse up front what cannot fit, so nothing is half-read."""
+        c = self._config
+        if c.window is None and c.overflow == "stop" and not self._fits(num_new):
+            raise BudgetFull(self._budget_message(num_new))
+
     # ---- chat -------------------------------------------------------------------------
 
-    def _render(self, messages: list[dict]) -> str:
+    def _encode_conversation(self, messages: list[dict]) -> tuple[str, list[tuple[str, bool]]]:
+        """The rendered chat and its pieces: (text, is_content). Message contents are tokenized as plain text,
+        so a special-token string inside a message is never the template's own token."""
         msgs = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + messages
-        return self.engine.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        marked = [dict(m, content=_PLACEHOLDER.format(i)) for i, m in enumerate(msgs)]
+        rendered = self.tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+        pieces: list[tuple[str, bool]] = []
+        rest = rendered
+        for i, m in enumerate(msgs):
+            mark = _PLACEHOLDER.format(i)
+            before, found, rest = rest.partition(mark)
+            if not found:          # the template dropped or changed this content: render it as it is
+                return self._plain(msgs)
+            pieces += [(before, False), (m["content"], True)]
+        pieces.append((rest, False))
+        return "".join(p for p, _ in pieces), [(p, c) for p, c in pieces if p]
 
-    def _new_tokens_for(self, rendered: str) -> list[int]:
-        """The tokens to add for this turn: the rendered text past what the session already holds."""
-        tok = self.engine.tokenizer
-        held = tok.decode(self.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def _plain(self, msgs):
+        rendered = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return rendered, [(rendered, False)]
+
+    def _tokenize(self, pieces: list[tuple[str, bool]], skip_chars: int) -> list[int]:
+        ids: list[int] = []
+        for text, content in pieces:
+            if skip_chars >= len(text):
+                skip_chars -= len(text)
+                continue
+            text, skip_chars = text[skip_chars:], 0
+            ids += self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=content)
+        return ids
+
+    def _new_tokens_for(self, messages: list[dict]) -> list[int]:
+        """The tokens to add for this turn: the rendered chat past what the session already holds."""
+        rendered, pieces = self._encode_conversation(messages)
+        held = self.tokenizer.decode(self.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if self.token_ids and rendered.startswith(held):
-            return tok.encode(rendered[len(held):], add_special_tokens=False)
+            return self._tokenize(pieces, len(held))
         if self.token_ids:                      # the text diverged: start the cache over
             self.reset()
-        return tok.encode(rendered, add_special_tokens=False)
+        return self._tokenize(pieces, 0)
 
     def send(self, text: str, params: SamplingParams | None = None,
              should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
-        """Add a user message and stream the reply: TokenDelta ..., then one TurnFinished."""
+        """Add a user message and stream the reply: TokenDelta ..., then one TurnFinished.
+
+        A turn refused (too long, over budget) or stopped while its prompt is read leaves the
+        conversation and the cache exactly as they were."""
         params = params or SamplingParams()
-        tok = self.engine.tokenizer
-        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0)
+        self._sync()
+        text = clean_text(text)
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
         started = time.perf_counter()
-        rendered = self._render(self.messages + [{"role": "user", "content": text}])
-        new_ids = self._new_tokens_for(rendered)
-        prompt = self.token_ids[self._cached:] + new_ids
+        new_ids = self._new_tokens_for(self.messages + [{"role": "user", "content": text}])
         kept = len(self.token_ids)
+        self.token_ids.extend(new_ids)
+        if not self._cached and self.prefix_cache:
+            self._turn["reused"] = self.runner.manager.match_prefix(self.seq, self.token_ids)
+        prompt = self.token_ids[self._cached:]
         if self._past_context(len(prompt)):
+            del self.token_ids[kept:]
             yield TurnFinished("", "context", self._context_message(len(prompt)), self.stats())
             return
         try:
             self._check_whole_fits(len(prompt))
-            self.token_ids.extend(new_ids)
-            logits = self._forward(prompt, all_logits=False)[-1]
-        except BudgetFull as exc:
-            # the user's message is not added; a half-prefilled prompt leaves the cache, the chat stays
-            del self.token_ids[kept:]
-            if self._cached > kept:
-                self.reset()
-            yield TurnFinished("", "budget", str(exc), self.stats())
+            logits = self._forward(prompt, all_logits=False, should_stop=should_stop)[-1]
+        except (BudgetFull, Stopped) as exc:
+            self._undo_prompt(kept)
+            if isinstance(exc, Stopped):
+                yield TurnFinished("", "stopped", "", self.stats())
+            else:
+                yield TurnFinished("", "budget", str(exc), self.stats())
             return
+        except BaseException:
+            self._undo_prompt(kept)
+            raise
         self.messages.append({"role": "user", "content": text})
+        self.alternatives = []
+        self._prompt_end, self._prompt_logits = len(self.token_ids), logits.detach().clone()
         self._turn["prefill_tokens"] = len(prompt)
         self._turn["prefill_s"] = time.perf_counter() - started
+        yield from self._decode(logits, params, should_stop, started)
+
+    def _undo_prompt(self, kept: int) -> None:
+        """A prompt that did not complete leaves the cache: taken back when exact, else the cache starts over."""
+        extra = self._cached - kept
+        del self.token_ids[kept:]
+        if extra > 0:
+            try:
+                self.runner.truncate(self.seq, extra)
+            except ConfigError:
+                self.reset()
+
+    def _decode(self, logits: torch.Tensor, params: SamplingParams, should_stop, started: float):
         generator = None
         if params.temperature > 0:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
         reply: list[int] = []
-        stream = StreamDecoder(tok)
+        stream = StreamDecoder(self.tokenizer)
         reason, message = "length", ""
         decode_started = time.perf_counter()
         try:
@@ -177,7 +311,7 @@ class Session:
                 if step == 0:
                     self._turn["ttft_s"] = time.perf_counter() - started
                 self.token_ids.append(next_id)
-                if next_id in self.engine.stop_ids:
+                if next_id in self.info.stop_ids:
                     reason = "eos"
                     break
                 reply.append(next_id)
@@ -202,16 +336,62 @@ class Session:
             yield TokenDelta(rest, ())
         yield TurnFinished(final, reason, message, self.stats())
 
+    def regenerate(self, params: SamplingParams | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
+        """A new reply to the last user message: the cache forks where the reply began, so the history is not
+        read again; the old reply is kept as an alternative (see `alternatives`, `select_alternative`)."""
+        params = params or SamplingParams()
+        self._sync()
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise ConfigError("there is no reply to regenerate yet: send a message first")
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        started = time.perf_counter()
+        old = self.messages.pop()
+        can_fork = self._prompt_logits is not None and self._cached >= self._prompt_end and not self.seq.evicted
+        if not can_fork:       # released, slid or resumed: read the prompt again
+            self.alternatives.append(Alternative(old["content"], None, []))
+            last_user = self.messages.pop()
+            self.token_ids = self.token_ids[:self._cached]
+            yield from self.send(last_user["content"], params, should_stop)
+            return
+        child, shared = self.runner.fork(self.seq, self._prompt_end)
+        self.alternatives.append(Alternative(old["content"], self.seq, list(self.token_ids)))
+        self.seq = child
+        self.token_ids = self.token_ids[:self._prompt_end]
+        logits = self._prompt_logits
+        if shared < self._prompt_end:      # a quantized block the fork could not share exactly: re-read it
+            prompt = self.token_ids[shared:]
+            logits = self._forward(prompt, all_logits=False)[-1]
+            self._turn["prefill_tokens"] = len(prompt)
+        self._turn["prefill_s"] = time.perf_counter() - started
+        yield from self._decode(logits, params, should_stop, started)
+
+    def select_alternative(self, index: int) -> None:
+        """Swap the current last reply with alternative `index` (its cache too, if it is still held)."""
+        alt = self.alternatives[index]
+        current = Alternative(self.messages[-1]["content"], self.seq, list(self.token_ids))
+        self.messages[-1] = {"role": "assistant", "content": alt.text}
+        if alt.seq is not None and not alt.seq.released and alt.seq.num_tokens:
+            self.seq, self.token_ids = alt.seq, list(alt.token_ids)
+        else:
+            if current.seq is not None:
+                self.runner.free(current.seq)
+            self.seq = self.runner.new_sequence(self._config)
+            self.token_ids = []
+        self.alternatives[index] = current
+
     def _past_context(self, num_new: int) -> bool:
         """Would num_new more tokens pass the model's context? A window re-positions, so it never does."""
-        limit = self.engine.model.config.max_position_embeddings
-        return self.cache.config.window is None and self.cache.num_tokens + num_new > limit
+        return self._config.window is None and self.seq.num_tokens + num_new > self.info.max_context
 
     def _context_message(self, num_new: int) -> str:
-        limit = self.engine.model.config.max_position_embeddings
-        return (f"The conversation would pass {self.engine.model_name}'s context of {limit:,} tokens "
-                f"({self.cache.num_tokens:,} held, {num_new:,} more needed): switch the cache to a sliding "
-                f"window with sinks to keep going, or start a new chat.")
+        limit = self.info.max_context
+        if self._config.overflow == "slide":
+            advice = "shorten the message, or set a window in Settings (the window then bounds the cache)"
+        else:
+            advice = "switch the cache to a sliding window with sinks to keep going, or start a new chat"
+        return (f"The conversation would pass {self.info.name}'s context of {limit:,} tokens "
+                f"({self.seq.num_tokens:,} held, {num_new:,} more needed): {advice}.")
 
     def reply(self, text: str, params: SamplingParams | None = None) -> str:
         for event in self.send(text, params):
@@ -223,57 +403,92 @@ class Session:
 
     def set_cache(self, config: CacheConfig) -> None:
         """Switch the cache mode live: convert the blocks held, keep the conversation."""
-        from .convert import convert_cache
-        self.cache = convert_cache(self.cache, config)
+        if config.budget_mb != self._config.budget_mb:
+            self.runner.set_budget(config.budget_mb)
+        self.seq = convert_sequence(self.runner, self.seq, self._config, config)
+        self._config = config
 
     def reset(self) -> int:
-        """Free every block; the messages stay and are prefilled again on the next turn."""
-        freed = self.cache.reset()
+        """Free every block (alternatives' too); the messages stay and are read again on the next turn."""
+        freed = self.runner.free(self.seq)
+        for alt in self.alternatives:
+            if alt.seq is not None and alt.seq is not self.seq:
+                freed += self.runner.free(alt.seq)
+                alt.seq = None
         self.token_ids.clear()
-        self._cached = 0
-        if str(self.engine.device).startswith("cuda"):
+        self._prompt_logits = None
+        if str(self.runner.device).startswith("cuda"):
             torch.cuda.empty_cache()
+        trim_heap()
         return freed
+
+    def close(self) -> None:
+        """Give the conversation's blocks back for good (a closed chat or a finished request)."""
+        self.reset()
+        self.runner.close(self.seq)
+
+    def truncate(self, n: int) -> None:
+        """Take back the last n tokens of the cache and the conversation's token ids."""
+        self.runner.truncate(self.seq, n)
+        del self.token_ids[self.seq.num_tokens:]
 
     # ---- statistics ---------------------------------------------------------------------
 
     def tokens_left(self) -> int:
-        """More tokens that fit in the budget in this mode; -1 when a window bounds the cache."""
-        cache = self.cache
-        c = cache.config
-        if c.window is not None:
+        """More tokens that fit in the budget in this mode (idle conversations released); -1 when a window bounds it."""
+        seq, m = self.seq, self.runner.manager
+        if self._config.window is not None:
             return -1
-        free_blocks = cache.pool.get_num_free_blocks()
-        in_last = len(cache.table) * c.block_size - cache.seq_len
-        return free_blocks * c.block_size + in_last
+        layout = seq.layout
+        room = m.free_bytes() + m.reclaimable_bytes({seq.seq_id}) - (layout.fixed_bytes - seq.side_bytes)
+        in_last = len(seq.block_table) * layout.block_size - seq.seq_len
+        return max(0, room // layout.block_bytes * layout.block_size + in_last)
+
+    def pool_stats(self) -> PoolStats:
+        v = self.runner.manager.view()
+        mine = {self.seq.seq_id}
+        return PoolStats(
+            budget_bytes=v.budget_bytes, held_bytes=v.held_bytes, free_bytes=v.free_bytes,
+            evictable_blocks=v.evictable_blocks, evictable_bytes=v.evictable_bytes, shared_blocks=v.shared_blocks,
+            blocks_in_use=v.blocks_in_use, prefix_queries=v.prefix_queries, prefix_hits=v.prefix_hits,
+            conversations=tuple((sid, blocks, nbytes, sid in mine) for sid, blocks, nbytes, released in v.sequences
+                                if blocks),
+            released=len(self.runner.manager.released_log), storage_bytes=self.runner.storage_bytes())
 
     def stats(self) -> StatsSnapshot:
-        cache = self.cache
-        c = cache.config
-        per_block, tail = cache.layout_bytes(c)
-        layers = tuple(LayerBytes(i, k, v, kc.fmt.label, vc.fmt.label)
-                       for i, ((k, v), (kc, vc)) in enumerate(zip(cache.layer_bytes(), cache.layers)))
+        seq = self.seq
+        c = self._config
+        layout = seq.layout
+        layers = tuple(LayerBytes(i, k, v, kf.label, vf.label)
+                       for i, ((k, v), (kf, vf)) in enumerate(zip(self.runner.layer_bytes(seq), layout.formats)))
         t = self._turn
+        budget = self.runner.manager.budget_bytes
+        free = self.runner.manager.free_bytes()
         return StatsSnapshot(
             time_s=time.monotonic(),
-            cache_label=c.label().replace("auto", cache.model_dtype),
+            cache_label=c.label().replace("auto", layout.full_dtype),
             layers=layers,
             kv_bytes=sum(l.k_bytes + l.v_bytes for l in layers),
-            budget_bytes=int(c.budget_mb * MIB),
+            budget_bytes=budget,
             block_size=c.block_size,
-            blocks_used=cache.pool.num_used_blocks,
-            blocks_free=cache.pool.get_num_free_blocks(),
-            blocks_budget=cache.pool.num_blocks,
+            blocks_used=len(seq.block_table),
+            blocks_free=max(0, free // layout.block_bytes),
+            blocks_budget=layout.budget_blocks(budget),
             tokens_in_context=len(self.token_ids),
-            tokens_held=cache.tokens_held,
-            tokens_evicted=cache.tokens_evicted,
+            tokens_held=seq.tokens_held,
+            tokens_evicted=seq.num_tokens - seq.tokens_held,
             tokens_left=self.tokens_left(),
-            bytes_per_token=per_block / c.block_size,
+            bytes_per_token=layout.bytes_per_token,
             prefill_tokens=t["prefill_tokens"],
             prefill_tok_s=t["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0,
             decode_tok_s=t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0,
             ttft_s=t["ttft_s"],
             memory=memory.probe(),
-            weight_bytes=self.engine.weight_bytes,
-            weights_label=self.engine.weights_label,
+            weight_bytes=self.info.weight_bytes,
+            weights_label=self.info.weights_label,
+            context_tokens=self.info.max_context,
+            full_precision_bytes_per_token=layout.full_precision_bytes_per_token,
+            prefix_reused_tokens=t["reused"],
+            pool=self.pool_stats(),
+            notice=self.notice,
         )

@@ -405,32 +405,34 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return acc;
 }
 
-void attn_decode_f32(const float *q, int Hq, int Hkv, int D, const float *qcos, const float *qsin,
-                     const float *kp, const float *vp, const int64_t *rows, int L, const float *cos,
-                     const float *sin, float sm_scale, float *out, float *scratch) {
-    // scratch: Hq * L scores, then S * Hq * (D + 2) partial results. The slots are cut into S spans,
-    // one task each, so the threads stay busy whatever the number of kv heads; a task reads each
-    // slot's RoPE row once for all heads, whose K and V rows lie side by side in the pages. The
-    // spans' partial softmaxes are merged at the end (as flash-decoding does).
-    int g = Hq / Hkv, half = D / 2;
+static inline void load_row(const void *base, int64_t row, int bf16, int D, float *dst, const float **src) {
+    // a page row as fp32: fp32 pages are read in place, bf16 pages widened (a 16-bit shift) into dst
+    if (!bf16) { *src = (const float *)base + (size_t)row * D; return; }
+    const uint16_t *s = (const uint16_t *)base + (size_t)row * D;
+    for (int d = 0; d < D; d++) { union { uint32_t u; float f; } v; v.u = (uint32_t)s[d] << 16; dst[d] = v.f; }
+    *src = dst;
+}
+
+void attn_decode_rot(const float *q, const float *qs, int n_sink, int Hq, int Hkv, int D,
+                     const void *kp, const void *vp, int bf16, const int64_t *rows, int L,
+                     float sm_scale, float *out, float *scratch) {
+    // Keys are stored already rotated (fp32 or bf16 pages). q [Hq, D] is rotated at the new token's
+    // own position; the first n_sink rows (attention sinks whose positions do not move with the
+    // window) use qs instead. Same span split and merge as attn_decode_f32.
+    int g = Hq / Hkv;
     int S = L >= 256 ? 4 : L >= 64 ? 2 : 1;
     float *part = scratch + (size_t)Hq * L;
-    float qrot[8 * 256 * 8];                               // [Hq, D] rotated queries, shared read-only
-    for (int i = 0; i < Hq; i++)
-        for (int d = 0; d < D; d++)
-            qrot[i * D + d] = q[i * D + d] * qcos[d] + q[i * D + (d < half ? d + half : d - half)] * qsin[d];
     #pragma omp parallel for schedule(static)
     for (int c = 0; c < S; c++) {
         int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
-        float kr[256];
+        float buf[256];
+        const float *kr;
         for (int p = lo; p < hi; p++) {
-            const float *cp = cos + (size_t)p * D, *sp = sin + (size_t)p * D;
+            const float *qq = p < n_sink ? qs : q;
             for (int h = 0; h < Hkv; h++) {
-                const float *k = kp + ((size_t)rows[p] * Hkv + h) * D;
-                for (int d = 0; d < half; d++) kr[d] = k[d] * cp[d] + k[d + half] * sp[d];
-                for (int d = half; d < D; d++) kr[d] = k[d] * cp[d] + k[d - half] * sp[d];
+                load_row(kp, rows[p] * Hkv + h, bf16, D, buf, &kr);
                 for (int j = 0; j < g; j++)
-                    scratch[(size_t)(h * g + j) * L + p] = dot_f32(qrot + (h * g + j) * D, kr, D) * sm_scale;
+                    scratch[(size_t)(h * g + j) * L + p] = dot_f32(qq + (h * g + j) * D, kr, D) * sm_scale;
             }
         }
         for (int i = 0; i < Hq; i++) {
@@ -442,16 +444,17 @@ void attn_decode_f32(const float *q, int Hq, int Hkv, int D, const float *qcos, 
             o[D + 1] = sum;
             for (int d = 0; d < D; d++) o[d] = 0.f;
         }
+        const float *vr;
         for (int p = lo; p < hi; p++)
             for (int h = 0; h < Hkv; h++) {
-                const float *v = vp + ((size_t)rows[p] * Hkv + h) * D;
+                load_row(vp, rows[p] * Hkv + h, bf16, D, buf, &vr);
                 for (int j = 0; j < g; j++) {
                     float w = scratch[(size_t)(h * g + j) * L + p], *o = part + ((size_t)c * Hq + h * g + j) * (D + 2);
-                    for (int d = 0; d < D; d++) o[d] += w * v[d];
+                    for (int d = 0; d < D; d++) o[d] += w * vr[d];
                 }
             }
     }
-    for (int i = 0; i < Hq; i++) {             // merge the spans: rescale each to the largest maximum
+    for (int i = 0; i < Hq; i++) {
         float mx = -INFINITY, total = 0.f, *dst = out + (size_t)i * D;
         for (int c = 0; c < S; c++) {
             float m = part[((size_t)c * Hq + i) * (D + 2) + D];
@@ -460,7 +463,7 @@ void attn_decode_f32(const float *q, int Hq, int Hkv, int D, const float *qcos, 
         for (int d = 0; d < D; d++) dst[d] = 0.f;
         for (int c = 0; c < S; c++) {
             const float *o = part + ((size_t)c * Hq + i) * (D + 2);
-            if (o[D + 1] == 0.f) continue;                   // an empty span
+            if (o[D + 1] == 0.f) continue;
             float w = expf(o[D] - mx);
             total += w * o[D + 1];
             for (int d = 0; d < D; d++) dst[d] += w * o[d];

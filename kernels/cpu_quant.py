@@ -61,8 +61,8 @@ def _build(retry: bool = True) -> ctypes.CDLL:
     lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P, I, P, P, I]
     lib.q4_dequant.argtypes = [P, P, P, I, I, P, I, P, P, I]
     lib.q8_dequant.argtypes = [P, P, P, I, I, I, P, I, P, P, I]
-    lib.attn_decode_f32.argtypes = [P, I, I, I, P, P, P, P, P, I, P, P, F, P, P]
-    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_f32):
+    lib.attn_decode_rot.argtypes = [P, P, I, I, I, I, P, P, I, P, I, F, P, P]
+    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot):
         f.restype = None
     return lib
 
@@ -213,38 +213,35 @@ MAX_HEAD_DIM = 256
 
 
 def can_attend(q: torch.Tensor, pages: torch.Tensor) -> bool:
-    """The C decode attention covers fp32 pages on the CPU with head_dim <= 256 and heads x head_dim <= 16384."""
+    """The C decode attention covers fp32 and bf16 pages on the CPU, head_dim <= 256, heads x head_dim <= 16384."""
     hq, d = q.shape[-2:]
     hkv = pages.shape[-2]
-    return (pages.dtype == torch.float32 and not pages.is_cuda and d <= MAX_HEAD_DIM and d % 2 == 0
-            and hq % hkv == 0 and hq * d <= 16384 and available())
+    return (pages.dtype in (torch.float32, torch.bfloat16) and not pages.is_cuda and d <= MAX_HEAD_DIM
+            and d % 2 == 0 and hq % hkv == 0 and hq * d <= 16384 and available())
 
 
-# q: [Hq, D] before RoPE; q_cos, q_sin: [D]; k_pages, v_pages: [R, Hkv, D] fp32; rows: [L] int64;
-# cos, sin: [L, D] (sin sign-folded, see engine.kv_cache.fold_sin) -> [Hq, D]
-def attn_decode(q, q_cos, q_sin, k_pages, v_pages, rows, cos, sin, sm_scale: float) -> torch.Tensor:
+# q, q_sink: [Hq, D] fp32, rotated (q at the new token's position, q_sink where the sinks see it);
+# k_pages, v_pages: [R, Hkv, D] fp32 or bf16, keys stored rotated; rows: [L] int64 page rows, the
+# first n_sink of them sinks -> [Hq, D]
+def attn_decode(q, q_sink, n_sink: int, k_pages, v_pages, rows, sm_scale: float) -> torch.Tensor:
     hq, d = q.shape
     hkv = k_pages.shape[-2]
     n = rows.shape[0]
     out = torch.empty(hq, d)
     scratch = torch.empty(hq * n + 4 * hq * (d + 2))
-    _lib.attn_decode_f32(q.data_ptr(), hq, hkv, d, q_cos.data_ptr(), q_sin.data_ptr(), k_pages.data_ptr(),
-                         v_pages.data_ptr(), rows.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), float(sm_scale),
-                         out.data_ptr(), scratch.data_ptr())
+    _lib.attn_decode_rot(q.data_ptr(), q_sink.data_ptr(), int(n_sink), hq, hkv, d, k_pages.data_ptr(),
+                         v_pages.data_ptr(), int(k_pages.dtype == torch.bfloat16), rows.data_ptr(), n,
+                         float(sm_scale), out.data_ptr(), scratch.data_ptr())
     return out
 
 
-def attn_decode_ref(q, q_cos, q_sin, k_pages, v_pages, rows, cos, sin, sm_scale: float) -> torch.Tensor:
-    def rope(x, c, s):   # x [N, H, D], c/s [N, D]
-        n, h, d = x.shape
-        swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
-        return x * c[:, None] + swapped * s[:, None]
+def attn_decode_ref(q, q_sink, n_sink: int, k_pages, v_pages, rows, sm_scale: float) -> torch.Tensor:
     hq, d = q.shape
-    k = rope(k_pages[rows], cos, sin)                       # [L, Hkv, D]
-    v = v_pages[rows]
+    k, v = k_pages[rows].float(), v_pages[rows].float()           # [L, Hkv, D]
     hkv = k.shape[1]
-    qr = rope(q[None], q_cos[None], q_sin[None])[0].view(hkv, hq // hkv, d)
-    w = torch.softmax(torch.einsum("hgd,lhd->hgl", qr, k) * sm_scale, -1)
+    scores = torch.cat((torch.einsum("hgd,lhd->hgl", q_sink.view(hkv, -1, d), k[:n_sink]),
+                        torch.einsum("hgd,lhd->hgl", q.view(hkv, -1, d), k[n_sink:])), -1)
+    w = torch.softmax(scores * sm_scale, -1)
     return torch.einsum("hgl,lhd->hgd", w, v).reshape(hq, d)
 
 

@@ -77,17 +77,18 @@ def test_zero_point_offset_cancels():
     assert cq.q4_gemv(x, codes, scale, -8 * scale).abs().max().item() <= 0.01
 
 
-@pytest.mark.parametrize("hq,hkv,d,n", [(9, 3, 64, 1), (9, 3, 64, 37), (8, 8, 32, 20), (32, 8, 128, 50), (4, 1, 16, 5)])
-def test_attn_decode_matches_reference(hq, hkv, d, n):
-    """Decode attention over fp32 pages (keys rotated on the fly, rows in any order) equals the torch reference."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,n,sinks", [(9, 3, 64, 1, 0), (9, 3, 64, 37, 4), (8, 8, 32, 20, 0),
+                                              (32, 8, 128, 50, 2), (4, 1, 16, 5, 5), (9, 3, 64, 300, 4)])
+def test_attn_decode_matches_reference(hq, hkv, d, n, sinks, dtype):
+    """Decode attention over rotated fp32/bf16 pages (rows in any order, sinks read with their own query, past
+    256 slots split into spans whose softmaxes are merged) equals the torch reference."""
     g = torch.Generator().manual_seed(n)
-    k_pages, v_pages = torch.randn(64, hkv, d, generator=g), torch.randn(64, hkv, d, generator=g)
-    rows = torch.randperm(64, generator=g)[:n]
-    angles = torch.rand(n + 1, d // 2, generator=g) * 6
-    cos = torch.cat((angles.cos(), angles.cos()), -1)
-    sin = torch.cat((-angles.sin(), angles.sin()), -1)
-    q = torch.randn(hq, d, generator=g)
-    args = (q, cos[-1], sin[-1], k_pages, v_pages, rows, cos[:n].contiguous(), sin[:n].contiguous(), d ** -0.5)
+    k_pages = torch.randn(400, hkv, d, generator=g).to(dtype)
+    v_pages = torch.randn(400, hkv, d, generator=g).to(dtype)
+    rows = torch.randperm(400, generator=g)[:n]
+    q, q_sink = torch.randn(hq, d, generator=g) * 3, torch.randn(hq, d, generator=g)
+    args = (q, q_sink, sinks, k_pages, v_pages, rows, d ** -0.5)
     assert torch.allclose(cq.attn_decode(*args), cq.attn_decode_ref(*args), atol=1e-5, rtol=1e-4)
 
 
@@ -101,16 +102,3 @@ def test_half_scales_read_like_float_scales():
     assert torch.equal(cq.q4_dequant(codes, scale, zero), cq.q4_dequant_ref(codes, scale, zero))
     c8, s8, z8 = _q8(96, 256, 32, True)
     assert torch.equal(cq.q8_gemv(x, c8, s8.half(), z8.half(), 32), cq.q8_gemv(x, c8, s8.half().float(), z8.half().float(), 32))
-
-
-def test_attn_decode_long_spans_merge():
-    """Past 256 slots each kv head's slots are split into spans whose softmaxes are merged: same result."""
-    g = torch.Generator().manual_seed(7)
-    n = 300
-    k_pages, v_pages = torch.randn(400, 3, 64, generator=g), torch.randn(400, 3, 64, generator=g)
-    rows = torch.randperm(400, generator=g)[:n]
-    angles = torch.rand(n, 32, generator=g) * 6
-    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((-angles.sin(), angles.sin()), -1)
-    q = torch.randn(9, 64, generator=g) * 3
-    args = (q, cos[-1], sin[-1], k_pages, v_pages, rows, cos, sin, 0.125)
-    assert torch.allclose(cq.attn_decode(*args), cq.attn_decode_ref(*args), atol=1e-5, rtol=1e-4)

@@ -1,0 +1,180 @@
+"""Attention over the paged cache: one step's metadata per sequence, one path per page kind.
+
+Positions. Every query is rotated at its absolute position (the token's index in the stream) and
+full-precision keys are stored rotated at theirs, so no step rotates stored keys again: RoPE
+scores depend on position differences only, and a window's kept tokens keep their differences
+(StreamingLLM re-positions them as one run). Only the sinks, which stay at their first positions
+while the window moves on, see the query at its in-cache position: a second rotation of q
+(decode) or of the few sink keys (prefill). Quantized keys are stored before RoPE and rotated as
+they are dequantized, at the same effective positions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from kernels import cpu_quant
+
+from .kv_manager import Reservation
+from .kv_pages import Component
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """cos, sin [N, D] (rotate-half layout), angles in float64 so long streams keep exact differences."""
+    freqs = positions.double()[:, None] * inv_freq.double()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] rotated by per-row cos/sin [N, D] (or [1, D]); equals kernels.apply_rope."""
+    n, h, d = x.shape
+    swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
+    half = d // 2
+    folded = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return (x * cos[:, None]).addcmul_(swapped, folded[:, None])
+
+
+@dataclass
+class SeqStep:
+    """What every layer needs to attend for one sequence in one step."""
+
+    res: Reservation
+    offset: int                   # the sequence's first row in the step's token batch
+    rows: torch.Tensor            # [P + T] page rows: held past slots (sinks first), then the new slots
+    past_slots: torch.Tensor      # [P] slots of the held past
+    n_sink: int                   # leading rows seen with the query at its in-cache position (0: none differ)
+    q_cos: torch.Tensor           # [T, D] at the new tokens' absolute positions (queries and new keys)
+    q_sin: torch.Tensor
+    sink_cos: torch.Tensor | None  # [T, D] at the new tokens' in-cache positions, when n_sink
+    sink_sin: torch.Tensor | None
+    delta_cos: torch.Tensor | None  # [1, D]: the sinks' extra rotation, when n_sink
+    delta_sin: torch.Tensor | None
+    key_cos: torch.Tensor | None  # [P + T, D] effective key positions, for keys stored before RoPE
+    key_sin: torch.Tensor | None
+
+    @property
+    def num_new(self) -> int:
+        return self.res.num_new
+
+
+def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantized: bool) -> SeqStep:
+    seq = res.seq
+    bs = seq.block_size
+    S, N = res.first_slot, seq.num_tokens
+    ws, ns = seq.window()
+    slots, _ = kernels.slot_positions(S, ws, ns)
+    P, T = slots.numel(), res.num_new
+    all_slots = torch.cat((slots, torch.arange(S, S + T)))
+    table = torch.tensor(seq.block_table, dtype=torch.long)
+    rows = (table[all_slots // bs] * bs + all_slots % bs).to(device)
+    delta = N - P                                   # absolute minus in-cache position, for every new token
+    sink_end = seq.sink_blocks * bs
+    if not delta:
+        n_sink = 0
+    elif seq.geometry.window is not None:
+        n_sink = min(ns, S)            # the sinks come first in rows
+    else:                              # a window removed after it slid: the sink blocks keep their positions
+        n_sink = min(sink_end, S)
+    q_pos = torch.arange(N, N + T)
+    q_cos, q_sin = rope_cos_sin(q_pos, inv_freq)
+    sink_cos = sink_sin = d_cos = d_sin = key_cos = key_sin = None
+    if n_sink:
+        sink_cos, sink_sin = rope_cos_sin(q_pos - delta, inv_freq)
+        d_cos, d_sin = rope_cos_sin(torch.tensor([delta]), inv_freq)
+    if quantized:
+        abs_pos = torch.where(slots < sink_end, slots, slots + seq.evicted * bs)
+        if n_sink:
+            abs_pos[:n_sink] += delta
+        key_cos, key_sin = rope_cos_sin(torch.cat((abs_pos, q_pos)), inv_freq)
+    dev = lambda t: None if t is None else t.to(device)
+    return SeqStep(res, offset, rows, slots, n_sink, dev(q_cos), dev(q_sin), dev(sink_cos), dev(sink_sin),
+                   dev(d_cos), dev(d_sin), dev(key_cos), dev(key_sin))
+
+
+def attend(kc: Component, vc: Component, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: SeqStep) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] before RoPE, for one sequence; stores k and v; -> [T, Hq, D]."""
+    if not (kc.fmt.is_quantized or vc.fmt.is_quantized):
+        return _attend_full(kc, vc, q, k, v, st)
+    return _attend_quantized(kc, vc, q, k, v, st)
+
+
+def _attend_full(kc: Component, vc: Component, q, k, v, st: SeqStep) -> torch.Tensor:
+    """Full-precision pages: store the rotated keys, then read every held row once."""
+    T = q.shape[0]
+    new_rows = st.rows[st.rows.shape[0] - T:]
+    q32 = q.float()
+    kc.write_rows(rotate(k.float(), st.q_cos, st.q_sin), new_rows)
+    vc.write_rows(v, new_rows)
+    k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
+    q_rot = rotate(q32, st.q_cos, st.q_sin)
+    scale = q.shape[-1] ** -0.5
+    if T == 1 and cpu_quant.can_attend(q, k_pages):
+        q_sink = rotate(q32, st.sink_cos, st.sink_sin)[0] if st.n_sink else q_rot[0]
+        out = cpu_quant.attn_decode(q_rot[0].contiguous(), q_sink.contiguous(), st.n_sink, k_pages, v_pages,
+                                    st.rows, scale)
+        return out.view(1, *out.shape)
+    k_all = k_pages.index_select(0, st.rows).float()
+    v_all = v_pages.index_select(0, st.rows).float()
+    if st.n_sink:
+        k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
+    return softmax_attention(q_rot, k_all, v_all)
+
+
+def _attend_quantized(kc: Component, vc: Component, q, k, v, st: SeqStep) -> torch.Tensor:
+    """Quantized pages: read the past (dequantized) before writing, since a write may quantize the tail away."""
+    res = st.res
+    seq = res.seq
+    T = q.shape[0]
+    k_all, v_all = k.float(), v.float()
+    new_rows = st.rows[st.rows.shape[0] - T:]
+    if st.past_slots.numel():
+        k_all = torch.cat((_read(kc, seq, res.first_slot, st.past_slots), k_all))
+        v_all = torch.cat((_read(vc, seq, res.first_slot, st.past_slots), v_all))
+    for comp, x in ((kc, k), (vc, v)):
+        if comp.fmt.is_quantized:
+            comp.write(seq.seq_id, x, res.first_slot, seq.block_table)
+        elif comp is kc:
+            comp.write_rows(rotate(x.float(), st.q_cos, st.q_sin), new_rows)
+        else:
+            comp.write_rows(x, new_rows)
+    if not kc.fmt.is_quantized:       # stored rotated: only the sinks and the new keys need turning
+        P = st.past_slots.numel()
+        if st.n_sink:
+            k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
+        k_all[P:] = rotate(k_all[P:], st.q_cos, st.q_sin)
+    else:
+        k_all = rotate(k_all, st.key_cos, st.key_sin)
+    return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all)
+
+
+def _read(comp: Component, seq, seq_len: int, slots: torch.Tensor) -> torch.Tensor:
+    if comp.fmt.is_quantized:
+        return comp.read_slots(seq.seq_id, seq.block_table, seq_len, slots)
+    bs = comp.block_size
+    table = torch.tensor(seq.block_table, dtype=torch.long)
+    rows = (table[slots // bs] * bs + slots % bs).to(comp.device)
+    return comp.flat_pages().index_select(0, rows).float()
+
+
+def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+    """The one softmax attention (besides the kernels' references): q [T, Hq, D] rotated, k/v [P + T, Hkv, D]
+    with the new tokens last (causal among themselves) -> [T, Hq, D]."""
+    T, D = q_rot.shape[0], q_rot.shape[-1]
+    if T == 1:     # one query: two batched matmuls beat SDPA's GQA expansion on small heads
+        Hkv = k_all.shape[1]
+        scores = torch.bmm(q_rot[0].view(Hkv, -1, D), k_all.permute(1, 2, 0)) * D ** -0.5
+        return torch.bmm(scores.softmax(-1), v_all.transpose(0, 1)).reshape(1, -1, D)
+    P = k_all.shape[0] - T
+    mask = torch.ones(T, P + T, dtype=torch.bool, device=q_rot.device).tril(diagonal=P)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q_rot.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0),
+        v_all.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def sm_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,183 @@
+"""The model runner: owns the forward pass, the KV manager, the page store and the budget.
+
+A step takes (sequence, new token ids) pairs, reserves their slots, runs one forward pass over all
+of their tokens (the linear layers see one batch; attention runs per sequence over its pages) and
+commits. Any exception inside the step (a stop, an error at any layer) rolls every sequence back
+to exactly where it was.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import attention
+from .config import CacheConfig, ConfigError
+from .kv_layout import MIB, KVLayout, WindowGeometry, kv_layout
+from .kv_manager import KVCacheManager, NoFreeBlocks, Sequence
+from .kv_pages import PageStore
+from .model import Transformer
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, dtype_name: str, budget_mb: float):
+        self.model = model
+        self.dtype_name = dtype_name
+        self.device = model.device
+        self.inv_freq = model.config.inv_freq().to(self.device)
+        self.store = PageStore(self.device)
+        self.manager = KVCacheManager(int(budget_mb * MIB), on_free=self.store.forget_blocks)
+        self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
+        self.steps = 0
+
+    # ---- layouts and sequences --------------------------------------------------------------
+
+    def layout(self, cache: CacheConfig) -> KVLayout:
+        return kv_layout(self.model.config, cache, self.dtype_name, str(self.device))
+
+    def set_budget(self, budget_mb: float) -> None:
+        """The engine's KV budget; shrinking it releases idle sequences, refused if the rest do not fit."""
+        new = int(budget_mb * MIB)
+        with self.lock:
+            old = self.manager.budget_bytes
+            self.manager.budget_bytes = new
+            try:
+                self.manager._make_room(0, keep=set())
+            except NoFreeBlocks:
+                self.manager.budget_bytes = old
+                raise ConfigError(f"the conversations hold {self.manager.held_bytes / MIB:.1f} MiB, more than a "
+                                  f"{budget_mb:g} MiB budget: reset them or choose a larger budget") from None
+
+    def check(self, cache: CacheConfig, budget_mb: float | None = None) -> KVLayout:
+        """The layout of a cache mode on this model, or a ConfigError saying what to change."""
+        layout = self.layout(cache)
+        budget = self.manager.budget_bytes if budget_mb is None else budget_mb * MIB
+        if layout.budget_blocks(budget) < 1:
+            raise ConfigError(f"a KV budget of {budget / MIB:g} MiB does not hold even one block of "
+                              f"{cache.block_size} tokens in {cache.label()}: raise the budget")
+        return layout
+
+    def new_sequence(self, cache: CacheConfig) -> Sequence:
+        return self.manager.new_sequence(self.check(cache), WindowGeometry.of(cache))
+
+    def free(self, seq: Sequence) -> int:
+        with self.lock:
+            freed = self.manager.free(seq)
+            self.store.drop_tails(seq.seq_id)
+            self.store.shrink(self.manager.pool.high_water)
+            return freed
+
+    def close(self, seq: Sequence) -> None:
+        with self.lock:
+            self.free(seq)
+            self.manager.close(seq)
+            self.drop_unused_layouts()
+
+    def fork(self, seq: Sequence, num_tokens: int) -> tuple[Sequence, int]:
+        """A sequence sharing the first num_tokens tokens of seq; returns (child, tokens shared).
+
+        Quantized partial blocks are shared only while they are still the parent's tail (the
+        values are not re-quantized); otherwise the child shares whole blocks and re-reads the rest."""
+        with self.lock:
+            bs = seq.block_size
+            if seq.evicted:
+                return self.manager.new_sequence(seq.layout, seq.geometry), 0
+            partial = num_tokens % bs
+            quantized = seq.layout.quantized_components > 0
+            if partial and quantized and seq.seq_len // bs != num_tokens // bs:
+                num_tokens -= partial
+            child, n = self.manager.fork(seq, num_tokens)
+            if quantized and n % bs:
+                self.store.copy_tail(seq.layout, seq.seq_id, child.seq_id)
+            return child, n
+
+    def truncate(self, seq: Sequence, n: int) -> None:
+        """Take back the last n tokens (exact within a quantized sequence's tail block)."""
+        with self.lock:
+            bs = seq.block_size
+            if seq.layout.quantized_components and n > seq.seq_len % bs:
+                raise ConfigError("a quantized cache can take back tokens of its last, unquantized block only")
+            self.manager.truncate(seq, n)
+
+    def clear_prefix_cache(self) -> int:
+        with self.lock:
+            freed = self.manager.clear_prefix_cache()
+            self.store.shrink(self.manager.pool.high_water)
+            return freed
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self, items: list[tuple[Sequence, list[int]]], all_logits: bool = False,
+             hash_ids: bool = True) -> list[torch.Tensor]:
+        """Feed each sequence its new ids in one forward pass; returns per sequence logits [T, vocab] (all_logits)
+        or [1, vocab] (its last token). Raises NoFreeBlocks when the budget cannot take the tokens."""
+        with self.lock:
+            m = self.manager
+            keep = {s.seq_id for s, _ in items}
+            reservations, steps, saved = [], [], []
+            try:
+                offset = 0
+                for seq, ids in items:
+                    res = m.reserve(seq, len(ids), keep)
+                    reservations.append(res)
+                    self.store.reserve(seq.layout, m.pool.high_water, seq.layout.budget_blocks(m.budget_bytes) + 1)
+                    if res.copied:
+                        self.store.copy_block(seq.layout, res.copied[1], res.copied[2])
+                    quantized = seq.layout.quantized_components > 0
+                    head_new = quantized and res.first_slot < seq.block_size <= res.first_slot + len(ids)
+                    saved.append((self.store.snapshot_tails(seq.layout, seq.seq_id) if quantized else None,
+                                  seq.block_table[0] if head_new else None))
+                    steps.append(attention.plan(res, offset, self.inv_freq, self.device, quantized))
+                    offset += len(ids)
+                x = torch.tensor([t for _, ids in items for t in ids], dtype=torch.long, device=self.device)
+                comps = [self.store.components(s.layout) for s, _ in items]
+                if all_logits:
+                    rows = None
+                else:
+                    rows = [st.offset + st.num_new - 1 for st in steps]
+
+                def attend(layer, q, k, v):
+                    if len(steps) == 1:
+                        kc, vc = comps[0][layer]
+                        return attention.attend(kc, vc, q, k, v, steps[0])
+                    outs = []
+                    for st, cs in zip(steps, comps):
+                        kc, vc = cs[layer]
+                        sl = slice(st.offset, st.offset + st.num_new)
+                        outs.append(attention.attend(kc, vc, q[sl], k[sl], v[sl], st))
+                    return torch.cat(outs)
+
+                logits = self.model.forward(x, attend, all_logits=True, rows=rows)
+            except BaseException:
+                for i in reversed(range(len(reservations))):
+                    res = reservations[i]
+                    if i < len(saved) and saved[i][0] is not None:
+                        self.store.restore_tails(res.seq.layout, res.seq.seq_id, *saved[i])
+                    m.rollback(res)
+                raise
+            for (seq, ids), res in zip(items, reservations):
+                m.commit(res, ids if hash_ids else None)
+            self.steps += 1
+        if all_logits:
+            return [logits[st.offset:st.offset + st.num_new] for st in steps]
+        return [logits[i:i + 1] for i in range(len(steps))]
+
+    # ---- numbers ----------------------------------------------------------------------------------
+
+    def layer_bytes(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Per layer (K, V) bytes the sequence holds: its blocks at the layout's block bytes plus its
+        full-precision head and tail."""
+        layout = seq.layout
+        n = len(seq.block_table)
+        side = layout.full_block_bytes * (1 + int(seq.has_head)) if seq.seq_len else 0
+        return [tuple(b * n + (side if f.is_quantized else 0) for b, f in zip(bb, fmts))
+                for bb, fmts in zip(layout.layer_block_bytes, layout.formats)]
+
+    def drop_unused_layouts(self) -> None:
+        """Page storage of layouts no sequence and no cached block uses any more goes back."""
+        in_use = {s.layout for s in self.manager.sequences.values()} | set(self.manager.block_layout.values())
+        self.store.drop_unused_layouts(in_use)
+
+    def storage_bytes(self) -> int:
+        """Bytes the page store holds (capacity included): what the process really spends on KV."""
+        return self.store.layer_bytes()
