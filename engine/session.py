@@ -87,6 +87,11 @@ class Session:
         return self._config
 
     @property
+    def components(self):
+        """This conversation's page components per layer, (K, V): the engine's pages in its layout."""
+        return self.runner.store.components(self.seq.layout)
+
+    @property
     def tokenizer(self):
         return self.info.tokenizer
 

@@ -4,7 +4,7 @@ import torch
 
 from engine import BudgetFull, CacheConfig, Engine, EngineConfig, SamplingParams
 from engine.events import TurnFinished
-from engine.kv_cache import MIB
+from engine.kv_layout import MIB
 from engine.testing import random_ids as _ids
 
 
@@ -18,10 +18,8 @@ def engine(tmp_path_factory):
 
 def _budget_for(engine, config: CacheConfig, blocks: int) -> float:
     """A budget in MiB that holds exactly `blocks` blocks (plus the tails) in this mode."""
-    from engine.kv_cache import KVCache
-    probe = KVCache(engine.model.config, config, engine.dtype_name, "cpu")
-    per_block, tails = probe.layout_bytes(config)
-    return (blocks * per_block + tails + 1) / MIB
+    layout = engine.runner.layout(config)
+    return (blocks * layout.block_bytes + layout.fixed_bytes + 1) / MIB
 
 
 @pytest.mark.parametrize("fmt", ["auto", "int8", "int4"])
@@ -40,8 +38,8 @@ def test_stop_refuses_the_turn_keeps_the_chat_and_never_passes_the_budget(engine
         s.append(_ids(engine, 40, seed=1))
     message = str(err.value)
     assert f"only {left} fit" in message
-    assert "Reset the session" in message and "sliding window" in message and "smaller format" in message
-    assert s.token_ids == before_ids and s.cache.num_tokens == 70 and s.stats().kv_bytes == before_bytes
+    assert "reset the session" in message.lower() and "sliding window" in message and "smaller format" in message
+    assert s.token_ids == before_ids and s.seq.num_tokens == 70 and s.stats().kv_bytes == before_bytes
     logits = s.append(_ids(engine, left, seed=2))               # exactly what fits still goes in
     assert logits.shape[0] == left and torch.isfinite(logits).all()
     assert s.stats().kv_bytes <= budget and s.tokens_left() == 0
@@ -77,7 +75,7 @@ def test_slide_switches_to_a_window_and_goes_on(engine, fmt):
         assert torch.isfinite(logits).all()
         assert s.stats().kv_bytes <= budget
     assert s.cache_config.window is not None and s.cache_config.k_format == fmt
-    assert s.cache.num_tokens == 600 and s.stats().tokens_evicted > 400
+    assert s.seq.num_tokens == 600 and s.stats().tokens_evicted > 400
 
 
 def test_slide_takes_a_long_prompt_in_one_append(engine):

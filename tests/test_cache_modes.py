@@ -59,20 +59,22 @@ def test_bytes_held_equal_bytes_per_block_and_stats(engine, k_format, v_format):
     s = engine.new_session(cache=CacheConfig(k_format=k_format, v_format=v_format))
     s.append(_ids(engine, 40))                        # 2 full blocks and 8 tokens in the third
     snap = s.stats()
-    blocks = len(s.cache.table)
+    blocks = len(s.seq.block_table)
     assert blocks == 3
     total = 0
-    for layer, comps in zip(snap.layers, s.cache.layers):
+    for layer, comps in zip(snap.layers, s.components):
         for held, comp in zip((layer.k_bytes, layer.v_bytes), comps):
-            pages = sum(t.numel() * t.element_size() for t in comp.pages.values())
-            fixed = sum(t.numel() * t.element_size() for t in (comp.tail, comp.head) if t is not None)
+            # the rows of this conversation's blocks in every page tensor, read from the tensors
+            pages = sum(t[0].numel() * t.element_size() for t in comp.pages.values()) * blocks
+            fixed = sum(t.numel() * t.element_size()
+                        for t in (comp.tails.get(s.seq.seq_id), comp.heads.get(s.seq.block_table[0])) if t is not None)
             assert pages == blocks * bytes_per_block(comp.fmt, 16, m.num_kv_heads, m.head_dim)
             assert held == pages + fixed
             assert (fixed > 0) == comp.fmt.is_quantized
             total += held
     assert snap.kv_bytes == total
-    per_block, tails = s.cache.layout_bytes(s.cache_config)
-    assert total == blocks * per_block + tails
+    layout = s.seq.layout
+    assert total == blocks * layout.block_bytes + layout.fixed_bytes == layout.sequence_bytes(40)
 
 
 # fp8 keys carry a zero point as well as a scale per channel and block (centred e4m3): 0.5703x, a
@@ -95,14 +97,14 @@ def test_stored_block_is_never_requantized(engine, fmt):
     """A full block's bytes do not change as later tokens arrive, one at a time or in chunks."""
     s = engine.new_session(cache=CacheConfig(k_format=fmt, v_format=fmt))
     ids = _ids(engine, 70)
-    for t in ids[:17]:
+    for t in ids[:33]:
         s.append([t])
-    first = s.cache.table[0]
-    before = [_page_bytes(c, first) for comps in s.cache.layers for c in comps]
-    for t in ids[17:30]:
+    first = s.seq.block_table[1]           # full and quantized (block 0 is the full-precision head)
+    before = [_page_bytes(c, first) for comps in s.components for c in comps]
+    for t in ids[33:45]:
         s.append([t])
-    s.append(ids[30:])
-    after = [_page_bytes(c, first) for comps in s.cache.layers for c in comps]
+    s.append(ids[45:])
+    after = [_page_bytes(c, first) for comps in s.components for c in comps]
     for b, a in zip(before, after):
         assert all(torch.equal(x, y) for x, y in zip(b, a))
 
@@ -111,16 +113,16 @@ def test_set_cache_keeps_unchanged_components_byte_for_byte(engine):
     """Switching only V keeps every K page identical; V pages are rewritten in the new format."""
     s = engine.new_session(cache=CacheConfig(k_format="int8", v_format="int4"))
     s.append(_ids(engine, 53))
-    old = s.cache
-    old_k = [[_page_bytes(kc, b) for b in old.table] for kc, _ in old.layers]
-    old_k_tail = [kc.tail.clone() for kc, _ in old.layers]
+    old, old_table = s.seq, list(s.seq.block_table)
+    old_k = [[_page_bytes(kc, b) for b in old_table] for kc, _ in s.components]
+    old_k_tail = [kc.tails[old.seq_id].clone() for kc, _ in s.components]
     s.set_cache(CacheConfig(k_format="int8", v_format="int8"))
-    new = s.cache
-    assert new is not old and len(new.table) == len(old.table)
-    for (kc, vc), pages, tail in zip(new.layers, old_k, old_k_tail):
-        for b, want in zip(new.table, pages):
+    new = s.seq
+    assert new is not old and len(new.block_table) == len(old_table)
+    for (kc, vc), pages, tail in zip(s.components, old_k, old_k_tail):
+        for b, want in zip(new.block_table, pages):
             assert all(torch.equal(x, y) for x, y in zip(_page_bytes(kc, b), want))
-        assert torch.equal(kc.tail, tail)
+        assert torch.equal(kc.tails[new.seq_id], tail)
         assert vc.fmt.name == "int8"
 
 
@@ -140,7 +142,7 @@ def test_live_switch_converts_without_running_the_model(engine, monkeypatch):
                    CacheConfig(k_format="int4", v_format="int4", full_precision_layers=(0,)), CacheConfig()):
         s.set_cache(config)
         sizes.append(s.stats().kv_bytes)
-        assert s.cache.num_tokens == 80 and s.stats().tokens_held == 80
+        assert s.seq.num_tokens == 80 and s.stats().tokens_held == 80
     assert calls == []
     assert sizes[0] < full_bytes and sizes[1] < sizes[0] < sizes[2] < full_bytes
     assert sizes[3] == full_bytes
@@ -156,7 +158,7 @@ def test_switch_into_window_drops_blocks_and_keeps_going(engine):
     """Switching a long chat into a window frees the blocks outside it at once; decoding continues."""
     s = engine.new_session(cache=CacheConfig(k_format="int8", v_format="int8"))
     s.append(_ids(engine, 200, seed=4))
-    used = s.cache.pool.num_used_blocks
+    used = len(s.seq.block_table)
     s.set_cache(CacheConfig(k_format="int8", v_format="int8", window=48, sinks=4))
     snap = s.stats()
     assert snap.blocks_used < used and snap.blocks_used <= 1 + 48 // 16 + 1

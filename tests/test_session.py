@@ -23,7 +23,7 @@ def test_turns_prefill_only_new_tokens_and_match_fresh_session(default_engine):
     """Turn 2 prefills only its new tokens and replies as a fresh session given the whole chat."""
     s = default_engine.new_session()
     s.reply("Name a colour.", GREEDY)
-    held = s.cache.num_tokens
+    held = s.seq.num_tokens
     events = list(s.send("And a fruit?", GREEDY))
     finished = events[-1]
     assert isinstance(finished, TurnFinished)
