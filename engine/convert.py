@@ -72,14 +72,15 @@ def _relayout(runner, seq: Sequence, layout, new: CacheConfig) -> Sequence:
                 pair.append(("write", values))
         carried.append(pair)
     num_tokens, evicted, sink_blocks, keep_head = seq.num_tokens, seq.evicted, seq.sink_blocks, seq.has_head
-    runner.close(seq)
-    child = m.new_sequence(layout, seq.geometry)
+    child = m.new_sequence(layout, seq.geometry)     # registered first, so its layout's pages stay
     child.sink_blocks = sink_blocks
+    runner.close(seq)
     try:
         res = m.reserve(child, n)
     except NoFreeBlocks:       # checked above; only a race with another step could get here
         raise ConfigError("the budget filled while converting: reset the session") from None
     store.reserve(layout, m.pool.high_water, layout.budget_blocks(m.budget_bytes) + 1)
+    new_layout_comps = store.components(layout)
     bs = layout.block_size
     table = torch.tensor(child.block_table, dtype=torch.long)
     rows = (table[slots // bs] * bs + slots % bs).to(runner.device)

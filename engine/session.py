@@ -119,8 +119,10 @@ class Session:
         """Could num_new more tokens fit, counting what releasing idle conversations would free?"""
         seq, m = self.seq, self.runner.manager
         layout = seq.layout
-        blocks = max(0, layout.blocks_for(seq.seq_len + num_new) - len(seq.block_table))
-        need = blocks * layout.block_bytes + layout.fixed_bytes
+        n = seq.seq_len + num_new
+        blocks = max(0, layout.blocks_for(n) - len(seq.block_table))
+        need = blocks * layout.block_bytes + max(0, layout.side_bytes(n, seq.has_head or n >= layout.block_size)
+                                                 - seq.side_bytes)
         return need <= m.free_bytes() + m.reclaimable_bytes({seq.seq_id})
 
     def _forward(self, ids: list[int], all_logits: bool, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
@@ -143,12 +145,15 @@ class Session:
             outs.append(logits)
         return torch.cat(outs) if all_logits else outs[-1]
 
+    def _label(self) -> str:
+        return self._config.label().replace("auto", self.seq.layout.full_dtype)
+
     def _budget_message(self, num_new: int) -> str:
         c = self._config
         budget = self.runner.manager.budget_bytes / MIB
         if c.window is not None:
             return (f"The KV budget ({budget:g} MiB) cannot hold a window of {c.window} + {c.sinks} sinks tokens in "
-                    f"{c.label()} while taking {num_new} new tokens: lower the window, choose a smaller format, "
+                    f"{self._label()} while taking {num_new} new tokens: lower the window, choose a smaller format, "
                     f"or raise the budget.")
         smaller = "int4" if c.k_format == "int8" else "int8 or int4"
         advice = ["switch to a sliding window"]
@@ -156,15 +161,16 @@ class Session:
             advice.append(f"choose a smaller format ({smaller})")
         if self.seq.num_tokens:
             advice.insert(0, "reset the session")
-        return (f"The KV budget ({budget:g} MiB, {c.label()}) is full: {self.seq.tokens_held} tokens are held and "
+        return (f"The KV budget ({budget:g} MiB, {self._label()}) is full: {self.seq.tokens_held} tokens are held and "
                 f"{num_new} more were needed, but only {self.tokens_left()} fit. To go on: {', '.join(advice)}, "
                 f"or raise the budget.")
 
     def _slide_to_fit(self) -> None:
         c = self._config
         layout = self.seq.layout
+        # the window and one prompt chunk in flight share what the budget holds beside the sink blocks
         blocks = layout.budget_blocks(self.runner.manager.budget_bytes) - -(-c.sinks // c.block_size) - 2
-        window = blocks * c.block_size - self._chunk()
+        window = blocks // 2 * c.block_size
         if window < c.block_size:
             raise BudgetFull(f"The KV budget ({self.runner.manager.budget_bytes / MIB:g} MiB) is too small even for "
                              f"a sliding window: raise it.")
@@ -363,7 +369,7 @@ class Session:
         self.alternatives.append(Alternative(old["content"], self.seq, list(self.token_ids)))
         self.seq = child
         self.token_ids = self.token_ids[:self._prompt_end]
-        logits = self._prompt_logits
+        logits = self._prompt_logits.clone()       # sampling may scale logits in place
         if shared < self._prompt_end:      # a quantized block the fork could not share exactly: re-read it
             prompt = self.token_ids[shared:]
             logits = self._forward(prompt, all_logits=False)[-1]

@@ -38,7 +38,8 @@ def test_stop_refuses_the_turn_keeps_the_chat_and_never_passes_the_budget(engine
         s.append(_ids(engine, 40, seed=1))
     message = str(err.value)
     assert f"only {left} fit" in message
-    assert "reset the session" in message.lower() and "sliding window" in message and "smaller format" in message
+    assert "reset the session" in message.lower() and "sliding window" in message
+    assert ("smaller format" in message) == (fmt != "int4")     # advice that fits: nothing is smaller than int4
     assert s.token_ids == before_ids and s.seq.num_tokens == 70 and s.stats().kv_bytes == before_bytes
     logits = s.append(_ids(engine, left, seed=2))               # exactly what fits still goes in
     assert logits.shape[0] == left and torch.isfinite(logits).all()
@@ -55,7 +56,7 @@ def test_stop_in_a_chat_turn_finishes_with_budget_reason(engine):
     events = list(s.send("tell me everything " * 30, params))
     last = events[-1]
     assert isinstance(last, TurnFinished) and last.finish_reason == "budget"
-    assert "fit" in last.message and "Reset the session" in last.message
+    assert "fit" in last.message and "reset the session" in last.message
     assert s.messages == messages
     assert last.stats.kv_bytes <= last.stats.budget_bytes
     s.set_cache(s.cache_config.with_(window=32, sinks=4))       # the advice works: a window takes the turn

@@ -129,9 +129,10 @@ def test_set_cache_keeps_unchanged_components_byte_for_byte(engine):
 def test_live_switch_converts_without_running_the_model(engine, monkeypatch):
     """set_cache mid-conversation calls no forward pass, changes memory, and the chat continues."""
     ids = _ids(engine, 120, seed=3)
-    ref = engine.new_session()
+    fp32 = CacheConfig(k_format="fp32", v_format="fp32")
+    ref = engine.new_session(cache=fp32)
     ref_logits = ref.append(ids)
-    s = engine.new_session()
+    s = engine.new_session(cache=fp32)
     s.append(ids[:80])
     full_bytes = s.stats().kv_bytes
     calls = []
@@ -139,12 +140,12 @@ def test_live_switch_converts_without_running_the_model(engine, monkeypatch):
     monkeypatch.setattr(engine.model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     sizes = []
     for config in (CacheConfig(k_format="int8", v_format="int8"), CacheConfig(k_format="int4", v_format="int4"),
-                   CacheConfig(k_format="int4", v_format="int4", full_precision_layers=(0,)), CacheConfig()):
+                   CacheConfig(k_format="int4", v_format="int4", full_precision_layers=(0,)), fp32):
         s.set_cache(config)
         sizes.append(s.stats().kv_bytes)
         assert s.seq.num_tokens == 80 and s.stats().tokens_held == 80
     assert calls == []
-    assert sizes[0] < full_bytes and sizes[1] < sizes[0] < sizes[2] < full_bytes
+    assert sizes[0] < full_bytes and sizes[1] < sizes[0] and sizes[1] < sizes[2] < full_bytes
     assert sizes[3] == full_bytes
     s.set_cache(CacheConfig(k_format="int8", v_format="int8"))
     logits = torch.cat([s.append([t]) for t in ids[80:]])

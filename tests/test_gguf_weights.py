@@ -9,6 +9,10 @@ from engine.gguf_writer import write_random_gguf
 from engine.memory_check import check_fits
 from engine.model import ModelConfig
 
+from engine.config import CacheConfig as _CacheConfig
+
+FP32_CACHE = _CacheConfig(k_format="fp32", v_format="fp32")   # exact comparisons need the 32-bit cache
+
 TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_0", "Q5_1", "Q6_K", "Q8_0", "F16", "BF16")
 # what each type is held as: 4-bit grids as q4, 5-8 bit grids as q8 codes with the file's scales, 16-bit as is
 HELD = {"Q4_0": {"q4", "q8"}, "Q4_1": {"q4", "q8"}, "Q4_K": {"q4"}, "Q4_K_M": {"q4", "q8"}, "Q5_0": {"q8"},
@@ -46,9 +50,9 @@ def test_packed_logits_track_dense(tiny_ggufs, kind):
     ids = torch.randint(3, 49152, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     # bf16 weights multiply bf16 activations (8-bit mantissas); every other kind keeps activations at >= 11 bits
     rel = 1e-2 if kind == "BF16" else 2e-3
-    prefill, ref = packed.new_session().append(ids), dense.new_session().append(ids)
+    prefill, ref = packed.new_session(cache=FP32_CACHE).append(ids), dense.new_session(cache=FP32_CACHE).append(ids)
     assert (prefill - ref).abs().max().item() <= rel * ref.abs().max().item()
-    sp, sd = packed.new_session(), dense.new_session()
+    sp, sd = packed.new_session(cache=FP32_CACHE), dense.new_session(cache=FP32_CACHE)
     for t in ids:
         lp, ld = sp.append([t])[-1], sd.append([t])[-1]
         assert (lp - ld).abs().max().item() <= rel * ld.abs().max().item()
@@ -76,7 +80,7 @@ def test_gguf_matches_transformers(tiny_ggufs):
     ids = list(range(100, 140))
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0]
-    ours = Engine.load(EngineConfig(model=path, weights="dense")).new_session().append(ids)
+    ours = Engine.load(EngineConfig(model=path, weights="dense")).new_session(cache=FP32_CACHE).append(ids)
     assert (ours - theirs).abs().max().item() <= 1e-3
 
 

@@ -5,6 +5,10 @@ import torch
 from engine import Engine, EngineConfig
 from engine.testing import tiny_model_dir
 
+from engine.config import CacheConfig as _CacheConfig
+
+FP32_CACHE = _CacheConfig(k_format="fp32", v_format="fp32")   # exact comparisons need the 32-bit cache
+
 CASES = [
     dict(arch="llama", hidden=96, heads=6, kv_heads=6, tie=True),            # GQA ratio 1
     dict(arch="llama", hidden=96, heads=3, kv_heads=1, tie=False),           # ratio 3, odd head count, untied head
@@ -27,7 +31,7 @@ def test_tiny_logits_match_transformers(tmp_path, case):
     folder = tiny_model_dir(tmp_path, layers=2, **case)
     engine = Engine.load(EngineConfig(model=folder))
     ids = torch.randint(3, engine.model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours = engine.new_session().append(ids)
+    ours = engine.new_session(cache=FP32_CACHE).append(ids)
     assert (ours - _hf_logits(folder, ids)).abs().max().item() <= 1e-3
 
 
@@ -42,7 +46,7 @@ def test_default_model_logits_match_transformers(default_engine, hf_default):
     """SmolLM2-135M, dense weights from the GGUF: logits over 64 tokens match transformers' GGUF load within 1e-3."""
     text = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg " * 4
     ids = default_engine.tokenizer.encode(text, add_special_tokens=False)[:64]
-    ours = default_engine.new_session().append(ids)
+    ours = default_engine.new_session(cache=FP32_CACHE).append(ids)
     with torch.no_grad():
         ref = hf_default(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() <= 1e-3
@@ -62,7 +66,7 @@ def test_greedy_matches_transformers_generate(default_engine, hf_default):
             x = torch.tensor([ids])   # explicit mask: the prompt holds <|im_end|>, which is also the pad token
             out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False,
                                eos_token_id=None, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
-        session = default_engine.new_session()
+        session = default_engine.new_session(cache=FP32_CACHE)
         logits = session.append(ids)[-1]
         ours = []
         for _ in range(64):
@@ -83,13 +87,13 @@ def test_packed_gguf_weights_track_dense(default_engine):
     toks = load_tokens(fast.tokenizer, "prose", 129)
     rows = []
     for engine in (fast, default_engine):
-        s = engine.new_session()
+        s = engine.new_session(cache=FP32_CACHE)
         rows.append(torch.cat([s.append([t]) for t in toks[:-1]]))
     agree = (rows[0].argmax(-1) == rows[1].argmax(-1)).float().mean().item()
     assert agree >= 0.98
     # prefill dequantizes slabs of the same codes: the same weights, so the same logits up to fp32 rounding
-    prefill = fast.new_session().append(toks[:-1])
-    assert (prefill - default_engine.new_session().append(toks[:-1])).abs().max().item() <= 1e-3
+    prefill = fast.new_session(cache=FP32_CACHE).append(toks[:-1])
+    assert (prefill - default_engine.new_session(cache=FP32_CACHE).append(toks[:-1])).abs().max().item() <= 1e-3
 
 
 def test_safetensors_folder_keeps_stored_dtype(tiny_llama):

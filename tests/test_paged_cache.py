@@ -63,6 +63,9 @@ def test_memory_grows_with_conversation_and_reset_returns_it(engine):
     snap = s.stats()
     assert freed == sizes[-1]
     assert snap.kv_bytes == 0 and snap.blocks_used == 0 and snap.tokens_held == 0
+    # its full blocks stay as reclaimable prefix blocks until the pool needs them or the user clears them
+    assert snap.pool.evictable_bytes > 0 and snap.pool.held_bytes == snap.pool.evictable_bytes
+    engine.clear_prefix_cache()
     assert engine.runner.storage_bytes() == 0            # the page storage itself went back
 
 
