@@ -194,7 +194,7 @@ class SettingsDialog(QDialog):
 
     def cache_config(self) -> CacheConfig:
         layers = parse_layers(self.full_layers.text())
-        if self.num_layers is not None and any(i >= self.num_layers for i in layers):
+        if self.model_config is None and self.num_layers is not None and any(i >= self.num_layers for i in layers):
             raise ConfigError(f"full-precision layers: this model has layers 0-{self.num_layers - 1}")
         cache = CacheConfig(k_format=self.k_format.currentText(), v_format=self.v_format.currentText(),
                             k_scheme=self.k_scheme.currentText(), full_precision_layers=layers,
