@@ -165,6 +165,7 @@ class MessageWidget(QFrame):
 
     def mark_interrupted(self) -> None:
         self.interrupted_label = QLabel(INTERRUPTED_MARK, self, objectName="interruptedMark")
+        self.interrupted_label.setStyleSheet("color: #9a6700; font-style: italic;")
         self.interrupted_label.setToolTip("The app stopped (a crash or power loss) while this reply streamed; "
                                           "what had arrived was saved.")
         self._layout.addWidget(self.interrupted_label)
