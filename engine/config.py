@@ -83,7 +83,7 @@ class CacheConfig:
                                   f"raise the window or lower block_size")
         if isinstance(self.budget_mb, bool) or not isinstance(self.budget_mb, (int, float)) \
                 or not math.isfinite(self.budget_mb) or not self.budget_mb > 0:
-            raise ConfigError(f"budget_mb={self.budget_mb!r}: the KV budget must be a positive, finite number of MiB")
+            raise ConfigError(f"budget_mb={self.budget_mb!r}: the KV budget must be a finite, positive number of MiB")
         if self.overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"overflow={self.overflow!r}: choose 'stop' (end the turn with a message) or 'slide' (switch to a window)")
         if self.overflow == "slide" and self.window is None and self.budget_mb <= 0:
