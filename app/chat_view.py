@@ -2,17 +2,38 @@
 
 A streaming reply is buffered and redrawn at most every FLUSH_MS, so a fast decoder cannot
 flood the GUI thread with markdown layouts.
+
+Links in replies are model output: never followed by Qt itself. An http(s) link opens in the
+browser after the user confirms it; any other scheme (file:, data:, custom handlers) never opens.
 """
 from __future__ import annotations
 
 import re
 
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QFontDatabase, QGuiApplication
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy,
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QFontDatabase, QGuiApplication
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMessageBox, QPushButton, QScrollArea, QSizePolicy,
                                QVBoxLayout, QWidget)
 
 FLUSH_MS = 50
+OPENABLE_SCHEMES = ("http", "https")
+INTERRUPTED_MARK = "Interrupted: kvchat closed before this reply finished"
+
+
+def confirm_link(url: str, parent: QWidget | None) -> QMessageBox | None:
+    """Ask before opening an http(s) link from a reply; other schemes are refused outright (None)."""
+    target = QUrl(url)
+    if target.scheme().lower() not in OPENABLE_SCHEMES or not target.isValid() or not target.host():
+        return None
+    box = QMessageBox(QMessageBox.Icon.Question, "Open link?",
+                      f"The reply links to:\n\n{target.toDisplayString()}\n\nOpen it in your browser?",
+                      QMessageBox.StandardButton.Open | QMessageBox.StandardButton.Cancel, parent)
+    box.setObjectName("confirmLinkDialog")
+    box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+    box.accepted.connect(lambda: QDesktopServices.openUrl(target))
+    box.finished.connect(box.deleteLater)
+    box.open()
+    return box
 _FENCE = re.compile(r"^(```|~~~)[ \t]*([\w+#.-]*)[^\n]*$", re.MULTILINE)
 
 
@@ -137,9 +158,20 @@ class MessageWidget(QFrame):
         label = QLabel(self, objectName="messageText")
         label.setTextFormat(Qt.TextFormat.PlainText if self.role == "user" else Qt.TextFormat.MarkdownText)
         label.setWordWrap(True)
-        label.setOpenExternalLinks(True)
+        label.setOpenExternalLinks(False)
         label.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
+        label.linkActivated.connect(lambda url: confirm_link(url, self))
         return label
+
+    def mark_interrupted(self) -> None:
+        self.interrupted_label = QLabel(INTERRUPTED_MARK, self, objectName="interruptedMark")
+        self.interrupted_label.setStyleSheet("color: #9a6700; font-style: italic;")
+        self.interrupted_label.setToolTip("The app stopped (a crash or power loss) while this reply streamed; "
+                                          "what had arrived was saved.")
+        self._layout.addWidget(self.interrupted_label)
+
+    def is_interrupted(self) -> bool:
+        return getattr(self, "interrupted_label", None) is not None
 
 
 class ChatView(QScrollArea):
@@ -198,6 +230,9 @@ class ChatView(QScrollArea):
             self._messages.remove(message)
             self._layout.removeWidget(message)
             message.deleteLater()
+
+    def mark_interrupted(self, message: MessageWidget) -> None:
+        message.mark_interrupted()
 
     def add_notice(self, text: str) -> MessageWidget:
         return self.add_message("notice", text)

@@ -8,6 +8,10 @@ TERMINAL_COMMANDS = {"chat", "bench", "-h", "--help"}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):     # answered without importing Qt or torch
+        from app.main import version
+        print(f"kvchat {version()}")
+        return 0
     if argv and argv[0] in TERMINAL_COMMANDS:
         from engine.cli import main as engine_main
         return engine_main(argv)

@@ -1,14 +1,24 @@
-"""Saved conversations in SQLite: titles, messages, the cache config used, timestamps. No Qt."""
+"""Saved conversations in SQLite: titles, messages, the cache config used, timestamps. No Qt.
+
+The file is the user's: created 0600 in a 0700 folder. A damaged or unreadable file is moved aside
+(renamed with a timestamp, never overwritten or deleted) and a fresh one started; `recovered`
+says where the old one went. A read-only file opens for reading, and every write raises
+HistoryError with a message the user can act on.
+"""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, ConfigError
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -24,12 +34,24 @@ CREATE TABLE IF NOT EXISTS messages (
     conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
     role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
     content TEXT NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    state TEXT NOT NULL DEFAULT 'done'
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
 
 TITLE_CHARS = 60
+# messages.state: "done"; "streaming" while a reply is being written (saved as it grows); a
+# "streaming" row found when the file is opened belonged to a process that died: "interrupted"
+DONE, STREAMING, INTERRUPTED = "done", "streaming", "interrupted"
+
+
+class _RolledBack(Exception):
+    """Ends a transaction that only probed whether writing works."""
+
+
+class HistoryError(RuntimeError):
+    """The history database cannot do what was asked; the message says why and what to do."""
 
 
 def data_dir() -> Path:
@@ -46,19 +68,40 @@ def cache_to_json(cache: CacheConfig) -> str:
     return json.dumps(asdict(cache), sort_keys=True)
 
 
-def cache_from_json(text: str) -> CacheConfig | None:
+def cache_from_json(text) -> CacheConfig | None:
     """The stored config, or None when it no longer parses (an older or hand-edited row)."""
     try:
         fields = json.loads(text)
+        if not isinstance(fields, dict):
+            return None
         fields["full_precision_layers"] = tuple(fields.get("full_precision_layers", ()))
         return CacheConfig(**fields)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, ConfigError):
         return None
 
 
 def title_from(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    id: int
+    role: str
+    content: str
+    state: str                  # DONE, STREAMING or INTERRUPTED
+
+    @property
+    def interrupted(self) -> bool:
+        return self.state == INTERRUPTED
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """A damaged or unreadable database that was moved aside at start."""
+    moved_to: Path
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,46 +119,144 @@ class HistoryStore:
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else data_dir() / "history.sqlite3"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path)
-        self._db.execute("PRAGMA foreign_keys = ON")
-        # WAL + NORMAL: a commit needs no fsync, so saving a message never stalls the GUI thread;
-        # a power cut can lose the last commits but never corrupts the file
-        self._db.execute("PRAGMA journal_mode = WAL")
-        self._db.execute("PRAGMA synchronous = NORMAL")
-        self._db.executescript(_SCHEMA)
-        self._db.commit()
+        self.recovered: Recovered | None = None
+        self.read_only = False
+        _private_dir(self.path.parent)
+        try:
+            self._db = self._open()
+        except sqlite3.DatabaseError as exc:
+            self.recovered = Recovered(self._move_aside(), _reason(exc))
+            log.warning("history database %s is damaged (%s): moved to %s", self.path, exc, self.recovered.moved_to)
+            self._db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        if not self.path.exists():
+            # created 0600 before SQLite opens it: its -wal and -shm files take the same mode
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+        db = sqlite3.connect(self.path)
+        try:
+            check = db.execute("PRAGMA quick_check").fetchall()
+            if check != [("ok",)]:
+                raise sqlite3.DatabaseError(f"database disk image is malformed ({check[0][0]})")
+            db.execute("PRAGMA foreign_keys = ON")
+            try:
+                # WAL + NORMAL: a commit needs no fsync, so saving a message never stalls the GUI thread;
+                # a power cut can lose the last commits but never corrupts the file
+                db.execute("PRAGMA journal_mode = WAL")
+                db.execute("PRAGMA synchronous = NORMAL")
+                with db:
+                    db.executescript(_SCHEMA)
+                    columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+                    if "state" not in columns:          # a file written by an earlier version
+                        db.execute(f"ALTER TABLE messages ADD COLUMN state TEXT NOT NULL DEFAULT '{DONE}'")
+                    db.execute("UPDATE messages SET state = ? WHERE state = ?", (INTERRUPTED, STREAMING))
+            except sqlite3.OperationalError as exc:
+                if not _is_read_only(exc):
+                    raise
+                self.read_only = True
+            self._has_state = "state" in {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+            db.execute("SELECT count(*) FROM conversations").fetchone()
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _move_aside(self) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.path.with_name(f"{self.path.name}.damaged-{stamp}")
+        n = 1
+        while any(Path(f"{target}{suffix}").exists() for suffix in ("", "-wal", "-shm")):
+            target = self.path.with_name(f"{self.path.name}.damaged-{stamp}-{n}")
+            n += 1
+        for suffix in ("-wal", "-shm", ""):           # the WAL may hold the newest commits: it goes too
+            old = Path(f"{self.path}{suffix}")
+            if old.exists() or old.is_symlink():
+                os.rename(old, f"{target}{suffix}")
+        return target
+
+    @contextmanager
+    def _writing(self):
+        """One transaction; SQLite's refusals become a HistoryError that says what to do."""
+        try:
+            with self._db:
+                yield self._db
+        except sqlite3.OperationalError as exc:
+            if _is_read_only(exc):
+                self.read_only = True
+                raise HistoryError(f"the chat history at {self.path} is read-only, so nothing can be saved: make the "
+                                   f"file and its folder writable (chmod u+w), then try again") from exc
+            raise HistoryError(f"could not save to the chat history at {self.path}: {exc}") from exc
+        except sqlite3.DatabaseError as exc:
+            raise HistoryError(f"the chat history at {self.path} is damaged ({exc}): restart kvchat to move it "
+                               f"aside and start a fresh one") from exc
+
+    def _write(self, statements: list[tuple[str, tuple]]) -> sqlite3.Cursor | None:
+        cursor = None
+        with self._writing() as db:
+            for sql, args in statements:
+                cursor = db.execute(sql, args)
+        return cursor
+
+    def check_writable(self) -> None:
+        """Raise HistoryError now if a save would fail (a read-only file or folder)."""
+        probe = "INSERT INTO conversations (title, cache_config, created_at, updated_at) VALUES ('', '', 0, 0)"
+        try:
+            with self._writing() as db:
+                db.execute(probe)
+                raise _RolledBack
+        except _RolledBack:
+            pass
 
     def close(self) -> None:
         self._db.close()
 
     def create(self, title: str, cache: CacheConfig, system_prompt: str = "") -> int:
         now = time.time()
-        with self._db:
-            cursor = self._db.execute(
-                "INSERT INTO conversations (title, cache_config, system_prompt, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?)", (title_from(title) or "New chat", cache_to_json(cache), system_prompt, now, now))
+        cursor = self._write([(
+            "INSERT INTO conversations (title, cache_config, system_prompt, created_at, updated_at) "
+            "VALUES (?, ?, ?, ?, ?)", (title_from(title) or "New chat", cache_to_json(cache), system_prompt, now, now))])
         return int(cursor.lastrowid)
 
-    def add_message(self, conversation_id: int, role: str, content: str) -> None:
+    def add_message(self, conversation_id: int, role: str, content: str) -> int:
+        return self.add_turn(conversation_id, [(role, content, DONE)])[0]
+
+    def add_turn(self, conversation_id: int, rows: list[tuple[str, str, str]]) -> list[int]:
+        """Insert (role, content, state) rows in one transaction; their ids, in order."""
         now = time.time()
-        with self._db:
-            self._db.execute("INSERT INTO messages (conversation_id, role, content, created_at) VALUES (?, ?, ?, ?)",
-                             (conversation_id, role, content, now))
-            self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+        ids = []
+        with self._writing() as db:
+            for role, content, state in rows:
+                cursor = db.execute(
+                    "INSERT INTO messages (conversation_id, role, content, created_at, state) VALUES (?, ?, ?, ?, ?)",
+                    (conversation_id, role, content, now, state))
+                ids.append(int(cursor.lastrowid))
+            db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+        return ids
+
+    def update_message(self, message_id: int, content: str, state: str) -> None:
+        self._write([("UPDATE messages SET content = ?, state = ? WHERE id = ?", (content, state, message_id))])
+
+    def drop_unanswered(self, conversation_id: int) -> list[str]:
+        """Delete the user messages after the conversation's last reply (a turn that never got one); their texts."""
+        rows = self._db.execute("SELECT id, role, content FROM messages WHERE conversation_id = ? ORDER BY id",
+                                (conversation_id,)).fetchall()
+        trailing = []
+        for id_, role, content in reversed(rows):
+            if role != "user":
+                break
+            trailing.append((id_, content))
+        if trailing:
+            self._write([("DELETE FROM messages WHERE id = ?", (id_,)) for id_, _ in trailing])
+        return [content for _, content in reversed(trailing)]
 
     def set_cache(self, conversation_id: int, cache: CacheConfig) -> None:
-        with self._db:
-            self._db.execute("UPDATE conversations SET cache_config = ? WHERE id = ?",
-                             (cache_to_json(cache), conversation_id))
+        self._write([("UPDATE conversations SET cache_config = ? WHERE id = ?", (cache_to_json(cache), conversation_id))])
 
     def rename(self, conversation_id: int, title: str) -> None:
-        with self._db:
-            self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title_from(title), conversation_id))
+        self._write([("UPDATE conversations SET title = ? WHERE id = ?", (title_from(title), conversation_id))])
 
     def delete(self, conversation_id: int) -> None:
-        with self._db:
-            self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+        self._write([("DELETE FROM conversations WHERE id = ?", (conversation_id,))])
 
     def get(self, conversation_id: int) -> Conversation | None:
         row = self._db.execute("SELECT id, title, cache_config, system_prompt, created_at, updated_at "
@@ -133,7 +274,42 @@ class HistoryStore:
                                 (conversation_id,)).fetchall()
         return [{"role": role, "content": content} for role, content in rows]
 
+    def entries(self, conversation_id: int) -> list[Message]:
+        """The messages with their ids and states (an interrupted reply is marked)."""
+        state = "state" if self._has_state else f"'{DONE}'"
+        rows = self._db.execute(f"SELECT id, role, content, {state} FROM messages WHERE conversation_id = ? "
+                                f"ORDER BY id", (conversation_id,)).fetchall()
+        return [Message(int(id_), role, content, st) for id_, role, content, st in rows]
+
+    def integrity(self) -> str:
+        """SQLite's integrity_check verdict: 'ok' or the first problem found."""
+        return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
+
 
 def _conversation(row) -> Conversation:
     id_, title, cache_json, system_prompt, created_at, updated_at = row
     return Conversation(int(id_), title, cache_from_json(cache_json), system_prompt, created_at, updated_at)
+
+
+def _private_dir(folder: Path) -> None:
+    """The data folder, readable by the user only (0700)."""
+    existed = folder.is_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not existed:
+        os.chmod(folder, 0o700)
+
+
+def _is_read_only(exc: BaseException) -> bool:
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    return name.startswith("SQLITE_READONLY") or "readonly database" in str(exc)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    if "not a database" in text:
+        return "it is not an SQLite database"
+    if "malformed" in text:
+        return "it is damaged"
+    if "unable to open" in text:
+        return "it cannot be opened"
+    return text

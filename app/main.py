@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -11,7 +12,20 @@ RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvchat", description="Desktop chat that shows and controls its KV cache")
     parser.add_argument("--model", help="'default', a local Hugging Face folder or a .gguf file (saved in Settings)")
+    parser.add_argument("--version", action="version", version=f"kvchat {version()}")
     return parser.parse_args(argv)
+
+
+def version() -> str:
+    """The installed package's version, or pyproject's when run from a source tree."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+    try:
+        return installed("kvchat")
+    except PackageNotFoundError:
+        import tomllib
+        with open(RESOURCES.parent / "pyproject.toml", "rb") as f:
+            return tomllib.load(f)["project"]["version"]
 
 
 def load_style(app) -> None:
@@ -25,19 +39,30 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     from .history import HistoryStore
+    from .logs import install_excepthook, setup_logging
     from .main_window import MainWindow
     from .settings_store import SettingsStore
+
+    log_path = setup_logging()
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "kvchat"])
     app.setApplicationName("kvchat")
     app.setOrganizationName("kvchat")
     app.setApplicationDisplayName("kvchat")
     load_style(app)
+    install_excepthook(log_path)
     store = SettingsStore()
     if args.model:
         settings = store.load()
         store.save(type(settings)(args.model, settings.cache, settings.sampling, settings.system_prompt))
-    history = HistoryStore()
+    try:
+        history = HistoryStore()
+    except Exception as exc:  # noqa: BLE001 - a history that cannot even be moved aside: say so and stop
+        from PySide6.QtWidgets import QMessageBox
+        logging.getLogger("kvchat").exception("cannot open the chat history")
+        QMessageBox.critical(None, "kvchat cannot open its chat history",
+                             f"{exc}\n\nCheck that the folder is writable. Details are in {log_path}.")
+        return 1
     window = MainWindow(store, history)
     window.show()
     code = app.exec()

@@ -6,6 +6,7 @@ and every answer comes back as a signal carrying a frozen dataclass.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QKeySequence
@@ -20,10 +21,11 @@ from .chat_input import ChatInput
 from .chat_view import ChatView
 from .conversation_list import ConversationList
 from .dashboard import Dashboard
-from .history import HistoryStore
+from .history import HistoryError, HistoryStore
 from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened, format_bytes
 from .settings_dialog import SettingsDialog
 from .settings_store import AppSettings, SettingsStore
+from .turn_record import TurnRecord, is_refused
 from .worker import EngineHost, _default_loader
 
 
@@ -47,12 +49,19 @@ class MainWindow(QMainWindow):
         self.session_cache = self.settings.cache
         self.latest_stats: StatsSnapshot | None = None
         self.last_error: ErrorEvent | None = None
+        self.turn: TurnRecord | None = None
+        self._pending_settings: tuple[AppSettings, AppSettings] | None = None   # (new, last accepted)
+        self._session_failed = False
         self._closing = False
         self._build()
         self._connect_host(EngineHost(loader, self))
         self._restore_layout()
         self.show_conversation(store.last_conversation(), open_session=False)
         self._update_controls()
+        if history.recovered is not None:
+            self.banner.show_message("Chat history was damaged and has been moved aside",
+                                     f"The old file ({history.recovered.reason}) is now {history.recovered.moved_to}; "
+                                     f"a fresh history was started at {history.path}.")
         if autoload:
             self.load_engine()
 
@@ -179,10 +188,16 @@ class MainWindow(QMainWindow):
         if not text or not self.session_ready or self.generating:
             return
         self.banner.hide_message()
-        if self.conversation_id is None:
-            self.conversation_id = self.history.create(text, self.session_cache, self.settings.system_prompt)
-            self.store.set_last_conversation(self.conversation_id)
-        self.history.add_message(self.conversation_id, "user", text)
+        new_conversation = self.conversation_id is None
+        try:
+            self.history.check_writable()
+            if new_conversation:
+                self.conversation_id = self.history.create(text, self.session_cache, self.settings.system_prompt)
+                self.store.set_last_conversation(self.conversation_id)
+        except HistoryError as exc:         # the text stays in the input box
+            self.banner.show_message("Cannot save this chat", str(exc))
+            return
+        self.turn = TurnRecord(self.history, self.conversation_id, text, new_conversation)
         self.conversations.refresh(self.conversation_id)
         self.input.clear()
         self.chat.add_message("user", text)
@@ -209,13 +224,34 @@ class MainWindow(QMainWindow):
         self.conversation_id = conversation.id if conversation else None
         self.store.set_last_conversation(self.conversation_id)
         self.chat.clear()
-        messages = self.history.messages(conversation.id) if conversation else []
-        for message in messages:
-            self.chat.add_message(message["role"], message["content"])
+        messages = self._restore_messages(conversation) if conversation else []
         self.session_cache = (conversation.cache if conversation and conversation.cache else self.settings.cache)
+        if conversation and conversation.cache is None:
+            self.chat.add_notice("This chat's saved cache settings could not be read; it uses your default "
+                                 f"settings ({self.session_cache.label()}).")
         self.conversations.refresh(self.conversation_id)
         if open_session and self.engine_info is not None:
             self._open_session(messages)
+
+    def _restore_messages(self, conversation) -> list[dict]:
+        """Show a saved chat; user messages left without a reply (a refused or lost turn) are dropped."""
+        try:
+            dropped = self.history.drop_unanswered(conversation.id)
+        except HistoryError:
+            dropped = []                # read-only: they stay, and the next Send explains why nothing saves
+        entries = self.history.entries(conversation.id)
+        for entry in entries:
+            if entry.role == "assistant" and not entry.content:
+                continue
+            widget = self.chat.add_message(entry.role, entry.content)
+            if entry.interrupted:
+                self.chat.mark_interrupted(widget)
+        if dropped:
+            if not self.input.toPlainText().strip():
+                self.input.setPlainText(dropped[-1])
+            self.chat.add_notice(f"{len(dropped)} message(s) at the end of this chat never got a reply and were "
+                                 f"removed; the last one is back in the input box.")
+        return [{"role": e.role, "content": e.content} for e in entries]
 
     def _open_session(self, messages: list[dict]) -> None:
         self.session_ready = False
@@ -233,7 +269,9 @@ class MainWindow(QMainWindow):
         num_layers = self.engine_info.num_layers if self.engine_info else None
         current = AppSettings(self.settings.model, self.session_cache, self.settings.sampling,
                               self.settings.system_prompt)
-        dialog = SettingsDialog(current, num_layers, self)
+        dialog = SettingsDialog(current, num_layers, self,
+                                model_config=self.engine_info.model_config if self.engine_info else None,
+                                model_dtype=self.engine_info.dtype if self.engine_info else "fp32")
         dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()
@@ -243,14 +281,35 @@ class MainWindow(QMainWindow):
     def apply_settings(self, new: AppSettings | None) -> None:
         if new is None:
             return
-        old = self.settings
+        old = self._pending_settings[1] if self._pending_settings else self.settings
         self.settings = new
-        self.store.save(new)
+        # saved once the engine has accepted them (a session opened, a switch done); refused ones are not
         if new.model != old.model or self.engine_info is None:
+            self._pending_settings = (new, old)
             self.session_cache = new.cache      # the reload opens the session in the chosen mode
             self.load_engine()
+        elif self._session_failed and not self.generating:
+            # the conversation whose session failed to open (a new chat) is the one to fix, not the previous one
+            self._pending_settings = (new, old)
+            self.session_cache = new.cache
+            self._open_session(self.history.messages(self.conversation_id) if self.conversation_id is not None else [])
         elif new.cache != self.session_cache:
+            self._pending_settings = (new, old)
             self.host.set_cache(new.cache)      # queued behind any reply in flight; applied live
+        else:
+            self.store.save(new)
+
+    def _settings_accepted(self) -> None:
+        if self._pending_settings is not None:
+            self.store.save(self._pending_settings[0])
+            self._pending_settings = None
+
+    def _settings_refused(self, field: str | None = None) -> None:
+        """Refused settings are not saved: back to the accepted ones (all, or just `field`)."""
+        if self._pending_settings is not None:
+            new, accepted = self._pending_settings
+            self.settings = replace(new, **{field: getattr(accepted, field)}) if field else accepted
+            self._pending_settings = None
 
     # --- engine events ---
 
@@ -278,19 +337,37 @@ class MainWindow(QMainWindow):
 
     def _on_session_opened(self, event: SessionOpened) -> None:
         self.session_ready = True
+        self._session_failed = False
+        self._settings_accepted()
         self.session_cache = event.cache
         if event.stats is not None:
             self._on_stats(event.stats)
         self._update_controls()
 
     def _on_token(self, event: TokenDelta) -> None:
+        if self.turn is not None:
+            self._save(self.turn.delta, event.text)
         if self.turn_conversation_id == self.conversation_id:
             self.chat.append_reply(event.text)
 
+    def _save(self, write, *args):
+        """A history write; a failure shows in the banner (the chat goes on, unsaved)."""
+        try:
+            return write(*args)
+        except HistoryError as exc:
+            self.banner.show_message("Cannot save this chat", str(exc))
+            return None
+
     def _on_turn_finished(self, event: TurnFinished) -> None:
         visible = self.turn_conversation_id == self.conversation_id
-        if event.text and self.turn_conversation_id is not None:
-            self.history.add_message(self.turn_conversation_id, "assistant", event.text)
+        turn, self.turn = self.turn, None
+        if turn is not None and self._save(turn.finish, event) is False:
+            if visible and not self.input.toPlainText().strip():
+                self.input.setPlainText(turn.user_text)     # refused and not saved: the text is not lost
+            if turn.new_conversation and self.history.get(turn.conversation_id) is None:
+                if self.conversation_id == turn.conversation_id:
+                    self.conversation_id = None
+                    self.store.set_last_conversation(None)
         if visible:
             reply = self.chat.end_reply(event.text)
             if reply is not None and not event.text:
@@ -311,6 +388,7 @@ class MainWindow(QMainWindow):
 
     def _on_mode_switched(self, event: ModeSwitched) -> None:
         self.session_cache = event.new
+        self._settings_accepted()
         if self.conversation_id is not None:
             self.history.set_cache(self.conversation_id, event.new)
             self.conversations.refresh(self.conversation_id)
@@ -331,13 +409,20 @@ class MainWindow(QMainWindow):
         if event.kind == "load":
             self.load_bar.setVisible(False)
             if self.engine_info is None:
+                self._pending_settings = None   # kept unsaved, for the user to fix in Settings
                 self.status_label.setText("No model loaded")
             else:                       # the previous model is still loaded; keep using it
+                self._settings_refused()
                 self.settings = AppSettings(self._loaded_model, self.settings.cache, self.settings.sampling,
                                             self.settings.system_prompt)
-                self.store.save(self.settings)
                 self.session_ready = True
+        elif event.kind in ("session", "cache"):
+            self._session_failed = self._session_failed or event.kind == "session"
+            self._settings_refused("cache")
         if event.kind == "send":
+            if self.turn is not None:
+                self._save(self.turn.fail)
+                self.turn = None
             reply = self.chat.end_reply()
             if reply is not None and not reply.text().strip("…"):
                 self.chat.remove_message(reply)

@@ -5,9 +5,13 @@ Frozen dataclasses only: signals between the threads never carry dicts, tensors 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig
 from engine.events import StatsSnapshot
+
+if TYPE_CHECKING:
+    from engine.model import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +29,8 @@ class EngineReady:
     weights_label: str = ""             # e.g. "Q4_1 (+Q8_0), packed"
     weight_bytes: int = 0
     notice: str = ""                    # something to tell the user about the load (old caches removed)
+    model_config: ModelConfig | None = None   # the model's shape, for validating cache settings
+    dtype: str = "fp32"                 # the model dtype "auto" cache formats resolve to
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Settings: model, cache formats and policies, sampling, system prompt.
 
-Every edit is validated by building the engine's own frozen configs; a ConfigError's message is
-shown in the dialog and OK stays disabled until the combination works.
+Every edit is validated by building the engine's own frozen configs and, once a model is loaded,
+by the engine's own check of a cache config against that model (check_cache_for_model); a
+ConfigError's message is shown in the dialog and OK stays disabled until the combination works.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
 
-from engine.config import FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
+from engine.config import (FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams,
+                           check_cache_for_model)
 
 from .settings_store import AppSettings
 
@@ -48,11 +50,15 @@ def _spin(box, value):
 
 
 class SettingsDialog(QDialog):
-    def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None):
+    def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None,
+                 model_config=None, model_dtype: str = "fp32"):
         super().__init__(parent)
         self.setWindowTitle("kvchat settings")
         self.setObjectName("settingsDialog")
         self.num_layers = num_layers
+        self.model_config = model_config        # the loaded model's ModelConfig; None before a model loads
+        self.model_dtype = model_dtype
+        self.loaded_model = settings.model
         self._result: AppSettings | None = None
         layout = QVBoxLayout(self)
         layout.addWidget(self._model_group(settings.model))
@@ -188,13 +194,17 @@ class SettingsDialog(QDialog):
 
     def cache_config(self) -> CacheConfig:
         layers = parse_layers(self.full_layers.text())
-        if self.num_layers is not None and any(i >= self.num_layers for i in layers):
+        if self.model_config is None and self.num_layers is not None and any(i >= self.num_layers for i in layers):
             raise ConfigError(f"full-precision layers: this model has layers 0-{self.num_layers - 1}")
-        return CacheConfig(k_format=self.k_format.currentText(), v_format=self.v_format.currentText(),
-                           k_scheme=self.k_scheme.currentText(), full_precision_layers=layers,
-                           window=self.window.value() or None, sinks=self.sinks.value(),
-                           block_size=self.block_size.value(), budget_mb=self.budget.value(),
-                           overflow=self.overflow.currentText())
+        cache = CacheConfig(k_format=self.k_format.currentText(), v_format=self.v_format.currentText(),
+                            k_scheme=self.k_scheme.currentText(), full_precision_layers=layers,
+                            window=self.window.value() or None, sinks=self.sinks.value(),
+                            block_size=self.block_size.value(), budget_mb=self.budget.value(),
+                            overflow=self.overflow.currentText())
+        same_model = (self.model_edit.text().strip() or "default") == self.loaded_model
+        if self.model_config is not None and same_model:    # another model is checked when it loads
+            check_cache_for_model(cache, self.model_config, self.model_dtype)
+        return cache
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature.value(), top_p=self.top_p.value(),

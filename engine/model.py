@@ -42,6 +42,22 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """From config.json's fields; a missing or mistyped field is a one-line ModelLoadError naming it."""
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"config.json holds a JSON {type(cfg).__name__}, not an object of model settings: "
+                                 f"the model folder is damaged")
+        cfg = dict(cfg)
+        for key in _REQUIRED_INTS:
+            _whole(cfg, key, required=True)
+        for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            _whole(cfg, key, required=False)
+        try:
+            return cls._from_checked(cfg)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ModelLoadError(f"config.json has an unusable value ({type(exc).__name__}: {exc}): check its rope and norm settings") from None
+
+    @classmethod
+    def _from_checked(cls, cfg: dict) -> "ModelConfig":
         mt = cfg.get("model_type")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -106,6 +122,20 @@ class ModelConfig:
                 mid = (wavelen <= low_wl) & (wavelen >= high_wl)
                 inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
         return inv.float()
+
+
+_REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def _whole(cfg: dict, key: str, required: bool) -> None:
+    """cfg[key] must be a positive whole number (absent or null allowed when not required)."""
+    value = cfg.get(key)
+    if value is None:
+        if required:
+            raise ModelLoadError(f"config.json lacks {key!r}: the model folder is incomplete or not a Llama-family model")
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"config.json has {key}={value!r}: it must be a positive whole number")
 
 
 # attention(layer, q [T, Hq, D], k [T, Hkv, D] before RoPE, v [T, Hkv, D]) -> [T, Hq, D]

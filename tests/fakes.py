@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import time
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+from types import SimpleNamespace
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams, check_cache_for_model
 from engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
 
 NUM_LAYERS = 4
@@ -72,6 +74,7 @@ class FakeSession:
         yield TurnFinished(reply, reason, "", self.stats())
 
     def set_cache(self, cache: CacheConfig) -> None:
+        check_cache_for_model(cache, self.engine.model.config)
         if cache.k_format == "fp8" and self.engine.refuse_fp8:
             raise ConfigError("fp8 keys are not supported by this fake device: choose int8 or int4")
         self.cache_config = cache
@@ -115,11 +118,21 @@ class FakeEngine:
         self.refuse_fp8 = True
         self.reply_words = ["Hello", "from", "the", "fake", "engine."]
         self.sessions: list[FakeSession] = []
+        # the shape the byte rule above describes, so the engine's own cache check applies to the fake too
+        self.model = SimpleNamespace(config=fake_model_config())
 
     def new_session(self, system_prompt=None, cache=None, history=None) -> FakeSession:
+        check_cache_for_model(cache or self.config.cache, self.model.config)
         session = FakeSession(self, cache or self.config.cache, history)
         self.sessions.append(session)
         return session
+
+
+def fake_model_config():
+    from engine.model import ModelConfig
+    return ModelConfig.from_hf(dict(model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=NUM_LAYERS,
+                                    num_attention_heads=2, num_key_value_heads=2, intermediate_size=128,
+                                    max_position_embeddings=2048))
 
 
 class FakeLoader:

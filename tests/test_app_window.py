@@ -215,7 +215,7 @@ def test_refused_cache_switch_is_explained_and_chat_continues(qtbot):
 
 def test_budget_too_small_for_prompt_says_what_to_do(qtbot):
     """A prompt larger than the KV budget ends the turn with advice in the chat; the chat stays usable."""
-    tiny = CacheConfig(budget_mb=0.001)
+    tiny = CacheConfig(budget_mb=0.05)     # holds a block (so the session opens) but not 50 words
     window = ready_window(qtbot, cache=tiny, sampling=SamplingParams(max_new_tokens=3))
     finished = send_and_wait(qtbot, window, "word " * 50)
     assert finished.finish_reason == "budget"

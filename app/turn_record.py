@@ -1,0 +1,72 @@
+"""What one turn leaves in the history database, and when it is written. No Qt.
+
+A turn the engine refuses (too long for the context, over the budget) leaves nothing: the user's
+message is written only once the engine has accepted the turn, together with the reply's first
+text, in one transaction. The reply is then saved as it grows (at most every SAVE_INTERVAL_S), in
+state "streaming", so a crash keeps what was shown; HistoryStore marks such a row "interrupted"
+when it is next opened.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.events import TurnFinished
+
+from .history import DONE, INTERRUPTED, STREAMING, HistoryStore
+
+SAVE_INTERVAL_S = 0.5
+REFUSED_REASONS = ("context", "budget")
+
+
+def is_refused(event: TurnFinished) -> bool:
+    """The engine turned the message away: no reply, and a reason that is about size."""
+    return not event.text and event.finish_reason in REFUSED_REASONS
+
+
+class TurnRecord:
+    def __init__(self, history: HistoryStore, conversation_id: int, user_text: str, new_conversation: bool,
+                 clock=time.monotonic):
+        self.history = history
+        self.conversation_id = conversation_id
+        self.user_text = user_text
+        self.new_conversation = new_conversation        # created for this turn: removed again if it is refused
+        self._clock = clock
+        self._reply_id: int | None = None
+        self._text = ""
+        self._saved_at = 0.0
+
+    @property
+    def saved(self) -> bool:
+        return self._reply_id is not None
+
+    def delta(self, text: str) -> None:
+        """More reply text: written now if the last save is SAVE_INTERVAL_S old (the first piece at once)."""
+        self._text += text
+        now = self._clock()
+        if self._reply_id is None:
+            _, self._reply_id = self.history.add_turn(self.conversation_id, [("user", self.user_text, DONE),
+                                                                             ("assistant", self._text, STREAMING)])
+            self._saved_at = now
+        elif now - self._saved_at >= SAVE_INTERVAL_S:
+            self.history.update_message(self._reply_id, self._text, STREAMING)
+            self._saved_at = now
+
+    def finish(self, event: TurnFinished) -> bool:
+        """Write the turn's end; False when the engine refused it (nothing of it stays in the database)."""
+        if self._reply_id is None:
+            if is_refused(event):
+                if self.new_conversation and not self.history.messages(self.conversation_id):
+                    self.history.delete(self.conversation_id)
+                return False
+            self.history.add_turn(self.conversation_id, [("user", self.user_text, DONE),
+                                                         ("assistant", event.text, DONE)])
+            return True
+        self.history.update_message(self._reply_id, event.text or self._text, DONE)
+        return True
+
+    def fail(self) -> None:
+        """The turn ended in an exception: a partial reply stays, marked interrupted."""
+        if self._reply_id is not None:
+            self.history.update_message(self._reply_id, self._text, INTERRUPTED)
+        elif self.new_conversation and not self.history.messages(self.conversation_id):
+            self.history.delete(self.conversation_id)
