@@ -46,6 +46,8 @@ class StatsSnapshot:
     memory: MemoryProbe
     weight_bytes: int = 0               # the model's weights as held (packed codes, scales, norms)
     weights_label: str = ""             # what they are, e.g. "Q4_1 (+Q8_0), packed"
+    full_precision_bytes_per_token: float = 0.0   # KV bytes per token at the model dtype, all layers; 0: unknown
+    context_tokens: int = 0             # the model's context limit (max_position_embeddings); 0: unknown
 
     @property
     def usage(self) -> float:
