@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QPointF, Qt, QTimer
+from PySide6.QtCore import QPointF, QSize, Qt, QTimer
 from PySide6.QtGui import QCursor
 from PySide6.QtWidgets import (QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QToolButton,
                                QToolTip, QVBoxLayout, QWidget)
@@ -26,7 +26,7 @@ from .quality_view import QualityRow
 REDRAW_MS = 125                         # each panel at most 8 Hz
 MIB = 1024.0 * 1024.0
 LOG_FLOOR_MIB = 1e-3                    # a log axis cannot show 0; an empty cache sits on this floor (1 KiB)
-PLOT_MIN_HEIGHT = 110
+PLOT_MIN_HEIGHT = 92
 
 # (K, V) colours per format family: K dark at the bottom of each bar, V light on top.
 FORMAT_COLOURS = {"full": ("#2563eb", "#93c5fd"), "int8": ("#15803d", "#86efac"),
@@ -41,6 +41,13 @@ MEMORY_SERIES = {"budget": ("budget", "#dc2626", 1.5, Qt.PenStyle.DashLine),
                  "kv": ("KV held", "#2563eb", 2.5, Qt.PenStyle.SolidLine)}     # last: drawn on top
 OPTIONAL_SERIES = ("weights", "torch", "gpu")   # shown only when this machine reports them
 DECODE_COLOUR, PREFILL_COLOUR = "#2563eb", "#ea580c"
+
+
+class _PlotWidget(pg.PlotWidget):
+    """A plot that asks for little, so the scroll area gives it what the dock has instead of scrolling."""
+
+    def sizeHint(self) -> QSize:
+        return QSize(300, PLOT_MIN_HEIGHT)
 
 
 def format_family(name: str) -> str:
@@ -107,8 +114,8 @@ class Dashboard(QWidget):
         self.event_strip = EventStrip(self.memory_plot)
         layout.addWidget(self.event_strip)
         layout.addWidget(self.memory_plot, 1)
-        self.legends["speed"].setText(legend_html([("decode (left axis)", DECODE_COLOUR),
-                                                   ("prefill (right axis)", PREFILL_COLOUR)]))
+        self.legends["speed"].setText(legend_html([("decode (left)", DECODE_COLOUR),
+                                                   ("prefill (right)", PREFILL_COLOUR)]))
         self.timer = QTimer(self, interval=REDRAW_MS // len(self.PANELS))
         self.timer.timeout.connect(self._tick)
         self.timer.start()
@@ -163,7 +170,7 @@ class Dashboard(QWidget):
 
     @staticmethod
     def _plot() -> pg.PlotWidget:
-        plot = pg.PlotWidget(background="w")
+        plot = _PlotWidget(background="w")
         plot.showGrid(x=True, y=True, alpha=0.15)
         plot.setMenuEnabled(False)
         plot.setMouseEnabled(x=False, y=False)
@@ -353,7 +360,7 @@ class Dashboard(QWidget):
         entries = [(FORMAT_NAMES[family], FORMAT_COLOURS[family][0]) for family in families]
         entries.append(("K dark, V light", "#94a3b8"))
         if full > 0:
-            entries.append(("dashed outline: full precision", OUTLINE_COLOUR))
+            entries.append(("outline: full precision", OUTLINE_COLOUR))
         if near:
             entries.append(("dashed line: budget share", "#dc2626"))
         self._set_legend("layers", entries)

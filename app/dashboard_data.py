@@ -244,9 +244,10 @@ class MarkerCluster:
         return len(self.markers)
 
     def label(self) -> str:
-        if self.count == 1:
+        if self.count == 1:             # short: the tooltip has the whole label
             marker = self.markers[0]
-            return f"{MARKER_GLYPHS.get(marker.kind, '●')} {marker.label}"
+            short = {"load": "load", "reset": "reset"}.get(marker.kind, marker.label)
+            return f"{MARKER_GLYPHS.get(marker.kind, '●')} {short}"
         if self.kind == "evict":
             return f"▼ {self.count}× evicted"
         return f"● {self.count} events"
