@@ -128,7 +128,8 @@ class DashboardData:
         values = {"kv": snapshot.kv_bytes, "weights": snapshot.weight_bytes, "budget": snapshot.budget_bytes,
                   "rss": memory.rss_bytes,
                   "torch": memory.torch_allocated_bytes, "gpu": memory.gpu_used_bytes,
-                  "decode": snapshot.decode_tok_s if generating else math.nan,
+                  # a reply's first snapshot has no rate yet: a gap, not a plunge to 0 tok/s
+                  "decode": snapshot.decode_tok_s if generating and snapshot.decode_tok_s > 0 else math.nan,
                   "prefill": snapshot.prefill_tok_s if generating else math.nan,
                   "tokens_held": snapshot.tokens_held}
         for name, value in values.items():

@@ -70,6 +70,7 @@ class MainWindow(QMainWindow):
         left = QWidget(objectName="sidePanel")
         left_layout = QVBoxLayout(left)
         left_layout.setContentsMargins(8, 8, 4, 8)
+        left.setMinimumWidth(150)       # room for a readable title at 1024 px
         left_layout.addWidget(self.new_button)
         left_layout.addWidget(self.conversations, 1)
 
