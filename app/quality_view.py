@@ -1,6 +1,7 @@
 """The dashboard row that says what the current cache mode costs in quality, with a Measure button."""
 from __future__ import annotations
 
+import html
 from typing import Callable
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
@@ -45,7 +46,7 @@ class QualityRow(QWidget):
                 f"<span style='color:#6b7280'>(measured on {result.tokens} tokens of built-in text)</span>")
         elif error:
             self.state = "failed"
-            self.label.setText(f"Quality of <b>{label}</b>: the measurement failed ({error}). Press Measure to try again.")
+            self.label.setText(f"Quality of <b>{label}</b>: the measurement failed ({html.escape(error)}). Press Measure to try again.")
         elif measuring:
             self.state = "measuring"
             self.label.setText(f"Quality of <b>{label}</b>: measuring against full precision…")

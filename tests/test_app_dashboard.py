@@ -10,7 +10,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import numpy as np
 import pytest
-from PySide6.QtCore import QPoint, Qt
+from PySide6.QtCore import Qt
 
 from app.dashboard import Dashboard
 from app.dashboard_data import DashboardData, Marker, cluster_markers, stable_top, token_room
