@@ -1,4 +1,9 @@
-"""The saved-conversation list beside the chat: newest first, with rename and delete."""
+"""The saved-conversation list beside the chat: newest first, with rename and delete.
+
+Each row is the title on one line, elided to the list's width (once, by us, so Qt's wrapping
+cannot elide it a second time), and when / cache mode under it. Only a left click opens a chat:
+a right click shows the menu and leaves the open conversation marked.
+"""
 from __future__ import annotations
 
 import time
@@ -9,6 +14,7 @@ from PySide6.QtWidgets import QInputDialog, QListWidget, QListWidgetItem, QMenu,
 from .history import HistoryStore
 
 ID_ROLE = Qt.ItemDataRole.UserRole
+TITLE_ROLE = Qt.ItemDataRole.UserRole + 1   # (title, detail) as stored, before eliding
 
 
 def _when(timestamp: float) -> str:
@@ -31,19 +37,23 @@ class ConversationList(QListWidget):
         self.setObjectName("conversationList")
         self.history = history
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.setWordWrap(True)
+        self.setWordWrap(False)
         self.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.open_id: int | None = None     # the conversation the window shows
         self.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.customContextMenuRequested.connect(self._menu)
         self.itemClicked.connect(self._clicked)
         self.refresh()
 
     def refresh(self, current_id: int | None = None) -> None:
+        self.open_id = current_id
         self.blockSignals(True)
         self.clear()
         for conversation in self.history.conversations():
             cache = conversation.cache.label() if conversation.cache else "?"
-            item = QListWidgetItem(f"{conversation.title}\n{_when(conversation.updated_at)} · {cache}")
+            item = QListWidgetItem()
+            item.setData(TITLE_ROLE, (conversation.title, f"{_when(conversation.updated_at)} · {cache}"))
+            self._set_text(item)
             item.setData(ID_ROLE, conversation.id)
             item.setToolTip(f"{conversation.title}\nCache: {cache}\nStarted "
                             f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(conversation.created_at))}")
@@ -54,6 +64,33 @@ class ConversationList(QListWidget):
         if current_id is None:
             self.clearSelection()
         self.blockSignals(False)
+
+    def _text_width(self) -> int:
+        return max(40, self.viewport().width() - 2 * self.spacing() - 16)
+
+    def _set_text(self, item: QListWidgetItem) -> None:
+        title, detail = item.data(TITLE_ROLE)
+        metrics, width = self.fontMetrics(), self._text_width()
+        lines = [metrics.elidedText(" ".join(line.split()), Qt.TextElideMode.ElideRight, width)
+                 for line in (title, detail)]
+        item.setText("\n".join(lines))
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        for i in range(self.count()):
+            self._set_text(self.item(i))
+
+    def mousePressEvent(self, event) -> None:
+        if event.button() == Qt.MouseButton.RightButton:
+            event.accept()              # the context menu follows; selection stays on the open chat
+            return
+        super().mousePressEvent(event)
+
+    def mouseReleaseEvent(self, event) -> None:
+        if event.button() == Qt.MouseButton.RightButton:
+            event.accept()
+            return
+        super().mouseReleaseEvent(event)
 
     def ids(self) -> list[int]:
         return [self.item(i).data(ID_ROLE) for i in range(self.count())]
@@ -75,8 +112,9 @@ class ConversationList(QListWidget):
             title, ok = QInputDialog.getText(self, "Rename chat", "Title", text=current.title if current else "")
             if ok and title.strip():
                 self.history.rename(conversation_id, title.strip())
-                self.refresh(conversation_id)
+                self.refresh(self.open_id)
         elif action is delete:
             self.history.delete(conversation_id)
+            open_id = None if self.open_id == conversation_id else self.open_id
             self.deleted.emit(conversation_id)
-            self.refresh()
+            self.refresh(open_id)

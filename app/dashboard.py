@@ -2,57 +2,72 @@
 
 Painting is the dashboard's whole cost, and the GUI thread shares the CPU (and the GIL) with the
 decoder, so: axes are cached as pixmaps, ranges move in 1-2-5 / 30 s steps so those caches stay
-valid, and legends are plain labels outside the plots.
+valid, and legends are plain labels outside the plots. Units sit in the section titles, so no axis
+label competes with a legend for room.
 """
 from __future__ import annotations
 
+import html
 import math
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QPointF, Qt, QTimer
+from PySide6.QtCore import QPointF, QSize, Qt, QTimer
 from PySide6.QtGui import QCursor
-from PySide6.QtWidgets import QGraphicsItem, QLabel, QToolTip, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QToolButton,
+                               QToolTip, QVBoxLayout, QWidget)
 
-from .dashboard_data import DashboardData, layer_hover_text, nice_ceiling, series_hover_text, time_span_end
+from .dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, layer_hover_text, nice_ceiling,
+                             series_hover_text, time_span_end, token_room)
+from .event_strip import MARKER_COLOURS, EventStrip
 from .gauge import TokenGauge
-from .messages import format_bytes
+from .quality_view import QualityRow
 
 REDRAW_MS = 125                         # each panel at most 8 Hz
 MIB = 1024.0 * 1024.0
 LOG_FLOOR_MIB = 1e-3                    # a log axis cannot show 0; an empty cache sits on this floor (1 KiB)
+PLOT_MIN_HEIGHT = 92
 
 # (K, V) colours per format family: K dark at the bottom of each bar, V light on top.
 FORMAT_COLOURS = {"full": ("#2563eb", "#93c5fd"), "int8": ("#15803d", "#86efac"),
                   "fp8": ("#c2410c", "#fdba74"), "int4": ("#7e22ce", "#d8b4fe")}
-MARKER_COLOURS = {"mode": "#7e22ce", "evict": "#c2410c", "reset": "#15803d", "load": "#64748b"}
-MEMORY_SERIES = {"kv": ("KV held", "#2563eb", 2.5, Qt.PenStyle.SolidLine),
-                 "budget": ("budget", "#dc2626", 1.5, Qt.PenStyle.DashLine),
+FORMAT_NAMES = {"full": "full precision", "int8": "int8", "fp8": "fp8", "int4": "int4"}
+OUTLINE_COLOUR = "#475569"
+MEMORY_SERIES = {"budget": ("budget", "#dc2626", 1.5, Qt.PenStyle.DashLine),
                  "weights": ("weights", "#a16207", 1.5, Qt.PenStyle.DotLine),
                  "rss": ("process RSS", "#64748b", 1.5, Qt.PenStyle.SolidLine),
                  "torch": ("torch allocator", "#0d9488", 1.5, Qt.PenStyle.SolidLine),
-                 "gpu": ("GPU (NVML)", "#ca8a04", 1.5, Qt.PenStyle.SolidLine)}
+                 "gpu": ("GPU (NVML)", "#ca8a04", 1.5, Qt.PenStyle.SolidLine),
+                 "kv": ("KV held", "#2563eb", 2.5, Qt.PenStyle.SolidLine)}     # last: drawn on top
+OPTIONAL_SERIES = ("weights", "torch", "gpu")   # shown only when this machine reports them
 DECODE_COLOUR, PREFILL_COLOUR = "#2563eb", "#ea580c"
+
+
+class _PlotWidget(pg.PlotWidget):
+    """A plot that asks for little, so the scroll area gives it what the dock has instead of scrolling."""
+
+    def sizeHint(self) -> QSize:
+        return QSize(300, PLOT_MIN_HEIGHT)
 
 
 def format_family(name: str) -> str:
     return next((family for family in ("int8", "fp8", "int4") if name.startswith(family)), "full")
 
 
-def byte_unit(max_bytes: float) -> tuple[str, float]:
-    return ("MiB", MIB) if max_bytes >= MIB else ("KiB", 1024.0)
+def format_mib(num_bytes: float) -> str:
+    """Dashboard text speaks MiB throughout: 0.02 MiB, 2.74 MiB, 92.1 MiB, 1,024 MiB."""
+    value = num_bytes / MIB
+    return f"{value:,.0f} MiB" if value >= 100 else f"{value:.1f} MiB" if value >= 10 else f"{value:.2f} MiB"
 
 
-def _legend(entries: list[tuple[str, str]]) -> QLabel:
-    html = "&nbsp;&nbsp;".join(f'<span style="color:{colour}">■</span>&nbsp;{text}' for text, colour in entries)
-    label = QLabel(html, objectName="plotLegend")
-    label.setTextFormat(Qt.TextFormat.RichText)
-    label.setWordWrap(True)
-    return label
+def legend_html(entries: list[tuple[str, str]]) -> str:
+    return "&nbsp;&nbsp; ".join(f'<span style="color:{colour}">■</span>&nbsp;{html.escape(text)}'
+                                for text, colour in entries)
 
 
 class Dashboard(QWidget):
     PANELS = ("layers", "speed", "memory", "markers")   # "layers" also updates the gauge and summary
+
     def __init__(self, data: DashboardData | None = None, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("dashboard")
@@ -60,52 +75,109 @@ class Dashboard(QWidget):
         self._drawn: dict[str, int] = {}
         self._next_panel = 0
         self._drawn_marks = 0
-        self._markers: list[tuple[pg.PlotWidget, pg.InfiniteLine]] = []
+        self._marker_lines: list[tuple[pg.PlotWidget, pg.InfiniteLine]] = []
         self._ranges: dict[str, tuple] = {}
-        layout = QVBoxLayout(self)
+        self.legends: dict[str, QLabel] = {}
+        self.sections: dict[str, QLabel] = {}
+
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        self.scroll = QScrollArea(objectName="dashboardScroll")
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        outer.addWidget(self.scroll)
+        body = QWidget(objectName="dashboardBody")
+        self.scroll.setWidget(body)
+        layout = QVBoxLayout(body)
         layout.setContentsMargins(8, 6, 8, 6)
-        layout.setSpacing(4)
+        layout.setSpacing(3)
+
         self.summary = QLabel("Waiting for the model…", objectName="dashboardSummary")
         self.summary.setWordWrap(True)
         self.summary.setMinimumHeight(2 * self.summary.fontMetrics().lineSpacing() + 4)
         layout.addWidget(self.summary)
-        layout.addWidget(self._section("Tokens in cache"))
+        layout.addWidget(self._build_notice())
+        self.quality_row = QualityRow()
+        layout.addWidget(self.quality_row)
+        layout.addLayout(self._header("tokens", "Tokens in cache"))
         self.gauge = TokenGauge(self)
         layout.addWidget(self.gauge)
         self._build_layer_plot()
         self._build_speed_plot()
         self._build_memory_plot()
-        for title, plot, legend in (
-                ("KV bytes per layer", self.layer_plot, _legend(
-                    [("full precision", FORMAT_COLOURS["full"][0]), ("int8", FORMAT_COLOURS["int8"][0]),
-                     ("fp8", FORMAT_COLOURS["fp8"][0]), ("int4", FORMAT_COLOURS["int4"][0]),
-                     ("K dark, V light; dashed: budget share", "#dc2626")])),
-                ("Tokens per second", self.speed_plot, _legend([("decode (left axis)", DECODE_COLOUR),
-                                                                ("prefill (right axis)", PREFILL_COLOUR)])),
-                ("Memory (log scale)", self.memory_plot, _legend([(label, colour) for label, colour, _, _
-                                                                 in MEMORY_SERIES.values()]))):
-            layout.addWidget(self._section(title))
-            layout.addWidget(plot, 1)
-            layout.addWidget(legend)
+        layout.addLayout(self._header("layers", "KV bytes per layer (KiB)"))
+        layout.addWidget(self.layer_plot, 1)
+        layout.addLayout(self._header("speed", "Tokens per second · time in s"))
+        layout.addWidget(self.speed_plot, 1)
+        layout.addLayout(self._header("memory", "Memory in MiB (log scale) · time in s"))
+        self.event_strip = EventStrip(self.memory_plot)
+        layout.addWidget(self.event_strip)
+        layout.addWidget(self.memory_plot, 1)
+        self.legends["speed"].setText(legend_html([("decode (left)", DECODE_COLOUR),
+                                                   ("prefill (right)", PREFILL_COLOUR)]))
         self.timer = QTimer(self, interval=REDRAW_MS // len(self.PANELS))
         self.timer.timeout.connect(self._tick)
         self.timer.start()
 
     # --- construction: every item is made here, once ---
 
-    @staticmethod
-    def _section(text: str) -> QLabel:
-        return QLabel(text, objectName="dashboardSection")
+    def _header(self, key: str, title: str) -> QHBoxLayout:
+        """A section title with its legend to the right, wrapping under it when the dock is narrow."""
+        row = QHBoxLayout()
+        row.setSpacing(10)
+        self.sections[key] = QLabel(title, objectName="dashboardSection")
+        row.addWidget(self.sections[key], 0, Qt.AlignmentFlag.AlignTop)
+        if key != "tokens":
+            legend = QLabel("", objectName="plotLegend")
+            legend.setTextFormat(Qt.TextFormat.RichText)
+            legend.setWordWrap(True)
+            legend.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            legend.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+            self.legends[key] = legend
+            row.addWidget(legend, 1)
+        else:
+            row.addStretch(1)
+        return row
+
+    def _build_notice(self) -> QWidget:
+        self.notice = QWidget(objectName="dashboardNotice")
+        row = QHBoxLayout(self.notice)
+        row.setContentsMargins(6, 3, 3, 3)
+        self.notice_label = QLabel("", objectName="dashboardNoticeText")
+        self.notice_label.setWordWrap(True)
+        self.notice_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        close = QToolButton(objectName="dashboardNoticeClose", text="×", autoRaise=True)
+        close.setToolTip("Dismiss")
+        close.clicked.connect(self.hide_notice)
+        row.addWidget(self.notice_label, 1)
+        row.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
+        self.notice.setStyleSheet("#dashboardNotice { background: #f1f5f9; border: 1px solid #cbd5e1; border-radius: 4px; }"
+                                  "#dashboardNotice[error=\"true\"] { background: #fef2f2; border-color: #fca5a5; }")
+        self.notice.setVisible(False)
+        return self.notice
+
+    def show_notice(self, text: str, error: bool = False) -> None:
+        """A message that stays in the dashboard until the next one or until dismissed."""
+        self.notice_label.setText(text)
+        self.notice.setProperty("error", error)
+        self.notice.style().unpolish(self.notice)
+        self.notice.style().polish(self.notice)
+        self.notice.setVisible(True)
+
+    def hide_notice(self) -> None:
+        self.notice.setVisible(False)
 
     @staticmethod
     def _plot() -> pg.PlotWidget:
-        plot = pg.PlotWidget(background="w")
+        plot = _PlotWidget(background="w")
         plot.showGrid(x=True, y=True, alpha=0.15)
         plot.setMenuEnabled(False)
         plot.setMouseEnabled(x=False, y=False)
         plot.hideButtons()
         plot.enableAutoRange(False)
-        plot.setMinimumHeight(130)
+        plot.setMinimumHeight(PLOT_MIN_HEIGHT)
+        plot.getPlotItem().layout.setContentsMargins(2, 4, 2, 2)
         for side in ("left", "bottom", "right"):
             axis = plot.getAxis(side)
             axis.setTextPen("#374151")
@@ -115,12 +187,13 @@ class Dashboard(QWidget):
 
     def _build_layer_plot(self) -> None:
         self.layer_plot = self._plot()
-        self.layer_plot.setLabel("bottom", "layer")
-        self.layer_plot.setLabel("left", "KiB")
-        self.k_bars = pg.BarGraphItem(x=[], height=[], width=0.8, pen=None)
-        self.v_bars = pg.BarGraphItem(x=[], height=[], y0=[], width=0.8, pen=None)
-        self.layer_plot.addItem(self.k_bars)
-        self.layer_plot.addItem(self.v_bars)
+        # the full-precision size of each layer, outlined behind its bar: quantized bars sit inside it
+        self.full_bars = pg.BarGraphItem(x=[], height=[], width=0.9, brush=None,
+                                         pen=pg.mkPen(OUTLINE_COLOUR, width=1, style=Qt.PenStyle.DashLine))
+        self.k_bars = pg.BarGraphItem(x=[], height=[], width=0.7, pen=None)
+        self.v_bars = pg.BarGraphItem(x=[], height=[], y0=[], width=0.7, pen=None)
+        for item in (self.full_bars, self.k_bars, self.v_bars):
+            self.layer_plot.addItem(item)
         self.budget_line = pg.InfiniteLine(angle=0, movable=False,
                                            pen=pg.mkPen("#dc2626", width=1, style=Qt.PenStyle.DashLine))
         self.budget_line.setVisible(False)
@@ -130,9 +203,10 @@ class Dashboard(QWidget):
     def _build_speed_plot(self) -> None:
         self.speed_plot = self._plot()
         item = self.speed_plot.getPlotItem()
-        self.speed_plot.setLabel("bottom", "time (s)")
         self.speed_plot.setLabel("left", "decode tok/s", color=DECODE_COLOUR)
-        self.decode_curve = self.speed_plot.plot([], [], pen=pg.mkPen(DECODE_COLOUR, width=2))
+        # gaps (NaN) are idle time: the line breaks instead of holding the last rate
+        self.decode_curve = self.speed_plot.plot([], [], pen=pg.mkPen(DECODE_COLOUR, width=2), connect="finite")
+        self.decode_curve.setZValue(10)
         # prefill runs 10-50x faster than decode: it gets its own right-hand axis
         self.prefill_view = pg.ViewBox(enableMouse=False)
         self.prefill_view.enableAutoRange(False)
@@ -150,11 +224,15 @@ class Dashboard(QWidget):
 
     def _build_memory_plot(self) -> None:
         self.memory_plot = self._plot()
-        self.memory_plot.setLabel("bottom", "time (s)")
-        self.memory_plot.setLabel("left", "MiB")
         self.memory_plot.setLogMode(x=False, y=True)
-        self.memory_curves = {name: self.memory_plot.plot([], [], pen=pg.mkPen(colour, width=width, style=style))
-                              for name, (_, colour, width, style) in MEMORY_SERIES.items()}
+        self.memory_curves = {}
+        for z, (name, (_, colour, width, style)) in enumerate(MEMORY_SERIES.items()):
+            curve = self.memory_plot.plot([], [], pen=pg.mkPen(colour, width=width, style=style))
+            curve.setZValue(10 + z)     # the KV-held line comes last: on top of every other curve and marker
+            self.memory_curves[name] = curve
+        view = self.memory_plot.getPlotItem().getViewBox()
+        view.sigXRangeChanged.connect(self._markers_stale)
+        view.sigResized.connect(self._markers_stale)
         self.memory_plot.scene().sigMouseMoved.connect(self._hover_memory)
 
     # --- updates ---
@@ -164,6 +242,11 @@ class Dashboard(QWidget):
         if self._ranges.get(key) != limits:
             self._ranges[key] = limits
             target(*limits, padding=0)
+
+    def _set_legend(self, key: str, entries: list[tuple[str, str]]) -> None:
+        text = legend_html(entries)
+        if self.legends[key].text() != text:
+            self.legends[key].setText(text)
 
     def redraw(self) -> None:
         """Bring every panel up to date now."""
@@ -179,6 +262,10 @@ class Dashboard(QWidget):
             if self._drawn.get(panel) != self.data.version:
                 self._draw_panel(panel)
                 return
+
+    def _markers_stale(self, *_args) -> None:
+        self._drawn_marks = -1
+        self._drawn.pop("markers", None)
 
     def _draw_panel(self, panel: str) -> None:
         if self._drawn.get(panel) == self.data.version:
@@ -200,34 +287,48 @@ class Dashboard(QWidget):
 
     def _draw_speed(self, times: np.ndarray) -> None:
         decode = np.fromiter(self.data.series["decode"], float)
-        self.decode_curve.setData(times, decode)
-        self._set_range("decode_y", self.speed_plot.setYRange, 0.0, nice_ceiling(float(decode.max()) * 1.1))
+        self.decode_curve.setData(times, decode, connect="finite")
+        top = float(np.nanmax(decode)) if np.isfinite(decode).any() else 0.0
+        self._set_range("decode_y", self.speed_plot.setYRange, 0.0, nice_ceiling(top * 1.1))
         prefill = np.fromiter(self.data.series["prefill"], float)
-        changed = np.r_[True, np.diff(prefill) != 0] & (prefill > 0)   # one dot per turn, not per snapshot
+        with np.errstate(invalid="ignore"):
+            changed = np.r_[True, np.diff(prefill) != 0] & (prefill > 0)   # one dot per turn, not per snapshot
         self.prefill_curve.setData(times[changed], prefill[changed])
-        self._set_range("prefill_y", self.prefill_view.setYRange, 0.0, nice_ceiling(float(prefill.max()) * 1.1))
+        top = float(np.nanmax(prefill)) if np.isfinite(prefill).any() else 0.0
+        self._set_range("prefill_y", self.prefill_view.setYRange, 0.0, nice_ceiling(top * 1.1))
 
     def _draw_summary(self, snapshot) -> None:
-        blocks = snapshot.blocks_used / snapshot.blocks_budget if snapshot.blocks_budget else 0.0
-        self.gauge.set_tokens(snapshot.tokens_held, snapshot.tokens_left, snapshot.tokens_evicted, blocks)
+        self.gauge.set_room(token_room(snapshot), snapshot.tokens_evicted)
+        generating = bool(self.data.series["decode"]) and not math.isnan(self.data.series["decode"][-1])
+        speed = (f"decode {snapshot.decode_tok_s:.1f} tok/s · prefill {snapshot.prefill_tok_s:.0f} tok/s · "
+                 f"TTFT {snapshot.ttft_s * 1000:.0f} ms")
+        if not generating:
+            speed = f"idle · last reply: {speed}" if snapshot.decode_tok_s or snapshot.prefill_tok_s else "idle"
         self.summary.setText(
-            f"<b>{snapshot.cache_label}</b> · KV {format_bytes(snapshot.kv_bytes)} of "
-            f"{format_bytes(snapshot.budget_bytes)} budget ({snapshot.usage:.1%}) · "
-            f"{snapshot.bytes_per_token:,.0f} B/token<br>decode {snapshot.decode_tok_s:.1f} tok/s · "
-            f"prefill {snapshot.prefill_tok_s:.0f} tok/s · TTFT {snapshot.ttft_s * 1000:.0f} ms · "
-            f"RSS {format_bytes(snapshot.memory.rss_bytes)}"
-            + (f"<br>weights {format_bytes(snapshot.weight_bytes)} ({snapshot.weights_label}) beside KV "
-               f"{format_bytes(snapshot.kv_bytes)}" if snapshot.weight_bytes else ""))
+            f"<b>{html.escape(snapshot.cache_label)}</b> · KV {format_mib(snapshot.kv_bytes)} of "
+            f"{format_mib(snapshot.budget_bytes)} budget ({snapshot.usage:.1%}) · "
+            f"{snapshot.bytes_per_token:,.0f} B/token<br>{speed}<br>"
+            f"process RSS {format_mib(snapshot.memory.rss_bytes)}"
+            + (f" · weights {format_mib(snapshot.weight_bytes)} ({html.escape(snapshot.weights_label)})"
+               if snapshot.weight_bytes else ""))
+
+    def applicable_series(self) -> list[str]:
+        """Memory series this machine reports: no torch allocator or NVML line on a CPU-only machine."""
+        return [name for name in MEMORY_SERIES
+                if name not in OPTIONAL_SERIES or any(value > 0 for value in self.data.series[name])]
 
     def _draw_memory(self, times: np.ndarray) -> None:
         lowest, highest = math.inf, LOG_FLOOR_MIB
+        shown = self.applicable_series()
         for name, curve in self.memory_curves.items():
-            values = np.maximum(np.fromiter(self.data.series[name], float) / MIB, LOG_FLOOR_MIB)
-            if name in ("torch", "gpu", "weights") and not (values > LOG_FLOOR_MIB).any():
+            if name not in shown:
                 curve.setData([], [])
                 continue
+            values = np.maximum(np.fromiter(self.data.series[name], float) / MIB, LOG_FLOOR_MIB)
             curve.setData(times, values)
             lowest, highest = min(lowest, float(values.min())), max(highest, float(values.max()))
+        self._set_legend("memory", [(MEMORY_SERIES[name][0], MEMORY_SERIES[name][1])
+                                    for name in reversed(list(MEMORY_SERIES)) if name in shown])
         self._set_range("memory_y", self.memory_plot.setYRange,
                         math.floor(math.log10(lowest)), math.ceil(math.log10(highest) + 0.05))
 
@@ -235,45 +336,52 @@ class Dashboard(QWidget):
         layers = snapshot.layers
         if not layers:
             return
-        budget_share = snapshot.budget_bytes / len(layers)
-        biggest = max(layer.k_bytes + layer.v_bytes for layer in layers)
-        unit, scale = byte_unit(biggest)
+        top_bytes = max(self.data.layer_top_bytes, 1024.0)
+        unit, scale = byte_unit(top_bytes)
         x = np.array([layer.layer for layer in layers], float)
         k = np.array([layer.k_bytes for layer in layers], float) / scale
         v = np.array([layer.v_bytes for layer in layers], float) / scale
+        full = full_precision_layer_bytes(snapshot) / scale
         k_brushes = [pg.mkBrush(FORMAT_COLOURS[format_family(layer.k_format)][0]) for layer in layers]
         v_brushes = [pg.mkBrush(FORMAT_COLOURS[format_family(layer.v_format)][1]) for layer in layers]
-        self.k_bars.setOpts(x=x, height=k, width=0.8, brushes=k_brushes)
-        self.v_bars.setOpts(x=x, height=v, y0=k, width=0.8, brushes=v_brushes)
+        self.full_bars.setOpts(x=x, height=np.full(len(layers), full), width=0.9)
+        self.full_bars.setVisible(full > 0)
+        self.k_bars.setOpts(x=x, height=k, width=0.7, brushes=k_brushes)
+        self.v_bars.setOpts(x=x, height=v, y0=k, width=0.7, brushes=v_brushes)
         if self._ranges.get("layer_unit") != unit:
             self._ranges["layer_unit"] = unit
-            self.layer_plot.setLabel("left", f"KV bytes ({unit})")
-        # the budget line only shows when the bars come within reach of it; otherwise it would flatten them
-        near = biggest > 0 and budget_share <= 4 * biggest
+            self.sections["layers"].setText(f"KV bytes per layer ({unit})")
+        budget_share = snapshot.budget_bytes / len(layers) / scale
+        near = budget_share <= top_bytes / scale
         self.budget_line.setVisible(near)
-        self.budget_line.setValue(budget_share / scale)
-        top = max(float((k + v).max()) * 1.05, budget_share / scale * 1.05 if near else 0.0)
+        self.budget_line.setValue(budget_share)
+        families = sorted({format_family(f) for layer in layers for f in (layer.k_format, layer.v_format)},
+                          key=list(FORMAT_COLOURS).index)
+        entries = [(FORMAT_NAMES[family], FORMAT_COLOURS[family][0]) for family in families]
+        entries.append(("K dark, V light", "#94a3b8"))
+        if full > 0:
+            entries.append(("outline: full precision", OUTLINE_COLOUR))
+        if near:
+            entries.append(("dashed line: budget share", "#dc2626"))
+        self._set_legend("layers", entries)
         self._set_range("layer_x", self.layer_plot.setXRange, -0.6, len(layers) - 0.4)
-        self._set_range("layer_y", self.layer_plot.setYRange, 0.0, nice_ceiling(top))
+        self._set_range("layer_y", self.layer_plot.setYRange, 0.0, top_bytes / scale)
 
     def _draw_markers(self) -> None:
         if self.data.num_marks == self._drawn_marks:
             return
-        for plot, line in self._markers:
+        for plot, line in self._marker_lines:
             plot.removeItem(line)
-        self._markers = []
-        t_end = time_span_end(self.data.times[-1] if self.data.times else 0.0)
-        for index, marker in enumerate(self.data.markers):
-            colour = MARKER_COLOURS.get(marker.kind, "#64748b")
-            corner = (1, 1) if marker.time_s > 0.7 * t_end else (0, 1)   # keep labels near the right edge inside
-            for plot, labelled in ((self.memory_plot, True), (self.speed_plot, False)):
-                line = pg.InfiniteLine(marker.time_s, angle=90, movable=False,
-                                       pen=pg.mkPen(colour, width=1.5, style=Qt.PenStyle.DotLine),
-                                       label=marker.label if labelled else None,
-                                       labelOpts={"color": colour, "position": 0.08 + 0.16 * (index % 3), "anchors": [corner, corner],
-                                                  "fill": (255, 255, 255, 200)})
+        self._marker_lines = []
+        self.event_strip.set_markers(self.data.markers)
+        for cluster in self.event_strip.clusters:
+            colour = MARKER_COLOURS.get(cluster.kind, "#334155")
+            for plot in (self.memory_plot, self.speed_plot):
+                line = pg.InfiniteLine(cluster.time_s, angle=90, movable=False,
+                                       pen=pg.mkPen(colour, width=1, style=Qt.PenStyle.DotLine))
+                line.setZValue(-5)      # behind every curve: a marker never hides data
                 plot.addItem(line, ignoreBounds=True)
-                self._markers.append((plot, line))
+                self._marker_lines.append((plot, line))
         self._drawn_marks = self.data.num_marks
 
     # --- hover read-outs: exact numbers ---

@@ -9,6 +9,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.events import StatsSnapshot
 
@@ -25,7 +26,70 @@ class Marker:
     label: str
 
 
-HOLD_GAP_S = 0.25                       # longer silences are drawn as held values
+HOLD_GAP_S = 0.25                       # longer silences are drawn as held values (rates: as a gap)
+RATE_SERIES = ("decode", "prefill")     # only meaningful while a reply is being generated
+FULL_PRECISION_BYTES = {"fp32": 4, "float32": 4, "auto": 0, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
+MIB = 1024.0 * 1024.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRoom:
+    """How many more tokens the conversation can take, and what stops it first."""
+
+    held: int                           # tokens whose K/V the cache holds
+    left: int | None                    # None: a sliding window keeps the cache bounded
+    binding: str                        # "budget", "context" or "window"
+    context_limit: int                  # the model's context in tokens; 0 when unknown
+    fraction: float                     # 0.0-1.0 of whichever limit binds (window: of the budget's blocks)
+
+
+def token_room(snapshot: StatsSnapshot) -> TokenRoom:
+    """Tokens left = the smaller of what the KV budget and the model's context allow."""
+    held, limit = snapshot.tokens_held, snapshot.context_tokens
+    if snapshot.tokens_left < 0:        # the engine's word for "a window bounds the cache"
+        fraction = snapshot.blocks_used / snapshot.blocks_budget if snapshot.blocks_budget else 0.0
+        return TokenRoom(held, None, "window", limit, min(1.0, fraction))
+    budget_left = snapshot.tokens_left
+    if limit and limit - snapshot.tokens_in_context <= budget_left:
+        left = max(0, limit - snapshot.tokens_in_context)
+        return TokenRoom(held, left, "context", limit, min(1.0, snapshot.tokens_in_context / limit))
+    total = held + budget_left
+    return TokenRoom(held, budget_left, "budget", limit, held / total if total else 0.0)
+
+
+def full_precision_bytes_per_token(snapshot: StatsSnapshot) -> float:
+    """KV bytes a token takes at the model dtype over all layers; 0.0 when the snapshot cannot say.
+
+    The engine thread fills the snapshot field from the model; without it, layers that are held in
+    a full-precision format still tell their own size per token."""
+    if snapshot.full_precision_bytes_per_token > 0:
+        return snapshot.full_precision_bytes_per_token
+    full = [layer for layer in snapshot.layers if FULL_PRECISION_BYTES.get(layer.k_format)
+            and layer.k_format == layer.v_format]
+    if not full or not snapshot.tokens_held:
+        return 0.0
+    per_layer = sum(layer.k_bytes + layer.v_bytes for layer in full) / len(full) / snapshot.tokens_held
+    return per_layer * len(snapshot.layers)
+
+
+def full_precision_layer_bytes(snapshot: StatsSnapshot) -> float:
+    """What one layer would hold at the model dtype for the tokens it holds now."""
+    if not snapshot.layers:
+        return 0.0
+    return full_precision_bytes_per_token(snapshot) * snapshot.tokens_held / len(snapshot.layers)
+
+
+def byte_unit(max_bytes: float) -> tuple[str, float]:
+    return ("MiB", MIB) if max_bytes >= MIB else ("KiB", 1024.0)
+
+
+def stable_top(current: float, needed: float) -> float:
+    """A y-axis top in bytes that only grows: `current` while `needed` fits under it, else the next
+    1-2-5 step above `needed` (in KiB or MiB), so a mode switch never rescales the bars."""
+    if needed <= current:
+        return current
+    unit, scale = byte_unit(needed)
+    return nice_ceiling(needed / scale) * scale
 
 
 class DashboardData:
@@ -37,13 +101,15 @@ class DashboardData:
         self.series: dict[str, deque[float]] = {name: deque(maxlen=MAX_POINTS) for name in self.SERIES}
         self.markers: deque[Marker] = deque(maxlen=MAX_MARKERS)
         self.latest: StatsSnapshot | None = None
+        self.layer_top_bytes = 0.0      # the per-layer plot's y top: grows with the chat, never with a mode switch
         self.num_marks = 0              # markers ever added, so a full deque still shows change
         self.version = 0                # bumps on every change; the redraw timer skips when unchanged
 
     def elapsed(self, monotonic_s: float | None = None) -> float:
         return (time.monotonic() if monotonic_s is None else monotonic_s) - self.start_s
 
-    def add(self, snapshot: StatsSnapshot) -> None:
+    def add(self, snapshot: StatsSnapshot, generating: bool = True) -> None:
+        """Record a snapshot; `generating` False means no reply is running, so rates are not plotted."""
         previous = self.latest
         if previous is not None and snapshot.time_s < previous.time_s:
             return                      # a late snapshot from before a newer one: keep the newest
@@ -55,18 +121,33 @@ class DashboardData:
             # nothing was reported for a while: the previous values held until now, so the curves
             # step at this sample instead of sloping across the idle gap
             self.times.append(t)
-            for series in self.series.values():
-                series.append(series[-1])
+            for name, series in self.series.items():
+                series.append(math.nan if name in RATE_SERIES else series[-1])
         self.times.append(t)
         memory = snapshot.memory
         values = {"kv": snapshot.kv_bytes, "weights": snapshot.weight_bytes, "budget": snapshot.budget_bytes,
                   "rss": memory.rss_bytes,
                   "torch": memory.torch_allocated_bytes, "gpu": memory.gpu_used_bytes,
-                  "decode": snapshot.decode_tok_s, "prefill": snapshot.prefill_tok_s,
+                  # a reply's first snapshot has no rate yet: a gap, not a plunge to 0 tok/s
+                  "decode": snapshot.decode_tok_s if generating and snapshot.decode_tok_s > 0 else math.nan,
+                  "prefill": snapshot.prefill_tok_s if generating else math.nan,
                   "tokens_held": snapshot.tokens_held}
         for name, value in values.items():
             self.series[name].append(float(value))
+        if snapshot.layers:
+            biggest = max(max(layer.k_bytes + layer.v_bytes for layer in snapshot.layers),
+                          full_precision_layer_bytes(snapshot))
+            self.layer_top_bytes = stable_top(self.layer_top_bytes, biggest * 1.05)
         self.latest = snapshot
+        self.version += 1
+
+    def reset_scales(self) -> None:
+        """A reset or another conversation: the per-layer scale starts again from what is held."""
+        self.layer_top_bytes = 0.0
+        if self.latest is not None and self.latest.layers:
+            biggest = max(max(layer.k_bytes + layer.v_bytes for layer in self.latest.layers),
+                          full_precision_layer_bytes(self.latest))
+            self.layer_top_bytes = stable_top(0.0, biggest * 1.05)
         self.version += 1
 
     def mark(self, kind: str, label: str, t: float | None = None) -> None:
@@ -81,6 +162,7 @@ class DashboardData:
         self.markers.clear()
         self.num_marks += 1
         self.latest = None
+        self.layer_top_bytes = 0.0
         self.version += 1
 
     def nearest_index(self, t: float) -> int | None:
@@ -113,6 +195,9 @@ def layer_hover_text(snapshot: StatsSnapshot | None, layer_index: int) -> str | 
     total = layer.k_bytes + layer.v_bytes
     text = (f"layer {layer.layer}\nK {layer.k_format}: {layer.k_bytes:,} B ({format_bytes(layer.k_bytes)})\n"
             f"V {layer.v_format}: {layer.v_bytes:,} B ({format_bytes(layer.v_bytes)})\ntotal {total:,} B")
+    full = full_precision_layer_bytes(snapshot)
+    if full and total:
+        text += f"\nfull precision would hold {format_bytes(full)} ({total / full:.0%} of it)"
     return text + (f"\n{total / share:.3%} of its budget share ({format_bytes(share)})" if share else "")
 
 
@@ -123,6 +208,8 @@ def series_hover_text(data: DashboardData, kind: str, t: float) -> str | None:
     values = {name: data.series[name][index] for name in data.SERIES}
     head = f"t = {data.times[index]:.1f} s"
     if kind == "speed":
+        if math.isnan(values["decode"]):
+            return f"{head}\nidle: no reply was being generated"
         return f"{head}\ndecode {values['decode']:.1f} tok/s\nprefill {values['prefill']:.1f} tok/s"
     lines = [head, f"KV held {format_bytes(values['kv'])} ({int(values['kv']):,} B)",
              f"budget {format_bytes(values['budget'])}", f"weights {format_bytes(values['weights'])}",
@@ -133,3 +220,62 @@ def series_hover_text(data: DashboardData, kind: str, t: float) -> str | None:
         lines.append(f"GPU (NVML) {format_bytes(values['gpu'])}")
     lines.append(f"tokens held {int(values['tokens_held']):,}")
     return "\n".join(lines)
+
+
+MARKER_GLYPHS = {"mode": "◆", "evict": "▼", "reset": "↺", "load": "●"}
+
+
+@dataclass(frozen=True, slots=True)
+class MarkerCluster:
+    """Markers close enough in time that their labels would touch: drawn as one marker with a count."""
+
+    markers: tuple[Marker, ...]
+
+    @property
+    def time_s(self) -> float:
+        return self.markers[0].time_s
+
+    @property
+    def kind(self) -> str:
+        kinds = {marker.kind for marker in self.markers}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    @property
+    def count(self) -> int:
+        return len(self.markers)
+
+    def label(self) -> str:
+        if self.count == 1:             # short: the tooltip has the whole label
+            marker = self.markers[0]
+            short = {"load": "load", "reset": "reset"}.get(marker.kind, marker.label)
+            return f"{MARKER_GLYPHS.get(marker.kind, '●')} {short}"
+        if self.kind == "evict":
+            return f"▼ {self.count}× evicted"
+        return f"● {self.count} events"
+
+    def tooltip(self) -> str:
+        return "\n".join(f"{marker.time_s:6.1f} s  {marker.label}" for marker in self.markers)
+
+
+def cluster_markers(markers, x_of: Callable[[float], float], width_of: Callable[[str], float],
+                    right_px: float, gap_px: float = 6.0) -> list[tuple[MarkerCluster, float, float]]:
+    """Group markers so that no two labels overlap: (cluster, left px, right px) in time order.
+
+    x_of maps seconds to pixels, width_of a label to its width in pixels; a label that would run past
+    right_px ends there instead. Neighbours whose labels would touch merge, until none do."""
+    def place(cluster: MarkerCluster) -> tuple[MarkerCluster, float, float]:
+        width = width_of(cluster.label())
+        left = min(x_of(cluster.time_s), right_px - width)
+        return cluster, left, left + width
+
+    placed = [place(MarkerCluster((marker,))) for marker in sorted(markers, key=lambda m: m.time_s)]
+    merged = True
+    while merged:
+        merged = False
+        for i in range(len(placed) - 1):
+            if placed[i + 1][1] < placed[i][2] + gap_px:
+                both = MarkerCluster(placed[i][0].markers + placed[i + 1][0].markers)
+                placed[i:i + 2] = [place(both)]
+                merged = True
+                break
+    return placed

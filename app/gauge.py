@@ -1,13 +1,20 @@
-"""A horizontal gauge: tokens the cache holds now against tokens that still fit in the budget."""
+"""A horizontal gauge: tokens the cache holds now against what still fits, and which limit binds.
+
+Two limits can end a conversation: the KV budget (memory) and the model's context (positions).
+The gauge shows whichever comes first; a sliding window bounds the cache, so it never fills.
+"""
 from __future__ import annotations
 
 from PySide6.QtCore import QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPainterPath
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
+from .dashboard_data import TokenRoom
+
 HELD = QColor("#2563eb")
 LEFT = QColor("#e5e7eb")
 WARN = QColor("#dc2626")
+BINDING_TEXT = {"budget": "the KV budget binds", "context": "the model's context binds"}
 
 
 class TokenGauge(QWidget):
@@ -15,55 +22,65 @@ class TokenGauge(QWidget):
         super().__init__(parent)
         self.setObjectName("tokenGauge")
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        self.tokens_held = 0
-        self.tokens_left = 0
+        self.room = TokenRoom(0, 0, "budget", 0, 0.0)
         self.tokens_evicted = 0
-        self.blocks_fraction = 0.0
         self._update_tooltip()
 
     def sizeHint(self) -> QSize:
-        return QSize(320, 46)
+        return QSize(320, 42)
 
     def minimumSizeHint(self) -> QSize:
-        return QSize(160, 46)
+        return QSize(160, 42)
 
     @property
     def windowed(self) -> bool:
-        """The engine reports tokens_left < 0 when a sliding window keeps the cache bounded."""
-        return self.tokens_left < 0
+        return self.room.binding == "window"
+
+    @property
+    def binding(self) -> str:
+        return self.room.binding
 
     @property
     def fraction(self) -> float:
-        if self.windowed:
-            return self.blocks_fraction
-        total = self.tokens_held + self.tokens_left
-        return self.tokens_held / total if total else 0.0
+        return self.room.fraction
 
     def left_text(self) -> str:
-        return "window: never fills" if self.windowed else f"{self.tokens_left:,} left before the budget is full"
+        if self.windowed:
+            return "window: bounded, never fills"
+        return f"{self.room.left:,} left, {self.binding} binds"
 
     def text(self) -> str:
-        text = f"{self.tokens_held:,} tokens in cache · {self.left_text()}"
+        text = f"{self.room.held:,} tokens in cache · {self.left_text()}"
+        if self.room.context_limit:
+            text += f" · context {self.room.context_limit:,}"
         if self.tokens_evicted:
             text += f" · {self.tokens_evicted:,} evicted"
         return text
 
-    def set_tokens(self, held: int, left: int, evicted: int = 0, blocks_fraction: float = 0.0) -> None:
-        values = (int(held), int(left), int(evicted), float(blocks_fraction))
-        if values != (self.tokens_held, self.tokens_left, self.tokens_evicted, self.blocks_fraction):
-            self.tokens_held, self.tokens_left, self.tokens_evicted, self.blocks_fraction = values
+    def set_room(self, room: TokenRoom, evicted: int = 0) -> None:
+        if (room, int(evicted)) != (self.room, self.tokens_evicted):
+            self.room, self.tokens_evicted = room, int(evicted)
             self._update_tooltip()
             self.update()
 
     def _update_tooltip(self) -> None:
-        left = "unbounded (sliding window)" if self.windowed else f"{self.tokens_left:,}"
-        self.setToolTip(f"Tokens in cache: {self.tokens_held:,}\nTokens left before the budget is full: {left}\n"
-                        f"Tokens evicted from the window: {self.tokens_evicted:,}\nBudget used: {self.fraction:.2%}")
+        room = self.room
+        lines = [f"Tokens in cache: {room.held:,}"]
+        if self.windowed:
+            lines.append("Tokens left: unbounded (a sliding window keeps the cache at a fixed size)")
+            lines.append(f"Budget blocks in use: {room.fraction:.1%}")
+        else:
+            lines.append(f"Tokens left: {room.left:,} ({BINDING_TEXT[room.binding]})")
+            lines.append(f"{room.binding.capitalize()} used: {room.fraction:.1%}")
+        if room.context_limit:
+            lines.append(f"Model context: {room.context_limit:,} tokens")
+        lines.append(f"Tokens evicted from the window: {self.tokens_evicted:,}")
+        self.setToolTip("\n".join(lines))
 
     def paintEvent(self, _event) -> None:
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        bar = QRectF(0.5, 0.5, self.width() - 1.0, 18.0)
+        bar = QRectF(0.5, 0.5, self.width() - 1.0, 16.0)
         track = QPainterPath()
         track.addRoundedRect(bar, 5, 5)
         painter.fillPath(track, LEFT)
@@ -71,7 +88,7 @@ class TokenGauge(QWidget):
             filled = QRectF(bar.x(), bar.y(), max(4.0, bar.width() * self.fraction), bar.height())
             path = QPainterPath()
             path.addRoundedRect(filled, 5, 5)
-            painter.fillPath(path, WARN if self.fraction > 0.9 else HELD)
+            painter.fillPath(path, WARN if self.fraction > 0.9 and not self.windowed else HELD)
         painter.setPen(self.palette().windowText().color())
         text_rect = QRectF(0, bar.bottom() + 4, self.width(), self.height() - bar.bottom() - 4)
         metrics = painter.fontMetrics()

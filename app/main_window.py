@@ -21,8 +21,10 @@ from .chat_input import ChatInput
 from .chat_view import ChatView
 from .conversation_list import ConversationList
 from .dashboard import Dashboard
+from .dashboard import format_mib
 from .history import HistoryError, HistoryStore
 from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened, format_bytes
+from .quality_view import QualityController
 from .settings_dialog import SettingsDialog
 from .settings_store import AppSettings, SettingsStore
 from .turn_record import TurnRecord, is_refused
@@ -55,6 +57,8 @@ class MainWindow(QMainWindow):
         self._closing = False
         self._build()
         self._connect_host(EngineHost(loader, self))
+        self.quality = QualityController(self.host, self.dashboard.quality_row,
+                                         busy=lambda: self.generating or not self.session_ready, parent=self)
         self._restore_layout()
         self.show_conversation(store.last_conversation(), open_session=False)
         self._update_controls()
@@ -75,6 +79,7 @@ class MainWindow(QMainWindow):
         left = QWidget(objectName="sidePanel")
         left_layout = QVBoxLayout(left)
         left_layout.setContentsMargins(8, 8, 4, 8)
+        left.setMinimumWidth(150)       # room for a readable title at 1024 px
         left_layout.addWidget(self.new_button)
         left_layout.addWidget(self.conversations, 1)
 
@@ -342,6 +347,7 @@ class MainWindow(QMainWindow):
         self.session_cache = event.cache
         if event.stats is not None:
             self._on_stats(event.stats)
+        self.dashboard.data.reset_scales()     # another conversation: the per-layer scale starts from it
         self._update_controls()
 
     def _on_token(self, event: TokenDelta) -> None:
@@ -383,10 +389,11 @@ class MainWindow(QMainWindow):
 
     def _on_stats(self, snapshot: StatsSnapshot) -> None:
         self.latest_stats = snapshot
-        self.dashboard.data.add(snapshot)
+        self.dashboard.data.add(snapshot, generating=self.generating)
         self._update_status()
 
     def _on_mode_switched(self, event: ModeSwitched) -> None:
+        before = self.latest_stats
         self.session_cache = event.new
         self._settings_accepted()
         if self.conversation_id is not None:
@@ -396,13 +403,21 @@ class MainWindow(QMainWindow):
         if event.stats is not None:
             self._on_stats(event.stats)
         self.statusBar().showMessage(f"Cache switched to {event.new.label()}", 5000)
+        if before is not None and event.stats is not None:
+            self.dashboard.show_notice(f"Switched the cache to {event.new.label()}: KV memory "
+                                       f"{format_mib(before.kv_bytes)} → {format_mib(event.stats.kv_bytes)} "
+                                       f"for the same {event.stats.tokens_held:,} tokens.")
 
     def _on_reset_done(self, event: ResetDone) -> None:
         self.dashboard.data.mark("reset", f"reset −{format_bytes(event.freed_bytes)}")
         if event.stats is not None:
             self._on_stats(event.stats)
-        self.last_reset_message = f"Session reset: returned {format_bytes(event.freed_bytes)} of KV memory"
+        self.dashboard.data.reset_scales()
+        self.last_reset_message = f"Session reset: returned {format_mib(event.freed_bytes)} of KV memory"
         self.statusBar().showMessage(self.last_reset_message, 8000)
+        self.dashboard.show_notice(f"{self.last_reset_message}. The chat text stays; your next message reads it "
+                                   f"into the cache again." if event.freed_bytes else
+                                   "Session reset: the cache was already empty, nothing to return.")
 
     def _on_error(self, event: ErrorEvent) -> None:
         self.last_error = event

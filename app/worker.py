@@ -19,6 +19,7 @@ from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
+from .engine_facts import complete, model_facts
 from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened
 
 STATS_INTERVAL_S = 0.1                  # session.stats() is cheap, but no more than ~10 Hz
@@ -51,6 +52,7 @@ class EngineWorker(QObject):
     mode_switched = Signal(object)      # ModeSwitched
     reset_done = Signal(object)         # ResetDone
     error = Signal(object)              # ErrorEvent
+    quality = Signal(object)            # QualityResult, or QualityCancelled when a command came first
 
     def __init__(self, loader=_default_loader):
         super().__init__()
@@ -58,6 +60,8 @@ class EngineWorker(QObject):
         self._engine = None
         self._session = None
         self._stop = threading.Event()
+        self._cancel_measure = threading.Event()  # set by any command, so a quality measurement yields to it
+        self._facts: dict[str, float] = {}
 
     # --- called from the GUI thread (thread-safe, never blocks) ---
 
@@ -66,6 +70,9 @@ class EngineWorker(QObject):
 
     def clear_stop(self) -> None:
         self._stop.clear()
+
+    def cancel_measure(self, cancel: bool = True) -> None:
+        self._cancel_measure.set() if cancel else self._cancel_measure.clear()
 
     # --- slots, run in the engine thread ---
 
@@ -96,6 +103,7 @@ class EngineWorker(QObject):
             self.error.emit(ErrorEvent("load", "Could not load the model", _load_error_message(exc)))
             return
         self._engine, self._session = engine, None
+        self._facts = model_facts(engine)
         self.ready.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
                                     time.monotonic() - start, getattr(engine, "weights_label", ""),
                                     int(getattr(engine, "weight_bytes", 0)), getattr(engine, "notice", None) or "",
@@ -143,6 +151,7 @@ class EngineWorker(QObject):
                         self._emit_stats(rate.tok_s())
                 elif isinstance(event, TurnFinished):
                     self._emit_tokens(pending)
+                    event = replace(event, stats=complete(event.stats, self._facts))
                     self.stats.emit(event.stats)
                     self.turn_finished.emit(event)
         except Exception as exc:  # noqa: BLE001 - the conversation must stay usable after a failed turn
@@ -178,11 +187,29 @@ class EngineWorker(QObject):
     def poll_stats(self) -> None:
         self._emit_stats()
 
+    @Slot(object)
+    def measure_quality(self, cache: CacheConfig) -> None:
+        """What `cache` costs against full precision on this model; yields to any command sent meanwhile."""
+        from engine.bench_quality import Cancelled
+
+        from .quality import QualityCancelled, measure, mode_key
+        if self._engine is None:
+            return
+        try:
+            result = measure(self._engine, cache, should_stop=self._cancel_measure.is_set)
+        except Cancelled:
+            self.quality.emit(QualityCancelled(self._engine.model_name, mode_key(cache)))
+            return
+        except Exception as exc:  # noqa: BLE001 - a failed measurement must not take the chat down
+            self.quality.emit(QualityCancelled(self._engine.model_name, mode_key(cache), f"{type(exc).__name__}: {exc}"))
+            return
+        self.quality.emit(result)
+
     def _snapshot(self) -> StatsSnapshot | None:
         if self._session is None:
             return None
         try:
-            return self._session.stats()
+            return complete(self._session.stats(), self._facts)
         except Exception:  # noqa: BLE001 - a missing snapshot only leaves the dashboard one frame behind
             return None
 
@@ -223,7 +250,7 @@ class _DecodeRate:
 
 
 EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished", "stats", "mode_switched",
-                 "reset_done", "error")
+                 "reset_done", "error", "quality")
 
 
 class EngineHost(QObject):
@@ -242,6 +269,7 @@ class EngineHost(QObject):
     mode_switched = Signal(object)
     reset_done = Signal(object)
     error = Signal(object)
+    quality = Signal(object)
 
     _load = Signal(object)
     _open = Signal(object, object, object, object)
@@ -249,6 +277,7 @@ class EngineHost(QObject):
     _set_cache = Signal(object)
     _reset = Signal()
     _poll = Signal()
+    _measure = Signal(object)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -262,30 +291,41 @@ class EngineHost(QObject):
         self._set_cache.connect(self.worker.set_cache)
         self._reset.connect(self.worker.reset)
         self._poll.connect(self.worker.poll_stats)
+        self._measure.connect(self.worker.measure_quality)
         self.thread.started.connect(self.worker.lower_priority)
         for name in EVENT_SIGNALS:
             getattr(self.worker, name).connect(getattr(self, name), Qt.ConnectionType.QueuedConnection)
         self.thread.start()
 
     def load(self, config: EngineConfig) -> None:
+        self.worker.cancel_measure()
         self._load.emit(config)
+
+    def measure_quality(self, cache: CacheConfig) -> None:
+        """Measure in the engine thread, behind whatever is queued; any later command cancels it."""
+        self.worker.cancel_measure(False)
+        self._measure.emit(cache)
 
     def open_session(self, conversation_id: int | None, system_prompt: str | None,
                      cache: CacheConfig | None, history: list[dict] | None) -> None:
         turns = tuple((m["role"], m["content"]) for m in history or ())
+        self.worker.cancel_measure()
         self._open.emit(conversation_id, system_prompt, cache, turns)
 
     def send(self, text: str, sampling: SamplingParams) -> None:
         self.worker.clear_stop()        # here, not in the worker: a Stop pressed before the turn starts still counts
+        self.worker.cancel_measure()
         self._send.emit(text, sampling)
 
     def stop(self) -> None:
         self.worker.request_stop()
 
     def set_cache(self, cache: CacheConfig) -> None:
+        self.worker.cancel_measure()
         self._set_cache.emit(cache)
 
     def reset(self) -> None:
+        self.worker.cancel_measure()
         self._reset.emit()
 
     def poll_stats(self) -> None:
@@ -296,5 +336,6 @@ class EngineHost(QObject):
         if not self.thread.isRunning():
             return True
         self.worker.request_stop()
+        self.worker.cancel_measure()
         self.thread.quit()
         return self.thread.wait(timeout_ms)

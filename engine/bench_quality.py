@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import Callable
 
 import torch
 
@@ -119,11 +120,17 @@ def _report(tally: _Tally, base: _Tally, config: CacheConfig) -> dict:
     }
 
 
+class Cancelled(Exception):
+    """compare_modes stopped early because its should_stop callable said so."""
+
+
 def compare_modes(engine, ids: list[int], modes: dict[str, CacheConfig], limits: dict[str, int] | None = None,
-                  step: int = 1) -> dict:
+                  step: int = 1, should_stop: Callable[[], bool] | None = None) -> dict:
     """Teacher-force ids through a full-precision session and one session per mode, in lockstep.
 
-    limits: tokens per mode (default all). Returns {"baseline": {...}, mode: {...}}.
+    limits: tokens per mode (default all). should_stop is asked before every step; when it answers
+    True, Cancelled is raised (the app measures in its engine thread and must yield to a new turn).
+    Returns {"baseline": {...}, mode: {...}}.
     """
     limits = limits or {}
     full = CacheConfig(budget_mb=4096)
@@ -133,6 +140,8 @@ def compare_modes(engine, ids: list[int], modes: dict[str, CacheConfig], limits:
     seconds = {name: 0.0 for name in modes}
     n = len(ids)
     for i in range(0, n, step):
+        if should_stop is not None and should_stop():
+            raise Cancelled
         chunk = ids[i:i + step]
         nxt = ids[i + 1:i + 1 + len(chunk)]
         targets = torch.tensor(nxt + [-1] * (len(chunk) - len(nxt)))

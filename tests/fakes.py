@@ -14,6 +14,16 @@ from engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, Tu
 NUM_LAYERS = 4
 ELEMENTS_PER_TOKEN = 2 * 32             # kv_heads x head_dim of the fake model
 BYTES_PER_ELEMENT = {"auto": 4, "fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5}
+CONTEXT_TOKENS = 2048                   # the fake model's max_position_embeddings
+VOCAB = 97
+LOGIT_NOISE = {"auto": 0.0, "fp32": 0.0, "fp16": 0.001, "bf16": 0.004, "int8": 0.01, "fp8": 0.05, "int4": 0.4}
+
+
+class FakeTokenizer:
+    """Words to ids, enough for engine.texts.load_tokens."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [sum(map(ord, word)) % VOCAB for word in text.split()]
 
 
 class ModelLoadError(RuntimeError):
@@ -73,6 +83,22 @@ class FakeSession:
         self.messages.append({"role": "assistant", "content": reply})
         yield TurnFinished(reply, reason, "", self.stats())
 
+    def append(self, ids):
+        """Teacher-forced logits [len(ids), VOCAB]: the same for every mode, plus noise that grows as the
+        format narrows, so a quality measurement has something real to find."""
+        import torch
+
+        rows = []
+        for token in ids:
+            position = self.tokens_held
+            base = torch.randn(VOCAB, generator=torch.Generator().manual_seed(position * 131 + token))
+            noise = torch.randn(VOCAB, generator=torch.Generator().manual_seed(7_000_003 + position))
+            rows.append(base * 3 + noise * LOGIT_NOISE[self.cache_config.k_format] * 3)
+            self.tokens_held += 1
+            self.tokens_in_context += 1
+        time.sleep(self.engine.step_s)
+        return torch.stack(rows)
+
     def set_cache(self, cache: CacheConfig) -> None:
         check_cache_for_model(cache, self.engine.model.config)
         if cache.k_format == "fp8" and self.engine.refuse_fp8:
@@ -102,9 +128,12 @@ class FakeSession:
             budget_bytes=budget, block_size=cache.block_size, blocks_used=blocks_used,
             blocks_free=max(0, blocks_budget - blocks_used), blocks_budget=blocks_budget,
             tokens_in_context=self.tokens_in_context, tokens_held=self.tokens_held,
-            tokens_evicted=self.tokens_evicted, tokens_left=max(0, self._budget_tokens() - self.tokens_held),
+            tokens_evicted=self.tokens_evicted,
+            tokens_left=-1 if cache.window is not None else max(0, self._budget_tokens() - self.tokens_held),
             bytes_per_token=per_token, prefill_tokens=0, prefill_tok_s=500.0, decode_tok_s=self.decode_tok_s,
-            ttft_s=0.01, memory=MemoryProbe(300 * 1024 * 1024 + kv, 0, 0, 0))
+            ttft_s=0.01, memory=MemoryProbe(300 * 1024 * 1024 + kv, 0, 0, 0),
+            full_precision_bytes_per_token=float(BYTES_PER_ELEMENT["auto"] * ELEMENTS_PER_TOKEN * 2 * NUM_LAYERS),
+            context_tokens=self.engine.context_tokens)
 
 
 class FakeEngine:
@@ -113,7 +142,8 @@ class FakeEngine:
         self.model_name = "fake-model"
         self.device = "cpu"
         self.num_layers = NUM_LAYERS
-        self.tokenizer = None
+        self.tokenizer = FakeTokenizer()
+        self.context_tokens = CONTEXT_TOKENS
         self.step_s = step_s
         self.refuse_fp8 = True
         self.reply_words = ["Hello", "from", "the", "fake", "engine."]
@@ -159,6 +189,7 @@ def isolate_app(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("KVCHAT_SETTINGS_FILE", str(tmp_path / "settings.ini"))
+    monkeypatch.setenv("KVCHAT_QUALITY_FILE", str(tmp_path / "quality.json"))
 
 
 def open_window(qtbot, loader, autoload: bool = True):

@@ -1,0 +1,112 @@
+"""What a cache mode costs: top-1 agreement and KL against full precision on the loaded model.
+
+Measured once per (model, mode) on a built-in text with `kvchat bench quality`'s own code, and kept
+on disk (JSON in the user cache dir) so the dashboard can say it at once the next time. No Qt here:
+the engine thread calls measure(); the window reads and writes the store.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from engine.config import CacheConfig
+
+QUALITY_TOKENS = 256                    # 16 block-sized steps: seconds on a small model, and enough to see int4's cost
+QUALITY_STEP = 16                       # block-aligned chunks: the attention the decode path sees (bench_quality)
+QUALITY_TEXT = "prose"                  # resources/texts/prose.txt
+
+
+@dataclass(frozen=True, slots=True)
+class QualityResult:
+    model: str
+    mode: str                           # mode_key() of the cache config
+    top1_agreement: float               # 0.0-1.0: the mode's next-token choice equals full precision's
+    mean_kl: float                      # mean KL(full precision || mode) in nats per token
+    tokens: int
+    seconds: float
+
+
+def mode_key(cache: CacheConfig) -> str:
+    """The cache mode as the measurement sees it (the budget does not change quality)."""
+    key = cache.label()
+    if cache.k_scheme != "channel" and "per-token" not in key:
+        key += f" ({cache.k_scheme} keys)"
+    if cache.full_precision_layers:
+        key += f", full-precision layers {','.join(map(str, cache.full_precision_layers))}"
+    return key
+
+
+def is_reference(cache: CacheConfig) -> bool:
+    """The full-precision cache without a window is what every other mode is compared with."""
+    return cache.k_format == "auto" and cache.v_format == "auto" and cache.window is None
+
+
+def measure(engine, cache: CacheConfig, should_stop: Callable[[], bool] | None = None,
+            num_tokens: int = QUALITY_TOKENS) -> QualityResult:
+    """Teacher-force the built-in text through full precision and `cache` in lockstep.
+
+    Raises engine.bench_quality.Cancelled when should_stop answers True between steps."""
+    from engine.bench_quality import compare_modes
+    from engine.texts import load_tokens
+
+    started = time.perf_counter()
+    ids = load_tokens(engine.tokenizer, QUALITY_TEXT, num_tokens)
+    result = compare_modes(engine, ids, {"mode": cache}, step=QUALITY_STEP, should_stop=should_stop)["mode"]
+    return QualityResult(engine.model_name, mode_key(cache), float(result["top1_agreement"]),
+                         float(result["mean_kl"]), int(result["tokens"]), time.perf_counter() - started)
+
+
+def store_path() -> Path:
+    """KVCHAT_QUALITY_FILE if set (tests use it), else quality.json in the user cache dir."""
+    override = os.environ.get("KVCHAT_QUALITY_FILE")
+    if override:
+        return Path(override)
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("kvchat")) / "quality.json"
+
+
+class QualityStore:
+    """Measured results keyed by model name and mode; a damaged file counts as empty."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or store_path()
+        self._results: dict[str, dict] = {}
+        try:
+            loaded = json.loads(self.path.read_text(encoding="utf-8"))
+            self._results = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            pass
+
+    @staticmethod
+    def _key(model: str, mode: str) -> str:
+        return f"{model} | {mode}"
+
+    def get(self, model: str, mode: str) -> QualityResult | None:
+        entry = self._results.get(self._key(model, mode))
+        try:
+            return QualityResult(**entry) if entry else None
+        except TypeError:               # written by another version
+            return None
+
+    def put(self, result: QualityResult) -> None:
+        self._results[self._key(result.model, result.mode)] = asdict(result)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._results, indent=1, sort_keys=True), encoding="utf-8")
+            tmp.replace(self.path)
+        except OSError:
+            pass                        # kept in memory for this run; measured again next time
+
+
+@dataclass(frozen=True, slots=True)
+class QualityCancelled:
+    """A measurement that gave way to a command, or failed (error says why); the mode is still not measured."""
+
+    model: str
+    mode: str
+    error: str = ""

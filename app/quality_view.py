@@ -1,0 +1,138 @@
+"""The dashboard row that says what the current cache mode costs in quality, with a Measure button."""
+from __future__ import annotations
+
+import html
+from typing import Callable
+
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWidget
+
+from engine.config import CacheConfig
+
+from .quality import QualityResult, QualityStore, is_reference, mode_key
+
+
+class QualityRow(QWidget):
+    measure_requested = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("qualityRow")
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.label = QLabel("Quality of this mode: waiting for the model…", objectName="qualityLabel")
+        self.label.setWordWrap(True)
+        self.label.setTextFormat(Qt.TextFormat.RichText)
+        self.label.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self.button = QPushButton("Measure", objectName="measureButton")
+        self.button.setToolTip("Compare this cache mode with full precision on a built-in text (a few seconds)")
+        self.button.clicked.connect(self.measure_requested)
+        layout.addWidget(self.label, 1)
+        layout.addWidget(self.button, 0, Qt.AlignmentFlag.AlignTop)
+        self.state = "waiting"
+        self.button.setVisible(False)
+
+    def show_mode(self, cache: CacheConfig, result: QualityResult | None, measuring: bool = False,
+                  error: str = "") -> None:
+        label = mode_key(cache)
+        if is_reference(cache):
+            self.state = "reference"
+            self.label.setText(f"Quality: <b>{label}</b> is the reference: nothing lost.")
+        elif result is not None:
+            self.state = "measured"
+            self.label.setText(
+                f"Quality of <b>{label}</b> against full precision: top-1 agreement "
+                f"<b>{result.top1_agreement:.1%}</b> · KL {result.mean_kl:.4f} nats/token "
+                f"<span style='color:#6b7280'>(measured on {result.tokens} tokens of built-in text)</span>")
+        elif error:
+            self.state = "failed"
+            self.label.setText(f"Quality of <b>{label}</b>: the measurement failed ({html.escape(error)}). Press Measure to try again.")
+        elif measuring:
+            self.state = "measuring"
+            self.label.setText(f"Quality of <b>{label}</b>: measuring against full precision…")
+        else:
+            self.state = "not measured"
+            self.label.setText(f"Quality of <b>{label}</b> against full precision: not measured yet.")
+        self.button.setVisible(self.state in ("not measured", "failed"))
+
+
+AUTO_MEASURE_IDLE_MS = 8000             # measure on its own only after the chat has been quiet this long
+
+
+class QualityController(QObject):
+    """Keeps the quality row in step with the loaded model and the session's cache mode.
+
+    Results come from the disk store when there; otherwise the engine thread measures after a quiet
+    spell (or at once on Measure). Any command the user gives first cancels the measurement, which
+    then waits for the next quiet spell."""
+
+    def __init__(self, host, row: QualityRow, busy: Callable[[], bool], store: QualityStore | None = None,
+                 parent: QObject | None = None):
+        super().__init__(parent)
+        self.host, self.row, self.busy = host, row, busy
+        self.store = store or QualityStore()
+        self.model: str | None = None
+        self.cache: CacheConfig | None = None
+        self.measuring: str | None = None   # mode key being measured
+        self.failed: dict[str, str] = {}    # mode key -> why, not retried on its own
+        self.timer = QTimer(self, singleShot=True, interval=AUTO_MEASURE_IDLE_MS)
+        self.timer.timeout.connect(self._auto)
+        row.measure_requested.connect(self.measure)
+        host.ready.connect(self._on_ready)
+        host.session_opened.connect(lambda event: self._on_cache(event.cache))
+        host.mode_switched.connect(lambda event: self._on_cache(event.new))
+        host.turn_finished.connect(lambda _event: self._restart_timer())
+        host.quality.connect(self._on_quality)
+
+    def result(self) -> QualityResult | None:
+        if self.model is None or self.cache is None:
+            return None
+        return self.store.get(self.model, mode_key(self.cache))
+
+    def needs_measuring(self) -> bool:
+        return (self.model is not None and self.cache is not None and not is_reference(self.cache)
+                and self.result() is None)
+
+    def measure(self) -> None:
+        """Measure the current mode now (queued behind anything the engine thread is doing)."""
+        if not self.needs_measuring() or self.measuring == mode_key(self.cache):
+            return
+        self.measuring = mode_key(self.cache)
+        self.failed.pop(self.measuring, None)
+        self.host.measure_quality(self.cache)
+        self._show()
+
+    def _auto(self) -> None:
+        if self.busy():
+            self._restart_timer()
+        elif self.needs_measuring() and mode_key(self.cache) not in self.failed:
+            self.measure()
+
+    def _restart_timer(self) -> None:
+        if self.needs_measuring():
+            self.timer.start()
+
+    def _on_ready(self, event) -> None:
+        self.model, self.measuring = event.model_name, None
+
+    def _on_cache(self, cache: CacheConfig) -> None:
+        self.cache = cache
+        self._show()
+        self._restart_timer()
+
+    def _on_quality(self, outcome) -> None:
+        if outcome.mode == self.measuring:
+            self.measuring = None
+        if isinstance(outcome, QualityResult):
+            self.store.put(outcome)
+        elif outcome.error:
+            self.failed[outcome.mode] = outcome.error
+        else:
+            self._restart_timer()
+        self._show()
+
+    def _show(self) -> None:
+        if self.cache is None:
+            return
+        key = mode_key(self.cache)
+        self.row.show_mode(self.cache, self.result(), measuring=self.measuring == key, error=self.failed.get(key, ""))
