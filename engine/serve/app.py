@@ -74,8 +74,14 @@ class Generation:
                     self.state.scheduler.abort(self.request.id)
                     self.finish = "stop"
                 return text
+            if self.stops.stopped:
+                self.finish = "stop"
+                return ""
             self.finish = self._finish_reason(event)
-            return self.stops.push(self.decoder.flush()) + self.stops.flush() if not self.stops.stopped else ""
+            text = self.stops.push(self.decoder.flush())     # bytes held back may complete a stop string
+            if self.stops.stopped:
+                self.finish = "stop"
+            return text + self.stops.flush()
         return None
 
     def _finish_reason(self, event: Finished) -> str:

@@ -44,6 +44,8 @@ class ServeMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries",
                                       "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.request_success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
+                                       labels + ("finished_reason",), registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               labels, buckets=TTFT_BUCKETS, registry=r).labels(*values)
         self.kv_bytes = Gauge("kvchat_kv_bytes", "KV cache bytes held, by layer, component (k or v) and format.",
@@ -62,6 +64,9 @@ class ServeMetrics:
 
     def generated(self, n: int) -> None:
         self.generation_tokens.inc(n)
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(self._model_name, "0", reason).inc()
 
     def preempted(self) -> None:
         self.preemptions.inc()

@@ -253,6 +253,8 @@ class Scheduler:
             batch.release(self.engine, request.handle)
             request.handle = None
         request.status = FINISHED
+        if self.metrics:
+            self.metrics.finished(reason)
         request.emit(Finished(reason, message, len(request.prompt_ids), len(request.output_ids)))
 
     def _report(self) -> None:
