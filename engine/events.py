@@ -22,6 +22,17 @@ class MemoryProbe:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerStats:
+    """What a remote OpenAI-compatible server reports on /metrics (vLLM's names); None where it says nothing."""
+
+    url: str
+    kv_usage: float | None = None       # vllm:kv_cache_usage_perc, 0.0-1.0
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    prefix_cache_hit_rate: float | None = None   # hits / queries since the previous look (tokens)
+
+
+@dataclass(frozen=True, slots=True)
 class StatsSnapshot:
     """One look at a session after a step. Every byte count comes from tensors actually held."""
 
@@ -46,6 +57,7 @@ class StatsSnapshot:
     memory: MemoryProbe
     weight_bytes: int = 0               # the model's weights as held (packed codes, scales, norms)
     weights_label: str = ""             # what they are, e.g. "Q4_1 (+Q8_0), packed"
+    server: ServerStats | None = None   # a remote engine's server-side numbers; None for the local engine
 
     @property
     def usage(self) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from engine.api import LOCAL
 from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 from engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
 
@@ -105,6 +106,8 @@ class FakeSession:
 
 
 class FakeEngine:
+    capabilities = LOCAL                # it stands in for the local engine: per-layer bytes, live switches
+
     def __init__(self, config: EngineConfig, step_s: float = 0.005):
         self.config = config
         self.model_name = "fake-model"
