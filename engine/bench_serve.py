@@ -10,7 +10,6 @@ client alone, and p50/p99 time to first token.
 from __future__ import annotations
 
 import random
-import statistics
 import threading
 import time
 from dataclasses import dataclass
