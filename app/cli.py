@@ -1,9 +1,9 @@
-"""The `kvchat` command: the desktop app, or a terminal subcommand (chat, bench)."""
+"""The `kvchat` command: the desktop app, or a terminal subcommand (chat, serve, bench)."""
 from __future__ import annotations
 
 import sys
 
-TERMINAL_COMMANDS = {"chat", "bench", "-h", "--help"}
+TERMINAL_COMMANDS = {"chat", "bench", "serve", "-h", "--help"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ BENCHES = {
     "quality": "engine.bench_quality",
     "passkey": "engine.bench_passkey",
     "kernels": "engine.bench_kernels",
+    "serve": "engine.bench_serve",
 }
 
 
@@ -115,6 +116,30 @@ def cmd_chat(args) -> int:
                 print("\n(stopped)")
 
 
+def cmd_serve(args) -> int:
+    from .engine import Engine
+    from .loader import ModelLoadError
+    from .serve.server import ServeConfig, Server, api_key_from
+    try:
+        config = ServeConfig(host=args.host, port=args.port, api_key=api_key_from(args.api_key),
+                             model_id=args.served_model_name, max_num_seqs=args.max_num_seqs,
+                             prefill_chunk=args.prefill_chunk)
+        engine = Engine.load(engine_config(args))
+        server = Server(engine, config)
+    except (ModelLoadError, ConfigError) as exc:
+        print(f"kvchat: {exc}", file=sys.stderr)
+        return 2
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"kvchat serve: {server.model_id} on http://{host}:{args.port}/v1 (metrics at /metrics), "
+          f"KV budget {server.scheduler.config.cache.budget_mb:g} MiB; Ctrl+C stops", file=sys.stderr)
+    try:
+        server.run()
+    except OSError as exc:
+        print(f"kvchat: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_bench(args) -> int:
     module = importlib.import_module(BENCHES[args.bench])
     result = module.run(args)
@@ -140,7 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--seed", type=int, default=None)
     chat.set_defaults(func=cmd_chat)
-    bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, kernels)")
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (loopback unless given an API key)")
+    add_cache_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="any address but loopback needs an API key")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="clients send it as 'Authorization: Bearer KEY' "
+                                                       "(or set KVCHAT_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the file's)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together at most")
+    serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per request per step")
+    serve.set_defaults(func=cmd_serve)
+    bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, kernels, serve)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
         p = bsub.add_parser(name)

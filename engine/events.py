@@ -44,6 +44,17 @@ class PoolStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerStats:
+    """What a remote OpenAI-compatible server reports on /metrics (vLLM's names); None where it says nothing."""
+
+    url: str
+    kv_usage: float | None = None       # vllm:kv_cache_usage_perc, 0.0-1.0
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    prefix_cache_hit_rate: float | None = None   # hits / queries since the previous look (tokens)
+
+
+@dataclass(frozen=True, slots=True)
 class StatsSnapshot:
     """One look at a session after a step. Every byte count comes from tensors actually held."""
 
@@ -73,6 +84,7 @@ class StatsSnapshot:
     prefix_reused_tokens: int = 0       # prompt tokens of the last turn found in the prefix cache
     pool: PoolStats | None = None
     notice: str = ""                    # something that happened to the cache the user should hear about
+    server: ServerStats | None = None   # a remote engine's server-side numbers; None for the local engine
 
     @property
     def usage(self) -> float:

@@ -8,6 +8,7 @@ import time
 
 from types import SimpleNamespace
 
+from engine.api import LOCAL
 from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams, check_cache_for_model
 from engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
 
@@ -137,6 +138,8 @@ class FakeSession:
 
 
 class FakeEngine:
+    capabilities = LOCAL                # it stands in for the local engine: per-layer bytes, live switches
+
     def __init__(self, config: EngineConfig, step_s: float = 0.005):
         self.config = config
         self.model_name = "fake-model"

@@ -1,0 +1,53 @@
+"""The engine boundary the app talks to: a Protocol that the local Engine, RemoteEngine and the test
+fake all satisfy, plus what each can do (capabilities), so the GUI greys out what an engine cannot show
+instead of drawing zeros. Qt-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol, runtime_checkable
+
+from .config import CacheConfig, SamplingParams
+from .events import StatsSnapshot, TokenDelta, TurnFinished
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    per_layer_stats: bool       # stats().layers holds real per-layer K/V bytes and formats
+    live_cache_switch: bool     # session.set_cache converts the cache in place
+    remote: bool                # the model runs elsewhere; server numbers come in stats().server
+
+
+LOCAL = Capabilities(per_layer_stats=True, live_cache_switch=True, remote=False)
+REMOTE = Capabilities(per_layer_stats=False, live_cache_switch=False, remote=True)
+
+
+@runtime_checkable
+class ChatSession(Protocol):
+    messages: list[dict]
+
+    @property
+    def cache_config(self) -> CacheConfig: ...
+
+    def send(self, text: str, params: SamplingParams | None = None,
+             should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]: ...
+
+    def set_cache(self, config: CacheConfig) -> None: ...
+
+    def reset(self) -> int: ...
+
+    def stats(self) -> StatsSnapshot: ...
+
+
+@runtime_checkable
+class ChatEngine(Protocol):
+    model_name: str
+    num_layers: int
+
+    def new_session(self, system_prompt: str | None = None, cache: CacheConfig | None = None,
+                    history: list[dict] | None = None) -> ChatSession: ...
+
+
+def capabilities_of(engine) -> Capabilities:
+    """An engine's capabilities; the local Engine (which does not declare them yet) has every local one."""
+    return getattr(engine, "capabilities", LOCAL)

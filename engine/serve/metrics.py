@@ -1,0 +1,105 @@
+"""Prometheus metrics under vLLM's names where the meaning matches, in a registry per server.
+
+Names and types follow vLLM v1 (vllm/v1/metrics/loggers.py, docs/design/metrics.md). Counters are
+declared without `_total`; prometheus-client appends it on the wire, exactly as vLLM's are
+(`vllm:prompt_tokens_total`, `vllm:prefix_cache_queries_total`). Every series carries vLLM's
+`model_name` and `engine` labels, so dashboards built for vLLM select them unchanged.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
+
+from . import batch
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+                160.0)
+KV_BYTES_INTERVAL_S = 0.2           # per-layer bytes are summed over every sequence: not on every step
+
+
+class ServeMetrics:
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ("model_name", "engine")
+        values = (model_name, "0")
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(*values)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: share of the budget's blocks in use, "
+                                                          "1 means 100 percent.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.request_success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
+                                       labels + ("finished_reason",), registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=r).labels(*values)
+        self.kv_bytes = Gauge("kvchat_kv_bytes", "KV cache bytes held, by layer, component (k or v) and format.",
+                              ("model_name", "layer", "component", "format"), registry=r)
+        self._model_name = model_name
+        self._prefix_seen = (0, 0)
+        self._kv_at = 0.0
+        self._kv_keys: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    # ---- from the engine thread ----------------------------------------------------------
+
+    def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def generated(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(self._model_name, "0", reason).inc()
+
+    def preempted(self) -> None:
+        self.preemptions.inc()
+
+    def scheduler_state(self, num_running: int, num_waiting: int, usage: float) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(usage)
+        queries, hits = batch.prefix_cache_counts(self.engine)
+        seen_q, seen_h = self._prefix_seen
+        if queries > seen_q or hits > seen_h:
+            self.prefix_queries.inc(queries - seen_q)
+            self.prefix_hits.inc(hits - seen_h)
+            self._prefix_seen = (queries, hits)
+        now = time.monotonic()
+        if now - self._kv_at >= KV_BYTES_INTERVAL_S or num_running == 0:
+            self._kv_at = now
+            self.update_kv_bytes()
+
+    def update_kv_bytes(self) -> None:
+        rows = batch.kv_bytes_by_layer(self.engine)
+        with self._lock:
+            keys = set()
+            for layer, comp, fmt, nbytes in rows:
+                key = (self._model_name, str(layer), comp, fmt)
+                keys.add(key)
+                self.kv_bytes.labels(*key).set(nbytes)
+            for key in self._kv_keys - keys:       # a format no sequence holds any more reads 0
+                self.kv_bytes.labels(*key).set(0)
+            self._kv_keys |= keys
+
+    # ---- from the HTTP thread --------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        with self._lock:
+            return generate_latest(self.registry)

@@ -1,0 +1,194 @@
+"""The OpenAI wire format: request validation, error objects, response and stream chunks, stop strings.
+
+Plain dicts in and out; no web framework here.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from ..config import ConfigError, SamplingParams
+
+MAX_STOP_STRINGS = 4
+
+
+class APIError(Exception):
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A validated request: what to generate and how to answer."""
+    kind: str                       # "chat" or "completion"
+    model: str
+    messages: list[dict] | None
+    prompt: str | list[int] | None
+    params: SamplingParams
+    max_tokens_given: bool
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise bad_request(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise bad_request(f"'{name}' is {value}; it must be between {lo} and {hi}", name)
+    return value
+
+
+def _content_text(content, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):       # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def parse(body, kind: str) -> Parsed:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required: GET /v1/models lists the one this server holds", "model")
+    messages = prompt = None
+    if kind == "chat":
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
+        messages = []
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+                raise bad_request(f"messages[{i}] needs a role of system, user or assistant", "messages")
+            role = "system" if m["role"] == "developer" else m["role"]
+            messages.append({"role": role, "content": _content_text(m.get("content"), i)})
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
+                                         all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt))
+        if not ok:
+            raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+    if _number(body, "n", 1, 1, 1, integer=True) != 1:
+        raise bad_request("only n=1 is supported", "n")
+    if body.get("logprobs") not in (None, False) or body.get("echo") or body.get("best_of") not in (None, 1):
+        raise bad_request("logprobs, echo and best_of are not supported by this server")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, 1, None, integer=True)
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
+        stop = tuple(stop)
+    else:
+        raise bad_request(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings", "stop")
+    stream = bool(body.get("stream", False))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    try:
+        params = SamplingParams(
+            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+            top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
+            top_k=0 if body.get("top_k") in (None, -1) else _number(body, "top_k", 0, 0, None, integer=True),
+            repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, None)),
+            max_new_tokens=max_tokens or 1,
+            seed=_number(body, "seed", None, integer=True),
+        )
+    except ConfigError as exc:
+        raise bad_request(str(exc)) from None
+    return Parsed(kind, model, messages, prompt, params, max_tokens is not None, tuple(s for s in stop if s),
+                  stream, bool(options.get("include_usage")))
+
+
+class StopMatcher:
+    """Cuts the text at the first stop string and holds back any tail that could start one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        """Add decoded text; returns what may be sent now."""
+        self.text += delta
+        for stop in self.stops:
+            at = self.text.find(stop, max(0, self.sent - len(stop)))
+            if at >= 0:
+                self.text = self.text[:at]
+                self.stopped = True
+        safe = len(self.text) if self.stopped else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:safe], safe
+        return out
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(num_prompt: int, num_completion: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+def response(kind: str, rid: str, model: str, text: str, finish: str, num_prompt: int, num_completion: int) -> dict:
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+               "logprobs": None} if kind == "chat" else
+              {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage(num_prompt, num_completion)}
+
+
+def chunk(kind: str, rid: str, model: str, text: str | None, finish: str | None = None, first: bool = False,
+          usage_: dict | None = None) -> dict:
+    out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+           "created": int(time.time()), "model": model}
+    if usage_ is not None:
+        out["choices"] = []
+        out["usage"] = usage_
+        return out
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        out["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    else:
+        out["choices"] = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
+    return out

@@ -1,0 +1,264 @@
+"""Continuous batching on one engine thread: admit, prefill in chunks, decode everyone, preempt.
+
+Requests arrive from any thread (submit / abort); everything else runs in the engine thread. Each
+iteration frees aborted requests, admits waiting ones while their prompt fits in the free blocks,
+then runs one step over all running sequences: a prefill chunk for those still reading their
+prompt, one token for those decoding. When the next step does not fit, the newest running
+sequence is preempted (its blocks freed, back to the front of the queue, re-prefilled later with
+the tokens it already generated), as vLLM's recompute preemption does. The scheduler never touches
+the engine except through `batch`.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..config import CacheConfig, SamplingParams
+from ..sampling import sample
+from . import batch
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    reason: str                 # "stop" (EOS), "length" (max tokens, context, budget), "abort", "error"
+    message: str = ""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    cache: CacheConfig
+    max_num_seqs: int = 16              # running sequences at most
+    prefill_chunk: int = 256            # prompt tokens one sequence prefills per step
+    max_num_waiting: int = 256          # the queue refuses more (the server answers 503)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.prefill_chunk < 1 or self.max_num_waiting < 1:
+            raise ValueError("max_num_seqs, prefill_chunk and max_num_waiting must be at least 1")
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[TokenOut | Finished], None]     # called in the engine thread
+    id: str = field(default_factory=lambda: f"req-{next(_IDS)}")
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: str = WAITING
+    handle: batch.Sequence | None = None
+    num_computed: int = 0                           # tokens of all_ids the cache holds
+    num_preemptions: int = 0
+    first_token_s: float | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+_IDS = itertools.count(1)
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, engine, config: SchedulerConfig, metrics=None):
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.max_usage = 0.0                # highest KV usage seen after a step (tests hold it <= 1)
+        self._inbox: deque[Request] = deque()
+        self._aborts: set[str] = set()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._max_context = batch.max_context(engine)
+        self._stop_ids = batch.stop_ids(engine)
+        batch.release(engine, batch.new_sequence(engine, config.cache))   # sizes the budget, checks the config
+        self.num_blocks = batch.num_blocks(engine)
+
+    # ---- any thread ------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        with self._wake:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._inbox) + len(self.waiting) >= self.config.max_num_waiting:
+                raise QueueFull(f"{self.config.max_num_waiting} requests are already waiting")
+            self._inbox.append(request)
+            self._wake.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone, stop string seen); its blocks are freed before the next step."""
+        with self._wake:
+            self._aborts.add(request_id)
+            self._wake.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvchat-serve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def prompt_fits_budget(self, num_prompt: int) -> bool:
+        """Could a prompt of this length (plus one generated token) ever fit, alone, in the budget?"""
+        block_size = self.config.cache.block_size
+        return -(-(num_prompt + 1) // block_size) <= self.num_blocks
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopping or self._inbox or self._aborts or self.waiting or self.running):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            self.step()
+        for request in list(self.running) + list(self.waiting) + list(self._inbox):
+            self._finish(request, "abort", "the server is shutting down")
+
+    def step(self) -> None:
+        """One iteration: take arrivals and aborts, admit, run one batched step, sample."""
+        with self._wake:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts, self._aborts = self._aborts, set()
+        for request in [r for r in self.running + list(self.waiting) if r.id in aborts]:
+            self._finish(request, "abort")
+        self._admit()
+        items = self._schedule()
+        if items:
+            try:
+                logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items])
+            except Exception as exc:  # noqa: BLE001 - one bad step ends its requests, not the server
+                for request, _ in items:
+                    self._finish(request, "error", f"{type(exc).__name__}: {exc}")
+                logits = []
+            for (request, ids), row in zip(items, logits):
+                request.num_computed += len(ids)
+                if request.num_computed == len(request.all_ids):
+                    self._sample(request, row)
+        self._report()
+
+    def _admit(self) -> None:
+        block_size = self.config.cache.block_size
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            need = -(-(len(request.all_ids) + 1) // block_size)
+            # room for its prompt, the rest of the running prompts, and one block of growth each
+            reserved = sum(self._blocks_to_finish_prompt(r) + 1 for r in self.running)
+            if need + reserved > batch.num_free_blocks(self.engine) and self.running:
+                return
+            self.waiting.popleft()
+            request.handle = batch.new_sequence(self.engine, self.config.cache)
+            request.num_computed = 0
+            request.status = RUNNING
+            if request.generator is None and request.params.temperature > 0:
+                seed = request.params.seed if request.params.seed is not None else time.time_ns() % 2**63
+                request.generator = torch.Generator(device="cpu").manual_seed(seed)
+            self.running.append(request)
+
+    def _blocks_to_finish_prompt(self, request: Request) -> int:
+        left = len(request.all_ids) - request.num_computed
+        return batch.blocks_needed(self.engine, request.handle, left) if left > 1 else 0
+
+    def _schedule(self) -> list[tuple[Request, list[int]]]:
+        """The items of this step, oldest first; preempts the newest while they do not fit."""
+        items: list[tuple[Request, list[int]]] = []
+        planned = 0
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
+            ids = request.all_ids[request.num_computed:request.num_computed + self.config.prefill_chunk]
+            need = batch.blocks_needed(self.engine, request.handle, len(ids))
+            if need + planned <= batch.num_free_blocks(self.engine):
+                items.append((request, ids))
+                planned += need
+                i += 1
+                continue
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                # alone and still no room: the budget is what limits this sequence's length
+                self._finish(request, "length", "the KV budget is full")
+                continue
+            self._preempt(victim)
+            if victim is request:
+                continue
+        return items
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        batch.release(self.engine, request.handle)
+        request.handle = None
+        request.num_computed = 0
+        request.status = WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        if self.metrics:
+            self.metrics.preempted()
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> None:
+        token = sample(logits.float().cpu(), request.params, request.all_ids[-1024:], request.generator)
+        if request.first_token_s is None:
+            request.first_token_s = time.monotonic() - request.arrival
+            if self.metrics:
+                self.metrics.first_token(request.first_token_s, len(request.prompt_ids))
+        if token in self._stop_ids:
+            self._finish(request, "stop")
+            return
+        request.output_ids.append(token)
+        if self.metrics:
+            self.metrics.generated(1)
+        request.emit(TokenOut(token))
+        if len(request.output_ids) >= request.params.max_new_tokens:
+            self._finish(request, "length")
+        elif len(request.all_ids) >= self._max_context:
+            self._finish(request, "length", "the model's context is full")
+
+    def _finish(self, request: Request, reason: str, message: str = "") -> None:
+        if request.status == FINISHED:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.handle is not None:
+            batch.release(self.engine, request.handle)
+            request.handle = None
+        request.status = FINISHED
+        if self.metrics:
+            self.metrics.finished(reason)
+        request.emit(Finished(reason, message, len(request.prompt_ids), len(request.output_ids)))
+
+    def _report(self) -> None:
+        usage = batch.usage(self.engine)
+        self.max_usage = max(self.max_usage, usage)
+        if self.metrics:
+            self.metrics.scheduler_state(len(self.running), len(self.waiting) + len(self._inbox), usage)
