@@ -1,4 +1,4 @@
-"""Terminal entry points: `kvchat chat`, `kvchat bench ...`, `kvchat info`."""
+"""Terminal entry points: `kvchat chat`, `kvchat bench ...`, `kvchat estimate`, `kvchat info`."""
 from __future__ import annotations
 
 import argparse
@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--seed", type=int, default=None)
     chat.set_defaults(func=cmd_chat)
+    from . import estimate
+    plan = sub.add_parser("estimate", help="KV and weight memory of a model and context, before loading it")
+    estimate.add_arguments(plan)
+    plan.set_defaults(func=estimate.cmd_estimate)
     bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, kernels)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
