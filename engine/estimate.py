@@ -104,9 +104,13 @@ def _safetensors_summary(folder) -> tuple[int, int, str]:
     params, size, dtypes = 0, 0, Counter()
     for f in sorted(Path(folder).glob("*.safetensors")):
         size += f.stat().st_size
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (struct.error, ValueError, MemoryError) as exc:
+            raise ModelLoadError(f"{f.name} has no readable safetensors header ({exc}): re-download or re-export "
+                                 f"the model") from exc
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -126,16 +130,28 @@ def model_facts(model: str, weights_type: str = "F16") -> ModelFacts:
         per = bytes_per_weight(weights_type)
         return ModelFacts(key, "preset", mc, params, int(params * per),
                           f"{weights_type.upper()} (preset: {per:.4g} B a weight)")
-    from .gguf_file import GGUFFile
-    from .loader import locate, read_config
+    from .loader import locate
     files = locate(model)
-    if files.is_gguf:
-        gf = GGUFFile(files.path)
-        params = sum(math.prod(t.shape) for t in gf.tensors.values())
-        return ModelFacts(files.name, "gguf", ModelConfig.from_gguf(gf), params, gf.tensor_bytes, gf.quant_summary())
-    mc = ModelConfig.from_hf(read_config(files.folder))
-    params, size, dtype = _safetensors_summary(files.folder)
-    return ModelFacts(files.name, "safetensors", mc, params, size, dtype)
+    return model_facts_from(files.path, files.name)
+
+
+def model_facts_from(path, name: str | None = None) -> ModelFacts:
+    """Facts of a GGUF file (whatever its name: Ollama's blobs have no suffix) or a Hugging Face folder."""
+    from pathlib import Path
+
+    from .gguf_file import GGUFFile
+    from .loader import check_architecture, read_config
+    path = Path(path)
+    name = name or path.stem
+    if path.is_dir():
+        cfg = read_config(path)
+        check_architecture(str(cfg.get("model_type")), str(path / "config.json"))
+        mc = ModelConfig.from_hf(cfg)
+        params, size, dtype = _safetensors_summary(path)
+        return ModelFacts(name, "safetensors", mc, params, size, dtype)
+    gf = GGUFFile(path)
+    params = sum(math.prod(t.shape) for t in gf.tensors.values())
+    return ModelFacts(name, "gguf", ModelConfig.from_gguf(gf), params, gf.tensor_bytes, gf.quant_summary())
 
 
 def resolve_device(device: str) -> str:
