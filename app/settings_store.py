@@ -72,6 +72,18 @@ class SettingsStore:
     def set_last_conversation(self, conversation_id: int | None) -> None:
         self._qs.setValue("chat/last_conversation", "" if conversation_id is None else int(conversation_id))
 
+    def library_folders(self) -> list[str]:
+        """Folders the user added to the Models page."""
+        try:
+            folders = json.loads(str(self._qs.value("library/folders", "[]")))
+        except ValueError:
+            return []
+        return [str(f) for f in folders] if isinstance(folders, list) else []
+
+    def set_library_folders(self, folders: list[str]) -> None:
+        self._qs.setValue("library/folders", json.dumps(list(folders)))
+        self._qs.sync()
+
     def sync(self) -> None:
         self._qs.sync()
 

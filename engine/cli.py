@@ -1,4 +1,4 @@
-"""Terminal entry points: `kvchat chat`, `kvchat bench ...`, `kvchat info`."""
+"""Terminal entry points: `kvchat chat`, `kvchat bench ...`, `kvchat estimate`, `kvchat info`."""
 from __future__ import annotations
 
 import argparse
@@ -175,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together at most")
     serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per request per step")
     serve.set_defaults(func=cmd_serve)
+    from . import estimate
+    plan = sub.add_parser("estimate", help="KV and weight memory of a model and context, before loading it")
+    estimate.add_arguments(plan)
+    plan.set_defaults(func=estimate.cmd_estimate)
     bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, kernels, serve)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():

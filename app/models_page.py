@@ -1,0 +1,283 @@
+"""Models: every model on this machine (user folders, LM Studio, Jan, Hugging Face cache, Ollama) and what fits.
+
+The scan reads headers only and runs off the GUI thread; Load hands the chosen path to the window's
+ordinary load path (Settings' model, saved in QSettings, so the last used model comes back).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, QSortFilterProxyModel, Qt, Signal
+from PySide6.QtWidgets import (QAbstractItemView, QDialog, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QListWidget,
+                               QPushButton, QTableView, QVBoxLayout, QWidget)
+
+from engine import library
+from engine.library import ModelEntry, format_parameters, format_tokens
+
+from .messages import format_bytes
+
+SHOWN_FITS = ("fp16", "int8", "int4")
+COLUMNS = ("Name", "Source", "Architecture", "Parameters", "Quantization", "Size", "Trained context",
+           *(f"Fits {f}" for f in SHOWN_FITS), "Path")
+SORT_ROLE = Qt.ItemDataRole.UserRole + 1
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two model paths name the same file or folder (an Ollama link and its blob do)."""
+    try:
+        return bool(a and b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except OSError:
+        return False
+
+
+class ModelTable(QAbstractTableModel):
+    """The scanned entries as rows; the display text and a sortable value per cell."""
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self.entries: list[ModelEntry] = []
+        self.current_row = -1
+
+    def set_entries(self, entries, current: str = "") -> None:
+        self.beginResetModel()
+        self.entries = list(entries)
+        self.current_row = next((i for i, e in enumerate(self.entries) if same_file(e.path, current)), -1)
+        self.endResetModel()
+
+    def rowCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.entries)
+
+    def columnCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(COLUMNS)
+
+    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return COLUMNS[section]
+        return None
+
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
+        if not index.isValid():
+            return None
+        e = self.entries[index.row()]
+        column = COLUMNS[index.column()]
+        if role == Qt.ItemDataRole.DisplayRole:
+            return self._text(e, column)
+        if role == SORT_ROLE:
+            return self._value(e, column)
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return e.error or e.path
+        if role == Qt.ItemDataRole.ForegroundRole and not e.loadable:
+            return Qt.GlobalColor.gray
+        if role == Qt.ItemDataRole.FontRole and index.row() == self.current_row:
+            from PySide6.QtGui import QFont
+            font = QFont()
+            font.setBold(True)
+            return font
+        return None
+
+    @staticmethod
+    def _text(e: ModelEntry, column: str) -> str:
+        if column == "Name":
+            return e.name
+        if column == "Source":
+            return e.source
+        if column == "Architecture":
+            return e.architecture or "—"
+        if column == "Parameters":
+            return format_parameters(e.parameters)
+        if column == "Quantization":
+            return e.quantization if e.loadable else f"cannot load: {e.error}"
+        if column == "Size":
+            return format_bytes(e.file_bytes)
+        if column == "Trained context":
+            return f"{e.trained_context:,}" if e.trained_context else ""
+        if column.startswith("Fits "):
+            fits = dict(e.fits)
+            return format_tokens(fits[column[5:]]) if column[5:] in fits else ""
+        return e.path
+
+    @staticmethod
+    def _value(e: ModelEntry, column: str):
+        if column == "Parameters":
+            return e.parameters
+        if column == "Size":
+            return e.file_bytes
+        if column == "Trained context":
+            return e.trained_context
+        if column.startswith("Fits "):
+            tokens = dict(e.fits).get(column[5:], -1)
+            return float("inf") if tokens is None else tokens
+        return ModelTable._text(e, column).lower()
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    entries: tuple[ModelEntry, ...]
+    memory_bytes: int                          # what "fits" was computed against; 0 when the scan failed
+    memory_source: str                         # where it was read, or why the scan failed
+
+
+class _ScanDone(QObject):
+    finished = Signal(ScanResult)
+
+
+class ModelsDialog(QDialog):
+    """Lists the models found and loads the chosen one; the user's own folders are edited here too."""
+
+    model_chosen = Signal(str)                 # a path for EngineConfig.model
+    folders_changed = Signal(list)             # list[str]
+
+    def __init__(self, folders: list[str], current_model: str = "", scan=library.scan, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Models")
+        self.setObjectName("modelsDialog")
+        self.resize(1100, 520)
+        self.folders = list(folders)
+        self.current_model = current_model
+        self._scan = scan
+        self._scan_done = _ScanDone()           # no parent: a scan still running may outlive a closed dialog
+        self._scan_done.finished.connect(self._on_scanned)
+        self.scanning = False
+
+        self.summary = QLabel("Scanning…", objectName="modelsSummary")
+        self.summary.setWordWrap(True)
+        self.table = ModelTable(self)
+        self.proxy = QSortFilterProxyModel(self)
+        self.proxy.setSourceModel(self.table)
+        self.proxy.setSortRole(SORT_ROLE)
+        self.view = QTableView(objectName="modelsTable")
+        self.view.setModel(self.proxy)
+        self.view.setSortingEnabled(True)
+        self.view.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.view.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.view.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.view.verticalHeader().setVisible(False)
+        self.view.setWordWrap(False)
+        self.view.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.view.horizontalHeader().setStretchLastSection(True)
+        self.view.doubleClicked.connect(lambda _: self.load_selected())
+        self.view.selectionModel().selectionChanged.connect(lambda *_: self._update_buttons())
+
+        self.folder_list = QListWidget(objectName="modelFolders")
+        self.folder_list.setMaximumHeight(70)
+        self.folder_list.addItems(self.folders)
+        self.folder_list.itemSelectionChanged.connect(self._update_buttons)
+        self.add_button = QPushButton("Add folder…")
+        self.remove_button = QPushButton("Remove folder")
+        self.rescan_button = QPushButton("Rescan")
+        self.load_button = QPushButton("Load", objectName="loadModelButton")
+        self.load_button.setDefault(True)
+        close_button = QPushButton("Close")
+        self.add_button.clicked.connect(self._choose_folder)
+        self.remove_button.clicked.connect(self.remove_selected_folder)
+        self.rescan_button.clicked.connect(self.rescan)
+        self.load_button.clicked.connect(self.load_selected)
+        close_button.clicked.connect(self.reject)
+
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.view, 1)
+        layout.addWidget(QLabel("Your folders (LM Studio, Jan, the Hugging Face cache and Ollama are searched too):"))
+        layout.addWidget(self.folder_list)
+        buttons = QHBoxLayout()
+        for b in (self.add_button, self.remove_button, self.rescan_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        buttons.addWidget(close_button)
+        buttons.addWidget(self.load_button)
+        layout.addLayout(buttons)
+        self._update_buttons()
+        self.rescan()
+
+    # --- scanning ---
+
+    def rescan(self) -> None:
+        if self.scanning:
+            return
+        self.scanning = True
+        self.summary.setText("Scanning model folders…")
+        self._update_buttons()
+        folders, scan, done = list(self.folders), self._scan, self._scan_done
+
+        def work():
+            from engine.estimate import available_memory, resolve_device
+            try:
+                memory, where = available_memory(resolve_device("auto"))
+                entries = tuple(scan(folders, memory_bytes=memory))
+            except Exception as exc:  # noqa: BLE001 - shown to the user, the dialog stays usable
+                entries, memory, where = (), 0, f"scan failed: {type(exc).__name__}: {exc}"
+            done.finished.emit(ScanResult(entries, memory, where))
+
+        threading.Thread(target=work, name="kvchat-model-scan", daemon=True).start()
+
+    def _on_scanned(self, result: ScanResult) -> None:
+        entries, memory, where = result.entries, result.memory_bytes, result.memory_source
+        self.scanning = False
+        self.table.set_entries(entries, self.current_model)
+        self.view.sortByColumn(COLUMNS.index("Name"), Qt.SortOrder.AscendingOrder)
+        if memory:
+            loadable = sum(e.loadable for e in entries)
+            self.summary.setText(
+                f"{len(entries)} model{'' if len(entries) == 1 else 's'} found ({loadable} loadable). “Fits” is the "
+                f"longest context each KV cache format allows beside the weights in {format_bytes(memory)} of {where}, keeping "
+                f"{format_bytes(600 * 2**20)} + 5% for the runtime; “any” when nothing limits it.")
+        else:
+            self.summary.setText(where)
+        self._select_current()
+        self._update_buttons()
+
+    def _select_current(self) -> None:
+        if self.table.current_row >= 0:
+            self.view.selectRow(self.proxy.mapFromSource(self.table.index(self.table.current_row, 0)).row())
+
+    # --- folders ---
+
+    def _choose_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Add a folder of models")
+        if folder:
+            self.add_folder(folder)
+
+    def add_folder(self, folder: str) -> None:
+        if folder in self.folders:
+            return
+        self.folders.append(folder)
+        self.folder_list.addItem(folder)
+        self.folders_changed.emit(list(self.folders))
+        self.rescan()
+
+    def remove_selected_folder(self) -> None:
+        row = self.folder_list.currentRow()
+        if row < 0:
+            return
+        self.folders.pop(row)
+        self.folder_list.takeItem(row)
+        self.folders_changed.emit(list(self.folders))
+        self.rescan()
+
+    # --- choosing ---
+
+    def selected_entry(self) -> ModelEntry | None:
+        rows = self.view.selectionModel().selectedRows()
+        if not rows:
+            return None
+        return self.table.entries[self.proxy.mapToSource(rows[0]).row()]
+
+    def load_selected(self) -> None:
+        entry = self.selected_entry()
+        if entry is None or not entry.loadable:
+            return
+        try:
+            path = library.loadable_path(entry)
+        except OSError as exc:
+            self.summary.setText(f"Cannot open {entry.name}: {exc}")
+            return
+        self.model_chosen.emit(path)
+        self.accept()
+
+    def _update_buttons(self) -> None:
+        entry = self.selected_entry() if hasattr(self, "view") else None
+        self.load_button.setEnabled(entry is not None and entry.loadable and not self.scanning)
+        self.remove_button.setEnabled(self.folder_list.currentRow() >= 0)
+        self.rescan_button.setEnabled(not self.scanning)

@@ -1,0 +1,102 @@
+"""The Models page: lists what the library finds, loads the chosen model through the window's load path."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest
+import shiboken6
+from PySide6.QtCore import Qt
+
+from engine.library import ModelEntry
+from fakes import FakeLoader, isolate_app, open_window
+
+pytestmark = pytest.mark.gui
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    isolate_app(monkeypatch, tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: home))
+    for var in ("HF_HOME", "HF_HUB_CACHE", "OLLAMA_MODELS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _entry(name, params, fits, error=""):
+    return ModelEntry(name, f"/models/{name}", "Folder", "gguf", "llama", params, "Q4_K", params // 2, 8192,
+                      tuple(fits), error)
+
+
+def test_table_shows_and_sorts_by_value(qtbot):
+    from app.models_page import COLUMNS, SORT_ROLE, ModelTable
+    table = ModelTable()
+    small = _entry("small", 135_000_000, [("fp16", 90_000), ("int8", 170_000), ("int4", None)])
+    big = _entry("big", 8_030_000_000, [("fp16", 2048), ("int8", 4000), ("int4", 9000)])
+    broken = _entry("broken", 0, [], error="unsupported architecture 'gemma3'")
+    table.set_entries([small, big, broken], current="/models/big")
+    assert table.rowCount() == 3 and table.columnCount() == len(COLUMNS)
+
+    def cell(row, column, role=Qt.ItemDataRole.DisplayRole):
+        return table.data(table.index(row, COLUMNS.index(column)), role)
+
+    assert [cell(0, c) for c in ("Name", "Parameters", "Fits fp16", "Fits int4")] == ["small", "135M", "90k", "any"]
+    assert [cell(1, c) for c in ("Parameters", "Fits fp16", "Trained context")] == ["8.03B", "2,048", "8,192"]
+    assert cell(2, "Quantization") == "cannot load: unsupported architecture 'gemma3'"
+    assert cell(1, "Fits int8", SORT_ROLE) == 4000 and cell(0, "Fits int4", SORT_ROLE) == float("inf")
+    assert table.current_row == 1
+
+
+def test_load_from_models_page_reloads_and_is_remembered(qtbot, tiny_llama, tmp_path):
+    from app.settings_store import SettingsStore
+    mine = tmp_path / "my-models" / "tiny-llama"
+    shutil.copytree(tiny_llama, mine)
+    loader = FakeLoader()
+    window = open_window(qtbot, loader)
+    qtbot.waitUntil(lambda: window.session_ready, timeout=5000)
+
+    dialog = window.open_models()
+    qtbot.waitUntil(lambda: not dialog.scanning, timeout=20_000)
+    assert dialog.table.rowCount() == 0 and "0 models found" in dialog.summary.text()
+    with qtbot.waitSignal(dialog.folders_changed):
+        dialog.add_folder(str(tmp_path / "my-models"))
+    qtbot.waitUntil(lambda: not dialog.scanning and dialog.table.rowCount() == 1, timeout=20_000)
+    entry = dialog.table.entries[0]
+    assert (entry.name, entry.source, entry.architecture, entry.trained_context) == ("tiny-llama", "Folder", "llama", 4096)
+    assert "1 model found (1 loadable)" in dialog.summary.text()
+    dialog.grab().save(str(tmp_path / "models.png"))
+
+    dialog.view.selectRow(0)
+    assert dialog.load_button.isEnabled()
+    qtbot.mouseClick(dialog.load_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: len(loader.engines) == 2 and window.session_ready, timeout=5000)
+    assert loader.engines[-1].config.model == str(mine)
+    assert not shiboken6.isValid(dialog)            # closed and deleted
+
+    store = SettingsStore()                          # a fresh read of the same QSettings file
+    assert store.load().model == str(mine)
+    assert store.library_folders() == [str(tmp_path / "my-models")]
+    again = window.open_models()
+    assert again.folder_list.count() == 1
+    qtbot.waitUntil(lambda: not again.scanning, timeout=20_000)
+    assert again.table.current_row == 0 and again.selected_entry().path == str(mine)
+    again.folder_list.setCurrentRow(0)
+    again.remove_selected_folder()
+    assert SettingsStore().library_folders() == []
+    again.reject()
+
+
+def test_unloadable_entry_cannot_be_loaded(qtbot, tmp_path):
+    from app.models_page import ModelsDialog
+    broken = _entry("broken", 0, [], error="bad file")
+    dialog = ModelsDialog([], scan=lambda folders, memory_bytes: [broken])
+    qtbot.addWidget(dialog)
+    qtbot.waitUntil(lambda: not dialog.scanning, timeout=10_000)
+    dialog.view.selectRow(0)
+    assert not dialog.load_button.isEnabled()
+    with qtbot.assertNotEmitted(dialog.model_chosen):
+        dialog.load_selected()
