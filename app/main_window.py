@@ -280,7 +280,8 @@ class MainWindow(QMainWindow):
                               self.settings.system_prompt)
         dialog = SettingsDialog(current, num_layers, self,
                                 model_config=self.engine_info.model_config if self.engine_info else None,
-                                model_dtype=self.engine_info.dtype if self.engine_info else "fp32")
+                                model_dtype=self.engine_info.dtype if self.engine_info else "fp32",
+                                device=self.engine_info.device if self.engine_info else "cpu")
         dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()

@@ -1,7 +1,7 @@
 """Settings: model, cache formats and policies, sampling, system prompt.
 
 Every edit is validated by building the engine's own frozen configs and, once a model is loaded,
-by the engine's own check of a cache config against that model (check_cache_for_model); a
+by the engine's own check of a cache config against that model (kv_layout.check_cache_for_model); a
 ConfigError's message is shown in the dialog and OK stays disabled until the combination works.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
 
-from engine.config import (FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams,
-                           check_cache_for_model)
+from engine.config import FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
+from engine.kv_layout import check_cache_for_model
 
 from .settings_store import AppSettings
 
@@ -51,13 +51,14 @@ def _spin(box, value):
 
 class SettingsDialog(QDialog):
     def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None,
-                 model_config=None, model_dtype: str = "fp32"):
+                 model_config=None, model_dtype: str = "fp32", device: str = "cpu"):
         super().__init__(parent)
         self.setWindowTitle("kvchat settings")
         self.setObjectName("settingsDialog")
         self.num_layers = num_layers
         self.model_config = model_config        # the loaded model's ModelConfig; None before a model loads
         self.model_dtype = model_dtype
+        self.device = device
         self.loaded_model = settings.model
         self._result: AppSettings | None = None
         layout = QVBoxLayout(self)
@@ -203,7 +204,7 @@ class SettingsDialog(QDialog):
                             overflow=self.overflow.currentText())
         same_model = (self.model_edit.text().strip() or "default") == self.loaded_model
         if self.model_config is not None and same_model:    # another model is checked when it loads
-            check_cache_for_model(cache, self.model_config, self.model_dtype)
+            check_cache_for_model(cache, self.model_config, self.model_dtype, self.device)
         return cache
 
     def sampling_params(self) -> SamplingParams:

@@ -40,6 +40,15 @@ def _load_error_message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+MAX_OPEN_SESSIONS = 16              # conversations kept warm; the KV budget may release them sooner (LRU)
+
+
+def _close(session) -> None:
+    close = getattr(session, "close", None)
+    if close is not None:
+        close()
+
+
 class EngineWorker(QObject):
     """Lives in the engine thread. Every slot runs there; nothing here touches a widget."""
 
@@ -59,6 +68,7 @@ class EngineWorker(QObject):
         self._loader = loader
         self._engine = None
         self._session = None
+        self._open: dict = {}           # conversation id -> its session, kept warm in the engine's KV pool
         self._stop = threading.Event()
         self._cancel_measure = threading.Event()  # set by any command, so a quality measurement yields to it
         self._facts: dict[str, float] = {}
@@ -102,7 +112,7 @@ class EngineWorker(QObject):
         except Exception as exc:  # noqa: BLE001 - every load failure becomes a message for the user
             self.error.emit(ErrorEvent("load", "Could not load the model", _load_error_message(exc)))
             return
-        self._engine, self._session = engine, None
+        self._engine, self._session, self._open = engine, None, {}
         self._facts = model_facts(engine)
         self.ready.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
                                     time.monotonic() - start, getattr(engine, "weights_label", ""),
@@ -118,8 +128,19 @@ class EngineWorker(QObject):
         self._session = None            # a failed open must not leave the previous conversation's session in use
         try:
             turns = [{"role": role, "content": content} for role, content in history or ()]
-            self._session = self._engine.new_session(system_prompt=system_prompt or None, cache=cache,
-                                                     history=turns or None)
+            kept = self._open.pop(conversation_id, None) if conversation_id is not None else None
+            if kept is not None and kept.messages == turns and kept.cache_config == cache \
+                    and kept.system_prompt == (system_prompt or None):
+                self._session = kept    # its blocks are still in the engine's pool: no prefill to go on
+            else:
+                if kept is not None:
+                    _close(kept)
+                self._session = self._engine.new_session(system_prompt=system_prompt or None, cache=cache,
+                                                         history=turns or None)
+            if conversation_id is not None:
+                self._open[conversation_id] = self._session
+                while len(self._open) > MAX_OPEN_SESSIONS:          # the oldest opened gives its blocks back
+                    _close(self._open.pop(next(iter(self._open))))
         except ConfigError as exc:
             self.error.emit(ErrorEvent("session", "These cache settings do not work", str(exc)))
             return

@@ -133,9 +133,18 @@ def compare_modes(engine, ids: list[int], modes: dict[str, CacheConfig], limits:
     Returns {"baseline": {...}, mode: {...}}.
     """
     limits = limits or {}
-    full = CacheConfig(budget_mb=4096)
+    budget = engine.budget_mb           # the engine's budget is everyone's: measuring must not change it
+    full = CacheConfig(k_format=engine.dtype_name, v_format=engine.dtype_name, budget_mb=budget)
     base_session = engine.new_session(cache=full)
-    sessions = {name: engine.new_session(cache=c.with_(budget_mb=max(c.budget_mb, 4096))) for name, c in modes.items()}
+    sessions = {name: engine.new_session(cache=c.with_(budget_mb=budget)) for name, c in modes.items()}
+    try:
+        return _compare(engine, ids, modes, limits, step, should_stop, full, base_session, sessions)
+    finally:                            # give the pool back at once (the app measures beside an open chat)
+        for session in (base_session, *sessions.values()):
+            session.close()
+
+
+def _compare(engine, ids, modes, limits, step, should_stop, full, base_session, sessions) -> dict:
     base, tallies = _Tally(), {name: _Tally() for name in modes}
     seconds = {name: 0.0 for name in modes}
     n = len(ids)
@@ -182,7 +191,8 @@ def long_stream(engine, config: CacheConfig, ids: list[int], last: int, lead: in
     nll = _nll_stream(session, ids, config.block_size)
     seconds = time.perf_counter() - started
     stats = session.stats()
-    fresh = engine.new_session(cache=CacheConfig())
+    fresh = engine.new_session(cache=CacheConfig(k_format=engine.dtype_name, v_format=engine.dtype_name,
+                                                 budget_mb=engine.budget_mb))
     fresh_nll = _nll_stream(fresh, ids[-(last + lead):], 512)
     ppl_window, ppl_fresh = _ppl(nll[-last:]), _ppl(fresh_nll[-last:])
     return {

@@ -109,47 +109,6 @@ class CacheConfig:
 MIB = 1024 * 1024
 
 
-def layout_bytes(cache: CacheConfig, model: "ModelConfig", model_dtype: str = "fp32") -> tuple[int, int]:
-    """(bytes of one block over all layers, fixed bytes of the full-precision tails and heads) of a cache
-    config on a model: the arithmetic of the KV cache's own layout (kernels.formats.bytes_per_block)."""
-    import dataclasses
-
-    from kernels.formats import FULL_DTYPES, bytes_per_block, page_format
-    elem = FULL_DTYPES[model_dtype].itemsize
-    per_block = fixed = 0
-    for layer in range(model.num_layers):
-        if layer in cache.full_precision_layers:
-            formats = (page_format(model_dtype, "k"), page_format(model_dtype, "v"))
-        else:
-            formats = tuple(page_format(f, role, cache.k_scheme, model_dtype)
-                            for f, role in ((cache.k_format, "k"), (cache.v_format, "v")))
-        for fmt in formats:
-            if fmt.scale_axis == "group" and model.head_dim % fmt.group:    # small heads: smaller groups
-                fmt = dataclasses.replace(fmt, group=math.gcd(fmt.group, model.head_dim))
-            per_block += bytes_per_block(fmt, cache.block_size, model.num_kv_heads, model.head_dim)
-            if fmt.is_quantized:
-                fixed += 2 * cache.block_size * model.num_kv_heads * model.head_dim * elem
-    return per_block, fixed
-
-
-def check_cache_for_model(cache: CacheConfig, model: "ModelConfig", model_dtype: str = "fp32") -> None:
-    """Raise ConfigError when `cache` cannot work on `model`: the one check the engine and the Settings
-    dialog share. model_dtype is what "auto" formats resolve to (fp32 on the CPU, bf16 on CUDA)."""
-    bad = [i for i in cache.full_precision_layers if i >= model.num_layers]
-    if bad:
-        raise ConfigError(f"full-precision layers {', '.join(map(str, bad))} do not exist: this model has layers "
-                          f"0-{model.num_layers - 1}")
-    if cache.window is not None and cache.window + cache.sinks > model.max_position_embeddings:
-        raise ConfigError(f"window {cache.window:,} + {cache.sinks} sinks is longer than the model's context of "
-                          f"{model.max_position_embeddings:,} tokens: positions would run past what it was trained "
-                          f"on; use a window of at most {model.max_position_embeddings - cache.sinks:,}")
-    per_block, fixed = layout_bytes(cache, model, model_dtype)
-    if cache.budget_mb * MIB < per_block + fixed:
-        raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB does not hold even one block of {cache.block_size} "
-                          f"tokens in {cache.label()} on this model (that needs {(per_block + fixed) / MIB:.2f} MiB): "
-                          f"raise the budget")
-
-
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 0.7

@@ -8,10 +8,11 @@ import torch
 
 from kernels import cpu_quant
 
+from .api import LOCAL
 from .config import CacheConfig, EngineConfig
 from .kv_layout import MIB
 from .gguf_file import GGUFFile
-from .loader import (ModelLoadError, Progress, gguf_tokenizer, load_state_dict, load_tokenizer, locate, read_config,
+from .loader import (ModelLoadError, transformers_reference, Progress, gguf_tokenizer, load_state_dict, load_tokenizer, locate, read_config,
                      remove_conversion_cache)
 from .memory_check import check_fits, folder_bytes, trim_heap
 from .model import ModelConfig, Transformer
@@ -30,12 +31,9 @@ def read_model_config(model: str) -> ModelConfig:
 
 
 def load_transformers_reference(model: str, dtype=torch.float32):
-    """transformers' own model on the same weights (a GGUF dequantized by transformers + gguf): for checks."""
-    from transformers import AutoModelForCausalLM
-    files = locate(model)
-    if files.is_gguf:
-        return AutoModelForCausalLM.from_pretrained(str(files.path.parent), gguf_file=files.path.name, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(str(files.folder), dtype=dtype)
+    """transformers' own model on the same weights (a GGUF dequantized by transformers + gguf): for checks.
+    Read through a private folder with trust_remote_code=False: no code from the model folder runs."""
+    return transformers_reference(locate(model), dtype)
 
 
 def describe_weights(model: Transformer) -> str:
@@ -56,6 +54,7 @@ def resolve_device(device: str) -> str:
 
 
 class Engine:
+    capabilities = LOCAL
     def __init__(self, config: EngineConfig, model: Transformer, tokenizer, name: str, load_s: float,
                  notice: str | None = None):
         self.config = config
@@ -137,6 +136,7 @@ class Engine:
         """A conversation in the engine's shared KV pool. The budget is the engine's: a cache config
         carrying another budget_mb sets it for every conversation."""
         cache = cache or self.config.cache
+        self.runner.check(cache)
         if int(cache.budget_mb * MIB) != self.runner.manager.budget_bytes:
             self.runner.set_budget(cache.budget_mb)
         return Session(self.runner, self.info, cache, system_prompt, history, prefix_cache)

@@ -109,7 +109,8 @@ def kv_layout(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
     """The layout of a cache mode on a model; raises ConfigError for layers the model lacks."""
     bad = [i for i in cache.full_precision_layers if i >= model.num_layers]
     if bad:
-        raise ConfigError(f"full-precision layers {bad} do not exist: the model has layers 0-{model.num_layers - 1}")
+        raise ConfigError(f"full-precision layers {', '.join(map(str, bad))} do not exist: this model has layers "
+                          f"0-{model.num_layers - 1}")
     dtype = full_dtype(model_dtype, device)
     formats = []
     for layer in range(model.num_layers):
@@ -120,6 +121,22 @@ def kv_layout(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
                                  for f, role in ((cache.k_format, "k"), (cache.v_format, "v"))))
     assert dtype in FULL_DTYPES
     return KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size, dtype, tuple(formats))
+
+
+def check_cache_for_model(cache: CacheConfig, model: ModelConfig, model_dtype: str = "fp32",
+                          device: str = "cpu") -> KVLayout:
+    """The one check of a cache mode against a model, shared by the engine and the Settings dialog: the
+    layout, or a ConfigError saying what to change."""
+    layout = kv_layout(model, cache, model_dtype, device)
+    if cache.window is not None and cache.window + cache.sinks > model.max_position_embeddings:
+        raise ConfigError(f"window {cache.window:,} + {cache.sinks} sinks is longer than the model's context of "
+                          f"{model.max_position_embeddings:,} tokens: positions would run past what it was trained "
+                          f"on; use a window of at most {model.max_position_embeddings - cache.sinks:,}")
+    need = layout.block_bytes + layout.fixed_bytes
+    if layout.budget_blocks(cache.budget_mb * MIB) < 1:
+        raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB does not hold even one block of {cache.block_size} "
+                          f"tokens in {cache.label()} on this model (that needs {need / MIB:.2f} MiB): raise the budget")
+    return layout
 
 
 @dataclass(frozen=True, slots=True)

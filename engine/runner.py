@@ -13,7 +13,7 @@ import torch
 
 from . import attention
 from .config import CacheConfig, ConfigError
-from .kv_layout import MIB, KVLayout, WindowGeometry, kv_layout
+from .kv_layout import MIB, KVLayout, WindowGeometry, check_cache_for_model, kv_layout
 from .kv_manager import KVCacheManager, NoFreeBlocks, Sequence
 from .kv_pages import PageStore
 from .model import Transformer
@@ -48,14 +48,9 @@ class ModelRunner:
                 raise ConfigError(f"the conversations hold {self.manager.held_bytes / MIB:.1f} MiB, more than a "
                                   f"{budget_mb:g} MiB budget: reset them or choose a larger budget") from None
 
-    def check(self, cache: CacheConfig, budget_mb: float | None = None) -> KVLayout:
+    def check(self, cache: CacheConfig) -> KVLayout:
         """The layout of a cache mode on this model, or a ConfigError saying what to change."""
-        layout = self.layout(cache)
-        budget = self.manager.budget_bytes if budget_mb is None else budget_mb * MIB
-        if layout.budget_blocks(budget) < 1:
-            raise ConfigError(f"a KV budget of {budget / MIB:g} MiB does not hold even one block of "
-                              f"{cache.block_size} tokens in {cache.label()}: raise the budget")
-        return layout
+        return check_cache_for_model(cache, self.model.config, self.dtype_name, str(self.device))
 
     def new_sequence(self, cache: CacheConfig) -> Sequence:
         return self.manager.new_sequence(self.check(cache), WindowGeometry.of(cache))

@@ -414,6 +414,7 @@ class Session:
 
     def set_cache(self, config: CacheConfig) -> None:
         """Switch the cache mode live: convert the blocks held, keep the conversation."""
+        self.runner.check(config)
         if config.budget_mb != self._config.budget_mb:
             self.runner.set_budget(config.budget_mb)
         self.seq = convert_sequence(self.runner, self.seq, self._config, config)

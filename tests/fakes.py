@@ -9,7 +9,8 @@ import time
 from types import SimpleNamespace
 
 from engine.api import LOCAL
-from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams, check_cache_for_model
+from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+from engine.kv_layout import check_cache_for_model
 from engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
 
 NUM_LAYERS = 4

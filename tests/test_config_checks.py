@@ -6,7 +6,8 @@ import math
 import pytest
 
 from engine.cli import main as cli_main
-from engine.config import MIB, CacheConfig, ConfigError, check_cache_for_model, layout_bytes
+from engine.config import MIB, CacheConfig, ConfigError
+from engine.kv_layout import check_cache_for_model, kv_layout
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -42,13 +43,14 @@ def test_check_cache_for_model_names_each_problem(tiny_engine):
 def test_budget_boundary_matches_the_engine(tiny_engine, cache):
     """The smallest budget check_cache_for_model accepts is the smallest the engine's cache opens with."""
     mc = tiny_engine.model.config
-    per_block, fixed = layout_bytes(cache, mc, tiny_engine.dtype_name)
+    layout = kv_layout(mc, cache, tiny_engine.dtype_name, str(tiny_engine.device))
+    per_block, fixed = layout.block_bytes, layout.fixed_bytes
     enough = cache.with_(budget_mb=(per_block + fixed) / MIB)
     short = cache.with_(budget_mb=(per_block + fixed - 1) / MIB)
-    check_cache_for_model(enough, mc, tiny_engine.dtype_name)
+    check_cache_for_model(enough, mc, tiny_engine.dtype_name, str(tiny_engine.device))
     assert tiny_engine.new_session(cache=enough).stats().blocks_budget == 1
     with pytest.raises(ConfigError):
-        check_cache_for_model(short, mc, tiny_engine.dtype_name)
+        check_cache_for_model(short, mc, tiny_engine.dtype_name, str(tiny_engine.device))
     with pytest.raises(ConfigError):
         tiny_engine.new_session(cache=short)
 

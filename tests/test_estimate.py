@@ -119,22 +119,9 @@ WINDOWS = (None, 32)
 TOKENS = (45, 100)
 
 
-def _pending(fmt: str, block_size: int, window: int | None) -> str | None:
-    """Why today's engine holds other bytes than kv_layout says (the lead's rewrite makes them agree)."""
-    if fmt == "auto":
-        return "engine rewrite pending: 'auto' is fp32 on the CPU today, kv_layout says bf16"
-    if any(part in ("int8", "fp8", "int4") for part in fmt.split("/")):
-        return "engine rewrite pending: head/tail blocks of quantized formats are kept in fp32 today, kv_layout says bf16"
-    if window is not None and block_size != 16:
-        return "engine rewrite pending: a windowed cache keeps one more block than kv_layout's steady state"
-    return None
-
-
 def _cases():
     for fmt, bs, window, n in itertools.product(EQUALITY_FORMATS, BLOCK_SIZES, WINDOWS, TOKENS):
-        reason = _pending(fmt, bs, window)
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        yield pytest.param(fmt, bs, window, n, marks=marks, id=f"{fmt}-bs{bs}-w{window}-n{n}")
+        yield pytest.param(fmt, bs, window, n, id=f"{fmt}-bs{bs}-w{window}-n{n}")
 
 
 @pytest.mark.parametrize("fmt, block_size, window, num_tokens", list(_cases()))

@@ -1,91 +1,76 @@
 """The scheduler's only door into the engine: sequences, one batched step, blocks and bytes.
 
-Everything the server needs from engine internals is here, so retargeting it at the engine's
-shared block pool and batched forward changes this file only. The scheduler above it deals in
-handles, token ids and block counts.
-
-Today (one KV pool per Session) a handle is a Session, and the server's budget is emulated: the
-blocks all live handles of an engine hold are summed against the blocks one budget of the serve
-cache config holds, so admission and preemption behave as they will over a shared pool.
+A handle is a sequence of the engine's shared KV pool (engine/kv_manager.py). A step runs every
+scheduled sequence's new tokens through one forward pass (the linear layers see one batch, each
+sequence attends over its own pages) and rolls all of them back if it fails.
 """
 from __future__ import annotations
 
-import threading
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..config import CacheConfig
+from ..kv_layout import MIB
+from ..kv_manager import Sequence as _Seq
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One request's cache. `session` is today's carrier; the lead's version holds a block table."""
-    session: object
+    """One request's cache: a sequence of the engine's pool."""
+    seq: _Seq
     cache_config: CacheConfig
 
 
-@dataclass
-class _Live:
-    num_blocks: int                                  # blocks one serve budget holds
-    budget_bytes: int
-    cache_config: CacheConfig | None = None
-    handles: set = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-_LIVE: "weakref.WeakKeyDictionary[object, _Live]" = weakref.WeakKeyDictionary()
-
-
-def _live(engine) -> _Live:
-    live = _LIVE.get(engine)
-    if live is None:
-        raise RuntimeError("no sequence was opened on this engine yet: call new_sequence first")
-    return live
+def _runner(engine):
+    return engine.runner
 
 
 def new_sequence(engine, cache_config: CacheConfig) -> Sequence:
-    """An empty sequence with no blocks. Today: a Session of its own (its pool is never the limit)."""
-    session = engine.new_session(cache=cache_config.with_(overflow="stop"))
-    handle = Sequence(session, cache_config)
-    live = _LIVE.setdefault(engine, _Live(0, 0))
-    with live.lock:
-        if not live.handles:        # the budget is the first live sequence's (one serve config at a time)
-            live.num_blocks = session.cache.pool.num_blocks
-            live.budget_bytes = int(cache_config.budget_mb * 2**20)
-            live.cache_config = cache_config
-        elif cache_config != live.cache_config:
-            raise RuntimeError("sequences of one engine share one cache config; release the others first")
-        live.handles.add(handle)
-    return handle
+    """An empty sequence with no blocks, in the engine's pool (whose budget the config's budget_mb sets)."""
+    runner = _runner(engine)
+    if int(cache_config.budget_mb * MIB) != runner.manager.budget_bytes:
+        runner.set_budget(cache_config.budget_mb)
+    return Sequence(runner.new_sequence(cache_config), cache_config)
+
+
+def match_prefix(engine, handle: Sequence, ids: list[int]) -> int:
+    """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass."""
+    runner = _runner(engine)
+    with runner.lock:
+        return runner.manager.match_prefix(handle.seq, ids)
 
 
 def step(engine, items: list[tuple[Sequence, list[int]]]) -> list[torch.Tensor]:
-    """Feed each sequence its new token ids; returns each item's last-token logits [vocab], float32.
-
-    The caller has checked with blocks_needed/num_free_blocks that all items fit together. Today a
-    loop over sessions; the batched forward replaces this body with one ragged step.
-    """
-    return [handle.session.append(ids, all_logits=False)[-1] for handle, ids in items]
+    """Feed each sequence its new token ids in one forward pass; returns each item's last-token logits [vocab]."""
+    rows = _runner(engine).step([(h.seq, ids) for h, ids in items], all_logits=False)
+    return [r[-1] for r in rows]
 
 
 def blocks_needed(engine, handle: Sequence, num_new: int) -> int:
-    """Blocks the sequence must add to take num_new more tokens (0 while its last block has room)."""
-    return handle.session.cache.blocks_needed(num_new)
+    """Blocks the sequence must add to take num_new more tokens (a shared partial block counts: it is copied)."""
+    seq = handle.seq
+    m = _runner(engine).manager
+    need = max(0, seq.layout.blocks_for(seq.seq_len + num_new) - len(seq.block_table))
+    return need + int(num_new > 0 and m.shared_partial(seq))
+
+
+def _block_bytes(engine) -> int:
+    runner = _runner(engine)
+    layouts = {s.layout for s in runner.manager.sequences.values()}
+    return max((l.block_bytes for l in layouts), default=1)
 
 
 def num_free_blocks(engine) -> int:
-    """Blocks of the serve budget that no live sequence holds."""
-    live = _live(engine)
-    with live.lock:
-        used = sum(h.session.cache.pool.num_used_blocks for h in live.handles)
-    return live.num_blocks - used
+    """Blocks of the budget nothing holds (prefix blocks kept only for reuse count as free, as in vLLM)."""
+    m = _runner(engine).manager
+    return max(0, (m.free_bytes() + m.evictable_bytes()) // _block_bytes(engine))
 
 
 def num_blocks(engine) -> int:
-    """All blocks the serve budget holds."""
-    return _live(engine).num_blocks
+    """All blocks the budget holds."""
+    m = _runner(engine).manager
+    return m.budget_bytes // _block_bytes(engine)
 
 
 def fits(engine, handle: Sequence, num_new: int) -> bool:
@@ -93,57 +78,44 @@ def fits(engine, handle: Sequence, num_new: int) -> bool:
 
 
 def release(engine, handle: Sequence) -> None:
-    """Give every block of the sequence back; the handle is dead afterwards."""
-    live = _LIVE.get(engine)
-    handle.session.reset()
-    if live is not None:
-        with live.lock:
-            live.handles.discard(handle)
+    """Give every block of the sequence back (full prefix blocks stay reusable); the handle is dead afterwards."""
+    _runner(engine).close(handle.seq)
 
 
 def num_live(engine) -> int:
-    live = _LIVE.get(engine)
-    return len(live.handles) if live else 0
+    return sum(1 for s in _runner(engine).manager.sequences.values() if s.block_table)
 
 
 def usage(engine) -> float:
-    """Share of the budget's blocks in use, 0.0-1.0 (what vLLM's kv_cache_usage_perc reports)."""
-    live = _LIVE.get(engine)
-    if live is None or not live.num_blocks:
-        return 0.0
-    return 1.0 - num_free_blocks(engine) / live.num_blocks
+    """Share of the budget in use, 0.0-1.0 (vLLM's kv_cache_usage_perc: reusable prefix blocks count as free)."""
+    m = _runner(engine).manager
+    return (m.held_bytes - m.evictable_bytes()) / m.budget_bytes if m.budget_bytes else 0.0
 
 
 def kv_bytes(engine) -> int:
-    """Bytes of KV pages all live sequences hold."""
-    return sum(b for *_, b in kv_bytes_by_layer(engine))
+    """Bytes the pool holds."""
+    return _runner(engine).manager.held_bytes
 
 
 def budget_bytes(engine) -> int:
-    live = _LIVE.get(engine)
-    return live.budget_bytes if live else 0
+    return _runner(engine).manager.budget_bytes
 
 
 def kv_bytes_by_layer(engine) -> list[tuple[int, str, str, int]]:
     """(layer, "k" or "v", format label, bytes held) summed over live sequences."""
-    live = _LIVE.get(engine)
-    if live is None:
-        return []
-    with live.lock:
-        handles = list(live.handles)
+    runner = _runner(engine)
     totals: dict[tuple[int, str, str], int] = {}
-    for h in handles:
-        cache = h.session.cache
-        for layer, ((k, v), (kc, vc)) in enumerate(zip(cache.layer_bytes(), cache.layers)):
-            for comp, fmt, nbytes in (("k", kc.fmt.label, k), ("v", vc.fmt.label, v)):
-                key = (layer, comp, fmt)
-                totals[key] = totals.get(key, 0) + nbytes
+    for seq in list(runner.manager.sequences.values()):
+        for layer, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), seq.layout.formats)):
+            for comp, fmt, nbytes in (("k", kf.label, k), ("v", vf.label, v)):
+                totals[(layer, comp, fmt)] = totals.get((layer, comp, fmt), 0) + nbytes
     return [(layer, comp, fmt, b) for (layer, comp, fmt), b in sorted(totals.items())]
 
 
 def prefix_cache_counts(engine) -> tuple[int, int]:
-    """(tokens looked up, tokens found) in the prefix cache since load. 0, 0 until it is wired."""
-    return 0, 0
+    """(tokens looked up, tokens found) in the prefix cache since load."""
+    m = _runner(engine).manager
+    return m.prefix_queries, m.prefix_hits
 
 
 def max_context(engine) -> int:

@@ -177,7 +177,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             request.handle = batch.new_sequence(self.engine, self.config.cache)
-            request.num_computed = 0
+            request.num_computed = batch.match_prefix(self.engine, request.handle, request.all_ids)
             request.status = RUNNING
             if request.generator is None and request.params.temperature > 0:
                 seed = request.params.seed if request.params.seed is not None else time.time_ns() % 2**63
