@@ -134,7 +134,8 @@ def compare_modes(engine, ids: list[int], modes: dict[str, CacheConfig], limits:
     """
     limits = limits or {}
     budget = engine.budget_mb           # the engine's budget is everyone's: measuring must not change it
-    full = CacheConfig(k_format=engine.dtype_name, v_format=engine.dtype_name, budget_mb=budget)
+    dtype = engine.dtype_name
+    full = CacheConfig(k_format=dtype, v_format=dtype, budget_mb=budget)
     base_session = engine.new_session(cache=full)
     sessions = {name: engine.new_session(cache=c.with_(budget_mb=budget)) for name, c in modes.items()}
     try:

@@ -79,6 +79,7 @@ class Session:
         self.alternatives: list[Alternative] = []   # earlier replies to the last user message
         self._prompt_end = 0                # tokens before the last reply
         self._prompt_logits: torch.Tensor | None = None
+        self._starts: list[int | None] = [None] * len(self.messages)   # token index where each message begins
         self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
         self.notice = ""
 
@@ -285,6 +286,7 @@ class Session:
             self._undo_prompt(kept)
             raise
         self.messages.append({"role": "user", "content": text})
+        self._starts.append(kept)
         self.alternatives = []
         self._prompt_end, self._prompt_logits = len(self.token_ids), logits.detach().clone()
         self._turn["prefill_tokens"] = len(prompt)
@@ -301,7 +303,8 @@ class Session:
             except ConfigError:
                 self.reset()
 
-    def _decode(self, logits: torch.Tensor, params: SamplingParams, should_stop, started: float):
+    def _decode(self, logits: torch.Tensor, params: SamplingParams, should_stop, started: float,
+                continues: bool = False):
         generator = None
         if params.temperature > 0:
             generator = torch.Generator(device="cpu")
@@ -341,7 +344,12 @@ class Session:
         finally:
             self._turn["decode_s"] = time.perf_counter() - decode_started
             final = stream.text()
-            self.messages.append({"role": "assistant", "content": final})
+            if continues:
+                final = self.messages[-1]["content"] + final
+                self.messages[-1] = {"role": "assistant", "content": final}
+            else:
+                self.messages.append({"role": "assistant", "content": final})
+                self._starts.append(self._prompt_end)
         rest = stream.flush()
         if rest:
             yield TokenDelta(rest, ())
@@ -358,10 +366,12 @@ class Session:
         self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
         started = time.perf_counter()
         old = self.messages.pop()
+        self._starts.pop()
         can_fork = self._prompt_logits is not None and self._cached >= self._prompt_end and not self.seq.evicted
         if not can_fork:       # released, slid or resumed: read the prompt again
             self.alternatives.append(Alternative(old["content"], None, []))
             last_user = self.messages.pop()
+            self._starts.pop()
             self.token_ids = self.token_ids[:self._cached]
             yield from self.send(last_user["content"], params, should_stop)
             return
@@ -376,6 +386,49 @@ class Session:
             self._turn["prefill_tokens"] = len(prompt)
         self._turn["prefill_s"] = time.perf_counter() - started
         yield from self._decode(logits, params, should_stop, started)
+
+    def continue_reply(self, params: SamplingParams | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
+        """More of the last reply (cut at max tokens, or stopped): its text grows; nothing is read again."""
+        params = params or SamplingParams()
+        self._sync()
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise ConfigError("there is no reply to continue: send a message first")
+        if self.token_ids and self.token_ids[-1] in self.info.stop_ids:
+            raise ConfigError("the last reply ended on its own; send a message to go on")
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        started = time.perf_counter()
+        if not self.token_ids:        # released or resumed: the whole chat is read again, the reply included
+            rendered, pieces = self._encode_conversation(self.messages[:-1])
+            self.token_ids = self._tokenize(pieces, 0) + self.tokenizer.encode(
+                self.messages[-1]["content"], add_special_tokens=False, split_special_tokens=True)
+        pending = self.token_ids[self._cached:]
+        self._turn["prefill_tokens"] = len(pending)
+        logits = self._forward(pending, all_logits=False)[-1]
+        yield from self._decode(logits, params, should_stop, started, continues=True)
+
+    def rewind(self, index: int) -> None:
+        """Drop messages[index:] (edit and resend from there): the cache goes back to where message `index`
+        began, exactly when it can (full precision, or within a quantized cache's last block), else it is read
+        again on the next turn."""
+        if not 0 <= index <= len(self.messages):
+            raise ConfigError(f"there is no message {index} to go back to")
+        start = self._starts[index] if index < len(self._starts) else None
+        del self.messages[index:]
+        del self._starts[index:]
+        self.alternatives = []
+        self._prompt_logits = None
+        if start is None or start > len(self.token_ids):
+            self.reset()
+            return
+        extra = self.seq.num_tokens - start
+        if extra > 0:
+            try:
+                self.runner.truncate(self.seq, extra)
+            except ConfigError:
+                self.reset()
+                return
+        del self.token_ids[start:]
 
     def select_alternative(self, index: int) -> None:
         """Swap the current last reply with alternative `index` (its cache too, if it is still held)."""

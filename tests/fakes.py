@@ -112,6 +112,11 @@ class FakeSession:
         self.tokens_held = 0
         return freed
 
+    def close(self) -> None:
+        self.reset()
+        if self in self.engine.sessions:
+            self.engine.sessions.remove(self)
+
     def stats(self) -> StatsSnapshot:
         cache = self.cache_config
         layers = []
@@ -154,6 +159,11 @@ class FakeEngine:
         self.sessions: list[FakeSession] = []
         # the shape the byte rule above describes, so the engine's own cache check applies to the fake too
         self.model = SimpleNamespace(config=fake_model_config())
+        self.dtype_name = "fp32"
+
+    @property
+    def budget_mb(self) -> float:
+        return self.config.cache.budget_mb
 
     def new_session(self, system_prompt=None, cache=None, history=None) -> FakeSession:
         check_cache_for_model(cache or self.config.cache, self.model.config)

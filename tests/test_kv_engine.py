@@ -209,3 +209,31 @@ def test_a_lone_surrogate_is_replaced_not_a_crash(engine):
     s = engine.new_session(cache=CacheConfig(**FP32))
     done = list(s.send("broken \ud800 text", GREEDY))[-1]
     assert done.finish_reason in ("eos", "length") and "\ufffd" in s.messages[0]["content"]
+
+
+def test_rewind_goes_back_to_a_message_without_reading_the_rest_again(engine):
+    """Edit-and-resend: rewinding to message 2 keeps the first exchange in the cache (fp32: exact)."""
+    s = engine.new_session(cache=CacheConfig(**FP32))
+    s.reply("First question", GREEDY)
+    held_after_first = s.seq.num_tokens
+    s.reply("Second question", GREEDY)
+    s.rewind(2)
+    assert len(s.messages) == 2 and s.seq.num_tokens <= held_after_first + 1
+    done = list(s.send("Second question, edited", GREEDY))[-1]
+    assert 0 < done.stats.prefill_tokens < held_after_first     # only the edited message and its template
+    direct = engine.new_session(cache=CacheConfig(**FP32))       # the same chat without the detour
+    direct.reply("First question", GREEDY)
+    list(direct.send("Second question, edited", GREEDY))
+    assert direct.token_ids[:direct._prompt_end] == s.token_ids[:s._prompt_end]
+    torch.testing.assert_close(s._prompt_logits, direct._prompt_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_continue_extends_a_reply_cut_at_max_tokens(engine):
+    s = engine.new_session(cache=CacheConfig(**FP32))
+    first = list(s.send("Tell me a long story", SamplingParams(temperature=0.0, max_new_tokens=6)))[-1]
+    assert first.finish_reason == "length"
+    more = list(s.continue_reply(SamplingParams(temperature=0.0, max_new_tokens=6)))[-1]
+    assert more.text.startswith(first.text) and len(s.messages) == 2
+    assert more.stats.prefill_tokens == 1          # only the last sampled token was pending
+    whole = engine.new_session(cache=CacheConfig(**FP32))
+    assert whole.reply("Tell me a long story", SamplingParams(temperature=0.0, max_new_tokens=12)) == more.text
