@@ -191,25 +191,104 @@ def copy_bandwidth_gbs(mb: int = 256) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def _decode_by_context(engine, runs: int, steps: int = 32) -> dict:
-    """Decode tok/s with 256 and 4,096 tokens already cached (interleaved), and their ratio."""
+LONG_MODES = {"bf16": ("bf16", 1), "int8": ("int8", 8), "int4": ("int4", 2)}   # kvchat format, llama.cpp ggml type
+
+
+def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps: int = 32) -> dict:
+    """Decode tok/s with 256 and 4,096 tokens cached, per cache format, kvchat beside llama.cpp on the same
+    file (f16 / q8_0 / q4_0 caches), interleaved; each rate beside its bandwidth bound: (weight bytes + KV
+    bytes read per token) over the copy bandwidth measured in the same run."""
+    from .config import CacheConfig
     try:
         from .texts import load_tokens
         ids = load_tokens(engine.tokenizer, "stream", 4096 + steps)
     except Exception:
         ids = prompt_ids(engine.tokenizer, 4096 + steps)
-    speeds: dict[int, list[float]] = {256: [], 4096: []}
+    contexts = (256, 4096)
+    peers = {}
+    if path and path.endswith(".gguf"):
+        for mode, (_, ggml_type) in LONG_MODES.items():
+            llm = None
+            try:
+                from llama_cpp import Llama
+                llm = Llama(model_path=path, n_ctx=4096 + steps + 8, n_threads=threads, n_threads_batch=threads,
+                            n_batch=512, flash_attn=True, type_k=ggml_type, type_v=ggml_type, verbose=False)
+            except Exception:       # llama.cpp not installed, or this cache type not built in
+                llm = None
+            if llm is not None:
+                peers[mode] = llm
+    speeds: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(runs):
-        for n in speeds:
-            session = engine.new_session()
-            session.append(ids[:n], all_logits=False)
-            t0 = time.perf_counter()
-            for i in range(steps):
-                session.append([ids[n + i]], all_logits=False)
-            speeds[n].append(steps / (time.perf_counter() - t0))
-            session.reset()
-    at = {n: statistics.median(v) for n, v in speeds.items()}
-    return {"decode_tok_s_at_256": at[256], "decode_tok_s_at_4096": at[4096], "ratio_4096_vs_256": at[4096] / at[256]}
+        for mode, (fmt, _) in LONG_MODES.items():
+            for n in contexts:
+                session = engine.new_session(cache=CacheConfig(k_format=fmt, v_format=fmt, budget_mb=4096))
+                session.append(ids[:n], all_logits=False)
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    session.append([ids[n + i]], all_logits=False)
+                speeds.setdefault(("kvchat", mode, n), []).append(steps / (time.perf_counter() - t0))
+                session.close()
+                llm = peers.get(mode)
+                if llm is not None:
+                    llm.reset()
+                    llm.eval(ids[:n])
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        llm.eval([ids[n + i]])
+                    speeds.setdefault(("llamacpp", mode, n), []).append(steps / (time.perf_counter() - t0))
+    copy = copy_bandwidth_gbs() * 1e9
+    out: dict = {"steps": steps, "copy_gbs": copy / 1e9, "modes": {}}
+    for mode, (fmt, _) in LONG_MODES.items():
+        layout = engine.runner.layout(CacheConfig(k_format=fmt, v_format=fmt))
+        row = {}
+        for n in contexts:
+            k = statistics.median(speeds[("kvchat", mode, n)])
+            kv_read = layout.sequence_bytes(n)
+            bound = copy / (engine.weight_bytes + kv_read)
+            row[n] = {"kvchat_tok_s": k, "bound_tok_s": bound, "of_bound": k / bound, "kv_bytes_read": kv_read}
+            if ("llamacpp", mode, n) in speeds:
+                peer = statistics.median(speeds[("llamacpp", mode, n)])
+                row[n].update(llamacpp_tok_s=peer, ratio_vs_llamacpp=k / peer)
+        out["modes"][mode] = row
+    bf16_4096 = out["modes"]["bf16"][4096]["kvchat_tok_s"]
+    for mode in ("int8", "int4"):
+        out["modes"][mode][4096]["ratio_vs_bf16"] = out["modes"][mode][4096]["kvchat_tok_s"] / bf16_4096
+    return out
+
+
+def _prefix_ttft(engine, runs: int, system_tokens: int = 1000) -> dict:
+    """TTFT of a first conversation with a ~1,000-token system prompt, and of a second one sharing it."""
+    from .config import SamplingParams
+    from .events import TokenDelta
+    try:
+        from .texts import load_text
+        text = load_text("prose")
+    except Exception:
+        text = FALLBACK_TEXT * 100
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)[:system_tokens]
+    system = engine.tokenizer.decode(ids)
+    params = SamplingParams(temperature=0.0, max_new_tokens=2)
+
+    def ttft(question: str) -> tuple[float, int]:
+        session = engine.new_session(system_prompt=system)
+        t0 = time.perf_counter()
+        for ev in session.send(question, params):
+            if isinstance(ev, TokenDelta):
+                break
+        took = time.perf_counter() - t0
+        reused = session.stats().prefix_reused_tokens
+        session.close()
+        return took, reused
+
+    first, second, reused = [], [], 0
+    for _ in range(runs):
+        engine.clear_prefix_cache()
+        first.append(ttft("What is this text about?")[0])
+        took, reused = ttft("Summarize it in one line.")
+        second.append(took)
+    f, s2 = statistics.median(first), statistics.median(second)
+    return {"system_tokens": len(ids), "ttft_first_s": f, "ttft_second_s": s2, "ratio": s2 / f,
+            "reused_tokens": reused}
 
 
 def run(args) -> dict:
@@ -255,8 +334,10 @@ def run(args) -> dict:
         if peer in result:
             result[f"ratio_decode_vs_{peer}"] = k["decode_tok_s"] / result[peer]["decode_tok_s"]
             result[f"ratio_prefill_vs_{peer}"] = k["prefill_tok_s"] / result[peer]["prefill_tok_s"]
+    result["prefix_ttft"] = _prefix_ttft(engine, args.runs)
     if getattr(args, "long_context", False):
-        result["decode_by_context"] = _decode_by_context(engine, args.runs)
+        result["decode_by_context"] = _decode_by_context(engine, path if llm is not None else None, threads,
+                                                         args.runs)
     del engine, llm
     if not args.no_load:
         result.update(_fresh_process_runs(spec, path, threads, args.runs, "llamacpp" in sides))
@@ -300,10 +381,22 @@ def summarize(r: dict) -> str:
             lines.append(f"  vs {peer}: decode {r[f'ratio_decode_vs_{peer}']:.2f}x, prefill "
                          f"{r[f'ratio_prefill_vs_{peer}']:.2f}x")
     lines.append(f"  weight reads while decoding {r['weight_read_gbs']:.1f} GB/s; memory copy {r['copy_gbs']:.1f} GB/s")
+    if "prefix_ttft" in r:
+        p = r["prefix_ttft"]
+        lines.append(f"  shared {p['system_tokens']}-token system prompt: TTFT {p['ttft_first_s'] * 1000:.0f} ms first, "
+                     f"{p['ttft_second_s'] * 1000:.0f} ms for a second conversation ({p['ratio']:.2f}x, "
+                     f"{p['reused_tokens']} tokens reused)")
     if "decode_by_context" in r:
         c = r["decode_by_context"]
-        lines.append(f"  decode with 4,096 cached: {c['decode_tok_s_at_4096']:.1f} tok/s, with 256: "
-                     f"{c['decode_tok_s_at_256']:.1f} tok/s ({c['ratio_4096_vs_256']:.2f}x)")
+        lines.append(f"  decode by context (median of {r['runs']}, {c['steps']} steps; bound = copy {c['copy_gbs']:.1f} GB/s "
+                     f"over weight + KV bytes read per token):")
+        for mode, row in c["modes"].items():
+            for n, v in row.items():
+                peer = (f", llama.cpp {v['llamacpp_tok_s']:.1f} ({v['ratio_vs_llamacpp']:.2f}x)"
+                        if "llamacpp_tok_s" in v else "")
+                extra = f", {v['ratio_vs_bf16']:.2f}x kvchat bf16" if "ratio_vs_bf16" in v else ""
+                lines.append(f"    {mode:5s} at {n:5d}: {v['kvchat_tok_s']:6.1f} tok/s, {v['of_bound']:.0%} of its "
+                             f"bound {v['bound_tok_s']:.0f}{peer}{extra}")
     for key, label in (("kvchat_cold", "kvchat, first start"), ("kvchat_warm", "kvchat, warm"),
                        ("llamacpp_oneshot", "llama.cpp")):
         if key in r:
