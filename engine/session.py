@@ -258,6 +258,7 @@ class Session:
         A turn refused (too long, over budget) or stopped while its prompt is read leaves the
         conversation and the cache exactly as they were."""
         params = params or SamplingParams()
+        self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         text = clean_text(text)
         self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
@@ -360,6 +361,7 @@ class Session:
         """A new reply to the last user message: the cache forks where the reply began, so the history is not
         read again; the old reply is kept as an alternative (see `alternatives`, `select_alternative`)."""
         params = params or SamplingParams()
+        self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ConfigError("there is no reply to regenerate yet: send a message first")
@@ -369,11 +371,21 @@ class Session:
         self._starts.pop()
         can_fork = self._prompt_logits is not None and self._cached >= self._prompt_end and not self.seq.evicted
         if not can_fork:       # released, slid or resumed: read the prompt again
-            self.alternatives.append(Alternative(old["content"], None, []))
+            kept = self.alternatives + [Alternative(old["content"], None, [])]
             last_user = self.messages.pop()
             self._starts.pop()
             self.token_ids = self.token_ids[:self._cached]
-            yield from self.send(last_user["content"], params, should_stop)
+            notice = self.notice                        # send clears it; it is about this turn
+            for event in self.send(last_user["content"], params, should_stop):
+                if isinstance(event, TurnFinished):
+                    self.notice = self.notice or notice
+                    event = TurnFinished(event.text, event.finish_reason, event.message, self.stats())
+                    if self.messages and self.messages[-1]["role"] == "assistant":
+                        self.alternatives = kept        # send starts a fresh list; a regenerate keeps the old replies
+                    else:                               # refused or stopped before a reply: the chat stays as it was
+                        self.messages += [last_user, old]
+                        self._starts += [None, None]
+                yield event
             return
         child, shared = self.runner.fork(self.seq, self._prompt_end)
         self.alternatives.append(Alternative(old["content"], self.seq, list(self.token_ids)))
@@ -391,6 +403,7 @@ class Session:
                        should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
         """More of the last reply (cut at max tokens, or stopped): its text grows; nothing is read again."""
         params = params or SamplingParams()
+        self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ConfigError("there is no reply to continue: send a message first")
