@@ -299,3 +299,40 @@ def test_unfenced_code_keeps_newlines_and_indentation(qtbot):
     prose = window.chat.add_message("assistant", "Roses are red\nviolets are blue")
     assert prose.code_blocks() == []
     assert prose._widgets[0].text() == "Roses are red  \nviolets are blue", "a line break stays a line break"
+
+
+def test_real_engine_regenerate_forks_without_prefill_and_arrows_keep_the_cache(qtbot, tiny_llama):
+    """On the real (tiny) engine: Regenerate reads 0 prompt tokens; switching back re-uses the old reply's
+    cache (the next turn reads only its own message); edit and resend reads only the edited message."""
+    from app.worker import _default_loader
+
+    window = open_window(qtbot, _default_loader, autoload=False)
+    window.apply_settings(replace(window.settings, model=tiny_llama,
+                                  sampling=SamplingParams(temperature=0.8, seed=None, max_new_tokens=8)))
+    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=60_000)
+    assert window.last_error is None, window.last_error
+    first = send(qtbot, window, "Tell me about caches")
+    assert first.stats.prefill_tokens > 0
+    reply = last_reply(window)
+    regenerated = click(qtbot, window, reply.regenerate_button, timeout=30_000)
+    assert regenerated.stats.prefill_tokens == 0, "regenerate forks the cache: nothing is read again"
+    assert reply.version_label.text() == "2/2"
+    session = window.host.worker._session
+    assert [a.text for a in session.alternatives] == [first.text]
+
+    qtbot.mouseClick(reply.previous_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.host.worker._session.messages[-1]["content"] == first.text, timeout=5000)
+    assert window.host.worker._session is session, "the same session switched to its alternative"
+    nxt = send(qtbot, window, "And then?")
+    held_before = first.stats.tokens_in_context
+    assert 0 < nxt.stats.prefill_tokens < held_before, "the old reply's cache was kept: only the new message is read"
+
+    user = window.chat.chat_messages()[2]
+    user.start_edit()
+    user.editor.setPlainText("And after that?")
+    window.actions.edit_and_resend(user)
+    qtbot.waitUntil(lambda: not window.generating, timeout=30_000)
+    edited = window.dashboard.data.latest
+    assert [m["content"] for m in window.history.messages(window.conversation_id)][:3] == [
+        "Tell me about caches", first.text, "And after that?"]
+    assert 0 < edited.prefill_tokens < held_before, "edit and resend rewinds the cache: earlier turns stay"
