@@ -153,18 +153,21 @@ class Session:
         c = self._config
         budget = self.runner.manager.budget_bytes / MIB
         if c.window is not None:
-            return (f"The KV budget ({budget:g} MiB) cannot hold a window of {c.window} + {c.sinks} sinks tokens in "
-                    f"{self._label()} while taking {num_new} new tokens: lower the window, choose a smaller format, "
-                    f"or raise the budget.")
-        smaller = "int4" if c.k_format == "int8" else "int8 or int4"
+            return (f"The KV budget ({budget:g} MiB) cannot hold a window of {c.window:,} tokens plus {c.sinks} sinks "
+                    f"in {self._label()} while taking {num_new:,} new tokens: lower the window, choose a smaller "
+                    f"format, or raise the budget in Settings.")
+        formats = {c.k_format, c.v_format}
+        smaller = None if formats == {"int4"} else "int4" if formats <= {"int8", "fp8", "int4"} else "int8 or int4"
         advice = ["switch to a sliding window"]
-        if c.k_format != "int4":
+        if smaller:
             advice.append(f"choose a smaller format ({smaller})")
         if self.seq.num_tokens:
             advice.insert(0, "reset the session")
-        return (f"The KV budget ({budget:g} MiB, {self._label()}) is full: {self.seq.tokens_held} tokens are held and "
-                f"{num_new} more were needed, but only {self.tokens_left()} fit. To go on: {', '.join(advice)}, "
-                f"or raise the budget.")
+        else:                   # nothing held: the message alone is too big
+            advice.insert(0, "shorten the message")
+        return (f"The KV budget ({budget:g} MiB, {self._label()}) is full: {self.seq.tokens_held:,} tokens are held "
+                f"and {num_new:,} more were needed, but only {self.tokens_left():,} fit. To go on: "
+                f"{', '.join(advice)}, or raise the budget in Settings.")
 
     def _slide_to_fit(self) -> None:
         c = self._config
@@ -463,10 +466,12 @@ class Session:
 
     def _context_message(self, num_new: int) -> str:
         limit = self.info.max_context
-        if self._config.overflow == "slide":
+        if not self.seq.num_tokens:
+            advice = "shorten the message, or set a sliding window in Settings (a window bounds the cache)"
+        elif self._config.overflow == "slide":
             advice = "shorten the message, or set a window in Settings (the window then bounds the cache)"
         else:
-            advice = "switch the cache to a sliding window with sinks to keep going, or start a new chat"
+            advice = "switch the cache to a sliding window with sinks in Settings to keep going, or start a new chat"
         return (f"The conversation would pass {self.info.name}'s context of {limit:,} tokens "
                 f"({self.seq.num_tokens:,} held, {num_new:,} more needed): {advice}.")
 
