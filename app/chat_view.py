@@ -215,6 +215,7 @@ class MessageWidget(QFrame):
         if not same_shape:
             for widget in self._widgets:
                 self._layout.removeWidget(widget)
+                widget.hide()           # at once: deleteLater waits for the event loop
                 widget.deleteLater()
             self._widgets = [self._make_widget(kind) for kind, _, _ in segments]
             for i, widget in enumerate(self._widgets):
@@ -411,6 +412,7 @@ class ChatView(QScrollArea):
         self.end_reply()
         for message in self._messages:
             self._layout.removeWidget(message)
+            message.hide()
             message.deleteLater()
         self._messages.clear()
         self._follow = True
@@ -436,6 +438,7 @@ class ChatView(QScrollArea):
         if message in self._messages:
             self._messages.remove(message)
             self._layout.removeWidget(message)
+            message.hide()
             message.deleteLater()
 
     def mark_interrupted(self, message: MessageWidget) -> None:

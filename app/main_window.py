@@ -206,6 +206,7 @@ class MainWindow(QMainWindow):
             if new_conversation:
                 self.conversation_id = self.history.create(text, self.session_cache, self.settings.system_prompt)
                 self.store.set_last_conversation(self.conversation_id)
+                self.host.adopt(self.conversation_id)      # its session stays warm under the new id
         except HistoryError as exc:         # the text stays in the input box
             self.banner.show_message("Cannot save this chat", str(exc))
             return

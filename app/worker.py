@@ -153,6 +153,17 @@ class EngineWorker(QObject):
         self.session_opened.emit(SessionOpened(conversation_id, self._session.cache_config,
                                                len(self._session.messages), self._snapshot()))
 
+    @Slot(object)
+    def adopt(self, conversation_id) -> None:
+        """A new chat got its id with its first message: keep its session warm under that id, so switching
+        back to it later needs no prefill."""
+        if self._session is None or self._conversation_id is not None or conversation_id is None:
+            return
+        self._conversation_id = conversation_id
+        self._open[conversation_id] = self._session
+        while len(self._open) > MAX_OPEN_SESSIONS:
+            _close(self._open.pop(next(iter(self._open))))
+
     @Slot(str, object)
     def send(self, text: str, sampling: SamplingParams) -> None:
         if self._session is None:
@@ -391,6 +402,7 @@ class EngineHost(QObject):
     _edit_resend = Signal(object, str, object)
     _sync_history = Signal(object)
     _clear_prefix = Signal()
+    _adopt = Signal(object)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -410,6 +422,7 @@ class EngineHost(QObject):
         self._edit_resend.connect(self.worker.edit_resend)
         self._sync_history.connect(self.worker.sync_history)
         self._clear_prefix.connect(self.worker.clear_prefix_cache)
+        self._adopt.connect(self.worker.adopt)
         self.thread.started.connect(self.worker.lower_priority)
         for name in EVENT_SIGNALS:
             getattr(self.worker, name).connect(getattr(self, name), Qt.ConnectionType.QueuedConnection)
@@ -458,6 +471,10 @@ class EngineHost(QObject):
     def clear_prefix_cache(self) -> None:
         self.worker.cancel_measure()
         self._clear_prefix.emit()
+
+    def adopt(self, conversation_id: int) -> None:
+        """The open new chat was saved as `conversation_id` (queued before its first send)."""
+        self._adopt.emit(conversation_id)
 
     def stop(self) -> None:
         self.worker.request_stop()

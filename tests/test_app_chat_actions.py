@@ -336,3 +336,19 @@ def test_real_engine_regenerate_forks_without_prefill_and_arrows_keep_the_cache(
     assert [m["content"] for m in window.history.messages(window.conversation_id)][:3] == [
         "Tell me about caches", first.text, "And after that?"]
     assert 0 < edited.prefill_tokens < held_before, "edit and resend rewinds the cache: earlier turns stay"
+
+
+def test_a_new_chat_stays_warm_when_switching_back(qtbot):
+    """A chat started in this run keeps its session under its new id: switching back reuses it (no prefill)."""
+    loader = FakeLoader()
+    window = ready_window(qtbot, loader)
+    send(qtbot, window, "first chat")
+    first_id = window.conversation_id
+    first_session = session_of(loader)
+    window.new_chat()
+    qtbot.waitUntil(lambda: window.session_ready, timeout=5000)
+    send(qtbot, window, "second chat")
+    window.show_conversation(first_id)
+    qtbot.waitUntil(lambda: window.session_ready, timeout=5000)
+    assert window.host.worker._session is first_session
+    assert first_session.tokens_held > 0, "its cache was kept"
