@@ -343,6 +343,7 @@ class MessageWidget(QFrame):
         self.editor = QPlainTextEdit(self, objectName="messageEditor")
         self.editor.setPlainText(self.text())
         self.editor.setMinimumHeight(60)
+        self.editor.setMaximumHeight(180)
         buttons = QWidget(self, objectName="editButtons")
         row = QHBoxLayout(buttons)
         row.setContentsMargins(0, 0, 0, 0)
