@@ -234,7 +234,6 @@ class ChatActions(QObject):
             w.banner.show_message("Cannot save this chat", str(exc))
             return False
         w.banner.hide_message()
-        w.host.sync_history(self._saved_messages())     # the session holds exactly what is shown
         w.turn = record
         w.turn_conversation_id = w.conversation_id
         w.generating = True
@@ -250,12 +249,14 @@ class ChatActions(QObject):
     def regenerate(self, message: MessageWidget) -> None:
         """A new reply in place of this one (the last): the engine forks the cache where it began, so the
         history is not read again; the old reply stays a version the arrows switch back to."""
+        shown = self._saved_messages()          # the session is brought in step with what is shown first
         if message is self._last_reply() and self._start_reply(message, "regenerate"):
-            self.w.host.regenerate(self.w.settings.sampling)
+            self.w.host.regenerate(self.w.settings.sampling, shown)
 
     def continue_reply(self, message: MessageWidget) -> None:
+        shown = self._saved_messages()
         if message is self._last_reply() and self._start_reply(message, "continue"):
-            self.w.host.continue_reply(self.w.settings.sampling)
+            self.w.host.continue_reply(self.w.settings.sampling, shown)
 
     def regenerate_last(self) -> None:
         if (last := self._last_reply()) is not None:

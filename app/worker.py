@@ -171,16 +171,18 @@ class EngineWorker(QObject):
             return
         self._stream(lambda: self._session.send(text, sampling, should_stop=self._stop.is_set))
 
-    @Slot(object)
-    def regenerate(self, sampling: SamplingParams) -> None:
-        """A new reply to the last user message; the engine keeps the old one as an alternative."""
-        if self._supports("regenerate", "Cannot regenerate"):
+    @Slot(object, object)
+    def regenerate(self, sampling: SamplingParams, messages=None) -> None:
+        """A new reply to the last user message (of `messages`, the chat as shown, when given); the engine keeps
+        the old one as an alternative."""
+        if self._supports("regenerate", "Cannot regenerate") and (messages is None or self._sync_history(messages)):
             self._stream(lambda: self._session.regenerate(sampling, should_stop=self._stop.is_set), "Cannot regenerate")
 
-    @Slot(object)
-    def continue_reply(self, sampling: SamplingParams) -> None:
+    @Slot(object, object)
+    def continue_reply(self, sampling: SamplingParams, messages=None) -> None:
         """More of the last reply (cut at max tokens, or stopped)."""
-        if self._supports("continue_reply", "Cannot continue this reply"):
+        if self._supports("continue_reply", "Cannot continue this reply") \
+                and (messages is None or self._sync_history(messages)):
             self._stream(lambda: self._session.continue_reply(sampling, should_stop=self._stop.is_set),
                          "Cannot continue this reply")
 
@@ -371,6 +373,10 @@ EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished"
                  "reset_done", "error", "quality", "prefix_cleared")
 
 
+def _pairs(history: list[dict] | None):
+    return None if history is None else tuple((m["role"], m["content"]) for m in history)
+
+
 class EngineHost(QObject):
     """The GUI side of the bridge: owns the thread, forwards commands as queued signals.
 
@@ -397,8 +403,8 @@ class EngineHost(QObject):
     _reset = Signal()
     _poll = Signal()
     _measure = Signal(object)
-    _regenerate = Signal(object)
-    _continue = Signal(object)
+    _regenerate = Signal(object, object)
+    _continue = Signal(object, object)
     _edit_resend = Signal(object, str, object)
     _sync_history = Signal(object)
     _clear_prefix = Signal()
@@ -448,15 +454,16 @@ class EngineHost(QObject):
         self.worker.cancel_measure()
         self._send.emit(text, sampling)
 
-    def regenerate(self, sampling: SamplingParams) -> None:
+    def regenerate(self, sampling: SamplingParams, history: list[dict] | None = None) -> None:
+        """A new last reply; with `history` (the chat as shown) the session is brought in step with it first."""
         self.worker.clear_stop()
         self.worker.cancel_measure()
-        self._regenerate.emit(sampling)
+        self._regenerate.emit(sampling, _pairs(history))
 
-    def continue_reply(self, sampling: SamplingParams) -> None:
+    def continue_reply(self, sampling: SamplingParams, history: list[dict] | None = None) -> None:
         self.worker.clear_stop()
         self.worker.cancel_measure()
-        self._continue.emit(sampling)
+        self._continue.emit(sampling, _pairs(history))
 
     def edit_resend(self, history: list[dict], text: str, sampling: SamplingParams) -> None:
         """Rewind the session to `history` (the messages before the edited one) and send `text`."""
