@@ -192,6 +192,10 @@ def test_export_markdown_and_json(qtbot, tmp_path, monkeypatch):
     monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(target), "JSON (*.json)"))
     window.actions.export_json_action.trigger()
     assert json.loads((tmp_path / "picked.json").read_text())["title"] == "Export *me*"
+    target = tmp_path / "from-sidebar.md"
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(target), ""))
+    window.conversations.export_requested.emit(window.conversation_id, "markdown")    # the sidebar's context menu
+    assert target.read_text().startswith("# Export *me*")
     monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(tmp_path / "no" / "dir.md"), ""))
     window.actions.export_markdown_action.trigger()
     assert "Could not export" in window.banner.text() and "folder you can write to" in window.banner.text()
@@ -226,7 +230,8 @@ def test_delete_conversation_asks_and_undo_restores_it(qtbot):
     box = window.actions.ask_delete_conversation(conversation_id)
     box.button(QMessageBox.StandardButton.Cancel).click()
     assert window.conversations.ids() == [conversation_id]
-    box = window.actions.ask_delete_conversation(conversation_id)
+    window.conversations.delete_requested.emit(conversation_id)       # the sidebar's context menu
+    box = window.actions.delete_box
     assert "2 messages" in box.text()
     box.button(QMessageBox.StandardButton.Yes).click()
     assert window.conversations.ids() == [] and window.conversation_id is None
