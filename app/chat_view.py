@@ -12,12 +12,15 @@ import re
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QFontDatabase, QGuiApplication
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMessageBox, QPushButton, QScrollArea, QSizePolicy,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMessageBox, QPlainTextEdit, QPushButton, QScrollArea,
+                               QSizePolicy, QVBoxLayout, QWidget)
 
 FLUSH_MS = 50
 OPENABLE_SCHEMES = ("http", "https")
 INTERRUPTED_MARK = "Interrupted: kvchat closed before this reply finished"
+# marks under a reply, by the engine's finish_reason; these two can be continued
+FINISH_MARKS = {"length": ("Cut at max tokens", "The reply reached the max tokens set in Settings: Continue writes more."),
+                "stopped": ("Stopped", "You stopped this reply: Continue picks it up where it ended.")}
 
 
 def confirm_link(url: str, parent: QWidget | None) -> QMessageBox | None:
@@ -35,6 +38,75 @@ def confirm_link(url: str, parent: QWidget | None) -> QMessageBox | None:
     box.open()
     return box
 _FENCE = re.compile(r"^(```|~~~)[ \t]*([\w+#.-]*)[^\n]*$", re.MULTILINE)
+# a line that opens a block of code: `def f():`, `for x in y:`, `int main() {`, `function f(a) {`
+_CODE_HEADER = re.compile(r"^\s*((async\s+)?def|class|if|elif|else|for|while|try|except|finally|with|switch|function|fn|"
+                          r"func|public|private|static|void|int|struct|impl|match)\b.*[:{]\s*$"
+                          r"|^\s*[\w.]+\s*\(.*\)\s*(->\s*\S+\s*)?[:{]\s*$")
+# a line that is code on its own: imports, returns, assignments ending in ; or a closing brace
+_CODE_LINE = re.compile(r"^\s*(import\s+\w|from\s+[\w.]+\s+import\b|#include\b|using\s+\w|package\s+\w|return\b"
+                        r"|(const|let|var)\s+\w+\s*=|[}\])]+;?\s*$)|.*;\s*$")
+# inside a run only: a call or an assignment on its own line (`print(x)`, `y = f(x)`)
+_CODE_CONT = re.compile(r"^\s*([\w.]+\(.*\)|[\w.\[\]]+\s*[-+*/]?=\s*\S.*)\s*$")
+_LIST_ITEM = re.compile(r"^\s*([-*+]|\d+[.)])\s")
+_BLOCK_START = re.compile(r"^\s*([-*+]\s|\d+[.)]\s|#|>|\||```|~~~|---|\*\*\*|$)")
+
+
+def hard_breaks(markdown: str) -> str:
+    """Keep the model's line breaks: markdown joins a paragraph's lines into one; a trailing double space
+    before a plain next line makes it a line break (lists, headings, quotes and tables are left alone)."""
+    lines = markdown.split("\n")
+    out = []
+    for line, nxt in zip(lines, lines[1:] + [""]):
+        plain = line.strip() and not line.lstrip().startswith("|")
+        out.append(line.rstrip() + "  " if plain and not _BLOCK_START.match(nxt) else line)
+    return "\n".join(out)
+
+
+def _indented(line: str) -> bool:
+    return line[:1] in (" ", "\t") and bool(line.strip()) and not _LIST_ITEM.match(line)
+
+
+def split_unfenced_code(text: str) -> list[tuple[str, str, str]]:
+    """Prose with code the model wrote without a fence: runs that look like code become ("code", "", ...)
+    so their newlines and indentation survive (markdown would join the lines and drop the indent).
+
+    A run starts at a block header followed by an indented line (`def f():` + `    return 1`) or at two
+    code lines in a row (`import os` / `import sys`); it goes on over indented, code and blank lines."""
+    lines = text.split("\n")
+    segments: list[tuple[str, str, str]] = []
+    prose: list[str] = []
+    i = 0
+
+    def starts_code(j: int) -> bool:
+        nxt = lines[j + 1] if j + 1 < len(lines) else ""
+        line = lines[j]
+        if _indented(line) or not line.strip():
+            return False
+        return (bool(_CODE_HEADER.match(line)) and _indented(nxt)) or \
+            (bool(_CODE_LINE.match(line)) and bool(_CODE_LINE.match(nxt) or _CODE_HEADER.match(nxt)))
+
+    while i < len(lines):
+        if not starts_code(i):
+            prose.append(lines[i])
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines):
+            line = lines[j]
+            if _indented(line) or _CODE_LINE.match(line) or _CODE_HEADER.match(line) or _CODE_CONT.match(line):
+                j += 1
+            elif not line.strip() and j + 1 < len(lines) and (_indented(lines[j + 1]) or starts_code(j + 1)):
+                j += 1
+            else:
+                break
+        if "\n".join(prose).strip():
+            segments.append(("text", "", "\n".join(prose).strip("\n")))
+        prose = []
+        segments.append(("code", "", "\n".join(lines[i:j]).rstrip()))
+        i = j
+    if "\n".join(prose).strip() or not segments:
+        segments.append(("text", "", "\n".join(prose).strip("\n")))
+    return segments
 
 
 def split_segments(text: str) -> list[tuple[str, str, str]]:
@@ -52,7 +124,7 @@ def split_segments(text: str) -> list[tuple[str, str, str]]:
         closing = re.compile(rf"^{re.escape(fence)}[ \t]*$", re.MULTILINE).search(text, opening.end())
         prose = text[pos:opening.start()]
         if prose.strip():
-            segments.append(("text", "", prose.strip("\n")))
+            segments += split_unfenced_code(prose.strip("\n"))
         code_start = opening.end() + 1
         code_end = closing.start() if closing else len(text)
         segments.append(("code", language, text[code_start:code_end].rstrip("\n")))
@@ -61,7 +133,7 @@ def split_segments(text: str) -> list[tuple[str, str, str]]:
         pos = closing.end()
     rest = text[pos:]
     if rest.strip() or not segments:
-        segments.append(("text", "", rest.strip("\n")))
+        segments += split_unfenced_code(rest.strip("\n"))
     return segments
 
 
@@ -112,7 +184,7 @@ class CodeBlock(QFrame):
 class MessageWidget(QFrame):
     """One message. `set_text` keeps existing segment widgets when the structure is unchanged."""
 
-    def __init__(self, role: str, author: str, text: str = "", parent: QWidget | None = None):
+    def __init__(self, role: str, author: str, text: str = "", parent: QWidget | None = None, request=None):
         super().__init__(parent)
         self.role = role
         self.setObjectName("userMessage" if role == "user" else "assistantMessage" if role == "assistant"
@@ -127,6 +199,8 @@ class MessageWidget(QFrame):
         self._widgets: list[QWidget] = []
         self._text = ""
         self.set_text(text)
+        if role in ("user", "assistant"):
+            self._build_footer(request or (lambda name: None))
 
     def text(self) -> str:
         return self._text
@@ -141,14 +215,18 @@ class MessageWidget(QFrame):
         if not same_shape:
             for widget in self._widgets:
                 self._layout.removeWidget(widget)
+                widget.hide()           # at once: deleteLater waits for the event loop
                 widget.deleteLater()
             self._widgets = [self._make_widget(kind) for kind, _, _ in segments]
-            for widget in self._widgets:
-                self._layout.addWidget(widget)
+            for i, widget in enumerate(self._widgets):
+                self._layout.insertWidget(1 + i, widget)        # after the author, before marks and footer
         for widget, (kind, language, body) in zip(self._widgets, segments):
             if kind == "code":
                 widget.set_code(language, body)
-            elif widget.text() != body:
+                continue
+            if self.role == "assistant":
+                body = hard_breaks(body)
+            if widget.text() != body:
                 widget.setText(body)
         self._segments = segments
 
@@ -168,14 +246,143 @@ class MessageWidget(QFrame):
         self.interrupted_label.setStyleSheet("color: #9a6700; font-style: italic;")
         self.interrupted_label.setToolTip("The app stopped (a crash or power loss) while this reply streamed; "
                                           "what had arrived was saved.")
-        self._layout.addWidget(self.interrupted_label)
+        self._layout.insertWidget(1 + len(self._widgets), self.interrupted_label)
 
     def is_interrupted(self) -> bool:
         return getattr(self, "interrupted_label", None) is not None
 
+    # --- actions under the message (copy, edit, delete, regenerate, continue, versions) ---
+
+    def _build_footer(self, request) -> None:
+        """The row under the message: its mark, reply versions and action buttons. `request(name)` runs one."""
+        self._request = request
+
+        def request(name: str) -> None:    # looked up when clicked: the chat view sets _request after building
+            self._request(name)
+        self.message_id: int | None = None
+        self.finish = ""
+        footer = QWidget(self, objectName="messageFooter")
+        row = QHBoxLayout(footer)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.setSpacing(2)
+        self.finish_label = QLabel(footer, objectName="finishMark")
+        self.finish_label.setVisible(False)
+        self.previous_button = self._action_button(footer, "‹", "Show the previous reply", lambda: request("previous"))
+        self.version_label = QLabel(footer, objectName="versionLabel")
+        self.next_button = self._action_button(footer, "›", "Show the next reply", lambda: request("next"))
+        row.addWidget(self.finish_label)
+        for widget in (self.previous_button, self.version_label, self.next_button):
+            widget.setVisible(False)
+            row.addWidget(widget)
+        row.addStretch(1)
+        self.continue_button = self._action_button(footer, "Continue", "Write more of this reply",
+                                                   lambda: request("continue"))
+        self.regenerate_button = self._action_button(footer, "Regenerate",
+                                                     "Write a new reply (this one is kept: the arrows switch back)",
+                                                     lambda: request("regenerate"))
+        self.edit_button = self._action_button(footer, "Edit", "Change this message and send it again; "
+                                               "the messages after it are removed", self.start_edit)
+        self.copy_message_button = self._action_button(footer, "Copy", "Copy this message's text",
+                                                       lambda: request("copy"))
+        self.delete_button = self._action_button(footer, "Delete", "Delete this message", lambda: request("delete"))
+        for button in (self.continue_button, self.regenerate_button, self.edit_button):
+            button.setVisible(False)
+            row.addWidget(button)
+        row.addWidget(self.copy_message_button)
+        row.addWidget(self.delete_button)
+        self.footer = footer
+        self._layout.addWidget(footer)
+        self.editor: QPlainTextEdit | None = None
+        self.edit_button.setVisible(self.role == "user")
+
+    @staticmethod
+    def _action_button(parent: QWidget, text: str, tip: str, slot) -> QPushButton:
+        button = QPushButton(text, parent, objectName="messageAction")
+        button.setToolTip(tip)
+        button.setCursor(Qt.CursorShape.PointingHandCursor)
+        button.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        button.clicked.connect(slot)
+        return button
+
+    def set_finish(self, reason: str) -> None:
+        """Mark why the reply ended: "stopped" and "length" (cut at max tokens) show under it."""
+        self.finish = reason or ""
+        mark = FINISH_MARKS.get(self.finish)
+        self.finish_label.setText(mark[0] if mark else "")
+        self.finish_label.setToolTip(mark[1] if mark else "")
+        self.finish_label.setVisible(mark is not None)
+
+    def set_versions(self, chosen: int, count: int) -> None:
+        """`‹ 2/3 ›` when the reply was regenerated: version chosen+1 of count."""
+        self.versions = (chosen, count)
+        shown = count > 1
+        self.version_label.setText(f"{chosen + 1}/{count}")
+        for widget in (self.previous_button, self.version_label, self.next_button):
+            widget.setVisible(shown)
+        self.previous_button.setEnabled(shown and chosen > 0)
+        self.next_button.setEnabled(shown and chosen < count - 1)
+
+    def set_actions(self, last: bool, busy: bool) -> None:
+        """Regenerate on the last reply, Continue on a last reply that was cut; nothing runs while busy."""
+        is_reply = self.role == "assistant"
+        self.regenerate_button.setVisible(is_reply and last)
+        self.continue_button.setVisible(is_reply and last and self.finish in FINISH_MARKS and bool(self.text()))
+        for button in (self.regenerate_button, self.continue_button, self.edit_button, self.delete_button,
+                       self.previous_button, self.next_button):
+            button.setEnabled(not busy and (button not in (self.previous_button, self.next_button)
+                                            or self._can_step(button)))
+
+    def _can_step(self, button) -> bool:
+        chosen, count = getattr(self, "versions", (0, 1))
+        return chosen > 0 if button is self.previous_button else chosen < count - 1
+
+    def start_edit(self) -> None:
+        """Edit in place: the text becomes an editor with Send and Cancel."""
+        if self.editor is not None:
+            return
+        self.editor = QPlainTextEdit(self, objectName="messageEditor")
+        self.editor.setPlainText(self.text())
+        self.editor.setMinimumHeight(60)
+        self.editor.setMaximumHeight(180)
+        buttons = QWidget(self, objectName="editButtons")
+        row = QHBoxLayout(buttons)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addStretch(1)
+        cancel = QPushButton("Cancel", buttons, objectName="editCancel")
+        send = QPushButton("Send", buttons, objectName="editSend")
+        send.setToolTip("Send the edited message; the messages after it are removed")
+        cancel.clicked.connect(self.cancel_edit)
+        send.clicked.connect(lambda: self._request("edit"))
+        row.addWidget(cancel)
+        row.addWidget(send)
+        self._edit_buttons = buttons
+        for widget in self._widgets + [self.footer]:
+            widget.setVisible(False)
+        self._layout.addWidget(self.editor)
+        self._layout.addWidget(buttons)
+        self.editor.setFocus()
+
+    def edited_text(self) -> str:
+        return self.editor.toPlainText().strip() if self.editor is not None else self.text()
+
+    def cancel_edit(self) -> None:
+        if self.editor is None:
+            return
+        for widget in (self.editor, self._edit_buttons):
+            self._layout.removeWidget(widget)
+            widget.deleteLater()
+        self.editor = None
+        for widget in self._widgets + [self.footer]:
+            widget.setVisible(True)
+
 
 class ChatView(QScrollArea):
-    """The message column. Follows the newest text while the user is at the bottom."""
+    """The message column. Follows the newest text while the user is at the bottom.
+
+    `action_requested(name, message)` asks the window to run an action from under a message: "copy",
+    "delete", "edit", "regenerate", "continue", "previous", "next"."""
+
+    action_requested = Signal(str, object)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -206,6 +413,7 @@ class ChatView(QScrollArea):
         self.end_reply()
         for message in self._messages:
             self._layout.removeWidget(message)
+            message.hide()
             message.deleteLater()
         self._messages.clear()
         self._follow = True
@@ -220,6 +428,8 @@ class ChatView(QScrollArea):
     def add_message(self, role: str, text: str) -> MessageWidget:
         author = {"user": "You", "assistant": self.assistant_name}.get(role, "kvchat")
         message = MessageWidget(role, author, text, self._column)
+        if role in ("user", "assistant"):
+            message._request = lambda name, m=message: self.action_requested.emit(name, m)
         self._layout.addWidget(message)
         self._messages.append(message)
         self._follow = True
@@ -229,10 +439,35 @@ class ChatView(QScrollArea):
         if message in self._messages:
             self._messages.remove(message)
             self._layout.removeWidget(message)
+            message.hide()
             message.deleteLater()
 
     def mark_interrupted(self, message: MessageWidget) -> None:
         message.mark_interrupted()
+
+    def chat_messages(self) -> list[MessageWidget]:
+        """The user's messages and the replies, without notices."""
+        return [m for m in self._messages if m.role in ("user", "assistant")]
+
+    def refresh_actions(self, busy: bool) -> None:
+        """Which actions each message offers now: Regenerate/Continue only on the last reply; none while busy."""
+        chat = self.chat_messages()
+        for message in chat:
+            message.set_actions(last=message is chat[-1] and message is not self._reply, busy=busy)
+
+    def resume_reply(self, message: MessageWidget) -> None:
+        """Stream into an existing reply: a Continue appends to it, a regenerate replaces its text."""
+        self.end_reply()
+        self._reply = message
+        self._reply_text = message.text()
+        self._dirty = False
+        self._flush_timer.start()
+
+    def restart_reply(self, message: MessageWidget) -> None:
+        self.resume_reply(message)
+        self._reply_text = ""
+        message.set_finish("")
+        message.set_text("…")
 
     def add_notice(self, text: str) -> MessageWidget:
         return self.add_message("notice", text)

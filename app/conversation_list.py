@@ -1,4 +1,5 @@
-"""The saved-conversation list beside the chat: newest first, with rename and delete.
+"""The saved-conversation list beside the chat: newest first, with rename, export and delete; a search
+filters it by title and message text.
 
 Each row is the title on one line, elided to the list's width (once, by us, so Qt's wrapping
 cannot elide it a second time), and when / cache mode under it. Only a left click opens a chat:
@@ -31,6 +32,8 @@ def _when(timestamp: float) -> str:
 class ConversationList(QListWidget):
     chosen = Signal(int)                # a conversation id the user picked
     deleted = Signal(int)
+    delete_requested = Signal(int)      # the window confirms, deletes and offers Undo
+    export_requested = Signal(int, str)     # conversation id, "markdown" or "json"
 
     def __init__(self, history: HistoryStore, parent: QWidget | None = None):
         super().__init__(parent)
@@ -40,16 +43,23 @@ class ConversationList(QListWidget):
         self.setWordWrap(False)
         self.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.open_id: int | None = None     # the conversation the window shows
+        self.query = ""                     # the search box's text: only matching chats are listed
         self.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.customContextMenuRequested.connect(self._menu)
         self.itemClicked.connect(self._clicked)
         self.refresh()
 
+    def set_query(self, query: str) -> None:
+        """List only the chats whose title or messages contain every word of `query`."""
+        self.query = query.strip()
+        self.refresh(self.open_id)
+
     def refresh(self, current_id: int | None = None) -> None:
         self.open_id = current_id
         self.blockSignals(True)
         self.clear()
-        for conversation in self.history.conversations():
+        found = self.history.search(self.query) if self.query else self.history.conversations()
+        for conversation in found:
             cache = conversation.cache.label() if conversation.cache else "?"
             item = QListWidgetItem()
             item.setData(TITLE_ROLE, (conversation.title, f"{_when(conversation.updated_at)} · {cache}"))
@@ -105,7 +115,10 @@ class ConversationList(QListWidget):
         conversation_id = int(item.data(ID_ROLE))
         menu = QMenu(self)
         rename = menu.addAction("Rename…")
-        delete = menu.addAction("Delete")
+        markdown = menu.addAction("Export as Markdown…")
+        as_json = menu.addAction("Export as JSON…")
+        menu.addSeparator()
+        delete = menu.addAction("Delete…")
         action = menu.exec(self.mapToGlobal(pos))
         if action is rename:
             current = self.history.get(conversation_id)
@@ -113,8 +126,7 @@ class ConversationList(QListWidget):
             if ok and title.strip():
                 self.history.rename(conversation_id, title.strip())
                 self.refresh(self.open_id)
+        elif action in (markdown, as_json):
+            self.export_requested.emit(conversation_id, "markdown" if action is markdown else "json")
         elif action is delete:
-            self.history.delete(conversation_id)
-            open_id = None if self.open_id == conversation_id else self.open_id
-            self.deleted.emit(conversation_id)
-            self.refresh(open_id)
+            self.delete_requested.emit(conversation_id)

@@ -38,6 +38,13 @@ CREATE TABLE IF NOT EXISTS messages (
     state TEXT NOT NULL DEFAULT 'done'
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+CREATE TABLE IF NOT EXISTS reply_versions (
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    position INTEGER NOT NULL,
+    content TEXT NOT NULL,
+    finish TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (message_id, position)
+);
 """
 
 TITLE_CHARS = 60
@@ -91,10 +98,18 @@ class Message:
     role: str
     content: str
     state: str                  # DONE, STREAMING or INTERRUPTED
+    finish: str = ""            # the engine's finish_reason for a reply ("length", "stopped", ...); "" unknown
 
     @property
     def interrupted(self) -> bool:
         return self.state == INTERRUPTED
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    """One of the replies a regenerated message has had, oldest first."""
+    content: str
+    finish: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,12 +164,17 @@ class HistoryStore:
                     columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
                     if "state" not in columns:          # a file written by an earlier version
                         db.execute(f"ALTER TABLE messages ADD COLUMN state TEXT NOT NULL DEFAULT '{DONE}'")
+                    _add_columns(db)
+                    # deleted but not undone when the app last closed: gone for good now
+                    db.execute("DELETE FROM conversations WHERE deleted_at IS NOT NULL")
                     db.execute("UPDATE messages SET state = ? WHERE state = ?", (INTERRUPTED, STREAMING))
             except sqlite3.OperationalError as exc:
                 if not _is_read_only(exc):
                     raise
                 self.read_only = True
-            self._has_state = "state" in {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+            columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+            self._has_state, self._has_finish = "state" in columns, "finish" in columns
+            self._has_deleted = "deleted_at" in {row[1] for row in db.execute("PRAGMA table_info(conversations)")}
             db.execute("SELECT count(*) FROM conversations").fetchone()
         except BaseException:
             db.close()
@@ -233,8 +253,70 @@ class HistoryStore:
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
         return ids
 
-    def update_message(self, message_id: int, content: str, state: str) -> None:
-        self._write([("UPDATE messages SET content = ?, state = ? WHERE id = ?", (content, state, message_id))])
+    def update_message(self, message_id: int, content: str, state: str, finish: str | None = None) -> None:
+        if finish is None or not self._has_finish:
+            self._write([("UPDATE messages SET content = ?, state = ? WHERE id = ?", (content, state, message_id))])
+        else:
+            self._write([("UPDATE messages SET content = ?, state = ?, finish = ? WHERE id = ?",
+                          (content, state, finish, message_id))])
+
+    def delete_message(self, message_id: int) -> None:
+        """One message (with its reply versions)."""
+        self._write([("DELETE FROM messages WHERE id = ?", (message_id,))])
+
+    def delete_from(self, conversation_id: int, message_id: int) -> None:
+        """The message and every later one in its conversation (edit and resend drops the old branch)."""
+        self._write([("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))])
+
+    # --- reply versions (regenerate) ---
+
+    def versions(self, message_id: int) -> list[Version]:
+        """Every reply this message has had, oldest first; [] when it was never regenerated."""
+        if not self._has_finish:        # a read-only file from an earlier version
+            return []
+        rows = self._db.execute("SELECT content, finish FROM reply_versions WHERE message_id = ? ORDER BY position",
+                                (message_id,)).fetchall()
+        return [Version(content, finish) for content, finish in rows]
+
+    def chosen_version(self, message_id: int) -> int:
+        if not self._has_finish:
+            return 0
+        row = self._db.execute("SELECT chosen FROM messages WHERE id = ?", (message_id,)).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def keep_as_version(self, message_id: int) -> None:
+        """Before a regenerate: the message's reply becomes its first version (if it has none yet)."""
+        self._write([("INSERT INTO reply_versions (message_id, position, content, finish) "
+                      "SELECT id, 0, content, finish FROM messages WHERE id = ? AND NOT EXISTS "
+                      "(SELECT 1 FROM reply_versions WHERE message_id = ?)", (message_id, message_id))])
+
+    def add_version(self, message_id: int, content: str, finish: str) -> int:
+        """Add a reply to a regenerated message, now the chosen one (the message row holds it); its position.
+
+        The reply it replaces is kept as the first version if it was not one yet."""
+        self.keep_as_version(message_id)
+        with self._writing() as db:
+            count = db.execute("SELECT count(*) FROM reply_versions WHERE message_id = ?", (message_id,)).fetchone()[0]
+            db.execute("INSERT INTO reply_versions (message_id, position, content, finish) VALUES (?, ?, ?, ?)",
+                       (message_id, count, content, finish))
+            db.execute("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ? WHERE id = ?",
+                       (content, finish, DONE, count, message_id))
+        return count
+
+    def update_version(self, message_id: int, content: str, finish: str) -> None:
+        """The chosen version grew (a Continue): the message and its version row both."""
+        self._write([("UPDATE reply_versions SET content = ?, finish = ? WHERE message_id = ? AND position = "
+                      "(SELECT chosen FROM messages WHERE id = ?)", (content, finish, message_id, message_id))])
+
+    def choose_version(self, message_id: int, position: int) -> Version:
+        """Show version `position` of a regenerated reply from now on (it survives a restart)."""
+        row = self._db.execute("SELECT content, finish FROM reply_versions WHERE message_id = ? AND position = ?",
+                               (message_id, position)).fetchone()
+        if row is None:
+            raise HistoryError(f"this reply has no version {position + 1}")
+        self._write([("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ? WHERE id = ?",
+                      (row[0], row[1], DONE, position, message_id))])
+        return Version(row[0], row[1])
 
     def drop_unanswered(self, conversation_id: int) -> list[str]:
         """Delete the user messages after the conversation's last reply (a turn that never got one); their texts."""
@@ -258,15 +340,46 @@ class HistoryStore:
     def delete(self, conversation_id: int) -> None:
         self._write([("DELETE FROM conversations WHERE id = ?", (conversation_id,))])
 
+    def hide(self, conversation_id: int) -> None:
+        """Delete with undo: the conversation leaves every list but stays in the file until `purge` (or the
+        next start); `restore` brings it back with its messages."""
+        self._write([("UPDATE conversations SET deleted_at = ? WHERE id = ?", (time.time(), conversation_id))])
+
+    def restore(self, conversation_id: int) -> None:
+        self._write([("UPDATE conversations SET deleted_at = NULL WHERE id = ?", (conversation_id,))])
+
+    def purge(self, conversation_id: int) -> None:
+        """Delete a hidden conversation for good (an undo that was not taken)."""
+        self._write([("DELETE FROM conversations WHERE id = ? AND deleted_at IS NOT NULL", (conversation_id,))])
+
+    def search(self, query: str) -> list[Conversation]:
+        """Conversations whose title or any message contains `query` (case-insensitive), newest first."""
+        words = query.split()
+        if not words:
+            return self.conversations()
+        where, args = [], []
+        for word in words:          # every word must occur, in the title or in some message
+            pattern = "%" + word.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where.append("(c.title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m WHERE "
+                         "m.conversation_id = c.id AND m.content LIKE ? ESCAPE '\\'))")
+            args += [pattern, pattern]
+        rows = self._db.execute(f"SELECT c.id, c.title, c.cache_config, c.system_prompt, c.created_at, c.updated_at "
+                                f"FROM conversations c WHERE {self._visible('c')} AND {' AND '.join(where)} "
+                                f"ORDER BY c.updated_at DESC, c.id DESC", args).fetchall()
+        return [_conversation(row) for row in rows]
+
+    def _visible(self, alias: str = "conversations") -> str:
+        return f"{alias}.deleted_at IS NULL" if self._has_deleted else "1"
+
     def get(self, conversation_id: int) -> Conversation | None:
         row = self._db.execute("SELECT id, title, cache_config, system_prompt, created_at, updated_at "
-                               "FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+                               f"FROM conversations WHERE id = ? AND {self._visible()}", (conversation_id,)).fetchone()
         return _conversation(row) if row else None
 
     def conversations(self) -> list[Conversation]:
         """Newest activity first."""
         rows = self._db.execute("SELECT id, title, cache_config, system_prompt, created_at, updated_at "
-                                "FROM conversations ORDER BY updated_at DESC, id DESC").fetchall()
+                                f"FROM conversations WHERE {self._visible()} ORDER BY updated_at DESC, id DESC").fetchall()
         return [_conversation(row) for row in rows]
 
     def messages(self, conversation_id: int) -> list[dict]:
@@ -277,13 +390,25 @@ class HistoryStore:
     def entries(self, conversation_id: int) -> list[Message]:
         """The messages with their ids and states (an interrupted reply is marked)."""
         state = "state" if self._has_state else f"'{DONE}'"
-        rows = self._db.execute(f"SELECT id, role, content, {state} FROM messages WHERE conversation_id = ? "
+        finish = "finish" if self._has_finish else "''"
+        rows = self._db.execute(f"SELECT id, role, content, {state}, {finish} FROM messages WHERE conversation_id = ? "
                                 f"ORDER BY id", (conversation_id,)).fetchall()
-        return [Message(int(id_), role, content, st) for id_, role, content, st in rows]
+        return [Message(int(id_), role, content, st, fin) for id_, role, content, st, fin in rows]
 
     def integrity(self) -> str:
         """SQLite's integrity_check verdict: 'ok' or the first problem found."""
         return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
+
+
+def _add_columns(db: sqlite3.Connection) -> None:
+    """Columns later versions added, on a file written by an earlier one."""
+    messages = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+    if "finish" not in messages:        # why a reply ended: "length" and "stopped" are marked under it
+        db.execute("ALTER TABLE messages ADD COLUMN finish TEXT NOT NULL DEFAULT ''")
+    if "chosen" not in messages:        # which of reply_versions the message shows
+        db.execute("ALTER TABLE messages ADD COLUMN chosen INTEGER NOT NULL DEFAULT 0")
+    if "deleted_at" not in {row[1] for row in db.execute("PRAGMA table_info(conversations)")}:
+        db.execute("ALTER TABLE conversations ADD COLUMN deleted_at REAL")
 
 
 def _conversation(row) -> Conversation:

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
 from .banner import Banner
+from .chat_actions import ChatActions
 from .chat_input import ChatInput
 from .chat_view import ChatView
 from .conversation_list import ConversationList
@@ -28,7 +29,7 @@ from .quality_view import QualityController
 from .models_page import ModelsDialog
 from .settings_dialog import SettingsDialog
 from .settings_store import AppSettings, SettingsStore
-from .turn_record import TurnRecord, is_refused
+from .turn_record import ReplyRecord, TurnRecord, is_refused
 from .worker import EngineHost, _default_loader
 
 
@@ -60,6 +61,7 @@ class MainWindow(QMainWindow):
         self._connect_host(EngineHost(loader, self))
         self.quality = QualityController(self.host, self.dashboard.quality_row,
                                          busy=lambda: self.generating or not self.session_ready, parent=self)
+        self.actions = ChatActions(self)    # regenerate, edit, continue, copy/delete, export, search, undo, About
         self._restore_layout()
         self.show_conversation(store.last_conversation(), open_session=False)
         self._update_controls()
@@ -192,7 +194,8 @@ class MainWindow(QMainWindow):
         self._update_controls()
         self.host.load(EngineConfig(model=self.settings.model, cache=self.settings.cache, num_threads=engine_threads()))
 
-    def send(self, text: str) -> None:
+    def send(self, text: str, rewind_to: list[dict] | None = None) -> None:
+        """Send a message; with `rewind_to` (the messages before an edited one) the session goes back there first."""
         text = text.strip()
         if not text or not self.session_ready or self.generating:
             return
@@ -203,18 +206,23 @@ class MainWindow(QMainWindow):
             if new_conversation:
                 self.conversation_id = self.history.create(text, self.session_cache, self.settings.system_prompt)
                 self.store.set_last_conversation(self.conversation_id)
+                self.host.adopt(self.conversation_id)      # its session stays warm under the new id
         except HistoryError as exc:         # the text stays in the input box
             self.banner.show_message("Cannot save this chat", str(exc))
             return
         self.turn = TurnRecord(self.history, self.conversation_id, text, new_conversation)
         self.conversations.refresh(self.conversation_id)
-        self.input.clear()
+        if rewind_to is None:
+            self.input.clear()
         self.chat.add_message("user", text)
         self.chat.begin_reply()
         self.generating = True
         self.turn_conversation_id = self.conversation_id
         self._update_controls()
-        self.host.send(text, self.settings.sampling)
+        if rewind_to is None:
+            self.host.send(text, self.settings.sampling)
+        else:
+            self.host.edit_resend(rewind_to, text, self.settings.sampling)
 
     def stop(self) -> None:
         if self.generating:
@@ -253,6 +261,7 @@ class MainWindow(QMainWindow):
             if entry.role == "assistant" and not entry.content:
                 continue
             widget = self.chat.add_message(entry.role, entry.content)
+            self.actions.show_entry(widget, entry)
             if entry.interrupted:
                 self.chat.mark_interrupted(widget)
         if dropped:
@@ -390,10 +399,12 @@ class MainWindow(QMainWindow):
                 if self.conversation_id == turn.conversation_id:
                     self.conversation_id = None
                     self.store.set_last_conversation(None)
+        reply = None
         if visible:
             reply = self.chat.end_reply(event.text)
-            if reply is not None and not event.text:
+            if reply is not None and not event.text and not isinstance(turn, ReplyRecord):
                 self.chat.remove_message(reply)
+                reply = None
             if event.message:
                 self.chat.add_notice(event.message)
             if event.finish_reason == "stopped":
@@ -402,6 +413,7 @@ class MainWindow(QMainWindow):
         self.turn_conversation_id = None
         self.conversations.refresh(self.conversation_id)
         self._update_controls()
+        self.actions.turn_ended(turn, reply, event)
 
     def _on_stats(self, snapshot: StatsSnapshot) -> None:
         self.latest_stats = snapshot
@@ -451,14 +463,16 @@ class MainWindow(QMainWindow):
             self._session_failed = self._session_failed or event.kind == "session"
             self._settings_refused("cache")
         if event.kind == "send":
+            failed = self.turn
             if self.turn is not None:
                 self._save(self.turn.fail)
                 self.turn = None
             reply = self.chat.end_reply()
-            if reply is not None and not reply.text().strip("…"):
+            if reply is not None and not reply.text().strip("…") and not isinstance(failed, ReplyRecord):
                 self.chat.remove_message(reply)
             self.generating = False
             self.turn_conversation_id = None
+            self.actions.turn_failed(failed, reply)
         if event.kind == "send":
             self.chat.add_notice(f"{event.title}: {event.message}")
         else:
@@ -491,6 +505,8 @@ class MainWindow(QMainWindow):
         self.stop_action.setEnabled(self.generating)
         self.reset_button.setEnabled(can_send)
         self.reset_action.setEnabled(can_send)
+        if hasattr(self, "actions"):
+            self.actions.refresh()
         if self.session_ready:
             self._update_status()
 

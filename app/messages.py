@@ -55,6 +55,12 @@ class ResetDone:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixCleared:
+    freed_bytes: int                    # blocks kept only for prefix reuse, given back to the pool
+    stats: StatsSnapshot | None
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorEvent:
     """Something the user must hear about. `kind` says which command failed."""
 

@@ -32,6 +32,7 @@ class TurnRecord:
         self.new_conversation = new_conversation        # created for this turn: removed again if it is refused
         self._clock = clock
         self._reply_id: int | None = None
+        self.user_id: int | None = None
         self._text = ""
         self._saved_at = 0.0
 
@@ -39,13 +40,17 @@ class TurnRecord:
     def saved(self) -> bool:
         return self._reply_id is not None
 
+    @property
+    def reply_id(self) -> int | None:
+        return self._reply_id
+
     def delta(self, text: str) -> None:
         """More reply text: written now if the last save is SAVE_INTERVAL_S old (the first piece at once)."""
         self._text += text
         now = self._clock()
         if self._reply_id is None:
-            _, self._reply_id = self.history.add_turn(self.conversation_id, [("user", self.user_text, DONE),
-                                                                             ("assistant", self._text, STREAMING)])
+            self.user_id, self._reply_id = self.history.add_turn(self.conversation_id, [
+                ("user", self.user_text, DONE), ("assistant", self._text, STREAMING)])
             self._saved_at = now
         elif now - self._saved_at >= SAVE_INTERVAL_S:
             self.history.update_message(self._reply_id, self._text, STREAMING)
@@ -58,10 +63,11 @@ class TurnRecord:
                 if self.new_conversation and not self.history.messages(self.conversation_id):
                     self.history.delete(self.conversation_id)
                 return False
-            self.history.add_turn(self.conversation_id, [("user", self.user_text, DONE),
-                                                         ("assistant", event.text, DONE)])
+            self.user_id, self._reply_id = self.history.add_turn(self.conversation_id, [
+                ("user", self.user_text, DONE), ("assistant", event.text, DONE)])
+            self.history.update_message(self._reply_id, event.text, DONE, event.finish_reason)
             return True
-        self.history.update_message(self._reply_id, event.text or self._text, DONE)
+        self.history.update_message(self._reply_id, event.text or self._text, DONE, event.finish_reason)
         return True
 
     def fail(self) -> None:
@@ -70,3 +76,55 @@ class TurnRecord:
             self.history.update_message(self._reply_id, self._text, INTERRUPTED)
         elif self.new_conversation and not self.history.messages(self.conversation_id):
             self.history.delete(self.conversation_id)
+
+
+class ReplyRecord:
+    """A reply written again in place: a regenerate (a new version of the message) or a Continue (its text grows).
+
+    The message row holds the reply as it streams (state "streaming"); at the end a regenerate adds a
+    version (the old reply stays one), a Continue updates the chosen version."""
+
+    new_conversation = False
+
+    def __init__(self, history: HistoryStore, conversation_id: int, message_id: int, kind: str, before: str,
+                 clock=time.monotonic):
+        assert kind in ("regenerate", "continue")
+        self.history = history
+        self.conversation_id = conversation_id
+        self.message_id = message_id
+        self.kind = kind
+        self.user_text = ""
+        self._before = before                   # the reply's text before this turn (kept when nothing comes)
+        self._text = before if kind == "continue" else ""
+        self._clock = clock
+        self._saved_at = clock()
+        self._chosen = history.chosen_version(message_id)
+        if kind == "regenerate":
+            history.keep_as_version(message_id)     # before the row starts holding the new reply
+
+    @property
+    def reply_id(self) -> int:
+        return self.message_id
+
+    def delta(self, text: str) -> None:
+        self._text += text
+        now = self._clock()
+        if now - self._saved_at >= SAVE_INTERVAL_S:
+            self.history.update_message(self.message_id, self._text, STREAMING)
+            self._saved_at = now
+
+    def finish(self, event: TurnFinished) -> bool:
+        text = event.text if event.text or self.kind == "regenerate" else self._text
+        if self.kind == "regenerate":
+            self.position = self.history.add_version(self.message_id, text, event.finish_reason)
+        else:
+            self.history.update_message(self.message_id, text, DONE, event.finish_reason)
+            self.history.update_version(self.message_id, text, event.finish_reason)
+        return True
+
+    def fail(self) -> None:
+        """An exception mid-way: a regenerate goes back to the reply it replaced; a Continue keeps what came."""
+        if self.kind == "regenerate":
+            self.history.choose_version(self.message_id, self._chosen)
+        else:
+            self.history.update_message(self.message_id, self._text, DONE)

@@ -20,7 +20,7 @@ from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
 from .engine_facts import complete, model_facts
-from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened
+from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, PrefixCleared, ResetDone, SessionOpened
 
 STATS_INTERVAL_S = 0.1                  # session.stats() is cheap, but no more than ~10 Hz
 TOKEN_BATCH_S = 0.02                    # at most ~50 token signals a second reach the GUI
@@ -62,12 +62,14 @@ class EngineWorker(QObject):
     reset_done = Signal(object)         # ResetDone
     error = Signal(object)              # ErrorEvent
     quality = Signal(object)            # QualityResult, or QualityCancelled when a command came first
+    prefix_cleared = Signal(object)     # PrefixCleared
 
     def __init__(self, loader=_default_loader):
         super().__init__()
         self._loader = loader
         self._engine = None
         self._session = None
+        self._conversation_id = None    # whose session _session is
         self._open: dict = {}           # conversation id -> its session, kept warm in the engine's KV pool
         self._stop = threading.Event()
         self._cancel_measure = threading.Event()  # set by any command, so a quality measurement yields to it
@@ -126,6 +128,7 @@ class EngineWorker(QObject):
         if self._engine is None:
             return
         self._session = None            # a failed open must not leave the previous conversation's session in use
+        self._conversation_id = conversation_id
         try:
             turns = [{"role": role, "content": content} for role, content in history or ()]
             kept = self._open.pop(conversation_id, None) if conversation_id is not None else None
@@ -150,16 +153,110 @@ class EngineWorker(QObject):
         self.session_opened.emit(SessionOpened(conversation_id, self._session.cache_config,
                                                len(self._session.messages), self._snapshot()))
 
+    @Slot(object)
+    def adopt(self, conversation_id) -> None:
+        """A new chat got its id with its first message: keep its session warm under that id, so switching
+        back to it later needs no prefill."""
+        if self._session is None or self._conversation_id is not None or conversation_id is None:
+            return
+        self._conversation_id = conversation_id
+        self._open[conversation_id] = self._session
+        while len(self._open) > MAX_OPEN_SESSIONS:
+            _close(self._open.pop(next(iter(self._open))))
+
     @Slot(str, object)
     def send(self, text: str, sampling: SamplingParams) -> None:
         if self._session is None:
             self.error.emit(ErrorEvent("send", "No model loaded", "Wait for the model to load, or pick one in Settings."))
             return
+        self._stream(lambda: self._session.send(text, sampling, should_stop=self._stop.is_set))
+
+    @Slot(object, object)
+    def regenerate(self, sampling: SamplingParams, messages=None) -> None:
+        """A new reply to the last user message (of `messages`, the chat as shown, when given); the engine keeps
+        the old one as an alternative."""
+        if self._supports("regenerate", "Cannot regenerate") and (messages is None or self._sync_history(messages)):
+            self._stream(lambda: self._session.regenerate(sampling, should_stop=self._stop.is_set), "Cannot regenerate")
+
+    @Slot(object, object)
+    def continue_reply(self, sampling: SamplingParams, messages=None) -> None:
+        """More of the last reply (cut at max tokens, or stopped)."""
+        if self._supports("continue_reply", "Cannot continue this reply") \
+                and (messages is None or self._sync_history(messages)):
+            self._stream(lambda: self._session.continue_reply(sampling, should_stop=self._stop.is_set),
+                         "Cannot continue this reply")
+
+    def _supports(self, method: str, title: str) -> bool:
+        if self._session is None:
+            self.error.emit(ErrorEvent("send", title, "No model is loaded yet: wait for it, or pick one in Settings."))
+            return False
+        if not hasattr(self._session, method):
+            self.error.emit(ErrorEvent("send", title, "This works with a model kvchat runs itself, not with a "
+                                                      "remote server."))
+            return False
+        return True
+
+    @Slot(object, str, object)
+    def edit_resend(self, messages, text: str, sampling: SamplingParams) -> None:
+        """Go back to `messages` (the chat before the edited message) and send `text` from there."""
+        if self._session is not None and self._sync_history(messages):
+            self.send(text, sampling)
+
+    @Slot(object)
+    def sync_history(self, messages) -> None:
+        """Make the session hold `messages` ((role, content) pairs): after a delete or a switch between replies."""
+        if self._session is not None and self._sync_history(messages):
+            self._emit_stats()
+
+    def _sync_history(self, pairs) -> bool:
+        """The cheapest way to the wanted messages: the same (nothing), a prefix (rewind: the cache goes back),
+        another reply to the same question (select_alternative: its cache if still held), else a new session
+        (the engine's prefix cache keeps what the old one shares with it)."""
+        wanted = [{"role": role, "content": content} for role, content in pairs]
+        session = self._session
+        have = session.messages
+        try:
+            if have == wanted:
+                return True
+            if len(wanted) < len(have) and have[:len(wanted)] == wanted and hasattr(session, "rewind"):
+                session.rewind(len(wanted))
+                return True
+            if wanted and have and len(wanted) == len(have) and have[:-1] == wanted[:-1] \
+                    and wanted[-1]["role"] == "assistant":
+                texts = [alt.text for alt in getattr(session, "alternatives", ())]
+                if wanted[-1]["content"] in texts:
+                    session.select_alternative(texts.index(wanted[-1]["content"]))
+                    return True
+            replacement = self._engine.new_session(system_prompt=getattr(session, "system_prompt", None),
+                                                   cache=session.cache_config, history=wanted or None)
+        except Exception as exc:  # noqa: BLE001 - the chat stays as it was; the user hears why
+            self.error.emit(ErrorEvent("send", "Could not change the conversation", _load_error_message(exc)))
+            return False
+        _close(session)
+        self._session = replacement
+        if self._conversation_id is not None:
+            self._open[self._conversation_id] = replacement
+        return True
+
+    @Slot()
+    def clear_prefix_cache(self) -> None:
+        """Free the blocks kept only for prefix reuse (conversations keep theirs)."""
+        if self._engine is None:
+            return
+        try:
+            freed = int(self._engine.clear_prefix_cache())
+        except Exception as exc:  # noqa: BLE001
+            self.error.emit(ErrorEvent("reset", "Could not clear the prefix cache", f"{type(exc).__name__}: {exc}"))
+            return
+        self.prefix_cleared.emit(PrefixCleared(freed, self._snapshot()))
+
+    def _stream(self, start, failure: str = "The reply failed") -> None:
+        """Run one turn (send, regenerate, continue), batching its tokens and stats for the GUI."""
         last_stats = last_token = 0.0
         rate = _DecodeRate()
         pending: list[TokenDelta] = []
         try:
-            for event in self._session.send(text, sampling, should_stop=self._stop.is_set):
+            for event in start():
                 if isinstance(event, TokenDelta):
                     now = time.monotonic()
                     rate.add(now, len(event.token_ids))
@@ -175,8 +272,10 @@ class EngineWorker(QObject):
                     event = replace(event, stats=complete(event.stats, self._facts))
                     self.stats.emit(event.stats)
                     self.turn_finished.emit(event)
+        except ConfigError as exc:      # a refusal in the user's words (nothing to regenerate, nothing to continue)
+            self.error.emit(ErrorEvent("send", failure, str(exc)))
         except Exception as exc:  # noqa: BLE001 - the conversation must stay usable after a failed turn
-            self.error.emit(ErrorEvent("send", "The reply failed", f"{type(exc).__name__}: {exc}"))
+            self.error.emit(ErrorEvent("send", failure, f"{type(exc).__name__}: {exc}"))
 
     @Slot(object)
     def set_cache(self, cache: CacheConfig) -> None:
@@ -271,7 +370,11 @@ class _DecodeRate:
 
 
 EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished", "stats", "mode_switched",
-                 "reset_done", "error", "quality")
+                 "reset_done", "error", "quality", "prefix_cleared")
+
+
+def _pairs(history: list[dict] | None):
+    return None if history is None else tuple((m["role"], m["content"]) for m in history)
 
 
 class EngineHost(QObject):
@@ -291,6 +394,7 @@ class EngineHost(QObject):
     reset_done = Signal(object)
     error = Signal(object)
     quality = Signal(object)
+    prefix_cleared = Signal(object)
 
     _load = Signal(object)
     _open = Signal(object, object, object, object)
@@ -299,6 +403,12 @@ class EngineHost(QObject):
     _reset = Signal()
     _poll = Signal()
     _measure = Signal(object)
+    _regenerate = Signal(object, object)
+    _continue = Signal(object, object)
+    _edit_resend = Signal(object, str, object)
+    _sync_history = Signal(object)
+    _clear_prefix = Signal()
+    _adopt = Signal(object)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -313,6 +423,12 @@ class EngineHost(QObject):
         self._reset.connect(self.worker.reset)
         self._poll.connect(self.worker.poll_stats)
         self._measure.connect(self.worker.measure_quality)
+        self._regenerate.connect(self.worker.regenerate)
+        self._continue.connect(self.worker.continue_reply)
+        self._edit_resend.connect(self.worker.edit_resend)
+        self._sync_history.connect(self.worker.sync_history)
+        self._clear_prefix.connect(self.worker.clear_prefix_cache)
+        self._adopt.connect(self.worker.adopt)
         self.thread.started.connect(self.worker.lower_priority)
         for name in EVENT_SIGNALS:
             getattr(self.worker, name).connect(getattr(self, name), Qt.ConnectionType.QueuedConnection)
@@ -337,6 +453,35 @@ class EngineHost(QObject):
         self.worker.clear_stop()        # here, not in the worker: a Stop pressed before the turn starts still counts
         self.worker.cancel_measure()
         self._send.emit(text, sampling)
+
+    def regenerate(self, sampling: SamplingParams, history: list[dict] | None = None) -> None:
+        """A new last reply; with `history` (the chat as shown) the session is brought in step with it first."""
+        self.worker.clear_stop()
+        self.worker.cancel_measure()
+        self._regenerate.emit(sampling, _pairs(history))
+
+    def continue_reply(self, sampling: SamplingParams, history: list[dict] | None = None) -> None:
+        self.worker.clear_stop()
+        self.worker.cancel_measure()
+        self._continue.emit(sampling, _pairs(history))
+
+    def edit_resend(self, history: list[dict], text: str, sampling: SamplingParams) -> None:
+        """Rewind the session to `history` (the messages before the edited one) and send `text`."""
+        self.worker.clear_stop()
+        self.worker.cancel_measure()
+        self._edit_resend.emit(tuple((m["role"], m["content"]) for m in history), text, sampling)
+
+    def sync_history(self, history: list[dict]) -> None:
+        self.worker.cancel_measure()
+        self._sync_history.emit(tuple((m["role"], m["content"]) for m in history))
+
+    def clear_prefix_cache(self) -> None:
+        self.worker.cancel_measure()
+        self._clear_prefix.emit()
+
+    def adopt(self, conversation_id: int) -> None:
+        """The open new chat was saved as `conversation_id` (queued before its first send)."""
+        self._adopt.emit(conversation_id)
 
     def stop(self) -> None:
         self.worker.request_stop()

@@ -153,18 +153,21 @@ class Session:
         c = self._config
         budget = self.runner.manager.budget_bytes / MIB
         if c.window is not None:
-            return (f"The KV budget ({budget:g} MiB) cannot hold a window of {c.window} + {c.sinks} sinks tokens in "
-                    f"{self._label()} while taking {num_new} new tokens: lower the window, choose a smaller format, "
-                    f"or raise the budget.")
-        smaller = "int4" if c.k_format == "int8" else "int8 or int4"
+            return (f"The KV budget ({budget:g} MiB) cannot hold a window of {c.window:,} tokens plus {c.sinks} sinks "
+                    f"in {self._label()} while taking {num_new:,} new tokens: lower the window, choose a smaller "
+                    f"format, or raise the budget in Settings.")
+        formats = {c.k_format, c.v_format}
+        smaller = None if formats == {"int4"} else "int4" if formats <= {"int8", "fp8", "int4"} else "int8 or int4"
         advice = ["switch to a sliding window"]
-        if c.k_format != "int4":
+        if smaller:
             advice.append(f"choose a smaller format ({smaller})")
         if self.seq.num_tokens:
             advice.insert(0, "reset the session")
-        return (f"The KV budget ({budget:g} MiB, {self._label()}) is full: {self.seq.tokens_held} tokens are held and "
-                f"{num_new} more were needed, but only {self.tokens_left()} fit. To go on: {', '.join(advice)}, "
-                f"or raise the budget.")
+        else:                   # nothing held: the message alone is too big
+            advice.insert(0, "shorten the message")
+        return (f"The KV budget ({budget:g} MiB, {self._label()}) is full: {self.seq.tokens_held:,} tokens are held "
+                f"and {num_new:,} more were needed, but only {self.tokens_left():,} fit. To go on: "
+                f"{', '.join(advice)}, or raise the budget in Settings.")
 
     def _slide_to_fit(self) -> None:
         c = self._config
@@ -258,6 +261,7 @@ class Session:
         A turn refused (too long, over budget) or stopped while its prompt is read leaves the
         conversation and the cache exactly as they were."""
         params = params or SamplingParams()
+        self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         text = clean_text(text)
         self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
@@ -360,6 +364,7 @@ class Session:
         """A new reply to the last user message: the cache forks where the reply began, so the history is not
         read again; the old reply is kept as an alternative (see `alternatives`, `select_alternative`)."""
         params = params or SamplingParams()
+        self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ConfigError("there is no reply to regenerate yet: send a message first")
@@ -369,11 +374,21 @@ class Session:
         self._starts.pop()
         can_fork = self._prompt_logits is not None and self._cached >= self._prompt_end and not self.seq.evicted
         if not can_fork:       # released, slid or resumed: read the prompt again
-            self.alternatives.append(Alternative(old["content"], None, []))
+            kept = self.alternatives + [Alternative(old["content"], None, [])]
             last_user = self.messages.pop()
             self._starts.pop()
             self.token_ids = self.token_ids[:self._cached]
-            yield from self.send(last_user["content"], params, should_stop)
+            notice = self.notice                        # send clears it; it is about this turn
+            for event in self.send(last_user["content"], params, should_stop):
+                if isinstance(event, TurnFinished):
+                    self.notice = self.notice or notice
+                    event = TurnFinished(event.text, event.finish_reason, event.message, self.stats())
+                    if self.messages and self.messages[-1]["role"] == "assistant":
+                        self.alternatives = kept        # send starts a fresh list; a regenerate keeps the old replies
+                    else:                               # refused or stopped before a reply: the chat stays as it was
+                        self.messages += [last_user, old]
+                        self._starts += [None, None]
+                yield event
             return
         child, shared = self.runner.fork(self.seq, self._prompt_end)
         self.alternatives.append(Alternative(old["content"], self.seq, list(self.token_ids)))
@@ -391,6 +406,7 @@ class Session:
                        should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
         """More of the last reply (cut at max tokens, or stopped): its text grows; nothing is read again."""
         params = params or SamplingParams()
+        self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ConfigError("there is no reply to continue: send a message first")
@@ -450,10 +466,12 @@ class Session:
 
     def _context_message(self, num_new: int) -> str:
         limit = self.info.max_context
-        if self._config.overflow == "slide":
+        if not self.seq.num_tokens:
+            advice = "shorten the message, or set a sliding window in Settings (a window bounds the cache)"
+        elif self._config.overflow == "slide":
             advice = "shorten the message, or set a window in Settings (the window then bounds the cache)"
         else:
-            advice = "switch the cache to a sliding window with sinks to keep going, or start a new chat"
+            advice = "switch the cache to a sliding window with sinks in Settings to keep going, or start a new chat"
         return (f"The conversation would pass {self.info.name}'s context of {limit:,} tokens "
                 f"({self.seq.num_tokens:,} held, {num_new:,} more needed): {advice}.")
 

@@ -32,10 +32,17 @@ class ModelLoadError(RuntimeError):
     """Named like the engine's, so the worker treats it the same way."""
 
 
+class FakeAlternative(SimpleNamespace):
+    """Like engine.session.Alternative: a reply regenerated away from (text; no cache in the fake)."""
+
+
 class FakeSession:
-    def __init__(self, engine: "FakeEngine", cache: CacheConfig, history=None):
+    def __init__(self, engine: "FakeEngine", cache: CacheConfig, history=None, system_prompt=None):
         self.engine = engine
         self.cache_config = cache
+        self.system_prompt = system_prompt
+        self.alternatives: list[FakeAlternative] = []
+        self.prefilled = 0              # prompt tokens read into the cache, all turns together
         self.messages: list[dict] = [dict(m) for m in history or ()]
         self.tokens_in_context = sum(len(m["content"].split()) for m in self.messages)
         self.tokens_held = 0            # a resumed chat is prefilled lazily, on the next send
@@ -68,22 +75,69 @@ class FakeSession:
                                self.stats())
             return
         self.tokens_held += needed
+        self.prefilled += needed
         self.tokens_in_context += prompt
+        self.alternatives = []
+        yield from self._decode(sampling, should_stop, offset=0, continues=False)
+
+    def _decode(self, sampling, should_stop, offset: int, continues: bool):
+        """The reply: the engine's words from `offset` on, so a regenerate says something else."""
+        words = self.engine.reply_words
         pieces, reason, start = [], "length", time.monotonic()
         for i in range(sampling.max_new_tokens):
             if should_stop():
                 reason = "stopped"
                 break
             time.sleep(self.engine.step_s)
-            piece = self.engine.reply_words[i % len(self.engine.reply_words)] + " "
+            word = words[(offset + i) % len(words)]
+            piece = " " + word if continues else word + " "
             pieces.append(piece)
             self.tokens_held += 1
             self.tokens_in_context += 1
             self.decode_tok_s = (i + 1) / max(1e-6, time.monotonic() - start)
             yield TokenDelta(piece, (i,))
-        reply = "".join(pieces).strip()
-        self.messages.append({"role": "assistant", "content": reply})
+        if continues:
+            reply = self.messages[-1]["content"] + "".join(pieces)
+            self.messages[-1] = {"role": "assistant", "content": reply}
+        else:
+            reply = "".join(pieces).strip()
+            self.messages.append({"role": "assistant", "content": reply})
         yield TurnFinished(reply, reason, "", self.stats())
+
+    def regenerate(self, sampling: SamplingParams, should_stop=lambda: False):
+        """A new reply to the last user message; the old one joins `alternatives`. Nothing is read again."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise ConfigError("there is no reply to regenerate yet: send a message first")
+        old = self.messages.pop()
+        dropped = len(old["content"].split())
+        self.tokens_held = max(0, self.tokens_held - dropped)
+        self.tokens_in_context -= dropped
+        self.alternatives.append(FakeAlternative(text=old["content"], seq=None, token_ids=[]))
+        self.regenerated = getattr(self, "regenerated", 0) + 1
+        yield from self._decode(sampling, should_stop, offset=self.regenerated, continues=False)
+
+    def select_alternative(self, index: int) -> None:
+        alt = self.alternatives[index]
+        current = FakeAlternative(text=self.messages[-1]["content"], seq=None, token_ids=[])
+        self.messages[-1] = {"role": "assistant", "content": alt.text}
+        self.alternatives[index] = current
+
+    def continue_reply(self, sampling: SamplingParams, should_stop=lambda: False):
+        """More of the last reply: its text grows by the engine's words, continuing where it stopped."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise ConfigError("there is no reply to continue: send a message first")
+        offset = len(self.messages[-1]["content"].split())
+        yield from self._decode(sampling, should_stop, offset=offset, continues=True)
+
+    def rewind(self, index: int) -> None:
+        """Drop messages[index:]; the cache goes back to where message `index` began."""
+        if not 0 <= index <= len(self.messages):
+            raise ConfigError(f"there is no message {index} to go back to")
+        del self.messages[index:]
+        self.alternatives = []
+        self.tokens_in_context = sum(len(m["content"].split()) + 4 for m in self.messages)
+        self.tokens_held = min(self.tokens_held, self.tokens_in_context)
+        self.rewound = getattr(self, "rewound", []) + [index]
 
     def append(self, ids):
         """Teacher-forced logits [len(ids), VOCAB]: the same for every mode, plus noise that grows as the
@@ -157,6 +211,7 @@ class FakeEngine:
         self.refuse_fp8 = True
         self.reply_words = ["Hello", "from", "the", "fake", "engine."]
         self.sessions: list[FakeSession] = []
+        self.prefix_cache_bytes = 3 * 1024 * 1024    # what clear_prefix_cache frees the first time
         # the shape the byte rule above describes, so the engine's own cache check applies to the fake too
         self.model = SimpleNamespace(config=fake_model_config())
         self.dtype_name = "fp32"
@@ -165,9 +220,13 @@ class FakeEngine:
     def budget_mb(self) -> float:
         return self.config.cache.budget_mb
 
+    def clear_prefix_cache(self) -> int:
+        freed, self.prefix_cache_bytes = self.prefix_cache_bytes, 0
+        return freed
+
     def new_session(self, system_prompt=None, cache=None, history=None) -> FakeSession:
         check_cache_for_model(cache or self.config.cache, self.model.config)
-        session = FakeSession(self, cache or self.config.cache, history)
+        session = FakeSession(self, cache or self.config.cache, history, system_prompt)
         self.sessions.append(session)
         return session
 

@@ -171,7 +171,7 @@ def test_new_chat_and_switching_conversations(qtbot):
     window.show_conversation(first_id)
     qtbot.waitUntil(lambda: window.session_ready, timeout=5000)
     assert window.chat.messages()[0].text() == "first chat"
-    assert loader.engines[0].sessions[-1].messages[0]["content"] == "first chat"
+    assert window.host.worker._session.messages[0]["content"] == "first chat"   # its warm session, kept under its id
 
 
 def test_missing_model_shows_message_and_app_stays_usable(qtbot, tmp_path):
