@@ -31,7 +31,17 @@ def new_sequence(engine, cache_config: CacheConfig) -> Sequence:
     runner = _runner(engine)
     if int(cache_config.budget_mb * MIB) != runner.manager.budget_bytes:
         runner.set_budget(cache_config.budget_mb)
-    return Sequence(runner.new_sequence(cache_config), cache_config)
+    seq = runner.new_sequence(cache_config)
+    runner.serve_layout = seq.layout        # block counts below are in this layout's blocks
+    handle = Sequence(seq, cache_config)
+    _handles(runner).add(handle)
+    return handle
+
+
+def _handles(runner) -> set:
+    if not hasattr(runner, "serve_handles"):
+        runner.serve_handles = set()
+    return runner.serve_handles
 
 
 def match_prefix(engine, handle: Sequence, ids: list[int]) -> int:
@@ -57,14 +67,19 @@ def blocks_needed(engine, handle: Sequence, num_new: int) -> int:
 
 def _block_bytes(engine) -> int:
     runner = _runner(engine)
-    layouts = {s.layout for s in runner.manager.sequences.values()}
-    return max((l.block_bytes for l in layouts), default=1)
+    layout = getattr(runner, "serve_layout", None)
+    if layout is None:
+        raise RuntimeError("no sequence was opened on this engine yet: call new_sequence first")
+    return layout.block_bytes
 
 
 def num_free_blocks(engine) -> int:
-    """Blocks of the budget nothing holds (prefix blocks kept only for reuse count as free, as in vLLM)."""
-    m = _runner(engine).manager
-    return max(0, (m.free_bytes() + m.evictable_bytes()) // _block_bytes(engine))
+    """Blocks of the budget no request holds: prefix blocks kept only for reuse count as free (as in vLLM), and
+    so do the blocks of idle app conversations on the same engine, which give them back when asked."""
+    runner = _runner(engine)
+    m = runner.manager
+    keep = {h.seq.seq_id for h in _handles(runner)}
+    return max(0, (m.free_bytes() + m.reclaimable_bytes(keep)) // _block_bytes(engine))
 
 
 def num_blocks(engine) -> int:
@@ -79,17 +94,20 @@ def fits(engine, handle: Sequence, num_new: int) -> bool:
 
 def release(engine, handle: Sequence) -> None:
     """Give every block of the sequence back (full prefix blocks stay reusable); the handle is dead afterwards."""
-    _runner(engine).close(handle.seq)
+    runner = _runner(engine)
+    runner.close(handle.seq)
+    _handles(runner).discard(handle)
 
 
 def num_live(engine) -> int:
-    return sum(1 for s in _runner(engine).manager.sequences.values() if s.block_table)
+    """Live server sequences (the app's conversations on the same engine are not counted)."""
+    return len(_handles(_runner(engine)))
 
 
 def usage(engine) -> float:
-    """Share of the budget in use, 0.0-1.0 (vLLM's kv_cache_usage_perc: reusable prefix blocks count as free)."""
-    m = _runner(engine).manager
-    return (m.held_bytes - m.evictable_bytes()) / m.budget_bytes if m.budget_bytes else 0.0
+    """Share of the budget in use, 0.0-1.0 (vLLM's kv_cache_usage_perc: reusable blocks count as free)."""
+    total = num_blocks(engine)
+    return 1.0 - num_free_blocks(engine) / total if total else 0.0
 
 
 def kv_bytes(engine) -> int:
