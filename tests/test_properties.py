@@ -322,3 +322,55 @@ def world(tiny_llama):
 
 def test_engine_invariants_under_random_use(world):
     run_machine()
+
+
+# ---- what the property test found, pinned down ------------------------------------------------------------
+
+
+def _stop_after(n):
+    calls = []
+
+    def should_stop():
+        calls.append(1)
+        return len(calls) > n
+    return should_stop
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_continue_after_a_reply_stopped_by_the_user(tiny_engine, steps):
+    """A reply stopped after `steps` tokens (its last token already in the cache, or no token at all) continues
+    into the reply an uninterrupted turn gives (it raised IndexError: nothing was pending to read)."""
+    s = tiny_engine.new_session(cache=CacheConfig(**FP32))
+    first = list(s.send("Hello! How are you today?", SamplingParams(temperature=0.0, max_new_tokens=8),
+                        should_stop=_stop_after(steps)))[-1]
+    assert first.finish_reason == "stopped"
+    more = list(s.continue_reply(SamplingParams(temperature=0.0, max_new_tokens=4)))[-1]
+    whole = tiny_engine.new_session(cache=CacheConfig(**FP32))
+    want = whole.reply("Hello! How are you today?", SamplingParams(temperature=0.0, max_new_tokens=steps + 4))
+    assert more.text == want and more.text.startswith(first.text)
+    assert s.token_ids == whole.token_ids
+    tiny_engine.runner.manager.check()
+
+
+def test_stop_while_a_window_slides_over_the_prompt_leaves_the_chat_as_before(tiny_engine):
+    """A prompt read in window-sized chunks and stopped after the window evicted blocks cannot be taken back
+    exactly: the cache starts over instead of failing (it raised AssertionError from the manager)."""
+    cache = CacheConfig(k_format="bf16", v_format="bf16", window=16, sinks=4, block_size=8)
+    s = tiny_engine.new_session(cache=cache)
+    s.reply("Hello! How are you today?", SamplingParams(temperature=0.0, max_new_tokens=3))
+    before = list(s.messages)
+    done = list(s.send("The quick brown fox jumps over the lazy dog. " * 6, SamplingParams(temperature=0.0),
+                       should_stop=_stop_after(3)))[-1]
+    assert done.finish_reason == "stopped" and s.messages == before
+    tiny_engine.runner.manager.check()
+    assert list(s.send("Paris", SamplingParams(temperature=0.0, max_new_tokens=2)))[-1].finish_reason == "length"
+    tiny_engine.runner.manager.check()
+
+
+def test_truncate_past_what_a_window_holds_is_refused_with_a_message(tiny_engine):
+    s = tiny_engine.new_session(cache=CacheConfig(k_format="fp32", v_format="fp32", window=16, sinks=4, block_size=8))
+    s.append(list(range(3, 63)))
+    assert s.seq.evicted
+    with pytest.raises(ConfigError, match="cannot take back"):
+        s.truncate(s.seq.seq_len - 2)
+    tiny_engine.runner.manager.check()
