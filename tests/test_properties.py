@@ -374,3 +374,42 @@ def test_truncate_past_what_a_window_holds_is_refused_with_a_message(tiny_engine
     with pytest.raises(ConfigError, match="cannot take back"):
         s.truncate(s.seq.seq_len - 2)
     tiny_engine.runner.manager.check()
+
+
+def test_blocks_computed_under_a_window_are_not_shared_with_full_attention(tiny_engine):
+    """A windowed conversation's later blocks hold K/V computed over the window only; a full-attention conversation
+    with the same prefix must not adopt them (it did: its logits were off by ~0.3). Blocks within the first
+    window + sinks tokens are the same either way and stay shared."""
+    system = "Caches store keys and values for every token. " * 8
+    text = "The quick brown fox jumps over the lazy dog."
+    fp32 = CacheConfig(**FP32)
+    windowed = tiny_engine.new_session(system_prompt=system, cache=fp32.with_(window=16, sinks=4))
+    windowed.reply(text, SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert windowed.seq.evicted
+    shared = tiny_engine.new_session(system_prompt=system, cache=fp32)
+    done = list(shared.send(text, SamplingParams(temperature=0.0, max_new_tokens=2)))[-1]
+    plain = tiny_engine.new_session(system_prompt=system, cache=fp32, prefix_cache=False)
+    list(plain.send(text, SamplingParams(temperature=0.0, max_new_tokens=2)))
+    torch.testing.assert_close(shared._prompt_logits, plain._prompt_logits, atol=1e-4, rtol=0)
+    assert 0 < done.stats.prefix_reused_tokens <= 16 + 4
+    tiny_engine.runner.manager.check()
+
+
+def test_a_block_truncated_back_to_partial_leaves_the_prefix_index(tiny_engine):
+    """truncate() kept a block that had been full and indexed; new tokens overwrote its rows while the index
+    still offered it for the old prefix, so a later conversation adopted wrong K/V (logits off by ~0.1)."""
+    from engine.testing import random_ids
+    ids, other = random_ids(tiny_engine, 41, seed=21), random_ids(tiny_engine, 10, seed=22)
+    fp32 = CacheConfig(**FP32)
+    first = tiny_engine.new_session(cache=fp32)
+    first.append(ids[:40])                        # blocks 0 and 1 full and indexed
+    first.truncate(10)                            # block 1 holds 14 tokens again
+    first.append(other)                           # ...and is written over
+    second = tiny_engine.new_session(cache=fp32)
+    adopted = tiny_engine.runner.manager.match_prefix(second.seq, ids)
+    second.token_ids = ids[:adopted]
+    got = second.append(ids[adopted:], all_logits=False)
+    fresh = tiny_engine.new_session(cache=fp32, prefix_cache=False)
+    torch.testing.assert_close(got, fresh.append(ids, all_logits=False), atol=1e-4, rtol=0)
+    assert adopted == 16
+    tiny_engine.runner.manager.check()
