@@ -298,6 +298,11 @@ class EngineWorker(QObject):
             return
         try:
             freed = int(self._session.reset())
+            # Reset is how the user gets memory back: the blocks it freed that were kept for prefix reuse
+            # (and other closed chats' ones) go too, so the page storage shrinks; open chats keep theirs
+            clear = getattr(self._engine, "clear_prefix_cache", None)
+            if clear is not None:
+                clear()
         except Exception as exc:  # noqa: BLE001
             self.error.emit(ErrorEvent("reset", "Reset failed", f"{type(exc).__name__}: {exc}"))
             return

@@ -146,5 +146,9 @@ class Engine:
         return self.runner.manager.budget_bytes / MIB
 
     def clear_prefix_cache(self) -> int:
-        """Free the blocks kept only for prefix reuse; returns the bytes freed."""
-        return self.runner.clear_prefix_cache()
+        """Free the blocks kept only for prefix reuse and give the memory back to the system; returns the bytes freed."""
+        freed = self.runner.clear_prefix_cache()
+        if str(self.device).startswith("cuda"):
+            torch.cuda.empty_cache()
+        trim_heap()
+        return freed

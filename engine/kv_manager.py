@@ -100,6 +100,10 @@ class BlockPool:
             self._by_key[key] = block_id
             self.block_hash[block_id] = key
 
+    def uncache(self, block_id: int) -> None:
+        """Take a referenced block out of the prefix index (its contents are about to change)."""
+        self._forget(block_id)
+
     def lookup(self, key: tuple) -> int | None:
         return self._by_key.get(key)
 
@@ -183,6 +187,12 @@ class Sequence:
     def absolute(self, slot: int) -> int:
         """The token index of a slot (slots after the sink blocks moved down as blocks left)."""
         return slot if slot < self.sink_blocks * self.block_size else slot + self.evicted * self.block_size
+
+
+def _full_attention_tokens(geometry: WindowGeometry) -> float:
+    """Tokens a sequence computes as full attention does: a window changes the K/V of later tokens (they attend to
+    the sinks and the window only), so only blocks within the first window + sinks tokens are shared by prefix."""
+    return float("inf") if geometry.window is None else geometry.window + geometry.sinks
 
 
 @dataclass
@@ -361,7 +371,7 @@ class KVCacheManager:
 
     def _index_full_blocks(self, seq: Sequence) -> None:
         bs = seq.block_size
-        while (len(seq.block_keys) + 1) * bs <= seq.num_tokens:
+        while (len(seq.block_keys) + 1) * bs <= min(seq.num_tokens, _full_attention_tokens(seq.geometry)):
             i = len(seq.block_keys)
             parent = hash(seq.block_keys[-1]) if seq.block_keys else 0
             key = (parent, seq.layout, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
@@ -372,6 +382,9 @@ class KVCacheManager:
         """A new window on a sequence (live switch): blocks it no longer keeps go back; returns how many."""
         if seq.evicted and geometry.window is not None and geometry.sink_blocks != seq.sink_blocks:
             raise ValueError("sink blocks cannot change once the window has evicted tokens")
+        if geometry != seq.geometry:      # blocks from now on are computed under another window: index no more
+            seq.token_ids.clear()
+            seq.block_keys.clear()
         seq.geometry = geometry
         if not seq.evicted:
             seq.sink_blocks = geometry.sink_blocks
@@ -401,7 +414,7 @@ class KVCacheManager:
         The last token is always left to compute, so its logits come from a forward pass."""
         assert not seq.block_table and seq.num_tokens == 0
         bs = seq.block_size
-        usable = (len(token_ids) - 1) // bs
+        usable = (min(len(token_ids) - 1, _full_attention_tokens(seq.geometry))) // bs
         self.prefix_queries += usable * bs
         parent = 0
         for i in range(usable):
@@ -449,6 +462,8 @@ class KVCacheManager:
         self._free_ids(reversed(dropped))
         del seq.token_ids[seq.num_tokens:]
         del seq.block_keys[seq.num_tokens // seq.block_size:]
+        if seq.seq_len % seq.block_size:     # a full block is partial again: new tokens will overwrite its rows
+            self.pool.uncache(seq.block_table[-1])
         return dropped
 
     def shared_partial(self, seq: Sequence) -> bool:

@@ -90,6 +90,9 @@ class ModelRunner:
         """Take back the last n tokens (exact within a quantized sequence's tail block)."""
         with self.lock:
             bs = seq.block_size
+            if n > seq.seq_len or (seq.evicted and seq.seq_len - n < seq.sink_blocks * bs):
+                raise ConfigError(f"the cache holds {seq.seq_len} tokens since the window moved: it cannot take "
+                                  f"back {n}")
             if seq.layout.quantized_components and n > seq.seq_len % bs:
                 raise ConfigError("a quantized cache can take back tokens of its last, unquantized block only")
             self.manager.truncate(seq, n)

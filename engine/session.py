@@ -267,7 +267,7 @@ class Session:
         self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
         started = time.perf_counter()
         new_ids = self._new_tokens_for(self.messages + [{"role": "user", "content": text}])
-        kept = len(self.token_ids)
+        kept, seq_before = len(self.token_ids), (self.seq, self.seq.evicted)
         self.token_ids.extend(new_ids)
         if not self._cached and self.prefix_cache:
             self._turn["reused"] = self.runner.manager.match_prefix(self.seq, self.token_ids)
@@ -280,14 +280,14 @@ class Session:
             self._check_whole_fits(len(prompt))
             logits = self._forward(prompt, all_logits=False, should_stop=should_stop)[-1]
         except (BudgetFull, Stopped) as exc:
-            self._undo_prompt(kept)
+            self._undo_prompt(kept, seq_before)
             if isinstance(exc, Stopped):
                 yield TurnFinished("", "stopped", "", self.stats())
             else:
                 yield TurnFinished("", "budget", str(exc), self.stats())
             return
         except BaseException:
-            self._undo_prompt(kept)
+            self._undo_prompt(kept, seq_before)
             raise
         self.messages.append({"role": "user", "content": text})
         self._starts.append(kept)
@@ -297,11 +297,15 @@ class Session:
         self._turn["prefill_s"] = time.perf_counter() - started
         yield from self._decode(logits, params, should_stop, started)
 
-    def _undo_prompt(self, kept: int) -> None:
-        """A prompt that did not complete leaves the cache: taken back when exact, else the cache starts over."""
+    def _undo_prompt(self, kept: int, seq_before: tuple) -> None:
+        """A prompt that did not complete leaves the cache: taken back when exact, else the cache starts over
+        (a window that evicted blocks, or a slide to a window, while the prompt was read cannot be undone)."""
         extra = self._cached - kept
         del self.token_ids[kept:]
         if extra > 0:
+            if (self.seq, self.seq.evicted) != seq_before:
+                self.reset()
+                return
             try:
                 self.runner.truncate(self.seq, extra)
             except ConfigError:
@@ -418,6 +422,14 @@ class Session:
             rendered, pieces = self._encode_conversation(self.messages[:-1])
             self.token_ids = self._tokenize(pieces, 0) + self.tokenizer.encode(
                 self.messages[-1]["content"], add_special_tokens=False, split_special_tokens=True)
+        if self.token_ids and self._cached == len(self.token_ids):
+            # the last token is in the cache (a reply stopped after a step) and its logits are gone: take it
+            # back and read it again, or read the whole chat again when the cache cannot take it back exactly
+            try:
+                self.runner.truncate(self.seq, 1)
+            except ConfigError:
+                self.reset()
+                return (yield from self.continue_reply(params, should_stop))
         pending = self.token_ids[self._cached:]
         self._turn["prefill_tokens"] = len(pending)
         logits = self._forward(pending, all_logits=False)[-1]

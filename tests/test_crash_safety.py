@@ -18,10 +18,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def start_child(mode: str, tmp_path: Path) -> subprocess.Popen:
+def start_child(mode: str, tmp_path: Path, **extra_env) -> subprocess.Popen:
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=str(tmp_path / "data"),
                KVCHAT_SETTINGS_FILE=str(tmp_path / "settings.ini"), KVCHAT_LOG_DIR=str(tmp_path / "logs"),
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]), **extra_env)
     return subprocess.Popen([sys.executable, str(HERE / "crash_child.py"), mode], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -90,3 +90,59 @@ def test_sigkill_during_saves_loses_no_committed_message(tmp_path, round_):
     reply = entries[1]
     assert reply.state == INTERRUPTED and reply.content in {e.content for e in saved}
     store.close()
+
+
+@pytest.mark.parametrize("round_", range(2))
+def test_sigkill_during_live_cache_switches_loses_nothing(tmp_path, tiny_llama, round_):
+    """Kill -9 while the real app (real engine, tiny model) switches a conversation's cache mode live, back to back,
+    each switch saved to the history and the settings: the database is intact, the chat is whole, its saved mode is
+    the last switch reported or the one in flight, and a restarted app resumes it in that mode and chats on."""
+    import json
+
+    from app.history import cache_from_json
+    from app.settings_store import SettingsStore
+    from crash_child import FIRST_QUESTION, SWITCH_MODES
+    from engine.config import CacheConfig
+
+    child = start_child("switch", tmp_path, KVCHAT_TEST_MODEL=tiny_llama)
+    reply, switches = None, -1
+    try:
+        target = 2 + 7 * round_
+        while switches < target:
+            line = child.stdout.readline()
+            assert line, child.stderr.read()
+            if line.startswith("turn "):
+                reply = json.loads(line[5:])
+            elif line.startswith("switched "):
+                switches = int(line.split()[1])
+        time.sleep(0.003 * round_)            # land at different points of the next switch
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    path = tmp_path / "data" / "history.sqlite3"
+    store = HistoryStore(path)
+    assert store.integrity() == "ok"
+    [conversation] = store.conversations()
+    entries = store.entries(conversation.id)
+    assert [(e.role, e.state, e.content) for e in entries] == [("user", "done", FIRST_QUESTION.strip()),
+                                                              ("assistant", "done", reply)]
+    possible = {CacheConfig(**SWITCH_MODES[i % len(SWITCH_MODES)]) for i in (switches, switches + 1)}
+    saved = conversation.cache
+    assert saved in possible, saved
+    assert SettingsStore(tmp_path / "settings.ini").load().cache in possible
+    store.close()
+
+    resumed = start_child("resume", tmp_path, KVCHAT_TEST_MODEL=tiny_llama)
+    try:
+        out, err = resumed.communicate(timeout=120)
+    finally:
+        resumed.kill()
+    assert resumed.returncode == 0, err
+    shown = json.loads(out.strip().splitlines()[-1])
+    assert shown["messages"] == [{"role": "user", "content": FIRST_QUESTION.strip()},
+                                 {"role": "assistant", "content": reply}]
+    assert cache_from_json(shown["cache"]) == saved and shown["engine_messages"] == 2
+    assert shown["reply"][0] in ("eos", "length")
+    assert shown["after"][:2] == shown["messages"] and shown["after"][2]["content"] == "after restart"
+    with read_only(path) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
