@@ -122,11 +122,11 @@ def test_tiny_model_stop_mid_reply(qtbot, tiny_dir):
 
 
 def test_tiny_model_mode_switch_changes_layer_bytes(qtbot, tiny_dir):
-    """Switching the open chat to int8 and then int4 shrinks each layer's bytes live, tokens kept."""
-    window = real_window(qtbot, tiny_dir)
+    """Switching the open chat from fp32 to int8 and then int4 shrinks each layer's bytes live, tokens kept."""
+    window = real_window(qtbot, tiny_dir, cache=CacheConfig(k_format="fp32", v_format="fp32"))
     send(qtbot, window, "Hello, cache")
     full = window.dashboard.data.latest
-    assert all(layer.k_format == "bf16" for layer in full.layers)      # "auto" is 16 bits on the CPU
+    assert all(layer.k_format == "fp32" for layer in full.layers)
     sizes = [full.kv_bytes]
     for fmt in ("int8", "int4"):
         with qtbot.waitSignal(window.host.mode_switched, timeout=10_000):

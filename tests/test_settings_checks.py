@@ -39,8 +39,8 @@ def test_dialog_refuses_what_the_engine_would_refuse(qtbot):
     window = ready_window(qtbot)
     dialog = window.open_settings()
     assert ok_button(dialog).isEnabled()
-    dialog.block_size.setValue(256)                # 0.5 MiB a block on the fake model
-    dialog.budget.setValue(0.4)
+    dialog.block_size.setValue(256)                # 0.25 MiB a block on the fake model (16-bit cache on the CPU)
+    dialog.budget.setValue(0.2)
     assert not ok_button(dialog).isEnabled() and "does not hold even one block" in dialog.error_label.text()
     dialog.budget.setValue(64.0)
     dialog.window.setValue(4000)                   # the fake model's context is 2,048
