@@ -49,8 +49,8 @@ def measure(engine, cache: CacheConfig, should_stop: Callable[[], bool] | None =
             num_tokens: int = QUALITY_TOKENS) -> QualityResult:
     """Teacher-force the built-in text through full precision and `cache` in lockstep.
 
-    Raises engine.bench_quality.Cancelled when should_stop answers True between steps."""
-    from engine.bench_quality import compare_modes
+    Raises bench.quality.Cancelled when should_stop answers True between steps."""
+    from bench.quality import compare_modes
     from engine.texts import load_tokens
 
     started = time.perf_counter()

@@ -315,7 +315,7 @@ class EngineWorker(QObject):
     @Slot(object)
     def measure_quality(self, cache: CacheConfig) -> None:
         """What `cache` costs against full precision on this model; yields to any command sent meanwhile."""
-        from engine.bench_quality import Cancelled
+        from bench.quality import Cancelled
 
         from .quality import QualityCancelled, measure, mode_key
         if self._engine is None:

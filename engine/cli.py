@@ -9,12 +9,12 @@ import sys
 from .config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 
 BENCHES = {
-    "speed": "engine.bench_speed",
-    "memory": "engine.bench_memory",
-    "quality": "engine.bench_quality",
-    "passkey": "engine.bench_passkey",
-    "kernels": "engine.bench_kernels",
-    "serve": "engine.bench_serve",
+    "speed": "bench.speed",
+    "memory": "bench.memory",
+    "quality": "bench.quality",
+    "passkey": "bench.passkey",
+    "kernels": "bench.kernels",
+    "serve": "bench.serve",
 }
 
 

@@ -17,7 +17,7 @@ print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" 2>&1
 tests=${PIPESTATUS[0]}
 
 # Loaded by path so the engine package (transformers etc.) need not import on the GPU box.
-"$PY" -c "import importlib.util as u, sys; s = u.spec_from_file_location('bench_kernels', 'engine/bench_kernels.py'); \
+"$PY" -c "import importlib.util as u, sys; s = u.spec_from_file_location('bench_kernels', 'bench/kernels.py'); \
 m = u.module_from_spec(s); s.loader.exec_module(m); m.main(sys.argv[1:])" --json "$@" \
     > "$OUT/bench_kernels.json" 2> "$OUT/bench_kernels.err"
 bench=$?

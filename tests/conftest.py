@@ -16,7 +16,7 @@ def default_engine():
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    from engine.testing import tiny_model_dir
+    from tiny_models import tiny_model_dir
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), arch="llama", hidden=96, heads=6, kv_heads=2,
                           layers=3, max_positions=4096)
 

@@ -11,7 +11,7 @@ import pytest
 from PySide6.QtCore import QObject, Qt, QTimer
 
 from engine.config import CacheConfig, SamplingParams
-from engine.testing import tiny_model_dir, write_bad_folder
+from tiny_models import tiny_model_dir, write_bad_folder
 from fakes import isolate_app, open_window
 
 pytestmark = pytest.mark.gui

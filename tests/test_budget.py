@@ -5,12 +5,12 @@ import torch
 from engine import BudgetFull, CacheConfig, Engine, EngineConfig, SamplingParams
 from engine.events import TurnFinished
 from engine.kv_layout import MIB
-from engine.testing import random_ids as _ids
+from tiny_models import random_ids as _ids
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from engine.testing import tiny_model_dir
+    from tiny_models import tiny_model_dir
     folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-budget"), hidden=128, heads=4, kv_heads=2, head_dim=64,
                             layers=2, max_positions=2048, seed=4)
     return Engine.load(EngineConfig(model=folder))

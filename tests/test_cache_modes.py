@@ -4,7 +4,7 @@ import torch
 
 from engine import CacheConfig, Engine, EngineConfig
 from engine.config import ConfigError
-from engine.testing import random_ids as _ids
+from tiny_models import random_ids as _ids
 from kernels.formats import bytes_per_block
 
 FORMAT_PAIRS = [("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "int8"), ("fp8", "fp8"),
@@ -13,7 +13,7 @@ FORMAT_PAIRS = [("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from engine.testing import tiny_model_dir
+    from tiny_models import tiny_model_dir
     folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-hd64"), hidden=128, heads=4, kv_heads=2, head_dim=64,
                             layers=2, max_positions=1024, seed=1)
     return Engine.load(EngineConfig(model=folder))
@@ -82,7 +82,7 @@ def test_bytes_held_equal_bytes_per_block_and_stats(engine, k_format, v_format):
 @pytest.mark.parametrize("fmt, limit", [("int8", 0.57), ("fp8", 0.571), ("int4", 0.35)])
 def test_bytes_per_token_against_fp16(engine, fmt, limit):
     """Page bytes per token (scales and zero points included) stay under their share of fp16."""
-    from engine.bench_memory import measure
+    from bench.memory import measure
     m = engine.model.config
     fp16 = measure(m, CacheConfig(k_format="fp16", v_format="fp16"), 64)
     quant = measure(m, CacheConfig(k_format=fmt, v_format=fmt), 64)
@@ -182,7 +182,7 @@ def test_token_and_block_steps_agree(engine):
 
 def test_default_model_int8_and_int4_agree_with_full_precision(default_engine):
     """On SmolLM2 over 256 tokens of the shipped prose: int8 top-1 >= 99%, int4 >= 90%."""
-    from engine.bench_quality import compare_modes
+    from bench.quality import compare_modes
     from engine.texts import load_tokens
     ids = load_tokens(default_engine.tokenizer, "prose", 256)
     result = compare_modes(default_engine, ids, {"int8": CacheConfig(k_format="int8", v_format="int8"),

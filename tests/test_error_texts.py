@@ -4,12 +4,12 @@ import pytest
 
 from engine import BudgetFull, CacheConfig, Engine, EngineConfig
 from engine.kv_layout import MIB
-from engine.testing import random_ids
+from tiny_models import random_ids
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from engine.testing import tiny_model_dir
+    from tiny_models import tiny_model_dir
     folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-texts"), hidden=128, heads=4, kv_heads=2, head_dim=64,
                             layers=2, max_positions=256, seed=5)
     return Engine.load(EngineConfig(model=folder))

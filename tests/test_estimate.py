@@ -126,7 +126,7 @@ def _cases():
 
 @pytest.mark.parametrize("fmt, block_size, window, num_tokens", list(_cases()))
 def test_estimate_equals_engine_bytes(tiny_engine, tiny_llama, fmt, block_size, window, num_tokens):
-    from engine.testing import random_ids
+    from tiny_models import random_ids
     session = tiny_engine.new_session(cache=cache_for(fmt, block_size, window, sinks=4))
     session.append(random_ids(tiny_engine, num_tokens))
     row = estimate(model_facts(tiny_llama), num_tokens, formats=(fmt,), block_size=block_size, window=window,

@@ -126,7 +126,7 @@ def test_gguf_metadata_read_without_gguf_reader(tiny_ggufs):
 def test_weight_fidelity_bench_on_requantized_file(tiny_ggufs, tmp_path):
     """bench quality --weight-fidelity: a file requantized by gguf into Q4_0 keeps its metadata, and packed
     decode agrees with dense fp32 on it."""
-    from engine.bench_weights import fidelity, requantize_gguf
+    from bench.weights import fidelity, requantize_gguf
     out = requantize_gguf(GGUFFile(tiny_ggufs["Q8_0"]).path, tmp_path / "q4.gguf", "Q4_0")
     gf = GGUFFile(out)
     assert gf.type_name("blk.0.attn_q.weight") == "Q4_0" and gf.hf_config()["num_hidden_layers"] == 2

@@ -6,7 +6,7 @@ import torch
 
 from engine import CacheConfig, Engine, EngineConfig, SamplingParams
 from engine.kv_layout import MIB
-from engine.testing import random_ids as _ids
+from tiny_models import random_ids as _ids
 
 FP32 = dict(k_format="fp32", v_format="fp32")
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)

@@ -6,7 +6,7 @@ import pytest
 
 from engine import Engine, EngineConfig, ModelLoadError
 from engine.loader import default_gguf_path, locate
-from engine.testing import tiny_model_dir, write_bad_folder
+from tiny_models import tiny_model_dir, write_bad_folder
 
 
 def test_default_model_read_in_place(tmp_path, monkeypatch):

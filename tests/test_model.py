@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.testing import tiny_model_dir
+from tiny_models import tiny_model_dir
 
 from engine.config import CacheConfig as _CacheConfig
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import CacheConfig, Engine, EngineConfig
-from engine.testing import random_ids as _ids
+from tiny_models import random_ids as _ids
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_memory_never_passes_budget(engine):
 
 def test_int4_groups_shrink_for_small_heads(tmp_path):
     """int4 on a model with head_dim 16 quantizes in groups of 16 instead of failing."""
-    from engine.testing import tiny_model_dir
+    from tiny_models import tiny_model_dir
     engine = Engine.load(EngineConfig(model=tiny_model_dir(tmp_path, hidden=64, heads=4, kv_heads=2)))
     s = engine.new_session()
     s.append(_ids(engine, 40))

@@ -398,7 +398,7 @@ def test_blocks_computed_under_a_window_are_not_shared_with_full_attention(tiny_
 def test_a_block_truncated_back_to_partial_leaves_the_prefix_index(tiny_engine):
     """truncate() kept a block that had been full and indexed; new tokens overwrote its rows while the index
     still offered it for the old prefix, so a later conversation adopted wrong K/V (logits off by ~0.1)."""
-    from engine.testing import random_ids
+    from tiny_models import random_ids
     ids, other = random_ids(tiny_engine, 41, seed=21), random_ids(tiny_engine, 10, seed=22)
     fp32 = CacheConfig(**FP32)
     first = tiny_engine.new_session(cache=fp32)

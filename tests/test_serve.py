@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from engine import CacheConfig, SamplingParams
-from engine.bench_serve import make_specs, measure, scrape
+from bench.serve import make_specs, measure, scrape
 from engine.config import ConfigError
 from engine.serve import batch
 from engine.serve.protocol import StopMatcher

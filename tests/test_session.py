@@ -115,7 +115,7 @@ def test_reset_keeps_messages_and_next_turn_reprefills(tiny_engine):
 def test_context_limit_stops_turn_and_window_continues(tmp_path):
     """Past the model's context a turn ends with advice; the chat is intact and a window lets it go on."""
     from engine import CacheConfig, Engine, EngineConfig
-    from engine.testing import tiny_model_dir
+    from tiny_models import tiny_model_dir
     engine = Engine.load(EngineConfig(model=tiny_model_dir(tmp_path, max_positions=64)))
     s = engine.new_session()
     events = list(s.send("hello " * 80, SamplingParams(temperature=0, max_new_tokens=4)))

@@ -6,14 +6,14 @@ import torch
 
 import kernels
 from engine import CacheConfig, Engine, EngineConfig
-from engine.testing import random_ids as _ids
+from tiny_models import random_ids as _ids
 
 FP32 = dict(k_format="fp32", v_format="fp32")     # exact comparisons need the 32-bit cache
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from engine.testing import tiny_model_dir
+    from tiny_models import tiny_model_dir
     folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-window"), hidden=128, heads=4, kv_heads=2, head_dim=64,
                             layers=2, max_positions=128, seed=2)
     return Engine.load(EngineConfig(model=folder))
@@ -73,7 +73,7 @@ def test_positions_are_bounded_and_stream_runs_past_max_positions(engine):
 @pytest.fixture(scope="module")
 def one_layer(tmp_path_factory):
     # with one layer the stored K/V depend on the token alone, so a window step can be recomputed exactly
-    from engine.testing import tiny_model_dir
+    from tiny_models import tiny_model_dir
     folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-1layer"), hidden=128, heads=4, kv_heads=2, head_dim=64,
                             layers=1, max_positions=128, seed=3)
     return Engine.load(EngineConfig(model=folder))

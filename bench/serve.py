@@ -175,7 +175,7 @@ def measure(server, specs: list[Spec], num_clients: int) -> dict:
 
 
 def add_arguments(p) -> None:
-    from .cli import add_cache_arguments
+    from engine.cli import add_cache_arguments
     add_cache_arguments(p)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests-per-client", type=int, default=8)
@@ -185,8 +185,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> dict:
-    from .cli import engine_config
-    from .engine import Engine
+    from engine.cli import engine_config
+    from engine.engine import Engine
     from .serve.server import ServeConfig, Server
     engine = Engine.load(engine_config(args))
     server = Server(engine, ServeConfig(port=0, max_num_seqs=args.max_num_seqs))

@@ -32,7 +32,7 @@ _L2_FLUSH_BYTES = 256 << 20   # larger than any L2, so no repeat reads warm page
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `kvchat bench kernels` (and of `python -m engine.bench_kernels`)."""
+    """Options of `kvchat bench kernels` (and of `python -m bench.kernels`)."""
     parser.add_argument("--batches", type=_int_list, default=[1, 64], help="comma-separated batch sizes")
     parser.add_argument("--contexts", type=_int_list, default=[1024, 8192], help="comma-separated context lengths")
     parser.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS), help="comma-separated formats")
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.bench_kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     report = run(args)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig
 
 TARGETS = {"top1_min": 0.98, "kl_max": 0.002}
 # types the default model (hidden 576) can hold: K-quants need rows of 256 and fall back to these
@@ -28,7 +28,7 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
     from gguf.quants import dequantize
 
-    from .gguf_writer import MIXES, atomic_writer, quantize, tensor_type
+    from engine.gguf_writer import MIXES, atomic_writer, quantize, tensor_type
     reader = GGUFReader(str(src))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     layers = int(reader.fields[f"{arch}.block_count"].contents())
@@ -56,7 +56,7 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
 
 def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
     """Packed against dense fp32 on one file, teacher-forced one token per step over ids."""
-    from .engine import Engine
+    from engine.engine import Engine
     cache = CacheConfig(budget_mb=512)
     packed = Engine.load(EngineConfig(model=path, cache=cache, num_threads=threads))
     dense = Engine.load(EngineConfig(model=path, weights="dense", cache=cache, num_threads=threads))
@@ -78,8 +78,8 @@ def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
 
 
 def run_types(model: str, types: list[str], tokens: int, threads: int | None = None) -> dict:
-    from .loader import cache_root, gguf_tokenizer, locate
-    from .texts import load_tokens
+    from engine.loader import cache_root, gguf_tokenizer, locate
+    from engine.texts import load_tokens
     src = locate(model).path
     out_dir = cache_root() / "weight-fidelity"
     out_dir.mkdir(parents=True, exist_ok=True)

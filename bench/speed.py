@@ -42,20 +42,20 @@ def add_arguments(p) -> None:
 def resolve_model(spec: str) -> str:
     """A model spec as Engine.load takes it; preset:NAME:TYPE writes (once) and returns that GGUF."""
     if spec.startswith("preset:"):
-        from .gguf_writer import bench_model_path
+        from engine.gguf_writer import bench_model_path
         _, preset, qtype = spec.split(":")
         return str(bench_model_path(preset, qtype))
     return spec
 
 
 def model_path(spec: str) -> str:
-    from .loader import locate
+    from engine.loader import locate
     return str(locate(spec).path)
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
     try:
-        from .texts import load_text
+        from engine.texts import load_text
         text = load_text("prose")
     except Exception:
         text = FALLBACK_TEXT * 200
@@ -198,9 +198,9 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
     """Decode tok/s with 256 and 4,096 tokens cached, per cache format, kvchat beside llama.cpp on the same
     file (f16 / q8_0 / q4_0 caches), interleaved; each rate beside its bandwidth bound: (weight bytes + KV
     bytes read per token) over the copy bandwidth measured in the same run."""
-    from .config import CacheConfig
+    from engine.config import CacheConfig
     try:
-        from .texts import load_tokens
+        from engine.texts import load_tokens
         ids = load_tokens(engine.tokenizer, "stream", 4096 + steps)
     except Exception:
         ids = prompt_ids(engine.tokenizer, 4096 + steps)
@@ -258,10 +258,10 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
 
 def _prefix_ttft(engine, runs: int, system_tokens: int = 1000) -> dict:
     """TTFT of a first conversation with a ~1,000-token system prompt, and of a second one sharing it."""
-    from .config import SamplingParams
-    from .events import TokenDelta
+    from engine.config import SamplingParams
+    from engine.events import TokenDelta
     try:
-        from .texts import load_text
+        from engine.texts import load_text
         text = load_text("prose")
     except Exception:
         text = FALLBACK_TEXT * 100
@@ -292,8 +292,8 @@ def _prefix_ttft(engine, runs: int, system_tokens: int = 1000) -> dict:
 
 
 def run(args) -> dict:
-    from .config import CacheConfig, EngineConfig
-    from .engine import Engine, load_transformers_reference
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine, load_transformers_reference
 
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -1,0 +1,1 @@
+"""`kvchat bench ...`: benchmarks of the engine, each measured against a baseline in the same run."""
