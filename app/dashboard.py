@@ -14,13 +14,17 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QSize, Qt, QTimer
 from PySide6.QtGui import QCursor
-from PySide6.QtWidgets import (QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QToolButton,
-                               QToolTip, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTabWidget,
+                               QToolButton, QToolTip, QVBoxLayout, QWidget)
 
+from .bar_widgets import FORMAT_COLOURS, format_family, format_mib
 from .dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, layer_hover_text, nice_ceiling,
                              series_hover_text, time_span_end, token_room)
 from .event_strip import MARKER_COLOURS, EventStrip
 from .gauge import TokenGauge
+from .lengths_view import LengthsView
+from .plan_panel import PlanPanel
+from .pool_view import PoolView
 from .quality_view import QualityRow
 
 REDRAW_MS = 125                         # each panel at most 8 Hz
@@ -28,9 +32,6 @@ MIB = 1024.0 * 1024.0
 LOG_FLOOR_MIB = 1e-3                    # a log axis cannot show 0; an empty cache sits on this floor (1 KiB)
 PLOT_MIN_HEIGHT = 92
 
-# (K, V) colours per format family: K dark at the bottom of each bar, V light on top.
-FORMAT_COLOURS = {"full": ("#2563eb", "#93c5fd"), "int8": ("#15803d", "#86efac"),
-                  "fp8": ("#c2410c", "#fdba74"), "int4": ("#7e22ce", "#d8b4fe")}
 FORMAT_NAMES = {"full": "full precision", "int8": "int8", "fp8": "fp8", "int4": "int4"}
 OUTLINE_COLOUR = "#475569"
 MEMORY_SERIES = {"budget": ("budget", "#dc2626", 1.5, Qt.PenStyle.DashLine),
@@ -50,19 +51,17 @@ class _PlotWidget(pg.PlotWidget):
         return QSize(300, PLOT_MIN_HEIGHT)
 
 
-def format_family(name: str) -> str:
-    return next((family for family in ("int8", "fp8", "int4") if name.startswith(family)), "full")
-
-
-def format_mib(num_bytes: float) -> str:
-    """Dashboard text speaks MiB throughout: 0.02 MiB, 2.74 MiB, 92.1 MiB, 1,024 MiB."""
-    value = num_bytes / MIB
-    return f"{value:,.0f} MiB" if value >= 100 else f"{value:.1f} MiB" if value >= 10 else f"{value:.2f} MiB"
-
-
 def legend_html(entries: list[tuple[str, str]]) -> str:
     return "&nbsp;&nbsp; ".join(f'<span style="color:{colour}">■</span>&nbsp;{html.escape(text)}'
                                 for text, colour in entries)
+
+
+def _scroll(name: str) -> QScrollArea:
+    scroll = QScrollArea(objectName=name)
+    scroll.setWidgetResizable(True)
+    scroll.setFrameShape(QFrame.Shape.NoFrame)
+    scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    return scroll
 
 
 class Dashboard(QWidget):
@@ -82,11 +81,20 @@ class Dashboard(QWidget):
 
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
-        self.scroll = QScrollArea(objectName="dashboardScroll")
-        self.scroll.setWidgetResizable(True)
-        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
-        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        outer.addWidget(self.scroll)
+        self.tabs = QTabWidget(objectName="dashboardTabs")
+        self.tabs.setDocumentMode(True)
+        outer.addWidget(self.tabs)
+        self.scroll = _scroll("dashboardScroll")
+        self.tabs.addTab(self.scroll, "Live")
+        self.pool_view, self.plan, self.lengths = PoolView(), PlanPanel(), LengthsView()
+        for name, widget in (("Pool", self.pool_view), ("Plan", self.plan), ("Lengths", self.lengths)):
+            scroll = _scroll(f"{widget.objectName()}Scroll")
+            scroll.setWidget(widget)
+            self.tabs.addTab(scroll, name)
+        self.tabs.setTabToolTip(1, "The shared KV pool: blocks per conversation, shared and reclaimable blocks, "
+                                   "prefix hit rate")
+        self.tabs.setTabToolTip(2, "KV bytes of each cache format for a context you choose; apply one to this chat")
+        self.tabs.setTabToolTip(3, "How long your saved conversations are and which ones hold the memory")
         body = QWidget(objectName="dashboardBody")
         self.scroll.setWidget(body)
         layout = QVBoxLayout(body)

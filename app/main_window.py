@@ -26,6 +26,7 @@ from .history import HistoryError, HistoryStore
 from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened, format_bytes
 from .quality_view import QualityController
 from .models_page import ModelsDialog
+from .panels import DashboardPanels
 from .settings_dialog import SettingsDialog
 from .settings_store import AppSettings, SettingsStore
 from .turn_record import TurnRecord, is_refused
@@ -58,6 +59,7 @@ class MainWindow(QMainWindow):
         self._closing = False
         self._build()
         self._connect_host(EngineHost(loader, self))
+        self.panels = DashboardPanels(self)     # the dashboard's Pool, Plan and Lengths tabs
         self.quality = QualityController(self.host, self.dashboard.quality_row,
                                          busy=lambda: self.generating or not self.session_ready, parent=self)
         self._restore_layout()

@@ -62,6 +62,7 @@ class EngineWorker(QObject):
     reset_done = Signal(object)         # ResetDone
     error = Signal(object)              # ErrorEvent
     quality = Signal(object)            # QualityResult, or QualityCancelled when a command came first
+    token_counts = Signal(object)       # TokenCounts of saved conversations (the Lengths tab)
 
     def __init__(self, loader=_default_loader):
         super().__init__()
@@ -226,6 +227,12 @@ class EngineWorker(QObject):
             return
         self.quality.emit(result)
 
+    @Slot(object)
+    def count_tokens(self, requests) -> None:
+        if self._engine is not None:
+            from .lengths_data import count_conversations
+            self.token_counts.emit(count_conversations(self._engine, requests))
+
     def _snapshot(self) -> StatsSnapshot | None:
         if self._session is None:
             return None
@@ -271,7 +278,7 @@ class _DecodeRate:
 
 
 EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished", "stats", "mode_switched",
-                 "reset_done", "error", "quality")
+                 "reset_done", "error", "quality", "token_counts")
 
 
 class EngineHost(QObject):
@@ -291,6 +298,7 @@ class EngineHost(QObject):
     reset_done = Signal(object)
     error = Signal(object)
     quality = Signal(object)
+    token_counts = Signal(object)
 
     _load = Signal(object)
     _open = Signal(object, object, object, object)
@@ -299,6 +307,7 @@ class EngineHost(QObject):
     _reset = Signal()
     _poll = Signal()
     _measure = Signal(object)
+    _count = Signal(object)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -313,6 +322,7 @@ class EngineHost(QObject):
         self._reset.connect(self.worker.reset)
         self._poll.connect(self.worker.poll_stats)
         self._measure.connect(self.worker.measure_quality)
+        self._count.connect(self.worker.count_tokens)
         self.thread.started.connect(self.worker.lower_priority)
         for name in EVENT_SIGNALS:
             getattr(self.worker, name).connect(getattr(self, name), Qt.ConnectionType.QueuedConnection)
@@ -351,6 +361,10 @@ class EngineHost(QObject):
 
     def poll_stats(self) -> None:
         self._poll.emit()
+
+    def count_tokens(self, requests: tuple) -> None:
+        """Tokens of saved conversations, ((id, system prompt, ((role, content), ...)), ...), by the model's tokenizer."""
+        self._count.emit(requests)
 
     def shutdown(self, timeout_ms: int = 120_000) -> bool:
         """Stop any reply, let the running command end, and join the thread."""
