@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from PySide6.QtCore import QEvent, QPointF, QRectF, QSize, Qt, Signal
-from PySide6.QtGui import QColor, QFont, QPainter, QPen
+from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
 TEXT = QColor("#1f2937")
@@ -19,6 +19,13 @@ MIB = 1024.0 * 1024.0
 # (K, V) colours per format family: K dark at the bottom of each bar, V light on top.
 FORMAT_COLOURS = {"full": ("#2563eb", "#93c5fd"), "int8": ("#15803d", "#86efac"),
                   "fp8": ("#c2410c", "#fdba74"), "int4": ("#7e22ce", "#d8b4fe")}
+
+
+def format_share(fraction: float) -> str:
+    """Percentages that stay readable next to a large budget: 42%, 3.1%, 0.05%."""
+    if fraction >= 0.1 or fraction == 0:
+        return f"{fraction:.0%}"
+    return f"{fraction:.1%}" if fraction >= 0.001 else f"{fraction:.2%}"
 
 
 def format_family(name: str) -> str:
@@ -80,6 +87,9 @@ class StackedBar(_Tipped):
         width, x, rects = self.width() - 1.0, 0.5, []
         for segment in self.segments:
             w = width * max(0.0, segment.fraction)
+            if segment.fraction > 0:
+                w = max(w, 3.0)         # anything held stays visible next to a large budget
+            w = max(0.0, min(w, 0.5 + width - x))
             rects.append(QRectF(x, 0.5, w, self.BAR_H))
             x += w
         return rects
@@ -147,8 +157,10 @@ class BarRows(_Tipped):
 
     def _columns(self) -> tuple[float, float, float]:
         """(label width, bar x, text width): the label takes about a third, the number its own width."""
-        metrics = self.fontMetrics()
-        text_w = max([metrics.horizontalAdvance(r.text) for r in self.rows] + [40]) + 6
+        bold = QFont(self.font())
+        bold.setBold(True)
+        text_w = max([QFontMetricsF(bold if r.bold else self.font()).horizontalAdvance(r.text) for r in self.rows]
+                     + [40.0]) + 8
         label_w = min(max(80.0, self.width() * 0.34), 220.0)
         return label_w, label_w + 6, float(text_w)
 

@@ -47,6 +47,11 @@ class LengthsView(QWidget):
         layout.addWidget(QLabel("Open conversations · share of the KV pool now", objectName="dashboardSection"))
         self.open_bars = BarRows("No conversation holds blocks yet.")
         layout.addWidget(self.open_bars)
+        note = QLabel("Of the bytes the pool holds now. Blocks shared by several conversations (a common system "
+                      "prompt) count in each, so the shares can add up to more than 100%.", objectName="plotLegend")
+        note.setWordWrap(True)
+        layout.addWidget(note)
+        layout.addStretch(1)
 
     def set_data(self, lengths: list[ConversationLength], tokens: dict[int, int], model_config, model_dtype: str,
                  device: str, cache: CacheConfig, open_rows: list[Row]) -> None:

@@ -10,7 +10,7 @@ from PySide6.QtCore import QObject, QTimer
 
 from engine.config import CacheConfig
 
-from .bar_widgets import Row, format_mib
+from .bar_widgets import Row, format_mib, format_share
 from .lengths_data import TokenCounts
 from .pool_view import PoolOwners, PoolRow, conversation_bar_rows, pool_rows
 
@@ -149,5 +149,5 @@ class DashboardPanels(QObject):
             return []
         held = max(1, latest.pool.held_bytes)
         bars = conversation_bar_rows(rows, latest.pool.budget_bytes)
-        return [Row(bar.label, row.num_bytes / held, f"{row.num_bytes / held:.0%} · {format_mib(row.num_bytes)}",
+        return [Row(bar.label, row.num_bytes / held, f"{format_share(row.num_bytes / held)} · {format_mib(row.num_bytes)}",
                     bar.colour, bar.tip, bar.bold) for bar, row in zip(bars, rows)]

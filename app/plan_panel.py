@@ -19,7 +19,7 @@ from .bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_famil
 
 # (name shown, K format, V format)
 PLAN_FORMATS = (("full", "auto", "auto"), ("int8", "int8", "int8"), ("fp8", "fp8", "fp8"), ("int4", "int4", "int4"),
-                ("K int8 · V int4", "int8", "int4"))
+                ("int8/int4", "int8", "int4"))
 BUDGET_COLOUR = "#dc2626"
 DEFAULT_CONTEXT = 2048
 

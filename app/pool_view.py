@@ -5,7 +5,6 @@ to when each snapshot came, so `PoolOwners` learns the mapping from the snapshot
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,9 +12,9 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from engine.events import PoolStats
 
-from .bar_widgets import BarRows, Row, Segment, StackedBar, format_mib
+from .bar_widgets import BarRows, Row, Segment, StackedBar, format_mib, format_share
 
-IN_USE, RECLAIMABLE, FREE = "#2563eb", "#f59e0b", "#e5e7eb"
+IN_USE, RECLAIMABLE, FREE, SHARED = "#2563eb", "#f59e0b", "#e5e7eb", "#0d9488"
 THIS_CHAT, OTHER_CHAT = "#2563eb", "#94a3b8"
 UNKNOWN = object()                      # a sequence whose conversation the window never saw
 
@@ -88,6 +87,22 @@ def pool_segments(pool: PoolStats) -> list[Segment]:
     ]
 
 
+def block_segments(pool: PoolStats) -> list[Segment]:
+    """The blocks the pool holds: shared by several conversations, one conversation's own, kept for reuse."""
+    shared, own = pool.shared_blocks, max(0, pool.blocks_in_use - pool.shared_blocks)
+    total = max(1, shared + own + pool.evictable_blocks)
+    return [
+        Segment(f"shared {shared:,}", shared / total, SHARED,
+                f"Shared: {shared:,} blocks referenced by more than one conversation (a common system prompt or "
+                f"opening), held once"),
+        Segment(f"one chat's own {own:,}", own / total, IN_USE,
+                f"Own: {own:,} blocks used by exactly one conversation"),
+        Segment(f"reclaimable {pool.evictable_blocks:,}", pool.evictable_blocks / total, RECLAIMABLE,
+                f"Reclaimable: {pool.evictable_blocks:,} freed blocks kept for prefix reuse "
+                f"({format_mib(pool.evictable_bytes)})"),
+    ]
+
+
 def pool_summary(pool: PoolStats) -> str:
     hits = (f"prefix hit rate <b>{pool.hit_rate:.0%}</b> ({pool.prefix_hits:,} of {pool.prefix_queries:,} prompt "
             f"tokens found cached)" if pool.prefix_queries else "prefix hit rate: no prompt looked up yet")
@@ -101,10 +116,10 @@ def pool_summary(pool: PoolStats) -> str:
 def conversation_bar_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:
     """Bars to scale with the largest conversation; the number is the share of the KV budget."""
     largest = max((r.num_bytes for r in rows), default=0) or 1
-    return [Row(r.label, r.num_bytes / largest, f"{format_mib(r.num_bytes)} · {r.budget_share:.1%}",
+    return [Row(r.label, r.num_bytes / largest, f"{format_mib(r.num_bytes)} · {format_share(r.budget_share)}",
                 THIS_CHAT if r.current else OTHER_CHAT,
                 f"{r.label}{' (open now)' if r.current else ''}\n{r.blocks:,} blocks · {format_mib(r.num_bytes)}\n"
-                f"{r.budget_share:.2%} of the {format_mib(budget_bytes)} KV budget\n"
+                f"{format_share(r.budget_share)} of the {format_mib(budget_bytes)} KV budget\n"
                 f"(blocks shared with another conversation count in each)", r.current)
             for r in rows]
 
@@ -126,6 +141,9 @@ class PoolView(QWidget):
         layout.addWidget(QLabel("KV budget", objectName="dashboardSection"))
         self.budget_bar = StackedBar()
         layout.addWidget(self.budget_bar)
+        layout.addWidget(QLabel("Blocks held", objectName="dashboardSection"))
+        self.block_bar = StackedBar()
+        layout.addWidget(self.block_bar)
         self.conversations_title = QLabel("Open conversations · KV held, share of the budget",
                                           objectName="dashboardSection")
         layout.addWidget(self.conversations_title)
@@ -141,11 +159,13 @@ class PoolView(QWidget):
         if pool is None:
             self.summary.setText("This engine reports no shared pool (a remote server shows its usage in Live).")
             self.budget_bar.set_segments([])
+            self.block_bar.set_segments([])
             self.conversation_bars.set_rows([])
             return
         self.summary.setText(pool_summary(pool))
         self.budget_bar.set_segments(pool_segments(pool))
+        self.block_bar.set_segments(block_segments(pool))
         self.conversation_bars.set_rows(conversation_bar_rows(rows, pool.budget_bytes))
-        self.note.setText("Bars are to scale with the largest conversation. Hover for blocks and bytes. "
-                          + html.escape("Idle conversations keep their blocks until the pool needs room; "
-                                        "the least recently used gives them back first."))
+        self.note.setText("Bars are to scale with the largest conversation; blocks shared with another count in "
+                          "each. Hover for blocks and bytes. Idle conversations keep their blocks until the pool "
+                          "needs room; the least recently used gives them back first.")
