@@ -65,7 +65,7 @@ class Segment:
 
 
 class StackedBar(_Tipped):
-    """One bar split into segments (the pool: in use, reclaimable, free) with a one-line legend under it."""
+    """One bar split into segments (the pool: in use, reclaimable, free) with a legend under it that wraps."""
 
     BAR_H = 18
 
@@ -73,7 +73,7 @@ class StackedBar(_Tipped):
         super().__init__(parent)
         self.segments: tuple[Segment, ...] = ()
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        self.setFixedHeight(self.BAR_H + self.fontMetrics().lineSpacing() + 8)
+        self._fit()
 
     def sizeHint(self) -> QSize:
         return QSize(300, self.height())
@@ -81,7 +81,31 @@ class StackedBar(_Tipped):
     def set_segments(self, segments: list[Segment]) -> None:
         if tuple(segments) != self.segments:
             self.segments = tuple(segments)
+            self._fit()
             self.update()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit()
+
+    def _legend_items(self, width: float) -> list[QPointF]:
+        """Top-left of each legend entry; an entry that does not fit starts a new line."""
+        metrics = self.fontMetrics()
+        x, y, places = 0.0, self.BAR_H + 4.0, []
+        for segment in self.segments:
+            w = 13 + metrics.horizontalAdvance(segment.label)
+            if x > 0 and x + w > width:
+                x, y = 0.0, y + metrics.lineSpacing() + 2
+            places.append(QPointF(x, y))
+            x += w + 12
+        return places
+
+    def _fit(self) -> None:
+        places = self._legend_items(self.width())
+        bottom = places[-1].y() if places else self.BAR_H + 4.0
+        height = int(bottom + self.fontMetrics().lineSpacing() + 4)
+        if height != self.height():
+            self.setFixedHeight(height)
 
     def segment_rects(self) -> list[QRectF]:
         width, x, rects = self.width() - 1.0, 0.5, []
@@ -106,18 +130,11 @@ class StackedBar(_Tipped):
         for segment, rect in zip(self.segments, self.segment_rects()):
             if rect.width() > 0:
                 painter.fillRect(rect, QColor(segment.colour))
-        x, y = 0.0, self.BAR_H + 4
         metrics = painter.fontMetrics()
-        for segment in self.segments:
-            painter.fillRect(QRectF(x, y + 3, 9, 9), QColor(segment.colour))
-            painter.setPen(TEXT)
-            text = segment.label
-            room = self.width() - x - 14
-            if room < 30:
-                break
-            text = metrics.elidedText(text, Qt.TextElideMode.ElideRight, int(room))
-            painter.drawText(QPointF(x + 13, y + metrics.ascent()), text)
-            x += 13 + metrics.horizontalAdvance(text) + 12
+        painter.setPen(TEXT)
+        for segment, place in zip(self.segments, self._legend_items(self.width())):
+            painter.fillRect(QRectF(place.x(), place.y() + 3, 9, 9), QColor(segment.colour))
+            painter.drawText(QPointF(place.x() + 13, place.y() + metrics.ascent()), segment.label)
         painter.end()
 
 

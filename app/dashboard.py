@@ -13,9 +13,9 @@ import math
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QSize, Qt, QTimer
-from PySide6.QtGui import QCursor
-from PySide6.QtWidgets import (QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTabWidget,
-                               QToolButton, QToolTip, QVBoxLayout, QWidget)
+from PySide6.QtGui import QCursor, QTextDocument
+from PySide6.QtWidgets import (QBoxLayout, QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QStackedWidget,
+                               QTabBar, QToolButton, QToolTip, QVBoxLayout, QWidget)
 
 from .bar_widgets import FORMAT_COLOURS, format_family, format_mib
 from .dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, layer_hover_text, nice_ceiling,
@@ -77,24 +77,33 @@ class Dashboard(QWidget):
         self._marker_lines: list[tuple[pg.PlotWidget, pg.InfiniteLine]] = []
         self._ranges: dict[str, tuple] = {}
         self.legends: dict[str, QLabel] = {}
+        self._header_rows: dict[str, QHBoxLayout] = {}
         self.sections: dict[str, QLabel] = {}
 
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
-        self.tabs = QTabWidget(objectName="dashboardTabs")
-        self.tabs.setDocumentMode(True)
-        outer.addWidget(self.tabs)
+        # the page switcher sits in the dock's title bar when the window puts it there (title_bar): no row of its own
+        self.switcher = QTabBar(objectName="dashboardSwitcher")
+        self.switcher.setDrawBase(False)
+        self.switcher.setExpanding(False)
+        self.switcher.setDocumentMode(True)
+        self.pages = QStackedWidget(objectName="dashboardPages")
+        self.switcher.currentChanged.connect(self.pages.setCurrentIndex)
+        outer.addWidget(self.switcher)
+        outer.addWidget(self.pages, 1)
         self.scroll = _scroll("dashboardScroll")
-        self.tabs.addTab(self.scroll, "Live")
         self.pool_view, self.plan, self.lengths = PoolView(), PlanPanel(), LengthsView()
-        for name, widget in (("Pool", self.pool_view), ("Plan", self.plan), ("Lengths", self.lengths)):
-            scroll = _scroll(f"{widget.objectName()}Scroll")
-            scroll.setWidget(widget)
-            self.tabs.addTab(scroll, name)
-        self.tabs.setTabToolTip(1, "The shared KV pool: blocks per conversation, shared and reclaimable blocks, "
-                                   "prefix hit rate")
-        self.tabs.setTabToolTip(2, "KV bytes of each cache format for a context you choose; apply one to this chat")
-        self.tabs.setTabToolTip(3, "How long your saved conversations are and which ones hold the memory")
+        for name, widget, tip in (
+                ("Live", None, "KV bytes per layer, speed and memory over time"),
+                ("Pool", self.pool_view, "The shared KV pool: blocks per conversation, shared and reclaimable blocks, "
+                                         "prefix hit rate"),
+                ("Plan", self.plan, "KV bytes of each cache format for a context you choose; apply one to this chat"),
+                ("Lengths", self.lengths, "How long your saved conversations are and which ones hold the memory")):
+            scroll = self.scroll if widget is None else _scroll(f"{widget.objectName()}Scroll")
+            if widget is not None:
+                scroll.setWidget(widget)
+            self.pages.addWidget(scroll)
+            self.switcher.setTabToolTip(self.switcher.addTab(name), tip)
         body = QWidget(objectName="dashboardBody")
         self.scroll.setWidget(body)
         layout = QVBoxLayout(body)
@@ -128,11 +137,29 @@ class Dashboard(QWidget):
         self.timer.timeout.connect(self._tick)
         self.timer.start()
 
+    # --- pages ---
+
+    def page_names(self) -> list[str]:
+        return [self.switcher.tabText(i) for i in range(self.switcher.count())]
+
+    def show_page(self, name: str) -> None:
+        self.switcher.setCurrentIndex(self.page_names().index(name))
+
+    def current_page(self) -> QWidget:
+        """The widget the visible page scrolls: the Live body, or the Pool, Plan or Lengths view."""
+        return self.pages.currentWidget().widget()
+
+    def title_bar(self, dock) -> QWidget:
+        """A title bar for the dock that holds the page switcher, so the pages keep the dock's whole height."""
+        from .dock_title import DockTitle
+        return DockTitle(dock, self.switcher)
+
     # --- construction: every item is made here, once ---
 
     def _header(self, key: str, title: str) -> QHBoxLayout:
-        """A section title with its legend to the right, wrapping under it when the dock is narrow."""
+        """A section title with its legend to the right, or under it when the two do not fit on one line."""
         row = QHBoxLayout()
+        self._header_rows[key] = row
         row.setSpacing(10)
         self.sections[key] = QLabel(title, objectName="dashboardSection")
         row.addWidget(self.sections[key], 0, Qt.AlignmentFlag.AlignTop)
@@ -255,6 +282,26 @@ class Dashboard(QWidget):
         text = legend_html(entries)
         if self.legends[key].text() != text:
             self.legends[key].setText(text)
+            self._arrange_header(key)
+
+    def _arrange_header(self, key: str) -> None:
+        """A legend beside a title wraps into a narrow column of many lines: below the title it takes one or two."""
+        legend, title = self.legends[key], self.sections[key]
+        document = QTextDocument()
+        document.setDefaultFont(legend.font())
+        document.setHtml(legend.text())
+        room = self.scroll.viewport().width() - 16
+        stacked = title.sizeHint().width() + 10 + document.idealWidth() > room
+        direction = QBoxLayout.Direction.TopToBottom if stacked else QBoxLayout.Direction.LeftToRight
+        if self._header_rows[key].direction() != direction:
+            self._header_rows[key].setDirection(direction)
+            legend.setAlignment((Qt.AlignmentFlag.AlignLeft if stacked else Qt.AlignmentFlag.AlignRight)
+                                | Qt.AlignmentFlag.AlignVCenter)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        for key in self.legends:
+            self._arrange_header(key)
 
     def redraw(self) -> None:
         """Bring every panel up to date now."""

@@ -51,7 +51,6 @@ class LengthsView(QWidget):
                       "prompt) count in each, so the shares can add up to more than 100%.", objectName="plotLegend")
         note.setWordWrap(True)
         layout.addWidget(note)
-        layout.addStretch(1)
 
     def set_data(self, lengths: list[ConversationLength], tokens: dict[int, int], model_config, model_dtype: str,
                  device: str, cache: CacheConfig, open_rows: list[Row]) -> None:

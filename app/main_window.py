@@ -120,6 +120,7 @@ class MainWindow(QMainWindow):
         self.dashboard = Dashboard()
         self.dock = QDockWidget("KV memory", self, objectName="dashboardDock")
         self.dock.setWidget(self.dashboard)
+        self.dock.setTitleBarWidget(self.dashboard.title_bar(self.dock))
         self.dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
                               | QDockWidget.DockWidgetFeature.DockWidgetFloatable
                               | QDockWidget.DockWidgetFeature.DockWidgetClosable)

@@ -38,7 +38,7 @@ class DashboardPanels(QObject):
         host.token_counts.connect(self._on_counts)
         window.conversations.deleted.connect(self._mark_lengths_stale)
         self.dashboard.plan.apply_requested.connect(self.apply_cache)
-        self.dashboard.tabs.currentChanged.connect(lambda _i: self.refresh())
+        self.dashboard.switcher.currentChanged.connect(lambda _i: self.refresh())
         self.timer = QTimer(self, interval=REFRESH_MS)
         self.timer.timeout.connect(self.refresh)
         self.timer.start()
@@ -97,7 +97,7 @@ class DashboardPanels(QObject):
         return pool_rows(latest.pool, self.owners, self._title)
 
     def refresh(self) -> None:
-        page = self.dashboard.tabs.currentWidget().widget()
+        page = self.dashboard.current_page()
         latest = self.dashboard.data.latest
         w = self.window
         key = (self.dashboard.data.version, w.session_cache, w.session_ready, w.conversation_id)

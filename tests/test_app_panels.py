@@ -55,8 +55,7 @@ def send(qtbot, window, text):
 
 
 def show_tab(window, name):
-    tabs = window.dashboard.tabs
-    tabs.setCurrentIndex([tabs.tabText(i) for i in range(tabs.count())].index(name))
+    window.dashboard.show_page(name)
     window.panels.refresh()
 
 
