@@ -81,7 +81,7 @@ class LengthsView(QWidget):
                           f"({b.num_bytes / total_bytes:.0%} of all conversations' KV)",
                           f"{b.count}")
                    for b in self.bins]
-        self.chart.set_data(columns, 1.25 * max(max(c.values) for c in columns))
+        self.chart.set_data(columns, 1.25 * max((max(c.values) for c in columns), default=1.0))
         counting = f" · counting tokens of {waiting} more…" if waiting else ""
         if counted:
             self.summary.setText(f"<b>{len(counted)}</b> saved conversations · median <b>{statistics.median(counted):,.0f}"

@@ -230,3 +230,28 @@ def test_no_window_suggested_when_no_conversation_is_long():
     layout = kv_layout(fake_model_config(), CacheConfig())
     assert suggest_window([100, 200, 300, 400], layout, 2048, 4, "fp32") is None
     assert histogram([], layout.sequence_bytes) == []
+
+
+# --- layout ---
+
+@pytest.mark.parametrize("size", [(1024, 700), (1600, 1000)])
+def test_pages_fit_the_dock_and_the_switcher_sits_in_its_title_bar(qtbot, size):
+    """Every page shows whole without scrolling at both window sizes; the page switcher costs no row."""
+    history = HistoryStore()
+    _fill(history)
+    history.close()
+    window = ready_window(qtbot, FakeLoader())
+    window.resize(*size)
+    send(qtbot, window, "Hello there model")
+    dash = window.dashboard
+    assert dash.switcher.parentWidget() is window.dock.titleBarWidget()
+    for name in ("Pool", "Plan", "Lengths"):
+        dash.show_page(name)
+        window.panels.refresh()
+        qtbot.wait(50)
+        scroll = dash.pages.currentWidget()
+        assert scroll.widget().height() <= scroll.viewport().height() + 1, name
+        if name == "Plan":
+            button = dash.plan.apply_button
+            assert button.isVisible() and scroll.viewport().rect().contains(
+                button.mapTo(scroll.viewport(), button.rect().bottomRight()))
