@@ -6,7 +6,7 @@ the Live tab's marker see the switch as if it came from Settings.
 """
 from __future__ import annotations
 
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QEvent, QObject, QTimer
 
 from engine.config import CacheConfig
 
@@ -42,6 +42,12 @@ class DashboardPanels(QObject):
         self.timer = QTimer(self, interval=REFRESH_MS)
         self.timer.timeout.connect(self.refresh)
         self.timer.start()
+        window.installEventFilter(self)
+
+    def eventFilter(self, watched, event) -> bool:
+        if watched is self.window and event.type() == QEvent.Type.Close:
+            self.timer.stop()           # the history may be closed next: nothing reads it after the window goes
+        return False
 
     # --- engine events ---
 
@@ -67,7 +73,7 @@ class DashboardPanels(QObject):
             self.owners.learn(snapshot.pool, conversation_id)
 
     def _on_counts(self, counts: TokenCounts) -> None:
-        if counts.model_name != self._model_name:
+        if counts.model_name != self._model_name or not self.timer.isActive():
             return
         updated = {c.id: c.updated_at for c in self.window.history.lengths()}
         for conversation_id, tokens in counts.counts:
@@ -97,6 +103,8 @@ class DashboardPanels(QObject):
         return pool_rows(latest.pool, self.owners, self._title)
 
     def refresh(self) -> None:
+        if not self.timer.isActive():
+            return
         page = self.dashboard.current_page()
         latest = self.dashboard.data.latest
         w = self.window

@@ -255,3 +255,15 @@ def test_pages_fit_the_dock_and_the_switcher_sits_in_its_title_bar(qtbot, size):
             button = dash.plan.apply_button
             assert button.isVisible() and scroll.viewport().rect().contains(
                 button.mapTo(scroll.viewport(), button.rect().bottomRight()))
+
+
+def test_a_closed_window_reads_its_closed_history_no_more(qtbot):
+    """The history closes as the window goes (as the app and the tests do): no page refresh touches it after."""
+    window = ready_window(qtbot, FakeLoader())
+    window.dashboard.show_page("Lengths")
+    window.panels.refresh()
+    window.history.close()
+    window.close()
+    window.panels._mark_lengths_stale()
+    qtbot.wait(3 * 250)                 # several refresh periods: an exception in the Qt loop fails the test
+    assert not window.panels.timer.isActive()
