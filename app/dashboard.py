@@ -13,14 +13,18 @@ import math
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QSize, Qt, QTimer
-from PySide6.QtGui import QCursor
-from PySide6.QtWidgets import (QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QToolButton,
-                               QToolTip, QVBoxLayout, QWidget)
+from PySide6.QtGui import QCursor, QTextDocument
+from PySide6.QtWidgets import (QBoxLayout, QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QStackedWidget,
+                               QTabBar, QToolButton, QToolTip, QVBoxLayout, QWidget)
 
+from .bar_widgets import FORMAT_COLOURS, format_family, format_mib
 from .dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, layer_hover_text, nice_ceiling,
                              series_hover_text, time_span_end, token_room)
 from .event_strip import MARKER_COLOURS, EventStrip
 from .gauge import TokenGauge
+from .lengths_view import LengthsView
+from .plan_panel import PlanPanel
+from .pool_view import PoolView
 from .quality_view import QualityRow
 
 REDRAW_MS = 125                         # each panel at most 8 Hz
@@ -28,9 +32,6 @@ MIB = 1024.0 * 1024.0
 LOG_FLOOR_MIB = 1e-3                    # a log axis cannot show 0; an empty cache sits on this floor (1 KiB)
 PLOT_MIN_HEIGHT = 92
 
-# (K, V) colours per format family: K dark at the bottom of each bar, V light on top.
-FORMAT_COLOURS = {"full": ("#2563eb", "#93c5fd"), "int8": ("#15803d", "#86efac"),
-                  "fp8": ("#c2410c", "#fdba74"), "int4": ("#7e22ce", "#d8b4fe")}
 FORMAT_NAMES = {"full": "full precision", "int8": "int8", "fp8": "fp8", "int4": "int4"}
 OUTLINE_COLOUR = "#475569"
 MEMORY_SERIES = {"budget": ("budget", "#dc2626", 1.5, Qt.PenStyle.DashLine),
@@ -50,19 +51,17 @@ class _PlotWidget(pg.PlotWidget):
         return QSize(300, PLOT_MIN_HEIGHT)
 
 
-def format_family(name: str) -> str:
-    return next((family for family in ("int8", "fp8", "int4") if name.startswith(family)), "full")
-
-
-def format_mib(num_bytes: float) -> str:
-    """Dashboard text speaks MiB throughout: 0.02 MiB, 2.74 MiB, 92.1 MiB, 1,024 MiB."""
-    value = num_bytes / MIB
-    return f"{value:,.0f} MiB" if value >= 100 else f"{value:.1f} MiB" if value >= 10 else f"{value:.2f} MiB"
-
-
 def legend_html(entries: list[tuple[str, str]]) -> str:
     return "&nbsp;&nbsp; ".join(f'<span style="color:{colour}">■</span>&nbsp;{html.escape(text)}'
                                 for text, colour in entries)
+
+
+def _scroll(name: str) -> QScrollArea:
+    scroll = QScrollArea(objectName=name)
+    scroll.setWidgetResizable(True)
+    scroll.setFrameShape(QFrame.Shape.NoFrame)
+    scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    return scroll
 
 
 class Dashboard(QWidget):
@@ -78,15 +77,33 @@ class Dashboard(QWidget):
         self._marker_lines: list[tuple[pg.PlotWidget, pg.InfiniteLine]] = []
         self._ranges: dict[str, tuple] = {}
         self.legends: dict[str, QLabel] = {}
+        self._header_rows: dict[str, QHBoxLayout] = {}
         self.sections: dict[str, QLabel] = {}
 
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
-        self.scroll = QScrollArea(objectName="dashboardScroll")
-        self.scroll.setWidgetResizable(True)
-        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
-        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        outer.addWidget(self.scroll)
+        # the page switcher sits in the dock's title bar when the window puts it there (title_bar): no row of its own
+        self.switcher = QTabBar(objectName="dashboardSwitcher")
+        self.switcher.setDrawBase(False)
+        self.switcher.setExpanding(False)
+        self.switcher.setDocumentMode(True)
+        self.pages = QStackedWidget(objectName="dashboardPages")
+        self.switcher.currentChanged.connect(self.pages.setCurrentIndex)
+        outer.addWidget(self.switcher)
+        outer.addWidget(self.pages, 1)
+        self.scroll = _scroll("dashboardScroll")
+        self.pool_view, self.plan, self.lengths = PoolView(), PlanPanel(), LengthsView()
+        for name, widget, tip in (
+                ("Live", None, "KV bytes per layer, speed and memory over time"),
+                ("Pool", self.pool_view, "The shared KV pool: blocks per conversation, shared and reclaimable blocks, "
+                                         "prefix hit rate"),
+                ("Plan", self.plan, "KV bytes of each cache format for a context you choose; apply one to this chat"),
+                ("Lengths", self.lengths, "How long your saved conversations are and which ones hold the memory")):
+            scroll = self.scroll if widget is None else _scroll(f"{widget.objectName()}Scroll")
+            if widget is not None:
+                scroll.setWidget(widget)
+            self.pages.addWidget(scroll)
+            self.switcher.setTabToolTip(self.switcher.addTab(name), tip)
         body = QWidget(objectName="dashboardBody")
         self.scroll.setWidget(body)
         layout = QVBoxLayout(body)
@@ -120,11 +137,29 @@ class Dashboard(QWidget):
         self.timer.timeout.connect(self._tick)
         self.timer.start()
 
+    # --- pages ---
+
+    def page_names(self) -> list[str]:
+        return [self.switcher.tabText(i) for i in range(self.switcher.count())]
+
+    def show_page(self, name: str) -> None:
+        self.switcher.setCurrentIndex(self.page_names().index(name))
+
+    def current_page(self) -> QWidget:
+        """The widget the visible page scrolls: the Live body, or the Pool, Plan or Lengths view."""
+        return self.pages.currentWidget().widget()
+
+    def title_bar(self, dock) -> QWidget:
+        """A title bar for the dock that holds the page switcher, so the pages keep the dock's whole height."""
+        from .dock_title import DockTitle
+        return DockTitle(dock, self.switcher)
+
     # --- construction: every item is made here, once ---
 
     def _header(self, key: str, title: str) -> QHBoxLayout:
-        """A section title with its legend to the right, wrapping under it when the dock is narrow."""
+        """A section title with its legend to the right, or under it when the two do not fit on one line."""
         row = QHBoxLayout()
+        self._header_rows[key] = row
         row.setSpacing(10)
         self.sections[key] = QLabel(title, objectName="dashboardSection")
         row.addWidget(self.sections[key], 0, Qt.AlignmentFlag.AlignTop)
@@ -247,6 +282,26 @@ class Dashboard(QWidget):
         text = legend_html(entries)
         if self.legends[key].text() != text:
             self.legends[key].setText(text)
+            self._arrange_header(key)
+
+    def _arrange_header(self, key: str) -> None:
+        """A legend beside a title wraps into a narrow column of many lines: below the title it takes one or two."""
+        legend, title = self.legends[key], self.sections[key]
+        document = QTextDocument()
+        document.setDefaultFont(legend.font())
+        document.setHtml(legend.text())
+        room = self.scroll.viewport().width() - 16
+        stacked = title.sizeHint().width() + 10 + document.idealWidth() > room
+        direction = QBoxLayout.Direction.TopToBottom if stacked else QBoxLayout.Direction.LeftToRight
+        if self._header_rows[key].direction() != direction:
+            self._header_rows[key].setDirection(direction)
+            legend.setAlignment((Qt.AlignmentFlag.AlignLeft if stacked else Qt.AlignmentFlag.AlignRight)
+                                | Qt.AlignmentFlag.AlignVCenter)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        for key in self.legends:
+            self._arrange_header(key)
 
     def redraw(self) -> None:
         """Bring every panel up to date now."""

@@ -129,6 +129,16 @@ class Conversation:
     updated_at: float
 
 
+@dataclass(frozen=True, slots=True)
+class ConversationLength:
+    """How big a saved conversation is, without its text (the Lengths view)."""
+    id: int
+    title: str
+    num_messages: int
+    num_chars: int              # characters of its messages and system prompt
+    updated_at: float
+
+
 class HistoryStore:
     """One SQLite file. Every write commits at once, so a crash loses at most the turn in flight."""
 
@@ -386,6 +396,14 @@ class HistoryStore:
         rows = self._db.execute("SELECT role, content FROM messages WHERE conversation_id = ? ORDER BY id",
                                 (conversation_id,)).fetchall()
         return [{"role": role, "content": content} for role, content in rows]
+
+    def lengths(self) -> list[ConversationLength]:
+        """Every saved conversation's message and character count, oldest first (read only)."""
+        rows = self._db.execute(
+            "SELECT c.id, c.title, count(m.id), coalesce(sum(length(m.content)), 0) + length(c.system_prompt), "
+            "c.updated_at FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id "
+            "GROUP BY c.id ORDER BY c.id").fetchall()
+        return [ConversationLength(int(i), title, int(n), int(chars), float(t)) for i, title, n, chars, t in rows]
 
     def entries(self, conversation_id: int) -> list[Message]:
         """The messages with their ids and states (an interrupted reply is marked)."""

@@ -27,6 +27,7 @@ from .history import HistoryError, HistoryStore
 from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened, format_bytes
 from .quality_view import QualityController
 from .models_page import ModelsDialog
+from .panels import DashboardPanels
 from .settings_dialog import SettingsDialog
 from .settings_store import AppSettings, SettingsStore
 from .turn_record import ReplyRecord, TurnRecord, is_refused
@@ -59,6 +60,7 @@ class MainWindow(QMainWindow):
         self._closing = False
         self._build()
         self._connect_host(EngineHost(loader, self))
+        self.panels = DashboardPanels(self)     # the dashboard's Pool, Plan and Lengths tabs
         self.quality = QualityController(self.host, self.dashboard.quality_row,
                                          busy=lambda: self.generating or not self.session_ready, parent=self)
         self.actions = ChatActions(self)    # regenerate, edit, continue, copy/delete, export, search, undo, About
@@ -120,6 +122,7 @@ class MainWindow(QMainWindow):
         self.dashboard = Dashboard()
         self.dock = QDockWidget("KV memory", self, objectName="dashboardDock")
         self.dock.setWidget(self.dashboard)
+        self.dock.setTitleBarWidget(self.dashboard.title_bar(self.dock))
         self.dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
                               | QDockWidget.DockWidgetFeature.DockWidgetFloatable
                               | QDockWidget.DockWidgetFeature.DockWidgetClosable)

@@ -63,6 +63,7 @@ class EngineWorker(QObject):
     error = Signal(object)              # ErrorEvent
     quality = Signal(object)            # QualityResult, or QualityCancelled when a command came first
     prefix_cleared = Signal(object)     # PrefixCleared
+    token_counts = Signal(object)       # TokenCounts of saved conversations (the Lengths tab)
 
     def __init__(self, loader=_default_loader):
         super().__init__()
@@ -330,6 +331,12 @@ class EngineWorker(QObject):
             return
         self.quality.emit(result)
 
+    @Slot(object)
+    def count_tokens(self, requests) -> None:
+        if self._engine is not None:
+            from .lengths_data import count_conversations
+            self.token_counts.emit(count_conversations(self._engine, requests))
+
     def _snapshot(self) -> StatsSnapshot | None:
         if self._session is None:
             return None
@@ -375,7 +382,7 @@ class _DecodeRate:
 
 
 EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished", "stats", "mode_switched",
-                 "reset_done", "error", "quality", "prefix_cleared")
+                 "reset_done", "error", "quality", "prefix_cleared", "token_counts")
 
 
 def _pairs(history: list[dict] | None):
@@ -400,6 +407,7 @@ class EngineHost(QObject):
     error = Signal(object)
     quality = Signal(object)
     prefix_cleared = Signal(object)
+    token_counts = Signal(object)
 
     _load = Signal(object)
     _open = Signal(object, object, object, object)
@@ -414,6 +422,7 @@ class EngineHost(QObject):
     _sync_history = Signal(object)
     _clear_prefix = Signal()
     _adopt = Signal(object)
+    _count = Signal(object)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -434,6 +443,7 @@ class EngineHost(QObject):
         self._sync_history.connect(self.worker.sync_history)
         self._clear_prefix.connect(self.worker.clear_prefix_cache)
         self._adopt.connect(self.worker.adopt)
+        self._count.connect(self.worker.count_tokens)
         self.thread.started.connect(self.worker.lower_priority)
         for name in EVENT_SIGNALS:
             getattr(self.worker, name).connect(getattr(self, name), Qt.ConnectionType.QueuedConnection)
@@ -501,6 +511,10 @@ class EngineHost(QObject):
 
     def poll_stats(self) -> None:
         self._poll.emit()
+
+    def count_tokens(self, requests: tuple) -> None:
+        """Tokens of saved conversations, ((id, system prompt, ((role, content), ...)), ...), by the model's tokenizer."""
+        self._count.emit(requests)
 
     def shutdown(self, timeout_ms: int = 120_000) -> bool:
         """Stop any reply, let the running command end, and join the thread."""

@@ -1,0 +1,129 @@
+"""How long the saved conversations are, what they would hold in the KV cache, and a window for the long ones.
+
+Plain Python (no Qt): token counts come from the model's tokenizer in the engine thread; bytes
+from engine.kv_layout, the cache's own arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import CacheConfig
+
+from .bar_widgets import format_mib
+
+FIRST_EDGE = 256                        # histogram bins: <256, 256-511, 512-1,023, ... tokens
+MIN_WINDOW = 512
+MOST = 0.75                             # the suggested window keeps this share of conversations whole
+
+
+def count_tokens(tokenizer, system_prompt: str | None, turns) -> int:
+    """Tokens the conversation takes in the cache: the chat template's rendering when the tokenizer has one."""
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+        [{"role": role, "content": content} for role, content in turns]
+    template = getattr(tokenizer, "apply_chat_template", None)
+    if template is not None and getattr(tokenizer, "chat_template", None):
+        text = template(messages, tokenize=False, add_generation_prompt=False)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+    return sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    model_name: str
+    counts: tuple[tuple[int, int], ...]     # (conversation id, tokens)
+
+
+def count_conversations(engine, requests) -> TokenCounts:
+    """Runs in the engine thread: requests are (conversation id, system prompt, ((role, content), ...))."""
+    counts = []
+    for conversation_id, system_prompt, turns in requests:
+        try:
+            counts.append((conversation_id, count_tokens(engine.tokenizer, system_prompt, turns)))
+        except Exception:  # noqa: BLE001 - a conversation the template refuses is left out of the histogram
+            continue
+    return TokenCounts(str(getattr(engine, "model_name", "")), tuple(counts))
+
+
+@dataclass(frozen=True, slots=True)
+class Bin:
+    low: int                            # tokens, inclusive
+    high: int | None                    # exclusive; None: open-ended
+    count: int
+    num_bytes: int                      # KV bytes its conversations would hold, all at once
+
+    @property
+    def label(self) -> str:
+        return f"<{_short(self.high)}" if self.low == 0 else f"{_short(self.low)}+"
+
+    @property
+    def range_text(self) -> str:
+        if self.high is None:
+            return f"{self.low:,} tokens or more"
+        return f"fewer than {self.high:,} tokens" if self.low == 0 else f"{self.low:,}-{self.high - 1:,} tokens"
+
+
+def _short(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+
+
+def histogram(tokens: list[int], bytes_of, max_bins: int = 8) -> list[Bin]:
+    """Doubling bins from FIRST_EDGE up to the longest conversation; the last bin is open-ended past max_bins."""
+    if not tokens:
+        return []
+    edges = [0, FIRST_EDGE]
+    while edges[-1] <= max(tokens) and len(edges) < max_bins:
+        edges.append(edges[-1] * 2)
+    bins = []
+    for i, low in enumerate(edges):
+        high = edges[i + 1] if i + 1 < len(edges) else None
+        members = [n for n in tokens if n >= low and (high is None or n < high)]
+        if high is None and not members:
+            continue
+        bins.append(Bin(low, high, len(members), sum(bytes_of(n) for n in members)))
+    return bins
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSuggestion:
+    window: int
+    sinks: int
+    num_long: int                       # conversations longer than window + sinks
+    num_total: int
+    long_share: float                   # of the KV bytes all conversations would hold, 0.0-1.0
+    cap_bytes: int                      # the most any long conversation holds with the window
+    saved_bytes: int                    # bytes the window takes off the long conversations together
+    format_label: str
+
+    def text(self) -> str:
+        return (f"{self.num_long} of {self.num_total} conversations are over {self.window + self.sinks:,} tokens and "
+                f"hold {self.long_share:.0%} of the KV all of them would take ({self.format_label}): a window of "
+                f"{self.window:,} + {self.sinks} sinks would cap each at {format_mib(self.cap_bytes)} "
+                f"(saving {format_mib(self.saved_bytes)} together), and leave the other "
+                f"{self.num_total - self.num_long} whole.")
+
+
+def suggest_window(tokens: list[int], layout, context: int, sinks: int, format_label: str) -> WindowSuggestion | None:
+    """The smallest power-of-two window that keeps most conversations whole, when longer ones exist.
+
+    `layout` is the KVLayout of the chat's formats; its sequence_bytes gives both sides of the comparison."""
+    if not tokens:
+        return None
+    ordered = sorted(tokens)
+    typical = ordered[min(len(ordered) - 1, int(MOST * len(ordered)))]
+    window = MIN_WINDOW
+    while window < typical:
+        window *= 2
+    if context:
+        window = min(window, max(1, context - sinks))
+    long = [n for n in tokens if n > window + sinks]
+    if not long:
+        return None
+    full = {n: layout.sequence_bytes(n) for n in set(tokens)}
+    capped = {n: layout.sequence_bytes(n, window, sinks) for n in set(long)}
+    total = sum(full[n] for n in tokens) or 1
+    return WindowSuggestion(window, sinks, len(long), len(tokens), sum(full[n] for n in long) / total,
+                            max(capped.values()), sum(full[n] - capped[n] for n in long), format_label)
+
+
+def without_window(cache: CacheConfig) -> CacheConfig:
+    return cache.with_(window=None) if cache.window is not None else cache

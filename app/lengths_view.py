@@ -1,0 +1,110 @@
+"""The Lengths tab: most saved conversations are short, a few long ones would hold most of the KV memory.
+
+A histogram of the saved conversations' lengths (share of conversations beside share of KV bytes),
+each open conversation's share of the pool now, and a window suggested for the long ones.
+"""
+from __future__ import annotations
+
+import statistics
+
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+
+from engine.config import CacheConfig, ConfigError
+from engine.kv_layout import kv_layout
+
+from .bar_widgets import BarRows, Column, ColumnChart, Row, format_mib
+from .history import ConversationLength
+from .lengths_data import WindowSuggestion, histogram, suggest_window, without_window
+
+COUNT_COLOUR, BYTES_COLOUR = "#94a3b8", "#7e22ce"
+
+
+class LengthsView(QWidget):
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("lengthsView")
+        self.bins = []
+        self.suggestion: WindowSuggestion | None = None
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 6, 8, 6)
+        layout.setSpacing(4)
+        self.summary = QLabel("No saved conversations yet.", objectName="dashboardSummary")
+        self.summary.setWordWrap(True)
+        layout.addWidget(self.summary)
+        layout.addWidget(QLabel("Saved conversations by length in tokens", objectName="dashboardSection"))
+        self.chart = ColumnChart(min_height=130)
+        layout.addWidget(self.chart, 1)
+        legend = QLabel(f'<span style="color:{COUNT_COLOUR}">■</span>&nbsp;share of conversations&nbsp;&nbsp; '
+                        f'<span style="color:{BYTES_COLOUR}">■</span>&nbsp;share of the KV they would hold, all open '
+                        f'at once', objectName="plotLegend")
+        legend.setWordWrap(True)
+        layout.addWidget(legend)
+        self.suggestion_label = QLabel("", objectName="lengthsSuggestion")
+        self.suggestion_label.setWordWrap(True)
+        self.suggestion_label.setStyleSheet("#lengthsSuggestion { background: #f5f3ff; border: 1px solid #ddd6fe; "
+                                            "border-radius: 4px; padding: 4px 6px; }")
+        layout.addWidget(self.suggestion_label)
+        layout.addWidget(QLabel("Open conversations · share of the KV pool now", objectName="dashboardSection"))
+        self.open_bars = BarRows("No conversation holds blocks yet.")
+        layout.addWidget(self.open_bars)
+        note = QLabel("Of the bytes the pool holds now. Blocks shared by several conversations (a common system "
+                      "prompt) count in each, so the shares can add up to more than 100%.", objectName="plotLegend")
+        note.setWordWrap(True)
+        layout.addWidget(note)
+
+    def set_data(self, lengths: list[ConversationLength], tokens: dict[int, int], model_config, model_dtype: str,
+                 device: str, cache: CacheConfig, open_rows: list[Row]) -> None:
+        """Conversations with a token count (the engine thread counts them) go into the histogram."""
+        self.open_bars.set_rows(open_rows)
+        counted = [tokens[c.id] for c in lengths if c.id in tokens]
+        waiting = len(lengths) - len(counted)
+        if not lengths:
+            self._clear("No saved conversations yet: their lengths show here once you have chatted.")
+            return
+        if model_config is None:
+            self._clear(f"{len(lengths)} saved conversations; their lengths in tokens show once a model is loaded.")
+            return
+        base = without_window(cache)
+        try:
+            layout = kv_layout(model_config, base, model_dtype, device)
+        except ConfigError as exc:
+            self._clear(f"Cannot size these conversations on this model: {exc}")
+            return
+        label = base.label().replace("auto", layout.full_dtype)
+        self.bins = histogram(counted, layout.sequence_bytes)
+        total_bytes = sum(b.num_bytes for b in self.bins) or 1
+        total = len(counted) or 1
+        columns = [Column(b.label, (100.0 * b.count / total, 100.0 * b.num_bytes / total_bytes),
+                          (COUNT_COLOUR, BYTES_COLOUR),
+                          f"{b.count} conversation{'s' if b.count != 1 else ''} with {b.range_text} "
+                          f"({b.count / total:.0%})\nTheir KV in {label}: {format_mib(b.num_bytes)} "
+                          f"({b.num_bytes / total_bytes:.0%} of all conversations' KV)",
+                          f"{b.count}")
+                   for b in self.bins]
+        self.chart.set_data(columns, 1.25 * max((max(c.values) for c in columns), default=1.0))
+        counting = f" · counting tokens of {waiting} more…" if waiting else ""
+        if counted:
+            self.summary.setText(f"<b>{len(counted)}</b> saved conversations · median <b>{statistics.median(counted):,.0f}"
+                                 f"</b> tokens · longest <b>{max(counted):,}</b> · all held at once in {label}: "
+                                 f"<b>{format_mib(sum(layout.sequence_bytes(n) for n in counted))}</b>{counting}")
+        else:
+            self.summary.setText(f"{len(lengths)} saved conversations{counting}")
+        context = getattr(model_config, "max_position_embeddings", 0)
+        self.suggestion = suggest_window(counted, layout, context, cache.sinks, label)
+        if self.suggestion is not None:
+            text = self.suggestion.text()
+            if cache.window is not None:
+                text += f" This chat already uses a window of {cache.window:,} + {cache.sinks} sinks."
+            else:
+                text += " Set it in Settings (Window and sinks) for a long chat; the switch is live."
+            self.suggestion_label.setText(text)
+        else:
+            self.suggestion_label.setText("No conversation is much longer than the rest: no window needed."
+                                          if counted else "")
+        self.suggestion_label.setVisible(bool(self.suggestion_label.text()))
+
+    def _clear(self, message: str) -> None:
+        self.bins, self.suggestion = [], None
+        self.chart.set_data([], 1.0)
+        self.summary.setText(message)
+        self.suggestion_label.setVisible(False)
