@@ -40,6 +40,9 @@ def engine_threads() -> int:
     return int(override) if override else max(1, (os.cpu_count() or 2) - 1)
 
 
+CLOSE_WAIT_MS = 50                      # the GUI thread never waits longer than this for the engine on close
+
+
 class MainWindow(QMainWindow):
     def __init__(self, store: SettingsStore, history: HistoryStore, loader=_default_loader, autoload: bool = True):
         super().__init__()
@@ -58,6 +61,7 @@ class MainWindow(QMainWindow):
         self._pending_settings: tuple[AppSettings, AppSettings] | None = None   # (new, last accepted)
         self._session_failed = False
         self._closing = False
+        self._close_pending = False
         self._build()
         self._connect_host(EngineHost(loader, self))
         self.panels = DashboardPanels(self)     # the dashboard's Pool, Plan and Lengths tabs
@@ -514,11 +518,20 @@ class MainWindow(QMainWindow):
             self._update_status()
 
     def closeEvent(self, event) -> None:
-        self._closing = True
-        self.store.set_layout("geometry", self.saveGeometry())
-        self.store.set_layout("state", self.saveState())
-        self.store.set_layout("splitter", self.splitter.saveState())
-        self.store.sync()
-        self.dashboard.timer.stop()
-        self.host.shutdown()
+        if not self._closing:
+            self._closing = True
+            self.store.set_layout("geometry", self.saveGeometry())
+            self.store.set_layout("state", self.saveState())
+            self.store.set_layout("splitter", self.splitter.saveState())
+            self.store.sync()
+            self.dashboard.timer.stop()
+        if not self.host.shutdown(timeout_ms=CLOSE_WAIT_MS):
+            # the engine is inside a step (a long prompt, a reply): it stops within one prefill chunk or decode
+            # step; the window goes away now and closes for good once the thread has ended, never killed
+            self.hide()
+            event.ignore()
+            if not self._close_pending:
+                self._close_pending = True
+                self.host.thread.finished.connect(self.close)
+            return
         super().closeEvent(event)

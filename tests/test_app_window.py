@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -246,3 +247,20 @@ def test_window_stays_responsive_while_model_loads(qtbot):
     qtbot.waitUntil(lambda: window.session_ready, timeout=5000)
     assert not window.load_bar.isVisible()
     assert window.input.toPlainText() == "typed while loading"
+
+
+def test_closing_during_a_long_step_never_blocks_the_gui_thread(qtbot):
+    """Closing while the engine is inside a long step returns at once (the window hides) and closes for good
+    once the engine thread has ended by itself: no wait past 100 ms, no thread destroyed while running."""
+    window = ready_window(qtbot, FakeLoader(step_s=0.4), sampling=SamplingParams(max_new_tokens=5000))
+    window.input.setPlainText("Tell me everything")
+    window.input.submit()
+    qtbot.waitUntil(lambda: len(window.chat.reply_text()) > 0, timeout=5000)
+    thread = window.host.thread
+    started = time.perf_counter()
+    window.close()
+    assert time.perf_counter() - started < 0.1
+    assert not window.isVisible() and thread.isRunning()
+    qtbot.waitUntil(lambda: not thread.isRunning(), timeout=5000)
+    qtbot.waitUntil(lambda: window._close_pending and not window.isVisible(), timeout=1000)
+    assert thread.isFinished()
