@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, page_format
 
@@ -37,25 +37,22 @@ class KVLayout:
     block_size: int
     full_dtype: str                                            # what "auto" and the head/tail blocks use
     formats: tuple[tuple[PageFormat, PageFormat], ...]         # per layer: (K, V)
+    # computed once: the manager asks for block bytes on every step
+    layer_block_bytes: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    block_bytes: int = field(init=False, repr=False, compare=False)   # one block over all layers, K and V
+    quantized_components: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def layer_block_bytes(self) -> tuple[tuple[int, int], ...]:
-        return tuple(tuple(bytes_per_block(f, self.block_size, self.num_kv_heads, self.head_dim) for f in pair)
-                     for pair in self.formats)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes one block holds over all layers, K and V, scales and zero points included."""
-        return sum(k + v for k, v in self.layer_block_bytes)
+    def __post_init__(self):
+        per_layer = tuple(tuple(bytes_per_block(f, self.block_size, self.num_kv_heads, self.head_dim) for f in pair)
+                          for pair in self.formats)
+        object.__setattr__(self, "layer_block_bytes", per_layer)
+        object.__setattr__(self, "block_bytes", sum(k + v for k, v in per_layer))
+        object.__setattr__(self, "quantized_components", sum(f.is_quantized for pair in self.formats for f in pair))
 
     @property
     def full_block_bytes(self) -> int:
         """Bytes of one full-precision block of one component (a head or a tail)."""
         return self.block_size * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.full_dtype]
-
-    @property
-    def quantized_components(self) -> int:
-        return sum(f.is_quantized for pair in self.formats for f in pair)
 
     @property
     def fixed_bytes(self) -> int:

@@ -228,6 +228,7 @@ class KVCacheManager:
         self.budget_bytes = int(budget_bytes)
         self.sequences: dict[int, Sequence] = {}
         self.block_layout: dict[int, KVLayout] = {}         # id -> the layout whose pages hold it
+        self._block_bytes_held = 0                          # bytes of the blocks in block_layout
         self._on_free = on_free or (lambda ids: None)       # page store hook: these ids hold nothing now
         self._clock = itertools.count(1)
         self.prefix_queries = 0
@@ -241,8 +242,12 @@ class KVCacheManager:
 
     @property
     def held_bytes(self) -> int:
-        blocks = sum(self.block_bytes(b) for b, r in enumerate(self.pool.ref_cnt) if r or b in self.pool.block_hash)
-        return blocks + sum(s.side_bytes for s in self.sequences.values())
+        """Bytes of every block in use or kept for reuse, plus the sequences' full-precision sides."""
+        return self._block_bytes_held + sum(s.side_bytes for s in self.sequences.values())
+
+    def recount(self) -> int:
+        """held block bytes counted from scratch (check() compares it with the running count)."""
+        return sum(self.block_bytes(b) for b, r in enumerate(self.pool.ref_cnt) if r or b in self.pool.block_hash)
 
     def evictable_bytes(self) -> int:
         return sum(self.block_bytes(b) for b in self.pool.evictable_ids())
@@ -279,7 +284,9 @@ class KVCacheManager:
 
     def _forget(self, ids: list[int]) -> None:
         for b in ids:
-            self.block_layout.pop(b, None)
+            layout = self.block_layout.pop(b, None)
+            if layout is not None:
+                self._block_bytes_held -= layout.block_bytes
         if ids:
             self._on_free(ids)
 
@@ -315,6 +322,7 @@ class KVCacheManager:
         ids = [self.pool.allocate() for _ in range(n)]
         for b in ids:
             self.block_layout[b] = layout
+        self._block_bytes_held += n * layout.block_bytes
         return ids
 
     # ---- one step: reserve, then commit or roll back -------------------------------------
@@ -501,4 +509,5 @@ class KVCacheManager:
             if r == 0:
                 assert (b in self.pool._evictable) != (b in self.pool._free), f"block {b} lost"
         assert len(set(self.pool._free)) == len(self.pool._free), "an id is twice in the free heap"
+        assert self.recount() == self._block_bytes_held, "the running count of held bytes drifted"
         assert self.held_bytes <= self.budget_bytes, "held bytes above the budget"
