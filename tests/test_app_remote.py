@@ -125,10 +125,13 @@ def test_dashboard_shows_the_servers_numbers_and_marks_local_only_views(qtbot, s
     send(qtbot, window, "Once upon a time")
     assert 1 in running
 
-    # idle: the panel's numbers are the server's /metrics
-    with qtbot.waitSignal(window.host.stats, timeout=5000):
-        window.host.poll_stats()
-    dash.redraw()
+    # idle (the server ends a request a moment after its last chunk): the panel's numbers are its /metrics
+    def idle_on_the_panel():
+        with qtbot.waitSignal(window.host.stats, timeout=5000):
+            window.host.poll_stats()
+        dash.redraw()
+        return dash.server_panel.texts()["running"] == "0"
+    qtbot.waitUntil(idle_on_the_panel, timeout=10_000)
     metrics = _metrics(server)
     texts = dash.server_panel.texts()
     assert texts["kv_usage"] == f"{metrics['vllm:kv_cache_usage_perc']:.1%}"
