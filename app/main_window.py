@@ -524,8 +524,10 @@ class MainWindow(QMainWindow):
         self.send_action.setEnabled(can_send)
         self.stop_button.setEnabled(self.generating)
         self.stop_action.setEnabled(self.generating)
-        self.reset_button.setEnabled(can_send)
-        self.reset_action.setEnabled(can_send)
+        # a remote server frees a request's cache itself: this app holds none to reset
+        can_reset = can_send and not (self.engine_info is not None and self.engine_info.capabilities.remote)
+        self.reset_button.setEnabled(can_reset)
+        self.reset_action.setEnabled(can_reset)
         if hasattr(self, "actions"):
             self.actions.refresh()
         if self.session_ready:

@@ -66,6 +66,7 @@ def test_chat_stop_new_chat_and_history_through_the_server(qtbot, server):
     saved = window.store.load().remote
     assert saved is not None and saved.base_url == server.base_url and saved.api_key == KEY and saved.model == "tiny"
     assert server.base_url in window.status_label.text() and "tiny" in window.status_label.text()
+    assert not window.reset_button.isEnabled()          # the server frees its own cache; nothing to reset here
 
     first = send(qtbot, window, "Hello! How are you?")
     assert first.finish_reason in ("eos", "length") and first.stats.prefill_tokens > 0
@@ -199,3 +200,19 @@ def test_settings_dialog_fetches_models_and_explains_errors(qtbot, server):
 
     dialog.engine_choice.setCurrentText("This computer")
     assert dialog.result_settings().remote is None and dialog.cache_box.isEnabled()
+
+
+def test_back_to_this_computer_brings_the_local_views_back(qtbot, server, tiny_llama):
+    window = remote_window(qtbot, server.base_url)
+    dash = window.dashboard
+    dash.show_page("Pool")
+    assert dash.current_page() is dash.unavailable
+    window.apply_settings(replace(window.settings, model=tiny_llama, remote=None))
+    qtbot.waitUntil(lambda: window.session_ready and not window.engine_info.capabilities.remote, timeout=30_000)
+    assert window.store.load().remote is None and window.store.last_server().base_url == server.base_url
+    assert dash.current_page() is dash.pool_view
+    dash.show_page("Live")
+    assert not dash.server_panel.isVisible() and dash.layer_plot.isVisible() and not dash.layers_unavailable.isVisible()
+    assert "not available" not in dash.quality_row.label.text()
+    assert "server" not in window.status_label.text()
+    assert window.reset_button.isEnabled()
