@@ -26,6 +26,7 @@ from .lengths_view import LengthsView
 from .plan_panel import PlanPanel
 from .pool_view import PoolView
 from .quality_view import QualityRow
+from .server_panel import UNAVAILABLE_REMOTE, ServerPanel
 
 REDRAW_MS = 125                         # each panel at most 8 Hz
 MIB = 1024.0 * 1024.0
@@ -88,7 +89,8 @@ class Dashboard(QWidget):
         self.switcher.setExpanding(False)
         self.switcher.setDocumentMode(True)
         self.pages = QStackedWidget(objectName="dashboardPages")
-        self.switcher.currentChanged.connect(self.pages.setCurrentIndex)
+        self.switcher.currentChanged.connect(self._show_index)
+        self.remote_url = ""                # set while the engine is a remote server
         outer.addWidget(self.switcher)
         outer.addWidget(self.pages, 1)
         self.scroll = _scroll("dashboardScroll")
@@ -104,6 +106,13 @@ class Dashboard(QWidget):
                 scroll.setWidget(widget)
             self.pages.addWidget(scroll)
             self.switcher.setTabToolTip(self.switcher.addTab(name), tip)
+        self.unavailable = QLabel("", objectName="remoteUnavailable")   # Pool, Plan, Lengths with a remote server
+        self.unavailable.setWordWrap(True)
+        self.unavailable.setContentsMargins(10, 10, 10, 10)
+        self.unavailable.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        unavailable_scroll = _scroll("remoteUnavailableScroll")
+        unavailable_scroll.setWidget(self.unavailable)
+        self.pages.addWidget(unavailable_scroll)
         body = QWidget(objectName="dashboardBody")
         self.scroll.setWidget(body)
         layout = QVBoxLayout(body)
@@ -117,6 +126,9 @@ class Dashboard(QWidget):
         layout.addWidget(self._build_notice())
         self.quality_row = QualityRow()
         layout.addWidget(self.quality_row)
+        self.server_panel = ServerPanel()
+        self.server_panel.setVisible(False)
+        layout.addWidget(self.server_panel)
         layout.addLayout(self._header("tokens", "Tokens in cache"))
         self.gauge = TokenGauge(self)
         layout.addWidget(self.gauge)
@@ -125,6 +137,11 @@ class Dashboard(QWidget):
         self._build_memory_plot()
         layout.addLayout(self._header("layers", "KV bytes per layer (KiB)"))
         layout.addWidget(self.layer_plot, 1)
+        self.layers_unavailable = QLabel(f"Per-layer K and V bytes: {UNAVAILABLE_REMOTE} (the server holds the "
+                                         f"cache; its KV usage is in the Server section).", objectName="layersUnavailable")
+        self.layers_unavailable.setWordWrap(True)
+        self.layers_unavailable.setVisible(False)
+        layout.addWidget(self.layers_unavailable)
         layout.addLayout(self._header("speed", "Tokens per second · time in s"))
         layout.addWidget(self.speed_plot, 1)
         layout.addLayout(self._header("memory", "Memory in MiB (log scale) · time in s"))
@@ -138,6 +155,41 @@ class Dashboard(QWidget):
         self.timer.start()
 
     # --- pages ---
+
+    LOCAL_ONLY_PAGES = {
+        "Pool": "The KV pool's blocks, shared blocks and prefix hits per conversation",
+        "Plan": "Planning and switching cache formats for this chat",
+        "Lengths": "Conversation lengths in tokens and each chat's share of the pool",
+    }
+
+    def set_remote(self, url: str, model: str = "") -> None:
+        """A remote server (url) or this computer (""): local-only views say they are unavailable, not zeros."""
+        self.remote_url = url
+        remote = bool(url)
+        if remote:
+            self.server_panel.set_server(url, model)
+        self.server_panel.setVisible(remote)
+        for widget in (self.sections["tokens"], self.gauge, self.sections["layers"], self.legends["layers"],
+                       self.layer_plot):
+            widget.setVisible(not remote)
+        self.layers_unavailable.setVisible(remote)
+        if remote:
+            self.quality_row.state = "remote"
+            self.quality_row.label.setText(f"Quality of the cache mode (Measure): {UNAVAILABLE_REMOTE}.")
+            self.quality_row.button.setVisible(False)
+        self._drawn.clear()
+        self._show_index(self.switcher.currentIndex())
+
+    def _show_index(self, index: int) -> None:
+        name = self.switcher.tabText(index)
+        if self.remote_url and name in self.LOCAL_ONLY_PAGES:
+            self.unavailable.setText(f"<b>{name}</b>: {UNAVAILABLE_REMOTE}.<br>{self.LOCAL_ONLY_PAGES[name]} needs "
+                                     f"the KV cache on this computer; the model runs on {html.escape(self.remote_url)}. "
+                                     f"What that server reports (KV usage, requests, prefix-cache hits) is on the "
+                                     f"Live page.")
+            self.pages.setCurrentIndex(self.pages.count() - 1)
+        else:
+            self.pages.setCurrentIndex(index)
 
     def page_names(self) -> list[str]:
         return [self.switcher.tabText(i) for i in range(self.switcher.count())]
@@ -331,6 +383,9 @@ class Dashboard(QWidget):
             self._draw_markers()
         elif snapshot is None:
             return
+        elif panel == "layers" and self.remote_url:
+            self.server_panel.show_stats(snapshot)
+            self._draw_remote_summary(snapshot)
         elif panel == "layers":
             self._draw_layers(snapshot)
             self._draw_summary(snapshot)
@@ -367,10 +422,20 @@ class Dashboard(QWidget):
             + (f" · weights {format_mib(snapshot.weight_bytes)} ({html.escape(snapshot.weights_label)})"
                if snapshot.weight_bytes else ""))
 
+    def _draw_remote_summary(self, snapshot) -> None:
+        generating = bool(self.data.series["decode"]) and not math.isnan(self.data.series["decode"][-1])
+        speed = f"decode {snapshot.decode_tok_s:.1f} tok/s · TTFT {snapshot.ttft_s * 1000:.0f} ms"
+        if not generating:
+            speed = f"idle · last reply: {speed}" if snapshot.decode_tok_s or snapshot.ttft_s else "idle"
+        self.summary.setText(f"<b>{html.escape(snapshot.cache_label)}</b> on {html.escape(self.remote_url)}<br>"
+                             f"{speed}<br>this app's process RSS {format_mib(snapshot.memory.rss_bytes)}")
+
     def applicable_series(self) -> list[str]:
-        """Memory series this machine reports: no torch allocator or NVML line on a CPU-only machine."""
+        """Memory series this machine reports: no torch allocator or NVML line on a CPU-only machine; no KV or
+        budget line when the cache lives on a remote server."""
         return [name for name in MEMORY_SERIES
-                if name not in OPTIONAL_SERIES or any(value > 0 for value in self.data.series[name])]
+                if (name not in OPTIONAL_SERIES or any(value > 0 for value in self.data.series[name]))
+                and not (self.remote_url and name in ("kv", "budget", "weights"))]
 
     def _draw_memory(self, times: np.ndarray) -> None:
         lowest, highest = math.inf, LOG_FLOOR_MIB

@@ -197,8 +197,12 @@ class MainWindow(QMainWindow):
         self.session_ready = False
         self.load_bar.setRange(0, 0)
         self.load_bar.setVisible(True)
-        self.status_label.setText(f"Loading {self.settings.model}…")
         self._update_controls()
+        if self.settings.remote is not None:    # a server does the work: connect to it instead of loading
+            self.status_label.setText(f"Connecting to {self.settings.remote.base_url}…")
+            self.host.load(self.settings.remote)
+            return
+        self.status_label.setText(f"Loading {self.settings.model}…")
         self.host.load(EngineConfig(model=self.settings.model, cache=self.settings.cache, num_threads=engine_threads()))
 
     def send(self, text: str, rewind_to: list[dict] | None = None) -> None:
@@ -292,9 +296,8 @@ class MainWindow(QMainWindow):
     def open_settings(self) -> SettingsDialog:
         """Open the dialog (non-blocking); its result is applied when the user presses OK."""
         num_layers = self.engine_info.num_layers if self.engine_info else None
-        current = AppSettings(self.settings.model, self.session_cache, self.settings.sampling,
-                              self.settings.system_prompt)
-        dialog = SettingsDialog(current, num_layers, self,
+        current = replace(self.settings, cache=self.session_cache)
+        dialog = SettingsDialog(current, num_layers, self, last_server=self.store.last_server(),
                                 model_config=self.engine_info.model_config if self.engine_info else None,
                                 model_dtype=self.engine_info.dtype if self.engine_info else "fp32",
                                 device=self.engine_info.device if self.engine_info else "cpu")
@@ -308,8 +311,7 @@ class MainWindow(QMainWindow):
         """The Models page (non-blocking): Load there reloads through apply_settings, which saves the choice."""
         dialog = ModelsDialog(self.store.library_folders(), self.settings.model, parent=self)
         dialog.folders_changed.connect(self.store.set_library_folders)
-        dialog.model_chosen.connect(lambda path: self.apply_settings(AppSettings(
-            path, self.settings.cache, self.settings.sampling, self.settings.system_prompt)))
+        dialog.model_chosen.connect(lambda path: self.apply_settings(replace(self.settings, model=path, remote=None)))
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()
         self.models_dialog = dialog
@@ -321,7 +323,7 @@ class MainWindow(QMainWindow):
         old = self._pending_settings[1] if self._pending_settings else self.settings
         self.settings = new
         # saved once the engine has accepted them (a session opened, a switch done); refused ones are not
-        if new.model != old.model or self.engine_info is None:
+        if new.model != old.model or new.remote != old.remote or self.engine_info is None:
             self._pending_settings = (new, old)
             self.session_cache = new.cache      # the reload opens the session in the chosen mode
             self.load_engine()
@@ -362,13 +364,18 @@ class MainWindow(QMainWindow):
     def _on_ready(self, event: EngineReady) -> None:
         self.engine_info = event
         self._loaded_model = self.settings.model
+        self._loaded_remote = self.settings.remote
+        self.dashboard.set_remote(event.server_url if event.capabilities.remote else "", event.model_name)
         self.load_bar.setVisible(False)
         self.chat.set_assistant_name(event.model_name)
         self.dashboard.data.mark("load", "model loaded")
         weights = f" ({event.weights_label}, {format_bytes(event.weight_bytes)})" if event.weight_bytes else ""
         notice = f" · {event.notice}" if event.notice else ""
-        self.statusBar().showMessage(f"Loaded {event.model_name}{weights} on {event.device} in {event.load_s:.1f} s"
-                                     f"{notice}", 15000 if notice else 5000)
+        if event.capabilities.remote:
+            self.statusBar().showMessage(f"Connected to {event.model_name} on {event.server_url}", 5000)
+        else:
+            self.statusBar().showMessage(f"Loaded {event.model_name}{weights} on {event.device} in {event.load_s:.1f} s"
+                                         f"{notice}", 15000 if notice else 5000)
         messages = self.history.messages(self.conversation_id) if self.conversation_id is not None else []
         self._open_session(messages)
 
@@ -463,8 +470,7 @@ class MainWindow(QMainWindow):
                 self.status_label.setText("No model loaded")
             else:                       # the previous model is still loaded; keep using it
                 self._settings_refused()
-                self.settings = AppSettings(self._loaded_model, self.settings.cache, self.settings.sampling,
-                                            self.settings.system_prompt)
+                self.settings = replace(self.settings, model=self._loaded_model, remote=self._loaded_remote)
                 self.session_ready = True
         elif event.kind in ("session", "cache"):
             self._session_failed = self._session_failed or event.kind == "session"
@@ -495,11 +501,19 @@ class MainWindow(QMainWindow):
     def _update_status(self) -> None:
         parts = []
         if self.engine_info is not None:
-            parts += [self.engine_info.model_name, self.engine_info.device]
+            parts += [self.engine_info.model_name, f"server {self.engine_info.server_url}"
+                      if self.engine_info.capabilities.remote else self.engine_info.device]
             if self.engine_info.weight_bytes:
                 parts.append(f"weights {self.engine_info.weights_label} {format_bytes(self.engine_info.weight_bytes)}")
-        parts.append(self.session_cache.label())
-        if self.latest_stats is not None:
+        remote = self.engine_info is not None and self.engine_info.capabilities.remote
+        if not remote:                  # the server chooses its own cache
+            parts.append(self.session_cache.label())
+        if self.latest_stats is not None and remote:
+            server = self.latest_stats.server
+            if server is not None and server.kv_usage is not None:
+                parts.append(f"server KV {server.kv_usage:.0%} used")
+            parts.append(f"{self.latest_stats.decode_tok_s:.1f} tok/s")
+        elif self.latest_stats is not None:
             parts.append(f"{self.latest_stats.tokens_held:,} tokens in cache")
             parts.append(f"{self.latest_stats.decode_tok_s:.1f} tok/s")
         self.status_label.setText("  ·  ".join(parts))
@@ -510,8 +524,10 @@ class MainWindow(QMainWindow):
         self.send_action.setEnabled(can_send)
         self.stop_button.setEnabled(self.generating)
         self.stop_action.setEnabled(self.generating)
-        self.reset_button.setEnabled(can_send)
-        self.reset_action.setEnabled(can_send)
+        # a remote server frees a request's cache itself: this app holds none to reset
+        can_reset = can_send and not (self.engine_info is not None and self.engine_info.capabilities.remote)
+        self.reset_button.setEnabled(can_reset)
+        self.reset_action.setEnabled(can_reset)
         if hasattr(self, "actions"):
             self.actions.refresh()
         if self.session_ready:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.api import LOCAL, Capabilities
 from engine.config import CacheConfig
 from engine.events import StatsSnapshot
 
@@ -31,6 +32,8 @@ class EngineReady:
     notice: str = ""                    # something to tell the user about the load (old caches removed)
     model_config: ModelConfig | None = None   # the model's shape, for validating cache settings
     dtype: str = "fp32"                 # the model dtype "auto" cache formats resolve to
+    capabilities: Capabilities = LOCAL  # what the engine can show and do (a remote server: no per-layer data)
+    server_url: str = ""                # a remote engine's base URL
 
 
 @dataclass(frozen=True, slots=True)

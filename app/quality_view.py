@@ -74,6 +74,7 @@ class QualityController(QObject):
         self.model: str | None = None
         self.cache: CacheConfig | None = None
         self.measuring: str | None = None   # mode key being measured
+        self.remote = False                 # a remote server: no local model to measure
         self.failed: dict[str, str] = {}    # mode key -> why, not retried on its own
         self.timer = QTimer(self, singleShot=True, interval=AUTO_MEASURE_IDLE_MS)
         self.timer.timeout.connect(self._auto)
@@ -114,6 +115,9 @@ class QualityController(QObject):
 
     def _on_ready(self, event) -> None:
         self.model, self.measuring = event.model_name, None
+        self.remote = event.capabilities.remote
+        if self.remote:                 # nothing to measure here; the dashboard says so in the row
+            self.model = None
 
     def _on_cache(self, cache: CacheConfig) -> None:
         self.cache = cache
@@ -132,7 +136,7 @@ class QualityController(QObject):
         self._show()
 
     def _show(self) -> None:
-        if self.cache is None:
+        if self.cache is None or self.remote:
             return
         key = mode_key(self.cache)
         self.row.show_mode(self.cache, self.result(), measuring=self.measuring == key, error=self.failed.get(key, ""))

@@ -1,4 +1,5 @@
-"""Settings: model, cache formats and policies, sampling, system prompt.
+"""Settings: where the model runs (this computer or a server), model, cache formats and policies, sampling,
+system prompt.
 
 Every edit is validated by building the engine's own frozen configs and, once a model is loaded,
 by the engine's own check of a cache config against that model (kv_layout.check_cache_for_model); a
@@ -6,8 +7,10 @@ ConfigError's message is shown in the dialog and OK stays disabled until the com
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
@@ -15,7 +18,17 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
 from engine.config import FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
 from engine.kv_layout import check_cache_for_model
 
-from .settings_store import AppSettings
+from .settings_store import AppSettings, RemoteSettings
+
+LOCAL_CHOICE, SERVER_CHOICE = "This computer", "Server"
+
+
+def fetch_models(base_url: str, api_key: str) -> list[str]:
+    """The models an OpenAI-compatible server lists (GET /v1/models); RemoteError/ConfigError say what to check."""
+    from engine.remote import RemoteEngine
+    engine = RemoteEngine.connect(base_url, api_key or None)
+    engine.http.close()
+    return list(engine.models)
 
 PRESETS = {
     "Full precision": dict(k_format="auto", v_format="auto", window=None),
@@ -50,8 +63,11 @@ def _spin(box, value):
 
 
 class SettingsDialog(QDialog):
+    models_fetched = Signal(object, str)    # (model ids or None, error): from the fetching thread
+
     def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None,
-                 model_config=None, model_dtype: str = "fp32", device: str = "cpu"):
+                 model_config=None, model_dtype: str = "fp32", device: str = "cpu",
+                 last_server: RemoteSettings | None = None):
         super().__init__(parent)
         self.setWindowTitle("kvchat settings")
         self.setObjectName("settingsDialog")
@@ -61,7 +77,9 @@ class SettingsDialog(QDialog):
         self.device = device
         self.loaded_model = settings.model
         self._result: AppSettings | None = None
+        self._initial_cache = settings.cache
         layout = QVBoxLayout(self)
+        layout.addWidget(self._engine_group(settings.remote or last_server, settings.remote is not None))
         layout.addWidget(self._model_group(settings.model))
         layout.addWidget(self._cache_group(settings.cache))
         layout.addWidget(self._sampling_group(settings.sampling))
@@ -79,17 +97,99 @@ class SettingsDialog(QDialog):
         self.buttons.accepted.connect(self.accept)
         self.buttons.rejected.connect(self.reject)
         layout.addWidget(self.buttons)
-        for kind, signal in ((QComboBox, "currentIndexChanged"), (QSpinBox, "valueChanged"),
+        self._engine_changed()
+        for kind, signal in ((QComboBox, "currentIndexChanged"), (QComboBox, "currentTextChanged"), (QSpinBox, "valueChanged"),
                              (QDoubleSpinBox, "valueChanged"), (QLineEdit, "textChanged"),
                              (QPlainTextEdit, "textChanged")):
             for widget in self.findChildren(kind):
                 getattr(widget, signal).connect(self.validate)
+        self.models_fetched.connect(self._on_models_fetched)
         self.validate()
 
     # --- groups ---
 
+    def _engine_group(self, server: RemoteSettings | None, use_server: bool) -> QGroupBox:
+        box = QGroupBox("Where the model runs")
+        form = QFormLayout(box)
+        self.engine_choice = QComboBox(objectName="engineChoice")
+        self.engine_choice.addItems([LOCAL_CHOICE, SERVER_CHOICE])
+        self.engine_choice.setToolTip("This computer: kvchat loads the model itself. Server: an OpenAI-compatible "
+                                      "server (vLLM, SGLang, llama.cpp's server, kvchat serve) runs it.")
+        form.addRow("Engine", self.engine_choice)
+        self.server_box = QWidget()
+        server_form = QFormLayout(self.server_box)
+        server_form.setContentsMargins(0, 0, 0, 0)
+        self.server_url = QLineEdit(server.base_url if server else "", objectName="serverUrl")
+        self.server_url.setPlaceholderText("http://127.0.0.1:8000/v1")
+        server_form.addRow("Base URL", self.server_url)
+        self.api_key = QLineEdit(server.api_key if server else "", objectName="serverKey")
+        self.api_key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.api_key.setPlaceholderText("empty if the server needs none")
+        server_form.addRow("API key", self.api_key)
+        self.server_model = QComboBox(objectName="serverModel", editable=True)
+        self.server_model.lineEdit().setPlaceholderText("the server's first model")
+        if server and server.model:
+            self.server_model.addItem(server.model)
+        self.fetch_button = QPushButton("Fetch models", objectName="fetchModels")
+        self.fetch_button.setToolTip("Ask the server which models it serves (GET /v1/models)")
+        self.fetch_button.clicked.connect(self.fetch_models)
+        model_row = QHBoxLayout()
+        model_row.addWidget(self.server_model, 1)
+        model_row.addWidget(self.fetch_button)
+        server_form.addRow("Model", model_row)
+        self.server_status = QLabel("", objectName="serverStatus")
+        self.server_status.setWordWrap(True)
+        server_form.addRow(self.server_status)
+        form.addRow(self.server_box)
+        self.engine_choice.setCurrentText(SERVER_CHOICE if use_server else LOCAL_CHOICE)
+        self.engine_choice.currentIndexChanged.connect(self._engine_changed)
+        return box
+
+    def uses_server(self) -> bool:
+        return self.engine_choice.currentText() == SERVER_CHOICE
+
+    def _engine_changed(self, *_args) -> None:
+        server = self.uses_server()
+        self.server_box.setVisible(server)
+        for group in (self.model_box, self.cache_box):
+            group.setEnabled(not server)
+        self.cache_box.setTitle("KV cache (the server chooses its own)" if server
+                                else "KV cache (applies to the open chat live)")
+
+    def fetch_models(self) -> None:
+        """Ask the server for its models in a thread of its own; the answer lands in the Model list."""
+        url, key = self.server_url.text().strip(), self.api_key.text().strip()
+        self.fetch_button.setEnabled(False)
+        self.server_status.setText(f"Asking {url} for its models…")
+
+        def work():
+            try:
+                models, error = fetch_models(url, key), ""
+            except Exception as exc:  # noqa: BLE001 - RemoteError and ConfigError say what to check
+                models, error = None, str(exc).strip() or type(exc).__name__
+            try:
+                self.models_fetched.emit(models, error)
+            except RuntimeError:        # the dialog was closed meanwhile
+                pass
+
+        threading.Thread(target=work, name="kvchat-fetch-models", daemon=True).start()
+
+    def _on_models_fetched(self, models, error: str) -> None:
+        self.fetch_button.setEnabled(True)
+        if models is None:
+            self.server_status.setText(f"Could not get the models: {error}")
+            self.server_status.setProperty("error", True)
+            return
+        chosen = self.server_model.currentText().strip()
+        self.server_model.clear()
+        self.server_model.addItems(models)
+        self.server_model.setCurrentText(chosen if chosen in models else models[0])
+        self.server_status.setProperty("error", False)
+        self.server_status.setText(f"The server serves {len(models)} model{'s' if len(models) != 1 else ''}: "
+                                   f"{', '.join(models)}. OK connects to it; it is saved once the connection works.")
+
     def _model_group(self, model: str) -> QGroupBox:
-        box = QGroupBox("Model")
+        box = self.model_box = QGroupBox("Model")
         row = QHBoxLayout(box)
         self.model_edit = QLineEdit(model)
         self.model_edit.setPlaceholderText("default (SmolLM2-135M-Instruct), a model folder or a .gguf file")
@@ -107,7 +207,7 @@ class SettingsDialog(QDialog):
         return box
 
     def _cache_group(self, cache: CacheConfig) -> QGroupBox:
-        box = QGroupBox("KV cache (applies to the open chat live)")
+        box = self.cache_box = QGroupBox("KV cache (applies to the open chat live)")
         form = QFormLayout(box)
         self.preset = QComboBox()
         self.preset.addItem("Presets…")
@@ -207,12 +307,29 @@ class SettingsDialog(QDialog):
             check_cache_for_model(cache, self.model_config, self.model_dtype, self.device)
         return cache
 
+    def cache_config_unchecked(self) -> CacheConfig:
+        """The cache fields as they are (kept for when the app runs locally again); a server ignores them."""
+        try:
+            return self.cache_config()
+        except ConfigError:
+            return self._initial_cache
+
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature.value(), top_p=self.top_p.value(),
                               top_k=self.top_k.value(), max_new_tokens=self.max_new_tokens.value())
 
     def settings(self) -> AppSettings:
         """The edited settings; raises ConfigError when they do not form a valid combination."""
+        if self.uses_server():
+            from engine.remote import _v1
+            url = self.server_url.text().strip()
+            if not url:
+                raise ConfigError("server: enter its base URL, e.g. http://127.0.0.1:8000/v1")
+            _v1(url)                    # says what is wrong with it
+            remote = RemoteSettings(url, self.api_key.text().strip(), self.server_model.currentText().strip())
+            return AppSettings(model=self.loaded_model, cache=self.cache_config_unchecked(),
+                               sampling=self.sampling_params(),
+                               system_prompt=self.system_prompt.toPlainText().strip(), remote=remote)
         model = self.model_edit.text().strip() or "default"
         if model != "default" and not Path(model).expanduser().exists():
             raise ConfigError(f"model: {model} does not exist; choose a folder or .gguf file, or 'default'")

@@ -19,6 +19,18 @@ DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, max_new
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteSettings:
+    """An OpenAI-compatible server the app chats through instead of a model on this computer."""
+
+    base_url: str
+    api_key: str = ""
+    model: str = ""                     # "" = the first model the server lists
+
+    def label(self) -> str:
+        return f"{self.model or 'server model'} on {self.base_url}"
+
+
+@dataclass(frozen=True, slots=True)
 class AppSettings:
     """Everything the Settings dialog edits."""
 
@@ -26,6 +38,7 @@ class AppSettings:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sampling: SamplingParams = DEFAULT_SAMPLING
     system_prompt: str = ""
+    remote: RemoteSettings | None = None    # None: the model runs on this computer
 
 
 class SettingsStore:
@@ -46,14 +59,34 @@ class SettingsStore:
         sampling = _sampling_from_json(str(self._qs.value("engine/sampling", ""))) or defaults.sampling
         return AppSettings(model=str(self._qs.value("engine/model", defaults.model)) or defaults.model,
                            cache=cache, sampling=sampling,
-                           system_prompt=str(self._qs.value("chat/system_prompt", "")))
+                           system_prompt=str(self._qs.value("chat/system_prompt", "")), remote=self._load_remote())
+
+    def _load_remote(self) -> RemoteSettings | None:
+        if str(self._qs.value("engine/kind", "local")) != "server":
+            return None
+        url = str(self._qs.value("server/base_url", "") or "")
+        if not url:
+            return None
+        return RemoteSettings(url, str(self._qs.value("server/api_key", "") or ""),
+                              str(self._qs.value("server/model", "") or ""))
 
     def save(self, settings: AppSettings) -> None:
         self._qs.setValue("engine/model", settings.model)
         self._qs.setValue("engine/cache", cache_to_json(settings.cache))
         self._qs.setValue("engine/sampling", json.dumps(asdict(settings.sampling), sort_keys=True))
         self._qs.setValue("chat/system_prompt", settings.system_prompt)
+        self._qs.setValue("engine/kind", "server" if settings.remote else "local")
+        if settings.remote is not None:     # the last server stays filled in when the user goes back to local
+            self._qs.setValue("server/base_url", settings.remote.base_url)
+            self._qs.setValue("server/api_key", settings.remote.api_key)
+            self._qs.setValue("server/model", settings.remote.model)
         self._qs.sync()
+
+    def last_server(self) -> RemoteSettings | None:
+        """The server saved last, even while the app runs locally (to fill in the dialog)."""
+        url = str(self._qs.value("server/base_url", "") or "")
+        return RemoteSettings(url, str(self._qs.value("server/api_key", "") or ""),
+                              str(self._qs.value("server/model", "") or "")) if url else None
 
     def layout(self, key: str) -> QByteArray | None:
         value = self._qs.value(f"window/{key}")

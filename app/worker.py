@@ -16,6 +16,7 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
+from engine.api import capabilities_of
 from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
@@ -27,7 +28,13 @@ TOKEN_BATCH_S = 0.02                    # at most ~50 token signals a second rea
 WORKER_NICE = 5
 
 
-def _default_loader(config: EngineConfig, progress: Callable[[str, float | None], None]):
+def _default_loader(config, progress: Callable[[str, float | None], None]):
+    """An EngineConfig loads a model here; RemoteSettings connect to a server (the app's Settings choose)."""
+    from .settings_store import RemoteSettings
+    if isinstance(config, RemoteSettings):
+        from engine.remote import RemoteEngine
+        progress(f"Connecting to {config.base_url}…", None)
+        return RemoteEngine.connect(config.base_url, config.api_key or None, config.model or None)
     from engine import Engine
 
     return Engine.load(config, progress=progress)
@@ -35,7 +42,7 @@ def _default_loader(config: EngineConfig, progress: Callable[[str, float | None]
 
 def _load_error_message(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, ConfigError) or type(exc).__name__ == "ModelLoadError":
+    if isinstance(exc, ConfigError) or type(exc).__name__ in ("ModelLoadError", "RemoteError"):
         return text.splitlines()[0]     # already a one-line message that says what to do
     return f"{type(exc).__name__}: {text}"
 
@@ -113,7 +120,8 @@ class EngineWorker(QObject):
         try:
             engine = self._loader(config, report)
         except Exception as exc:  # noqa: BLE001 - every load failure becomes a message for the user
-            self.error.emit(ErrorEvent("load", "Could not load the model", _load_error_message(exc)))
+            title = "Could not connect to the server" if hasattr(config, "base_url") else "Could not load the model"
+            self.error.emit(ErrorEvent("load", title, _load_error_message(exc)))
             return
         self._engine, self._session, self._open = engine, None, {}
         self._facts = model_facts(engine)
@@ -121,7 +129,8 @@ class EngineWorker(QObject):
                                     time.monotonic() - start, getattr(engine, "weights_label", ""),
                                     int(getattr(engine, "weight_bytes", 0)), getattr(engine, "notice", None) or "",
                                     getattr(getattr(engine, "model", None), "config", None),
-                                    getattr(engine, "dtype_name", "fp32")))
+                                    getattr(engine, "dtype_name", "fp32"), capabilities_of(engine),
+                                    getattr(engine, "base_url", "")))
 
     @Slot(object, object, object, object)
     def open_session(self, conversation_id, system_prompt, cache, history) -> None:
@@ -242,7 +251,7 @@ class EngineWorker(QObject):
     @Slot()
     def clear_prefix_cache(self) -> None:
         """Free the blocks kept only for prefix reuse (conversations keep theirs)."""
-        if self._engine is None:
+        if self._engine is None or not hasattr(self._engine, "clear_prefix_cache"):
             return
         try:
             freed = int(self._engine.clear_prefix_cache())
@@ -319,7 +328,7 @@ class EngineWorker(QObject):
         from bench.quality import Cancelled
 
         from .quality import QualityCancelled, measure, mode_key
-        if self._engine is None:
+        if self._engine is None or capabilities_of(self._engine).remote:
             return
         try:
             result = measure(self._engine, cache, should_stop=self._cancel_measure.is_set)
@@ -333,7 +342,7 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def count_tokens(self, requests) -> None:
-        if self._engine is not None:
+        if self._engine is not None and not capabilities_of(self._engine).remote:   # no tokenizer here
             from .lengths_data import count_conversations
             self.token_counts.emit(count_conversations(self._engine, requests))
 

@@ -1,0 +1,72 @@
+"""The dashboard's Server section: what a remote OpenAI-compatible server reports about itself.
+
+KV usage, running and waiting requests and the prefix-cache hit rate come from the server's /metrics
+(vLLM's names; kvchat serve uses the same); tokens/s and time to first token are measured here, from
+the stream. A number the server does not publish says so instead of showing 0.
+"""
+from __future__ import annotations
+
+import html
+
+from PySide6.QtWidgets import QFormLayout, QLabel, QVBoxLayout, QWidget
+
+from engine.events import StatsSnapshot
+
+UNAVAILABLE_REMOTE = "not available for a remote server"
+NOT_REPORTED = "not reported by this server"
+
+
+class ServerPanel(QWidget):
+    FIELDS = (("kv_usage", "KV cache usage"), ("running", "Requests running"), ("waiting", "Requests waiting"),
+              ("prefix", "Prefix-cache hit rate"), ("decode", "Decode speed (this chat)"),
+              ("ttft", "Time to first token (this chat)"))
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("serverPanel")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(2)
+        self.title = QLabel("Server", objectName="dashboardSection")
+        layout.addWidget(self.title)
+        self.source = QLabel("", objectName="plotLegend")
+        self.source.setWordWrap(True)
+        layout.addWidget(self.source)
+        form = QFormLayout()
+        form.setContentsMargins(0, 0, 0, 0)
+        form.setVerticalSpacing(1)
+        self.values: dict[str, QLabel] = {}
+        self._prefix = ""
+        for key, title in self.FIELDS:
+            self.values[key] = QLabel("…", objectName=f"server_{key}")
+            form.addRow(title, self.values[key])
+        layout.addLayout(form)
+
+    def set_server(self, url: str, model: str) -> None:
+        self.title.setText(f"Server · {model}")
+        self.source.setText(f"{html.escape(url)} · KV, requests and prefix hits from its /metrics; "
+                            f"speed and TTFT measured from the stream here")
+        self._prefix = ""
+        for label in self.values.values():
+            label.setText("…")
+
+    def texts(self) -> dict[str, str]:
+        return {key: label.text() for key, label in self.values.items()}
+
+    def show_stats(self, snapshot: StatsSnapshot) -> None:
+        server = snapshot.server
+        if server is None:
+            for key in ("kv_usage", "running", "waiting", "prefix"):
+                self.values[key].setText("this server publishes no /metrics")
+        else:
+            self.values["kv_usage"].setText(NOT_REPORTED if server.kv_usage is None else f"{server.kv_usage:.1%}")
+            self.values["running"].setText(NOT_REPORTED if server.requests_running is None
+                                           else f"{server.requests_running}")
+            self.values["waiting"].setText(NOT_REPORTED if server.requests_waiting is None
+                                           else f"{server.requests_waiting}")
+            if server.prefix_cache_hit_rate is not None:    # a rate over the lookups since the previous look
+                self._prefix = f"{server.prefix_cache_hit_rate:.1%} of prompt tokens (latest requests)"
+            self.values["prefix"].setText(self._prefix or "no prefix lookups yet")
+        self.values["decode"].setText(f"{snapshot.decode_tok_s:.1f} tok/s" if snapshot.decode_tok_s
+                                      else "no reply measured yet")
+        self.values["ttft"].setText(f"{snapshot.ttft_s * 1000:.0f} ms" if snapshot.ttft_s else "no reply measured yet")
