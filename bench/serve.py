@@ -123,7 +123,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def measure(server, specs: list[Spec], num_clients: int) -> dict:
     """Solo reference pass, then the concurrent pass; returns numbers and the checks' outcome."""
-    from .serve import batch
+    from engine.serve import batch
     base_url, model = server.base_url, server.model_id
     before = scrape(base_url)["vllm:generation_tokens_total"]
     started = time.perf_counter()
@@ -187,7 +187,7 @@ def add_arguments(p) -> None:
 def run(args) -> dict:
     from engine.cli import engine_config
     from engine.engine import Engine
-    from .serve.server import ServeConfig, Server
+    from engine.serve.server import ServeConfig, Server
     engine = Engine.load(engine_config(args))
     server = Server(engine, ServeConfig(port=0, max_num_seqs=args.max_num_seqs))
     server.start()
