@@ -327,6 +327,13 @@ class KVCacheManager:
 
     # ---- one step: reserve, then commit or roll back -------------------------------------
 
+    def bytes_needed(self, seq: Sequence, num_new: int) -> int:
+        """More bytes num_new tokens take: new blocks, a shared partial block's copy, a head/tail that appears."""
+        layout, n = seq.layout, seq.seq_len + num_new
+        blocks = max(0, layout.blocks_for(n) - len(seq.block_table)) + int(num_new > 0 and self.shared_partial(seq))
+        side_after = layout.side_bytes(n, seq.has_head or n >= layout.block_size)
+        return blocks * layout.block_bytes + max(0, side_after - seq.side_bytes)
+
     def reserve(self, seq: Sequence, num_new: int, keep: set[int] = frozenset()) -> Reservation:
         """Blocks for num_new more tokens (a shared partial block is copied on write). Nothing else changes
         until commit; rollback undoes this exactly. Raises NoFreeBlocks when even releasing idle
@@ -337,10 +344,8 @@ class KVCacheManager:
         keep = set(keep) | {seq.seq_id}
         first = seq.seq_len
         need_blocks = max(0, layout.blocks_for(first + num_new) - len(seq.block_table))
-        partial = first % layout.block_size and self.pool.ref_cnt[seq.block_table[-1]] > 1
-        side_after = layout.side_bytes(first + num_new, seq.has_head or first + num_new >= layout.block_size)
-        need = (need_blocks + int(bool(partial))) * layout.block_bytes + max(0, side_after - seq.side_bytes)
-        self._make_room(need, keep)
+        partial = num_new > 0 and self.shared_partial(seq)
+        self._make_room(self.bytes_needed(seq, num_new), keep)
         res = Reservation(seq, num_new, first, self._allocate(layout, need_blocks))
         if partial:
             i = len(seq.block_table) - 1

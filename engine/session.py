@@ -119,12 +119,7 @@ class Session:
     def _fits(self, num_new: int) -> bool:
         """Could num_new more tokens fit, counting what releasing idle conversations would free?"""
         seq, m = self.seq, self.runner.manager
-        layout = seq.layout
-        n = seq.seq_len + num_new
-        blocks = max(0, layout.blocks_for(n) - len(seq.block_table))
-        need = blocks * layout.block_bytes + max(0, layout.side_bytes(n, seq.has_head or n >= layout.block_size)
-                                                 - seq.side_bytes)
-        return need <= m.free_bytes() + m.reclaimable_bytes({seq.seq_id})
+        return m.bytes_needed(seq, num_new) <= m.free_bytes() + m.reclaimable_bytes({seq.seq_id})
 
     def _forward(self, ids: list[int], all_logits: bool, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run ids through the model in chunks; each chunk joins the cache or, on any error, leaves it untouched."""
