@@ -55,13 +55,15 @@ class SeqStep:
     delta_sin: torch.Tensor | None
     key_cos: torch.Tensor | None  # [P + T, D] effective key positions, for keys stored before RoPE
     key_sin: torch.Tensor | None
+    decode: bool = True           # one generated token (False: prompt rows, see softmax_attention)
 
     @property
     def num_new(self) -> int:
         return self.res.num_new
 
 
-def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantized: bool) -> SeqStep:
+def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantized: bool,
+         decode: bool | None = None) -> SeqStep:
     seq = res.seq
     bs = seq.block_size
     S, N = res.first_slot, seq.num_tokens
@@ -92,7 +94,7 @@ def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantize
         key_cos, key_sin = rope_cos_sin(torch.cat((abs_pos, q_pos)), inv_freq)
     dev = lambda t: None if t is None else t.to(device)
     return SeqStep(res, offset, rows, slots, n_sink, dev(q_cos), dev(q_sin), dev(sink_cos), dev(sink_sin),
-                   dev(d_cos), dev(d_sin), dev(key_cos), dev(key_sin))
+                   dev(d_cos), dev(d_sin), dev(key_cos), dev(key_sin), T == 1 if decode is None else decode)
 
 
 def attend(kc: Component, vc: Component, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: SeqStep) -> torch.Tensor:
@@ -112,7 +114,7 @@ def _attend_full(kc: Component, vc: Component, q, k, v, st: SeqStep) -> torch.Te
     k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
     q_rot = rotate(q32, st.q_cos, st.q_sin)
     scale = q.shape[-1] ** -0.5
-    if T == 1 and cpu_quant.can_attend(q, k_pages):
+    if T == 1 and st.decode and cpu_quant.can_attend(q, k_pages):
         q_sink = rotate(q32, st.sink_cos, st.sink_sin)[0] if st.n_sink else q_rot[0]
         out = cpu_quant.attn_decode(q_rot[0].contiguous(), q_sink.contiguous(), st.n_sink, k_pages, v_pages,
                                     st.rows, scale)
@@ -121,7 +123,7 @@ def _attend_full(kc: Component, vc: Component, q, k, v, st: SeqStep) -> torch.Te
     v_all = v_pages.index_select(0, st.rows).float()
     if st.n_sink:
         k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
-    return softmax_attention(q_rot, k_all, v_all)
+    return softmax_attention(q_rot, k_all, v_all, st.decode)
 
 
 def _attend_quantized(kc: Component, vc: Component, q, k, v, st: SeqStep) -> torch.Tensor:
@@ -148,7 +150,7 @@ def _attend_quantized(kc: Component, vc: Component, q, k, v, st: SeqStep) -> tor
         k_all[P:] = rotate(k_all[P:], st.q_cos, st.q_sin)
     else:
         k_all = rotate(k_all, st.key_cos, st.key_sin)
-    return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all)
+    return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all, st.decode)
 
 
 def _read(comp: Component, seq, seq_len: int, slots: torch.Tensor) -> torch.Tensor:
@@ -160,20 +162,42 @@ def _read(comp: Component, seq, seq_len: int, slots: torch.Tensor) -> torch.Tens
     return comp.flat_pages().index_select(0, rows).float()
 
 
-def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+Q_BLOCK = 32        # query rows per block of prompt attention
+
+
+def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, decode: bool = True) -> torch.Tensor:
     """The one softmax attention (besides the kernels' references): q [T, Hq, D] rotated, k/v [P + T, Hkv, D]
-    with the new tokens last (causal among themselves) -> [T, Hq, D]."""
+    with the new tokens last (causal among themselves) -> [T, Hq, D].
+
+    Prompt rows go in blocks of Q_BLOCK queries aligned to multiples of Q_BLOCK positions, each block
+    padded to Q_BLOCK rows and reading the keys up to its block's end: a row's result then depends only
+    on its position and the keys, not on where its chunk started (a prompt whose start came from the
+    prefix cache gives the same bits as one read whole)."""
     T, D = q_rot.shape[0], q_rot.shape[-1]
-    if T == 1:     # one query: two batched matmuls beat SDPA's GQA expansion on small heads
-        Hkv = k_all.shape[1]
+    Hkv = k_all.shape[1]
+    if T == 1 and decode:     # one query: two batched matmuls beat SDPA's GQA expansion on small heads
         scores = torch.bmm(q_rot[0].view(Hkv, -1, D), k_all.permute(1, 2, 0)) * D ** -0.5
         return torch.bmm(scores.softmax(-1), v_all.transpose(0, 1)).reshape(1, -1, D)
-    P = k_all.shape[0] - T
-    mask = torch.ones(T, P + T, dtype=torch.bool, device=q_rot.device).tril(diagonal=P)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q_rot.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0),
-        v_all.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
+    N, Hq = k_all.shape[0], q_rot.shape[1]
+    G, P = Hq // Hkv, N - T
+    out = q_rot.new_empty(T, Hq, D)
+    k_t, v_t = k_all.permute(1, 2, 0), v_all.transpose(0, 1)         # [Hkv, D, N], [Hkv, N, D]
+    offsets = torch.arange(Q_BLOCK, device=q_rot.device)
+    start = P
+    while start < N:
+        block_end = (start // Q_BLOCK + 1) * Q_BLOCK
+        end = min(N, block_end)
+        qb = q_rot[start - P:end - P]
+        if end - start < Q_BLOCK:
+            qb = torch.cat((qb, qb.new_zeros(Q_BLOCK - (end - start), Hq, D)))
+        qg = qb.view(Q_BLOCK, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * Q_BLOCK, D)
+        scores = torch.bmm(qg, k_t[:, :, :end]) * D ** -0.5
+        future = torch.arange(end, device=q_rot.device)[None, :] > (start + offsets)[:, None]
+        scores = scores.view(Hkv, G, Q_BLOCK, end).masked_fill_(future, float("-inf"))
+        o = torch.bmm(scores.softmax(-1).view(Hkv, G * Q_BLOCK, end), v_t[:, :end])
+        out[start - P:end - P] = o.view(Hkv, G, Q_BLOCK, D).permute(2, 0, 1, 3).reshape(Q_BLOCK, Hq, D)[:end - start]
+        start = end
+    return out
 
 
 def sm_scale(head_dim: int) -> float:

@@ -174,29 +174,34 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: Attention, all_logits: bool = False,
-                rows: list[int] | None = None) -> torch.Tensor:
+                rows: list[int] | None = None, num_decode: int | None = None) -> torch.Tensor:
         """token_ids: [T] -> logits float32 [T, vocab] (all_logits), [len(rows), vocab] for the chosen rows
-        (a batch's last tokens), or [1, vocab] for the last token."""
+        (a batch's last tokens), or [1, vocab] for the last token. num_decode: how many leading tokens are
+        decode rows (see qlinear: packed linears run them through the kernel, prompt rows through the
+        GEMM, so that batching never changes a row's numbers); None lets the row count decide."""
         c = self.config
         T = token_ids.shape[0]
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         x = self.table.rows(token_ids).to(self.dtype)
         eps = c.rms_norm_eps
+        split = num_decode
         for i, L in enumerate(self.layers):
-            qkv = L.qkv.fused(x, norm=L.norm_attn, eps=eps)
+            qkv = L.qkv.fused(x, norm=L.norm_attn, eps=eps, split=split)
             q = qkv[:, :q_size].view(T, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(T, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].view(T, c.num_kv_heads, c.head_dim)
             o = attention(i, q, k, v)
-            x = L.o.fused(o.reshape(T, q_size).to(self.dtype), residual=x)
-            gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps)
-            x = L.down.fused(gu, swiglu=True, residual=x)
+            x = L.o.fused(o.reshape(T, q_size).to(self.dtype), residual=x, split=split)
+            gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps, split=split)
+            x = L.down.fused(gu, swiglu=True, residual=x, split=split)
         if rows is not None:
             x = x[rows]
+            split = None if num_decode is None else len(rows)    # one row per sequence: all through the kernel
         elif not all_logits:
             x = x[-1:]
-        return self.lm_head.fused(x, norm=self.norm, eps=eps).float()
+            split = None
+        return self.lm_head.fused(x, norm=self.norm, eps=eps, split=split).float()
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold resident: packed codes, scales, norms and the embedding table."""

@@ -22,6 +22,7 @@ from kernels import cpu_quant
 
 GROUP = 32
 SLAB_BYTES = 32 * 2**20      # prefill dequantizes at most this much of a weight at once
+GEMM_MIN_ROWS = 16           # MKL's sgemm gives a row the same bits for any row count from about 12 up
 
 
 def _nbytes(*ts) -> int:
@@ -44,14 +45,14 @@ class _Fused:
     """
 
     def fused(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, K] ([T, 2K] with swiglu) -> [T, N]
+              residual: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+        # x: [T, K] ([T, 2K] with swiglu) -> [T, N]; split (decode rows first) matters to packed kinds only
         if norm is not None:
             x = rms_norm(x, norm, eps)
         elif swiglu:
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
-        y = self(x)
+        y = self(x, split=split)
         return y if residual is None else residual + y
 
 
@@ -63,7 +64,7 @@ class DenseLinear(_Fused):
         self.out_features, self.in_features = weight.shape
         self.kind = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, "dense")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, split: int | None = None) -> torch.Tensor:
         # x: [T, K] -> [T, N] in x.dtype
         if x.dtype == self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
@@ -107,31 +108,59 @@ class _Packed(_Fused):
     def _dequant_rows(self, lo: int, hi: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, split: int | None = None) -> torch.Tensor:
         # x: [T, K] -> [T, N] in x.dtype
-        xf = x.float().contiguous()
-        if xf.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.available():
-            y = self._gemv(xf)
-        else:
-            y = torch.empty(xf.shape[0], self.out_features)
-            step = max(16, SLAB_BYTES // (4 * self.in_features))
-            for lo in range(0, self.out_features, step):
-                hi = min(self.out_features, lo + step)
-                y[:, lo:hi] = xf @ self._dequant_rows(lo, hi).t()
-        if self.bias is not None:
-            y += self.bias
-        return y.to(x.dtype)
+        return self.fused(x, split=split)
 
-    def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None):
-        if x.shape[0] > cpu_quant.MAX_ROWS or x.dtype != torch.float32 or not cpu_quant.available():
-            return super().fused(x, norm, eps, swiglu, residual)
-        y = self._gemv(x.contiguous(), norm=norm, eps=eps, swiglu=swiglu,
-                       residual=None if residual is None or self.bias is not None else residual.contiguous())
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows: dequantized slabs through the BLAS GEMM, at least GEMM_MIN_ROWS rows at a time
+        (zeros pad the rest), a row count from which MKL gives each row the same bits whatever the count."""
+        T = x.shape[0]
+        if T < GEMM_MIN_ROWS:
+            x = torch.cat((x, x.new_zeros(GEMM_MIN_ROWS - T, x.shape[1])))
+        y = torch.empty(x.shape[0], self.out_features)
+        step = max(16, SLAB_BYTES // (4 * self.in_features))
+        for lo in range(0, self.out_features, step):
+            hi = min(self.out_features, lo + step)
+            y[:, lo:hi] = x @ self._dequant_rows(lo, hi).t()
+        return y[:T]
+
+    def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None):
+        """split: how many leading rows are decode rows (one generated token of a sequence each); they run
+        through the C kernel MAX_ROWS at a time, the rest (prompt rows) through the GEMM. A row's result
+        then depends only on the row and its kind, never on what it is batched with (tested). None: the
+        kernel for up to MAX_ROWS rows, else the GEMM."""
+        T, dtype = x.shape[0], x.dtype
+        if split is None:
+            split = T if T <= cpu_quant.MAX_ROWS else 0
+        if not cpu_quant.available():
+            split = 0
+        x = x.float().contiguous()
+        if residual is not None:
+            residual = residual.float().contiguous()
+        in_kernel = residual is not None and self.bias is None     # the kernel adds the residual itself
+        parts = []
+        for lo in range(0, split, cpu_quant.MAX_ROWS):
+            hi = min(split, lo + cpu_quant.MAX_ROWS)
+            parts.append(self._gemv(x[lo:hi], norm=norm, eps=eps, swiglu=swiglu,
+                                    residual=residual[lo:hi] if in_kernel else None))
+        if split < T:
+            xs = x[split:]
+            if norm is not None:
+                xs = rms_norm(xs, norm, eps)
+            elif swiglu:
+                gate, up = xs.chunk(2, dim=-1)
+                xs = F.silu(gate) * up
+            y = self._gemm(xs)
+            if in_kernel:
+                y += residual[split:]
+            parts.append(y)
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.bias is not None:
             y += self.bias
             if residual is not None:
                 y += residual
-        return y
+        return y.to(dtype)
 
     def dequantize(self) -> torch.Tensor:
         return self._dequant_rows(0, self.out_features)
@@ -230,8 +259,8 @@ class ConcatLinear(_Fused):
         self.in_features = parts[0].in_features
         self.kind = "+".join(sorted({p.kind for p in parts}))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.cat([p(x) for p in self.parts], -1)
+    def __call__(self, x: torch.Tensor, split: int | None = None) -> torch.Tensor:
+        y = torch.cat([p(x, split=split) for p in self.parts], -1)
         return y + self.bias if self.bias is not None else y
 
     def dequantize(self) -> torch.Tensor:

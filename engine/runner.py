@@ -106,16 +106,25 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self, items: list[tuple[Sequence, list[int]]], all_logits: bool = False,
-             hash_ids: bool = True) -> list[torch.Tensor]:
+             hash_ids: bool = True, decode: list[bool] | None = None) -> list[torch.Tensor]:
         """Feed each sequence its new ids in one forward pass; returns per sequence logits [T, vocab] (all_logits)
-        or [1, vocab] (its last token). Raises NoFreeBlocks when the budget cannot take the tokens."""
+        or [1, vocab] (its last token). Raises NoFreeBlocks when the budget cannot take the tokens.
+
+        decode[i]: item i is generated tokens (default: a single token), else prompt tokens. The two kinds
+        take different kernels, chosen per row, so that a sequence's numbers never depend on the other
+        sequences of the batch: decode items go first in the batch."""
+        if decode is None:
+            decode = [len(ids) == 1 for _, ids in items]
+        order = sorted(range(len(items)), key=lambda i: not decode[i])
+        items = [items[i] for i in order]
+        num_decode = sum(len(items[j][1]) for j in range(len(items)) if decode[order[j]])
         with self.lock:
             m = self.manager
             keep = {s.seq_id for s, _ in items}
             reservations, steps, saved = [], [], []
             try:
                 offset = 0
-                for seq, ids in items:
+                for j, (seq, ids) in enumerate(items):
                     res = m.reserve(seq, len(ids), keep)
                     reservations.append(res)
                     self.store.reserve(seq.layout, m.pool.high_water, seq.layout.budget_blocks(m.budget_bytes) + 1)
@@ -125,7 +134,7 @@ class ModelRunner:
                     head_new = quantized and res.first_slot < seq.block_size <= res.first_slot + len(ids)
                     saved.append((self.store.snapshot_tails(seq.layout, seq.seq_id) if quantized else None,
                                   seq.block_table[0] if head_new else None))
-                    steps.append(attention.plan(res, offset, self.inv_freq, self.device, quantized))
+                    steps.append(attention.plan(res, offset, self.inv_freq, self.device, quantized, decode[order[j]]))
                     offset += len(ids)
                 x = torch.tensor([t for _, ids in items for t in ids], dtype=torch.long, device=self.device)
                 comps = [self.store.components(s.layout) for s, _ in items]
@@ -145,7 +154,7 @@ class ModelRunner:
                         outs.append(attention.attend(kc, vc, q[sl], k[sl], v[sl], st))
                     return torch.cat(outs)
 
-                logits = self.model.forward(x, attend, all_logits=True, rows=rows)
+                logits = self.model.forward(x, attend, all_logits=True, rows=rows, num_decode=num_decode)
             except BaseException:
                 for i in reversed(range(len(reservations))):
                     res = reservations[i]
@@ -157,8 +166,13 @@ class ModelRunner:
                 m.commit(res, ids if hash_ids else None)
             self.steps += 1
         if all_logits:
-            return [logits[st.offset:st.offset + st.num_new] for st in steps]
-        return [logits[i:i + 1] for i in range(len(steps))]
+            out = [logits[st.offset:st.offset + st.num_new] for st in steps]
+        else:
+            out = [logits[i:i + 1] for i in range(len(steps))]
+        result = [None] * len(out)
+        for j, i in enumerate(order):
+            result[i] = out[j]
+        return result
 
     # ---- numbers ----------------------------------------------------------------------------------
 

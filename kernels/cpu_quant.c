@@ -169,6 +169,65 @@ static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G,
     __m256 z = zr && G == 32 ? zero_terms(zr, sums32, nx, &tail) : _mm256_setzero_ps();
     return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
 }
+
+// M rows of x against one weight row, each row computed with exactly q4_row1's operations in the same
+// order, so a row's result does not depend on how many rows share the call (batch invariance: a
+// stream served beside others equals the same stream run alone). The codes are unpacked once.
+static void q4_rowsM(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
+                     const float *sums, int ng, int K, int M, float *out) {
+    __m256 a0[MAXM], a1[MAXM];
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int g = 0; g < ng; g++) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
+        __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
+        __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+        int second = g & 1;                 // q4_row1 sums odd groups in a1, even ones in a0
+        for (int m = 0; m < M; m++) {
+            const int16_t *v = xq + (size_t)m * K + g * 32;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
+                                         _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
+            __m256 s = _mm256_set1_ps(sc[g] * xs[m * ng + g]);
+            if (second) a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, a1[m]);
+            else a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, a0[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float tail;
+        __m256 z = zero_terms(zr, sums + (size_t)m * ng, ng, &tail);
+        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a0[m], a1[m]), z)) + tail;
+    }
+}
+
+// The same for int8 codes, mirroring q8_row1 (which serves G == 32, or G == 16 without zeros).
+static void q8_rowsM(const int8_t *row, const float *sc, const float *zr, int G, const int16_t *xq, const float *xs,
+                     const float *sums32, int nx, int K, int M, float *out) {
+    __m256 a0[MAXM], a1[MAXM];
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+    for (int g = 0; g < nx; g++) {
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * 32)));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * 32 + 16)));
+        for (int m = 0; m < M; m++) {
+            const int16_t *v = xq + (size_t)m * K + g * 32;
+            __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)v));
+            __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(v + 16)));
+            float sx = xs[m * nx + g];
+            if (G == 32) {
+                __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
+                if (g & 1) a1[m] = _mm256_fmadd_ps(f, _mm256_set1_ps(sc[g] * sx), a1[m]);
+                else a0[m] = _mm256_fmadd_ps(f, _mm256_set1_ps(sc[g] * sx), a0[m]);
+            } else {
+                a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(sc[2 * g] * sx), a0[m]);
+                a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(sc[2 * g + 1] * sx), a1[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float tail = 0.f;
+        __m256 z = zr && G == 32 ? zero_terms(zr, sums32 + (size_t)m * nx, nx, &tail) : _mm256_setzero_ps();
+        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a0[m], a1[m]), z)) + tail;
+    }
+}
 #endif
 
 // The activations a matvec reads: x prepared (mode) and quantized to int16 per group of 32, so inner
@@ -199,6 +258,11 @@ void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const void *sca
 #ifdef __AVX2__
         if (M == 1) {
             y[n] = q4_row1(row, sc, zr, xq, xs, sums, ng) + (resid ? resid[n] : 0.f);
+            continue;
+        }
+        if (zr) {
+            q4_rowsM(row, sc, zr, xq, xs, sums, ng, K, M, out);
+            for (int m = 0; m < M; m++) y[(size_t)m * N + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
             continue;
         }
         __m256 acc[MAXM];
@@ -255,6 +319,11 @@ void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scal
 #ifdef __AVX2__
         if (M == 1 && (!zero || G == 32)) {
             y[n] = q8_row1(row, sc, zrow, G, xq, xs, sums32, nx) + (resid ? resid[n] : 0.f);
+            continue;
+        }
+        if (!zero || G == 32) {
+            q8_rowsM(row, sc, zrow, G, xq, xs, sums32, nx, K, M, out);
+            for (int m = 0; m < M; m++) y[(size_t)m * N + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
             continue;
         }
         __m256 acc[MAXM];

@@ -47,6 +47,28 @@ def test_q8_gemv_matches_reference(group, with_zero, m):
     assert _close(cq.q8_gemv(x, codes, scale, zero, group), cq.q8_gemv_ref(x, codes, scale, zero, group))
 
 
+@pytest.mark.parametrize("kind", ["q4", "q8-32", "q8-16", "q8-32z", "q8-16z"])
+@pytest.mark.parametrize("k", [64, 96, 576])
+def test_gemv_rows_do_not_depend_on_the_batch(kind, k):
+    """Each row of an M-row call equals, bit for bit, the same row computed alone (M = 1): a stream
+    batched with others (kvchat serve) decodes exactly as it would alone. Odd group counts included."""
+    norm, resid = torch.rand(k) + 0.5, torch.randn(8, 80)
+    x = torch.randn(8, k) * 3
+    if kind == "q4":
+        codes, scale, zero = _q4(80, k)
+        f = lambda xs, r=None, **kw: cq.q4_gemv(xs, codes, scale, zero, residual=r, **kw)
+    else:
+        group, with_zero = int(kind[3:5]), kind.endswith("z")
+        codes, scale, zero = _q8(80, k, group, with_zero)
+        f = lambda xs, r=None, **kw: cq.q8_gemv(xs, codes, scale, zero, group, residual=r, **kw)
+    for m in range(2, 9):
+        batched = f(x[:m], resid[:m].contiguous(), norm=norm, eps=1e-5)
+        plain = f(x[:m])
+        for i in range(m):
+            assert torch.equal(batched[i], f(x[i:i + 1], resid[i:i + 1].contiguous(), norm=norm, eps=1e-5)[0]), (m, i)
+            assert torch.equal(plain[i], f(x[i:i + 1])[0]), (m, i)
+
+
 def test_fused_norm_swiglu_residual():
     """RMSNorm before, SwiGLU before and a residual after are fused exactly as the reference composes them."""
     codes, scale, zero = _q4(128, 256)

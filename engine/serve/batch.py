@@ -51,9 +51,11 @@ def match_prefix(engine, handle: Sequence, ids: list[int]) -> int:
         return runner.manager.match_prefix(handle.seq, ids)
 
 
-def step(engine, items: list[tuple[Sequence, list[int]]]) -> list[torch.Tensor]:
-    """Feed each sequence its new token ids in one forward pass; returns each item's last-token logits [vocab]."""
-    rows = _runner(engine).step([(h.seq, ids) for h, ids in items], all_logits=False)
+def step(engine, items: list[tuple[Sequence, list[int]]], decode: list[bool] | None = None) -> list[torch.Tensor]:
+    """Feed each sequence its new token ids in one forward pass; returns each item's last-token logits [vocab].
+    decode[i]: item i is a generated token (not prompt): the runner keeps each kind's numbers independent of
+    the batch, so a request gives the same tokens alone or among others."""
+    rows = _runner(engine).step([(h.seq, ids) for h, ids in items], all_logits=False, decode=decode)
     return [r[-1] for r in rows]
 
 

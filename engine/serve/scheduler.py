@@ -155,7 +155,8 @@ class Scheduler:
         items = self._schedule()
         if items:
             try:
-                logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items])
+                logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items],
+                                    [r.num_computed >= len(r.prompt_ids) for r, _ in items])
             except Exception as exc:  # noqa: BLE001 - one bad step ends its requests, not the server
                 for request, _ in items:
                     self._finish(request, "error", f"{type(exc).__name__}: {exc}")
@@ -195,7 +196,10 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             request = self.running[i]
-            ids = request.all_ids[request.num_computed:request.num_computed + self.config.prefill_chunk]
+            # chunks end at multiples of prefill_chunk, wherever the prefix cache let the prompt start,
+            # so each prompt row attends over the same keys as when the prompt is read whole
+            chunk = self.config.prefill_chunk
+            ids = request.all_ids[request.num_computed:(request.num_computed // chunk + 1) * chunk]
             need = batch.blocks_needed(self.engine, request.handle, len(ids))
             if need + planned <= batch.num_free_blocks(self.engine):
                 items.append((request, ids))
