@@ -1,0 +1,75 @@
+"""A sequence's numbers do not depend on what it is batched with (kvchat serve's promise that a stream
+equals the same request run alone): the real default model, packed GGUF weights, fp32 cache."""
+import pytest
+import torch
+
+from engine.config import CacheConfig
+
+pytestmark = pytest.mark.slow
+
+FP32 = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=64)
+
+
+@pytest.fixture(scope="module")
+def packed_engine():
+    """The default GGUF as the app runs it: weights kept packed (the promise holds for packed weights; dense
+    float weights go through MKL, whose rounding depends on the row count below about 12 rows)."""
+    from engine import Engine, EngineConfig
+    return Engine.load(EngineConfig(model="default"))
+
+
+def _greedy(logits):
+    return int(logits[-1].argmax())
+
+
+def _solo(runner, prompt, steps):
+    """Prompt read whole, then `steps` decode steps alone: the logits of each step."""
+    seq = runner.new_sequence(FP32)
+    out = [runner.step([(seq, prompt)], hash_ids=False)[0]]
+    for _ in range(steps):
+        out.append(runner.step([(seq, [_greedy(out[-1])])])[0])
+    runner.close(seq)
+    return out
+
+
+def test_batched_steps_equal_solo_steps_bit_for_bit(packed_engine):
+    runner = packed_engine.runner
+    tok = packed_engine.tokenizer
+    a = tok.encode("The cache keeps keys and values for every token so attention can look back.")
+    b = tok.encode("Paged memory lets many conversations share one pool of blocks without copying.")[:20]
+    c = tok.encode("Short one.")
+    solo_a, solo_b, solo_c = _solo(runner, a, 3), _solo(runner, b, 3), _solo(runner, c, 3)
+
+    sa, sb, sc = (runner.new_sequence(FP32) for _ in range(3))
+    got = {k: [] for k in "abc"}
+    # a prefills alone; then a decodes while b prefills; then all three at once in mixed kinds
+    got["a"].append(runner.step([(sa, a)], hash_ids=False)[0])
+    la, lb = runner.step([(sa, [_greedy(got["a"][-1])]), (sb, b)], hash_ids=False)
+    got["a"].append(la), got["b"].append(lb)
+    la, lb, lc = runner.step([(sa, [_greedy(got["a"][-1])]), (sb, [_greedy(got["b"][-1])]), (sc, c)], hash_ids=False)
+    got["a"].append(la), got["b"].append(lb), got["c"].append(lc)
+    for _ in range(2):
+        outs = runner.step([(s, [_greedy(got[k][-1])]) for k, s in (("c", sc), ("a", sa), ("b", sb))])
+        for k, o in zip("cab", outs):
+            got[k].append(o)
+    for s in (sa, sb, sc):
+        runner.close(s)
+    assert all(torch.equal(x, y) for x, y in zip(got["a"], solo_a))
+    assert all(torch.equal(x, y) for x, y in zip(got["b"], solo_b[:4]))
+    assert all(torch.equal(x, y) for x, y in zip(got["c"], solo_c[:3]))
+
+
+def test_prompt_tail_after_a_prefix_hit_equals_the_prompt_read_whole(packed_engine):
+    runner = packed_engine.runner
+    prompt = packed_engine.tokenizer.encode(" ".join(["block"] * 30) + " and then a tail of a few more words")
+    assert len(prompt) > 2 * FP32.block_size
+    first = runner.new_sequence(FP32)
+    whole = runner.step([(first, prompt)])[0]          # hashed: its full blocks enter the prefix index
+    second = runner.new_sequence(FP32)
+    reused = runner.manager.match_prefix(second, prompt)
+    assert reused >= FP32.block_size
+    tail = runner.step([(second, prompt[reused:])], decode=[False])[0]
+    for s in (first, second):
+        runner.close(s)
+    packed_engine.clear_prefix_cache()
+    assert torch.equal(tail, whole)
