@@ -98,7 +98,7 @@ class ChatActions(QObject):
         menu.insertMenu(menu.actions()[0], file_menu)
         file_menu.addAction(self.export_markdown_action)
         file_menu.addAction(self.export_json_action)
-        chat_menu = next((a.menu() for a in menu.actions() if a.text() == "&Chat"), None)
+        chat_menu = getattr(w, "chat_menu", None)
         if chat_menu is not None:
             first = chat_menu.actions()[4] if len(chat_menu.actions()) > 4 else None
             for act in (self.regenerate_action, self.continue_action, self.search_action, self.clear_prefix_action):
