@@ -304,7 +304,9 @@ class MainWindow(QMainWindow):
         dialog = SettingsDialog(current, num_layers, self, last_server=self.store.last_server(),
                                 model_config=self.engine_info.model_config if self.engine_info else None,
                                 model_dtype=self.engine_info.dtype if self.engine_info else "fp32",
-                                device=self.engine_info.device if self.engine_info else "cpu")
+                                device=self.engine_info.device if self.engine_info else "cpu",
+                                language=self.store.language())
+        dialog.accepted.connect(lambda: self.store.set_language(dialog.language()))     # applies on restart
         dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()
