@@ -125,7 +125,8 @@ class ConversationList(QListWidget):
         action = menu.exec(self.mapToGlobal(pos))
         if action is rename:
             current = self.history.get(conversation_id)
-            title, ok = QInputDialog.getText(self, self.tr("Rename chat"), self.tr("Title"), text=current.title if current else "")
+            title, ok = QInputDialog.getText(self, self.tr("Rename chat"), self.tr("Title"),
+                                             text=current.title if current else "")
             if ok and title.strip():
                 self.history.rename(conversation_id, title.strip())
                 self.refresh(self.open_id)

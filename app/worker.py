@@ -172,7 +172,8 @@ class EngineWorker(QObject):
             self.error.emit(ErrorEvent("session", self.tr("These cache settings do not work"), str(exc)))
             return
         except Exception as exc:  # noqa: BLE001
-            self.error.emit(ErrorEvent("session", self.tr("Could not open the conversation"), f"{type(exc).__name__}: {exc}"))
+            self.error.emit(ErrorEvent("session", self.tr("Could not open the conversation"),
+                                       f"{type(exc).__name__}: {exc}"))
             return
         self.session_opened.emit(SessionOpened(conversation_id, self._session.cache_config,
                                                len(self._session.messages), self._snapshot()))
@@ -191,7 +192,8 @@ class EngineWorker(QObject):
     @Slot(str, object)
     def send(self, text: str, sampling: SamplingParams) -> None:
         if self._session is None:
-            self.error.emit(ErrorEvent("send", self.tr("No model loaded"), self.tr("Wait for the model to load, or pick one in Settings.")))
+            self.error.emit(ErrorEvent("send", self.tr("No model loaded"),
+                                       self.tr("Wait for the model to load, or pick one in Settings.")))
             return
         self._stream(lambda: self._session.send(text, sampling, should_stop=self._stop.is_set))
 
@@ -213,7 +215,8 @@ class EngineWorker(QObject):
 
     def _supports(self, method: str, title: str) -> bool:
         if self._session is None:
-            self.error.emit(ErrorEvent("send", title, self.tr("No model is loaded yet: wait for it, or pick one in Settings.")))
+            self.error.emit(ErrorEvent("send", title,
+                                       self.tr("No model is loaded yet: wait for it, or pick one in Settings.")))
             return False
         if not hasattr(self._session, method):
             self.error.emit(ErrorEvent("send", title, self.tr("This works with a model kvchat runs itself, not "
@@ -255,7 +258,8 @@ class EngineWorker(QObject):
             replacement = self._engine.new_session(system_prompt=getattr(session, "system_prompt", None),
                                                    cache=session.cache_config, history=wanted or None)
         except Exception as exc:  # noqa: BLE001 - the chat stays as it was; the user hears why
-            self.error.emit(ErrorEvent("send", self.tr("Could not change the conversation"), _load_error_message(exc)))
+            self.error.emit(ErrorEvent("send", self.tr("Could not change the conversation"),
+                                       _load_error_message(exc)))
             return False
         _close(session)
         self._session = replacement
@@ -271,7 +275,8 @@ class EngineWorker(QObject):
         try:
             freed = int(self._engine.clear_prefix_cache())
         except Exception as exc:  # noqa: BLE001
-            self.error.emit(ErrorEvent("reset", self.tr("Could not clear the prefix cache"), f"{type(exc).__name__}: {exc}"))
+            self.error.emit(ErrorEvent("reset", self.tr("Could not clear the prefix cache"),
+                                       f"{type(exc).__name__}: {exc}"))
             return
         self.prefix_cleared.emit(PrefixCleared(freed, self._snapshot()))
 
@@ -314,7 +319,8 @@ class EngineWorker(QObject):
             self.error.emit(ErrorEvent("cache", self.tr("Cannot switch the cache mode"), str(exc)))
             return
         except Exception as exc:  # noqa: BLE001
-            self.error.emit(ErrorEvent("cache", self.tr("Cannot switch the cache mode"), f"{type(exc).__name__}: {exc}"))
+            self.error.emit(ErrorEvent("cache", self.tr("Cannot switch the cache mode"),
+                                       f"{type(exc).__name__}: {exc}"))
             return
         self.mode_switched.emit(ModeSwitched(old, self._session.cache_config, self._snapshot()))
 

@@ -175,6 +175,14 @@ def visible_texts(root) -> list[tuple[str, str]]:
                     for c in range(model.columnCount())]
             out += [(f"{name} cell", str(model.index(r, c).data() or "")) for r in range(model.rowCount())
                     for c in range(model.columnCount())]
+        # the painted bars and charts of the Pool, Plan and Lengths pages: their labels and hover tips
+        for item in [*getattr(w, "segments", ()), *getattr(w, "rows", ()), *getattr(w, "columns", ())]:
+            out += [(f"{name} {field}", getattr(item, field)) for field in ("label", "tip", "name")
+                    if isinstance(getattr(item, field, None), str)]
+        if isinstance(getattr(w, "empty_text", None), str):
+            out.append((f"{name} empty", w.empty_text))
+        if getattr(w, "line", None) is not None and isinstance(getattr(w.line, "label", None), str):
+            out.append((f"{name} line", w.line.label))
         if isinstance(w, QMenu) or w is root:
             for action in QWidget.actions(w):      # the window keeps a ChatActions in .actions
                 out += [(f"{name} action", action.text()), (f"{name} action tip", action.statusTip())]
@@ -223,6 +231,13 @@ def test_chinese_window_dialogs_and_pages_show_no_english(chinese, qtbot):
     window.chat.refresh_actions(busy=False)
     window.dashboard.redraw()
     problems = english_in(window)
+    dashboard = window.dashboard
+    t = dashboard.data.times[-1]
+    for text in (dashboard.layer_hover_text(0), dashboard.series_hover_text("speed", t),
+                 dashboard.series_hover_text("memory", t), dashboard.gauge.text()):
+        assert text
+        if words := english_words(text):
+            problems.append(f"hover text {text!r} ({', '.join(words)})")
     for page in window.dashboard.page_names():
         window.dashboard.show_page(page)
         qtbot.wait(50)
