@@ -1149,7 +1149,7 @@ prefill {prefill} tok/s</source>
     <name>PlanPanel</name>
     <message>
         <source>full ({dtype})</source>
-        <translation>全精度（{dtype}）</translation>
+        <translation>全精度 {dtype}</translation>
     </message>
     <message>
         <source>Load a model to plan its cache.</source>
