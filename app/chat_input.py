@@ -14,7 +14,7 @@ class ChatInput(QPlainTextEdit):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("chatInput")
-        self.setPlaceholderText("Message the model…  (Enter sends, Shift+Enter for a new line)")
+        self.setPlaceholderText(self.tr("Message the model…  (Enter sends, Shift+Enter for a new line)"))
         self.setTabChangesFocus(True)
         self.document().contentsChanged.connect(self._fit_height)
         self._fit_height()

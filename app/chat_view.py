@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import re
 
-from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QFontDatabase, QGuiApplication
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMessageBox, QPlainTextEdit, QPushButton, QScrollArea,
                                QSizePolicy, QVBoxLayout, QWidget)
 
 FLUSH_MS = 50
 OPENABLE_SCHEMES = ("http", "https")
-INTERRUPTED_MARK = "Interrupted: kvchat closed before this reply finished"
-# marks under a reply, by the engine's finish_reason; these two can be continued
-FINISH_MARKS = {"length": ("Cut at max tokens", "The reply reached the max tokens set in Settings: Continue writes more."),
-                "stopped": ("Stopped", "You stopped this reply: Continue picks it up where it ended.")}
+INTERRUPTED_MARK = QT_TRANSLATE_NOOP("MessageWidget", "Interrupted: kvchat closed before this reply finished")
+# marks under a reply, by the engine's finish_reason; these two can be continued (shown translated)
+FINISH_MARKS = {"length": (QT_TRANSLATE_NOOP("MessageWidget", "Cut at max tokens"),
+                           QT_TRANSLATE_NOOP("MessageWidget", "The reply reached the max tokens set in Settings: "
+                                                              "Continue writes more.")),
+                "stopped": (QT_TRANSLATE_NOOP("MessageWidget", "Stopped"),
+                            QT_TRANSLATE_NOOP("MessageWidget", "You stopped this reply: Continue picks it up where it "
+                                                               "ended."))}
 
 
 def confirm_link(url: str, parent: QWidget | None) -> QMessageBox | None:
@@ -28,8 +32,9 @@ def confirm_link(url: str, parent: QWidget | None) -> QMessageBox | None:
     target = QUrl(url)
     if target.scheme().lower() not in OPENABLE_SCHEMES or not target.isValid() or not target.host():
         return None
-    box = QMessageBox(QMessageBox.Icon.Question, "Open link?",
-                      f"The reply links to:\n\n{target.toDisplayString()}\n\nOpen it in your browser?",
+    box = QMessageBox(QMessageBox.Icon.Question, QCoreApplication.translate("ChatView", "Open link?"),
+                      QCoreApplication.translate("ChatView", "The reply links to:\n\n{url}\n\nOpen it in your "
+                                                 "browser?").format(url=target.toDisplayString()),
                       QMessageBox.StandardButton.Open | QMessageBox.StandardButton.Cancel, parent)
     box.setObjectName("confirmLinkDialog")
     box.setDefaultButton(QMessageBox.StandardButton.Cancel)
@@ -149,9 +154,9 @@ class CodeBlock(QFrame):
         header = QWidget(objectName="codeHeader")
         row = QHBoxLayout(header)
         row.setContentsMargins(8, 2, 4, 2)
-        self.language_label = QLabel(language or "code", objectName="codeLanguage")
-        self.copy_button = QPushButton("Copy", objectName="copyButton")
-        self.copy_button.setToolTip("Copy this code block to the clipboard")
+        self.language_label = QLabel(language or self.tr("code"), objectName="codeLanguage")
+        self.copy_button = QPushButton(self.tr("Copy"), objectName="copyButton")
+        self.copy_button.setToolTip(self.tr("Copy this code block to the clipboard"))
         self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
         self.copy_button.clicked.connect(self.copy)
         row.addWidget(self.language_label)
@@ -168,7 +173,7 @@ class CodeBlock(QFrame):
         self.set_code(language, code)
 
     def set_code(self, language: str, code: str) -> None:
-        self.language_label.setText(language or "code")
+        self.language_label.setText(language or self.tr("code"))
         self.body.setText(code)
 
     def code(self) -> str:
@@ -176,8 +181,8 @@ class CodeBlock(QFrame):
 
     def copy(self) -> None:
         QGuiApplication.clipboard().setText(self.code())
-        self.copy_button.setText("Copied")
-        QTimer.singleShot(1200, self.copy_button, lambda: self.copy_button.setText("Copy"))
+        self.copy_button.setText(self.tr("Copied"))
+        QTimer.singleShot(1200, self.copy_button, lambda: self.copy_button.setText(self.tr("Copy")))
         self.copied.emit(self.code())
 
 
@@ -242,10 +247,10 @@ class MessageWidget(QFrame):
         return label
 
     def mark_interrupted(self) -> None:
-        self.interrupted_label = QLabel(INTERRUPTED_MARK, self, objectName="interruptedMark")
+        self.interrupted_label = QLabel(self.tr(INTERRUPTED_MARK), self, objectName="interruptedMark")
         self.interrupted_label.setStyleSheet("color: #9a6700; font-style: italic;")
-        self.interrupted_label.setToolTip("The app stopped (a crash or power loss) while this reply streamed; "
-                                          "what had arrived was saved.")
+        self.interrupted_label.setToolTip(self.tr("The app stopped (a crash or power loss) while this reply "
+                                                  "streamed; what had arrived was saved."))
         self._layout.insertWidget(1 + len(self._widgets), self.interrupted_label)
 
     def is_interrupted(self) -> bool:
@@ -267,24 +272,28 @@ class MessageWidget(QFrame):
         row.setSpacing(2)
         self.finish_label = QLabel(footer, objectName="finishMark")
         self.finish_label.setVisible(False)
-        self.previous_button = self._action_button(footer, "‹", "Show the previous reply", lambda: request("previous"))
+        self.previous_button = self._action_button(footer, "‹", self.tr("Show the previous reply"),
+                                                   lambda: request("previous"))
         self.version_label = QLabel(footer, objectName="versionLabel")
-        self.next_button = self._action_button(footer, "›", "Show the next reply", lambda: request("next"))
+        self.next_button = self._action_button(footer, "›", self.tr("Show the next reply"), lambda: request("next"))
         row.addWidget(self.finish_label)
         for widget in (self.previous_button, self.version_label, self.next_button):
             widget.setVisible(False)
             row.addWidget(widget)
         row.addStretch(1)
-        self.continue_button = self._action_button(footer, "Continue", "Write more of this reply",
+        self.continue_button = self._action_button(footer, self.tr("Continue"), self.tr("Write more of this reply"),
                                                    lambda: request("continue"))
-        self.regenerate_button = self._action_button(footer, "Regenerate",
-                                                     "Write a new reply (this one is kept: the arrows switch back)",
+        self.regenerate_button = self._action_button(footer, self.tr("Regenerate"),
+                                                     self.tr("Write a new reply (this one is kept: the arrows switch "
+                                                             "back)"),
                                                      lambda: request("regenerate"))
-        self.edit_button = self._action_button(footer, "Edit", "Change this message and send it again; "
-                                               "the messages after it are removed", self.start_edit)
-        self.copy_message_button = self._action_button(footer, "Copy", "Copy this message's text",
+        self.edit_button = self._action_button(footer, self.tr("Edit"), self.tr("Change this message and send it "
+                                                                                "again; the messages after it are "
+                                                                                "removed"), self.start_edit)
+        self.copy_message_button = self._action_button(footer, self.tr("Copy"), self.tr("Copy this message's text"),
                                                        lambda: request("copy"))
-        self.delete_button = self._action_button(footer, "Delete", "Delete this message", lambda: request("delete"))
+        self.delete_button = self._action_button(footer, self.tr("Delete"), self.tr("Delete this message"),
+                                                 lambda: request("delete"))
         for button in (self.continue_button, self.regenerate_button, self.edit_button):
             button.setVisible(False)
             row.addWidget(button)
@@ -308,8 +317,8 @@ class MessageWidget(QFrame):
         """Mark why the reply ended: "stopped" and "length" (cut at max tokens) show under it."""
         self.finish = reason or ""
         mark = FINISH_MARKS.get(self.finish)
-        self.finish_label.setText(mark[0] if mark else "")
-        self.finish_label.setToolTip(mark[1] if mark else "")
+        self.finish_label.setText(self.tr(mark[0]) if mark else "")
+        self.finish_label.setToolTip(self.tr(mark[1]) if mark else "")
         self.finish_label.setVisible(mark is not None)
 
     def set_versions(self, chosen: int, count: int) -> None:
@@ -348,9 +357,9 @@ class MessageWidget(QFrame):
         row = QHBoxLayout(buttons)
         row.setContentsMargins(0, 0, 0, 0)
         row.addStretch(1)
-        cancel = QPushButton("Cancel", buttons, objectName="editCancel")
-        send = QPushButton("Send", buttons, objectName="editSend")
-        send.setToolTip("Send the edited message; the messages after it are removed")
+        cancel = QPushButton(self.tr("Cancel"), buttons, objectName="editCancel")
+        send = QPushButton(self.tr("Send"), buttons, objectName="editSend")
+        send.setToolTip(self.tr("Send the edited message; the messages after it are removed"))
         cancel.clicked.connect(self.cancel_edit)
         send.clicked.connect(lambda: self._request("edit"))
         row.addWidget(cancel)
@@ -395,7 +404,7 @@ class ChatView(QScrollArea):
         self._layout.setSpacing(12)
         self._layout.addStretch(1)
         self.setWidget(self._column)
-        self.assistant_name = "Assistant"
+        self.assistant_name = self.tr("Assistant")
         self._messages: list[MessageWidget] = []
         self._reply: MessageWidget | None = None
         self._reply_text = ""
@@ -426,7 +435,7 @@ class ChatView(QScrollArea):
                 message.author_label.setText(name)
 
     def add_message(self, role: str, text: str) -> MessageWidget:
-        author = {"user": "You", "assistant": self.assistant_name}.get(role, "kvchat")
+        author = {"user": self.tr("You"), "assistant": self.assistant_name}.get(role, "kvchat")
         message = MessageWidget(role, author, text, self._column)
         if role in ("user", "assistant"):
             message._request = lambda name, m=message: self.action_requested.emit(name, m)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QCoreApplication, Qt, Signal
 from PySide6.QtWidgets import QInputDialog, QListWidget, QListWidgetItem, QMenu, QWidget
 
 from .history import HistoryStore
+from .i18n import cache_label
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 TITLE_ROLE = Qt.ItemDataRole.UserRole + 1   # (title, detail) as stored, before eliding
@@ -21,12 +22,13 @@ TITLE_ROLE = Qt.ItemDataRole.UserRole + 1   # (title, detail) as stored, before 
 def _when(timestamp: float) -> str:
     age = time.time() - timestamp
     if age < 60:
-        return "just now"
+        return QCoreApplication.translate("ConversationList", "just now")
     if age < 3600:
-        return f"{int(age // 60)} min ago"
+        return QCoreApplication.translate("ConversationList", "{n} min ago").format(n=int(age // 60))
     if age < 86400:
         return time.strftime("%H:%M", time.localtime(timestamp))
-    return time.strftime("%d %b", time.localtime(timestamp))
+    # the date's strftime format is translated too ("%d %b" reads "30 Nov"; Chinese puts the month first)
+    return time.strftime(QCoreApplication.translate("ConversationList", "%d %b"), time.localtime(timestamp))
 
 
 class ConversationList(QListWidget):
@@ -60,13 +62,14 @@ class ConversationList(QListWidget):
         self.clear()
         found = self.history.search(self.query) if self.query else self.history.conversations()
         for conversation in found:
-            cache = conversation.cache.label() if conversation.cache else "?"
+            cache = cache_label(conversation.cache) if conversation.cache else "?"
             item = QListWidgetItem()
             item.setData(TITLE_ROLE, (conversation.title, f"{_when(conversation.updated_at)} · {cache}"))
             self._set_text(item)
             item.setData(ID_ROLE, conversation.id)
-            item.setToolTip(f"{conversation.title}\nCache: {cache}\nStarted "
-                            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(conversation.created_at))}")
+            item.setToolTip(self.tr("{title}\nCache: {cache}\nStarted {started}").format(
+                title=conversation.title, cache=cache,
+                started=time.strftime('%Y-%m-%d %H:%M', time.localtime(conversation.created_at))))
             self.addItem(item)
             if conversation.id == current_id:
                 item.setSelected(True)
@@ -114,15 +117,16 @@ class ConversationList(QListWidget):
             return
         conversation_id = int(item.data(ID_ROLE))
         menu = QMenu(self)
-        rename = menu.addAction("Rename…")
-        markdown = menu.addAction("Export as Markdown…")
-        as_json = menu.addAction("Export as JSON…")
+        rename = menu.addAction(self.tr("Rename…"))
+        markdown = menu.addAction(self.tr("Export as Markdown…"))
+        as_json = menu.addAction(self.tr("Export as JSON…"))
         menu.addSeparator()
-        delete = menu.addAction("Delete…")
+        delete = menu.addAction(self.tr("Delete…"))
         action = menu.exec(self.mapToGlobal(pos))
         if action is rename:
             current = self.history.get(conversation_id)
-            title, ok = QInputDialog.getText(self, "Rename chat", "Title", text=current.title if current else "")
+            title, ok = QInputDialog.getText(self, self.tr("Rename chat"), self.tr("Title"),
+                                             text=current.title if current else "")
             if ok and title.strip():
                 self.history.rename(conversation_id, title.strip())
                 self.refresh(self.open_id)

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QPointF, QSize, Qt, QTimer
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QPointF, QSize, Qt, QTimer
 from PySide6.QtGui import QCursor, QTextDocument
 from PySide6.QtWidgets import (QBoxLayout, QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QStackedWidget,
                                QTabBar, QToolButton, QToolTip, QVBoxLayout, QWidget)
@@ -26,21 +26,21 @@ from .lengths_view import LengthsView
 from .plan_panel import PlanPanel
 from .pool_view import PoolView
 from .quality_view import QualityRow
-from .server_panel import UNAVAILABLE_REMOTE, ServerPanel
+from .server_panel import ServerPanel, unavailable_remote
 
 REDRAW_MS = 125                         # each panel at most 8 Hz
 MIB = 1024.0 * 1024.0
 LOG_FLOOR_MIB = 1e-3                    # a log axis cannot show 0; an empty cache sits on this floor (1 KiB)
 PLOT_MIN_HEIGHT = 92
 
-FORMAT_NAMES = {"full": "full precision", "int8": "int8", "fp8": "fp8", "int4": "int4"}
+FORMAT_NAMES = {"full": QT_TRANSLATE_NOOP("Dashboard", "full precision"), "int8": "int8", "fp8": "fp8", "int4": "int4"}
 OUTLINE_COLOUR = "#475569"
-MEMORY_SERIES = {"budget": ("budget", "#dc2626", 1.5, Qt.PenStyle.DashLine),
-                 "weights": ("weights", "#a16207", 1.5, Qt.PenStyle.DotLine),
-                 "rss": ("process RSS", "#64748b", 1.5, Qt.PenStyle.SolidLine),
-                 "torch": ("torch allocator", "#0d9488", 1.5, Qt.PenStyle.SolidLine),
+MEMORY_SERIES = {"budget": (QT_TRANSLATE_NOOP("Dashboard", "budget"), "#dc2626", 1.5, Qt.PenStyle.DashLine),
+                 "weights": (QT_TRANSLATE_NOOP("Dashboard", "weights"), "#a16207", 1.5, Qt.PenStyle.DotLine),
+                 "rss": (QT_TRANSLATE_NOOP("Dashboard", "process RSS"), "#64748b", 1.5, Qt.PenStyle.SolidLine),
+                 "torch": (QT_TRANSLATE_NOOP("Dashboard", "torch allocator"), "#0d9488", 1.5, Qt.PenStyle.SolidLine),
                  "gpu": ("GPU (NVML)", "#ca8a04", 1.5, Qt.PenStyle.SolidLine),
-                 "kv": ("KV held", "#2563eb", 2.5, Qt.PenStyle.SolidLine)}     # last: drawn on top
+                 "kv": (QT_TRANSLATE_NOOP("Dashboard", "KV held"), "#2563eb", 2.5, Qt.PenStyle.SolidLine)}  # last: on top
 OPTIONAL_SERIES = ("weights", "torch", "gpu")   # shown only when this machine reports them
 DECODE_COLOUR, PREFILL_COLOUR = "#2563eb", "#ea580c"
 
@@ -95,17 +95,21 @@ class Dashboard(QWidget):
         outer.addWidget(self.pages, 1)
         self.scroll = _scroll("dashboardScroll")
         self.pool_view, self.plan, self.lengths = PoolView(), PlanPanel(), LengthsView()
-        for name, widget, tip in (
-                ("Live", None, "KV bytes per layer, speed and memory over time"),
-                ("Pool", self.pool_view, "The shared KV pool: blocks per conversation, shared and reclaimable blocks, "
-                                         "prefix hit rate"),
-                ("Plan", self.plan, "KV bytes of each cache format for a context you choose; apply one to this chat"),
-                ("Lengths", self.lengths, "How long your saved conversations are and which ones hold the memory")):
+        self._page_keys: list[str] = []     # the pages' names in English: show_page and tests use them
+        for name, title, widget, tip in (
+                ("Live", self.tr("Live"), None, self.tr("KV bytes per layer, speed and memory over time")),
+                ("Pool", self.tr("Pool"), self.pool_view,
+                 self.tr("The shared KV pool: blocks per conversation, shared and reclaimable blocks, prefix hit rate")),
+                ("Plan", self.tr("Plan"), self.plan,
+                 self.tr("KV bytes of each cache format for a context you choose; apply one to this chat")),
+                ("Lengths", self.tr("Lengths"), self.lengths,
+                 self.tr("How long your saved conversations are and which ones hold the memory"))):
             scroll = self.scroll if widget is None else _scroll(f"{widget.objectName()}Scroll")
             if widget is not None:
                 scroll.setWidget(widget)
             self.pages.addWidget(scroll)
-            self.switcher.setTabToolTip(self.switcher.addTab(name), tip)
+            self._page_keys.append(name)
+            self.switcher.setTabToolTip(self.switcher.addTab(title), tip)
         self.unavailable = QLabel("", objectName="remoteUnavailable")   # Pool, Plan, Lengths with a remote server
         self.unavailable.setWordWrap(True)
         self.unavailable.setContentsMargins(10, 10, 10, 10)
@@ -119,7 +123,7 @@ class Dashboard(QWidget):
         layout.setContentsMargins(8, 6, 8, 6)
         layout.setSpacing(3)
 
-        self.summary = QLabel("Waiting for the model…", objectName="dashboardSummary")
+        self.summary = QLabel(self.tr("Waiting for the model…"), objectName="dashboardSummary")
         self.summary.setWordWrap(True)
         self.summary.setMinimumHeight(2 * self.summary.fontMetrics().lineSpacing() + 4)
         layout.addWidget(self.summary)
@@ -129,37 +133,38 @@ class Dashboard(QWidget):
         self.server_panel = ServerPanel()
         self.server_panel.setVisible(False)
         layout.addWidget(self.server_panel)
-        layout.addLayout(self._header("tokens", "Tokens in cache"))
+        layout.addLayout(self._header("tokens", self.tr("Tokens in cache")))
         self.gauge = TokenGauge(self)
         layout.addWidget(self.gauge)
         self._build_layer_plot()
         self._build_speed_plot()
         self._build_memory_plot()
-        layout.addLayout(self._header("layers", "KV bytes per layer (KiB)"))
+        layout.addLayout(self._header("layers", self.tr("KV bytes per layer ({unit})").format(unit="KiB")))
         layout.addWidget(self.layer_plot, 1)
-        self.layers_unavailable = QLabel(f"Per-layer K and V bytes: {UNAVAILABLE_REMOTE} (the server holds the "
-                                         f"cache; its KV usage is in the Server section).", objectName="layersUnavailable")
+        self.layers_unavailable = QLabel(self.tr("Per-layer K and V bytes: {unavailable} (the server holds the "
+                                                 "cache; its KV usage is in the Server section).").format(
+                                                     unavailable=unavailable_remote()), objectName="layersUnavailable")
         self.layers_unavailable.setWordWrap(True)
         self.layers_unavailable.setVisible(False)
         layout.addWidget(self.layers_unavailable)
-        layout.addLayout(self._header("speed", "Tokens per second · time in s"))
+        layout.addLayout(self._header("speed", self.tr("Tokens per second · time in s")))
         layout.addWidget(self.speed_plot, 1)
-        layout.addLayout(self._header("memory", "Memory in MiB (log scale) · time in s"))
+        layout.addLayout(self._header("memory", self.tr("Memory in MiB (log scale) · time in s")))
         self.event_strip = EventStrip(self.memory_plot)
         layout.addWidget(self.event_strip)
         layout.addWidget(self.memory_plot, 1)
-        self.legends["speed"].setText(legend_html([("decode (left)", DECODE_COLOUR),
-                                                   ("prefill (right)", PREFILL_COLOUR)]))
+        self.legends["speed"].setText(legend_html([(self.tr("decode (left)"), DECODE_COLOUR),
+                                                   (self.tr("prefill (right)"), PREFILL_COLOUR)]))
         self.timer = QTimer(self, interval=REDRAW_MS // len(self.PANELS))
         self.timer.timeout.connect(self._tick)
         self.timer.start()
 
     # --- pages ---
 
-    LOCAL_ONLY_PAGES = {
-        "Pool": "The KV pool's blocks, shared blocks and prefix hits per conversation",
-        "Plan": "Planning and switching cache formats for this chat",
-        "Lengths": "Conversation lengths in tokens and each chat's share of the pool",
+    LOCAL_ONLY_PAGES = {                # shown through self.tr
+        "Pool": QT_TRANSLATE_NOOP("Dashboard", "The KV pool's blocks, shared blocks and prefix hits per conversation"),
+        "Plan": QT_TRANSLATE_NOOP("Dashboard", "Planning and switching cache formats for this chat"),
+        "Lengths": QT_TRANSLATE_NOOP("Dashboard", "Conversation lengths in tokens and each chat's share of the pool"),
     }
 
     def set_remote(self, url: str, model: str = "") -> None:
@@ -175,24 +180,27 @@ class Dashboard(QWidget):
         self.layers_unavailable.setVisible(remote)
         if remote:
             self.quality_row.state = "remote"
-            self.quality_row.label.setText(f"Quality of the cache mode (Measure): {UNAVAILABLE_REMOTE}.")
+            self.quality_row.label.setText(self.tr("Quality of the cache mode (Measure): {unavailable}.").format(
+                unavailable=unavailable_remote()))
             self.quality_row.button.setVisible(False)
         self._drawn.clear()
         self._show_index(self.switcher.currentIndex())
 
     def _show_index(self, index: int) -> None:
-        name = self.switcher.tabText(index)
+        name = self._page_keys[index] if 0 <= index < len(self._page_keys) else ""
         if self.remote_url and name in self.LOCAL_ONLY_PAGES:
-            self.unavailable.setText(f"<b>{name}</b>: {UNAVAILABLE_REMOTE}.<br>{self.LOCAL_ONLY_PAGES[name]} needs "
-                                     f"the KV cache on this computer; the model runs on {html.escape(self.remote_url)}. "
-                                     f"What that server reports (KV usage, requests, prefix-cache hits) is on the "
-                                     f"Live page.")
+            self.unavailable.setText(self.tr("<b>{page}</b>: {unavailable}.<br>{what} needs the KV cache on this "
+                                             "computer; the model runs on {url}. What that server reports (KV usage, "
+                                             "requests, prefix-cache hits) is on the Live page.").format(
+                page=self.switcher.tabText(index), unavailable=unavailable_remote(),
+                what=self.tr(self.LOCAL_ONLY_PAGES[name]), url=html.escape(self.remote_url)))
             self.pages.setCurrentIndex(self.pages.count() - 1)
         else:
             self.pages.setCurrentIndex(index)
 
     def page_names(self) -> list[str]:
-        return [self.switcher.tabText(i) for i in range(self.switcher.count())]
+        """The pages by their English names ("Live", "Pool", "Plan", "Lengths"), whatever the interface language."""
+        return list(self._page_keys)
 
     def show_page(self, name: str) -> None:
         self.switcher.setCurrentIndex(self.page_names().index(name))
@@ -235,7 +243,7 @@ class Dashboard(QWidget):
         self.notice_label.setWordWrap(True)
         self.notice_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         close = QToolButton(objectName="dashboardNoticeClose", text="×", autoRaise=True)
-        close.setToolTip("Dismiss")
+        close.setToolTip(self.tr("Dismiss"))
         close.clicked.connect(self.hide_notice)
         row.addWidget(self.notice_label, 1)
         row.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
@@ -290,7 +298,7 @@ class Dashboard(QWidget):
     def _build_speed_plot(self) -> None:
         self.speed_plot = self._plot()
         item = self.speed_plot.getPlotItem()
-        self.speed_plot.setLabel("left", "decode tok/s", color=DECODE_COLOUR)
+        self.speed_plot.setLabel("left", self.tr("decode tok/s"), color=DECODE_COLOUR)
         # gaps (NaN) are idle time: the line breaks instead of holding the last rate
         self.decode_curve = self.speed_plot.plot([], [], pen=pg.mkPen(DECODE_COLOUR, width=2), connect="finite")
         self.decode_curve.setZValue(10)
@@ -300,7 +308,7 @@ class Dashboard(QWidget):
         item.showAxis("right")
         item.scene().addItem(self.prefill_view)
         item.getAxis("right").linkToView(self.prefill_view)
-        item.getAxis("right").setLabel("prefill tok/s", color=PREFILL_COLOUR)
+        item.getAxis("right").setLabel(self.tr("prefill tok/s"), color=PREFILL_COLOUR)
         self.prefill_view.setXLink(item)
         self.prefill_curve = pg.PlotDataItem([], [], pen=None, symbol="o", symbolSize=7,
                                              symbolBrush=PREFILL_COLOUR, symbolPen=None)
@@ -410,25 +418,32 @@ class Dashboard(QWidget):
     def _draw_summary(self, snapshot) -> None:
         self.gauge.set_room(token_room(snapshot), snapshot.tokens_evicted)
         generating = bool(self.data.series["decode"]) and not math.isnan(self.data.series["decode"][-1])
-        speed = (f"decode {snapshot.decode_tok_s:.1f} tok/s · prefill {snapshot.prefill_tok_s:.0f} tok/s · "
-                 f"TTFT {snapshot.ttft_s * 1000:.0f} ms")
+        speed = self.tr("decode {decode} tok/s · prefill {prefill} tok/s · TTFT {ttft} ms").format(
+            decode=f"{snapshot.decode_tok_s:.1f}", prefill=f"{snapshot.prefill_tok_s:.0f}",
+            ttft=f"{snapshot.ttft_s * 1000:.0f}")
         if not generating:
-            speed = f"idle · last reply: {speed}" if snapshot.decode_tok_s or snapshot.prefill_tok_s else "idle"
+            speed = self.tr("idle · last reply: {speed}").format(speed=speed) \
+                if snapshot.decode_tok_s or snapshot.prefill_tok_s else self.tr("idle")
         self.summary.setText(
-            f"<b>{html.escape(snapshot.cache_label)}</b> · KV {format_mib(snapshot.kv_bytes)} of "
-            f"{format_mib(snapshot.budget_bytes)} budget ({snapshot.usage:.1%}) · "
-            f"{snapshot.bytes_per_token:,.0f} B/token<br>{speed}<br>"
-            f"process RSS {format_mib(snapshot.memory.rss_bytes)}"
-            + (f" · weights {format_mib(snapshot.weight_bytes)} ({html.escape(snapshot.weights_label)})"
+            self.tr("<b>{cache}</b> · KV {kv} of {budget} budget ({usage}) · {per_token} B/token<br>{speed}<br>"
+                    "process RSS {rss}").format(
+                cache=html.escape(snapshot.cache_label), kv=format_mib(snapshot.kv_bytes),
+                budget=format_mib(snapshot.budget_bytes), usage=f"{snapshot.usage:.1%}",
+                per_token=f"{snapshot.bytes_per_token:,.0f}", speed=speed, rss=format_mib(snapshot.memory.rss_bytes))
+            + (self.tr(" · weights {size} ({label})").format(size=format_mib(snapshot.weight_bytes),
+                                                             label=html.escape(snapshot.weights_label))
                if snapshot.weight_bytes else ""))
 
     def _draw_remote_summary(self, snapshot) -> None:
         generating = bool(self.data.series["decode"]) and not math.isnan(self.data.series["decode"][-1])
-        speed = f"decode {snapshot.decode_tok_s:.1f} tok/s · TTFT {snapshot.ttft_s * 1000:.0f} ms"
+        speed = self.tr("decode {decode} tok/s · TTFT {ttft} ms").format(decode=f"{snapshot.decode_tok_s:.1f}",
+                                                                          ttft=f"{snapshot.ttft_s * 1000:.0f}")
         if not generating:
-            speed = f"idle · last reply: {speed}" if snapshot.decode_tok_s or snapshot.ttft_s else "idle"
-        self.summary.setText(f"<b>{html.escape(snapshot.cache_label)}</b> on {html.escape(self.remote_url)}<br>"
-                             f"{speed}<br>this app's process RSS {format_mib(snapshot.memory.rss_bytes)}")
+            speed = self.tr("idle · last reply: {speed}").format(speed=speed) \
+                if snapshot.decode_tok_s or snapshot.ttft_s else self.tr("idle")
+        self.summary.setText(self.tr("<b>{cache}</b> on {url}<br>{speed}<br>this app's process RSS {rss}").format(
+            cache=html.escape(snapshot.cache_label), url=html.escape(self.remote_url), speed=speed,
+            rss=format_mib(snapshot.memory.rss_bytes)))
 
     def applicable_series(self) -> list[str]:
         """Memory series this machine reports: no torch allocator or NVML line on a CPU-only machine; no KV or
@@ -447,7 +462,7 @@ class Dashboard(QWidget):
             values = np.maximum(np.fromiter(self.data.series[name], float) / MIB, LOG_FLOOR_MIB)
             curve.setData(times, values)
             lowest, highest = min(lowest, float(values.min())), max(highest, float(values.max()))
-        self._set_legend("memory", [(MEMORY_SERIES[name][0], MEMORY_SERIES[name][1])
+        self._set_legend("memory", [(self.tr(MEMORY_SERIES[name][0]), MEMORY_SERIES[name][1])
                                     for name in reversed(list(MEMORY_SERIES)) if name in shown])
         self._set_range("memory_y", self.memory_plot.setYRange,
                         math.floor(math.log10(lowest)), math.ceil(math.log10(highest) + 0.05))
@@ -470,19 +485,19 @@ class Dashboard(QWidget):
         self.v_bars.setOpts(x=x, height=v, y0=k, width=0.7, brushes=v_brushes)
         if self._ranges.get("layer_unit") != unit:
             self._ranges["layer_unit"] = unit
-            self.sections["layers"].setText(f"KV bytes per layer ({unit})")
+            self.sections["layers"].setText(self.tr("KV bytes per layer ({unit})").format(unit=unit))
         budget_share = snapshot.budget_bytes / len(layers) / scale
         near = budget_share <= top_bytes / scale
         self.budget_line.setVisible(near)
         self.budget_line.setValue(budget_share)
         families = sorted({format_family(f) for layer in layers for f in (layer.k_format, layer.v_format)},
                           key=list(FORMAT_COLOURS).index)
-        entries = [(FORMAT_NAMES[family], FORMAT_COLOURS[family][0]) for family in families]
-        entries.append(("K dark, V light", "#94a3b8"))
+        entries = [(self.tr(FORMAT_NAMES[family]), FORMAT_COLOURS[family][0]) for family in families]
+        entries.append((self.tr("K dark, V light"), "#94a3b8"))
         if full > 0:
-            entries.append(("outline: full precision", OUTLINE_COLOUR))
+            entries.append((self.tr("outline: full precision"), OUTLINE_COLOUR))
         if near:
-            entries.append(("dashed line: budget share", "#dc2626"))
+            entries.append((self.tr("dashed line: budget share"), "#dc2626"))
         self._set_legend("layers", entries)
         self._set_range("layer_x", self.layer_plot.setXRange, -0.6, len(layers) - 0.4)
         self._set_range("layer_y", self.layer_plot.setYRange, 0.0, top_bytes / scale)

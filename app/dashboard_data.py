@@ -11,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from PySide6.QtCore import QCoreApplication
+
 from engine.events import StatsSnapshot
 
 from .messages import format_bytes
@@ -116,7 +118,7 @@ class DashboardData:
         t = max(0.0, self.elapsed(snapshot.time_s))
         if previous is not None and snapshot.tokens_evicted > previous.tokens_evicted:
             evicted = snapshot.tokens_evicted - previous.tokens_evicted
-            self.mark("evict", f"evicted {evicted:,} tok", t)
+            self.mark("evict", QCoreApplication.translate("DashboardData", "evicted {n} tok").format(n=f"{evicted:,}"), t)
         if self.times and t - self.times[-1] > HOLD_GAP_S:
             # nothing was reported for a while: the previous values held until now, so the curves
             # step at this sample instead of sloping across the idle gap
@@ -193,12 +195,16 @@ def layer_hover_text(snapshot: StatsSnapshot | None, layer_index: int) -> str | 
     layer = snapshot.layers[layer_index]
     share = snapshot.budget_bytes / len(snapshot.layers)
     total = layer.k_bytes + layer.v_bytes
-    text = (f"layer {layer.layer}\nK {layer.k_format}: {layer.k_bytes:,} B ({format_bytes(layer.k_bytes)})\n"
-            f"V {layer.v_format}: {layer.v_bytes:,} B ({format_bytes(layer.v_bytes)})\ntotal {total:,} B")
+    text = (QCoreApplication.translate("DashboardData", "layer {n}").format(n=layer.layer)
+            + f"\nK {layer.k_format}: {layer.k_bytes:,} B ({format_bytes(layer.k_bytes)})\n"
+            f"V {layer.v_format}: {layer.v_bytes:,} B ({format_bytes(layer.v_bytes)})\n"
+            + QCoreApplication.translate("DashboardData", "total {n} B").format(n=f"{total:,}"))
     full = full_precision_layer_bytes(snapshot)
     if full and total:
-        text += f"\nfull precision would hold {format_bytes(full)} ({total / full:.0%} of it)"
-    return text + (f"\n{total / share:.3%} of its budget share ({format_bytes(share)})" if share else "")
+        text += "\n" + QCoreApplication.translate("DashboardData", "full precision would hold {size} ({share} of "
+                                                   "it)").format(size=format_bytes(full), share=f"{total / full:.0%}")
+    return text + ("\n" + QCoreApplication.translate("DashboardData", "{share} of its budget share ({size})").format(
+        share=f"{total / share:.3%}", size=format_bytes(share)) if share else "")
 
 
 def series_hover_text(data: DashboardData, kind: str, t: float) -> str | None:
@@ -209,16 +215,22 @@ def series_hover_text(data: DashboardData, kind: str, t: float) -> str | None:
     head = f"t = {data.times[index]:.1f} s"
     if kind == "speed":
         if math.isnan(values["decode"]):
-            return f"{head}\nidle: no reply was being generated"
-        return f"{head}\ndecode {values['decode']:.1f} tok/s\nprefill {values['prefill']:.1f} tok/s"
-    lines = [head, f"KV held {format_bytes(values['kv'])} ({int(values['kv']):,} B)",
-             f"budget {format_bytes(values['budget'])}", f"weights {format_bytes(values['weights'])}",
-             f"process RSS {format_bytes(values['rss'])}"]
+            return head + "\n" + QCoreApplication.translate("DashboardData", "idle: no reply was being generated")
+        return head + "\n" + QCoreApplication.translate("DashboardData", "decode {decode} tok/s\nprefill {prefill} "
+                                                         "tok/s").format(decode=f"{values['decode']:.1f}",
+                                                                         prefill=f"{values['prefill']:.1f}")
+    lines = [head, QCoreApplication.translate("DashboardData", "KV held {size} ({n} B)").format(
+                 size=format_bytes(values['kv']), n=f"{int(values['kv']):,}"),
+             QCoreApplication.translate("DashboardData", "budget {size}").format(size=format_bytes(values['budget'])),
+             QCoreApplication.translate("DashboardData", "weights {size}").format(size=format_bytes(values['weights'])),
+             QCoreApplication.translate("DashboardData", "process RSS {size}").format(size=format_bytes(values['rss']))]
     if values["torch"]:
-        lines.append(f"torch allocator {format_bytes(values['torch'])}")
+        lines.append(QCoreApplication.translate("DashboardData", "torch allocator {size}").format(
+            size=format_bytes(values['torch'])))
     if values["gpu"]:
         lines.append(f"GPU (NVML) {format_bytes(values['gpu'])}")
-    lines.append(f"tokens held {int(values['tokens_held']):,}")
+    lines.append(QCoreApplication.translate("DashboardData", "tokens held {n}").format(
+        n=f"{int(values['tokens_held']):,}"))
     return "\n".join(lines)
 
 
@@ -247,11 +259,12 @@ class MarkerCluster:
     def label(self) -> str:
         if self.count == 1:             # short: the tooltip has the whole label
             marker = self.markers[0]
-            short = {"load": "load", "reset": "reset"}.get(marker.kind, marker.label)
+            short = {"load": QCoreApplication.translate("DashboardData", "load"),
+                     "reset": QCoreApplication.translate("DashboardData", "reset")}.get(marker.kind, marker.label)
             return f"{MARKER_GLYPHS.get(marker.kind, '●')} {short}"
         if self.kind == "evict":
-            return f"▼ {self.count}× evicted"
-        return f"● {self.count} events"
+            return "▼ " + QCoreApplication.translate("DashboardData", "{n}× evicted").format(n=self.count)
+        return "● " + QCoreApplication.translate("DashboardData", "{n} events").format(n=self.count)
 
     def tooltip(self) -> str:
         return "\n".join(f"{marker.time_s:6.1f} s  {marker.label}" for marker in self.markers)

@@ -15,10 +15,10 @@ class DockTitle(QWidget):
         row.addWidget(self.label)
         row.addWidget(switcher, 0)
         row.addStretch(1)
-        for icon, tip, slot in ((QStyle.StandardPixmap.SP_TitleBarNormalButton, "Float or dock the panel",
+        for icon, tip, slot in ((QStyle.StandardPixmap.SP_TitleBarNormalButton, self.tr("Float or dock the panel"),
                                  lambda: dock.setFloating(not dock.isFloating())),
-                                (QStyle.StandardPixmap.SP_TitleBarCloseButton, "Hide the panel (View menu brings it back)",
-                                 dock.close)):
+                                (QStyle.StandardPixmap.SP_TitleBarCloseButton,
+                                 self.tr("Hide the panel (View menu brings it back)"), dock.close)):
             button = QToolButton(autoRaise=True)
             button.setIcon(self.style().standardIcon(icon))
             button.setToolTip(tip)

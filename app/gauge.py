@@ -5,7 +5,7 @@ The gauge shows whichever comes first; a sliding window bounds the cache, so it 
 """
 from __future__ import annotations
 
-from PySide6.QtCore import QRectF, QSize, Qt
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPainterPath
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
@@ -14,7 +14,8 @@ from .dashboard_data import TokenRoom
 HELD = QColor("#2563eb")
 LEFT = QColor("#e5e7eb")
 WARN = QColor("#dc2626")
-BINDING_TEXT = {"budget": "the KV budget binds", "context": "the model's context binds"}
+BINDING_TEXT = {"budget": QT_TRANSLATE_NOOP("TokenGauge", "the KV budget binds"),
+                "context": QT_TRANSLATE_NOOP("TokenGauge", "the model's context binds")}
 
 
 class TokenGauge(QWidget):
@@ -46,15 +47,17 @@ class TokenGauge(QWidget):
 
     def left_text(self) -> str:
         if self.windowed:
-            return "window: bounded, never fills"
-        return f"{self.room.left:,} left, {self.binding} binds"
+            return self.tr("window: bounded, never fills")
+        if self.binding == "context":
+            return self.tr("{n} left, context binds").format(n=f"{self.room.left:,}")
+        return self.tr("{n} left, budget binds").format(n=f"{self.room.left:,}")
 
     def text(self) -> str:
-        text = f"{self.room.held:,} tokens in cache · {self.left_text()}"
+        text = self.tr("{n} tokens in cache · {left}").format(n=f"{self.room.held:,}", left=self.left_text())
         if self.room.context_limit:
-            text += f" · context {self.room.context_limit:,}"
+            text += self.tr(" · context {n}").format(n=f"{self.room.context_limit:,}")
         if self.tokens_evicted:
-            text += f" · {self.tokens_evicted:,} evicted"
+            text += self.tr(" · {n} evicted").format(n=f"{self.tokens_evicted:,}")
         return text
 
     def set_room(self, room: TokenRoom, evicted: int = 0) -> None:
@@ -65,16 +68,18 @@ class TokenGauge(QWidget):
 
     def _update_tooltip(self) -> None:
         room = self.room
-        lines = [f"Tokens in cache: {room.held:,}"]
+        lines = [self.tr("Tokens in cache: {n}").format(n=f"{room.held:,}")]
         if self.windowed:
-            lines.append("Tokens left: unbounded (a sliding window keeps the cache at a fixed size)")
-            lines.append(f"Budget blocks in use: {room.fraction:.1%}")
+            lines.append(self.tr("Tokens left: unbounded (a sliding window keeps the cache at a fixed size)"))
+            lines.append(self.tr("Budget blocks in use: {share}").format(share=f"{room.fraction:.1%}"))
         else:
-            lines.append(f"Tokens left: {room.left:,} ({BINDING_TEXT[room.binding]})")
-            lines.append(f"{room.binding.capitalize()} used: {room.fraction:.1%}")
+            lines.append(self.tr("Tokens left: {n} ({binding})").format(n=f"{room.left:,}",
+                                                                        binding=self.tr(BINDING_TEXT[room.binding])))
+            lines.append((self.tr("Context used: {share}") if room.binding == "context" else
+                          self.tr("Budget used: {share}")).format(share=f"{room.fraction:.1%}"))
         if room.context_limit:
-            lines.append(f"Model context: {room.context_limit:,} tokens")
-        lines.append(f"Tokens evicted from the window: {self.tokens_evicted:,}")
+            lines.append(self.tr("Model context: {n} tokens").format(n=f"{room.context_limit:,}"))
+        lines.append(self.tr("Tokens evicted from the window: {n}").format(n=f"{self.tokens_evicted:,}"))
         self.setToolTip("\n".join(lines))
 
     def paintEvent(self, _event) -> None:

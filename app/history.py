@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from PySide6.QtCore import QCoreApplication
+
 from engine.config import CacheConfig, ConfigError
 
 log = logging.getLogger(__name__)
@@ -213,12 +215,16 @@ class HistoryStore:
         except sqlite3.OperationalError as exc:
             if _is_read_only(exc):
                 self.read_only = True
-                raise HistoryError(f"the chat history at {self.path} is read-only, so nothing can be saved: make the "
-                                   f"file and its folder writable (chmod u+w), then try again") from exc
-            raise HistoryError(f"could not save to the chat history at {self.path}: {exc}") from exc
+                raise HistoryError(QCoreApplication.translate(
+                    "HistoryStore", "the chat history at {path} is read-only, so nothing can be saved: make the file "
+                    "and its folder writable (chmod u+w), then try again").format(path=self.path)) from exc
+            raise HistoryError(QCoreApplication.translate(
+                "HistoryStore", "could not save to the chat history at {path}: {error}").format(
+                path=self.path, error=exc)) from exc
         except sqlite3.DatabaseError as exc:
-            raise HistoryError(f"the chat history at {self.path} is damaged ({exc}): restart kvchat to move it "
-                               f"aside and start a fresh one") from exc
+            raise HistoryError(QCoreApplication.translate(
+                "HistoryStore", "the chat history at {path} is damaged ({error}): restart kvchat to move it aside and "
+                "start a fresh one").format(path=self.path, error=exc)) from exc
 
     def _write(self, statements: list[tuple[str, tuple]]) -> sqlite3.Cursor | None:
         cursor = None
@@ -323,7 +329,8 @@ class HistoryStore:
         row = self._db.execute("SELECT content, finish FROM reply_versions WHERE message_id = ? AND position = ?",
                                (message_id, position)).fetchone()
         if row is None:
-            raise HistoryError(f"this reply has no version {position + 1}")
+            raise HistoryError(QCoreApplication.translate("HistoryStore", "this reply has no version {n}").format(
+                n=position + 1))
         self._write([("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ? WHERE id = ?",
                       (row[0], row[1], DONE, position, message_id))])
         return Version(row[0], row[1])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from PySide6.QtCore import QCoreApplication
+
 from engine.config import CacheConfig
 
 from .bar_widgets import format_mib
@@ -58,8 +60,11 @@ class Bin:
     @property
     def range_text(self) -> str:
         if self.high is None:
-            return f"{self.low:,} tokens or more"
-        return f"fewer than {self.high:,} tokens" if self.low == 0 else f"{self.low:,}-{self.high - 1:,} tokens"
+            return QCoreApplication.translate("Lengths", "{n} tokens or more").format(n=f"{self.low:,}")
+        if self.low == 0:
+            return QCoreApplication.translate("Lengths", "fewer than {n} tokens").format(n=f"{self.high:,}")
+        return QCoreApplication.translate("Lengths", "{low}-{high} tokens").format(low=f"{self.low:,}",
+                                                                                  high=f"{self.high - 1:,}")
 
 
 def _short(n: int) -> str:
@@ -95,11 +100,13 @@ class WindowSuggestion:
     format_label: str
 
     def text(self) -> str:
-        return (f"{self.num_long} of {self.num_total} conversations are over {self.window + self.sinks:,} tokens and "
-                f"hold {self.long_share:.0%} of the KV all of them would take ({self.format_label}): a window of "
-                f"{self.window:,} + {self.sinks} sinks would cap each at {format_mib(self.cap_bytes)} "
-                f"(saving {format_mib(self.saved_bytes)} together), and leave the other "
-                f"{self.num_total - self.num_long} whole.")
+        return QCoreApplication.translate(
+            "Lengths", "{long} of {total} conversations are over {tokens} tokens and hold {share} of the KV all of "
+            "them would take ({mode}): a window of {window} + {sinks} sinks would cap each at {cap} (saving {saved} "
+            "together), and leave the other {rest} whole.").format(
+            long=self.num_long, total=self.num_total, tokens=f"{self.window + self.sinks:,}",
+            share=f"{self.long_share:.0%}", mode=self.format_label, window=f"{self.window:,}", sinks=self.sinks,
+            cap=format_mib(self.cap_bytes), saved=format_mib(self.saved_bytes), rest=self.num_total - self.num_long)
 
 
 def suggest_window(tokens: list[int], layout, context: int, sinks: int, format_label: str) -> WindowSuggestion | None:

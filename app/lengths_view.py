@@ -14,6 +14,7 @@ from engine.kv_layout import kv_layout
 
 from .bar_widgets import BarRows, Column, ColumnChart, Row, format_mib
 from .history import ConversationLength
+from .i18n import cache_label
 from .lengths_data import WindowSuggestion, histogram, suggest_window, without_window
 
 COUNT_COLOUR, BYTES_COLOUR = "#94a3b8", "#7e22ce"
@@ -28,15 +29,16 @@ class LengthsView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 6)
         layout.setSpacing(4)
-        self.summary = QLabel("No saved conversations yet.", objectName="dashboardSummary")
+        self.summary = QLabel(self.tr("No saved conversations yet."), objectName="dashboardSummary")
         self.summary.setWordWrap(True)
         layout.addWidget(self.summary)
-        layout.addWidget(QLabel("Saved conversations by length in tokens", objectName="dashboardSection"))
+        layout.addWidget(QLabel(self.tr("Saved conversations by length in tokens"), objectName="dashboardSection"))
         self.chart = ColumnChart(min_height=130)
         layout.addWidget(self.chart, 1)
-        legend = QLabel(f'<span style="color:{COUNT_COLOUR}">■</span>&nbsp;share of conversations&nbsp;&nbsp; '
-                        f'<span style="color:{BYTES_COLOUR}">■</span>&nbsp;share of the KV they would hold, all open '
-                        f'at once', objectName="plotLegend")
+        legend = QLabel('<span style="color:{count}">■</span>&nbsp;{conversations}&nbsp;&nbsp; '
+                        '<span style="color:{bytes}">■</span>&nbsp;{kv}'.format(
+                            count=COUNT_COLOUR, bytes=BYTES_COLOUR, conversations=self.tr("share of conversations"),
+                            kv=self.tr("share of the KV they would hold, all open at once")), objectName="plotLegend")
         legend.setWordWrap(True)
         layout.addWidget(legend)
         self.suggestion_label = QLabel("", objectName="lengthsSuggestion")
@@ -44,11 +46,13 @@ class LengthsView(QWidget):
         self.suggestion_label.setStyleSheet("#lengthsSuggestion { background: #f5f3ff; border: 1px solid #ddd6fe; "
                                             "border-radius: 4px; padding: 4px 6px; }")
         layout.addWidget(self.suggestion_label)
-        layout.addWidget(QLabel("Open conversations · share of the KV pool now", objectName="dashboardSection"))
-        self.open_bars = BarRows("No conversation holds blocks yet.")
+        layout.addWidget(QLabel(self.tr("Open conversations · share of the KV pool now"),
+                                objectName="dashboardSection"))
+        self.open_bars = BarRows(self.tr("No conversation holds blocks yet."))
         layout.addWidget(self.open_bars)
-        note = QLabel("Of the bytes the pool holds now. Blocks shared by several conversations (a common system "
-                      "prompt) count in each, so the shares can add up to more than 100%.", objectName="plotLegend")
+        note = QLabel(self.tr("Of the bytes the pool holds now. Blocks shared by several conversations (a common "
+                              "system prompt) count in each, so the shares can add up to more than 100%."),
+                      objectName="plotLegend")
         note.setWordWrap(True)
         layout.addWidget(note)
 
@@ -59,47 +63,52 @@ class LengthsView(QWidget):
         counted = [tokens[c.id] for c in lengths if c.id in tokens]
         waiting = len(lengths) - len(counted)
         if not lengths:
-            self._clear("No saved conversations yet: their lengths show here once you have chatted.")
+            self._clear(self.tr("No saved conversations yet: their lengths show here once you have chatted."))
             return
         if model_config is None:
-            self._clear(f"{len(lengths)} saved conversations; their lengths in tokens show once a model is loaded.")
+            self._clear(self.tr("{n} saved conversations; their lengths in tokens show once a model is "
+                                "loaded.").format(n=len(lengths)))
             return
         base = without_window(cache)
         try:
             layout = kv_layout(model_config, base, model_dtype, device)
         except ConfigError as exc:
-            self._clear(f"Cannot size these conversations on this model: {exc}")
+            self._clear(self.tr("Cannot size these conversations on this model: {error}").format(error=exc))
             return
-        label = base.label().replace("auto", layout.full_dtype)
+        label = cache_label(base).replace("auto", layout.full_dtype)
         self.bins = histogram(counted, layout.sequence_bytes)
         total_bytes = sum(b.num_bytes for b in self.bins) or 1
         total = len(counted) or 1
         columns = [Column(b.label, (100.0 * b.count / total, 100.0 * b.num_bytes / total_bytes),
                           (COUNT_COLOUR, BYTES_COLOUR),
-                          f"{b.count} conversation{'s' if b.count != 1 else ''} with {b.range_text} "
-                          f"({b.count / total:.0%})\nTheir KV in {label}: {format_mib(b.num_bytes)} "
-                          f"({b.num_bytes / total_bytes:.0%} of all conversations' KV)",
+                          (self.tr("1 conversation with {range} ({share})") if b.count == 1 else
+                           self.tr("{n} conversations with {range} ({share})")).format(
+                              n=b.count, range=b.range_text, share=f"{b.count / total:.0%}") + "\n"
+                          + self.tr("Their KV in {mode}: {size} ({share} of all conversations' KV)").format(
+                              mode=label, size=format_mib(b.num_bytes), share=f"{b.num_bytes / total_bytes:.0%}"),
                           f"{b.count}")
                    for b in self.bins]
         self.chart.set_data(columns, 1.25 * max((max(c.values) for c in columns), default=1.0))
-        counting = f" · counting tokens of {waiting} more…" if waiting else ""
+        counting = self.tr(" · counting tokens of {n} more…").format(n=waiting) if waiting else ""
         if counted:
-            self.summary.setText(f"<b>{len(counted)}</b> saved conversations · median <b>{statistics.median(counted):,.0f}"
-                                 f"</b> tokens · longest <b>{max(counted):,}</b> · all held at once in {label}: "
-                                 f"<b>{format_mib(sum(layout.sequence_bytes(n) for n in counted))}</b>{counting}")
+            self.summary.setText(self.tr("<b>{n}</b> saved conversations · median <b>{median}</b> tokens · longest "
+                                         "<b>{longest}</b> · all held at once in {mode}: <b>{size}</b>").format(
+                n=len(counted), median=f"{statistics.median(counted):,.0f}", longest=f"{max(counted):,}", mode=label,
+                size=format_mib(sum(layout.sequence_bytes(n) for n in counted))) + counting)
         else:
-            self.summary.setText(f"{len(lengths)} saved conversations{counting}")
+            self.summary.setText(self.tr("{n} saved conversations").format(n=len(lengths)) + counting)
         context = getattr(model_config, "max_position_embeddings", 0)
         self.suggestion = suggest_window(counted, layout, context, cache.sinks, label)
         if self.suggestion is not None:
             text = self.suggestion.text()
             if cache.window is not None:
-                text += f" This chat already uses a window of {cache.window:,} + {cache.sinks} sinks."
+                text += self.tr(" This chat already uses a window of {window} + {sinks} sinks.").format(
+                    window=f"{cache.window:,}", sinks=cache.sinks)
             else:
-                text += " Set it in Settings (Window and sinks) for a long chat; the switch is live."
+                text += self.tr(" Set it in Settings (Window and sinks) for a long chat; the switch is live.")
             self.suggestion_label.setText(text)
         else:
-            self.suggestion_label.setText("No conversation is much longer than the rest: no window needed."
+            self.suggestion_label.setText(self.tr("No conversation is much longer than the rest: no window needed.")
                                           if counted else "")
         self.suggestion_label.setVisible(bool(self.suggestion_label.text()))
 

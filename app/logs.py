@@ -89,13 +89,14 @@ def install_excepthook(log_path: Path):
 
 
 def show_crash_dialog(summary: str, log_path: Path):
-    from PySide6.QtCore import Qt
+    from PySide6.QtCore import QCoreApplication, Qt
     from PySide6.QtWidgets import QApplication, QMessageBox
     if QApplication.instance() is None:
         return None
-    box = QMessageBox(QMessageBox.Icon.Critical, "kvchat hit an unexpected error",
-                      f"{summary}\n\nkvchat keeps running, but the last action may not have finished. The details "
-                      f"are in the log:\n{log_path}", QMessageBox.StandardButton.Ok)
+    box = QMessageBox(QMessageBox.Icon.Critical, QCoreApplication.translate("Crash", "kvchat hit an unexpected error"),
+                      QCoreApplication.translate("Crash", "{summary}\n\nkvchat keeps running, but the last action may "
+                                                 "not have finished. The details are in the log:\n{log}").format(
+                          summary=summary, log=log_path), QMessageBox.StandardButton.Ok)
     box.setObjectName("crashDialog")
     box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
     _open_dialogs.append(box)           # held until closed: a parentless dialog needs a Python reference

@@ -57,16 +57,20 @@ def main(argv: list[str] | None = None) -> int:
     app.setWindowIcon(QIcon(str(RESOURCES / "kvchat.png")))
     app.setDesktopFileName("kvchat")
     store = SettingsStore()
+    from .i18n import install as install_language
+    install_language(app, store.language())     # before any window is built
     if args.model:
         settings = store.load()
         store.save(type(settings)(args.model, settings.cache, settings.sampling, settings.system_prompt))
     try:
         history = HistoryStore()
     except Exception as exc:  # noqa: BLE001 - a history that cannot even be moved aside: say so and stop
+        from PySide6.QtCore import QCoreApplication
         from PySide6.QtWidgets import QMessageBox
         logging.getLogger("kvchat").exception("cannot open the chat history")
-        QMessageBox.critical(None, "kvchat cannot open its chat history",
-                             f"{exc}\n\nCheck that the folder is writable. Details are in {log_path}.")
+        QMessageBox.critical(None, QCoreApplication.translate("main", "kvchat cannot open its chat history"),
+                             QCoreApplication.translate("main", "{error}\n\nCheck that the folder is writable. "
+                                                        "Details are in {log}.").format(error=exc, log=log_path))
         return 1
     window = MainWindow(store, history)
     window.show()

@@ -24,6 +24,7 @@ from .conversation_list import ConversationList
 from .dashboard import Dashboard
 from .dashboard import format_mib
 from .history import HistoryError, HistoryStore
+from .i18n import cache_label
 from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened, format_bytes
 from .quality_view import QualityController
 from .models_page import ModelsDialog
@@ -72,9 +73,11 @@ class MainWindow(QMainWindow):
         self.show_conversation(store.last_conversation(), open_session=False)
         self._update_controls()
         if history.recovered is not None:
-            self.banner.show_message("Chat history was damaged and has been moved aside",
-                                     f"The old file ({history.recovered.reason}) is now {history.recovered.moved_to}; "
-                                     f"a fresh history was started at {history.path}.")
+            self.banner.show_message(self.tr("Chat history was damaged and has been moved aside"),
+                                     self.tr("The old file ({reason}) is now {moved_to}; a fresh history was "
+                                             "started at {path}.").format(reason=history.recovered.reason,
+                                                                           moved_to=history.recovered.moved_to,
+                                                                           path=history.path))
         if autoload:
             self.load_engine()
 
@@ -84,7 +87,7 @@ class MainWindow(QMainWindow):
         self.conversations = ConversationList(self.history)
         self.conversations.chosen.connect(self.show_conversation)
         self.conversations.deleted.connect(self._conversation_deleted)
-        self.new_button = QPushButton("New chat", objectName="newChatButton")
+        self.new_button = QPushButton(self.tr("New chat"), objectName="newChatButton")
         left = QWidget(objectName="sidePanel")
         left_layout = QVBoxLayout(left)
         left_layout.setContentsMargins(8, 8, 4, 8)
@@ -97,11 +100,11 @@ class MainWindow(QMainWindow):
         self.chat = ChatView()
         self.input = ChatInput()
         self.input.submitted.connect(self.send)
-        self.send_button = QPushButton("Send", objectName="sendButton")
-        self.stop_button = QPushButton("Stop", objectName="stopButton")
-        self.reset_button = QPushButton("Reset session", objectName="resetButton")
-        self.settings_button = QPushButton("Settings…", objectName="settingsButton")
-        self.models_button = QPushButton("Models…", objectName="modelsButton")
+        self.send_button = QPushButton(self.tr("Send"), objectName="sendButton")
+        self.stop_button = QPushButton(self.tr("Stop"), objectName="stopButton")
+        self.reset_button = QPushButton(self.tr("Reset session"), objectName="resetButton")
+        self.settings_button = QPushButton(self.tr("Settings…"), objectName="settingsButton")
+        self.models_button = QPushButton(self.tr("Models…"), objectName="modelsButton")
         buttons = QHBoxLayout()
         for button in (self.settings_button, self.models_button, self.reset_button):
             buttons.addWidget(button)
@@ -124,7 +127,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.splitter)
 
         self.dashboard = Dashboard()
-        self.dock = QDockWidget("KV memory", self, objectName="dashboardDock")
+        self.dock = QDockWidget(self.tr("KV memory"), self, objectName="dashboardDock")
         self.dock.setWidget(self.dashboard)
         self.dock.setTitleBarWidget(self.dashboard.title_bar(self.dock))
         self.dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
@@ -133,7 +136,7 @@ class MainWindow(QMainWindow):
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.dock)
         self.resizeDocks([self.dock], [540], Qt.Orientation.Horizontal)
 
-        self.status_label = QLabel("Starting…", objectName="statusLine")
+        self.status_label = QLabel(self.tr("Starting…"), objectName="statusLine")
         self.load_bar = QProgressBar(maximumWidth=220, textVisible=True)
         self.load_bar.setVisible(False)
         self.statusBar().addWidget(self.status_label, 1)     # a transient message (reset, stop) shows in its place
@@ -152,22 +155,23 @@ class MainWindow(QMainWindow):
                 button.setToolTip(f"{text} ({QKeySequence(shortcuts[0]).toString(QKeySequence.SequenceFormat.NativeText)})")
             return act
 
-        self.send_action = action("Send", ["Ctrl+Return"], self.input.submit, self.send_button)
-        self.stop_action = action("Stop", ["Esc", "Ctrl+."], self.stop, self.stop_button)
-        self.new_action = action("New chat", ["Ctrl+N"], self.new_chat, self.new_button)
-        self.settings_action = action("Settings…", ["Ctrl+,", "Ctrl+P"], self.open_settings, self.settings_button)
-        self.reset_action = action("Reset session", ["Ctrl+Shift+R"], self.reset_session, self.reset_button)
-        self.models_action = action("Models…", ["Ctrl+M"], self.open_models, self.models_button)
-        quit_action = action("Quit", ["Ctrl+Q"], self.close)
+        self.send_action = action(self.tr("Send"), ["Ctrl+Return"], self.input.submit, self.send_button)
+        self.stop_action = action(self.tr("Stop"), ["Esc", "Ctrl+."], self.stop, self.stop_button)
+        self.new_action = action(self.tr("New chat"), ["Ctrl+N"], self.new_chat, self.new_button)
+        self.settings_action = action(self.tr("Settings…"), ["Ctrl+,", "Ctrl+P"], self.open_settings,
+                                      self.settings_button)
+        self.reset_action = action(self.tr("Reset session"), ["Ctrl+Shift+R"], self.reset_session, self.reset_button)
+        self.models_action = action(self.tr("Models…"), ["Ctrl+M"], self.open_models, self.models_button)
+        quit_action = action(self.tr("Quit"), ["Ctrl+Q"], self.close)
         menu = self.menuBar()
-        chat_menu = menu.addMenu("&Chat")
+        chat_menu = self.chat_menu = menu.addMenu(self.tr("&Chat"))
         for act in (self.new_action, self.send_action, self.stop_action, self.reset_action):
             chat_menu.addAction(act)
         chat_menu.addSeparator()
         chat_menu.addAction(self.settings_action)
         chat_menu.addAction(self.models_action)
         chat_menu.addAction(quit_action)
-        view_menu = menu.addMenu("&View")
+        view_menu = menu.addMenu(self.tr("&View"))
         view_menu.addAction(self.dock.toggleViewAction())
 
     def _connect_host(self, host: EngineHost) -> None:
@@ -199,10 +203,10 @@ class MainWindow(QMainWindow):
         self.load_bar.setVisible(True)
         self._update_controls()
         if self.settings.remote is not None:    # a server does the work: connect to it instead of loading
-            self.status_label.setText(f"Connecting to {self.settings.remote.base_url}…")
+            self.status_label.setText(self.tr("Connecting to {url}…").format(url=self.settings.remote.base_url))
             self.host.load(self.settings.remote)
             return
-        self.status_label.setText(f"Loading {self.settings.model}…")
+        self.status_label.setText(self.tr("Loading {model}…").format(model=self.settings.model))
         self.host.load(EngineConfig(model=self.settings.model, cache=self.settings.cache, num_threads=engine_threads()))
 
     def send(self, text: str, rewind_to: list[dict] | None = None) -> None:
@@ -219,7 +223,7 @@ class MainWindow(QMainWindow):
                 self.store.set_last_conversation(self.conversation_id)
                 self.host.adopt(self.conversation_id)      # its session stays warm under the new id
         except HistoryError as exc:         # the text stays in the input box
-            self.banner.show_message("Cannot save this chat", str(exc))
+            self.banner.show_message(self.tr("Cannot save this chat"), str(exc))
             return
         self.turn = TurnRecord(self.history, self.conversation_id, text, new_conversation)
         self.conversations.refresh(self.conversation_id)
@@ -238,7 +242,7 @@ class MainWindow(QMainWindow):
     def stop(self) -> None:
         if self.generating:
             self.host.stop()
-            self.statusBar().showMessage("Stopping…", 2000)
+            self.statusBar().showMessage(self.tr("Stopping…"), 2000)
 
     def new_chat(self) -> None:
         self.stop()
@@ -255,8 +259,8 @@ class MainWindow(QMainWindow):
         messages = self._restore_messages(conversation) if conversation else []
         self.session_cache = (conversation.cache if conversation and conversation.cache else self.settings.cache)
         if conversation and conversation.cache is None:
-            self.chat.add_notice("This chat's saved cache settings could not be read; it uses your default "
-                                 f"settings ({self.session_cache.label()}).")
+            self.chat.add_notice(self.tr("This chat's saved cache settings could not be read; it uses your default "
+                                         "settings ({cache}).").format(cache=cache_label(self.session_cache)))
         self.conversations.refresh(self.conversation_id)
         if open_session and self.engine_info is not None:
             self._open_session(messages)
@@ -278,8 +282,8 @@ class MainWindow(QMainWindow):
         if dropped:
             if not self.input.toPlainText().strip():
                 self.input.setPlainText(dropped[-1])
-            self.chat.add_notice(f"{len(dropped)} message(s) at the end of this chat never got a reply and were "
-                                 f"removed; the last one is back in the input box.")
+            self.chat.add_notice(self.tr("{n} message(s) at the end of this chat never got a reply and were "
+                                         "removed; the last one is back in the input box.").format(n=len(dropped)))
         return [{"role": e.role, "content": e.content} for e in entries]
 
     def _open_session(self, messages: list[dict]) -> None:
@@ -300,7 +304,9 @@ class MainWindow(QMainWindow):
         dialog = SettingsDialog(current, num_layers, self, last_server=self.store.last_server(),
                                 model_config=self.engine_info.model_config if self.engine_info else None,
                                 model_dtype=self.engine_info.dtype if self.engine_info else "fp32",
-                                device=self.engine_info.device if self.engine_info else "cpu")
+                                device=self.engine_info.device if self.engine_info else "cpu",
+                                language=self.store.language())
+        dialog.accepted.connect(lambda: self.store.set_language(dialog.language()))     # applies on restart
         dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()
@@ -368,14 +374,16 @@ class MainWindow(QMainWindow):
         self.dashboard.set_remote(event.server_url if event.capabilities.remote else "", event.model_name)
         self.load_bar.setVisible(False)
         self.chat.set_assistant_name(event.model_name)
-        self.dashboard.data.mark("load", "model loaded")
+        self.dashboard.data.mark("load", self.tr("model loaded"))
         weights = f" ({event.weights_label}, {format_bytes(event.weight_bytes)})" if event.weight_bytes else ""
         notice = f" · {event.notice}" if event.notice else ""
         if event.capabilities.remote:
-            self.statusBar().showMessage(f"Connected to {event.model_name} on {event.server_url}", 5000)
+            self.statusBar().showMessage(self.tr("Connected to {model} on {url}").format(
+                model=event.model_name, url=event.server_url), 5000)
         else:
-            self.statusBar().showMessage(f"Loaded {event.model_name}{weights} on {event.device} in {event.load_s:.1f} s"
-                                         f"{notice}", 15000 if notice else 5000)
+            self.statusBar().showMessage(self.tr("Loaded {model}{weights} on {device} in {seconds} s").format(
+                model=event.model_name, weights=weights, device=event.device, seconds=f"{event.load_s:.1f}")
+                + notice, 15000 if notice else 5000)
         messages = self.history.messages(self.conversation_id) if self.conversation_id is not None else []
         self._open_session(messages)
 
@@ -400,7 +408,7 @@ class MainWindow(QMainWindow):
         try:
             return write(*args)
         except HistoryError as exc:
-            self.banner.show_message("Cannot save this chat", str(exc))
+            self.banner.show_message(self.tr("Cannot save this chat"), str(exc))
             return None
 
     def _on_turn_finished(self, event: TurnFinished) -> None:
@@ -422,7 +430,7 @@ class MainWindow(QMainWindow):
             if event.message:
                 self.chat.add_notice(event.message)
             if event.finish_reason == "stopped":
-                self.statusBar().showMessage("Stopped.", 3000)
+                self.statusBar().showMessage(self.tr("Stopped."), 3000)
         self.generating = False
         self.turn_conversation_id = None
         self.conversations.refresh(self.conversation_id)
@@ -441,25 +449,28 @@ class MainWindow(QMainWindow):
         if self.conversation_id is not None:
             self.history.set_cache(self.conversation_id, event.new)
             self.conversations.refresh(self.conversation_id)
-        self.dashboard.data.mark("mode", f"→ {event.new.label()}")
+        self.dashboard.data.mark("mode", f"→ {cache_label(event.new)}")
         if event.stats is not None:
             self._on_stats(event.stats)
-        self.statusBar().showMessage(f"Cache switched to {event.new.label()}", 5000)
+        self.statusBar().showMessage(self.tr("Cache switched to {cache}").format(cache=cache_label(event.new)), 5000)
         if before is not None and event.stats is not None:
-            self.dashboard.show_notice(f"Switched the cache to {event.new.label()}: KV memory "
-                                       f"{format_mib(before.kv_bytes)} → {format_mib(event.stats.kv_bytes)} "
-                                       f"for the same {event.stats.tokens_held:,} tokens.")
+            self.dashboard.show_notice(self.tr("Switched the cache to {cache}: KV memory {before} → {after} for the "
+                                               "same {tokens} tokens.").format(
+                cache=cache_label(event.new), before=format_mib(before.kv_bytes),
+                after=format_mib(event.stats.kv_bytes), tokens=f"{event.stats.tokens_held:,}"))
 
     def _on_reset_done(self, event: ResetDone) -> None:
-        self.dashboard.data.mark("reset", f"reset −{format_bytes(event.freed_bytes)}")
+        self.dashboard.data.mark("reset", self.tr("reset −{freed}").format(freed=format_bytes(event.freed_bytes)))
         if event.stats is not None:
             self._on_stats(event.stats)
         self.dashboard.data.reset_scales()
-        self.last_reset_message = f"Session reset: returned {format_mib(event.freed_bytes)} of KV memory"
+        self.last_reset_message = self.tr("Session reset: returned {freed} of KV memory").format(
+            freed=format_mib(event.freed_bytes))
         self.statusBar().showMessage(self.last_reset_message, 8000)
-        self.dashboard.show_notice(f"{self.last_reset_message}. The chat text stays; your next message reads it "
-                                   f"into the cache again." if event.freed_bytes else
-                                   "Session reset: the cache was already empty, nothing to return.")
+        self.dashboard.show_notice(self.tr("{message}. The chat text stays; your next message reads it into the "
+                                           "cache again.").format(message=self.last_reset_message)
+                                   if event.freed_bytes else
+                                   self.tr("Session reset: the cache was already empty, nothing to return."))
 
     def _on_error(self, event: ErrorEvent) -> None:
         self.last_error = event
@@ -467,7 +478,7 @@ class MainWindow(QMainWindow):
             self.load_bar.setVisible(False)
             if self.engine_info is None:
                 self._pending_settings = None   # kept unsaved, for the user to fix in Settings
-                self.status_label.setText("No model loaded")
+                self.status_label.setText(self.tr("No model loaded"))
             else:                       # the previous model is still loaded; keep using it
                 self._settings_refused()
                 self.settings = replace(self.settings, model=self._loaded_model, remote=self._loaded_remote)
@@ -487,7 +498,7 @@ class MainWindow(QMainWindow):
             self.turn_conversation_id = None
             self.actions.turn_failed(failed, reply)
         if event.kind == "send":
-            self.chat.add_notice(f"{event.title}: {event.message}")
+            self.chat.add_notice(self.tr("{title}: {message}").format(title=event.title, message=event.message))
         else:
             self.banner.show_message(event.title, event.message, settings_button=event.kind in ("load", "cache", "session"))
         self._update_controls()
@@ -501,20 +512,21 @@ class MainWindow(QMainWindow):
     def _update_status(self) -> None:
         parts = []
         if self.engine_info is not None:
-            parts += [self.engine_info.model_name, f"server {self.engine_info.server_url}"
+            parts += [self.engine_info.model_name, self.tr("server {url}").format(url=self.engine_info.server_url)
                       if self.engine_info.capabilities.remote else self.engine_info.device]
             if self.engine_info.weight_bytes:
-                parts.append(f"weights {self.engine_info.weights_label} {format_bytes(self.engine_info.weight_bytes)}")
+                parts.append(self.tr("weights {label} {size}").format(
+                    label=self.engine_info.weights_label, size=format_bytes(self.engine_info.weight_bytes)))
         remote = self.engine_info is not None and self.engine_info.capabilities.remote
         if not remote:                  # the server chooses its own cache
-            parts.append(self.session_cache.label())
+            parts.append(cache_label(self.session_cache))
         if self.latest_stats is not None and remote:
             server = self.latest_stats.server
             if server is not None and server.kv_usage is not None:
-                parts.append(f"server KV {server.kv_usage:.0%} used")
+                parts.append(self.tr("server KV {share} used").format(share=f"{server.kv_usage:.0%}"))
             parts.append(f"{self.latest_stats.decode_tok_s:.1f} tok/s")
         elif self.latest_stats is not None:
-            parts.append(f"{self.latest_stats.tokens_held:,} tokens in cache")
+            parts.append(self.tr("{tokens} tokens in cache").format(tokens=f"{self.latest_stats.tokens_held:,}"))
             parts.append(f"{self.latest_stats.decode_tok_s:.1f} tok/s")
         self.status_label.setText("  ·  ".join(parts))
 

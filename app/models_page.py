@@ -9,7 +9,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, QSortFilterProxyModel, Qt, Signal
+from PySide6.QtCore import (QT_TRANSLATE_NOOP, QAbstractTableModel, QCoreApplication, QModelIndex, QObject,
+                            QSortFilterProxyModel, Qt, Signal)
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QListWidget,
                                QPushButton, QTableView, QVBoxLayout, QWidget)
 
@@ -20,7 +21,23 @@ from .messages import format_bytes
 
 SHOWN_FITS = ("fp16", "int8", "int4")
 COLUMNS = ("Name", "Source", "Architecture", "Parameters", "Quantization", "Size", "Trained context",
-           *(f"Fits {f}" for f in SHOWN_FITS), "Path")
+           *(f"Fits {f}" for f in SHOWN_FITS), "Path")       # keys; the headers are shown translated
+COLUMN_TITLES = {"Name": QT_TRANSLATE_NOOP("ModelTable", "Name"), "Source": QT_TRANSLATE_NOOP("ModelTable", "Source"),
+                 "Architecture": QT_TRANSLATE_NOOP("ModelTable", "Architecture"),
+                 "Parameters": QT_TRANSLATE_NOOP("ModelTable", "Parameters"),
+                 "Quantization": QT_TRANSLATE_NOOP("ModelTable", "Quantization"),
+                 "Size": QT_TRANSLATE_NOOP("ModelTable", "Size"),
+                 "Trained context": QT_TRANSLATE_NOOP("ModelTable", "Trained context"),
+                 "Path": QT_TRANSLATE_NOOP("ModelTable", "Path")}
+# the library's words shown in cells and the summary (engine/library.py, engine/estimate.py)
+ENGINE_WORDS = {"Folder": QT_TRANSLATE_NOOP("ModelTable", "Folder"), "any": QT_TRANSLATE_NOOP("ModelTable", "any"),
+                "available RAM (psutil)": QT_TRANSLATE_NOOP("ModelTable", "available RAM (psutil)"),
+                "free GPU memory (pynvml)": QT_TRANSLATE_NOOP("ModelTable", "free GPU memory (pynvml)")}
+
+
+def engine_word(text: str) -> str:
+    """A word of the model library in the interface language (others as they are)."""
+    return QCoreApplication.translate("ModelTable", ENGINE_WORDS[text]) if text in ENGINE_WORDS else text
 SORT_ROLE = Qt.ItemDataRole.UserRole + 1
 
 
@@ -54,7 +71,10 @@ class ModelTable(QAbstractTableModel):
 
     def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
         if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return COLUMNS[section]
+            column = COLUMNS[section]
+            if column.startswith("Fits "):
+                return self.tr("Fits {format}").format(format=column[5:])
+            return self.tr(COLUMN_TITLES[column])
         return None
 
     def data(self, index, role=Qt.ItemDataRole.DisplayRole):
@@ -82,20 +102,21 @@ class ModelTable(QAbstractTableModel):
         if column == "Name":
             return e.name
         if column == "Source":
-            return e.source
+            return engine_word(e.source)
         if column == "Architecture":
             return e.architecture or "—"
         if column == "Parameters":
             return format_parameters(e.parameters)
         if column == "Quantization":
-            return e.quantization if e.loadable else f"cannot load: {e.error}"
+            return e.quantization if e.loadable else \
+                QCoreApplication.translate("ModelTable", "cannot load: {error}").format(error=e.error)
         if column == "Size":
             return format_bytes(e.file_bytes)
         if column == "Trained context":
             return f"{e.trained_context:,}" if e.trained_context else ""
         if column.startswith("Fits "):
             fits = dict(e.fits)
-            return format_tokens(fits[column[5:]]) if column[5:] in fits else ""
+            return engine_word(format_tokens(fits[column[5:]])) if column[5:] in fits else ""
         return e.path
 
     @staticmethod
@@ -131,7 +152,7 @@ class ModelsDialog(QDialog):
 
     def __init__(self, folders: list[str], current_model: str = "", scan=library.scan, parent: QWidget | None = None):
         super().__init__(parent)
-        self.setWindowTitle("Models")
+        self.setWindowTitle(self.tr("Models"))
         self.setObjectName("modelsDialog")
         self.resize(1100, 520)
         self.folders = list(folders)
@@ -141,7 +162,7 @@ class ModelsDialog(QDialog):
         self._scan_done.finished.connect(self._on_scanned)
         self.scanning = False
 
-        self.summary = QLabel("Scanning…", objectName="modelsSummary")
+        self.summary = QLabel(self.tr("Scanning…"), objectName="modelsSummary")
         self.summary.setWordWrap(True)
         self.table = ModelTable(self)
         self.proxy = QSortFilterProxyModel(self)
@@ -164,12 +185,12 @@ class ModelsDialog(QDialog):
         self.folder_list.setMaximumHeight(70)
         self.folder_list.addItems(self.folders)
         self.folder_list.itemSelectionChanged.connect(self._update_buttons)
-        self.add_button = QPushButton("Add folder…")
-        self.remove_button = QPushButton("Remove folder")
-        self.rescan_button = QPushButton("Rescan")
-        self.load_button = QPushButton("Load", objectName="loadModelButton")
+        self.add_button = QPushButton(self.tr("Add folder…"))
+        self.remove_button = QPushButton(self.tr("Remove folder"))
+        self.rescan_button = QPushButton(self.tr("Rescan"))
+        self.load_button = QPushButton(self.tr("Load"), objectName="loadModelButton")
         self.load_button.setDefault(True)
-        close_button = QPushButton("Close")
+        close_button = QPushButton(self.tr("Close"))
         self.add_button.clicked.connect(self._choose_folder)
         self.remove_button.clicked.connect(self.remove_selected_folder)
         self.rescan_button.clicked.connect(self.rescan)
@@ -179,7 +200,8 @@ class ModelsDialog(QDialog):
         layout = QVBoxLayout(self)
         layout.addWidget(self.summary)
         layout.addWidget(self.view, 1)
-        layout.addWidget(QLabel("Your folders (LM Studio, Jan, the Hugging Face cache and Ollama are searched too):"))
+        layout.addWidget(QLabel(self.tr("Your folders (LM Studio, Jan, the Hugging Face cache and Ollama are "
+                                        "searched too):")))
         layout.addWidget(self.folder_list)
         buttons = QHBoxLayout()
         for b in (self.add_button, self.remove_button, self.rescan_button):
@@ -197,7 +219,7 @@ class ModelsDialog(QDialog):
         if self.scanning:
             return
         self.scanning = True
-        self.summary.setText("Scanning model folders…")
+        self.summary.setText(self.tr("Scanning model folders…"))
         self._update_buttons()
         folders, scan, done = list(self.folders), self._scan, self._scan_done
 
@@ -207,7 +229,8 @@ class ModelsDialog(QDialog):
                 memory, where = available_memory(resolve_device("auto"))
                 entries = tuple(scan(folders, memory_bytes=memory))
             except Exception as exc:  # noqa: BLE001 - shown to the user, the dialog stays usable
-                entries, memory, where = (), 0, f"scan failed: {type(exc).__name__}: {exc}"
+                entries, memory, where = (), 0, self.tr("scan failed: {error}").format(
+                    error=f"{type(exc).__name__}: {exc}")
             done.finished.emit(ScanResult(entries, memory, where))
 
         threading.Thread(target=work, name="kvchat-model-scan", daemon=True).start()
@@ -219,10 +242,12 @@ class ModelsDialog(QDialog):
         self.view.sortByColumn(COLUMNS.index("Name"), Qt.SortOrder.AscendingOrder)
         if memory:
             loadable = sum(e.loadable for e in entries)
-            self.summary.setText(
-                f"{len(entries)} model{'' if len(entries) == 1 else 's'} found ({loadable} loadable). “Fits” is the "
-                f"longest context each KV cache format allows beside the weights in {format_bytes(memory)} of {where}, keeping "
-                f"{format_bytes(600 * 2**20)} + 5% for the runtime; “any” when nothing limits it.")
+            found = self.tr("1 model found ({loadable} loadable).") if len(entries) == 1 else \
+                self.tr("{n} models found ({loadable} loadable).")
+            self.summary.setText(found.format(n=len(entries), loadable=loadable) + " " + self.tr(
+                "“Fits” is the longest context each KV cache format allows beside the weights in {memory} of {where}, "
+                "keeping {reserve} + 5% for the runtime; “any” when nothing limits it.").format(
+                memory=format_bytes(memory), where=engine_word(where), reserve=format_bytes(600 * 2**20)))
         else:
             self.summary.setText(where)
         self._select_current()
@@ -235,7 +260,7 @@ class ModelsDialog(QDialog):
     # --- folders ---
 
     def _choose_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Add a folder of models")
+        folder = QFileDialog.getExistingDirectory(self, self.tr("Add a folder of models"))
         if folder:
             self.add_folder(folder)
 
@@ -271,7 +296,7 @@ class ModelsDialog(QDialog):
         try:
             path = library.loadable_path(entry)
         except OSError as exc:
-            self.summary.setText(f"Cannot open {entry.name}: {exc}")
+            self.summary.setText(self.tr("Cannot open {name}: {error}").format(name=entry.name, error=exc))
             return
         self.model_chosen.emit(path)
         self.accept()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from PySide6.QtCore import QPointF, Qt, Signal
+from PySide6.QtCore import QCoreApplication, QPointF, Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPen, QPolygonF
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSlider, QStyle, QStyleOptionSlider,
                                QVBoxLayout, QWidget)
@@ -16,6 +16,7 @@ from engine.config import CacheConfig, ConfigError
 from engine.kv_layout import MIB, kv_layout
 
 from .bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_family, format_mib
+from .i18n import cache_label
 
 # (name shown, K format, V format)
 PLAN_FORMATS = (("full", "auto", "auto"), ("int8", "int8", "int8"), ("fp8", "fp8", "fp8"), ("int4", "int4", "int4"),
@@ -42,7 +43,7 @@ def plan_bars(model_config, model_dtype: str, device: str, cache: CacheConfig, t
         option = cache.with_(k_format=k, v_format=v)
         layout = kv_layout(model_config, option, model_dtype, device)
         if name == "full":
-            name = f"full ({layout.full_dtype})"
+            name = QCoreApplication.translate("PlanPanel", "full ({dtype})").format(dtype=layout.full_dtype)
         bars.append(PlanBar(name, option, layout.sequence_bytes(tokens, cache.window, cache.sinks),
                             layout.sequence_bytes(now_tokens, cache.window, cache.sinks), layout.bytes_per_token,
                             None if cache.window is not None else layout.max_tokens(budget_bytes)))
@@ -107,14 +108,14 @@ class PlanPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 6)
         layout.setSpacing(4)
-        self.summary = QLabel("Load a model to plan its cache.", objectName="dashboardSummary")
+        self.summary = QLabel(self.tr("Load a model to plan its cache."), objectName="dashboardSummary")
         self.summary.setWordWrap(True)
         layout.addWidget(self.summary)
         row = QHBoxLayout()
         self.context_label = QLabel("", objectName="dashboardSection")
         row.addWidget(self.context_label, 1)
-        self.now_button = QPushButton("Open chat", objectName="planNowButton")
-        self.now_button.setToolTip("Move the slider to the open conversation's length")
+        self.now_button = QPushButton(self.tr("Open chat"), objectName="planNowButton")
+        self.now_button.setToolTip(self.tr("Move the slider to the open conversation's length"))
         self.now_button.clicked.connect(self.slide_to_now)
         row.addWidget(self.now_button)
         layout.addLayout(row)
@@ -133,7 +134,7 @@ class PlanPanel(QWidget):
         self.format_box = QComboBox(objectName="planFormat")
         self.format_box.currentIndexChanged.connect(self.choose)
         apply_row.addWidget(self.format_box, 1)
-        self.apply_button = QPushButton("Apply to this chat", objectName="planApply")
+        self.apply_button = QPushButton(self.tr("Apply to this chat"), objectName="planApply")
         self.apply_button.clicked.connect(self._apply)
         apply_row.addWidget(self.apply_button)
         layout.addLayout(apply_row)
@@ -186,7 +187,8 @@ class PlanPanel(QWidget):
 
     def refresh(self) -> None:
         n = self.tokens
-        self.context_label.setText(f"KV bytes at {n:,} of {self.slider.maximum():,} tokens" + self._window_text())
+        self.context_label.setText(self.tr("KV bytes at {n} of {total} tokens").format(
+            n=f"{n:,}", total=f"{self.slider.maximum():,}") + self._window_text())
         if self.model_config is None:
             self.bars = []
             self.chart.set_data([], 1.0)
@@ -198,7 +200,7 @@ class PlanPanel(QWidget):
         except ConfigError as exc:
             self.bars = []
             self.chart.set_data([], 1.0)
-            self.summary.setText(f"Cannot plan this cache on this model: {exc}")
+            self.summary.setText(self.tr("Cannot plan this cache on this model: {error}").format(error=exc))
             self._update_apply()
             return
         current = self._current_index()
@@ -210,15 +212,18 @@ class PlanPanel(QWidget):
         highest = max(bar.num_bytes for bar in self.bars) or 1
         top = max(highest, self.budget_bytes) if self.budget_bytes <= 3 * highest else highest
         self.chart.set_data(columns, top * 1.15, Line(float(self.budget_bytes), BUDGET_COLOUR,
-                                                      f"budget {format_mib(self.budget_bytes)}"))
-        held = f" ({self.now_held:,} held)" if self.now_held != self.now_tokens else ""
-        open_text = (f"The open chat has <b>{self.now_tokens:,} tokens</b>{held} in "
-                     f"<b>{self.bars[current].name if current is not None else self.cache.label()}</b>"
-                     if self.now_tokens else "The open chat holds nothing yet")
-        self.summary.setText(f"{open_text} · KV budget {format_mib(self.budget_bytes)}. Click a format, then "
-                             f"apply it to this chat: a live switch, no reload.")
-        self.legend.setText("Bar: KV bytes at the slider's context · black tick: the open chat now · "
-                            "▲ on the slider: the open chat's length · red dashed: the budget")
+                                                      self.tr("budget {size}").format(
+                                                          size=format_mib(self.budget_bytes))))
+        held = self.tr(" ({n} held)").format(n=f"{self.now_held:,}") if self.now_held != self.now_tokens else ""
+        open_text = (self.tr("The open chat has <b>{n} tokens</b>{held} in <b>{cache}</b>").format(
+                         n=f"{self.now_tokens:,}", held=held,
+                         cache=self.bars[current].name if current is not None else cache_label(self.cache))
+                     if self.now_tokens else self.tr("The open chat holds nothing yet"))
+        self.summary.setText(self.tr("{open} · KV budget {budget}. Click a format, then apply it to this chat: a live "
+                                     "switch, no reload.").format(open=open_text,
+                                                                  budget=format_mib(self.budget_bytes)))
+        self.legend.setText(self.tr("Bar: KV bytes at the slider's context · black tick: the open chat now · "
+                                    "▲ on the slider: the open chat's length · red dashed: the budget"))
         if self.format_box.count() != len(self.bars) or self.format_box.itemText(0) != self.bars[0].name:
             self.format_box.blockSignals(True)
             self.format_box.clear()
@@ -233,16 +238,19 @@ class PlanPanel(QWidget):
     def _window_text(self) -> str:
         if self.cache.window is None:
             return ""
-        return f" · window {self.cache.window:,} + {self.cache.sinks} sinks"
+        return self.tr(" · window {window} + {sinks} sinks").format(window=f"{self.cache.window:,}",
+                                                                     sinks=self.cache.sinks)
 
     def _tip(self, bar: PlanBar, n: int) -> str:
         lines = [f"{bar.name}: K {bar.cache.k_format}, V {bar.cache.v_format}",
-                 f"{n:,} tokens: {format_mib(bar.num_bytes)} ({bar.num_bytes:,} B, {bar.bytes_per_token:,.0f} B/token "
-                 f"in full blocks)"]
+                 self.tr("{n} tokens: {size} ({bytes} B, {per_token} B/token in full blocks)").format(
+                     n=f"{n:,}", size=format_mib(bar.num_bytes), bytes=f"{bar.num_bytes:,}",
+                     per_token=f"{bar.bytes_per_token:,.0f}")]
         if self.now_tokens:
-            lines.append(f"The open chat now ({self.now_tokens:,} tokens): {format_mib(bar.now_bytes)}")
-        lines.append("A window bounds it: it never fills the budget" if bar.max_tokens is None else
-                     f"Longest context in the budget: {bar.max_tokens:,} tokens")
+            lines.append(self.tr("The open chat now ({n} tokens): {size}").format(n=f"{self.now_tokens:,}",
+                                                                                   size=format_mib(bar.now_bytes)))
+        lines.append(self.tr("A window bounds it: it never fills the budget") if bar.max_tokens is None else
+                     self.tr("Longest context in the budget: {n} tokens").format(n=f"{bar.max_tokens:,}"))
         return "\n".join(lines)
 
     def _current_index(self) -> int | None:
@@ -252,7 +260,8 @@ class PlanPanel(QWidget):
     def _update_apply(self) -> None:
         name = PLAN_FORMATS[self.chosen][0] if not self.bars else self.bars[self.chosen].name
         same = self._current_index() == self.chosen
-        self.apply_button.setText("In use by this chat" if same else f"Apply {name} to this chat")
+        self.apply_button.setText(self.tr("In use by this chat") if same else
+                                  self.tr("Apply {name} to this chat").format(name=name))
         self.apply_button.setEnabled(bool(self.bars) and self.can_apply and not same)
 
     def _apply(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from PySide6.QtCore import QCoreApplication
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from engine.events import PoolStats
@@ -57,12 +58,13 @@ def pool_rows(pool: PoolStats, owners: PoolOwners, title_of: Callable[[int], str
         title = title_of(owner) if isinstance(owner, int) else None
         if title is None:
             if mine:
-                label = "this chat"
+                label = QCoreApplication.translate("PoolView", "this chat")
             else:
                 others += 1
-                label = f"other chat {others}"
+                label = QCoreApplication.translate("PoolView", "other chat {n}").format(n=others)
         else:
-            label = title if owner not in seen else f"{title} (earlier copy)"
+            label = title if owner not in seen else \
+                QCoreApplication.translate("PoolView", "{title} (earlier copy)").format(title=title)
         if isinstance(owner, int):
             seen.add(owner)
         rows.append(PoolRow(seq_id, owner if isinstance(owner, int) else None, label, blocks, num_bytes,
@@ -75,15 +77,23 @@ def pool_segments(pool: PoolStats) -> list[Segment]:
     budget = max(1, pool.budget_bytes)
     in_use = max(0, pool.held_bytes - pool.evictable_bytes)
     return [
-        Segment(f"in use {format_mib(in_use)}", in_use / budget, IN_USE,
-                f"In use by conversations: {format_mib(in_use)} ({in_use / budget:.1%} of the budget)\n"
-                f"{pool.blocks_in_use:,} blocks, {pool.shared_blocks:,} of them shared by more than one conversation"),
-        Segment(f"reclaimable {format_mib(pool.evictable_bytes)}", pool.evictable_bytes / budget, RECLAIMABLE,
-                f"Reclaimable prefix cache: {pool.evictable_blocks:,} blocks, {format_mib(pool.evictable_bytes)}\n"
-                f"Freed blocks kept so a conversation with the same beginning reuses them; given back whenever the "
-                f"pool needs room"),
-        Segment(f"free {format_mib(pool.free_bytes)}", pool.free_bytes / budget, FREE,
-                f"Free: {format_mib(pool.free_bytes)} of the {format_mib(pool.budget_bytes)} KV budget"),
+        Segment(QCoreApplication.translate("PoolView", "in use {size}").format(size=format_mib(in_use)),
+                in_use / budget, IN_USE,
+                QCoreApplication.translate("PoolView", "In use by conversations: {size} ({share} of the budget)\n"
+                                           "{blocks} blocks, {shared} of them shared by more than one "
+                                           "conversation").format(
+                    size=format_mib(in_use), share=f"{in_use / budget:.1%}", blocks=f"{pool.blocks_in_use:,}",
+                    shared=f"{pool.shared_blocks:,}")),
+        Segment(QCoreApplication.translate("PoolView", "reclaimable {size}").format(
+                    size=format_mib(pool.evictable_bytes)), pool.evictable_bytes / budget, RECLAIMABLE,
+                QCoreApplication.translate("PoolView", "Reclaimable prefix cache: {blocks} blocks, {size}\nFreed "
+                                           "blocks kept so a conversation with the same beginning reuses them; given "
+                                           "back whenever the pool needs room").format(
+                    blocks=f"{pool.evictable_blocks:,}", size=format_mib(pool.evictable_bytes))),
+        Segment(QCoreApplication.translate("PoolView", "free {size}").format(size=format_mib(pool.free_bytes)),
+                pool.free_bytes / budget, FREE,
+                QCoreApplication.translate("PoolView", "Free: {size} of the {budget} KV budget").format(
+                    size=format_mib(pool.free_bytes), budget=format_mib(pool.budget_bytes))),
     ]
 
 
@@ -92,25 +102,37 @@ def block_segments(pool: PoolStats) -> list[Segment]:
     shared, own = pool.shared_blocks, max(0, pool.blocks_in_use - pool.shared_blocks)
     total = max(1, shared + own + pool.evictable_blocks)
     return [
-        Segment(f"shared {shared:,}", shared / total, SHARED,
-                f"Shared: {shared:,} blocks referenced by more than one conversation (a common system prompt or "
-                f"opening), held once"),
-        Segment(f"one chat's own {own:,}", own / total, IN_USE,
-                f"Own: {own:,} blocks used by exactly one conversation"),
-        Segment(f"reclaimable {pool.evictable_blocks:,}", pool.evictable_blocks / total, RECLAIMABLE,
-                f"Reclaimable: {pool.evictable_blocks:,} freed blocks kept for prefix reuse "
-                f"({format_mib(pool.evictable_bytes)})"),
+        Segment(QCoreApplication.translate("PoolView", "shared {n}").format(n=f"{shared:,}"), shared / total, SHARED,
+                QCoreApplication.translate("PoolView", "Shared: {n} blocks referenced by more than one conversation "
+                                           "(a common system prompt or opening), held once").format(n=f"{shared:,}")),
+        Segment(QCoreApplication.translate("PoolView", "one chat's own {n}").format(n=f"{own:,}"), own / total, IN_USE,
+                QCoreApplication.translate("PoolView", "Own: {n} blocks used by exactly one conversation").format(
+                    n=f"{own:,}")),
+        Segment(QCoreApplication.translate("PoolView", "reclaimable {n}").format(n=f"{pool.evictable_blocks:,}"),
+                pool.evictable_blocks / total, RECLAIMABLE,
+                QCoreApplication.translate("PoolView", "Reclaimable: {n} freed blocks kept for prefix reuse "
+                                           "({size})").format(n=f"{pool.evictable_blocks:,}",
+                                                              size=format_mib(pool.evictable_bytes))),
     ]
 
 
 def pool_summary(pool: PoolStats) -> str:
-    hits = (f"prefix hit rate <b>{pool.hit_rate:.0%}</b> ({pool.prefix_hits:,} of {pool.prefix_queries:,} prompt "
-            f"tokens found cached)" if pool.prefix_queries else "prefix hit rate: no prompt looked up yet")
-    released = (f" · {pool.released:,} idle conversation{'s' if pool.released != 1 else ''} released to make room"
-                if pool.released else "")
-    return (f"<b>{format_mib(pool.held_bytes)}</b> held of the {format_mib(pool.budget_bytes)} KV budget · "
-            f"{pool.blocks_in_use:,} blocks in use, <b>{pool.shared_blocks:,}</b> shared · "
-            f"<b>{pool.evictable_blocks:,}</b> reclaimable<br>{hits}{released}")
+    hits = (QCoreApplication.translate("PoolView", "prefix hit rate <b>{rate}</b> ({hits} of {queries} prompt tokens "
+                                       "found cached)").format(rate=f"{pool.hit_rate:.0%}", hits=f"{pool.prefix_hits:,}",
+                                                               queries=f"{pool.prefix_queries:,}")
+            if pool.prefix_queries else
+            QCoreApplication.translate("PoolView", "prefix hit rate: no prompt looked up yet"))
+    if not pool.released:
+        released = ""
+    elif pool.released == 1:
+        released = QCoreApplication.translate("PoolView", " · 1 idle conversation released to make room")
+    else:
+        released = QCoreApplication.translate("PoolView", " · {n} idle conversations released to make room").format(
+            n=f"{pool.released:,}")
+    return QCoreApplication.translate("PoolView", "<b>{held}</b> held of the {budget} KV budget · {blocks} blocks in "
+                                      "use, <b>{shared}</b> shared · <b>{reclaimable}</b> reclaimable").format(
+        held=format_mib(pool.held_bytes), budget=format_mib(pool.budget_bytes), blocks=f"{pool.blocks_in_use:,}",
+        shared=f"{pool.shared_blocks:,}", reclaimable=f"{pool.evictable_blocks:,}") + f"<br>{hits}{released}"
 
 
 def conversation_bar_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:
@@ -118,9 +140,11 @@ def conversation_bar_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:
     largest = max((r.num_bytes for r in rows), default=0) or 1
     return [Row(r.label, r.num_bytes / largest, f"{format_mib(r.num_bytes)} · {format_share(r.budget_share)}",
                 THIS_CHAT if r.current else OTHER_CHAT,
-                f"{r.label}{' (open now)' if r.current else ''}\n{r.blocks:,} blocks · {format_mib(r.num_bytes)}\n"
-                f"{format_share(r.budget_share)} of the {format_mib(budget_bytes)} KV budget\n"
-                f"(blocks shared with another conversation count in each)", r.current)
+                r.label + (QCoreApplication.translate("PoolView", " (open now)") if r.current else "") + "\n"
+                + QCoreApplication.translate("PoolView", "{blocks} blocks · {size}\n{share} of the {budget} KV budget\n"
+                                             "(blocks shared with another conversation count in each)").format(
+                    blocks=f"{r.blocks:,}", size=format_mib(r.num_bytes), share=format_share(r.budget_share),
+                    budget=format_mib(budget_bytes)), r.current)
             for r in rows]
 
 
@@ -135,19 +159,19 @@ class PoolView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 6)
         layout.setSpacing(4)
-        self.summary = QLabel("No pool yet: the model is loading.", objectName="dashboardSummary")
+        self.summary = QLabel(self.tr("No pool yet: the model is loading."), objectName="dashboardSummary")
         self.summary.setWordWrap(True)
         layout.addWidget(self.summary)
-        layout.addWidget(QLabel("KV budget", objectName="dashboardSection"))
+        layout.addWidget(QLabel(self.tr("KV budget"), objectName="dashboardSection"))
         self.budget_bar = StackedBar()
         layout.addWidget(self.budget_bar)
-        layout.addWidget(QLabel("Blocks held", objectName="dashboardSection"))
+        layout.addWidget(QLabel(self.tr("Blocks held"), objectName="dashboardSection"))
         self.block_bar = StackedBar()
         layout.addWidget(self.block_bar)
-        self.conversations_title = QLabel("Open conversations · KV held, share of the budget",
+        self.conversations_title = QLabel(self.tr("Open conversations · KV held, share of the budget"),
                                           objectName="dashboardSection")
         layout.addWidget(self.conversations_title)
-        self.conversation_bars = BarRows("No conversation holds blocks yet.")
+        self.conversation_bars = BarRows(self.tr("No conversation holds blocks yet."))
         layout.addWidget(self.conversation_bars)
         self.note = QLabel("", objectName="plotLegend")
         self.note.setWordWrap(True)
@@ -157,7 +181,8 @@ class PoolView(QWidget):
     def set_pool(self, pool: PoolStats | None, rows: list[PoolRow]) -> None:
         self.pool, self.rows = pool, rows
         if pool is None:
-            self.summary.setText("This engine reports no shared pool (a remote server shows its usage in Live).")
+            self.summary.setText(self.tr("This engine reports no shared pool (a remote server shows its usage in "
+                                         "Live)."))
             self.budget_bar.set_segments([])
             self.block_bar.set_segments([])
             self.conversation_bars.set_rows([])
@@ -166,6 +191,6 @@ class PoolView(QWidget):
         self.budget_bar.set_segments(pool_segments(pool))
         self.block_bar.set_segments(block_segments(pool))
         self.conversation_bars.set_rows(conversation_bar_rows(rows, pool.budget_bytes))
-        self.note.setText("Bars are to scale with the largest conversation; blocks shared with another count in "
-                          "each. Hover for blocks and bytes. Idle conversations keep their blocks until the pool "
-                          "needs room; the least recently used gives them back first.")
+        self.note.setText(self.tr("Bars are to scale with the largest conversation; blocks shared with another "
+                                  "count in each. Hover for blocks and bytes. Idle conversations keep their blocks "
+                                  "until the pool needs room; the least recently used gives them back first."))

@@ -20,12 +20,13 @@ class QualityRow(QWidget):
         self.setObjectName("qualityRow")
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        self.label = QLabel("Quality of this mode: waiting for the model…", objectName="qualityLabel")
+        self.label = QLabel(self.tr("Quality of this mode: waiting for the model…"), objectName="qualityLabel")
         self.label.setWordWrap(True)
         self.label.setTextFormat(Qt.TextFormat.RichText)
         self.label.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
-        self.button = QPushButton("Measure", objectName="measureButton")
-        self.button.setToolTip("Compare this cache mode with full precision on a built-in text (a few seconds)")
+        self.button = QPushButton(self.tr("Measure"), objectName="measureButton")
+        self.button.setToolTip(self.tr("Compare this cache mode with full precision on a built-in text (a few "
+                                       "seconds)"))
         self.button.clicked.connect(self.measure_requested)
         layout.addWidget(self.label, 1)
         layout.addWidget(self.button, 0, Qt.AlignmentFlag.AlignTop)
@@ -37,22 +38,24 @@ class QualityRow(QWidget):
         label = mode_key(cache)
         if is_reference(cache):
             self.state = "reference"
-            self.label.setText(f"Quality: <b>{label}</b> is the reference: nothing lost.")
+            self.label.setText(self.tr("Quality: <b>{mode}</b> is the reference: nothing lost.").format(mode=label))
         elif result is not None:
             self.state = "measured"
-            self.label.setText(
-                f"Quality of <b>{label}</b> against full precision: top-1 agreement "
-                f"<b>{result.top1_agreement:.1%}</b> · KL {result.mean_kl:.4f} nats/token "
-                f"<span style='color:#6b7280'>(measured on {result.tokens} tokens of built-in text)</span>")
+            self.label.setText(self.tr(
+                "Quality of <b>{mode}</b> against full precision: top-1 agreement <b>{agreement}</b> · KL {kl} "
+                "nats/token <span style='color:#6b7280'>(measured on {tokens} tokens of built-in text)</span>").format(
+                mode=label, agreement=f"{result.top1_agreement:.1%}", kl=f"{result.mean_kl:.4f}", tokens=result.tokens))
         elif error:
             self.state = "failed"
-            self.label.setText(f"Quality of <b>{label}</b>: the measurement failed ({html.escape(error)}). Press Measure to try again.")
+            self.label.setText(self.tr("Quality of <b>{mode}</b>: the measurement failed ({error}). Press Measure to "
+                                       "try again.").format(mode=label, error=html.escape(error)))
         elif measuring:
             self.state = "measuring"
-            self.label.setText(f"Quality of <b>{label}</b>: measuring against full precision…")
+            self.label.setText(self.tr("Quality of <b>{mode}</b>: measuring against full precision…").format(mode=label))
         else:
             self.state = "not measured"
-            self.label.setText(f"Quality of <b>{label}</b> against full precision: not measured yet.")
+            self.label.setText(self.tr("Quality of <b>{mode}</b> against full precision: not measured yet.").format(
+                mode=label))
         self.button.setVisible(self.state in ("not measured", "failed"))
 
 

@@ -8,18 +8,27 @@ from __future__ import annotations
 
 import html
 
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication
 from PySide6.QtWidgets import QFormLayout, QLabel, QVBoxLayout, QWidget
 
 from engine.events import StatsSnapshot
 
-UNAVAILABLE_REMOTE = "not available for a remote server"
-NOT_REPORTED = "not reported by this server"
+UNAVAILABLE_REMOTE = QT_TRANSLATE_NOOP("ServerPanel", "not available for a remote server")
+NOT_REPORTED = QT_TRANSLATE_NOOP("ServerPanel", "not reported by this server")
+
+
+def unavailable_remote() -> str:
+    """UNAVAILABLE_REMOTE in the interface language."""
+    return QCoreApplication.translate("ServerPanel", UNAVAILABLE_REMOTE)
 
 
 class ServerPanel(QWidget):
-    FIELDS = (("kv_usage", "KV cache usage"), ("running", "Requests running"), ("waiting", "Requests waiting"),
-              ("prefix", "Prefix-cache hit rate"), ("decode", "Decode speed (this chat)"),
-              ("ttft", "Time to first token (this chat)"))
+    FIELDS = (("kv_usage", QT_TRANSLATE_NOOP("ServerPanel", "KV cache usage")),
+              ("running", QT_TRANSLATE_NOOP("ServerPanel", "Requests running")),
+              ("waiting", QT_TRANSLATE_NOOP("ServerPanel", "Requests waiting")),
+              ("prefix", QT_TRANSLATE_NOOP("ServerPanel", "Prefix-cache hit rate")),
+              ("decode", QT_TRANSLATE_NOOP("ServerPanel", "Decode speed (this chat)")),
+              ("ttft", QT_TRANSLATE_NOOP("ServerPanel", "Time to first token (this chat)")))
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -27,7 +36,7 @@ class ServerPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(2)
-        self.title = QLabel("Server", objectName="dashboardSection")
+        self.title = QLabel(self.tr("Server"), objectName="dashboardSection")
         layout.addWidget(self.title)
         self.source = QLabel("", objectName="plotLegend")
         self.source.setWordWrap(True)
@@ -39,13 +48,13 @@ class ServerPanel(QWidget):
         self._prefix = ""
         for key, title in self.FIELDS:
             self.values[key] = QLabel("…", objectName=f"server_{key}")
-            form.addRow(title, self.values[key])
+            form.addRow(self.tr(title), self.values[key])
         layout.addLayout(form)
 
     def set_server(self, url: str, model: str) -> None:
-        self.title.setText(f"Server · {model}")
-        self.source.setText(f"{html.escape(url)} · KV, requests and prefix hits from its /metrics; "
-                            f"speed and TTFT measured from the stream here")
+        self.title.setText(self.tr("Server · {model}").format(model=model))
+        self.source.setText(self.tr("{url} · KV, requests and prefix hits from its /metrics; speed and TTFT "
+                                    "measured from the stream here").format(url=html.escape(url)))
         self._prefix = ""
         for label in self.values.values():
             label.setText("…")
@@ -55,18 +64,21 @@ class ServerPanel(QWidget):
 
     def show_stats(self, snapshot: StatsSnapshot) -> None:
         server = snapshot.server
+        not_reported = self.tr(NOT_REPORTED)
         if server is None:
             for key in ("kv_usage", "running", "waiting", "prefix"):
-                self.values[key].setText("this server publishes no /metrics")
+                self.values[key].setText(self.tr("this server publishes no /metrics"))
         else:
-            self.values["kv_usage"].setText(NOT_REPORTED if server.kv_usage is None else f"{server.kv_usage:.1%}")
-            self.values["running"].setText(NOT_REPORTED if server.requests_running is None
+            self.values["kv_usage"].setText(not_reported if server.kv_usage is None else f"{server.kv_usage:.1%}")
+            self.values["running"].setText(not_reported if server.requests_running is None
                                            else f"{server.requests_running}")
-            self.values["waiting"].setText(NOT_REPORTED if server.requests_waiting is None
+            self.values["waiting"].setText(not_reported if server.requests_waiting is None
                                            else f"{server.requests_waiting}")
             if server.prefix_cache_hit_rate is not None:    # a rate over the lookups since the previous look
-                self._prefix = f"{server.prefix_cache_hit_rate:.1%} of prompt tokens (latest requests)"
-            self.values["prefix"].setText(self._prefix or "no prefix lookups yet")
+                self._prefix = self.tr("{rate} of prompt tokens (latest requests)").format(
+                    rate=f"{server.prefix_cache_hit_rate:.1%}")
+            self.values["prefix"].setText(self._prefix or self.tr("no prefix lookups yet"))
         self.values["decode"].setText(f"{snapshot.decode_tok_s:.1f} tok/s" if snapshot.decode_tok_s
-                                      else "no reply measured yet")
-        self.values["ttft"].setText(f"{snapshot.ttft_s * 1000:.0f} ms" if snapshot.ttft_s else "no reply measured yet")
+                                      else self.tr("no reply measured yet"))
+        self.values["ttft"].setText(f"{snapshot.ttft_s * 1000:.0f} ms" if snapshot.ttft_s
+                                    else self.tr("no reply measured yet"))

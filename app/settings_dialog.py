@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
@@ -18,9 +18,10 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
 from engine.config import FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
 from engine.kv_layout import check_cache_for_model
 
+from .i18n import language_names
 from .settings_store import AppSettings, RemoteSettings
 
-LOCAL_CHOICE, SERVER_CHOICE = "This computer", "Server"
+LOCAL_CHOICE, SERVER_CHOICE = "This computer", "Server"     # the engine choice's item data (shown translated)
 
 
 def fetch_models(base_url: str, api_key: str) -> list[str]:
@@ -30,12 +31,12 @@ def fetch_models(base_url: str, api_key: str) -> list[str]:
     engine.http.close()
     return list(engine.models)
 
-PRESETS = {
-    "Full precision": dict(k_format="auto", v_format="auto", window=None),
-    "int8 K and V": dict(k_format="int8", v_format="int8", window=None),
-    "fp8 K and V": dict(k_format="fp8", v_format="fp8", window=None),
-    "int4 K and V": dict(k_format="int4", v_format="int4", window=None),
-    "Window 256 + 4 sinks": dict(window=256, sinks=4),
+PRESETS = {                             # names shown through QCoreApplication.translate("SettingsDialog", name)
+    QT_TRANSLATE_NOOP("SettingsDialog", "Full precision"): dict(k_format="auto", v_format="auto", window=None),
+    QT_TRANSLATE_NOOP("SettingsDialog", "int8 K and V"): dict(k_format="int8", v_format="int8", window=None),
+    QT_TRANSLATE_NOOP("SettingsDialog", "fp8 K and V"): dict(k_format="fp8", v_format="fp8", window=None),
+    QT_TRANSLATE_NOOP("SettingsDialog", "int4 K and V"): dict(k_format="int4", v_format="int4", window=None),
+    QT_TRANSLATE_NOOP("SettingsDialog", "Window 256 + 4 sinks"): dict(window=256, sinks=4),
 }
 
 
@@ -53,7 +54,9 @@ def parse_layers(text: str) -> tuple[int, ...]:
             else:
                 layers.append(int(part))
         except ValueError:
-            raise ConfigError(f"full-precision layers: {part!r} is not a layer number or range like 0-3") from None
+            raise ConfigError(QCoreApplication.translate(
+                "SettingsDialog", "full-precision layers: {part} is not a layer number or range like 0-3").format(
+                part=repr(part))) from None
     return tuple(layers)
 
 
@@ -67,9 +70,9 @@ class SettingsDialog(QDialog):
 
     def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None,
                  model_config=None, model_dtype: str = "fp32", device: str = "cpu",
-                 last_server: RemoteSettings | None = None):
+                 last_server: RemoteSettings | None = None, language: str = "system"):
         super().__init__(parent)
-        self.setWindowTitle("kvchat settings")
+        self.setWindowTitle(self.tr("kvchat settings"))
         self.setObjectName("settingsDialog")
         self.num_layers = num_layers
         self.model_config = model_config        # the loaded model's ModelConfig; None before a model loads
@@ -84,11 +87,12 @@ class SettingsDialog(QDialog):
         layout.addWidget(self._cache_group(settings.cache))
         layout.addWidget(self._sampling_group(settings.sampling))
         self.system_prompt = QPlainTextEdit(settings.system_prompt)
-        self.system_prompt.setPlaceholderText("Optional: instructions the model sees before every new chat")
+        self.system_prompt.setPlaceholderText(self.tr("Optional: instructions the model sees before every new chat"))
         self.system_prompt.setFixedHeight(64)
-        prompt_box = QGroupBox("System prompt (new chats)")
+        prompt_box = QGroupBox(self.tr("System prompt (new chats)"))
         QVBoxLayout(prompt_box).addWidget(self.system_prompt)
         layout.addWidget(prompt_box)
+        layout.addWidget(self._language_group(language))
         self.error_label = QLabel(objectName="settingsError")
         self.error_label.setWordWrap(True)
         self.error_label.setVisible(False)
@@ -108,59 +112,77 @@ class SettingsDialog(QDialog):
 
     # --- groups ---
 
+    def _language_group(self, language: str) -> QGroupBox:
+        box = QGroupBox(self.tr("Interface"))
+        form = QFormLayout(box)
+        self.language_choice = QComboBox(objectName="languageChoice")
+        for code, name in language_names().items():
+            self.language_choice.addItem(name, code)
+        self.language_choice.setCurrentIndex(max(0, self.language_choice.findData(language)))
+        self.language_choice.setToolTip(self.tr("System follows the computer's language. "
+                                                "A change applies when kvchat starts again."))
+        form.addRow(self.tr("Language (applies on restart)"), self.language_choice)
+        return box
+
+    def language(self) -> str:
+        """The chosen interface language: "system", "en" or "zh_CN"."""
+        return str(self.language_choice.currentData() or "system")
+
     def _engine_group(self, server: RemoteSettings | None, use_server: bool) -> QGroupBox:
-        box = QGroupBox("Where the model runs")
+        box = QGroupBox(self.tr("Where the model runs"))
         form = QFormLayout(box)
         self.engine_choice = QComboBox(objectName="engineChoice")
-        self.engine_choice.addItems([LOCAL_CHOICE, SERVER_CHOICE])
-        self.engine_choice.setToolTip("This computer: kvchat loads the model itself. Server: an OpenAI-compatible "
-                                      "server (vLLM, SGLang, llama.cpp's server, kvchat serve) runs it.")
-        form.addRow("Engine", self.engine_choice)
+        self.engine_choice.addItem(self.tr("This computer"), LOCAL_CHOICE)
+        self.engine_choice.addItem(self.tr("Server"), SERVER_CHOICE)
+        self.engine_choice.setToolTip(self.tr("This computer: kvchat loads the model itself. Server: an "
+                                              "OpenAI-compatible server (vLLM, SGLang, llama.cpp's server, kvchat "
+                                              "serve) runs it."))
+        form.addRow(self.tr("Engine"), self.engine_choice)
         self.server_box = QWidget()
         server_form = QFormLayout(self.server_box)
         server_form.setContentsMargins(0, 0, 0, 0)
         self.server_url = QLineEdit(server.base_url if server else "", objectName="serverUrl")
         self.server_url.setPlaceholderText("http://127.0.0.1:8000/v1")
-        server_form.addRow("Base URL", self.server_url)
+        server_form.addRow(self.tr("Base URL"), self.server_url)
         self.api_key = QLineEdit(server.api_key if server else "", objectName="serverKey")
         self.api_key.setEchoMode(QLineEdit.EchoMode.Password)
-        self.api_key.setPlaceholderText("empty if the server needs none")
-        server_form.addRow("API key", self.api_key)
+        self.api_key.setPlaceholderText(self.tr("empty if the server needs none"))
+        server_form.addRow(self.tr("API key"), self.api_key)
         self.server_model = QComboBox(objectName="serverModel", editable=True)
-        self.server_model.lineEdit().setPlaceholderText("the server's first model")
+        self.server_model.lineEdit().setPlaceholderText(self.tr("the server's first model"))
         if server and server.model:
             self.server_model.addItem(server.model)
-        self.fetch_button = QPushButton("Fetch models", objectName="fetchModels")
-        self.fetch_button.setToolTip("Ask the server which models it serves (GET /v1/models)")
+        self.fetch_button = QPushButton(self.tr("Fetch models"), objectName="fetchModels")
+        self.fetch_button.setToolTip(self.tr("Ask the server which models it serves (GET /v1/models)"))
         self.fetch_button.clicked.connect(self.fetch_models)
         model_row = QHBoxLayout()
         model_row.addWidget(self.server_model, 1)
         model_row.addWidget(self.fetch_button)
-        server_form.addRow("Model", model_row)
+        server_form.addRow(self.tr("Model"), model_row)
         self.server_status = QLabel("", objectName="serverStatus")
         self.server_status.setWordWrap(True)
         server_form.addRow(self.server_status)
         form.addRow(self.server_box)
-        self.engine_choice.setCurrentText(SERVER_CHOICE if use_server else LOCAL_CHOICE)
+        self.engine_choice.setCurrentIndex(self.engine_choice.findData(SERVER_CHOICE if use_server else LOCAL_CHOICE))
         self.engine_choice.currentIndexChanged.connect(self._engine_changed)
         return box
 
     def uses_server(self) -> bool:
-        return self.engine_choice.currentText() == SERVER_CHOICE
+        return self.engine_choice.currentData() == SERVER_CHOICE
 
     def _engine_changed(self, *_args) -> None:
         server = self.uses_server()
         self.server_box.setVisible(server)
         for group in (self.model_box, self.cache_box):
             group.setEnabled(not server)
-        self.cache_box.setTitle("KV cache (the server chooses its own)" if server
-                                else "KV cache (applies to the open chat live)")
+        self.cache_box.setTitle(self.tr("KV cache (the server chooses its own)") if server
+                                else self.tr("KV cache (applies to the open chat live)"))
 
     def fetch_models(self) -> None:
         """Ask the server for its models in a thread of its own; the answer lands in the Model list."""
         url, key = self.server_url.text().strip(), self.api_key.text().strip()
         self.fetch_button.setEnabled(False)
-        self.server_status.setText(f"Asking {url} for its models…")
+        self.server_status.setText(self.tr("Asking {url} for its models…").format(url=url))
 
         def work():
             try:
@@ -177,7 +199,7 @@ class SettingsDialog(QDialog):
     def _on_models_fetched(self, models, error: str) -> None:
         self.fetch_button.setEnabled(True)
         if models is None:
-            self.server_status.setText(f"Could not get the models: {error}")
+            self.server_status.setText(self.tr("Could not get the models: {error}").format(error=error))
             self.server_status.setProperty("error", True)
             return
         chosen = self.server_model.currentText().strip()
@@ -185,21 +207,23 @@ class SettingsDialog(QDialog):
         self.server_model.addItems(models)
         self.server_model.setCurrentText(chosen if chosen in models else models[0])
         self.server_status.setProperty("error", False)
-        self.server_status.setText(f"The server serves {len(models)} model{'s' if len(models) != 1 else ''}: "
-                                   f"{', '.join(models)}. OK connects to it; it is saved once the connection works.")
+        serves = self.tr("The server serves 1 model: {models}.") if len(models) == 1 else \
+            self.tr("The server serves {n} models: {models}.")
+        self.server_status.setText(serves.format(n=len(models), models=", ".join(models)) + " "
+                                   + self.tr("OK connects to it; it is saved once the connection works."))
 
     def _model_group(self, model: str) -> QGroupBox:
-        box = self.model_box = QGroupBox("Model")
+        box = self.model_box = QGroupBox(self.tr("Model"))
         row = QHBoxLayout(box)
         self.model_edit = QLineEdit(model)
-        self.model_edit.setPlaceholderText("default (SmolLM2-135M-Instruct), a model folder or a .gguf file")
-        self.model_edit.setToolTip("'default', a local Hugging Face folder (config.json + safetensors) or a .gguf "
-                                   "file of the Llama family. Changing it reloads the model.")
-        folder = QPushButton("Folder…")
+        self.model_edit.setPlaceholderText(self.tr("default (SmolLM2-135M-Instruct), a model folder or a .gguf file"))
+        self.model_edit.setToolTip(self.tr("'default', a local Hugging Face folder (config.json + safetensors) or a "
+                                           ".gguf file of the Llama family. Changing it reloads the model."))
+        folder = QPushButton(self.tr("Folder…"))
         folder.clicked.connect(self._choose_folder)
         gguf = QPushButton(".gguf…")
         gguf.clicked.connect(self._choose_gguf)
-        default = QPushButton("Default")
+        default = QPushButton(self.tr("Default"))
         default.clicked.connect(lambda: self.model_edit.setText("default"))
         for widget in (self.model_edit, folder, gguf, default):
             row.addWidget(widget)
@@ -207,13 +231,14 @@ class SettingsDialog(QDialog):
         return box
 
     def _cache_group(self, cache: CacheConfig) -> QGroupBox:
-        box = self.cache_box = QGroupBox("KV cache (applies to the open chat live)")
+        box = self.cache_box = QGroupBox(self.tr("KV cache (applies to the open chat live)"))
         form = QFormLayout(box)
         self.preset = QComboBox()
-        self.preset.addItem("Presets…")
-        self.preset.addItems(list(PRESETS))
+        self.preset.addItem(self.tr("Presets…"))
+        for name in PRESETS:
+            self.preset.addItem(self.tr(name), name)
         self.preset.activated.connect(self._apply_preset)
-        form.addRow("Quick choice", self.preset)
+        form.addRow(self.tr("Quick choice"), self.preset)
         self.k_format, self.v_format = QComboBox(), QComboBox()
         for combo, value in ((self.k_format, cache.k_format), (self.v_format, cache.v_format)):
             combo.addItems(list(FORMATS))
@@ -223,65 +248,66 @@ class SettingsDialog(QDialog):
         formats.addWidget(self.k_format, 1)
         formats.addWidget(QLabel("V"))
         formats.addWidget(self.v_format, 1)
-        form.addRow("Formats", formats)
+        form.addRow(self.tr("Formats"), formats)
         self.k_scheme = QComboBox()
         self.k_scheme.addItems(list(KEY_SCHEMES))
         self.k_scheme.setCurrentText(cache.k_scheme)
-        self.k_scheme.setToolTip("channel: keys quantized per channel over each block (more accurate); "
-                                 "token: per token")
-        form.addRow("Key quantization", self.k_scheme)
+        self.k_scheme.setToolTip(self.tr("channel: keys quantized per channel over each block (more accurate); "
+                                         "token: per token"))
+        form.addRow(self.tr("Key quantization"), self.k_scheme)
         self.full_layers = QLineEdit(", ".join(str(i) for i in cache.full_precision_layers))
-        self.full_layers.setPlaceholderText("none, or e.g. 0, 1, 28-29")
-        form.addRow("Full-precision layers", self.full_layers)
-        self.window = QSpinBox(minimum=0, maximum=1_000_000, singleStep=64, specialValueText="no window")
+        self.full_layers.setPlaceholderText(self.tr("none, or e.g. 0, 1, 28-29"))
+        form.addRow(self.tr("Full-precision layers"), self.full_layers)
+        self.window = QSpinBox(minimum=0, maximum=1_000_000, singleStep=64, specialValueText=self.tr("no window"))
         self.window.setValue(cache.window or 0)
         self.sinks = _spin(QSpinBox(minimum=0, maximum=1024), cache.sinks)
         window_row = QHBoxLayout()
         window_row.addWidget(self.window, 1)
-        window_row.addWidget(QLabel("sinks"))
+        window_row.addWidget(QLabel(self.tr("sinks")))
         window_row.addWidget(self.sinks)
-        form.addRow("Window (tokens)", window_row)
+        form.addRow(self.tr("Window (tokens)"), window_row)
         self.block_size = _spin(QSpinBox(minimum=1, maximum=256), cache.block_size)
-        form.addRow("Block size (tokens)", self.block_size)
+        form.addRow(self.tr("Block size (tokens)"), self.block_size)
         self.budget = QDoubleSpinBox(minimum=0.0, maximum=1_048_576.0, decimals=1, suffix=" MiB", singleStep=64.0)
         self.budget.setValue(cache.budget_mb)
-        form.addRow("KV budget", self.budget)
+        form.addRow(self.tr("KV budget"), self.budget)
         self.overflow = QComboBox()
         self.overflow.addItems(list(OVERFLOW_POLICIES))
         self.overflow.setCurrentText(cache.overflow)
-        self.overflow.setToolTip("stop: end the reply with a message when the budget is full; "
-                                 "slide: keep going in a window")
-        form.addRow("When the budget is full", self.overflow)
+        self.overflow.setToolTip(self.tr("stop: end the reply with a message when the budget is full; "
+                                         "slide: keep going in a window"))
+        form.addRow(self.tr("When the budget is full"), self.overflow)
         return box
 
     def _sampling_group(self, sampling: SamplingParams) -> QGroupBox:
-        box = QGroupBox("Sampling")
+        box = QGroupBox(self.tr("Sampling"))
         form = QFormLayout(box)
         self.temperature = _spin(QDoubleSpinBox(minimum=0.0, maximum=5.0, decimals=2, singleStep=0.05,
-                                                specialValueText="0 (greedy)"), sampling.temperature)
+                                                specialValueText=self.tr("0 (greedy)")), sampling.temperature)
         self.top_p = _spin(QDoubleSpinBox(minimum=0.0, maximum=1.0, decimals=2, singleStep=0.05), sampling.top_p)
-        self.top_k = _spin(QSpinBox(minimum=0, maximum=100_000, specialValueText="off"), sampling.top_k)
+        self.top_k = _spin(QSpinBox(minimum=0, maximum=100_000, specialValueText=self.tr("off")), sampling.top_k)
         self.max_new_tokens = _spin(QSpinBox(minimum=0, maximum=1_000_000, singleStep=64), sampling.max_new_tokens)
-        form.addRow("Temperature", self.temperature)
-        form.addRow("Top-p", self.top_p)
-        form.addRow("Top-k", self.top_k)
-        form.addRow("Max new tokens", self.max_new_tokens)
+        form.addRow(self.tr("Temperature"), self.temperature)
+        form.addRow(self.tr("Top-p"), self.top_p)
+        form.addRow(self.tr("Top-k"), self.top_k)
+        form.addRow(self.tr("Max new tokens"), self.max_new_tokens)
         return box
 
     # --- behaviour ---
 
     def _choose_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Choose a model folder", str(Path.home()))
+        folder = QFileDialog.getExistingDirectory(self, self.tr("Choose a model folder"), str(Path.home()))
         if folder:
             self.model_edit.setText(folder)
 
     def _choose_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model", str(Path.home()), "GGUF models (*.gguf)")
+        path, _ = QFileDialog.getOpenFileName(self, self.tr("Choose a GGUF model"), str(Path.home()),
+                                              self.tr("GGUF models (*.gguf)"))
         if path:
             self.model_edit.setText(path)
 
     def _apply_preset(self, index: int) -> None:
-        changes = PRESETS.get(self.preset.itemText(index))
+        changes = PRESETS.get(self.preset.itemData(index))
         if not changes:
             return
         if "k_format" in changes:
@@ -296,7 +322,8 @@ class SettingsDialog(QDialog):
     def cache_config(self) -> CacheConfig:
         layers = parse_layers(self.full_layers.text())
         if self.model_config is None and self.num_layers is not None and any(i >= self.num_layers for i in layers):
-            raise ConfigError(f"full-precision layers: this model has layers 0-{self.num_layers - 1}")
+            raise ConfigError(self.tr("full-precision layers: this model has layers 0-{last}").format(
+                last=self.num_layers - 1))
         cache = CacheConfig(k_format=self.k_format.currentText(), v_format=self.v_format.currentText(),
                             k_scheme=self.k_scheme.currentText(), full_precision_layers=layers,
                             window=self.window.value() or None, sinks=self.sinks.value(),
@@ -324,7 +351,7 @@ class SettingsDialog(QDialog):
             from engine.remote import _v1
             url = self.server_url.text().strip()
             if not url:
-                raise ConfigError("server: enter its base URL, e.g. http://127.0.0.1:8000/v1")
+                raise ConfigError(self.tr("server: enter its base URL, e.g. http://127.0.0.1:8000/v1"))
             _v1(url)                    # says what is wrong with it
             remote = RemoteSettings(url, self.api_key.text().strip(), self.server_model.currentText().strip())
             return AppSettings(model=self.loaded_model, cache=self.cache_config_unchecked(),
@@ -332,7 +359,8 @@ class SettingsDialog(QDialog):
                                system_prompt=self.system_prompt.toPlainText().strip(), remote=remote)
         model = self.model_edit.text().strip() or "default"
         if model != "default" and not Path(model).expanduser().exists():
-            raise ConfigError(f"model: {model} does not exist; choose a folder or .gguf file, or 'default'")
+            raise ConfigError(self.tr("model: {model} does not exist; choose a folder or .gguf file, or "
+                                      "'default'").format(model=model))
         return AppSettings(model=model, cache=self.cache_config(), sampling=self.sampling_params(),
                            system_prompt=self.system_prompt.toPlainText().strip())
 

