@@ -97,6 +97,52 @@ def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantize
                    dev(d_cos), dev(d_sin), dev(key_cos), dev(key_sin), T == 1 if decode is None else decode)
 
 
+@dataclass
+class DecodeGroup:
+    """Several sequences' single decode tokens over the same full-precision pages, attended in one kernel
+    call. Their rows are contiguous in the step's batch, from `start`."""
+
+    start: int
+    size: int
+    q_cos: torch.Tensor           # [B, D]
+    q_sin: torch.Tensor
+    sink_cos: torch.Tensor | None  # [B, D] (rows of sequences without sinks: q_cos, unused)
+    sink_sin: torch.Tensor | None
+    n_sink: torch.Tensor          # [B] int32
+    rows: torch.Tensor            # every sequence's page rows, one after another (int64)
+    offsets: torch.Tensor         # [B + 1] int64
+    new_rows: torch.Tensor        # [B] the page rows of the new tokens
+
+
+def decode_group(steps: list[SeqStep]) -> DecodeGroup:
+    """steps: consecutive one-token decode steps of sequences sharing one full-precision layout."""
+    sinks = any(st.n_sink for st in steps)
+    cat = lambda ts: torch.cat(ts)
+    sizes = torch.tensor([0] + [st.rows.shape[0] for st in steps], dtype=torch.long)
+    return DecodeGroup(
+        steps[0].offset, len(steps), cat([st.q_cos for st in steps]), cat([st.q_sin for st in steps]),
+        cat([st.sink_cos if st.n_sink else st.q_cos for st in steps]) if sinks else None,
+        cat([st.sink_sin if st.n_sink else st.q_sin for st in steps]) if sinks else None,
+        torch.tensor([st.n_sink for st in steps], dtype=torch.int32), cat([st.rows for st in steps]).cpu(),
+        sizes.cumsum(0), cat([st.rows[-1:] for st in steps]))
+
+
+def attend_group(kc: Component, vc: Component, q, k, v, grp: DecodeGroup) -> torch.Tensor | None:
+    """q [B, Hq, D], k/v [B, Hkv, D] before RoPE, one token per sequence; stores k and v; -> [B, Hq, D], or
+    None (nothing stored) where the kernel does not cover these pages. Equal, bit for bit, to attending
+    each sequence alone."""
+    k_pages = kc.flat_pages()
+    if not cpu_quant.can_attend(q, k_pages):
+        return None
+    q32 = q.float()
+    kc.write_rows(rotate(k.float(), grp.q_cos, grp.q_sin), grp.new_rows)
+    vc.write_rows(v, grp.new_rows)
+    q_rot = rotate(q32, grp.q_cos, grp.q_sin).contiguous()
+    q_sink = rotate(q32, grp.sink_cos, grp.sink_sin).contiguous() if grp.sink_cos is not None else q_rot
+    return cpu_quant.attn_decode_batch(q_rot, q_sink, grp.n_sink, k_pages, vc.flat_pages(), grp.rows, grp.offsets,
+                                       q.shape[-1] ** -0.5)
+
+
 def attend(kc: Component, vc: Component, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: SeqStep) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] before RoPE, for one sequence; stores k and v; -> [T, Hq, D]."""
     if not (kc.fmt.is_quantized or vc.fmt.is_quantized):

@@ -115,7 +115,11 @@ class ModelRunner:
         sequences of the batch: decode items go first in the batch."""
         if decode is None:
             decode = [len(ids) == 1 for _, ids in items]
-        order = sorted(range(len(items)), key=lambda i: not decode[i])
+        layouts = {}
+        for seq, _ in items:
+            layouts.setdefault(seq.layout, len(layouts))
+        # decode items first, those of one layout together (one kernel call attends them all)
+        order = sorted(range(len(items)), key=lambda i: (not decode[i], layouts[items[i][0].layout]))
         items = [items[i] for i in order]
         num_decode = sum(len(items[j][1]) for j in range(len(items)) if decode[order[j]])
         with self.lock:
@@ -143,15 +147,27 @@ class ModelRunner:
                 else:
                     rows = [st.offset + st.num_new - 1 for st in steps]
 
+                groups = self._decode_groups(items, steps)
+
                 def attend(layer, q, k, v):
                     if len(steps) == 1:
                         kc, vc = comps[0][layer]
                         return attention.attend(kc, vc, q, k, v, steps[0])
-                    outs = []
-                    for st, cs in zip(steps, comps):
-                        kc, vc = cs[layer]
+                    outs, i = [], 0
+                    while i < len(steps):
+                        kc, vc = comps[i][layer]
+                        grp = groups.get(i)
+                        if grp is not None:
+                            sl = slice(grp.start, grp.start + grp.size)
+                            out = attention.attend_group(kc, vc, q[sl], k[sl], v[sl], grp)
+                            if out is not None:
+                                outs.append(out)
+                                i += grp.size
+                                continue
+                        st = steps[i]
                         sl = slice(st.offset, st.offset + st.num_new)
                         outs.append(attention.attend(kc, vc, q[sl], k[sl], v[sl], st))
+                        i += 1
                     return torch.cat(outs)
 
                 logits = self.model.forward(x, attend, all_logits=True, rows=rows, num_decode=num_decode)
@@ -173,6 +189,21 @@ class ModelRunner:
         for j, i in enumerate(order):
             result[i] = out[j]
         return result
+
+    @staticmethod
+    def _decode_groups(items, steps) -> dict:
+        """First step index -> DecodeGroup, for each run of two or more one-token decode steps whose
+        sequences share a full-precision layout."""
+        groups, i = {}, 0
+        while i < len(steps):
+            j = i
+            while (j < len(steps) and steps[j].decode and steps[j].num_new == 1
+                   and not items[j][0].layout.quantized_components and items[j][0].layout == items[i][0].layout):
+                j += 1
+            if j - i >= 2:
+                groups[i] = attention.decode_group(steps[i:j])
+            i = max(j, i + 1)
+        return groups
 
     # ---- numbers ----------------------------------------------------------------------------------
 

@@ -482,61 +482,95 @@ static inline void load_row(const void *base, int64_t row, int bf16, int D, floa
     *src = dst;
 }
 
+// One span [lo, hi) of one sequence's rows: scores, their exp (sum and max kept), and the weighted V sum,
+// into part (Hq x (D + 2): the sum over the span, then its max and its exp-sum).
+static void attn_span(const float *q, const float *qs, int n_sink, int Hq, int Hkv, int D, const void *kp,
+                      const void *vp, int bf16, const int64_t *rows, int L, float sm_scale, float *scores,
+                      float *part, int lo, int hi) {
+    int g = Hq / Hkv;
+    float buf[256];
+    const float *kr;
+    for (int p = lo; p < hi; p++) {
+        const float *qq = p < n_sink ? qs : q;
+        for (int h = 0; h < Hkv; h++) {
+            load_row(kp, rows[p] * Hkv + h, bf16, D, buf, &kr);
+            for (int j = 0; j < g; j++)
+                scores[(size_t)(h * g + j) * L + p] = dot_f32(qq + (h * g + j) * D, kr, D) * sm_scale;
+        }
+    }
+    for (int i = 0; i < Hq; i++) {
+        float *si = scores + (size_t)i * L, mx = -INFINITY, sum = 0.f;
+        float *o = part + (size_t)i * (D + 2);
+        for (int p = lo; p < hi; p++) mx = si[p] > mx ? si[p] : mx;
+        if (hi > lo) sum = exp_span(si, lo, hi, mx);
+        o[D] = mx;
+        o[D + 1] = sum;
+        for (int d = 0; d < D; d++) o[d] = 0.f;
+    }
+    const float *vr;
+    for (int p = lo; p < hi; p++)
+        for (int h = 0; h < Hkv; h++) {
+            load_row(vp, rows[p] * Hkv + h, bf16, D, buf, &vr);
+            for (int j = 0; j < g; j++) {
+                float w = scores[(size_t)(h * g + j) * L + p], *o = part + (size_t)(h * g + j) * (D + 2);
+                for (int d = 0; d < D; d++) o[d] += w * vr[d];
+            }
+        }
+}
+
+static inline int attn_spans(int L) { return L >= 256 ? 4 : L >= 64 ? 2 : 1; }
+
+// Decode attention for B sequences at once (one new token each), over rotated fp32 or bf16 pages.
+// Sequence b: q [Hq, D] at q + b * Hq * D (rotated at its new token's position), qs likewise for its
+// first n_sink[b] rows (attention sinks, whose positions do not move with the window), its page rows
+// rows[off[b] : off[b + 1]]. Each sequence's rows are cut into 1, 2 or 4 spans by its own length only
+// and merged by log-sum-exp, so a sequence's output is the same bits whatever else is in the batch.
+// scratch: sum over b of (Hq * L_b + 4 * Hq * (D + 2)) floats.
+void attn_decode_batch(int B, const float *q, const float *qs, const int *n_sink, int Hq, int Hkv, int D,
+                       const void *kp, const void *vp, int bf16, const int64_t *rows, const int64_t *off,
+                       float sm_scale, float *out, float *scratch) {
+    int total = 0;
+    for (int b = 0; b < B; b++) total += attn_spans((int)(off[b + 1] - off[b]));
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int t = 0; t < total; t++) {
+        int b = 0, first = 0;       // which sequence and span task t is
+        while (t >= first + attn_spans((int)(off[b + 1] - off[b]))) first += attn_spans((int)(off[b + 1] - off[b])), b++;
+        int L = (int)(off[b + 1] - off[b]), S = attn_spans(L), c = t - first;
+        size_t base = 0;
+        for (int i = 0; i < b; i++) base += (size_t)Hq * (off[i + 1] - off[i]) + 4 * (size_t)Hq * (D + 2);
+        float *scores = scratch + base, *part = scores + (size_t)Hq * L + (size_t)c * Hq * (D + 2);
+        int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
+        attn_span(q + (size_t)b * Hq * D, qs + (size_t)b * Hq * D, n_sink[b], Hq, Hkv, D, kp, vp, bf16,
+                  rows + off[b], L, sm_scale, scores, part, lo, hi);
+    }
+    size_t base = 0;
+    for (int b = 0; b < B; b++) {
+        int L = (int)(off[b + 1] - off[b]), S = attn_spans(L);
+        const float *part = scratch + base + (size_t)Hq * L;
+        for (int i = 0; i < Hq; i++) {
+            float mx = -INFINITY, total_w = 0.f, *dst = out + ((size_t)b * Hq + i) * D;
+            for (int c = 0; c < S; c++) {
+                float m = part[((size_t)c * Hq + i) * (D + 2) + D];
+                mx = m > mx ? m : mx;
+            }
+            for (int d = 0; d < D; d++) dst[d] = 0.f;
+            for (int c = 0; c < S; c++) {
+                const float *o = part + ((size_t)c * Hq + i) * (D + 2);
+                if (o[D + 1] == 0.f) continue;
+                float w = expf(o[D] - mx);
+                total_w += w * o[D + 1];
+                for (int d = 0; d < D; d++) dst[d] += w * o[d];
+            }
+            for (int d = 0; d < D; d++) dst[d] /= total_w;
+        }
+        base += (size_t)Hq * L + 4 * (size_t)Hq * (D + 2);
+    }
+}
+
 void attn_decode_rot(const float *q, const float *qs, int n_sink, int Hq, int Hkv, int D,
                      const void *kp, const void *vp, int bf16, const int64_t *rows, int L,
                      float sm_scale, float *out, float *scratch) {
-    // Keys are stored already rotated (fp32 or bf16 pages). q [Hq, D] is rotated at the new token's
-    // own position; the first n_sink rows (attention sinks whose positions do not move with the
-    // window) use qs instead. Same span split and merge as attn_decode_f32.
-    int g = Hq / Hkv;
-    int S = L >= 256 ? 4 : L >= 64 ? 2 : 1;
-    float *part = scratch + (size_t)Hq * L;
-    #pragma omp parallel for schedule(static)
-    for (int c = 0; c < S; c++) {
-        int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
-        float buf[256];
-        const float *kr;
-        for (int p = lo; p < hi; p++) {
-            const float *qq = p < n_sink ? qs : q;
-            for (int h = 0; h < Hkv; h++) {
-                load_row(kp, rows[p] * Hkv + h, bf16, D, buf, &kr);
-                for (int j = 0; j < g; j++)
-                    scratch[(size_t)(h * g + j) * L + p] = dot_f32(qq + (h * g + j) * D, kr, D) * sm_scale;
-            }
-        }
-        for (int i = 0; i < Hq; i++) {
-            float *si = scratch + (size_t)i * L, mx = -INFINITY, sum = 0.f;
-            float *o = part + ((size_t)c * Hq + i) * (D + 2);
-            for (int p = lo; p < hi; p++) mx = si[p] > mx ? si[p] : mx;
-            if (hi > lo) sum = exp_span(si, lo, hi, mx);
-            o[D] = mx;
-            o[D + 1] = sum;
-            for (int d = 0; d < D; d++) o[d] = 0.f;
-        }
-        const float *vr;
-        for (int p = lo; p < hi; p++)
-            for (int h = 0; h < Hkv; h++) {
-                load_row(vp, rows[p] * Hkv + h, bf16, D, buf, &vr);
-                for (int j = 0; j < g; j++) {
-                    float w = scratch[(size_t)(h * g + j) * L + p], *o = part + ((size_t)c * Hq + h * g + j) * (D + 2);
-                    for (int d = 0; d < D; d++) o[d] += w * vr[d];
-                }
-            }
-    }
-    for (int i = 0; i < Hq; i++) {
-        float mx = -INFINITY, total = 0.f, *dst = out + (size_t)i * D;
-        for (int c = 0; c < S; c++) {
-            float m = part[((size_t)c * Hq + i) * (D + 2) + D];
-            mx = m > mx ? m : mx;
-        }
-        for (int d = 0; d < D; d++) dst[d] = 0.f;
-        for (int c = 0; c < S; c++) {
-            const float *o = part + ((size_t)c * Hq + i) * (D + 2);
-            if (o[D + 1] == 0.f) continue;
-            float w = expf(o[D] - mx);
-            total += w * o[D + 1];
-            for (int d = 0; d < D; d++) dst[d] += w * o[d];
-        }
-        for (int d = 0; d < D; d++) dst[d] /= total;
-    }
+    // one sequence: the batch of one
+    int64_t off[2] = {0, L};
+    attn_decode_batch(1, q, qs, &n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, out, scratch);
 }

@@ -62,7 +62,8 @@ def _build(retry: bool = True) -> ctypes.CDLL:
     lib.q4_dequant.argtypes = [P, P, P, I, I, P, I, P, P, I]
     lib.q8_dequant.argtypes = [P, P, P, I, I, I, P, I, P, P, I]
     lib.attn_decode_rot.argtypes = [P, P, I, I, I, I, P, P, I, P, I, F, P, P]
-    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot):
+    lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P]
+    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot, lib.attn_decode_batch):
         f.restype = None
     return lib
 
@@ -232,6 +233,20 @@ def attn_decode(q, q_sink, n_sink: int, k_pages, v_pages, rows, sm_scale: float)
     _lib.attn_decode_rot(q.data_ptr(), q_sink.data_ptr(), int(n_sink), hq, hkv, d, k_pages.data_ptr(),
                          v_pages.data_ptr(), int(k_pages.dtype == torch.bfloat16), rows.data_ptr(), n,
                          float(sm_scale), out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, offsets, sm_scale: float) -> torch.Tensor:
+    """B sequences' decode attention in one call: q, q_sink [B, Hq, D] fp32 rotated; n_sink [B] int32; rows the
+    sequences' page rows one after another, sequence b's at rows[offsets[b]:offsets[b + 1]] (int64) ->
+    [B, Hq, D], each sequence's bits equal to attn_decode on it alone."""
+    b, hq, d = q.shape
+    hkv = k_pages.shape[-2]
+    out = torch.empty(b, hq, d)
+    scratch = torch.empty(hq * rows.shape[0] + 4 * b * hq * (d + 2))
+    _lib.attn_decode_batch(b, q.data_ptr(), q_sink.data_ptr(), n_sink.data_ptr(), hq, hkv, d, k_pages.data_ptr(),
+                           v_pages.data_ptr(), int(k_pages.dtype == torch.bfloat16), rows.data_ptr(),
+                           offsets.data_ptr(), float(sm_scale), out.data_ptr(), scratch.data_ptr())
     return out
 
 
