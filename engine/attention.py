@@ -115,7 +115,7 @@ class DecodeGroup:
 
 
 def decode_group(steps: list[SeqStep]) -> DecodeGroup:
-    """steps: consecutive one-token decode steps of sequences sharing one full-precision layout."""
+    """steps: consecutive one-token decode steps of sequences sharing one full-precision layout (CPU)."""
     sinks = any(st.n_sink for st in steps)
     cat = lambda ts: torch.cat(ts)
     sizes = torch.tensor([0] + [st.rows.shape[0] for st in steps], dtype=torch.long)
@@ -129,18 +129,15 @@ def decode_group(steps: list[SeqStep]) -> DecodeGroup:
 
 def attend_group(kc: Component, vc: Component, q, k, v, grp: DecodeGroup) -> torch.Tensor | None:
     """q [B, Hq, D], k/v [B, Hkv, D] before RoPE, one token per sequence; stores k and v; -> [B, Hq, D], or
-    None (nothing stored) where the kernel does not cover these pages. Equal, bit for bit, to attending
-    each sequence alone."""
+    None (nothing stored) where the kernel does not cover these pages. One kernel call rotates, stores and
+    attends; a sequence's result does not depend on the others in the group."""
     k_pages = kc.flat_pages()
     if not cpu_quant.can_attend(q, k_pages):
         return None
-    q32 = q.float()
-    kc.write_rows(rotate(k.float(), grp.q_cos, grp.q_sin), grp.new_rows)
-    vc.write_rows(v, grp.new_rows)
-    q_rot = rotate(q32, grp.q_cos, grp.q_sin).contiguous()
-    q_sink = rotate(q32, grp.sink_cos, grp.sink_sin).contiguous() if grp.sink_cos is not None else q_rot
-    return cpu_quant.attn_decode_batch(q_rot, q_sink, grp.n_sink, k_pages, vc.flat_pages(), grp.rows, grp.offsets,
-                                       q.shape[-1] ** -0.5)
+    if q.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    return cpu_quant.decode_attend(q, k, v, grp.q_cos, grp.q_sin, grp.sink_cos, grp.sink_sin, grp.n_sink, k_pages,
+                                   vc.flat_pages(), grp.new_rows, grp.rows, grp.offsets, q.shape[-1] ** -0.5)
 
 
 def attend(kc: Component, vc: Component, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: SeqStep) -> torch.Tensor:

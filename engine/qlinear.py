@@ -135,6 +135,9 @@ class _Packed(_Fused):
             split = T if T <= cpu_quant.MAX_ROWS else 0
         if not cpu_quant.available():
             split = 0
+        if split == T <= cpu_quant.MAX_ROWS and dtype == torch.float32 and self.bias is None:   # a decode step
+            return self._gemv(x if x.is_contiguous() else x.contiguous(), norm=norm, eps=eps, swiglu=swiglu,
+                              residual=None if residual is None else residual.contiguous())
         x = x.float().contiguous()
         if residual is not None:
             residual = residual.float().contiguous()

@@ -11,6 +11,8 @@ import threading
 
 import torch
 
+from kernels import cpu_quant
+
 from . import attention
 from .config import CacheConfig, ConfigError
 from .kv_layout import MIB, KVLayout, WindowGeometry, check_cache_for_model, kv_layout
@@ -150,7 +152,7 @@ class ModelRunner:
                 groups = self._decode_groups(items, steps)
 
                 def attend(layer, q, k, v):
-                    if len(steps) == 1:
+                    if len(steps) == 1 and not groups:
                         kc, vc = comps[0][layer]
                         return attention.attend(kc, vc, q, k, v, steps[0])
                     outs, i = [], 0
@@ -168,7 +170,7 @@ class ModelRunner:
                         sl = slice(st.offset, st.offset + st.num_new)
                         outs.append(attention.attend(kc, vc, q[sl], k[sl], v[sl], st))
                         i += 1
-                    return torch.cat(outs)
+                    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
                 logits = self.model.forward(x, attend, all_logits=True, rows=rows, num_decode=num_decode)
             except BaseException:
@@ -192,15 +194,15 @@ class ModelRunner:
 
     @staticmethod
     def _decode_groups(items, steps) -> dict:
-        """First step index -> DecodeGroup, for each run of two or more one-token decode steps whose
-        sequences share a full-precision layout."""
+        """First step index -> DecodeGroup, for each run of one-token decode steps whose sequences share a
+        full-precision layout (on the CPU, where one kernel call does their attention)."""
         groups, i = {}, 0
         while i < len(steps):
             j = i
             while (j < len(steps) and steps[j].decode and steps[j].num_new == 1
                    and not items[j][0].layout.quantized_components and items[j][0].layout == items[i][0].layout):
                 j += 1
-            if j - i >= 2:
+            if j > i and steps[i].rows.device.type == "cpu" and cpu_quant.available():
                 groups[i] = attention.decode_group(steps[i:j])
             i = max(j, i + 1)
         return groups

@@ -574,3 +574,56 @@ void attn_decode_rot(const float *q, const float *qs, int n_sink, int Hq, int Hk
     int64_t off[2] = {0, L};
     attn_decode_batch(1, q, qs, &n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, out, scratch);
 }
+
+// ---- one decode token per sequence, from the projections to the attention output ----------------------
+
+static inline uint16_t to_bf16(float f) {
+    // round to nearest even, as torch's float -> bfloat16 conversion (NaN kept a NaN)
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline void rope_row(const float *x, const float *c, const float *s, int D, float *o) {
+    // rotate-half RoPE of one head: o = x * cos + rotate_half(x) * sin
+    int h = D / 2;
+    for (int d = 0; d < h; d++) o[d] = x[d] * c[d] + x[d + h] * -s[d];
+    for (int d = h; d < D; d++) o[d] = x[d] * c[d] + x[d - h] * s[d];
+}
+
+// B sequences' new tokens: q, k, v rows (row b at q + b * ldq etc., keys before RoPE) are rotated at their
+// positions (cos, sin [B, D]; scos, ssin the sinks' view of the query, or NULL when no sequence has
+// sinks), the rotated key and the value are written to page rows new_rows[b] (fp32 or bf16 pages), and
+// each sequence attends over its rows rows[off[b] : off[b + 1]] (the new row last). out: [B, Hq, D].
+// Everything a sequence gets depends on that sequence only: the same bits alone or in any batch.
+// scratch: 2 * B * Hq * D + (sum of Hq * L_b + 4 * Hq * (D + 2)) floats.
+void decode_attend(int B, const float *q, const float *k, const float *v, int ldq, int ldk, int ldv, int Hq, int Hkv, int D,
+                   const float *cos, const float *sin, const float *scos, const float *ssin, const int *n_sink,
+                   void *kp, void *vp, int bf16, const int64_t *new_rows, const int64_t *rows, const int64_t *off,
+                   float sm_scale, float *out, float *scratch) {
+    float *qr = scratch, *qs = scratch + (size_t)B * Hq * D;
+    float kbuf[256];
+    for (int b = 0; b < B; b++) {
+        const float *c = cos + (size_t)b * D, *s = sin + (size_t)b * D;
+        for (int h = 0; h < Hq; h++) {
+            rope_row(q + (size_t)b * ldq + h * D, c, s, D, qr + ((size_t)b * Hq + h) * D);
+            if (scos && n_sink[b])
+                rope_row(q + (size_t)b * ldq + h * D, scos + (size_t)b * D, ssin + (size_t)b * D, D,
+                         qs + ((size_t)b * Hq + h) * D);
+        }
+        size_t row = (size_t)new_rows[b] * Hkv * D;
+        for (int h = 0; h < Hkv; h++) {
+            rope_row(k + (size_t)b * ldk + h * D, c, s, D, kbuf);
+            const float *vv = v + (size_t)b * ldv + h * D;
+            if (bf16) {
+                uint16_t *kd = (uint16_t *)kp + row + h * D, *vd = (uint16_t *)vp + row + h * D;
+                for (int d = 0; d < D; d++) { kd[d] = to_bf16(kbuf[d]); vd[d] = to_bf16(vv[d]); }
+            } else {
+                memcpy((float *)kp + row + h * D, kbuf, sizeof(float) * D);
+                memcpy((float *)vp + row + h * D, vv, sizeof(float) * D);
+            }
+        }
+    }
+    attn_decode_batch(B, qr, scos ? qs : qr, n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, out,
+                      scratch + 2 * (size_t)B * Hq * D);
+}

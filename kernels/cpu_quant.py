@@ -63,7 +63,9 @@ def _build(retry: bool = True) -> ctypes.CDLL:
     lib.q8_dequant.argtypes = [P, P, P, I, I, I, P, I, P, P, I]
     lib.attn_decode_rot.argtypes = [P, P, I, I, I, I, P, P, I, P, I, F, P, P]
     lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P]
-    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot, lib.attn_decode_batch):
+    lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, P, P]
+    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot, lib.attn_decode_batch,
+              lib.decode_attend):
         f.restype = None
     return lib
 
@@ -247,6 +249,28 @@ def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, o
     _lib.attn_decode_batch(b, q.data_ptr(), q_sink.data_ptr(), n_sink.data_ptr(), hq, hkv, d, k_pages.data_ptr(),
                            v_pages.data_ptr(), int(k_pages.dtype == torch.bfloat16), rows.data_ptr(),
                            offsets.data_ptr(), float(sm_scale), out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+def decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, v_pages, new_rows, rows, offsets,
+                  sm_scale: float) -> torch.Tensor:
+    """B sequences' one new token each, from projections to attention output, in one call.
+
+    q [B, Hq, D], k, v [B, Hkv, D] fp32 with contiguous rows (views of one qkv matmul's columns do), keys
+    before RoPE; cos, sin [B, D] at the new tokens' positions; sink_cos, sink_sin [B, D] or None; n_sink [B]
+    int32; k_pages, v_pages [R, Hkv, D] fp32 or bf16, written at new_rows [B]; rows / offsets as for
+    attn_decode_batch (each sequence's new row included, last) -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = k_pages.shape[-2]
+    for t in (q, k, v):
+        assert t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == d, "rows of [H, D] fp32"
+    assert k_pages.is_contiguous() and v_pages.is_contiguous() and k_pages.dtype == v_pages.dtype
+    out = torch.empty(b, hq, d)
+    scratch = _scratch_bytes(4 * (2 * b * hq * d + hq * rows.shape[0] + 4 * b * hq * (d + 2)))
+    _lib.decode_attend(b, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), hq, hkv, d,
+                       cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
+                       int(k_pages.dtype == torch.bfloat16), new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(),
+                       float(sm_scale), out.data_ptr(), scratch.data_ptr())
     return out
 
 
