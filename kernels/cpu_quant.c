@@ -170,32 +170,62 @@ static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G,
     return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
 }
 
-// M rows of x against one weight row, each row computed with exactly q4_row1's operations in the same
-// order, so a row's result does not depend on how many rows share the call (batch invariance: a
-// stream served beside others equals the same stream run alone). The codes are unpacked once.
-static void q4_rowsM(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
-                     const float *sums, int ng, int K, int M, float *out) {
-    __m256 a0[MAXM], a1[MAXM];
-    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
+// R (a constant, so the accumulators live in registers) rows of x against one weight row, each row
+// computed with exactly q4_row1's operations in the same order: a row's result does not depend on how
+// many rows share the call (batch invariance: a stream served beside others equals the same stream run
+// alone). The codes are unpacked once for the R rows.
+static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, const float *sc, const float *zr,
+        const int16_t *xq, const float *xs, const float *sums, int ng, int K, const int R, float *out) {
+    __m256 a0[4], a1[4];
+    for (int m = 0; m < R; m++) a0[m] = a1[m] = _mm256_setzero_ps();
     const __m128i mask = _mm_set1_epi8(0x0F);
-    for (int g = 0; g < ng; g++) {
+    int g = 0;
+    for (; g + 2 <= ng; g += 2) {
         __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(row + g * 16 + 16));
         __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
         __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
-        int second = g & 1;                 // q4_row1 sums odd groups in a1, even ones in a0
-        for (int m = 0; m < M; m++) {
+        __m256i r0 = _mm256_cvtepu8_epi16(_mm_and_si128(c, mask));
+        __m256i r1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), mask));
+        for (int m = 0; m < R; m++) {
             const int16_t *v = xq + (size_t)m * K + g * 32;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
                                          _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
-            __m256 s = _mm256_set1_ps(sc[g] * xs[m * ng + g]);
-            if (second) a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, a1[m]);
-            else a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, a0[m]);
+            __m256i t = _mm256_add_epi32(_mm256_madd_epi16(r0, _mm256_loadu_si256((const __m256i *)(v + 32))),
+                                         _mm256_madd_epi16(r1, _mm256_loadu_si256((const __m256i *)(v + 48))));
+            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[g] * xs[m * ng + g]), a0[m]);
+            a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(sc[g + 1] * xs[m * ng + g + 1]), a1[m]);
         }
     }
-    for (int m = 0; m < M; m++) {
+    if (g < ng) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
+        __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
+        __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+        for (int m = 0; m < R; m++) {
+            const int16_t *v = xq + (size_t)m * K + g * 32;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
+                                         _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
+            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[g] * xs[m * ng + g]), a0[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) {
         float tail;
         __m256 z = zero_terms(zr, sums + (size_t)m * ng, ng, &tail);
         out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a0[m], a1[m]), z)) + tail;
+    }
+}
+
+static void q4_rowsM(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
+                     const float *sums, int ng, int K, int M, float *out) {
+    for (int m = 0; m < M; m += 4) {
+        const int16_t *x = xq + (size_t)m * K;
+        const float *s = xs + (size_t)m * ng, *z = sums + (size_t)m * ng;
+        switch (M - m) {
+            case 1: out[m] = q4_row1(row, sc, zr, x, s, z, ng); break;
+            case 2: q4_rows(row, sc, zr, x, s, z, ng, K, 2, out + m); break;
+            case 3: q4_rows(row, sc, zr, x, s, z, ng, K, 3, out + m); break;
+            default: q4_rows(row, sc, zr, x, s, z, ng, K, 4, out + m); break;
+        }
     }
 }
 
