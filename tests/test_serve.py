@@ -224,3 +224,17 @@ def test_load_concurrent_streams_equal_solo_runs_and_free_every_block(server):
     assert result["max_kv_usage"] <= 1.0
     assert result["live_sequences_at_end"] == 0 and result["blocks_free_at_end"] == result["blocks_budget"]
     assert result["loaded_tok_s"] > 0 and result["ttft_p99_s"] >= result["ttft_p50_s"]
+
+
+def test_metrics_give_each_sequence_its_kv_bytes(server, tiny_engine):
+    """kvchat_sequence_kv_bytes: one series per live sequence (a request's id, or seq-N), gone once freed."""
+    handle = batch.new_sequence(tiny_engine, server.scheduler.config.cache)
+    batch.step(tiny_engine, [(handle, list(range(5, 45)))])
+    held = batch.bytes_by_sequence(tiny_engine)[batch.sequence_id(handle)]
+    assert held == 3 * 12 * 1024            # 40 tokens: 3 blocks of 12 KiB (see SERVE_CACHE above)
+    server.metrics.update_kv_bytes({batch.sequence_id(handle): "req-mine"})
+    text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics").text
+    assert f'kvchat_sequence_kv_bytes{{model_name="tiny",sequence="req-mine"}} {float(held)}' in text
+    batch.release(tiny_engine, handle)
+    server.metrics.update_kv_bytes()
+    assert 'sequence="req-mine"' not in httpx.get(server.base_url.removesuffix("/v1") + "/metrics").text

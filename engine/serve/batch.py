@@ -132,6 +132,17 @@ def kv_bytes_by_layer(engine) -> list[tuple[int, str, str, int]]:
     return [(layer, comp, fmt, b) for (layer, comp, fmt), b in sorted(totals.items())]
 
 
+def bytes_by_sequence(engine) -> dict[int, int]:
+    """Sequence id -> KV bytes it holds (all layers, K and V), for every live sequence of the engine's pool."""
+    runner = _runner(engine)
+    return {seq.seq_id: sum(k + v for k, v in runner.layer_bytes(seq))
+            for seq in list(runner.manager.sequences.values())}
+
+
+def sequence_id(handle: Sequence) -> int:
+    return handle.seq.seq_id
+
+
 def prefix_cache_counts(engine) -> tuple[int, int]:
     """(tokens looked up, tokens found) in the prefix cache since load."""
     m = _runner(engine).manager

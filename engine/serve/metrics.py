@@ -50,6 +50,10 @@ class ServeMetrics:
                               labels, buckets=TTFT_BUCKETS, registry=r).labels(*values)
         self.kv_bytes = Gauge("kvchat_kv_bytes", "KV cache bytes held, by layer, component (k or v) and format.",
                               ("model_name", "layer", "component", "format"), registry=r)
+        self.seq_bytes = Gauge("kvchat_sequence_kv_bytes", "KV cache bytes held by one sequence: a running request "
+                               "(its id) or a conversation of the app sharing the engine (seq-N).",
+                               ("model_name", "sequence"), registry=r)
+        self._seq_labels: set[str] = set()
         self._model_name = model_name
         self._prefix_seen = (0, 0)
         self._kv_at = 0.0
@@ -71,7 +75,9 @@ class ServeMetrics:
     def preempted(self) -> None:
         self.preemptions.inc()
 
-    def scheduler_state(self, num_running: int, num_waiting: int, usage: float) -> None:
+    def scheduler_state(self, num_running: int, num_waiting: int, usage: float,
+                        names: dict[int, str] | None = None) -> None:
+        """names: sequence id -> request id of the running requests (other sequences show as seq-N)."""
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(usage)
@@ -84,11 +90,17 @@ class ServeMetrics:
         now = time.monotonic()
         if now - self._kv_at >= KV_BYTES_INTERVAL_S or num_running == 0:
             self._kv_at = now
-            self.update_kv_bytes()
+            self.update_kv_bytes(names or {})
 
-    def update_kv_bytes(self) -> None:
+    def update_kv_bytes(self, names: dict[int, str] | None = None) -> None:
         rows = batch.kv_bytes_by_layer(self.engine)
+        per_seq = {(names or {}).get(i, f"seq-{i}"): b for i, b in batch.bytes_by_sequence(self.engine).items()}
         with self._lock:
+            for name, nbytes in per_seq.items():
+                self.seq_bytes.labels(self._model_name, name).set(nbytes)
+            for name in self._seq_labels - per_seq.keys():       # finished: the series goes away
+                self.seq_bytes.remove(self._model_name, name)
+            self._seq_labels = set(per_seq)
             keys = set()
             for layer, comp, fmt, nbytes in rows:
                 key = (self._model_name, str(layer), comp, fmt)

@@ -265,4 +265,5 @@ class Scheduler:
         usage = batch.usage(self.engine)
         self.max_usage = max(self.max_usage, usage)
         if self.metrics:
-            self.metrics.scheduler_state(len(self.running), len(self.waiting) + len(self._inbox), usage)
+            self.metrics.scheduler_state(len(self.running), len(self.waiting) + len(self._inbox), usage,
+                                         {batch.sequence_id(r.handle): r.id for r in self.running if r.handle})
