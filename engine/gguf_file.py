@@ -230,9 +230,17 @@ def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
     if kind in ("Q4_0", "Q4_1"):
         size = 18 if kind == "Q4_0" else 20
         blocks = data.reshape(n, -1, size)
-        d = _f16(blocks[..., 0:2])
+        # the file's float16 scales as they are (float32 only where -8 * d of Q4_0 leaves float16's range)
+        d = _f16(blocks[..., 0:2], np.float16)
         # Q4_0: w = d * (q - 8); Q4_1: w = d * q + m
-        zero = -8 * d if kind == "Q4_0" else _f16(blocks[..., 2:4])
+        if kind == "Q4_0":
+            with np.errstate(over="ignore"):
+                zero = d * np.float16(-8)          # exact: a power of two, unless it overflows
+            if not np.isfinite(zero).all():
+                d = d.astype(np.float32)
+                zero = -8 * d
+        else:
+            zero = _f16(blocks[..., 2:4], np.float16)
         return np.ascontiguousarray(blocks[..., size - 16:]).reshape(n, -1), {"scale": d, "zero": zero}
     if kind == "Q4_K":
         blocks = data.reshape(n, -1, 144)                                     # super-blocks of 256
@@ -281,9 +289,9 @@ def dense_scales(grid: dict) -> tuple[np.ndarray, np.ndarray | None]:
     return widen(grid["scale"], grid.get("scale_sup")), widen(grid.get("zero"), grid.get("zero_sup"))
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    # [..., 2] bytes -> [...] float32
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+def _f16(b: np.ndarray, dtype=np.float32) -> np.ndarray:
+    # [..., 2] bytes -> [...] float32 (or float16, as stored)
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(dtype)
 
 
 def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

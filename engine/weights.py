@@ -203,7 +203,7 @@ def q8_rows(gf: GGUFFile, name: str, chunk: int = 2048):
     if kind == "Q8_0":
         # the codes are the blocks' bytes after their scale: copied a chunk of rows at a time, each
         # chunk's file pages released at once, so a large table never sits in memory twice
-        codes, scale = np.empty((n, k), dtype=np.int8), np.empty((n, k // 32), dtype=np.float32)
+        codes, scale = np.empty((n, k), dtype=np.int8), np.empty((n, k // 32), dtype=np.float16)   # scales as stored
         row_bytes = data.shape[1]
         for lo in range(0, n, chunk):
             blocks = data[lo:lo + chunk].reshape(-1, k // 32, 34)

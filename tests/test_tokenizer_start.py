@@ -132,3 +132,26 @@ def test_warm_one_shot_chat_never_imports_transformers(tmp_path):
     first, warm = (r.stdout.rsplit("MODULES", 1)[1].split() for r in runs)
     assert first[0] == "True"                                   # the first start converts the GGUF's tokenizer
     assert warm == ["False", "False", "False", "CALLS", "0"], warm
+
+
+@pytest.mark.parametrize("d", [0.0123, 9000.0, -30000.0, 6e-8])
+def test_q4_0_scales_kept_as_stored_unless_the_zero_overflows(d):
+    """Q4_0's scales stay float16 as the file holds them; where -8 * d leaves float16's range both widen to float32.
+    Either way scale * q + zero is gguf's own dequantization exactly."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from engine.gguf_file import q4_blocks
+    rng = np.random.default_rng(0)
+    blocks = np.zeros((3, 2, 18), dtype=np.uint8)
+    blocks[..., :2] = np.full((3, 2), d, dtype=np.float16)[..., None].view(np.uint8)
+    blocks[..., 2:] = rng.integers(0, 256, (3, 2, 16))
+    data = blocks.reshape(3, 36)
+    codes, grid = q4_blocks("Q4_0", data)
+    overflow = abs(np.float16(d)) * 8 > 65504
+    assert grid["scale"].dtype == (np.float32 if overflow else np.float16) == grid["zero"].dtype
+    g = codes.reshape(3, 2, 16)
+    q = np.concatenate((g & 15, g >> 4), -1).astype(np.float32)
+    ours = q * grid["scale"].astype(np.float32)[..., None] + grid["zero"].astype(np.float32)[..., None]
+    ref = np.asarray(dequantize(data, GGMLQuantizationType.Q4_0), dtype=np.float32).reshape(3, 2, 32)
+    assert np.array_equal(ours, ref)
