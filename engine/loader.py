@@ -109,14 +109,23 @@ def gguf_tokenizer_dir(path: Path) -> Path:
     return cache_root() / "tokenizers" / f"{path.stem}-{key}"
 
 
-def gguf_tokenizer(path: Path, progress: Progress | None = None):
-    """The GGUF's tokenizer and chat template, built from its metadata once and cached (no weights)."""
+def cached_gguf_tokenizer(path: Path):
+    """The GGUF's tokenizer from the cache (a tenth of a second), or None when it is not cached yet or damaged."""
     folder = gguf_tokenizer_dir(path)
     if (folder / "tokenizer.json").is_file():
         try:
             return _load_cached(folder)
-        except Exception:     # a damaged cache: rebuild it from the file below
+        except Exception:     # a damaged cache: gguf_tokenizer rebuilds it from the file
             shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
+def gguf_tokenizer(path: Path, progress: Progress | None = None):
+    """The GGUF's tokenizer and chat template, built from its metadata once and cached (no weights)."""
+    cached = cached_gguf_tokenizer(path)
+    if cached is not None:
+        return cached
+    folder = gguf_tokenizer_dir(path)
     if progress:
         progress(f"reading the tokenizer of {path.name} (first start only)", 0.2)
     try:

@@ -61,6 +61,10 @@ class ChatTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=False)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary (added tokens included), or None."""
+        return self._tok.token_to_id(token)
+
     def convert_tokens_to_ids(self, tokens):
         if isinstance(tokens, str):
             return self._tok.token_to_id(tokens)
