@@ -155,3 +155,11 @@ def test_q4_0_scales_kept_as_stored_unless_the_zero_overflows(d):
     ours = q * grid["scale"].astype(np.float32)[..., None] + grid["zero"].astype(np.float32)[..., None]
     ref = np.asarray(dequantize(data, GGMLQuantizationType.Q4_0), dtype=np.float32).reshape(3, 2, 32)
     assert np.array_equal(ours, ref)
+
+
+def test_ggml_type_table_matches_gguf():
+    """The header reader's own table of ggml types agrees with gguf's, for every id gguf knows."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from engine.gguf_file import ggml_type
+    for qtype in GGMLQuantizationType:
+        assert ggml_type(qtype.value) == (qtype.name, *GGML_QUANT_SIZES[qtype])
