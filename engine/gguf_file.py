@@ -197,9 +197,11 @@ class GGUFFile:
 
     def dequantize(self, hf_name: str) -> np.ndarray:
         """float32 [rows, cols], by gguf's own dequantize."""
+        kind, data = self.raw(hf_name)
+        if kind in ("F32", "F16"):            # norms and the like: no need to import gguf for them
+            return np.asarray(data, dtype=np.float32)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
-        kind, data = self.raw(hf_name)
         try:
             if kind == "BF16":
                 return (data.astype(np.uint32) << 16).view(np.float32)

@@ -95,11 +95,26 @@ class ChatTokenizer:
                             tools=None, documents=None, **kwargs):
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        messages = [{k: v for k, v in m.items() if v is not None} for m in conversation]
+        messages = [{k: v for k, v in m.items() if v is not None} for m in _plain(list(conversation))]
         rendered = _compile(self.chat_template).render(
-            messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens_map, **kwargs})
+            messages=messages, tools=_plain(tools), documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt, **_plain({**self.special_tokens_map, **kwargs}))
         return self.encode(rendered, add_special_tokens=False) if tokenize else rendered
+
+
+def _plain(value):
+    """What a template sees is rebuilt from plain JSON types (str, int, float, bool, None, dict, list, tuple):
+    another object's methods are out of the sandbox's sight, so it becomes a placeholder naming its type."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (bool, str, int, float):      # subclasses (enums, numpy scalars) back to the base type
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return f"<{type(value).__name__}>"
 
 
 def _token_text(value) -> str:

@@ -210,10 +210,7 @@ def q8_rows(gf: GGUFFile, name: str, chunk: int = 2048):
     Each value the file holds is code * scale + zero exactly, so the codes are recovered by
     rounding (value - zero) / scale of gguf's own dequantization: nothing is re-quantized.
     """
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
     kind, data = gf.raw(name)
-    qtype = GGMLQuantizationType[kind]
     t = gf.tensors[gf.gguf_name(name)]
     n, k = data.shape[0], t.shape[0]
     if kind == "Q8_0":
@@ -227,6 +224,9 @@ def q8_rows(gf: GGUFFile, name: str, chunk: int = 2048):
             scale[lo:lo + chunk] = blocks[..., 0:2].copy().view(np.float16)[..., 0]
             gf.release_range(t.offset + lo * row_bytes, blocks.shape[0] * row_bytes)
         return codes, {"scale": scale}
+    from gguf import GGMLQuantizationType     # the other types are dequantized by gguf itself
+    from gguf.quants import dequantize
+    qtype = GGMLQuantizationType[kind]
     grid, group = q8_grid(kind, data)
     scale, zero = dense_scales(grid)
     codes = np.empty((n, k), dtype=np.int8)

@@ -113,17 +113,26 @@ def test_template_is_sandboxed(tmp_path, cached_default):
         "{% for m in messages %}{% generation %}{{ m.content | tojson }}{% endgeneration %}{% endfor %}")
     assert ChatTokenizer(folder).apply_chat_template([{"role": "user", "content": "é"}], tokenize=False) == '"é"'
 
+    class Path2(type(tmp_path)):       # an object whose methods write files: the template sees only its type name
+        pass
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}|{{ m.n }}{% endfor %}")
+    out = ChatTokenizer(folder).apply_chat_template([{"role": "user", "content": Path2(tmp_path), "n": True}],
+                                                    tokenize=False)
+    assert out == "<Path2>|True"
+
 
 @pytest.mark.slow
 def test_warm_one_shot_chat_never_imports_transformers(tmp_path):
     """`kvchat chat --prompt` with the tokenizer cached answers without importing transformers (a second of
-    start-up) and without running a compiler; the first start imports it once to convert the tokenizer."""
+    start-up), Qt, triton or gguf and without running a compiler; the first start imports transformers once to
+    convert the tokenizer."""
     env = dict(os.environ, KVCHAT_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).parents[1]))
     probe = ("import sys, runpy; sys.argv = ['kvchat', 'chat', '--prompt', 'Hi', '--max-new-tokens', '1'];\n"
              "import subprocess; calls = []; real = subprocess.run\n"
              "subprocess.run = lambda *a, **k: (calls.append(a), real(*a, **k))[1]\n"
              "from engine.cli import main; rc = main(sys.argv[1:])\n"
              "print('\\nMODULES', 'transformers' in sys.modules, 'PySide6' in sys.modules, 'triton' in sys.modules,"
+             " 'gguf' in sys.modules,"
              " 'CALLS', len(calls))")
     runs = [subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
@@ -131,7 +140,7 @@ def test_warm_one_shot_chat_never_imports_transformers(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
     first, warm = (r.stdout.rsplit("MODULES", 1)[1].split() for r in runs)
     assert first[0] == "True"                                   # the first start converts the GGUF's tokenizer
-    assert warm == ["False", "False", "False", "CALLS", "0"], warm
+    assert warm == ["False", "False", "False", "False", "CALLS", "0"], warm
 
 
 @pytest.mark.parametrize("d", [0.0123, 9000.0, -30000.0, 6e-8])
