@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -12,7 +12,7 @@ from .api import LOCAL
 from .config import CacheConfig, EngineConfig
 from .kv_layout import MIB
 from .gguf_file import GGUFFile
-from .loader import (ModelLoadError, transformers_reference, Progress, gguf_tokenizer, load_state_dict, load_tokenizer, locate, read_config,
+from .loader import (ModelLoadError, transformers_reference, Progress, cached_gguf_tokenizer, gguf_tokenizer, load_state_dict, load_tokenizer, locate, read_config,
                      remove_conversion_cache)
 from .memory_check import check_fits, folder_bytes, trim_heap
 from .model import ModelConfig, Transformer
@@ -43,6 +43,12 @@ def describe_weights(model: Transformer) -> str:
     if model.quant:
         return f"{model.quant} as {model.weights}"
     return model.weights
+
+
+def _done(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
 
 
 def resolve_device(device: str) -> str:
@@ -100,7 +106,12 @@ class Engine:
                 gf = GGUFFile(files.path)
                 mc = ModelConfig.from_gguf(gf)
                 check_fits(mc, gf.tensor_bytes, config.weights, device, files.path.name)
-                tokenizer = pool.submit(gguf_tokenizer, files.path, progress)
+                # cached: read at once, before the weights, so the two loads' transient memory never adds up;
+                # the first start converts it (seconds) beside the weights
+                cached = cached_gguf_tokenizer(files.path)
+                if cached is not None:
+                    trim_heap()       # the JSON parse's garbage (~14 MiB) goes back before the weights come in
+                tokenizer = _done(cached) if cached is not None else pool.submit(gguf_tokenizer, files.path, progress)
                 if progress:
                     progress("mapping weights", 0.5)
                 model = from_gguf(mc, gf, dtype, device, config.weights)
@@ -127,8 +138,12 @@ class Engine:
         ids = set()
         if tok.eos_token_id is not None:
             ids.add(tok.eos_token_id)
-        vocab = tok.get_vocab()
-        ids.update(vocab[t] for t in _STOP_TOKENS if t in vocab)
+        lookup = getattr(tok, "token_to_id", None)     # engine.tokenizer: no 49k-entry dict (11 MiB) built for this
+        if lookup is not None:
+            ids.update(i for i in map(lookup, _STOP_TOKENS) if i is not None)
+        else:
+            vocab = tok.get_vocab()
+            ids.update(vocab[t] for t in _STOP_TOKENS if t in vocab)
         return frozenset(ids)
 
     def new_session(self, system_prompt: str | None = None, cache: CacheConfig | None = None,

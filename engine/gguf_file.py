@@ -23,6 +23,23 @@ _LAYER_NAMES = {
 }
 
 
+# ggml type id -> (name, values per block, bytes per block) of the types Llama-family files use, so that
+# reading a header needs no `import gguf` (70 ms); any other id is looked up in gguf's own table
+_GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+               7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+               12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2)}
+
+
+def ggml_type(type_id: int) -> tuple[str, int, int]:
+    """(name, values per block, bytes per block) of a ggml tensor type id."""
+    known = _GGML_TYPES.get(type_id)
+    if known is not None:
+        return known
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    qtype = GGMLQuantizationType(type_id)
+    return (qtype.name, *GGML_QUANT_SIZES[qtype])
+
+
 _SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 
@@ -57,7 +74,6 @@ class GGUFFile:
 
     # header: magic, version, counts, key/value metadata, tensor infos, aligned data
     def _read_header(self) -> None:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         buf = memoryview(self._map)
         if bytes(buf[:4]) != b"GGUF":
             raise ValueError("no GGUF magic number")
@@ -83,19 +99,18 @@ class GGUFFile:
         start = (pos + align - 1) // align * align
         self.tensors: dict[str, _Tensor] = {}
         for name, dims, ttype, offset in infos:
-            qtype = GGMLQuantizationType(ttype)
-            block, size = GGML_QUANT_SIZES[qtype]
+            type_name, block, size = ggml_type(ttype)
             rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
             row_bytes = dims[0] // block * size
             begin = start + offset
             if begin + rows * row_bytes > len(self._map):
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
             data = self._map[begin:begin + rows * row_bytes].reshape(rows, row_bytes)
-            if qtype.name in ("F32", "F16", "BF16"):
-                data = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype.name])
+            if type_name in ("F32", "F16", "BF16"):
+                data = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[type_name])
             if len(dims) == 1:
                 data = data.reshape(-1)
-            self.tensors[name] = _Tensor(name, qtype.name, tuple(int(d) for d in dims), data, begin)
+            self.tensors[name] = _Tensor(name, type_name, tuple(int(d) for d in dims), data, begin)
 
     def field(self, key: str, default=None):
         value = self.fields.get(key)
@@ -182,9 +197,11 @@ class GGUFFile:
 
     def dequantize(self, hf_name: str) -> np.ndarray:
         """float32 [rows, cols], by gguf's own dequantize."""
+        kind, data = self.raw(hf_name)
+        if kind in ("F32", "F16"):            # norms and the like: no need to import gguf for them
+            return np.asarray(data, dtype=np.float32)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
-        kind, data = self.raw(hf_name)
         try:
             if kind == "BF16":
                 return (data.astype(np.uint32) << 16).view(np.float32)
@@ -230,9 +247,17 @@ def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
     if kind in ("Q4_0", "Q4_1"):
         size = 18 if kind == "Q4_0" else 20
         blocks = data.reshape(n, -1, size)
-        d = _f16(blocks[..., 0:2])
+        # the file's float16 scales as they are (float32 only where -8 * d of Q4_0 leaves float16's range)
+        d = _f16(blocks[..., 0:2], np.float16)
         # Q4_0: w = d * (q - 8); Q4_1: w = d * q + m
-        zero = -8 * d if kind == "Q4_0" else _f16(blocks[..., 2:4])
+        if kind == "Q4_0":
+            with np.errstate(over="ignore"):
+                zero = d * np.float16(-8)          # exact: a power of two, unless it overflows
+            if not np.isfinite(zero).all():
+                d = d.astype(np.float32)
+                zero = -8 * d
+        else:
+            zero = _f16(blocks[..., 2:4], np.float16)
         return np.ascontiguousarray(blocks[..., size - 16:]).reshape(n, -1), {"scale": d, "zero": zero}
     if kind == "Q4_K":
         blocks = data.reshape(n, -1, 144)                                     # super-blocks of 256
@@ -281,9 +306,9 @@ def dense_scales(grid: dict) -> tuple[np.ndarray, np.ndarray | None]:
     return widen(grid["scale"], grid.get("scale_sup")), widen(grid.get("zero"), grid.get("zero_sup"))
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    # [..., 2] bytes -> [...] float32
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+def _f16(b: np.ndarray, dtype=np.float32) -> np.ndarray:
+    # [..., 2] bytes -> [...] float32 (or float16, as stored)
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(dtype)
 
 
 def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -109,14 +109,23 @@ def gguf_tokenizer_dir(path: Path) -> Path:
     return cache_root() / "tokenizers" / f"{path.stem}-{key}"
 
 
-def gguf_tokenizer(path: Path, progress: Progress | None = None):
-    """The GGUF's tokenizer and chat template, built from its metadata once and cached (no weights)."""
+def cached_gguf_tokenizer(path: Path):
+    """The GGUF's tokenizer from the cache (a tenth of a second), or None when it is not cached yet or damaged."""
     folder = gguf_tokenizer_dir(path)
     if (folder / "tokenizer.json").is_file():
         try:
             return _load_cached(folder)
-        except Exception:     # a damaged cache: rebuild it from the file below
+        except Exception:     # a damaged cache: gguf_tokenizer rebuilds it from the file
             shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
+def gguf_tokenizer(path: Path, progress: Progress | None = None):
+    """The GGUF's tokenizer and chat template, built from its metadata once and cached (no weights)."""
+    cached = cached_gguf_tokenizer(path)
+    if cached is not None:
+        return cached
+    folder = gguf_tokenizer_dir(path)
     if progress:
         progress(f"reading the tokenizer of {path.name} (first start only)", 0.2)
     try:
@@ -132,7 +141,7 @@ def gguf_tokenizer(path: Path, progress: Progress | None = None):
         tmp.rename(folder)
     finally:                  # a failed save leaves no half-written folder behind
         shutil.rmtree(tmp, ignore_errors=True)
-    return tok
+    return _load_cached(folder)      # the same tokenizer class on the first start as on every later one
 
 
 @contextmanager
@@ -215,16 +224,10 @@ def load_state_dict(folder: Path) -> dict:
 
 
 def _load_cached(folder: Path):
-    """The tokenizer this module cached: built directly (AutoTokenizer's lookups cost 0.2-1 s more)."""
-    from transformers import PreTrainedTokenizerFast
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    specials = {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if config.get(k)}
-    template = folder / "chat_template.jinja"
-    if template.is_file():
-        specials["chat_template"] = template.read_text()
-    elif config.get("chat_template"):
-        specials["chat_template"] = config["chat_template"]
-    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **specials)
+    """The tokenizer this module cached, read by `tokenizers` and jinja2 alone: transformers is not imported
+    (a second of every start) once the cache is written."""
+    from .tokenizer import ChatTokenizer
+    return ChatTokenizer(folder)
 
 
 def _tokenizer_from_gguf(path: Path):

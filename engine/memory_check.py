@@ -33,6 +33,13 @@ def available_bytes(device: str) -> int:
         import torch
         free, _ = torch.cuda.mem_get_info()
         return free
+    try:                      # Linux: the kernel's own estimate, as psutil reports it, without importing psutil (40-90 ms)
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
     import psutil
     return psutil.virtual_memory().available
 

@@ -88,6 +88,8 @@ def _compact(scale, zero) -> cpu_quant.Scales:
         if scale.scale_sup is not None:
             return scale
         scale, zero = scale.scale, scale.zero
+    if scale.dtype == torch.float16 and (zero is None or zero.dtype == torch.float16):
+        return cpu_quant.Scales(scale.contiguous(), zero.contiguous() if zero is not None else None)   # as stored
     scale = scale.float().contiguous()
     zero = zero.float().contiguous() if zero is not None else None
     if torch.equal(scale.half().float(), scale) and (zero is None or torch.equal(zero.half().float(), zero)):
