@@ -118,6 +118,8 @@ def test_errors_are_openai_error_objects_with_status_codes(server, client):
     assert e.value.param == "n"
     r = httpx.post(server.base_url + "/chat/completions", json={"model": "tiny", "messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(server.base_url + "/completions", json={"model": "tiny", "prompt": [5], "ignore_eos": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"
 
 
 def test_shutdown_cancels_requests_with_an_error(tiny_engine):
@@ -175,7 +177,7 @@ def test_client_disconnect_frees_blocks_at_once(server, tiny_engine):
     """Closing a stream midway aborts the request: its blocks are back within a step, not at max_tokens."""
     before = scrape(server.base_url)
     body = {"model": "tiny", "prompt": [11, 12, 13], "max_tokens": 3000, "temperature": 1.0, "seed": 3,
-            "stream": True}
+            "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.base_url + "/completions", json=body) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 4:

@@ -48,7 +48,8 @@ class Generation:
 
         limit = app_state.max_context
         max_new = parsed.params.max_new_tokens if parsed.max_tokens_given else limit - len(prompt_ids)
-        self.request = Request(prompt_ids, replace(parsed.params, max_new_tokens=max_new), emit)
+        self.request = Request(prompt_ids, replace(parsed.params, max_new_tokens=max_new), emit,
+                               ignore_eos=parsed.ignore_eos)
 
     def submit(self) -> None:
         try:

@@ -45,6 +45,7 @@ class Parsed:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False        # vLLM's extra: generate to max_tokens through end-of-sequence tokens
 
 
 def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
@@ -129,8 +130,11 @@ def parse(body, kind: str) -> Parsed:
         )
     except ConfigError as exc:
         raise bad_request(str(exc)) from None
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("'ignore_eos' must be true or false", "ignore_eos")
     return Parsed(kind, model, messages, prompt, params, max_tokens is not None, tuple(s for s in stop if s),
-                  stream, bool(options.get("include_usage")))
+                  stream, bool(options.get("include_usage")), ignore_eos)
 
 
 class StopMatcher:

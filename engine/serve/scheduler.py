@@ -56,6 +56,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     emit: Callable[[TokenOut | Finished], None]     # called in the engine thread
+    ignore_eos: bool = False                        # end-of-sequence tokens do not end it (vLLM's extra)
     id: str = field(default_factory=lambda: f"req-{next(_IDS)}")
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
@@ -234,7 +235,7 @@ class Scheduler:
             request.first_token_s = time.monotonic() - request.arrival
             if self.metrics:
                 self.metrics.first_token(request.first_token_s, len(request.prompt_ids))
-        if token in self._stop_ids:
+        if token in self._stop_ids and not request.ignore_eos:
             self._finish(request, "stop")
             return
         request.output_ids.append(token)
