@@ -471,3 +471,190 @@ void attn_decode_rot(const float *q, const float *qs, int n_sink, int Hq, int Hk
         for (int d = 0; d < D; d++) dst[d] /= total;
     }
 }
+
+// ---- decode attention over quantized KV pages --------------------------------------------------------
+// One new token attends over a sequence's held past, read in place from quantized pages (int8, fp8
+// e4m3, packed int4; scales per channel over a block, per token, or per group of channels; fp16
+// scales, fp8's one-byte powers of two, fp16 zero points) and from the full-precision rows a
+// quantized component keeps beside its pages: the table's first block (`head`, when kept) and the
+// sequence's last, partly filled block (`tail`). Keys are stored before RoPE: each key row is
+// dequantized and rotated in registers at its effective position, once for the g query heads of
+// its group. Work items are (kv head, span of rows); each computes its scores, exponentiates them
+// against its own maximum and accumulates values; the spans merge by log-sum-exp at the end.
+typedef struct {
+    const void *data, *scale, *zero;   // pages [blocks, ...] as kernels/formats.py lays them out
+    const void *head, *tail;           // [bs, H, D] full precision; head NULL: block 0 lives in the pages
+    int kind;                          // 0 int8, 1 fp8 e4m3, 2 int4 (channel 2i low nibble, 2i+1 high)
+    int axis;                          // 0 per channel over the block, 1 per token, 2 per group of channels
+    int group;                         // channels per group (axis 2)
+    int full;                          // head/tail dtype: 0 fp32, 1 bf16, 2 fp16
+} kv_comp;
+
+static float fp8_lut[256];
+static int fp8_ready = 0;
+
+static void fp8_init(void) {
+    // e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal; S.1111.111 is NaN
+    if (fp8_ready) return;
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e ? ldexpf(1.f + m / 8.f, e - 7) : ldexpf(m / 8.f, -6);
+        if (e == 15 && m == 7) v = NAN;
+        fp8_lut[c] = c & 128 ? -v : v;
+    }
+    fp8_ready = 1;
+}
+
+static inline float pow2_f(uint8_t code) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)code << 23;
+    return v.f;
+}
+
+static inline float scale_f(const kv_comp *c, const void *p, size_t i) {
+    return c->kind == 1 ? pow2_f(((const uint8_t *)p)[i]) : (float)((const _Float16 *)p)[i];
+}
+
+static inline const float *full_row(const void *base, int full, size_t off, int D, float *buf) {
+    if (full == 0) return (const float *)base + off;
+    if (full == 1) {
+        const uint16_t *s = (const uint16_t *)base + off;
+        for (int d = 0; d < D; d++) { union { uint32_t u; float f; } v; v.u = (uint32_t)s[d] << 16; buf[d] = v.f; }
+    } else {
+        const _Float16 *s = (const _Float16 *)base + off;
+        for (int d = 0; d < D; d++) buf[d] = (float)s[d];
+    }
+    return buf;
+}
+
+typedef struct {        // a work item's per-channel scales of the block it is in (axis 0)
+    int64_t id;
+    float s[256], z[256];
+} chan_scales;
+
+// Row `slot` of head h of one component as float32 (before RoPE for keys): a pointer into the pages'
+// full-precision rows, or buf filled by dequantizing the codes exactly as kernels/reference.py does
+// (code * scale, then + zero: no fused multiply-add, so the values are bit-identical to torch's).
+static const float *kv_row(const kv_comp *c, int H, int D, int bs, int n_full, const int64_t *table, int64_t slot,
+                           int h, float *buf, chan_scales *cs) {
+    int64_t b = slot / bs, off = slot % bs;
+    if (b >= n_full) return full_row(c->tail, c->full, ((size_t)off * H + h) * D, D, buf);
+    if (b == 0 && c->head) return full_row(c->head, c->full, ((size_t)off * H + h) * D, D, buf);
+    int64_t id = table[b];
+    size_t r = ((size_t)id * bs + off) * H + h;
+    if (c->kind == 0) {
+        const int8_t *q = (const int8_t *)c->data + r * D;
+        for (int d = 0; d < D; d++) buf[d] = (float)q[d];
+    } else if (c->kind == 1) {
+        const uint8_t *q = (const uint8_t *)c->data + r * D;
+        for (int d = 0; d < D; d++) buf[d] = fp8_lut[q[d]];
+    } else {
+        const uint8_t *q = (const uint8_t *)c->data + r * (D / 2);
+        for (int i = 0; i < D / 2; i++) { buf[2 * i] = (float)(q[i] & 15); buf[2 * i + 1] = (float)(q[i] >> 4); }
+    }
+    if (c->axis == 0) {
+        if (cs->id != id) {
+            size_t o = ((size_t)id * H + h) * D;
+            for (int d = 0; d < D; d++) cs->s[d] = scale_f(c, c->scale, o + d);
+            for (int d = 0; d < D; d++) cs->z[d] = c->zero ? (float)((const _Float16 *)c->zero)[o + d] : 0.f;
+            cs->id = id;
+        }
+        if (c->zero) for (int d = 0; d < D; d++) buf[d] = buf[d] * cs->s[d] + cs->z[d];
+        else for (int d = 0; d < D; d++) buf[d] = buf[d] * cs->s[d];
+    } else if (c->axis == 1) {
+        float s = scale_f(c, c->scale, r);
+        if (c->zero) {
+            float z = (float)((const _Float16 *)c->zero)[r];
+            for (int d = 0; d < D; d++) buf[d] = buf[d] * s + z;
+        } else {
+            for (int d = 0; d < D; d++) buf[d] = buf[d] * s;
+        }
+    } else {
+        int G = c->group, ng = D / G;
+        for (int g = 0; g < ng; g++) {
+            float s = scale_f(c, c->scale, r * ng + g);
+            float *o = buf + g * G;
+            if (c->zero) {
+                float z = (float)((const _Float16 *)c->zero)[r * ng + g];
+                for (int j = 0; j < G; j++) o[j] = o[j] * s + z;
+            } else {
+                for (int j = 0; j < G; j++) o[j] = o[j] * s;
+            }
+        }
+    }
+    return buf;
+}
+
+static inline void rope_row(const float *x, const float *cs, const float *sn, int D, float *out) {
+    // rotate-half RoPE with half tables cs, sn [D/2]: the same products and sums as attention.rotate
+    int h = D / 2;
+    for (int d = 0; d < h; d++) {
+        out[d] = x[d] * cs[d] + x[d + h] * -sn[d];
+        out[d + h] = x[d + h] * cs[d] + x[d] * sn[d];
+    }
+}
+
+void attn_decode_quant(const float *q, const float *knew, const float *vnew, int Hq, int Hkv, int D, int bs,
+                       const int64_t *slots, int P, const int64_t *table, int n_full,
+                       const kv_comp *kc, const kv_comp *vc, const float *cos_h, const float *sin_h,
+                       const int64_t *pos, float sm_scale, int nthreads, float *out, float *scratch) {
+    // q [Hq, D] rotated at the new token's position; knew, vnew [Hkv, D] the new token's key (before
+    // RoPE) and value, attended last; slots [P] the held past, ascending; cos_h, sin_h [*, D/2] rows
+    // picked by pos [P + 1] (the past's effective key positions, then the new token's).
+    // scratch: Hq * (P + 1) + S * Hq * (D + 2) floats, S = spans (at most 64).
+    fp8_init();
+    int g = Hq / Hkv, L = P + 1, half = D / 2;
+    int S = L / 64 < 1 ? 1 : L / 64;
+    int want = (4 * nthreads + Hkv - 1) / Hkv;
+    while ((Hkv * want) % nthreads && want < 8 * nthreads) want++;
+    if (S > want) S = want;
+    if (S > 64) S = 64;
+    float *part = scratch + (size_t)Hq * L;
+    #pragma omp parallel for schedule(static)
+    for (int it = 0; it < S * Hkv; it++) {
+        int c = it / Hkv, h = it % Hkv;
+        int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
+        float buf[256], kr[256];
+        chan_scales cs;
+        cs.id = -1;
+        for (int p = lo; p < hi; p++) {
+            const float *k = p < P ? kv_row(kc, Hkv, D, bs, n_full, table, slots[p], h, buf, &cs) : knew + (size_t)h * D;
+            rope_row(k, cos_h + (size_t)pos[p] * half, sin_h + (size_t)pos[p] * half, D, kr);
+            for (int j = 0; j < g; j++)
+                scratch[(size_t)(h * g + j) * L + p] = dot_f32(q + (size_t)(h * g + j) * D, kr, D) * sm_scale;
+        }
+        for (int j = 0; j < g; j++) {
+            int i = h * g + j;
+            float *si = scratch + (size_t)i * L, mx = -INFINITY;
+            float *o = part + ((size_t)c * Hq + i) * (D + 2);
+            for (int p = lo; p < hi; p++) mx = si[p] > mx ? si[p] : mx;
+            o[D] = mx;
+            o[D + 1] = hi > lo ? exp_span(si, lo, hi, mx) : 0.f;
+            for (int d = 0; d < D; d++) o[d] = 0.f;
+        }
+        cs.id = -1;
+        for (int p = lo; p < hi; p++) {
+            const float *v = p < P ? kv_row(vc, Hkv, D, bs, n_full, table, slots[p], h, buf, &cs) : vnew + (size_t)h * D;
+            for (int j = 0; j < g; j++) {
+                float w = scratch[(size_t)(h * g + j) * L + p], *o = part + ((size_t)c * Hq + h * g + j) * (D + 2);
+                for (int d = 0; d < D; d++) o[d] += w * v[d];
+            }
+        }
+    }
+    for (int i = 0; i < Hq; i++) {
+        float mx = -INFINITY, total = 0.f, *dst = out + (size_t)i * D;
+        for (int c = 0; c < S; c++) {
+            float m = part[((size_t)c * Hq + i) * (D + 2) + D];
+            mx = m > mx ? m : mx;
+        }
+        for (int d = 0; d < D; d++) dst[d] = 0.f;
+        for (int c = 0; c < S; c++) {
+            const float *o = part + ((size_t)c * Hq + i) * (D + 2);
+            if (o[D + 1] == 0.f) continue;
+            float w = expf(o[D] - mx);
+            total += w * o[D + 1];
+            for (int d = 0; d < D; d++) dst[d] += w * o[d];
+        }
+        for (int d = 0; d < D; d++) dst[d] /= total;
+    }
+}
