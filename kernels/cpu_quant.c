@@ -594,6 +594,173 @@ static inline void rope_row(const float *x, const float *cs, const float *sn, in
     }
 }
 
+typedef struct {        // what every work item of one call reads
+    const kv_comp *kc, *vc;
+    const float *q, *knew, *vnew, *cos_h, *sin_h;
+    const int64_t *slots, *table, *pos;
+    int Hq, Hkv, D, bs, P, L, n_full, g;
+    float sm_scale;
+    float *scores, *part;      // scores [Hq, L]; part [spans, Hq, D + 2]
+} qattn;
+
+#ifdef __AVX2__
+// The vector path: rows in the quantized pages, D a multiple of 16, groups a multiple of 8. It is
+// specialized per (code kind, scale axis) so that the inner loops carry no format branches. A row's
+// scales are set up once (axis 0: the block's channel scales, converted when the block changes; axis 1:
+// one per token; axis 2: one per group), then 8 channels at a time are widened, scaled (multiply, then
+// add the zero: the same two roundings as torch) and used in registers.
+typedef struct {
+    const uint8_t *codes;
+    __m256 s1, z1;                 // axis 1
+    float gs[32], gz[32];          // axis 2, per group
+} qrow;
+
+static inline int quant_row(const qattn *a, const kv_comp *c, int64_t slot, int h, int kind, int axis, qrow *r,
+                            chan_scales *cs) {
+    int64_t b = slot / a->bs, off = slot % a->bs;
+    if (b >= a->n_full || (b == 0 && c->head)) return 0;
+    int64_t id = a->table[b];
+    int D = a->D, H = a->Hkv;
+    size_t row = ((size_t)id * a->bs + off) * H + h;
+    r->codes = (const uint8_t *)c->data + row * (kind == 2 ? D / 2 : D);
+    if (axis == 0) {
+        if (cs->id != id) {
+            size_t o = ((size_t)id * H + h) * D;
+            for (int d = 0; d < D; d++) cs->s[d] = scale_f(c, c->scale, o + d);
+            for (int d = 0; d < D; d++) cs->z[d] = c->zero ? (float)((const _Float16 *)c->zero)[o + d] : 0.f;
+            cs->id = id;
+        }
+    } else if (axis == 1) {
+        r->s1 = _mm256_set1_ps(scale_f(c, c->scale, row));
+        r->z1 = _mm256_set1_ps(c->zero ? (float)((const _Float16 *)c->zero)[row] : 0.f);
+    } else {
+        int ng = D / c->group;
+        for (int i = 0; i < ng; i++) {
+            r->gs[i] = scale_f(c, c->scale, row * ng + i);
+            r->gz[i] = c->zero ? (float)((const _Float16 *)c->zero)[row * ng + i] : 0.f;
+        }
+    }
+    return 1;
+}
+
+static inline __m256 deq8(const qrow *r, const chan_scales *cs, int group, int d, int kind, int axis) {
+    __m256 x;
+    if (kind == 0) {
+        x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r->codes + d))));
+    } else if (kind == 1) {
+        x = _mm256_i32gather_ps(fp8_lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r->codes + d))), 4);
+    } else {                       // channel 2i in the low nibble of byte i, 2i + 1 in the high one
+        int32_t b;
+        memcpy(&b, r->codes + d / 2, 4);
+        __m128i v = _mm_cvtsi32_si128(b), m = _mm_set1_epi8(15);
+        __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+        x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+    }
+    __m256 s, z;
+    if (axis == 0) { s = _mm256_loadu_ps(cs->s + d); z = _mm256_loadu_ps(cs->z + d); }
+    else if (axis == 1) { s = r->s1; z = r->z1; }
+    else { s = _mm256_set1_ps(r->gs[d / group]); z = _mm256_set1_ps(r->gz[d / group]); }
+    return _mm256_add_ps(_mm256_mul_ps(x, s), z);     // z = 0 when symmetric: x * s exactly
+}
+
+static inline __attribute__((always_inline)) void k_pass(const qattn *a, int h, int lo, int hi, int kind, int axis) {
+    const kv_comp *c = a->kc;
+    int D = a->D, half = D / 2, g = a->g;
+    float buf[256], kr[256];
+    chan_scales cs;
+    cs.id = -1;
+    qrow r;
+    for (int p = lo; p < hi; p++) {
+        const float *cp = a->cos_h + (size_t)a->pos[p] * half, *sp = a->sin_h + (size_t)a->pos[p] * half;
+        if (p < a->P && quant_row(a, c, a->slots[p], h, kind, axis, &r, &cs)) {
+            for (int d = 0; d < half; d += 8) {
+                __m256 xl = deq8(&r, &cs, c->group, d, kind, axis), xh = deq8(&r, &cs, c->group, d + half, kind, axis);
+                __m256 cv = _mm256_loadu_ps(cp + d), sv = _mm256_loadu_ps(sp + d);
+                __m256 ns = _mm256_sub_ps(_mm256_setzero_ps(), sv);
+                _mm256_storeu_ps(kr + d, _mm256_add_ps(_mm256_mul_ps(xl, cv), _mm256_mul_ps(xh, ns)));
+                _mm256_storeu_ps(kr + d + half, _mm256_add_ps(_mm256_mul_ps(xh, cv), _mm256_mul_ps(xl, sv)));
+            }
+        } else {
+            const float *k = p < a->P ? kv_row(c, a->Hkv, D, a->bs, a->n_full, a->table, a->slots[p], h, buf, &cs)
+                                      : a->knew + (size_t)h * D;
+            rope_row(k, cp, sp, D, kr);
+        }
+        for (int j = 0; j < g; j++)
+            a->scores[(size_t)(h * g + j) * a->L + p] = dot_f32(a->q + (size_t)(h * g + j) * D, kr, D) * a->sm_scale;
+    }
+}
+
+static inline __attribute__((always_inline)) void v_pass(const qattn *a, int h, int span, int lo, int hi, int kind,
+                                                         int axis) {
+    const kv_comp *c = a->vc;
+    int D = a->D, g = a->g;
+    float buf[256];
+    chan_scales cs;
+    cs.id = -1;
+    qrow r;
+    float *o0 = a->part + ((size_t)span * a->Hq + h * g) * (D + 2);
+    for (int p = lo; p < hi; p++) {
+        float w[64];
+        for (int j = 0; j < g; j++) w[j] = a->scores[(size_t)(h * g + j) * a->L + p];
+        if (p < a->P && quant_row(a, c, a->slots[p], h, kind, axis, &r, &cs)) {
+            for (int d = 0; d < D; d += 8) {
+                __m256 x = deq8(&r, &cs, c->group, d, kind, axis);
+                for (int j = 0; j < g; j++) {
+                    float *o = o0 + (size_t)j * (D + 2) + d;
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(w[j]), x, _mm256_loadu_ps(o)));
+                }
+            }
+        } else {
+            const float *v = p < a->P ? kv_row(c, a->Hkv, D, a->bs, a->n_full, a->table, a->slots[p], h, buf, &cs)
+                                      : a->vnew + (size_t)h * D;
+            for (int j = 0; j < g; j++) {
+                float *o = o0 + (size_t)j * (D + 2);
+                for (int d = 0; d < D; d++) o[d] += w[j] * v[d];
+            }
+        }
+    }
+}
+
+typedef void (*pass_fn)(const qattn *, int, int, int, int);
+#define QPASS(kind, axis) \
+    static void kp_##kind##_##axis(const qattn *a, int h, int span, int lo, int hi) { (void)span; k_pass(a, h, lo, hi, kind, axis); } \
+    static void vp_##kind##_##axis(const qattn *a, int h, int span, int lo, int hi) { v_pass(a, h, span, lo, hi, kind, axis); }
+QPASS(0, 0) QPASS(0, 1) QPASS(0, 2) QPASS(1, 0) QPASS(1, 1) QPASS(1, 2) QPASS(2, 0) QPASS(2, 1) QPASS(2, 2)
+static const pass_fn k_passes[9] = {kp_0_0, kp_0_1, kp_0_2, kp_1_0, kp_1_1, kp_1_2, kp_2_0, kp_2_1, kp_2_2};
+static const pass_fn v_passes[9] = {vp_0_0, vp_0_1, vp_0_2, vp_1_0, vp_1_1, vp_1_2, vp_2_0, vp_2_1, vp_2_2};
+#endif
+
+// The scalar path (any D, any group; no AVX2): rows dequantized into a buffer by kv_row.
+static void k_pass_any(const qattn *a, int h, int span, int lo, int hi) {
+    (void)span;
+    int D = a->D, half = D / 2, g = a->g;
+    float buf[256], kr[256];
+    chan_scales cs;
+    cs.id = -1;
+    for (int p = lo; p < hi; p++) {
+        const float *k = p < a->P ? kv_row(a->kc, a->Hkv, D, a->bs, a->n_full, a->table, a->slots[p], h, buf, &cs)
+                                  : a->knew + (size_t)h * D;
+        rope_row(k, a->cos_h + (size_t)a->pos[p] * half, a->sin_h + (size_t)a->pos[p] * half, D, kr);
+        for (int j = 0; j < g; j++)
+            a->scores[(size_t)(h * g + j) * a->L + p] = dot_f32(a->q + (size_t)(h * g + j) * D, kr, D) * a->sm_scale;
+    }
+}
+
+static void v_pass_any(const qattn *a, int h, int span, int lo, int hi) {
+    int D = a->D, g = a->g;
+    float buf[256];
+    chan_scales cs;
+    cs.id = -1;
+    for (int p = lo; p < hi; p++) {
+        const float *v = p < a->P ? kv_row(a->vc, a->Hkv, D, a->bs, a->n_full, a->table, a->slots[p], h, buf, &cs)
+                                  : a->vnew + (size_t)h * D;
+        for (int j = 0; j < g; j++) {
+            float w = a->scores[(size_t)(h * g + j) * a->L + p], *o = a->part + ((size_t)span * a->Hq + h * g + j) * (D + 2);
+            for (int d = 0; d < D; d++) o[d] += w * v[d];
+        }
+    }
+}
+
 void attn_decode_quant(const float *q, const float *knew, const float *vnew, int Hq, int Hkv, int D, int bs,
                        const int64_t *slots, int P, const int64_t *table, int n_full,
                        const kv_comp *kc, const kv_comp *vc, const float *cos_h, const float *sin_h,
@@ -603,44 +770,43 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
     // picked by pos [P + 1] (the past's effective key positions, then the new token's).
     // scratch: Hq * (P + 1) + S * Hq * (D + 2) floats, S = spans (at most 64).
     fp8_init();
-    int g = Hq / Hkv, L = P + 1, half = D / 2;
+    int g = Hq / Hkv, L = P + 1;
     int S = L / 64 < 1 ? 1 : L / 64;
     int want = (4 * nthreads + Hkv - 1) / Hkv;
     while ((Hkv * want) % nthreads && want < 8 * nthreads) want++;
     if (S > want) S = want;
     if (S > 64) S = 64;
-    float *part = scratch + (size_t)Hq * L;
+    qattn a = {kc, vc, q, knew, vnew, cos_h, sin_h, slots, table, pos, Hq, Hkv, D, bs, P, L, n_full, g, sm_scale,
+               scratch, scratch + (size_t)Hq * L};
+    pass_fn kpass = k_pass_any, vpass = v_pass_any;
+#ifdef __AVX2__
+    int vec_ok = D % 16 == 0;
+    for (int i = 0; i < 2; i++) {
+        const kv_comp *c = i ? vc : kc;
+        if (c->axis == 2 && c->group % 8) vec_ok = 0;
+    }
+    if (vec_ok) {
+        kpass = k_passes[kc->kind * 3 + kc->axis];
+        vpass = v_passes[vc->kind * 3 + vc->axis];
+    }
+#endif
     #pragma omp parallel for schedule(static)
     for (int it = 0; it < S * Hkv; it++) {
         int c = it / Hkv, h = it % Hkv;
         int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
-        float buf[256], kr[256];
-        chan_scales cs;
-        cs.id = -1;
-        for (int p = lo; p < hi; p++) {
-            const float *k = p < P ? kv_row(kc, Hkv, D, bs, n_full, table, slots[p], h, buf, &cs) : knew + (size_t)h * D;
-            rope_row(k, cos_h + (size_t)pos[p] * half, sin_h + (size_t)pos[p] * half, D, kr);
-            for (int j = 0; j < g; j++)
-                scratch[(size_t)(h * g + j) * L + p] = dot_f32(q + (size_t)(h * g + j) * D, kr, D) * sm_scale;
-        }
+        kpass(&a, h, c, lo, hi);
         for (int j = 0; j < g; j++) {
             int i = h * g + j;
-            float *si = scratch + (size_t)i * L, mx = -INFINITY;
-            float *o = part + ((size_t)c * Hq + i) * (D + 2);
+            float *si = a.scores + (size_t)i * L, mx = -INFINITY;
+            float *o = a.part + ((size_t)c * Hq + i) * (D + 2);
             for (int p = lo; p < hi; p++) mx = si[p] > mx ? si[p] : mx;
             o[D] = mx;
             o[D + 1] = hi > lo ? exp_span(si, lo, hi, mx) : 0.f;
             for (int d = 0; d < D; d++) o[d] = 0.f;
         }
-        cs.id = -1;
-        for (int p = lo; p < hi; p++) {
-            const float *v = p < P ? kv_row(vc, Hkv, D, bs, n_full, table, slots[p], h, buf, &cs) : vnew + (size_t)h * D;
-            for (int j = 0; j < g; j++) {
-                float w = scratch[(size_t)(h * g + j) * L + p], *o = part + ((size_t)c * Hq + h * g + j) * (D + 2);
-                for (int d = 0; d < D; d++) o[d] += w * v[d];
-            }
-        }
+        vpass(&a, h, c, lo, hi);
     }
+    float *part = a.part;
     for (int i = 0; i < Hq; i++) {
         float mx = -INFINITY, total = 0.f, *dst = out + (size_t)i * D;
         for (int c = 0; c < S; c++) {

@@ -23,7 +23,7 @@ PAIRS = [("int8", "int8", "channel"), ("int4", "int4", "channel"), ("fp8", "fp8"
 def engine(request, tmp_path_factory):
     from tiny_models import tiny_model_dir
     heads, kv_heads, head_dim = request.param
-    folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-qdecode"), hidden=128, heads=heads, kv_heads=kv_heads,
+    folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-qdecode"), hidden=32 * heads, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim, layers=2, max_positions=512, seed=3)
     return Engine.load(EngineConfig(model=folder))
 
