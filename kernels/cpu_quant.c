@@ -615,124 +615,195 @@ typedef struct {
     float gs[32], gz[32];          // axis 2, per group
 } qrow;
 
-static inline int quant_row(const qattn *a, const kv_comp *c, int64_t slot, int h, int kind, int axis, qrow *r,
-                            chan_scales *cs) {
-    int64_t b = slot / a->bs, off = slot % a->bs;
-    if (b >= a->n_full || (b == 0 && c->head)) return 0;
-    int64_t id = a->table[b];
-    int D = a->D, H = a->Hkv;
-    size_t row = ((size_t)id * a->bs + off) * H + h;
+static inline int seg_end(const qattn *a, int p, int hi, int64_t *b) {
+    // the rows p.. of the past that share p's block (slots ascend): one division per block, not per row
+    int64_t base = a->slots[p] / a->bs;
+    *b = base;
+    base *= a->bs;
+    int e = p + 1, lim = hi < a->P ? hi : a->P;
+    while (e < lim && a->slots[e] < base + a->bs) e++;
+    return e;
+}
+
+static inline int seg_quant(const qattn *a, const kv_comp *c, int64_t b) {
+    return b < a->n_full && !(b == 0 && c->head);
+}
+
+static inline void chan_setup(const qattn *a, const kv_comp *c, int64_t id, int h, chan_scales *cs) {
+    int D = a->D;
+    size_t o = ((size_t)id * a->Hkv + h) * D;
+    for (int d = 0; d < D; d++) cs->s[d] = scale_f(c, c->scale, o + d);
+    for (int d = 0; d < D; d++) cs->z[d] = c->zero ? (float)((const _Float16 *)c->zero)[o + d] : 0.f;
+    cs->id = id;
+}
+
+static inline void row_setup(const qattn *a, const kv_comp *c, int64_t id, int64_t off, int h, int kind, int axis,
+                             qrow *r) {
+    int D = a->D;
+    size_t row = ((size_t)id * a->bs + off) * a->Hkv + h;
     r->codes = (const uint8_t *)c->data + row * (kind == 2 ? D / 2 : D);
-    if (axis == 0) {
-        if (cs->id != id) {
-            size_t o = ((size_t)id * H + h) * D;
-            for (int d = 0; d < D; d++) cs->s[d] = scale_f(c, c->scale, o + d);
-            for (int d = 0; d < D; d++) cs->z[d] = c->zero ? (float)((const _Float16 *)c->zero)[o + d] : 0.f;
-            cs->id = id;
-        }
-    } else if (axis == 1) {
+    if (axis == 1) {
         r->s1 = _mm256_set1_ps(scale_f(c, c->scale, row));
         r->z1 = _mm256_set1_ps(c->zero ? (float)((const _Float16 *)c->zero)[row] : 0.f);
-    } else {
+    } else if (axis == 2) {
         int ng = D / c->group;
         for (int i = 0; i < ng; i++) {
             r->gs[i] = scale_f(c, c->scale, row * ng + i);
             r->gz[i] = c->zero ? (float)((const _Float16 *)c->zero)[row * ng + i] : 0.f;
         }
     }
-    return 1;
+}
+
+static inline __m256 codes8(const uint8_t *codes, int d, int kind) {
+    if (kind == 0)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + d))));
+    if (kind == 1) {               // e4m3: the magnitude bits shifted into a float's exponent and mantissa,
+        // times 2^120 (exact for normals and subnormals alike), then the sign
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + d)));
+        __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7f)), 20);
+        __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+        __m256 x = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
+        return _mm256_or_ps(x, _mm256_castsi256_ps(sgn));
+    }
+    int32_t b;                     // int4: channel 2i in the low nibble of byte i, 2i + 1 in the high one
+    memcpy(&b, codes + d / 2, 4);
+    __m128i v = _mm_cvtsi32_si128(b), m = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
 }
 
 static inline __m256 deq8(const qrow *r, const chan_scales *cs, int group, int d, int kind, int axis) {
-    __m256 x;
-    if (kind == 0) {
-        x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r->codes + d))));
-    } else if (kind == 1) {
-        x = _mm256_i32gather_ps(fp8_lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r->codes + d))), 4);
-    } else {                       // channel 2i in the low nibble of byte i, 2i + 1 in the high one
-        int32_t b;
-        memcpy(&b, r->codes + d / 2, 4);
-        __m128i v = _mm_cvtsi32_si128(b), m = _mm_set1_epi8(15);
-        __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-        x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
-    }
-    __m256 s, z;
+    __m256 x = codes8(r->codes, d, kind), s, z;
     if (axis == 0) { s = _mm256_loadu_ps(cs->s + d); z = _mm256_loadu_ps(cs->z + d); }
     else if (axis == 1) { s = r->s1; z = r->z1; }
     else { s = _mm256_set1_ps(r->gs[d / group]); z = _mm256_set1_ps(r->gz[d / group]); }
-    return _mm256_add_ps(_mm256_mul_ps(x, s), z);     // z = 0 when symmetric: x * s exactly
+    return _mm256_fmadd_ps(x, s, z);     // one rounding (torch rounds code * scale, then + zero)
 }
 
-static inline __attribute__((always_inline)) void k_pass(const qattn *a, int h, int lo, int hi, int kind, int axis) {
+// Scores of one kv head's rows lo..hi for its G query heads; G is a constant in each specialization,
+// so the G accumulators stay in registers and the rotated key never goes to memory.
+static inline __attribute__((always_inline)) void k_pass(const qattn *a, int h, int j0, int lo, int hi, int kind,
+                                                         int axis, const int G) {
     const kv_comp *c = a->kc;
-    int D = a->D, half = D / 2, g = a->g;
+    int D = a->D, half = D / 2;
     float buf[256], kr[256];
     chan_scales cs;
     cs.id = -1;
     qrow r;
-    for (int p = lo; p < hi; p++) {
-        const float *cp = a->cos_h + (size_t)a->pos[p] * half, *sp = a->sin_h + (size_t)a->pos[p] * half;
-        if (p < a->P && quant_row(a, c, a->slots[p], h, kind, axis, &r, &cs)) {
-            for (int d = 0; d < half; d += 8) {
-                __m256 xl = deq8(&r, &cs, c->group, d, kind, axis), xh = deq8(&r, &cs, c->group, d + half, kind, axis);
-                __m256 cv = _mm256_loadu_ps(cp + d), sv = _mm256_loadu_ps(sp + d);
-                __m256 ns = _mm256_sub_ps(_mm256_setzero_ps(), sv);
-                _mm256_storeu_ps(kr + d, _mm256_add_ps(_mm256_mul_ps(xl, cv), _mm256_mul_ps(xh, ns)));
-                _mm256_storeu_ps(kr + d + half, _mm256_add_ps(_mm256_mul_ps(xh, cv), _mm256_mul_ps(xl, sv)));
+    const float *q0 = a->q + (size_t)(h * a->g + j0) * D;
+    float *s0 = a->scores + (size_t)(h * a->g + j0) * a->L;
+    for (int p = lo; p < hi;) {
+        int64_t b = 0;
+        int end = p < a->P ? seg_end(a, p, hi, &b) : p + 1;
+        int quant = p < a->P && seg_quant(a, c, b);
+        int64_t id = quant ? a->table[b] : -1, base = b * a->bs;
+        if (quant && axis == 0 && cs.id != id) chan_setup(a, c, id, h, &cs);
+        for (; p < end; p++) {
+            const float *cp = a->cos_h + (size_t)a->pos[p] * half, *sp = a->sin_h + (size_t)a->pos[p] * half;
+            if (quant) {
+                row_setup(a, c, id, a->slots[p] - base, h, kind, axis, &r);
+                __m256 acc[8];
+                for (int j = 0; j < G; j++) acc[j] = _mm256_setzero_ps();
+                for (int d = 0; d < half; d += 8) {
+                    __m256 xl = deq8(&r, &cs, c->group, d, kind, axis), xh = deq8(&r, &cs, c->group, d + half, kind, axis);
+                    __m256 cv = _mm256_loadu_ps(cp + d), sv = _mm256_loadu_ps(sp + d);
+                    __m256 rl = _mm256_fnmadd_ps(xh, sv, _mm256_mul_ps(xl, cv));
+                    __m256 rh = _mm256_fmadd_ps(xl, sv, _mm256_mul_ps(xh, cv));
+                    for (int j = 0; j < G; j++) {
+                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + (size_t)j * D + d), rl, acc[j]);
+                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + (size_t)j * D + d + half), rh, acc[j]);
+                    }
+                }
+                for (int j = 0; j < G; j++)
+                    s0[(size_t)j * a->L + p] = hsum8(acc[j]) * a->sm_scale;
+            } else {
+                const float *k = p < a->P ? kv_row(c, a->Hkv, D, a->bs, a->n_full, a->table, a->slots[p], h, buf, &cs)
+                                          : a->knew + (size_t)h * D;
+                rope_row(k, cp, sp, D, kr);
+                for (int j = 0; j < G; j++)
+                    s0[(size_t)j * a->L + p] = dot_f32(q0 + (size_t)j * D, kr, D) * a->sm_scale;
             }
-        } else {
-            const float *k = p < a->P ? kv_row(c, a->Hkv, D, a->bs, a->n_full, a->table, a->slots[p], h, buf, &cs)
-                                      : a->knew + (size_t)h * D;
-            rope_row(k, cp, sp, D, kr);
         }
-        for (int j = 0; j < g; j++)
-            a->scores[(size_t)(h * g + j) * a->L + p] = dot_f32(a->q + (size_t)(h * g + j) * D, kr, D) * a->sm_scale;
     }
 }
 
-static inline __attribute__((always_inline)) void v_pass(const qattn *a, int h, int span, int lo, int hi, int kind,
-                                                         int axis) {
+// Values: within a block's run of rows, 8 channels at a time, the G outputs' accumulators in registers.
+static inline __attribute__((always_inline)) void v_pass(const qattn *a, int h, int j0, int span, int lo, int hi,
+                                                         int kind, int axis, const int G) {
     const kv_comp *c = a->vc;
-    int D = a->D, g = a->g;
+    int D = a->D, bs = a->bs;
     float buf[256];
     chan_scales cs;
     cs.id = -1;
-    qrow r;
-    float *o0 = a->part + ((size_t)span * a->Hq + h * g) * (D + 2);
-    for (int p = lo; p < hi; p++) {
-        float w[64];
-        for (int j = 0; j < g; j++) w[j] = a->scores[(size_t)(h * g + j) * a->L + p];
-        if (p < a->P && quant_row(a, c, a->slots[p], h, kind, axis, &r, &cs)) {
-            for (int d = 0; d < D; d += 8) {
-                __m256 x = deq8(&r, &cs, c->group, d, kind, axis);
-                for (int j = 0; j < g; j++) {
-                    float *o = o0 + (size_t)j * (D + 2) + d;
-                    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(w[j]), x, _mm256_loadu_ps(o)));
+    float *o0 = a->part + ((size_t)span * a->Hq + h * a->g + j0) * (D + 2);
+    const float *w0 = a->scores + (size_t)(h * a->g + j0) * a->L;
+    for (int p = lo; p < hi;) {
+        int64_t b = 0;
+        int end = p < a->P ? seg_end(a, p, hi, &b) : p + 1;
+        int quant = p < a->P && seg_quant(a, c, b);
+        if (!quant) {
+            for (; p < end; p++) {
+                const float *v = p < a->P ? kv_row(c, a->Hkv, D, bs, a->n_full, a->table, a->slots[p], h, buf, &cs)
+                                          : a->vnew + (size_t)h * D;
+                for (int j = 0; j < G; j++) {
+                    float w = w0[(size_t)j * a->L + p], *o = o0 + (size_t)j * (D + 2);
+                    for (int d = 0; d < D; d++) o[d] += w * v[d];
                 }
             }
-        } else {
-            const float *v = p < a->P ? kv_row(c, a->Hkv, D, a->bs, a->n_full, a->table, a->slots[p], h, buf, &cs)
-                                      : a->vnew + (size_t)h * D;
-            for (int j = 0; j < g; j++) {
-                float *o = o0 + (size_t)j * (D + 2);
-                for (int d = 0; d < D; d++) o[d] += w[j] * v[d];
-            }
+            continue;
         }
+        int64_t id = a->table[b], base = b * bs;
+        if (axis == 0 && cs.id != id) chan_setup(a, c, id, h, &cs);
+        int n = end - p, ng = axis == 2 ? D / c->group : 1;
+        const uint8_t *rowp[256];
+        float rs[256 * 8], rz[256 * 8];
+        size_t rowbytes = kind == 2 ? D / 2 : D;
+        for (int i = 0; i < n; i++) {
+            size_t row = ((size_t)id * bs + (a->slots[p + i] - base)) * a->Hkv + h;
+            rowp[i] = (const uint8_t *)c->data + row * rowbytes;
+            if (axis != 0)
+                for (int k = 0; k < ng; k++) {
+                    rs[i * ng + k] = scale_f(c, c->scale, row * ng + k);
+                    rz[i * ng + k] = c->zero ? (float)((const _Float16 *)c->zero)[row * ng + k] : 0.f;
+                }
+        }
+        for (int d = 0; d < D; d += 8) {
+            __m256 acc[8];
+            for (int j = 0; j < G; j++) acc[j] = _mm256_loadu_ps(o0 + (size_t)j * (D + 2) + d);
+            __m256 s = _mm256_setzero_ps(), z = s;
+            if (axis == 0) { s = _mm256_loadu_ps(cs.s + d); z = _mm256_loadu_ps(cs.z + d); }
+            int k = axis == 2 ? d / c->group : 0;
+            for (int i = 0; i < n; i++) {
+                if (axis != 0) { s = _mm256_set1_ps(rs[i * ng + k]); z = _mm256_set1_ps(rz[i * ng + k]); }
+                __m256 x = _mm256_fmadd_ps(codes8(rowp[i], d, kind), s, z);
+                for (int j = 0; j < G; j++)
+                    acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + (size_t)j * a->L + p + i), x, acc[j]);
+            }
+            for (int j = 0; j < G; j++) _mm256_storeu_ps(o0 + (size_t)j * (D + 2) + d, acc[j]);
+        }
+        p = end;
     }
 }
 
-typedef void (*pass_fn)(const qattn *, int, int, int, int);
-#define QPASS(kind, axis) \
-    static void kp_##kind##_##axis(const qattn *a, int h, int span, int lo, int hi) { (void)span; k_pass(a, h, lo, hi, kind, axis); } \
-    static void vp_##kind##_##axis(const qattn *a, int h, int span, int lo, int hi) { v_pass(a, h, span, lo, hi, kind, axis); }
-QPASS(0, 0) QPASS(0, 1) QPASS(0, 2) QPASS(1, 0) QPASS(1, 1) QPASS(1, 2) QPASS(2, 0) QPASS(2, 1) QPASS(2, 2)
-static const pass_fn k_passes[9] = {kp_0_0, kp_0_1, kp_0_2, kp_1_0, kp_1_1, kp_1_2, kp_2_0, kp_2_1, kp_2_2};
-static const pass_fn v_passes[9] = {vp_0_0, vp_0_1, vp_0_2, vp_1_0, vp_1_1, vp_1_2, vp_2_0, vp_2_1, vp_2_2};
+typedef void (*pass_fn)(const qattn *, int, int, int, int, int);
+// Specializations: the formats kernels/formats.py makes (int8 and fp8 per channel or per token, int4 per
+// channel or per group) for 1 to 4 query heads at a time; larger groups run 4 at a time.
+#define QPASS_G(kind, axis, G) \
+    static void kp_##kind##_##axis##_##G(const qattn *a, int h, int j0, int span, int lo, int hi) { (void)span; k_pass(a, h, j0, lo, hi, kind, axis, G); } \
+    static void vp_##kind##_##axis##_##G(const qattn *a, int h, int j0, int span, int lo, int hi) { v_pass(a, h, j0, span, lo, hi, kind, axis, G); }
+#define QPASS(kind, axis) QPASS_G(kind, axis, 1) QPASS_G(kind, axis, 2) QPASS_G(kind, axis, 3) QPASS_G(kind, axis, 4)
+#define QROW(pre, kind, axis) {pre##_##kind##_##axis##_1, pre##_##kind##_##axis##_2, pre##_##kind##_##axis##_3, \
+    pre##_##kind##_##axis##_4}
+QPASS(0, 0) QPASS(0, 1) QPASS(1, 0) QPASS(1, 1) QPASS(2, 0) QPASS(2, 2)
+static const pass_fn k_passes[9][4] = {QROW(kp, 0, 0), QROW(kp, 0, 1), {0}, QROW(kp, 1, 0), QROW(kp, 1, 1), {0},
+                                       QROW(kp, 2, 0), {0}, QROW(kp, 2, 2)};
+static const pass_fn v_passes[9][4] = {QROW(vp, 0, 0), QROW(vp, 0, 1), {0}, QROW(vp, 1, 0), QROW(vp, 1, 1), {0},
+                                       QROW(vp, 2, 0), {0}, QROW(vp, 2, 2)};
 #endif
 
 // The scalar path (any D, any group; no AVX2): rows dequantized into a buffer by kv_row.
-static void k_pass_any(const qattn *a, int h, int span, int lo, int hi) {
-    (void)span;
+static void k_pass_any(const qattn *a, int h, int j0, int span, int lo, int hi) {
+    (void)span; (void)j0;
     int D = a->D, half = D / 2, g = a->g;
     float buf[256], kr[256];
     chan_scales cs;
@@ -746,7 +817,8 @@ static void k_pass_any(const qattn *a, int h, int span, int lo, int hi) {
     }
 }
 
-static void v_pass_any(const qattn *a, int h, int span, int lo, int hi) {
+static void v_pass_any(const qattn *a, int h, int j0, int span, int lo, int hi) {
+    (void)j0;
     int D = a->D, g = a->g;
     float buf[256];
     chan_scales cs;
@@ -778,23 +850,22 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
     if (S > 64) S = 64;
     qattn a = {kc, vc, q, knew, vnew, cos_h, sin_h, slots, table, pos, Hq, Hkv, D, bs, P, L, n_full, g, sm_scale,
                scratch, scratch + (size_t)Hq * L};
-    pass_fn kpass = k_pass_any, vpass = v_pass_any;
+    const pass_fn *kpass = NULL, *vpass = NULL;      // by query heads at a time - 1
 #ifdef __AVX2__
-    int vec_ok = D % 16 == 0;
-    for (int i = 0; i < 2; i++) {
-        const kv_comp *c = i ? vc : kc;
-        if (c->axis == 2 && c->group % 8) vec_ok = 0;
-    }
-    if (vec_ok) {
+    if (D % 16 == 0 && (vc->axis != 2 || vc->group % 8 == 0) && (kc->axis != 2 || kc->group % 8 == 0)) {
         kpass = k_passes[kc->kind * 3 + kc->axis];
         vpass = v_passes[vc->kind * 3 + vc->axis];
+        if (!kpass[0] || !vpass[0]) kpass = vpass = NULL;
     }
 #endif
     #pragma omp parallel for schedule(static)
     for (int it = 0; it < S * Hkv; it++) {
         int c = it / Hkv, h = it % Hkv;
         int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
-        kpass(&a, h, c, lo, hi);
+        if (kpass)
+            for (int j0 = 0; j0 < g; j0 += 4) kpass[(g - j0 < 4 ? g - j0 : 4) - 1](&a, h, j0, c, lo, hi);
+        else
+            k_pass_any(&a, h, 0, c, lo, hi);
         for (int j = 0; j < g; j++) {
             int i = h * g + j;
             float *si = a.scores + (size_t)i * L, mx = -INFINITY;
@@ -804,7 +875,10 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
             o[D + 1] = hi > lo ? exp_span(si, lo, hi, mx) : 0.f;
             for (int d = 0; d < D; d++) o[d] = 0.f;
         }
-        vpass(&a, h, c, lo, hi);
+        if (vpass)
+            for (int j0 = 0; j0 < g; j0 += 4) vpass[(g - j0 < 4 ? g - j0 : 4) - 1](&a, h, j0, c, lo, hi);
+        else
+            v_pass_any(&a, h, 0, c, lo, hi);
     }
     float *part = a.part;
     for (int i = 0; i < Hq; i++) {
