@@ -55,21 +55,25 @@ class Spy:
         monkeypatch.setattr(attention, "_attend_quantized", spy)
 
 
-@pytest.mark.parametrize("k_format, v_format, scheme", PAIRS)
-@pytest.mark.parametrize("window, sinks", [(None, 4), (40, 4), (40, 0), (36, 20)])
+CASES = ([(*pair, 40, 4) for pair in PAIRS]                               # every format, a sliding window
+         + [("int8", "int8", "channel", None, 4), ("int4", "int4", "channel", None, 4),   # no window
+            ("int8", "int8", "channel", 36, 20), ("int4", "int4", "token", 36, 20)])      # sinks over 2 blocks
+
+
+@pytest.mark.parametrize("k_format, v_format, scheme, window, sinks", CASES)
 def test_kernel_matches_torch_path_at_every_decode_step(engine, monkeypatch, k_format, v_format, scheme,
                                                         window, sinks):
-    """Prompt then one token at a time across several block boundaries (block 16), the window sliding:
-    the kernel takes every step and agrees with the torch path to 1e-4 of the largest output."""
+    """Prompt then one token at a time across block boundaries (block 16), the window sliding: the kernel
+    takes every step and agrees with the torch path to 1e-4 of the largest output."""
     spy = Spy(monkeypatch)
     s = engine.new_session(cache=CacheConfig(k_format=k_format, v_format=v_format, k_scheme=scheme,
                                              window=window, sinks=sinks))
-    ids = random_ids(engine, 90, seed=len(k_format) + sinks)
+    ids = random_ids(engine, 64, seed=len(k_format) + sinks)
     s.append(ids[:13])
     for t in ids[13:]:
         s.append([t])
     layers = engine.model.config.num_layers
-    assert spy.kernel_steps == 77 * layers and spy.torch_steps == 0
+    assert spy.kernel_steps == 51 * layers and spy.torch_steps == 0
     assert max(spy.errors) < 1e-4, max(spy.errors)
 
 
@@ -111,9 +115,13 @@ def _pages(fmt, n_blocks, bs, hkv, d, gen):
 @pytest.mark.parametrize("full", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_head", [True, False])
 @pytest.mark.parametrize("hq, hkv, d, n_full, tail_len, drop", [(8, 2, 64, 5, 7, 0), (3, 3, 32, 3, 0, 9),
-                                                                 (6, 1, 128, 9, 15, 30), (4, 2, 64, 0, 5, 0)])
+                                                                 (6, 1, 128, 9, 15, 30), (4, 2, 64, 0, 5, 0),
+                                                                 (10, 2, 40, 4, 3, 5)])
 def test_kernel_matches_its_reference_on_random_pages(fmt_name, full, with_head, hq, hkv, d, n_full, tail_len, drop):
-    """Random pages in a shuffled block table, a head block or none, a tail, some slots left out (a window)."""
+    """Random pages in a shuffled block table, a head block or none, a tail, some slots left out (a window);
+    1 to 6 query heads per kv head (the vector path takes 4 at a time), head_dim 40 on the scalar path."""
+    if d % 32 and fmt_name == "int4":
+        pytest.skip("int4 values come in groups of 32 channels")
     gen = torch.Generator().manual_seed(hq * d + n_full)
     bs = 16
     kf, vf = page_format(fmt_name, "k"), page_format(fmt_name, "v")
