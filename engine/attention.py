@@ -76,6 +76,7 @@ class SeqStep:
     key_sin: torch.Tensor | None  #   (None until key_rope() computes them from key_pos)
     key_pos: torch.Tensor | None = None   # [P + T] int64 on the CPU: those effective positions
     inv_freq: torch.Tensor | None = None
+    kernel_args: tuple | None = None      # the quantized decode kernel's per-step arguments, made by its first layer
 
     @property
     def num_new(self) -> int:
@@ -186,13 +187,14 @@ def _kernel_pages(kc: Component, vc: Component, q, st: SeqStep):
 
 
 def _decode_kernel(q, k, v, st: SeqStep, kp, vp) -> torch.Tensor:
-    seq, bs = st.res.seq, kp.data.shape[1]
-    cos_h, sin_h = rope_table(st.inv_freq, int(st.key_pos.max()) + 1)
-    q_rot = rotate(q.float(), st.q_cos, st.q_sin)[0].contiguous()
-    table = torch.tensor(seq.block_table, dtype=torch.long)
-    out = cpu_quant.attn_decode_quant(q_rot, k[0].float().contiguous(), v[0].float().contiguous(), kp, vp,
-                                      st.past_slots.contiguous(), table, st.res.first_slot // bs, bs,
-                                      cos_h, sin_h, st.key_pos, q.shape[-1] ** -0.5)
+    prep = st.kernel_args
+    if prep is None:          # once per step, shared by the layers
+        seq, bs = st.res.seq, kp.data.shape[1]
+        cos_h, sin_h = rope_table(st.inv_freq, int(st.key_pos.max()) + 1)
+        prep = st.kernel_args = (st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
+                                 st.res.first_slot // bs, bs, cos_h, sin_h, st.key_pos.contiguous(), q.shape[-1] ** -0.5)
+    out = cpu_quant.attn_decode_quant(q[0].float().contiguous(), k[0].float().contiguous(), v[0].float().contiguous(),
+                                      kp, vp, *prep, check=False)
     return out.view(1, *out.shape)
 
 

@@ -630,11 +630,28 @@ static inline int seg_quant(const qattn *a, const kv_comp *c, int64_t b) {
 }
 
 static inline void chan_setup(const qattn *a, const kv_comp *c, int64_t id, int h, chan_scales *cs) {
+    // the block's channel scales and zeros as float32, 8 at a time (fp16 widened by F16C, fp8 exponents shifted)
     int D = a->D;
     size_t o = ((size_t)id * a->Hkv + h) * D;
-    for (int d = 0; d < D; d++) cs->s[d] = scale_f(c, c->scale, o + d);
-    for (int d = 0; d < D; d++) cs->z[d] = c->zero ? (float)((const _Float16 *)c->zero)[o + d] : 0.f;
+    for (int d = 0; d < D; d += 8) {
+        __m256 sv;
+        if (c->kind == 1)
+            sv = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)c->scale + o + d))), 23));
+        else
+            sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)c->scale + o + d)));
+        _mm256_storeu_ps(cs->s + d, sv);
+        _mm256_storeu_ps(cs->z + d, c->zero ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)c->zero + o + d)))
+                                            : _mm256_setzero_ps());
+    }
     cs->id = id;
+}
+
+static inline __m256 hsum8x8(const __m256 *v) {
+    // the sums of 8 vectors, as one vector
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
 static inline void row_setup(const qattn *a, const kv_comp *c, int64_t id, int64_t off, int h, int kind, int axis,
@@ -692,6 +709,8 @@ static inline __attribute__((always_inline)) void k_pass(const qattn *a, int h, 
     qrow r;
     const float *q0 = a->q + (size_t)(h * a->g + j0) * D;
     float *s0 = a->scores + (size_t)(h * a->g + j0) * a->L;
+    __m256 pend[4][8];          // rows' partial sums waiting for a batched reduction, from row p0
+    int np = 0, p0 = lo;
     for (int p = lo; p < hi;) {
         int64_t b = 0;
         int end = p < a->P ? seg_end(a, p, hi, &b) : p + 1;
@@ -702,8 +721,8 @@ static inline __attribute__((always_inline)) void k_pass(const qattn *a, int h, 
             const float *cp = a->cos_h + (size_t)a->pos[p] * half, *sp = a->sin_h + (size_t)a->pos[p] * half;
             if (quant) {
                 row_setup(a, c, id, a->slots[p] - base, h, kind, axis, &r);
-                __m256 acc[8];
-                for (int j = 0; j < G; j++) acc[j] = _mm256_setzero_ps();
+                __m256 acc[4], acc2[4];    // two chains per query head: half the latency
+                for (int j = 0; j < G; j++) acc[j] = acc2[j] = _mm256_setzero_ps();
                 for (int d = 0; d < half; d += 8) {
                     __m256 xl = deq8(&r, &cs, c->group, d, kind, axis), xh = deq8(&r, &cs, c->group, d + half, kind, axis);
                     __m256 cv = _mm256_loadu_ps(cp + d), sv = _mm256_loadu_ps(sp + d);
@@ -711,12 +730,20 @@ static inline __attribute__((always_inline)) void k_pass(const qattn *a, int h, 
                     __m256 rh = _mm256_fmadd_ps(xl, sv, _mm256_mul_ps(xh, cv));
                     for (int j = 0; j < G; j++) {
                         acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + (size_t)j * D + d), rl, acc[j]);
-                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + (size_t)j * D + d + half), rh, acc[j]);
+                        acc2[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + (size_t)j * D + d + half), rh, acc2[j]);
                     }
                 }
-                for (int j = 0; j < G; j++)
-                    s0[(size_t)j * a->L + p] = hsum8(acc[j]) * a->sm_scale;
+                if (!np) p0 = p;
+                for (int j = 0; j < G; j++) pend[j][np] = _mm256_add_ps(acc[j], acc2[j]);
+                if (++np == 8) {        // eight rows' sums reduced together
+                    for (int j = 0; j < G; j++)
+                        _mm256_storeu_ps(s0 + (size_t)j * a->L + p0, _mm256_mul_ps(hsum8x8(pend[j]), _mm256_set1_ps(a->sm_scale)));
+                    np = 0;
+                }
             } else {
+                for (int k = 0; k < np; k++)
+                    for (int j = 0; j < G; j++) s0[(size_t)j * a->L + p0 + k] = hsum8(pend[j][k]) * a->sm_scale;
+                np = 0;
                 const float *k = p < a->P ? kv_row(c, a->Hkv, D, a->bs, a->n_full, a->table, a->slots[p], h, buf, &cs)
                                           : a->knew + (size_t)h * D;
                 rope_row(k, cp, sp, D, kr);
@@ -725,6 +752,8 @@ static inline __attribute__((always_inline)) void k_pass(const qattn *a, int h, 
             }
         }
     }
+    for (int k = 0; k < np; k++)
+        for (int j = 0; j < G; j++) s0[(size_t)j * a->L + p0 + k] = hsum8(pend[j][k]) * a->sm_scale;
 }
 
 // Values: within a block's run of rows, 8 channels at a time, the G outputs' accumulators in registers.
@@ -767,17 +796,35 @@ static inline __attribute__((always_inline)) void v_pass(const qattn *a, int h, 
                     rz[i * ng + k] = c->zero ? (float)((const _Float16 *)c->zero)[row * ng + k] : 0.f;
                 }
         }
+        float ws[256 * 4], zs[4] = {0.f, 0.f, 0.f, 0.f};       // axes 1 and 2: weight times scale per row, weight times zero summed
+        int span_d = axis == 1 ? D : c->group;
         for (int d = 0; d < D; d += 8) {
             __m256 acc[8];
             for (int j = 0; j < G; j++) acc[j] = _mm256_loadu_ps(o0 + (size_t)j * (D + 2) + d);
-            __m256 s = _mm256_setzero_ps(), z = s;
-            if (axis == 0) { s = _mm256_loadu_ps(cs.s + d); z = _mm256_loadu_ps(cs.z + d); }
-            int k = axis == 2 ? d / c->group : 0;
-            for (int i = 0; i < n; i++) {
-                if (axis != 0) { s = _mm256_set1_ps(rs[i * ng + k]); z = _mm256_set1_ps(rz[i * ng + k]); }
-                __m256 x = _mm256_fmadd_ps(codes8(rowp[i], d, kind), s, z);
-                for (int j = 0; j < G; j++)
-                    acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + (size_t)j * a->L + p + i), x, acc[j]);
+            if (axis == 0) {               // scales per channel: dequantize, then weight
+                __m256 s = _mm256_loadu_ps(cs.s + d), z = _mm256_loadu_ps(cs.z + d);
+                for (int i = 0; i < n; i++) {
+                    __m256 x = _mm256_fmadd_ps(codes8(rowp[i], d, kind), s, z);
+                    for (int j = 0; j < G; j++)
+                        acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + (size_t)j * a->L + p + i), x, acc[j]);
+                }
+            } else {                       // a scale per row (and group): sum of (w * s) * code, plus sum of w * z
+                if (d % span_d == 0) {
+                    int k = d / span_d;
+                    for (int j = 0; j < G; j++) zs[j] = 0.f;
+                    for (int i = 0; i < n; i++)
+                        for (int j = 0; j < G; j++) {
+                            float w = w0[(size_t)j * a->L + p + i];
+                            ws[i * G + j] = w * rs[i * ng + k];
+                            zs[j] += w * rz[i * ng + k];
+                        }
+                }
+                for (int i = 0; i < n; i++) {
+                    __m256 x = codes8(rowp[i], d, kind);
+                    for (int j = 0; j < G; j++) acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(ws + i * G + j), x, acc[j]);
+                }
+                if (c->zero)
+                    for (int j = 0; j < G; j++) acc[j] = _mm256_add_ps(acc[j], _mm256_set1_ps(zs[j]));
             }
             for (int j = 0; j < G; j++) _mm256_storeu_ps(o0 + (size_t)j * (D + 2) + d, acc[j]);
         }
@@ -837,19 +884,23 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
                        const int64_t *slots, int P, const int64_t *table, int n_full,
                        const kv_comp *kc, const kv_comp *vc, const float *cos_h, const float *sin_h,
                        const int64_t *pos, float sm_scale, int nthreads, float *out, float *scratch) {
-    // q [Hq, D] rotated at the new token's position; knew, vnew [Hkv, D] the new token's key (before
-    // RoPE) and value, attended last; slots [P] the held past, ascending; cos_h, sin_h [*, D/2] rows
-    // picked by pos [P + 1] (the past's effective key positions, then the new token's).
-    // scratch: Hq * (P + 1) + S * Hq * (D + 2) floats, S = spans (at most 64).
+    // q [Hq, D], knew, vnew [Hkv, D]: the new token's query and key before RoPE, and its value (attended
+    // last); slots [P] the held past, ascending; cos_h, sin_h [*, D/2] rows picked by pos [P + 1]: the
+    // past's effective key positions, then the new token's (where the query is rotated too).
+    // scratch: Hq * (P + 1 + D) + S * Hq * (D + 2) floats, S = spans (at most 64).
     fp8_init();
     int g = Hq / Hkv, L = P + 1;
+    float *qr = scratch + (size_t)Hq * L;
+    for (int i = 0; i < Hq; i++)
+        rope_row(q + (size_t)i * D, cos_h + (size_t)pos[P] * (D / 2), sin_h + (size_t)pos[P] * (D / 2), D, qr + (size_t)i * D);
+    q = qr;
     int S = L / 64 < 1 ? 1 : L / 64;
     int want = (4 * nthreads + Hkv - 1) / Hkv;
     while ((Hkv * want) % nthreads && want < 8 * nthreads) want++;
     if (S > want) S = want;
     if (S > 64) S = 64;
     qattn a = {kc, vc, q, knew, vnew, cos_h, sin_h, slots, table, pos, Hq, Hkv, D, bs, P, L, n_full, g, sm_scale,
-               scratch, scratch + (size_t)Hq * L};
+               scratch, qr + (size_t)Hq * D};
     const pass_fn *kpass = NULL, *vpass = NULL;      // by query heads at a time - 1
 #ifdef __AVX2__
     if (D % 16 == 0 && (vc->axis != 2 || vc->group % 8 == 0) && (kc->axis != 2 || kc->group % 8 == 0)) {

@@ -336,28 +336,28 @@ def _half_rope(cos_h, sin_h, pos):
     assert pos.dtype == torch.int64 and pos.is_contiguous() and int(pos.max()) < cos_h.shape[0]
 
 
-# q [Hq, D] fp32 rotated at the new token's position; k_new, v_new [Hkv, D] the new token's key (before
-# RoPE) and value, attended last; kp, vp: the layer's K and V pages; slots [P] int64 the held past,
-# ascending (slot // block_size indexes table, the block ids); n_full: full blocks of the sequence (slots
-# at or past n_full * block_size are in the tails); cos_h, sin_h [N, D/2] fp32 half RoPE tables; pos
-# [P + 1] int64 rows of them: each past key's effective position, then the new token's -> [Hq, D]
+# q [Hq, D], k_new, v_new [Hkv, D] fp32: the new token's query and key before RoPE, and its value, attended
+# last; kp, vp: the layer's K and V pages; slots [P] int64 the held past, ascending (slot // block_size
+# indexes table, the block ids); n_full: full blocks of the sequence (slots at or past n_full * block_size
+# are in the tails); cos_h, sin_h [N, D/2] fp32 half RoPE tables; pos [P + 1] int64 rows of them: each past
+# key's effective position, then the new token's (the query's too) -> [Hq, D]
 def attn_decode_quant(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, table, n_full: int,
-                      block_size: int, cos_h, sin_h, pos, sm_scale: float) -> torch.Tensor:
+                      block_size: int, cos_h, sin_h, pos, sm_scale: float, check: bool = True) -> torch.Tensor:
     hq, d = q.shape
     hkv = k_new.shape[0]
     n = slots.shape[0]
-    assert hq % hkv == 0 and pos.shape[0] == n + 1 and slots.dtype == table.dtype == torch.int64
-    assert q.dtype == k_new.dtype == v_new.dtype == torch.float32
-    assert q.is_contiguous() and k_new.is_contiguous() and v_new.is_contiguous() and slots.is_contiguous()
-    _half_rope(cos_h, sin_h, pos)
-    threads = torch.get_num_threads()
+    if check:
+        assert hq % hkv == 0 and pos.shape[0] == n + 1 and slots.dtype == table.dtype == torch.int64
+        assert q.dtype == k_new.dtype == v_new.dtype == torch.float32 and table.is_contiguous()
+        assert q.is_contiguous() and k_new.is_contiguous() and v_new.is_contiguous() and slots.is_contiguous()
+        _half_rope(cos_h, sin_h, pos)
     out = torch.empty(hq, d)
-    scratch = torch.empty(hq * (n + 1) + 64 * hq * (d + 2))
+    scratch = torch.empty(hq * (n + 1 + d) + 64 * hq * (d + 2))
     ks, vs = kp.struct(), vp.struct()
     _lib.attn_decode_quant(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), hq, hkv, d, int(block_size),
-                           slots.data_ptr(), n, table.contiguous().data_ptr(), int(n_full),
+                           slots.data_ptr(), n, table.data_ptr(), int(n_full),
                            ctypes.addressof(ks), ctypes.addressof(vs), cos_h.data_ptr(), sin_h.data_ptr(),
-                           pos.data_ptr(), float(sm_scale), threads, out.data_ptr(), scratch.data_ptr())
+                           pos.data_ptr(), float(sm_scale), torch.get_num_threads(), out.data_ptr(), scratch.data_ptr())
     return out
 
 
@@ -384,6 +384,8 @@ def attn_decode_quant_ref(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots
     k = torch.cat((_rows_ref(kp, slots, table, n_full, block_size), k_new[None])) if slots.numel() else k_new[None]
     v = torch.cat((_rows_ref(vp, slots, table, n_full, block_size), v_new[None])) if slots.numel() else v_new[None]
     cos, sin = cos_h[pos], sin_h[pos]
+    c, s = cos[-1], sin[-1]
+    q = torch.cat((q[:, :d // 2] * c - q[:, d // 2:] * s, q[:, d // 2:] * c + q[:, :d // 2] * s), -1)
     k = torch.cat((k[..., :d // 2] * cos[:, None] - k[..., d // 2:] * sin[:, None],
                    k[..., d // 2:] * cos[:, None] + k[..., :d // 2] * sin[:, None]), -1)
     scores = torch.einsum("hgd,lhd->hgl", q.view(hkv, -1, d), k) * sm_scale
