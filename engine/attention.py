@@ -6,7 +6,9 @@ scores depend on position differences only, and a window's kept tokens keep thei
 (StreamingLLM re-positions them as one run). Only the sinks, which stay at their first positions
 while the window moves on, see the query at its in-cache position: a second rotation of q
 (decode) or of the few sink keys (prefill). Quantized keys are stored before RoPE and rotated as
-they are dequantized, at the same effective positions.
+they are dequantized, at the same effective positions: on the CPU a decode step reads the quantized
+pages in place (cpu_quant.attn_decode_quant, cos/sin looked up in a table grown once per model);
+prefill, GPUs and mixed full/quantized layers dequantize the held past in torch.
 """
 from __future__ import annotations
 

@@ -602,6 +602,7 @@ typedef struct {        // what every work item of one call reads
     float sm_scale;
     float *scores, *part;      // scores [Hq, L]; part [spans, Hq, D + 2]
 } qattn;
+typedef void (*pass_fn)(const qattn *, int h, int j0, int span, int lo, int hi);
 
 #ifdef __AVX2__
 // The vector path: rows in the quantized pages, D a multiple of 16, groups a multiple of 8. It is
@@ -832,7 +833,6 @@ static inline __attribute__((always_inline)) void v_pass(const qattn *a, int h, 
     }
 }
 
-typedef void (*pass_fn)(const qattn *, int, int, int, int, int);
 // Specializations: the formats kernels/formats.py makes (int8 and fp8 per channel or per token, int4 per
 // channel or per group) for 1 to 4 query heads at a time; larger groups run 4 at a time.
 #define QPASS_G(kind, axis, G) \

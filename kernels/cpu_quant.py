@@ -1,4 +1,5 @@
-"""CPU kernels over quantized weights (cpu_quant.c), built once with the machine's C compiler.
+"""CPU kernels over quantized weights (cpu_quant.c), built once with the machine's C compiler; and the
+decode attention over full-precision (attn_decode) and quantized (attn_decode_quant) KV pages.
 
 `available()` says whether the library could be built and loaded; callers fall back to torch's
 packed kernels when it cannot. Each function has a torch reference below with the same signature.
