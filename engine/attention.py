@@ -6,11 +6,14 @@ scores depend on position differences only, and a window's kept tokens keep thei
 (StreamingLLM re-positions them as one run). Only the sinks, which stay at their first positions
 while the window moves on, see the query at its in-cache position: a second rotation of q
 (decode) or of the few sink keys (prefill). Quantized keys are stored before RoPE and rotated as
-they are dequantized, at the same effective positions.
+they are dequantized, at the same effective positions: on the CPU a decode step reads the quantized
+pages in place (cpu_quant.attn_decode_quant, cos/sin looked up in a table grown once per model);
+prefill, GPUs and mixed full/quantized layers dequantize the held past in torch.
 """
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +30,24 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
     freqs = positions.double()[:, None] * inv_freq.double()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().float(), emb.sin().float()
+
+
+_tables: dict[tuple[float, ...], tuple[torch.Tensor, torch.Tensor]] = {}      # by inv_freq's values
+_tables_lock = threading.Lock()
+
+
+def rope_table(inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [>= n, D/2] float32 of positions 0, 1, ... (one half of rope_cos_sin's rows, the same
+    values), kept per inv_freq and grown by doubling, so a decode step looks positions up instead of
+    computing a cosine per held token."""
+    with _tables_lock:
+        key = tuple(inv_freq.tolist())
+        cached = _tables.get(key)
+        if cached is None or cached[0].shape[0] < n:
+            size = max(n, 1024, 2 * cached[0].shape[0] if cached is not None else 0)
+            freqs = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq.double().cpu()[None, :]
+            cached = _tables[key] = (freqs.cos().float(), freqs.sin().float())
+        return cached
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -54,7 +75,10 @@ class SeqStep:
     delta_cos: torch.Tensor | None  # [1, D]: the sinks' extra rotation, when n_sink
     delta_sin: torch.Tensor | None
     key_cos: torch.Tensor | None  # [P + T, D] effective key positions, for keys stored before RoPE
-    key_sin: torch.Tensor | None
+    key_sin: torch.Tensor | None  #   (None until key_rope() computes them from key_pos)
+    key_pos: torch.Tensor | None = None   # [P + T] int64 on the CPU: those effective positions
+    inv_freq: torch.Tensor | None = None
+    kernel_args: tuple | None = None      # the quantized decode kernel's per-step arguments, made by its first layer
     decode: bool = True           # one generated token (False: prompt rows, see softmax_attention)
 
     @property
@@ -91,10 +115,13 @@ def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantize
         abs_pos = torch.where(slots < sink_end, slots, slots + seq.evicted * bs)
         if n_sink:
             abs_pos[:n_sink] += delta
-        key_cos, key_sin = rope_cos_sin(torch.cat((abs_pos, q_pos)), inv_freq)
+        key_pos = torch.cat((abs_pos, q_pos))
+    else:
+        key_pos = None
     dev = lambda t: None if t is None else t.to(device)
     return SeqStep(res, offset, rows, slots, n_sink, dev(q_cos), dev(q_sin), dev(sink_cos), dev(sink_sin),
-                   dev(d_cos), dev(d_sin), dev(key_cos), dev(key_sin), T == 1 if decode is None else decode)
+                   dev(d_cos), dev(d_sin), key_cos, key_sin, key_pos, inv_freq,
+                   decode=T == 1 if decode is None else decode)
 
 
 @dataclass
@@ -140,6 +167,16 @@ def attend_group(kc: Component, vc: Component, q, k, v, grp: DecodeGroup) -> tor
                                    vc.flat_pages(), grp.new_rows, grp.rows, grp.offsets, q.shape[-1] ** -0.5)
 
 
+def key_rope(st: SeqStep) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [P + T, D] at the effective key positions (for keys stored before RoPE), computed once per step."""
+    if st.key_cos is None:
+        cos_h, sin_h = rope_table(st.inv_freq, int(st.key_pos.max()) + 1)
+        cos, sin = cos_h[st.key_pos], sin_h[st.key_pos]
+        device = st.q_cos.device
+        st.key_cos, st.key_sin = torch.cat((cos, cos), -1).to(device), torch.cat((sin, sin), -1).to(device)
+    return st.key_cos, st.key_sin
+
+
 def attend(kc: Component, vc: Component, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: SeqStep) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] before RoPE, for one sequence; stores k and v; -> [T, Hq, D]."""
     if not (kc.fmt.is_quantized or vc.fmt.is_quantized):
@@ -170,15 +207,49 @@ def _attend_full(kc: Component, vc: Component, q, k, v, st: SeqStep) -> torch.Te
 
 
 def _attend_quantized(kc: Component, vc: Component, q, k, v, st: SeqStep) -> torch.Tensor:
-    """Quantized pages: read the past (dequantized) before writing, since a write may quantize the tail away."""
-    res = st.res
+    """Quantized pages: attend over the past before writing, since a write may quantize the tail away."""
+    pages = _kernel_pages(kc, vc, q, st) if q.shape[0] == 1 and st.decode else None
+    out = _decode_kernel(q, k, v, st, *pages) if pages else _quantized_torch(kc, vc, q, k, v, st)
+    _store(kc, vc, k, v, st)
+    return out
+
+
+def _kernel_pages(kc: Component, vc: Component, q, st: SeqStep):
+    """The K and V pages as the C decode kernel reads them, or None where it does not apply (mixed full and
+    quantized formats, a GPU, a missing tail)."""
+    if not (kc.fmt.is_quantized and vc.fmt.is_quantized and st.key_pos is not None
+            and cpu_quant.can_attend_quantized(q, kc.fmt, vc.fmt, kc.full_dtype, kc.pages["data"])):
+        return None
+    seq = st.res.seq
+    S, bs = st.res.first_slot, kc.block_size
+    n_full = S // bs
+    out = []
+    for c in (kc, vc):
+        data, scale, zero = c.tensors()
+        head = c.heads.get(seq.block_table[0]) if n_full else None
+        tail = c.tails.get(seq.seq_id)
+        if S > n_full * bs and tail is None:
+            return None
+        out.append(cpu_quant.QuantPages(c.fmt, data, scale, zero, head, tail))
+    return out
+
+
+def _decode_kernel(q, k, v, st: SeqStep, kp, vp) -> torch.Tensor:
+    prep = st.kernel_args
+    if prep is None:          # once per step, shared by the layers
+        seq, bs = st.res.seq, kp.data.shape[1]
+        cos_h, sin_h = rope_table(st.inv_freq, int(st.key_pos.max()) + 1)
+        prep = st.kernel_args = (st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
+                                 st.res.first_slot // bs, bs, cos_h, sin_h, st.key_pos.contiguous(), q.shape[-1] ** -0.5)
+    out = cpu_quant.attn_decode_quant(q[0].float().contiguous(), k[0].float().contiguous(), v[0].float().contiguous(),
+                                      kp, vp, *prep, check=False)
+    return out.view(1, *out.shape)
+
+
+def _store(kc: Component, vc: Component, k, v, st: SeqStep) -> None:
+    res, T = st.res, k.shape[0]
     seq = res.seq
-    T = q.shape[0]
-    k_all, v_all = k.float(), v.float()
     new_rows = st.rows[st.rows.shape[0] - T:]
-    if st.past_slots.numel():
-        k_all = torch.cat((_read(kc, seq, res.first_slot, st.past_slots), k_all))
-        v_all = torch.cat((_read(vc, seq, res.first_slot, st.past_slots), v_all))
     for comp, x in ((kc, k), (vc, v)):
         if comp.fmt.is_quantized:
             comp.write(seq.seq_id, x, res.first_slot, seq.block_table)
@@ -186,13 +257,23 @@ def _attend_quantized(kc: Component, vc: Component, q, k, v, st: SeqStep) -> tor
             comp.write_rows(rotate(x.float(), st.q_cos, st.q_sin), new_rows)
         else:
             comp.write_rows(x, new_rows)
+
+
+def _quantized_torch(kc: Component, vc: Component, q, k, v, st: SeqStep) -> torch.Tensor:
+    """The torch path (prefill, GPUs, mixed formats; the decode kernel's reference): dequantize the held past."""
+    res = st.res
+    seq = res.seq
+    k_all, v_all = k.float(), v.float()
+    if st.past_slots.numel():
+        k_all = torch.cat((_read(kc, seq, res.first_slot, st.past_slots), k_all))
+        v_all = torch.cat((_read(vc, seq, res.first_slot, st.past_slots), v_all))
     if not kc.fmt.is_quantized:       # stored rotated: only the sinks and the new keys need turning
         P = st.past_slots.numel()
         if st.n_sink:
             k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
         k_all[P:] = rotate(k_all[P:], st.q_cos, st.q_sin)
     else:
-        k_all = rotate(k_all, st.key_cos, st.key_sin)
+        k_all = rotate(k_all, *key_rope(st))
     return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all, st.decode)
 
 

@@ -1,4 +1,5 @@
-"""CPU kernels over quantized weights (cpu_quant.c), built once with the machine's C compiler.
+"""CPU kernels over quantized weights (cpu_quant.c), built once with the machine's C compiler; and the
+decode attention over full-precision (attn_decode) and quantized (attn_decode_quant) KV pages.
 
 `available()` says whether the library could be built and loaded; callers fall back to torch's
 packed kernels when it cannot. Each function has a torch reference below with the same signature.
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .formats import PageFormat
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
@@ -64,8 +67,9 @@ def _build(retry: bool = True) -> ctypes.CDLL:
     lib.attn_decode_rot.argtypes = [P, P, I, I, I, I, P, P, I, P, I, F, P, P]
     lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P]
     lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, P, P]
+    lib.attn_decode_quant.argtypes = [P, P, P, I, I, I, I, P, I, P, I, P, P, P, P, P, F, I, P, P]
     for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot, lib.attn_decode_batch,
-              lib.decode_attend):
+              lib.decode_attend, lib.attn_decode_quant):
         f.restype = None
     return lib
 
@@ -320,3 +324,109 @@ def q4_gemv_ref(x, codes, scale, zero, norm=None, eps=0.0, swiglu=False, residua
 def q8_gemv_ref(x, codes, scale, zero, group, norm=None, eps=0.0, swiglu=False, residual=None):
     y = prep_ref(x, norm, eps, swiglu) @ q8_dequant_ref(codes, scale, zero, group).t()
     return y if residual is None else y + residual
+
+
+# ---- decode attention over quantized KV pages (attn_decode_quant in the C source) -----------------------
+
+class _KVComp(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("head", ctypes.c_void_p), ("tail", ctypes.c_void_p), ("kind", ctypes.c_int),
+                ("axis", ctypes.c_int), ("group", ctypes.c_int), ("full", ctypes.c_int)]
+
+
+_KINDS = {"int8": 0, "fp8": 1, "int4": 2}
+_AXES = {"channel": 0, "token": 1, "group": 2}
+_FULL = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True, eq=False)
+class QuantPages:
+    """One layer component's quantized storage as the decode kernel reads it.
+
+    data, scale, zero: page tensors [blocks, ...] laid out as `fmt.shapes`; head: [bs, H, D] full-precision
+    rows of the table's first block (None: that block lives in the pages); tail: [bs, H, D] full-precision
+    rows of the sequence's partly filled last block (None when it has none).
+    """
+    fmt: PageFormat
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    head: torch.Tensor | None
+    tail: torch.Tensor | None
+
+    def struct(self) -> _KVComp:
+        full = self.head if self.head is not None else self.tail
+        for t in (self.data, self.scale, self.zero, self.head, self.tail):
+            assert t is None or t.is_contiguous()
+        return _KVComp(_ptr(self.data), _ptr(self.scale), _ptr(self.zero), _ptr(self.head), _ptr(self.tail),
+                       _KINDS[self.fmt.name], _AXES[self.fmt.scale_axis], self.fmt.group,
+                       _FULL[full.dtype] if full is not None else 0)
+
+
+def can_attend_quantized(q: torch.Tensor, k_fmt: PageFormat, v_fmt: PageFormat, full_dtype, data) -> bool:
+    """The C quantized decode attention: int8, fp8 and int4 K and V on the CPU, head_dim <= 256, even."""
+    d = q.shape[-1]
+    return (k_fmt.name in _KINDS and v_fmt.name in _KINDS and full_dtype in _FULL and not data.is_cuda
+            and not q.is_cuda and d <= MAX_HEAD_DIM and d % 2 == 0
+            and all(f.scale_axis != "group" or d % f.group == 0 for f in (k_fmt, v_fmt)) and available())
+
+
+def _half_rope(cos_h, sin_h, pos):
+    assert cos_h.dtype == sin_h.dtype == torch.float32 and cos_h.is_contiguous() and sin_h.is_contiguous()
+    assert pos.dtype == torch.int64 and pos.is_contiguous() and int(pos.max()) < cos_h.shape[0]
+
+
+# q [Hq, D], k_new, v_new [Hkv, D] fp32: the new token's query and key before RoPE, and its value, attended
+# last; kp, vp: the layer's K and V pages; slots [P] int64 the held past, ascending (slot // block_size
+# indexes table, the block ids); n_full: full blocks of the sequence (slots at or past n_full * block_size
+# are in the tails); cos_h, sin_h [N, D/2] fp32 half RoPE tables; pos [P + 1] int64 rows of them: each past
+# key's effective position, then the new token's (the query's too) -> [Hq, D]
+def attn_decode_quant(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, table, n_full: int,
+                      block_size: int, cos_h, sin_h, pos, sm_scale: float, check: bool = True) -> torch.Tensor:
+    hq, d = q.shape
+    hkv = k_new.shape[0]
+    n = slots.shape[0]
+    if check:
+        assert hq % hkv == 0 and pos.shape[0] == n + 1 and slots.dtype == table.dtype == torch.int64
+        assert q.dtype == k_new.dtype == v_new.dtype == torch.float32 and table.is_contiguous()
+        assert q.is_contiguous() and k_new.is_contiguous() and v_new.is_contiguous() and slots.is_contiguous()
+        _half_rope(cos_h, sin_h, pos)
+    out = torch.empty(hq, d)
+    scratch = torch.empty(hq * (n + 1 + d) + 64 * hq * (d + 2))
+    ks, vs = kp.struct(), vp.struct()
+    _lib.attn_decode_quant(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), hq, hkv, d, int(block_size),
+                           slots.data_ptr(), n, table.data_ptr(), int(n_full),
+                           ctypes.addressof(ks), ctypes.addressof(vs), cos_h.data_ptr(), sin_h.data_ptr(),
+                           pos.data_ptr(), float(sm_scale), torch.get_num_threads(), out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+def _rows_ref(p: QuantPages, slots, table, n_full: int, bs: int) -> torch.Tensor:
+    from .reference import dequantize
+    parts = []
+    for s in slots.tolist():
+        b, off = divmod(s, bs)
+        if b >= n_full:
+            parts.append(p.tail[off].float())
+        elif b == 0 and p.head is not None:
+            parts.append(p.head[off].float())
+        else:
+            i = int(table[b])
+            deq = dequantize(p.data[i:i + 1], p.scale[i:i + 1], None if p.zero is None else p.zero[i:i + 1], p.fmt)
+            parts.append(deq[0, off])
+    return torch.stack(parts)
+
+
+def attn_decode_quant_ref(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, table, n_full: int,
+                          block_size: int, cos_h, sin_h, pos, sm_scale: float) -> torch.Tensor:
+    hq, d = q.shape
+    hkv = k_new.shape[0]
+    k = torch.cat((_rows_ref(kp, slots, table, n_full, block_size), k_new[None])) if slots.numel() else k_new[None]
+    v = torch.cat((_rows_ref(vp, slots, table, n_full, block_size), v_new[None])) if slots.numel() else v_new[None]
+    cos, sin = cos_h[pos], sin_h[pos]
+    c, s = cos[-1], sin[-1]
+    q = torch.cat((q[:, :d // 2] * c - q[:, d // 2:] * s, q[:, d // 2:] * c + q[:, :d // 2] * s), -1)
+    k = torch.cat((k[..., :d // 2] * cos[:, None] - k[..., d // 2:] * sin[:, None],
+                   k[..., d // 2:] * cos[:, None] + k[..., :d // 2] * sin[:, None]), -1)
+    scores = torch.einsum("hgd,lhd->hgl", q.view(hkv, -1, d), k) * sm_scale
+    return torch.einsum("hgl,lhd->hgd", torch.softmax(scores, -1), v).reshape(hq, d)
