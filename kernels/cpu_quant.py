@@ -21,6 +21,8 @@ import torch
 from .formats import PageFormat
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
+KV_SOURCE = Path(__file__).with_name("cpu_kv_quant.c")     # quantized-KV decode attention: built in the background
+HEADER = Path(__file__).with_name("cpu_common.h")
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 _lib = None
 _error: str | None = None
@@ -34,22 +36,22 @@ def _cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvchat")) / "kernels"
 
 
-def _build(retry: bool = True) -> ctypes.CDLL:
+def _build(retry: bool = True, source: Path = SOURCE) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (cc / gcc)")
-    src = SOURCE.read_bytes()
+    src = source.read_bytes() + HEADER.read_bytes()
     flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]   # dequant bit-exact with torch
     machine = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
         if Path("/proc/cpuinfo").exists() else ""
     key = hashlib.sha256(src + " ".join(flags + [cc, machine]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_quant-{key}.so"
+    out = _cache_dir() / f"{source.stem}-{key}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".tmp{os.getpid()}.so")
-        res = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        res = subprocess.run([cc, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
         if res.returncode:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {res.stderr.strip()[:400]}")
+            raise RuntimeError(f"compiling {source.name} failed: {res.stderr.strip()[:400]}")
         tmp.replace(out)
     try:
         lib = ctypes.CDLL(str(out))
@@ -57,9 +59,13 @@ def _build(retry: bool = True) -> ctypes.CDLL:
         if not retry:
             raise
         out.unlink(missing_ok=True)
-        return _build(retry=False)
+        return _build(retry=False, source=source)
     P, I = ctypes.c_void_p, ctypes.c_int
     F = ctypes.c_float
+    if source == KV_SOURCE:
+        lib.attn_decode_quant.argtypes = [P, P, P, I, I, I, I, P, I, P, I, P, P, P, P, P, F, I, P, P]
+        lib.attn_decode_quant.restype = None
+        return lib
     lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P, I, P, P, I]
     lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P, I, P, P, I]
     lib.q4_dequant.argtypes = [P, P, P, I, I, P, I, P, P, I]
@@ -67,9 +73,8 @@ def _build(retry: bool = True) -> ctypes.CDLL:
     lib.attn_decode_rot.argtypes = [P, P, I, I, I, I, P, P, I, P, I, F, P, P]
     lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P]
     lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, P, P]
-    lib.attn_decode_quant.argtypes = [P, P, P, I, I, I, I, P, I, P, I, P, P, P, P, P, F, I, P, P]
     for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot, lib.attn_decode_batch,
-              lib.decode_attend, lib.attn_decode_quant):
+              lib.decode_attend):
         f.restype = None
     return lib
 
@@ -85,6 +90,36 @@ def available() -> bool:
             except (OSError, RuntimeError) as exc:
                 _error = str(exc)
     return _lib is not None
+
+
+_kv_lib = None
+_kv_error: str | None = None
+_kv_thread: threading.Thread | None = None
+_kv_lock = threading.Lock()
+
+
+def _build_kv() -> None:
+    global _kv_lib, _kv_error
+    try:
+        _kv_lib = _build(source=KV_SOURCE)
+    except (OSError, RuntimeError) as exc:
+        _kv_error = str(exc)
+
+
+def kv_kernels_ready(wait: bool = False) -> bool:
+    """Whether the quantized-KV decode attention (its own library, cpu_kv_quant.c) is loaded. The first call
+    starts building it in the background (about 10 s once per machine, cached after): until it is ready,
+    quantized caches decode through torch. wait=True blocks until the build is done."""
+    global _kv_thread
+    if _kv_lib is not None or _kv_error is not None or not available():
+        return _kv_lib is not None
+    with _kv_lock:
+        if _kv_thread is None:
+            _kv_thread = threading.Thread(target=_build_kv, name="kvchat-kv-kernels", daemon=True)
+            _kv_thread.start()
+    if wait:
+        _kv_thread.join()
+    return _kv_lib is not None
 
 
 def unavailable_reason() -> str | None:
@@ -368,7 +403,7 @@ def can_attend_quantized(q: torch.Tensor, k_fmt: PageFormat, v_fmt: PageFormat, 
     d = q.shape[-1]
     return (k_fmt.name in _KINDS and v_fmt.name in _KINDS and full_dtype in _FULL and not data.is_cuda
             and not q.is_cuda and d <= MAX_HEAD_DIM and d % 2 == 0
-            and all(f.scale_axis != "group" or d % f.group == 0 for f in (k_fmt, v_fmt)) and available())
+            and all(f.scale_axis != "group" or d % f.group == 0 for f in (k_fmt, v_fmt)) and kv_kernels_ready())
 
 
 def _half_rope(cos_h, sin_h, pos):
@@ -394,7 +429,7 @@ def attn_decode_quant(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, ta
     out = torch.empty(hq, d)
     scratch = torch.empty(hq * (n + 1 + d) + 64 * hq * (d + 2))
     ks, vs = kp.struct(), vp.struct()
-    _lib.attn_decode_quant(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), hq, hkv, d, int(block_size),
+    _kv_lib.attn_decode_quant(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), hq, hkv, d, int(block_size),
                            slots.data_ptr(), n, table.data_ptr(), int(n_full),
                            ctypes.addressof(ks), ctypes.addressof(vs), cos_h.data_ptr(), sin_h.data_ptr(),
                            pos.data_ptr(), float(sm_scale), torch.get_num_threads(), out.data_ptr(), scratch.data_ptr())

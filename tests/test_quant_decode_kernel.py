@@ -13,7 +13,7 @@ from kernels.formats import page_format
 from kernels.reference import store_blocks
 from tiny_models import random_ids
 
-pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler for the CPU kernels")
+pytestmark = pytest.mark.skipif(not cpu_quant.kv_kernels_ready(wait=True), reason="no C compiler for the CPU kernels")
 
 PAIRS = [("int8", "int8", "channel"), ("int4", "int4", "channel"), ("fp8", "fp8", "channel"),
          ("int8", "int4", "channel"), ("int8", "int8", "token"), ("int4", "int4", "token"), ("fp8", "fp8", "token")]
