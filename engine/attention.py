@@ -144,7 +144,7 @@ class DecodeGroup:
 def decode_group(steps: list[SeqStep]) -> DecodeGroup:
     """steps: consecutive one-token decode steps of sequences sharing one full-precision layout (CPU)."""
     sinks = any(st.n_sink for st in steps)
-    cat = lambda ts: torch.cat(ts)
+    cat = torch.cat
     sizes = torch.tensor([0] + [st.rows.shape[0] for st in steps], dtype=torch.long)
     return DecodeGroup(
         steps[0].offset, len(steps), cat([st.q_cos for st in steps]), cat([st.q_sin for st in steps]),
@@ -193,12 +193,6 @@ def _attend_full(kc: Component, vc: Component, q, k, v, st: SeqStep) -> torch.Te
     vc.write_rows(v, new_rows)
     k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
     q_rot = rotate(q32, st.q_cos, st.q_sin)
-    scale = q.shape[-1] ** -0.5
-    if T == 1 and st.decode and cpu_quant.can_attend(q, k_pages):
-        q_sink = rotate(q32, st.sink_cos, st.sink_sin)[0] if st.n_sink else q_rot[0]
-        out = cpu_quant.attn_decode(q_rot[0].contiguous(), q_sink.contiguous(), st.n_sink, k_pages, v_pages,
-                                    st.rows, scale)
-        return out.view(1, *out.shape)
     k_all = k_pages.index_select(0, st.rows).float()
     v_all = v_pages.index_select(0, st.rows).float()
     if st.n_sink:

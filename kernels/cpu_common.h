@@ -73,3 +73,24 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     for (int i = 0; i < n; i++) acc += a[i] * b[i];
     return acc;
 }
+
+// The spans of one decode attention merged by log-sum-exp: part holds, per span c and query head i,
+// at ((c * Hq + i) * (D + 2)) the span's unnormalized output [D], its max score, its exp-sum. -> out [Hq, D]
+static void merge_spans(const float *part, int S, int Hq, int D, float *out) {
+    for (int i = 0; i < Hq; i++) {
+        float mx = -INFINITY, total = 0.f, *dst = out + (size_t)i * D;
+        for (int c = 0; c < S; c++) {
+            float m = part[((size_t)c * Hq + i) * (D + 2) + D];
+            mx = m > mx ? m : mx;
+        }
+        for (int d = 0; d < D; d++) dst[d] = 0.f;
+        for (int c = 0; c < S; c++) {
+            const float *o = part + ((size_t)c * Hq + i) * (D + 2);
+            if (o[D + 1] == 0.f) continue;
+            float w = expf(o[D] - mx);
+            total += w * o[D + 1];
+            for (int d = 0; d < D; d++) dst[d] += w * o[d];
+        }
+        for (int d = 0; d < D; d++) dst[d] /= total;
+    }
+}

@@ -461,21 +461,5 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
         else
             v_pass_any(&a, h, 0, c, lo, hi);
     }
-    float *part = a.part;
-    for (int i = 0; i < Hq; i++) {
-        float mx = -INFINITY, total = 0.f, *dst = out + (size_t)i * D;
-        for (int c = 0; c < S; c++) {
-            float m = part[((size_t)c * Hq + i) * (D + 2) + D];
-            mx = m > mx ? m : mx;
-        }
-        for (int d = 0; d < D; d++) dst[d] = 0.f;
-        for (int c = 0; c < S; c++) {
-            const float *o = part + ((size_t)c * Hq + i) * (D + 2);
-            if (o[D + 1] == 0.f) continue;
-            float w = expf(o[D] - mx);
-            total += w * o[D + 1];
-            for (int d = 0; d < D; d++) dst[d] += w * o[d];
-        }
-        for (int d = 0; d < D; d++) dst[d] /= total;
-    }
+    merge_spans(a.part, S, Hq, D, out);
 }

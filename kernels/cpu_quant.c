@@ -506,23 +506,7 @@ void attn_decode_batch(int B, const float *q, const float *qs, const int *n_sink
     size_t base = 0;
     for (int b = 0; b < B; b++) {
         int L = (int)(off[b + 1] - off[b]), S = attn_spans(L);
-        const float *part = scratch + base + (size_t)Hq * L;
-        for (int i = 0; i < Hq; i++) {
-            float mx = -INFINITY, total_w = 0.f, *dst = out + ((size_t)b * Hq + i) * D;
-            for (int c = 0; c < S; c++) {
-                float m = part[((size_t)c * Hq + i) * (D + 2) + D];
-                mx = m > mx ? m : mx;
-            }
-            for (int d = 0; d < D; d++) dst[d] = 0.f;
-            for (int c = 0; c < S; c++) {
-                const float *o = part + ((size_t)c * Hq + i) * (D + 2);
-                if (o[D + 1] == 0.f) continue;
-                float w = expf(o[D] - mx);
-                total_w += w * o[D + 1];
-                for (int d = 0; d < D; d++) dst[d] += w * o[d];
-            }
-            for (int d = 0; d < D; d++) dst[d] /= total_w;
-        }
+        merge_spans(scratch + base + (size_t)Hq * L, S, Hq, D, out + (size_t)b * Hq * D);
         base += (size_t)Hq * L + 4 * (size_t)Hq * (D + 2);
     }
 }
