@@ -154,6 +154,11 @@ def decode_group(steps: list[SeqStep]) -> DecodeGroup:
         sizes.cumsum(0), cat([st.rows[-1:] for st in steps]))
 
 
+def group_args(grp: DecodeGroup) -> tuple:
+    """decode_attend's per-step arguments for a group, as cpu_quant.decode_layers takes them."""
+    return grp.q_cos, grp.q_sin, grp.sink_cos, grp.sink_sin, grp.n_sink, grp.new_rows, grp.rows, grp.offsets
+
+
 def attend_group(kc: Component, vc: Component, q, k, v, grp: DecodeGroup) -> torch.Tensor | None:
     """q [B, Hq, D], k/v [B, Hkv, D] before RoPE, one token per sequence; stores k and v; -> [B, Hq, D], or
     None (nothing stored) where the kernel does not cover these pages. One kernel call rotates, stores and
@@ -163,8 +168,9 @@ def attend_group(kc: Component, vc: Component, q, k, v, grp: DecodeGroup) -> tor
         return None
     if q.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
-    return cpu_quant.decode_attend(q, k, v, grp.q_cos, grp.q_sin, grp.sink_cos, grp.sink_sin, grp.n_sink, k_pages,
-                                   vc.flat_pages(), grp.new_rows, grp.rows, grp.offsets, q.shape[-1] ** -0.5)
+    cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets = group_args(grp)
+    return cpu_quant.decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, vc.flat_pages(),
+                                   new_rows, rows, offsets, q.shape[-1] ** -0.5)
 
 
 def key_rope(st: SeqStep) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from kernels import cpu_quant
+
 from .loader import ModelLoadError
 
 
@@ -202,6 +204,42 @@ class Transformer:
             x = x[-1:]
             split = None
         return self.lm_head.fused(x, norm=self.norm, eps=eps, split=split).float()
+
+    def kernel_layers(self):
+        """The decoder layers as one table for cpu_quant.decode_layers (built once), or None where that kernel
+        does not cover this model: weights not all packed, biases, 16-bit activations, another device."""
+        if getattr(self, "_kernel_layers", False) is not False:
+            return self._kernel_layers
+        table = None
+        if self.device == "cpu" and self.dtype == torch.float32 and cpu_quant.available():
+            rows = []
+            for L in self.layers:
+                slots = [lin.kernel_parts() for lin in (L.qkv, L.o, L.gate_up, L.down)]
+                norms = [t.float().contiguous() for t in (L.norm_attn, L.norm_mlp)]
+                if any(p is None for p in slots) or len(slots[1]) != 1 or len(slots[3]) != 1 \
+                        or any(n.data_ptr() != t.data_ptr() for n, t in zip(norms, (L.norm_attn, L.norm_mlp))):
+                    rows = None
+                    break
+                rows.append((slots, *norms))
+            table = cpu_quant.layer_table(rows) if rows else None
+        self._kernel_layers = table
+        return table
+
+    @torch.inference_mode()
+    def forward_decode(self, token_ids: torch.Tensor, attention_args: tuple, pages: list) -> torch.Tensor | None:
+        """One decode token for each of B sequences through every layer in one kernel call (see
+        cpu_quant.decode_layers), then the output head -> logits [B, vocab]; the same bits as forward() with
+        rows = all and num_decode = B. attention_args: decode_attend's (cos, sin, sink_cos, sink_sin, n_sink,
+        new_rows, rows, offsets); pages[l]: layer l's (K, V) pages. None where the kernel does not apply."""
+        table = self.kernel_layers()
+        c = self.config
+        if table is None or not all(cpu_quant.can_attend_pages(c.num_heads, k) and v.dtype == k.dtype
+                                    and v.is_contiguous() for k, v in pages):
+            return None
+        x = self.table.rows(token_ids).to(self.dtype).contiguous()
+        cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, pages,
+                                *attention_args, c.head_dim ** -0.5)
+        return self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float()
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold resident: packed codes, scales, norms and the embedding table."""

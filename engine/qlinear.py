@@ -55,6 +55,10 @@ class _Fused:
         y = self(x, split=split)
         return y if residual is None else residual + y
 
+    def kernel_parts(self) -> list | None:
+        """This linear as decode_layers' parts (cpu_quant.QLin), or None where the kernel does not cover it."""
+        return None
+
 
 class DenseLinear(_Fused):
     """y = x @ W^T (+ b); W kept in its own dtype (fp32, bf16 or fp16)."""
@@ -204,6 +208,9 @@ class Q4Linear(_Packed):
     def _gemv(self, x, **prep):
         return cpu_quant.q4_gemv(x, self.codes, self.scales, **prep)
 
+    def kernel_parts(self):
+        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 4)]
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_quant.q4_dequant_ref(self.codes[ids], self.scales.index(ids))
 
@@ -242,6 +249,9 @@ class Q8Linear(_Packed):
     def _gemv(self, x, **prep):
         return cpu_quant.q8_gemv(x, self.codes, self.scales, None, self.group, **prep)
 
+    def kernel_parts(self):
+        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 8, self.group)]
+
     def _dequant_rows(self, lo, hi):
         f = cpu_quant.q8_dequant if cpu_quant.available() else cpu_quant.q8_dequant_ref
         return f(self.codes[lo:hi], self.scales.rows(lo, hi), None, self.group)
@@ -267,6 +277,20 @@ class ConcatLinear(_Fused):
     def __call__(self, x: torch.Tensor, split: int | None = None) -> torch.Tensor:
         y = torch.cat([p(x, split=split) for p in self.parts], -1)
         return y + self.bias if self.bias is not None else y
+
+    def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None):
+        if self.bias is not None or not all(isinstance(p, _Packed) for p in self.parts):
+            return super().fused(x, norm, eps, swiglu, residual, split)
+        # packed parts each take the norm / SwiGLU themselves (inside the kernel for decode rows), as
+        # decode_layers does: the two paths give the same bits
+        y = torch.cat([p.fused(x, norm=norm, eps=eps, swiglu=swiglu, split=split) for p in self.parts], -1)
+        return y if residual is None else residual + y
+
+    def kernel_parts(self):
+        parts = [p.kernel_parts() for p in self.parts]
+        if self.bias is not None or len(parts) > 3 or any(p is None for p in parts):
+            return None
+        return [q for p in parts for q in p]
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts], 0)

@@ -172,7 +172,14 @@ class ModelRunner:
                         i += 1
                     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-                logits = self.model.forward(x, attend, all_logits=True, rows=rows, num_decode=num_decode)
+                logits = None
+                whole = groups.get(0)
+                if whole is not None and whole.size == len(steps) and not all_logits:
+                    # every item a one-token decode over one full-precision layout: all layers in one kernel call
+                    logits = self.model.forward_decode(x, attention.group_args(whole),
+                                                       [(kc.flat_pages(), vc.flat_pages()) for kc, vc in comps[0]])
+                if logits is None:
+                    logits = self.model.forward(x, attend, all_logits=True, rows=rows, num_decode=num_decode)
             except BaseException:
                 for i in reversed(range(len(reservations))):
                     res = reservations[i]

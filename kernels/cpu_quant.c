@@ -8,6 +8,7 @@
 // x: [M, K] float32 with K a multiple of 32, y: [M, N] float32. Output rows are split across
 // OpenMP threads.
 // Built at first use by kernels/cpu_quant.py with the machine's C compiler (-O3 -march=native).
+#include <stdlib.h>
 #include "cpu_common.h"
 
 #define MAXM 8
@@ -25,7 +26,11 @@ static inline const float *row_f32(const void *p, const float *sup, int per, siz
     if (kind == 0) return (const float *)p + off;
     if (kind == 1) {
         const _Float16 *h = (const _Float16 *)p + off;
-        for (int i = 0; i < n; i++) buf[i] = (float)h[i];
+        int i = 0;
+#ifdef __F16C__
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+        for (; i < n; i++) buf[i] = (float)h[i];
     } else {
         const float *s = sup + row * (n / per);
         for (int b = 0; b < n / per; b++) {          // one super-block at a time: no division per element
@@ -54,6 +59,37 @@ static void quantize_x(const float *x, int M, int K, int16_t *xq, float *xs, flo
     for (int m = 0; m < M; m++)
         for (int g = 0; g < ng; g++) {
             const float *v = x + (size_t)m * K + g * 32;
+#ifdef __AVX2__
+            // the scalar loop below, eight lanes at a time: the same max, the same rounding (to nearest even)
+            const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                   v3 = _mm256_loadu_ps(v + 24);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
+                                      _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+            float vmax = _mm_cvtss_f32(m4);
+            if (vmax == vmax) {        // no NaN: NaN inputs take the scalar loop, whose max skips them
+                float inv_v = vmax > 0 ? 32767.f / vmax : 0.f;
+                __m256 iv = _mm256_set1_ps(inv_v);
+                __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv)),
+                        i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
+                __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+                int16_t *o = xq + (size_t)m * K + g * 32;
+                // packs interleave 128-bit lanes: permute back to element order
+                __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+                __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
+                _mm256_storeu_si256((__m256i *)o, p01);
+                _mm256_storeu_si256((__m256i *)(o + 16), p23);
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+                xs[m * ng + g] = vmax / 32767.f;
+                sums[m * ng + g] = (vmax / 32767.f) * (float)_mm_cvtsi128_si32(s4);
+                continue;
+            }
+#endif
             float amax = 0.f;
             for (int j = 0; j < 32; j++) {
                 float a = v[j] < 0 ? -v[j] : v[j];
@@ -258,9 +294,10 @@ static void activations(const float *x, int M, int K, int mode, const float *nor
     quantize_x(prep(x, M, K, mode, norm_w, eps, buf), M, K, *xq, *xs, *sums);
 }
 
-void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const void *scale, const void *zero,
-             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid, int kind,
-             const float *ssup, const float *zsup, int per) {
+// y: [M, ldy] (ldy >= N: one part of a concatenated output); resid [M, N]
+static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const void *scale, const void *zero,
+                       int N, float *y, int ldy, void *scratch, int mode, const float *norm_w, float eps,
+                       const float *resid, int kind, const float *ssup, const float *zsup, int per) {
     int ng = K / 32;
     int16_t *xq;
     float *xs, *sums;
@@ -278,7 +315,7 @@ void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const void *sca
         }
         if (zr) {
             q4_rowsM(row, sc, zr, xq, xs, sums, ng, K, M, out);
-            for (int m = 0; m < M; m++) y[(size_t)m * N + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
+            for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
             continue;
         }
         __m256 acc[MAXM];
@@ -312,14 +349,14 @@ void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const void *sca
             float z = 0.f;
             const float *sm = sums + (size_t)m * ng;
             for (int g = 0; g < ng; g++) z += zr[g] * sm[g];
-            y[(size_t)m * N + n] = out[m] + z + (resid ? resid[(size_t)m * N + n] : 0.f);
+            y[(size_t)m * ldy + n] = out[m] + z + (resid ? resid[(size_t)m * N + n] : 0.f);
         }
     }
 }
 
-void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scale, const void *zero, int G,
-             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid, int kind,
-             const float *ssup, const float *zsup, int per) {
+static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const void *scale, const void *zero, int G,
+                       int N, float *y, int ldy, void *scratch, int mode, const float *norm_w, float eps,
+                       const float *resid, int kind, const float *ssup, const float *zsup, int per) {
     // G is 16 or 32; zero may be NULL (symmetric); scratch as for q4_gemv
     int ng = K / G, nx = K / 32;
     int16_t *xq;
@@ -339,7 +376,7 @@ void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scal
         }
         if (!zero || G == 32) {
             q8_rowsM(row, sc, zrow, G, xq, xs, sums32, nx, K, M, out);
-            for (int m = 0; m < M; m++) y[(size_t)m * N + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
+            for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
             continue;
         }
         __m256 acc[MAXM];
@@ -387,9 +424,21 @@ void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scal
                         z += zr[g] * xs[m * nx + g * G / 32] * (float)s;
                     }
             }
-            y[(size_t)m * N + n] = out[m] + z + (resid ? resid[(size_t)m * N + n] : 0.f);
+            y[(size_t)m * ldy + n] = out[m] + z + (resid ? resid[(size_t)m * N + n] : 0.f);
         }
     }
+}
+
+void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const void *scale, const void *zero,
+             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid, int kind,
+             const float *ssup, const float *zsup, int per) {
+    q4_gemv_ld(x, M, K, codes, scale, zero, N, y, N, scratch, mode, norm_w, eps, resid, kind, ssup, zsup, per);
+}
+
+void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scale, const void *zero, int G,
+             int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid, int kind,
+             const float *ssup, const float *zsup, int per) {
+    q8_gemv_ld(x, M, K, codes, scale, zero, G, N, y, N, scratch, mode, norm_w, eps, resid, kind, ssup, zsup, per);
 }
 
 void q4_dequant(const uint8_t *codes, const void *scale, const void *zero, int N, int K, float *out, int kind,
@@ -570,4 +619,88 @@ void decode_attend(int B, const float *q, const float *k, const float *v, int ld
     }
     attn_decode_batch(B, qr, scos ? qs : qr, n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, out,
                       scratch + 2 * (size_t)B * Hq * D);
+}
+
+// ---- a whole decode step of the decoder layers in one call -------------------------------------------
+
+// One packed linear, or one part of a concatenation (q | k | v of mixed GGUF types): bits 4 or 8.
+typedef struct {
+    const void *codes, *scale, *zero;
+    const float *ssup, *zsup;
+    int bits, kind, per, group, N, K;
+} qlin_t;
+
+// One decoder layer: the four linears (qkv, o, gate_up, down), each up to 3 parts side by side.
+typedef struct {
+    qlin_t lin[4][3];
+    int nparts[4];
+    const float *norm_attn, *norm_mlp;
+} qlayer_t;
+
+// y [M, sum of the parts' N] = parts(x [M, K] ([M, 2K] with SwiGLU)) (+ resid [M, N], one part only), MAXM
+// rows a call as cpu_quant.py's fused() splits them
+static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float *y, void *scratch, int mode,
+                      const float *norm_w, float eps, const float *resid) {
+    int ldy = 0;
+    for (int p = 0; p < np; p++) ldy += parts[p].N;
+    for (int m0 = 0; m0 < M; m0 += MAXM) {
+        int rows = M - m0 < MAXM ? M - m0 : MAXM;
+        for (int p = 0, col = 0; p < np; col += parts[p].N, p++) {
+            const qlin_t *l = parts + p;
+            const float *xm = x + (size_t)m0 * l->K * (mode == 2 ? 2 : 1);
+            float *ym = y + (size_t)m0 * ldy + col;
+            const float *rm = resid ? resid + (size_t)m0 * l->N : NULL;
+            if (l->bits == 4)
+                q4_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->N, ym, ldy, scratch, mode, norm_w, eps,
+                           rm, l->kind, l->ssup, l->zsup, l->per);
+            else
+                q8_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->group, l->N, ym, ldy, scratch, mode,
+                           norm_w, eps, rm, l->kind, l->ssup, l->zsup, l->per);
+        }
+    }
+}
+
+// B sequences' decode tokens through all layers: x [B, H] (the embeddings) becomes the last
+// layer's output. Each layer runs exactly the calls a step through Python makes (q4_gemv / q8_gemv with
+// RMSNorm, SwiGLU and residual fused, decode_attend), in the same order, so the bits are the same; what
+// goes is the interpreter between them. kp[l], vp[l]: layer l's K and V pages (bf16[l]: 16-bit); the
+// attention arguments are decode_attend's, shared by every layer. 0 on success, -1 when out of memory.
+int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
+                  void *const *kp, void *const *vp, const int *bf16, const float *cos, const float *sin,
+                  const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
+                  const int64_t *rows, const int64_t *off, float sm_scale) {
+    int kmax = H, nqkv = 0, ngu = 0;
+    for (int l = 0; l < nl; l++)
+        for (int s = 0; s < 4; s++) {
+            int n = 0;
+            for (int p = 0; p < layers[l].nparts[s]; p++) {
+                n += layers[l].lin[s][p].N;
+                if (layers[l].lin[s][p].K > kmax) kmax = layers[l].lin[s][p].K;
+            }
+            if (s == 0 && n > nqkv) nqkv = n;
+            if (s == 2 && n > ngu) ngu = n;
+        }
+    size_t nrows = (size_t)off[B];
+    size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
+    size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
+    size_t floats = (size_t)B * nqkv + (size_t)B * Hq * D + (size_t)B * H + (size_t)B * ngu + attn_floats;
+    char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
+    if (!mem) return -1;
+    void *gs = mem;
+    float *qkv = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63));
+    float *att = qkv + (size_t)B * nqkv, *x2 = att + (size_t)B * Hq * D, *gu = x2 + (size_t)B * H;
+    float *as = gu + (size_t)B * ngu;
+    for (int l = 0; l < nl; l++) {
+        const qlayer_t *L = layers + l;
+        int n0 = 0;
+        for (int p = 0; p < L->nparts[0]; p++) n0 += L->lin[0][p].N;
+        lin_apply(L->lin[0], L->nparts[0], x, B, qkv, gs, 1, L->norm_attn, eps, NULL);
+        decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, cos, sin, scos, ssin,
+                      n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, att, as);
+        lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, x);
+        lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
+        lin_apply(L->lin[3], L->nparts[3], gu, B, x, gs, 2, NULL, eps, x2);
+    }
+    free(mem);
+    return 0;
 }

@@ -76,6 +76,8 @@ def _build(retry: bool = True, source: Path = SOURCE) -> ctypes.CDLL:
     for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot, lib.attn_decode_batch,
               lib.decode_attend):
         f.restype = None
+    lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F]
+    lib.decode_layers.restype = I
     return lib
 
 
@@ -256,10 +258,13 @@ MAX_HEAD_DIM = 256
 
 def can_attend(q: torch.Tensor, pages: torch.Tensor) -> bool:
     """The C decode attention covers fp32 and bf16 pages on the CPU, head_dim <= 256, heads x head_dim <= 16384."""
-    hq, d = q.shape[-2:]
-    hkv = pages.shape[-2]
+    return can_attend_pages(q.shape[-2], pages)
+
+
+def can_attend_pages(hq: int, pages: torch.Tensor) -> bool:
+    hkv, d = pages.shape[-2:]
     return (pages.dtype in (torch.float32, torch.bfloat16) and not pages.is_cuda and d <= MAX_HEAD_DIM
-            and d % 2 == 0 and hq % hkv == 0 and hq * d <= 16384 and available())
+            and d % 2 == 0 and hq % hkv == 0 and hq * d <= 16384 and pages.is_contiguous() and available())
 
 
 # q, q_sink: [Hq, D] fp32, rotated (q at the new token's position, q_sink where the sinks see it);
@@ -465,3 +470,60 @@ def attn_decode_quant_ref(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots
                    k[..., d // 2:] * cos[:, None] + k[..., :d // 2] * sin[:, None]), -1)
     scores = torch.einsum("hgd,lhd->hgl", q.view(hkv, -1, d), k) * sm_scale
     return torch.einsum("hgl,lhd->hgd", torch.softmax(scores, -1), v).reshape(hq, d)
+
+
+# ---- a decode step of all decoder layers in one call (decode_layers in the C source) ----------------------
+
+class QLin(ctypes.Structure):
+    """One packed linear (or one part of a concatenation) as decode_layers reads it."""
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("ssup", ctypes.c_void_p), ("zsup", ctypes.c_void_p), ("bits", ctypes.c_int), ("kind", ctypes.c_int),
+                ("per", ctypes.c_int), ("group", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int)]
+
+
+class QLayer(ctypes.Structure):
+    _fields_ = [("lin", (QLin * 3) * 4), ("nparts", ctypes.c_int * 4), ("norm_attn", ctypes.c_void_p),
+                ("norm_mlp", ctypes.c_void_p)]
+
+
+def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32) -> QLin:
+    """codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), contiguous; scale a Scales."""
+    s = _scales(scale, None)
+    n = codes.shape[0]
+    k = codes.shape[1] * (2 if bits == 4 else 1)
+    kind, ssup, zsup, per = s.args()
+    return QLin(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), ssup, zsup, bits, kind, per, group, n, k)
+
+
+def layer_table(layers: list[tuple[list[list[QLin]], torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+    """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), and the two RMSNorm
+    weights (fp32 contiguous). The tensors behind the pointers must outlive the table."""
+    table = (QLayer * len(layers))()
+    for t, (slots, norm_attn, norm_mlp) in zip(table, layers):
+        assert len(slots) == 4 and all(1 <= len(p) <= 3 for p in slots) and len(slots[1]) == len(slots[3]) == 1
+        for i, parts in enumerate(slots):
+            t.nparts[i] = len(parts)
+            for j, part in enumerate(parts):
+                t.lin[i][j] = part
+        t.norm_attn, t.norm_mlp = norm_attn.data_ptr(), norm_mlp.data_ptr()
+    return table
+
+
+def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
+                  pages: list[tuple[torch.Tensor, torch.Tensor]], cos, sin, sink_cos, sink_sin, n_sink, new_rows,
+                  rows, offsets, sm_scale: float) -> None:
+    """x [B, H] fp32 contiguous (the embeddings of B sequences' new tokens) becomes the last layer's output, in
+    place: each layer's linears (q4_gemv / q8_gemv with RMSNorm, SwiGLU and residual fused) and decode_attend
+    (arguments as for decode_attend; pages[l] layer l's K and V pages), the same calls in the same order as a
+    step through Python makes, so the same bits."""
+    n = len(pages)
+    kp = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in pages])
+    vp = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in pages])
+    bf = (ctypes.c_int * n)(*[int(k.dtype == torch.bfloat16) for k, _ in pages])
+    b, h = x.shape
+    assert x.is_contiguous() and x.dtype == torch.float32 and len(table) == n
+    rc = _lib.decode_layers(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, kp, vp, bf,
+                            cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(),
+                            new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(), float(sm_scale))
+    if rc:
+        raise MemoryError("decode_layers: out of memory for the step's buffers")

@@ -1,0 +1,77 @@
+"""The whole-step decode kernel (cpu_quant.decode_layers: every layer in one C call) gives the same bits as the
+layer-by-layer path through Python, for every packed GGUF type (mixed q|k|v types included), one sequence or
+more than a kernel call's rows, with and without a window with sinks."""
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.config import CacheConfig
+from engine.gguf_writer import write_random_gguf
+from engine.model import Transformer
+
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_1", "Q6_K", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    return {t: str(write_random_gguf(folder / f"tiny-{t}.gguf", "tiny", t, seed=5)) for t in TYPES}
+
+
+def _decode(engine, cache, prompts, steps, fused):
+    """Prompts prefilled one by one, then `steps` decode steps of all sequences at once: every step's logits."""
+    runner = engine.runner
+    calls = []
+    orig = Transformer.forward_decode
+
+    def spy(self, *a, **k):
+        out = orig(self, *a, **k) if fused else None
+        calls.append(out is not None)
+        return out
+    Transformer.forward_decode = spy
+    try:
+        seqs = [runner.new_sequence(cache) for _ in prompts]
+        last = [runner.step([(s, p)], hash_ids=False)[0] for s, p in zip(seqs, prompts)]
+        out = []
+        for _ in range(steps):
+            last = runner.step([(s, [int(lg[-1].argmax())]) for s, lg in zip(seqs, last)])
+            out.append(torch.cat(last))
+        for s in seqs:
+            runner.close(s)
+    finally:
+        Transformer.forward_decode = orig
+    assert calls and all(calls) == fused
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_whole_step_kernel_equals_layer_by_layer(ggufs, kind):
+    engine = Engine.load(EngineConfig(model=ggufs[kind]))
+    assert engine.model.kernel_layers() is not None
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+    for cache in (CacheConfig(k_format="fp32", v_format="fp32"), CacheConfig(k_format="bf16", v_format="bf16"),
+                  CacheConfig(k_format="fp32", v_format="fp32", window=32, sinks=4, block_size=16)):
+        for group in (prompts[:1], prompts):
+            a = _decode(engine, cache, group, 24, fused=True)
+            b = _decode(engine, cache, group, 24, fused=False)
+            assert torch.equal(a, b), (kind, cache, len(group), (a - b).abs().max().item())
+
+
+def test_more_sequences_than_one_kernel_call_takes(ggufs):
+    """Eleven sequences: the linears run 8 + 3 rows, as fused() splits them."""
+    engine = Engine.load(EngineConfig(model=ggufs["Q4_K_M"]))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 49152, (3 + i,), generator=gen).tolist() for i in range(11)]
+    cache = CacheConfig(k_format="fp32", v_format="fp32")
+    assert torch.equal(_decode(engine, cache, prompts, 4, fused=True), _decode(engine, cache, prompts, 4, fused=False))
+
+
+def test_models_the_kernel_does_not_cover_take_the_layer_path(ggufs, tmp_path):
+    """Float weights (F16 here) have no kernel table; a step still decodes, through forward()."""
+    path = write_random_gguf(tmp_path / "tiny-F16.gguf", "tiny", "F16", seed=5)
+    engine = Engine.load(EngineConfig(model=str(path)))
+    assert engine.model.kernel_layers() is None
+    s = engine.new_session(cache=CacheConfig(k_format="fp32", v_format="fp32"))
+    s.append([5, 6, 7])
+    assert s.append([8])[-1].isfinite().all()
