@@ -36,7 +36,10 @@ def _cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvchat")) / "kernels"
 
 
-def _build(retry: bool = True, source: Path = SOURCE) -> ctypes.CDLL:
+BUILT = Path(__file__).with_name("_built")    # libraries compiled at install (`python -m kernels.cpu_quant`)
+
+
+def _build(retry: bool = True, source: Path = SOURCE, into: Path | None = None) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (cc / gcc)")
@@ -45,7 +48,10 @@ def _build(retry: bool = True, source: Path = SOURCE) -> ctypes.CDLL:
     machine = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
         if Path("/proc/cpuinfo").exists() else ""
     key = hashlib.sha256(src + " ".join(flags + [cc, machine]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{source.stem}-{key}.so"
+    name = f"{source.stem}-{key}.so"
+    out = (into or BUILT) / name
+    if into is None and not out.is_file():     # not built at install (or for another machine): build once, cached
+        out = _cache_dir() / name
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".tmp{os.getpid()}.so")
@@ -59,7 +65,7 @@ def _build(retry: bool = True, source: Path = SOURCE) -> ctypes.CDLL:
         if not retry:
             raise
         out.unlink(missing_ok=True)
-        return _build(retry=False, source=source)
+        return _build(retry=False, source=source, into=into or out.parent)
     P, I = ctypes.c_void_p, ctypes.c_int
     F = ctypes.c_float
     if source == KV_SOURCE:
@@ -527,3 +533,16 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
                             new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(), float(sm_scale))
     if rc:
         raise MemoryError("decode_layers: out of memory for the step's buffers")
+
+
+def prebuild() -> list[Path]:
+    """Compile both libraries for this machine into the package (make's install step runs this), so that a first
+    start loads them instead of compiling (about 5 s, and 10 s more in the background for the quantized-KV one)."""
+    for source in (SOURCE, KV_SOURCE):
+        _build(source=source, into=BUILT)
+    return sorted(BUILT.glob("*.so"))
+
+
+if __name__ == "__main__":
+    for path in prebuild():
+        print(path)
