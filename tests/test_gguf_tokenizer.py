@@ -57,7 +57,7 @@ def assert_same_files(mine: Path, theirs: Path):
         assert (mine / "chat_template.jinja").read_text() == (theirs / "chat_template.jinja").read_text()
 
 
-def assert_same_behaviour(tok: ChatTokenizer, ref, corpus=CORPUS, chats=CHATS):
+def assert_same_behaviour(tok: ChatTokenizer, ref, corpus=CORPUS, chats=CHATS, same_vocab=True):
     for text in corpus:
         for special in (False, True):
             assert tok.encode(text, add_special_tokens=special) == \
@@ -70,8 +70,9 @@ def assert_same_behaviour(tok: ChatTokenizer, ref, corpus=CORPUS, chats=CHATS):
         assert getattr(tok, name) == getattr(ref, name), name
         assert getattr(tok, name + "_id") == getattr(ref, name + "_id"), name
     assert set(tok.all_special_ids) <= set(ref.all_special_ids)
-    assert tok.get_vocab() == ref.get_vocab()
-    assert len(tok) == len(ref)
+    if same_vocab:
+        assert tok.get_vocab() == ref.get_vocab()
+        assert len(tok) == len(ref)
     if ref.chat_template:
         for chat in chats:
             assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
@@ -185,6 +186,21 @@ def test_variants_equal_transformers(name, vocab_fields, tmp_path):
     if "bos" in name:
         assert tok.encode("Hi")[0] == tok.bos_token_id
         assert tok.encode("Hi", add_special_tokens=False)[0] != tok.bos_token_id
+
+
+def test_no_token_beyond_the_vocabulary(vocab_fields, tmp_path):
+    """The one deliberate difference: without "<|endoftext|>" in the vocabulary (Llama 3 has <|end_of_text|>),
+    transformers' converter still adds it, as an id past the model's embedding rows; here it stays plain text."""
+    tokens = list(vocab_fields["tokenizer.ggml.tokens"])
+    tokens[0] = "<|eot|>"
+    path = metadata_gguf(tmp_path / "l3.gguf", vocab_fields, ggml__tokens=tokens, ggml__pre="llama-bpe")
+    ref, _ = reference_folder(path, tmp_path / "theirs")
+    tok = ours(path, tmp_path / "mine")
+    assert len(ref) == len(tokens) + 1 and ref.convert_tokens_to_ids("<|endoftext|>") == len(tokens)
+    assert len(tok) == len(tokens) and tok.token_to_id("<|endoftext|>") is None
+    assert max(tok.encode("a<|endoftext|>b")) < len(tokens)
+    assert tok.decode(tok.encode("a<|endoftext|>b")) == "a<|endoftext|>b"
+    assert_same_behaviour(tok, ref, [t for t in CORPUS if "<|endoftext|>" not in t], same_vocab=False)
 
 
 def test_split_regexes_are_transformers(vocab_fields):
