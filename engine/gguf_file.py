@@ -120,6 +120,31 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path.name} lacks the metadata key {key!r}: the file is incomplete")
         return value
 
+    def array(self, key: str) -> list:
+        """A metadata array in full (the header reader skips long ones): strings as str, numbers as Python numbers.
+
+        A string that is not UTF-8 raises ModelLoadError (a damaged file)."""
+        value = self.field(key)
+        if not isinstance(value, SkippedArray):
+            if not isinstance(value, list):
+                raise ModelLoadError(f"{self.path.name}: the metadata key {key!r} holds a {type(value).__name__}, "
+                                     f"not an array: the file is damaged")
+            return value
+        buf = memoryview(self._map)
+        if value.item_type != _STRING:
+            dt = np.dtype(_SCALAR[value.item_type])
+            return np.frombuffer(buf, dtype=dt, count=value.n, offset=value.offset).tolist()
+        out, pos, unpack = [], value.offset, struct.Struct("<Q").unpack_from
+        try:
+            for _ in range(value.n):
+                (m,) = unpack(buf, pos)
+                out.append(str(buf[pos + 8:pos + 8 + m], "utf-8"))
+                pos += 8 + m
+        except UnicodeDecodeError as exc:
+            raise ModelLoadError(f"{self.path.name}: item {len(out)} of {key!r} is not UTF-8 text ({exc}): "
+                                 f"the file is damaged") from exc
+        return out
+
     def type_name(self, name: str) -> str:
         return self.tensors[name].type_name
 
@@ -331,10 +356,10 @@ def _string(buf, pos: int) -> tuple[str, int]:
 
 
 class SkippedArray:
-    """A metadata array not parsed (the vocabulary, merges): its length only."""
+    """A metadata array not parsed (the vocabulary, merges): its length, and where it lies for GGUFFile.array."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, offset: int = -1, item_type: int = -1):
+        self.n, self.offset, self.item_type = n, offset, item_type
 
     def __len__(self) -> int:
         return self.n
@@ -347,14 +372,15 @@ def _value(buf, pos: int, vtype: int):
         itype, n = struct.unpack_from("<IQ", buf, pos)
         pos += 12
         if itype == _STRING:
+            start = pos
             for _ in range(n):           # skip: length-prefixed strings
                 (m,) = struct.unpack_from("<Q", buf, pos)
                 pos += 8 + m
-            return SkippedArray(n), pos
+            return SkippedArray(n, start, itype), pos
         if itype == _ARRAY:
             raise ValueError("nested metadata arrays are not supported")
         dt = np.dtype(_SCALAR[itype])
-        values = np.frombuffer(buf, dtype=dt, count=n, offset=pos) if n <= 4096 else SkippedArray(n)
+        values = np.frombuffer(buf, dtype=dt, count=n, offset=pos) if n <= 4096 else SkippedArray(n, pos, itype)
         return (values.tolist() if isinstance(values, np.ndarray) else values), pos + n * dt.itemsize
     dt = np.dtype(_SCALAR[vtype])
     value = np.frombuffer(buf, dtype=dt, count=1, offset=pos)[0].item()

@@ -128,14 +128,15 @@ def gguf_tokenizer(path: Path, progress: Progress | None = None):
     folder = gguf_tokenizer_dir(path)
     if progress:
         progress(f"reading the tokenizer of {path.name} (first start only)", 0.2)
-    try:
-        tok = _tokenizer_from_gguf(path)
-    except Exception as exc:
-        raise ModelLoadError(f"could not read the tokenizer of {path.name} ({type(exc).__name__}: {exc}); "
-                             f"re-download or re-export the file") from exc
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     try:
-        tok.save_pretrained(str(tmp))
+        if not _write_gguf_tokenizer(path, tmp):
+            try:                  # a kind of tokenizer gguf_tokenizer.py does not build: transformers' converter
+                tok = _tokenizer_from_gguf(path)
+            except Exception as exc:
+                raise ModelLoadError(f"could not read the tokenizer of {path.name} ({type(exc).__name__}: {exc}); "
+                                     f"re-download or re-export the file") from exc
+            tok.save_pretrained(str(tmp))
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)
@@ -228,6 +229,25 @@ def _load_cached(folder: Path):
     (a second of every start) once the cache is written."""
     from .tokenizer import ChatTokenizer
     return ChatTokenizer(folder)
+
+
+def _write_gguf_tokenizer(path: Path, folder: Path) -> bool:
+    """The tokenizer folder written by gguf_tokenizer.py (`tokenizers` alone, no transformers: seconds less on
+    a first start); False when the file's tokenizer is of a kind only transformers' converter builds."""
+    from .gguf_file import GGUFFile
+    from .gguf_tokenizer import NotCovered, write_folder
+    gguf = GGUFFile(path)
+    try:
+        write_folder(gguf, folder)
+    except NotCovered:
+        shutil.rmtree(folder, ignore_errors=True)
+        return False
+    except (ModelLoadError, OSError):
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"could not read the tokenizer of {path.name} ({type(exc).__name__}: {exc}); "
+                             f"re-download or re-export the file") from exc
+    return True
 
 
 def _tokenizer_from_gguf(path: Path):

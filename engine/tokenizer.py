@@ -1,7 +1,8 @@
 """A cached GGUF tokenizer and chat template, served by `tokenizers` and jinja2 alone.
 
 Importing transformers costs about a second of start-up and ~20 MiB; once a GGUF's tokenizer is in
-the cache (loader.gguf_tokenizer writes it the first time, with transformers' converter), this class
+the cache (loader.gguf_tokenizer writes it the first time: gguf_tokenizer.py for byte-level BPE,
+transformers' converter for other kinds), this class
 reads it back without it. It answers the part of transformers' tokenizer API kvchat uses, with the
 same results: `encode` (add_special_tokens, split_special_tokens), `decode`, `apply_chat_template`
 (rendered as transformers renders it: a sandboxed, immutable jinja2 environment with trim_blocks,

@@ -161,8 +161,9 @@ def test_failed_gguf_load_leaves_no_temporary_folder(tiny_gguf, tmp_path, monkey
         raise OSError("disk full")
 
     from transformers import PreTrainedTokenizerFast
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m:          # both writers: engine/gguf_tokenizer.py's, and transformers' fallback
         m.setattr(PreTrainedTokenizerFast, "save_pretrained", broken_save)
+        m.setattr("engine.gguf_tokenizer.write_folder", lambda gguf, folder: broken_save(None, folder))
         with pytest.raises(OSError, match="disk full"):
             Engine.load(EngineConfig(model=str(gguf)))
     assert traces() == []
