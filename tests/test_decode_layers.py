@@ -75,3 +75,17 @@ def test_models_the_kernel_does_not_cover_take_the_layer_path(ggufs, tmp_path):
     s = engine.new_session(cache=CacheConfig(k_format="fp32", v_format="fp32"))
     s.append([5, 6, 7])
     assert s.append([8])[-1].isfinite().all()
+
+
+def test_mixed_key_and_value_precision_decodes_in_a_batch(ggufs):
+    """fp32 keys with bf16 values: no kernel covers the pair, so each layer takes the torch path; batched steps
+    still run (a hypothesis run found them failing an assertion) and equal the sequences run alone."""
+    engine = Engine.load(EngineConfig(model=ggufs["Q8_0"]))
+    cache = CacheConfig(k_format="fp32", v_format="bf16")
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    assert engine.model.forward_decode(torch.tensor([5]), (), [(torch.zeros(4, 2, 16), torch.zeros(4, 2, 16, dtype=torch.bfloat16))]) is None
+    both = _decode(engine, cache, prompts, 3, fused=False)
+    alone = [_decode(engine, cache, [p], 3, fused=False) for p in prompts]
+    assert both.shape[1] == 2 and torch.isfinite(both).all()
+    for i, a in enumerate(alone):
+        assert torch.allclose(both[:, i], a[:, 0], atol=1e-4, rtol=1e-4)
