@@ -226,19 +226,36 @@ class Transformer:
         return table
 
     @torch.inference_mode()
-    def forward_decode(self, token_ids: torch.Tensor, attention_args: tuple, pages: list) -> torch.Tensor | None:
+    def forward_decode(self, token_ids: torch.Tensor, attention_args: tuple | None = None, pages: list | None = None,
+                       attention: Attention | None = None) -> torch.Tensor | None:
         """One decode token for each of B sequences through every layer in one kernel call (see
         cpu_quant.decode_layers), then the output head -> logits [B, vocab]; the same bits as forward() with
-        rows = all and num_decode = B. attention_args: decode_attend's (cos, sin, sink_cos, sink_sin, n_sink,
-        new_rows, rows, offsets); pages[l]: layer l's (K, V) pages. None where the kernel does not apply."""
+        rows = all and num_decode = B. Either attention_args, decode_attend's (cos, sin, sink_cos, sink_sin,
+        n_sink, new_rows, rows, offsets), with pages[l] layer l's (K, V) pages, and the kernel attends too;
+        or `attention`, forward()'s callback, called from the kernel for each layer (caches it does not
+        read). None where the kernel does not apply."""
         table = self.kernel_layers()
         c = self.config
-        if table is None or not all(cpu_quant.can_attend_pages(c.num_heads, k) and v.dtype == k.dtype
-                                    and v.is_contiguous() for k, v in pages):
+        if table is None:
             return None
         x = self.table.rows(token_ids).to(self.dtype).contiguous()
-        cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, pages,
-                                *attention_args, c.head_dim ** -0.5)
+        if attention is not None:
+            B, q_size, kv_size = x.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+            def attend(layer, qkv):
+                qkv = qkv.clone()       # the kernel's buffer outlives no call: nothing may keep a view of it
+                q = qkv[:, :q_size].view(B, c.num_heads, c.head_dim)
+                k = qkv[:, q_size:q_size + kv_size].view(B, c.num_kv_heads, c.head_dim)
+                v = qkv[:, q_size + kv_size:].view(B, c.num_kv_heads, c.head_dim)
+                return attention(layer, q, k, v).to(self.dtype)
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None,
+                                    attend=attend)
+        else:
+            if not all(cpu_quant.can_attend_pages(c.num_heads, k) and v.dtype == k.dtype and v.is_contiguous()
+                       for k, v in pages):
+                return None
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, pages,
+                                    *attention_args, c.head_dim ** -0.5)
         return self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float()
 
     def weight_bytes(self) -> int:

@@ -660,15 +660,20 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
     }
 }
 
+// attend(layer, qkv [B, n_qkv], out [B, Hq * D]): the caller's attention for pages no kernel here reads
+// (quantized caches); nonzero stops the step
+typedef int (*attend_fn)(int layer, float *qkv, float *out);
+
 // B sequences' decode tokens through all layers: x [B, H] (the embeddings) becomes the last
 // layer's output. Each layer runs exactly the calls a step through Python makes (q4_gemv / q8_gemv with
 // RMSNorm, SwiGLU and residual fused, decode_attend), in the same order, so the bits are the same; what
 // goes is the interpreter between them. kp[l], vp[l]: layer l's K and V pages (bf16[l]: 16-bit); the
-// attention arguments are decode_attend's, shared by every layer. 0 on success, -1 when out of memory.
+// attention arguments are decode_attend's, shared by every layer; or attend, called instead of it (the
+// other arguments of attention unused). 0 on success, -1 when out of memory, -2 when attend failed.
 int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                   void *const *kp, void *const *vp, const int *bf16, const float *cos, const float *sin,
                   const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
-                  const int64_t *rows, const int64_t *off, float sm_scale) {
+                  const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend) {
     int kmax = H, nqkv = 0, ngu = 0;
     for (int l = 0; l < nl; l++)
         for (int s = 0; s < 4; s++) {
@@ -680,7 +685,7 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
             if (s == 0 && n > nqkv) nqkv = n;
             if (s == 2 && n > ngu) ngu = n;
         }
-    size_t nrows = (size_t)off[B];
+    size_t nrows = attend ? 0 : (size_t)off[B];
     size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
     size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
     size_t floats = (size_t)B * nqkv + (size_t)B * Hq * D + (size_t)B * H + (size_t)B * ngu + attn_floats;
@@ -695,8 +700,15 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
         int n0 = 0;
         for (int p = 0; p < L->nparts[0]; p++) n0 += L->lin[0][p].N;
         lin_apply(L->lin[0], L->nparts[0], x, B, qkv, gs, 1, L->norm_attn, eps, NULL);
-        decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, cos, sin, scos, ssin,
-                      n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, att, as);
+        if (attend) {
+            if (attend(l, qkv, att)) {
+                free(mem);
+                return -2;
+            }
+        } else {
+            decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, cos, sin, scos, ssin,
+                          n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, att, as);
+        }
         lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, x);
         lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
         lin_apply(L->lin[3], L->nparts[3], gu, B, x, gs, 2, NULL, eps, x2);

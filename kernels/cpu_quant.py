@@ -24,6 +24,8 @@ SOURCE = Path(__file__).with_name("cpu_quant.c")
 KV_SOURCE = Path(__file__).with_name("cpu_kv_quant.c")     # quantized-KV decode attention: built in the background
 HEADER = Path(__file__).with_name("cpu_common.h")
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
+# decode_layers' attention callback: (layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero to stop
+ATTEND_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _lib = None
 _error: str | None = None
 
@@ -82,7 +84,7 @@ def _build(retry: bool = True, source: Path = SOURCE, into: Path | None = None) 
     for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot, lib.attn_decode_batch,
               lib.decode_attend):
         f.restype = None
-    lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F]
+    lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, ATTEND_FN]
     lib.decode_layers.restype = I
     return lib
 
@@ -516,21 +518,44 @@ def layer_table(layers: list[tuple[list[list[QLin]], torch.Tensor, torch.Tensor]
 
 
 def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
-                  pages: list[tuple[torch.Tensor, torch.Tensor]], cos, sin, sink_cos, sink_sin, n_sink, new_rows,
-                  rows, offsets, sm_scale: float) -> None:
+                  pages: list[tuple[torch.Tensor, torch.Tensor]] | None, cos=None, sin=None, sink_cos=None,
+                  sink_sin=None, n_sink=None, new_rows=None, rows=None, offsets=None, sm_scale: float = 0.0,
+                  attend=None) -> None:
     """x [B, H] fp32 contiguous (the embeddings of B sequences' new tokens) becomes the last layer's output, in
     place: each layer's linears (q4_gemv / q8_gemv with RMSNorm, SwiGLU and residual fused) and decode_attend
     (arguments as for decode_attend; pages[l] layer l's K and V pages), the same calls in the same order as a
-    step through Python makes, so the same bits."""
-    n = len(pages)
-    kp = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in pages])
-    vp = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in pages])
-    bf = (ctypes.c_int * n)(*[int(k.dtype == torch.bfloat16) for k, _ in pages])
+    step through Python makes, so the same bits.
+
+    attend(layer, qkv [B, n_qkv], out [B, Hq * D]), when given, does each layer's attention instead (pages and
+    the other attention arguments unused): the caller's own path for caches the kernel does not read. An
+    exception it raises stops the step and is raised here."""
     b, h = x.shape
-    assert x.is_contiguous() and x.dtype == torch.float32 and len(table) == n
-    rc = _lib.decode_layers(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, kp, vp, bf,
-                            cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(),
-                            new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(), float(sm_scale))
+    assert x.is_contiguous() and x.dtype == torch.float32
+    n = len(table)
+    failure: list[BaseException] = []
+    if attend is None:
+        assert len(pages) == n
+        kp = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in pages])
+        vp = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in pages])
+        bf = (ctypes.c_int * n)(*[int(k.dtype == torch.bfloat16) for k, _ in pages])
+        args = (kp, vp, bf, cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(),
+                new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(), float(sm_scale), ATTEND_FN())
+    else:
+        n_qkv = sum(table[0].lin[0][j].N for j in range(table[0].nparts[0]))
+
+        def call(layer, qkv_ptr, out_ptr):
+            try:
+                qkv = torch.frombuffer((ctypes.c_float * (b * n_qkv)).from_address(qkv_ptr), dtype=torch.float32)
+                out = torch.frombuffer((ctypes.c_float * (b * hq * d)).from_address(out_ptr), dtype=torch.float32)
+                out.view(b, hq * d).copy_(attend(layer, qkv.view(b, n_qkv)).reshape(b, hq * d))
+                return 0
+            except BaseException as exc:      # an exception cannot cross C: kept, the step stops, raised below
+                failure.append(exc)
+                return 1
+        args = (None, None, None, None, None, None, None, None, None, None, None, 0.0, ATTEND_FN(call))
+    rc = _lib.decode_layers(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, *args)
+    if failure:
+        raise failure[0]
     if rc:
         raise MemoryError("decode_layers: out of memory for the step's buffers")
 

@@ -1,6 +1,7 @@
 """The whole-step decode kernel (cpu_quant.decode_layers: every layer in one C call) gives the same bits as the
 layer-by-layer path through Python, for every packed GGUF type (mixed q|k|v types included), one sequence or
-more than a kernel call's rows, with and without a window with sinks."""
+more than a kernel call's rows, with and without a window with sinks, full-precision caches (attended inside
+the kernel) and quantized ones (attended by a callback per layer)."""
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from engine import Engine, EngineConfig
 from engine.config import CacheConfig
 from engine.gguf_writer import write_random_gguf
 from engine.model import Transformer
+from kernels import cpu_quant
 
 TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_1", "Q6_K", "Q8_0")
 
@@ -50,8 +52,11 @@ def test_whole_step_kernel_equals_layer_by_layer(ggufs, kind):
     assert engine.model.kernel_layers() is not None
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+    cpu_quant.kv_kernels_ready(wait=True)      # the quantized caches' attention kernel, the same in both runs
     for cache in (CacheConfig(k_format="fp32", v_format="fp32"), CacheConfig(k_format="bf16", v_format="bf16"),
-                  CacheConfig(k_format="fp32", v_format="fp32", window=32, sinks=4, block_size=16)):
+                  CacheConfig(k_format="fp32", v_format="fp32", window=32, sinks=4, block_size=16),
+                  CacheConfig(k_format="int8", v_format="int8", block_size=16),
+                  CacheConfig(k_format="int4", v_format="fp8", block_size=16, window=32, sinks=4)):
         for group in (prompts[:1], prompts):
             a = _decode(engine, cache, group, 24, fused=True)
             b = _decode(engine, cache, group, 24, fused=False)
@@ -89,3 +94,32 @@ def test_mixed_key_and_value_precision_decodes_in_a_batch(ggufs):
     assert both.shape[1] == 2 and torch.isfinite(both).all()
     for i, a in enumerate(alone):
         assert torch.allclose(both[:, i], a[:, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_an_exception_after_the_kernel_wrote_its_pages_leaves_the_cache_as_before(ggufs):
+    """decode_layers writes every layer's new K/V rows; if the step then fails (here: in the output head),
+    the step is rolled back and the next steps equal those of a twin that never saw it."""
+    engine = Engine.load(EngineConfig(model=ggufs["Q4_0"]))
+    runner, head = engine.runner, engine.model.lm_head
+    for cache in (CacheConfig(k_format="fp32", v_format="fp32"), CacheConfig(k_format="bf16", v_format="bf16")):
+        a, twin = runner.new_sequence(cache), runner.new_sequence(cache)
+        for s in (a, twin):
+            runner.step([(s, [5, 6, 7, 8, 9])], hash_ids=False)
+            runner.step([(s, [10])], all_logits=False)
+        calls = []
+
+        def failing(*args, **kw):
+            calls.append(1)
+            raise RuntimeError("injected after the layers")
+        head.fused = failing
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                runner.step([(a, [11])], all_logits=False)
+        finally:
+            del head.fused
+        assert calls and a.num_tokens == twin.num_tokens
+        runner.manager.check()
+        for t in (11, 12, 13):
+            (la,), (lt,) = runner.step([(a, [t])], all_logits=False), runner.step([(twin, [t])], all_logits=False)
+            assert torch.equal(la, lt)
+        runner.close(a), runner.close(twin)

@@ -117,7 +117,7 @@ class EngineMachine(RuleBasedStateMachine):
         if s.seq.released or s.seq.num_tokens == 0:
             self.exact[id(s)] = _exact_mode(s.cache_config)     # its cache is read again from the tokens
         model = self.engine.runner.model
-        forward = model.forward
+        forward, forward_decode = model.forward, model.forward_decode
         calls = [0]
         if failure is not None:
             fail_layer, fail_call = failure
@@ -133,13 +133,32 @@ class EngineMachine(RuleBasedStateMachine):
                         raise Boom(f"injected at layer {layer} of forward {fail_call}")
                     return out
                 return forward(x, attend, *a, **k)
+
+            def failing_decode(x, attention_args=None, pages=None, attention=None):
+                # the one-call decode step: inside its attention callback, or (the kernel attending itself)
+                # after every layer wrote its pages
+                calls[0] += 1
+                if calls[0] != fail_call:
+                    return forward_decode(x, attention_args, pages, attention)
+                if attention is None:
+                    forward_decode(x, attention_args, pages)
+                    raise Boom(f"injected after the layers of forward {fail_call}")
+
+                def attend(layer, q, kk, v):
+                    out = attention(layer, q, kk, v)
+                    if layer == fail_layer:
+                        raise Boom(f"injected at layer {layer} of forward {fail_call}")
+                    return out
+                return forward_decode(x, attention=attend)
             model.forward = failing
+            model.forward_decode = failing_decode
         try:
             return op()
         except (Boom, *allowed):
             return None
         finally:
             model.forward = forward
+            model.forward_decode = forward_decode
 
     # ---- rules --------------------------------------------------------------------------------
 
