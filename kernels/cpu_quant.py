@@ -67,7 +67,7 @@ def _build(retry: bool = True, source: Path = SOURCE, into: Path | None = None) 
         if not retry:
             raise
         out.unlink(missing_ok=True)
-        return _build(retry=False, source=source, into=into or out.parent)
+        return _build(retry=False, source=source, into=into)     # into=None: the cache dir, now BUILT lacks it
     P, I = ctypes.c_void_p, ctypes.c_int
     F = ctypes.c_float
     if source == KV_SOURCE:

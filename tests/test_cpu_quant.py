@@ -1,4 +1,8 @@
 """The C kernels over packed weights (kernels/cpu_quant.c) against their torch references."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,3 +147,19 @@ def test_half_scales_read_like_float_scales():
     assert torch.equal(cq.q4_dequant(codes, scale, zero), cq.q4_dequant_ref(codes, scale, zero))
     c8, s8, z8 = _q8(96, 256, 32, True)
     assert torch.equal(cq.q8_gemv(x, c8, s8.half(), z8.half(), 32), cq.q8_gemv(x, c8, s8.half().float(), z8.half().float(), 32))
+
+
+def test_a_damaged_library_from_install_is_replaced_by_a_cached_build(tmp_path, monkeypatch):
+    """kernels/_built holds the libraries compiled at install; a damaged one (an interrupted copy) is removed
+    and the kernels are compiled into the cache dir instead, and load."""
+    built = tmp_path / "built"
+    monkeypatch.setattr(cq, "BUILT", built)
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    # built in another process: this one must not have the file mapped when it is damaged
+    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from kernels import cpu_quant as c; "
+                    "c._build(into=Path(sys.argv[1]))", str(built)], check=True, cwd=Path(cq.__file__).parents[1])
+    (so,) = built.glob("cpu_quant-*.so")
+    so.write_bytes(b"not a shared library")
+    lib = cq._build()
+    assert not so.exists() and hasattr(lib, "decode_layers")
+    assert list((tmp_path / "cache" / "kernels").glob("cpu_quant-*.so"))
