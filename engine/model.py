@@ -173,6 +173,8 @@ class Transformer:
         self.weights = weights
         self.quant = quant              # what the file holds, e.g. "Q4_1 (+Q8_0)"; "" for float sources
         self.inv_freq = config.inv_freq().to(device)
+        self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
+        self._kernel_checked = False
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: Attention, all_logits: bool = False,
@@ -184,16 +186,12 @@ class Transformer:
         c = self.config
         T = token_ids.shape[0]
         q_size = c.num_heads * c.head_dim
-        kv_size = c.num_kv_heads * c.head_dim
         x = self.table.rows(token_ids).to(self.dtype)
         eps = c.rms_norm_eps
         split = num_decode
         for i, L in enumerate(self.layers):
             qkv = L.qkv.fused(x, norm=L.norm_attn, eps=eps, split=split)
-            q = qkv[:, :q_size].view(T, c.num_heads, c.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(T, c.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size:].view(T, c.num_kv_heads, c.head_dim)
-            o = attention(i, q, k, v)
+            o = attention(i, *self._split_qkv(qkv))
             x = L.o.fused(o.reshape(T, q_size).to(self.dtype), residual=x, split=split)
             gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps, split=split)
             x = L.down.fused(gu, swiglu=True, residual=x, split=split)
@@ -205,25 +203,31 @@ class Transformer:
             split = None
         return self.lm_head.fused(x, norm=self.norm, eps=eps, split=split).float()
 
+    def _split_qkv(self, qkv: torch.Tensor):
+        """[T, (Hq + 2 Hkv) D] -> views q [T, Hq, D], k and v [T, Hkv, D]."""
+        c = self.config
+        T, q_size, kv_size = qkv.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return (qkv[:, :q_size].view(T, c.num_heads, c.head_dim),
+                qkv[:, q_size:q_size + kv_size].view(T, c.num_kv_heads, c.head_dim),
+                qkv[:, q_size + kv_size:].view(T, c.num_kv_heads, c.head_dim))
+
     def kernel_layers(self):
         """The decoder layers as one table for cpu_quant.decode_layers (built once), or None where that kernel
         does not cover this model: weights not all packed, biases, 16-bit activations, another device."""
-        if getattr(self, "_kernel_layers", False) is not False:
-            return self._kernel_layers
-        table = None
-        if self.device == "cpu" and self.dtype == torch.float32 and cpu_quant.available():
-            rows = []
-            for L in self.layers:
-                slots = [lin.kernel_parts() for lin in (L.qkv, L.o, L.gate_up, L.down)]
-                norms = [t.float().contiguous() for t in (L.norm_attn, L.norm_mlp)]
-                if any(p is None for p in slots) or len(slots[1]) != 1 or len(slots[3]) != 1 \
-                        or any(n.data_ptr() != t.data_ptr() for n, t in zip(norms, (L.norm_attn, L.norm_mlp))):
-                    rows = None
-                    break
-                rows.append((slots, *norms))
-            table = cpu_quant.layer_table(rows) if rows else None
-        self._kernel_layers = table
-        return table
+        if not self._kernel_checked:
+            self._kernel_checked = True
+            if self.device == "cpu" and self.dtype == torch.float32 and cpu_quant.available():
+                rows = []
+                for L in self.layers:
+                    slots = [lin.kernel_parts() for lin in (L.qkv, L.o, L.gate_up, L.down)]
+                    norms = (L.norm_attn, L.norm_mlp)
+                    if any(p is None for p in slots) or len(slots[1]) != 1 or len(slots[3]) != 1 \
+                            or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+                        break
+                    rows.append((slots, *norms))
+                else:
+                    self._kernel_layers = cpu_quant.layer_table(rows)
+        return self._kernel_layers
 
     @torch.inference_mode()
     def forward_decode(self, token_ids: torch.Tensor, attention_args: tuple | None = None, pages: list | None = None,
@@ -240,14 +244,9 @@ class Transformer:
             return None
         x = self.table.rows(token_ids).to(self.dtype).contiguous()
         if attention is not None:
-            B, q_size, kv_size = x.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-
             def attend(layer, qkv):
-                qkv = qkv.clone()       # the kernel's buffer outlives no call: nothing may keep a view of it
-                q = qkv[:, :q_size].view(B, c.num_heads, c.head_dim)
-                k = qkv[:, q_size:q_size + kv_size].view(B, c.num_kv_heads, c.head_dim)
-                v = qkv[:, q_size + kv_size:].view(B, c.num_kv_heads, c.head_dim)
-                return attention(layer, q, k, v).to(self.dtype)
+                # a copy: the kernel's buffer outlives no call, so nothing may keep a view of it
+                return attention(layer, *self._split_qkv(qkv.clone())).to(self.dtype)
             cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None,
                                     attend=attend)
         else:
