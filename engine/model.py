@@ -231,19 +231,23 @@ class Transformer:
 
     @torch.inference_mode()
     def forward_decode(self, token_ids: torch.Tensor, attention_args: tuple | None = None, pages: list | None = None,
-                       attention: Attention | None = None) -> torch.Tensor | None:
+                       attention: Attention | None = None, quant: cpu_quant.QuantStep | None = None
+                       ) -> torch.Tensor | None:
         """One decode token for each of B sequences through every layer in one kernel call (see
         cpu_quant.decode_layers), then the output head -> logits [B, vocab]; the same bits as forward() with
         rows = all and num_decode = B. Either attention_args, decode_attend's (cos, sin, sink_cos, sink_sin,
         n_sink, new_rows, rows, offsets), with pages[l] layer l's (K, V) pages, and the kernel attends too;
-        or `attention`, forward()'s callback, called from the kernel for each layer (caches it does not
-        read). None where the kernel does not apply."""
+        or `quant`, attention over quantized pages that the kernel runs for each layer (attention.quant_step);
+        or `attention`, forward()'s callback, called from the kernel for each layer (caches no kernel reads).
+        None where the kernel does not apply."""
         table = self.kernel_layers()
         c = self.config
         if table is None:
             return None
         x = self.table.rows(token_ids).to(self.dtype).contiguous()
-        if attention is not None:
+        if quant is not None:
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None, quant=quant)
+        elif attention is not None:
             def attend(layer, qkv):
                 # a copy: the kernel's buffer outlives no call, so nothing may keep a view of it
                 return attention(layer, *self._split_qkv(qkv.clone())).to(self.dtype)

@@ -178,6 +178,10 @@ class ModelRunner:
                     # every item a one-token decode over one full-precision layout: all layers in one kernel call
                     logits = self.model.forward_decode(x, attention.group_args(whole),
                                                        [(kc.flat_pages(), vc.flat_pages()) for kc, vc in comps[0]])
+                elif not all_logits and self.model.kernel_layers() is not None \
+                        and (quant := attention.quant_step(comps, steps, self.model.config.num_heads)) is not None:
+                    # one-token decodes over quantized pages: the layers and their attention in one kernel call
+                    logits = self.model.forward_decode(x, quant=quant)
                 elif not all_logits and all(st.decode and st.num_new == 1 for st in steps):
                     # one-token decodes over other caches (quantized): the layers in one kernel call, which
                     # calls back for each layer's attention

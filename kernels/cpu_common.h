@@ -94,3 +94,10 @@ static void merge_spans(const float *part, int S, int Hq, int D, float *out) {
         for (int d = 0; d < D; d++) dst[d] /= total;
     }
 }
+
+static inline uint16_t to_bf16(float f) {
+    // round to nearest even, as torch's float -> bfloat16 conversion (NaN kept a NaN)
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}

@@ -133,6 +133,7 @@ typedef struct {        // what every work item of one call reads
     float *scores, *part;      // scores [Hq, L]; part [spans, Hq, D + 2]
 } qattn;
 typedef void (*pass_fn)(const qattn *, int h, int j0, int span, int lo, int hi);
+#define QCHUNK 64           // rows a work item reads for every kv head before moving on (a multiple of 8)
 
 #ifdef __AVX2__
 // The vector path: rows in the quantized pages, D a multiple of 16, groups a multiple of 8. It is
@@ -158,6 +159,22 @@ static inline int seg_end(const qattn *a, int p, int hi, int64_t *b) {
 
 static inline int seg_quant(const qattn *a, const kv_comp *c, int64_t b) {
     return b < a->n_full && !(b == 0 && c->head);
+}
+
+static void prefetch_rows(const qattn *a, const kv_comp *c, int lo, int hi) {
+    // ask for the quantized rows lo..hi of every kv head (contiguous within a block) ahead of their use
+    int lim = hi < a->P ? hi : a->P;
+    size_t rowbytes = (size_t)a->Hkv * (c->kind == 2 ? a->D / 2 : a->D);
+    for (int p = lo; p < lim;) {
+        int64_t b;
+        int end = seg_end(a, p, lim, &b);
+        if (seg_quant(a, c, b)) {
+            const char *first = (const char *)c->data + ((size_t)a->table[b] * a->bs + (a->slots[p] - b * a->bs)) * rowbytes;
+            size_t n = (size_t)(a->slots[end - 1] - a->slots[p] + 1) * rowbytes;
+            for (size_t o = 0; o < n; o += 64) _mm_prefetch(first + o, _MM_HINT_T1);
+        }
+        p = end;
+    }
 }
 
 static inline void chan_setup(const qattn *a, const kv_comp *c, int64_t id, int h, chan_scales *cs) {
@@ -376,6 +393,8 @@ static const pass_fn k_passes[9][4] = {QROW(kp, 0, 0), QROW(kp, 0, 1), {0}, QROW
                                        QROW(kp, 2, 0), {0}, QROW(kp, 2, 2)};
 static const pass_fn v_passes[9][4] = {QROW(vp, 0, 0), QROW(vp, 0, 1), {0}, QROW(vp, 1, 0), QROW(vp, 1, 1), {0},
                                        QROW(vp, 2, 0), {0}, QROW(vp, 2, 2)};
+#else
+static void prefetch_rows(const qattn *a, const kv_comp *c, int lo, int hi) { (void)a; (void)c; (void)lo; (void)hi; }
 #endif
 
 // The scalar path (any D, any group; no AVX2): rows dequantized into a buffer by kv_row.
@@ -425,9 +444,7 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
         rope_row(q + (size_t)i * D, cos_h + (size_t)pos[P] * (D / 2), sin_h + (size_t)pos[P] * (D / 2), D, qr + (size_t)i * D);
     q = qr;
     int S = L / 64 < 1 ? 1 : L / 64;
-    int want = (4 * nthreads + Hkv - 1) / Hkv;
-    while ((Hkv * want) % nthreads && want < 8 * nthreads) want++;
-    if (S > want) S = want;
+    if (S > 2 * nthreads) S = 2 * nthreads;
     if (S > 64) S = 64;
     qattn a = {kc, vc, q, knew, vnew, cos_h, sin_h, slots, table, pos, Hq, Hkv, D, bs, P, L, n_full, g, sm_scale,
                scratch, qr + (size_t)Hq * D};
@@ -439,16 +456,23 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
         if (!kpass[0] || !vpass[0]) kpass = vpass = NULL;
     }
 #endif
+    // A work item is a span of rows, read in chunks of QCHUNK rows with every kv head of a chunk in turn:
+    // a row's heads share its cache lines, so memory streams through the pages once.
     #pragma omp parallel for schedule(static)
-    for (int it = 0; it < S * Hkv; it++) {
-        int c = it / Hkv, h = it % Hkv;
+    for (int c = 0; c < S; c++) {
         int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
-        if (kpass)
-            for (int j0 = 0; j0 < g; j0 += 4) kpass[(g - j0 < 4 ? g - j0 : 4) - 1](&a, h, j0, c, lo, hi);
-        else
-            k_pass_any(&a, h, 0, c, lo, hi);
-        for (int j = 0; j < g; j++) {
-            int i = h * g + j;
+        if (kpass) prefetch_rows(&a, kc, lo, lo + QCHUNK < hi ? lo + QCHUNK : hi);
+        for (int c0 = lo; c0 < hi; c0 += QCHUNK) {
+            int c1 = c0 + QCHUNK < hi ? c0 + QCHUNK : hi;
+            if (kpass && c1 < hi) prefetch_rows(&a, kc, c1, c1 + QCHUNK < hi ? c1 + QCHUNK : hi);
+            for (int h = 0; h < Hkv; h++) {
+                if (kpass)
+                    for (int j0 = 0; j0 < g; j0 += 4) kpass[(g - j0 < 4 ? g - j0 : 4) - 1](&a, h, j0, c, c0, c1);
+                else
+                    k_pass_any(&a, h, 0, c, c0, c1);
+            }
+        }
+        for (int i = 0; i < Hq; i++) {
             float *si = a.scores + (size_t)i * L, mx = -INFINITY;
             float *o = a.part + ((size_t)c * Hq + i) * (D + 2);
             for (int p = lo; p < hi; p++) mx = si[p] > mx ? si[p] : mx;
@@ -456,10 +480,66 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
             o[D + 1] = hi > lo ? exp_span(si, lo, hi, mx) : 0.f;
             for (int d = 0; d < D; d++) o[d] = 0.f;
         }
-        if (vpass)
-            for (int j0 = 0; j0 < g; j0 += 4) vpass[(g - j0 < 4 ? g - j0 : 4) - 1](&a, h, j0, c, lo, hi);
-        else
-            v_pass_any(&a, h, 0, c, lo, hi);
+        if (vpass) prefetch_rows(&a, vc, lo, lo + QCHUNK < hi ? lo + QCHUNK : hi);
+        for (int c0 = lo; c0 < hi; c0 += QCHUNK) {
+            int c1 = c0 + QCHUNK < hi ? c0 + QCHUNK : hi;
+            if (vpass && c1 < hi) prefetch_rows(&a, vc, c1, c1 + QCHUNK < hi ? c1 + QCHUNK : hi);
+            for (int h = 0; h < Hkv; h++) {
+                if (vpass)
+                    for (int j0 = 0; j0 < g; j0 += 4) vpass[(g - j0 < 4 ? g - j0 : 4) - 1](&a, h, j0, c, c0, c1);
+                else
+                    v_pass_any(&a, h, 0, c, c0, c1);
+            }
+        }
     }
     merge_spans(a.part, S, Hq, D, out);
+}
+
+// ---- a decode step's attention for every layer, called from decode_layers (cpu_quant.c) -----------------
+// B sequences, one new token each, over quantized K and V pages: per layer and sequence attn_decode_quant,
+// then the new key (before RoPE) and value are written to row `fill` of the sequence's tail, in the tail's
+// dtype with torch's rounding: the same calls and bits as the runner's per-layer Python path. The caller
+// takes this path only when the token does not complete its block (completing one quantizes it, which
+// the Python path does), so the write touches one row past the sequence's committed length: a step that
+// stops halfway leaves nothing a rollback must undo.
+typedef struct {
+    int B, Hq, Hkv, D, bs, ldq, nthreads;
+    float sm_scale;
+    const kv_comp *comps;          // [layers][B][2]: K, then V
+    const int64_t *const *slots;   // [B] each [P[b]], the held past, ascending
+    const int *P;
+    const int64_t *const *table;   // [B] block ids
+    const int *n_full;             // [B]
+    const int64_t *const *pos;     // [B] each [P[b] + 1]
+    const int *fill;               // [B] the tail row of the new token
+    const float *cos_h, *sin_h;    // [N, D/2], N past every pos
+    float *scratch;                // Hq * (max P + 1 + D) + 64 * Hq * (D + 2) floats
+} qstep_t;
+
+static void tail_write(const kv_comp *c, int row, const float *x, int H, int D) {
+    size_t off = (size_t)row * H * D, n = (size_t)H * D;
+    if (c->full == 0) {
+        memcpy((float *)c->tail + off, x, n * sizeof(float));
+    } else if (c->full == 1) {
+        uint16_t *t = (uint16_t *)c->tail + off;
+        for (size_t i = 0; i < n; i++) t[i] = to_bf16(x[i]);
+    } else {
+        _Float16 *t = (_Float16 *)c->tail + off;
+        for (size_t i = 0; i < n; i++) t[i] = (_Float16)x[i];
+    }
+}
+
+int attend_quant_layer(void *ctx, int layer, float *qkv, float *out) {
+    const qstep_t *s = (const qstep_t *)ctx;
+    int Hq = s->Hq, Hkv = s->Hkv, D = s->D;
+    for (int b = 0; b < s->B; b++) {
+        const kv_comp *kc = s->comps + ((size_t)layer * s->B + b) * 2, *vc = kc + 1;
+        const float *q = qkv + (size_t)b * s->ldq, *k = q + (size_t)Hq * D, *v = k + (size_t)Hkv * D;
+        attn_decode_quant(q, k, v, Hq, Hkv, D, s->bs, s->slots[b], s->P[b], s->table[b], s->n_full[b], kc, vc,
+                          s->cos_h, s->sin_h, s->pos[b], s->sm_scale, s->nthreads, out + (size_t)b * Hq * D,
+                          s->scratch);
+        tail_write(kc, s->fill[b], k, Hkv, D);
+        tail_write(vc, s->fill[b], v, Hkv, D);
+    }
+    return 0;
 }

@@ -570,13 +570,6 @@ void attn_decode_rot(const float *q, const float *qs, int n_sink, int Hq, int Hk
 
 // ---- one decode token per sequence, from the projections to the attention output ----------------------
 
-static inline uint16_t to_bf16(float f) {
-    // round to nearest even, as torch's float -> bfloat16 conversion (NaN kept a NaN)
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 static inline void rope_full(const float *x, const float *c, const float *s, int D, float *o) {
     // rotate-half RoPE of one head: o = x * cos + rotate_half(x) * sin
     int h = D / 2;
@@ -660,9 +653,9 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
     }
 }
 
-// attend(layer, qkv [B, n_qkv], out [B, Hq * D]): the caller's attention for pages no kernel here reads
-// (quantized caches); nonzero stops the step
-typedef int (*attend_fn)(int layer, float *qkv, float *out);
+// attend(ctx, layer, qkv [B, n_qkv], out [B, Hq * D]): attention for pages no kernel here reads (quantized
+// caches): the other library's attend_quant_layer, or the caller's own through a callback; nonzero stops the step
+typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
 
 // B sequences' decode tokens through all layers: x [B, H] (the embeddings) becomes the last
 // layer's output. Each layer runs exactly the calls a step through Python makes (q4_gemv / q8_gemv with
@@ -673,7 +666,7 @@ typedef int (*attend_fn)(int layer, float *qkv, float *out);
 int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                   void *const *kp, void *const *vp, const int *bf16, const float *cos, const float *sin,
                   const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
-                  const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend) {
+                  const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx) {
     int kmax = H, nqkv = 0, ngu = 0;
     for (int l = 0; l < nl; l++)
         for (int s = 0; s < 4; s++) {
@@ -701,7 +694,7 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
         for (int p = 0; p < L->nparts[0]; p++) n0 += L->lin[0][p].N;
         lin_apply(L->lin[0], L->nparts[0], x, B, qkv, gs, 1, L->norm_attn, eps, NULL);
         if (attend) {
-            if (attend(l, qkv, att)) {
+            if (attend(ctx, l, qkv, att)) {
                 free(mem);
                 return -2;
             }

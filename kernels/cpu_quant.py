@@ -24,8 +24,9 @@ SOURCE = Path(__file__).with_name("cpu_quant.c")
 KV_SOURCE = Path(__file__).with_name("cpu_kv_quant.c")     # quantized-KV decode attention: built in the background
 HEADER = Path(__file__).with_name("cpu_common.h")
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
-# decode_layers' attention callback: (layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero to stop
-ATTEND_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+# decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
+# to stop
+ATTEND_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _lib = None
 _error: str | None = None
 
@@ -73,6 +74,8 @@ def _build(retry: bool = True, source: Path = SOURCE, into: Path | None = None) 
     if source == KV_SOURCE:
         lib.attn_decode_quant.argtypes = [P, P, P, I, I, I, I, P, I, P, I, P, P, P, P, P, F, I, P, P]
         lib.attn_decode_quant.restype = None
+        lib.attend_quant_layer.argtypes = [P, I, P, P]
+        lib.attend_quant_layer.restype = I
         return lib
     lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P, I, P, P, I]
     lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P, I, P, P, I]
@@ -84,7 +87,7 @@ def _build(retry: bool = True, source: Path = SOURCE, into: Path | None = None) 
     for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot, lib.attn_decode_batch,
               lib.decode_attend):
         f.restype = None
-    lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, ATTEND_FN]
+    lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P]
     lib.decode_layers.restype = I
     return lib
 
@@ -517,33 +520,98 @@ def layer_table(layers: list[tuple[list[list[QLin]], torch.Tensor, torch.Tensor]
     return table
 
 
+class _QStep(ctypes.Structure):
+    _fields_ = [("B", ctypes.c_int), ("Hq", ctypes.c_int), ("Hkv", ctypes.c_int), ("D", ctypes.c_int),
+                ("bs", ctypes.c_int), ("ldq", ctypes.c_int), ("nthreads", ctypes.c_int), ("sm_scale", ctypes.c_float),
+                ("comps", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("P", ctypes.c_void_p),
+                ("table", ctypes.c_void_p), ("n_full", ctypes.c_void_p), ("pos", ctypes.c_void_p),
+                ("fill", ctypes.c_void_p), ("cos_h", ctypes.c_void_p), ("sin_h", ctypes.c_void_p),
+                ("scratch", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class QuantSeq:
+    """One sequence's part of a QuantStep: slots [P] int64 its held past, ascending; table [n] int64 its block
+    ids; pos [P + 1] int64 the effective key positions (the new token's last); n_full: its full blocks (slots
+    from n_full * block_size on are in the tail); fill: the tail row the new token takes (below block_size - 1:
+    the token does not complete its block)."""
+    slots: torch.Tensor
+    table: torch.Tensor
+    pos: torch.Tensor
+    n_full: int
+    fill: int
+
+
+class QuantStep:
+    """A decode step's attention over quantized pages for every layer and sequence, run inside decode_layers by
+    the quantized-KV library (attend_quant_layer) without returning to Python: per layer and sequence
+    attn_decode_quant, then the new key and value written to the sequence's tail row `fill`, as the Python
+    path does it (the same bits). pages[l][b]: layer l's (K, V) QuantPages for sequence b, tails present.
+    The tensors must stay alive and in place until the step ends (this object keeps references)."""
+
+    def __init__(self, pages: list[list[tuple[QuantPages, QuantPages]]], seqs: list[QuantSeq], block_size: int,
+                 hq: int, hkv: int, d: int, cos_h: torch.Tensor, sin_h: torch.Tensor, sm_scale: float):
+        B = len(seqs)
+        assert all(len(row) == B for row in pages) and d <= MAX_HEAD_DIM
+        for st in seqs:
+            assert 0 <= st.fill < block_size - 1 and st.pos.shape[0] == st.slots.shape[0] + 1
+            assert st.slots.dtype == st.table.dtype == st.pos.dtype == torch.int64
+            assert st.slots.is_contiguous() and st.table.is_contiguous() and st.pos.is_contiguous()
+        _half_rope(cos_h, sin_h, torch.cat([st.pos for st in seqs]))
+        comps = (_KVComp * (len(pages) * B * 2))()
+        i = 0
+        for row in pages:
+            for kp, vp in row:
+                assert kp.tail is not None and vp.tail is not None
+                comps[i], comps[i + 1] = kp.struct(), vp.struct()
+                i += 2
+        max_p = max(st.slots.shape[0] for st in seqs)
+        self._keep = (pages, seqs, cos_h, sin_h, comps)
+        self.scratch = torch.empty(hq * (max_p + 1 + d) + 64 * hq * (d + 2))
+        ptrs = lambda ts: (ctypes.c_void_p * B)(*[t.data_ptr() for t in ts])
+        ints = lambda xs: (ctypes.c_int * B)(*xs)
+        self._arrays = (ptrs([st.slots for st in seqs]), ints([st.slots.shape[0] for st in seqs]),
+                        ptrs([st.table for st in seqs]), ints([st.n_full for st in seqs]),
+                        ptrs([st.pos for st in seqs]), ints([st.fill for st in seqs]))
+        slots, P, tables, n_full, pos, fill = self._arrays
+        self.struct = _QStep(B, hq, hkv, d, block_size, (hq + 2 * hkv) * d, torch.get_num_threads(), sm_scale,
+                             ctypes.addressof(comps), ctypes.addressof(slots), ctypes.addressof(P),
+                             ctypes.addressof(tables), ctypes.addressof(n_full), ctypes.addressof(pos),
+                             ctypes.addressof(fill), cos_h.data_ptr(), sin_h.data_ptr(), self.scratch.data_ptr())
+
+
 def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
                   pages: list[tuple[torch.Tensor, torch.Tensor]] | None, cos=None, sin=None, sink_cos=None,
                   sink_sin=None, n_sink=None, new_rows=None, rows=None, offsets=None, sm_scale: float = 0.0,
-                  attend=None) -> None:
+                  attend=None, quant: QuantStep | None = None) -> None:
     """x [B, H] fp32 contiguous (the embeddings of B sequences' new tokens) becomes the last layer's output, in
     place: each layer's linears (q4_gemv / q8_gemv with RMSNorm, SwiGLU and residual fused) and decode_attend
     (arguments as for decode_attend; pages[l] layer l's K and V pages), the same calls in the same order as a
     step through Python makes, so the same bits.
 
-    attend(layer, qkv [B, n_qkv], out [B, Hq * D]), when given, does each layer's attention instead (pages and
-    the other attention arguments unused): the caller's own path for caches the kernel does not read. An
-    exception it raises stops the step and is raised here."""
+    quant, when given, does each layer's attention over quantized pages in C (see QuantStep); attend(layer,
+    qkv [B, n_qkv]) -> [B, Hq, D], when given, does it in Python instead: the caller's own path for caches no
+    kernel reads (pages and the other attention arguments unused either way). An exception attend raises
+    stops the step and is raised here."""
     b, h = x.shape
     assert x.is_contiguous() and x.dtype == torch.float32
     n = len(table)
     failure: list[BaseException] = []
-    if attend is None:
+    none = (None,) * 11 + (0.0,)
+    if quant is not None:
+        assert kv_kernels_ready() and quant.struct.B == b
+        args = none + (ctypes.cast(_kv_lib.attend_quant_layer, ctypes.c_void_p), ctypes.addressof(quant.struct))
+    elif attend is None:
         assert len(pages) == n
         kp = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in pages])
         vp = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in pages])
         bf = (ctypes.c_int * n)(*[int(k.dtype == torch.bfloat16) for k, _ in pages])
         args = (kp, vp, bf, cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(),
-                new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(), float(sm_scale), ATTEND_FN())
+                new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(), float(sm_scale), None, None)
     else:
         n_qkv = sum(table[0].lin[0][j].N for j in range(table[0].nparts[0]))
 
-        def call(layer, qkv_ptr, out_ptr):
+        def call(ctx, layer, qkv_ptr, out_ptr):
             try:
                 qkv = torch.frombuffer((ctypes.c_float * (b * n_qkv)).from_address(qkv_ptr), dtype=torch.float32)
                 out = torch.frombuffer((ctypes.c_float * (b * hq * d)).from_address(out_ptr), dtype=torch.float32)
@@ -552,7 +620,8 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
             except BaseException as exc:      # an exception cannot cross C: kept, the step stops, raised below
                 failure.append(exc)
                 return 1
-        args = (None, None, None, None, None, None, None, None, None, None, None, 0.0, ATTEND_FN(call))
+        fn = ATTEND_FN(call)                  # kept alive until the call returns
+        args = none + (ctypes.cast(fn, ctypes.c_void_p), None)
     rc = _lib.decode_layers(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, *args)
     if failure:
         raise failure[0]

@@ -1,7 +1,8 @@
 """The whole-step decode kernel (cpu_quant.decode_layers: every layer in one C call) gives the same bits as the
 layer-by-layer path through Python, for every packed GGUF type (mixed q|k|v types included), one sequence or
 more than a kernel call's rows, with and without a window with sinks, full-precision caches (attended inside
-the kernel) and quantized ones (attended by a callback per layer)."""
+the kernel) and quantized ones (attended inside the kernel by the quantized-KV library, or by a callback per
+layer on the step that completes a block)."""
 import pytest
 import torch
 
@@ -20,8 +21,9 @@ def ggufs(tmp_path_factory):
     return {t: str(write_random_gguf(folder / f"tiny-{t}.gguf", "tiny", t, seed=5)) for t in TYPES}
 
 
-def _decode(engine, cache, prompts, steps, fused):
-    """Prompts prefilled one by one, then `steps` decode steps of all sequences at once: every step's logits."""
+def _decode(engine, cache, prompts, steps, fused, paths=None):
+    """Prompts prefilled one by one, then `steps` decode steps of all sequences at once: every step's logits.
+    paths: a list that gets, per fused step, how it attended ("kernel", "quant" or "callback")."""
     runner = engine.runner
     calls = []
     orig = Transformer.forward_decode
@@ -29,6 +31,8 @@ def _decode(engine, cache, prompts, steps, fused):
     def spy(self, *a, **k):
         out = orig(self, *a, **k) if fused else None
         calls.append(out is not None)
+        if paths is not None:
+            paths.append("quant" if k.get("quant") else "callback" if k.get("attention") else "kernel")
         return out
     Transformer.forward_decode = spy
     try:
@@ -58,9 +62,14 @@ def test_whole_step_kernel_equals_layer_by_layer(ggufs, kind):
                   CacheConfig(k_format="int8", v_format="int8", block_size=16),
                   CacheConfig(k_format="int4", v_format="fp8", block_size=16, window=32, sinks=4)):
         for group in (prompts[:1], prompts):
-            a = _decode(engine, cache, group, 24, fused=True)
+            paths = []
+            a = _decode(engine, cache, group, 24, fused=True, paths=paths)
             b = _decode(engine, cache, group, 24, fused=False)
             assert torch.equal(a, b), (kind, cache, len(group), (a - b).abs().max().item())
+            if cache.k_format in ("int8", "int4"):        # C attention, but the block-completing steps call back
+                assert paths.count("callback") >= 1 and paths.count("quant") >= 20, paths
+            else:
+                assert set(paths) == {"kernel"}, paths
 
 
 def test_more_sequences_than_one_kernel_call_takes(ggufs):
@@ -97,11 +106,15 @@ def test_mixed_key_and_value_precision_decodes_in_a_batch(ggufs):
 
 
 def test_an_exception_after_the_kernel_wrote_its_pages_leaves_the_cache_as_before(ggufs):
-    """decode_layers writes every layer's new K/V rows; if the step then fails (here: in the output head),
-    the step is rolled back and the next steps equal those of a twin that never saw it."""
+    """decode_layers writes every layer's new K/V rows (full-precision pages, or a quantized cache's tail rows);
+    if the step then fails (here: in the output head), the step is rolled back and the next steps equal those
+    of a twin that never saw it. Every step fails once first, the block-completing ones included."""
     engine = Engine.load(EngineConfig(model=ggufs["Q4_0"]))
     runner, head = engine.runner, engine.model.lm_head
-    for cache in (CacheConfig(k_format="fp32", v_format="fp32"), CacheConfig(k_format="bf16", v_format="bf16")):
+    cpu_quant.kv_kernels_ready(wait=True)
+    for cache in (CacheConfig(k_format="fp32", v_format="fp32"), CacheConfig(k_format="bf16", v_format="bf16"),
+                  CacheConfig(k_format="int8", v_format="int8", block_size=16),
+                  CacheConfig(k_format="int4", v_format="fp8", block_size=16, window=32, sinks=4)):
         a, twin = runner.new_sequence(cache), runner.new_sequence(cache)
         for s in (a, twin):
             runner.step([(s, [5, 6, 7, 8, 9])], hash_ids=False)
@@ -111,15 +124,16 @@ def test_an_exception_after_the_kernel_wrote_its_pages_leaves_the_cache_as_befor
         def failing(*args, **kw):
             calls.append(1)
             raise RuntimeError("injected after the layers")
-        head.fused = failing
-        try:
-            with pytest.raises(RuntimeError, match="injected"):
-                runner.step([(a, [11])], all_logits=False)
-        finally:
-            del head.fused
-        assert calls and a.num_tokens == twin.num_tokens
-        runner.manager.check()
-        for t in (11, 12, 13):
+        for t in range(11, 11 + 30):
+            head.fused = failing
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    runner.step([(a, [t])], all_logits=False)
+            finally:
+                del head.fused
+            assert a.num_tokens == twin.num_tokens
+            runner.manager.check()
             (la,), (lt,) = runner.step([(a, [t])], all_logits=False), runner.step([(twin, [t])], all_logits=False)
-            assert torch.equal(la, lt)
+            assert torch.equal(la, lt), (cache, t)
+        assert len(calls) == 30
         runner.close(a), runner.close(twin)

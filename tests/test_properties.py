@@ -134,14 +134,14 @@ class EngineMachine(RuleBasedStateMachine):
                     return out
                 return forward(x, attend, *a, **k)
 
-            def failing_decode(x, attention_args=None, pages=None, attention=None):
-                # the one-call decode step: inside its attention callback, or (the kernel attending itself)
-                # after every layer wrote its pages
+            def failing_decode(x, attention_args=None, pages=None, attention=None, quant=None):
+                # the one-call decode step: inside its attention callback, or (the kernel attending itself,
+                # over full-precision or quantized pages) after every layer wrote its pages or tail rows
                 calls[0] += 1
                 if calls[0] != fail_call:
-                    return forward_decode(x, attention_args, pages, attention)
+                    return forward_decode(x, attention_args, pages, attention, quant)
                 if attention is None:
-                    forward_decode(x, attention_args, pages)
+                    forward_decode(x, attention_args, pages, quant=quant)
                     raise Boom(f"injected after the layers of forward {fail_call}")
 
                 def attend(layer, q, kk, v):
