@@ -237,37 +237,45 @@ def _kernel_pages(kc: Component, vc: Component, q, st: SeqStep):
 def quant_step(comps: list, steps: list[SeqStep], num_heads: int) -> cpu_quant.QuantStep | None:
     """A decode step's attention over quantized pages, every layer and sequence, for the one-call step to run in
     C (cpu_quant.QuantStep): comps[i] the (K, V) components per layer of steps[i]'s layout. None where it does
-    not apply: a prompt row, full-precision or mixed formats, a GPU, a missing tail, or a token that completes
-    its block (quantizing the block is the Python path's; that is one step in block_size)."""
-    seqs, pages = [], [[] for _ in comps[0]]
+    not apply: a prompt row, full-precision or mixed formats, a GPU, a missing tail. After the kernel,
+    finish_quant_step quantizes the blocks the step completed."""
+    seqs, fields = [], [[] for _ in comps[0]]
     key_pos = []
     for st, layers in zip(steps, comps):
         kc, vc = layers[0]
         bs, S = kc.block_size, st.res.first_slot
-        if not (st.decode and st.num_new == 1 and st.key_pos is not None and S % bs != bs - 1
-                and bs == comps[0][0][0].block_size
+        if not (st.decode and st.num_new == 1 and st.key_pos is not None and bs == comps[0][0][0].block_size
                 and kc.fmt.is_quantized and vc.fmt.is_quantized
                 and cpu_quant.can_attend_quantized(st.q_cos, kc.fmt, vc.fmt, kc.full_dtype, kc.pages["data"])):
             return None
         seq = st.res.seq
-        n_full = S // bs
+        sid, n_full = seq.seq_id, S // bs
+        first = seq.block_table[0]
         for l, (kc, vc) in enumerate(layers):
-            pair = []
             for c in (kc, vc):
-                tail = c.tails.get(seq.seq_id)
+                tail = c.tails.get(sid)
                 if tail is None:
                     return None
-                data, scale, zero = c.tensors()
-                pair.append(cpu_quant.QuantPages(c.fmt, data, scale, zero,
-                                                 c.heads.get(seq.block_table[0]) if n_full else None, tail))
-            pages[l].append(tuple(pair))
+                fields[l].append((c.kernel_static(), c.heads.get(first) if n_full else None, tail))
         seqs.append(cpu_quant.QuantSeq(st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
                                        st.key_pos.contiguous(), n_full, S % bs))
         key_pos.append(int(st.key_pos.max()))
     cos_h, sin_h = rope_table(steps[0].inv_freq, max(key_pos) + 1)
     kc = comps[0][0][0]
-    return cpu_quant.QuantStep(pages, seqs, kc.block_size, num_heads, kc.num_heads, kc.head_dim, cos_h, sin_h,
-                               kc.head_dim ** -0.5)
+    return cpu_quant.QuantStep([f for layer in fields for f in layer], seqs, kc.block_size, num_heads, kc.num_heads,
+                               kc.head_dim, cos_h, sin_h, kc.head_dim ** -0.5)
+
+
+def finish_quant_step(comps: list, steps: list[SeqStep], quant: cpu_quant.QuantStep) -> None:
+    """After quant_step's kernel: each token that filled its block's last row quantizes the block (or keeps it as
+    the head), from the tail and the token's float32 rows, as _store does on the Python path."""
+    for b, (st, layers) in enumerate(zip(steps, comps)):
+        S, bs = st.res.first_slot, layers[0][0].block_size
+        if S % bs == bs - 1:
+            seq = st.res.seq
+            for l, (kc, vc) in enumerate(layers):
+                kc.write(seq.seq_id, quant.rows[l, b, 0:1], S, seq.block_table)
+                vc.write(seq.seq_id, quant.rows[l, b, 1:2], S, seq.block_table)
 
 
 def _decode_kernel(q, k, v, st: SeqStep, kp, vp) -> torch.Tensor:

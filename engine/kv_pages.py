@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import kernels
+from kernels import cpu_quant
 from kernels.formats import FULL_DTYPES, PageFormat
 
 from .kv_layout import KVLayout
@@ -28,6 +29,7 @@ class Component:
         self.full_dtype, self.device = full_dtype, device
         self.tails: dict[int, torch.Tensor] = {}       # seq id -> [bs, H, D], quantized formats only
         self.heads: dict[int, torch.Tensor] = {}       # block id -> [bs, H, D], quantized formats only
+        self._kernel_static = None                     # cpu_quant.kv_comp_static, until the pages move
 
     @property
     def capacity(self) -> int:
@@ -47,6 +49,7 @@ class Component:
             self._realloc(num_blocks)
 
     def _realloc(self, cap: int) -> None:
+        self._kernel_static = None
         for name, t in self.pages.items():
             new = torch.empty((cap, *t.shape[1:]), dtype=t.dtype, device=t.device)
             n = min(cap, t.shape[0])
@@ -66,6 +69,12 @@ class Component:
 
     def tensors(self):
         return self.pages["data"], self.pages.get("scale"), self.pages.get("zero")
+
+    def kernel_static(self) -> tuple:
+        """Quantized: the pages as cpu_quant.QuantStep reads them (kv_comp_static), kept until they move."""
+        if self._kernel_static is None:
+            self._kernel_static = cpu_quant.kv_comp_static(self.fmt, *self.tensors(), self.full_dtype)
+        return self._kernel_static
 
     # ---- writes ---------------------------------------------------------------------------
 

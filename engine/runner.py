@@ -182,6 +182,8 @@ class ModelRunner:
                         and (quant := attention.quant_step(comps, steps, self.model.config.num_heads)) is not None:
                     # one-token decodes over quantized pages: the layers and their attention in one kernel call
                     logits = self.model.forward_decode(x, quant=quant)
+                    if logits is not None:
+                        attention.finish_quant_step(comps, steps, quant)
                 elif not all_logits and all(st.decode and st.num_new == 1 for st in steps):
                     # one-token decodes over other caches (quantized): the layers in one kernel call, which
                     # calls back for each layer's attention

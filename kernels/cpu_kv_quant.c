@@ -498,10 +498,10 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
 // ---- a decode step's attention for every layer, called from decode_layers (cpu_quant.c) -----------------
 // B sequences, one new token each, over quantized K and V pages: per layer and sequence attn_decode_quant,
 // then the new key (before RoPE) and value are written to row `fill` of the sequence's tail, in the tail's
-// dtype with torch's rounding: the same calls and bits as the runner's per-layer Python path. The caller
-// takes this path only when the token does not complete its block (completing one quantizes it, which
-// the Python path does), so the write touches one row past the sequence's committed length: a step that
-// stops halfway leaves nothing a rollback must undo.
+// dtype with torch's rounding, and as float32 to rows_out: the same calls and bits as the runner's
+// per-layer Python path. The write touches one row past the sequence's committed length, so a step that
+// stops halfway leaves nothing a rollback must undo. A token that completes its block is quantized with
+// the block by the caller after the step, from the tail and rows_out.
 typedef struct {
     int B, Hq, Hkv, D, bs, ldq, nthreads;
     float sm_scale;
@@ -514,6 +514,7 @@ typedef struct {
     const int *fill;               // [B] the tail row of the new token
     const float *cos_h, *sin_h;    // [N, D/2], N past every pos
     float *scratch;                // Hq * (max P + 1 + D) + 64 * Hq * (D + 2) floats
+    float *rows_out;               // [layers][B][2][Hkv * D]: every layer's new key and value
 } qstep_t;
 
 static void tail_write(const kv_comp *c, int row, const float *x, int H, int D) {
@@ -540,6 +541,9 @@ int attend_quant_layer(void *ctx, int layer, float *qkv, float *out) {
                           s->scratch);
         tail_write(kc, s->fill[b], k, Hkv, D);
         tail_write(vc, s->fill[b], v, Hkv, D);
+        float *ro = s->rows_out + ((size_t)layer * s->B + b) * 2 * Hkv * D;
+        memcpy(ro, k, sizeof(float) * Hkv * D);
+        memcpy(ro + (size_t)Hkv * D, v, sizeof(float) * Hkv * D);
     }
     return 0;
 }

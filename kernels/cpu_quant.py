@@ -526,15 +526,15 @@ class _QStep(ctypes.Structure):
                 ("comps", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("P", ctypes.c_void_p),
                 ("table", ctypes.c_void_p), ("n_full", ctypes.c_void_p), ("pos", ctypes.c_void_p),
                 ("fill", ctypes.c_void_p), ("cos_h", ctypes.c_void_p), ("sin_h", ctypes.c_void_p),
-                ("scratch", ctypes.c_void_p)]
+                ("scratch", ctypes.c_void_p), ("rows_out", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
 class QuantSeq:
     """One sequence's part of a QuantStep: slots [P] int64 its held past, ascending; table [n] int64 its block
     ids; pos [P + 1] int64 the effective key positions (the new token's last); n_full: its full blocks (slots
-    from n_full * block_size on are in the tail); fill: the tail row the new token takes (below block_size - 1:
-    the token does not complete its block)."""
+    from n_full * block_size on are in the tail); fill: the tail row the new token takes (block_size - 1: the
+    token completes its block, which the caller then quantizes, see QuantStep.rows)."""
     slots: torch.Tensor
     table: torch.Tensor
     pos: torch.Tensor
@@ -542,32 +542,46 @@ class QuantSeq:
     fill: int
 
 
+def kv_comp_static(fmt: PageFormat, data: torch.Tensor, scale, zero, full_dtype) -> tuple:
+    """A quantized component's fields for QuantStep that no sequence changes: (data, scale, zero pointers,
+    kind, axis, group, full dtype code). Valid until the page tensors are reallocated."""
+    for t in (data, scale, zero):
+        assert t is None or (t.is_contiguous() and not t.is_cuda)
+    return (data.data_ptr(), _ptr(scale), _ptr(zero), _KINDS[fmt.name], _AXES[fmt.scale_axis], fmt.group,
+            _FULL[full_dtype])
+
+
 class QuantStep:
     """A decode step's attention over quantized pages for every layer and sequence, run inside decode_layers by
     the quantized-KV library (attend_quant_layer) without returning to Python: per layer and sequence
     attn_decode_quant, then the new key and value written to the sequence's tail row `fill`, as the Python
-    path does it (the same bits). pages[l][b]: layer l's (K, V) QuantPages for sequence b, tails present.
-    The tensors must stay alive and in place until the step ends (this object keeps references)."""
+    path does it (the same bits), and to rows [layers, B, 2, Hkv, D] as float32, from which the caller
+    quantizes the blocks the step completed.
 
-    def __init__(self, pages: list[list[tuple[QuantPages, QuantPages]]], seqs: list[QuantSeq], block_size: int,
-                 hq: int, hkv: int, d: int, cos_h: torch.Tensor, sin_h: torch.Tensor, sm_scale: float):
+    comps: per layer, per sequence, K then V: (static, head, tail), static from kv_comp_static, head the
+    component's full-precision first block of the sequence's table or None, tail its partly filled last block
+    ([block_size, Hkv, D], contiguous). Every tensor must stay alive and in place until the step ends (this
+    object keeps references to those it is given)."""
+
+    def __init__(self, comps: list[tuple], seqs: list[QuantSeq], block_size: int, hq: int, hkv: int, d: int,
+                 cos_h: torch.Tensor, sin_h: torch.Tensor, sm_scale: float):
         B = len(seqs)
-        assert all(len(row) == B for row in pages) and d <= MAX_HEAD_DIM
+        n_layers = len(comps) // (2 * B)
+        assert len(comps) == n_layers * 2 * B and d <= MAX_HEAD_DIM
         for st in seqs:
-            assert 0 <= st.fill < block_size - 1 and st.pos.shape[0] == st.slots.shape[0] + 1
+            assert 0 <= st.fill < block_size and st.pos.shape[0] == st.slots.shape[0] + 1
             assert st.slots.dtype == st.table.dtype == st.pos.dtype == torch.int64
             assert st.slots.is_contiguous() and st.table.is_contiguous() and st.pos.is_contiguous()
         _half_rope(cos_h, sin_h, torch.cat([st.pos for st in seqs]))
-        comps = (_KVComp * (len(pages) * B * 2))()
-        i = 0
-        for row in pages:
-            for kp, vp in row:
-                assert kp.tail is not None and vp.tail is not None
-                comps[i], comps[i + 1] = kp.struct(), vp.struct()
-                i += 2
+        fields = []
+        for static, head, tail in comps:
+            assert tail.is_contiguous() and tail.shape == (block_size, hkv, d) and (head is None or head.is_contiguous())
+            fields.append((*static[:3], _ptr(head), tail.data_ptr(), *static[3:]))
+        structs = (_KVComp * len(fields))(*fields)
         max_p = max(st.slots.shape[0] for st in seqs)
-        self._keep = (pages, seqs, cos_h, sin_h, comps)
+        self._keep = (comps, seqs, cos_h, sin_h, structs)
         self.scratch = torch.empty(hq * (max_p + 1 + d) + 64 * hq * (d + 2))
+        self.rows = torch.empty(n_layers, B, 2, hkv, d)
         ptrs = lambda ts: (ctypes.c_void_p * B)(*[t.data_ptr() for t in ts])
         ints = lambda xs: (ctypes.c_int * B)(*xs)
         self._arrays = (ptrs([st.slots for st in seqs]), ints([st.slots.shape[0] for st in seqs]),
@@ -575,9 +589,10 @@ class QuantStep:
                         ptrs([st.pos for st in seqs]), ints([st.fill for st in seqs]))
         slots, P, tables, n_full, pos, fill = self._arrays
         self.struct = _QStep(B, hq, hkv, d, block_size, (hq + 2 * hkv) * d, torch.get_num_threads(), sm_scale,
-                             ctypes.addressof(comps), ctypes.addressof(slots), ctypes.addressof(P),
+                             ctypes.addressof(structs), ctypes.addressof(slots), ctypes.addressof(P),
                              ctypes.addressof(tables), ctypes.addressof(n_full), ctypes.addressof(pos),
-                             ctypes.addressof(fill), cos_h.data_ptr(), sin_h.data_ptr(), self.scratch.data_ptr())
+                             ctypes.addressof(fill), cos_h.data_ptr(), sin_h.data_ptr(), self.scratch.data_ptr(),
+                             self.rows.data_ptr())
 
 
 def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
