@@ -230,11 +230,10 @@ static inline __m256 codes8(const uint8_t *codes, int d, int kind) {
         __m256 x = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
         return _mm256_or_ps(x, _mm256_castsi256_ps(sgn));
     }
-    int32_t b;                     // int4: channel 2i in the low nibble of byte i, 2i + 1 in the high one
-    memcpy(&b, codes + d / 2, 4);
-    __m128i v = _mm_cvtsi32_si128(b), m = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+    int32_t b;                     // int4: channel 2i in the low nibble of byte i, 2i + 1 in the high one,
+    memcpy(&b, codes + d / 2, 4);  // so channel c is bits 4c..4c+3 of the 32-bit word: one shift per lane
+    __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
 }
 
 static inline __m256 deq8(const qrow *r, const chan_scales *cs, int group, int d, int kind, int axis) {
