@@ -1,6 +1,14 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# the tests' tokenizer caches and any kernel build go to a folder of their own, not the user's cache dir
+# (random tiny GGUFs each leave a tokenizer folder there); the kernels built at install are still found
+if "KVCHAT_CACHE_DIR" not in os.environ:
+    os.environ["KVCHAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvchat-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["KVCHAT_CACHE_DIR"], True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

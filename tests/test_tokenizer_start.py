@@ -24,12 +24,16 @@ CHATS = [
 @pytest.fixture(scope="module")
 def cached_default(tmp_path_factory):
     """The default model's tokenizer written to a fresh cache (the first-start path), and its folder."""
+    before = os.environ.get("KVCHAT_CACHE_DIR")
     os.environ["KVCHAT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     try:
         tok = gguf_tokenizer(default_gguf_path())
         yield tok, gguf_tokenizer_dir(default_gguf_path())
     finally:
-        del os.environ["KVCHAT_CACHE_DIR"]
+        if before is None:
+            del os.environ["KVCHAT_CACHE_DIR"]
+        else:
+            os.environ["KVCHAT_CACHE_DIR"] = before
 
 
 @pytest.fixture(scope="module")
