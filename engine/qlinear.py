@@ -111,7 +111,8 @@ class _Packed(_Fused):
     def _gemv(self, x: torch.Tensor, **prep) -> torch.Tensor:
         raise NotImplementedError
 
-    def _dequant_rows(self, lo: int, hi: int) -> torch.Tensor:
+    def _dequant_rows(self, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows lo..hi as float32 [hi - lo, K] (into out, when given and the C kernels are available)."""
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, split: int | None = None) -> torch.Tensor:
@@ -125,10 +126,13 @@ class _Packed(_Fused):
         if T < GEMM_MIN_ROWS:
             x = torch.cat((x, x.new_zeros(GEMM_MIN_ROWS - T, x.shape[1])))
         y = torch.empty(x.shape[0], self.out_features)
-        step = max(16, SLAB_BYTES // (4 * self.in_features))
+        K = self.in_features
+        step = min(self.out_features, max(16, SLAB_BYTES // (4 * K)))
+        buf = cpu_quant.slab(step * K) if cpu_quant.available() else None
         for lo in range(0, self.out_features, step):
             hi = min(self.out_features, lo + step)
-            y[:, lo:hi] = x @ self._dequant_rows(lo, hi).t()
+            out = None if buf is None else buf[:(hi - lo) * K].view(hi - lo, K)
+            y[:, lo:hi] = x @ self._dequant_rows(lo, hi, out).t()
         return y[:T]
 
     def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None):
@@ -214,9 +218,10 @@ class Q4Linear(_Packed):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_quant.q4_dequant_ref(self.codes[ids], self.scales.index(ids))
 
-    def _dequant_rows(self, lo, hi):
-        f = cpu_quant.q4_dequant if cpu_quant.available() else cpu_quant.q4_dequant_ref
-        return f(self.codes[lo:hi], self.scales.rows(lo, hi))
+    def _dequant_rows(self, lo, hi, out=None):
+        if not cpu_quant.available():
+            return cpu_quant.q4_dequant_ref(self.codes[lo:hi], self.scales.rows(lo, hi))
+        return cpu_quant.q4_dequant(self.codes[lo:hi], self.scales.rows(lo, hi), out=out)
 
     @property
     def nbytes(self) -> int:
@@ -252,9 +257,10 @@ class Q8Linear(_Packed):
     def kernel_parts(self):
         return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 8, self.group)]
 
-    def _dequant_rows(self, lo, hi):
-        f = cpu_quant.q8_dequant if cpu_quant.available() else cpu_quant.q8_dequant_ref
-        return f(self.codes[lo:hi], self.scales.rows(lo, hi), None, self.group)
+    def _dequant_rows(self, lo, hi, out=None):
+        if not cpu_quant.available():
+            return cpu_quant.q8_dequant_ref(self.codes[lo:hi], self.scales.rows(lo, hi), None, self.group)
+        return cpu_quant.q8_dequant(self.codes[lo:hi], self.scales.rows(lo, hi), None, self.group, out=out)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup from the same codes a tied output head reads: [T, K]."""

@@ -452,10 +452,21 @@ void q4_dequant(const uint8_t *codes, const void *scale, const void *zero, int N
             const uint8_t *b = codes + (size_t)n * (K / 2) + g * 16;
             float s = sr[g], z = zrr[g];
             float *o = out + (size_t)n * K + g * 32;
+#ifdef __AVX2__
+            // code * scale, then + zero: two roundings, as the scalar loop (and torch) does
+            __m128i x = _mm_loadu_si128((const __m128i *)b), m = _mm_set1_epi8(15);
+            __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+            __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), sv), zv));
+#else
             for (int j = 0; j < 16; j++) {
                 o[j] = (b[j] & 15) * s + z;
                 o[j + 16] = (b[j] >> 4) * s + z;
             }
+#endif
         }
     }
 }
@@ -471,7 +482,14 @@ void q8_dequant(const int8_t *codes, const void *scale, const void *zero, int G,
             float s = sr[g], z = zrr ? zrr[g] : 0.f;
             const int8_t *b = codes + (size_t)n * K + g * G;
             float *o = out + (size_t)n * K + g * G;
-            for (int j = 0; j < G; j++) o[j] = b[j] * s + z;
+            int j = 0;
+#ifdef __AVX2__
+            __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+            for (; j + 8 <= G; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + j)))), sv), zv));
+#endif
+            for (; j < G; j++) o[j] = b[j] * s + z;
         }
     }
 }

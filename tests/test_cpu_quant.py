@@ -92,6 +92,22 @@ def test_dequant_exact():
     assert torch.equal(cq.q4_dequant(codes, scale, zero), cq.q4_dequant_ref(codes, scale, zero))
     c8, s8, z8 = _q8(40, 128, 16, True)
     assert torch.equal(cq.q8_dequant(c8, s8, z8, 16), cq.q8_dequant_ref(c8, s8, z8, 16))
+    c32, s32, z32 = _q8(40, 128, 32, True)
+    assert torch.equal(cq.q8_dequant(c32, s32, z32, 32), cq.q8_dequant_ref(c32, s32, z32, 32))
+
+
+def test_dequant_into_a_reused_slab():
+    """Prefill dequantizes into one buffer per thread: a slab written over holds exactly the new rows."""
+    codes, scale, zero = _q4(40, 128)
+    buf = cq.slab(40 * 128)
+    buf.fill(float("nan"))
+    out = cq.q4_dequant(codes, scale, zero, out=buf.view(40, 128))
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, cq.q4_dequant_ref(codes, scale, zero))
+    c8, s8, z8 = _q8(20, 128, 32, False)
+    out = cq.q8_dequant(c8, s8, z8, 32, out=cq.slab(20 * 128).view(20, 128))
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, cq.q8_dequant_ref(c8, s8, z8, 32))
+    with pytest.raises(AssertionError):
+        cq.q4_dequant(codes, scale, zero, out=torch.empty(40, 127))
 
 
 def test_zero_point_offset_cancels():
