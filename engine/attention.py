@@ -252,6 +252,8 @@ def quant_step(comps: list, steps: list[SeqStep], num_heads: int) -> cpu_quant.Q
         sid, n_full = seq.seq_id, S // bs
         first = seq.block_table[0]
         for l, (kc, vc) in enumerate(layers):
+            if not (kc.fmt.is_quantized and vc.fmt.is_quantized):   # full-precision layers beside quantized ones
+                return None
             for c in (kc, vc):
                 tail = c.tails.get(sid)
                 if tail is None:
