@@ -81,6 +81,19 @@ def test_more_sequences_than_one_kernel_call_takes(ggufs):
     assert torch.equal(_decode(engine, cache, prompts, 4, fused=True), _decode(engine, cache, prompts, 4, fused=False))
 
 
+def test_quantized_cache_with_full_precision_layers_calls_back(ggufs):
+    """int8 pages with one layer kept full precision: the C quantized attention does not take mixed layers (it
+    once tried, and failed the step); the kernel calls back for each layer's attention, the same bits."""
+    engine = Engine.load(EngineConfig(model=ggufs["Q4_0"]))
+    cpu_quant.kv_kernels_ready(wait=True)
+    for fp_layers in ((1,), (0,)):
+        cache = CacheConfig(k_format="int8", v_format="int8", block_size=16, full_precision_layers=fp_layers)
+        paths = []
+        a = _decode(engine, cache, [[5, 6, 7, 8, 9]], 20, fused=True, paths=paths)
+        b = _decode(engine, cache, [[5, 6, 7, 8, 9]], 20, fused=False)
+        assert torch.equal(a, b) and set(paths) == {"callback"}, (fp_layers, paths)
+
+
 def test_models_the_kernel_does_not_cover_take_the_layer_path(ggufs, tmp_path):
     """Float weights (F16 here) have no kernel table; a step still decodes, through forward()."""
     path = write_random_gguf(tmp_path / "tiny-F16.gguf", "tiny", "F16", seed=5)
