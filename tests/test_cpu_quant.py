@@ -100,7 +100,8 @@ def test_dequant_into_a_reused_slab():
     """Prefill dequantizes into one buffer per thread: a slab written over holds exactly the new rows."""
     codes, scale, zero = _q4(40, 128)
     buf = cq.slab(40 * 128)
-    buf.fill_(float("nan"))
+    with torch.inference_mode():      # the buffer may have been made inside inference mode by an earlier prefill
+        buf.fill_(float("nan"))
     out = cq.q4_dequant(codes, scale, zero, out=buf.view(40, 128))
     assert out.data_ptr() == buf.data_ptr() and torch.equal(out, cq.q4_dequant_ref(codes, scale, zero))
     c8, s8, z8 = _q8(20, 128, 32, False)
