@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     log_path = setup_logging()
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "kvchat"])
+    from .gc_guard import GuiThreadCollector
+    app._collector = GuiThreadCollector(app)      # never collect Qt objects on the engine's threads
     app.setApplicationName("kvchat")
     app.setOrganizationName("kvchat")
     app.setApplicationDisplayName("kvchat")

@@ -33,3 +33,22 @@ def tiny_llama(tmp_path_factory):
 def tiny_engine(tiny_llama):
     from engine import Engine, EngineConfig
     return Engine.load(EngineConfig(model=tiny_llama))
+
+
+@pytest.fixture(autouse=True)
+def _collect_on_the_gui_thread(request):
+    """GUI tests collect garbage as the app does, on the GUI thread only (app/gc_guard.py): an earlier test's Qt
+    objects collected on an engine thread can deadlock against the GUI thread. Earlier garbage goes now."""
+    if "qtbot" not in request.fixturenames:
+        yield
+        return
+    import gc
+    from app.gc_guard import GuiThreadCollector
+    request.getfixturevalue("qapp")
+    gc.collect()
+    collector = GuiThreadCollector()
+    try:
+        yield
+    finally:
+        collector.stop()
+        gc.collect()

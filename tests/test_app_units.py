@@ -78,3 +78,30 @@ def test_format_bytes_uses_binary_units(value, text):
 def test_nice_ceiling_steps():
     """Axis tops move in 1-2-5 steps so the cached axes are rarely redrawn."""
     assert [nice_ceiling(v) for v in (0.3, 1, 1.1, 3, 7, 4500)] == [0.5, 1, 2, 5, 10, 5000]
+
+
+def test_gui_thread_collector_collects_cycles_on_its_timer(qtbot):
+    """The app's collection policy (app/gc_guard.py): automatic collection off, cyclic garbage still collected, on
+    the GUI thread's timer; stop() gives collection back."""
+    import gc
+    import weakref
+
+    from app.gc_guard import GuiThreadCollector
+    gc.enable()
+    collector = GuiThreadCollector(interval_ms=10)
+    try:
+        assert not gc.isenabled()
+
+        class Node:
+            pass
+        node = Node()
+        node.me = node
+        ref = weakref.ref(node)
+        del node
+        junk = [[] for _ in range(2 * gc.get_threshold()[0])]       # past the first generation's threshold
+        qtbot.waitUntil(lambda: ref() is None, timeout=5000)
+        del junk
+    finally:
+        collector.stop()
+    assert gc.isenabled()
+    gc.disable()              # as the autouse fixture left it; it enables collection at teardown
