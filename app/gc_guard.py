@@ -16,14 +16,17 @@ from PySide6.QtCore import QObject, QTimer
 
 
 class GuiThreadCollector(QObject):
-    """Owns collection while it lives: automatic collection off, a timer on this (the GUI) thread collecting the
-    generations whose counts passed their thresholds. stop() gives collection back to Python."""
+    """Owns collection while it lives: automatic collection off, the objects alive at its start frozen (never
+    scanned), a timer on this (the GUI) thread collecting the generations whose counts passed their thresholds.
+    stop() unfreezes and gives collection back to Python."""
 
     def __init__(self, parent: QObject | None = None, interval_ms: int = 1000):
         super().__init__(parent)
         self._was_enabled = gc.isenabled()
         self._threshold = gc.get_threshold()
         gc.disable()
+        gc.freeze()               # what exists now (the imported modules: torch, Qt) is never scanned again,
+                                  # so a full collection on the GUI thread stays short
         self._timer = QTimer(self)
         self._timer.timeout.connect(self.check)
         self._timer.start(interval_ms)
@@ -38,5 +41,6 @@ class GuiThreadCollector(QObject):
 
     def stop(self) -> None:
         self._timer.stop()
+        gc.unfreeze()
         if self._was_enabled:
             gc.enable()
