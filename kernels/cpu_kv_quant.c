@@ -428,6 +428,24 @@ static void v_pass_any(const qattn *a, int h, int j0, int span, int lo, int hi) 
     }
 }
 
+// One pass (keys or values) over span c's rows lo..hi: chunks of QCHUNK rows, every kv head of a chunk in turn
+// (a row's heads share its cache lines, so memory streams through the pages once), the next chunk prefetched.
+// pass: the vector specializations by query heads at a time - 1, or NULL for the scalar `any`.
+static void span_pass(const qattn *a, const kv_comp *comp, const pass_fn *pass, pass_fn any, int c, int lo, int hi) {
+    int g = a->g;
+    if (pass) prefetch_rows(a, comp, lo, lo + QCHUNK < hi ? lo + QCHUNK : hi);
+    for (int c0 = lo; c0 < hi; c0 += QCHUNK) {
+        int c1 = c0 + QCHUNK < hi ? c0 + QCHUNK : hi;
+        if (pass && c1 < hi) prefetch_rows(a, comp, c1, c1 + QCHUNK < hi ? c1 + QCHUNK : hi);
+        for (int h = 0; h < a->Hkv; h++) {
+            if (pass)
+                for (int j0 = 0; j0 < g; j0 += 4) pass[(g - j0 < 4 ? g - j0 : 4) - 1](a, h, j0, c, c0, c1);
+            else
+                any(a, h, 0, c, c0, c1);
+        }
+    }
+}
+
 void attn_decode_quant(const float *q, const float *knew, const float *vnew, int Hq, int Hkv, int D, int bs,
                        const int64_t *slots, int P, const int64_t *table, int n_full,
                        const kv_comp *kc, const kv_comp *vc, const float *cos_h, const float *sin_h,
@@ -455,22 +473,11 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
         if (!kpass[0] || !vpass[0]) kpass = vpass = NULL;
     }
 #endif
-    // A work item is a span of rows, read in chunks of QCHUNK rows with every kv head of a chunk in turn:
-    // a row's heads share its cache lines, so memory streams through the pages once.
+    // a work item is a span of rows: its scores, their exp, its weighted values (see span_pass)
     #pragma omp parallel for schedule(static)
     for (int c = 0; c < S; c++) {
         int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
-        if (kpass) prefetch_rows(&a, kc, lo, lo + QCHUNK < hi ? lo + QCHUNK : hi);
-        for (int c0 = lo; c0 < hi; c0 += QCHUNK) {
-            int c1 = c0 + QCHUNK < hi ? c0 + QCHUNK : hi;
-            if (kpass && c1 < hi) prefetch_rows(&a, kc, c1, c1 + QCHUNK < hi ? c1 + QCHUNK : hi);
-            for (int h = 0; h < Hkv; h++) {
-                if (kpass)
-                    for (int j0 = 0; j0 < g; j0 += 4) kpass[(g - j0 < 4 ? g - j0 : 4) - 1](&a, h, j0, c, c0, c1);
-                else
-                    k_pass_any(&a, h, 0, c, c0, c1);
-            }
-        }
+        span_pass(&a, kc, kpass, k_pass_any, c, lo, hi);
         for (int i = 0; i < Hq; i++) {
             float *si = a.scores + (size_t)i * L, mx = -INFINITY;
             float *o = a.part + ((size_t)c * Hq + i) * (D + 2);
@@ -479,17 +486,7 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
             o[D + 1] = hi > lo ? exp_span(si, lo, hi, mx) : 0.f;
             for (int d = 0; d < D; d++) o[d] = 0.f;
         }
-        if (vpass) prefetch_rows(&a, vc, lo, lo + QCHUNK < hi ? lo + QCHUNK : hi);
-        for (int c0 = lo; c0 < hi; c0 += QCHUNK) {
-            int c1 = c0 + QCHUNK < hi ? c0 + QCHUNK : hi;
-            if (vpass && c1 < hi) prefetch_rows(&a, vc, c1, c1 + QCHUNK < hi ? c1 + QCHUNK : hi);
-            for (int h = 0; h < Hkv; h++) {
-                if (vpass)
-                    for (int j0 = 0; j0 < g; j0 += 4) vpass[(g - j0 < 4 ? g - j0 : 4) - 1](&a, h, j0, c, c0, c1);
-                else
-                    v_pass_any(&a, h, 0, c, c0, c1);
-            }
-        }
+        span_pass(&a, vc, vpass, v_pass_any, c, lo, hi);
     }
     merge_spans(a.part, S, Hq, D, out);
 }
