@@ -10,7 +10,7 @@ One interface (`__call__(x [T, K]) -> [T, N]`, `nbytes`, `kind`, `dequantize()`)
   Q5_K, Q5_0 and Q5_1 are exactly this grid.
 
 Decode steps (a few rows) run kernels/cpu_quant.c, which reads the packed codes and quantizes the
-activations to int8 per group of 32 as llama.cpp does; prefill dequantizes a slab of rows at a
+activations to int16 per group of 32 (llama.cpp uses int8); prefill dequantizes a slab of rows at a
 time into a scratch buffer and runs the BLAS GEMM, so no dense copy of a weight ever persists.
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ class DenseLinear(_Fused):
 def _compact(scale, zero) -> cpu_quant.Scales:
     """Scales as given (two-level K-quant scales stay two-level), floats as float16 where that is exact."""
     if isinstance(scale, cpu_quant.Scales):
-        if scale.scale_sup is not None:
+        if scale.scale_sup is not None or scale.offset8:
             return scale
         scale, zero = scale.scale, scale.zero
     if scale.dtype == torch.float16 and (zero is None or zero.dtype == torch.float16):
@@ -186,7 +186,7 @@ class Q4Linear(_Packed):
         # codes: [N, K/2] uint8 (group g, byte j: element j low nibble, j + 16 high); scale, zero: [N, K/32],
         # or a cpu_quant.Scales
         n, half = codes.shape
-        self.scales = _compact(scale, zero)
+        self.scales = _compact(scale, zero).implicit_zero()       # Q4_0: no zeros stored
         assert half % 16 == 0 and self.scales.scale.shape == (n, half // 16), (codes.shape, self.scales.scale.shape)
         self.codes = codes.contiguous()
         self.bias = bias

@@ -12,19 +12,22 @@
 #include "cpu_common.h"
 
 #define MAXM 8
-#define MAXG 1024          // groups per row: K up to 32768 (groups of 32) or 16384 (groups of 16)
+#define MAXG 1024
+#define PREFETCH 2048     // bytes ahead of the weight row being read (into the next rows): +5-10% over the
+                          // hardware prefetcher alone for two threads streaming the 1B shape's weights          // groups per row: K up to 32768 (groups of 32) or 16384 (groups of 16)
 
 // How scales and zeros are stored (`kind`), each widened into a stack buffer once per row:
 //   0: float32; 1: float16, where the file's values are exactly float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0);
 //   2: uint8 codes times a float32 per super-block of `per` groups (Q4_K, Q5_K: d * sc, -dmin * m);
 //   3: int8 codes times a float32 per super-block (Q6_K). Kinds 2 and 3 rebuild the products in
 //   float32 exactly as gguf computes them, at 0.25-0.5 bit per weight instead of 2.
+//   4: float16 scales as kind 1 and no zeros stored: zero = -8 * scale (Q4_0), exact in float32.
 static inline const float *row_f32(const void *p, const float *sup, int per, size_t row, int n, int kind,
                                    float *buf) {
     if (!p) return NULL;
     size_t off = row * n;
     if (kind == 0) return (const float *)p + off;
-    if (kind == 1) {
+    if (kind == 1 || kind == 4) {
         const _Float16 *h = (const _Float16 *)p + off;
         int i = 0;
 #ifdef __F16C__
@@ -45,6 +48,14 @@ static inline const float *row_f32(const void *p, const float *sup, int per, siz
             }
         }
     }
+    return buf;
+}
+
+// A row's zeros: as row_f32, or for kind 4 made from the row's scales sc
+static inline const float *row_zero(const void *p, const float *sup, int per, size_t row, int n, int kind,
+                                    const float *sc, float *buf) {
+    if (kind != 4) return row_f32(p, sup, per, row, n, kind, buf);
+    for (int i = 0; i < n; i++) buf[i] = -8.f * sc[i];
     return buf;
 }
 
@@ -141,11 +152,11 @@ static inline __m256 zero_terms(const float *zr, const float *sums, int ng, floa
 }
 
 static inline __m256i q4_group(const uint8_t *b, const int16_t *v) {
-    // 32 codes (16 bytes) against 32 int16 activations -> 8 int32 partial sums
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i x = _mm_loadu_si128((const __m128i *)b);
-    __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(x, mask));
-    __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(x, 4), mask));
+    // 32 codes (16 bytes) against 32 int16 activations -> 8 int32 partial sums. Each byte widened to
+    // 16 bits holds element j in bits 0-3 and element j + 16 in bits 4-7: one mask and one shift split them.
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b));
+    __m256i q0 = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
+    __m256i q1 = _mm256_srli_epi16(w, 4);
     return _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
                             _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
 }
@@ -154,14 +165,18 @@ static inline __m256i q4_group(const uint8_t *b, const int16_t *v) {
 static float q4_row1(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
                      const float *sums, int ng) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    float f[MAXG];
     int g = 0;
-    for (; g + 2 <= ng; g += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + g * 32)), _mm256_set1_ps(sc[g] * xs[g]), a0);
+    for (; g + 8 <= ng; g += 8) _mm256_storeu_ps(f + g, _mm256_mul_ps(_mm256_loadu_ps(sc + g), _mm256_loadu_ps(xs + g)));
+    for (; g < ng; g++) f[g] = sc[g] * xs[g];
+    for (g = 0; g + 2 <= ng; g += 2) {
+        if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + g * 32)), _mm256_broadcast_ss(f + g), a0);
         a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16 + 16, xq + g * 32 + 32)),
-                             _mm256_set1_ps(sc[g + 1] * xs[g + 1]), a1);
+                             _mm256_broadcast_ss(f + g + 1), a1);
     }
     if (g < ng)
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + g * 32)), _mm256_set1_ps(sc[g] * xs[g]), a0);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + g * 32)), _mm256_set1_ps(f[g]), a0);
     float tail;
     __m256 z = zero_terms(zr, sums, ng, &tail);
     return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
@@ -177,6 +192,7 @@ static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G,
                      const float *sums32, int nx) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int g = 0; g < nx; g++) {
+        if (!(g & 1)) _mm_prefetch((const char *)(row + g * 32 + PREFETCH), _MM_HINT_T0);
         __m256i p0 = q8_half(row + g * 32, xq + g * 32), p1 = q8_half(row + g * 32 + 16, xq + g * 32 + 16);
         if (G == 32) {
             __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
@@ -200,15 +216,15 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, co
         const int16_t *xq, const float *xs, const float *sums, int ng, int K, const int R, float *out) {
     __m256 a0[4], a1[4];
     for (int m = 0; m < R; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m256i mask = _mm256_set1_epi16(0x0F);
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
+        if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
         __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(row + g * 16 + 16));
-        __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
-        __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
-        __m256i r0 = _mm256_cvtepu8_epi16(_mm_and_si128(c, mask));
-        __m256i r1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), mask));
+        __m256i wb = _mm256_cvtepu8_epi16(b), wc = _mm256_cvtepu8_epi16(c);    // as in q4_group
+        __m256i q0 = _mm256_and_si256(wb, mask), q1 = _mm256_srli_epi16(wb, 4);
+        __m256i r0 = _mm256_and_si256(wc, mask), r1 = _mm256_srli_epi16(wc, 4);
         for (int m = 0; m < R; m++) {
             const int16_t *v = xq + (size_t)m * K + g * 32;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
@@ -221,8 +237,8 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, co
     }
     if (g < ng) {
         __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
-        __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
-        __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+        __m256i wb = _mm256_cvtepu8_epi16(b);
+        __m256i q0 = _mm256_and_si256(wb, mask), q1 = _mm256_srli_epi16(wb, 4);
         for (int m = 0; m < R; m++) {
             const int16_t *v = xq + (size_t)m * K + g * 32;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
@@ -257,6 +273,7 @@ static void q8_rowsM(const int8_t *row, const float *sc, const float *zr, int G,
     __m256 a0[MAXM], a1[MAXM];
     for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int g = 0; g < nx; g++) {
+        if (!(g & 1)) _mm_prefetch((const char *)(row + g * 32 + PREFETCH), _MM_HINT_T0);
         __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * 32)));
         __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + g * 32 + 16)));
         for (int m = 0; m < M; m++) {
@@ -306,7 +323,7 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + (size_t)n * (K / 2);
         float sbuf[MAXG], zbuf[MAXG];
-        const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zr = row_f32(zero, zsup, per, n, ng, kind, zbuf);
+        const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zr = row_zero(zero, zsup, per, n, ng, kind, sc, zbuf);
         float out[MAXM];
 #ifdef __AVX2__
         if (M == 1) {
@@ -320,11 +337,11 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         }
         __m256 acc[MAXM];
         for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m256i mask = _mm256_set1_epi16(0x0F);
         for (int g = 0; g < ng; g++) {
             __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
-            __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));                       // elements 0..15
-            __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));    // 16..31
+            __m256i wb = _mm256_cvtepu8_epi16(b);
+            __m256i q0 = _mm256_and_si256(wb, mask), q1 = _mm256_srli_epi16(wb, 4);     // elements 0..15, 16..31
             for (int m = 0; m < M; m++) {
                 const int16_t *v = xq + (size_t)m * K + g * 32;
                 __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
@@ -447,7 +464,7 @@ void q4_dequant(const uint8_t *codes, const void *scale, const void *zero, int N
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         float sbuf[MAXG], zbuf[MAXG];
-        const float *sr = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zrr = row_f32(zero, zsup, per, n, ng, kind, zbuf);
+        const float *sr = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zrr = row_zero(zero, zsup, per, n, ng, kind, sr, zbuf);
         for (int g = 0; g < ng; g++) {
             const uint8_t *b = codes + (size_t)n * (K / 2) + g * 16;
             float s = sr[g], z = zrr[g];

@@ -166,6 +166,26 @@ def test_half_scales_read_like_float_scales():
     assert torch.equal(cq.q8_gemv(x, c8, s8.half(), z8.half(), 32), cq.q8_gemv(x, c8, s8.half().float(), z8.half().float(), 32))
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_q4_0_scales_without_stored_zeros_give_the_same_bits(m):
+    """Q4_0's zero is -8 * scale: kept implicit (kind 4) it is neither stored nor read, and every kernel gives
+    the bits of the explicit form; a zero that is not exactly -8 * scale stays stored."""
+    codes, scale, _ = _q4(96, 512)
+    scale = scale.half()
+    explicit = cq.Scales(scale, scale * -8)
+    implicit = explicit.implicit_zero()
+    assert implicit.offset8 and implicit.zero is None and implicit.kind == 4
+    assert implicit.nbytes == explicit.nbytes // 2
+    x = torch.randn(m, 512)
+    assert torch.equal(cq.q4_gemv(x, codes, implicit), cq.q4_gemv(x, codes, explicit))
+    assert torch.equal(cq.q4_gemv(x, codes[10:40], implicit.rows(10, 40)), cq.q4_gemv(x, codes[10:40], explicit.rows(10, 40)))
+    assert torch.equal(cq.q4_dequant(codes, implicit), cq.q4_dequant(codes, explicit))
+    assert torch.equal(cq.q4_dequant_ref(codes, implicit), cq.q4_dequant_ref(codes, explicit))
+    nudged = scale * -8
+    nudged[5, 3] = nudged[5, 3] * 1.001
+    assert not cq.Scales(scale, nudged).implicit_zero().offset8
+
+
 def test_a_damaged_library_from_install_is_replaced_by_a_cached_build(tmp_path, monkeypatch):
     """kernels/_built holds the libraries compiled at install; a damaged one (an interrupted copy) is removed
     and the kernels are compiled into the cache dir instead, and load."""
