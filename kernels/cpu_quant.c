@@ -141,8 +141,10 @@ static const float *prep(const float *x, int M, int K, int mode, const float *no
 
 #ifdef __AVX2__
 static inline __m256 zero_terms(const float *zr, const float *sums, int ng, float *tail) {
-    // sum over groups of zero * sum(x), eight groups a step; the remainder goes to *tail
+    // sum over groups of zero * sum(x), eight groups a step; the remainder goes to *tail. No zeros: 0
     __m256 z = _mm256_setzero_ps();
+    *tail = 0.f;
+    if (!zr) return z;
     int h = 0;
     for (; h + 8 <= ng; h += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(zr + h), _mm256_loadu_ps(sums + h), z);
     float t = 0.f;
@@ -211,9 +213,10 @@ static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G,
 // R (a constant, so the accumulators live in registers) rows of x against one weight row, each row
 // computed with exactly q4_row1's operations in the same order: a row's result does not depend on how
 // many rows share the call (batch invariance: a stream served beside others equals the same stream run
-// alone). The codes are unpacked once for the R rows.
-static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, const float *sc, const float *zr,
-        const int16_t *xq, const float *xs, const float *sums, int ng, int K, const int R, float *out) {
+// alone). The codes are unpacked once for the R rows. f: [R, ng] the products sc[g] * xs[m][g], as
+// q4_row1 forms them.
+static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, const float *f, const float *zr,
+        const int16_t *xq, const float *sums, int ng, int K, const int R, float *out) {
     __m256 a0[4], a1[4];
     for (int m = 0; m < R; m++) a0[m] = a1[m] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi16(0x0F);
@@ -231,8 +234,8 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, co
                                          _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
             __m256i t = _mm256_add_epi32(_mm256_madd_epi16(r0, _mm256_loadu_si256((const __m256i *)(v + 32))),
                                          _mm256_madd_epi16(r1, _mm256_loadu_si256((const __m256i *)(v + 48))));
-            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[g] * xs[m * ng + g]), a0[m]);
-            a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(sc[g + 1] * xs[m * ng + g + 1]), a1[m]);
+            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(f + m * ng + g), a0[m]);
+            a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(f + m * ng + g + 1), a1[m]);
         }
     }
     if (g < ng) {
@@ -243,7 +246,7 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, co
             const int16_t *v = xq + (size_t)m * K + g * 32;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
                                          _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
-            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[g] * xs[m * ng + g]), a0[m]);
+            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(f + m * ng + g), a0[m]);
         }
     }
     for (int m = 0; m < R; m++) {
@@ -253,16 +256,30 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, co
     }
 }
 
+// f [R, ng] = sc[g] * xs[m][g]
+static inline void scale_products(const float *sc, const float *xs, int ng, int R, float *f) {
+    for (int m = 0; m < R; m++) {
+        const float *x = xs + (size_t)m * ng;
+        float *o = f + (size_t)m * ng;
+        int g = 0;
+        for (; g + 8 <= ng; g += 8) _mm256_storeu_ps(o + g, _mm256_mul_ps(_mm256_loadu_ps(sc + g), _mm256_loadu_ps(x + g)));
+        for (; g < ng; g++) o[g] = sc[g] * x[g];
+    }
+}
+
 static void q4_rowsM(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
                      const float *sums, int ng, int K, int M, float *out) {
+    float f[4 * MAXG];
     for (int m = 0; m < M; m += 4) {
         const int16_t *x = xq + (size_t)m * K;
-        const float *s = xs + (size_t)m * ng, *z = sums + (size_t)m * ng;
-        switch (M - m) {
-            case 1: out[m] = q4_row1(row, sc, zr, x, s, z, ng); break;
-            case 2: q4_rows(row, sc, zr, x, s, z, ng, K, 2, out + m); break;
-            case 3: q4_rows(row, sc, zr, x, s, z, ng, K, 3, out + m); break;
-            default: q4_rows(row, sc, zr, x, s, z, ng, K, 4, out + m); break;
+        const float *z = sums + (size_t)m * ng;
+        int R = M - m < 4 ? M - m : 4;
+        if (R == 1) { out[m] = q4_row1(row, sc, zr, x, xs + (size_t)m * ng, z, ng); break; }
+        scale_products(sc, xs + (size_t)m * ng, ng, R, f);
+        switch (R) {
+            case 2: q4_rows(row, f, zr, x, z, ng, K, 2, out + m); break;
+            case 3: q4_rows(row, f, zr, x, z, ng, K, 3, out + m); break;
+            default: q4_rows(row, f, zr, x, z, ng, K, 4, out + m); break;
         }
     }
 }
@@ -301,11 +318,12 @@ static void q8_rowsM(const int8_t *row, const float *sc, const float *zr, int G,
 
 // The activations a matvec reads: x prepared (mode) and quantized to int16 per group of 32, so inner
 // products are integer multiply-adds (16 per instruction on AVX2) with one float multiply-add per
-// group. scratch: 6 * M * K bytes + 2 * M * K / 32 floats, carved into the pieces returned.
+// group. scratch: 6 * M * K bytes + 2 * M * K / 32 floats (mode 0: 2 * M * K bytes + the floats), carved into
+// the pieces returned.
 static void activations(const float *x, int M, int K, int mode, const float *norm_w, float eps, void *scratch,
                         int16_t **xq, float **xs, float **sums) {
     float *buf = (float *)scratch;
-    *xq = (int16_t *)(buf + (size_t)M * K);
+    *xq = (int16_t *)(mode ? buf + (size_t)M * K : buf);      // mode 0 prepares nothing: no float rows
     *xs = (float *)(*xq + (size_t)M * K);
     *sums = *xs + (size_t)M * (K / 32);
     quantize_x(prep(x, M, K, mode, norm_w, eps, buf), M, K, *xq, *xs, *sums);
@@ -330,26 +348,9 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
             y[n] = q4_row1(row, sc, zr, xq, xs, sums, ng) + (resid ? resid[n] : 0.f);
             continue;
         }
-        if (zr) {
-            q4_rowsM(row, sc, zr, xq, xs, sums, ng, K, M, out);
-            for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
-            continue;
-        }
-        __m256 acc[MAXM];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        const __m256i mask = _mm256_set1_epi16(0x0F);
-        for (int g = 0; g < ng; g++) {
-            __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
-            __m256i wb = _mm256_cvtepu8_epi16(b);
-            __m256i q0 = _mm256_and_si256(wb, mask), q1 = _mm256_srli_epi16(wb, 4);     // elements 0..15, 16..31
-            for (int m = 0; m < M; m++) {
-                const int16_t *v = xq + (size_t)m * K + g * 32;
-                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
-                                             _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[g] * xs[m * ng + g]), acc[m]);
-            }
-        }
-        for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]);
+        q4_rowsM(row, sc, zr, xq, xs, sums, ng, K, M, out);
+        for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
+        continue;
 #else
         for (int m = 0; m < M; m++) out[m] = 0.f;
         for (int g = 0; g < ng; g++) {
@@ -365,7 +366,7 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         for (int m = 0; m < M; m++) {
             float z = 0.f;
             const float *sm = sums + (size_t)m * ng;
-            for (int g = 0; g < ng; g++) z += zr[g] * sm[g];
+            for (int g = 0; zr && g < ng; g++) z += zr[g] * sm[g];
             y[(size_t)m * ldy + n] = out[m] + z + (resid ? resid[(size_t)m * N + n] : 0.f);
         }
     }
