@@ -1,9 +1,18 @@
 """kvchat's inference engine: no Qt here. See README for the API."""
-from .config import CacheConfig, ConfigError, EngineConfig, SamplingParams
-from .engine import Engine
-from .events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
-from .loader import ModelLoadError
-from .session import BudgetFull, Session
+import importlib
+
+# each name is imported on first use, so that `import engine.<module>` of a torch-free module (engine.quick, the
+# one-shot terminal answer) does not bring torch in
+_WHERE = {"CacheConfig": "config", "ConfigError": "config", "EngineConfig": "config", "SamplingParams": "config",
+          "Engine": "engine", "LayerBytes": "events", "MemoryProbe": "events", "StatsSnapshot": "events",
+          "TokenDelta": "events", "TurnFinished": "events", "ModelLoadError": "loader", "BudgetFull": "session",
+          "Session": "session"}
 
 __all__ = ["Engine", "EngineConfig", "CacheConfig", "SamplingParams", "Session", "ConfigError", "ModelLoadError",
            "BudgetFull", "StatsSnapshot", "LayerBytes", "MemoryProbe", "TokenDelta", "TurnFinished"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -10,7 +10,7 @@ from numbers import Integral
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .model import ModelConfig
+    from .model_config import ModelConfig
 
 FULL_FORMATS = ("auto", "fp32", "fp16", "bf16")
 QUANT_FORMATS = ("int8", "fp8", "int4")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from .config import CacheConfig, ConfigError
 from .loader import ModelLoadError
-from .model import ModelConfig
+from .model_config import ModelConfig
 
 GIB = 2**30
 MIB = 2**20

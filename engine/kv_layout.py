@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, page_format
 
 from .config import CacheConfig, ConfigError
-from .model import ModelConfig
+from .model_config import ModelConfig
 
 MIB = 1024 * 1024
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}

@@ -6,10 +6,22 @@ machine without triton or without a GPU.
 from __future__ import annotations
 
 import functools
+import importlib
 
-from . import reference
-from .formats import PageFormat, bytes_per_block, page_format
-from .reference import apply_rope, dequantize, gather_kv, merge_attention, quantize, rope_cos_sin, slot_positions
+# torch comes in with the first of these names used, not with `import kernels`: the C kernels'
+# loader (kernels.cpu_lib) serves a one-shot answer without torch (engine.quick)
+_LAZY = {"reference": ("reference", None), "PageFormat": ("formats", "PageFormat"),
+         "bytes_per_block": ("formats", "bytes_per_block"), "page_format": ("formats", "page_format"),
+         **{name: ("reference", name) for name in ("apply_rope", "dequantize", "gather_kv", "merge_attention",
+                                                   "quantize", "rope_cos_sin", "slot_positions")}}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(f".{module}", __name__)
+    return value if attr is None else getattr(value, attr)
 
 __all__ = [
     "PageFormat", "page_format", "bytes_per_block",
@@ -39,7 +51,7 @@ def paged_decode_attention(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero,
     if _use_triton(q):
         from .triton_attention import paged_decode_attention as impl
     else:
-        impl = reference.paged_decode_attention
+        from .reference import paged_decode_attention as impl
     return impl(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_tables, seq_lens,
                 window_starts, num_sinks, inv_freq, sm_scale, k_fmt, v_fmt)
 
@@ -49,5 +61,5 @@ def store_blocks(src, block_ids, data, scale, zero, fmt: PageFormat) -> None:
     if _use_triton(src):
         from .triton_store import store_blocks as impl
     else:
-        impl = reference.store_blocks
+        from .reference import store_blocks as impl
     impl(src, block_ids, data, scale, zero, fmt)

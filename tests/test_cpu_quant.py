@@ -190,7 +190,7 @@ def test_a_damaged_library_from_install_is_replaced_by_a_cached_build(tmp_path, 
     """kernels/_built holds the libraries compiled at install; a damaged one (an interrupted copy) is removed
     and the kernels are compiled into the cache dir instead, and load."""
     built = tmp_path / "built"
-    monkeypatch.setattr(cq, "BUILT", built)
+    monkeypatch.setattr(cq.cpu_lib, "BUILT", built)
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
     # built in another process: this one must not have the file mapped when it is damaged
     subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from kernels import cpu_quant as c; "
