@@ -73,6 +73,21 @@ def _stream(session, text: str, params: SamplingParams) -> None:
 
 
 def cmd_chat(args) -> int:
+    if args.prompt is not None:
+        from . import quick              # a one-shot answer without torch, where it covers the model
+        if quick.covers(args):
+            try:
+                params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                        max_new_tokens=args.max_new_tokens,
+                                        repetition_penalty=args.repetition_penalty, seed=args.seed)
+                done = quick.one_shot(args.model, args.prompt, args.system, params)
+            except ConfigError:
+                done = None
+            except KeyboardInterrupt:
+                print("\n(stopped)", file=sys.stderr)
+                return 130
+            if done is not None:
+                return done
     from .engine import Engine
     from .loader import ModelLoadError
     try:
@@ -151,7 +166,9 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(benches: bool = True) -> argparse.ArgumentParser:
+    """benches=False leaves the benchmarks' own options out: they import torch, which a one-shot answer
+    (engine.quick) does without."""
     parser = argparse.ArgumentParser(prog="kvchat", description="Chat with a local model and see its KV cache.")
     sub = parser.add_subparsers(dest="command")
     chat = sub.add_parser("chat", help="terminal chat")
@@ -184,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name in BENCHES.items():
         p = bsub.add_parser(name)
         p.add_argument("--json", action="store_true", help="print one JSON object")
+        if not benches:
+            continue
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -195,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(benches=not argv or argv[0] not in ("chat", "serve", "estimate"))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -9,6 +9,7 @@ import torch
 from kernels import cpu_quant
 
 from .api import LOCAL
+from .chat_format import stop_ids
 from .config import CacheConfig, EngineConfig
 from .kv_layout import MIB
 from .gguf_file import GGUFFile
@@ -21,7 +22,6 @@ from .runner import ModelRunner
 from .session import ModelInfo, Session
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
 
 
 def read_model_config(model: str) -> ModelConfig:
@@ -71,7 +71,7 @@ class Engine:
         self.dtype_name = {v: k for k, v in _DTYPES.items()}[model.dtype]
         self.load_s = load_s
         self.notice = notice          # something the user should hear about the load (old caches removed)
-        self.stop_ids = self._stop_ids()
+        self.stop_ids = stop_ids(tokenizer)
         self.weight_bytes = model.weight_bytes()
         self.weights_label = describe_weights(model)
         self.runner = ModelRunner(model, self.dtype_name, config.cache.budget_mb)
@@ -132,19 +132,6 @@ class Engine:
         if progress:
             progress("ready", 1.0)
         return engine
-
-    def _stop_ids(self) -> frozenset[int]:
-        tok = self.tokenizer
-        ids = set()
-        if tok.eos_token_id is not None:
-            ids.add(tok.eos_token_id)
-        lookup = getattr(tok, "token_to_id", None)     # engine.tokenizer: no 49k-entry dict (11 MiB) built for this
-        if lookup is not None:
-            ids.update(i for i in map(lookup, _STOP_TOKENS) if i is not None)
-        else:
-            vocab = tok.get_vocab()
-            ids.update(vocab[t] for t in _STOP_TOKENS if t in vocab)
-        return frozenset(ids)
 
     def new_session(self, system_prompt: str | None = None, cache: CacheConfig | None = None,
                     history: list[dict] | None = None, prefix_cache: bool = True) -> Session:

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import memory
+from .chat_format import clean_text, encode_conversation, tokenize_pieces
 from .config import CacheConfig, ConfigError, SamplingParams
 from .convert import convert_sequence
 from .detok import StreamDecoder
@@ -24,7 +25,6 @@ from .runner import ModelRunner
 from .sampling import sample
 
 PREFILL_CHUNK = 512
-_PLACEHOLDER = "\x00kvchat-content-{}\x00"
 
 
 class BudgetFull(RuntimeError):
@@ -54,15 +54,6 @@ class Alternative:
     text: str
     seq: object
     token_ids: list[int] = field(default_factory=list)
-
-
-def clean_text(text: str) -> str:
-    """Lone surrogates (which UTF-8 cannot hold) become U+FFFD instead of failing deep in the tokenizer."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 class Session:
@@ -209,35 +200,10 @@ class Session:
     # ---- chat -------------------------------------------------------------------------
 
     def _encode_conversation(self, messages: list[dict]) -> tuple[str, list[tuple[str, bool]]]:
-        """The rendered chat and its pieces: (text, is_content). Message contents are tokenized as plain text,
-        so a special-token string inside a message is never the template's own token."""
-        msgs = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + messages
-        marked = [dict(m, content=_PLACEHOLDER.format(i)) for i, m in enumerate(msgs)]
-        rendered = self.tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
-        pieces: list[tuple[str, bool]] = []
-        rest = rendered
-        for i, m in enumerate(msgs):
-            mark = _PLACEHOLDER.format(i)
-            before, found, rest = rest.partition(mark)
-            if not found:          # the template dropped or changed this content: render it as it is
-                return self._plain(msgs)
-            pieces += [(before, False), (m["content"], True)]
-        pieces.append((rest, False))
-        return "".join(p for p, _ in pieces), [(p, c) for p, c in pieces if p]
-
-    def _plain(self, msgs):
-        rendered = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return rendered, [(rendered, False)]
+        return encode_conversation(self.tokenizer, self.system_prompt, messages)
 
     def _tokenize(self, pieces: list[tuple[str, bool]], skip_chars: int) -> list[int]:
-        ids: list[int] = []
-        for text, content in pieces:
-            if skip_chars >= len(text):
-                skip_chars -= len(text)
-                continue
-            text, skip_chars = text[skip_chars:], 0
-            ids += self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=content)
-        return ids
+        return tokenize_pieces(self.tokenizer, pieces, skip_chars)
 
     def _new_tokens_for(self, messages: list[dict]) -> list[int]:
         """The tokens to add for this turn: the rendered chat past what the session already holds."""

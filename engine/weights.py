@@ -15,7 +15,7 @@ import torch
 
 from kernels.cpu_quant import Scales
 
-from .gguf_file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, dense_scales, q4_blocks, q8_grid, unpermute_rows
+from .gguf_file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, q4_blocks, q8_rows, unpermute_rows
 from .loader import ModelLoadError
 from .model import Layer, ModelConfig, Transformer
 from .qlinear import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
@@ -202,42 +202,6 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def q8_rows(gf: GGUFFile, name: str, chunk: int = 2048):
-    """Codes [N, K] int8 and the file's own scales (and zeros) of a 5-8 bit tensor, a chunk of rows at a time.
-
-    Each value the file holds is code * scale + zero exactly, so the codes are recovered by
-    rounding (value - zero) / scale of gguf's own dequantization: nothing is re-quantized.
-    """
-    kind, data = gf.raw(name)
-    t = gf.tensors[gf.gguf_name(name)]
-    n, k = data.shape[0], t.shape[0]
-    if kind == "Q8_0":
-        # the codes are the blocks' bytes after their scale: copied a chunk of rows at a time, each
-        # chunk's file pages released at once, so a large table never sits in memory twice
-        codes, scale = np.empty((n, k), dtype=np.int8), np.empty((n, k // 32), dtype=np.float16)   # scales as stored
-        row_bytes = data.shape[1]
-        for lo in range(0, n, chunk):
-            blocks = data[lo:lo + chunk].reshape(-1, k // 32, 34)
-            codes[lo:lo + chunk] = blocks[..., 2:].view(np.int8).reshape(-1, k)
-            scale[lo:lo + chunk] = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-            gf.release_range(t.offset + lo * row_bytes, blocks.shape[0] * row_bytes)
-        return codes, {"scale": scale}
-    from gguf import GGMLQuantizationType     # the other types are dequantized by gguf itself
-    from gguf.quants import dequantize
-    qtype = GGMLQuantizationType[kind]
-    grid, group = q8_grid(kind, data)
-    scale, zero = dense_scales(grid)
-    codes = np.empty((n, k), dtype=np.int8)
-    for lo in range(0, n, chunk):
-        w = np.asarray(dequantize(data[lo:lo + chunk], qtype), dtype=np.float32).reshape(-1, k // group, group)
-        if zero is not None:
-            w = w - zero[lo:lo + chunk, :, None]
-        s = scale[lo:lo + chunk, :, None]
-        q = np.divide(w, s, out=np.zeros_like(w), where=s != 0)
-        codes[lo:lo + chunk] = np.rint(q).reshape(-1, k)
-    return codes, grid
 
 
 def _make(kind: str, payloads: list):

@@ -1,0 +1,111 @@
+"""engine.quick: a one-shot terminal answer without torch, against the engine on the same files."""
+import io
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams, TokenDelta
+from engine import quick
+from engine.cli import build_parser
+from engine.gguf_writer import write_random_gguf
+from engine.loader import default_gguf_path
+from engine.sampling import sample as engine_sample
+from kernels import cpu_quant
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="C kernels unavailable")
+
+PACKED = ("Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_0", "Q6_K", "Q8_0")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("quick")
+    return {t: str(write_random_gguf(folder / f"tiny-{t}.gguf", "tiny", t, seed=5)) for t in PACKED + ("F16",)}
+
+
+@pytest.mark.parametrize("kind", PACKED)
+def test_logits_track_the_engine(tiny, kind):
+    """Prompt (two kernel calls: more than CHUNK tokens) and three decode steps give the engine's logits: the same
+    kernels decode; the engine's prompt goes through the GEMM, so agreement is close, not bitwise."""
+    engine = Engine.load(EngineConfig(model=tiny[kind]))
+    m = quick.QuickModel(Path(tiny[kind]))
+    ids = [int(i) for i in torch.randint(3, m.config.vocab_size, (quick.CHUNK + 9,), generator=torch.Generator().manual_seed(1))]
+    session = engine.new_session()
+    seq = quick.QuickSequence(m, len(ids) + 4)
+    want = session.append(ids, all_logits=False)[-1].numpy()
+    got = [seq.forward(ids[lo:lo + quick.CHUNK]) for lo in range(0, len(ids), quick.CHUNK)][-1]
+    for step in range(4):
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() <= 2e-3 * scale, (kind, step)
+        nxt = int(np.argmax(want))
+        want = session.append([nxt], all_logits=False)[-1].numpy()
+        got = seq.forward([nxt])
+    assert seq.length == len(ids) + 4
+
+
+def test_what_it_does_not_cover_is_left_to_the_engine(tiny, tmp_path):
+    """16-bit weights, a folder, a missing file, a first start without a cached tokenizer: None, nothing printed."""
+    Engine.load(EngineConfig(model=tiny["F16"]))          # caches the tokenizer: the weights are what is refused
+    out = io.StringIO()
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    assert quick.one_shot(tiny["F16"], "hi", None, params, out) is None
+    assert quick.one_shot(str(tmp_path / "missing.gguf"), "hi", None, params, out) is None
+    fresh = write_random_gguf(tmp_path / "fresh.gguf", "tiny", "Q8_0", seed=9)
+    assert quick.one_shot(str(fresh), "hi", None, params, out) is None
+    assert out.getvalue() == ""
+
+
+def test_cli_options_that_need_the_engine():
+    """Cache settings, a device, or a seeded sample (which must equal the engine's stream) take the engine."""
+    parse = lambda *a: build_parser(benches=False).parse_args(["chat", "--prompt", "hi", *a])   # noqa: E731
+    assert quick.covers(parse()) or Path("/dev/nvidiactl").exists()
+    assert quick.covers(parse("--seed", "3", "--temperature", "0")) or Path("/dev/nvidiactl").exists()
+    for extra in (["--k-format", "int8"], ["--window", "64"], ["--device", "cuda"], ["--seed", "3"],
+                  ["--budget-mb", "64"], ["--fp-layers", "0"]):
+        assert not quick.covers(parse(*extra)), extra
+    assert not quick.covers(Namespace(**{**vars(parse()), "prompt": None}))
+
+
+def test_sampling_matches_the_engines_rules():
+    """Greedy with a repetition penalty picks what engine.sampling picks; top-k 1 and a tiny top-p keep the best."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(300, generator=g) * 3
+        recent = [int(i) for i in torch.randint(0, 300, (12,), generator=g)]
+        greedy = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+        rng = np.random.default_rng(0)
+        assert quick.sample(logits.numpy(), greedy, recent, rng) == engine_sample(logits, greedy, recent, None)
+        best = int(logits.argmax())
+        assert quick.sample(logits.numpy(), SamplingParams(temperature=0.8, top_k=1, top_p=1.0,
+                                                           repetition_penalty=1.0), [], rng) == best
+        assert quick.sample(logits.numpy(), SamplingParams(temperature=0.8, top_k=0, top_p=1e-6,
+                                                           repetition_penalty=1.0), [], rng) == best
+    probs = torch.tensor([0.5, 0.3, 0.2]).log().numpy()
+    draws = [quick.sample(probs, SamplingParams(temperature=1.0, top_k=0, top_p=0.7, repetition_penalty=1.0), [], rng)
+             for _ in range(2000)]
+    assert set(draws) == {0, 1} and 0.55 < draws.count(0) / len(draws) < 0.70     # 0.5 / 0.8 = 0.625
+
+
+def test_default_model_one_shot_without_torch():
+    """The real default model: `kvchat chat --prompt` answers greedily with the engine's words, in a process that
+    never imports torch."""
+    prompt, n = "What is the capital of France?", 24
+    engine = Engine.load(EngineConfig())
+    events = list(engine.new_session().send(prompt, SamplingParams(temperature=0.0, max_new_tokens=n)))
+    want = "".join(e.text for e in events if isinstance(e, TokenDelta))
+    code = ("import sys; from app.cli import main; rc = main(sys.argv[1:]); "
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, "chat", "--prompt", prompt, "--temperature", "0",
+                          "--max-new-tokens", str(n), "--device", "cpu"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    text, flag = out.stdout.rsplit("\n", 2)[0], out.stdout.strip().rsplit("\n", 1)[-1]
+    assert flag == "NO-TORCH"
+    assert text.strip() == want.strip() and "Paris" in text
+    assert default_gguf_path().is_file()
