@@ -9,8 +9,8 @@ too, up to 64 tokens a call, one pseudo-sequence per token whose rows end at its
 
 The cache is one bf16 page per layer (the engine's default cache on the CPU), sized for the prompt and
 the reply. Whatever this path does not cover (another device, cache settings, a seeded sample, which
-must equal the engine's own stream, a first start whose tokenizer is not cached yet) answers None
-before anything is printed, and the CLI runs the engine as before.
+must equal the engine's own stream, 16-bit or 2-3 bit weights, biases) answers None before anything is
+printed, and the CLI runs the engine as before.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .chat_format import clean_text, encode_conversation, stop_ids, tokenize_pie
 from .config import SamplingParams
 from .detok import StreamDecoder
 from .gguf_file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, q4_blocks, q8_rows, unpermute_rows
-from .loader import ModelLoadError, cached_gguf_tokenizer, locate
+from .loader import ModelLoadError, gguf_tokenizer, locate
 from .model_config import ModelConfig
 
 CHUNK = 64                 # prompt tokens a kernel call
@@ -264,11 +264,9 @@ def one_shot(model: str, prompt: str, system: str | None, params: SamplingParams
         return None                  # the engine says what is wrong, in its own words
     if not files.is_gguf:
         return None
-    tokenizer = cached_gguf_tokenizer(files.path)
-    if tokenizer is None:
-        return None
     try:
         m = QuickModel(files.path)
+        tokenizer = gguf_tokenizer(files.path)      # cached after the first start: a tenth of a second
     except (NotCovered, ModelLoadError):
         return None
     _, pieces = encode_conversation(tokenizer, clean_text(system) if system else system,

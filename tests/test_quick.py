@@ -50,15 +50,18 @@ def test_logits_track_the_engine(tiny, kind):
 
 
 def test_what_it_does_not_cover_is_left_to_the_engine(tiny, tmp_path):
-    """16-bit weights, a folder, a missing file, a first start without a cached tokenizer: None, nothing printed."""
-    Engine.load(EngineConfig(model=tiny["F16"]))          # caches the tokenizer: the weights are what is refused
+    """16-bit weights, a missing or damaged file: None, nothing printed; the engine then says what
+    is wrong. A file never seen before is answered, its tokenizer cached on the way."""
     out = io.StringIO()
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
     assert quick.one_shot(tiny["F16"], "hi", None, params, out) is None
     assert quick.one_shot(str(tmp_path / "missing.gguf"), "hi", None, params, out) is None
-    fresh = write_random_gguf(tmp_path / "fresh.gguf", "tiny", "Q8_0", seed=9)
-    assert quick.one_shot(str(fresh), "hi", None, params, out) is None
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(Path(tiny["Q8_0"]).read_bytes()[:5000])
+    assert quick.one_shot(str(damaged), "hi", None, params, out) is None
     assert out.getvalue() == ""
+    fresh = write_random_gguf(tmp_path / "fresh.gguf", "tiny", "Q8_0", seed=9)
+    assert quick.one_shot(str(fresh), "hi", None, params, out) == 0 and out.getvalue().endswith("\n")
 
 
 def test_cli_options_that_need_the_engine():
