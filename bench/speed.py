@@ -3,8 +3,10 @@
 Decode and prefill tok/s and TTFT in one process, runs interleaved, medians reported, so a noisy
 machine moves every side alike. llama.cpp (llama-cpp-python, when importable) is timed with its
 own eval loop: the prompt in one `eval`, then one token per `eval`, no Python sampling. Memory and
-start time come from one-shot answers in fresh processes: peak RSS, wall time, time to the first
-token, cold (empty cache dir) and warm. `--model preset:llama-3.2-1b:Q4_0` benchmarks a
+start time come from one-shot answers in fresh processes: `kvchat chat --prompt` (which answers
+without torch where engine/quick.py covers the file) cold (empty cache dir) and warm, the Engine API
+warm (torch and the whole engine), llama.cpp's chat completion; peak RSS, wall time, time from launch
+to the first token printed. `--model preset:llama-3.2-1b:Q4_0` benchmarks a
 random-weight GGUF of that shape, written once into the cache dir (engine/gguf_writer.py).
 """
 from __future__ import annotations
@@ -172,6 +174,38 @@ def _oneshot(code: str, model: str, threads: int, cache_dir: str | None = None) 
     # from the launch of the process (interpreter start included) to the first token
     r["first_token_from_launch_s"] = process_s - (r["wall_s"] - r["first_token_s"])
     return r
+
+
+def _cli_oneshot(model: str, threads: int, cache_dir: str | None = None) -> dict:
+    """`kvchat chat --prompt` in a fresh process, greedy, 64 tokens: seconds from launch to the first byte printed,
+    wall seconds, the process's peak RSS."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if cache_dir:
+        env["KVCHAT_CACHE_DIR"] = cache_dir
+    # the CLI's own main, then the process's peak RSS (VmHWM: a fork's rusage would count the parent's pages)
+    code = _PEAK + ("import sys\nfrom app.cli import main\nrc = main(sys.argv[1:])\n"
+                    "sys.stderr.write(f'\\nkvchat-peak-rss {peak_rss()}\\n')\nsys.exit(rc)\n")
+    cmd = [sys.executable, "-c", code, "chat", "--model", model, "--prompt", ANSWER_PROMPT, "--temperature", "0",
+           "--max-new-tokens", "64"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    launched = time.perf_counter()
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=err)
+    first, text = None, b""
+    while chunk := os.read(proc.stdout.fileno(), 4096):
+        if first is None and chunk.strip():
+            first = time.perf_counter() - launched
+        text += chunk
+    proc.wait()
+    wall = time.perf_counter() - launched
+    proc.stdout.close()
+    err.seek(0)
+    report = err.read().decode(errors="replace")
+    err.close()
+    if proc.returncode or first is None or "kvchat-peak-rss" not in report:
+        raise RuntimeError(f"kvchat chat --prompt failed (exit {proc.returncode}): {report[-300:]}")
+    peak = int(report.rsplit("kvchat-peak-rss", 1)[1].split()[0])
+    return {"first_token_from_launch_s": first, "wall_s": wall, "peak_rss": peak}
 
 
 def _median_dict(runs: list[dict]) -> dict:
@@ -354,18 +388,22 @@ def _fresh_process_runs(spec: str, path: str, threads: int, runs: int, with_llam
     with tempfile.TemporaryDirectory() as tmp:
         # first start ever after install: an empty cache dir (tokenizer built from the file); the kernels come from
         # the install step when it ran (kernels/_built), else this start compiles them
-        out["kvchat_cold"] = _oneshot(_KVCHAT_ONESHOT, spec, threads, cache_dir=tmp)
+        out["kvchat_cold"] = _cli_oneshot(path, threads, cache_dir=tmp)
         from kernels import cpu_quant
         out["kvchat_cold"]["kernels_built_at_install"] = any(cpu_quant.BUILT.glob("cpu_quant-*.so"))
-        warm, peer = [], []
-        for _ in range(runs):
-            warm.append(_oneshot(_KVCHAT_ONESHOT, spec, threads, cache_dir=tmp))
+        warm, api, peer = [], [], []
+        for _ in range(runs):                     # interleaved
+            warm.append(_cli_oneshot(path, threads, cache_dir=tmp))
+            api.append(_oneshot(_KVCHAT_ONESHOT, spec, threads, cache_dir=tmp))
             if with_llamacpp:
                 peer.append(_oneshot(_LLAMACPP_ONESHOT, path, threads))
     out["kvchat_warm"] = _median_dict(warm)
+    out["kvchat_api_warm"] = _median_dict(api)
     if peer:
         out["llamacpp_oneshot"] = _median_dict(peer)
         out["ratio_rss_vs_llamacpp"] = out["kvchat_warm"]["peak_rss"] / out["llamacpp_oneshot"]["peak_rss"]
+        out["ratio_first_token_vs_llamacpp"] = (out["kvchat_warm"]["first_token_from_launch_s"]
+                                                / out["llamacpp_oneshot"]["first_token_from_launch_s"])
     return out
 
 
@@ -401,13 +439,13 @@ def summarize(r: dict) -> str:
                 extra = f", {v['ratio_vs_bf16']:.2f}x kvchat bf16" if "ratio_vs_bf16" in v else ""
                 lines.append(f"    {mode:5s} at {n:5d}: {v['kvchat_tok_s']:6.1f} tok/s, {v['of_bound']:.0%} of its "
                              f"bound {v['bound_tok_s']:.0f}{peer}{extra}")
-    for key, label in (("kvchat_cold", "kvchat, first start"), ("kvchat_warm", "kvchat, warm"),
-                       ("llamacpp_oneshot", "llama.cpp")):
+    for key, label in (("kvchat_cold", "kvchat chat, first start"), ("kvchat_warm", "kvchat chat, warm"),
+                       ("kvchat_api_warm", "Engine API, warm"), ("llamacpp_oneshot", "llama.cpp")):
         if key in r:
             s = r[key]
-            lines.append(f"  one 64-token answer, {label:19s}: first token {s['first_token_from_launch_s']:.2f} s "
-                         f"after launch, wall {s['wall_s']:.2f} s, peak RSS {s['peak_rss'] / mb:.0f} MiB "
-                         f"({s['peak_rss_after_load'] / mb:.0f} MiB after load)")
+            after_load = f" ({s['peak_rss_after_load'] / mb:.0f} MiB after load)" if "peak_rss_after_load" in s else ""
+            lines.append(f"  one 64-token answer, {label:24s}: first token {s['first_token_from_launch_s']:.2f} s "
+                         f"after launch, wall {s['wall_s']:.2f} s, peak RSS {s['peak_rss'] / mb:.0f} MiB{after_load}")
     if "ratio_rss_vs_llamacpp" in r:
         lines.append(f"  peak RSS vs llama.cpp: {r['ratio_rss_vs_llamacpp']:.2f}x")
     return "\n".join(lines)
