@@ -29,6 +29,7 @@ from .config import SamplingParams
 from .detok import StreamDecoder
 from .gguf_file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, q4_blocks, q8_rows, unpermute_rows
 from .loader import ModelLoadError, gguf_tokenizer, locate
+from .memory_check import check_fits
 from .model_config import ModelConfig
 
 CHUNK = 64                 # prompt tokens a kernel call
@@ -125,6 +126,7 @@ class QuickModel:
             raise NotCovered("C kernels disabled")
         self.gf = gf = GGUFFile(path)
         self.config = c = ModelConfig.from_gguf(gf)
+        check_fits(c, gf.tensor_bytes, "auto", "cpu", path.name)      # too big: the engine refuses, with the numbers
         if c.model_type not in ("llama", "mistral", "qwen2") or c.qkv_bias or c.o_bias or c.mlp_bias:
             raise NotCovered(f"{c.model_type} with biases")
         try:

@@ -49,8 +49,8 @@ def test_logits_track_the_engine(tiny, kind):
     assert seq.length == len(ids) + 4
 
 
-def test_what_it_does_not_cover_is_left_to_the_engine(tiny, tmp_path):
-    """16-bit weights, a missing or damaged file: None, nothing printed; the engine then says what
+def test_what_it_does_not_cover_is_left_to_the_engine(tiny, tmp_path, monkeypatch):
+    """16-bit weights, a missing, damaged or too big file: None, nothing printed; the engine then says what
     is wrong. A file never seen before is answered, its tokenizer cached on the way."""
     out = io.StringIO()
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -59,6 +59,9 @@ def test_what_it_does_not_cover_is_left_to_the_engine(tiny, tmp_path):
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(Path(tiny["Q8_0"]).read_bytes()[:5000])
     assert quick.one_shot(str(damaged), "hi", None, params, out) is None
+    with monkeypatch.context() as mp:       # a file too big for the memory left: the engine refuses it, with numbers
+        mp.setattr("engine.memory_check.available_bytes", lambda device: 2**20)
+        assert quick.one_shot(tiny["Q8_0"], "hi", None, params, out) is None
     assert out.getvalue() == ""
     fresh = write_random_gguf(tmp_path / "fresh.gguf", "tiny", "Q8_0", seed=9)
     assert quick.one_shot(str(fresh), "hi", None, params, out) == 0 and out.getvalue().endswith("\n")
