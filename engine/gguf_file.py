@@ -271,19 +271,20 @@ def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
     n = data.shape[0]
     if kind in ("Q4_0", "Q4_1"):
         size = 18 if kind == "Q4_0" else 20
-        blocks = data.reshape(n, -1, size)
+        heads, codes = split_blocks(data, size, size - 16)
         # the file's float16 scales as they are (float32 only where -8 * d of Q4_0 leaves float16's range)
-        d = _f16(blocks[..., 0:2], np.float16)
+        d = _f16(heads[..., 0:2], np.float16)
         # Q4_0: w = d * (q - 8); Q4_1: w = d * q + m
         if kind == "Q4_0":
-            with np.errstate(over="ignore"):
-                zero = d * np.float16(-8)          # exact: a power of two, unless it overflows
-            if not np.isfinite(zero).all():
-                d = d.astype(np.float32)
-                zero = -8 * d
+            wide = d.astype(np.float32)
+            zero = wide * -8                       # exact: a power of two
+            if np.abs(zero).max(initial=0) <= 65504:
+                zero = zero.astype(np.float16)     # within float16's range: exact there too
+            else:
+                d = wide
         else:
-            zero = _f16(blocks[..., 2:4], np.float16)
-        return np.ascontiguousarray(blocks[..., size - 16:]).reshape(n, -1), {"scale": d, "zero": zero}
+            zero = _f16(heads[..., 2:4], np.float16)
+        return codes.reshape(n, -1), {"scale": d, "zero": zero}
     if kind == "Q4_K":
         blocks = data.reshape(n, -1, 144)                                     # super-blocks of 256
         d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
@@ -329,6 +330,27 @@ def dense_scales(grid: dict) -> tuple[np.ndarray, np.ndarray | None]:
             return q
         return (np.repeat(sup, grid.get("per", 1), axis=-1) * q.astype(np.float32)).astype(np.float32)
     return widen(grid["scale"], grid.get("scale_sup")), widen(grid.get("zero"), grid.get("zero_sup"))
+
+
+def split_blocks(data: np.ndarray, size: int, head: int, heads: np.ndarray | None = None,
+                 body: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of blocks of `size` bytes [N, nb * size] -> each block's first `head` bytes [N, nb, head] (the scales)
+    and the rest [N, nb * (size - head)] (the codes), into heads / body when given. The C kernels' split_blocks
+    where they load (a few GB/s), else numpy's strided copies (1-2 GB/s)."""
+    n = data.shape[0]
+    nb = data.shape[1] // size
+    heads = np.empty((n, nb, head), dtype=np.uint8) if heads is None else heads.reshape(n, nb, head)
+    body = np.empty((n, nb * (size - head)), dtype=np.uint8) if body is None else body.reshape(n, nb * (size - head))
+    from kernels import cpu_lib
+    lib = cpu_lib.library()
+    src = data if data.flags.c_contiguous else None
+    if lib is not None and src is not None and heads.flags.c_contiguous and body.flags.c_contiguous:
+        lib.split_blocks(src.ctypes.data, n * nb, size, head, heads.ctypes.data, body.ctypes.data)
+    else:
+        blocks = data.reshape(n, nb, size)
+        heads[...] = blocks[..., :head]
+        body[...] = blocks[..., head:].reshape(n, -1)
+    return heads, body
 
 
 def _f16(b: np.ndarray, dtype=np.float32) -> np.ndarray:
@@ -402,10 +424,9 @@ def q8_rows(gf: "GGUFFile", name: str, chunk: int = 2048):
         codes, scale = np.empty((n, k), dtype=np.int8), np.empty((n, k // 32), dtype=np.float16)   # scales as stored
         row_bytes = data.shape[1]
         for lo in range(0, n, chunk):
-            blocks = data[lo:lo + chunk].reshape(-1, k // 32, 34)
-            codes[lo:lo + chunk] = blocks[..., 2:].view(np.int8).reshape(-1, k)
-            scale[lo:lo + chunk] = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-            gf.release_range(t.offset + lo * row_bytes, blocks.shape[0] * row_bytes)
+            rows = data[lo:lo + chunk]
+            split_blocks(rows, 34, 2, scale[lo:lo + chunk].view(np.uint8), codes[lo:lo + chunk].view(np.uint8))
+            gf.release_range(t.offset + lo * row_bytes, rows.shape[0] * row_bytes)
         return codes, {"scale": scale}
     from gguf import GGMLQuantizationType     # the other types are dequantized by gguf itself
     from gguf.quants import dequantize

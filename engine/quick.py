@@ -122,17 +122,14 @@ class QuickModel:
     """A GGUF's decoder layers as decode_layers' table over numpy arrays, its embedding and head."""
 
     def __init__(self, path: Path):
-        if os.environ.get("KVCHAT_NO_CPU_KERNELS"):
-            raise NotCovered("C kernels disabled")
         self.gf = gf = GGUFFile(path)
         self.config = c = ModelConfig.from_gguf(gf)
         check_fits(c, gf.tensor_bytes, "auto", "cpu", path.name)      # too big: the engine refuses, with the numbers
         if c.model_type not in ("llama", "mistral", "qwen2") or c.qkv_bias or c.o_bias or c.mlp_bias:
             raise NotCovered(f"{c.model_type} with biases")
-        try:
-            self.lib = cpu_lib._build()
-        except (OSError, RuntimeError) as exc:
-            raise NotCovered(str(exc)) from None
+        self.lib = cpu_lib.library()
+        if self.lib is None:
+            raise NotCovered(cpu_lib.library_error())
         permute = {"self_attn.q_proj": c.num_heads, "self_attn.k_proj": c.num_kv_heads} \
             if c.model_type == "llama" else {}
         self.keep = []                       # every array the table points into

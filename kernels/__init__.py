@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .formats import PageFormat
 
 # torch comes in with the first of these names used, not with `import kernels`: the C kernels'
 # loader (kernels.cpu_lib) serves a one-shot answer without torch (engine.quick)
@@ -22,6 +26,7 @@ def __getattr__(name: str):
     module, attr = _LAZY[name]
     value = importlib.import_module(f".{module}", __name__)
     return value if attr is None else getattr(value, attr)
+
 
 __all__ = [
     "PageFormat", "page_format", "bytes_per_block",

@@ -29,6 +29,29 @@ def _cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvchat")) / "kernels"
 
 
+_main = None
+_main_error: str | None = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The main library (cpu_quant.c), built or loaded once; None where it cannot be, or KVCHAT_NO_CPU_KERNELS
+    is set (library_error() says why)."""
+    global _main, _main_error
+    if _main is None and _main_error is None:
+        if os.environ.get("KVCHAT_NO_CPU_KERNELS"):
+            _main_error = "disabled by KVCHAT_NO_CPU_KERNELS"
+        else:
+            try:
+                _main = _build()
+            except (OSError, RuntimeError) as exc:
+                _main_error = str(exc)
+    return _main
+
+
+def library_error() -> str | None:
+    return _main_error
+
+
 BUILT = Path(__file__).with_name("_built")    # libraries compiled at install (`python -m kernels.cpu_quant`)
 
 
@@ -78,6 +101,8 @@ def _build(retry: bool = True, source: Path = SOURCE, into: Path | None = None) 
               lib.decode_attend):
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P]
+    lib.split_blocks.argtypes = [P, ctypes.c_int64, I, I, P, P]
+    lib.split_blocks.restype = None
     lib.decode_layers.restype = I
     return lib
 

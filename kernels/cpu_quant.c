@@ -745,3 +745,20 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
     free(mem);
     return 0;
 }
+
+// ---- GGUF blocks split into their parts (loading) ------------------------------------------------------
+
+// Each of n blocks of `size` bytes gives its first `head` bytes (the scales) to heads [n, head] and the rest
+// (the codes) to body [n, size - head]: what numpy's strided copies did at 1-2 GB/s, at memory speed.
+void split_blocks(const uint8_t *src, int64_t n, int size, int head, uint8_t *heads, uint8_t *body) {
+    int tail = size - head;
+    int64_t chunks = (n + 8191) / 8192;
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t hi = (c + 1) * 8192 < n ? (c + 1) * 8192 : n;
+        for (int64_t i = c * 8192; i < hi; i++) {
+            memcpy(heads + i * head, src + i * size, head);
+            memcpy(body + i * tail, src + i * size + head, tail);
+        }
+    }
+}

@@ -8,10 +8,6 @@ The library links the OpenMP runtime torch already loaded (libgomp), so both sha
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +26,7 @@ _error: str | None = None
 def available() -> bool:
     global _lib, _error
     if _lib is None and _error is None:
-        if os.environ.get("KVCHAT_NO_CPU_KERNELS"):
-            _error = "disabled by KVCHAT_NO_CPU_KERNELS"
-        else:
-            try:
-                _lib = _build()
-            except (OSError, RuntimeError) as exc:
-                _error = str(exc)
+        _lib, _error = cpu_lib.library(), cpu_lib.library_error()
     return _lib is not None
 
 

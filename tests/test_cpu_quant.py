@@ -200,3 +200,24 @@ def test_a_damaged_library_from_install_is_replaced_by_a_cached_build(tmp_path, 
     lib = cq._build()
     assert not so.exists() and hasattr(lib, "decode_layers")
     assert list((tmp_path / "cache" / "kernels").glob("cpu_quant-*.so"))
+
+
+def test_split_blocks_equals_numpy(monkeypatch):
+    """GGUF blocks split by the C kernel (scales apart from codes) equal numpy's strided copies, into given buffers
+    too, for Q4_0's 18-byte and Q8_0's 34-byte blocks."""
+    import numpy as np
+    from engine.gguf_file import split_blocks
+    from kernels import cpu_lib
+    rng = np.random.default_rng(0)
+    for size, head in ((18, 2), (34, 2), (20, 4)):
+        data = rng.integers(0, 256, (37, 12 * size), dtype=np.uint8)
+        fast = split_blocks(data, size, head)
+        heads, body = np.empty((37, 12, head), np.uint8), np.empty((37, 12 * (size - head)), np.uint8)
+        split_blocks(data, size, head, heads, body)
+        with monkeypatch.context() as mp:
+            mp.setattr(cpu_lib, "library", lambda: None)
+            slow = split_blocks(data, size, head)
+        blocks = data.reshape(37, 12, size)
+        assert np.array_equal(slow[0], blocks[..., :head]) and np.array_equal(slow[1], blocks[..., head:].reshape(37, -1))
+        for h, b in (fast, (heads, body)):
+            assert np.array_equal(h, slow[0]) and np.array_equal(b, slow[1])
