@@ -74,24 +74,26 @@ class Packed:
     def k(self) -> int:
         return self.codes.shape[1] * (2 if self.bits == 4 else 1)
 
+    @property
+    def group(self) -> int:
+        """Elements per scale: 32, or 16 for the int8 codes of Q6_K."""
+        return self.k // self.scale.shape[1] if self.bits == 8 else 32
+
     def qlin(self) -> cpu_lib.QLin:
-        group = self.k // self.scale.shape[1] if self.bits == 8 else 32
         return cpu_lib.QLin(_ptr(self.codes), _ptr(self.scale), _ptr(self.zero), _ptr(self.scale_sup),
-                            _ptr(self.zero_sup), self.bits, self.kind, self.per, group, self.n, self.k)
+                            _ptr(self.zero_sup), self.bits, self.kind, self.per, self.group, self.n, self.k)
 
     def rows(self, lib, ids: list[int]) -> np.ndarray:
         """Dequantized rows [len(ids), K] float32 (the embedding lookup), by the kernels' exact dequantization."""
         out = np.empty((len(ids), self.k), dtype=np.float32)
         for i, r in enumerate(ids):
-            cut = lambda a: None if a is None else np.ascontiguousarray(a[r:r + 1])    # noqa: E731
-            parts = [cut(a) for a in (self.codes, self.scale, self.zero, self.scale_sup, self.zero_sup)]
-            c, s, z, ss, zs = parts
-            dst = out[i:i + 1]
+            row = [None if a is None else np.ascontiguousarray(a[r:r + 1])      # held until the call returns
+                   for a in (self.codes, self.scale, self.zero, self.scale_sup, self.zero_sup)]
+            c, s, z, ss, zs = map(_ptr, row)
             if self.bits == 4:
-                lib.q4_dequant(_ptr(c), _ptr(s), _ptr(z), 1, self.k, _ptr(dst), self.kind, _ptr(ss), _ptr(zs), self.per)
+                lib.q4_dequant(c, s, z, 1, self.k, _ptr(out[i:i + 1]), self.kind, ss, zs, self.per)
             else:
-                lib.q8_dequant(_ptr(c), _ptr(s), _ptr(z), self.k // self.scale.shape[1], 1, self.k, _ptr(dst),
-                               self.kind, _ptr(ss), _ptr(zs), self.per)
+                lib.q8_dequant(c, s, z, self.group, 1, self.k, _ptr(out[i:i + 1]), self.kind, ss, zs, self.per)
         return out
 
 
@@ -209,7 +211,7 @@ class QuickSequence:
         if h.bits == 4:
             m.lib.q4_gemv(*args, h.n, *tail)
         else:
-            m.lib.q8_gemv(*args, h.k // h.scale.shape[1], h.n, *tail)
+            m.lib.q8_gemv(*args, h.group, h.n, *tail)
         return logits[0]
 
 
