@@ -41,6 +41,9 @@ class KVLayout:
     layer_block_bytes: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     block_bytes: int = field(init=False, repr=False, compare=False)   # one block over all layers, K and V
     quantized_components: int = field(init=False, repr=False, compare=False)
+    # a layout is part of every prefix-cache key: hashing its per-layer formats anew each time a block fills
+    # took thousands of calls
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         per_layer = tuple(tuple(bytes_per_block(f, self.block_size, self.num_kv_heads, self.head_dim) for f in pair)
@@ -48,6 +51,11 @@ class KVLayout:
         object.__setattr__(self, "layer_block_bytes", per_layer)
         object.__setattr__(self, "block_bytes", sum(k + v for k, v in per_layer))
         object.__setattr__(self, "quantized_components", sum(f.is_quantized for pair in self.formats for f in pair))
+        object.__setattr__(self, "_hash", hash((self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                                                self.full_dtype, self.formats)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def full_block_bytes(self) -> int:
