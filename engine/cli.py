@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 from .config import CacheConfig, ConfigError, EngineConfig, SamplingParams
@@ -73,6 +74,14 @@ def _stream(session, text: str, params: SamplingParams) -> None:
 
 
 def cmd_chat(args) -> int:
+    try:
+        return _chat(args)
+    except BrokenPipeError:             # the reader went away (`| head`): stop quietly, as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _chat(args) -> int:
     if args.prompt is not None:
         from . import quick              # a one-shot answer without torch, where it covers the model
         if quick.covers(args):

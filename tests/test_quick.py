@@ -1,5 +1,6 @@
 """engine.quick: a one-shot terminal answer without torch, against the engine on the same files."""
 import io
+import os
 import subprocess
 import sys
 from argparse import Namespace
@@ -115,3 +116,16 @@ def test_default_model_one_shot_without_torch():
     assert flag == "NO-TORCH"
     assert text.strip() == want.strip() and "Paris" in text
     assert default_gguf_path().is_file()
+
+
+def test_a_reader_that_goes_away_stops_the_answer_quietly():
+    """`kvchat chat --prompt ... | head -c 1` on the real model: no traceback, exit 141 as a pipe's writer, through
+    either path."""
+    for env in ({}, {"KVCHAT_NO_QUICK": "1"}):
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "chat", "--prompt", "Write a long story about a cat.",
+                                 "--temperature", "0", "--max-new-tokens", "300"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+        proc.stdout.read(1)
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=300) == 141 and "Traceback" not in err, (env, err[-500:])
