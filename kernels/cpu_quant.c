@@ -12,9 +12,9 @@
 #include "cpu_common.h"
 
 #define MAXM 8
-#define MAXG 1024
-#define PREFETCH 2048     // bytes ahead of the weight row being read (into the next rows): +5-10% over the
-                          // hardware prefetcher alone for two threads streaming the 1B shape's weights          // groups per row: K up to 32768 (groups of 32) or 16384 (groups of 16)
+#define MAXG 1024          // groups per row: K up to 32768 (groups of 32) or 16384 (groups of 16)
+#define PREFETCH 2048      // bytes ahead of the weight row being read (into the next rows): +5-10% over the
+                           // hardware prefetcher alone for two threads streaming the 1B shape's weights
 
 // How scales and zeros are stored (`kind`), each widened into a stack buffer once per row:
 //   0: float32; 1: float16, where the file's values are exactly float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0);
@@ -39,25 +39,17 @@ static inline const float *row_f32(const void *p, const float *sup, int per, siz
         for (int b = 0; b < n / per; b++) {          // one super-block at a time: no division per element
             float d = s[b];
             float *o = buf + b * per;
+            const uint8_t *q = (const uint8_t *)p + off + b * per;     // kind 2: uint8 codes, 3: int8
             int i = 0;
-            if (kind == 2) {
-                const uint8_t *q = (const uint8_t *)p + off + b * per;
 #ifdef __AVX2__
-                // the loop below eight at a time: the same one rounding (d * q, q exact in float)
-                for (; i + 8 <= per; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
-                        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))))));
-#endif
-                for (; i < per; i++) o[i] = d * (float)q[i];
-            } else {
-                const int8_t *q = (const int8_t *)p + off + b * per;
-#ifdef __AVX2__
-                for (; i + 8 <= per; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
-                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))))));
-#endif
-                for (; i < per; i++) o[i] = d * (float)q[i];
+            // the loop below eight at a time: the same one rounding (d * q, q exact in float)
+            for (; i + 8 <= per; i += 8) {
+                __m128i c = _mm_loadl_epi64((const __m128i *)(q + i));
+                __m256i w = kind == 2 ? _mm256_cvtepu8_epi32(c) : _mm256_cvtepi8_epi32(c);
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(w)));
             }
+#endif
+            for (; i < per; i++) o[i] = d * (float)(kind == 2 ? (int)q[i] : (int)(int8_t)q[i]);
         }
     }
     return buf;
@@ -175,15 +167,25 @@ static inline __m256i q4_group(const uint8_t *b, const int16_t *v) {
                             _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
 }
 
+// f [R, ng] = sc[g] * xs[m][g]
+static inline void scale_products(const float *sc, const float *xs, int ng, int R, float *f) {
+    for (int m = 0; m < R; m++) {
+        const float *x = xs + (size_t)m * ng;
+        float *o = f + (size_t)m * ng;
+        int g = 0;
+        for (; g + 8 <= ng; g += 8) _mm256_storeu_ps(o + g, _mm256_mul_ps(_mm256_loadu_ps(sc + g), _mm256_loadu_ps(x + g)));
+        for (; g < ng; g++) o[g] = sc[g] * x[g];
+    }
+}
+
 // one row of x (decode): two independent accumulators, everything in registers
 static float q4_row1(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
                      const float *sums, int ng) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     float f[MAXG];
+    scale_products(sc, xs, ng, 1, f);
     int g = 0;
-    for (; g + 8 <= ng; g += 8) _mm256_storeu_ps(f + g, _mm256_mul_ps(_mm256_loadu_ps(sc + g), _mm256_loadu_ps(xs + g)));
-    for (; g < ng; g++) f[g] = sc[g] * xs[g];
-    for (g = 0; g + 2 <= ng; g += 2) {
+    for (; g + 2 <= ng; g += 2) {
         if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + g * 32)), _mm256_broadcast_ss(f + g), a0);
         a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16 + 16, xq + g * 32 + 32)),
@@ -268,17 +270,6 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, co
     }
 }
 
-// f [R, ng] = sc[g] * xs[m][g]
-static inline void scale_products(const float *sc, const float *xs, int ng, int R, float *f) {
-    for (int m = 0; m < R; m++) {
-        const float *x = xs + (size_t)m * ng;
-        float *o = f + (size_t)m * ng;
-        int g = 0;
-        for (; g + 8 <= ng; g += 8) _mm256_storeu_ps(o + g, _mm256_mul_ps(_mm256_loadu_ps(sc + g), _mm256_loadu_ps(x + g)));
-        for (; g < ng; g++) o[g] = sc[g] * x[g];
-    }
-}
-
 static void q4_rowsM(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
                      const float *sums, int ng, int K, int M, float *out) {
     float f[4 * MAXG];
@@ -356,10 +347,6 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zr = row_zero(zero, zsup, per, n, ng, kind, sc, zbuf);
         float out[MAXM];
 #ifdef __AVX2__
-        if (M == 1) {
-            y[n] = q4_row1(row, sc, zr, xq, xs, sums, ng) + (resid ? resid[n] : 0.f);
-            continue;
-        }
         q4_rowsM(row, sc, zr, xq, xs, sums, ng, K, M, out);
         for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
         continue;
