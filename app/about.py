@@ -1,6 +1,7 @@
 """Help > About: what this is, which model is loaded, and the licences of what ships with it."""
 from __future__ import annotations
 
+from html import escape
 from importlib import metadata
 from pathlib import Path
 
@@ -30,31 +31,34 @@ def app_version() -> str:
 def readme_link(readme: Path = README) -> str:
     """A link to the README beside the code (a source checkout), else where to find it."""
     if readme.is_file():
-        return '<a href="{url}">{text}</a>'.format(url=QUrl.fromLocalFile(str(readme)).toString(),
-                                                   text=QCoreApplication.translate("About", "the README"))
-    return QCoreApplication.translate("About", "the README in kvchat's source")
+        url = QUrl.fromLocalFile(str(readme)).toString(QUrl.ComponentFormattingOption.FullyEncoded)
+        return '<a href="{url}">{text}</a>'.format(url=escape(url),
+                                                   text=escape(QCoreApplication.translate("About", "the README")))
+    return escape(QCoreApplication.translate("About", "the README in kvchat's source"))
 
 
 def about_html(model_name: str | None, weights_label: str = "", model: str = "default") -> str:
+    """Rich text for a label that opens links: every name from a model file or a translation is escaped, so a
+    model called `<a href="file:///...">` shows as those characters instead of becoming a link."""
     if model_name:
         loaded = f"{model_name}" + (f" ({weights_label})" if weights_label else "")
     else:
         loaded = QCoreApplication.translate("About", "none loaded yet")
     model_licence = _tr(DEFAULT_MODEL_LICENCE) if model == "default" else QCoreApplication.translate(
         "About", "a model you chose: its licence is the one its publisher gives (see its model card)")
-    return (f"<h3>kvchat {app_version()}</h3>"
+    return (f"<h3>kvchat {escape(app_version())}</h3>"
             "<p>{what}</p>"
             "<p><b>{model_word}</b> {loaded}<br><b>{licence_word}</b> {model_licence}</p>"
             "<p><b>{own_licence}</b> Apache-2.0</p>"
             "<p>{texts}</p>"
             "<p>{howto}</p>").format(
-        what=QCoreApplication.translate("About", "A desktop chat for local language models that shows, and lets you "
-                                        "control, the model's KV cache."),
-        model_word=QCoreApplication.translate("About", "Model:"), loaded=loaded,
-        licence_word=QCoreApplication.translate("About", "Model licence:"), model_licence=model_licence,
-        own_licence=QCoreApplication.translate("About", "kvchat licence:"), texts=_tr(TEXTS_LICENCE),
-        howto=QCoreApplication.translate("About", "How to use it, what each mode costs, and the commands: "
-                                         "{readme}.").format(readme=readme_link()))
+        what=escape(QCoreApplication.translate("About", "A desktop chat for local language models that shows, and "
+                                               "lets you control, the model's KV cache.")),
+        model_word=escape(QCoreApplication.translate("About", "Model:")), loaded=escape(loaded),
+        licence_word=escape(QCoreApplication.translate("About", "Model licence:")), model_licence=escape(model_licence),
+        own_licence=escape(QCoreApplication.translate("About", "kvchat licence:")), texts=escape(_tr(TEXTS_LICENCE)),
+        howto=escape(QCoreApplication.translate("About", "How to use it, what each mode costs, and the commands: "
+                                                "{readme}.")).format(readme=readme_link()))
 
 
 class AboutDialog(QDialog):

@@ -2,11 +2,15 @@
 
 Configs are stored as JSON text, so an INI file and the native registry read back the same types.
 KVCHAT_SETTINGS_FILE (or the `path` argument) points the store at an INI file; tests use that.
+The file is the user's alone (0600, and Qt's atomic save keeps that mode); a server's API key goes to the
+system keyring where a real one is available, else into that file.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 
 from PySide6.QtCore import QByteArray, QSettings
@@ -15,7 +19,10 @@ from engine.config import CacheConfig, ConfigError, SamplingParams
 
 from .history import cache_from_json, cache_to_json
 
+log = logging.getLogger(__name__)
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, max_new_tokens=256)
+KEYRING_SERVICE = "kvchat"
+IN_KEYRING = "keyring"          # server/api_key_in: where the key is, when not in this file
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +57,9 @@ class SettingsStore:
             self._qs = QSettings(str(path), QSettings.Format.IniFormat)
         else:
             self._qs = QSettings("kvchat", "kvchat")
+        if self._qs.format() == QSettings.Format.NativeFormat and os.name != "posix":
+            return                      # the registry: no file to guard
+        _private_file(self._qs.fileName())
 
     @property
     def file_name(self) -> str:
@@ -69,8 +79,31 @@ class SettingsStore:
         url = str(self._qs.value("server/base_url", "") or "")
         if not url:
             return None
-        return RemoteSettings(url, str(self._qs.value("server/api_key", "") or ""),
-                              str(self._qs.value("server/model", "") or ""))
+        return RemoteSettings(url, self._api_key(url), str(self._qs.value("server/model", "") or ""))
+
+    def _api_key(self, url: str) -> str:
+        if str(self._qs.value("server/api_key_in", "") or "") == IN_KEYRING:
+            ring = _keyring()
+            try:
+                return (ring.get_password(KEYRING_SERVICE, url) or "") if ring else ""
+            except Exception as exc:  # noqa: BLE001 - a locked or broken keyring: the user types the key again
+                log.warning("cannot read the API key from the system keyring: %s", exc)
+                return ""
+        return str(self._qs.value("server/api_key", "") or "")
+
+    def _set_api_key(self, url: str, key: str) -> None:
+        """Into the system keyring when one works (the file then holds no key), else into this 0600 file."""
+        ring = _keyring() if key else None
+        if ring is not None:
+            try:
+                ring.set_password(KEYRING_SERVICE, url, key)
+                self._qs.setValue("server/api_key", "")
+                self._qs.setValue("server/api_key_in", IN_KEYRING)
+                return
+            except Exception as exc:  # noqa: BLE001 - any keyring failure falls back to the private file
+                log.warning("cannot store the API key in the system keyring (%s): kept in %s", exc, self.file_name)
+        self._qs.setValue("server/api_key", key)
+        self._qs.remove("server/api_key_in")
 
     def save(self, settings: AppSettings) -> None:
         self._qs.setValue("engine/model", settings.model)
@@ -80,15 +113,14 @@ class SettingsStore:
         self._qs.setValue("engine/kind", "server" if settings.remote else "local")
         if settings.remote is not None:     # the last server stays filled in when the user goes back to local
             self._qs.setValue("server/base_url", settings.remote.base_url)
-            self._qs.setValue("server/api_key", settings.remote.api_key)
+            self._set_api_key(settings.remote.base_url, settings.remote.api_key)
             self._qs.setValue("server/model", settings.remote.model)
         self._qs.sync()
 
     def last_server(self) -> RemoteSettings | None:
         """The server saved last, even while the app runs locally (to fill in the dialog)."""
         url = str(self._qs.value("server/base_url", "") or "")
-        return RemoteSettings(url, str(self._qs.value("server/api_key", "") or ""),
-                              str(self._qs.value("server/model", "") or "")) if url else None
+        return RemoteSettings(url, self._api_key(url), str(self._qs.value("server/model", "") or "")) if url else None
 
     def layout(self, key: str) -> QByteArray | None:
         value = self._qs.value(f"window/{key}")
@@ -130,6 +162,35 @@ class SettingsStore:
 
     def sync(self) -> None:
         self._qs.sync()
+
+
+def _private_file(name: str) -> None:
+    """The settings file exists and is 0600 before Qt first writes it: Qt's atomic save (a 0600 temporary file
+    renamed over it) keeps an existing file's mode, so the key is never readable by others, not even briefly."""
+    try:
+        folder = os.path.dirname(name)
+        if folder and not os.path.isdir(folder):
+            os.makedirs(folder, mode=0o700)
+        fd = os.open(name, os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:      # written by an earlier version, 0644
+                os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+    except OSError as exc:          # a read-only home: Qt reports the failed save itself
+        log.warning("cannot make the settings file %s private: %s", name, exc)
+
+
+def _keyring():
+    """The keyring module when a real system keyring backs it (Secret Service, macOS, Windows), else None.
+
+    Its fail and null backends, and plaintext files (keyrings.alt), have priority below 1: no better than ours."""
+    try:
+        import keyring
+        backend = keyring.get_keyring()
+        return keyring if getattr(backend, "priority", 0) >= 1 else None
+    except Exception:  # noqa: BLE001 - not installed, or a backend that breaks on import
+        return None
 
 
 def _sampling_from_json(text: str) -> SamplingParams | None:
