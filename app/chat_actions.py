@@ -43,7 +43,8 @@ class ChatActions(QObject):
     def __init__(self, window):
         super().__init__(window)
         self.w = window
-        self.pending_delete: int | None = None
+        self.pending_delete: int | None = None     # a hidden chat the Undo bar can bring back
+        self.pending_messages: list = []            # or messages it can put back (history.TakenMessage)
         self._last_notice = ""
         self._released: int | None = None
         window.chat.action_requested.connect(self.run)
@@ -114,8 +115,10 @@ class ChatActions(QObject):
     def refresh(self) -> None:
         """Enable what can run now; Regenerate and Continue follow the last reply."""
         busy = self.busy()
-        self.w.chat.refresh_actions(busy)
-        last = self._last_reply()
+        # a remote server has no regenerate or continue (the worker would refuse them): not offered
+        rewrite = not (self.w.engine_info is not None and self.w.engine_info.capabilities.remote)
+        self.w.chat.refresh_actions(busy, rewrite)
+        last = self._last_reply() if rewrite else None
         self.regenerate_action.setEnabled(not busy and last is not None and last.message_id is not None)
         self.continue_action.setEnabled(not busy and last is not None and last.message_id is not None
                                         and last.finish in FINISH_MARKS and bool(last.text()))
@@ -123,6 +126,7 @@ class ChatActions(QObject):
         self.export_markdown_action.setEnabled(has_chat)
         self.export_json_action.setEnabled(has_chat)
         self.clear_prefix_action.setEnabled(self.w.engine_info is not None and not self.w.generating)
+        self.undo_bar.button.setEnabled(not (self.pending_messages and busy))    # not into a turn in flight
 
     def _last_reply(self) -> MessageWidget | None:
         chat = self.w.chat.chat_messages()
@@ -187,25 +191,41 @@ class ChatActions(QObject):
         return out
 
     def _write(self, write, *args):
+        """A history write; what it returned (True for None), or None once the banner said why it failed."""
         try:
-            write(*args)
-            return True
+            result = write(*args)
+            return True if result is None else result
         except HistoryError as exc:
             self.w.banner.show_message(self.tr("Cannot save this chat"), str(exc))
-            return False
+            return None
 
     def delete_message(self, message: MessageWidget) -> None:
-        """Delete one message, from the view and the database; the session drops it too (from there on, the
-        cache is rebuilt: the earlier messages keep their blocks)."""
+        """Delete a question together with its reply (Delete on either one): a reply alone would leave a
+        question that reopening drops. The session follows (the last exchange rewinds the cache; an earlier
+        one rebuilds from the prefix cache) and Undo puts both back for UNDO_S seconds."""
         if self.busy():
             return
-        if message.message_id is not None:
-            if not self._write(self.w.history.delete_message, message.message_id):
-                return
-        self.w.chat.remove_message(message)
+        exchange = self._exchange(message)
+        ids = [m.message_id for m in exchange if m.message_id is not None]
+        taken = self._write(self.w.history.take_messages, ids) if ids else []
+        if taken is None:
+            return
+        for widget in exchange:
+            self.w.chat.remove_message(widget)
         self.w.host.sync_history(self._saved_messages())
         self.w.conversations.refresh(self.w.conversation_id)
         self.refresh()
+        if taken:
+            self._offer_undo(None, taken, self.tr("Deleted a question and its reply.") if len(exchange) > 1
+                             else self.tr("Deleted a message."))
+
+    def _exchange(self, message: MessageWidget) -> list[MessageWidget]:
+        """The question and the reply it got, from either of the two."""
+        chat = self.w.chat.chat_messages()
+        i = chat.index(message)
+        if message.role == "assistant":
+            return chat[i - 1:i + 1] if i > 0 and chat[i - 1].role == "user" else [message]
+        return chat[i:i + 2] if i + 1 < len(chat) and chat[i + 1].role == "assistant" else [message]
 
     def edit_and_resend(self, message: MessageWidget) -> None:
         """Replace a user message with its edited text and send it: the messages after it go (view and
@@ -337,22 +357,34 @@ class ChatActions(QObject):
 
     def delete_conversation(self, conversation_id: int) -> None:
         """Hide it now; it is deleted for good when the Undo in the status bar times out."""
-        self._purge_pending()
         conversation = self.w.history.get(conversation_id)
-        if conversation is None or not self._write(self.w.history.hide, conversation_id):
+        if conversation is None:
             return
-        self.pending_delete = conversation_id
+        self._purge_pending()
+        if not self._write(self.w.history.hide, conversation_id):
+            return
         open_id = None if self.w.conversation_id == conversation_id else self.w.conversation_id
         self.w.conversations.refresh(open_id)
         self.w._conversation_deleted(conversation_id)
-        self.undo_bar.label.setText(self.tr("Deleted “{title}”.").format(title=conversation.title))
+        self._offer_undo(conversation_id, [], self.tr("Deleted “{title}”.").format(title=conversation.title))
+
+    def _offer_undo(self, conversation_id: int | None, messages: list, text: str) -> None:
+        """One thing at a time can be undone: a hidden chat or deleted messages; a new delete ends the last offer."""
+        self._purge_pending()
+        self.pending_delete, self.pending_messages = conversation_id, messages
+        self.undo_bar.label.setText(text)
         self.undo_bar.setVisible(True)
         self.undo_bar.timer.start()
+        self.refresh()
 
     def undo_delete(self) -> None:
         conversation_id, self.pending_delete = self.pending_delete, None
+        messages, self.pending_messages = self.pending_messages, []
         self.undo_bar.timer.stop()
         self.undo_bar.setVisible(False)
+        if messages:
+            self._put_back(messages)
+            return
         if conversation_id is None or not self._write(self.w.history.restore, conversation_id):
             return
         if not self.w.generating:
@@ -361,8 +393,24 @@ class ChatActions(QObject):
             self.w.conversations.refresh(self.w.conversation_id)
         self.w.statusBar().showMessage(self.tr("Restored the chat"), 3000)
 
+    def _put_back(self, messages: list) -> None:
+        """Deleted messages return where they were; the open chat is shown again and its session follows."""
+        conversation_id = messages[0].row[1]
+        if self.w.history.get(conversation_id) is None:
+            self.w.statusBar().showMessage(self.tr("The chat those messages were in is deleted"), 4000)
+            return
+        if not self._write(self.w.history.put_back, messages):
+            return
+        if conversation_id == self.w.conversation_id:
+            self.w.show_conversation(conversation_id, open_session=False)
+            self.w.host.sync_history(self._saved_messages())
+        self.w.conversations.refresh(self.w.conversation_id)
+        self.refresh()
+        self.w.statusBar().showMessage(self.tr("Restored the deleted messages"), 3000)
+
     def _purge_pending(self) -> None:
         conversation_id, self.pending_delete = self.pending_delete, None
+        self.pending_messages = []          # already gone from the file: only the offer ends
         self.undo_bar.timer.stop()
         self.undo_bar.setVisible(False)
         if conversation_id is not None:

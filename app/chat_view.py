@@ -292,8 +292,11 @@ class MessageWidget(QFrame):
                                                                                 "removed"), self.start_edit)
         self.copy_message_button = self._action_button(footer, self.tr("Copy"), self.tr("Copy this message's text"),
                                                        lambda: request("copy"))
-        self.delete_button = self._action_button(footer, self.tr("Delete"), self.tr("Delete this message"),
-                                                 lambda: request("delete"))
+        self.delete_button = self._action_button(footer, self.tr("Delete"),
+                                                 self.tr("Delete this message and its reply (Undo in the status bar)")
+                                                 if self.role == "user" else
+                                                 self.tr("Delete this reply and the message it answers (Undo in the "
+                                                         "status bar)"), lambda: request("delete"))
         for button in (self.continue_button, self.regenerate_button, self.edit_button):
             button.setVisible(False)
             row.addWidget(button)

@@ -115,6 +115,13 @@ class Version:
 
 
 @dataclass(frozen=True, slots=True)
+class TakenMessage:
+    """A deleted message as it was stored, so an Undo can put it back under its own id."""
+    row: tuple                  # (id, conversation_id, role, content, created_at, state, finish, chosen)
+    versions: tuple             # its reply_versions rows: (position, content, finish)
+
+
+@dataclass(frozen=True, slots=True)
 class Recovered:
     """A damaged or unreadable database that was moved aside at start."""
     moved_to: Path
@@ -283,6 +290,30 @@ class HistoryStore:
     def delete_from(self, conversation_id: int, message_id: int) -> None:
         """The message and every later one in its conversation (edit and resend drops the old branch)."""
         self._write([("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))])
+
+    def take_messages(self, message_ids: list[int]) -> list[TakenMessage]:
+        """Delete these messages in one transaction and return what they held, for `put_back`."""
+        taken = []
+        with self._writing() as db:
+            for id_ in message_ids:
+                row = db.execute("SELECT id, conversation_id, role, content, created_at, state, finish, chosen "
+                                 "FROM messages WHERE id = ?", (id_,)).fetchone()
+                if row is None:
+                    continue
+                versions = db.execute("SELECT position, content, finish FROM reply_versions WHERE message_id = ? "
+                                      "ORDER BY position", (id_,)).fetchall()
+                taken.append(TakenMessage(tuple(row), tuple(map(tuple, versions))))
+                db.execute("DELETE FROM messages WHERE id = ?", (id_,))
+        return taken
+
+    def put_back(self, taken: list[TakenMessage]) -> None:
+        """Undo `take_messages`: the rows return under their old ids, so they sort where they were."""
+        with self._writing() as db:
+            for message in taken:
+                db.execute("INSERT INTO messages (id, conversation_id, role, content, created_at, state, finish, "
+                           "chosen) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", message.row)
+                db.executemany("INSERT INTO reply_versions (message_id, position, content, finish) VALUES (?, ?, ?, ?)",
+                               [(message.row[0], *version) for version in message.versions])
 
     # --- reply versions (regenerate) ---
 

@@ -158,7 +158,7 @@ def test_continue_a_cut_reply_and_marks_persist(qtbot):
 
 
 def test_copy_and_delete_one_message(qtbot):
-    """Copy puts the message on the clipboard; Delete removes it from view, database and session."""
+    """Copy puts the message on the clipboard; Delete removes it with its reply from view, database and session."""
     loader = FakeLoader()
     window = ready_window(qtbot, loader)
     send(qtbot, window, "one")
@@ -169,7 +169,7 @@ def test_copy_and_delete_one_message(qtbot):
     qtbot.mouseClick(user.delete_button, Qt.MouseButton.LeftButton)
     saved = window.history.messages(window.conversation_id)
     assert [m["content"] for m in saved] == [m.text() for m in window.chat.chat_messages()]
-    assert "one" not in [m["content"] for m in saved] and len(saved) == 3
+    assert "one" not in [m["content"] for m in saved] and len(saved) == 2
     qtbot.waitUntil(lambda: session_of(loader).messages == saved, timeout=3000)
 
 

@@ -1,0 +1,139 @@
+"""Issue 21, item 22: what a new user met in the window, each in a real window offscreen: deleting a reply,
+Undo for a deleted message, where Export starts and what it writes, the system prompt in the chat, stale
+notices, the dock's width after a small window, and the Chinese interface."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from dataclasses import replace
+
+import pytest
+from PySide6.QtCore import Qt
+
+from engine.config import SamplingParams
+from fakes import FakeLoader, isolate_app, open_window
+
+pytestmark = pytest.mark.gui
+SHORT = SamplingParams(max_new_tokens=3)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    isolate_app(monkeypatch, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tiny_models import tiny_model_dir
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", hidden=64, heads=2, kv_heads=2, layers=2)
+
+
+def ready_window(qtbot, loader=None, sampling=SHORT, model=None, system_prompt=None):
+    window = open_window(qtbot, loader or FakeLoader(), autoload=False)
+    changes = dict(sampling=sampling)
+    if model is not None:
+        changes["model"] = model
+    if system_prompt is not None:
+        changes["system_prompt"] = system_prompt
+    window.apply_settings(replace(window.settings, **changes))
+    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=30_000)
+    assert window.last_error is None, window.last_error
+    return window
+
+
+def send(qtbot, window, text):
+    with qtbot.waitSignal(window.host.turn_finished, timeout=30_000) as blocker:
+        window.input.setPlainText(text)
+        window.input.submit()
+    qtbot.waitUntil(lambda: not window.generating, timeout=2000)
+    return blocker.args[0]
+
+
+def saved(window):
+    return [(e.role, e.content) for e in window.history.entries(window.conversation_id)]
+
+
+def shown(window):
+    return [(m.role, m.text()) for m in window.chat.chat_messages()]
+
+
+def session(window):
+    return window.host.worker._session
+
+
+def switch_away_and_back(qtbot, window):
+    chat = window.conversation_id
+    window.new_chat()
+    qtbot.waitUntil(lambda: window.session_ready, timeout=10_000)
+    window.show_conversation(chat)
+    qtbot.waitUntil(lambda: window.session_ready, timeout=10_000)
+
+
+# --- deleting a message ---
+
+def test_deleting_the_last_reply_takes_its_question_and_reopening_keeps_chat_and_cache(qtbot, tiny_dir):
+    """Over the real engine: Delete on a reply removes it with its question; the cache rewinds to the
+    exchange before, and leaving and reopening the chat drops nothing and reads nothing again."""
+    window = ready_window(qtbot, sampling=GREEDY, model=tiny_dir)
+    send(qtbot, window, "first question")
+    send(qtbot, window, "second question")
+    kept = saved(window)[:2]
+    reply = window.chat.chat_messages()[-1]
+    qtbot.mouseClick(reply.delete_button, Qt.MouseButton.LeftButton)
+    assert saved(window) == kept and shown(window) == kept
+    qtbot.waitUntil(lambda: session(window).messages == [{"role": r, "content": c} for r, c in kept], timeout=5000)
+    live = session(window)
+    held_after_first = live.stats().tokens_held
+    assert held_after_first > 0                 # rewound, not rebuilt from nothing
+
+    switch_away_and_back(qtbot, window)
+    assert saved(window) == kept and shown(window) == kept
+    assert window.input.toPlainText() == ""
+    assert not [m for m in window.chat.messages() if m.role == "notice"]
+    assert session(window) is live and live.stats().tokens_held == held_after_first
+
+
+def test_undo_puts_a_deleted_exchange_back_in_place_with_its_versions(qtbot):
+    """Undo in the status bar returns the question and its reply (regenerated versions too) where they were,
+    in the view, the database and the session."""
+    window = ready_window(qtbot)
+    send(qtbot, window, "one")
+    send(qtbot, window, "two")
+    ids = [e.id for e in window.history.entries(window.conversation_id)]
+    with qtbot.waitSignal(window.host.turn_finished, timeout=10_000):
+        window.actions.regenerate(window.chat.chat_messages()[-1])
+    qtbot.waitUntil(lambda: not window.generating, timeout=2000)
+    before = saved(window)
+    versions = [v.content for v in window.history.versions(ids[3])]
+    assert len(versions) == 2
+
+    question = window.chat.chat_messages()[0]
+    qtbot.mouseClick(question.delete_button, Qt.MouseButton.LeftButton)
+    assert saved(window) == before[2:] and shown(window) == before[2:]
+    bar = window.actions.undo_bar
+    assert bar.isVisible() and "question and its reply" in bar.label.text()
+    qtbot.waitUntil(lambda: len(session(window).messages) == 2, timeout=3000)
+
+    qtbot.mouseClick(bar.button, Qt.MouseButton.LeftButton)
+    assert not bar.isVisible()
+    assert saved(window) == before and shown(window) == before
+    assert [e.id for e in window.history.entries(window.conversation_id)] == ids
+    assert [v.content for v in window.history.versions(ids[3])] == versions
+    assert window.chat.chat_messages()[-1].version_label.text() == "2/2"
+    qtbot.waitUntil(lambda: session(window).messages == [{"role": r, "content": c} for r, c in before],
+                    timeout=3000)
+
+
+def test_without_undo_a_deleted_exchange_stays_deleted(qtbot):
+    """The offer ends after its time (or with the next delete); the messages stay gone after a restart."""
+    window = ready_window(qtbot)
+    send(qtbot, window, "keep")
+    send(qtbot, window, "drop")
+    window.actions.undo_bar.timer.setInterval(50)
+    qtbot.mouseClick(window.chat.chat_messages()[-1].delete_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: not window.actions.undo_bar.isVisible(), timeout=2000)
+    assert window.actions.pending_messages == []
+    assert [c for _, c in saved(window)][0] == "keep" and len(saved(window)) == 2
