@@ -6,7 +6,9 @@ versions, finish marks); the engine session is kept in step with it through the 
 """
 from __future__ import annotations
 
-from PySide6.QtCore import QObject, QTimer
+import os
+
+from PySide6.QtCore import QObject, QStandardPaths, QTimer
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import QFileDialog, QFrame, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPushButton
 
@@ -318,8 +320,9 @@ class ChatActions(QObject):
             self.w.statusBar().showMessage(self.tr("Open a saved chat to export it"), 4000)
             return None
         kind = "Markdown (*.md)" if fmt == "markdown" else "JSON (*.json)"
+        start = os.path.join(self._export_folder(), suggested_name(conversation.title, fmt))
         path, _ = QFileDialog.getSaveFileName(self.w, self.tr("Export “{title}”").format(title=conversation.title),
-                                              suggested_name(conversation.title, fmt), kind)
+                                              start, kind)
         if not path:
             return None
         if not path.endswith(FORMATS[fmt]):
@@ -332,8 +335,18 @@ class ChatActions(QObject):
                                        self.tr("{error} ({path}): choose a folder you can write to.").format(
                                            error=exc.strerror or exc, path=path))
             return None
+        self.w.store.set_export_dir(str(written.resolve().parent))
         self.w.statusBar().showMessage(self.tr("Exported the chat to {path}").format(path=written), 6000)
         return str(written)
+
+    def _export_folder(self) -> str:
+        """Where the save dialog starts: the last export's folder, else Documents, else home (never the folder
+        kvchat happened to be started from)."""
+        last = self.w.store.export_dir()
+        if last and os.path.isdir(last):
+            return last
+        documents = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+        return documents if documents and os.path.isdir(documents) else os.path.expanduser("~")
 
     def ask_delete_conversation(self, conversation_id: int) -> QMessageBox | None:
         conversation = self.w.history.get(conversation_id)

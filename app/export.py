@@ -1,4 +1,5 @@
-"""A saved conversation written out as Markdown or JSON. No Qt."""
+"""A saved conversation written out as Markdown or JSON. No widgets: the Markdown shows code the way the chat
+view split it (chat_view.split_segments is plain Python)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from .chat_view import split_segments
 from .history import HistoryStore
 
 FORMATS = {"markdown": ".md", "json": ".json"}
@@ -48,7 +50,7 @@ def to_markdown(data: dict) -> str:
     if data.get("system_prompt"):
         lines += ["## System", "", data["system_prompt"], ""]
     for message in data["messages"]:
-        lines += [f"## {'You' if message['role'] == 'user' else 'Assistant'}", "", message["content"], ""]
+        lines += [f"## {'You' if message['role'] == 'user' else 'Assistant'}", "", as_shown(message["content"]), ""]
         note = {"length": "cut at max tokens", "stopped": "stopped"}.get(message.get("finish_reason", ""))
         versions = message.get("versions")
         if versions:
@@ -56,6 +58,21 @@ def to_markdown(data: dict) -> str:
         if note:
             lines += [f"_({note})_", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def as_shown(text: str) -> str:
+    """Markdown that reads as the chat showed the message: code the view found without a fence gets one (else a
+    Markdown viewer joins its lines), and a fence a cut reply left open is closed (else it swallows the rest)."""
+    parts = []
+    for kind, language, body in split_segments(text):
+        if kind == "code":
+            fence = "```"
+            while fence in body:        # a fence longer than any run of backticks inside the code
+                fence += "`"
+            parts.append(f"{fence}{language}\n{body}\n{fence}")
+        else:
+            parts.append(body)
+    return "\n\n".join(parts)
 
 
 def export_conversation(history: HistoryStore, conversation_id: int, path: str | os.PathLike, fmt: str,

@@ -160,6 +160,13 @@ class SettingsStore:
         self._qs.setValue("ui/language", language)
         self._qs.sync()
 
+    def export_dir(self) -> str:
+        """The folder the last export went to ("" before the first)."""
+        return str(self._qs.value("chat/export_dir", "") or "")
+
+    def set_export_dir(self, folder: str) -> None:
+        self._qs.setValue("chat/export_dir", folder)
+
     def sync(self) -> None:
         self._qs.sync()
 

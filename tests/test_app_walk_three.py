@@ -137,3 +137,65 @@ def test_without_undo_a_deleted_exchange_stays_deleted(qtbot):
     qtbot.waitUntil(lambda: not window.actions.undo_bar.isVisible(), timeout=2000)
     assert window.actions.pending_messages == []
     assert [c for _, c in saved(window)][0] == "keep" and len(saved(window)) == 2
+
+
+# --- export ---
+
+def saved_chat(window, turns):
+    """A chat written straight into the history database, then opened in the window."""
+    from app.history import DONE
+    conversation = window.history.create(turns[0], window.settings.cache)
+    for question, answer in zip(turns[::2], turns[1::2]):
+        window.history.add_turn(conversation, [("user", question, DONE), ("assistant", answer, DONE)])
+    window.show_conversation(conversation)
+    return conversation
+
+
+def test_export_starts_in_documents_or_home_then_where_the_last_export_went(qtbot, tmp_path, monkeypatch):
+    """Not in the folder kvchat was started from: Documents (or home) first, then the last export's folder,
+    which a restart keeps."""
+    from PySide6.QtCore import QStandardPaths
+    from PySide6.QtWidgets import QFileDialog
+    from app.settings_store import SettingsStore
+
+    started_in = tmp_path / "started-here"
+    started_in.mkdir()
+    monkeypatch.chdir(started_in)
+    window = ready_window(qtbot)
+    send(qtbot, window, "export me")
+    asked = []
+    out = tmp_path / "exports"
+    out.mkdir()
+
+    def save_as(parent, caption, start, kind):
+        asked.append(start)
+        return str(out / "mine.md"), kind
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", save_as)
+    window.actions.export_markdown_action.trigger()
+    documents = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+    first = os.path.dirname(asked[0])
+    assert first in (documents, os.path.expanduser("~")) and first != str(started_in)
+    assert os.path.basename(asked[0]) == "export-me.md"
+    assert (out / "mine.md").is_file()
+    window.actions.export_json_action.trigger()
+    assert os.path.dirname(asked[1]) == str(out)
+    assert SettingsStore().export_dir() == str(out)
+
+
+def test_markdown_export_keeps_code_blocks_as_the_chat_showed_them(qtbot, tmp_path):
+    """Code the view showed as a block without a fence in the text, and a fence a cut reply left open, are
+    fenced code in the Markdown; the open fence does not swallow the messages after it."""
+    from app.export import export_conversation
+
+    window = ready_window(qtbot)
+    unfenced = "Here is how:\n\nimport os\nimport sys\nprint(os.getcwd())\n\nThat prints the folder."
+    cut = "Start:\n```python\ndef f():\n    return 1"
+    chat = saved_chat(window, ["how?", unfenced, "and a function?", cut, "thanks", "You are welcome."])
+    replies = [m for m in window.chat.chat_messages() if m.role == "assistant"]
+    assert [len(r.code_blocks()) for r in replies] == [1, 1, 0]     # what the view shows
+    text = export_conversation(window.history, chat, tmp_path / "c.md", "markdown").read_text()
+    assert "```\nimport os\nimport sys\nprint(os.getcwd())\n```" in text
+    assert "```python\ndef f():\n    return 1\n```" in text
+    after_cut = text.split("return 1\n```", 1)[1]
+    assert after_cut.count("```") == 0 and "## You\n\nthanks" in after_cut
+    assert text.count("```") % 2 == 0
