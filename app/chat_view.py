@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMessageBox, QPlainT
                                QSizePolicy, QVBoxLayout, QWidget)
 
 FLUSH_MS = 50
+SYSTEM_PROMPT_CHARS = 240               # the rest of a long system prompt is in the line's tooltip
 OPENABLE_SCHEMES = ("http", "https")
 INTERRUPTED_MARK = QT_TRANSLATE_NOOP("MessageWidget", "Interrupted: kvchat closed before this reply finished")
 # marks under a reply, by the engine's finish_reason; these two can be continued (shown translated)
@@ -407,6 +408,12 @@ class ChatView(QScrollArea):
         self._layout.setSpacing(12)
         self._layout.addStretch(1)
         self.setWidget(self._column)
+        # the instructions the model reads before the chat: shown, muted, above the first message
+        self.system_prompt_line = QLabel(self._column, objectName="systemPromptLine", wordWrap=True)
+        self.system_prompt_line.setTextFormat(Qt.TextFormat.PlainText)
+        self.system_prompt_line.setStyleSheet("color: #64748b; font-size: 9pt;")
+        self.system_prompt_line.setVisible(False)
+        self._layout.addWidget(self.system_prompt_line)
         self.assistant_name = self.tr("Assistant")
         self._messages: list[MessageWidget] = []
         self._reply: MessageWidget | None = None
@@ -485,6 +492,19 @@ class ChatView(QScrollArea):
         return self.add_message("notice", text)
 
     # --- a streaming reply ---
+
+    def remove_notices(self) -> None:
+        """Notices and error bubbles that no longer apply (the next reply came through)."""
+        for message in [m for m in self._messages if m.role == "notice"]:
+            self.remove_message(message)
+
+    def set_system_prompt(self, prompt: str) -> None:
+        """"System prompt: …" above the chat, its first lines only (the tooltip has it all); hidden when empty."""
+        prompt = (prompt or "").strip()
+        short = prompt if len(prompt) <= SYSTEM_PROMPT_CHARS else prompt[:SYSTEM_PROMPT_CHARS].rstrip() + "…"
+        self.system_prompt_line.setText(self.tr("System prompt: {prompt}").format(prompt=short))
+        self.system_prompt_line.setToolTip(prompt)
+        self.system_prompt_line.setVisible(bool(prompt))
 
     def begin_reply(self) -> None:
         self.end_reply()

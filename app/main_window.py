@@ -256,6 +256,8 @@ class MainWindow(QMainWindow):
         self.conversation_id = conversation.id if conversation else None
         self.store.set_last_conversation(self.conversation_id)
         self.chat.clear()
+        self.dashboard.hide_notice()        # it spoke of the chat shown before
+        self.chat.set_system_prompt(conversation.system_prompt if conversation else self.settings.system_prompt)
         messages = self._restore_messages(conversation) if conversation else []
         self.session_cache = (conversation.cache if conversation and conversation.cache else self.settings.cache)
         if conversation and conversation.cache is None:
@@ -291,6 +293,7 @@ class MainWindow(QMainWindow):
         self._update_controls()
         conversation = self.history.get(self.conversation_id) if self.conversation_id is not None else None
         prompt = conversation.system_prompt if conversation else self.settings.system_prompt
+        self.chat.set_system_prompt(prompt)
         self.host.open_session(self.conversation_id, prompt, self.session_cache, messages)
 
     def reset_session(self) -> None:
@@ -427,6 +430,9 @@ class MainWindow(QMainWindow):
             if reply is not None and not event.text and not isinstance(turn, ReplyRecord):
                 self.chat.remove_message(reply)
                 reply = None
+            if reply is not None and event.text:    # a reply came through: earlier notices and errors are stale
+                self.chat.remove_notices()
+                self.dashboard.hide_notice()
             if event.message:
                 self.chat.add_notice(event.message)
             if event.finish_reason == "stopped":

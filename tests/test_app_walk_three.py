@@ -199,3 +199,41 @@ def test_markdown_export_keeps_code_blocks_as_the_chat_showed_them(qtbot, tmp_pa
     after_cut = text.split("return 1\n```", 1)[1]
     assert after_cut.count("```") == 0 and "## You\n\nthanks" in after_cut
     assert text.count("```") % 2 == 0
+
+
+# --- the system prompt, stale notices ---
+
+def test_the_system_prompt_shows_above_the_chat_it_belongs_to(qtbot):
+    """A muted "System prompt: …" line sits above the first message: the new chat's from Settings, a saved
+    chat's own; a chat without one shows none; a long one is shortened, the tooltip has it all."""
+    long_prompt = "You are a careful pirate. " * 20
+    window = ready_window(qtbot, system_prompt=long_prompt)
+    line = window.chat.system_prompt_line
+    assert line.isVisible() and line.text().startswith("System prompt: You are a careful pirate.")
+    assert line.text().endswith("…") and len(line.text()) < len(long_prompt) and line.toolTip() == long_prompt.strip()
+    send(qtbot, window, "ahoy")
+    first = window.chat.chat_messages()[0]
+    assert line.isVisible() and line.geometry().bottom() < first.geometry().top()
+    pirate_chat = window.conversation_id
+    plain = window.history.create("plain", window.settings.cache, "")
+    window.show_conversation(plain)
+    assert not line.isVisible()
+    window.show_conversation(pirate_chat)
+    assert line.isVisible() and line.toolTip() == long_prompt.strip()
+
+
+def test_error_bubbles_go_with_the_next_reply_and_dashboard_notices_with_a_chat_switch(qtbot):
+    window = ready_window(qtbot)
+    with qtbot.waitSignal(window.host.error, timeout=5000):
+        window.host.regenerate(window.settings.sampling, [])      # nothing to regenerate: an error bubble
+    notices = lambda: [m.text() for m in window.chat.messages() if m.role == "notice"]     # noqa: E731
+    assert notices() and "Cannot regenerate" in notices()[0]
+    send(qtbot, window, "hello")
+    assert notices() == []
+    assert window.chat.chat_messages()[-1].text()
+
+    with qtbot.waitSignal(window.host.prefix_cleared, timeout=5000):
+        window.actions.clear_prefix_cache()
+    assert window.dashboard.notice.isVisible()
+    window.new_chat()
+    assert not window.dashboard.notice.isVisible()
