@@ -5,11 +5,15 @@ so that a one-shot answer in the terminal needs no torch at all.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
+import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
@@ -19,6 +23,7 @@ MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 # decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
 # to stop
 ATTEND_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+log = logging.getLogger(__name__)
 
 
 def _cache_dir() -> Path:
@@ -53,35 +58,139 @@ def library_error() -> str | None:
 
 
 BUILT = Path(__file__).with_name("_built")    # libraries compiled at install (`python -m kernels.cpu_quant`)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]   # dequant bit-exact with torch
+HASH_SUFFIX = ".sha256"         # beside each library: the sha256 of the file as it was built
 
 
-def _build(retry: bool = True, source: Path = SOURCE, into: Path | None = None) -> ctypes.CDLL:
+def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (cc / gcc)")
+    return cc
+
+
+def library_name(source: Path = SOURCE) -> str:
+    """The file name a build of `source` has on this machine: keyed by the source, compiler, flags and CPU flags."""
     src = source.read_bytes() + HEADER.read_bytes()
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]   # dequant bit-exact with torch
     machine = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
         if Path("/proc/cpuinfo").exists() else ""
-    key = hashlib.sha256(src + " ".join(flags + [cc, machine]).encode()).hexdigest()[:16]
-    name = f"{source.stem}-{key}.so"
-    out = (into or BUILT) / name
-    if into is None and not out.is_file():     # not built at install (or for another machine): build once, cached
-        out = _cache_dir() / name
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".tmp{os.getpid()}.so")
-        res = subprocess.run([cc, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
+    key = hashlib.sha256(src + " ".join(FLAGS + [_compiler(), machine]).encode()).hexdigest()[:16]
+    return f"{source.stem}-{key}.so"
+
+
+def _build(source: Path = SOURCE, into: Path | None = None) -> ctypes.CDLL:
+    """The library for `source`: a checked build from the install folder or the cache, else compiled now (into
+    `into`, or the cache). A file that fails its check is never loaded: it is removed and built again."""
+    name, target = library_name(source), into or _cache_dir()
+    with contextlib.suppress(OSError):      # a read-only home can still load the build from install
+        _private_folder(target)
+    for folder in [target] if into is not None else [BUILT, target]:
+        lib = _load_checked(folder / name, source)
+        if lib is not None:
+            return lib
+    return _compile(source, _private_folder(target) / name)
+
+
+def _load_checked(path: Path, source: Path) -> ctypes.CDLL | None:
+    """The library at `path` if it passes check_library and has the kernels' functions; None if absent or not."""
+    try:
+        os.lstat(path)
+    except OSError:         # absent, or in a folder this user cannot look into
+        return None
+    problem = check_library(path)
+    if problem is None:
+        try:
+            return _bind(ctypes.CDLL(str(path)), source)
+        except OSError as exc:          # an interrupted copy, a full disk
+            problem = f"it does not load ({exc})"
+        except AttributeError as exc:   # another library under this name
+            problem = f"it lacks the kernels' functions ({exc})"
+    log.warning("not using the kernel library %s: %s; building it again", path, problem)
+    if check_folder(path.parent) is None:       # a folder of ours: the bad file goes (never one of somebody else's)
+        for old in (path, _hash_file(path)):
+            with contextlib.suppress(OSError):
+                old.unlink()
+    return None
+
+
+def check_library(path: Path) -> str | None:
+    """Why the library at `path` must not be loaded, or None: a regular file of ours (or root's) that nobody else
+    can write, in such a folder, whose bytes hash to what was recorded when kvchat built it. Loading runs the
+    file's constructors, so a file someone else could have put there is refused before dlopen."""
+    problem = check_folder(path.parent) or _ownership(path, "it", stat.S_ISREG)
+    if problem:
+        return problem
+    try:
+        recorded = _hash_file(path).read_text().strip()
+    except OSError:
+        return "no hash was recorded for it (kvchat did not build it)"
+    return None if _sha256(path) == recorded else "its bytes differ from the hash recorded when it was built"
+
+
+def check_folder(folder: Path) -> str | None:
+    return _ownership(folder, f"its folder {folder}", stat.S_ISDIR)
+
+
+def _ownership(path: Path, what: str, kind) -> str | None:
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{what} cannot be read ({exc.strerror})"
+    if not kind(st.st_mode):
+        return f"{what} is a link or another kind of file"
+    if st.st_uid not in (os.getuid(), 0):
+        return f"{what} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"{what} can be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _compile(source: Path, out: Path) -> ctypes.CDLL:
+    """Build into a temporary name in the private folder, record its hash, load it, then rename it into place."""
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}-", suffix=".so")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        res = subprocess.run([_compiler(), *FLAGS, str(source), "-o", str(tmp)], capture_output=True, text=True)
         if res.returncode:
             raise RuntimeError(f"compiling {source.name} failed: {res.stderr.strip()[:400]}")
+        os.chmod(tmp, 0o700)
+        digest = tmp.with_name(tmp.name + HASH_SUFFIX)
+        digest.write_text(_sha256(tmp) + "\n")
+        # loaded under its unique temporary name: dlopen hands back an already loaded library by path, which
+        # would be the refused one when this replaces a file that loaded but lacked the kernels' functions
+        try:
+            lib = _bind(ctypes.CDLL(str(tmp)), source)
+        except AttributeError as exc:
+            raise RuntimeError(f"the library built from {source.name} lacks a kernel: {exc}") from exc
         tmp.replace(out)
-    try:
-        lib = ctypes.CDLL(str(out))
-    except OSError:             # a damaged cached build (an interrupted copy, a full disk): build it once again
-        if not retry:
-            raise
-        out.unlink(missing_ok=True)
-        return _build(retry=False, source=source, into=into)     # into=None: the cache dir, now BUILT lacks it
+        digest.replace(_hash_file(out))
+        return lib
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + HASH_SUFFIX)):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+
+def _private_folder(folder: Path) -> Path:
+    """The folder, created 0700; one of ours that others could read or write is made 0700."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    return folder
+
+
+def _hash_file(path: Path) -> Path:
+    return path.with_name(path.name + HASH_SUFFIX)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
+    """Argument and result types of each kernel; AttributeError when the library lacks one."""
     P, I = ctypes.c_void_p, ctypes.c_int
     F = ctypes.c_float
     if source == KV_SOURCE:
@@ -105,8 +214,6 @@ def _build(retry: bool = True, source: Path = SOURCE, into: Path | None = None) 
     lib.split_blocks.restype = None
     lib.decode_layers.restype = I
     return lib
-
-
 
 
 class QLin(ctypes.Structure):
