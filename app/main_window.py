@@ -22,6 +22,7 @@ from .chat_input import ChatInput
 from .chat_view import ChatView
 from .conversation_list import ConversationList
 from .dashboard import Dashboard
+from .dock_width import DockWidth
 from .dashboard import format_mib
 from .history import HistoryError, HistoryStore
 from .i18n import cache_label
@@ -135,6 +136,7 @@ class MainWindow(QMainWindow):
                               | QDockWidget.DockWidgetFeature.DockWidgetClosable)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.dock)
         self.resizeDocks([self.dock], [540], Qt.Orientation.Horizontal)
+        self.dock_width = DockWidth(self, self.dock)    # given back after the window was made small
 
         self.status_label = QLabel(self.tr("Starting…"), objectName="statusLine")
         self.load_bar = QProgressBar(maximumWidth=220, textVisible=True)

@@ -237,3 +237,32 @@ def test_error_bubbles_go_with_the_next_reply_and_dashboard_notices_with_a_chat_
     assert window.dashboard.notice.isVisible()
     window.new_chat()
     assert not window.dashboard.notice.isVisible()
+
+
+# --- the dock's width ---
+
+def test_the_dock_gets_its_width_back_after_the_window_was_small(qtbot):
+    """1320 px wide, 1024x700, and back: the dock is as wide as before, the one the user chose included."""
+    window = ready_window(qtbot)
+    window.resize(1320, 820)
+    qtbot.waitUntil(lambda: window.width() == 1320, timeout=2000)
+    qtbot.wait(50)
+    wide = window.dock.width()
+
+    def round_trip():
+        window.resize(1024, 700)
+        qtbot.waitUntil(lambda: window.width() == 1024, timeout=2000)
+        qtbot.wait(50)
+        squeezed = window.dock.width()
+        window.resize(1320, 820)
+        qtbot.waitUntil(lambda: window.width() == 1320, timeout=2000)
+        qtbot.wait(50)
+        return squeezed
+
+    assert round_trip() < wide                  # the small window really squeezed it
+    assert window.dock.width() == wide
+    window.resizeDocks([window.dock], [wide - 120], Qt.Orientation.Horizontal)     # as a drag of the separator
+    qtbot.waitUntil(lambda: window.dock.width() == wide - 120, timeout=2000)
+    qtbot.wait(50)
+    round_trip()
+    assert window.dock.width() == wide - 120
