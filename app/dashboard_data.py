@@ -8,7 +8,7 @@ import bisect
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from PySide6.QtCore import QCoreApplication
@@ -26,6 +26,15 @@ class Marker:
     time_s: float                       # seconds since the dashboard started
     kind: str                           # "mode", "evict", "reset", "load"
     label: str
+    count: int = 1                      # evictions this marker stands for (a running eviction marker)
+    tokens: int = 0                     # tokens those evictions took out of the window
+
+
+def eviction_label(tokens: int, count: int) -> str:
+    if count == 1:
+        return QCoreApplication.translate("DashboardData", "evicted {n} tok").format(n=f"{tokens:,}")
+    return QCoreApplication.translate("DashboardData", "evicted {n} tok in {k} steps").format(
+        n=f"{tokens:,}", k=f"{count:,}")
 
 
 HOLD_GAP_S = 0.25                       # longer silences are drawn as held values (rates: as a gap)
@@ -117,8 +126,7 @@ class DashboardData:
             return                      # a late snapshot from before a newer one: keep the newest
         t = max(0.0, self.elapsed(snapshot.time_s))
         if previous is not None and snapshot.tokens_evicted > previous.tokens_evicted:
-            evicted = snapshot.tokens_evicted - previous.tokens_evicted
-            self.mark("evict", QCoreApplication.translate("DashboardData", "evicted {n} tok").format(n=f"{evicted:,}"), t)
+            self._mark_eviction(snapshot.tokens_evicted - previous.tokens_evicted, t)
         if self.times and t - self.times[-1] > HOLD_GAP_S:
             # nothing was reported for a while: the previous values held until now, so the curves
             # step at this sample instead of sloping across the idle gap
@@ -155,6 +163,19 @@ class DashboardData:
     def mark(self, kind: str, label: str, t: float | None = None) -> None:
         self.markers.append(Marker(self.elapsed() if t is None else t, kind, label))
         self.num_marks += 1
+        self.version += 1
+
+    def _mark_eviction(self, tokens: int, t: float) -> None:
+        """A window evicts on every block it fills: consecutive evictions are one running marker, so they never
+        push load, mode or reset markers out of the bounded list."""
+        last = self.markers[-1] if self.markers else None
+        if last is None or last.kind != "evict":
+            self.mark("evict", eviction_label(tokens, 1), t)
+            self.markers[-1] = replace(self.markers[-1], tokens=tokens)
+            return
+        count, tokens = last.count + 1, last.tokens + tokens
+        self.markers[-1] = replace(last, label=eviction_label(tokens, count), count=count, tokens=tokens)
+        self.num_marks += 1             # redrawn: the label changed in place
         self.version += 1
 
     def clear(self) -> None:
@@ -254,7 +275,8 @@ class MarkerCluster:
 
     @property
     def count(self) -> int:
-        return len(self.markers)
+        """Events drawn here: a running eviction marker counts each of its evictions."""
+        return sum(marker.count for marker in self.markers)
 
     def label(self) -> str:
         if self.count == 1:             # short: the tooltip has the whole label

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QDockWidget, QHBoxLayout, QLabel, QMainWindow, QProgressBar, QPushButton,
-                               QSplitter, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QApplication, QDockWidget, QHBoxLayout, QLabel, QMainWindow, QProgressBar,
+                               QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from engine.config import EngineConfig
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
@@ -568,6 +568,15 @@ class MainWindow(QMainWindow):
             event.ignore()
             if not self._close_pending:
                 self._close_pending = True
-                self.host.thread.finished.connect(self.close)
+                self.host.thread.finished.connect(self._close_after_engine)
             return
         super().closeEvent(event)
+
+    def _close_after_engine(self) -> None:
+        """The deferred close: a window closed while hidden never counts as the last window closed, so the
+        application would run on with the model in memory and no window; quit it here instead."""
+        self.close()
+        app = QApplication.instance()
+        if app is not None and app.quitOnLastWindowClosed() and not any(
+                w.isVisible() for w in app.topLevelWidgets()):
+            app.quit()

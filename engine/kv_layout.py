@@ -20,6 +20,7 @@ from .model_config import ModelConfig
 
 MIB = 1024 * 1024
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+PREFILL_CHUNK = 512                     # most prompt tokens one step reads (less within a window)
 
 
 def full_dtype(model_dtype: str, device: str) -> str:
@@ -141,6 +142,15 @@ def check_cache_for_model(cache: CacheConfig, model: ModelConfig, model_dtype: s
     if layout.budget_blocks(cache.budget_mb * MIB) < 1:
         raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB does not hold even one block of {cache.block_size} "
                           f"tokens in {cache.label()} on this model (that needs {need / MIB:.2f} MiB): raise the budget")
+    if cache.window is not None:
+        # a window holds its sinks, the window and one prompt chunk at once while a prompt is read
+        geometry = WindowGeometry.of(cache)
+        blocks = geometry.peak_blocks(geometry.prefill_chunk())
+        if layout.budget_blocks(cache.budget_mb * MIB) < blocks:
+            need_mb = math.ceil((blocks * layout.block_bytes + layout.fixed_bytes) / MIB * 10) / 10
+            raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB cannot hold {cache.label()} on this model: "
+                              f"reading a prompt into the window needs {need_mb:g} MiB; raise the budget to "
+                              f"{need_mb:g} MiB or more, or lower the window")
     return layout
 
 
@@ -201,6 +211,12 @@ class WindowGeometry:
 
     def blocks_for(self, num_slots: int) -> int:
         return -(-num_slots // self.block_size)
+
+    def prefill_chunk(self) -> int:
+        """Prompt tokens one step reads: whole blocks, and no more than the window."""
+        if self.window is None:
+            return PREFILL_CHUNK
+        return max(self.block_size, min(PREFILL_CHUNK, self.window) // self.block_size * self.block_size)
 
     def peak_blocks(self, chunk: int) -> int:
         """Most blocks a windowed conversation holds while a chunk of `chunk` new tokens is in flight."""

@@ -18,13 +18,11 @@ from .config import CacheConfig, ConfigError, SamplingParams
 from .convert import convert_sequence
 from .detok import StreamDecoder
 from .events import LayerBytes, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
-from .kv_layout import MIB
+from .kv_layout import MIB, WindowGeometry
 from .kv_manager import NoFreeBlocks
 from .memory_check import trim_heap
 from .runner import ModelRunner
 from .sampling import sample
-
-PREFILL_CHUNK = 512
 
 
 class BudgetFull(RuntimeError):
@@ -102,10 +100,7 @@ class Session:
     # ---- forward ----------------------------------------------------------------------
 
     def _chunk(self) -> int:
-        c = self._config
-        if c.window is None:
-            return PREFILL_CHUNK
-        return max(c.block_size, min(PREFILL_CHUNK, c.window) // c.block_size * c.block_size)
+        return WindowGeometry.of(self._config).prefill_chunk()
 
     def _fits(self, num_new: int) -> bool:
         """Could num_new more tokens fit, counting what releasing idle conversations would free?"""

@@ -1,0 +1,164 @@
+"""The app as a new user walked it (issue 21, items 10 and 15-19): closing mid-prompt ends the process, Settings
+refuses a window the budget cannot hold, the quality line never shows a measurement that did not measure, the
+released-chats counter counts chats, evictions share one running marker, and loading and re-reading say so."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from PySide6.QtWidgets import QDialogButtonBox
+
+from app.dashboard_data import MAX_MARKERS, DashboardData
+from engine.config import CacheConfig, SamplingParams
+from engine.events import LayerBytes, MemoryProbe, StatsSnapshot
+from fakes import isolate_app, open_window
+from tiny_models import tiny_model_dir
+
+pytestmark = pytest.mark.gui
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+INT4 = CacheConfig(k_format="int4", v_format="int4")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    isolate_app(monkeypatch, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    # head_dim 32, so int4 groups of 32 fit
+    return tiny_model_dir(tmp_path_factory.mktemp("walk-one") / "model", hidden=128, heads=4, kv_heads=2, layers=3)
+
+
+def real_window(qtbot, model: str, cache: CacheConfig | None = None, sampling: SamplingParams = GREEDY):
+    from app.worker import _default_loader
+    window = open_window(qtbot, _default_loader, autoload=False)
+    base = window.settings
+    window.apply_settings(type(base)(model, cache or base.cache, sampling, base.system_prompt))
+    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=60_000)
+    assert window.last_error is None, window.last_error
+    return window
+
+
+def send(qtbot, window, text: str):
+    with qtbot.waitSignal(window.host.turn_finished, timeout=60_000) as blocker:
+        window.input.setPlainText(text)
+        window.input.submit()
+    qtbot.waitUntil(lambda: not window.generating, timeout=5000)
+    return blocker.args[0]
+
+
+def snapshot(t: float, evicted: int = 0, held: int = 100) -> StatsSnapshot:
+    layers = tuple(LayerBytes(i, held * 32, held * 32, "int4", "int4") for i in range(2))
+    return StatsSnapshot(time_s=t, cache_label="int4", layers=layers, kv_bytes=held * 128, budget_bytes=1 << 20,
+                         block_size=16, blocks_used=held // 16 + 1, blocks_free=10, blocks_budget=40,
+                         tokens_in_context=held + evicted, tokens_held=held, tokens_evicted=evicted, tokens_left=-1,
+                         bytes_per_token=128.0, prefill_tokens=0, prefill_tok_s=0.0, decode_tok_s=20.0, ttft_s=0.01,
+                         memory=MemoryProbe(200 << 20, 0, 0, 0))
+
+
+# --- item 10: closing while a long prompt is read ends the process ---
+
+CLOSE_CHILD = textwrap.dedent("""
+    import sys, time
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+    app = QApplication([sys.argv[0]])
+    from app.history import HistoryStore
+    from app.main_window import MainWindow
+    from app.settings_store import SettingsStore
+    window = MainWindow(SettingsStore(), HistoryStore())
+    window.show()
+    state = {}
+
+    def tick():
+        if "sent" not in state and window.session_ready:
+            state["sent"] = time.monotonic()
+            window.input.setPlainText("word " * 3000)     # several prefill chunks of the default model
+            window.input.submit()
+        elif "sent" in state and "closed" not in state and time.monotonic() - state["sent"] > 1.0:
+            state["closed"] = True
+            window.close()
+            print("closed", "deferred" if window.host.thread.isRunning() else "joined", flush=True)
+
+    timer = QTimer(interval=50)
+    timer.timeout.connect(tick)
+    timer.start()
+    code = app.exec()
+    print("exited", code, flush=True)
+""")
+
+
+def test_closing_during_a_long_prompt_ends_the_process(tmp_path):
+    """The app, closed while the default model reads a long prompt, hides at once and the process exits with 0
+    once the engine thread has stopped (it used to run on with no window and the model in memory)."""
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=str(tmp_path / "data"),
+               KVCHAT_SETTINGS_FILE=str(tmp_path / "settings.ini"), KVCHAT_QUALITY_FILE=str(tmp_path / "q.json"),
+               PYTHONPATH=str(ROOT))
+    child = subprocess.Popen([sys.executable, "-c", CLOSE_CHILD], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = child.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, _ = child.communicate()
+        pytest.fail(f"the app did not exit after its window was closed:\n{out[-2000:]}")
+    assert "closed deferred" in out, out[-2000:]     # the close really came while the engine was busy
+    assert child.returncode == 0 and "exited 0" in out, out[-2000:]
+
+
+# --- item 15: Settings refuses a window the budget cannot hold ---
+
+def test_settings_refuse_a_window_the_budget_cannot_hold(qtbot, tiny_dir):
+    """int4 with a window of 256 + 4 sinks in a budget of a few blocks: OK is disabled and the dialog says why and
+    what budget would do; the engine refuses the same cache, so the chat keeps every cached token."""
+    window = real_window(qtbot, tiny_dir, cache=INT4.with_(budget_mb=0.1))     # 19 blocks of 16 tokens
+    send(qtbot, window, "word " * 40)               # the tiny model's tokenizer reads 200 tokens here
+    held = window.latest_stats.tokens_held
+    assert held > 200
+    dialog = window.open_settings()
+    ok = dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)
+    assert ok.isEnabled()
+    dialog.window.setValue(256)
+    dialog.sinks.setValue(4)
+    assert not ok.isEnabled()
+    assert dialog.error_label.isVisible() and "cannot hold int4, window 256 + 4 sinks" in dialog.error_label.text()
+    assert "raise the budget to 0.2 MiB or more" in dialog.error_label.text()
+    dialog.budget.setValue(0.2)                     # what the message asks for is enough
+    assert ok.isEnabled(), dialog.error_label.text()
+    dialog.reject()
+    with qtbot.waitSignal(window.host.error, timeout=10_000) as refused:
+        window.host.set_cache(window.session_cache.with_(window=256, sinks=4))
+    assert refused.args[0].kind == "cache" and "cannot hold" in refused.args[0].message
+    window.host.poll_stats()
+    qtbot.wait(300)
+    assert window.latest_stats.tokens_held == held and window.session_cache == INT4.with_(budget_mb=0.1)
+
+
+# --- item 18: evictions share one running marker ---
+
+def test_window_evictions_merge_into_one_marker_and_load_and_mode_markers_stay():
+    """Two hundred evictions of a window after a load and a mode switch are one running marker (count and tokens
+    summed, updated in place); the load and mode-switch markers are still there. A reset ends the run."""
+    data = DashboardData(start_s=0.0)
+    data.mark("load", "model loaded", 0.5)
+    data.add(snapshot(t=1.0))
+    data.mark("mode", "→ int4, window 256 + 4 sinks", 1.5)
+    for i in range(200):
+        data.add(snapshot(t=2.0 + i * 0.5, evicted=16 * (i + 1)))
+    assert 200 > MAX_MARKERS
+    kinds = [m.kind for m in data.markers]
+    assert kinds == ["load", "mode", "evict"]
+    running = data.markers[-1]
+    assert (running.count, running.tokens, running.time_s) == (200, 3200, 2.0)
+    assert running.label == "evicted 3,200 tok in 200 steps"
+    data.mark("reset", "reset −1 MiB", 200.0)
+    data.add(snapshot(t=201.0, evicted=3216))
+    assert [m.kind for m in data.markers] == ["load", "mode", "evict", "reset", "evict"]
+    assert data.markers[-1].count == 1 and data.markers[-1].label == "evicted 16 tok"
