@@ -1,7 +1,13 @@
 """A conversation as prompt tokens, and the tokens that end a reply; no torch here (engine.quick uses it too)."""
 from __future__ import annotations
 
+import traceback
+
+from .config import ConfigError
+
 _PLACEHOLDER = "\x00kvchat-content-{}\x00"
+PROBE = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+         {"role": "user", "content": "Tell me a joke."}]
 STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
 
 
@@ -14,20 +20,69 @@ def clean_text(text: str) -> str:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def encode_conversation(tokenizer, system_prompt: str | None,
-                        messages: list[dict]) -> tuple[str, list[tuple[str, bool]]]:
+class ChatTemplateError(ConfigError):
+    """The model's chat template failed, ran past its limits or rendered nothing; the message says which."""
+
+
+def _template_line(exc: BaseException) -> str:
+    lines = [n for frame, n in traceback.walk_tb(exc.__traceback__) if frame.f_code.co_filename == "<template>"]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def _describe(exc: Exception, where: str) -> str:
+    from jinja2 import exceptions as jx
+    from .chat_template import TemplateLimit
+    text = " ".join(str(getattr(exc, "message", None) or exc).split()) or type(exc).__name__
+    if isinstance(exc, TemplateLimit):
+        what = f"was stopped: it {text}"
+    elif isinstance(exc, jx.TemplateSyntaxError):
+        return f"The chat template of {where} cannot be read: {text} (line {exc.lineno})."
+    elif isinstance(exc, jx.SecurityError):
+        what = f"tried something the sandbox forbids: {text}"
+    elif type(exc) is jx.TemplateError:        # the template's own raise_exception
+        what = f"refused this conversation: {text}"
+    else:
+        what = f"failed: {type(exc).__name__}: {text}"
+    return f"The chat template of {where} {what}{_template_line(exc)}."
+
+
+def render_chat(tokenizer, messages: list[dict], where: str = "this model") -> str:
+    """The conversation through the model's chat template, with the generation prompt, under chat_template's
+    limits; any failure is a ChatTemplateError of one line naming `where` (the model file)."""
+    source = getattr(tokenizer, "chat_template", None)
+    if not source or not isinstance(source, str):
+        raise ChatTemplateError(f"{where} has no chat template: it cannot chat (a plain prompt still works)")
+    from .chat_template import render
+    specials = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items()}
+    try:
+        text = render(source, messages, True, **specials)
+    except Exception as exc:  # noqa: BLE001 - whatever a template does wrong, the user hears it in one line
+        raise ChatTemplateError(_describe(exc, where)) from None
+    if not text:
+        raise ChatTemplateError(f"The chat template of {where} rendered nothing for this conversation.")
+    return text
+
+
+def check_template(tokenizer, where: str) -> None:
+    """Refuse, at load, a model whose template cannot render a small conversation within the limits."""
+    if getattr(tokenizer, "chat_template", None):
+        encode_conversation(tokenizer, None, PROBE, where=where)
+
+
+def encode_conversation(tokenizer, system_prompt: str | None, messages: list[dict],
+                        where: str = "this model") -> tuple[str, list[tuple[str, bool]]]:
     """The rendered chat (with the generation prompt) and its pieces: (text, is_content). Message contents are
     tokenized as plain text, so a special-token string inside a message is never the template's own token."""
     msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
     marked = [dict(m, content=_PLACEHOLDER.format(i)) for i, m in enumerate(msgs)]
-    rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    rendered = render_chat(tokenizer, marked, where)
     pieces: list[tuple[str, bool]] = []
     rest = rendered
     for i, m in enumerate(msgs):
         mark = _PLACEHOLDER.format(i)
         before, found, rest = rest.partition(mark)
         if not found:          # the template dropped or changed this content: render it as it is
-            plain = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            plain = render_chat(tokenizer, msgs, where)
             return plain, [(plain, False)]
         pieces += [(before, False), (m["content"], True)]
     pieces.append((rest, False))

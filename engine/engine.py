@@ -9,7 +9,7 @@ import torch
 from kernels import cpu_quant
 
 from .api import LOCAL
-from .chat_format import stop_ids
+from .chat_format import check_template, stop_ids
 from .config import CacheConfig, EngineConfig
 from .kv_layout import MIB
 from .gguf_file import GGUFFile
@@ -127,6 +127,7 @@ class Engine:
         finally:
             pool.shutdown(wait=True)
         trim_heap()
+        check_template(tokenizer, files.name)     # a template that hangs or fails is refused now, not mid-chat
         engine = cls(config, model, tokenizer, files.name, time.perf_counter() - started, notice)
         engine.runner.check(config.cache)   # validates the cache config against this model
         if progress:

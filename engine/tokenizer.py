@@ -5,15 +5,14 @@ the cache (loader.gguf_tokenizer writes it the first time: gguf_tokenizer.py for
 transformers' converter for other kinds), this class
 reads it back without it. It answers the part of transformers' tokenizer API kvchat uses, with the
 same results: `encode` (add_special_tokens, split_special_tokens), `decode`, `apply_chat_template`
-(rendered as transformers renders it: a sandboxed, immutable jinja2 environment with trim_blocks,
-lstrip_blocks, loop controls, `raise_exception`, `strftime_now` and a `tojson` that leaves non-ASCII
-as it is; the special tokens are template variables), the special tokens and their ids, the vocabulary.
+(rendered as transformers renders it, by engine/chat_template.py under a time and size limit: a sandboxed,
+immutable jinja2 environment with trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`
+and a `tojson` that leaves non-ASCII as it is; the special tokens are template variables), the special tokens
+and their ids, the vocabulary.
 """
 from __future__ import annotations
 
 import json
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -96,83 +95,11 @@ class ChatTokenizer:
                             tools=None, documents=None, **kwargs):
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        messages = [{k: v for k, v in m.items() if v is not None} for m in _plain(list(conversation))]
-        rendered = _compile(self.chat_template).render(
-            messages=messages, tools=_plain(tools), documents=_plain(documents),
-            add_generation_prompt=add_generation_prompt, **_plain({**self.special_tokens_map, **kwargs}))
+        from .chat_template import render       # jinja2 is imported on the first render, not at start
+        rendered = render(self.chat_template, conversation, add_generation_prompt, tools=tools, documents=documents,
+                          **{**self.special_tokens_map, **kwargs})
         return self.encode(rendered, add_special_tokens=False) if tokenize else rendered
-
-
-def _plain(value):
-    """What a template sees is rebuilt from plain JSON types (str, int, float, bool, None, dict, list, tuple):
-    another object's methods are out of the sandbox's sight, so it becomes a placeholder naming its type."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    for base in (bool, str, int, float):      # subclasses (enums, numpy scalars) back to the base type
-        if isinstance(value, base):
-            return base(value)
-    if isinstance(value, dict):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    return f"<{type(value).__name__}>"
 
 
 def _token_text(value) -> str:
     return value["content"] if isinstance(value, dict) else str(value)
-
-
-@lru_cache(maxsize=8)
-def _compile(template: str):
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks): rendered as is."""
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    class Namespace(jinja2.utils.Namespace):
-        """namespace(): no underscore-named attributes (nothing of CPython's internals reachable)."""
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore-named attributes ({name!r})")
-
-    class Dict:
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=Dict(), namespace=Namespace)
-    return env.from_string(template)

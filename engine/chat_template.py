@@ -1,0 +1,275 @@
+"""Chat templates rendered as transformers renders them, in jinja2's immutable sandbox, under a time and size limit.
+
+A template comes with the model file: it may loop for hours or build a string of gigabytes. A thread cannot
+be killed in Python and a deadline checked from outside does not stop the render, so the limits are checked
+from inside it: the template is compiled from a rewritten syntax tree in which every `for` iterates through
+`guard_loop` (the deadline, each item), every output goes through `guard_output` (characters produced) and
+every `~` through `guard_value`; the sandbox's hooks check the deadline on each call and attribute, refuse a
+repetition (`*`, `**`), a string method or a filter whose arguments multiply past the limit before it runs,
+and check every result's size after. Constant folding is off, so no template code runs while compiling.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import threading
+import time
+from datetime import datetime
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+RENDER_TIMEOUT_S = 3.0          # a real template renders a long chat in milliseconds
+MAX_OUTPUT_CHARS = 1 << 20      # what the template itself writes (contents are passed as short placeholders)
+MAX_SOURCE_CHARS = 1 << 20      # real templates are a few KiB
+MAX_INT_BITS = 1 << 16
+WORK_FACTOR = 64                # a method or filter may do this many times the size limit in work
+
+
+class TemplateLimit(jinja2.exceptions.TemplateRuntimeError):
+    """The template ran past its time or size limit."""
+
+
+class _Limits(threading.local):
+    deadline = math.inf
+    timeout_s = RENDER_TIMEOUT_S
+    max_chars = MAX_OUTPUT_CHARS
+    produced = 0
+
+
+_limits = _Limits()
+
+
+def _tick() -> None:
+    if time.monotonic() > _limits.deadline:
+        raise TemplateLimit(f"ran past its {_limits.timeout_s:g} s limit (a loop or a recursion that does not end?)")
+
+
+def _size(value) -> int:
+    if isinstance(value, bool) or value is None:
+        return 1
+    if isinstance(value, int):
+        return abs(value)
+    return len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else 1
+
+
+def _sized(value):
+    """value, refused when it is a string, list or number past the limits."""
+    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > _limits.max_chars:
+        raise TemplateLimit(f"built a value of {len(value):,} characters or items (the limit is {_limits.max_chars:,})")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise TemplateLimit(f"built a number of {value.bit_length():,} bits")
+    return value
+
+
+def _check_work(*values) -> None:
+    work = 1
+    for value in values:
+        work *= max(1, _size(value))
+    if work > WORK_FACTOR * _limits.max_chars:
+        raise TemplateLimit(f"asked for about {work:,} characters of work in one step "
+                            f"(the limit is {WORK_FACTOR * _limits.max_chars:,})")
+
+
+_WIDE_SPEC = re.compile(r"%[^a-zA-Z%]*(\*|\d{7})|\{[^{}]*:[^{}]*(\{|\d{7})")
+
+
+def _check_format(fmt) -> None:
+    """A width or precision in a format string allocates before any result can be checked."""
+    if isinstance(fmt, str) and _WIDE_SPEC.search(fmt):
+        raise TemplateLimit("asked for a format width past the size limit")
+
+
+def _check_binop(operator: str, left, right) -> None:
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > _limits.max_chars:
+                raise TemplateLimit(f"repeated a value to {len(seq) * n:,} characters or items "
+                                    f"(the limit is {_limits.max_chars:,})")
+        if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+            raise TemplateLimit("multiplied numbers past the size limit")
+    elif operator == "**":
+        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0 and \
+                left.bit_length() * right > MAX_INT_BITS:
+            raise TemplateLimit(f"raised a number to the power {right:,}")
+    elif operator == "%":
+        _check_format(left)
+
+
+class LimitedEnvironment(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def call_binop(self, context, operator, left, right):
+        _tick()
+        _check_binop(operator, left, right)
+        return _sized(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - the sandbox's own signature
+        _tick()
+        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
+        if isinstance(owner, str):
+            _check_work(owner, *args, *kwargs.values())
+        return _sized(super().call(__context, __obj, *args, **kwargs))
+
+    def getattr(self, obj, attribute):
+        _tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _tick()
+        return super().getitem(obj, argument)
+
+    def wrap_str_format(self, value):
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:
+            _check_format(value.__self__)
+        return wrapped
+
+    @staticmethod
+    def guard_loop(iterable):
+        for item in iterable:
+            _tick()
+            yield item
+
+    @staticmethod
+    def guard_output(value):
+        _tick()
+        _limits.produced += len(str(value)) if not isinstance(value, jinja2.Undefined) else 0
+        if _limits.produced > _limits.max_chars:
+            raise TemplateLimit(f"wrote more than {_limits.max_chars:,} characters")
+        return value
+
+    @staticmethod
+    def guard_value(value):
+        _tick()
+        return _sized(value)
+
+
+def _limited_filter(name: str, func):
+    skip = 2 if getattr(func, "jinja_pass_arg", None) is not None else 1    # (context,) value, args...
+
+    @functools.wraps(func)
+    def limited(*args, **kwargs):
+        _tick()
+        _check_work(*args[skip - 1:], *kwargs.values())
+        if name == "format" and len(args) >= skip:
+            _check_format(args[skip - 1])
+        return _sized(func(*args, **kwargs))
+    return limited
+
+
+def _guarded(tree: nodes.Template, env: LimitedEnvironment) -> nodes.Template:
+    def call(guard: str, node: nodes.Expr) -> nodes.Call:
+        attr = nodes.EnvironmentAttribute(guard, lineno=node.lineno)
+        return nodes.Call(attr, [node], [], None, None, lineno=node.lineno).set_environment(env)
+
+    for loop in tree.find_all(nodes.For):
+        loop.iter = call("guard_loop", loop.iter)
+    for concat in list(tree.find_all(nodes.Concat)):
+        concat.nodes = [call("guard_value", nodes.Concat(concat.nodes, lineno=concat.lineno))]
+    for output in tree.find_all(nodes.Output):
+        output.nodes = [call("guard_output", child) for child in output.nodes]
+    return tree
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks): rendered as is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """namespace(): no underscore-named attributes (nothing of CPython's internals reachable)."""
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore-named attributes ({name!r})")
+
+
+class _Dict:
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str) -> jinja2.Template:
+    if len(source) > MAX_SOURCE_CHARS:
+        raise TemplateLimit(f"is {len(source):,} characters long; chat templates are a few thousand")
+    env = LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols],
+                             optimized=False)
+    env.filters["tojson"] = _tojson
+    env.filters = {name: _limited_filter(name, f) for name, f in env.filters.items()}
+    env.globals.pop("lipsum", None)     # lipsum(10**9) would run in one call, out of the deadline's reach
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       dict=_Dict(), namespace=_Namespace)
+    return env.from_string(_guarded(env.parse(source), env))
+
+
+def plain(value):
+    """What a template sees is rebuilt from plain JSON types (str, int, float, bool, None, dict, list, tuple):
+    another object's methods are out of the sandbox's sight, so it becomes a placeholder naming its type."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (bool, str, int, float):      # subclasses (enums, numpy scalars) back to the base type
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    return f"<{type(value).__name__}>"
+
+
+def render(source: str, conversation: list[dict], add_generation_prompt: bool = False, *, tools=None,
+           documents=None, timeout_s: float = RENDER_TIMEOUT_S, max_chars: int | None = None, **variables) -> str:
+    """The template's text for a conversation; jinja2's exceptions (TemplateLimit among them) as they come.
+    max_chars: what it may write, by default MAX_OUTPUT_CHARS plus four times the messages' text."""
+    template = compile_template(source)
+    messages = [{k: v for k, v in m.items() if v is not None} for m in plain(list(conversation))]
+    if max_chars is None:
+        max_chars = MAX_OUTPUT_CHARS + 4 * sum(len(m.get("content") or "") for m in messages
+                                               if isinstance(m.get("content"), str))
+    _limits.deadline, _limits.timeout_s = time.monotonic() + timeout_s, timeout_s
+    _limits.max_chars, _limits.produced = max_chars, 0
+    try:
+        return template.render(messages=messages, tools=plain(tools), documents=plain(documents),
+                               add_generation_prompt=add_generation_prompt, **plain(variables))
+    except RecursionError:
+        raise TemplateLimit("calls itself without end") from None
+    except MemoryError:
+        raise TemplateLimit("ran out of memory") from None
+    finally:
+        _limits.deadline = math.inf
