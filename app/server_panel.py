@@ -65,9 +65,11 @@ class ServerPanel(QWidget):
     def show_stats(self, snapshot: StatsSnapshot) -> None:
         server = snapshot.server
         not_reported = self.tr(NOT_REPORTED)
-        if server is None:
+        if server is None or not server.reachable:
+            text = self.tr("this server publishes no /metrics") if server is None else \
+                self.tr("server unreachable: nothing answers at its address")
             for key in ("kv_usage", "running", "waiting", "prefix"):
-                self.values[key].setText(self.tr("this server publishes no /metrics"))
+                self.values[key].setText(text)
         else:
             self.values["kv_usage"].setText(not_reported if server.kv_usage is None else f"{server.kv_usage:.1%}")
             self.values["running"].setText(not_reported if server.requests_running is None

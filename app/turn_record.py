@@ -15,11 +15,11 @@ from engine.events import TurnFinished
 from .history import DONE, INTERRUPTED, STREAMING, HistoryStore
 
 SAVE_INTERVAL_S = 0.5
-REFUSED_REASONS = ("context", "budget")
+REFUSED_REASONS = ("context", "budget", "unreachable")    # unreachable: a remote server that did not answer
 
 
 def is_refused(event: TurnFinished) -> bool:
-    """The engine turned the message away: no reply, and a reason that is about size."""
+    """The engine turned the message away: no reply, and a reason that is about size (or no server)."""
     return not event.text and event.finish_reason in REFUSED_REASONS
 
 

@@ -52,6 +52,7 @@ class ServerStats:
     requests_running: int | None = None
     requests_waiting: int | None = None
     prefix_cache_hit_rate: float | None = None   # hits / queries since the previous look (tokens)
+    reachable: bool = True              # False: the last look (or the last reply) found no server answering
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,6 @@ class TokenDelta:
 @dataclass(frozen=True, slots=True)
 class TurnFinished:
     text: str                           # the whole reply
-    finish_reason: str                  # "eos", "length", "stopped", "budget", "context"
+    finish_reason: str                  # "eos", "length", "stopped", "budget", "context"; remote: "unreachable", "disconnected"
     message: str                        # for humans; empty unless something needs saying
     stats: StatsSnapshot

@@ -19,6 +19,7 @@ from .events import ServerStats, StatsSnapshot, TokenDelta, TurnFinished
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0                  # a long prompt on a busy server may take minutes to start
+METRICS_INTERVAL_S = 1.0                # /metrics is read at most this often (stats are asked for ~10x a second)
 _FINISH = {"stop": "eos", "length": "length"}
 
 
@@ -31,6 +32,14 @@ def _v1(base_url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"server URL {base_url!r} must start with http:// or https://")
     return url if url.endswith("/v1") else url + "/v1"
+
+
+def _cause(exc: Exception) -> str:
+    """The short reason inside an httpx error: "incomplete chunked read", "Connection refused"."""
+    text = str(exc).strip() or type(exc).__name__
+    if text.endswith(")") and "(" in text:
+        text = text[text.rindex("(") + 1:-1]
+    return text.split("] ", 1)[-1] if text.startswith("[Errno") else text
 
 
 def _error_text(response: httpx.Response) -> tuple[str, str | None]:
@@ -64,6 +73,7 @@ class RemoteEngine:
         self.device = f"remote ({self.base_url})"
         self._metrics_url = self.base_url.removesuffix("/v1") + "/metrics"
         self._prefix_seen: tuple[float, float] | None = None
+        self._metrics: tuple[float, ServerStats | None] | None = None    # (when read, what it said)
 
     @classmethod
     def connect(cls, base_url: str, api_key: str | None = None, model: str | None = None) -> "RemoteEngine":
@@ -92,17 +102,34 @@ class RemoteEngine:
         return RemoteSession(self, system_prompt, cache or CacheConfig(), history)
 
     def server_stats(self) -> ServerStats | None:
-        """The server's /metrics read under vLLM's names; None when it exposes none."""
+        """The server's /metrics under vLLM's names, read at most every METRICS_INTERVAL_S; None when it exposes
+        none; `reachable=False` when nothing answers."""
+        now = time.monotonic()
+        if self._metrics is None or now - self._metrics[0] >= METRICS_INTERVAL_S:
+            self._metrics = (now, self._read_metrics())
+        return self._metrics[1]
+
+    def refresh_metrics(self) -> None:
+        """The next look reads /metrics again (a new turn: its first look shows it running)."""
+        self._metrics = None
+
+    def mark_unreachable(self) -> None:
+        self._metrics = (time.monotonic(), ServerStats(self._metrics_url, reachable=False))
+
+    def _read_metrics(self) -> ServerStats | None:
         from prometheus_client.parser import text_string_to_metric_families
         try:
             r = self.http.get(self._metrics_url, timeout=CONNECT_TIMEOUT_S)
-            if r.status_code != 200:
-                return None
-            values: dict[str, list[float]] = {}
+        except httpx.HTTPError:
+            return ServerStats(self._metrics_url, reachable=False)
+        if r.status_code != 200:
+            return None
+        values: dict[str, list[float]] = {}
+        try:
             for family in text_string_to_metric_families(r.text):
                 for sample in family.samples:
                     values.setdefault(sample.name, []).append(sample.value)
-        except (httpx.HTTPError, ValueError):
+        except ValueError:
             return None
 
         def first(*names, combine=sum):
@@ -169,10 +196,11 @@ class RemoteSession:
              should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
         params = params or SamplingParams()
         self._turn = dict(prompt_tokens=0, completion_tokens=0, decode_s=0.0, ttft_s=0.0)
+        self.engine.refresh_metrics()
         started = time.perf_counter()
         pieces: list[str] = []
         reason, message, chunks = "length", "", 0
-        first_at = None
+        first_at, lost = None, None
         try:
             with self.engine.http.stream("POST", "/chat/completions", json=self._body(text, params)) as r:
                 if r.status_code != 200:
@@ -210,11 +238,31 @@ class RemoteSession:
                         if choice.get("finish_reason"):
                             reason = _FINISH.get(choice["finish_reason"], "length")
         except httpx.HTTPError as exc:
-            raise RemoteError(f"lost the connection to {self.engine.base_url}: {exc}") from None
+            lost = exc
         finally:
             if self.messages and self.messages[-1] == {"role": "user", "content": text}:
-                self.messages.append({"role": "assistant", "content": "".join(pieces)})
+                if pieces or lost is None:
+                    self.messages.append({"role": "assistant", "content": "".join(pieces)})
+                else:
+                    self.messages.pop()     # nothing came back: the turn is refused, as if never sent
+        if lost is not None:
+            self.engine.mark_unreachable()
+            yield self._lost_turn(lost, "".join(pieces))
+            return
         yield TurnFinished("".join(pieces), reason, message, self.stats())
+
+    def _lost_turn(self, exc: httpx.HTTPError, partial: str) -> TurnFinished:
+        """The server stopped answering: a partial reply is kept ("disconnected"); with none the message is
+        refused ("unreachable"), so the app gives the text back."""
+        cause, url = _cause(exc), self.engine.base_url
+        if partial:
+            return TurnFinished(partial, "disconnected", f"the server went away mid-reply ({cause}); the partial "
+                                f"reply is kept", self.stats())
+        if isinstance(exc, httpx.ConnectError):
+            text = f"the server is unreachable ({cause} at {url}): start it again, or check the URL in Settings"
+        else:
+            text = f"the server went away before it replied ({cause}): start it again and resend"
+        return TurnFinished("", "unreachable", text + "; your message is back in the input box", self.stats())
 
     def stats(self) -> StatsSnapshot:
         t = self._turn
