@@ -44,10 +44,12 @@ class ServerPanel(QWidget):
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
         form.setVerticalSpacing(1)
+        # in a narrow dock a value goes under its name and wraps, so the section is never wider than the dock
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         self.values: dict[str, QLabel] = {}
         self._prefix = ""
         for key, title in self.FIELDS:
-            self.values[key] = QLabel("…", objectName=f"server_{key}")
+            self.values[key] = QLabel("…", objectName=f"server_{key}", wordWrap=True)
             form.addRow(self.tr(title), self.values[key])
         layout.addLayout(form)
 

@@ -172,3 +172,17 @@ def test_regenerate_and_continue_are_not_offered_for_a_remote_server(qtbot, serv
     assert reply.regenerate_button.isHidden() and reply.continue_button.isHidden()
     assert not window.actions.regenerate_action.isEnabled() and not window.actions.continue_action.isEnabled()
     assert reply.copy_message_button.isVisible() and reply.delete_button.isEnabled()
+
+
+def test_the_live_page_fits_a_narrow_dock_in_remote_mode(qtbot, server):
+    window = remote_window(qtbot, server.base_url)
+    window.resize(1024, 700)
+    window.resizeDocks([window.dock], [300], Qt.Orientation.Horizontal)
+    dash = window.dashboard
+    qtbot.waitUntil(lambda: window.dock.width() <= 310, timeout=2000)
+    send(qtbot, window, "Hello")                        # the Server section's longest values are shown
+    dash.redraw()
+    qtbot.wait(50)
+    body, viewport = dash.current_page(), dash.scroll.viewport()
+    assert body.objectName() == "dashboardBody" and dash.server_panel.isVisible()
+    assert body.width() <= viewport.width() and dash.server_panel.width() <= viewport.width()
