@@ -1,25 +1,37 @@
 """The HTTP side: a Starlette-on-FastAPI app that turns OpenAI requests into scheduler requests.
 
-Tokenizing, detokenizing and stop strings happen here, in the event loop; the scheduler deals in
-token ids on its own thread and hands tokens back through call_soon_threadsafe.
+guard.py decides who may call and how much they may send; prompts are rendered and tokenized in a
+worker thread under a deadline, so the event loop stays free; detokenizing and stop strings happen
+in the event loop; the scheduler deals in token ids on its own thread and hands tokens back through
+call_soon_threadsafe.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..chat_format import ChatTemplateError, encode_conversation, tokenize_pieces
 from ..detok import StreamDecoder
-from . import batch, protocol
+from . import batch, guard, protocol
 from .metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from .protocol import APIError, bad_request
 from .scheduler import Finished, QueueFull, Request, Scheduler, TokenOut
 
 DISCONNECT_POLL_S = 0.5
+PROMPT_TIMEOUT_S = 10.0         # render and tokenize; the template's own limit (3 s) ends a runaway render first
+MAX_CHARS_PER_TOKEN = 64        # more text than this per token of context cannot fit: refused untokenized
+PROMPT_WORKERS = 4
+
+
+def _engine_dead() -> APIError:
+    return APIError(503, "The server's engine thread has stopped: restart kvchat serve.", "server_error",
+                    code="engine_dead")
 
 
 def _context_error(message: str) -> APIError:
@@ -52,6 +64,8 @@ class Generation:
                                ignore_eos=parsed.ignore_eos)
 
     def submit(self) -> None:
+        if not self.state.scheduler.is_alive():
+            raise _engine_dead()
         try:
             self.state.scheduler.submit(self.request)
         except QueueFull as exc:
@@ -103,15 +117,30 @@ class ServeState:
         self.model_id = model_id
         self.api_key = api_key
         self.max_context = batch.max_context(engine)
+        self.max_body_bytes = guard.body_limit(self.max_context)
         self.created = int(time.time())
+        self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="kvchat-serve-prompt")
+
+    def _check_text_length(self, parsed: protocol.Parsed) -> None:
+        texts = [m["content"] for m in parsed.messages] if parsed.kind == "chat" else [parsed.prompt]
+        chars = sum(len(t) for t in texts if isinstance(t, str))
+        if chars > MAX_CHARS_PER_TOKEN * self.max_context:
+            raise _context_error(f"This model's maximum context length is {self.max_context} tokens, and the "
+                                 f"request holds {chars:,} characters of text, far more than that many tokens "
+                                 f"can hold. Please reduce the length of the messages.")
 
     def prompt_ids(self, parsed: protocol.Parsed) -> list[int]:
+        """The prompt's token ids; runs in a worker thread (rendering and tokenizing take time)."""
         tok = self.tokenizer
+        self._check_text_length(parsed)
         if parsed.kind == "chat":
             if not getattr(tok, "chat_template", None):
                 raise bad_request("this model has no chat template: use /v1/completions with a plain prompt")
-            text = tok.apply_chat_template(parsed.messages, tokenize=False, add_generation_prompt=True)
-            ids = tok.encode(text, add_special_tokens=False)
+            try:    # as the app's session does: a special token's text inside a message stays plain text
+                _, pieces = encode_conversation(tok, None, parsed.messages, where=self.engine.model_name)
+            except ChatTemplateError as exc:
+                raise bad_request(str(exc), "messages", "chat_template_error") from None
+            ids = tokenize_pieces(tok, pieces)
         elif isinstance(parsed.prompt, str):
             ids = tok.encode(parsed.prompt, add_special_tokens=True)
         else:
@@ -154,16 +183,14 @@ def create_app(state: ServeState) -> FastAPI:
         return _error_response(exc)
 
     @app.middleware("http")
-    async def check_key(request: HTTPRequest, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                return _error_response(APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                                     "with the key the server was started with.",
-                                                "invalid_request_error", code="invalid_api_key"))
-        return await call_next(request)
+    async def check_caller(request: HTTPRequest, call_next):
+        refused = guard.refusal(request, state.api_key)
+        return _error_response(refused) if refused is not None else await call_next(request)
 
     @app.get("/health")
     async def health():
+        if not state.scheduler.is_alive():
+            return _error_response(_engine_dead())
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -184,15 +211,18 @@ def create_app(state: ServeState) -> FastAPI:
         return await _complete(request, "completion")
 
     async def _complete(request: HTTPRequest, kind: str):
+        raw = await guard.read_body(request, state.max_body_bytes)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = json.loads(raw)
+        except RecursionError:
+            raise bad_request("The body nests arrays or objects too deeply to be a request.") from None
+        except ValueError as exc:        # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
             raise bad_request(f"The body is not valid JSON: {exc}") from None
         parsed = protocol.parse(body, kind)
         if parsed.model != state.model_id:
             raise APIError(404, f"The model `{parsed.model}` does not exist: this server holds `{state.model_id}`.",
                            "invalid_request_error", "model", "model_not_found")
-        gen = Generation(state, parsed, state.prompt_ids(parsed))
+        gen = Generation(state, parsed, await _prompt_ids(parsed))
         gen.submit()
         rid = protocol.new_id(kind)
         if parsed.stream:
@@ -215,6 +245,14 @@ def create_app(state: ServeState) -> FastAPI:
             gen.abort()
         return protocol.response(kind, rid, state.model_id, "".join(pieces), gen.finish, gen.num_prompt,
                                  gen.num_completion)
+
+    async def _prompt_ids(parsed: protocol.Parsed) -> list[int]:
+        work = asyncio.get_running_loop().run_in_executor(state.prompt_pool, state.prompt_ids, parsed)
+        try:
+            return await asyncio.wait_for(work, PROMPT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"Preparing the prompt took longer than {PROMPT_TIMEOUT_S:g} s; retry with a shorter "
+                                f"request.", "server_error", code="prompt_timeout") from None
 
     async def _stream(gen: Generation, rid: str, kind: str):
         model = state.model_id

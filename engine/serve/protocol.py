@@ -4,6 +4,7 @@ Plain dicts in and out; no web framework here.
 """
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from ..config import ConfigError, SamplingParams
 
 MAX_STOP_STRINGS = 4
+GREEDY_BELOW = 1e-5         # logits divided by less overflow float32: the softmax would be NaN
+SEED_RANGE = (-2**63, 2**64 - 1)    # what torch.Generator.manual_seed takes
 
 
 class APIError(Exception):
@@ -54,6 +57,8 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise bad_request(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad_request(f"'{name}' is {value}; it must be a finite number", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise bad_request(f"'{name}' is {value}; it must be between {lo} and {hi}", name)
     return value
@@ -119,14 +124,15 @@ def parse(body, kind: str) -> Parsed:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    temperature = float(_number(body, "temperature", 1.0, 0.0, 2.0))
     try:
         params = SamplingParams(
-            temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
-            top_k=0 if body.get("top_k") in (None, -1) else _number(body, "top_k", 0, 0, None, integer=True),
-            repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, None)),
+            top_k=0 if body.get("top_k") in (None, -1) else _number(body, "top_k", 0, 0, 2**31 - 1, integer=True),
+            repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 100.0)),
             max_new_tokens=max_tokens or 1,
-            seed=_number(body, "seed", None, integer=True),
+            seed=_number(body, "seed", None, *SEED_RANGE, integer=True),
         )
     except ConfigError as exc:
         raise bad_request(str(exc)) from None

@@ -11,6 +11,7 @@ the engine except through `batch`.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from ..sampling import sample
 from . import batch
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+log = logging.getLogger("kvchat.serve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +121,10 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="kvchat-serve-engine", daemon=True)
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        """The engine thread runs (and so requests are answered)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._wake:
             self._stopping = True
@@ -134,15 +140,32 @@ class Scheduler:
     # ---- engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not (self._stopping or self._inbox or self._aborts or self.waiting or self.running):
-                    self._wake.wait()
-                if self._stopping:
-                    break
-            self.step()
-        for request in list(self.running) + list(self.waiting) + list(self._inbox):
-            self._finish(request, "abort", "the server is shutting down")
+        try:
+            while True:
+                with self._wake:
+                    while not (self._stopping or self._inbox or self._aborts or self.waiting or self.running):
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                try:
+                    self.step()
+                except Exception as exc:  # noqa: BLE001 - one bad iteration ends the requests in it, not the server
+                    log.exception("a scheduler step failed")
+                    for request in list(self.running):
+                        self._end_quietly(request, exc)
+        finally:
+            for request in list(self.running) + list(self.waiting) + list(self._inbox):
+                self._finish(request, "abort", "the server is shutting down")
+
+    def _end_quietly(self, request: Request, exc: Exception) -> None:
+        """End a request with the error that broke it; an error while ending it must not stop the loop."""
+        try:
+            self._finish(request, "error", f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001
+            log.exception("could not end request %s", request.id)
+            request.status = FINISHED
+            if request in self.running:
+                self.running.remove(request)
 
     def step(self) -> None:
         """One iteration: take arrivals and aborts, admit, run one batched step, sample."""
@@ -165,7 +188,11 @@ class Scheduler:
             for (request, ids), row in zip(items, logits):
                 request.num_computed += len(ids)
                 if request.num_computed == len(request.all_ids):
-                    self._sample(request, row)
+                    try:
+                        self._sample(request, row)
+                    except Exception as exc:  # noqa: BLE001 - a request whose sampling fails ends alone
+                        log.exception("sampling failed for %s", request.id)
+                        self._end_quietly(request, exc)
         self._report()
 
     def _admit(self) -> None:
@@ -178,13 +205,21 @@ class Scheduler:
             if need + reserved > batch.num_free_blocks(self.engine) and self.running:
                 return
             self.waiting.popleft()
-            request.handle = batch.new_sequence(self.engine, self.config.cache)
-            request.num_computed = batch.match_prefix(self.engine, request.handle, request.all_ids)
-            request.status = RUNNING
-            if request.generator is None and request.params.temperature > 0:
-                seed = request.params.seed if request.params.seed is not None else time.time_ns() % 2**63
-                request.generator = torch.Generator(device="cpu").manual_seed(seed)
+            try:
+                self._open(request)
+            except Exception as exc:  # noqa: BLE001 - a request that cannot start (a seed torch refuses) ends alone
+                log.exception("could not start %s", request.id)
+                self._end_quietly(request, exc)
+                continue
             self.running.append(request)
+
+    def _open(self, request: Request) -> None:
+        if request.generator is None and request.params.temperature > 0:
+            seed = request.params.seed if request.params.seed is not None else time.time_ns() % 2**63
+            request.generator = torch.Generator(device="cpu").manual_seed(seed)
+        request.handle = batch.new_sequence(self.engine, self.config.cache)
+        request.num_computed = batch.match_prefix(self.engine, request.handle, request.all_ids)
+        request.status = RUNNING
 
     def _blocks_to_finish_prompt(self, request: Request) -> int:
         left = len(request.all_ids) - request.num_computed

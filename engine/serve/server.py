@@ -1,7 +1,6 @@
 """A running server: scheduler thread + uvicorn, in the foreground (CLI) or a background thread (tests, bench)."""
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import threading
@@ -10,19 +9,11 @@ from dataclasses import dataclass
 
 from ..config import CacheConfig, ConfigError
 from .app import ServeState, create_app
+from .guard import is_loopback
 from .metrics import ServeMetrics
 from .scheduler import Scheduler, SchedulerConfig
 
 API_KEY_ENV = "KVCHAT_API_KEY"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +31,11 @@ class ServeConfig:
                               f"--api-key or {API_KEY_ENV}, or keep the default 127.0.0.1")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: use 1-65535 (0 picks a free port)")
+        if not 1 <= self.max_num_seqs <= 4096:
+            raise ConfigError(f"--max-num-seqs {self.max_num_seqs}: use 1-4096 (requests decoded together)")
+        if not 1 <= self.prefill_chunk <= 65536:
+            raise ConfigError(f"--prefill-chunk {self.prefill_chunk}: use 1-65536 (prompt tokens a request reads "
+                              f"per step)")
 
 
 class Server:
@@ -95,6 +91,7 @@ class Server:
             self._thread.join(30)
         if self._socket is not None:
             self._socket.close()
+        self.state.prompt_pool.shutdown(wait=False, cancel_futures=True)
 
     def run(self) -> None:
         """Serve in the foreground until Ctrl+C."""
@@ -105,6 +102,7 @@ class Server:
         finally:
             self.scheduler.shutdown()
             sock.close()
+            self.state.prompt_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def api_key_from(arg: str | None) -> str | None:
