@@ -16,7 +16,7 @@ from engine.config import CacheConfig, ConfigError
 from engine.kv_layout import MIB, kv_layout
 
 from .bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_family, format_mib
-from .i18n import cache_label
+from .i18n import cache_label, value_name
 
 # (name shown, K format, V format)
 PLAN_FORMATS = (("full", "auto", "auto"), ("int8", "int8", "int8"), ("fp8", "fp8", "fp8"), ("int4", "int4", "int4"),
@@ -48,6 +48,11 @@ def plan_bars(model_config, model_dtype: str, device: str, cache: CacheConfig, t
                             layout.sequence_bytes(now_tokens, cache.window, cache.sinks), layout.bytes_per_token,
                             None if cache.window is not None else layout.max_tokens(budget_bytes)))
     return bars
+
+
+def format_index(cache: CacheConfig) -> int | None:
+    """Which of PLAN_FORMATS `cache` uses; None for a mix the plan does not list."""
+    return next((i for i, (_, k, v) in enumerate(PLAN_FORMATS) if (k, v) == (cache.k_format, cache.v_format)), None)
 
 
 class MarkedSlider(QSlider):
@@ -156,6 +161,8 @@ class PlanPanel(QWidget):
         state = (cache, int(tokens_in_context), int(tokens_held), int(budget_bytes), bool(can_apply))
         if state == (self.cache, self.now_tokens, self.now_held, self.budget_bytes, self.can_apply):
             return
+        if format_index(cache) not in (None, format_index(self.cache)):
+            self.chosen = format_index(cache)   # another chat, or its mode switched: the choice starts at its mode
         self.cache, self.now_tokens, self.now_held, self.budget_bytes, self.can_apply = state
         self.slider.set_mark(self.now_tokens if self.now_tokens else None)
         self.refresh()
@@ -242,7 +249,7 @@ class PlanPanel(QWidget):
                                                                      sinks=self.cache.sinks)
 
     def _tip(self, bar: PlanBar, n: int) -> str:
-        lines = [f"{bar.name}: K {bar.cache.k_format}, V {bar.cache.v_format}",
+        lines = [f"{bar.name}: K {value_name(bar.cache.k_format)}, V {value_name(bar.cache.v_format)}",
                  self.tr("{n} tokens: {size} ({bytes} B, {per_token} B/token in full blocks)").format(
                      n=f"{n:,}", size=format_mib(bar.num_bytes), bytes=f"{bar.num_bytes:,}",
                      per_token=f"{bar.bytes_per_token:,.0f}")]
@@ -254,8 +261,7 @@ class PlanPanel(QWidget):
         return "\n".join(lines)
 
     def _current_index(self) -> int | None:
-        return next((i for i, (_, k, v) in enumerate(PLAN_FORMATS)
-                     if (k, v) == (self.cache.k_format, self.cache.v_format)), None)
+        return format_index(self.cache)
 
     def _update_apply(self) -> None:
         name = PLAN_FORMATS[self.chosen][0] if not self.bars else self.bars[self.chosen].name

@@ -186,3 +186,55 @@ def test_the_live_page_fits_a_narrow_dock_in_remote_mode(qtbot, server):
     body, viewport = dash.current_page(), dash.scroll.viewport()
     assert body.objectName() == "dashboardBody" and dash.server_panel.isVisible()
     assert body.width() <= viewport.width() and dash.server_panel.width() <= viewport.width()
+
+
+def test_settings_in_server_mode_fit_the_screen_and_scroll(qtbot, server):
+    from PySide6.QtWidgets import QApplication, QDialogButtonBox
+
+    from app.settings_dialog import SERVER_CHOICE, SettingsDialog
+    from app.settings_store import AppSettings, RemoteSettings
+    dialog = SettingsDialog(AppSettings(), last_server=RemoteSettings(server.base_url, "", "tiny"))
+    qtbot.addWidget(dialog)
+    dialog.engine_choice.setCurrentIndex(dialog.engine_choice.findData(SERVER_CHOICE))
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    screen = QApplication.primaryScreen().availableGeometry()
+    content = dialog.scroll.widget()
+    assert content.sizeHint().height() > screen.height() * 0.9       # more than fits (offscreen: 800 px)...
+    assert dialog.frameGeometry().height() <= screen.height()        # ...so the dialog stays on the screen
+    assert dialog.scroll.verticalScrollBar().maximum() > 0           # and its groups scroll
+    ok = dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)
+    assert ok.isVisible() and ok.mapTo(dialog, ok.rect().bottomLeft()).y() <= dialog.height()
+    assert dialog.scroll.horizontalScrollBar().maximum() == 0        # nothing cut at the side
+    dialog.scroll.ensureWidgetVisible(dialog.language_choice)
+    assert dialog.language_choice.visibleRegion().boundingRect().height() > 0
+
+
+def _local_window(qtbot, loader):
+    window = open_window(qtbot, loader)
+    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=30_000)
+    assert window.last_error is None, window.last_error
+    return window
+
+
+def test_after_a_relaunch_the_plan_marks_the_chats_own_mode(qtbot):
+    from app.plan_panel import PLAN_FORMATS
+    from fakes import FakeLoader
+    int4 = next(i for i, (_, k, v) in enumerate(PLAN_FORMATS) if (k, v) == ("int4", "int4"))
+    window = _local_window(qtbot, FakeLoader())
+    send(qtbot, window, "Hello there")
+    with qtbot.waitSignal(window.host.mode_switched, timeout=10_000):
+        window.host.set_cache(window.session_cache.with_(k_format="int4", v_format="int4"))
+    chat = window.conversation_id
+    window.close()
+    qtbot.waitUntil(lambda: not window.host.thread.isRunning(), timeout=10_000)
+
+    again = _local_window(qtbot, FakeLoader())          # the same data dir and settings: a relaunch
+    assert again.conversation_id == chat and again.settings.cache.k_format == "auto"
+    again.dashboard.show_page("Plan")
+    again.panels.refresh()
+    plan = again.dashboard.plan
+    assert plan.cache.k_format == "int4" and plan.chosen == int4
+    assert plan.chart.columns[int4].selected and not plan.chart.columns[0].selected
+    assert plan.apply_button.text() == "In use by this chat" and not plan.apply_button.isEnabled()
+    assert "in <b>int4</b>" in plan.summary.text()
