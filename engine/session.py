@@ -195,7 +195,7 @@ class Session:
     # ---- chat -------------------------------------------------------------------------
 
     def _encode_conversation(self, messages: list[dict]) -> tuple[str, list[tuple[str, bool]]]:
-        return encode_conversation(self.tokenizer, self.system_prompt, messages)
+        return encode_conversation(self.tokenizer, self.system_prompt, messages, where=self.info.name)
 
     def _tokenize(self, pieces: list[tuple[str, bool]], skip_chars: int) -> list[int]:
         return tokenize_pieces(self.tokenizer, pieces, skip_chars)
