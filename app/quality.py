@@ -3,6 +3,11 @@
 Measured once per (model, mode) on a built-in text with `kvchat bench quality`'s own code, and kept
 on disk (JSON in the user cache dir) so the dashboard can say it at once the next time. No Qt here:
 the engine thread calls measure(); the window reads and writes the store.
+
+A measurement is kept only when it measured: the budget held both sessions whole (a budget that
+released or refused them gave 100 % / KL 0 once) and every token was compared with a non-empty cache.
+The key holds what changes the result: the model file's weights, dtype and device, the mode and its
+block size; the budget is not in it because a measurement that did not fit is never kept.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, ConfigError
+from engine.kv_layout import MIB, kv_layout
 
 QUALITY_TOKENS = 256                    # 16 block-sized steps: seconds on a small model, and enough to see int4's cost
 QUALITY_STEP = 16                       # block-aligned chunks: the attention the decode path sees (bench_quality)
@@ -31,13 +37,28 @@ class QualityResult:
 
 
 def mode_key(cache: CacheConfig) -> str:
-    """The cache mode as the measurement sees it (the budget does not change quality)."""
+    """The cache mode as the user reads it in the quality line."""
     key = cache.label()
     if cache.k_scheme != "channel" and "per-token" not in key:
         key += f" ({cache.k_scheme} keys)"
     if cache.full_precision_layers:
         key += f", full-precision layers {','.join(map(str, cache.full_precision_layers))}"
     return key
+
+
+def result_key(cache: CacheConfig) -> str:
+    """The mode as the measurement sees it: per-block key scales make the block size part of it."""
+    return f"{mode_key(cache)} · blocks of {cache.block_size}"
+
+
+def model_key(name: str, weights_label: str, dtype: str, device: str) -> str:
+    """The model as the measurement sees it: the same name packed or dense, or on another device, differs."""
+    return " · ".join(str(part) for part in (name, weights_label, dtype, device) if part)
+
+
+def engine_key(engine) -> str:
+    return model_key(engine.model_name, getattr(engine, "weights_label", ""), getattr(engine, "dtype_name", "fp32"),
+                     str(engine.device))
 
 
 def is_reference(cache: CacheConfig) -> bool:
@@ -55,9 +76,25 @@ def measure(engine, cache: CacheConfig, should_stop: Callable[[], bool] | None =
 
     started = time.perf_counter()
     ids = load_tokens(engine.tokenizer, QUALITY_TEXT, num_tokens)
+    _check_room(engine, cache, len(ids))
     result = compare_modes(engine, ids, {"mode": cache}, step=QUALITY_STEP, should_stop=should_stop)["mode"]
-    return QualityResult(engine.model_name, mode_key(cache), float(result["top1_agreement"]),
+    if int(result["tokens"]) != len(ids) or not result["kv_bytes"]:
+        raise ConfigError(f"only {int(result['tokens'])} of {len(ids)} tokens were compared, with "
+                          f"{int(result['kv_bytes'])} bytes cached: nothing was measured")
+    return QualityResult(engine_key(engine), result_key(cache), float(result["top1_agreement"]),
                          float(result["mean_kl"]), int(result["tokens"]), time.perf_counter() - started)
+
+
+def _check_room(engine, cache: CacheConfig, num_tokens: int) -> None:
+    """The measurement holds the text at full precision and in the mode at once, in the engine's budget."""
+    model, dtype, device = engine.model.config, engine.dtype_name, str(engine.device)
+    full = kv_layout(model, CacheConfig(k_format=dtype, v_format=dtype), dtype, device)
+    mode = kv_layout(model, cache.with_(window=None), dtype, device)    # a window holds no more than this
+    need = full.sequence_bytes(num_tokens) + mode.sequence_bytes(num_tokens) + mode.block_bytes
+    budget = engine.budget_mb * MIB
+    if need > budget:
+        raise ConfigError(f"the KV budget ({engine.budget_mb:g} MiB) cannot hold the measurement, which needs "
+                          f"{need / MIB:.1f} MiB: raise the budget in Settings, then press Measure")
 
 
 def store_path() -> Path:

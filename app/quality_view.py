@@ -9,7 +9,8 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWi
 
 from engine.config import CacheConfig
 
-from .quality import QualityResult, QualityStore, is_reference, mode_key
+from .i18n import label_text
+from .quality import QualityResult, QualityStore, is_reference, mode_key, model_key, result_key
 
 
 class QualityRow(QWidget):
@@ -35,7 +36,7 @@ class QualityRow(QWidget):
 
     def show_mode(self, cache: CacheConfig, result: QualityResult | None, measuring: bool = False,
                   error: str = "") -> None:
-        label = mode_key(cache)
+        label = html.escape(label_text(mode_key(cache)))
         if is_reference(cache):
             self.state = "reference"
             self.label.setText(self.tr("Quality: <b>{mode}</b> is the reference: nothing lost.").format(mode=label))
@@ -56,7 +57,9 @@ class QualityRow(QWidget):
             self.state = "not measured"
             self.label.setText(self.tr("Quality of <b>{mode}</b> against full precision: not measured yet.").format(
                 mode=label))
-        self.button.setVisible(self.state in ("not measured", "failed"))
+        # a result can be measured again (another build of the model, a doubt): Measure stays, as "Measure again"
+        self.button.setText(self.tr("Measure again") if self.state == "measured" else self.tr("Measure"))
+        self.button.setVisible(self.state in ("not measured", "failed", "measured"))
 
 
 AUTO_MEASURE_IDLE_MS = 8000             # measure on its own only after the chat has been quiet this long
@@ -91,17 +94,20 @@ class QualityController(QObject):
     def result(self) -> QualityResult | None:
         if self.model is None or self.cache is None:
             return None
-        return self.store.get(self.model, mode_key(self.cache))
+        return self.store.get(self.model, result_key(self.cache))
+
+    def can_measure(self) -> bool:
+        return self.model is not None and self.cache is not None and not is_reference(self.cache)
 
     def needs_measuring(self) -> bool:
-        return (self.model is not None and self.cache is not None and not is_reference(self.cache)
-                and self.result() is None)
+        return self.can_measure() and self.result() is None
 
     def measure(self) -> None:
-        """Measure the current mode now (queued behind anything the engine thread is doing)."""
-        if not self.needs_measuring() or self.measuring == mode_key(self.cache):
+        """Measure the current mode now (queued behind anything the engine thread is doing); a stored result
+        is measured again when asked."""
+        if not self.can_measure() or self.measuring == result_key(self.cache):
             return
-        self.measuring = mode_key(self.cache)
+        self.measuring = result_key(self.cache)
         self.failed.pop(self.measuring, None)
         self.host.measure_quality(self.cache)
         self._show()
@@ -109,7 +115,7 @@ class QualityController(QObject):
     def _auto(self) -> None:
         if self.busy():
             self._restart_timer()
-        elif self.needs_measuring() and mode_key(self.cache) not in self.failed:
+        elif self.needs_measuring() and result_key(self.cache) not in self.failed:
             self.measure()
 
     def _restart_timer(self) -> None:
@@ -117,7 +123,8 @@ class QualityController(QObject):
             self.timer.start()
 
     def _on_ready(self, event) -> None:
-        self.model, self.measuring = event.model_name, None
+        self.model = model_key(event.model_name, event.weights_label, event.dtype, event.device)
+        self.measuring = None
         self.remote = event.capabilities.remote
         if self.remote:                 # nothing to measure here; the dashboard says so in the row
             self.model = None
@@ -141,5 +148,5 @@ class QualityController(QObject):
     def _show(self) -> None:
         if self.cache is None or self.remote:
             return
-        key = mode_key(self.cache)
+        key = result_key(self.cache)
         self.row.show_mode(self.cache, self.result(), measuring=self.measuring == key, error=self.failed.get(key, ""))

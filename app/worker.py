@@ -349,16 +349,17 @@ class EngineWorker(QObject):
         """What `cache` costs against full precision on this model; yields to any command sent meanwhile."""
         from bench.quality import Cancelled
 
-        from .quality import QualityCancelled, measure, mode_key
+        from .quality import QualityCancelled, engine_key, measure, result_key
         if self._engine is None or capabilities_of(self._engine).remote:
             return
+        model, mode = engine_key(self._engine), result_key(cache)
         try:
             result = measure(self._engine, cache, should_stop=self._cancel_measure.is_set)
         except Cancelled:
-            self.quality.emit(QualityCancelled(self._engine.model_name, mode_key(cache)))
+            self.quality.emit(QualityCancelled(model, mode))
             return
         except Exception as exc:  # noqa: BLE001 - a failed measurement must not take the chat down
-            self.quality.emit(QualityCancelled(self._engine.model_name, mode_key(cache), f"{type(exc).__name__}: {exc}"))
+            self.quality.emit(QualityCancelled(model, mode, _load_error_message(exc)))
             return
         self.quality.emit(result)
 

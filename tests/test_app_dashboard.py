@@ -237,7 +237,7 @@ def test_measure_button_measures_in_the_engine_thread_and_caches_on_disk(qtbot, 
     assert 0.0 < result.top1_agreement < 1.0 and result.mean_kl > 0 and result.tokens == 256
     assert row.state == "measured" and f"{result.top1_agreement:.1%}" in row.label.text()
     stored = json.loads((tmp_path / "quality.json").read_text())
-    assert list(stored) == ["fake-model | int4"]
+    assert list(stored) == ["fake-model · fp32 · cpu | int4 · blocks of 16"]
     switch(qtbot, window, "auto")
     assert row.state == "reference"
     switch(qtbot, window, "int4")

@@ -162,3 +162,28 @@ def test_window_evictions_merge_into_one_marker_and_load_and_mode_markers_stay()
     data.add(snapshot(t=201.0, evicted=3216))
     assert [m.kind for m in data.markers] == ["load", "mode", "evict", "reset", "evict"]
     assert data.markers[-1].count == 1 and data.markers[-1].label == "evicted 16 tok"
+
+
+# --- item 16: the quality line never shows a measurement that did not measure ---
+
+def test_quality_is_not_measured_under_a_budget_that_cannot_hold_it(qtbot, tiny_dir, tmp_path):
+    """A budget that holds the chat's window but not the measurement's two sessions: Measure says so in one line,
+    nothing is stored and Measure stays. With room, the result is stored under a key that names the weights and the
+    block size, it compared every token, and Measure stays as "Measure again"."""
+    windowed = INT4.with_(window=256, sinks=4, budget_mb=0.2)
+    window = real_window(qtbot, tiny_dir, cache=windowed)
+    row = window.dashboard.quality_row
+    assert row.state == "not measured" and row.button.isVisible()
+    with qtbot.waitSignal(window.host.quality, timeout=60_000) as blocker:
+        window.quality.measure()
+    assert blocker.args[0].error.startswith("the KV budget (0.2 MiB) cannot hold the measurement")
+    assert row.state == "failed" and row.button.isVisible() and "raise the budget" in row.label.text()
+    assert not (tmp_path / "quality.json").exists()
+    with qtbot.waitSignal(window.host.mode_switched, timeout=10_000):
+        window.host.set_cache(windowed.with_(budget_mb=4.0))
+    with qtbot.waitSignal(window.host.quality, timeout=120_000) as blocker:
+        window.quality.measure()
+    result = blocker.args[0]
+    assert result.tokens == 256 and (result.top1_agreement < 1.0 or result.mean_kl > 0.0)
+    assert result.mode == "int4, window 256 + 4 sinks · blocks of 16" and "fp32 · cpu" in result.model
+    assert row.state == "measured" and row.button.isVisible() and row.button.text() == "Measure again"
