@@ -30,7 +30,9 @@ COLUMN_TITLES = {"Name": QT_TRANSLATE_NOOP("ModelTable", "Name"), "Source": QT_T
                  "Trained context": QT_TRANSLATE_NOOP("ModelTable", "Trained context"),
                  "Path": QT_TRANSLATE_NOOP("ModelTable", "Path")}
 # the library's words shown in cells and the summary (engine/library.py, engine/estimate.py)
+BUILT_IN = "Built in"                   # the source of the model that ships with kvchat ("default" in Settings)
 ENGINE_WORDS = {"Folder": QT_TRANSLATE_NOOP("ModelTable", "Folder"), "any": QT_TRANSLATE_NOOP("ModelTable", "any"),
+                BUILT_IN: QT_TRANSLATE_NOOP("ModelTable", "Built in"),
                 "available RAM (psutil)": QT_TRANSLATE_NOOP("ModelTable", "available RAM (psutil)"),
                 "free GPU memory (pynvml)": QT_TRANSLATE_NOOP("ModelTable", "free GPU memory (pynvml)")}
 
@@ -39,6 +41,23 @@ def engine_word(text: str) -> str:
     """A word of the model library in the interface language (others as they are)."""
     return QCoreApplication.translate("ModelTable", ENGINE_WORDS[text]) if text in ENGINE_WORDS else text
 SORT_ROLE = Qt.ItemDataRole.UserRole + 1
+
+
+def scan_with_builtin(folders, memory_bytes: int) -> list[ModelEntry]:
+    """The library's scan with the built-in model first (it lives in a Python package, in no folder a scan reads)."""
+    from engine.loader import ModelLoadError, default_gguf_path
+    entries = list(library.scan(folders, memory_bytes=memory_bytes))
+    try:
+        path = default_gguf_path()
+    except ModelLoadError:
+        return entries                  # not installed: nothing to list
+    if not any(same_file(e.path, str(path)) for e in entries):
+        entries.insert(0, library.describe("SmolLM2-135M-Instruct", path, BUILT_IN, memory_bytes))
+    return entries
+
+
+def is_current(entry: ModelEntry, current: str) -> bool:
+    return same_file(entry.path, current) or (current == "default" and entry.source == BUILT_IN)
 
 
 def same_file(a: str, b: str) -> bool:
@@ -60,7 +79,7 @@ class ModelTable(QAbstractTableModel):
     def set_entries(self, entries, current: str = "") -> None:
         self.beginResetModel()
         self.entries = list(entries)
-        self.current_row = next((i for i, e in enumerate(self.entries) if same_file(e.path, current)), -1)
+        self.current_row = next((i for i, e in enumerate(self.entries) if is_current(e, current)), -1)
         self.endResetModel()
 
     def rowCount(self, parent=QModelIndex()) -> int:
@@ -150,7 +169,8 @@ class ModelsDialog(QDialog):
     model_chosen = Signal(str)                 # a path for EngineConfig.model
     folders_changed = Signal(list)             # list[str]
 
-    def __init__(self, folders: list[str], current_model: str = "", scan=library.scan, parent: QWidget | None = None):
+    def __init__(self, folders: list[str], current_model: str = "", scan=scan_with_builtin,
+                 parent: QWidget | None = None):
         super().__init__(parent)
         self.setWindowTitle(self.tr("Models"))
         self.setObjectName("modelsDialog")
@@ -293,8 +313,8 @@ class ModelsDialog(QDialog):
         entry = self.selected_entry()
         if entry is None or not entry.loadable:
             return
-        try:
-            path = library.loadable_path(entry)
+        try:                            # the built-in model is saved as "default", as Settings names it
+            path = "default" if entry.source == BUILT_IN else library.loadable_path(entry)
         except OSError as exc:
             self.summary.setText(self.tr("Cannot open {name}: {error}").format(name=entry.name, error=exc))
             return

@@ -238,3 +238,28 @@ def test_after_a_relaunch_the_plan_marks_the_chats_own_mode(qtbot):
     assert plan.chart.columns[int4].selected and not plan.chart.columns[0].selected
     assert plan.apply_button.text() == "In use by this chat" and not plan.apply_button.isEnabled()
     assert "in <b>int4</b>" in plan.summary.text()
+
+
+def test_the_models_page_lists_the_built_in_model_it_runs(qtbot, monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from app.models_page import BUILT_IN
+    from engine.loader import default_gguf_path
+    from fakes import FakeLoader
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: home))
+    for var in ("HF_HOME", "HF_HUB_CACHE", "OLLAMA_MODELS"):
+        monkeypatch.delenv(var, raising=False)
+    loader = FakeLoader()
+    window = _local_window(qtbot, loader)
+    assert window.settings.model == "default"
+    dialog = window.open_models()
+    qtbot.waitUntil(lambda: not dialog.scanning, timeout=20_000)
+    assert dialog.table.rowCount() == 1 and "1 model found (1 loadable)" in dialog.summary.text()
+    entry = dialog.selected_entry()                     # the model in use is the one selected
+    assert entry.source == BUILT_IN and entry.path == str(default_gguf_path()) and entry.architecture == "llama"
+    assert dialog.table.current_row == 0 and entry.parameters > 100_000_000
+    with qtbot.waitSignal(dialog.model_chosen) as chosen:      # loaded as Settings names it, not by its path
+        qtbot.mouseClick(dialog.load_button, Qt.MouseButton.LeftButton)
+    assert chosen.args == ["default"] and window.settings.model == "default" and len(loader.engines) == 1

@@ -61,16 +61,16 @@ def test_load_from_models_page_reloads_and_is_remembered(qtbot, tiny_llama, tmp_
 
     dialog = window.open_models()
     qtbot.waitUntil(lambda: not dialog.scanning, timeout=20_000)
-    assert dialog.table.rowCount() == 0 and "0 models found" in dialog.summary.text()
+    assert dialog.table.rowCount() == 1 and "1 model found" in dialog.summary.text()     # the built-in model
     with qtbot.waitSignal(dialog.folders_changed):
         dialog.add_folder(str(tmp_path / "my-models"))
-    qtbot.waitUntil(lambda: not dialog.scanning and dialog.table.rowCount() == 1, timeout=20_000)
-    entry = dialog.table.entries[0]
+    qtbot.waitUntil(lambda: not dialog.scanning and dialog.table.rowCount() == 2, timeout=20_000)
+    entry = dialog.table.entries[1]
     assert (entry.name, entry.source, entry.architecture, entry.trained_context) == ("tiny-llama", "Folder", "llama", 4096)
-    assert "1 model found (1 loadable)" in dialog.summary.text()
+    assert "2 models found (2 loadable)" in dialog.summary.text()
     dialog.grab().save(str(tmp_path / "models.png"))
 
-    dialog.view.selectRow(0)
+    dialog.view.selectRow(dialog.proxy.mapFromSource(dialog.table.index(1, 0)).row())
     assert dialog.load_button.isEnabled()
     qtbot.mouseClick(dialog.load_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: len(loader.engines) == 2 and window.session_ready, timeout=5000)
@@ -83,7 +83,7 @@ def test_load_from_models_page_reloads_and_is_remembered(qtbot, tiny_llama, tmp_
     again = window.open_models()
     assert again.folder_list.count() == 1
     qtbot.waitUntil(lambda: not again.scanning, timeout=20_000)
-    assert again.table.current_row == 0 and again.selected_entry().path == str(mine)
+    assert again.table.current_row == 1 and again.selected_entry().path == str(mine)
     again.folder_list.setCurrentRow(0)
     again.remove_selected_folder()
     assert SettingsStore().library_folders() == []
