@@ -95,6 +95,7 @@ class EngineWorker(QObject):
         self._stop = threading.Event()
         self._cancel_measure = threading.Event()  # set by any command, so a quality measurement yields to it
         self._facts: dict[str, float] = {}
+        self._released_chats: set = set()  # conversations whose cache the engine released for room
 
     # --- called from the GUI thread (thread-safe, never blocks) ---
 
@@ -138,6 +139,7 @@ class EngineWorker(QObject):
             self.error.emit(ErrorEvent("load", title, _load_error_message(exc)))
             return
         self._engine, self._session, self._open = engine, None, {}
+        self._released_chats = set()
         self._facts = model_facts(engine)
         self.ready.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
                                     time.monotonic() - start, getattr(engine, "weights_label", ""),
@@ -300,7 +302,7 @@ class EngineWorker(QObject):
                         self._emit_stats(rate.tok_s())
                 elif isinstance(event, TurnFinished):
                     self._emit_tokens(pending)
-                    event = replace(event, stats=complete(event.stats, self._facts))
+                    event = replace(event, stats=self._complete(event.stats))
                     self.stats.emit(event.stats)
                     self.turn_finished.emit(event)
         except ConfigError as exc:      # a refusal in the user's words (nothing to regenerate, nothing to continue)
@@ -373,9 +375,18 @@ class EngineWorker(QObject):
         if self._session is None:
             return None
         try:
-            return complete(self._session.stats(), self._facts)
+            return self._complete(self._session.stats())
         except Exception:  # noqa: BLE001 - a missing snapshot only leaves the dashboard one frame behind
             return None
+
+    def _complete(self, snapshot: StatsSnapshot) -> StatsSnapshot:
+        """The engine's snapshot with the model facts, and with `released` counting chats: the engine counts every
+        sequence it released (kept replies, forks, quality measurements), and the user hears about chats."""
+        snapshot = complete(snapshot, self._facts)
+        if snapshot.pool is None:
+            return snapshot
+        self._released_chats.update(cid for cid, session in self._open.items() if getattr(session, "released", False))
+        return replace(snapshot, pool=replace(snapshot.pool, released=len(self._released_chats)))
 
     def _emit_tokens(self, pending: list[TokenDelta]) -> None:
         if pending:

@@ -89,9 +89,14 @@ class Session:
     def _cached(self) -> int:
         return self.seq.num_tokens
 
+    @property
+    def released(self) -> bool:
+        """Its cache was taken back to make room for another conversation: the next turn reads the history again."""
+        return self.seq.released and self.seq.num_tokens == 0 and bool(self.token_ids)
+
     def _sync(self) -> None:
         """A sequence released for another conversation holds nothing: its tokens are read again next turn."""
-        if self.seq.released and self.seq.num_tokens == 0 and self.token_ids:
+        if self.released:
             self.seq.released = False
             self.token_ids.clear()
             self._prompt_logits = None

@@ -14,6 +14,7 @@ import pytest
 from PySide6.QtWidgets import QDialogButtonBox
 
 from app.dashboard_data import MAX_MARKERS, DashboardData
+from app.pool_view import pool_summary
 from engine.config import CacheConfig, SamplingParams
 from engine.events import LayerBytes, MemoryProbe, StatsSnapshot
 from fakes import isolate_app, open_window
@@ -187,3 +188,37 @@ def test_quality_is_not_measured_under_a_budget_that_cannot_hold_it(qtbot, tiny_
     assert result.tokens == 256 and (result.top1_agreement < 1.0 or result.mean_kl > 0.0)
     assert result.mode == "int4, window 256 + 4 sinks · blocks of 16" and "fp32 · cpu" in result.model
     assert row.state == "measured" and row.button.isVisible() and row.button.text() == "Measure again"
+
+
+# --- item 17: the released counter counts chats ---
+
+def _engine(window):
+    return window.host.worker._engine
+
+
+def regenerate(qtbot, window):
+    with qtbot.waitSignal(window.host.turn_finished, timeout=60_000):
+        window.actions.regenerate_last()
+    qtbot.waitUntil(lambda: not window.generating, timeout=5000)
+
+
+def test_released_counter_counts_chats_not_the_engines_sequences(qtbot, tiny_dir):
+    """One chat, regenerated until the engine released kept replies' sequences for room: no chat was released, so
+    the Pool and the status line say nothing. A second chat that needs the room releases the first: that is one."""
+    window = real_window(qtbot, tiny_dir, cache=INT4.with_(budget_mb=0.2),
+                         sampling=SamplingParams(temperature=1.0, max_new_tokens=96, seed=1))
+    send(qtbot, window, "word " * 30)
+    released_log = _engine(window).runner.manager.released_log
+    for _ in range(6):
+        regenerate(qtbot, window)
+    assert released_log, "the budget was meant to make the engine release kept replies"
+    assert window.latest_stats.pool.released == 0
+    assert "Released the cache" not in window.statusBar().currentMessage()
+    assert "released" not in pool_summary(window.latest_stats.pool)
+    first = window.conversation_id
+    window.new_chat()
+    qtbot.waitUntil(lambda: window.session_ready, timeout=10_000)
+    send(qtbot, window, "more " * 80)              # 400 tokens: room only once the first chat gives its blocks back
+    assert window.latest_stats.pool.released == 1, released_log
+    assert "1 idle conversation released" in pool_summary(window.latest_stats.pool)
+    assert window.conversation_id != first
