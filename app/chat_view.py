@@ -335,9 +335,10 @@ class MessageWidget(QFrame):
         self.previous_button.setEnabled(shown and chosen > 0)
         self.next_button.setEnabled(shown and chosen < count - 1)
 
-    def set_actions(self, last: bool, busy: bool) -> None:
-        """Regenerate on the last reply, Continue on a last reply that was cut; nothing runs while busy."""
-        is_reply = self.role == "assistant"
+    def set_actions(self, last: bool, busy: bool, can_rewrite: bool = True) -> None:
+        """Regenerate on the last reply, Continue on a last reply that was cut (where the engine can: not a remote
+        server); nothing runs while busy."""
+        is_reply = self.role == "assistant" and can_rewrite
         self.regenerate_button.setVisible(is_reply and last)
         self.continue_button.setVisible(is_reply and last and self.finish in FINISH_MARKS and bool(self.text()))
         for button in (self.regenerate_button, self.continue_button, self.edit_button, self.delete_button,
@@ -468,11 +469,12 @@ class ChatView(QScrollArea):
         """The user's messages and the replies, without notices."""
         return [m for m in self._messages if m.role in ("user", "assistant")]
 
-    def refresh_actions(self, busy: bool) -> None:
+    def refresh_actions(self, busy: bool, can_rewrite: bool = True) -> None:
         """Which actions each message offers now: Regenerate/Continue only on the last reply; none while busy."""
         chat = self.chat_messages()
         for message in chat:
-            message.set_actions(last=message is chat[-1] and message is not self._reply, busy=busy)
+            message.set_actions(last=message is chat[-1] and message is not self._reply, busy=busy,
+                                can_rewrite=can_rewrite)
 
     def resume_reply(self, message: MessageWidget) -> None:
         """Stream into an existing reply: a Continue appends to it, a regenerate replaces its text."""

@@ -84,10 +84,12 @@ def full_precision_bytes_per_token(snapshot: StatsSnapshot) -> float:
 
 
 def full_precision_layer_bytes(snapshot: StatsSnapshot) -> float:
-    """What one layer would hold at the model dtype for the tokens it holds now."""
+    """What one layer would hold at the model dtype for the blocks it holds now: a part-filled block takes
+    all its bytes, at full precision as in the layer's bar."""
     if not snapshot.layers:
         return 0.0
-    return full_precision_bytes_per_token(snapshot) * snapshot.tokens_held / len(snapshot.layers)
+    tokens = max(snapshot.tokens_held, snapshot.blocks_used * snapshot.block_size)
+    return full_precision_bytes_per_token(snapshot) * tokens / len(snapshot.layers)
 
 
 def byte_unit(max_bytes: float) -> tuple[str, float]:

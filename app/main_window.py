@@ -530,7 +530,9 @@ class MainWindow(QMainWindow):
             parts.append(cache_label(self.session_cache))
         if self.latest_stats is not None and remote:
             server = self.latest_stats.server
-            if server is not None and server.kv_usage is not None:
+            if server is not None and not server.reachable:
+                parts.append(self.tr("disconnected: the server does not answer"))
+            elif server is not None and server.kv_usage is not None:
                 parts.append(self.tr("server KV {share} used").format(share=f"{server.kv_usage:.0%}"))
             parts.append(f"{self.latest_stats.decode_tok_s:.1f} tok/s")
         elif self.latest_stats is not None:

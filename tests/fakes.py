@@ -173,16 +173,17 @@ class FakeSession:
 
     def stats(self) -> StatsSnapshot:
         cache = self.cache_config
+        blocks_used = -(-self.tokens_held // cache.block_size)
+        stored = blocks_used * cache.block_size         # as in the engine, a part-filled block takes all its bytes
         layers = []
         for i in range(NUM_LAYERS):
             k, v = self._token_bytes(i)
             full = i in cache.full_precision_layers
-            layers.append(LayerBytes(i, int(k * self.tokens_held), int(v * self.tokens_held),
+            layers.append(LayerBytes(i, int(k * stored), int(v * stored),
                                      "fp32" if full else cache.k_format, "fp32" if full else cache.v_format))
         kv = sum(layer.k_bytes + layer.v_bytes for layer in layers)
         budget = int(cache.budget_mb * 1024 * 1024)
         per_token = self._bytes_per_token()
-        blocks_used = -(-self.tokens_held // cache.block_size)
         blocks_budget = int(budget // (per_token * cache.block_size))
         return StatsSnapshot(
             time_s=time.monotonic(), cache_label=cache.label(), layers=tuple(layers), kv_bytes=kv,

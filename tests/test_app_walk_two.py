@@ -263,3 +263,23 @@ def test_the_models_page_lists_the_built_in_model_it_runs(qtbot, monkeypatch, tm
     with qtbot.waitSignal(dialog.model_chosen) as chosen:      # loaded as Settings names it, not by its path
         qtbot.mouseClick(dialog.load_button, Qt.MouseButton.LeftButton)
     assert chosen.args == ["default"] and window.settings.model == "default" and len(loader.engines) == 1
+
+
+def test_full_precision_bars_fill_their_outline_on_a_part_filled_block(qtbot, tiny_llama):
+    """The real tiny engine: a layer held at full precision is exactly its full-precision outline, also while its
+    last block is part-filled (the outline counted tokens, the bar whole blocks)."""
+    from app.worker import _default_loader
+    window = open_window(qtbot, _default_loader, autoload=False)
+    cache = CacheConfig(k_format="int8", v_format="int8", full_precision_layers=(0,), block_size=16)
+    window.apply_settings(replace(window.settings, model=tiny_llama, cache=cache, sampling=SHORT))
+    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=60_000)
+    assert window.last_error is None, window.last_error
+    send(qtbot, window, "Hello there")
+    snap = window.latest_stats
+    assert snap.tokens_held % snap.block_size != 0 and not snap.layers[0].k_format.startswith("int8")
+    dash = window.dashboard
+    dash.redraw()
+    outline = dash.full_bars.opts["height"]
+    bars = dash.k_bars.opts["height"] + dash.v_bars.opts["height"]
+    assert bars[0] == pytest.approx(outline[0])         # layer 0 is held at full precision
+    assert bars[0] * snap.tokens_held < outline[0] * snap.blocks_used * snap.block_size
