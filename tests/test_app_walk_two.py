@@ -283,3 +283,35 @@ def test_full_precision_bars_fill_their_outline_on_a_part_filled_block(qtbot, ti
     bars = dash.k_bars.opts["height"] + dash.v_bars.opts["height"]
     assert bars[0] == pytest.approx(outline[0])         # layer 0 is held at full precision
     assert bars[0] * snap.tokens_held < outline[0] * snap.blocks_used * snap.block_size
+
+
+def _darkest(image, rect) -> int:
+    """The darkest grey level in `rect` of `image` (where the text is)."""
+    from PySide6.QtGui import QColor
+    return min(QColor(image.pixel(x, y)).lightness() for x in range(rect.left(), rect.right())
+               for y in range(rect.top(), rect.bottom()))
+
+
+def test_disabled_menu_items_look_disabled_under_the_apps_style(qtbot):
+    from PySide6.QtGui import QAction
+    from PySide6.QtWidgets import QApplication, QMenu
+
+    from app.main import load_style
+    app = QApplication.instance()
+    before = app.styleSheet()
+    load_style(app)
+    try:
+        menu = QMenu()
+        qtbot.addWidget(menu)
+        enabled, disabled = QAction("Regenerate reply", menu), QAction("Regenerate reply", menu)
+        disabled.setEnabled(False)
+        menu.addAction(enabled)
+        menu.addAction(disabled)
+        menu.popup(menu.pos())
+        qtbot.waitExposed(menu)
+        image = menu.grab().toImage()
+        shown = _darkest(image, menu.actionGeometry(enabled)), _darkest(image, menu.actionGeometry(disabled))
+        assert shown[0] < 80 and shown[1] > shown[0] + 60      # dark text, and a clearly lighter grey
+        menu.close()
+    finally:
+        app.setStyleSheet(before)
