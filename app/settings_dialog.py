@@ -10,10 +10,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, Signal
-from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
-                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
-                               QVBoxLayout, QWidget)
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, Qt, Signal
+from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame,
+                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QScrollArea,
+                               QSpinBox, QVBoxLayout, QWidget)
 
 from engine.config import FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
 from engine.kv_layout import check_cache_for_model
@@ -81,7 +81,10 @@ class SettingsDialog(QDialog):
         self.loaded_model = settings.model
         self._result: AppSettings | None = None
         self._initial_cache = settings.cache
-        layout = QVBoxLayout(self)
+        outer = QVBoxLayout(self)
+        content = QWidget(objectName="settingsContent")
+        layout = QVBoxLayout(content)
+        layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self._engine_group(settings.remote or last_server, settings.remote is not None))
         layout.addWidget(self._model_group(settings.model))
         layout.addWidget(self._cache_group(settings.cache))
@@ -93,14 +96,20 @@ class SettingsDialog(QDialog):
         QVBoxLayout(prompt_box).addWidget(self.system_prompt)
         layout.addWidget(prompt_box)
         layout.addWidget(self._language_group(language))
+        layout.addStretch(1)
+        # the groups scroll on a short screen; the error and OK / Cancel stay in sight under them
+        self.scroll = QScrollArea(objectName="settingsScroll", widgetResizable=True, frameShape=QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.setWidget(content)
+        outer.addWidget(self.scroll, 1)
         self.error_label = QLabel(objectName="settingsError")
         self.error_label.setWordWrap(True)
         self.error_label.setVisible(False)
-        layout.addWidget(self.error_label)
+        outer.addWidget(self.error_label)
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         self.buttons.accepted.connect(self.accept)
         self.buttons.rejected.connect(self.reject)
-        layout.addWidget(self.buttons)
+        outer.addWidget(self.buttons)
         self._engine_changed()
         for kind, signal in ((QComboBox, "currentIndexChanged"), (QComboBox, "currentTextChanged"), (QSpinBox, "valueChanged"),
                              (QDoubleSpinBox, "valueChanged"), (QLineEdit, "textChanged"),
@@ -170,6 +179,17 @@ class SettingsDialog(QDialog):
     def uses_server(self) -> bool:
         return self.engine_choice.currentData() == SERVER_CHOICE
 
+    def _fit_to_screen(self) -> None:
+        """As tall as the groups need, but never taller than the screen (they scroll then)."""
+        content = self.scroll.widget()
+        content.adjustSize()
+        bar = self.scroll.verticalScrollBar().sizeHint().width()
+        self.scroll.setMinimumWidth(content.minimumSizeHint().width() + bar)
+        screen = (self.screen() or QCoreApplication.instance().primaryScreen()).availableGeometry()
+        chrome = self.sizeHint().height() - self.scroll.sizeHint().height()
+        height = min(content.sizeHint().height() + chrome + 4, int(screen.height() * 0.9))
+        self.resize(self.sizeHint().width(), height)
+
     def _engine_changed(self, *_args) -> None:
         server = self.uses_server()
         self.server_box.setVisible(server)
@@ -177,6 +197,7 @@ class SettingsDialog(QDialog):
             group.setEnabled(not server)
         self.cache_box.setTitle(self.tr("KV cache (the server chooses its own)") if server
                                 else self.tr("KV cache (applies to the open chat live)"))
+        self._fit_to_screen()
 
     def fetch_models(self) -> None:
         """Ask the server for its models in a thread of its own; the answer lands in the Model list."""
