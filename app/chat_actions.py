@@ -16,8 +16,10 @@ from engine.events import StatsSnapshot, TurnFinished
 
 from .about import AboutDialog
 from .chat_view import FINISH_MARKS, MessageWidget
+from .engine_text import engine_text
 from .export import FORMATS, export_conversation, suggested_name
 from .history import HistoryError
+from .i18n import weights_text
 from .dashboard import format_mib
 from .messages import PrefixCleared
 from .turn_record import ReplyRecord, TurnRecord
@@ -447,7 +449,7 @@ class ChatActions(QObject):
     def _on_stats(self, snapshot: StatsSnapshot) -> None:
         """Say in the status line when the engine released a conversation's cache for room."""
         if snapshot.notice and snapshot.notice != self._last_notice:
-            self.w.statusBar().showMessage(snapshot.notice, 10_000)
+            self.w.statusBar().showMessage(engine_text(snapshot.notice), 10_000)
         self._last_notice = snapshot.notice
         released = snapshot.pool.released if snapshot.pool is not None else None
         if released is not None and self._released is not None and released > self._released:
@@ -462,7 +464,7 @@ class ChatActions(QObject):
 
     def show_about(self) -> AboutDialog:
         info = self.w.engine_info
-        dialog = AboutDialog(info.model_name if info else None, info.weights_label if info else "",
+        dialog = AboutDialog(info.model_name if info else None, weights_text(info.weights_label) if info else "",
                              self.w.settings.model, self.w)
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()

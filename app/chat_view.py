@@ -535,6 +535,11 @@ class ChatView(QScrollArea):
     def reply_text(self) -> str:
         return self._reply_text
 
+    def show_reply_status(self, text: str) -> None:
+        """What happens before the first token (a long chat read again), in the empty reply until it comes."""
+        if self._reply is not None and not self._reply_text:
+            self._reply.set_text(text or "…")
+
     def _flush(self) -> None:
         if self._reply is not None and self._dirty:
             self._dirty = False

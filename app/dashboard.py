@@ -22,6 +22,7 @@ from .dashboard_data import (DashboardData, byte_unit, full_precision_layer_byte
                              series_hover_text, time_span_end, token_room)
 from .event_strip import MARKER_COLOURS, EventStrip
 from .gauge import TokenGauge
+from .i18n import label_text, weights_text
 from .lengths_view import LengthsView
 from .plan_panel import PlanPanel
 from .pool_view import PoolView
@@ -75,6 +76,7 @@ class Dashboard(QWidget):
         self._drawn: dict[str, int] = {}
         self._next_panel = 0
         self._drawn_marks = 0
+        self.reading = ""               # what the engine does before a turn's first token, shown in place of "idle"
         self._marker_lines: list[tuple[pg.PlotWidget, pg.InfiniteLine]] = []
         self._ranges: dict[str, tuple] = {}
         self.legends: dict[str, QLabel] = {}
@@ -260,6 +262,18 @@ class Dashboard(QWidget):
         self.notice.style().polish(self.notice)
         self.notice.setVisible(True)
 
+    def set_reading(self, text: str) -> None:
+        """A turn reads a chat into an empty cache first: say so in the summary until its first token."""
+        self.reading = text
+        if self.data.latest is None:
+            self.summary.setText(text)
+        self.data.version += 1          # the summary is drawn again with it
+
+    def show_load_failed(self, title: str, message: str) -> None:
+        """A refused load: the summary says so, not the last load step it reached."""
+        self.summary.setText(self.tr("<b>{title}</b>: {message}").format(title=html.escape(title),
+                                                                        message=html.escape(message)))
+
     def hide_notice(self) -> None:
         self.notice.setVisible(False)
 
@@ -421,17 +435,19 @@ class Dashboard(QWidget):
         speed = self.tr("decode {decode} tok/s · prefill {prefill} tok/s · TTFT {ttft} ms").format(
             decode=f"{snapshot.decode_tok_s:.1f}", prefill=f"{snapshot.prefill_tok_s:.0f}",
             ttft=f"{snapshot.ttft_s * 1000:.0f}")
-        if not generating:
+        if self.reading:
+            speed = html.escape(self.reading)
+        elif not generating:
             speed = self.tr("idle · last reply: {speed}").format(speed=speed) \
                 if snapshot.decode_tok_s or snapshot.prefill_tok_s else self.tr("idle")
         self.summary.setText(
             self.tr("<b>{cache}</b> · KV {kv} of {budget} budget ({usage}) · {per_token} B/token<br>{speed}<br>"
                     "process RSS {rss}").format(
-                cache=html.escape(snapshot.cache_label), kv=format_mib(snapshot.kv_bytes),
+                cache=html.escape(label_text(snapshot.cache_label)), kv=format_mib(snapshot.kv_bytes),
                 budget=format_mib(snapshot.budget_bytes), usage=f"{snapshot.usage:.1%}",
                 per_token=f"{snapshot.bytes_per_token:,.0f}", speed=speed, rss=format_mib(snapshot.memory.rss_bytes))
             + (self.tr(" · weights {size} ({label})").format(size=format_mib(snapshot.weight_bytes),
-                                                             label=html.escape(snapshot.weights_label))
+                                                             label=html.escape(weights_text(snapshot.weights_label)))
                if snapshot.weight_bytes else ""))
 
     def _draw_remote_summary(self, snapshot) -> None:
@@ -442,7 +458,7 @@ class Dashboard(QWidget):
             speed = self.tr("idle · last reply: {speed}").format(speed=speed) \
                 if snapshot.decode_tok_s or snapshot.ttft_s else self.tr("idle")
         self.summary.setText(self.tr("<b>{cache}</b> on {url}<br>{speed}<br>this app's process RSS {rss}").format(
-            cache=html.escape(snapshot.cache_label), url=html.escape(self.remote_url), speed=speed,
+            cache=html.escape(label_text(snapshot.cache_label)), url=html.escape(self.remote_url), speed=speed,
             rss=format_mib(snapshot.memory.rss_bytes)))
 
     def applicable_series(self) -> list[str]:

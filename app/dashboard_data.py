@@ -15,6 +15,7 @@ from PySide6.QtCore import QCoreApplication
 
 from engine.events import StatsSnapshot
 
+from .i18n import value_name
 from .messages import format_bytes
 
 MAX_POINTS = 3000
@@ -219,8 +220,8 @@ def layer_hover_text(snapshot: StatsSnapshot | None, layer_index: int) -> str | 
     share = snapshot.budget_bytes / len(snapshot.layers)
     total = layer.k_bytes + layer.v_bytes
     text = (QCoreApplication.translate("DashboardData", "layer {n}").format(n=layer.layer)
-            + f"\nK {layer.k_format}: {layer.k_bytes:,} B ({format_bytes(layer.k_bytes)})\n"
-            f"V {layer.v_format}: {layer.v_bytes:,} B ({format_bytes(layer.v_bytes)})\n"
+            + f"\nK {value_name(layer.k_format)}: {layer.k_bytes:,} B ({format_bytes(layer.k_bytes)})\n"
+            f"V {value_name(layer.v_format)}: {layer.v_bytes:,} B ({format_bytes(layer.v_bytes)})\n"
             + QCoreApplication.translate("DashboardData", "total {n} B").format(n=f"{total:,}"))
     full = full_precision_layer_bytes(snapshot)
     if full and total:

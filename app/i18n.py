@@ -7,13 +7,22 @@ installed once at start, before any window is built; a new choice in Settings ap
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
-from PySide6.QtCore import QCoreApplication, QLibraryInfo, QLocale, QTranslator
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QLibraryInfo, QLocale, QTranslator
 
 I18N = Path(__file__).resolve().parent.parent / "resources" / "i18n"
 LANGUAGES = ("system", "en", "zh_CN")       # the values stored in Settings
 TRANSLATED = ("zh_CN",)                     # languages with a catalog in resources/i18n
+# the engine's own words for cache formats, key schemes and overflow policies, as the interface names them
+# (English keeps the engine's word; the values stored and passed on stay the engine's)
+VALUE_NAMES = {"auto": QT_TRANSLATE_NOOP("EngineValue", "auto"), "channel": QT_TRANSLATE_NOOP("EngineValue", "channel"),
+               "token": QT_TRANSLATE_NOOP("EngineValue", "token"), "stop": QT_TRANSLATE_NOOP("EngineValue", "stop"),
+               "slide": QT_TRANSLATE_NOOP("EngineValue", "slide")}
+PACKED_SUFFIX = ", packed"                  # engine.weights_label: "Q4_1 (+Q8_0), packed"
+_WINDOW = re.compile(r", window ([\d,]+) \+ (\d+) sinks")     # the parts of CacheConfig.label()
+PER_TOKEN = " (per-token keys)"
 
 
 def language_names() -> dict[str, str]:
@@ -57,12 +66,58 @@ def install(app: QCoreApplication, choice: str | None) -> str:
     return language
 
 
+def value_name(value: str) -> str:
+    """An engine value ("auto", "channel", "stop", ...) in the interface language; other values as they are."""
+    return QCoreApplication.translate("EngineValue", value) if value in VALUE_NAMES else value
+
+
+def weights_text(label: str) -> str:
+    """The engine's weights label in the interface language ("Q4_1 (+Q8_0), packed")."""
+    if label.endswith(PACKED_SUFFIX):
+        return QCoreApplication.translate("EngineValue", "{quant}, packed").format(quant=label[:-len(PACKED_SUFFIX)])
+    return value_name(label)
+
+
 def cache_label(cache) -> str:
     """CacheConfig.label() in the interface language ("int8", "K int8 / V fp8, window 256 + 4 sinks")."""
-    kv = cache.k_format if cache.k_format == cache.v_format else f"K {cache.k_format} / V {cache.v_format}"
+    k, v = value_name(cache.k_format), value_name(cache.v_format)
+    kv = k if cache.k_format == cache.v_format else f"K {k} / V {v}"
     if cache.k_format == "int4" and cache.k_scheme == "token":
         kv += QCoreApplication.translate("CacheLabel", " (per-token keys)")
     if cache.window is not None:
         kv += QCoreApplication.translate("CacheLabel", ", window {window} + {sinks} sinks").format(
             window=cache.window, sinks=cache.sinks)
     return kv
+
+
+def label_text(label: str) -> str:
+    """A cache label the engine wrote ("K int8 / V auto, window 256 + 4 sinks") in the interface language."""
+    window = _WINDOW.search(label)
+    head = label[:window.start()] if window else label
+    per_token = head.endswith(PER_TOKEN)
+    head = " ".join(value_name(word) for word in head.removesuffix(PER_TOKEN).split(" "))
+    if per_token:
+        head += QCoreApplication.translate("CacheLabel", " (per-token keys)")
+    if window:
+        head += QCoreApplication.translate("CacheLabel", ", window {window} + {sinks} sinks").format(
+            window=window.group(1), sinks=window.group(2))
+    return head + (label[window.end():] if window else "")
+
+
+def fill_choices(combo, values, current: str) -> None:
+    """A combo box of engine values, each shown by its name in the interface language, `current` chosen."""
+    for value in values:
+        combo.addItem(value_name(value), value)
+    choose(combo, current)
+
+
+def choose(combo, value: str) -> None:
+    index = combo.findData(value)
+    if index >= 0:
+        combo.setCurrentIndex(index)
+
+
+def choice(combo) -> str:
+    """The engine value behind a combo box's shown name."""
+    value = combo.currentData()
+    return value if isinstance(value, str) else combo.currentText()

@@ -26,7 +26,8 @@ from .dock_width import DockWidth
 from .dashboard import format_mib
 from .history import HistoryError, HistoryStore
 from .i18n import cache_label
-from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ResetDone, SessionOpened, format_bytes
+from .messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ReadingHistory, ResetDone, SessionOpened,
+                       format_bytes)
 from .quality_view import QualityController
 from .models_page import ModelsDialog
 from .panels import DashboardPanels
@@ -188,6 +189,7 @@ class MainWindow(QMainWindow):
         worker.mode_switched.connect(self._on_mode_switched)
         worker.reset_done.connect(self._on_reset_done)
         worker.error.connect(self._on_error)
+        worker.reading.connect(self._on_reading)
 
     def _restore_layout(self) -> None:
         self.resize(1320, 820)
@@ -480,10 +482,18 @@ class MainWindow(QMainWindow):
                                    if event.freed_bytes else
                                    self.tr("Session reset: the cache was already empty, nothing to return."))
 
+    def _on_reading(self, event: ReadingHistory) -> None:
+        """A reopened chat is read into an empty cache before its first token: say so where the reply will come."""
+        text = self.tr("reading {n} tokens of this chat…").format(n=f"{event.tokens:,}") if event.tokens else ""
+        if self.turn_conversation_id == self.conversation_id:
+            self.chat.show_reply_status(text)
+        self.dashboard.set_reading(text)
+
     def _on_error(self, event: ErrorEvent) -> None:
         self.last_error = event
         if event.kind == "load":
             self.load_bar.setVisible(False)
+            self.dashboard.show_load_failed(event.title, event.message)
             if self.engine_info is None:
                 self._pending_settings = None   # kept unsaved, for the user to fix in Settings
                 self.status_label.setText(self.tr("No model loaded"))

@@ -64,6 +64,13 @@ class PrefixCleared:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadingHistory:
+    """A turn reads a chat's history into an empty cache first (a reopened or released chat); 0: done reading."""
+
+    tokens: int                         # tokens to read; 0 when the turn's first token or its end came
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorEvent:
     """Something the user must hear about. `kind` says which command failed."""
 

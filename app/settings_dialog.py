@@ -18,7 +18,8 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
 from engine.config import FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
 from engine.kv_layout import check_cache_for_model
 
-from .i18n import language_names
+from .engine_text import engine_text
+from .i18n import choice, choose, fill_choices, language_names
 from .settings_store import AppSettings, RemoteSettings
 
 LOCAL_CHOICE, SERVER_CHOICE = "This computer", "Server"     # the engine choice's item data (shown translated)
@@ -262,8 +263,7 @@ class SettingsDialog(QDialog):
         form.addRow(self.tr("Quick choice"), self.preset)
         self.k_format, self.v_format = QComboBox(), QComboBox()
         for combo, value in ((self.k_format, cache.k_format), (self.v_format, cache.v_format)):
-            combo.addItems(list(FORMATS))
-            combo.setCurrentText(value)
+            fill_choices(combo, FORMATS, value)
         formats = QHBoxLayout()
         formats.addWidget(QLabel("K"))
         formats.addWidget(self.k_format, 1)
@@ -271,8 +271,7 @@ class SettingsDialog(QDialog):
         formats.addWidget(self.v_format, 1)
         form.addRow(self.tr("Formats"), formats)
         self.k_scheme = QComboBox()
-        self.k_scheme.addItems(list(KEY_SCHEMES))
-        self.k_scheme.setCurrentText(cache.k_scheme)
+        fill_choices(self.k_scheme, KEY_SCHEMES, cache.k_scheme)
         self.k_scheme.setToolTip(self.tr("channel: keys quantized per channel over each block (more accurate); "
                                          "token: per token"))
         form.addRow(self.tr("Key quantization"), self.k_scheme)
@@ -293,8 +292,7 @@ class SettingsDialog(QDialog):
         self.budget.setValue(cache.budget_mb)
         form.addRow(self.tr("KV budget"), self.budget)
         self.overflow = QComboBox()
-        self.overflow.addItems(list(OVERFLOW_POLICIES))
-        self.overflow.setCurrentText(cache.overflow)
+        fill_choices(self.overflow, OVERFLOW_POLICIES, cache.overflow)
         self.overflow.setToolTip(self.tr("stop: end the reply with a message when the budget is full; "
                                          "slide: keep going in a window"))
         form.addRow(self.tr("When the budget is full"), self.overflow)
@@ -332,8 +330,8 @@ class SettingsDialog(QDialog):
         if not changes:
             return
         if "k_format" in changes:
-            self.k_format.setCurrentText(changes["k_format"])
-            self.v_format.setCurrentText(changes["v_format"])
+            choose(self.k_format, changes["k_format"])
+            choose(self.v_format, changes["v_format"])
         if "window" in changes:
             self.window.setValue(changes["window"] or 0)
         if "sinks" in changes:
@@ -345,11 +343,11 @@ class SettingsDialog(QDialog):
         if self.model_config is None and self.num_layers is not None and any(i >= self.num_layers for i in layers):
             raise ConfigError(self.tr("full-precision layers: this model has layers 0-{last}").format(
                 last=self.num_layers - 1))
-        cache = CacheConfig(k_format=self.k_format.currentText(), v_format=self.v_format.currentText(),
-                            k_scheme=self.k_scheme.currentText(), full_precision_layers=layers,
+        cache = CacheConfig(k_format=choice(self.k_format), v_format=choice(self.v_format),
+                            k_scheme=choice(self.k_scheme), full_precision_layers=layers,
                             window=self.window.value() or None, sinks=self.sinks.value(),
                             block_size=self.block_size.value(), budget_mb=self.budget.value(),
-                            overflow=self.overflow.currentText())
+                            overflow=choice(self.overflow))
         same_model = (self.model_edit.text().strip() or "default") == self.loaded_model
         if self.model_config is not None and same_model:    # another model is checked when it loads
             check_cache_for_model(cache, self.model_config, self.model_dtype, self.device)
@@ -390,7 +388,7 @@ class SettingsDialog(QDialog):
             self._result = self.settings()
             error = None
         except ConfigError as exc:
-            self._result, error = None, str(exc)
+            self._result, error = None, engine_text(str(exc))
         self.error_label.setText(error or "")
         self.error_label.setVisible(error is not None)
         self.buttons.button(QDialogButtonBox.StandardButton.Ok).setEnabled(error is None)

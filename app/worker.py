@@ -21,7 +21,8 @@ from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
 from .engine_facts import complete, model_facts
-from .messages import EngineReady, ErrorEvent, LoadProgress, ModeSwitched, PrefixCleared, ResetDone, SessionOpened
+from .messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, PrefixCleared, ReadingHistory, ResetDone,
+                       SessionOpened)
 
 STATS_INTERVAL_S = 0.1                  # session.stats() is cheap, but no more than ~10 Hz
 TOKEN_BATCH_S = 0.02                    # at most ~50 token signals a second reach the GUI
@@ -84,6 +85,7 @@ class EngineWorker(QObject):
     quality = Signal(object)            # QualityResult, or QualityCancelled when a command came first
     prefix_cleared = Signal(object)     # PrefixCleared
     token_counts = Signal(object)       # TokenCounts of saved conversations (the Lengths tab)
+    reading = Signal(object)            # ReadingHistory: a turn reads the chat into an empty cache first
 
     def __init__(self, loader=_default_loader):
         super().__init__()
@@ -197,7 +199,7 @@ class EngineWorker(QObject):
             self.error.emit(ErrorEvent("send", self.tr("No model loaded"),
                                        self.tr("Wait for the model to load, or pick one in Settings.")))
             return
-        self._stream(lambda: self._session.send(text, sampling, should_stop=self._stop.is_set))
+        self._stream(lambda: self._session.send(text, sampling, should_stop=self._stop.is_set), reading=text)
 
     @Slot(object, object)
     def regenerate(self, sampling: SamplingParams, messages=None) -> None:
@@ -205,7 +207,7 @@ class EngineWorker(QObject):
         the old one as an alternative."""
         if self._supports("regenerate", self.tr("Cannot regenerate")) and (messages is None or self._sync_history(messages)):
             self._stream(lambda: self._session.regenerate(sampling, should_stop=self._stop.is_set),
-                         self.tr("Cannot regenerate"))
+                         self.tr("Cannot regenerate"), reading="")
 
     @Slot(object, object)
     def continue_reply(self, sampling: SamplingParams, messages=None) -> None:
@@ -213,7 +215,7 @@ class EngineWorker(QObject):
         if self._supports("continue_reply", self.tr("Cannot continue this reply")) \
                 and (messages is None or self._sync_history(messages)):
             self._stream(lambda: self._session.continue_reply(sampling, should_stop=self._stop.is_set),
-                         self.tr("Cannot continue this reply"))
+                         self.tr("Cannot continue this reply"), reading="")
 
     def _supports(self, method: str, title: str) -> bool:
         if self._session is None:
@@ -282,14 +284,17 @@ class EngineWorker(QObject):
             return
         self.prefix_cleared.emit(PrefixCleared(freed, self._snapshot()))
 
-    def _stream(self, start, failure: str = "") -> None:
-        """Run one turn (send, regenerate, continue), batching its tokens and stats for the GUI."""
+    def _stream(self, start, failure: str = "", reading: str | None = None) -> None:
+        """Run one turn (send, regenerate, continue), batching its tokens and stats for the GUI. `reading` (the
+        new message, "" for none) asks to say first how much history an empty cache must read."""
         failure = failure or self.tr("The reply failed")
         last_stats = last_token = 0.0
         rate = _DecodeRate()
         pending: list[TokenDelta] = []
+        done_reading = self._announce_reading(reading) if reading is not None else (lambda: None)
         try:
             for event in start():
+                done_reading()
                 if isinstance(event, TokenDelta):
                     now = time.monotonic()
                     rate.add(now, len(event.token_ids))
@@ -306,9 +311,33 @@ class EngineWorker(QObject):
                     self.stats.emit(event.stats)
                     self.turn_finished.emit(event)
         except ConfigError as exc:      # a refusal in the user's words (nothing to regenerate, nothing to continue)
+            done_reading()
             self.error.emit(ErrorEvent("send", failure, str(exc)))
         except Exception as exc:  # noqa: BLE001 - the conversation must stay usable after a failed turn
+            done_reading()
             self.error.emit(ErrorEvent("send", failure, f"{type(exc).__name__}: {exc}"))
+
+    def _announce_reading(self, new_text: str) -> Callable[[], None]:
+        """A chat reopened or released holds no cache: its first turn reads the whole history before any token
+        (seconds for a long chat), so say how much; the returned callable says once that the reading is done."""
+        session = self._session
+        try:
+            empty = bool(session.messages) and (getattr(session, "released", False)
+                                                or not session.stats().tokens_in_context)
+            if not empty:
+                return lambda: None
+            from .lengths_data import count_tokens
+            turns = [(m["role"], m["content"]) for m in session.messages] + ([("user", new_text)] if new_text else [])
+            tokens = count_tokens(self._engine.tokenizer, getattr(session, "system_prompt", None), turns)
+        except Exception:  # noqa: BLE001 - only the progress line is lost; the turn itself says what went wrong
+            return lambda: None
+        self.reading.emit(ReadingHistory(max(1, tokens)))
+        state = {"reading": True}
+
+        def done() -> None:
+            if state.pop("reading", False):
+                self.reading.emit(ReadingHistory(0))
+        return done
 
     @Slot(object)
     def set_cache(self, cache: CacheConfig) -> None:
@@ -425,7 +454,7 @@ class _DecodeRate:
 
 
 EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished", "stats", "mode_switched",
-                 "reset_done", "error", "quality", "prefix_cleared", "token_counts")
+                 "reset_done", "error", "quality", "prefix_cleared", "token_counts", "reading")
 
 
 def _pairs(history: list[dict] | None):
@@ -451,6 +480,7 @@ class EngineHost(QObject):
     quality = Signal(object)
     prefix_cleared = Signal(object)
     token_counts = Signal(object)
+    reading = Signal(object)
 
     _load = Signal(object)
     _open = Signal(object, object, object, object)

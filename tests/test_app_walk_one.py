@@ -222,3 +222,52 @@ def test_released_counter_counts_chats_not_the_engines_sequences(qtbot, tiny_dir
     assert window.latest_stats.pool.released == 1, released_log
     assert "1 idle conversation released" in pool_summary(window.latest_stats.pool)
     assert window.conversation_id != first
+
+
+# --- item 19: loading and reading again say what happens ---
+
+def test_a_refused_load_replaces_the_load_step_on_the_live_page(qtbot, tmp_path):
+    """A model folder the engine refuses: the Live page says the load failed and why, not "locating model"."""
+    from app.worker import _default_loader
+    from tiny_models import write_bad_folder
+    bad = write_bad_folder(tmp_path / "bad-model", "llama")
+    window = open_window(qtbot, _default_loader, autoload=False)
+    steps = []
+    window.host.progress.connect(lambda event: steps.append(event.message))
+    base = window.settings
+    window.apply_settings(type(base)(bad, base.cache, base.sampling, base.system_prompt))
+    qtbot.waitUntil(lambda: window.last_error is not None, timeout=30_000)
+    assert window.last_error.kind == "load" and "locating model" in steps
+    summary = window.dashboard.summary.text()
+    assert "locating model" not in summary
+    assert window.last_error.title in summary and window.last_error.message.split(":")[0] in summary
+
+
+def test_a_reopened_chat_says_how_many_tokens_it_reads_before_the_reply(qtbot, tiny_dir):
+    """A saved chat opened after a restart holds no cache: its next Send first says, in the reply bubble and on the
+    Live page, how many tokens it reads again; the first token (or the end) takes the line away."""
+    from app.history import HistoryStore
+    from app.settings_store import SettingsStore
+    history = HistoryStore()
+    chat = history.create("a long one", INT4)
+    history.add_message(chat, "user", "word " * 160)     # 800 tokens in the tiny model's tokenizer
+    history.add_message(chat, "assistant", "fine " * 20)
+    history.close()
+    SettingsStore().set_last_conversation(chat)
+    window = real_window(qtbot, tiny_dir, cache=INT4)
+    assert window.conversation_id == chat
+    seen = []
+
+    def on_reading(event):
+        window.dashboard.redraw()
+        seen.append((event.tokens, window.chat.messages()[-1].text(), window.dashboard.summary.text()))
+    window.host.reading.connect(on_reading)
+    finished = send(qtbot, window, "and now?")
+    assert len(seen) == 2 and seen[-1][0] == 0
+    tokens, bubble, summary = seen[0]
+    assert tokens > 850 and abs(tokens - finished.stats.prefill_tokens) <= 16
+    assert bubble == summary.split("<br>")[1] == f"reading {tokens:,} tokens of this chat…"
+    assert window.dashboard.reading == "" and "reading" not in window.chat.messages()[-1].text()
+    window.host.reading.disconnect(on_reading)
+    send(qtbot, window, "again")                  # the cache holds the chat now: nothing to announce
+    assert len(seen) == 2

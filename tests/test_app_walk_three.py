@@ -4,6 +4,7 @@ notices, the dock's width after a small window, and the Chinese interface."""
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -266,3 +267,107 @@ def test_the_dock_gets_its_width_back_after_the_window_was_small(qtbot):
     qtbot.wait(50)
     round_trip()
     assert window.dock.width() == wide - 120
+
+
+# --- the Chinese interface: the engine's values and messages ---
+
+@pytest.fixture
+def chinese(qtbot, monkeypatch, tmp_path):
+    """The zh_CN catalog installed as app.main does it, removed afterwards (other tests read English)."""
+    monkeypatch.setenv("KVCHAT_LANG", "zh_CN")
+    from PySide6.QtWidgets import QApplication
+    from app import i18n
+    app = QApplication.instance()
+    assert i18n.install(app, "en") == "zh_CN"
+    yield app
+    for translator in app._kvchat_translators:
+        app.removeTranslator(translator)
+    app._kvchat_translators = []
+
+
+def engine_messages(tiny_dir, tmp_path) -> list[str]:
+    """Messages the real engine sends a user: refused cache settings, refused turns, rewrites with nothing to
+    rewrite."""
+    from engine import Engine, EngineConfig
+    from engine.config import CacheConfig, ConfigError
+    from engine.kv_layout import check_cache_for_model
+    from tiny_models import tiny_model_dir
+
+    messages = []
+    engine = Engine.load(EngineConfig(model=tiny_dir, cache=CacheConfig(budget_mb=0.1)))
+    model = engine.model.config
+    for cache in (CacheConfig(window=model.max_position_embeddings, sinks=4), CacheConfig(budget_mb=0.001),
+                  CacheConfig(window=128, sinks=4, budget_mb=0.05), CacheConfig(full_precision_layers=(7,))):
+        with pytest.raises(ConfigError) as refused:
+            check_cache_for_model(cache, model)
+        messages.append(str(refused.value))
+    session = engine.new_session()
+    for rewrite in (session.regenerate, session.continue_reply):
+        with pytest.raises(ConfigError) as refused:
+            next(rewrite(GREEDY))
+        messages.append(str(refused.value))
+
+    def turn(session, text):
+        return [event for event in session.send(text, GREEDY)][-1]
+    refused = turn(session, "word " * 40)                                # a message too big for the budget
+    assert refused.finish_reason == "budget"
+    messages.append(refused.message)
+    assert turn(session, "word " * 4).finish_reason == "length"
+    messages.append(turn(session, "word " * 40).message)                  # ... and with tokens held
+    short = Engine.load(EngineConfig(model=tiny_model_dir(tmp_path / "short" / "model", hidden=64, heads=2, kv_heads=2,
+                                                          layers=2, max_positions=128)))
+    messages.append(turn(short.new_session(), "word " * 60).message)      # past the model's context
+    return messages
+
+
+def test_the_engines_messages_are_shown_in_chinese(qtbot, tiny_dir, tmp_path, chinese):
+    """Each message is translated whole, its numbers and names kept; English stays exactly the engine's text."""
+    from PySide6.QtWidgets import QApplication
+    from app.engine_text import engine_text
+    from test_i18n import english_words
+
+    messages = engine_messages(tiny_dir, tmp_path)
+    assert len(messages) == 9 and all(messages)
+    for message in messages:
+        translated = engine_text(message)
+        assert not english_words(translated), (message, translated)
+        assert sorted(re.findall(r"\d[\d,.]*", translated)) == sorted(re.findall(r"\d[\d,.]*", message))
+    app = QApplication.instance()
+    for translator in app._kvchat_translators:
+        app.removeTranslator(translator)
+    assert [engine_text(m) for m in messages] == messages
+    assert engine_text("Something the table does not know: 42") == "Something the table does not know: 42"
+
+
+def test_chinese_window_names_formats_schemes_policies_and_weights(qtbot, tiny_dir, chinese):
+    """Over the real engine in Chinese: a refused turn's notice, the Settings choices (which still give the
+    engine its own values), the chat list's cache mode and the weights label carry no English words."""
+    from engine.config import CacheConfig
+    from app.i18n import weights_text
+    from test_i18n import english_in, english_words
+
+    from app.worker import _default_loader
+
+    window = open_window(qtbot, _default_loader, autoload=False)
+    window.apply_settings(replace(window.settings, model=tiny_dir, sampling=GREEDY, cache=CacheConfig(budget_mb=0.1)))
+    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=30_000)
+    assert window.last_error is None, window.last_error
+    send(qtbot, window, "word " * 40)                   # too big for this budget: refused, with the reason
+    notices = [m.text() for m in window.chat.messages() if m.role == "notice"]
+    assert notices and "KV 预算" in notices[-1] and not english_words(notices[-1])
+
+    dialog = window.open_settings()
+    shown = {combo: [combo.itemText(i) for i in range(combo.count())]
+             for combo in (dialog.k_format, dialog.k_scheme, dialog.overflow)}
+    assert "全精度" in shown[dialog.k_format] and shown[dialog.k_scheme] == ["按通道", "按 token"]
+    assert shown[dialog.overflow] == ["停止", "滑动窗口"]
+    dialog.k_scheme.setCurrentIndex(1)
+    dialog.overflow.setCurrentIndex(1)
+    cache = dialog.cache_config()
+    assert (cache.k_format, cache.k_scheme, cache.overflow) == ("auto", "token", "slide")
+    assert not english_in(dialog)
+    dialog.close()
+    send(qtbot, window, "你好")                         # a chat in the list, named with its cache mode
+    assert "全精度" in window.conversations.item(0).text()
+    assert not english_words(window.conversations.item(0).text())
+    assert weights_text("Q4_1 (+Q8_0), packed") == "Q4_1 (+Q8_0)，按块打包"

@@ -123,12 +123,12 @@ def test_language_is_saved_and_offered_in_settings(qtbot, monkeypatch, tmp_path)
 # the engine takes literally (its format, scheme and overflow names), and the fake model's own name
 ALLOWED = {
     "kv", "tok", "token", "tokens", "mib", "kib", "gib", "ttft", "rss", "torch", "gpu", "nvml", "url", "api",
-    "gguf", "int", "fp", "bf", "auto", "top", "markdown", "json", "readme", "kvchat", "smollm", "instruct",
+    "gguf", "int", "fp", "bf", "top", "markdown", "json", "readme", "kvchat", "smollm", "instruct",
     "hugging", "face", "lm", "studio", "jan", "ollama", "apache", "gnu", "gpl", "lgpl", "fdl", "debian", "pypi",
-    "llm", "vllm", "sglang", "llama", "cpp", "serve", "openai", "config", "safetensors", "default", "channel",
-    "stop", "slide", "nats", "kl", "psutil", "pynvml", "metrics", "http", "models", "english", "cpu", "fake",
+    "llm", "vllm", "sglang", "llama", "cpp", "serve", "openai", "config", "safetensors", "default",
+    "nats", "kl", "psutil", "pynvml", "metrics", "http", "models", "english", "cpu", "fake",
     "model", "common", "licenses", "usr", "share", "texts", "resources", "gguf", "q", "ctrl", "shift", "esc",
-    "return", "sink", "sinks", "v", "k", "s", "ms", "b", "ok", "chmod", "w", "get", "file", "nbsp",
+    "return", "v", "k", "s", "ms", "b", "ok", "chmod", "w", "get", "file", "nbsp",
 }
 WORD = re.compile(r"[A-Za-z]+")
 

@@ -78,7 +78,7 @@
     </message>
     <message>
         <source>, window {window} + {sinks} sinks</source>
-        <translation>，窗口 {window} + {sinks} 个 sink</translation>
+        <translation>，窗口 {window} + {sinks} 个锚点</translation>
     </message>
 </context>
 <context>
@@ -144,6 +144,14 @@
         <translation>无法保存此对话</translation>
     </message>
     <message>
+        <source>Deleted a question and its reply.</source>
+        <translation>已删除一条消息及其回复。</translation>
+    </message>
+    <message>
+        <source>Deleted a message.</source>
+        <translation>已删除一条消息。</translation>
+    </message>
+    <message>
         <source>Open a saved chat to export it</source>
         <translation>请先打开一个已保存的对话再导出</translation>
     </message>
@@ -190,6 +198,14 @@
     <message>
         <source>Restored the chat</source>
         <translation>已恢复对话</translation>
+    </message>
+    <message>
+        <source>The chat those messages were in is deleted</source>
+        <translation>这些消息所在的对话已被删除</translation>
+    </message>
+    <message>
+        <source>Restored the deleted messages</source>
+        <translation>已恢复删除的消息</translation>
     </message>
     <message>
         <source>Cleared the prefix cache: {freed} of KV memory went back to the pool. Open chats keep their cache.</source>
@@ -240,6 +256,10 @@ Open it in your browser?</source>
     <message>
         <source>You</source>
         <translation>你</translation>
+    </message>
+    <message>
+        <source>System prompt: {prompt}</source>
+        <translation>系统提示词：{prompt}</translation>
     </message>
 </context>
 <context>
@@ -502,6 +522,10 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>逐出 {n} tok</translation>
     </message>
     <message>
+        <source>evicted {n} tok in {k} steps</source>
+        <translation>分 {k} 步逐出 {n} 个 token</translation>
+    </message>
+    <message>
         <source>layer {n}</source>
         <translation>第 {n} 层</translation>
     </message>
@@ -599,6 +623,124 @@ prefill {prefill} tok/s</source>
     </message>
 </context>
 <context>
+    <name>EngineText</name>
+    <message>
+        <source>The KV budget ({budget} MiB, {label}) is full: {held} tokens are held and {needed} more were needed, but only {left} fit. To go on: {advice}, or raise the budget in Settings.</source>
+        <translation>KV 预算（{budget} MiB，{label}）已满：已持有 {held} 个 token，还需要 {needed} 个，但只容得下 {left} 个。要继续：{advice}，或在设置中提高预算。</translation>
+    </message>
+    <message>
+        <source>The KV budget ({budget} MiB) cannot hold a window of {window} tokens plus {sinks} sinks in {label} while taking {new} new tokens: lower the window, choose a smaller format, or raise the budget in Settings.</source>
+        <translation>KV 预算（{budget} MiB）在读入 {new} 个新 token 时容不下 {label} 下 {window} 个 token 的窗口加 {sinks} 个锚点：请缩小窗口、选择更小的格式，或在设置中提高预算。</translation>
+    </message>
+    <message>
+        <source>The KV budget ({budget} MiB) is too small even for a sliding window: raise it.</source>
+        <translation>KV 预算（{budget} MiB）连滑动窗口都容不下：请提高预算。</translation>
+    </message>
+    <message>
+        <source>The conversation would pass {model}&apos;s context of {limit} tokens ({held} held, {needed} more needed): {advice}.</source>
+        <translation>对话将超出 {model} 的 {limit} 个 token 上下文（已持有 {held} 个，还需要 {needed} 个）：{advice}。</translation>
+    </message>
+    <message>
+        <source>This conversation&apos;s cache was released to make room for another; its history is read again.</source>
+        <translation>此对话的缓存已释放给其他对话使用；将重新读入它的历史。</translation>
+    </message>
+    <message>
+        <source>The budget filled: the cache now slides, keeping the newest {window} tokens and {sinks} sinks.</source>
+        <translation>预算已满：缓存改为滑动窗口，保留最新的 {window} 个 token 和 {sinks} 个锚点。</translation>
+    </message>
+    <message>
+        <source>window {window} + {sinks} sinks is longer than the model&apos;s context of {context} tokens: positions would run past what it was trained on; use a window of at most {most}</source>
+        <translation>窗口 {window} + {sinks} 个锚点超出了模型 {context} 个 token 的上下文：位置会超出模型训练时的范围；请使用不超过 {most} 的窗口</translation>
+    </message>
+    <message>
+        <source>a KV budget of {budget} MiB does not hold even one block of {block} tokens in {label} on this model (that needs {need} MiB): raise the budget</source>
+        <translation>{budget} MiB 的 KV 预算在此模型上连一个 {label} 下 {block} 个 token 的块都容不下（需要 {need} MiB）：请提高预算</translation>
+    </message>
+    <message>
+        <source>a KV budget of {budget} MiB cannot hold {label} on this model: reading a prompt into the window needs {need} MiB; raise the budget to {need_again} MiB or more, or lower the window</source>
+        <translation>{budget} MiB 的 KV 预算在此模型上容不下 {label}：把提示读入窗口需要 {need} MiB；请把预算提高到 {need_again} MiB 或以上，或缩小窗口</translation>
+    </message>
+    <message>
+        <source>full-precision layers {layers} do not exist: this model has layers 0-{last}</source>
+        <translation>全精度层 {layers} 不存在：此模型的层为 0-{last}</translation>
+    </message>
+    <message>
+        <source>there is no reply to regenerate yet: send a message first</source>
+        <translation>还没有可重新生成的回复：请先发送一条消息</translation>
+    </message>
+    <message>
+        <source>there is no reply to continue: send a message first</source>
+        <translation>没有可继续的回复：请先发送一条消息</translation>
+    </message>
+    <message>
+        <source>the last reply ended on its own; send a message to go on</source>
+        <translation>上一条回复已自然结束；发送一条消息即可继续</translation>
+    </message>
+    <message>
+        <source>reset the session</source>
+        <translation>重置会话</translation>
+    </message>
+    <message>
+        <source>shorten the message</source>
+        <translation>缩短消息</translation>
+    </message>
+    <message>
+        <source>switch to a sliding window</source>
+        <translation>改用滑动窗口</translation>
+    </message>
+    <message>
+        <source>choose a smaller format (int4)</source>
+        <translation>选择更小的格式（int4）</translation>
+    </message>
+    <message>
+        <source>choose a smaller format (int8 or int4)</source>
+        <translation>选择更小的格式（int8 或 int4）</translation>
+    </message>
+    <message>
+        <source>shorten the message, or set a sliding window in Settings (a window bounds the cache)</source>
+        <translation>缩短消息，或在设置中设置滑动窗口（窗口会限制缓存大小）</translation>
+    </message>
+    <message>
+        <source>shorten the message, or set a window in Settings (the window then bounds the cache)</source>
+        <translation>缩短消息，或在设置中设置窗口（窗口会限制缓存大小）</translation>
+    </message>
+    <message>
+        <source>switch the cache to a sliding window with sinks in Settings to keep going, or start a new chat</source>
+        <translation>在设置中把缓存切换为带锚点的滑动窗口以继续，或开始新对话</translation>
+    </message>
+    <message>
+        <source>{first}, {then}</source>
+        <translation>{first}、{then}</translation>
+    </message>
+</context>
+<context>
+    <name>EngineValue</name>
+    <message>
+        <source>auto</source>
+        <translation>全精度</translation>
+    </message>
+    <message>
+        <source>channel</source>
+        <translation>按通道</translation>
+    </message>
+    <message>
+        <source>token</source>
+        <translation>按 token</translation>
+    </message>
+    <message>
+        <source>stop</source>
+        <translation>停止</translation>
+    </message>
+    <message>
+        <source>slide</source>
+        <translation>滑动窗口</translation>
+    </message>
+    <message>
+        <source>{quant}, packed</source>
+        <translation>{quant}，按块打包</translation>
+    </message>
+</context>
+<context>
     <name>EngineWorker</name>
     <message>
         <source>Connecting to {url}…</source>
@@ -672,6 +814,10 @@ prefill {prefill} tok/s</source>
 <context>
     <name>HistoryStore</name>
     <message>
+        <source>the chat history at {path} is read-only: {reason}; new messages are not saved</source>
+        <translation>位于 {path} 的对话历史是只读的：{reason}；新消息不会保存</translation>
+    </message>
+    <message>
         <source>the chat history at {path} is read-only, so nothing can be saved: make the file and its folder writable (chmod u+w), then try again</source>
         <translation>位于 {path} 的聊天记录是只读的，无法保存任何内容：请让该文件及其所在文件夹可写（chmod u+w），然后重试</translation>
     </message>
@@ -686,6 +832,30 @@ prefill {prefill} tok/s</source>
     <message>
         <source>this reply has no version {n}</source>
         <translation>此回复没有第 {n} 个版本</translation>
+    </message>
+    <message>
+        <source>it could not be created ({error})</source>
+        <translation>无法创建它（{error}）</translation>
+    </message>
+    <message>
+        <source>it cannot be opened for writing ({error})</source>
+        <translation>无法以可写方式打开它（{error}）</translation>
+    </message>
+    <message>
+        <source>it is damaged ({reason}) and could not be moved aside ({error})</source>
+        <translation>它已损坏（{reason}），且无法移到一旁（{error}）</translation>
+    </message>
+    <message>
+        <source>its file system is mounted read-only</source>
+        <translation>它所在的文件系统以只读方式挂载</translation>
+    </message>
+    <message>
+        <source>you cannot write {path} (chmod u+w)</source>
+        <translation>你没有写入 {path} 的权限（chmod u+w）</translation>
+    </message>
+    <message>
+        <source>you cannot write its folder {folder}, where SQLite keeps its -wal and -shm files (chmod u+w)</source>
+        <translation>你没有写入其文件夹 {folder} 的权限，SQLite 需要在那里存放 -wal 和 -shm 文件（chmod u+w）</translation>
     </message>
 </context>
 <context>
@@ -782,11 +952,11 @@ prefill {prefill} tok/s</source>
     </message>
     <message>
         <source> This chat already uses a window of {window} + {sinks} sinks.</source>
-        <translation> 此对话已在使用 {window} + {sinks} 个 sink 的窗口。</translation>
+        <translation> 此对话已在使用 {window} + {sinks} 个锚点的窗口。</translation>
     </message>
     <message>
         <source> Set it in Settings (Window and sinks) for a long chat; the switch is live.</source>
-        <translation> 对于长对话，可在设置中设置（窗口和 sink）；切换即时生效。</translation>
+        <translation> 对于长对话，可在设置中设置（窗口和锚点）；切换即时生效。</translation>
     </message>
     <message>
         <source>No conversation is much longer than the rest: no window needed.</source>
@@ -802,6 +972,10 @@ prefill {prefill} tok/s</source>
     <message>
         <source>The old file ({reason}) is now {moved_to}; a fresh history was started at {path}.</source>
         <translation>旧文件（{reason}）现在位于 {moved_to}；已在 {path} 新建了聊天记录。</translation>
+    </message>
+    <message>
+        <source>Chat history is read-only</source>
+        <translation>对话历史为只读</translation>
     </message>
     <message>
         <source>New chat</source>
@@ -928,6 +1102,10 @@ prefill {prefill} tok/s</source>
         <translation>权重 {label} {size}</translation>
     </message>
     <message>
+        <source>disconnected: the server does not answer</source>
+        <translation>已断开：服务器没有响应</translation>
+    </message>
+    <message>
         <source>server KV {share} used</source>
         <translation>服务器 KV 已用 {share}</translation>
     </message>
@@ -1007,8 +1185,12 @@ prefill {prefill} tok/s</source>
         <translation>删除</translation>
     </message>
     <message>
-        <source>Delete this message</source>
-        <translation>删除这条消息</translation>
+        <source>Delete this message and its reply (Undo in the status bar)</source>
+        <translation>删除此消息及其回复（可在状态栏撤销）</translation>
+    </message>
+    <message>
+        <source>Delete this reply and the message it answers (Undo in the status bar)</source>
+        <translation>删除此回复及它所回答的消息（可在状态栏撤销）</translation>
     </message>
     <message>
         <source>Cancel</source>
@@ -1201,7 +1383,7 @@ prefill {prefill} tok/s</source>
     </message>
     <message>
         <source> · window {window} + {sinks} sinks</source>
-        <translation> · 窗口 {window} + {sinks} 个 sink</translation>
+        <translation> · 窗口 {window} + {sinks} 个锚点</translation>
     </message>
     <message>
         <source>{n} tokens: {size} ({bytes} B, {per_token} B/token in full blocks)</source>
@@ -1389,6 +1571,10 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
         <source>Quality of &lt;b&gt;{mode}&lt;/b&gt; against full precision: not measured yet.</source>
         <translation>&lt;b&gt;{mode}&lt;/b&gt; 相对全精度的质量：尚未测量。</translation>
     </message>
+    <message>
+        <source>Measure again</source>
+        <translation>重新测量</translation>
+    </message>
 </context>
 <context>
     <name>RemoteSettings</name>
@@ -1452,6 +1638,10 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
         <translation>此服务器不提供 /metrics</translation>
     </message>
     <message>
+        <source>server unreachable: nothing answers at its address</source>
+        <translation>服务器无法访问：该地址没有任何响应</translation>
+    </message>
+    <message>
         <source>{rate} of prompt tokens (latest requests)</source>
         <translation>提示词 token 的 {rate}（最近的请求）</translation>
     </message>
@@ -1484,7 +1674,7 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     </message>
     <message>
         <source>Window 256 + 4 sinks</source>
-        <translation>窗口 256 + 4 个 sink</translation>
+        <translation>窗口 256 + 4 个锚点</translation>
     </message>
     <message>
         <source>full-precision layers: {part} is not a layer number or range like 0-3</source>
@@ -1620,7 +1810,7 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     </message>
     <message>
         <source>channel: keys quantized per channel over each block (more accurate); token: per token</source>
-        <translation>channel：键按通道在每个块内量化（更准确）；token：按 token 量化</translation>
+        <translation>按通道：键在每个块内按通道量化（更准确）；按 token：逐个 token 量化</translation>
     </message>
     <message>
         <source>Key quantization</source>
@@ -1640,7 +1830,7 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     </message>
     <message>
         <source>sinks</source>
-        <translation>sink</translation>
+        <translation>锚点</translation>
     </message>
     <message>
         <source>Window (tokens)</source>
@@ -1656,7 +1846,7 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     </message>
     <message>
         <source>stop: end the reply with a message when the budget is full; slide: keep going in a window</source>
-        <translation>stop：预算用满时以一条提示结束回复；slide：在窗口内继续生成</translation>
+        <translation>停止：预算用满时以一条提示结束回复；滑动窗口：在窗口内继续生成</translation>
     </message>
     <message>
         <source>When the budget is full</source>
