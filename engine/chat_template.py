@@ -3,10 +3,11 @@
 A template comes with the model file: it may loop for hours or build a string of gigabytes. A thread cannot
 be killed in Python and a deadline checked from outside does not stop the render, so the limits are checked
 from inside it: the template is compiled from a rewritten syntax tree in which every `for` iterates through
-`guard_loop` (the deadline, each item), every output goes through `guard_output` (characters produced) and
-every `~` through `guard_value`; the sandbox's hooks check the deadline on each call and attribute, refuse a
+a guard filter (the deadline, each item), every output goes through one (characters produced) and every `~`
+through one (its size); the sandbox's hooks check the deadline on each call and filter, refuse a
 repetition (`*`, `**`), a string method or a filter whose arguments multiply past the limit before it runs,
-and check every result's size after. Constant folding is off, so no template code runs while compiling.
+and check every result's size after. Between two loop items or calls a template runs only its own source
+once, so these checks bound its time. Constant folding is off: no template code runs while compiling.
 """
 from __future__ import annotations
 
@@ -104,9 +105,9 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call_binop(self, context, operator, left, right):
-        _tick()
-        _check_binop(operator, left, right)
-        return _sized(super().call_binop(context, operator, left, right))
+        if operator != "+":
+            _check_binop(operator, left, right)
+        return _sized(self.binop_table[operator](left, right))
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - the sandbox's own signature
         _tick()
@@ -115,38 +116,37 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
             _check_work(owner, *args, *kwargs.values())
         return _sized(super().call(__context, __obj, *args, **kwargs))
 
-    def getattr(self, obj, attribute):
-        _tick()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj, argument):
-        _tick()
-        return super().getitem(obj, argument)
-
     def wrap_str_format(self, value):
         wrapped = super().wrap_str_format(value)
         if wrapped is not None:
             _check_format(value.__self__)
         return wrapped
 
-    @staticmethod
-    def guard_loop(iterable):
-        for item in iterable:
-            _tick()
-            yield item
 
-    @staticmethod
-    def guard_output(value):
+# The guards are filters, not calls: a filter is called directly (a sandboxed call costs ten times more) and a
+# template cannot rebind its name. pass_context keeps jinja2 from running them once at compile time on a
+# constant (literal text in a loop would then never be counted).
+@jinja2.pass_context
+def _guard_loop(_context, iterable):
+    for item in iterable:
         _tick()
-        _limits.produced += len(str(value)) if not isinstance(value, jinja2.Undefined) else 0
-        if _limits.produced > _limits.max_chars:
-            raise TemplateLimit(f"wrote more than {_limits.max_chars:,} characters")
-        return value
+        yield item
 
-    @staticmethod
-    def guard_value(value):
-        _tick()
-        return _sized(value)
+
+@jinja2.pass_context
+def _guard_output(_context, value):
+    _limits.produced += len(str(value)) if not isinstance(value, jinja2.Undefined) else 0
+    if _limits.produced > _limits.max_chars:
+        raise TemplateLimit(f"wrote more than {_limits.max_chars:,} characters")
+    return value
+
+
+@jinja2.pass_context
+def _guard_value(_context, value):
+    return _sized(value)
+
+
+GUARDS = {"kvchat_guard_loop": _guard_loop, "kvchat_guard_output": _guard_output, "kvchat_guard_value": _guard_value}
 
 
 def _limited_filter(name: str, func):
@@ -163,16 +163,16 @@ def _limited_filter(name: str, func):
 
 
 def _guarded(tree: nodes.Template, env: LimitedEnvironment) -> nodes.Template:
-    def call(guard: str, node: nodes.Expr) -> nodes.Call:
-        attr = nodes.EnvironmentAttribute(guard, lineno=node.lineno)
-        return nodes.Call(attr, [node], [], None, None, lineno=node.lineno).set_environment(env)
+    def guard(name: str, node: nodes.Expr) -> nodes.Filter:
+        return nodes.Filter(node, f"kvchat_guard_{name}", [], [], None, None,
+                            lineno=node.lineno).set_environment(env)
 
     for loop in tree.find_all(nodes.For):
-        loop.iter = call("guard_loop", loop.iter)
+        loop.iter = guard("loop", loop.iter)
     for concat in list(tree.find_all(nodes.Concat)):
-        concat.nodes = [call("guard_value", nodes.Concat(concat.nodes, lineno=concat.lineno))]
+        concat.nodes = [guard("value", nodes.Concat(concat.nodes, lineno=concat.lineno))]
     for output in tree.find_all(nodes.Output):
-        output.nodes = [call("guard_output", child) for child in output.nodes]
+        output.nodes = [guard("output", child) for child in output.nodes]
     return tree
 
 
@@ -231,7 +231,7 @@ def compile_template(source: str) -> jinja2.Template:
     env = LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols],
                              optimized=False)
     env.filters["tojson"] = _tojson
-    env.filters = {name: _limited_filter(name, f) for name, f in env.filters.items()}
+    env.filters = {name: _limited_filter(name, f) for name, f in env.filters.items()} | GUARDS
     env.globals.pop("lipsum", None)     # lipsum(10**9) would run in one call, out of the deadline's reach
     env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
                        dict=_Dict(), namespace=_Namespace)
@@ -256,12 +256,13 @@ def plain(value):
 def render(source: str, conversation: list[dict], add_generation_prompt: bool = False, *, tools=None,
            documents=None, timeout_s: float = RENDER_TIMEOUT_S, max_chars: int | None = None, **variables) -> str:
     """The template's text for a conversation; jinja2's exceptions (TemplateLimit among them) as they come.
-    max_chars: what it may write, by default MAX_OUTPUT_CHARS plus four times the messages' text."""
+    max_chars: what it may write, by default MAX_OUTPUT_CHARS plus four times the messages' text and 512 characters
+    of framing a message."""
     template = compile_template(source)
     messages = [{k: v for k, v in m.items() if v is not None} for m in plain(list(conversation))]
     if max_chars is None:
-        max_chars = MAX_OUTPUT_CHARS + 4 * sum(len(m.get("content") or "") for m in messages
-                                               if isinstance(m.get("content"), str))
+        max_chars = MAX_OUTPUT_CHARS + 512 * len(messages) + 4 * sum(
+            len(m["content"]) for m in messages if isinstance(m.get("content"), str))
     _limits.deadline, _limits.timeout_s = time.monotonic() + timeout_s, timeout_s
     _limits.max_chars, _limits.produced = max_chars, 0
     try:

@@ -200,12 +200,17 @@ def test_deep_nesting_and_giant_numbers_are_400(server):
 
 
 def test_text_far_past_the_context_is_refused_before_tokenizing(server):
-    """More characters than 64 per token of context: refused by length, in characters (nothing tokenized)."""
+    """More characters than 64 per token of context, or more messages than tokens: refused by length, untokenized
+    (nothing rendered)."""
     content = "word " * (64 * server.state.max_context // 5 + 10)
     started = time.monotonic()
     r = _post(server, "/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": content}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "characters" in r.json()["error"]["message"] and time.monotonic() - started < 5
+    many = [{"role": "user", "content": ""}] * server.state.max_context
+    r = _post(server, "/chat/completions", {"model": "tiny", "messages": many})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert f"{server.state.max_context:,} messages" in r.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")

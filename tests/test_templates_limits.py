@@ -33,30 +33,34 @@ def when_system(hostile: str) -> str:
     return "{% if messages[0]['role'] == 'system' %}" + hostile + "{% endif %}" + CHATML_TEMPLATE
 
 
-HOSTILE = {
-    "nested loops": SPIN,
-    "exponential macro": "{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}",
-    "endless recursion": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
-    "repetition": "{{ 'x' * 400000000 }}",
-    "power": "{{ 2 ** 1000000000 }}",
-    "doubling": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-    "squaring replace": "{% set s = 'x' * 100000 %}{{ s.replace('x', s) }}",
-    "wide filter": "{{ 'x' | center(1000000000) }}",
-    "many slices": "{{ messages | slice(1000000000) | list }}",
-    "format width": "{{ '%1000000000s' % 'x' }}",
-    "output flood": "{% for a in range(100000) %}{% for b in range(1000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
-    "buffered flood": "{% set s = 'y' * 100000 %}{% macro m() %}{% for a in range(100000) %}{{ s }}{% endfor %}"
-                      "{% endmacro %}{% set t = m() %}",
+HOSTILE = {     # name: (template, what the limit says)
+    "nested loops": (SPIN, "limit"),
+    "exponential macro": ("{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+                          "limit"),
+    "endless recursion": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "without end"),
+    "repetition": ("{{ 'x' * 400000000 }}", "400,000,000"),
+    "power": ("{{ 2 ** 1000000000 }}", "power"),
+    "doubling": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+                 "built a value"),
+    "squaring replace": ("{% set s = 'x' * 100000 %}{{ s.replace('x', s) }}", "work"),
+    "wide filter": ("{{ 'x' | center(1000000000) }}", "work"),
+    "many slices": ("{{ messages | slice(1000000000) | list }}", "work"),
+    "format width": ("{{ '%1000000000s' % 'x' }}", "format width"),
+    "literal flood": ("{% for a in range(100000) %}{% for b in range(1000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
+                      "wrote more than"),
+    "buffered flood": ("{% set s = 'y' * 100000 %}{% macro m() %}{% for a in range(100000) %}{{ s }}{% endfor %}"
+                       "{% endmacro %}{% set t = m() %}", "wrote more than"),
 }
 
 
 @pytest.mark.parametrize("name", HOSTILE)
 def test_a_hostile_template_is_stopped_quickly(name):
     """Each runaway (time, memory, output) ends in TemplateLimit within its deadline, before allocating it all."""
+    template, words = HOSTILE[name]
     started = time.monotonic()
-    with pytest.raises(TemplateLimit):
-        render(HOSTILE[name], MSGS, True, timeout_s=0.5)
-    assert time.monotonic() - started < 2.0
+    with pytest.raises(TemplateLimit, match=words):
+        render(template, MSGS, True, timeout_s=1.0)
+    assert time.monotonic() - started < 2.5
 
 
 def test_the_default_deadline_stops_nested_loops_and_a_real_template_is_unchanged():
@@ -68,6 +72,12 @@ def test_the_default_deadline_stops_nested_loops_and_a_real_template_is_unchange
     assert render(CHATML_TEMPLATE, MSGS, True) == \
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>assistant\n"
     assert "lipsum" not in render("{{ lipsum is defined and 'lipsum' or '' }}", MSGS)
+
+
+def test_a_long_chat_of_short_messages_is_not_taken_for_a_flood():
+    """The output limit grows with the messages: 50,000 short turns of ChatML (1.45 M characters) render."""
+    chat = [{"role": "user", "content": "x"}] * 50_000
+    assert len(render(CHATML_TEMPLATE, chat)) == 50_000 * len("<|im_start|>user\nx<|im_end|>\n")
 
 
 def test_the_sandbox_still_holds():

@@ -124,6 +124,9 @@ class ServeState:
     def _check_text_length(self, parsed: protocol.Parsed) -> None:
         texts = [m["content"] for m in parsed.messages] if parsed.kind == "chat" else [parsed.prompt]
         chars = sum(len(t) for t in texts if isinstance(t, str))
+        if len(texts) >= self.max_context:      # every message takes a token at least
+            raise _context_error(f"This model's maximum context length is {self.max_context} tokens, and the "
+                                 f"request holds {len(texts):,} messages. Please send fewer messages.")
         if chars > MAX_CHARS_PER_TOKEN * self.max_context:
             raise _context_error(f"This model's maximum context length is {self.max_context} tokens, and the "
                                  f"request holds {chars:,} characters of text, far more than that many tokens "
