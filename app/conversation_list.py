@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 from PySide6.QtCore import QCoreApplication, Qt, Signal
-from PySide6.QtWidgets import QInputDialog, QListWidget, QListWidgetItem, QMenu, QWidget
+from PySide6.QtWidgets import QInputDialog, QListWidget, QListWidgetItem, QMenu, QMessageBox, QWidget
 
-from .history import HistoryStore
+from .history import HistoryError, HistoryStore
 from .i18n import cache_label
 
 ID_ROLE = Qt.ItemDataRole.UserRole
@@ -128,7 +128,11 @@ class ConversationList(QListWidget):
             title, ok = QInputDialog.getText(self, self.tr("Rename chat"), self.tr("Title"),
                                              text=current.title if current else "")
             if ok and title.strip():
-                self.history.rename(conversation_id, title.strip())
+                try:
+                    self.history.rename(conversation_id, title.strip())
+                except HistoryError as exc:     # a read-only history: the title stays, the reason is shown
+                    QMessageBox.warning(self, QCoreApplication.translate("MainWindow", "Cannot save this chat"),
+                                        str(exc))
                 self.refresh(self.open_id)
         elif action in (markdown, as_json):
             self.export_requested.emit(conversation_id, "markdown" if action is markdown else "json")

@@ -1,14 +1,14 @@
 """Saved conversations in SQLite: titles, messages, the cache config used, timestamps. No Qt.
 
-The file is the user's: created 0600 in a 0700 folder. A damaged or unreadable file is moved aside
-(renamed with a timestamp, never overwritten or deleted) and a fresh one started; `recovered`
-says where the old one went. A read-only file opens for reading, and every write raises
-HistoryError with a message the user can act on.
+The file is the user's: created 0600 in a 0700 folder. A damaged file is moved aside (renamed with a
+timestamp, never overwritten or deleted) and a fresh one started; `recovered` says where the old one went.
+A file that can only be read (a read-only file, folder or file system) opens for reading, never taken for
+damage: `read_only_reason` says why, and every write raises HistoryError with a message the user can act on.
+How the file is opened is app/history_open.py.
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sqlite3
 import time
@@ -20,7 +20,7 @@ from PySide6.QtCore import QCoreApplication
 
 from engine.config import CacheConfig, ConfigError
 
-log = logging.getLogger(__name__)
+from .history_open import Recovered, is_read_only, open_history
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -122,13 +122,6 @@ class TakenMessage:
 
 
 @dataclass(frozen=True, slots=True)
-class Recovered:
-    """A damaged or unreadable database that was moved aside at start."""
-    moved_to: Path
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class Conversation:
     id: int
     title: str
@@ -153,65 +146,18 @@ class HistoryStore:
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else data_dir() / "history.sqlite3"
-        self.recovered: Recovered | None = None
-        self.read_only = False
-        _private_dir(self.path.parent)
-        try:
-            self._db = self._open()
-        except sqlite3.DatabaseError as exc:
-            self.recovered = Recovered(self._move_aside(), _reason(exc))
-            log.warning("history database %s is damaged (%s): moved to %s", self.path, exc, self.recovered.moved_to)
-            self._db = self._open()
+        opened = open_history(self.path, _prepare)
+        self._db, self.recovered = opened.db, opened.recovered
+        self.read_only_reason = opened.read_only        # "" while writes work
+        self.read_only = bool(opened.read_only)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(messages)")}
+        self._has_state, self._has_finish = "state" in columns, "finish" in columns
+        self._has_deleted = "deleted_at" in {row[1] for row in self._db.execute("PRAGMA table_info(conversations)")}
 
-    def _open(self) -> sqlite3.Connection:
-        if not self.path.exists():
-            # created 0600 before SQLite opens it: its -wal and -shm files take the same mode
-            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
-        db = sqlite3.connect(self.path)
-        try:
-            check = db.execute("PRAGMA quick_check").fetchall()
-            if check != [("ok",)]:
-                raise sqlite3.DatabaseError(f"database disk image is malformed ({check[0][0]})")
-            db.execute("PRAGMA foreign_keys = ON")
-            try:
-                # WAL + NORMAL: a commit needs no fsync, so saving a message never stalls the GUI thread;
-                # a power cut can lose the last commits but never corrupts the file
-                db.execute("PRAGMA journal_mode = WAL")
-                db.execute("PRAGMA synchronous = NORMAL")
-                with db:
-                    db.executescript(_SCHEMA)
-                    columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
-                    if "state" not in columns:          # a file written by an earlier version
-                        db.execute(f"ALTER TABLE messages ADD COLUMN state TEXT NOT NULL DEFAULT '{DONE}'")
-                    _add_columns(db)
-                    # deleted but not undone when the app last closed: gone for good now
-                    db.execute("DELETE FROM conversations WHERE deleted_at IS NOT NULL")
-                    db.execute("UPDATE messages SET state = ? WHERE state = ?", (INTERRUPTED, STREAMING))
-            except sqlite3.OperationalError as exc:
-                if not _is_read_only(exc):
-                    raise
-                self.read_only = True
-            columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
-            self._has_state, self._has_finish = "state" in columns, "finish" in columns
-            self._has_deleted = "deleted_at" in {row[1] for row in db.execute("PRAGMA table_info(conversations)")}
-            db.execute("SELECT count(*) FROM conversations").fetchone()
-        except BaseException:
-            db.close()
-            raise
-        return db
-
-    def _move_aside(self) -> Path:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        target = self.path.with_name(f"{self.path.name}.damaged-{stamp}")
-        n = 1
-        while any(Path(f"{target}{suffix}").exists() for suffix in ("", "-wal", "-shm")):
-            target = self.path.with_name(f"{self.path.name}.damaged-{stamp}-{n}")
-            n += 1
-        for suffix in ("-wal", "-shm", ""):           # the WAL may hold the newest commits: it goes too
-            old = Path(f"{self.path}{suffix}")
-            if old.exists() or old.is_symlink():
-                os.rename(old, f"{target}{suffix}")
-        return target
+    def read_only_message(self) -> str:
+        return QCoreApplication.translate(
+            "HistoryStore", "the chat history at {path} is read-only: {reason}; new messages are not saved").format(
+            path=self.path, reason=self.read_only_reason)
 
     @contextmanager
     def _writing(self):
@@ -220,8 +166,10 @@ class HistoryStore:
             with self._db:
                 yield self._db
         except sqlite3.OperationalError as exc:
-            if _is_read_only(exc):
+            if is_read_only(exc):
                 self.read_only = True
+                if self.read_only_reason:
+                    raise HistoryError(self.read_only_message()) from exc
                 raise HistoryError(QCoreApplication.translate(
                     "HistoryStore", "the chat history at {path} is read-only, so nothing can be saved: make the file "
                     "and its folder writable (chmod u+w), then try again").format(path=self.path)) from exc
@@ -456,6 +404,18 @@ class HistoryStore:
         return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
 
 
+def _prepare(db: sqlite3.Connection) -> None:
+    """The schema, and what a file from an earlier version lacks; the last run's leftovers settled."""
+    db.executescript(_SCHEMA)
+    columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+    if "state" not in columns:          # a file written by an earlier version
+        db.execute(f"ALTER TABLE messages ADD COLUMN state TEXT NOT NULL DEFAULT '{DONE}'")
+    _add_columns(db)
+    # deleted but not undone when the app last closed: gone for good now
+    db.execute("DELETE FROM conversations WHERE deleted_at IS NOT NULL")
+    db.execute("UPDATE messages SET state = ? WHERE state = ?", (INTERRUPTED, STREAMING))
+
+
 def _add_columns(db: sqlite3.Connection) -> None:
     """Columns later versions added, on a file written by an earlier one."""
     messages = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
@@ -470,27 +430,3 @@ def _add_columns(db: sqlite3.Connection) -> None:
 def _conversation(row) -> Conversation:
     id_, title, cache_json, system_prompt, created_at, updated_at = row
     return Conversation(int(id_), title, cache_from_json(cache_json), system_prompt, created_at, updated_at)
-
-
-def _private_dir(folder: Path) -> None:
-    """The data folder, readable by the user only (0700)."""
-    existed = folder.is_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not existed:
-        os.chmod(folder, 0o700)
-
-
-def _is_read_only(exc: BaseException) -> bool:
-    name = getattr(exc, "sqlite_errorname", "") or ""
-    return name.startswith("SQLITE_READONLY") or "readonly database" in str(exc)
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc)
-    if "not a database" in text:
-        return "it is not an SQLite database"
-    if "malformed" in text:
-        return "it is damaged"
-    if "unable to open" in text:
-        return "it cannot be opened"
-    return text

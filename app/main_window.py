@@ -80,6 +80,8 @@ class MainWindow(QMainWindow):
                                              "started at {path}.").format(reason=history.recovered.reason,
                                                                            moved_to=history.recovered.moved_to,
                                                                            path=history.path))
+        if history.read_only_reason:        # the saved chats can still be read; say at once why none is saved
+            self.banner.show_message(self.tr("Chat history is read-only"), history.read_only_message())
         if autoload:
             self.load_engine()
 
@@ -457,7 +459,7 @@ class MainWindow(QMainWindow):
         self.session_cache = event.new
         self._settings_accepted()
         if self.conversation_id is not None:
-            self.history.set_cache(self.conversation_id, event.new)
+            self._save(self.history.set_cache, self.conversation_id, event.new)
             self.conversations.refresh(self.conversation_id)
         self.dashboard.data.mark("mode", f"→ {cache_label(event.new)}")
         if event.stats is not None:

@@ -190,3 +190,154 @@ def test_library_check_refuses_what_others_could_have_written(tmp_path):
         digest.write_text(hashlib.sha256(lib.read_bytes()).hexdigest())
         os.chown(lib, 65534, 65534)
         assert "another user" in check_library(lib)
+
+
+# ---- history on a read-only folder or file system ------------------------------------------------
+
+def saved_history(folder: Path) -> bytes:
+    """A history with one chat, closed cleanly (no -wal or -shm left), in WAL mode; its bytes."""
+    from app.history import HistoryStore
+    from engine.config import CacheConfig
+    store = HistoryStore(folder / "history.sqlite3")
+    store.add_message(store.create("kept chat", CacheConfig()), "user", "kept message")
+    store.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["history.sqlite3"]
+    return (folder / "history.sqlite3").read_bytes()
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """(src, ro, mount): mount() makes ro a read-only bind mount of src. Needs root; skipped where not permitted."""
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    ro.mkdir()
+
+    def mount():
+        if os.geteuid() != 0:
+            pytest.skip("a read-only mount needs root")
+        steps = (["mount", "--bind", str(src), str(ro)], ["mount", "-o", "remount,ro,bind", str(ro)])
+        for step in steps:
+            if subprocess.run(step, capture_output=True).returncode:
+                subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+                pytest.skip("mounting is not permitted here")
+
+    yield src, ro, mount
+    subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+
+
+def test_window_starts_on_a_read_only_file_system_and_shows_why(qtbot, tmp_path, monkeypatch, read_only_mount):
+    """On a read-only mount the history is not taken for damage: nothing is moved, the chats are listed, a banner
+    says why nothing is saved, and Send is refused with the text kept."""
+    from PySide6.QtCore import Qt
+
+    from fakes import FakeLoader, isolate_app, open_window
+    src, ro, mount = read_only_mount
+    data = saved_history(src)
+    mount()
+    isolate_app(monkeypatch, tmp_path)
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(ro))
+    window = open_window(qtbot, FakeLoader())
+    assert window.history.recovered is None and window.history.read_only
+    assert "Chat history is read-only" in window.banner.text()
+    assert "file system is mounted read-only" in window.banner.text()
+    assert "new messages are not saved" in window.banner.text()
+    assert [c.title for c in window.history.conversations()] == ["kept chat"]
+    qtbot.waitUntil(lambda: window.session_ready, timeout=10_000)
+    window.input.setPlainText("please keep me")
+    qtbot.keyClick(window.input, Qt.Key.Key_Return)
+    assert "Cannot save this chat" in window.banner.text() and "mounted read-only" in window.banner.text()
+    assert not window.generating and window.input.toPlainText() == "please keep me"
+    [kept] = window.history.conversations()
+    window.show_conversation(kept.id)
+    qtbot.waitUntil(lambda: window.session_ready, timeout=10_000)
+    window.banner.hide_message()
+    with qtbot.waitSignal(window.host.mode_switched, timeout=5000):    # the chat's new mode cannot be saved
+        window.host.set_cache(window.session_cache.with_(k_format="int8", v_format="int8"))
+    assert "Cannot save this chat" in window.banner.text()
+    warnings = rename_from_the_menu(window, monkeypatch, "a new title")
+    assert len(warnings) == 1 and "read-only" in warnings[0]
+    assert [c.title for c in window.history.conversations()] == ["kept chat"]
+    assert sorted(p.name for p in src.iterdir()) == ["history.sqlite3"]
+    assert (src / "history.sqlite3").read_bytes() == data
+
+
+def rename_from_the_menu(window, monkeypatch, title: str) -> list[str]:
+    """Rename the first chat through its context menu (the menu and the title dialog answered); warnings shown."""
+    from PySide6.QtWidgets import QInputDialog, QMenu, QMessageBox
+
+    from app import conversation_list
+
+    class FirstChoice(QMenu):
+        def exec(self, *args):
+            return self.actions()[0]
+
+    monkeypatch.setattr(conversation_list, "QMenu", FirstChoice)
+    monkeypatch.setattr(QInputDialog, "getText", lambda *args, **kwargs: (title, True))
+    shown = []
+    monkeypatch.setattr(QMessageBox, "warning", lambda parent, heading, text: shown.append(text))
+    listing = window.conversations
+    listing._menu(listing.visualItemRect(listing.item(0)).center())
+    return shown
+
+
+def test_damaged_or_missing_history_on_a_read_only_file_system_still_starts(tmp_path, read_only_mount):
+    """A damaged file that cannot be moved aside stays as it is, and a history that cannot be created is said so:
+    both start on an empty history that refuses writes with the reason."""
+    from app.history import HistoryError, HistoryStore
+    src, ro, mount = read_only_mount
+    garbage = os.urandom(8192)
+    (src / "history.sqlite3").write_bytes(garbage)
+    mount()
+    damaged = HistoryStore(ro / "history.sqlite3")
+    assert "damaged" in damaged.read_only_reason and "could not be moved aside" in damaged.read_only_reason
+    assert damaged.conversations() == [] and (src / "history.sqlite3").read_bytes() == garbage
+    with pytest.raises(HistoryError, match="read-only: it is damaged"):
+        damaged.check_writable()
+    missing = HistoryStore(ro / "new" / "history.sqlite3")
+    assert "could not be created" in missing.read_only_reason and missing.conversations() == []
+    with pytest.raises(HistoryError, match="new messages are not saved"):
+        missing.create("x", damaged_cache())
+
+
+def damaged_cache():
+    from engine.config import CacheConfig
+    return CacheConfig()
+
+
+def test_read_only_folder_opens_read_only_for_a_user_who_cannot_write_it(tmp_path):
+    """A folder the user cannot write (SQLite cannot create the -shm there): the history opens read-only, nothing is
+    moved aside, and a write says which folder to make writable. Run as 'nobody' where the tests run as root."""
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvchat-ro-folder-{os.getpid()}"
+    folder.mkdir(mode=0o755)
+    try:
+        data = saved_history(folder)
+        if os.geteuid() == 0:       # the file is the user's own: only the folder stops writing
+            os.chown(folder / "history.sqlite3", 65534, 65534)
+        folder.chmod(0o555)
+        code = """
+            import os, sys
+            sys.path[:0] = [sys.argv[1]]
+            from app.history import HistoryError, HistoryStore
+            if os.geteuid() == 0:
+                os.setgid(65534); os.setuid(65534)
+            store = HistoryStore(sys.argv[2])
+            print(store.recovered, [c.title for c in store.conversations()], store.messages(1))
+            try:
+                store.add_message(1, "user", "x")
+                print("WROTE")
+            except HistoryError as exc:
+                print("ERROR", exc)
+        """
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(ROOT), str(folder / "history.sqlite3")],
+                             capture_output=True, text=True, timeout=120, cwd="/")
+        assert run.returncode == 0, run.stderr
+        first, second = run.stdout.splitlines()
+        assert first == "None ['kept chat'] [{'role': 'user', 'content': 'kept message'}]"
+        assert second.startswith("ERROR") and "read-only" in second and f"cannot write its folder {folder}" in second
+        assert sorted(p.name for p in folder.iterdir()) == ["history.sqlite3"]
+        assert (folder / "history.sqlite3").read_bytes() == data
+    finally:
+        folder.chmod(0o755)
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
