@@ -195,7 +195,8 @@ class MessageWidget(QFrame):
         self.role = role
         self.setObjectName("userMessage" if role == "user" else "assistantMessage" if role == "assistant"
                            else "noticeMessage")
-        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
+        # Preferred, not Maximum: a wrapped reply needs more height at its width than its size hint says
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Preferred)
         self._layout = QVBoxLayout(self)
         self._layout.setContentsMargins(12, 8, 12, 10)
         self._layout.setSpacing(6)

@@ -292,26 +292,53 @@ def _darkest(image, rect) -> int:
                for y in range(rect.top(), rect.bottom()))
 
 
-def test_disabled_menu_items_look_disabled_under_the_apps_style(qtbot):
-    from PySide6.QtGui import QAction
-    from PySide6.QtWidgets import QApplication, QMenu
-
+@pytest.fixture
+def styled(qapp):
+    """The app's own style sheet, as kvchat runs (sizes and colours depend on it)."""
     from app.main import load_style
-    app = QApplication.instance()
-    before = app.styleSheet()
-    load_style(app)
-    try:
-        menu = QMenu()
-        qtbot.addWidget(menu)
-        enabled, disabled = QAction("Regenerate reply", menu), QAction("Regenerate reply", menu)
-        disabled.setEnabled(False)
-        menu.addAction(enabled)
-        menu.addAction(disabled)
-        menu.popup(menu.pos())
-        qtbot.waitExposed(menu)
-        image = menu.grab().toImage()
-        shown = _darkest(image, menu.actionGeometry(enabled)), _darkest(image, menu.actionGeometry(disabled))
-        assert shown[0] < 80 and shown[1] > shown[0] + 60      # dark text, and a clearly lighter grey
-        menu.close()
-    finally:
-        app.setStyleSheet(before)
+    before = qapp.styleSheet()
+    load_style(qapp)
+    yield
+    qapp.setStyleSheet(before)
+
+
+def test_disabled_menu_items_look_disabled_under_the_apps_style(qtbot, styled):
+    from PySide6.QtGui import QAction
+    from PySide6.QtWidgets import QMenu
+
+    menu = QMenu()
+    qtbot.addWidget(menu)
+    enabled, disabled = QAction("Regenerate reply", menu), QAction("Regenerate reply", menu)
+    disabled.setEnabled(False)
+    menu.addAction(enabled)
+    menu.addAction(disabled)
+    menu.popup(menu.pos())
+    qtbot.waitExposed(menu)
+    image = menu.grab().toImage()
+    shown = _darkest(image, menu.actionGeometry(enabled)), _darkest(image, menu.actionGeometry(disabled))
+    assert shown[0] < 80 and shown[1] > shown[0] + 60      # dark text, and a clearly lighter grey
+    menu.close()
+
+
+def test_a_long_streamed_reply_shows_its_last_line(qtbot, styled):
+    """The bubble is as tall as its wrapped text at the width it has (it was capped at the height the text
+    wants at its preferred, wider width: the last lines were cut)."""
+    from PySide6.QtWidgets import QLabel
+
+    from app.chat_view import ChatView
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.resize(620, 500)
+    view.show()
+    qtbot.waitExposed(view)
+    text = ("Here is a long answer. " * 12 + "\n\n") * 5 + "- item one is long " * 6 + "\n- item two\n\nThe last line."
+    view.add_message("user", "tell me")
+    view.begin_reply()
+    for i in range(0, len(text), 40):
+        view.append_reply(text[i:i + 40])
+        qtbot.wait(1)
+    reply = view.end_reply(text)
+    qtbot.wait(50)
+    labels = [w for w in reply._widgets if isinstance(w, QLabel)]
+    assert labels and all(label.height() >= label.heightForWidth(label.width()) for label in labels)
+    assert reply.height() >= reply.layout().totalHeightForWidth(reply.width())
