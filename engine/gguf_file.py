@@ -6,6 +6,7 @@ exactly their grid; other types are dequantized by `gguf` itself.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -100,7 +101,14 @@ class GGUFFile:
         self.tensors: dict[str, _Tensor] = {}
         for name, dims, ttype, offset in infos:
             type_name, block, size = ggml_type(ttype)
-            rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+            if not 1 <= len(dims) <= 4:
+                raise ModelLoadError(f"{self.path.name}: tensor {name} has {len(dims)} dimensions (ggml has 1 to 4): "
+                                     f"the file is damaged; re-download or re-convert it")
+            if dims[0] % block:
+                raise ModelLoadError(f"{self.path.name}: tensor {name} has rows of {dims[0]:,} values, not a whole "
+                                     f"number of {type_name} blocks of {block}: the file is damaged; re-download or "
+                                     f"re-convert it")
+            rows = math.prod(dims[1:])
             row_bytes = dims[0] // block * size
             begin = start + offset
             if begin + rows * row_bytes > len(self._map):
@@ -165,33 +173,61 @@ class GGUFFile:
         return names[0] + (f" (+{', '.join(names[1:])})" if len(names) > 1 else "")
 
     def hf_config(self) -> dict:
-        """The architecture numbers in config.json's words."""
+        """The architecture numbers in config.json's words, as the header holds them: ModelConfig.from_hf checks
+        them, naming each by its key here (key_names)."""
         a = self.arch
-        heads = int(self.field(f"{a}.attention.head_count"))
-        hidden = int(self.field(f"{a}.embedding_length"))
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise ModelLoadError(f"{self.path.name} has no token_embd.weight tensor: the file is incomplete")
+        if len(embd.shape) != 2:
+            raise ModelLoadError(f"{self.path.name}: token_embd.weight has shape {list(embd.shape)}, not [hidden, "
+                                 f"vocabulary]: the file is damaged; re-download or re-convert it")
+        head_dim = self.fields.get(f"{a}.attention.key_length", self.fields.get(f"{a}.rope.dimension_count"))
         cfg = {
             "model_type": a,
             "vocab_size": int(embd.shape[1]),
-            "hidden_size": hidden,
-            "num_hidden_layers": int(self.field(f"{a}.block_count")),
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(self.field(f"{a}.attention.head_count_kv", heads)),
-            "head_dim": int(self.field(f"{a}.attention.key_length", self.field(f"{a}.rope.dimension_count", hidden // heads))),
-            "intermediate_size": int(self.field(f"{a}.feed_forward_length")),
-            "rms_norm_eps": float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(self.field(f"{a}.rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(self.field(f"{a}.context_length", 4096)),
+            "hidden_size": self.field(f"{a}.embedding_length"),
+            "num_hidden_layers": self.field(f"{a}.block_count"),
+            "num_attention_heads": self.field(f"{a}.attention.head_count"),
+            "num_key_value_heads": self.fields.get(f"{a}.attention.head_count_kv"),
+            "head_dim": head_dim,                 # absent: hidden_size // heads, as config.json's default
+            "intermediate_size": self.field(f"{a}.feed_forward_length"),
+            "rms_norm_eps": self.fields.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self.fields.get(f"{a}.rope.freq_base", 10000.0),
+            "max_position_embeddings": self.fields.get(f"{a}.context_length", 4096),
             "tie_word_embeddings": "output.weight" not in self.tensors,
         }
         kind = self.field(f"{a}.rope.scaling.type", "none")
         if kind == "linear":
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self.field(f"{a}.rope.scaling.factor"))}
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": self.field(f"{a}.rope.scaling.factor")}
         elif kind not in ("none", ""):
             raise ModelLoadError(f"{self.path.name}: unsupported rope scaling {kind!r}: kvchat supports none and linear")
         return cfg
+
+    def key_names(self) -> dict[str, str]:
+        """hf_config's keys -> the header's own, for messages."""
+        a = self.arch
+        return {"vocab_size": "token_embd.weight's rows", "hidden_size": f"{a}.embedding_length",
+                "num_hidden_layers": f"{a}.block_count", "num_attention_heads": f"{a}.attention.head_count",
+                "num_key_value_heads": f"{a}.attention.head_count_kv", "head_dim": f"{a}.attention.key_length",
+                "intermediate_size": f"{a}.feed_forward_length", "max_position_embeddings": f"{a}.context_length",
+                "rms_norm_eps": f"{a}.attention.layer_norm_rms_epsilon", "rope_theta": f"{a}.rope.freq_base",
+                "rope_scaling.factor": f"{a}.rope.scaling.factor"}
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape under its Hugging Face name, [out, in] (the reverse of the file's order); a layer's
+        tensors of kinds kvchat does not read keep a name of their own, so that they still count as a layer."""
+        top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+        modules = {v: k for k, v in _LAYER_NAMES.items()}
+        out = {}
+        for name, t in self.tensors.items():
+            parts = name.split(".")
+            if name in top:
+                out[top[name]] = tuple(reversed(t.shape))
+            elif len(parts) == 4 and parts[0] == "blk":
+                out[f"model.layers.{parts[1]}.{modules.get(parts[2], '?' + parts[2])}.{parts[3]}"] = tuple(reversed(t.shape))
+        return out
 
     def rope_factors(self) -> tuple[float, ...] | None:
         """Llama 3.x GGUFs store their rope scaling as per-frequency divisors (rope_freqs.weight)."""

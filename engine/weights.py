@@ -18,6 +18,7 @@ from kernels.cpu_quant import Scales
 from .gguf_file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, q4_blocks, q8_rows, unpermute_rows
 from .loader import ModelLoadError
 from .model import Layer, ModelConfig, Transformer
+from .model_config import check_weight_shapes
 from .qlinear import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
 
 _PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -43,40 +44,11 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
     return Transformer(mc, table, layers, tensor("model.norm.weight"), head, dtype, device, weights, quant)
 
 
-def check_shapes(mc: ModelConfig, layer_ids: set[int], k_rows: int | None, q_rows: int | None,
-                 source: str, fields: dict[str, str]) -> None:
-    """The config's layer and head counts against what the weights hold; a mismatch names the field
-    (`fields` gives each its name in the source's own words) and both numbers."""
-    found = max(layer_ids) + 1 if layer_ids else 0
-    if found != mc.num_layers or len(layer_ids) != found:
-        raise ModelLoadError(f"{fields['layers']}={mc.num_layers} in {source}, but the weights hold {len(layer_ids)} "
-                             f"layers: the config does not match its weights")
-    for what, rows, heads in (("kv_heads", k_rows, mc.num_kv_heads), ("heads", q_rows, mc.num_heads)):
-        if rows is not None and rows != heads * mc.head_dim:
-            raise ModelLoadError(f"{fields[what]}={heads} in {source}, but the weights hold {rows // mc.head_dim} "
-                                 f"heads ({rows} rows of head_dim {mc.head_dim}): the config does not match its weights")
-
-
-def _layer_ids(names, prefix: str) -> set[int]:
-    ids = set()
-    for name in names:
-        if name.startswith(prefix):
-            index = name[len(prefix):].split(".", 1)[0]
-            if index.isdigit():
-                ids.add(int(index))
-    return ids
-
-
-HF_FIELDS = {"layers": "num_hidden_layers", "kv_heads": "num_key_value_heads", "heads": "num_attention_heads"}
-
-
 # ---- safetensors ---------------------------------------------------------------------------------
 
 def from_state_dict(mc: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
                     weights: str) -> Transformer:
-    rows = lambda name: state[name].shape[0] if name in state else None      # noqa: E731
-    check_shapes(mc, _layer_ids(state, "model.layers."), rows("model.layers.0.self_attn.k_proj.weight"),
-                 rows("model.layers.0.self_attn.q_proj.weight"), "config.json", HF_FIELDS)
+    check_weight_shapes(mc, {name: tuple(t.shape) for name, t in state.items()}, "config.json", {})
     if mc.tie_word_embeddings or "lm_head.weight" not in state:
         mc = _tied(mc)
 
@@ -116,11 +88,7 @@ def _tied(mc: ModelConfig) -> ModelConfig:
 # ---- GGUF ----------------------------------------------------------------------------------------
 
 def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, weights: str) -> Transformer:
-    rows = lambda name: int(gf.tensors[name].shape[1]) if name in gf.tensors else None      # noqa: E731
-    a = mc.model_type
-    check_shapes(mc, _layer_ids(gf.tensors, "blk."), rows("blk.0.attn_k.weight"), rows("blk.0.attn_q.weight"),
-                 gf.path.name, {"layers": f"{a}.block_count", "kv_heads": f"{a}.attention.head_count_kv",
-                                "heads": f"{a}.attention.head_count"})
+    check_weight_shapes(mc, gf.hf_shapes(), gf.path.name, gf.key_names(), gf.gguf_name, stored_order=True)
     packed = weights == "auto" and device == "cpu"
     permute = {"self_attn.q_proj": mc.num_heads, "self_attn.k_proj": mc.num_kv_heads} if mc.model_type == "llama" else {}
 

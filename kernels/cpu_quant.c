@@ -688,6 +688,28 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
     }
 }
 
+// Whether layer L's linears chain at widths H (the residual), Hq * D (attention) and its own intermediate: a
+// table built from a damaged file's header must fail here, not read past an activation row
+static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
+    int want_n[4] = {(Hq + 2 * Hkv) * D, H, 0, H}, n[4] = {0, 0, 0, 0};
+    for (int s = 0; s < 4; s++) {
+        if (L->nparts[s] < 1 || L->nparts[s] > 3 || ((s == 1 || s == 3) && L->nparts[s] != 1)) return 0;
+        for (int p = 0; p < L->nparts[s]; p++) {
+            const qlin_t *l = &L->lin[s][p];
+            if ((l->bits != 4 && l->bits != 8) || l->N < 1 || l->K < 1 || l->K % 32 || l->group < 1) return 0;
+            n[s] += l->N;
+        }
+    }
+    if (n[2] % 2) return 0;                      // gate | up: two halves of the intermediate width
+    int want_k[4] = {H, Hq * D, H, n[2] / 2};
+    for (int s = 0; s < 4; s++) {
+        if (s != 2 && n[s] != want_n[s]) return 0;
+        for (int p = 0; p < L->nparts[s]; p++)
+            if (L->lin[s][p].K != want_k[s]) return 0;
+    }
+    return L->norm_attn && L->norm_mlp;
+}
+
 // attend(ctx, layer, qkv [B, n_qkv], out [B, Hq * D]): attention for pages no kernel here reads (quantized
 // caches): the other library's attend_quant_layer, or the caller's own through a callback; nonzero stops the step
 typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
@@ -697,11 +719,15 @@ typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
 // RMSNorm, SwiGLU and residual fused, decode_attend), in the same order, so the bits are the same; what
 // goes is the interpreter between them. kp[l], vp[l]: layer l's K and V pages (bf16[l]: 16-bit); the
 // attention arguments are decode_attend's, shared by every layer; or attend, called instead of it (the
-// other arguments of attention unused). 0 on success, -1 when out of memory, -2 when attend failed.
+// other arguments of attention unused). 0 on success, -1 when out of memory, -2 when attend failed, -3 when a
+// linear's width does not chain with H, Hq, Hkv and D (or D is past decode_attend's 256), before anything runs.
 int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                   void *const *kp, void *const *vp, const int *bf16, const float *cos, const float *sin,
                   const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
                   const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx) {
+    if (nl < 1 || B < 1 || H < 1 || Hq < 1 || Hkv < 1 || D < 1 || (!attend && D > 256)) return -3;
+    for (int l = 0; l < nl; l++)
+        if (!layer_widths_ok(layers + l, H, Hq, Hkv, D)) return -3;
     int kmax = H, nqkv = 0, ngu = 0;
     for (int l = 0; l < nl; l++)
         for (int s = 0; s < 4; s++) {

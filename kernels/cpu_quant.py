@@ -588,6 +588,9 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
     rc = _lib.decode_layers(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, *args)
     if failure:
         raise failure[0]
+    if rc == -3:
+        raise ValueError("decode_layers: a linear's width does not match the model's (hidden, heads x head_dim or "
+                         "intermediate), or head_dim is past 256: the layer table was built from wrong shapes")
     if rc:
         raise MemoryError("decode_layers: out of memory for the step's buffers")
 
