@@ -87,6 +87,8 @@ class Packed:
         """Dequantized rows [len(ids), K] float32 (the embedding lookup), by the kernels' exact dequantization."""
         out = np.empty((len(ids), self.k), dtype=np.float32)
         for i, r in enumerate(ids):
+            if not 0 <= r < self.n:
+                raise ValueError(f"token id {r} is past the table's {self.n} rows")
             row = [None if a is None else np.ascontiguousarray(a[r:r + 1])      # held until the call returns
                    for a in (self.codes, self.scale, self.zero, self.scale_sup, self.zero_sup)]
             c, s, z, ss, zs = map(_ptr, row)
@@ -129,6 +131,8 @@ class QuickModel:
         check_fits(c, gf.tensor_bytes, "auto", "cpu", path.name)      # too big: the engine refuses, with the numbers
         if c.model_type not in ("llama", "mistral", "qwen2") or c.qkv_bias or c.o_bias or c.mlp_bias:
             raise NotCovered(f"{c.model_type} with biases")
+        if c.head_dim > 256:
+            raise NotCovered(f"head_dim {c.head_dim}: decode_attend holds at most 256")
         self.lib = cpu_lib.library()
         if self.lib is None:
             raise NotCovered(cpu_lib.library_error())
@@ -198,6 +202,8 @@ class QuickSequence:
                                  float(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim, self._kp, self._vp,
                                  self._bf16, _ptr(cos), _ptr(sin), None, None, _ptr(n_sink), _ptr(pos), _ptr(rows),
                                  _ptr(off), float(c.head_dim ** -0.5), None, None)
+        if rc == -3:       # the widths did not chain: check_weight_shapes should have refused the file first
+            raise ValueError("decode_layers: the layer table's widths do not match the model's")
         if rc:
             raise MemoryError("decode_layers: out of memory for the step's buffers")
         self.length += b
