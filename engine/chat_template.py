@@ -50,11 +50,13 @@ def _tick() -> None:
         raise TemplateLimit(f"ran past its {_limits.timeout_s:g} s limit (a loop or a recursion that does not end?)")
 
 
-def _size(value) -> int:
-    if isinstance(value, bool) or value is None:
-        return 1
-    if isinstance(value, int):
-        return abs(value)
+# the methods and filters whose integer arguments are widths or counts of what they make
+SIZING = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "wordwrap", "slice", "batch"})
+
+
+def _size(value, ints: bool) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) if ints else 1
     return len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else 1
 
 
@@ -67,10 +69,11 @@ def _sized(value):
     return value
 
 
-def _check_work(*values) -> None:
-    work = 1
+def _check_work(name: str, values) -> None:
+    """Refuse a call whose arguments' sizes multiply past the limit (s.replace(s, s), s.center(10**9))."""
+    work, ints = 1, name in SIZING
     for value in values:
-        work *= max(1, _size(value))
+        work *= max(1, _size(value, ints))
     if work > WORK_FACTOR * _limits.max_chars:
         raise TemplateLimit(f"asked for about {work:,} characters of work in one step "
                             f"(the limit is {WORK_FACTOR * _limits.max_chars:,})")
@@ -111,9 +114,9 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - the sandbox's own signature
         _tick()
-        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
-        if isinstance(owner, str):
-            _check_work(owner, *args, *kwargs.values())
+        method = getattr(__obj, "__wrapped__", __obj)
+        if isinstance(getattr(method, "__self__", None), str):
+            _check_work(method.__name__, (method.__self__, *args, *kwargs.values()))
         return _sized(super().call(__context, __obj, *args, **kwargs))
 
     def wrap_str_format(self, value):
@@ -155,7 +158,7 @@ def _limited_filter(name: str, func):
     @functools.wraps(func)
     def limited(*args, **kwargs):
         _tick()
-        _check_work(*args[skip - 1:], *kwargs.values())
+        _check_work(name, (*args[skip - 1:], *kwargs.values()))
         if name == "format" and len(args) >= skip:
             _check_format(args[skip - 1])
         return _sized(func(*args, **kwargs))

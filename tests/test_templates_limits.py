@@ -80,6 +80,11 @@ def test_a_long_chat_of_short_messages_is_not_taken_for_a_flood():
     assert len(render(CHATML_TEMPLATE, chat)) == 50_000 * len("<|im_start|>user\nx<|im_end|>\n")
 
 
+def test_numbers_and_widths_a_real_template_uses_pass():
+    assert render("{{ '{}'.format(1700000000) }}|{{ '%d' | format(1700000000) }}|{{ 'ab'.center(6) }}", MSGS) == \
+        "1700000000|1700000000|  ab  "
+
+
 def test_the_sandbox_still_holds():
     import jinja2
     with pytest.raises(jinja2.exceptions.SecurityError):
