@@ -342,3 +342,33 @@ def test_a_long_streamed_reply_shows_its_last_line(qtbot, styled):
     labels = [w for w in reply._widgets if isinstance(w, QLabel)]
     assert labels and all(label.height() >= label.heightForWidth(label.width()) for label in labels)
     assert reply.height() >= reply.layout().totalHeightForWidth(reply.width())
+
+
+def test_engine_errors_name_the_setting_by_its_label(qtbot):
+    import re
+
+    from app.engine_text import engine_text
+    from app.settings_dialog import SettingsDialog
+    from app.settings_store import AppSettings
+    from engine.config import ConfigError
+    dialog = SettingsDialog(AppSettings())
+    qtbot.addWidget(dialog)
+    dialog.block_size.setValue(16)
+    dialog.window.setValue(8)
+    assert dialog.error_label.text().startswith("Window (tokens) = 8 is smaller than one block")
+    dialog.window.setValue(0)
+    dialog.budget.setValue(0)
+    assert dialog.error_label.text().startswith("KV budget = 0.0: ")
+    # every field the engine's own checks name reaches the user by its label, not as the code spells it
+    bad = [dict(block_size=0), dict(sinks=-1), dict(window=0), dict(budget_mb=float("nan")), dict(overflow="x"),
+           dict(k_scheme="x"), dict(k_format="x"), dict(full_precision_layers=(-1,))]
+    for changes in bad:
+        with pytest.raises(ConfigError) as refused:
+            CacheConfig(**changes)
+        shown = engine_text(str(refused.value))
+        assert not re.search(r"\b[a-z]+_[a-z_]+\b|\b[a-z]+=", shown), shown
+    for changes in (dict(temperature=float("nan")), dict(top_p=2.0), dict(top_k=-1), dict(max_new_tokens=0)):
+        with pytest.raises(ConfigError) as refused:
+            SamplingParams(**changes)
+        shown = engine_text(str(refused.value))
+        assert not re.search(r"\b[a-z]+_[a-z_]+\b|\b(temperature|top_p|top_k)\b", shown), shown
