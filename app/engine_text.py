@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication
 
+from .field_labels import with_labels
 from .i18n import label_text
 
 CONTEXT = "EngineText"
@@ -78,7 +79,7 @@ def engine_text(text: str) -> str:
         if match is not None:
             fields = {name: _field(name, value) for name, value in match.groupdict().items()}
             return QCoreApplication.translate(CONTEXT, source).format(**fields)
-    return text
+    return with_labels(text)            # a field the engine names (block_size=0) by its label in Settings
 
 
 def _field(name: str, value: str) -> str:
