@@ -16,8 +16,10 @@ I18N = Path(__file__).resolve().parent.parent / "resources" / "i18n"
 LANGUAGES = ("system", "en", "zh_CN")       # the values stored in Settings
 TRANSLATED = ("zh_CN",)                     # languages with a catalog in resources/i18n
 # the engine's own words for cache formats, key schemes and overflow policies, as the interface names them
-# (English keeps the engine's word; the values stored and passed on stay the engine's)
-VALUE_NAMES = {"auto": QT_TRANSLATE_NOOP("EngineValue", "auto"), "channel": QT_TRANSLATE_NOOP("EngineValue", "channel"),
+# (English keeps the engine's word, but "auto" is "full precision", the name the presets and the dashboard use;
+# the values stored and passed on stay the engine's)
+VALUE_NAMES = {"auto": QT_TRANSLATE_NOOP("EngineValue", "full precision"),
+               "channel": QT_TRANSLATE_NOOP("EngineValue", "channel"),
                "token": QT_TRANSLATE_NOOP("EngineValue", "token"), "stop": QT_TRANSLATE_NOOP("EngineValue", "stop"),
                "slide": QT_TRANSLATE_NOOP("EngineValue", "slide")}
 PACKED_SUFFIX = ", packed"                  # engine.weights_label: "Q4_1 (+Q8_0), packed"
@@ -68,7 +70,7 @@ def install(app: QCoreApplication, choice: str | None) -> str:
 
 def value_name(value: str) -> str:
     """An engine value ("auto", "channel", "stop", ...) in the interface language; other values as they are."""
-    return QCoreApplication.translate("EngineValue", value) if value in VALUE_NAMES else value
+    return QCoreApplication.translate("EngineValue", VALUE_NAMES[value]) if value in VALUE_NAMES else value
 
 
 def weights_text(label: str) -> str:

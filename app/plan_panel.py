@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from PySide6.QtCore import QCoreApplication, QPointF, Qt, Signal
+from PySide6.QtCore import QPointF, Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPen, QPolygonF
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSlider, QStyle, QStyleOptionSlider,
                                QVBoxLayout, QWidget)
@@ -19,8 +19,8 @@ from .bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_famil
 from .i18n import cache_label, value_name
 
 # (name shown, K format, V format)
-PLAN_FORMATS = (("full", "auto", "auto"), ("int8", "int8", "int8"), ("fp8", "fp8", "fp8"), ("int4", "int4", "int4"),
-                ("int8/int4", "int8", "int4"))
+PLAN_FORMATS = (("full precision", "auto", "auto"), ("int8", "int8", "int8"), ("fp8", "fp8", "fp8"),
+                ("int4", "int4", "int4"), ("int8/int4", "int8", "int4"))
 BUDGET_COLOUR = "#dc2626"
 DEFAULT_CONTEXT = 2048
 
@@ -33,6 +33,7 @@ class PlanBar:
     now_bytes: int                      # the same for the open conversation's tokens now
     bytes_per_token: float
     max_tokens: int | None              # longest context that fits the budget; None: a window bounds it
+    full_dtype: str = ""                # what full precision is on this model and device ("bf16")
 
 
 def plan_bars(model_config, model_dtype: str, device: str, cache: CacheConfig, tokens: int, now_tokens: int,
@@ -42,11 +43,11 @@ def plan_bars(model_config, model_dtype: str, device: str, cache: CacheConfig, t
     for name, k, v in PLAN_FORMATS:
         option = cache.with_(k_format=k, v_format=v)
         layout = kv_layout(model_config, option, model_dtype, device)
-        if name == "full":
-            name = QCoreApplication.translate("PlanPanel", "full ({dtype})").format(dtype=layout.full_dtype)
+        if k == "auto":                 # named as Settings and the status line name it; its dtype in the tooltip
+            name = value_name("auto")
         bars.append(PlanBar(name, option, layout.sequence_bytes(tokens, cache.window, cache.sinks),
                             layout.sequence_bytes(now_tokens, cache.window, cache.sinks), layout.bytes_per_token,
-                            None if cache.window is not None else layout.max_tokens(budget_bytes)))
+                            None if cache.window is not None else layout.max_tokens(budget_bytes), layout.full_dtype))
     return bars
 
 
@@ -249,7 +250,9 @@ class PlanPanel(QWidget):
                                                                      sinks=self.cache.sinks)
 
     def _tip(self, bar: PlanBar, n: int) -> str:
-        lines = [f"{bar.name}: K {value_name(bar.cache.k_format)}, V {value_name(bar.cache.v_format)}",
+        lines = [self.tr("{name}: K and V as the model holds them ({dtype})").format(name=bar.name, dtype=bar.full_dtype)
+                 if bar.cache.k_format == "auto" else
+                 f"{bar.name}: K {value_name(bar.cache.k_format)}, V {value_name(bar.cache.v_format)}",
                  self.tr("{n} tokens: {size} ({bytes} B, {per_token} B/token in full blocks)").format(
                      n=f"{n:,}", size=format_mib(bar.num_bytes), bytes=f"{bar.num_bytes:,}",
                      per_token=f"{bar.bytes_per_token:,.0f}")]

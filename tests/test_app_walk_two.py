@@ -372,3 +372,21 @@ def test_engine_errors_name_the_setting_by_its_label(qtbot):
             SamplingParams(**changes)
         shown = engine_text(str(refused.value))
         assert not re.search(r"\b[a-z]+_[a-z_]+\b|\b(temperature|top_p|top_k)\b", shown), shown
+
+
+def test_full_precision_has_one_name_in_settings_the_status_line_and_the_plan(qtbot):
+    from fakes import FakeLoader
+    window = _local_window(qtbot, FakeLoader())
+    assert window.session_cache.k_format == "auto"
+    assert "full precision" in window.status_label.text() and "auto" not in window.status_label.text()
+    window.dashboard.show_page("Plan")
+    window.panels.refresh()
+    plan = window.dashboard.plan
+    assert plan.bars[0].name == "full precision" and plan.chart.columns[0].label == "full precision"
+    dtype = plan.bars[0].full_dtype                             # what it is on this model, where one looks
+    assert dtype in ("fp32", "bf16", "fp16") and f"({dtype})" in plan.chart.columns[0].tip
+    dialog = window.open_settings()
+    shown = [dialog.k_format.itemText(i) for i in range(dialog.k_format.count())]
+    assert "full precision" in shown and "auto" not in shown
+    assert dialog.k_format.currentText() == "full precision" and dialog.cache_config().k_format == "auto"
+    dialog.reject()

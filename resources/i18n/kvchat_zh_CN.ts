@@ -716,7 +716,7 @@ prefill {prefill} tok/s</source>
 <context>
     <name>EngineValue</name>
     <message>
-        <source>auto</source>
+        <source>full precision</source>
         <translation>全精度</translation>
     </message>
     <message>
@@ -1248,6 +1248,10 @@ prefill {prefill} tok/s</source>
         <translation>不限</translation>
     </message>
     <message>
+        <source>Built in</source>
+        <translation>内置</translation>
+    </message>
+    <message>
         <source>available RAM (psutil)</source>
         <translation>可用内存（psutil）</translation>
     </message>
@@ -1330,10 +1334,6 @@ prefill {prefill} tok/s</source>
 <context>
     <name>PlanPanel</name>
     <message>
-        <source>full ({dtype})</source>
-        <translation>全精度 {dtype}</translation>
-    </message>
-    <message>
         <source>Load a model to plan its cache.</source>
         <translation>加载模型后即可规划其缓存。</translation>
     </message>
@@ -1384,6 +1384,10 @@ prefill {prefill} tok/s</source>
     <message>
         <source> · window {window} + {sinks} sinks</source>
         <translation> · 窗口 {window} + {sinks} 个锚点</translation>
+    </message>
+    <message>
+        <source>{name}: K and V as the model holds them ({dtype})</source>
+        <translation>{name}：K 和 V 按模型自身的精度保存（{dtype}）</translation>
     </message>
     <message>
         <source>{n} tokens: {size} ({bytes} B, {per_token} B/token in full blocks)</source>
@@ -1863,6 +1867,18 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     <message>
         <source>off</source>
         <translation>关闭</translation>
+    </message>
+    <message>
+        <source>K format</source>
+        <translation>K 格式</translation>
+    </message>
+    <message>
+        <source>V format</source>
+        <translation>V 格式</translation>
+    </message>
+    <message>
+        <source>Sinks</source>
+        <translation>锚点</translation>
     </message>
     <message>
         <source>Temperature</source>
