@@ -142,7 +142,7 @@ def check(got: dict, answers: dict, which: str, change) -> None:
 _count = itertools.count()
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(change=mutations())
 def test_mutated_gguf_is_refused_in_one_line_or_answered_as_before(fuzz, change):
