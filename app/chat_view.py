@@ -273,6 +273,7 @@ class MessageWidget(QFrame):
         row.setContentsMargins(0, 0, 0, 0)
         row.setSpacing(2)
         self.finish_label = QLabel(footer, objectName="finishMark")
+        self.finish_label.setWordWrap(True)     # a narrow chat wraps the mark rather than cutting the buttons
         self.finish_label.setVisible(False)
         self.previous_button = self._action_button(footer, "‹", self.tr("Show the previous reply"),
                                                    lambda: request("previous"))

@@ -2,11 +2,13 @@
 filters it by title and message text.
 
 Each row is the title on one line, elided to the list's width (once, by us, so Qt's wrapping
-cannot elide it a second time), and when / cache mode under it. Only a left click opens a chat:
-a right click shows the menu and leaves the open conversation marked.
+cannot elide it a second time), and when / cache mode under it, over up to three lines when it is
+long. Only a left click opens a chat: a right click shows the menu and leaves the open conversation
+marked.
 """
 from __future__ import annotations
 
+import re
 import time
 
 from PySide6.QtCore import QCoreApplication, Qt, Signal
@@ -17,6 +19,8 @@ from .i18n import cache_label
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 TITLE_ROLE = Qt.ItemDataRole.UserRole + 1   # (title, detail) as stored, before eliding
+DETAIL_LINES = 3
+_BREAK = re.compile(r".+?(?:[·,，/]\s*|\s+|$)")     # a piece of the detail line up to where it may break
 
 
 def _when(timestamp: float) -> str:
@@ -29,6 +33,18 @@ def _when(timestamp: float) -> str:
         return time.strftime("%H:%M", time.localtime(timestamp))
     # the date's strftime format is translated too ("%d %b" reads "30 Nov"; Chinese puts the month first)
     return time.strftime(QCoreApplication.translate("ConversationList", "%d %b"), time.localtime(timestamp))
+
+
+def _wrapped(metrics, text: str, width: int) -> list[str]:
+    """`text` on DETAIL_LINES lines at most, broken after its separators (a long cache mode would otherwise be
+    cut to "K int8 / V i…" in a narrow list); only what is left past the last line is elided."""
+    pieces = _BREAK.findall(text)
+    lines = [""]
+    for piece in pieces:
+        if lines[-1] and metrics.horizontalAdvance(lines[-1] + piece.rstrip()) > width and len(lines) < DETAIL_LINES:
+            lines.append("")
+        lines[-1] += piece
+    return [metrics.elidedText(line.rstrip(), Qt.TextElideMode.ElideRight, width) for line in lines]
 
 
 class ConversationList(QListWidget):
@@ -84,9 +100,8 @@ class ConversationList(QListWidget):
     def _set_text(self, item: QListWidgetItem) -> None:
         title, detail = item.data(TITLE_ROLE)
         metrics, width = self.fontMetrics(), self._text_width()
-        lines = [metrics.elidedText(" ".join(line.split()), Qt.TextElideMode.ElideRight, width)
-                 for line in (title, detail)]
-        item.setText("\n".join(lines))
+        lines = [metrics.elidedText(" ".join(title.split()), Qt.TextElideMode.ElideRight, width)]
+        item.setText("\n".join(lines + _wrapped(metrics, " ".join(detail.split()), width)))
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)

@@ -1,9 +1,10 @@
 """The dashboard dock keeps the width the user gave it.
 
 A smaller window squeezes the dock; when the window grows again Qt gives all the new room to the chat,
-so the dock would stay narrow for good. Here the dock's width is remembered when it changes while the
-window's width does not (the user dragged the separator, or the layout was restored), and given back
-after the window grows, as far as the chat's minimum width allows.
+so the dock would stay narrow for good. Here the dock's width is remembered as the layout first gives
+it (the saved layout restored) and when the user drags the separator between chat and dock, and
+given back after the window grows, as far as the chat's minimum width allows. A dock squeezed by the
+layout (a smaller window, a wider chat) does not change the width it comes back to.
 """
 from __future__ import annotations
 
@@ -19,16 +20,20 @@ class DockWidth(QObject):
         self.window, self.dock = window, dock
         self.wanted: int | None = None      # the width to come back to; None until the first layout
         self._window_width = -1             # the window's width once its last resize settled
+        self._dragging = False              # a mouse button is down on the window itself: on a separator
         self._restoring = False
         window.installEventFilter(self)
         dock.installEventFilter(self)
 
     def eventFilter(self, watched, event) -> bool:
-        if event.type() == QEvent.Type.Resize:
+        kind = event.type()
+        if watched is self.window and kind in (QEvent.Type.MouseButtonPress, QEvent.Type.MouseButtonRelease):
+            self._dragging = kind == QEvent.Type.MouseButtonPress
+        elif kind == QEvent.Type.Resize:
             if watched is self.window:
                 # settled after the layout pass, whichever order Qt delivers the two resizes in
                 QTimer.singleShot(0, self._settle)
-            elif not self._restoring and self.window.width() == self._window_width:
+            elif self._dragging and not self._restoring and self.window.width() == self._window_width:
                 self.wanted = self.dock.width()
         return False
 

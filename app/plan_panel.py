@@ -119,6 +119,7 @@ class PlanPanel(QWidget):
         layout.addWidget(self.summary)
         row = QHBoxLayout()
         self.context_label = QLabel("", objectName="dashboardSection")
+        self.context_label.setWordWrap(True)    # a window's " · window 256 + 4 sinks" made it wider than the dock
         row.addWidget(self.context_label, 1)
         self.now_button = QPushButton(self.tr("Open chat"), objectName="planNowButton")
         self.now_button.setToolTip(self.tr("Move the slider to the open conversation's length"))

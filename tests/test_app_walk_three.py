@@ -262,11 +262,23 @@ def test_the_dock_gets_its_width_back_after_the_window_was_small(qtbot):
 
     assert round_trip() < wide                  # the small window really squeezed it
     assert window.dock.width() == wide
-    window.resizeDocks([window.dock], [wide - 120], Qt.Orientation.Horizontal)     # as a drag of the separator
-    qtbot.waitUntil(lambda: window.dock.width() == wide - 120, timeout=2000)
-    qtbot.wait(50)
+    window.resizeDocks([window.dock], [wide - 200], Qt.Orientation.Horizontal)     # the layout, not the user
+    qtbot.waitUntil(lambda: window.dock.width() == wide - 200, timeout=2000)
     round_trip()
-    assert window.dock.width() == wide - 120
+    assert window.dock.width() == wide
+
+    from PySide6.QtCore import QPoint
+    separator = QPoint(window.dock.geometry().left() - 2, window.dock.geometry().center().y())
+    qtbot.mousePress(window, Qt.MouseButton.LeftButton, pos=separator)
+    for step in (60, 120):
+        qtbot.mouseMove(window, separator + QPoint(step, 0))
+        qtbot.wait(20)
+    qtbot.mouseRelease(window, Qt.MouseButton.LeftButton, pos=separator + QPoint(120, 0))
+    qtbot.wait(50)
+    chosen = window.dock.width()
+    assert chosen < wide - 60                   # the user's own choice
+    round_trip()
+    assert window.dock.width() == chosen
 
 
 # --- the Chinese interface: the engine's values and messages ---
@@ -321,7 +333,7 @@ def engine_messages(tiny_dir, tmp_path) -> list[str]:
 
 
 def test_the_engines_messages_are_shown_in_chinese(qtbot, tiny_dir, tmp_path, chinese):
-    """Each message is translated whole, its numbers and names kept; English stays exactly the engine's text."""
+    """Each message is translated whole, its numbers and names kept; English stays the engine's text."""
     from PySide6.QtWidgets import QApplication
     from app.engine_text import engine_text
     from test_i18n import english_words
@@ -335,7 +347,8 @@ def test_the_engines_messages_are_shown_in_chinese(qtbot, tiny_dir, tmp_path, ch
     app = QApplication.instance()
     for translator in app._kvchat_translators:
         app.removeTranslator(translator)
-    assert [engine_text(m) for m in messages] == messages
+    # English keeps the engine's words, but for "auto", which the interface calls "full precision" everywhere
+    assert [engine_text(m) for m in messages] == [re.sub(r"\bauto\b", "full precision", m) for m in messages]
     assert engine_text("Something the table does not know: 42") == "Something the table does not know: 42"
 
 
@@ -371,3 +384,47 @@ def test_chinese_window_names_formats_schemes_policies_and_weights(qtbot, tiny_d
     assert "全精度" in window.conversations.item(0).text()
     assert not english_words(window.conversations.item(0).text())
     assert weights_text("Q4_1 (+Q8_0), packed") == "Q4_1 (+Q8_0)，按块打包"
+
+
+@pytest.fixture
+def styled(qapp):
+    """The app's style sheet, as app.main loads it (button sizes follow it), removed afterwards."""
+    from app.main import load_style
+    load_style(qapp)
+    yield qapp
+    qapp.setStyleSheet("")
+
+
+def test_chinese_window_at_1024_cuts_no_label(qtbot, chinese, styled):
+    """At 1024x700 in Chinese, with a long cache mode and a reply cut at max tokens: the chat list shows the
+    whole mode (over more lines), the Plan page fits the dock (its two buttons whole), and the reply's mark
+    and buttons fit the chat column."""
+    from PySide6.QtWidgets import QPushButton
+    from engine.config import CacheConfig
+
+    window = ready_window(qtbot)
+    window.apply_settings(replace(window.settings, cache=CacheConfig(k_format="int8", v_format="int4", window=256,
+                                                                      sinks=4)))
+    qtbot.waitUntil(lambda: window.session_cache.window == 256, timeout=5000)
+    send(qtbot, window, "你好")
+    assert window.chat.chat_messages()[-1].finish == "length"
+    window.resize(1024, 700)
+    qtbot.waitUntil(lambda: window.width() == 1024, timeout=2000)
+    window.dashboard.show_page("Plan")
+    qtbot.wait(100)
+
+    row = window.conversations.item(0).text()
+    assert "…" not in row and "256 + 4 个锚点" in row.replace("\n", " ")
+    panel = window.findChild(QPushButton, "planNowButton").parentWidget()
+    viewport = panel.parentWidget()
+    assert panel.width() <= viewport.width()
+    for name in ("planNowButton", "planApply"):
+        button = window.findChild(QPushButton, name)
+        assert button.mapTo(viewport, button.rect().topRight()).x() < viewport.width(), name
+    assert window.chat.widget().width() <= window.chat.viewport().width()
+    reply = window.chat.chat_messages()[-1]
+    assert reply.finish_label.isVisible()
+    assert reply.minimumSizeHint().width() <= 300       # the mark wraps: the chat need not push the dock away
+    assert window.dock.width() >= 380
+    right = reply.delete_button.mapTo(window.chat.viewport(), reply.delete_button.rect().topRight()).x()
+    assert right < window.chat.viewport().width()
