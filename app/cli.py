@@ -7,7 +7,14 @@ TERMINAL_COMMANDS = {"chat", "bench", "serve", "estimate", "-h", "--help"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:           # Ctrl+C while Qt or torch is still being imported
+        print("\nkvchat: stopped (Ctrl+C)", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] in (["--version"], ["-V"]):     # answered without importing Qt or torch
         from app.main import version
         print(f"kvchat {version()}")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -76,13 +78,37 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     window = MainWindow(store, history)
     window.show()
+    interrupted = _close_on_ctrl_c(app, window)
     check = None
     if args.self_test:
         from .self_test import SelfTest
         check = SelfTest(app, window, args.self_test)     # greedy for this run only; Settings stay as saved
     code = app.exec()
     history.close()
+    if interrupted:
+        return 130
     return check.code if check else int(code)
+
+
+def _close_on_ctrl_c(app, window) -> list:
+    """Ctrl+C in the terminal closes the window as its close button does (a model being loaded finishes first),
+    with one line instead of a KeyboardInterrupt traceback; a second Ctrl+C ends the process at once.
+    Returns a list that is not empty once it happened."""
+    from PySide6.QtCore import QTimer
+    hits = []
+
+    def on_sigint(*_) -> None:
+        if hits:
+            os._exit(130)
+        hits.append(True)
+        print("kvchat: stopping (Ctrl+C); press it again to quit at once", file=sys.stderr, flush=True)
+        window.close()
+    signal.signal(signal.SIGINT, on_sigint)
+    # Python runs a signal handler only between bytecodes of the GUI thread: a timer gives it some while Qt waits
+    timer = QTimer(app)
+    timer.timeout.connect(lambda: None)
+    timer.start(200)
+    return hits
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ import importlib
 _WHERE = {"CacheConfig": "config", "ConfigError": "config", "EngineConfig": "config", "SamplingParams": "config",
           "Engine": "engine", "LayerBytes": "events", "MemoryProbe": "events", "StatsSnapshot": "events",
           "TokenDelta": "events", "TurnFinished": "events", "ModelLoadError": "loader", "BudgetFull": "session",
-          "Session": "session"}
+          "Session": "session", "SessionBusy": "turns", "SessionClosed": "turns"}
 
 __all__ = ["Engine", "EngineConfig", "CacheConfig", "SamplingParams", "Session", "ConfigError", "ModelLoadError",
-           "BudgetFull", "StatsSnapshot", "LayerBytes", "MemoryProbe", "TokenDelta", "TurnFinished"]
+           "BudgetFull", "SessionBusy", "SessionClosed", "StatsSnapshot", "LayerBytes", "MemoryProbe", "TokenDelta",
+           "TurnFinished"]
 
 
 def __getattr__(name: str):

@@ -5,7 +5,9 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
 
 from .config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 
@@ -81,14 +83,23 @@ def cmd_chat(args) -> int:
         return 141
 
 
+def sampling_params(args) -> SamplingParams:
+    """The chat options as SamplingParams; a bad value is a ConfigError naming the option (main prints it)."""
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_new_tokens=args.max_new_tokens, repetition_penalty=args.repetition_penalty,
+                              seed=args.seed)
+    except ConfigError as exc:
+        name, _, advice = str(exc).partition("=")
+        raise ConfigError(f"--{name.replace('_', '-')} {advice}") from None
+
+
 def _chat(args) -> int:
+    params = sampling_params(args)      # before anything loads: a bad value costs no wait
     if args.prompt is not None:
         from . import quick              # a one-shot answer without torch, where it covers the model
         if quick.covers(args):
             try:
-                params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                        max_new_tokens=args.max_new_tokens,
-                                        repetition_penalty=args.repetition_penalty, seed=args.seed)
                 done = quick.one_shot(args.model, args.prompt, args.system, params)
             except ConfigError:
                 done = None
@@ -104,9 +115,6 @@ def _chat(args) -> int:
     except (ModelLoadError, ConfigError) as exc:
         print(f"kvchat: {exc}", file=sys.stderr)
         return 2
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed)
     session = engine.new_session(system_prompt=args.system)
     if args.prompt is not None:
         try:
@@ -234,6 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:          # a bad option value: one line, not a traceback
         print(f"kvchat: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:           # Ctrl+C while the model loads (a reply's own Ctrl+C is caught nearer)
+        return interrupted()
+
+
+def interrupted() -> int:
+    """One line for a Ctrl+C, and the shell's code for it; a second Ctrl+C while threads wind down ends at once."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    print("\nkvchat: stopped (Ctrl+C)", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

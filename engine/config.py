@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from numbers import Integral
+from numbers import Integral, Real
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -109,8 +109,39 @@ class CacheConfig:
 MIB = 1024 * 1024
 
 
+GREEDY_BELOW = 1e-5        # a temperature this low is greedy: dividing logits by it only overflows
+MAX_SEED = 2**64 - 1        # torch's generators take 64-bit seeds
+
+
+def _shown(value) -> str:
+    try:
+        text = repr(value)
+    except ValueError:          # an int past Python's digit limit
+        return f"a {type(value).__name__} too long to show"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _number(obj, name: str, kind: type, ok, advice: str):
+    """obj.name as a finite `kind` (bool is not a number here) for which ok(value) holds, stored as that kind."""
+    value = getattr(obj, name)
+    if kind is int:
+        fits = _is_whole(value)
+    else:
+        try:
+            fits = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value))
+        except OverflowError:       # an int past float's range
+            fits = False
+    if not fits or not ok(value):
+        raise ConfigError(f"{name}={_shown(value)}: {advice}")
+    object.__setattr__(obj, name, kind(value))
+    return kind(value)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How the next token is chosen. A temperature below GREEDY_BELOW is stored as 0 (greedy), so every
+    sampler (the session's, the server's, the one-shot path's) treats it alike."""
+
     temperature: float = 0.7
     top_k: int = 0
     top_p: float = 1.0
@@ -119,16 +150,19 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature}: use 0 for greedy or a positive value")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k={self.top_k}: use 0 to disable or a positive count")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ConfigError(f"repetition_penalty={self.repetition_penalty}: must be positive (1.0 disables it)")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be at least 1")
+        t = _number(self, "temperature", float, lambda v: v >= 0, "use a finite number: 0 for greedy, or e.g. 0.7")
+        object.__setattr__(self, "temperature", 0.0 if t < GREEDY_BELOW else t)
+        _number(self, "top_k", int, lambda v: v >= 0, "use a whole number: 0 to disable, or how many tokens to keep")
+        _number(self, "top_p", float, lambda v: 0 < v <= 1, "use a finite number above 0 and at most 1 (1 disables it)")
+        _number(self, "repetition_penalty", float, lambda v: v > 0, "use a finite positive number (1.0 disables it)")
+        _number(self, "max_new_tokens", int, lambda v: v >= 1, "use a whole number of tokens, at least 1")
+        if self.seed is not None:
+            _number(self, "seed", int, lambda v: 0 <= v <= MAX_SEED,
+                    f"use a whole number from 0 to {MAX_SEED}, or none for a new seed each time")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 @dataclass(frozen=True, slots=True)

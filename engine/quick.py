@@ -228,7 +228,7 @@ def sample(logits: np.ndarray, params: SamplingParams, recent: list[int], rng: n
         picked = logits[ids]
         logits = logits.copy()
         logits[ids] = np.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
-    if params.temperature == 0:
+    if params.greedy:
         return int(np.argmax(logits))
     logits = logits.astype(np.float64) / params.temperature
     if params.top_k:

@@ -14,7 +14,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, recent_ids: list[int], 
         # as in CTRL / transformers: shrink positive logits, push negative ones further down
         logits = logits.clone()
         logits[ids] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
-    if params.temperature == 0:
+    if params.greedy:
         return int(logits.argmax())
     logits = logits / params.temperature
     if params.top_k:

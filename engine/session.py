@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import memory
-from .chat_format import clean_text, encode_conversation, tokenize_pieces
+from .chat_format import encode_conversation, tokenize_pieces
 from .config import CacheConfig, ConfigError, SamplingParams
 from .convert import convert_sequence
 from .detok import StreamDecoder
@@ -23,6 +23,8 @@ from .kv_manager import NoFreeBlocks
 from .memory_check import trim_heap
 from .runner import ModelRunner
 from .sampling import sample
+from .turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
+from .turns import TurnGuard, checked_history, checked_params, checked_text, turn
 
 
 class BudgetFull(RuntimeError):
@@ -59,8 +61,8 @@ class Session:
                  history: list[dict] | None = None, prefix_cache: bool = True):
         self.runner = runner
         self.info = info
-        self.system_prompt = clean_text(system_prompt) if system_prompt else system_prompt
-        self.messages: list[dict] = [dict(m, content=clean_text(m["content"])) for m in (history or [])]
+        self.system_prompt = checked_text(system_prompt, "the system prompt") if system_prompt else None
+        self.messages: list[dict] = checked_history(history)
         self._config = cache
         self.seq = runner.new_sequence(cache)
         self.prefix_cache = prefix_cache
@@ -71,6 +73,7 @@ class Session:
         self._starts: list[int | None] = [None] * len(self.messages)   # token index where each message begins
         self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
         self.notice = ""
+        self._guard = TurnGuard()
 
     @property
     def cache_config(self) -> CacheConfig:
@@ -171,6 +174,7 @@ class Session:
         """Teacher-forced: feed token_ids (after any pending ones) into the cache.
 
         Returns their logits [T, vocab], or only the last token's [1, vocab] when all_logits is False."""
+        self._guard.check_idle()
         self._sync()
         token_ids = [int(t) for t in token_ids]
         vocab = self.runner.model.config.vocab_size
@@ -215,16 +219,18 @@ class Session:
             self.reset()
         return self._tokenize(pieces, 0)
 
+    @turn
     def send(self, text: str, params: SamplingParams | None = None,
              should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
         """Add a user message and stream the reply: TokenDelta ..., then one TurnFinished.
 
         A turn refused (too long, over budget) or stopped while its prompt is read leaves the
-        conversation and the cache exactly as they were."""
-        params = params or SamplingParams()
+        conversation and the cache exactly as they were. While the stream is live the session takes no other
+        turn (SessionBusy); a reset, rewind or close ends it (engine/turns.py)."""
+        text = checked_text(text, "the message")
+        params = checked_params(params)
         self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
-        text = clean_text(text)
         self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
         started = time.perf_counter()
         new_ids = self._new_tokens_for(self.messages + [{"role": "user", "content": text}])
@@ -252,7 +258,7 @@ class Session:
             raise
         self.messages.append({"role": "user", "content": text})
         self._starts.append(kept)
-        self.alternatives = []
+        self._drop_alternatives()
         self._prompt_end, self._prompt_logits = len(self.token_ids), logits.detach().clone()
         self._turn["prefill_tokens"] = len(prompt)
         self._turn["prefill_s"] = time.perf_counter() - started
@@ -275,7 +281,7 @@ class Session:
     def _decode(self, logits: torch.Tensor, params: SamplingParams, should_stop, started: float,
                 continues: bool = False):
         generator = None
-        if params.temperature > 0:
+        if not params.greedy:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
         reply: list[int] = []
@@ -324,11 +330,12 @@ class Session:
             yield TokenDelta(rest, ())
         yield TurnFinished(final, reason, message, self.stats())
 
+    @turn
     def regenerate(self, params: SamplingParams | None = None,
                    should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
         """A new reply to the last user message: the cache forks where the reply began, so the history is not
         read again; the old reply is kept as an alternative (see `alternatives`, `select_alternative`)."""
-        params = params or SamplingParams()
+        params = checked_params(params)
         self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         if not self.messages or self.messages[-1]["role"] != "assistant":
@@ -339,7 +346,9 @@ class Session:
         self._starts.pop()
         can_fork = self._prompt_logits is not None and self._cached >= self._prompt_end and not self.seq.evicted
         if not can_fork:       # released, slid or resumed: read the prompt again
-            kept = self.alternatives + [Alternative(old["content"], None, [])]
+            # the old replies keep their text; their caches go, as the prompt they answered is read again
+            kept = [alt.text for alt in self.alternatives] + [old["content"]]
+            self._drop_alternatives()
             last_user = self.messages.pop()
             self._starts.pop()
             self.token_ids = self.token_ids[:self._cached]
@@ -349,10 +358,11 @@ class Session:
                     self.notice = self.notice or notice
                     event = TurnFinished(event.text, event.finish_reason, event.message, self.stats())
                     if self.messages and self.messages[-1]["role"] == "assistant":
-                        self.alternatives = kept        # send starts a fresh list; a regenerate keeps the old replies
+                        self.alternatives = [Alternative(t, None) for t in kept]
                     else:                               # refused or stopped before a reply: the chat stays as it was
                         self.messages += [last_user, old]
                         self._starts += [None, None]
+                        self.alternatives = [Alternative(t, None) for t in kept[:-1]]
                 yield event
             return
         child, shared = self.runner.fork(self.seq, self._prompt_end)
@@ -367,10 +377,11 @@ class Session:
         self._turn["prefill_s"] = time.perf_counter() - started
         yield from self._decode(logits, params, should_stop, started)
 
+    @turn
     def continue_reply(self, params: SamplingParams | None = None,
                        should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
         """More of the last reply (cut at max tokens, or stopped): its text grows; nothing is read again."""
-        params = params or SamplingParams()
+        params = checked_params(params)
         self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         if not self.messages or self.messages[-1]["role"] != "assistant":
@@ -399,13 +410,15 @@ class Session:
     def rewind(self, index: int) -> None:
         """Drop messages[index:] (edit and resend from there): the cache goes back to where message `index`
         began, exactly when it can (full precision, or within a quantized cache's last block), else it is read
-        again on the next turn."""
-        if not 0 <= index <= len(self.messages):
-            raise ConfigError(f"there is no message {index} to go back to")
+        again on the next turn. A reply streaming meanwhile stops first, kept as a stopped reply is."""
+        self._guard.check_open()
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= len(self.messages):
+            raise ConfigError(f"there is no message {index!r} to go back to")
+        self._guard.end(self, "rewind")
         start = self._starts[index] if index < len(self._starts) else None
         del self.messages[index:]
         del self._starts[index:]
-        self.alternatives = []
+        self._drop_alternatives()
         self._prompt_logits = None
         if start is None or start > len(self.token_ids):
             self.reset()
@@ -421,14 +434,17 @@ class Session:
 
     def select_alternative(self, index: int) -> None:
         """Swap the current last reply with alternative `index` (its cache too, if it is still held)."""
+        self._guard.check_idle()
         alt = self.alternatives[index]
         current = Alternative(self.messages[-1]["content"], self.seq, list(self.token_ids))
         self.messages[-1] = {"role": "assistant", "content": alt.text}
         if alt.seq is not None and not alt.seq.released and alt.seq.num_tokens:
             self.seq, self.token_ids = alt.seq, list(alt.token_ids)
-        else:
-            if current.seq is not None:
-                self.runner.free(current.seq)
+        else:               # its cache is gone: the chat is read again from a new sequence
+            for seq in (alt.seq, current.seq):
+                if seq is not None:
+                    self.runner.close(seq)
+            current.seq, current.token_ids = None, []
             self.seq = self.runner.new_sequence(self._config)
             self.token_ids = []
         self.alternatives[index] = current
@@ -458,6 +474,7 @@ class Session:
 
     def set_cache(self, config: CacheConfig) -> None:
         """Switch the cache mode live: convert the blocks held, keep the conversation."""
+        self._guard.check_open()
         self.runner.check(config)
         if config.budget_mb != self._config.budget_mb:
             self.runner.set_budget(config.budget_mb)
@@ -465,12 +482,11 @@ class Session:
         self._config = config
 
     def reset(self) -> int:
-        """Free every block (alternatives' too); the messages stay and are read again on the next turn."""
-        freed = self.runner.free(self.seq)
-        for alt in self.alternatives:
-            if alt.seq is not None and alt.seq is not self.seq:
-                freed += self.runner.free(alt.seq)
-                alt.seq = None
+        """Free every block (alternatives' too); the messages stay and are read again on the next turn.
+        A reply streaming meanwhile stops first, kept as a stopped reply is."""
+        self._guard.check_open()
+        self._guard.end(self, "reset")
+        freed = self.runner.free(self.seq) + self._drop_alternative_caches()
         self.token_ids.clear()
         self._prompt_logits = None
         if str(self.runner.device).startswith("cuda"):
@@ -479,12 +495,32 @@ class Session:
         return freed
 
     def close(self) -> None:
-        """Give the conversation's blocks back for good (a closed chat or a finished request)."""
+        """Give the conversation's blocks and sequences back for good (a closed chat or a finished request);
+        a reply streaming meanwhile stops first. Closing twice is harmless; any other use afterwards is refused."""
+        if self._guard.closed:
+            return
+        self._guard.end(self, "close")
         self.reset()
         self.runner.close(self.seq)
+        self._guard.closed = True
+
+    def _drop_alternative_caches(self) -> int:
+        """Close the sequences of the kept replies (their text stays); returns the bytes freed."""
+        freed = 0
+        for alt in self.alternatives:
+            if alt.seq is not None and alt.seq is not self.seq:
+                freed += self.runner.free(alt.seq)
+                self.runner.close(alt.seq)
+            alt.seq, alt.token_ids = None, []
+        return freed
+
+    def _drop_alternatives(self) -> None:
+        self._drop_alternative_caches()
+        self.alternatives = []
 
     def truncate(self, n: int) -> None:
         """Take back the last n tokens of the cache and the conversation's token ids."""
+        self._guard.check_idle()
         self.runner.truncate(self.seq, n)
         del self.token_ids[self.seq.num_tokens:]
 
