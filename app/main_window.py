@@ -426,6 +426,9 @@ class MainWindow(QMainWindow):
         if turn is not None and self._save(turn.finish, event) is False:
             if visible and not self.input.toPlainText().strip():
                 self.input.setPlainText(turn.user_text)     # refused and not saved: the text is not lost
+            asked = [m for m in self.chat.chat_messages() if m.role == "user"]
+            if visible and event.finish_reason == "unreachable" and asked and asked[-1].message_id is None:
+                self.chat.remove_message(asked[-1])         # no server took it: it is in the input box, not sent
             if turn.new_conversation and self.history.get(turn.conversation_id) is None:
                 if self.conversation_id == turn.conversation_id:
                     self.conversation_id = None

@@ -147,6 +147,7 @@ def test_a_server_killed_mid_reply_keeps_the_reply_says_so_and_keeps_the_next_me
     assert said.startswith("the server is unreachable (Connection refused at ") and "\n" not in said
     assert "Errno" not in said and "input box" in said
     assert window.history.messages(window.conversation_id) == saved
+    assert [m.text() for m in window.chat.chat_messages()][-1] == event.text     # not shown as sent either
     assert "disconnected" in window.status_label.text()
 
 
