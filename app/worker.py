@@ -315,7 +315,7 @@ class EngineWorker(QObject):
             self.error.emit(ErrorEvent("send", failure, str(exc)))
         except Exception as exc:  # noqa: BLE001 - the conversation must stay usable after a failed turn
             done_reading()
-            self.error.emit(ErrorEvent("send", failure, f"{type(exc).__name__}: {exc}"))
+            self.error.emit(ErrorEvent("send", failure, _load_error_message(exc)))    # a server's words: one line
 
     def _announce_reading(self, new_text: str) -> Callable[[], None]:
         """A chat reopened or released holds no cache: its first turn reads the whole history before any token

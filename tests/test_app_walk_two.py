@@ -391,3 +391,21 @@ def test_full_precision_has_one_name_in_settings_the_status_line_and_the_plan(qt
     assert "full precision" in shown and "auto" not in shown
     assert dialog.k_format.currentText() == "full precision" and dialog.cache_config().k_format == "auto"
     dialog.reject()
+
+
+def test_a_server_that_ends_the_reply_with_an_error_is_said_in_one_line(qtbot, tiny_engine):
+    srv = Server(tiny_engine, ServeConfig(port=0, model_id="tiny"),
+                 CacheConfig(k_format="fp32", v_format="fp32", budget_mb=0.5))
+    srv.start()
+    try:
+        window = remote_window(qtbot, srv.base_url, sampling=LONG)
+        window.input.setPlainText("def add(a, b):")
+        window.input.submit()
+        qtbot.waitUntil(lambda: len(window.chat.reply_text()) > 10, timeout=20_000)
+        with qtbot.waitSignal(window.host.error, timeout=10_000) as failed:
+            srv.scheduler.shutdown()                    # the server cancels the request: an error event in the stream
+        said = notices(window)[-1]
+        assert failed.args[0].message.startswith("the server ended the reply: ")
+        assert "RemoteError" not in said and "\n" not in said
+    finally:
+        srv.stop()
