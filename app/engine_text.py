@@ -41,6 +41,15 @@ MESSAGES = (
                                     "into the window needs {need} MiB; raise the budget to {need_again} MiB or more, "
                                     "or lower the window"),
     QT_TRANSLATE_NOOP("EngineText", "full-precision layers {layers} do not exist: this model has layers 0-{last}"),
+    QT_TRANSLATE_NOOP("EngineText", "model path {path} does not exist: choose a local Hugging Face folder or a .gguf "
+                                    "file"),
+    QT_TRANSLATE_NOOP("EngineText", "{name}: expected a folder with config.json and *.safetensors, or a .gguf file"),
+    QT_TRANSLATE_NOOP("EngineText", "{folder} has no config.json: it is not a Hugging Face model folder"),
+    QT_TRANSLATE_NOOP("EngineText", "{name} is a pickle checkpoint, which can run arbitrary code: kvchat loads only "
+                                    ".safetensors folders and .gguf files"),
+    QT_TRANSLATE_NOOP("EngineText", "{name} is not a readable GGUF file ({error}); re-download or re-export it"),
+    QT_TRANSLATE_NOOP("EngineText", "unsupported architecture {arch} in {where}: kvchat runs the Llama family "
+                                    "({supported})"),
     QT_TRANSLATE_NOOP("EngineText", "there is no reply to regenerate yet: send a message first"),
     QT_TRANSLATE_NOOP("EngineText", "there is no reply to continue: send a message first"),
     QT_TRANSLATE_NOOP("EngineText", "the last reply ended on its own; send a message to go on"),

@@ -329,6 +329,13 @@ def engine_messages(tiny_dir, tmp_path) -> list[str]:
     short = Engine.load(EngineConfig(model=tiny_model_dir(tmp_path / "short" / "model", hidden=64, heads=2, kv_heads=2,
                                                           layers=2, max_positions=128)))
     messages.append(turn(short.new_session(), "word " * 60).message)      # past the model's context
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    (tmp_path / "notes.txt").write_text("x")
+    for path in (tmp_path / "nowhere", tmp_path / "empty", tmp_path / "weights.bin", tmp_path / "notes.txt"):
+        with pytest.raises(Exception) as refused:       # the loader's refusals, as the worker shows them
+            Engine.load(EngineConfig(model=str(path)))
+        messages.append(str(refused.value))
     return messages
 
 
@@ -339,10 +346,11 @@ def test_the_engines_messages_are_shown_in_chinese(qtbot, tiny_dir, tmp_path, ch
     from test_i18n import english_words
 
     messages = engine_messages(tiny_dir, tmp_path)
-    assert len(messages) == 9 and all(messages)
+    assert len(messages) == 13 and all(messages)
     for message in messages:
         translated = engine_text(message)
-        assert not english_words(translated), (message, translated)
+        names = re.sub(r"\b(weights\.bin|notes\.txt)\b", "", translated)      # the test's own file names
+        assert not english_words(names), (message, translated)
         assert sorted(re.findall(r"\d[\d,.]*", translated)) == sorted(re.findall(r"\d[\d,.]*", message))
     app = QApplication.instance()
     for translator in app._kvchat_translators:

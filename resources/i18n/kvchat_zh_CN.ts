@@ -467,6 +467,10 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>关闭</translation>
     </message>
     <message>
+        <source>&lt;b&gt;{title}&lt;/b&gt;: {message}</source>
+        <translation>&lt;b&gt;{title}&lt;/b&gt;：{message}</translation>
+    </message>
+    <message>
         <source>decode tok/s</source>
         <translation>解码 tok/s</translation>
     </message>
@@ -663,6 +667,30 @@ prefill {prefill} tok/s</source>
     <message>
         <source>full-precision layers {layers} do not exist: this model has layers 0-{last}</source>
         <translation>全精度层 {layers} 不存在：此模型的层为 0-{last}</translation>
+    </message>
+    <message>
+        <source>model path {path} does not exist: choose a local Hugging Face folder or a .gguf file</source>
+        <translation>模型路径 {path} 不存在：请选择本地的 Hugging Face 模型文件夹或 .gguf 文件</translation>
+    </message>
+    <message>
+        <source>{name}: expected a folder with config.json and *.safetensors, or a .gguf file</source>
+        <translation>{name}：需要一个含 config.json 和 *.safetensors 的文件夹，或一个 .gguf 文件</translation>
+    </message>
+    <message>
+        <source>{folder} has no config.json: it is not a Hugging Face model folder</source>
+        <translation>{folder} 中没有 config.json：它不是 Hugging Face 模型文件夹</translation>
+    </message>
+    <message>
+        <source>{name} is a pickle checkpoint, which can run arbitrary code: kvchat loads only .safetensors folders and .gguf files</source>
+        <translation>{name} 是序列化的检查点文件，加载时可能执行任意代码：kvchat 只加载 .safetensors 文件夹和 .gguf 文件</translation>
+    </message>
+    <message>
+        <source>{name} is not a readable GGUF file ({error}); re-download or re-export it</source>
+        <translation>{name} 不是可读取的 GGUF 文件（{error}）；请重新下载或重新导出</translation>
+    </message>
+    <message>
+        <source>unsupported architecture {arch} in {where}: kvchat runs the Llama family ({supported})</source>
+        <translation>{where} 中的架构 {arch} 不受支持：kvchat 运行 Llama 系列（{supported}）</translation>
     </message>
     <message>
         <source>there is no reply to regenerate yet: send a message first</source>
@@ -1084,6 +1112,10 @@ prefill {prefill} tok/s</source>
     <message>
         <source>Session reset: the cache was already empty, nothing to return.</source>
         <translation>会话已重置：缓存本来就是空的，没有可归还的内存。</translation>
+    </message>
+    <message>
+        <source>reading {n} tokens of this chat…</source>
+        <translation>正在读取这段对话的 {n} 个 token…</translation>
     </message>
     <message>
         <source>No model loaded</source>
