@@ -12,7 +12,7 @@ import re
 import time
 
 from PySide6.QtCore import QCoreApplication, Qt, Signal
-from PySide6.QtWidgets import QInputDialog, QListWidget, QListWidgetItem, QMenu, QMessageBox, QWidget
+from PySide6.QtWidgets import QInputDialog, QListWidget, QListWidgetItem, QMenu, QMessageBox, QStyle, QWidget
 
 from .history import HistoryError, HistoryStore
 from .i18n import cache_label
@@ -95,7 +95,10 @@ class ConversationList(QListWidget):
         self.blockSignals(False)
 
     def _text_width(self) -> int:
-        return max(40, self.viewport().width() - 2 * self.spacing() - 16)
+        """Where a row's text goes: the item's padding in style.qss (8 px a side) and the margin the item view
+        keeps inside it (else Qt elides a line we measured as fitting a second time)."""
+        margin = self.style().pixelMetric(QStyle.PixelMetric.PM_FocusFrameHMargin, None, self) + 1
+        return max(40, self.viewport().width() - 2 * self.spacing() - 16 - 2 * margin)
 
     def _set_text(self, item: QListWidgetItem) -> None:
         title, detail = item.data(TITLE_ROLE)

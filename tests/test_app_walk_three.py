@@ -418,11 +418,24 @@ def test_chinese_window_at_1024_cuts_no_label(qtbot, chinese, styled):
     assert window.chat.chat_messages()[-1].finish == "length"
     window.resize(1024, 700)
     qtbot.waitUntil(lambda: window.width() == 1024, timeout=2000)
+    window.splitter.setSizes([0, window.splitter.width()])     # the chat list at its narrowest
     window.dashboard.show_page("Plan")
     qtbot.wait(100)
 
-    row = window.conversations.item(0).text()
+    listing = window.conversations
+    row = listing.item(0).text()
     assert "…" not in row and "256 + 4 个锚点" in row.replace("\n", " ")
+    # each line fits where the style draws an item's text (less the margin it keeps inside that rect), or
+    # Qt would elide it again while painting
+    from PySide6.QtWidgets import QStyle, QStyleOptionViewItem
+    option = QStyleOptionViewItem()
+    listing.initViewItemOption(option)
+    option.index = listing.indexFromItem(listing.item(0))
+    option.rect, option.text = listing.visualRect(option.index), row
+    option.features |= QStyleOptionViewItem.ViewItemFeature.HasDisplay
+    margin = listing.style().pixelMetric(QStyle.PixelMetric.PM_FocusFrameHMargin, None, listing) + 1
+    room = listing.style().subElementRect(QStyle.SubElement.SE_ItemViewItemText, option, listing).width() - 2 * margin
+    assert all(listing.fontMetrics().horizontalAdvance(line) <= room for line in row.split("\n"))
     panel = window.findChild(QPushButton, "planNowButton").parentWidget()
     viewport = panel.parentWidget()
     assert panel.width() <= viewport.width()
