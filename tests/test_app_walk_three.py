@@ -129,15 +129,23 @@ def test_undo_puts_a_deleted_exchange_back_in_place_with_its_versions(qtbot):
 
 
 def test_without_undo_a_deleted_exchange_stays_deleted(qtbot):
-    """The offer ends after its time (or with the next delete); the messages stay gone after a restart."""
+    """Undo waits while a reply streams (it would put messages back under a turn in flight); when its time is
+    up the offer ends and the deleted messages stay gone."""
     window = ready_window(qtbot)
     send(qtbot, window, "keep")
     send(qtbot, window, "drop")
-    window.actions.undo_bar.timer.setInterval(50)
     qtbot.mouseClick(window.chat.chat_messages()[-1].delete_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: not window.actions.undo_bar.isVisible(), timeout=2000)
+    bar = window.actions.undo_bar
+    with qtbot.waitSignal(window.host.turn_finished, timeout=10_000):
+        window.input.setPlainText("again")
+        window.input.submit()
+        assert window.generating and bar.isVisible() and not bar.button.isEnabled()    # not into a turn in flight
+    qtbot.waitUntil(lambda: not window.generating, timeout=2000)
+    assert bar.button.isEnabled()
+    bar.timer.start(50)
+    qtbot.waitUntil(lambda: not bar.isVisible(), timeout=2000)
     assert window.actions.pending_messages == []
-    assert [c for _, c in saved(window)][0] == "keep" and len(saved(window)) == 2
+    assert [c for _, c in saved(window)][::2] == ["keep", "again"] and len(saved(window)) == 4
 
 
 # --- export ---
