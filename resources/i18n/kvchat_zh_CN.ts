@@ -144,14 +144,6 @@
         <translation>无法保存此对话</translation>
     </message>
     <message>
-        <source>Deleted a question and its reply.</source>
-        <translation>已删除一条消息及其回复。</translation>
-    </message>
-    <message>
-        <source>Deleted a message.</source>
-        <translation>已删除一条消息。</translation>
-    </message>
-    <message>
         <source>Open a saved chat to export it</source>
         <translation>请先打开一个已保存的对话再导出</translation>
     </message>
@@ -170,42 +162,6 @@
     <message>
         <source>Exported the chat to {path}</source>
         <translation>已将对话导出到 {path}</translation>
-    </message>
-    <message>
-        <source>Delete “{title}” and its 1 message?</source>
-        <translation>删除“{title}”及其 1 条消息？</translation>
-    </message>
-    <message>
-        <source>Delete “{title}” and its {count} messages?</source>
-        <translation>删除“{title}”及其 {count} 条消息？</translation>
-    </message>
-    <message>
-        <source>Delete chat?</source>
-        <translation>删除对话？</translation>
-    </message>
-    <message>
-        <source>You can undo this for {seconds} seconds.</source>
-        <translation>{seconds} 秒内可以撤销。</translation>
-    </message>
-    <message>
-        <source>Delete</source>
-        <translation>删除</translation>
-    </message>
-    <message>
-        <source>Deleted “{title}”.</source>
-        <translation>已删除“{title}”。</translation>
-    </message>
-    <message>
-        <source>Restored the chat</source>
-        <translation>已恢复对话</translation>
-    </message>
-    <message>
-        <source>The chat those messages were in is deleted</source>
-        <translation>这些消息所在的对话已被删除</translation>
-    </message>
-    <message>
-        <source>Restored the deleted messages</source>
-        <translation>已恢复删除的消息</translation>
     </message>
     <message>
         <source>Cleared the prefix cache: {freed} of KV memory went back to the pool. Open chats keep their cache.</source>
@@ -594,6 +550,53 @@ prefill {prefill} tok/s</source>
     <message>
         <source>{n} events</source>
         <translation>{n} 个事件</translation>
+    </message>
+</context>
+<context>
+    <name>DeleteWithUndo</name>
+    <message>
+        <source>Deleted a question and its reply.</source>
+        <translation>已删除一条消息及其回复。</translation>
+    </message>
+    <message>
+        <source>Deleted a message.</source>
+        <translation>已删除一条消息。</translation>
+    </message>
+    <message>
+        <source>Delete “{title}” and its 1 message?</source>
+        <translation>删除“{title}”及其 1 条消息？</translation>
+    </message>
+    <message>
+        <source>Delete “{title}” and its {count} messages?</source>
+        <translation>删除“{title}”及其 {count} 条消息？</translation>
+    </message>
+    <message>
+        <source>Delete chat?</source>
+        <translation>删除对话？</translation>
+    </message>
+    <message>
+        <source>You can undo this for {seconds} seconds.</source>
+        <translation>{seconds} 秒内可以撤销。</translation>
+    </message>
+    <message>
+        <source>Delete</source>
+        <translation>删除</translation>
+    </message>
+    <message>
+        <source>Deleted “{title}”.</source>
+        <translation>已删除“{title}”。</translation>
+    </message>
+    <message>
+        <source>Restored the chat</source>
+        <translation>已恢复对话</translation>
+    </message>
+    <message>
+        <source>The chat those messages were in is deleted</source>
+        <translation>这些消息所在的对话已被删除</translation>
+    </message>
+    <message>
+        <source>Restored the deleted messages</source>
+        <translation>已恢复删除的消息</translation>
     </message>
 </context>
 <context>
