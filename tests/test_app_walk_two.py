@@ -159,7 +159,10 @@ def test_metrics_are_read_about_once_a_second_while_streaming(qtbot, server):
     before = cut.metrics_requests
     import time
     started = time.monotonic()
-    send(qtbot, window, "def add(a, b):")
+    try:
+        send(qtbot, window, "def add(a, b):")
+    finally:
+        cut.kill()                                      # later tests check that nothing here still listens
     seconds = time.monotonic() - started
     assert len(stats) > 3 * (seconds + 1)               # the worker asks for stats many times a second...
     assert cut.metrics_requests - before <= seconds / 1.0 + 2   # ...but /metrics goes out at about 1 Hz
