@@ -558,7 +558,7 @@ class Session:
         free = self.runner.manager.free_bytes()
         return StatsSnapshot(
             time_s=time.monotonic(),
-            cache_label=c.label().replace("auto", layout.full_dtype),
+            cache_label=c.label(),            # "auto" stays: the app names it in the user's words
             layers=layers,
             kv_bytes=sum(l.k_bytes + l.v_bytes for l in layers),
             budget_bytes=budget,

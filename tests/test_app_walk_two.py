@@ -412,3 +412,19 @@ def test_a_server_that_ends_the_reply_with_an_error_is_said_in_one_line(qtbot, t
         assert "RemoteError" not in said and "\n" not in said
     finally:
         srv.stop()
+
+
+def test_the_live_summary_names_full_precision_as_settings_do(qtbot, tiny_llama):
+    """The real engine's snapshot names the mode by its value, so the Live page says "full precision", not the
+    dtype it resolved to ("bf16" there beside "full precision" in the chat list and the quality line)."""
+    from app.worker import _default_loader
+    window = open_window(qtbot, _default_loader, autoload=False)
+    base = window.settings
+    window.apply_settings(type(base)(str(tiny_llama), CacheConfig(), SHORT, base.system_prompt))
+    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=60_000)
+    assert window.last_error is None, window.last_error
+    send(qtbot, window, "Hello")
+    window.dashboard.redraw()
+    summary = window.dashboard.summary.text()
+    mode = summary.partition("</b>")[0]                # the weights' own dtype may follow later in the line
+    assert mode == "<b>full precision", summary
