@@ -410,13 +410,13 @@ class ChatView(QScrollArea):
         self._layout.setContentsMargins(16, 16, 16, 16)
         self._layout.setSpacing(12)
         self._layout.addStretch(1)
-        self.setWidget(self._column)
         # the instructions the model reads before the chat: shown, muted, above the first message
         self.system_prompt_line = QLabel(self._column, objectName="systemPromptLine", wordWrap=True)
         self.system_prompt_line.setTextFormat(Qt.TextFormat.PlainText)
         self.system_prompt_line.setStyleSheet("color: #64748b; font-size: 9pt;")
         self.system_prompt_line.setVisible(False)
         self._layout.addWidget(self.system_prompt_line)
+        self.setWidget(self._column)
         self.assistant_name = self.tr("Assistant")
         self._messages: list[MessageWidget] = []
         self._reply: MessageWidget | None = None
@@ -495,8 +495,6 @@ class ChatView(QScrollArea):
     def add_notice(self, text: str) -> MessageWidget:
         return self.add_message("notice", text)
 
-    # --- a streaming reply ---
-
     def remove_notices(self) -> None:
         """Notices and error bubbles that no longer apply (the next reply came through)."""
         for message in [m for m in self._messages if m.role == "notice"]:
@@ -509,6 +507,8 @@ class ChatView(QScrollArea):
         self.system_prompt_line.setText(self.tr("System prompt: {prompt}").format(prompt=short))
         self.system_prompt_line.setToolTip(prompt)
         self.system_prompt_line.setVisible(bool(prompt))
+
+    # --- a streaming reply ---
 
     def begin_reply(self) -> None:
         self.end_reply()

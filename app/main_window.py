@@ -25,7 +25,8 @@ from .dashboard import Dashboard
 from .dock_width import DockWidth
 from .dashboard import format_mib
 from .history import HistoryError, HistoryStore
-from .i18n import cache_label
+from .engine_text import engine_text
+from .i18n import cache_label, weights_text
 from .messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ReadingHistory, ResetDone, SessionOpened,
                        format_bytes)
 from .quality_view import QualityController
@@ -384,7 +385,7 @@ class MainWindow(QMainWindow):
         self.load_bar.setVisible(False)
         self.chat.set_assistant_name(event.model_name)
         self.dashboard.data.mark("load", self.tr("model loaded"))
-        weights = f" ({event.weights_label}, {format_bytes(event.weight_bytes)})" if event.weight_bytes else ""
+        weights = f" ({weights_text(event.weights_label)}, {format_bytes(event.weight_bytes)})" if event.weight_bytes else ""
         notice = f" · {event.notice}" if event.notice else ""
         if event.capabilities.remote:
             self.statusBar().showMessage(self.tr("Connected to {model} on {url}").format(
@@ -443,7 +444,7 @@ class MainWindow(QMainWindow):
                 self.chat.remove_notices()
                 self.dashboard.hide_notice()
             if event.message:
-                self.chat.add_notice(event.message)
+                self.chat.add_notice(engine_text(event.message))
             if event.finish_reason == "stopped":
                 self.statusBar().showMessage(self.tr("Stopped."), 3000)
         self.generating = False
@@ -521,9 +522,11 @@ class MainWindow(QMainWindow):
             self.turn_conversation_id = None
             self.actions.turn_failed(failed, reply)
         if event.kind == "send":
-            self.chat.add_notice(self.tr("{title}: {message}").format(title=event.title, message=event.message))
+            self.chat.add_notice(self.tr("{title}: {message}").format(title=event.title,
+                                                                      message=engine_text(event.message)))
         else:
-            self.banner.show_message(event.title, event.message, settings_button=event.kind in ("load", "cache", "session"))
+            self.banner.show_message(event.title, engine_text(event.message),
+                                     settings_button=event.kind in ("load", "cache", "session"))
         self._update_controls()
 
     def _conversation_deleted(self, conversation_id: int) -> None:
@@ -539,7 +542,7 @@ class MainWindow(QMainWindow):
                       if self.engine_info.capabilities.remote else self.engine_info.device]
             if self.engine_info.weight_bytes:
                 parts.append(self.tr("weights {label} {size}").format(
-                    label=self.engine_info.weights_label, size=format_bytes(self.engine_info.weight_bytes)))
+                    label=weights_text(self.engine_info.weights_label), size=format_bytes(self.engine_info.weight_bytes)))
         remote = self.engine_info is not None and self.engine_info.capabilities.remote
         if not remote:                  # the server chooses its own cache
             parts.append(cache_label(self.session_cache))
