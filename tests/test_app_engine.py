@@ -16,7 +16,10 @@ from fakes import isolate_app, open_window
 
 pytestmark = pytest.mark.gui
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
-STALL_LIMIT_S = 0.050
+# What a frozen GUI looks like, not a speed target: engine work run on the GUI thread by mistake (reading the
+# question takes 0.5 s on the default model) fails it. On this shared 2-core machine the longest ordinary gap
+# measured 26-51 ms in full runs, before and after the same change, so a 50 ms line failed on noise.
+STALL_LIMIT_S = 0.100
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ def measured_send(qtbot, window, text: str, timeout: int = 30_000):
 
 
 def test_tiny_model_send_receive_and_stall(qtbot, tiny_dir):
-    """A reply from the real engine streams into the chat while the GUI loop never stalls past 50 ms."""
+    """A reply from the real engine streams into the chat while the GUI loop never stalls past 100 ms."""
     window = real_window(qtbot, tiny_dir, sampling=SamplingParams(temperature=0.0, max_new_tokens=200))
     send(qtbot, window, "Warm up")      # first-use costs (fonts, first plot data) are paid once, not per turn
     qtbot.wait(300)
@@ -192,7 +195,7 @@ def test_real_load_errors_explained(qtbot, tmp_path, tiny_dir, case):
 
 @pytest.mark.slow
 def test_default_model_chat_and_stall(qtbot):
-    """The default model answers a question in the window, and the GUI loop never stalls past 50 ms."""
+    """The default model answers a question in the window, and the GUI loop never stalls past 100 ms."""
     window = real_window(qtbot, "default", sampling=SamplingParams(temperature=0.0, max_new_tokens=24),
                          timeout=240_000)
     finished, stall = measured_send(qtbot, window, "What is the capital of France? Answer in one sentence.",
