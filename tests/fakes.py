@@ -279,3 +279,29 @@ def open_window(qtbot, loader, autoload: bool = True):
     qtbot.addWidget(window, before_close_func=lambda w: w.history.close())
     window.show()
     return window
+
+
+def real_window(qtbot, model: str, cache=None, sampling=None, timeout: int = 60_000):
+    """A window over the real engine (the app's own loader), loaded with `model`; fails on a load error."""
+    from app.worker import _default_loader
+    window = open_window(qtbot, _default_loader, autoload=False)
+    base = window.settings
+    window.apply_settings(type(base)(model, cache or base.cache, sampling or base.sampling, base.system_prompt))
+    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=timeout)
+    assert window.last_error is None, window.last_error
+    return window
+
+
+def remote_window(qtbot, url: str, key: str = "", model: str = "tiny", sampling=None, wait: bool = True):
+    """A window in Server mode on `url` (a real kvchat server on loopback in the tests)."""
+    from dataclasses import replace
+
+    from app.settings_store import RemoteSettings
+    from app.worker import _default_loader
+    window = open_window(qtbot, _default_loader, autoload=False)
+    window.apply_settings(replace(window.settings, sampling=sampling or window.settings.sampling,
+                                  remote=RemoteSettings(url, key, model)))
+    if wait:
+        qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=20_000)
+        assert window.last_error is None, window.last_error
+    return window

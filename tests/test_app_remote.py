@@ -14,7 +14,8 @@ from PySide6.QtWidgets import QDialogButtonBox
 
 from engine import CacheConfig, SamplingParams
 from engine.serve.server import ServeConfig, Server
-from fakes import isolate_app, open_window
+import fakes
+from fakes import isolate_app
 
 pytestmark = pytest.mark.gui
 
@@ -37,19 +38,8 @@ def _isolated(monkeypatch, tmp_path):
     isolate_app(monkeypatch, tmp_path)
 
 
-def _loader():
-    from app.worker import _default_loader
-    return _default_loader
-
-
 def remote_window(qtbot, url: str, key: str = KEY, model: str = "tiny", sampling=SHORT, wait=True):
-    from app.settings_store import RemoteSettings
-    window = open_window(qtbot, _loader(), autoload=False)
-    window.apply_settings(replace(window.settings, sampling=sampling, remote=RemoteSettings(url, key, model)))
-    if wait:
-        qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=20_000)
-        assert window.last_error is None, window.last_error
-    return window
+    return fakes.remote_window(qtbot, url, key, model, sampling, wait)
 
 
 def send(qtbot, window, text: str):

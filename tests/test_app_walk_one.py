@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from app.dashboard_data import MAX_MARKERS, DashboardData
 from app.pool_view import pool_summary
 from engine.config import CacheConfig, SamplingParams
 from engine.events import LayerBytes, MemoryProbe, StatsSnapshot
+import fakes
 from fakes import isolate_app, open_window
 from tiny_models import tiny_model_dir
 
@@ -38,13 +38,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def real_window(qtbot, model: str, cache: CacheConfig | None = None, sampling: SamplingParams = GREEDY):
-    from app.worker import _default_loader
-    window = open_window(qtbot, _default_loader, autoload=False)
-    base = window.settings
-    window.apply_settings(type(base)(model, cache or base.cache, sampling, base.system_prompt))
-    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=60_000)
-    assert window.last_error is None, window.last_error
-    return window
+    return fakes.real_window(qtbot, model, cache, sampling)
 
 
 def send(qtbot, window, text: str):

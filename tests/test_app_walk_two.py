@@ -14,6 +14,7 @@ from PySide6.QtCore import Qt
 
 from engine import CacheConfig, SamplingParams
 from engine.serve.server import ServeConfig, Server
+import fakes
 from fakes import isolate_app, open_window
 
 pytestmark = pytest.mark.gui
@@ -96,13 +97,7 @@ def _isolated(monkeypatch, tmp_path):
 
 
 def remote_window(qtbot, url: str, sampling=SHORT):
-    from app.settings_store import RemoteSettings
-    from app.worker import _default_loader
-    window = open_window(qtbot, _default_loader, autoload=False)
-    window.apply_settings(replace(window.settings, sampling=sampling, remote=RemoteSettings(url, "", "tiny")))
-    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=20_000)
-    assert window.last_error is None, window.last_error
-    return window
+    return fakes.remote_window(qtbot, url, sampling=sampling)
 
 
 def send(qtbot, window, text: str):
@@ -272,12 +267,8 @@ def test_the_models_page_lists_the_built_in_model_it_runs(qtbot, monkeypatch, tm
 def test_full_precision_bars_fill_their_outline_on_a_part_filled_block(qtbot, tiny_llama):
     """The real tiny engine: a layer held at full precision is exactly its full-precision outline, also while its
     last block is part-filled (the outline counted tokens, the bar whole blocks)."""
-    from app.worker import _default_loader
-    window = open_window(qtbot, _default_loader, autoload=False)
     cache = CacheConfig(k_format="int8", v_format="int8", full_precision_layers=(0,), block_size=16)
-    window.apply_settings(replace(window.settings, model=tiny_llama, cache=cache, sampling=SHORT))
-    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=60_000)
-    assert window.last_error is None, window.last_error
+    window = fakes.real_window(qtbot, tiny_llama, cache, SHORT)
     send(qtbot, window, "Hello there")
     snap = window.latest_stats
     assert snap.tokens_held % snap.block_size != 0 and not snap.layers[0].k_format.startswith("int8")
@@ -417,12 +408,7 @@ def test_a_server_that_ends_the_reply_with_an_error_is_said_in_one_line(qtbot, t
 def test_the_live_summary_names_full_precision_as_settings_do(qtbot, tiny_llama):
     """The real engine's snapshot names the mode by its value, so the Live page says "full precision", not the
     dtype it resolved to ("bf16" there beside "full precision" in the chat list and the quality line)."""
-    from app.worker import _default_loader
-    window = open_window(qtbot, _default_loader, autoload=False)
-    base = window.settings
-    window.apply_settings(type(base)(str(tiny_llama), CacheConfig(), SHORT, base.system_prompt))
-    qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=60_000)
-    assert window.last_error is None, window.last_error
+    window = fakes.real_window(qtbot, str(tiny_llama), CacheConfig(), SHORT)
     send(qtbot, window, "Hello")
     window.dashboard.redraw()
     summary = window.dashboard.summary.text()
