@@ -15,16 +15,16 @@ from PySide6.QtWidgets import QFileDialog, QLineEdit
 
 from engine.events import StatsSnapshot, TurnFinished
 
-from .about import AboutDialog
-from .chat_view import FINISH_MARKS, MessageWidget
-from .delete_undo import DeleteWithUndo
-from .engine_text import engine_text
-from .export import FORMATS, export_conversation, suggested_name
-from .history import HistoryError
-from .i18n import weights_text
-from .dashboard import format_mib
-from .messages import PrefixCleared
-from .turn_record import ReplyRecord, TurnRecord
+from app.about import AboutDialog
+from app.chat_view import FINISH_MARKS, MessageWidget
+from app.delete_undo import DeleteWithUndo
+from app.engine_text import engine_text
+from app.export import FORMATS, export_conversation, suggested_name
+from app.history import HistoryError
+from app.i18n import weights_text
+from app.dashboard import format_mib
+from app.messages import PrefixCleared
+from app.turn_record import ReplyRecord, TurnRecord
 
 
 class ChatActions(DeleteWithUndo, QObject):

@@ -17,17 +17,17 @@ from PySide6.QtGui import QCursor, QTextDocument
 from PySide6.QtWidgets import (QBoxLayout, QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QStackedWidget,
                                QTabBar, QToolButton, QToolTip, QVBoxLayout, QWidget)
 
-from .bar_widgets import FORMAT_COLOURS, format_family, format_mib
-from .dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, layer_hover_text, nice_ceiling,
+from app.bar_widgets import FORMAT_COLOURS, format_family, format_mib
+from app.dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, layer_hover_text, nice_ceiling,
                              series_hover_text, time_span_end, token_room)
-from .event_strip import MARKER_COLOURS, EventStrip
-from .gauge import TokenGauge
-from .i18n import label_text, weights_text
-from .lengths_view import LengthsView
-from .plan_panel import PlanPanel
-from .pool_view import PoolView
-from .quality_view import QualityRow
-from .server_panel import ServerPanel, unavailable_remote
+from app.event_strip import MARKER_COLOURS, EventStrip
+from app.gauge import TokenGauge
+from app.i18n import label_text, weights_text
+from app.lengths_view import LengthsView
+from app.plan_panel import PlanPanel
+from app.pool_view import PoolView
+from app.quality_view import QualityRow
+from app.server_panel import ServerPanel, unavailable_remote
 
 REDRAW_MS = 125                         # each panel at most 8 Hz
 MIB = 1024.0 * 1024.0
@@ -213,7 +213,7 @@ class Dashboard(QWidget):
 
     def title_bar(self, dock) -> QWidget:
         """A title bar for the dock that holds the page switcher, so the pages keep the dock's whole height."""
-        from .dock_title import DockTitle
+        from app.dock_title import DockTitle
         return DockTitle(dock, self.switcher)
 
     # --- construction: every item is made here, once ---

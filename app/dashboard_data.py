@@ -15,8 +15,8 @@ from PySide6.QtCore import QCoreApplication
 
 from engine.events import StatsSnapshot
 
-from .i18n import value_name
-from .messages import format_bytes
+from app.i18n import value_name
+from app.messages import format_bytes
 
 MAX_POINTS = 3000
 MAX_MARKERS = 60

@@ -8,8 +8,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .chat_view import split_segments
-from .history import HistoryStore
+from app.chat_view import split_segments
+from app.history import HistoryStore
 
 FORMATS = {"markdown": ".md", "json": ".json"}
 

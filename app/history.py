@@ -20,7 +20,7 @@ from PySide6.QtCore import QCoreApplication
 
 from engine.config import CacheConfig, ConfigError
 
-from .history_open import Recovered, is_read_only, open_history
+from app.history_open import Recovered, is_read_only, open_history
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (

@@ -1,7 +1,7 @@
 """How long the saved conversations are, what they would hold in the KV cache, and a window for the long ones.
 
 Plain Python (no Qt): token counts come from the model's tokenizer in the engine thread; bytes
-from engine.kv_layout, the cache's own arithmetic.
+from engine.kv.layout, the cache's own arithmetic.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from PySide6.QtCore import QCoreApplication
 
 from engine.config import CacheConfig
 
-from .bar_widgets import format_mib
+from app.bar_widgets import format_mib
 
 FIRST_EDGE = 256                        # histogram bins: <256, 256-511, 512-1,023, ... tokens
 MIN_WINDOW = 512

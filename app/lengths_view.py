@@ -10,12 +10,12 @@ import statistics
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from engine.config import CacheConfig, ConfigError
-from engine.kv_layout import kv_layout
+from engine.kv.layout import kv_layout
 
-from .bar_widgets import BarRows, Column, ColumnChart, Row, format_mib
-from .history import ConversationLength
-from .i18n import cache_label
-from .lengths_data import WindowSuggestion, histogram, suggest_window, without_window
+from app.bar_widgets import BarRows, Column, ColumnChart, Row, format_mib
+from app.history import ConversationLength
+from app.i18n import cache_label
+from app.lengths_data import WindowSuggestion, histogram, suggest_window, without_window
 
 COUNT_COLOUR, BYTES_COLOUR = "#94a3b8", "#7e22ce"
 

@@ -16,26 +16,26 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QHBoxLayout, QLabel, Q
 from engine.config import EngineConfig
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
-from .banner import Banner
-from .chat_actions import ChatActions
-from .chat_input import ChatInput
-from .chat_view import ChatView
-from .conversation_list import ConversationList
-from .dashboard import Dashboard
-from .dock_width import DockWidth
-from .dashboard import format_mib
-from .history import HistoryError, HistoryStore
-from .engine_text import engine_text
-from .i18n import cache_label, weights_text
-from .messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ReadingHistory, ResetDone, SessionOpened,
+from app.banner import Banner
+from app.chat_actions import ChatActions
+from app.chat_input import ChatInput
+from app.chat_view import ChatView
+from app.conversation_list import ConversationList
+from app.dashboard import Dashboard
+from app.dock_width import DockWidth
+from app.dashboard import format_mib
+from app.history import HistoryError, HistoryStore
+from app.engine_text import engine_text
+from app.i18n import cache_label, weights_text
+from app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ReadingHistory, ResetDone, SessionOpened,
                        format_bytes)
-from .quality_view import QualityController
-from .models_page import ModelsDialog
-from .panels import DashboardPanels
-from .settings_dialog import SettingsDialog
-from .settings_store import AppSettings, SettingsStore
-from .turn_record import ReplyRecord, TurnRecord, is_refused
-from .worker import EngineHost, _default_loader
+from app.quality_view import QualityController
+from app.models_page import ModelsDialog
+from app.panels import DashboardPanels
+from app.settings_dialog import SettingsDialog
+from app.settings_store import AppSettings, SettingsStore
+from app.turn_record import ReplyRecord, TurnRecord, is_refused
+from app.worker import EngineHost, _default_loader
 
 
 def engine_threads() -> int:

@@ -12,7 +12,7 @@ from engine.config import CacheConfig
 from engine.events import StatsSnapshot
 
 if TYPE_CHECKING:
-    from engine.model import ModelConfig
+    from engine.model.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,10 @@ from PySide6.QtCore import (QT_TRANSLATE_NOOP, QAbstractTableModel, QCoreApplica
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QListWidget,
                                QPushButton, QTableView, QVBoxLayout, QWidget)
 
-from engine import library
-from engine.library import ModelEntry, format_parameters, format_tokens
+from engine.plan import library
+from engine.plan.library import ModelEntry, format_parameters, format_tokens
 
-from .messages import format_bytes
+from app.messages import format_bytes
 
 SHOWN_FITS = ("fp16", "int8", "int4")
 COLUMNS = ("Name", "Source", "Architecture", "Parameters", "Quantization", "Size", "Trained context",
@@ -29,7 +29,7 @@ COLUMN_TITLES = {"Name": QT_TRANSLATE_NOOP("ModelTable", "Name"), "Source": QT_T
                  "Size": QT_TRANSLATE_NOOP("ModelTable", "Size"),
                  "Trained context": QT_TRANSLATE_NOOP("ModelTable", "Trained context"),
                  "Path": QT_TRANSLATE_NOOP("ModelTable", "Path")}
-# the library's words shown in cells and the summary (engine/library.py, engine/estimate.py)
+# the library's words shown in cells and the summary (engine/plan/library.py, engine/plan/estimate.py)
 BUILT_IN = "Built in"                   # the source of the model that ships with kvchat ("default" in Settings)
 ENGINE_WORDS = {"Folder": QT_TRANSLATE_NOOP("ModelTable", "Folder"), "any": QT_TRANSLATE_NOOP("ModelTable", "any"),
                 BUILT_IN: QT_TRANSLATE_NOOP("ModelTable", "Built in"),
@@ -45,7 +45,8 @@ SORT_ROLE = Qt.ItemDataRole.UserRole + 1
 
 def scan_with_builtin(folders, memory_bytes: int) -> list[ModelEntry]:
     """The library's scan with the built-in model first (it lives in a Python package, in no folder a scan reads)."""
-    from engine.loader import ModelLoadError, default_gguf_path
+    from engine.model.source import default_gguf_path
+    from engine.errors import ModelLoadError
     entries = list(library.scan(folders, memory_bytes=memory_bytes))
     try:
         path = default_gguf_path()
@@ -244,7 +245,7 @@ class ModelsDialog(QDialog):
         folders, scan, done = list(self.folders), self._scan, self._scan_done
 
         def work():
-            from engine.estimate import available_memory, resolve_device
+            from engine.plan.estimate import available_memory, resolve_device
             try:
                 memory, where = available_memory(resolve_device("auto"))
                 entries = tuple(scan(folders, memory_bytes=memory))

@@ -10,9 +10,9 @@ from PySide6.QtCore import QEvent, QObject, QTimer
 
 from engine.config import CacheConfig
 
-from .bar_widgets import Row, format_mib, format_share
-from .lengths_data import TokenCounts
-from .pool_view import PoolOwners, PoolRow, conversation_bar_rows, pool_rows
+from app.bar_widgets import Row, format_mib, format_share
+from app.lengths_data import TokenCounts
+from app.pool_view import PoolOwners, PoolRow, conversation_bar_rows, pool_rows
 
 REFRESH_MS = 250
 

@@ -1,6 +1,6 @@
 """The Plan tab: what each cache format would hold for a context of the user's choosing, on the loaded model.
 
-Every byte count comes from engine.kv_layout, the function the cache itself allocates by, so the
+Every byte count comes from engine.kv.layout, the function the cache itself allocates by, so the
 plan and the memory cannot disagree. A chosen format is applied to the open chat as a live switch.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSli
                                QVBoxLayout, QWidget)
 
 from engine.config import CacheConfig, ConfigError
-from engine.kv_layout import MIB, kv_layout
+from engine.kv.layout import MIB, kv_layout
 
-from .bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_family, format_mib
-from .i18n import cache_label, value_name
+from app.bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_family, format_mib
+from app.i18n import cache_label, value_name
 
 # (name shown, K format, V format)
 PLAN_FORMATS = (("full precision", "auto", "auto"), ("int8", "int8", "int8"), ("fp8", "fp8", "fp8"),

@@ -13,7 +13,7 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from engine.events import PoolStats
 
-from .bar_widgets import BarRows, Row, Segment, StackedBar, format_mib, format_share
+from app.bar_widgets import BarRows, Row, Segment, StackedBar, format_mib, format_share
 
 IN_USE, RECLAIMABLE, FREE, SHARED = "#2563eb", "#f59e0b", "#e5e7eb", "#0d9488"
 THIS_CHAT, OTHER_CHAT = "#2563eb", "#94a3b8"

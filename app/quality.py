@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.config import CacheConfig, ConfigError
-from engine.kv_layout import MIB, kv_layout
+from engine.kv.layout import MIB, kv_layout
 
 QUALITY_TOKENS = 256                    # 16 block-sized steps: seconds on a small model, and enough to see int4's cost
 QUALITY_STEP = 16                       # block-aligned chunks: the attention the decode path sees (bench_quality)
@@ -70,9 +70,9 @@ def measure(engine, cache: CacheConfig, should_stop: Callable[[], bool] | None =
             num_tokens: int = QUALITY_TOKENS) -> QualityResult:
     """Teacher-force the built-in text through full precision and `cache` in lockstep.
 
-    Raises bench.quality.Cancelled when should_stop answers True between steps."""
-    from bench.quality import compare_modes
-    from engine.texts import load_tokens
+    Raises engine.runtime.fidelity.Cancelled when should_stop answers True between steps."""
+    from engine.runtime.fidelity import compare_modes
+    from engine.text.samples import load_tokens
 
     started = time.perf_counter()
     ids = load_tokens(engine.tokenizer, QUALITY_TEXT, num_tokens)

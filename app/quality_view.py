@@ -9,8 +9,8 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWi
 
 from engine.config import CacheConfig
 
-from .i18n import label_text
-from .quality import QualityResult, QualityStore, is_reference, mode_key, model_key, result_key
+from app.i18n import label_text
+from app.quality import QualityResult, QualityStore, is_reference, mode_key, model_key, result_key
 
 
 class QualityRow(QWidget):

@@ -16,18 +16,18 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
                                QSpinBox, QVBoxLayout, QWidget)
 
 from engine.config import FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
-from engine.kv_layout import check_cache_for_model
+from engine.kv.layout import check_cache_for_model
 
-from .engine_text import engine_text
-from .i18n import choice, choose, fill_choices, language_names
-from .settings_store import AppSettings, RemoteSettings
+from app.engine_text import engine_text
+from app.i18n import choice, choose, fill_choices, language_names
+from app.settings_store import AppSettings, RemoteSettings
 
 LOCAL_CHOICE, SERVER_CHOICE = "This computer", "Server"     # the engine choice's item data (shown translated)
 
 
 def fetch_models(base_url: str, api_key: str) -> list[str]:
     """The models an OpenAI-compatible server lists (GET /v1/models); RemoteError/ConfigError say what to check."""
-    from engine.remote import RemoteEngine
+    from engine.serve.remote import RemoteEngine
     engine = RemoteEngine.connect(base_url, api_key or None)
     engine.http.close()
     return list(engine.models)
@@ -367,7 +367,7 @@ class SettingsDialog(QDialog):
     def settings(self) -> AppSettings:
         """The edited settings; raises ConfigError when they do not form a valid combination."""
         if self.uses_server():
-            from engine.remote import _v1
+            from engine.serve.remote import _v1
             url = self.server_url.text().strip()
             if not url:
                 raise ConfigError(self.tr("server: enter its base URL, e.g. http://127.0.0.1:8000/v1"))

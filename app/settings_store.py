@@ -17,7 +17,7 @@ from PySide6.QtCore import QByteArray, QSettings
 
 from engine.config import CacheConfig, ConfigError, SamplingParams
 
-from .history import cache_from_json, cache_to_json
+from app.history import cache_from_json, cache_to_json
 
 log = logging.getLogger(__name__)
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, max_new_tokens=256)

@@ -12,7 +12,7 @@ import time
 
 from engine.events import TurnFinished
 
-from .history import DONE, INTERRUPTED, STREAMING, HistoryStore
+from app.history import DONE, INTERRUPTED, STREAMING, HistoryStore
 
 SAVE_INTERVAL_S = 0.5
 REFUSED_REASONS = ("context", "budget", "unreachable")    # unreachable: a remote server that did not answer

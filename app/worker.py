@@ -20,8 +20,8 @@ from engine.api import capabilities_of
 from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
-from .engine_facts import complete, model_facts
-from .messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, PrefixCleared, ReadingHistory, ResetDone,
+from app.engine_facts import complete, model_facts
+from app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, PrefixCleared, ReadingHistory, ResetDone,
                        SessionOpened)
 
 STATS_INTERVAL_S = 0.1                  # session.stats() is cheap, but no more than ~10 Hz
@@ -31,9 +31,9 @@ WORKER_NICE = 5
 
 def _default_loader(config, progress: Callable[[str, float | None], None]):
     """An EngineConfig loads a model here; RemoteSettings connect to a server (the app's Settings choose)."""
-    from .settings_store import RemoteSettings
+    from app.settings_store import RemoteSettings
     if isinstance(config, RemoteSettings):
-        from engine.remote import RemoteEngine
+        from engine.serve.remote import RemoteEngine
         progress(QCoreApplication.translate("EngineWorker", "Connecting to {url}…").format(url=config.base_url), None)
         return RemoteEngine.connect(config.base_url, config.api_key or None, config.model or None)
     from engine import Engine
@@ -41,7 +41,7 @@ def _default_loader(config, progress: Callable[[str, float | None], None]):
     return Engine.load(config, progress=progress)
 
 
-# the engine's load steps (engine/engine.py), shown in the status line in the interface language
+# the engine's load steps (engine/runtime/engine.py), shown in the status line in the interface language
 PROGRESS_STEPS = {"locating model": QT_TRANSLATE_NOOP("EngineProgress", "locating model"),
                   "mapping weights": QT_TRANSLATE_NOOP("EngineProgress", "mapping weights"),
                   "reading weights": QT_TRANSLATE_NOOP("EngineProgress", "reading weights"),
@@ -326,7 +326,7 @@ class EngineWorker(QObject):
                                                 or not session.stats().tokens_in_context)
             if not empty:
                 return lambda: None
-            from .lengths_data import count_tokens
+            from app.lengths_data import count_tokens
             turns = [(m["role"], m["content"]) for m in session.messages] + ([("user", new_text)] if new_text else [])
             tokens = count_tokens(self._engine.tokenizer, getattr(session, "system_prompt", None), turns)
         except Exception:  # noqa: BLE001 - only the progress line is lost; the turn itself says what went wrong
@@ -378,9 +378,9 @@ class EngineWorker(QObject):
     @Slot(object)
     def measure_quality(self, cache: CacheConfig) -> None:
         """What `cache` costs against full precision on this model; yields to any command sent meanwhile."""
-        from bench.quality import Cancelled
+        from engine.runtime.fidelity import Cancelled
 
-        from .quality import QualityCancelled, engine_key, measure, result_key
+        from app.quality import QualityCancelled, engine_key, measure, result_key
         if self._engine is None or capabilities_of(self._engine).remote:
             return
         model, mode = engine_key(self._engine), result_key(cache)
@@ -397,7 +397,7 @@ class EngineWorker(QObject):
     @Slot(object)
     def count_tokens(self, requests) -> None:
         if self._engine is not None and not capabilities_of(self._engine).remote:   # no tokenizer here
-            from .lengths_data import count_conversations
+            from app.lengths_data import count_conversations
             self.token_counts.emit(count_conversations(self._engine, requests))
 
     def _snapshot(self) -> StatsSnapshot | None:

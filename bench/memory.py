@@ -15,9 +15,9 @@ import argparse
 import torch
 
 from engine.config import CacheConfig
-from engine.kv_layout import WindowGeometry, kv_layout
-from engine.kv_manager import KVCacheManager, Sequence
-from engine.kv_pages import PageStore
+from engine.kv.layout import WindowGeometry, kv_layout
+from engine.kv.manager import KVCacheManager, Sequence
+from engine.kv.pages import PageStore
 
 MODES = {
     "fp32": CacheConfig(k_format="fp32", v_format="fp32"),
@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_config(model: str):
-    from engine.engine import read_model_config
-    from engine.model import ModelConfig
+    from engine.runtime.engine import read_model_config
+    from engine.model.config import ModelConfig
     return read_model_config(model)
 
 

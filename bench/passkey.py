@@ -86,7 +86,7 @@ def score(engine, config: CacheConfig, prompt: dict) -> tuple[bool, float]:
 
 
 def run(args) -> dict:
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.load(EngineConfig(model=args.model, weights=args.weights))

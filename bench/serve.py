@@ -174,9 +174,10 @@ def measure(server, specs: list[Spec], num_clients: int) -> dict:
     }
 
 
+ENGINE_OPTIONS = True        # the command line adds the cache options and passes args.engine_config
+
+
 def add_arguments(p) -> None:
-    from engine.cli import add_cache_arguments
-    add_cache_arguments(p)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests-per-client", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -185,10 +186,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> dict:
-    from engine.cli import engine_config
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
     from engine.serve.server import ServeConfig, Server
-    engine = Engine.load(engine_config(args))
+    engine = Engine.load(args.engine_config)
     server = Server(engine, ServeConfig(port=0, max_num_seqs=args.max_num_seqs))
     server.start()
     try:

@@ -4,10 +4,10 @@ Decode and prefill tok/s and TTFT in one process, runs interleaved, medians repo
 machine moves every side alike. llama.cpp (llama-cpp-python, when importable) is timed with its
 own eval loop: the prompt in one `eval`, then one token per `eval`, no Python sampling. Memory and
 start time come from one-shot answers in fresh processes: `kvchat chat --prompt` (which answers
-without torch where engine/quick.py covers the file) cold (empty cache dir) and warm, the Engine API
+without torch where engine/runtime/quick.py covers the file) cold (empty cache dir) and warm, the Engine API
 warm (torch and the whole engine), llama.cpp's chat completion; peak RSS, wall time, time from launch
 to the first token printed. `--model preset:llama-3.2-1b:Q4_0` benchmarks a
-random-weight GGUF of that shape, written once into the cache dir (engine/gguf_writer.py).
+random-weight GGUF of that shape, written once into the cache dir (bench/gguf_writer.py).
 """
 from __future__ import annotations
 
@@ -44,20 +44,20 @@ def add_arguments(p) -> None:
 def resolve_model(spec: str) -> str:
     """A model spec as Engine.load takes it; preset:NAME:TYPE writes (once) and returns that GGUF."""
     if spec.startswith("preset:"):
-        from engine.gguf_writer import bench_model_path
+        from bench.gguf_writer import bench_model_path
         _, preset, qtype = spec.split(":")
         return str(bench_model_path(preset, qtype))
     return spec
 
 
 def model_path(spec: str) -> str:
-    from engine.loader import locate
+    from engine.model.source import locate
     return str(locate(spec).path)
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
     try:
-        from engine.texts import load_text
+        from engine.text.samples import load_text
         text = load_text("prose")
     except Exception:
         text = FALLBACK_TEXT * 200
@@ -183,7 +183,7 @@ def _cli_oneshot(model: str, threads: int, cache_dir: str | None = None) -> dict
     if cache_dir:
         env["KVCHAT_CACHE_DIR"] = cache_dir
     # the CLI's own main, then the process's peak RSS (VmHWM: a fork's rusage would count the parent's pages)
-    code = _PEAK + ("import sys\nfrom app.cli import main\nrc = main(sys.argv[1:])\n"
+    code = _PEAK + ("import sys\nfrom cli.main import main\nrc = main(sys.argv[1:])\n"
                     "sys.stderr.write(f'\\nkvchat-peak-rss {peak_rss()}\\n')\nsys.exit(rc)\n")
     cmd = [sys.executable, "-c", code, "chat", "--model", model, "--prompt", ANSWER_PROMPT, "--temperature", "0",
            "--max-new-tokens", "64"]
@@ -234,7 +234,7 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
     bytes read per token) over the copy bandwidth measured in the same run."""
     from engine.config import CacheConfig
     try:
-        from engine.texts import load_tokens
+        from engine.text.samples import load_tokens
         ids = load_tokens(engine.tokenizer, "stream", 4096 + steps)
     except Exception:
         ids = prompt_ids(engine.tokenizer, 4096 + steps)
@@ -295,7 +295,7 @@ def _prefix_ttft(engine, runs: int, system_tokens: int = 1000) -> dict:
     from engine.config import SamplingParams
     from engine.events import TokenDelta
     try:
-        from engine.texts import load_text
+        from engine.text.samples import load_text
         text = load_text("prose")
     except Exception:
         text = FALLBACK_TEXT * 100
@@ -327,7 +327,7 @@ def _prefix_ttft(engine, runs: int, system_tokens: int = 1000) -> dict:
 
 def run(args) -> dict:
     from engine.config import CacheConfig, EngineConfig
-    from engine.engine import Engine, load_transformers_reference
+    from engine.runtime.engine import Engine, load_transformers_reference
 
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -28,7 +28,7 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
     from gguf.quants import dequantize
 
-    from engine.gguf_writer import MIXES, atomic_writer, quantize, tensor_type
+    from bench.gguf_writer import MIXES, atomic_writer, quantize, tensor_type
     reader = GGUFReader(str(src))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     layers = int(reader.fields[f"{arch}.block_count"].contents())
@@ -56,7 +56,7 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
 
 def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
     """Packed against dense fp32 on one file, teacher-forced one token per step over ids."""
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
     cache = CacheConfig(budget_mb=512)
     packed = Engine.load(EngineConfig(model=path, cache=cache, num_threads=threads))
     dense = Engine.load(EngineConfig(model=path, weights="dense", cache=cache, num_threads=threads))
@@ -78,8 +78,9 @@ def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
 
 
 def run_types(model: str, types: list[str], tokens: int, threads: int | None = None) -> dict:
-    from engine.loader import cache_root, gguf_tokenizer, locate
-    from engine.texts import load_tokens
+    from engine.model.source import cache_root, locate
+    from engine.text.tokenizer_cache import gguf_tokenizer
+    from engine.text.samples import load_tokens
     src = locate(model).path
     out_dir = cache_root() / "weight-fidelity"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,12 @@
 """kvchat's inference engine: no Qt here. See README for the API."""
 import importlib
 
-# each name is imported on first use, so that `import engine.<module>` of a torch-free module (engine.quick, the
+# each name is imported on first use, so that `import engine.<wing>.<module>` of a torch-free module (engine.runtime.quick, the
 # one-shot terminal answer) does not bring torch in
 _WHERE = {"CacheConfig": "config", "ConfigError": "config", "EngineConfig": "config", "SamplingParams": "config",
-          "Engine": "engine", "LayerBytes": "events", "MemoryProbe": "events", "StatsSnapshot": "events",
-          "TokenDelta": "events", "TurnFinished": "events", "ModelLoadError": "loader", "BudgetFull": "session",
-          "Session": "session", "SessionBusy": "turns", "SessionClosed": "turns"}
+          "Engine": "runtime.engine", "LayerBytes": "events", "MemoryProbe": "events", "StatsSnapshot": "events",
+          "TokenDelta": "events", "TurnFinished": "events", "ModelLoadError": "errors", "BudgetFull": "runtime.session",
+          "Session": "runtime.session", "SessionBusy": "runtime.turns", "SessionClosed": "runtime.turns"}
 
 __all__ = ["Engine", "EngineConfig", "CacheConfig", "SamplingParams", "Session", "ConfigError", "ModelLoadError",
            "BudgetFull", "SessionBusy", "SessionClosed", "StatsSnapshot", "LayerBytes", "MemoryProbe", "TokenDelta",

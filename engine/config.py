@@ -10,7 +10,7 @@ from numbers import Integral, Real
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .model_config import ModelConfig
+    from engine.model.config import ModelConfig
 
 FULL_FORMATS = ("auto", "fp32", "fp16", "bf16")
 QUANT_FORMATS = ("int8", "fp8", "int4")

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from .formats import PageFormat
 
 # torch comes in with the first of these names used, not with `import kernels`: the C kernels'
-# loader (kernels.cpu_lib) serves a one-shot answer without torch (engine.quick)
+# loader (kernels.cpu_lib) serves a one-shot answer without torch (engine.runtime.quick)
 _LAZY = {"reference": ("reference", None), "PageFormat": ("formats", "PageFormat"),
          "bytes_per_block": ("formats", "bytes_per_block"), "page_format": ("formats", "page_format"),
          **{name: ("reference", name) for name in ("apply_rope", "dequantize", "gather_kv", "merge_attention",

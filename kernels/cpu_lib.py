@@ -1,6 +1,6 @@
 """Building and loading the C kernel libraries (cpu_quant.c, cpu_kv_quant.c), without torch.
 
-kernels.cpu_quant wraps these libraries for torch tensors; engine.quick drives them from numpy arrays,
+kernels.cpu_quant wraps these libraries for torch tensors; engine.runtime.quick drives them from numpy arrays,
 so that a one-shot answer in the terminal needs no torch at all.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from engine.api import LOCAL
 from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
-from engine.kv_layout import check_cache_for_model
+from engine.kv.layout import check_cache_for_model
 from engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
 
 NUM_LAYERS = 4
@@ -22,7 +22,7 @@ LOGIT_NOISE = {"auto": 0.0, "fp32": 0.0, "fp16": 0.001, "bf16": 0.004, "int8": 0
 
 
 class FakeTokenizer:
-    """Words to ids, enough for engine.texts.load_tokens."""
+    """Words to ids, enough for engine.text.samples.load_tokens."""
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [sum(map(ord, word)) % VOCAB for word in text.split()]
@@ -233,7 +233,7 @@ class FakeEngine:
 
 
 def fake_model_config():
-    from engine.model import ModelConfig
+    from engine.model.config import ModelConfig
     return ModelConfig.from_hf(dict(model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=NUM_LAYERS,
                                     num_attention_heads=2, num_key_value_heads=2, intermediate_size=128,
                                     max_position_embeddings=2048))

@@ -15,7 +15,7 @@ from app.plan_panel import PLAN_FORMATS
 from app.pool_view import PoolOwners, pool_rows
 from engine.config import CacheConfig, SamplingParams
 from engine.events import PoolStats
-from engine.kv_layout import kv_layout
+from engine.kv.layout import kv_layout
 from tiny_models import tiny_model_dir
 from fakes import FakeLoader, fake_model_config, isolate_app, open_window
 

@@ -270,12 +270,12 @@ def test_a_reopened_chat_says_how_many_tokens_it_reads_before_the_reply(qtbot, t
 def test_a_measurement_that_compared_nothing_is_refused(monkeypatch, tiny_dir):
     """Whatever the reason (here the comparison is made to report it), a result with fewer tokens compared than the
     text has, or an empty cache, raises a one-line error instead of becoming a stored 100 % / KL 0."""
-    import bench.quality
+    import engine.runtime.fidelity as fidelity
     from app.quality import measure
     from engine import Engine, EngineConfig
     from engine.config import ConfigError
     engine = Engine.load(EngineConfig(model=tiny_dir))
     hollow = {"mode": {"tokens": 0, "kv_bytes": 0, "top1_agreement": 1.0, "mean_kl": 0.0}}
-    monkeypatch.setattr(bench.quality, "compare_modes", lambda *args, **kwargs: hollow)
+    monkeypatch.setattr(fidelity, "compare_modes", lambda *args, **kwargs: hollow)
     with pytest.raises(ConfigError, match="only 0 of 64 tokens were compared"):
         measure(engine, INT4, num_tokens=64)

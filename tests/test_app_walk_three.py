@@ -310,7 +310,7 @@ def engine_messages(tiny_dir, tmp_path) -> list[str]:
     rewrite."""
     from engine import Engine, EngineConfig
     from engine.config import CacheConfig, ConfigError
-    from engine.kv_layout import check_cache_for_model
+    from engine.kv.layout import check_cache_for_model
     from tiny_models import tiny_model_dir
 
     messages = []

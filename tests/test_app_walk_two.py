@@ -243,7 +243,7 @@ def test_the_models_page_lists_the_built_in_model_it_runs(qtbot, monkeypatch, tm
     from pathlib import Path
 
     from app.models_page import BUILT_IN
-    from engine.loader import default_gguf_path
+    from engine.model.source import default_gguf_path
     from fakes import FakeLoader
     home = tmp_path / "home"
     home.mkdir()

@@ -4,7 +4,7 @@ import torch
 
 from engine import BudgetFull, CacheConfig, Engine, EngineConfig, SamplingParams
 from engine.events import TurnFinished
-from engine.kv_layout import MIB
+from engine.kv.layout import MIB
 from tiny_models import random_ids as _ids
 
 

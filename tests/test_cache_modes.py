@@ -182,8 +182,8 @@ def test_token_and_block_steps_agree(engine):
 
 def test_default_model_int8_and_int4_agree_with_full_precision(default_engine):
     """On SmolLM2 over 256 tokens of the shipped prose: int8 top-1 >= 99%, int4 >= 90%."""
-    from bench.quality import compare_modes
-    from engine.texts import load_tokens
+    from engine.runtime.fidelity import compare_modes
+    from engine.text.samples import load_tokens
     ids = load_tokens(default_engine.tokenizer, "prose", 256)
     result = compare_modes(default_engine, ids, {"int8": CacheConfig(k_format="int8", v_format="int8"),
                                                  "int4": CacheConfig(k_format="int4", v_format="int4")}, step=16)

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from engine.cli import main as cli_main
+from cli.terminal import main as cli_main
 from engine.config import MIB, CacheConfig, ConfigError
-from engine.kv_layout import check_cache_for_model, kv_layout
+from engine.kv.layout import check_cache_for_model, kv_layout
 
 
 @pytest.mark.parametrize("changes, words", [

@@ -8,8 +8,8 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.config import CacheConfig
-from engine.gguf_writer import write_random_gguf
-from engine.model import Transformer
+from bench.gguf_writer import write_random_gguf
+from engine.model.transformer import Transformer
 from kernels import cpu_quant
 
 TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_1", "Q6_K", "Q8_0")

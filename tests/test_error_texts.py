@@ -3,7 +3,7 @@ no smaller format than the one in use, shorten the message when the message alon
 import pytest
 
 from engine import BudgetFull, CacheConfig, Engine, EngineConfig
-from engine.kv_layout import MIB
+from engine.kv.layout import MIB
 from tiny_models import random_ids
 
 

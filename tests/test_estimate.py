@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from engine.cli import main as cli_main
+from cli.terminal import main as cli_main
 from engine.config import ConfigError
-from engine.estimate import (FORMATS, PRESETS, GIB, MIB, estimate, largest_context, model_facts, parameter_count)
-from engine.kv_layout import kv_layout
-from engine.estimate import cache_for
+from engine.plan.estimate import (FORMATS, PRESETS, GIB, MIB, estimate, largest_context, model_facts, parameter_count)
+from engine.kv.layout import kv_layout
+from engine.plan.estimate import cache_for
 
 
 def test_seven_b_with_32_kv_heads_fp16_is_512_kib_per_token_and_1_gib_for_2048():

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import gguf_mutants as gm
-from engine.loader import gguf_tokenizer, gguf_tokenizer_dir
+from engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir
 from kernels import cpu_lib
 
 pytestmark = pytest.mark.skipif(cpu_lib.library() is None, reason="C kernels unavailable")

@@ -1,4 +1,4 @@
-"""engine/gguf_tokenizer.py: a GGUF's byte-level BPE tokenizer built with `tokenizers` alone equals the one
+"""engine/gguf/tokenizer.py: a GGUF's byte-level BPE tokenizer built with `tokenizers` alone equals the one
 transformers' GGUF converter builds (files, ids, text, special tokens, chat rendering), a first start with the
 default model never imports transformers, other kinds fall back to transformers, damaged metadata is refused."""
 import json
@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 from gguf import GGUFValueType, GGUFWriter
 
-from engine.gguf_file import GGUFFile
-from engine.gguf_tokenizer import PRE_SPLITS, NotCovered, byte_alphabet, check_covered, write_folder
-from engine.loader import ModelLoadError, _tokenizer_from_gguf, default_gguf_path, gguf_tokenizer
-from engine.tokenizer import ChatTokenizer
+from engine.gguf.file import GGUFFile
+from engine.gguf.tokenizer import PRE_SPLITS, NotCovered, byte_alphabet, check_covered, write_folder
+from engine.model.source import default_gguf_path
+from engine.text.tokenizer_cache import _tokenizer_from_gguf, gguf_tokenizer
+from engine.errors import ModelLoadError
+from engine.text.tokenizer import ChatTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +87,7 @@ def assert_same_behaviour(tok: ChatTokenizer, ref, corpus=CORPUS, chats=CHATS, s
 
 @pytest.fixture(scope="module")
 def tiny_ggufs(tmp_path_factory):
-    from engine.gguf_writer import write_random_gguf
+    from bench.gguf_writer import write_random_gguf
     folder = tmp_path_factory.mktemp("tiny")
     return [write_random_gguf(folder / f"tiny-{seed}.gguf", "tiny", "Q8_0", seed=seed) for seed in (0, 3)]
 
@@ -228,7 +230,7 @@ def test_splits_differ_by_family(vocab_fields, tmp_path):
 # ---- what falls back, what is refused -----------------------------------------------------------------------
 
 def test_uncovered_kinds_fall_back_to_transformers(vocab_fields, tmp_path, monkeypatch):
-    import engine.loader as loader
+    import engine.text.tokenizer_cache as loader
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
     real = loader._tokenizer_from_gguf
     for pre in ("tekken", "some-future-model"):
@@ -267,7 +269,8 @@ def test_damaged_metadata_is_a_clear_error(changes, message, vocab_fields, tmp_p
 @pytest.mark.slow
 def test_first_start_with_default_model_does_not_import_transformers(tmp_path):
     code = ("import sys, time\n"
-            "from engine.loader import gguf_tokenizer, gguf_tokenizer_dir, locate\n"
+            "from engine.model.source import locate\n"
+            "from engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir\n"
             "path = locate('default').path\n"
             "assert not gguf_tokenizer_dir(path).exists()\n"
             "tok = gguf_tokenizer(path)\n"

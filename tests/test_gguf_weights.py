@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, ModelLoadError
-from engine.gguf_file import GGUFFile
-from engine.gguf_writer import write_random_gguf
-from engine.memory_check import check_fits
-from engine.model import ModelConfig
+from engine.gguf.file import GGUFFile
+from bench.gguf_writer import write_random_gguf
+from engine.plan.fit import check_fits
+from engine.model.config import ModelConfig
 
 from engine.config import CacheConfig as _CacheConfig
 
@@ -74,7 +74,7 @@ def test_resident_bytes_close_to_file(tiny_ggufs, kind):
 
 def test_gguf_matches_transformers(tiny_ggufs):
     """Our dense read of a GGUF (names, q/k row order, tied head) matches transformers' own GGUF loader."""
-    from engine.engine import load_transformers_reference
+    from engine.runtime.engine import load_transformers_reference
     path = tiny_ggufs["Q8_0"]
     ref = load_transformers_reference(path)
     ids = list(range(100, 140))

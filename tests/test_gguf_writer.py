@@ -5,7 +5,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K, dequantize
 
-from engine.gguf_writer import bench_model_path, quantize, quantize_q4_k, quantize_q6_k, write_random_gguf
+from bench.gguf_writer import bench_model_path, quantize, quantize_q4_k, quantize_q6_k, write_random_gguf
 
 
 def _rows() -> np.ndarray:

@@ -217,7 +217,7 @@ def chinese(qtbot, monkeypatch, tmp_path):
 def test_chinese_window_dialogs_and_pages_show_no_english(chinese, qtbot):
     from app.about import AboutDialog
     from app.models_page import ModelsDialog
-    from engine.library import ModelEntry
+    from engine.plan.library import ModelEntry
 
     window = open_window(qtbot, FakeLoader(), autoload=False)
     window.load_engine()

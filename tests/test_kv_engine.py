@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import CacheConfig, Engine, EngineConfig, SamplingParams
-from engine.kv_layout import MIB
+from engine.kv.layout import MIB
 from tiny_models import random_ids as _ids
 
 FP32 = dict(k_format="fp32", v_format="fp32")

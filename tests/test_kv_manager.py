@@ -2,8 +2,8 @@
 import pytest
 
 from engine.config import CacheConfig
-from engine.kv_layout import WindowGeometry, kv_layout
-from engine.kv_manager import BlockPool, KVCacheManager, NoFreeBlocks
+from engine.kv.layout import WindowGeometry, kv_layout
+from engine.kv.manager import BlockPool, KVCacheManager, NoFreeBlocks
 from types import SimpleNamespace
 
 MODEL = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16)      # all a layout reads of a model

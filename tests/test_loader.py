@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from engine import Engine, EngineConfig, ModelLoadError
-from engine.loader import default_gguf_path, locate
+from engine.model.source import default_gguf_path, locate
 from tiny_models import tiny_model_dir, write_bad_folder
 
 
@@ -88,7 +88,7 @@ def test_budget_too_small_for_one_block(tiny_llama):
 @pytest.mark.slow
 def test_cli_prompt_answers_paris():
     """`kvchat chat --prompt ... --temperature 0` prints one reply with Paris and exits 0."""
-    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--prompt", "What is the capital of France?",
+    out = subprocess.run([sys.executable, "-m", "cli.main", "chat", "--prompt", "What is the capital of France?",
                           "--temperature", "0", "--max-new-tokens", "24"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

@@ -36,7 +36,7 @@ def log_setup(monkeypatch, tmp_path):
 
 def test_version_prints_the_package_version():
     """`kvchat --version` prints the version from pyproject without starting the app."""
-    out = subprocess.run([sys.executable, "-m", "app.cli", "--version"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "cli.main", "--version"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert out.returncode == 0 and out.stdout.strip() == f"kvchat {expected}"

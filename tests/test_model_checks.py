@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig, ModelLoadError
-from engine.gguf_writer import write_random_gguf
-from engine.loader import load_tokenizer, locate, transformers_reference
-
+from bench.gguf_writer import write_random_gguf
+from engine.model.source import locate, transformers_reference
+from engine.text.tokenizer_cache import load_tokenizer
 EVIL = """
 from pathlib import Path
 Path(__file__).with_name("RAN").write_text("code from the model folder ran")
@@ -124,7 +124,7 @@ def test_auto_map_beside_a_gguf_never_runs(tiny_gguf, tmp_path, monkeypatch):
     shutil.copy(tiny_gguf, folder / "tiny.gguf")
     plant_auto_map(folder)
     monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("transformers asked to run custom code"))
-    from engine.loader import _auto_gguf_tokenizer, gguf_tokenizer
+    from engine.text.tokenizer_cache import _auto_gguf_tokenizer, gguf_tokenizer
     assert gguf_tokenizer(folder / "tiny.gguf") is not None
     assert _auto_gguf_tokenizer(folder / "tiny.gguf") is not None     # the fallback for other transformers layouts
     transformers_reference(locate(str(folder / "tiny.gguf")), dtype=None)
@@ -144,7 +144,7 @@ def test_pytorch_bin_folder_is_refused(folder):
 
 def test_failed_gguf_load_leaves_no_temporary_folder(tiny_gguf, tmp_path, monkeypatch):
     """A GGUF whose tokenizer cannot be saved, or whose metadata is wrong, leaves no folder in the cache or TMPDIR."""
-    from engine.loader import gguf_tokenizer_dir
+    from engine.text.tokenizer_cache import gguf_tokenizer_dir
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
@@ -161,9 +161,9 @@ def test_failed_gguf_load_leaves_no_temporary_folder(tiny_gguf, tmp_path, monkey
         raise OSError("disk full")
 
     from transformers import PreTrainedTokenizerFast
-    with monkeypatch.context() as m:          # both writers: engine/gguf_tokenizer.py's, and transformers' fallback
+    with monkeypatch.context() as m:          # both writers: engine/gguf/tokenizer.py's, and transformers' fallback
         m.setattr(PreTrainedTokenizerFast, "save_pretrained", broken_save)
-        m.setattr("engine.gguf_tokenizer.write_folder", lambda gguf, folder: broken_save(None, folder))
+        m.setattr("engine.gguf.tokenizer.write_folder", lambda gguf, folder: broken_save(None, folder))
         with pytest.raises(OSError, match="disk full"):
             Engine.load(EngineConfig(model=str(gguf)))
     assert traces() == []

@@ -11,7 +11,7 @@ import pytest
 import shiboken6
 from PySide6.QtCore import Qt
 
-from engine.library import ModelEntry
+from engine.plan.library import ModelEntry
 from fakes import FakeLoader, isolate_app, open_window
 
 pytestmark = pytest.mark.gui

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from engine import CacheConfig, ConfigError, Engine, EngineConfig, SamplingParams
-from engine.kv_layout import MIB, WindowGeometry
-from engine.gguf_writer import write_random_gguf
-from engine.session import BudgetFull
+from engine.kv.layout import MIB, WindowGeometry
+from bench.gguf_writer import write_random_gguf
+from engine.runtime.session import BudgetFull
 from kernels import cpu_quant
 
 FP32 = dict(k_format="fp32", v_format="fp32")

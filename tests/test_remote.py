@@ -6,7 +6,7 @@ import pytest
 from engine import CacheConfig, EngineConfig, SamplingParams, TokenDelta, TurnFinished
 from engine.api import LOCAL, REMOTE, ChatEngine, ChatSession, capabilities_of
 from engine.config import ConfigError
-from engine.remote import RemoteEngine, RemoteError
+from engine.serve.remote import RemoteEngine, RemoteError
 from engine.serve import batch
 from engine.serve.server import ServeConfig, Server
 from tests.fakes import FakeEngine

@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from engine import CacheConfig, SamplingParams
-from engine.memory_check import trim_heap
+from engine.plan.fit import trim_heap
 from fakes import isolate_app
 
 MIB = 2**20

@@ -252,7 +252,7 @@ def _free_port() -> int:
 
 
 def _kvchat(*args) -> list[str]:
-    return [sys.executable, "-m", "app.cli", *args]
+    return [sys.executable, "-m", "cli.main", *args]
 
 
 def test_sigint_stops_the_server_while_a_template_spins(spin_model):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine import SamplingParams, TokenDelta, TurnFinished
-from engine.sampling import sample
+from engine.runtime.sampling import sample
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 
@@ -58,7 +58,7 @@ def test_sampling_modes():
 
 def test_stream_decoder_never_splits_a_character(tiny_engine):
     """Byte-level tokens of multi-byte characters are emitted only once each character is whole."""
-    from engine.detok import StreamDecoder
+    from engine.text.detok import StreamDecoder
     tok = tiny_engine.tokenizer
     text = "日本語 🙂 Ünïcödé"
     ids = tok.encode(text, add_special_tokens=False)

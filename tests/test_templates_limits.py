@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.chat_format import ChatTemplateError
-from engine.chat_template import TemplateLimit, render
+from engine.text.chat_format import ChatTemplateError
+from engine.text.chat_template import TemplateLimit, render
 from engine.config import ConfigError
 from tiny_models import CHATML_TEMPLATE
 

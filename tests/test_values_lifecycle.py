@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from engine import CacheConfig, ConfigError, SamplingParams, TokenDelta, TurnFinished
-from engine.cli import main as cli_main
-from engine.loader import locate
-from engine.session import SessionBusy, SessionClosed
+from cli.terminal import main as cli_main
+from engine.model.source import locate
+from engine.runtime.session import SessionBusy, SessionClosed
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -249,7 +249,7 @@ def _interrupt_during_load(argv: list[str], tmp_path: Path, timeout: float = 120
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=str(tmp_path / "data"),
                KVCHAT_SETTINGS_FILE=str(tmp_path / "settings.ini"), KVCHAT_LOG_DIR=str(tmp_path / "logs"),
                KVCHAT_QUALITY_FILE=str(tmp_path / "quality.json"), PYTHONPATH=str(ROOT))
-    child = subprocess.Popen([sys.executable, "-m", "app.cli", *argv], cwd=ROOT, env=env, text=True,
+    child = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], cwd=ROOT, env=env, text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
     try:

@@ -16,12 +16,14 @@ from dataclasses import replace
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat_format import ChatTemplateError, encode_conversation, tokenize_pieces
-from ..detok import StreamDecoder
-from . import batch, guard, protocol
-from .metrics import CONTENT_TYPE_LATEST, ServeMetrics
-from .protocol import APIError, bad_request
-from .scheduler import Finished, QueueFull, Request, Scheduler, TokenOut
+from engine.text.chat_format import ChatTemplateError, encode_conversation, tokenize_pieces
+from engine.text.detok import StreamDecoder
+from engine.serve import batch
+from engine.serve import guard
+from engine.serve import protocol
+from engine.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
+from engine.serve.protocol import APIError, bad_request
+from engine.serve.scheduler import Finished, QueueFull, Request, Scheduler, TokenOut
 
 DISCONNECT_POLL_S = 0.5
 PROMPT_TIMEOUT_S = 10.0         # render and tokenize; the template's own limit (3 s) ends a runaway render first

@@ -1,6 +1,6 @@
 """The scheduler's only door into the engine: sequences, one batched step, blocks and bytes.
 
-A handle is a sequence of the engine's shared KV pool (engine/kv_manager.py). A step runs every
+A handle is a sequence of the engine's shared KV pool (engine/kv/manager.py). A step runs every
 scheduled sequence's new tokens through one forward pass (the linear layers see one batch, each
 sequence attends over its own pages) and rolls all of them back if it fails.
 """
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CacheConfig
-from ..kv_layout import MIB
-from ..kv_manager import Sequence as _Seq
+from engine.config import CacheConfig
+from engine.kv.layout import MIB
+from engine.kv.manager import Sequence as _Seq
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..config import ConfigError, SamplingParams
+from engine.config import ConfigError, SamplingParams
 
 MAX_STOP_STRINGS = 4
 GREEDY_BELOW = 1e-5         # logits divided by less overflow float32: the softmax would be NaN

@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 
-from ..config import CacheConfig, SamplingParams
-from ..sampling import sample
-from . import batch
+from engine.config import CacheConfig, SamplingParams
+from engine.runtime.sampling import sample
+from engine.serve import batch
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 log = logging.getLogger("kvchat.serve")

@@ -7,11 +7,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..config import CacheConfig, ConfigError
-from .app import ServeState, create_app
-from .guard import is_loopback
-from .metrics import ServeMetrics
-from .scheduler import Scheduler, SchedulerConfig
+from engine.config import CacheConfig, ConfigError
+from engine.serve.app import ServeState, create_app
+from engine.serve.guard import is_loopback
+from engine.serve.metrics import ServeMetrics
+from engine.serve.scheduler import Scheduler, SchedulerConfig
 
 API_KEY_ENV = "KVCHAT_API_KEY"
 

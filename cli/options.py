@@ -1,0 +1,53 @@
+"""The engine's options on the command line: argparse in, frozen configs out (chat, serve and benchmarks)."""
+from __future__ import annotations
+
+import argparse
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="default, a local HF folder, or a .gguf file")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    p.add_argument("--k-format", default="auto")
+    p.add_argument("--v-format", default="auto")
+    p.add_argument("--k-scheme", default="channel", choices=["channel", "token"])
+    p.add_argument("--window", type=int, default=None)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--budget-mb", type=float, default=1024.0)
+    p.add_argument("--overflow", default="stop", choices=["stop", "slide"])
+    p.add_argument("--fp-layers", default="", help="comma-separated layers kept in full precision")
+
+
+def parse_fp_layers(text: str) -> tuple[int, ...]:
+    """'0,1,29' -> (0, 1, 29); anything else is a ConfigError naming the option."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--fp-layers {text!r}: give comma-separated layer numbers, e.g. --fp-layers 0,1,29") from None
+
+
+def cache_config(args) -> CacheConfig:
+    layers = parse_fp_layers(args.fp_layers)
+    return CacheConfig(k_format=args.k_format, v_format=args.v_format, k_scheme=args.k_scheme,
+                       full_precision_layers=layers, window=args.window, sinks=args.sinks,
+                       block_size=args.block_size, budget_mb=args.budget_mb, overflow=args.overflow)
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, cache=cache_config(args))
+
+
+def sampling_params(args) -> SamplingParams:
+    """The chat options as SamplingParams; a bad value is a ConfigError naming the option (main prints it)."""
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_new_tokens=args.max_new_tokens, repetition_penalty=args.repetition_penalty,
+                              seed=args.seed)
+    except ConfigError as exc:
+        name, _, advice = str(exc).partition("=")
+        raise ConfigError(f"--{name.replace('_', '-')} {advice}") from None
+
+

@@ -1,0 +1,218 @@
+"""Terminal entry points: `kvchat chat`, `kvchat bench ...`, `kvchat estimate`, `kvchat info`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import sys
+import threading
+
+from cli.options import add_cache_arguments, engine_config, sampling_params
+from engine.config import ConfigError, SamplingParams
+
+BENCHES = {
+    "speed": "bench.speed",
+    "memory": "bench.memory",
+    "quality": "bench.quality",
+    "passkey": "bench.passkey",
+    "kernels": "bench.kernels",
+    "serve": "bench.serve",
+}
+
+
+def _print_stats(session) -> None:
+    s = session.stats()
+    print(f"[{s.cache_label}] tokens held {s.tokens_held} (evicted {s.tokens_evicted}), "
+          f"KV {s.kv_bytes / 1024:.1f} KiB of {s.budget_bytes / 2**20:.0f} MiB, blocks {s.blocks_used}/{s.blocks_budget}, "
+          f"tokens left {'unbounded (window)' if s.tokens_left < 0 else s.tokens_left}, "
+          f"prefill {s.prefill_tok_s:.0f} tok/s, decode {s.decode_tok_s:.1f} tok/s, TTFT {s.ttft_s * 1000:.0f} ms")
+
+
+def _stream(session, text: str, params: SamplingParams) -> None:
+    from engine.events import TokenDelta, TurnFinished
+    for event in session.send(text, params):
+        if isinstance(event, TokenDelta):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, TurnFinished):
+            print()
+            if event.message:
+                print(f"! {event.message}", file=sys.stderr)
+
+
+def cmd_chat(args) -> int:
+    try:
+        return _chat(args)
+    except BrokenPipeError:             # the reader went away (`| head`): stop quietly, as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _chat(args) -> int:
+    params = sampling_params(args)      # before anything loads: a bad value costs no wait
+    if args.prompt is not None:
+        from engine.runtime import quick              # a one-shot answer without torch, where it covers the model
+        if quick.covers(args):
+            try:
+                done = quick.one_shot(args.model, args.prompt, args.system, params)
+            except ConfigError:
+                done = None
+            except KeyboardInterrupt:
+                print("\n(stopped)", file=sys.stderr)
+                return 130
+            if done is not None:
+                return done
+    from engine.runtime.engine import Engine
+    from engine.errors import ModelLoadError
+    try:
+        engine = Engine.load(engine_config(args))
+    except (ModelLoadError, ConfigError) as exc:
+        print(f"kvchat: {exc}", file=sys.stderr)
+        return 2
+    session = engine.new_session(system_prompt=args.system)
+    if args.prompt is not None:
+        try:
+            _stream(session, args.prompt, params)
+        except KeyboardInterrupt:           # Ctrl+C mid-reply: what came so far stays printed
+            print("\n(stopped)", file=sys.stderr)
+            return 130
+        return 0
+    print(f"kvchat: {engine.model_name} on {engine.device}, cache {session.cache_config.label()}. "
+          f"Commands: /reset, /stats, /quit")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        cmd = line.strip()
+        if cmd in ("/quit", "/exit"):
+            return 0
+        if cmd == "/reset":
+            freed = session.reset()
+            print(f"session reset: {freed / 1024:.1f} KiB of KV cache returned")
+            continue
+        if cmd == "/stats":
+            _print_stats(session)
+            continue
+        if cmd:
+            try:
+                _stream(session, line, params)
+            except KeyboardInterrupt:
+                print("\n(stopped)")
+
+
+def cmd_serve(args) -> int:
+    from engine.runtime.engine import Engine
+    from engine.errors import ModelLoadError
+    from engine.serve.server import ServeConfig, Server, api_key_from
+    try:
+        config = ServeConfig(host=args.host, port=args.port, api_key=api_key_from(args.api_key),
+                             model_id=args.served_model_name, max_num_seqs=args.max_num_seqs,
+                             prefill_chunk=args.prefill_chunk)
+        engine = Engine.load(engine_config(args))
+        server = Server(engine, config)
+    except (ModelLoadError, ConfigError) as exc:
+        print(f"kvchat: {exc}", file=sys.stderr)
+        return 2
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"kvchat serve: {server.model_id} on http://{host}:{args.port}/v1 (metrics at /metrics), "
+          f"KV budget {server.scheduler.config.cache.budget_mb:g} MiB; Ctrl+C stops", file=sys.stderr)
+    try:
+        server.run()
+    except OSError as exc:
+        print(f"kvchat: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_bench(args) -> int:
+    module = importlib.import_module(BENCHES[args.bench])
+    if getattr(module, "ENGINE_OPTIONS", False):      # the benchmark loads an engine from the cache options
+        args.engine_config = engine_config(args)
+    result = module.run(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        summary = getattr(module, "summarize", None)
+        print(summary(result) if summary else json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser(benches: bool = True) -> argparse.ArgumentParser:
+    """benches=False leaves the benchmarks' own options out: they import torch, which a one-shot answer
+    (engine.runtime.quick) does without."""
+    parser = argparse.ArgumentParser(prog="kvchat", description="Chat with a local model and see its KV cache.")
+    sub = parser.add_subparsers(dest="command")
+    chat = sub.add_parser("chat", help="terminal chat")
+    add_cache_arguments(chat)
+    chat.add_argument("--prompt", default=None, help="send one message, print the reply and exit")
+    chat.add_argument("--system", default=None)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--top-k", type=int, default=50)
+    chat.add_argument("--repetition-penalty", type=float, default=1.1)
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (loopback unless given an API key)")
+    add_cache_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="any address but loopback needs an API key")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="clients send it as 'Authorization: Bearer KEY' "
+                                                       "(or set KVCHAT_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the file's)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together at most")
+    serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per request per step")
+    serve.set_defaults(func=cmd_serve)
+    from engine.plan import estimate
+    plan = sub.add_parser("estimate", help="KV and weight memory of a model and context, before loading it")
+    estimate.add_arguments(plan)
+    plan.set_defaults(func=estimate.cmd_estimate)
+    bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, kernels, serve)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for name, module_name in BENCHES.items():
+        p = bsub.add_parser(name)
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        if not benches:
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if getattr(module, "ENGINE_OPTIONS", False):
+            add_cache_arguments(p)
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(p)
+        p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(benches=not argv or argv[0] not in ("chat", "serve", "estimate"))
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args) or 0
+    except ConfigError as exc:          # a bad option value: one line, not a traceback
+        print(f"kvchat: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:           # Ctrl+C while the model loads (a reply's own Ctrl+C is caught nearer)
+        return interrupted()
+
+
+def interrupted() -> int:
+    """One line for a Ctrl+C, and the shell's code for it; a second Ctrl+C while threads wind down ends at once."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    print("\nkvchat: stopped (Ctrl+C)", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The paged KV cache: layout arithmetic, the block pool and manager, the page store, conversion."""

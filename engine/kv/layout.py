@@ -1,0 +1,224 @@
+"""What the paged KV cache costs, from the architecture and the cache mode alone: no tensors.
+
+The cache, the budget forecast, `kvchat bench memory` and `kvchat estimate` all read their bytes
+here, and the window geometry (sink blocks, window start, blocks that leave) is written here once.
+
+A block holds `block_size` tokens of every layer's K and V. Quantized components also keep two
+blocks in full precision per conversation: the block being filled (the tail, quantized once when
+it is full) and the table's first block (the head: the first tokens, which draw most attention).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, page_format
+
+from engine.config import CacheConfig, ConfigError
+from engine.model.config import ModelConfig
+
+MIB = 1024 * 1024
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+PREFILL_CHUNK = 512                     # most prompt tokens one step reads (less within a window)
+
+
+def full_dtype(model_dtype: str, device: str) -> str:
+    """The dtype "auto" means for the cache: 16 bits on the CPU (as llama.cpp's f16 cache), else the model's."""
+    return "bf16" if str(device).startswith("cpu") and model_dtype == "fp32" else model_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Byte geometry of one cache mode on one model; hashable (pages of equal layouts are interchangeable)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    full_dtype: str                                            # what "auto" and the head/tail blocks use
+    formats: tuple[tuple[PageFormat, PageFormat], ...]         # per layer: (K, V)
+    # computed once: the manager asks for block bytes on every step
+    layer_block_bytes: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    block_bytes: int = field(init=False, repr=False, compare=False)   # one block over all layers, K and V
+    quantized_components: int = field(init=False, repr=False, compare=False)
+    # a layout is part of every prefix-cache key: hashing its per-layer formats anew each time a block fills
+    # took thousands of calls
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        per_layer = tuple(tuple(bytes_per_block(f, self.block_size, self.num_kv_heads, self.head_dim) for f in pair)
+                          for pair in self.formats)
+        object.__setattr__(self, "layer_block_bytes", per_layer)
+        object.__setattr__(self, "block_bytes", sum(k + v for k, v in per_layer))
+        object.__setattr__(self, "quantized_components", sum(f.is_quantized for pair in self.formats for f in pair))
+        object.__setattr__(self, "_hash", hash((self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                                                self.full_dtype, self.formats)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def full_block_bytes(self) -> int:
+        """Bytes of one full-precision block of one component (a head or a tail)."""
+        return self.block_size * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.full_dtype]
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Most full-precision bytes one conversation keeps beside its blocks (a head and a tail per quantized component)."""
+        return 2 * self.full_block_bytes * self.quantized_components
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.block_bytes / self.block_size
+
+    @property
+    def full_precision_bytes_per_token(self) -> float:
+        """What the same tokens would take with every component at full precision."""
+        return 2 * self.num_layers * self.full_block_bytes / self.block_size
+
+    def blocks_for(self, num_slots: int) -> int:
+        return -(-num_slots // self.block_size)
+
+    def budget_blocks(self, budget_bytes: float, conversations: int = 1) -> int:
+        """Blocks a budget holds beside the fixed bytes of `conversations` conversations."""
+        return max(0, int((budget_bytes - conversations * self.fixed_bytes) // self.block_bytes))
+
+    def side_bytes(self, num_slots: int, head: bool) -> int:
+        """Full-precision bytes of one conversation holding num_slots slots: a tail once anything is written,
+        a head while the first block is full and held."""
+        if not self.quantized_components or num_slots == 0:
+            return 0
+        return self.full_block_bytes * self.quantized_components * (1 + int(head))
+
+    def sequence_bytes(self, num_tokens: int, window: int | None = None, sinks: int = 0) -> int:
+        """Bytes a conversation of num_tokens tokens holds in this layout, once its window (if any) slid."""
+        g = WindowGeometry(self.block_size, window, sinks)
+        blocks, evicted = g.steady_blocks(num_tokens)
+        slots = num_tokens - evicted * self.block_size
+        head = slots >= self.block_size and (g.sink_blocks > 0 or evicted == 0)
+        return blocks * self.block_bytes + self.side_bytes(slots, head)
+
+    def max_tokens(self, budget_bytes: float) -> int:
+        """The longest conversation without a window whose KV fits in budget_bytes."""
+        return self.budget_blocks(budget_bytes) * self.block_size
+
+
+def _fit(fmt: PageFormat, head_dim: int) -> PageFormat:
+    # groups of 32 channels need head_dim to split evenly; smaller heads use smaller groups
+    if fmt.scale_axis == "group" and head_dim % fmt.group:
+        return dataclasses.replace(fmt, group=math.gcd(fmt.group, head_dim))
+    return fmt
+
+
+def kv_layout(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32", device: str = "cpu") -> KVLayout:
+    """The layout of a cache mode on a model; raises ConfigError for layers the model lacks."""
+    bad = [i for i in cache.full_precision_layers if i >= model.num_layers]
+    if bad:
+        raise ConfigError(f"full-precision layers {', '.join(map(str, bad))} do not exist: this model has layers "
+                          f"0-{model.num_layers - 1}")
+    dtype = full_dtype(model_dtype, device)
+    formats = []
+    for layer in range(model.num_layers):
+        if layer in cache.full_precision_layers:
+            formats.append((PageFormat(dtype), PageFormat(dtype)))
+        else:
+            formats.append(tuple(_fit(page_format(f, role, cache.k_scheme, dtype), model.head_dim)
+                                 for f, role in ((cache.k_format, "k"), (cache.v_format, "v"))))
+    assert dtype in FULL_DTYPES
+    return KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size, dtype, tuple(formats))
+
+
+def check_cache_for_model(cache: CacheConfig, model: ModelConfig, model_dtype: str = "fp32",
+                          device: str = "cpu") -> KVLayout:
+    """The one check of a cache mode against a model, shared by the engine and the Settings dialog: the
+    layout, or a ConfigError saying what to change."""
+    layout = kv_layout(model, cache, model_dtype, device)
+    if cache.window is not None and cache.window + cache.sinks > model.max_position_embeddings:
+        raise ConfigError(f"window {cache.window:,} + {cache.sinks} sinks is longer than the model's context of "
+                          f"{model.max_position_embeddings:,} tokens: positions would run past what it was trained "
+                          f"on; use a window of at most {model.max_position_embeddings - cache.sinks:,}")
+    need = layout.block_bytes + layout.fixed_bytes
+    if layout.budget_blocks(cache.budget_mb * MIB) < 1:
+        raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB does not hold even one block of {cache.block_size} "
+                          f"tokens in {cache.label()} on this model (that needs {need / MIB:.2f} MiB): raise the budget")
+    if cache.window is not None:
+        # a window holds its sinks, the window and one prompt chunk at once while a prompt is read
+        geometry = WindowGeometry.of(cache)
+        blocks = geometry.peak_blocks(geometry.prefill_chunk())
+        if layout.budget_blocks(cache.budget_mb * MIB) < blocks:
+            need_mb = math.ceil((blocks * layout.block_bytes + layout.fixed_bytes) / MIB * 10) / 10
+            raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB cannot hold {cache.label()} on this model: "
+                              f"reading a prompt into the window needs {need_mb:g} MiB; raise the budget to "
+                              f"{need_mb:g} MiB or more, or lower the window")
+    return layout
+
+
+@dataclass(frozen=True, slots=True)
+class WindowGeometry:
+    """Sliding window with attention sinks over a block table (StreamingLLM, arXiv 2309.17453).
+
+    Slots are the table's blocks laid end to end. The first `sink_blocks` blocks hold the sinks
+    and stay; the blocks after them leave, whole, once every token in them is older than the
+    window. `evicted` counts the blocks that left, so slot j >= sink end is absolute token
+    j + evicted * block_size.
+    """
+
+    block_size: int
+    window: int | None
+    sinks: int
+
+    @classmethod
+    def of(cls, cache: CacheConfig) -> "WindowGeometry":
+        return cls(cache.block_size, cache.window, cache.sinks)
+
+    @property
+    def sink_blocks(self) -> int:
+        return -(-self.sinks // self.block_size) if self.window is not None else 0
+
+    def start(self, num_tokens: int, evicted: int) -> tuple[int, int]:
+        """(window_start slot, num_sinks) of a stream of num_tokens tokens with `evicted` blocks gone."""
+        if self.window is None:
+            return 0, 0
+        bs = self.block_size
+        seq_len = num_tokens - evicted * bs
+        start_abs = max(self.sinks, num_tokens - self.window)
+        start = start_abs if start_abs < self.sink_blocks * bs else start_abs - evicted * bs
+        return min(start, seq_len), min(self.sinks, num_tokens)
+
+    def num_to_evict(self, num_tokens: int, evicted: int, table_len: int) -> int:
+        """How many blocks after the sink blocks have left the window and can go back to the pool."""
+        if self.window is None:
+            return 0
+        bs = self.block_size
+        start_abs = max(self.sinks, num_tokens - self.window)
+        n = 0
+        while table_len - n > self.sink_blocks + 1 and (self.sink_blocks + evicted + n + 1) * bs <= start_abs:
+            n += 1
+        return n
+
+    def held(self, num_tokens: int, evicted: int) -> int:
+        """Tokens whose K/V the window attends to."""
+        seq_len = num_tokens - evicted * self.block_size
+        ws, ns = self.start(num_tokens, evicted)
+        return min(ns, seq_len) + max(0, seq_len - max(ws, ns))
+
+    def steady_blocks(self, num_tokens: int) -> tuple[int, int]:
+        """(blocks held, blocks evicted) once num_tokens tokens went through the window."""
+        table = self.blocks_for(num_tokens)
+        gone = self.num_to_evict(num_tokens, 0, table)
+        return table - gone, gone
+
+    def blocks_for(self, num_slots: int) -> int:
+        return -(-num_slots // self.block_size)
+
+    def prefill_chunk(self) -> int:
+        """Prompt tokens one step reads: whole blocks, and no more than the window."""
+        if self.window is None:
+            return PREFILL_CHUNK
+        return max(self.block_size, min(PREFILL_CHUNK, self.window) // self.block_size * self.block_size)
+
+    def peak_blocks(self, chunk: int) -> int:
+        """Most blocks a windowed conversation holds while a chunk of `chunk` new tokens is in flight."""
+        assert self.window is not None
+        return self.sink_blocks + self.blocks_for(self.window + chunk) + 1

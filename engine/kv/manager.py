@@ -1,0 +1,518 @@
+"""One KV manager per engine: block ids, sequences and their block tables, the prefix index, the budget.
+
+Plain Python, no torch: it decides which blocks hold what; the page store (engine/kv/pages.py)
+holds the bytes. Names follow vLLM's v1 KV manager where they apply.
+
+- `BlockPool` hands out block ids (lowest free id first, so page storage stays as large as the
+  blocks in use), counts references, and keeps freed blocks that hold a full, hashed prefix block
+  as *evictable*: reusable by a later conversation with the same prefix until the pool needs them
+  (least recently freed first).
+- A `Sequence` is one conversation's (or request's) view: its block table, its token count, the
+  blocks its window evicted, the hashes of its full blocks.
+- `KVCacheManager` reserves slots for a step, commits or rolls them back, forks, truncates, frees,
+  matches prefixes, and keeps every sequence's bytes inside one byte budget, releasing the least
+  recently used idle sequence first when a step needs room.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.kv.layout import KVLayout, WindowGeometry
+
+
+class NoFreeBlocks(RuntimeError):
+    """The budget cannot hold the blocks a step needs, even after releasing every idle sequence."""
+
+    def __init__(self, need_bytes: int, free_bytes: int):
+        super().__init__(f"need {need_bytes} bytes, {free_bytes} free")
+        self.need_bytes, self.free_bytes = need_bytes, free_bytes
+
+
+class BlockPool:
+    """Block ids, reference counts, the free heap and the evictable prefix blocks."""
+
+    def __init__(self):
+        self.ref_cnt: list[int] = []
+        self._free: list[int] = []                         # heap of unreferenced, unhashed ids below high_water
+        self._evictable: OrderedDict[int, None] = OrderedDict()   # unreferenced, hashed: least recently freed first
+        self.block_hash: dict[int, tuple] = {}             # id -> its prefix key
+        self._by_key: dict[tuple, int] = {}                # prefix key -> id
+
+    @property
+    def high_water(self) -> int:
+        """One past the highest id in use or evictable: the page storage's length."""
+        return len(self.ref_cnt)
+
+    @property
+    def num_in_use(self) -> int:
+        return len(self.ref_cnt) - len(self._free) - len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def evictable_ids(self) -> list[int]:
+        return list(self._evictable)
+
+    def allocate(self) -> int:
+        if self._free:
+            block_id = heapq.heappop(self._free)
+        else:
+            block_id = len(self.ref_cnt)
+            self.ref_cnt.append(0)
+        self.ref_cnt[block_id] = 1
+        return block_id
+
+    def evict_oldest(self) -> int | None:
+        """Forget the least recently freed prefix block; returns its id (now free) or None."""
+        if not self._evictable:
+            return None
+        block_id, _ = self._evictable.popitem(last=False)
+        self._forget(block_id)
+        heapq.heappush(self._free, block_id)
+        self._trim()
+        return block_id
+
+    def touch(self, block_id: int) -> None:
+        """Take a reference, reviving an evictable block."""
+        if self.ref_cnt[block_id] == 0:
+            del self._evictable[block_id]
+        self.ref_cnt[block_id] += 1
+
+    def free(self, block_id: int) -> bool:
+        """Drop one reference; True when nothing references the block any more."""
+        assert self.ref_cnt[block_id] > 0, f"double free of block {block_id}"
+        self.ref_cnt[block_id] -= 1
+        if self.ref_cnt[block_id]:
+            return False
+        if block_id in self.block_hash:
+            self._evictable[block_id] = None
+        else:
+            heapq.heappush(self._free, block_id)
+            self._trim()
+        return True
+
+    def cache(self, block_id: int, key: tuple) -> None:
+        if key not in self._by_key and block_id not in self.block_hash:
+            self._by_key[key] = block_id
+            self.block_hash[block_id] = key
+
+    def uncache(self, block_id: int) -> None:
+        """Take a referenced block out of the prefix index (its contents are about to change)."""
+        self._forget(block_id)
+
+    def lookup(self, key: tuple) -> int | None:
+        return self._by_key.get(key)
+
+    def clear_cache(self) -> list[int]:
+        """Forget every prefix key; evictable blocks become free. Returns the ids freed."""
+        freed = list(self._evictable)
+        self._evictable.clear()
+        self._by_key.clear()
+        self.block_hash.clear()
+        for block_id in freed:
+            heapq.heappush(self._free, block_id)
+        self._trim()
+        return freed
+
+    def _forget(self, block_id: int) -> None:
+        key = self.block_hash.pop(block_id, None)
+        if key is not None and self._by_key.get(key) == block_id:
+            del self._by_key[key]
+
+    def _trim(self) -> None:
+        # free ids at the top are forgotten, so high_water (and the page storage) shrinks with use
+        top = len(self.ref_cnt)
+        while self.ref_cnt and self.ref_cnt[-1] == 0 and (len(self.ref_cnt) - 1) not in self._evictable:
+            self.ref_cnt.pop()
+        if len(self.ref_cnt) < top:
+            limit = len(self.ref_cnt)
+            self._free = [b for b in self._free if b < limit]
+            heapq.heapify(self._free)
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One conversation's (or request's) blocks. Slots are the table's blocks laid end to end."""
+
+    layout: KVLayout
+    geometry: WindowGeometry
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    block_table: list[int] = field(default_factory=list)
+    num_tokens: int = 0                 # tokens committed since the sequence started (or was reset)
+    evicted: int = 0                    # blocks that left the window
+    token_ids: list[int] = field(default_factory=list)   # committed ids, kept while blocks are hashed
+    block_keys: list[tuple] = field(default_factory=list)  # prefix keys of the full blocks, in order
+    last_used: int = 0
+    released: bool = False              # its blocks were taken back for another conversation
+    closed: bool = False
+    sink_blocks: int = -1               # blocks at the start that never leave (kept if the window is removed)
+
+    def __post_init__(self):
+        if self.sink_blocks < 0:
+            self.sink_blocks = self.geometry.sink_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def seq_len(self) -> int:
+        """Slots in use: tokens committed less those in evicted blocks."""
+        return self.num_tokens - self.evicted * self.block_size
+
+    @property
+    def has_head(self) -> bool:
+        """Quantized components keep the first block in full precision while it is full and held."""
+        return self.seq_len >= self.block_size and (self.sink_blocks > 0 or self.evicted == 0)
+
+    @property
+    def side_bytes(self) -> int:
+        return self.layout.side_bytes(self.seq_len, self.has_head)
+
+    @property
+    def tokens_held(self) -> int:
+        return self.geometry.held(self.num_tokens, self.evicted)
+
+    def window(self) -> tuple[int, int]:
+        """(window_start slot, num_sinks) now."""
+        return self.geometry.start(self.num_tokens, self.evicted)
+
+    def absolute(self, slot: int) -> int:
+        """The token index of a slot (slots after the sink blocks moved down as blocks left)."""
+        return slot if slot < self.sink_blocks * self.block_size else slot + self.evicted * self.block_size
+
+
+def _full_attention_tokens(geometry: WindowGeometry) -> float:
+    """Tokens a sequence computes as full attention does: a window changes the K/V of later tokens (they attend to
+    the sinks and the window only), so only blocks within the first window + sinks tokens are shared by prefix."""
+    return float("inf") if geometry.window is None else geometry.window + geometry.sinks
+
+
+@dataclass
+class Reservation:
+    """What a step took before its forward pass, so it can be committed or undone."""
+
+    seq: Sequence
+    num_new: int
+    first_slot: int
+    new_blocks: list[int]
+    copied: tuple[int, int, int] | None = None   # (table index, old id, new id) of a copied-on-write block
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The pool at a glance, for the dashboard and the server's metrics."""
+
+    budget_bytes: int
+    held_bytes: int                     # blocks in use and evictable, plus full-precision sides
+    free_bytes: int
+    evictable_blocks: int
+    evictable_bytes: int
+    shared_blocks: int                  # blocks referenced by more than one sequence
+    blocks_in_use: int
+    prefix_queries: int                 # tokens looked up in the prefix index
+    prefix_hits: int                    # of those, tokens found
+    sequences: tuple[tuple[int, int, int, bool], ...]   # (seq_id, blocks, bytes, released)
+
+
+class KVCacheManager:
+    def __init__(self, budget_bytes: int, on_free=None):
+        self.pool = BlockPool()
+        self.budget_bytes = int(budget_bytes)
+        self.sequences: dict[int, Sequence] = {}
+        self.block_layout: dict[int, KVLayout] = {}         # id -> the layout whose pages hold it
+        self._block_bytes_held = 0                          # bytes of the blocks in block_layout
+        self._on_free = on_free or (lambda ids: None)       # page store hook: these ids hold nothing now
+        self._clock = itertools.count(1)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.released_log: list[int] = []                   # seq ids released for room, newest last
+
+    # ---- bytes --------------------------------------------------------------------------
+
+    def block_bytes(self, block_id: int) -> int:
+        return self.block_layout[block_id].block_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every block in use or kept for reuse, plus the sequences' full-precision sides."""
+        return self._block_bytes_held + sum(s.side_bytes for s in self.sequences.values())
+
+    def recount(self) -> int:
+        """held block bytes counted from scratch (check() compares it with the running count)."""
+        return sum(self.block_bytes(b) for b, r in enumerate(self.pool.ref_cnt) if r or b in self.pool.block_hash)
+
+    def evictable_bytes(self) -> int:
+        return sum(self.block_bytes(b) for b in self.pool.evictable_ids())
+
+    def sequence_bytes(self, seq: Sequence) -> int:
+        return len(seq.block_table) * seq.layout.block_bytes + seq.side_bytes
+
+    # ---- sequences ----------------------------------------------------------------------
+
+    def new_sequence(self, layout: KVLayout, geometry: WindowGeometry) -> Sequence:
+        seq = Sequence(layout, geometry)
+        seq.last_used = next(self._clock)
+        self.sequences[seq.seq_id] = seq
+        return seq
+
+    def free(self, seq: Sequence) -> int:
+        """Give back every block of the sequence (hashed ones stay reusable); returns the bytes released."""
+        released = self.sequence_bytes(seq)
+        self._free_ids(reversed(seq.block_table))     # the tail of a prefix is evicted before its head
+        seq.block_table.clear()
+        seq.num_tokens = seq.evicted = 0
+        seq.token_ids.clear()
+        seq.block_keys.clear()
+        return released
+
+    def close(self, seq: Sequence) -> None:
+        self.free(seq)
+        seq.closed = True
+        self.sequences.pop(seq.seq_id, None)
+
+    def _free_ids(self, ids) -> None:
+        gone = [b for b in ids if self.pool.free(b) and b not in self.pool.block_hash]
+        self._forget(gone)
+
+    def _forget(self, ids: list[int]) -> None:
+        for b in ids:
+            layout = self.block_layout.pop(b, None)
+            if layout is not None:
+                self._block_bytes_held -= layout.block_bytes
+        if ids:
+            self._on_free(ids)
+
+    # ---- room ---------------------------------------------------------------------------
+
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.held_bytes
+
+    def reclaimable_bytes(self, keep: set[int]) -> int:
+        """Bytes that could be made free: evictable prefix blocks and idle sequences' own blocks."""
+        total = self.evictable_bytes()
+        for s in self.sequences.values():
+            if s.seq_id not in keep and s.block_table:
+                total += sum(s.layout.block_bytes for b in s.block_table if self.pool.ref_cnt[b] == 1) + s.side_bytes
+        return total
+
+    def _make_room(self, need: int, keep: set[int]) -> None:
+        """Free bytes until `need` more fit: oldest evictable prefix blocks, then least recently used idle sequences."""
+        while self.free_bytes() < need:
+            block_id = self.pool.evict_oldest()
+            if block_id is not None:
+                self._forget([block_id])
+                continue
+            idle = [s for s in self.sequences.values() if s.seq_id not in keep and s.block_table]
+            if not idle:
+                raise NoFreeBlocks(need, self.free_bytes())
+            victim = min(idle, key=lambda s: s.last_used)
+            self.free(victim)
+            victim.released = True
+            self.released_log.append(victim.seq_id)
+
+    def _allocate(self, layout: KVLayout, n: int) -> list[int]:
+        ids = [self.pool.allocate() for _ in range(n)]
+        for b in ids:
+            self.block_layout[b] = layout
+        self._block_bytes_held += n * layout.block_bytes
+        return ids
+
+    # ---- one step: reserve, then commit or roll back -------------------------------------
+
+    def bytes_needed(self, seq: Sequence, num_new: int) -> int:
+        """More bytes num_new tokens take: new blocks, a shared partial block's copy, a head/tail that appears."""
+        layout, n = seq.layout, seq.seq_len + num_new
+        blocks = max(0, layout.blocks_for(n) - len(seq.block_table)) + int(num_new > 0 and self.shared_partial(seq))
+        side_after = layout.side_bytes(n, seq.has_head or n >= layout.block_size)
+        return blocks * layout.block_bytes + max(0, side_after - seq.side_bytes)
+
+    def reserve(self, seq: Sequence, num_new: int, keep: set[int] = frozenset()) -> Reservation:
+        """Blocks for num_new more tokens (a shared partial block is copied on write). Nothing else changes
+        until commit; rollback undoes this exactly. Raises NoFreeBlocks when even releasing idle
+        sequences leaves too little room."""
+        seq.last_used = next(self._clock)
+        seq.released = False
+        layout = seq.layout
+        keep = set(keep) | {seq.seq_id}
+        first = seq.seq_len
+        need_blocks = max(0, layout.blocks_for(first + num_new) - len(seq.block_table))
+        partial = num_new > 0 and self.shared_partial(seq)
+        self._make_room(self.bytes_needed(seq, num_new), keep)
+        res = Reservation(seq, num_new, first, self._allocate(layout, need_blocks))
+        if partial:
+            i = len(seq.block_table) - 1
+            old, (new,) = seq.block_table[i], self._allocate(layout, 1)
+            seq.block_table[i] = new
+            res.copied = (i, old, new)
+        seq.block_table.extend(res.new_blocks)
+        return res
+
+    def rollback(self, res: Reservation) -> None:
+        seq = res.seq
+        del seq.block_table[len(seq.block_table) - len(res.new_blocks):]
+        ids = list(res.new_blocks)
+        if res.copied:
+            i, old, new = res.copied
+            seq.block_table[i] = old
+            ids.append(new)
+        self._free_ids(ids)
+
+    def commit(self, res: Reservation, token_ids: list[int] | None = None) -> int:
+        """Count the step's tokens, index its newly full blocks, and let blocks that left the window go.
+
+        Returns the number of blocks evicted by the window."""
+        seq = res.seq
+        if res.copied:
+            self._free_ids([res.copied[1]])
+        seq.num_tokens += res.num_new
+        hashing = token_ids is not None and seq.evicted == 0 and len(seq.token_ids) == seq.num_tokens - res.num_new
+        if hashing:
+            seq.token_ids.extend(token_ids)
+            self._index_full_blocks(seq)
+        else:
+            seq.token_ids.clear()
+            seq.block_keys.clear()
+        return self._evict_window(seq)
+
+    def _index_full_blocks(self, seq: Sequence) -> None:
+        bs = seq.block_size
+        while (len(seq.block_keys) + 1) * bs <= min(seq.num_tokens, _full_attention_tokens(seq.geometry)):
+            i = len(seq.block_keys)
+            parent = hash(seq.block_keys[-1]) if seq.block_keys else 0
+            key = (parent, seq.layout, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            seq.block_keys.append(key)
+            self.pool.cache(seq.block_table[i], key)
+
+    def apply_window(self, seq: Sequence, geometry: WindowGeometry) -> int:
+        """A new window on a sequence (live switch): blocks it no longer keeps go back; returns how many."""
+        if seq.evicted and geometry.window is not None and geometry.sink_blocks != seq.sink_blocks:
+            raise ValueError("sink blocks cannot change once the window has evicted tokens")
+        if geometry != seq.geometry:      # blocks from now on are computed under another window: index no more
+            seq.token_ids.clear()
+            seq.block_keys.clear()
+        seq.geometry = geometry
+        if not seq.evicted:
+            seq.sink_blocks = geometry.sink_blocks
+        return self._evict_window(seq)
+
+    def adopt(self, res: Reservation, num_tokens: int, evicted: int) -> None:
+        """A converted sequence takes its tokens without a forward pass (its blocks were written directly)."""
+        res.seq.num_tokens, res.seq.evicted = num_tokens, evicted
+
+    def _evict_window(self, seq: Sequence) -> int:
+        n = seq.geometry.num_to_evict(seq.num_tokens, seq.evicted, len(seq.block_table))
+        if n:
+            sb = seq.sink_blocks
+            gone = seq.block_table[sb:sb + n]
+            del seq.block_table[sb:sb + n]
+            seq.evicted += n
+            seq.token_ids.clear()           # positions past the sinks moved: nothing more is indexed
+            seq.block_keys.clear()
+            self._free_ids(gone)
+        return n
+
+    # ---- prefix caching, fork, truncate ---------------------------------------------------
+
+    def match_prefix(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Adopt cached full blocks holding the start of token_ids (an empty sequence only); returns tokens adopted.
+
+        The last token is always left to compute, so its logits come from a forward pass."""
+        assert not seq.block_table and seq.num_tokens == 0
+        bs = seq.block_size
+        usable = (min(len(token_ids) - 1, _full_attention_tokens(seq.geometry))) // bs
+        self.prefix_queries += usable * bs
+        parent = 0
+        for i in range(usable):
+            key = (parent, seq.layout, tuple(token_ids[i * bs:(i + 1) * bs]))
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            self.pool.touch(block_id)
+            seq.block_table.append(block_id)
+            seq.block_keys.append(key)
+            parent = hash(key)
+        n = len(seq.block_table) * bs
+        seq.num_tokens = n
+        seq.token_ids = list(token_ids[:n])
+        self.prefix_hits += n
+        return n
+
+    def fork(self, seq: Sequence, num_tokens: int) -> tuple[Sequence, int]:
+        """A new sequence sharing seq's first num_tokens tokens by reference.
+
+        Returns (child, tokens shared). Full blocks are shared; the partial block is shared too and
+        copied when the child first writes (the page store copies its rows). A window that evicted
+        blocks cannot be forked."""
+        assert 0 <= num_tokens <= seq.num_tokens and seq.evicted == 0
+        child = self.new_sequence(seq.layout, seq.geometry)
+        blocks = seq.block_table[:seq.layout.blocks_for(num_tokens)]
+        for b in blocks:
+            self.pool.touch(b)
+        child.block_table = list(blocks)
+        child.num_tokens = num_tokens
+        if len(seq.token_ids) >= num_tokens:
+            child.token_ids = seq.token_ids[:num_tokens]
+            child.block_keys = seq.block_keys[:num_tokens // seq.block_size]
+        return child, num_tokens
+
+    def truncate(self, seq: Sequence, n: int) -> list[int]:
+        """Take back the last n committed tokens (rejected drafts, an edited turn). Returns block ids dropped."""
+        assert 0 <= n <= seq.seq_len, f"cannot take back {n} of {seq.seq_len} tokens"
+        if seq.evicted:
+            assert seq.seq_len - n >= seq.sink_blocks * seq.block_size, "cannot truncate into the sinks"
+        seq.num_tokens -= n
+        keep = seq.layout.blocks_for(seq.seq_len)
+        dropped = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        self._free_ids(reversed(dropped))
+        del seq.token_ids[seq.num_tokens:]
+        del seq.block_keys[seq.num_tokens // seq.block_size:]
+        if seq.seq_len % seq.block_size:     # a full block is partial again: new tokens will overwrite its rows
+            self.pool.uncache(seq.block_table[-1])
+        return dropped
+
+    def shared_partial(self, seq: Sequence) -> bool:
+        return bool(seq.seq_len % seq.block_size) and self.pool.ref_cnt[seq.block_table[-1]] > 1
+
+    def clear_prefix_cache(self) -> int:
+        """Free every evictable prefix block; returns the bytes freed."""
+        freed = self.pool.clear_cache()
+        total = sum(self.block_layout[b].block_bytes for b in freed)
+        self._forget(freed)
+        for s in self.sequences.values():
+            s.block_keys.clear()
+            s.token_ids.clear()
+        return total
+
+    # ---- views ----------------------------------------------------------------------------
+
+    def view(self) -> PoolView:
+        ref = self.pool.ref_cnt
+        held = self.held_bytes
+        ev = self.evictable_bytes()
+        seqs = tuple((s.seq_id, len(s.block_table), self.sequence_bytes(s), s.released) for s in self.sequences.values())
+        return PoolView(self.budget_bytes, held, self.budget_bytes - held, self.pool.num_evictable, ev,
+                        sum(1 for r in ref if r > 1), self.pool.num_in_use, self.prefix_queries, self.prefix_hits, seqs)
+
+    def check(self) -> None:
+        """Invariants (tests call this): reference counts match the tables, no id is both free and used."""
+        counts: dict[int, int] = {}
+        for s in self.sequences.values():
+            for b in s.block_table:
+                counts[b] = counts.get(b, 0) + 1
+        for b, r in enumerate(self.pool.ref_cnt):
+            assert r >= 0, f"block {b} has a negative count"
+            assert r == counts.get(b, 0), f"block {b}: {r} references, {counts.get(b, 0)} in tables"
+            if r == 0:
+                assert (b in self.pool._evictable) != (b in self.pool._free), f"block {b} lost"
+        assert len(set(self.pool._free)) == len(self.pool._free), "an id is twice in the free heap"
+        assert self.recount() == self._block_bytes_held, "the running count of held bytes drifted"
+        assert self.held_bytes <= self.budget_bytes, "held bytes above the budget"

@@ -1,0 +1,207 @@
+"""The bytes of the KV cache: page tensors per (layout, layer, K/V), owned by the engine.
+
+Pages are indexed by block id (ids come from the manager's BlockPool) and grow geometrically, never
+by a copy per block. Quantized components keep full-precision blocks beside their pages: a tail
+per sequence (the block being filled, quantized once when full and never again) and a head per
+block id (a table's first block, the attention sinks' block, which draws most attention).
+Full-precision keys are stored rotated at their absolute positions; quantized keys before RoPE
+(channel scales fit pre-RoPE keys far better), rotated when they are read.
+"""
+from __future__ import annotations
+
+import torch
+
+import kernels
+from kernels import cpu_quant
+from kernels.formats import FULL_DTYPES, PageFormat
+
+from engine.kv.layout import KVLayout
+
+
+class Component:
+    """One layer's K or V pages in one format."""
+
+    def __init__(self, fmt: PageFormat, block_size: int, num_heads: int, head_dim: int, full_dtype, device):
+        self.fmt = fmt
+        self.block_size, self.num_heads, self.head_dim = block_size, num_heads, head_dim
+        self.shapes = fmt.shapes(block_size, num_heads, head_dim)
+        self.pages = {name: torch.empty((0, *shape), dtype=dtype, device=device) for name, (shape, dtype) in self.shapes.items()}
+        self.full_dtype, self.device = full_dtype, device
+        self.tails: dict[int, torch.Tensor] = {}       # seq id -> [bs, H, D], quantized formats only
+        self.heads: dict[int, torch.Tensor] = {}       # block id -> [bs, H, D], quantized formats only
+        self._kernel_static = None                     # cpu_quant.kv_comp_static, until the pages move
+
+    @property
+    def capacity(self) -> int:
+        return self.pages["data"].shape[0]
+
+    def reserve(self, num_blocks: int, limit: int) -> None:
+        """Room for ids below num_blocks: grow by doubling (at most to limit), copying once per doubling."""
+        cap = self.capacity
+        if num_blocks <= cap:
+            return
+        new_cap = min(max(num_blocks, 2 * cap, 4), max(limit, num_blocks))
+        self._realloc(new_cap)
+
+    def shrink(self, num_blocks: int) -> None:
+        """Give memory back once most of it is unused (after a reset or a release)."""
+        if num_blocks <= self.capacity // 4 or num_blocks == 0:
+            self._realloc(num_blocks)
+
+    def _realloc(self, cap: int) -> None:
+        self._kernel_static = None
+        for name, t in self.pages.items():
+            new = torch.empty((cap, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            n = min(cap, t.shape[0])
+            if n:
+                new[:n] = t[:n]
+            self.pages[name] = new
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the page storage's capacity plus full-precision heads and tails."""
+        total = sum(t.numel() * t.element_size() for t in self.pages.values())
+        return total + sum(t.numel() * t.element_size() for t in (*self.tails.values(), *self.heads.values()))
+
+    def flat_pages(self) -> torch.Tensor:
+        """Full-precision pages as rows of [H, D]: row = block id * block_size + offset."""
+        return self.pages["data"].view(-1, self.num_heads, self.head_dim)
+
+    def tensors(self):
+        return self.pages["data"], self.pages.get("scale"), self.pages.get("zero")
+
+    def kernel_static(self) -> tuple:
+        """Quantized: the pages as cpu_quant.QuantStep reads them (kv_comp_static), kept until they move."""
+        if self._kernel_static is None:
+            self._kernel_static = cpu_quant.kv_comp_static(self.fmt, *self.tensors(), self.full_dtype)
+        return self._kernel_static
+
+    # ---- writes ---------------------------------------------------------------------------
+
+    def write_rows(self, x: torch.Tensor, rows: torch.Tensor) -> None:
+        """Full precision: x [T, H, D] into page rows."""
+        flat = self.flat_pages()
+        flat.index_copy_(0, rows, x.to(flat.dtype))
+
+    def write(self, seq_id: int, x: torch.Tensor, first_slot: int, table: list[int], keep_head: bool = True) -> None:
+        """Quantized: x [T, H, D] (before RoPE) at slots first_slot.. of the table; full blocks are quantized."""
+        bs = self.block_size
+        tail = self.tails.get(seq_id)
+        if tail is None:
+            tail = self.tails[seq_id] = torch.zeros(bs, self.num_heads, self.head_dim, dtype=self.full_dtype,
+                                                    device=self.device)
+        start = (first_slot // bs) * bs
+        filled = first_slot - start
+        seq = torch.cat((tail[:filled].to(x.dtype), x)) if filled else x
+        n_full = seq.shape[0] // bs
+        first = start // bs
+        skip = int(first == 0 and keep_head)
+        if n_full and skip:
+            self.heads[table[0]] = seq[:bs].to(self.full_dtype).clone()
+        if n_full > skip:
+            ids = torch.tensor(table[first + skip:first + n_full], dtype=torch.long, device=x.device)
+            src = seq[skip * bs:n_full * bs].reshape(n_full - skip, bs, self.num_heads, self.head_dim)
+            kernels.store_blocks(src.float(), ids, *self.tensors(), self.fmt)
+        rest = seq[n_full * bs:]
+        new_tail = torch.zeros_like(tail)
+        new_tail[:rest.shape[0]] = rest.to(tail.dtype)
+        self.tails[seq_id] = new_tail          # a new tensor: a snapshot of the old one stays valid
+
+    # ---- reads ----------------------------------------------------------------------------
+
+    def read_slots(self, seq_id: int, table: list[int], seq_len: int, slots: torch.Tensor) -> torch.Tensor:
+        """Quantized: float32 values [len(slots), H, D] (before RoPE) of the chosen slots (< seq_len)."""
+        bs = self.block_size
+        n_full = seq_len // bs
+        parts = []
+        head = self.heads.get(table[0]) if table else None
+        if head is not None and n_full:
+            parts.append(head.float())
+        skip = int(head is not None)
+        if n_full > skip:
+            ids = torch.tensor(table[skip:n_full], dtype=torch.long, device=self.device)
+            data, scale, zero = self.tensors()
+            pages = kernels.dequantize(data[ids], None if scale is None else scale[ids],
+                                       None if zero is None else zero[ids], self.fmt)
+            parts.append(pages.flatten(0, 1))
+        if seq_len > n_full * bs:
+            parts.append(self.tails[seq_id][:seq_len - n_full * bs].float())
+        if not parts:
+            return torch.empty(0, self.num_heads, self.head_dim, device=self.device)
+        return torch.cat(parts).index_select(0, slots.to(self.device))
+
+
+class PageStore:
+    """Every layout's components, created on first use; the engine holds one."""
+
+    def __init__(self, device):
+        self.device = device
+        self.layouts: dict[KVLayout, list[tuple[Component, Component]]] = {}
+
+    def components(self, layout: KVLayout) -> list[tuple[Component, Component]]:
+        comps = self.layouts.get(layout)
+        if comps is None:
+            dtype = FULL_DTYPES[layout.full_dtype]
+            comps = [tuple(Component(f, layout.block_size, layout.num_kv_heads, layout.head_dim, dtype, self.device)
+                           for f in pair) for pair in layout.formats]
+            self.layouts[layout] = comps
+        return comps
+
+    def reserve(self, layout: KVLayout, high_water: int, limit: int) -> None:
+        for pair in self.components(layout):
+            for c in pair:
+                c.reserve(high_water, limit)
+
+    def shrink(self, high_water: int) -> None:
+        for comps in self.layouts.values():
+            for pair in comps:
+                for c in pair:
+                    c.shrink(high_water)
+
+    def forget_blocks(self, ids: list[int]) -> None:
+        for comps in self.layouts.values():
+            for pair in comps:
+                for c in pair:
+                    if c.heads:
+                        for b in ids:
+                            c.heads.pop(b, None)
+
+    def drop_tails(self, seq_id: int) -> None:
+        for comps in self.layouts.values():
+            for pair in comps:
+                for c in pair:
+                    c.tails.pop(seq_id, None)
+
+    def snapshot_tails(self, layout: KVLayout, seq_id: int) -> list:
+        """The sequence's tails before a step (writes replace tail tensors, so references are a snapshot)."""
+        return [tuple(c.tails.get(seq_id) for c in pair) for pair in self.components(layout)]
+
+    def restore_tails(self, layout: KVLayout, seq_id: int, snapshot: list, head_block: int | None) -> None:
+        for pair, saved in zip(self.components(layout), snapshot):
+            for c, t in zip(pair, saved):
+                if t is None:
+                    c.tails.pop(seq_id, None)
+                else:
+                    c.tails[seq_id] = t
+                if head_block is not None:
+                    c.heads.pop(head_block, None)
+
+    def copy_block(self, layout: KVLayout, src: int, dst: int) -> None:
+        """Copy-on-write of a shared partial block: its full-precision rows (quantized partial blocks live in tails)."""
+        for pair in self.components(layout):
+            for c in pair:
+                if not c.fmt.is_quantized:
+                    c.pages["data"][dst] = c.pages["data"][src]
+
+    def copy_tail(self, layout: KVLayout, src_seq: int, dst_seq: int) -> None:
+        for pair in self.components(layout):
+            for c in pair:
+                if src_seq in c.tails:
+                    c.tails[dst_seq] = c.tails[src_seq].clone()
+
+    def layer_bytes(self) -> int:
+        return sum(c.nbytes for comps in self.layouts.values() for pair in comps for c in pair)
+
+    def drop_unused_layouts(self, in_use: set[KVLayout]) -> None:
+        for layout in [l for l in self.layouts if l not in in_use]:
+            del self.layouts[layout]

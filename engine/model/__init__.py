@@ -1,0 +1,1 @@
+"""A model: its config and per-layer description, weights, linears over packed codes, RoPE, the forward."""

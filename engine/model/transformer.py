@@ -1,0 +1,148 @@
+"""Our own compact Llama-family forward pass (llama, mistral, qwen2) over transformers' weights.
+
+The model never sees the cache layout: each layer hands q, k, v (keys before RoPE) to an
+attention callback that owns positions, rotation, the paged cache and the softmax.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernels import cpu_quant
+
+from engine.model.config import ModelConfig
+
+
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Layer:
+    """One decoder layer's weights: q/k/v and gate/up fused so a step runs fewer, larger matmuls."""
+    __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp")
+
+    def __init__(self, qkv, o, gate_up, down, norm_attn: torch.Tensor, norm_mlp: torch.Tensor):
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.norm_attn, self.norm_mlp = norm_attn, norm_mlp
+
+
+class Transformer:
+    """The forward pass over linears of any kind (see model/linears.py): dense, packed int4 or int8.
+
+    `table` is the embedding matrix as a linear: `table.rows(ids)` dequantizes only the rows asked
+    for, and a tied output head is the same object, so its bytes are held once. `weights` names the weight path: "dense" (the exact reference), "gguf" (the file's blocks kept
+    packed), "int8" / "int4" (float weights quantized on load), or the stored dtype.
+    """
+
+    def __init__(self, config: ModelConfig, table, layers: list[Layer], norm: torch.Tensor, lm_head,
+                 dtype: torch.dtype, device: str, weights: str, quant: str = ""):
+        self.config = config
+        self.table = table
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.dtype = dtype
+        self.device = device
+        self.weights = weights
+        self.quant = quant              # what the file holds, e.g. "Q4_1 (+Q8_0)"; "" for float sources
+        self.inv_freq = config.inv_freq().to(device)
+        self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
+        self._kernel_checked = False
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, attention: Attention, all_logits: bool = False,
+                rows: list[int] | None = None, num_decode: int | None = None) -> torch.Tensor:
+        """token_ids: [T] -> logits float32 [T, vocab] (all_logits), [len(rows), vocab] for the chosen rows
+        (a batch's last tokens), or [1, vocab] for the last token. num_decode: how many leading tokens are
+        decode rows (see qlinear: packed linears run them through the kernel, prompt rows through the
+        GEMM, so that batching never changes a row's numbers); None lets the row count decide."""
+        c = self.config
+        T = token_ids.shape[0]
+        q_size = c.num_heads * c.head_dim
+        x = self.table.rows(token_ids).to(self.dtype)
+        eps = c.rms_norm_eps
+        split = num_decode
+        for i, L in enumerate(self.layers):
+            qkv = L.qkv.fused(x, norm=L.norm_attn, eps=eps, split=split)
+            o = attention(i, *self._split_qkv(qkv))
+            x = L.o.fused(o.reshape(T, q_size).to(self.dtype), residual=x, split=split)
+            gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps, split=split)
+            x = L.down.fused(gu, swiglu=True, residual=x, split=split)
+        if rows is not None:
+            x = x[rows]
+            split = None if num_decode is None else len(rows)    # one row per sequence: all through the kernel
+        elif not all_logits:
+            x = x[-1:]
+            split = None
+        return self.lm_head.fused(x, norm=self.norm, eps=eps, split=split).float()
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        """[T, (Hq + 2 Hkv) D] -> views q [T, Hq, D], k and v [T, Hkv, D]."""
+        c = self.config
+        T, q_size, kv_size = qkv.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return (qkv[:, :q_size].view(T, c.num_heads, c.head_dim),
+                qkv[:, q_size:q_size + kv_size].view(T, c.num_kv_heads, c.head_dim),
+                qkv[:, q_size + kv_size:].view(T, c.num_kv_heads, c.head_dim))
+
+    def kernel_layers(self):
+        """The decoder layers as one table for cpu_quant.decode_layers (built once), or None where that kernel
+        does not cover this model: weights not all packed, biases, 16-bit activations, another device."""
+        if not self._kernel_checked:
+            self._kernel_checked = True
+            if self.device == "cpu" and self.dtype == torch.float32 and cpu_quant.available():
+                rows = []
+                for L in self.layers:
+                    slots = [lin.kernel_parts() for lin in (L.qkv, L.o, L.gate_up, L.down)]
+                    norms = (L.norm_attn, L.norm_mlp)
+                    if any(p is None for p in slots) or len(slots[1]) != 1 or len(slots[3]) != 1 \
+                            or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+                        break
+                    rows.append((slots, *norms))
+                else:
+                    self._kernel_layers = cpu_quant.layer_table(rows)
+        return self._kernel_layers
+
+    @torch.inference_mode()
+    def forward_decode(self, token_ids: torch.Tensor, attention_args: tuple | None = None, pages: list | None = None,
+                       attention: Attention | None = None, quant: cpu_quant.QuantStep | None = None
+                       ) -> torch.Tensor | None:
+        """One decode token for each of B sequences through every layer in one kernel call (see
+        cpu_quant.decode_layers), then the output head -> logits [B, vocab]; the same bits as forward() with
+        rows = all and num_decode = B. Either attention_args, decode_attend's (cos, sin, sink_cos, sink_sin,
+        n_sink, new_rows, rows, offsets), with pages[l] layer l's (K, V) pages, and the kernel attends too;
+        or `quant`, attention over quantized pages that the kernel runs for each layer (attention.quant_step);
+        or `attention`, forward()'s callback, called from the kernel for each layer (caches no kernel reads).
+        None where the kernel does not apply."""
+        table = self.kernel_layers()
+        c = self.config
+        if table is None:
+            return None
+        x = self.table.rows(token_ids).to(self.dtype).contiguous()
+        if quant is not None:
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None, quant=quant)
+        elif attention is not None:
+            def attend(layer, qkv):
+                # a copy: the kernel's buffer outlives no call, so nothing may keep a view of it
+                return attention(layer, *self._split_qkv(qkv.clone())).to(self.dtype)
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None,
+                                    attend=attend)
+        else:
+            if not all(cpu_quant.can_attend_pages(c.num_heads, k) and v.dtype == k.dtype and v.is_contiguous()
+                       for k, v in pages):
+                return None
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, pages,
+                                    *attention_args, c.head_dim ** -0.5)
+        return self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold resident: packed codes, scales, norms and the embedding table."""
+        linears = [self.table, self.lm_head] + [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
+        norms = [self.norm] + [t for L in self.layers for t in (L.norm_attn, L.norm_mlp)]
+        total = sum(lin.nbytes for lin in {id(x): x for x in linears}.values())
+        return total + sum(t.numel() * t.element_size() for t in norms)
+
+    def linear_kinds(self) -> dict[str, int]:
+        """Packed kind -> number of linears, e.g. {"int4": 120, "int8": 1}."""
+        from collections import Counter
+        return dict(Counter(p.kind for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down))
+                    + Counter([self.lm_head.kind]))

@@ -1,0 +1,1 @@
+"""Before loading: the memory estimate, the model library on this machine, the fit check."""

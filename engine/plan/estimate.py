@@ -1,0 +1,402 @@
+"""`kvchat estimate`: what a model and a context cost in memory, before loading anything.
+
+Architecture numbers come from a config.json or a GGUF header (or a preset of published numbers),
+the KV bytes from engine.kv.layout (the same arithmetic the cache allocates with), the weight bytes
+from the file: a GGUF's tensor bytes, a folder's safetensors sizes, or a preset's parameter count
+times the bytes per weight of a chosen GGUF type.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+
+from engine.config import CacheConfig, ConfigError
+from engine.errors import ModelLoadError
+from engine.model.config import ModelConfig
+
+GIB = 2**30
+MIB = 2**20
+FORMATS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
+# What a running kvchat needs beside weights and KV (Python, torch, tokenizer, work buffers): the same
+# allowance the loader checks with, plus a share of the memory left free for everything else.
+RUNTIME_BYTES = 600 * MIB
+FREE_SHARE = 0.05
+MAX_SEARCH_TOKENS = 1 << 31
+
+
+def _preset(model_type, vocab, hidden, layers, heads, kv_heads, intermediate, context, tie, head_dim=None,
+            theta=10000.0) -> ModelConfig:
+    return ModelConfig(model_type=model_type, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim or hidden // heads,
+                       intermediate_size=intermediate, rms_norm_eps=1e-5, rope_theta=theta, rope_scaling=(),
+                       max_position_embeddings=context, tie_word_embeddings=tie, qkv_bias=model_type == "qwen2",
+                       o_bias=False, mlp_bias=False)
+
+
+# Published config.json values (vocab_size, hidden_size, num_hidden_layers, num_attention_heads,
+# num_key_value_heads, intermediate_size, max_position_embeddings, tie_word_embeddings) of each
+# model's Hugging Face repository.
+PRESETS: dict[str, ModelConfig] = {
+    # meta-llama/Llama-2-7b-hf: the README's "7B with 32 KV heads" (no grouped-query attention)
+    "llama-2-7b": _preset("llama", 32000, 4096, 32, 32, 32, 11008, 4096, False),
+    # meta-llama/Llama-3.1-8B: 128256, 4096, 32, 32, 8, 14336, 131072, false (rope_theta 500000)
+    "llama-3.1-8b": _preset("llama", 128256, 4096, 32, 32, 8, 14336, 131072, False, theta=500000.0),
+    # meta-llama/Llama-3.1-70B: 128256, 8192, 80, 64, 8, 28672, 131072, false
+    "llama-3.1-70b": _preset("llama", 128256, 8192, 80, 64, 8, 28672, 131072, False, theta=500000.0),
+    # meta-llama/Meta-Llama-3-70B: as 3.1 with max_position_embeddings 8192
+    "llama-3-70b": _preset("llama", 128256, 8192, 80, 64, 8, 28672, 8192, False, theta=500000.0),
+    # Qwen/Qwen2.5-7B: 152064, 3584, 28, 28, 4, 18944, 131072, false (qkv bias)
+    "qwen2.5-7b": _preset("qwen2", 152064, 3584, 28, 28, 4, 18944, 131072, False, theta=1000000.0),
+    # mistralai/Mistral-7B-v0.3: 32768, 4096, 32, 32, 8, 14336, 32768, false
+    "mistral-7b-v0.3": _preset("mistral", 32768, 4096, 32, 32, 8, 14336, 32768, False, theta=1000000.0),
+    # HuggingFaceTB/SmolLM2-135M: 49152, 576, 30, 9, 3, 1536, 8192, true
+    "smollm2-135m": _preset("llama", 49152, 576, 30, 9, 3, 1536, 8192, True, theta=100000.0),
+    # HuggingFaceTB/SmolLM2-360M: 49152, 960, 32, 15, 5, 2560, 8192, true
+    "smollm2-360m": _preset("llama", 49152, 960, 32, 15, 5, 2560, 8192, True, theta=100000.0),
+    # HuggingFaceTB/SmolLM2-1.7B: 49152, 2048, 24, 32, 32, 8192, 8192, true
+    "smollm2-1.7b": _preset("llama", 49152, 2048, 24, 32, 32, 8192, 8192, True, theta=130000.0),
+}
+
+
+def parameter_count(mc: ModelConfig) -> int:
+    """Parameters of a Llama-family model of this shape (norms and biases included)."""
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    attn = mc.hidden_size * (2 * q + 2 * kv)
+    bias = (q + 2 * kv) * mc.qkv_bias + mc.hidden_size * mc.o_bias
+    mlp = 3 * mc.hidden_size * mc.intermediate_size
+    mlp_bias = (2 * mc.intermediate_size + mc.hidden_size) * mc.mlp_bias
+    layer = attn + bias + mlp + mlp_bias + 2 * mc.hidden_size
+    embed = mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2)
+    return mc.num_layers * layer + embed + mc.hidden_size
+
+
+def bytes_per_weight(type_name: str) -> float:
+    """Bytes one weight takes in a GGUF tensor type (F16: 2, Q8_0: 34/32, Q4_K: 144/256 ...)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
+    except KeyError:
+        raise ConfigError(f"weight type {type_name!r} is not a GGUF tensor type: try F16, BF16, Q8_0, Q6_K, "
+                          f"Q4_K or Q4_0") from None
+    return size / block
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What a model is and weighs, from its header alone."""
+
+    name: str
+    source: str                     # "gguf", "safetensors" or "preset"
+    config: ModelConfig
+    parameters: int
+    weight_bytes: int
+    weights_label: str              # "Q4_1 (+Q8_0)", "bf16", "F16 (preset: 2 B a weight)"
+
+
+def _safetensors_summary(folder) -> tuple[int, int, str]:
+    """(parameters, bytes on disk, dominant dtype) of a folder's *.safetensors, from their JSON headers."""
+    import struct
+    from collections import Counter
+    from pathlib import Path
+    params, size, dtypes = 0, 0, Counter()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        size += f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (struct.error, ValueError, MemoryError) as exc:
+            raise ModelLoadError(f"{f.name} has no readable safetensors header ({exc}): re-download or re-export "
+                                 f"the model") from exc
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            count = math.prod(info["shape"])
+            params += count
+            dtypes[info["dtype"].lower()] += count
+    dominant = dtypes.most_common(1)[0][0] if dtypes else "?"
+    return params, size, dominant
+
+
+def model_facts(model: str, weights_type: str = "F16") -> ModelFacts:
+    """Facts of "default", a preset name, a .gguf file or a Hugging Face folder; reads headers only."""
+    key = model.lower()
+    if key in PRESETS:
+        mc = PRESETS[key]
+        params = parameter_count(mc)
+        per = bytes_per_weight(weights_type)
+        return ModelFacts(key, "preset", mc, params, int(params * per),
+                          f"{weights_type.upper()} (preset: {per:.4g} B a weight)")
+    from engine.model.source import locate
+    files = locate(model)
+    return model_facts_from(files.path, files.name)
+
+
+def model_facts_from(path, name: str | None = None) -> ModelFacts:
+    """Facts of a GGUF file (whatever its name: Ollama's blobs have no suffix) or a Hugging Face folder."""
+    from pathlib import Path
+
+    from engine.gguf.file import GGUFFile
+    from engine.model.source import read_config
+    from engine.model.families import check_architecture
+    path = Path(path)
+    name = name or path.stem
+    if path.is_dir():
+        cfg = read_config(path)
+        check_architecture(str(cfg.get("model_type")), str(path / "config.json"))
+        mc = ModelConfig.from_hf(cfg)
+        params, size, dtype = _safetensors_summary(path)
+        return ModelFacts(name, "safetensors", mc, params, size, dtype)
+    gf = GGUFFile(path)
+    params = sum(math.prod(t.shape) for t in gf.tensors.values())
+    return ModelFacts(name, "gguf", ModelConfig.from_gguf(gf), params, gf.tensor_bytes, gf.quant_summary())
+
+
+def resolve_device(device: str) -> str:
+    """auto: cuda when the NVIDIA driver reports a GPU (pynvml; torch's CUDA is not started), else cpu."""
+    if device != "auto":
+        return device
+    return "cuda" if _nvml_free() is not None else "cpu"
+
+
+def _nvml_free() -> int | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def available_memory(device: str) -> tuple[int, str]:
+    """(bytes, where they were read): free VRAM of GPU 0 via pynvml on cuda, else available RAM via psutil."""
+    if device.startswith("cuda"):
+        free = _nvml_free()
+        if free is not None:
+            return free, "free GPU memory (pynvml)"
+    import psutil
+    return int(psutil.virtual_memory().available), "available RAM (psutil)"
+
+
+def model_dtype_for(dtype: str, device: str) -> str:
+    """The model dtype the engine picks: as asked, else fp32 on the CPU and bf16 on a GPU."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if device.startswith("cuda") else "fp32"
+
+
+def parse_format(text: str) -> tuple[str, str]:
+    """"int8" -> (int8, int8); "int4/int8" -> K int4, V int8."""
+    k, _, v = text.partition("/")
+    return k, v or k
+
+
+def cache_for(fmt: str, block_size: int = 16, window: int | None = None, sinks: int = 4,
+              k_scheme: str = "channel", fp_layers: tuple[int, ...] = ()) -> CacheConfig:
+    k, v = parse_format(fmt)
+    return CacheConfig(k_format=k, v_format=v, k_scheme=k_scheme, full_precision_layers=fp_layers,
+                       window=window, sinks=sinks, block_size=block_size)
+
+
+def largest_context(layout, budget_bytes: float, window: int | None = None, sinks: int = 0,
+                    batch: int = 1) -> int | None:
+    """The most tokens each of `batch` conversations can reach with every step fitting in budget_bytes;
+    None when a window bounds the memory below the budget (any length fits)."""
+    from engine.kv.layout import WindowGeometry
+    per = budget_bytes / batch
+
+    def fits(n: int) -> bool:
+        return layout.sequence_bytes(n, window, sinks) <= per
+
+    if not fits(1):
+        return 0
+    if window is None:
+        lo, hi = 1, 2
+        while hi < MAX_SEARCH_TOKENS and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi >= MAX_SEARCH_TOKENS and fits(hi):
+            return None
+        return _last_fitting(fits, lo, hi)
+    # bytes grow with the tokens until the first block leaves the window; from then they repeat with a
+    # period of one block, so one period past that point holds the peak
+    bs = layout.block_size
+    first_eviction = window + (WindowGeometry(bs, window, sinks).sink_blocks + 1) * bs
+    if not fits(first_eviction - 1):
+        return _last_fitting(fits, 1, first_eviction - 1)
+    for n in range(first_eviction, first_eviction + bs):
+        if not fits(n):
+            return n - 1
+    return None
+
+
+def _last_fitting(fits, lo: int, hi: int) -> int:
+    # fits(lo) holds, fits(hi) does not; bytes never shrink in between
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True, slots=True)
+class FormatEstimate:
+    format: str                     # "int8", or "int4/int8" for K int4, V int8
+    label: str                      # the layout's own words, e.g. "K int8 (per channel/block) / V int8 (per token)"
+    bytes_per_token: float          # steady state, all layers, K and V, scales included
+    full_precision_bytes: int       # head/tail blocks kept in full precision, per conversation (at most)
+    kv_bytes: int                   # the context x batch, exactly what the cache holds
+    total_bytes: int                # weights + KV
+    max_context: int | None         # largest context per conversation beside the weights; None: unbounded (window)
+    fits: bool                      # the asked context fits in the memory beside the weights and the margin
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    model: str
+    source: str
+    architecture: str
+    parameters: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    trained_context: int
+    weights_label: str
+    weight_bytes: int
+    context: int
+    batch: int
+    block_size: int
+    window: int | None
+    sinks: int
+    device: str
+    full_dtype: str                 # what full-precision head/tail blocks and fp layers use
+    memory_bytes: int
+    memory_source: str
+    margin_bytes: int               # runtime allowance + share of memory kept free
+    kv_room_bytes: int              # memory - weights - margin: what the KV cache may take
+    rows: tuple[FormatEstimate, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def margin_for(memory_bytes: int) -> int:
+    return RUNTIME_BYTES + int(FREE_SHARE * memory_bytes)
+
+
+def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, block_size: int = 16,
+             window: int | None = None, sinks: int = 4, k_scheme: str = "channel", fp_layers: tuple[int, ...] = (),
+             memory_bytes: int | None = None, memory_source: str = "", device: str = "cpu",
+             dtype: str = "auto") -> Estimate:
+    from engine.kv.layout import kv_layout
+    if context < 1:
+        raise ConfigError(f"context={context}: ask for at least 1 token")
+    if batch < 1:
+        raise ConfigError(f"batch={batch}: ask for at least 1 conversation")
+    if memory_bytes is None:
+        memory_bytes, memory_source = available_memory(device)
+    margin = margin_for(memory_bytes)
+    room = max(0, memory_bytes - facts.weight_bytes - margin)
+    model_dtype = model_dtype_for(dtype, device)
+    rows, full = [], ""
+    for fmt in formats:
+        cache = cache_for(fmt, block_size, window, sinks, k_scheme, fp_layers)
+        layout = kv_layout(facts.config, cache, model_dtype, device)
+        full = layout.full_dtype
+        kv = batch * layout.sequence_bytes(context, window, sinks)
+        kinds = {f.label for pair in layout.formats for f in pair}
+        rows.append(FormatEstimate(
+            format=fmt, label=", ".join(sorted(kinds)), bytes_per_token=layout.bytes_per_token,
+            full_precision_bytes=layout.fixed_bytes, kv_bytes=kv, total_bytes=facts.weight_bytes + kv,
+            max_context=largest_context(layout, room, window, sinks, batch), fits=kv <= room))
+    mc = facts.config
+    return Estimate(facts.name, facts.source, mc.model_type, facts.parameters, mc.num_layers, mc.num_kv_heads,
+                    mc.head_dim, mc.max_position_embeddings, facts.weights_label, facts.weight_bytes, context, batch,
+                    block_size, window, sinks, device, full, memory_bytes, memory_source, margin, room, tuple(rows))
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _tokens(n: int | None, trained: int) -> str:
+    if n is None:
+        return "unbounded (window)"
+    note = " (past trained)" if n > trained else ""
+    return f"{n:,}{note}"
+
+
+def summarize(e: Estimate) -> str:
+    window = f", window {e.window} + {e.sinks} sinks" if e.window is not None else ""
+    lines = [
+        f"{e.model} ({e.source}): {e.architecture}, {e.parameters / 1e9:.2f} B parameters, {e.num_layers} layers, "
+        f"{e.num_kv_heads} KV heads x head_dim {e.head_dim}, trained context {e.trained_context:,}",
+        f"weights {_size(e.weight_bytes)} ({e.weights_label}); context {e.context:,} x batch {e.batch}, "
+        f"blocks of {e.block_size}{window}; full-precision blocks in {e.full_dtype}",
+        f"memory {_size(e.memory_bytes)} ({e.memory_source}); margin {_size(e.margin_bytes)} "
+        f"({RUNTIME_BYTES // MIB} MiB runtime + {FREE_SHARE:.0%} kept free); room for KV {_size(e.kv_room_bytes)}",
+        "",
+        f"{'format':<10} {'B/token':>12} {'KV':>12} {'total':>12} {'fits':>5}  {'largest context':>22}",
+    ]
+    for r in e.rows:
+        lines.append(f"{r.format:<10} {r.bytes_per_token:>12,.1f} {_size(r.kv_bytes):>12} {_size(r.total_bytes):>12} "
+                     f"{'yes' if r.fits else 'NO':>5}  {_tokens(r.max_context, e.trained_context):>22}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help=f"default, a .gguf file, a Hugging Face folder, or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--context", type=int, required=True, help="tokens per conversation")
+    p.add_argument("--batch", type=int, default=1, help="conversations held at once")
+    p.add_argument("--format", default="all",
+                   help="all, or comma-separated cache formats (fp32 fp16 bf16 int8 fp8 int4); K/V as int4/int8")
+    p.add_argument("--k-scheme", default="channel", choices=["channel", "token"])
+    p.add_argument("--fp-layers", default="", help="comma-separated layers kept in full precision")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--window", type=int, default=None)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="memory to plan for, in GiB (default: free GPU memory, else available RAM)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda: where the model would run")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    p.add_argument("--weights-type", default="F16", help="presets only: the GGUF type of the weights (F16, Q8_0, Q4_K ...)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> Estimate:
+    formats = FORMATS if args.format == "all" else tuple(f.strip() for f in args.format.split(",") if f.strip())
+    for f in formats:
+        for part in parse_format(f):
+            if part not in FORMATS:
+                raise ConfigError(f"format {part!r}: choose from {', '.join(FORMATS)} (or all)")
+    fp_layers = tuple(int(x) for x in args.fp_layers.split(",") if x.strip())
+    device = resolve_device(args.device)
+    memory = source = None
+    if args.memory_gb is not None:
+        if args.memory_gb <= 0:
+            raise ConfigError(f"--memory-gb {args.memory_gb}: give the memory to plan for as a positive number of GiB")
+        memory, source = int(args.memory_gb * GIB), f"{args.memory_gb:g} GiB as given"
+    facts = model_facts(args.model, args.weights_type)
+    return estimate(facts, args.context, args.batch, formats, args.block_size, args.window, args.sinks,
+                    args.k_scheme, fp_layers, memory, source or "", device, args.dtype)
+
+
+def cmd_estimate(args) -> int:
+    try:
+        result = run(args)
+    except (ConfigError, ModelLoadError, ValueError) as exc:
+        print(f"kvchat estimate: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_json(), indent=2) if args.json else summarize(result))
+    return 0
+

@@ -1,0 +1,160 @@
+"""Engine: a loaded model, its tokenizer and the sessions that chat with it."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kernels import cpu_quant
+
+from engine.api import LOCAL
+from engine.text.chat_format import check_template, stop_ids
+from engine.config import CacheConfig, EngineConfig
+from engine.kv.layout import MIB
+from engine.gguf.file import GGUFFile
+from engine.model.source import (Progress, load_state_dict, locate, read_config, remove_conversion_cache,
+                                 transformers_reference)
+from engine.text.tokenizer_cache import cached_gguf_tokenizer, gguf_tokenizer, load_tokenizer
+from engine.errors import ModelLoadError
+from engine.plan.fit import check_fits, folder_bytes, trim_heap
+from engine.model.config import ModelConfig
+from engine.model.transformer import Transformer
+from engine.model.weights import from_gguf, from_state_dict
+from engine.runtime.runner import ModelRunner
+from engine.runtime.session import ModelInfo, Session
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def read_model_config(model: str) -> ModelConfig:
+    """The architecture numbers of a model spec, from config.json or the GGUF header (no weights read)."""
+    files = locate(model)
+    return ModelConfig.from_gguf(GGUFFile(files.path)) if files.is_gguf else ModelConfig.from_hf(read_config(files.folder))
+
+
+def load_transformers_reference(model: str, dtype=torch.float32):
+    """transformers' own model on the same weights (a GGUF dequantized by transformers + gguf): for checks.
+    Read through a private folder with trust_remote_code=False: no code from the model folder runs."""
+    return transformers_reference(locate(model), dtype)
+
+
+def describe_weights(model: Transformer) -> str:
+    """What the weights are, for status lines: "Q4_1 (+Q8_0), packed" or "bf16"."""
+    if model.weights == "gguf":
+        return f"{model.quant}, packed"
+    if model.quant:
+        return f"{model.quant} as {model.weights}"
+    return model.weights
+
+
+def _done(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device={device!r} asked for CUDA, but no NVIDIA GPU is available here: use device='cpu'")
+    return device
+
+
+class Engine:
+    capabilities = LOCAL
+    def __init__(self, config: EngineConfig, model: Transformer, tokenizer, name: str, load_s: float,
+                 notice: str | None = None):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = name
+        self.device = model.device
+        self.dtype_name = {v: k for k, v in _DTYPES.items()}[model.dtype]
+        self.load_s = load_s
+        self.notice = notice          # something the user should hear about the load (old caches removed)
+        self.stop_ids = stop_ids(tokenizer)
+        self.weight_bytes = model.weight_bytes()
+        self.weights_label = describe_weights(model)
+        self.runner = ModelRunner(model, self.dtype_name, config.cache.budget_mb)
+        self.info = ModelInfo(name, tokenizer, self.stop_ids, model.config.max_position_embeddings,
+                              self.weight_bytes, self.weights_label)
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_layers
+
+    @classmethod
+    def load(cls, config: EngineConfig | None = None, progress: Progress | None = None) -> "Engine":
+        config = config or EngineConfig()
+        started = time.perf_counter()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = resolve_device(config.device)
+        dtype_name = config.dtype if config.dtype != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
+        dtype = _DTYPES[dtype_name]
+        if progress:
+            progress("locating model", 0.0)
+        notice = remove_conversion_cache()
+        if notice and progress:
+            progress(notice, 0.0)
+        files = locate(config.model)
+        # the C kernels build (first start only) and the tokenizer loads while the weights are read
+        pool = ThreadPoolExecutor(2, thread_name_prefix="kvchat-load")
+        try:
+            if device == "cpu":
+                pool.submit(cpu_quant.available)
+            if files.is_gguf:
+                gf = GGUFFile(files.path)
+                mc = ModelConfig.from_gguf(gf)
+                check_fits(mc, gf.tensor_bytes, config.weights, device, files.path.name)
+                # cached: read at once, before the weights, so the two loads' transient memory never adds up;
+                # the first start converts it (seconds) beside the weights
+                cached = cached_gguf_tokenizer(files.path)
+                if cached is not None:
+                    trim_heap()       # the JSON parse's garbage (~14 MiB) goes back before the weights come in
+                tokenizer = _done(cached) if cached is not None else pool.submit(gguf_tokenizer, files.path, progress)
+                if progress:
+                    progress("mapping weights", 0.5)
+                model = from_gguf(mc, gf, dtype, device, config.weights)
+                gf.release_pages()
+            else:
+                mc = ModelConfig.from_hf(read_config(files.folder))
+                check_fits(mc, folder_bytes(files.folder), config.weights, device, files.name)
+                tokenizer = pool.submit(load_tokenizer, files.folder)
+                if progress:
+                    progress("reading weights", 0.5)
+                model = from_state_dict(mc, load_state_dict(files.folder), dtype, device, config.weights)
+            tokenizer = tokenizer.result()
+        finally:
+            pool.shutdown(wait=True)
+        trim_heap()
+        check_template(tokenizer, files.name)     # a template that hangs or fails is refused now, not mid-chat
+        engine = cls(config, model, tokenizer, files.name, time.perf_counter() - started, notice)
+        engine.runner.check(config.cache)   # validates the cache config against this model
+        if progress:
+            progress("ready", 1.0)
+        return engine
+
+    def new_session(self, system_prompt: str | None = None, cache: CacheConfig | None = None,
+                    history: list[dict] | None = None, prefix_cache: bool = True) -> Session:
+        """A conversation in the engine's shared KV pool. The budget is the engine's: a cache config
+        carrying another budget_mb sets it for every conversation."""
+        cache = cache or self.config.cache
+        self.runner.check(cache)
+        if int(cache.budget_mb * MIB) != self.runner.manager.budget_bytes:
+            self.runner.set_budget(cache.budget_mb)
+        return Session(self.runner, self.info, cache, system_prompt, history, prefix_cache)
+
+    @property
+    def budget_mb(self) -> float:
+        return self.runner.manager.budget_bytes / MIB
+
+    def clear_prefix_cache(self) -> int:
+        """Free the blocks kept only for prefix reuse and give the memory back to the system; returns the bytes freed."""
+        freed = self.runner.clear_prefix_cache()
+        if str(self.device).startswith("cuda"):
+            torch.cuda.empty_cache()
+        trim_heap()
+        return freed

@@ -1,0 +1,308 @@
+"""A one-shot answer in the terminal (`kvchat chat --prompt`) without torch.
+
+`import torch` alone takes about 2 s and 190 MiB here, longer than the rest of a one-shot answer of the
+default model. A GGUF whose every decoder layer the C kernels cover (packed 4- or 8-bit blocks, no
+biases) is answered here from numpy arrays instead: the same file read in place, the same tokenizer and
+chat template, and every token through the kernel the engine's own decode steps run
+(kernels/cpu_quant.c: decode_layers, then the output head's gemv). The prompt goes through that kernel
+too, up to 64 tokens a call, one pseudo-sequence per token whose rows end at its own: causal by rows.
+
+The cache is one bf16 page per layer (the engine's default cache on the CPU), sized for the prompt and
+the reply. Whatever this path does not cover (another device, cache settings, a seeded sample, which
+must equal the engine's own stream, 16-bit or 2-3 bit weights, biases) answers None before anything is
+printed, and the CLI runs the engine as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kernels import cpu_lib
+
+from engine.text.chat_format import clean_text, encode_conversation, stop_ids, tokenize_pieces
+from engine.config import SamplingParams
+from engine.text.detok import StreamDecoder
+from engine.gguf.file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, q4_blocks, q8_rows, unpermute_rows
+from engine.model.source import locate
+from engine.text.tokenizer_cache import gguf_tokenizer
+from engine.errors import ModelLoadError
+from engine.plan.fit import check_fits
+from engine.model.config import ModelConfig
+
+CHUNK = 64                 # prompt tokens a kernel call
+_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+class NotCovered(Exception):
+    """This model or request needs the engine."""
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+@dataclass
+class Packed:
+    """One stored matrix in the kernels' packed form (as qlinear.Q4Linear / Q8Linear hold it), numpy arrays."""
+    bits: int
+    codes: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None
+    scale_sup: np.ndarray | None
+    zero_sup: np.ndarray | None
+    per: int
+    offset8: bool = False            # Q4_0: zero = -8 * scale, not stored (cpu_quant.Scales.offset8)
+
+    @property
+    def kind(self) -> int:
+        # cpu_quant.Scales.kind, with Q4_0's zero left implicit as Scales.implicit_zero does
+        if self.scale_sup is not None:
+            return 2 if self.scale.dtype == np.uint8 else 3
+        if self.scale.dtype == np.float16:
+            return 4 if self.zero is None and self.bits == 4 and self.offset8 else 1
+        return 0
+
+    @property
+    def n(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.codes.shape[1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def group(self) -> int:
+        """Elements per scale: 32, or 16 for the int8 codes of Q6_K."""
+        return self.k // self.scale.shape[1] if self.bits == 8 else 32
+
+    def qlin(self) -> cpu_lib.QLin:
+        return cpu_lib.QLin(_ptr(self.codes), _ptr(self.scale), _ptr(self.zero), _ptr(self.scale_sup),
+                            _ptr(self.zero_sup), self.bits, self.kind, self.per, self.group, self.n, self.k)
+
+    def rows(self, lib, ids: list[int]) -> np.ndarray:
+        """Dequantized rows [len(ids), K] float32 (the embedding lookup), by the kernels' exact dequantization."""
+        out = np.empty((len(ids), self.k), dtype=np.float32)
+        for i, r in enumerate(ids):
+            if not 0 <= r < self.n:
+                raise ValueError(f"token id {r} is past the table's {self.n} rows")
+            row = [None if a is None else np.ascontiguousarray(a[r:r + 1])      # held until the call returns
+                   for a in (self.codes, self.scale, self.zero, self.scale_sup, self.zero_sup)]
+            c, s, z, ss, zs = map(_ptr, row)
+            if self.bits == 4:
+                lib.q4_dequant(c, s, z, 1, self.k, _ptr(out[i:i + 1]), self.kind, ss, zs, self.per)
+            else:
+                lib.q8_dequant(c, s, z, self.group, 1, self.k, _ptr(out[i:i + 1]), self.kind, ss, zs, self.per)
+        return out
+
+
+def _pack(gf: GGUFFile, name: str, heads: int | None) -> Packed:
+    kind, data = gf.raw(name)
+    k = gf.tensors[gf.gguf_name(name)].shape[0]
+    if k % 32 == 0 and kind in INT4_GRID_TYPES:
+        bits, (codes, grid) = 4, q4_blocks(kind, data)
+    elif k % 32 == 0 and kind in INT8_GRID_TYPES:
+        bits, (codes, grid) = 8, q8_rows(gf, name)
+    else:
+        raise NotCovered(f"{name} is {kind}")
+    fix = (lambda a: np.ascontiguousarray(unpermute_rows(a, heads))) if heads else np.ascontiguousarray
+    arrays = {key: fix(a) if isinstance(a, np.ndarray) else a for key, a in grid.items()}
+    scale, zero = arrays["scale"], arrays.get("zero")
+    sup = arrays.get("scale_sup")
+    offset8 = False
+    if sup is None:
+        if scale.dtype != np.float16 or (zero is not None and zero.dtype != np.float16):
+            scale = scale.astype(np.float32)
+            zero = None if zero is None else zero.astype(np.float32)
+        elif bits == 4 and zero is not None and np.array_equal(zero.astype(np.float32), scale.astype(np.float32) * -8):
+            zero, offset8 = None, True          # Q4_0: zero = -8 * scale, not stored
+    return Packed(bits, fix(codes), scale, zero, sup, arrays.get("zero_sup"), int(arrays.get("per", 1)), offset8)
+
+
+class QuickModel:
+    """A GGUF's decoder layers as decode_layers' table over numpy arrays, its embedding and head."""
+
+    def __init__(self, path: Path):
+        self.gf = gf = GGUFFile(path)
+        self.config = c = ModelConfig.from_gguf(gf)
+        check_fits(c, gf.tensor_bytes, "auto", "cpu", path.name)      # too big: the engine refuses, with the numbers
+        if c.model_type not in ("llama", "mistral", "qwen2") or c.qkv_bias or c.o_bias or c.mlp_bias:
+            raise NotCovered(f"{c.model_type} with biases")
+        if c.head_dim > 256:
+            raise NotCovered(f"head_dim {c.head_dim}: decode_attend holds at most 256")
+        self.lib = cpu_lib.library()
+        if self.lib is None:
+            raise NotCovered(cpu_lib.library_error())
+        permute = {"self_attn.q_proj": c.num_heads, "self_attn.k_proj": c.num_kv_heads} \
+            if c.model_type == "llama" else {}
+        self.keep = []                       # every array the table points into
+        table = (cpu_lib.QLayer * c.num_layers)()
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            slots = [_PROJ[:3], _PROJ[3:4], _PROJ[4:6], _PROJ[6:]]
+            for s, names in enumerate(slots):
+                parts = []
+                for m in names:
+                    parts.append(_pack(gf, p + m + ".weight", permute.get(m)))
+                    gf.release_pages(p + m + ".weight")      # the packed copy stays, the file's pages go
+                self.keep += parts
+                table[i].nparts[s] = len(parts)
+                for j, part in enumerate(parts):
+                    table[i].lin[s][j] = part.qlin()
+            norms = [self._vector(p + "input_layernorm.weight"), self._vector(p + "post_attention_layernorm.weight")]
+            self.keep += norms
+            table[i].norm_attn, table[i].norm_mlp = norms[0].ctypes.data, norms[1].ctypes.data
+        self.table = table
+        self.embed = _pack(gf, "model.embed_tokens.weight", None)
+        tied = c.tie_word_embeddings or not gf.has("lm_head.weight")
+        self.head = self.embed if tied else _pack(gf, "lm_head.weight", None)
+        self.norm = self._vector("model.norm.weight")
+        self.inv_freq = c.rope_frequencies().astype(np.float64)
+
+    def _vector(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self.gf.dequantize(name), dtype=np.float32).reshape(-1)
+
+    def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [N, D] float32 (rotate-half layout), angles in float64: attention.rope_cos_sin's values."""
+        freqs = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
+        emb = np.concatenate((freqs, freqs), axis=-1)
+        return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+class QuickSequence:
+    """One conversation's cache (bf16 pages, one per layer) and its steps through the kernels."""
+
+    def __init__(self, model: QuickModel, capacity: int):
+        c = model.config
+        self.model, self.length, self.capacity = model, 0, capacity
+        shape = (capacity, c.num_kv_heads, c.head_dim)
+        self.k = [np.zeros(shape, dtype=np.uint16) for _ in range(c.num_layers)]    # bf16 bits
+        self.v = [np.zeros(shape, dtype=np.uint16) for _ in range(c.num_layers)]
+        n = c.num_layers
+        self._kp = (ctypes.c_void_p * n)(*[a.ctypes.data for a in self.k])
+        self._vp = (ctypes.c_void_p * n)(*[a.ctypes.data for a in self.v])
+        self._bf16 = (ctypes.c_int * n)(*([1] * n))
+
+    def forward(self, ids: list[int]) -> np.ndarray:
+        """Append ids (at most CHUNK) and return the last one's logits [vocab] float32."""
+        m, c = self.model, self.model.config
+        b, p0 = len(ids), self.length
+        assert 0 < b <= CHUNK and p0 + b <= self.capacity
+        x = np.ascontiguousarray(m.embed.rows(m.lib, ids))
+        pos = np.arange(p0, p0 + b, dtype=np.int64)
+        cos, sin = m.rope(pos)
+        rows = np.concatenate([np.arange(0, q + 1, dtype=np.int64) for q in pos])
+        off = np.zeros(b + 1, dtype=np.int64)
+        off[1:] = np.cumsum(pos + 1)
+        n_sink = np.zeros(b, dtype=np.int32)
+        rc = m.lib.decode_layers(c.num_layers, ctypes.addressof(m.table), b, _ptr(x), c.hidden_size,
+                                 float(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim, self._kp, self._vp,
+                                 self._bf16, _ptr(cos), _ptr(sin), None, None, _ptr(n_sink), _ptr(pos), _ptr(rows),
+                                 _ptr(off), float(c.head_dim ** -0.5), None, None)
+        if rc == -3:       # the widths did not chain: check_weight_shapes should have refused the file first
+            raise ValueError("decode_layers: the layer table's widths do not match the model's")
+        if rc:
+            raise MemoryError("decode_layers: out of memory for the step's buffers")
+        self.length += b
+        last = np.ascontiguousarray(x[-1:])
+        h = m.head
+        logits = np.empty((1, h.n), dtype=np.float32)
+        scratch = np.empty(h.k * 7 + 1024, dtype=np.uint8)
+        args = (_ptr(last), 1, h.k, _ptr(h.codes), _ptr(h.scale), _ptr(h.zero))
+        tail = (_ptr(logits), _ptr(scratch), 1, _ptr(m.norm), float(c.rms_norm_eps), None, h.kind,
+                _ptr(h.scale_sup), _ptr(h.zero_sup), h.per)
+        if h.bits == 4:
+            m.lib.q4_gemv(*args, h.n, *tail)
+        else:
+            m.lib.q8_gemv(*args, h.group, h.n, *tail)
+        return logits[0]
+
+
+def sample(logits: np.ndarray, params: SamplingParams, recent: list[int], rng: np.random.Generator) -> int:
+    """engine.runtime.sampling.sample's choice over numpy: repetition penalty, greedy or temperature, top-k, top-p."""
+    if params.repetition_penalty != 1.0 and recent:
+        ids = np.array(sorted(set(recent)))
+        picked = logits[ids]
+        logits = logits.copy()
+        logits[ids] = np.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if params.greedy:
+        return int(np.argmax(logits))
+    logits = logits.astype(np.float64) / params.temperature
+    if params.top_k:
+        kth = np.partition(logits, -min(params.top_k, logits.size))[-min(params.top_k, logits.size)]
+        logits = np.where(logits < kth, -np.inf, logits)
+    if params.top_p < 1.0:
+        order = np.argsort(-logits, kind="stable")
+        ranked = logits[order]
+        p = np.exp(ranked - ranked[0])
+        p /= p.sum()
+        ranked[np.cumsum(p) - p > params.top_p] = -np.inf     # keep the smallest set reaching top_p
+        logits = np.full_like(logits, -np.inf)
+        logits[order] = ranked
+    p = np.exp(logits - logits.max())
+    return int(rng.choice(p.size, p=p / p.sum()))
+
+
+def covers(args) -> bool:
+    """Whether `kvchat chat --prompt` with these arguments may try this path: a CPU run with the default
+    cache and weights, and no seed (a seeded sample must equal the engine's own stream)."""
+    defaults = dict(dtype="auto", k_format="auto", v_format="auto", k_scheme="channel", window=None, sinks=4,
+                    block_size=16, budget_mb=1024.0, overflow="stop", fp_layers="")
+    if os.environ.get("KVCHAT_NO_QUICK") or args.prompt is None:
+        return False
+    if any(getattr(args, k, v) != v for k, v in defaults.items()):
+        return False
+    if args.seed is not None and args.temperature > 0:
+        return False
+    cuda = Path("/dev/nvidiactl").exists() or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return args.device == "cpu" or (args.device == "auto" and not cuda)
+
+
+def one_shot(model: str, prompt: str, system: str | None, params: SamplingParams, out=None) -> int | None:
+    """Print the reply to one message as it is generated; 0 when done, None (nothing printed) when this path
+    does not cover the model (see the module's docstring)."""
+    out = out or sys.stdout
+    try:
+        files = locate(model)
+    except ModelLoadError:
+        return None                  # the engine says what is wrong, in its own words
+    if not files.is_gguf:
+        return None
+    try:
+        m = QuickModel(files.path)
+        tokenizer = gguf_tokenizer(files.path)      # cached after the first start: a tenth of a second
+    except (NotCovered, ModelLoadError):
+        return None
+    _, pieces = encode_conversation(tokenizer, clean_text(system) if system else system,
+                                    [{"role": "user", "content": clean_text(prompt)}])
+    ids = tokenize_pieces(tokenizer, pieces)
+    limit = m.config.max_position_embeddings
+    if not ids or len(ids) >= limit:
+        return None
+    seq = QuickSequence(m, min(limit, len(ids) + params.max_new_tokens))
+    for lo in range(0, len(ids), CHUNK):
+        logits = seq.forward(ids[lo:lo + CHUNK])
+    stops = stop_ids(tokenizer)
+    rng = np.random.default_rng(params.seed)
+    stream = StreamDecoder(tokenizer)
+    held = list(ids)
+    for step in range(params.max_new_tokens):
+        nxt = sample(logits, params, held[-1024:], rng)
+        held.append(nxt)
+        if nxt in stops:
+            break
+        delta = stream.push(nxt)
+        if delta:
+            out.write(delta)
+            out.flush()
+        if step + 1 == params.max_new_tokens or seq.length >= seq.capacity:
+            break
+        logits = seq.forward([nxt])
+    out.write(stream.flush() + "\n")
+    out.flush()
+    return 0

@@ -1,0 +1,586 @@
+"""A session is one conversation: its messages, its token ids, its sequence in the engine's KV pool.
+
+The chat layer: chat template, sampling, events, the overflow policy. The model runner does the
+forward passes and owns the cache; a session holds one `Sequence` of it (and, after a regenerate,
+the sequences of the replies it kept as alternatives).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from engine.runtime import memory
+from engine.text.chat_format import encode_conversation, tokenize_pieces
+from engine.config import CacheConfig, ConfigError, SamplingParams
+from engine.kv.convert import convert_sequence
+from engine.text.detok import StreamDecoder
+from engine.events import LayerBytes, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
+from engine.kv.layout import MIB, WindowGeometry
+from engine.kv.manager import NoFreeBlocks
+from engine.plan.fit import trim_heap
+from engine.runtime.runner import ModelRunner
+from engine.runtime.sampling import sample
+from engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
+from engine.runtime.turns import TurnGuard, checked_history, checked_params, checked_text, turn
+
+
+class BudgetFull(RuntimeError):
+    """The next tokens do not fit in the KV budget; the message says what to do."""
+
+
+class Stopped(Exception):
+    """The user stopped the turn while its prompt was being read."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a session needs to know about the loaded model besides the runner."""
+
+    name: str
+    tokenizer: object
+    stop_ids: frozenset[int]
+    max_context: int
+    weight_bytes: int = 0
+    weights_label: str = ""
+
+
+@dataclass
+class Alternative:
+    """A reply the user regenerated away from, kept with its cache until the budget needs the room."""
+
+    text: str
+    seq: object
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Session:
+    def __init__(self, runner: ModelRunner, info: ModelInfo, cache: CacheConfig, system_prompt: str | None = None,
+                 history: list[dict] | None = None, prefix_cache: bool = True):
+        self.runner = runner
+        self.info = info
+        self.system_prompt = checked_text(system_prompt, "the system prompt") if system_prompt else None
+        self.messages: list[dict] = checked_history(history)
+        self._config = cache
+        self.seq = runner.new_sequence(cache)
+        self.prefix_cache = prefix_cache
+        self.token_ids: list[int] = []      # the conversation as tokens; the cache holds the first seq.num_tokens
+        self.alternatives: list[Alternative] = []   # earlier replies to the last user message
+        self._prompt_end = 0                # tokens before the last reply
+        self._prompt_logits: torch.Tensor | None = None
+        self._starts: list[int | None] = [None] * len(self.messages)   # token index where each message begins
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        self.notice = ""
+        self._guard = TurnGuard()
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self._config
+
+    @property
+    def components(self):
+        """This conversation's page components per layer, (K, V): the engine's pages in its layout."""
+        return self.runner.store.components(self.seq.layout)
+
+    @property
+    def tokenizer(self):
+        return self.info.tokenizer
+
+    @property
+    def _cached(self) -> int:
+        return self.seq.num_tokens
+
+    @property
+    def released(self) -> bool:
+        """Its cache was taken back to make room for another conversation: the next turn reads the history again."""
+        return self.seq.released and self.seq.num_tokens == 0 and bool(self.token_ids)
+
+    def _sync(self) -> None:
+        """A sequence released for another conversation holds nothing: its tokens are read again next turn."""
+        if self.released:
+            self.seq.released = False
+            self.token_ids.clear()
+            self._prompt_logits = None
+            self.notice = "This conversation's cache was released to make room for another; its history is read again."
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def _chunk(self) -> int:
+        return WindowGeometry.of(self._config).prefill_chunk()
+
+    def _fits(self, num_new: int) -> bool:
+        """Could num_new more tokens fit, counting what releasing idle conversations would free?"""
+        seq, m = self.seq, self.runner.manager
+        return m.bytes_needed(seq, num_new) <= m.free_bytes() + m.reclaimable_bytes({seq.seq_id})
+
+    def _forward(self, ids: list[int], all_logits: bool, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Run ids through the model in chunks; each chunk joins the cache or, on any error, leaves it untouched."""
+        outs = []
+        i = 0
+        while i < len(ids):
+            if should_stop is not None and i and should_stop():
+                raise Stopped()
+            part = ids[i:i + self._chunk()]
+            try:
+                (logits,) = self.runner.step([(self.seq, part)], all_logits=all_logits)
+            except NoFreeBlocks:
+                c = self._config
+                if c.overflow == "slide" and c.window is None:
+                    self._slide_to_fit()
+                    continue
+                raise BudgetFull(self._budget_message(len(ids) - i)) from None
+            i += len(part)
+            outs.append(logits)
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    def _label(self) -> str:
+        return self._config.label().replace("auto", self.seq.layout.full_dtype)
+
+    def _budget_message(self, num_new: int) -> str:
+        c = self._config
+        budget = self.runner.manager.budget_bytes / MIB
+        if c.window is not None:
+            return (f"The KV budget ({budget:g} MiB) cannot hold a window of {c.window:,} tokens plus {c.sinks} sinks "
+                    f"in {self._label()} while taking {num_new:,} new tokens: lower the window, choose a smaller "
+                    f"format, or raise the budget in Settings.")
+        formats = {c.k_format, c.v_format}
+        smaller = None if formats == {"int4"} else "int4" if formats <= {"int8", "fp8", "int4"} else "int8 or int4"
+        advice = ["switch to a sliding window"]
+        if smaller:
+            advice.append(f"choose a smaller format ({smaller})")
+        if self.seq.num_tokens:
+            advice.insert(0, "reset the session")
+        else:                   # nothing held: the message alone is too big
+            advice.insert(0, "shorten the message")
+        return (f"The KV budget ({budget:g} MiB, {self._label()}) is full: {self.seq.tokens_held:,} tokens are held "
+                f"and {num_new:,} more were needed, but only {self.tokens_left():,} fit. To go on: "
+                f"{', '.join(advice)}, or raise the budget in Settings.")
+
+    def _slide_to_fit(self) -> None:
+        c = self._config
+        layout = self.seq.layout
+        # the window and one prompt chunk in flight share what the budget holds beside the sink blocks
+        blocks = layout.budget_blocks(self.runner.manager.budget_bytes) - -(-c.sinks // c.block_size) - 2
+        window = blocks // 2 * c.block_size
+        if window < c.block_size:
+            raise BudgetFull(f"The KV budget ({self.runner.manager.budget_bytes / MIB:g} MiB) is too small even for "
+                             f"a sliding window: raise it.")
+        self.set_cache(c.with_(window=window))
+        self.notice = f"The budget filled: the cache now slides, keeping the newest {window} tokens and {c.sinks} sinks."
+
+    def append(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
+        """Teacher-forced: feed token_ids (after any pending ones) into the cache.
+
+        Returns their logits [T, vocab], or only the last token's [1, vocab] when all_logits is False."""
+        self._guard.check_idle()
+        self._sync()
+        token_ids = [int(t) for t in token_ids]
+        vocab = self.runner.model.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0-{vocab - 1})")
+        pending = self.token_ids[self._cached:]
+        feed = pending + token_ids
+        if self._past_context(len(feed)):
+            raise BudgetFull(self._context_message(len(feed)))
+        self._check_whole_fits(len(feed))
+        kept = len(self.token_ids)
+        self.token_ids.extend(token_ids)
+        try:
+            logits = self._forward(feed, all_logits=all_logits)
+        except BaseException:
+            del self.token_ids[max(kept, self._cached):]   # tokens the cache did not take leave the conversation
+            raise
+        return logits[len(pending):] if all_logits else logits
+
+    def _check_whole_fits(self, num_new: int) -> None:
+        """With overflow="stop" and no window, refuse up front what cannot fit, so nothing is half-read."""
+        c = self._config
+        if c.window is None and c.overflow == "stop" and not self._fits(num_new):
+            raise BudgetFull(self._budget_message(num_new))
+
+    # ---- chat -------------------------------------------------------------------------
+
+    def _encode_conversation(self, messages: list[dict]) -> tuple[str, list[tuple[str, bool]]]:
+        return encode_conversation(self.tokenizer, self.system_prompt, messages, where=self.info.name)
+
+    def _tokenize(self, pieces: list[tuple[str, bool]], skip_chars: int) -> list[int]:
+        return tokenize_pieces(self.tokenizer, pieces, skip_chars)
+
+    def _new_tokens_for(self, messages: list[dict]) -> list[int]:
+        """The tokens to add for this turn: the rendered chat past what the session already holds."""
+        rendered, pieces = self._encode_conversation(messages)
+        held = self.tokenizer.decode(self.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if self.token_ids and rendered.startswith(held):
+            return self._tokenize(pieces, len(held))
+        if self.token_ids:                      # the text diverged: start the cache over
+            self.reset()
+        return self._tokenize(pieces, 0)
+
+    @turn
+    def send(self, text: str, params: SamplingParams | None = None,
+             should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
+        """Add a user message and stream the reply: TokenDelta ..., then one TurnFinished.
+
+        A turn refused (too long, over budget) or stopped while its prompt is read leaves the
+        conversation and the cache exactly as they were. While the stream is live the session takes no other
+        turn (SessionBusy); a reset, rewind or close ends it (engine/runtime/turns.py)."""
+        text = checked_text(text, "the message")
+        params = checked_params(params)
+        self.notice = ""                    # a notice is about this turn; _sync may set one
+        self._sync()
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        started = time.perf_counter()
+        new_ids = self._new_tokens_for(self.messages + [{"role": "user", "content": text}])
+        kept, seq_before = len(self.token_ids), (self.seq, self.seq.evicted)
+        self.token_ids.extend(new_ids)
+        if not self._cached and self.prefix_cache:
+            self._turn["reused"] = self.runner.manager.match_prefix(self.seq, self.token_ids)
+        prompt = self.token_ids[self._cached:]
+        if self._past_context(len(prompt)):
+            del self.token_ids[kept:]
+            yield TurnFinished("", "context", self._context_message(len(prompt)), self.stats())
+            return
+        try:
+            self._check_whole_fits(len(prompt))
+            logits = self._forward(prompt, all_logits=False, should_stop=should_stop)[-1]
+        except (BudgetFull, Stopped) as exc:
+            self._undo_prompt(kept, seq_before)
+            if isinstance(exc, Stopped):
+                yield TurnFinished("", "stopped", "", self.stats())
+            else:
+                yield TurnFinished("", "budget", str(exc), self.stats())
+            return
+        except BaseException:
+            self._undo_prompt(kept, seq_before)
+            raise
+        self.messages.append({"role": "user", "content": text})
+        self._starts.append(kept)
+        self._drop_alternatives()
+        self._prompt_end, self._prompt_logits = len(self.token_ids), logits.detach().clone()
+        self._turn["prefill_tokens"] = len(prompt)
+        self._turn["prefill_s"] = time.perf_counter() - started
+        yield from self._decode(logits, params, should_stop, started)
+
+    def _undo_prompt(self, kept: int, seq_before: tuple) -> None:
+        """A prompt that did not complete leaves the cache: taken back when exact, else the cache starts over
+        (a window that evicted blocks, or a slide to a window, while the prompt was read cannot be undone)."""
+        extra = self._cached - kept
+        del self.token_ids[kept:]
+        if extra > 0:
+            if (self.seq, self.seq.evicted) != seq_before:
+                self.reset()
+                return
+            try:
+                self.runner.truncate(self.seq, extra)
+            except ConfigError:
+                self.reset()
+
+    def _decode(self, logits: torch.Tensor, params: SamplingParams, should_stop, started: float,
+                continues: bool = False):
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
+        reply: list[int] = []
+        stream = StreamDecoder(self.tokenizer)
+        reason, message = "length", ""
+        decode_started = time.perf_counter()
+        try:
+            for step in range(params.max_new_tokens):
+                if should_stop is not None and should_stop():
+                    reason = "stopped"
+                    break
+                if self._past_context(1):
+                    reason, message = "context", self._context_message(1)
+                    break
+                next_id = sample(logits.cpu(), params, self.token_ids[-1024:], generator)
+                if step == 0:
+                    self._turn["ttft_s"] = time.perf_counter() - started
+                self.token_ids.append(next_id)
+                if next_id in self.info.stop_ids:
+                    reason = "eos"
+                    break
+                reply.append(next_id)
+                delta = stream.push(next_id)
+                if delta:
+                    yield TokenDelta(delta, (next_id,))
+                if step + 1 == params.max_new_tokens:
+                    break
+                try:
+                    logits = self._forward([next_id], all_logits=False)[-1]
+                except BudgetFull as exc:
+                    reason, message = "budget", str(exc)
+                    break
+                self._turn["decode_tokens"] += 1
+                self._turn["decode_s"] = time.perf_counter() - decode_started   # live rate for stats()
+        finally:
+            self._turn["decode_s"] = time.perf_counter() - decode_started
+            final = stream.text()
+            if continues:
+                final = self.messages[-1]["content"] + final
+                self.messages[-1] = {"role": "assistant", "content": final}
+            else:
+                self.messages.append({"role": "assistant", "content": final})
+                self._starts.append(self._prompt_end)
+        rest = stream.flush()
+        if rest:
+            yield TokenDelta(rest, ())
+        yield TurnFinished(final, reason, message, self.stats())
+
+    @turn
+    def regenerate(self, params: SamplingParams | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
+        """A new reply to the last user message: the cache forks where the reply began, so the history is not
+        read again; the old reply is kept as an alternative (see `alternatives`, `select_alternative`)."""
+        params = checked_params(params)
+        self.notice = ""                    # a notice is about this turn; _sync may set one
+        self._sync()
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise ConfigError("there is no reply to regenerate yet: send a message first")
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        started = time.perf_counter()
+        old = self.messages.pop()
+        self._starts.pop()
+        can_fork = self._prompt_logits is not None and self._cached >= self._prompt_end and not self.seq.evicted
+        if not can_fork:       # released, slid or resumed: read the prompt again
+            # the old replies keep their text; their caches go, as the prompt they answered is read again
+            kept = [alt.text for alt in self.alternatives] + [old["content"]]
+            self._drop_alternatives()
+            last_user = self.messages.pop()
+            self._starts.pop()
+            self.token_ids = self.token_ids[:self._cached]
+            notice = self.notice                        # send clears it; it is about this turn
+            for event in self.send(last_user["content"], params, should_stop):
+                if isinstance(event, TurnFinished):
+                    self.notice = self.notice or notice
+                    event = TurnFinished(event.text, event.finish_reason, event.message, self.stats())
+                    if self.messages and self.messages[-1]["role"] == "assistant":
+                        self.alternatives = [Alternative(t, None) for t in kept]
+                    else:                               # refused or stopped before a reply: the chat stays as it was
+                        self.messages += [last_user, old]
+                        self._starts += [None, None]
+                        self.alternatives = [Alternative(t, None) for t in kept[:-1]]
+                yield event
+            return
+        child, shared = self.runner.fork(self.seq, self._prompt_end)
+        self.alternatives.append(Alternative(old["content"], self.seq, list(self.token_ids)))
+        self.seq = child
+        self.token_ids = self.token_ids[:self._prompt_end]
+        logits = self._prompt_logits.clone()       # sampling may scale logits in place
+        if shared < self._prompt_end:      # a quantized block the fork could not share exactly: re-read it
+            prompt = self.token_ids[shared:]
+            logits = self._forward(prompt, all_logits=False)[-1]
+            self._turn["prefill_tokens"] = len(prompt)
+        self._turn["prefill_s"] = time.perf_counter() - started
+        yield from self._decode(logits, params, should_stop, started)
+
+    @turn
+    def continue_reply(self, params: SamplingParams | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
+        """More of the last reply (cut at max tokens, or stopped): its text grows; nothing is read again."""
+        params = checked_params(params)
+        self.notice = ""                    # a notice is about this turn; _sync may set one
+        self._sync()
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise ConfigError("there is no reply to continue: send a message first")
+        if self.token_ids and self.token_ids[-1] in self.info.stop_ids:
+            raise ConfigError("the last reply ended on its own; send a message to go on")
+        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        started = time.perf_counter()
+        if not self.token_ids:        # released or resumed: the whole chat is read again, the reply included
+            rendered, pieces = self._encode_conversation(self.messages[:-1])
+            self.token_ids = self._tokenize(pieces, 0) + self.tokenizer.encode(
+                self.messages[-1]["content"], add_special_tokens=False, split_special_tokens=True)
+        if self.token_ids and self._cached == len(self.token_ids):
+            # the last token is in the cache (a reply stopped after a step) and its logits are gone: take it
+            # back and read it again, or read the whole chat again when the cache cannot take it back exactly
+            try:
+                self.runner.truncate(self.seq, 1)
+            except ConfigError:
+                self.reset()
+                return (yield from self.continue_reply(params, should_stop))
+        pending = self.token_ids[self._cached:]
+        self._turn["prefill_tokens"] = len(pending)
+        logits = self._forward(pending, all_logits=False)[-1]
+        yield from self._decode(logits, params, should_stop, started, continues=True)
+
+    def rewind(self, index: int) -> None:
+        """Drop messages[index:] (edit and resend from there): the cache goes back to where message `index`
+        began, exactly when it can (full precision, or within a quantized cache's last block), else it is read
+        again on the next turn. A reply streaming meanwhile stops first, kept as a stopped reply is."""
+        self._guard.check_open()
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= len(self.messages):
+            raise ConfigError(f"there is no message {index!r} to go back to")
+        self._guard.end(self, "rewind")
+        start = self._starts[index] if index < len(self._starts) else None
+        del self.messages[index:]
+        del self._starts[index:]
+        self._drop_alternatives()
+        self._prompt_logits = None
+        if start is None or start > len(self.token_ids):
+            self.reset()
+            return
+        extra = self.seq.num_tokens - start
+        if extra > 0:
+            try:
+                self.runner.truncate(self.seq, extra)
+            except ConfigError:
+                self.reset()
+                return
+        del self.token_ids[start:]
+
+    def select_alternative(self, index: int) -> None:
+        """Swap the current last reply with alternative `index` (its cache too, if it is still held)."""
+        self._guard.check_idle()
+        alt = self.alternatives[index]
+        current = Alternative(self.messages[-1]["content"], self.seq, list(self.token_ids))
+        self.messages[-1] = {"role": "assistant", "content": alt.text}
+        if alt.seq is not None and not alt.seq.released and alt.seq.num_tokens:
+            self.seq, self.token_ids = alt.seq, list(alt.token_ids)
+        else:               # its cache is gone: the chat is read again from a new sequence
+            for seq in (alt.seq, current.seq):
+                if seq is not None:
+                    self.runner.close(seq)
+            current.seq, current.token_ids = None, []
+            self.seq = self.runner.new_sequence(self._config)
+            self.token_ids = []
+        self.alternatives[index] = current
+
+    def _past_context(self, num_new: int) -> bool:
+        """Would num_new more tokens pass the model's context? A window re-positions, so it never does."""
+        return self._config.window is None and self.seq.num_tokens + num_new > self.info.max_context
+
+    def _context_message(self, num_new: int) -> str:
+        limit = self.info.max_context
+        if not self.seq.num_tokens:
+            advice = "shorten the message, or set a sliding window in Settings (a window bounds the cache)"
+        elif self._config.overflow == "slide":
+            advice = "shorten the message, or set a window in Settings (the window then bounds the cache)"
+        else:
+            advice = "switch the cache to a sliding window with sinks in Settings to keep going, or start a new chat"
+        return (f"The conversation would pass {self.info.name}'s context of {limit:,} tokens "
+                f"({self.seq.num_tokens:,} held, {num_new:,} more needed): {advice}.")
+
+    def reply(self, text: str, params: SamplingParams | None = None) -> str:
+        for event in self.send(text, params):
+            if isinstance(event, TurnFinished):
+                return event.text
+        return ""
+
+    # ---- cache control ----------------------------------------------------------------
+
+    def set_cache(self, config: CacheConfig) -> None:
+        """Switch the cache mode live: convert the blocks held, keep the conversation."""
+        self._guard.check_open()
+        self.runner.check(config)
+        if config.budget_mb != self._config.budget_mb:
+            self.runner.set_budget(config.budget_mb)
+        self.seq = convert_sequence(self.runner, self.seq, self._config, config)
+        self._config = config
+
+    def reset(self) -> int:
+        """Free every block (alternatives' too); the messages stay and are read again on the next turn.
+        A reply streaming meanwhile stops first, kept as a stopped reply is."""
+        self._guard.check_open()
+        self._guard.end(self, "reset")
+        freed = self.runner.free(self.seq) + self._drop_alternative_caches()
+        self.token_ids.clear()
+        self._prompt_logits = None
+        if str(self.runner.device).startswith("cuda"):
+            torch.cuda.empty_cache()
+        trim_heap()
+        return freed
+
+    def close(self) -> None:
+        """Give the conversation's blocks and sequences back for good (a closed chat or a finished request);
+        a reply streaming meanwhile stops first. Closing twice is harmless; any other use afterwards is refused."""
+        if self._guard.closed:
+            return
+        self._guard.end(self, "close")
+        self.reset()
+        self.runner.close(self.seq)
+        self._guard.closed = True
+
+    def _drop_alternative_caches(self) -> int:
+        """Close the sequences of the kept replies (their text stays); returns the bytes freed."""
+        freed = 0
+        for alt in self.alternatives:
+            if alt.seq is not None and alt.seq is not self.seq:
+                freed += self.runner.free(alt.seq)
+                self.runner.close(alt.seq)
+            alt.seq, alt.token_ids = None, []
+        return freed
+
+    def _drop_alternatives(self) -> None:
+        self._drop_alternative_caches()
+        self.alternatives = []
+
+    def truncate(self, n: int) -> None:
+        """Take back the last n tokens of the cache and the conversation's token ids."""
+        self._guard.check_idle()
+        self.runner.truncate(self.seq, n)
+        del self.token_ids[self.seq.num_tokens:]
+
+    # ---- statistics ---------------------------------------------------------------------
+
+    def tokens_left(self) -> int:
+        """More tokens that fit in the budget in this mode (idle conversations released); -1 when a window bounds it."""
+        seq, m = self.seq, self.runner.manager
+        if self._config.window is not None:
+            return -1
+        layout = seq.layout
+        room = m.free_bytes() + m.reclaimable_bytes({seq.seq_id}) - (layout.fixed_bytes - seq.side_bytes)
+        in_last = len(seq.block_table) * layout.block_size - seq.seq_len
+        return max(0, room // layout.block_bytes * layout.block_size + in_last)
+
+    def pool_stats(self) -> PoolStats:
+        v = self.runner.manager.view()
+        mine = {self.seq.seq_id}
+        return PoolStats(
+            budget_bytes=v.budget_bytes, held_bytes=v.held_bytes, free_bytes=v.free_bytes,
+            evictable_blocks=v.evictable_blocks, evictable_bytes=v.evictable_bytes, shared_blocks=v.shared_blocks,
+            blocks_in_use=v.blocks_in_use, prefix_queries=v.prefix_queries, prefix_hits=v.prefix_hits,
+            conversations=tuple((sid, blocks, nbytes, sid in mine) for sid, blocks, nbytes, released in v.sequences
+                                if blocks),
+            released=len(self.runner.manager.released_log), storage_bytes=self.runner.storage_bytes())
+
+    def stats(self) -> StatsSnapshot:
+        seq = self.seq
+        c = self._config
+        layout = seq.layout
+        layers = tuple(LayerBytes(i, k, v, kf.label, vf.label)
+                       for i, ((k, v), (kf, vf)) in enumerate(zip(self.runner.layer_bytes(seq), layout.formats)))
+        t = self._turn
+        budget = self.runner.manager.budget_bytes
+        free = self.runner.manager.free_bytes()
+        return StatsSnapshot(
+            time_s=time.monotonic(),
+            cache_label=c.label(),            # "auto" stays: the app names it in the user's words
+            layers=layers,
+            kv_bytes=sum(l.k_bytes + l.v_bytes for l in layers),
+            budget_bytes=budget,
+            block_size=c.block_size,
+            blocks_used=len(seq.block_table),
+            blocks_free=max(0, free // layout.block_bytes),
+            blocks_budget=layout.budget_blocks(budget),
+            tokens_in_context=len(self.token_ids),
+            tokens_held=seq.tokens_held,
+            tokens_evicted=seq.num_tokens - seq.tokens_held,
+            tokens_left=self.tokens_left(),
+            bytes_per_token=layout.bytes_per_token,
+            prefill_tokens=t["prefill_tokens"],
+            prefill_tok_s=t["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0,
+            decode_tok_s=t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0,
+            ttft_s=t["ttft_s"],
+            memory=memory.probe(),
+            weight_bytes=self.info.weight_bytes,
+            weights_label=self.info.weights_label,
+            context_tokens=self.info.max_context,
+            full_precision_bytes_per_token=layout.full_precision_bytes_per_token,
+            prefix_reused_tokens=t["reused"],
+            pool=self.pool_stats(),
+            notice=self.notice,
+        )

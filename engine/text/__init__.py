@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer, the chat format (one rendering for app, CLI and server), the detokenizer."""

@@ -1,0 +1,115 @@
+"""A conversation as prompt tokens, and the tokens that end a reply; no torch here (engine.runtime.quick uses it too)."""
+from __future__ import annotations
+
+import traceback
+
+from engine.config import ConfigError
+
+_PLACEHOLDER = "\x00kvchat-content-{}\x00"
+PROBE = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+         {"role": "user", "content": "Tell me a joke."}]
+STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
+
+
+def clean_text(text: str) -> str:
+    """Lone surrogates (which UTF-8 cannot hold) become U+FFFD instead of failing deep in the tokenizer."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+class ChatTemplateError(ConfigError):
+    """The model's chat template failed, ran past its limits or rendered nothing; the message says which."""
+
+
+def _template_line(exc: BaseException) -> str:
+    lines = [n for frame, n in traceback.walk_tb(exc.__traceback__) if frame.f_code.co_filename == "<template>"]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def _describe(exc: Exception, where: str) -> str:
+    from jinja2 import exceptions as jx
+    from engine.text.chat_template import TemplateLimit
+    text = " ".join(str(getattr(exc, "message", None) or exc).split()) or type(exc).__name__
+    if isinstance(exc, TemplateLimit):
+        what = f"was stopped: it {text}"
+    elif isinstance(exc, jx.TemplateSyntaxError):
+        return f"The chat template of {where} cannot be read: {text} (line {exc.lineno})."
+    elif isinstance(exc, jx.SecurityError):
+        what = f"tried something the sandbox forbids: {text}"
+    elif type(exc) is jx.TemplateError:        # the template's own raise_exception
+        what = f"refused this conversation: {text}"
+    else:
+        what = f"failed: {type(exc).__name__}: {text}"
+    return f"The chat template of {where} {what}{_template_line(exc)}."
+
+
+def render_chat(tokenizer, messages: list[dict], where: str = "this model") -> str:
+    """The conversation through the model's chat template, with the generation prompt, under chat_template's
+    limits; any failure is a ChatTemplateError of one line naming `where` (the model file)."""
+    source = getattr(tokenizer, "chat_template", None)
+    if not source or not isinstance(source, str):
+        raise ChatTemplateError(f"{where} has no chat template: it cannot chat (a plain prompt still works)")
+    from engine.text.chat_template import render
+    specials = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items()}
+    try:
+        text = render(source, messages, True, **specials)
+    except Exception as exc:  # noqa: BLE001 - whatever a template does wrong, the user hears it in one line
+        raise ChatTemplateError(_describe(exc, where)) from None
+    if not text:
+        raise ChatTemplateError(f"The chat template of {where} rendered nothing for this conversation.")
+    return text
+
+
+def check_template(tokenizer, where: str) -> None:
+    """Refuse, at load, a model whose template cannot render a small conversation within the limits."""
+    if getattr(tokenizer, "chat_template", None):
+        encode_conversation(tokenizer, None, PROBE, where=where)
+
+
+def encode_conversation(tokenizer, system_prompt: str | None, messages: list[dict],
+                        where: str = "this model") -> tuple[str, list[tuple[str, bool]]]:
+    """The rendered chat (with the generation prompt) and its pieces: (text, is_content). Message contents are
+    tokenized as plain text, so a special-token string inside a message is never the template's own token."""
+    msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+    marked = [dict(m, content=_PLACEHOLDER.format(i)) for i, m in enumerate(msgs)]
+    rendered = render_chat(tokenizer, marked, where)
+    pieces: list[tuple[str, bool]] = []
+    rest = rendered
+    for i, m in enumerate(msgs):
+        mark = _PLACEHOLDER.format(i)
+        before, found, rest = rest.partition(mark)
+        if not found:          # the template dropped or changed this content: render it as it is
+            plain = render_chat(tokenizer, msgs, where)
+            return plain, [(plain, False)]
+        pieces += [(before, False), (m["content"], True)]
+    pieces.append((rest, False))
+    return "".join(p for p, _ in pieces), [(p, c) for p, c in pieces if p]
+
+
+def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]], skip_chars: int = 0) -> list[int]:
+    """The pieces' tokens, from character skip_chars of their text on."""
+    ids: list[int] = []
+    for text, content in pieces:
+        if skip_chars >= len(text):
+            skip_chars -= len(text)
+            continue
+        text, skip_chars = text[skip_chars:], 0
+        ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=content)
+    return ids
+
+
+def stop_ids(tokenizer) -> frozenset[int]:
+    """The end-of-sequence token and the chat templates' end-of-turn tokens this vocabulary has."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    lookup = getattr(tokenizer, "token_to_id", None)     # engine.tokenizer: no 49k-entry dict (11 MiB) built for this
+    if lookup is not None:
+        ids.update(i for i in map(lookup, STOP_TOKENS) if i is not None)
+    else:
+        vocab = tokenizer.get_vocab()
+        ids.update(vocab[t] for t in STOP_TOKENS if t in vocab)
+    return frozenset(ids)
