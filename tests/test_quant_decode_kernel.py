@@ -7,7 +7,8 @@ and on random pages against its torch reference.
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig, attention
+from engine import CacheConfig, Engine, EngineConfig
+from engine.runtime import attention
 from kernels import cpu_quant
 from kernels.formats import page_format
 from kernels.reference import store_blocks
