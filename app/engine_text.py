@@ -53,6 +53,7 @@ MESSAGES = (
     QT_TRANSLATE_NOOP("EngineText", "there is no reply to regenerate yet: send a message first"),
     QT_TRANSLATE_NOOP("EngineText", "there is no reply to continue: send a message first"),
     QT_TRANSLATE_NOOP("EngineText", "the last reply ended on its own; send a message to go on"),
+    QT_TRANSLATE_NOOP("EngineText", "C kernels not loaded ({reason}): running torch's kernels, several times slower"),
 )
 # the parts an {advice} field is made of, joined by ", "
 PHRASES = (

@@ -543,6 +543,8 @@ class MainWindow(QMainWindow):
             if self.engine_info.weight_bytes:
                 parts.append(self.tr("weights {label} {size}").format(
                     label=weights_text(self.engine_info.weights_label), size=format_bytes(self.engine_info.weight_bytes)))
+            if self.engine_info.kernel_status:      # the slow torch fallback is said, not silent
+                parts.append(engine_text(self.engine_info.kernel_status))
         remote = self.engine_info is not None and self.engine_info.capabilities.remote
         if not remote:                  # the server chooses its own cache
             parts.append(cache_label(self.session_cache))

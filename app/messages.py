@@ -34,6 +34,7 @@ class EngineReady:
     dtype: str = "fp32"                 # the model dtype "auto" cache formats resolve to
     capabilities: Capabilities = LOCAL  # what the engine can show and do (a remote server: no per-layer data)
     server_url: str = ""                # a remote engine's base URL
+    kernel_status: str = ""             # why the C kernels are missing (the engine's English line); "" when loaded
 
 
 @dataclass(frozen=True, slots=True)

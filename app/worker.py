@@ -148,7 +148,8 @@ class EngineWorker(QObject):
                                     int(getattr(engine, "weight_bytes", 0)), getattr(engine, "notice", None) or "",
                                     getattr(getattr(engine, "model", None), "config", None),
                                     getattr(engine, "dtype_name", "fp32"), capabilities_of(engine),
-                                    getattr(engine, "base_url", "")))
+                                    getattr(engine, "base_url", ""),
+                                    kernel_status=getattr(engine, "kernel_status", None) or ""))
 
     @Slot(object, object, object, object)
     def open_session(self, conversation_id, system_prompt, cache, history) -> None:

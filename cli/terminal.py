@@ -42,6 +42,12 @@ def _stream(session, text: str, params: SamplingParams) -> None:
                 print(f"! {event.message}", file=sys.stderr)
 
 
+def _say_kernel_status(engine) -> None:
+    """Once, on stderr, when the C kernels are missing: the torch fallback is correct but several times slower."""
+    if engine.kernel_status:
+        print(f"kvchat: {engine.kernel_status}", file=sys.stderr)
+
+
 def cmd_chat(args) -> int:
     try:
         return _chat(args)
@@ -71,6 +77,7 @@ def _chat(args) -> int:
     except (ModelLoadError, ConfigError) as exc:
         print(f"kvchat: {exc}", file=sys.stderr)
         return 2
+    _say_kernel_status(engine)
     session = engine.new_session(system_prompt=args.system)
     if args.prompt is not None:
         try:
@@ -117,6 +124,7 @@ def cmd_serve(args) -> int:
     except (ModelLoadError, ConfigError) as exc:
         print(f"kvchat: {exc}", file=sys.stderr)
         return 2
+    _say_kernel_status(engine)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"kvchat serve: {server.model_id} on http://{host}:{args.port}/v1 (metrics at /metrics), "
           f"KV budget {server.scheduler.config.cache.budget_mb:g} MiB; Ctrl+C stops", file=sys.stderr)

@@ -48,6 +48,14 @@ def describe_weights(model: Transformer) -> str:
     return model.weights
 
 
+def kernel_status(device: str) -> str | None:
+    """One line for the user when a CPU engine runs without the C kernels (they are CPU kernels: on CUDA they do
+    not apply); None when they are loaded. The fallback is correct but slow, so it is said, not silent."""
+    if not str(device).startswith("cpu") or cpu_quant.available():
+        return None
+    return f"C kernels not loaded ({cpu_quant.unavailable_reason()}): running torch's kernels, several times slower"
+
+
 def _done(value) -> Future:
     future = Future()
     future.set_result(value)
@@ -77,6 +85,7 @@ class Engine:
         self.stop_ids = stop_ids(tokenizer)
         self.weight_bytes = model.weight_bytes()
         self.weights_label = describe_weights(model)
+        self.kernel_status = kernel_status(model.device)   # None, or why the C kernels are missing
         self.runner = ModelRunner(model, self.dtype_name, config.cache.budget_mb)
         self.info = ModelInfo(name, tokenizer, self.stop_ids, model.config.max_position_embeddings,
                               self.weight_bytes, self.weights_label)

@@ -708,6 +708,10 @@ prefill {prefill} tok/s</source>
         <translation>上一条回复已自然结束；发送一条消息即可继续</translation>
     </message>
     <message>
+        <source>C kernels not loaded ({reason}): running torch&apos;s kernels, several times slower</source>
+        <translation>C 内核未加载（{reason}）：改用 torch 的内核运行，慢数倍</translation>
+    </message>
+    <message>
         <source>reset the session</source>
         <translation>重置会话</translation>
     </message>
