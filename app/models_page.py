@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QFileDialog, QHBoxLay
                                QPushButton, QTableView, QVBoxLayout, QWidget)
 
 from engine.plan import library
+from engine.plan.fit import RUNTIME_BYTES
 from engine.plan.library import ModelEntry, format_parameters, format_tokens
 
 from app.messages import format_bytes
@@ -268,7 +269,7 @@ class ModelsDialog(QDialog):
             self.summary.setText(found.format(n=len(entries), loadable=loadable) + " " + self.tr(
                 "“Fits” is the longest context each KV cache format allows beside the weights in {memory} of {where}, "
                 "keeping {reserve} + 5% for the runtime; “any” when nothing limits it.").format(
-                memory=format_bytes(memory), where=engine_word(where), reserve=format_bytes(600 * 2**20)))
+                memory=format_bytes(memory), where=engine_word(where), reserve=format_bytes(RUNTIME_BYTES)))
         else:
             self.summary.setText(where)
         self._select_current()

@@ -106,9 +106,6 @@ class CacheConfig:
         return replace(self, **changes)
 
 
-MIB = 1024 * 1024
-
-
 GREEDY_BELOW = 1e-5        # a temperature this low is greedy: dividing logits by it only overflows
 MAX_SEED = 2**64 - 1        # torch's generators take 64-bit seeds
 

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from cli.terminal import main as cli_main
-from engine.config import MIB, CacheConfig, ConfigError
+from engine.config import CacheConfig, ConfigError
+from engine.units import MIB
 from engine.kv.layout import check_cache_for_model, kv_layout
 
 

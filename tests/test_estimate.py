@@ -132,3 +132,55 @@ def test_estimate_equals_engine_bytes(tiny_engine, tiny_llama, fmt, block_size, 
     row = estimate(model_facts(tiny_llama), num_tokens, formats=(fmt,), block_size=block_size, window=window,
                    sinks=4, memory_bytes=GIB, device=str(tiny_engine.device)).rows[0]
     assert row.kv_bytes == session.stats().kv_bytes
+
+
+# --- one planner: the estimate, the loader's fit check and the loaded weights agree -------------------------
+
+def _fit_check_agrees(monkeypatch, facts, stored_dtype=""):
+    from engine.errors import ModelLoadError
+    from engine.plan import fit
+    plenty = estimate(facts, 1, formats=("int8",), memory_bytes=64 * GIB, device="cpu")
+    assert plenty.margin_bytes == fit.margin_for(64 * GIB) == fit.RUNTIME_BYTES + int(fit.FREE_SHARE * 64 * GIB)
+    assert plenty.weight_bytes + plenty.margin_bytes == fit.load_need(
+        facts.config, facts.weight_bytes, "auto", "cpu", 64 * GIB, source=facts.source, stored_dtype=stored_dtype)
+    # memory just short of the weights and the reserve: the estimate leaves no room and the loader refuses
+    short = plenty.weight_bytes + fit.RUNTIME_BYTES
+    starved = estimate(facts, 1, formats=("int8",), memory_bytes=short, device="cpu")
+    assert starved.kv_room_bytes == 0 and not starved.rows[0].fits
+    checks = {}
+    for memory in (short, 64 * GIB):
+        monkeypatch.setattr(fit, "available_bytes", lambda device, memory=memory: memory)
+        try:
+            fit.check_fits(facts.config, facts.weight_bytes, "auto", "cpu", facts.name, source=facts.source,
+                           stored_dtype=stored_dtype)
+            checks[memory] = True
+        except ModelLoadError:
+            checks[memory] = False
+    assert checks == {short: False, 64 * GIB: True}
+
+
+def test_estimate_and_fit_check_agree_for_the_default_model(monkeypatch):
+    facts = model_facts("default")
+    assert estimate(facts, 1, formats=("int8",), memory_bytes=GIB, device="cpu").weight_bytes == facts.weight_bytes
+    _fit_check_agrees(monkeypatch, facts)
+
+
+def test_estimate_and_fit_check_agree_for_a_folder_and_hold_what_the_engine_loads(monkeypatch, tiny_engine,
+                                                                                     tiny_llama):
+    facts = model_facts(tiny_llama)
+    _fit_check_agrees(monkeypatch, facts, facts.weights_label)
+    # an f32 folder on the CPU is held at 4 B a weight, as the engine holds it
+    e = estimate(facts, 1, formats=("int8",), memory_bytes=GIB, device="cpu")
+    assert e.weight_bytes == 4 * facts.parameters == tiny_engine.weight_bytes
+
+
+def test_fit_check_knows_what_each_weights_choice_holds():
+    from engine.plan.fit import resident_bytes
+    mc = PRESETS["smollm2-135m"]
+    params, packed = parameter_count(mc), 80 * MIB
+    assert resident_bytes(mc, packed, "auto", "cpu") == packed                   # a GGUF kept packed
+    assert resident_bytes(mc, packed, "dense", "cpu") == 4 * params              # fp32 reference
+    assert resident_bytes(mc, packed, "auto", "cuda") == 2 * params              # bf16 on a GPU
+    assert resident_bytes(mc, packed, "int8", "cpu") == params
+    assert resident_bytes(mc, 2 * params, "auto", "cpu", source="safetensors", stored_dtype="bf16") == 2 * params
+    assert resident_bytes(mc, 4 * params, "auto", "cpu", "bf16", "safetensors", "f32") == 2 * params

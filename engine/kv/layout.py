@@ -17,8 +17,8 @@ from kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, page_forma
 
 from engine.config import CacheConfig, ConfigError
 from engine.model.config import ModelConfig
+from engine.units import MIB
 
-MIB = 1024 * 1024
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 PREFILL_CHUNK = 512                     # most prompt tokens one step reads (less within a window)
 

@@ -1,9 +1,10 @@
 """`kvchat estimate`: what a model and a context cost in memory, before loading anything.
 
 Architecture numbers come from a config.json or a GGUF header (or a preset of published numbers),
-the KV bytes from engine.kv.layout (the same arithmetic the cache allocates with), the weight bytes
-from the file: a GGUF's tensor bytes, a folder's safetensors sizes, or a preset's parameter count
-times the bytes per weight of a chosen GGUF type.
+the KV bytes from engine.kv.layout (the same arithmetic the cache allocates with), the stored weight
+bytes from the file (a GGUF's tensor bytes, a folder's safetensors sizes, or a preset's parameter count
+times the bytes per weight of a chosen GGUF type), and what they hold once loaded and the reserve beside
+them from engine.plan.fit, the planner the loader refuses with.
 """
 from __future__ import annotations
 
@@ -16,14 +17,11 @@ from dataclasses import asdict, dataclass, field
 from engine.config import CacheConfig, ConfigError
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
+from engine.plan.fit import (FREE_SHARE, RUNTIME_BYTES, margin_for, model_dtype_for, parameter_count, resident_bytes,
+                             safetensors_summary)
+from engine.units import GIB, MIB, format_size
 
-GIB = 2**30
-MIB = 2**20
 FORMATS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
-# What a running kvchat needs beside weights and KV (Python, torch, tokenizer, work buffers): the same
-# allowance the loader checks with, plus a share of the memory left free for everything else.
-RUNTIME_BYTES = 600 * MIB
-FREE_SHARE = 0.05
 MAX_SEARCH_TOKENS = 1 << 31
 
 
@@ -61,18 +59,6 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def parameter_count(mc: ModelConfig) -> int:
-    """Parameters of a Llama-family model of this shape (norms and biases included)."""
-    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    attn = mc.hidden_size * (2 * q + 2 * kv)
-    bias = (q + 2 * kv) * mc.qkv_bias + mc.hidden_size * mc.o_bias
-    mlp = 3 * mc.hidden_size * mc.intermediate_size
-    mlp_bias = (2 * mc.intermediate_size + mc.hidden_size) * mc.mlp_bias
-    layer = attn + bias + mlp + mlp_bias + 2 * mc.hidden_size
-    embed = mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2)
-    return mc.num_layers * layer + embed + mc.hidden_size
-
-
 def bytes_per_weight(type_name: str) -> float:
     """Bytes one weight takes in a GGUF tensor type (F16: 2, Q8_0: 34/32, Q4_K: 144/256 ...)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -94,31 +80,6 @@ class ModelFacts:
     parameters: int
     weight_bytes: int
     weights_label: str              # "Q4_1 (+Q8_0)", "bf16", "F16 (preset: 2 B a weight)"
-
-
-def _safetensors_summary(folder) -> tuple[int, int, str]:
-    """(parameters, bytes on disk, dominant dtype) of a folder's *.safetensors, from their JSON headers."""
-    import struct
-    from collections import Counter
-    from pathlib import Path
-    params, size, dtypes = 0, 0, Counter()
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        size += f.stat().st_size
-        try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (struct.error, ValueError, MemoryError) as exc:
-            raise ModelLoadError(f"{f.name} has no readable safetensors header ({exc}): re-download or re-export "
-                                 f"the model") from exc
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            count = math.prod(info["shape"])
-            params += count
-            dtypes[info["dtype"].lower()] += count
-    dominant = dtypes.most_common(1)[0][0] if dtypes else "?"
-    return params, size, dominant
 
 
 def model_facts(model: str, weights_type: str = "F16") -> ModelFacts:
@@ -148,7 +109,7 @@ def model_facts_from(path, name: str | None = None) -> ModelFacts:
         cfg = read_config(path)
         check_architecture(str(cfg.get("model_type")), str(path / "config.json"))
         mc = ModelConfig.from_hf(cfg)
-        params, size, dtype = _safetensors_summary(path)
+        params, size, dtype = safetensors_summary(path)
         return ModelFacts(name, "safetensors", mc, params, size, dtype)
     gf = GGUFFile(path)
     params = sum(math.prod(t.shape) for t in gf.tensors.values())
@@ -182,13 +143,6 @@ def available_memory(device: str) -> tuple[int, str]:
             return free, "free GPU memory (pynvml)"
     import psutil
     return int(psutil.virtual_memory().available), "available RAM (psutil)"
-
-
-def model_dtype_for(dtype: str, device: str) -> str:
-    """The model dtype the engine picks: as asked, else fp32 on the CPU and bf16 on a GPU."""
-    if dtype != "auto":
-        return dtype
-    return "bf16" if device.startswith("cuda") else "fp32"
 
 
 def parse_format(text: str) -> tuple[str, str]:
@@ -266,7 +220,7 @@ class Estimate:
     head_dim: int
     trained_context: int
     weights_label: str
-    weight_bytes: int
+    weight_bytes: int               # what the weights hold once loaded on the device (engine.plan.fit.resident_bytes)
     context: int
     batch: int
     block_size: int
@@ -276,7 +230,7 @@ class Estimate:
     full_dtype: str                 # what full-precision head/tail blocks and fp layers use
     memory_bytes: int
     memory_source: str
-    margin_bytes: int               # runtime allowance + share of memory kept free
+    margin_bytes: int               # runtime allowance + share of memory kept free (engine.plan.fit.margin_for)
     kv_room_bytes: int              # memory - weights - margin: what the KV cache may take
     rows: tuple[FormatEstimate, ...] = field(default_factory=tuple)
 
@@ -284,14 +238,10 @@ class Estimate:
         return asdict(self)
 
 
-def margin_for(memory_bytes: int) -> int:
-    return RUNTIME_BYTES + int(FREE_SHARE * memory_bytes)
-
-
 def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, block_size: int = 16,
              window: int | None = None, sinks: int = 4, k_scheme: str = "channel", fp_layers: tuple[int, ...] = (),
              memory_bytes: int | None = None, memory_source: str = "", device: str = "cpu",
-             dtype: str = "auto") -> Estimate:
+             dtype: str = "auto", weights: str = "auto") -> Estimate:
     from engine.kv.layout import kv_layout
     if context < 1:
         raise ConfigError(f"context={context}: ask for at least 1 token")
@@ -300,7 +250,9 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
     if memory_bytes is None:
         memory_bytes, memory_source = available_memory(device)
     margin = margin_for(memory_bytes)
-    room = max(0, memory_bytes - facts.weight_bytes - margin)
+    weight_bytes = resident_bytes(facts.config, facts.weight_bytes, weights, device, dtype, facts.source,
+                                  facts.weights_label)
+    room = max(0, memory_bytes - weight_bytes - margin)
     model_dtype = model_dtype_for(dtype, device)
     rows, full = [], ""
     for fmt in formats:
@@ -311,22 +263,15 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
         kinds = {f.label for pair in layout.formats for f in pair}
         rows.append(FormatEstimate(
             format=fmt, label=", ".join(sorted(kinds)), bytes_per_token=layout.bytes_per_token,
-            full_precision_bytes=layout.fixed_bytes, kv_bytes=kv, total_bytes=facts.weight_bytes + kv,
+            full_precision_bytes=layout.fixed_bytes, kv_bytes=kv, total_bytes=weight_bytes + kv,
             max_context=largest_context(layout, room, window, sinks, batch), fits=kv <= room))
     mc = facts.config
     return Estimate(facts.name, facts.source, mc.model_type, facts.parameters, mc.num_layers, mc.num_kv_heads,
-                    mc.head_dim, mc.max_position_embeddings, facts.weights_label, facts.weight_bytes, context, batch,
+                    mc.head_dim, mc.max_position_embeddings, facts.weights_label, weight_bytes, context, batch,
                     block_size, window, sinks, device, full, memory_bytes, memory_source, margin, room, tuple(rows))
 
 
 # ------------------------------------------------------------------------------------------------- CLI
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
-
 
 def _tokens(n: int | None, trained: int) -> str:
     if n is None:
@@ -340,15 +285,15 @@ def summarize(e: Estimate) -> str:
     lines = [
         f"{e.model} ({e.source}): {e.architecture}, {e.parameters / 1e9:.2f} B parameters, {e.num_layers} layers, "
         f"{e.num_kv_heads} KV heads x head_dim {e.head_dim}, trained context {e.trained_context:,}",
-        f"weights {_size(e.weight_bytes)} ({e.weights_label}); context {e.context:,} x batch {e.batch}, "
+        f"weights {format_size(e.weight_bytes)} ({e.weights_label}); context {e.context:,} x batch {e.batch}, "
         f"blocks of {e.block_size}{window}; full-precision blocks in {e.full_dtype}",
-        f"memory {_size(e.memory_bytes)} ({e.memory_source}); margin {_size(e.margin_bytes)} "
-        f"({RUNTIME_BYTES // MIB} MiB runtime + {FREE_SHARE:.0%} kept free); room for KV {_size(e.kv_room_bytes)}",
+        f"memory {format_size(e.memory_bytes)} ({e.memory_source}); margin {format_size(e.margin_bytes)} "
+        f"({RUNTIME_BYTES // MIB} MiB runtime + {FREE_SHARE:.0%} kept free); room for KV {format_size(e.kv_room_bytes)}",
         "",
         f"{'format':<10} {'B/token':>12} {'KV':>12} {'total':>12} {'fits':>5}  {'largest context':>22}",
     ]
     for r in e.rows:
-        lines.append(f"{r.format:<10} {r.bytes_per_token:>12,.1f} {_size(r.kv_bytes):>12} {_size(r.total_bytes):>12} "
+        lines.append(f"{r.format:<10} {r.bytes_per_token:>12,.1f} {format_size(r.kv_bytes):>12} {format_size(r.total_bytes):>12} "
                      f"{'yes' if r.fits else 'NO':>5}  {_tokens(r.max_context, e.trained_context):>22}")
     return "\n".join(lines)
 
@@ -369,6 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory to plan for, in GiB (default: free GPU memory, else available RAM)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda: where the model would run")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    p.add_argument("--weights", default="auto", choices=["auto", "dense", "int8", "int4"],
+                   help="how the weights would load: auto (a GGUF packed, a folder at its stored dtype), dense, int8, int4")
     p.add_argument("--weights-type", default="F16", help="presets only: the GGUF type of the weights (F16, Q8_0, Q4_K ...)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -388,7 +335,7 @@ def run(args) -> Estimate:
         memory, source = int(args.memory_gb * GIB), f"{args.memory_gb:g} GiB as given"
     facts = model_facts(args.model, args.weights_type)
     return estimate(facts, args.context, args.batch, formats, args.block_size, args.window, args.sinks,
-                    args.k_scheme, fp_layers, memory, source or "", device, args.dtype)
+                    args.k_scheme, fp_layers, memory, source or "", device, args.dtype, args.weights)
 
 
 def cmd_estimate(args) -> int:

@@ -17,7 +17,7 @@ from engine.model.source import (Progress, load_state_dict, locate, read_config,
                                  transformers_reference)
 from engine.text.tokenizer_cache import cached_gguf_tokenizer, gguf_tokenizer, load_tokenizer
 from engine.errors import ModelLoadError
-from engine.plan.fit import check_fits, folder_bytes, trim_heap
+from engine.plan.fit import check_fits, safetensors_summary, trim_heap
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
 from engine.model.weights import from_gguf, from_state_dict
@@ -117,7 +117,7 @@ class Engine:
             if files.is_gguf:
                 gf = GGUFFile(files.path)
                 mc = ModelConfig.from_gguf(gf)
-                check_fits(mc, gf.tensor_bytes, config.weights, device, files.path.name)
+                check_fits(mc, gf.tensor_bytes, config.weights, device, files.path.name, dtype_name)
                 # cached: read at once, before the weights, so the two loads' transient memory never adds up;
                 # the first start converts it (seconds) beside the weights
                 cached = cached_gguf_tokenizer(files.path)
@@ -130,7 +130,9 @@ class Engine:
                 gf.release_pages()
             else:
                 mc = ModelConfig.from_hf(read_config(files.folder))
-                check_fits(mc, folder_bytes(files.folder), config.weights, device, files.name)
+                _, stored_bytes, stored_dtype = safetensors_summary(files.folder)
+                check_fits(mc, stored_bytes, config.weights, device, files.name, dtype_name, "safetensors",
+                           stored_dtype)
                 tokenizer = pool.submit(load_tokenizer, files.folder)
                 if progress:
                     progress("reading weights", 0.5)
