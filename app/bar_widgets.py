@@ -11,11 +11,12 @@ from PySide6.QtCore import QEvent, QPointF, QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
+from engine.units import MIB
+
 TEXT = QColor("#1f2937")
 MUTED = QColor("#6b7280")
 TRACK = QColor("#f1f5f9")
 SELECTED = QColor("#0f172a")
-MIB = 1024.0 * 1024.0
 # (K, V) colours per format family: K dark at the bottom of each bar, V light on top.
 FORMAT_COLOURS = {"full": ("#2563eb", "#93c5fd"), "int8": ("#15803d", "#86efac"),
                   "fp8": ("#c2410c", "#fdba74"), "int4": ("#7e22ce", "#d8b4fe")}

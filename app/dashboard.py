@@ -17,6 +17,8 @@ from PySide6.QtGui import QCursor, QTextDocument
 from PySide6.QtWidgets import (QBoxLayout, QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QStackedWidget,
                                QTabBar, QToolButton, QToolTip, QVBoxLayout, QWidget)
 
+from engine.units import MIB
+
 from app.bar_widgets import FORMAT_COLOURS, format_family, format_mib
 from app.dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, layer_hover_text, nice_ceiling,
                              series_hover_text, time_span_end, token_room)
@@ -30,7 +32,6 @@ from app.quality_view import QualityRow
 from app.server_panel import ServerPanel, unavailable_remote
 
 REDRAW_MS = 125                         # each panel at most 8 Hz
-MIB = 1024.0 * 1024.0
 LOG_FLOOR_MIB = 1e-3                    # a log axis cannot show 0; an empty cache sits on this floor (1 KiB)
 PLOT_MIN_HEIGHT = 92
 

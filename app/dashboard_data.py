@@ -14,6 +14,7 @@ from typing import Callable
 from PySide6.QtCore import QCoreApplication
 
 from engine.events import StatsSnapshot
+from engine.units import MIB
 
 from app.i18n import value_name
 from app.messages import format_bytes
@@ -41,7 +42,6 @@ def eviction_label(tokens: int, count: int) -> str:
 HOLD_GAP_S = 0.25                       # longer silences are drawn as held values (rates: as a gap)
 RATE_SERIES = ("decode", "prefill")     # only meaningful while a reply is being generated
 FULL_PRECISION_BYTES = {"fp32": 4, "float32": 4, "auto": 0, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
-MIB = 1024.0 * 1024.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from PySide6.QtCore import QEvent, QObject, QTimer
 
 from engine.config import CacheConfig
+from engine.units import MIB
 
 from app.bar_widgets import Row, format_mib, format_share
 from app.lengths_data import TokenCounts
@@ -116,7 +117,7 @@ class DashboardPanels(QObject):
             self._drawn["plan"] = key
             self.dashboard.plan.set_conversation(
                 w.session_cache, latest.tokens_in_context if latest else 0, latest.tokens_held if latest else 0,
-                latest.budget_bytes if latest else int(w.session_cache.budget_mb * 1024 * 1024), w.session_ready)
+                latest.budget_bytes if latest else int(w.session_cache.budget_mb * MIB), w.session_ready)
         elif page is self.dashboard.lengths and (self._lengths_stale or self._drawn.get("lengths") != key):
             self._drawn["lengths"] = key
             self._lengths_stale = False

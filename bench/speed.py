@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from engine.units import MIB
+
 FALLBACK_TEXT = ("The library was quiet in the early morning, and the reading room smelled of old paper and "
                  "floor polish. ")
 ANSWER_PROMPT = "What is the capital of France?"
@@ -214,7 +216,7 @@ def _median_dict(runs: list[dict]) -> dict:
 
 def copy_bandwidth_gbs(mb: int = 256) -> float:
     """Memory copy bandwidth (bytes read + written per second), the ceiling a weight-streaming decode faces."""
-    src = torch.ones(mb * 2**20 // 4)
+    src = torch.ones(mb * MIB // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
@@ -408,9 +410,8 @@ def _fresh_process_runs(spec: str, path: str, threads: int, runs: int, with_llam
 
 
 def summarize(r: dict) -> str:
-    mb = 2**20
-    lines = [f"{r['model']} ({r['quant']}, weights {r['weights']}, {r['weight_bytes'] / mb:.0f} MiB resident"
-             + (f", file {r['file_bytes'] / mb:.0f} MiB" if r.get("file_bytes") else "") + f") on {r['threads']} "
+    lines = [f"{r['model']} ({r['quant']}, weights {r['weights']}, {r['weight_bytes'] / MIB:.0f} MiB resident"
+             + (f", file {r['file_bytes'] / MIB:.0f} MiB" if r.get("file_bytes") else "") + f") on {r['threads']} "
              f"threads, {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, median of {r['runs']} "
              f"interleaved runs; kernels: {r['kernels']}"]
     for name in ("kvchat", "llamacpp", "transformers"):
@@ -443,9 +444,9 @@ def summarize(r: dict) -> str:
                        ("kvchat_api_warm", "Engine API, warm"), ("llamacpp_oneshot", "llama.cpp")):
         if key in r:
             s = r[key]
-            after_load = f" ({s['peak_rss_after_load'] / mb:.0f} MiB after load)" if "peak_rss_after_load" in s else ""
+            after_load = f" ({s['peak_rss_after_load'] / MIB:.0f} MiB after load)" if "peak_rss_after_load" in s else ""
             lines.append(f"  one 64-token answer, {label:24s}: first token {s['first_token_from_launch_s']:.2f} s "
-                         f"after launch, wall {s['wall_s']:.2f} s, peak RSS {s['peak_rss'] / mb:.0f} MiB{after_load}")
+                         f"after launch, wall {s['wall_s']:.2f} s, peak RSS {s['peak_rss'] / MIB:.0f} MiB{after_load}")
     if "ratio_rss_vs_llamacpp" in r:
         lines.append(f"  peak RSS vs llama.cpp: {r['ratio_rss_vs_llamacpp']:.2f}x")
     return "\n".join(lines)

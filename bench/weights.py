@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.config import CacheConfig, EngineConfig
+from engine.units import MIB
 
 TARGETS = {"top1_min": 0.98, "kl_max": 0.002}
 # types the default model (hidden 576) can hold: K-quants need rows of 256 and fall back to these
@@ -111,5 +112,5 @@ def summarize(results: dict) -> list[str]:
     for kind, r in results.items():
         held = "+".join(f"{k}×{n}" for k, n in sorted(r["kinds"].items()))
         lines.append(f"{kind:<8}{held:<18}{r['tokens']:>7}{r['top1_agreement']:>9.2%}{r['mean_kl']:>11.6f}"
-                     f"{r['ppl_ratio']:>11.4f}{r['prefill_max_logit_diff']:>11.2e}{r['weight_bytes'] / 2**20:>7.0f}")
+                     f"{r['ppl_ratio']:>11.4f}{r['prefill_max_logit_diff']:>11.2e}{r['weight_bytes'] / MIB:>7.0f}")
     return lines
