@@ -58,7 +58,7 @@ class TokenRoom:
 def token_room(snapshot: StatsSnapshot) -> TokenRoom:
     """Tokens left = the smaller of what the KV budget and the model's context allow."""
     held, limit = snapshot.tokens_held, snapshot.context_tokens
-    if snapshot.tokens_left < 0:        # the engine's word for "a window bounds the cache"
+    if snapshot.tokens_left is None:    # a window bounds the cache (or a remote server does not say)
         fraction = snapshot.blocks_used / snapshot.blocks_budget if snapshot.blocks_budget else 0.0
         return TokenRoom(held, None, "window", limit, min(1.0, fraction))
     budget_left = snapshot.tokens_left

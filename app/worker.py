@@ -18,6 +18,7 @@ from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QObject, Qt, QTh
 
 from engine.api import capabilities_of
 from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+from engine.errors import UserError
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
 from app.engine_facts import complete, model_facts
@@ -56,7 +57,7 @@ def progress_text(message: str) -> str:
 
 def _load_error_message(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, ConfigError) or type(exc).__name__ in ("ModelLoadError", "RemoteError"):
+    if isinstance(exc, UserError):
         return text.splitlines()[0]     # already a one-line message that says what to do
     return f"{type(exc).__name__}: {text}"
 

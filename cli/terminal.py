@@ -27,7 +27,7 @@ def _print_stats(session) -> None:
     s = session.stats()
     print(f"[{s.cache_label}] tokens held {s.tokens_held} (evicted {s.tokens_evicted}), "
           f"KV {s.kv_bytes / KIB:.1f} KiB of {s.budget_bytes / MIB:.0f} MiB, blocks {s.blocks_used}/{s.blocks_budget}, "
-          f"tokens left {'unbounded (window)' if s.tokens_left < 0 else s.tokens_left}, "
+          f"tokens left {'unbounded (window)' if s.tokens_left is None else s.tokens_left}, "
           f"prefill {s.prefill_tok_s:.0f} tok/s, decode {s.decode_tok_s:.1f} tok/s, TTFT {s.ttft_s * 1000:.0f} ms")
 
 

@@ -5,12 +5,13 @@ import importlib
 # one-shot terminal answer) does not bring torch in
 _WHERE = {"CacheConfig": "config", "ConfigError": "config", "EngineConfig": "config", "SamplingParams": "config",
           "Engine": "runtime.engine", "LayerBytes": "events", "MemoryProbe": "events", "StatsSnapshot": "events",
-          "TokenDelta": "events", "TurnFinished": "events", "ModelLoadError": "errors", "BudgetFull": "runtime.session",
-          "Session": "runtime.session", "SessionBusy": "runtime.turns", "SessionClosed": "runtime.turns"}
+          "TokenDelta": "events", "TurnFinished": "events", "ModelLoadError": "errors", "UserError": "errors",
+          "BudgetFull": "runtime.session", "Session": "runtime.session", "SessionBusy": "runtime.turns",
+          "SessionClosed": "runtime.turns"}
 
 __all__ = ["Engine", "EngineConfig", "CacheConfig", "SamplingParams", "Session", "ConfigError", "ModelLoadError",
-           "BudgetFull", "SessionBusy", "SessionClosed", "StatsSnapshot", "LayerBytes", "MemoryProbe", "TokenDelta",
-           "TurnFinished"]
+           "UserError", "BudgetFull", "SessionBusy", "SessionClosed", "StatsSnapshot", "LayerBytes", "MemoryProbe",
+           "TokenDelta", "TurnFinished"]
 
 
 def __getattr__(name: str):

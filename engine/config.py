@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, replace
 from numbers import Integral, Real
 from typing import TYPE_CHECKING
 
+from engine.errors import UserError
+
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
 
@@ -19,7 +21,7 @@ KEY_SCHEMES = ("channel", "token")
 OVERFLOW_POLICIES = ("stop", "slide")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A setting that cannot work; the message says what to change."""
 
 

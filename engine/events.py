@@ -2,6 +2,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a reply ended, in the engine's words: the session, the server's scheduler and the remote engine speak
+    these; engine.serve.protocol maps them to OpenAI's ("stop", "length") at the server's edge and back. The values
+    are what the app stores in its history, so they never change."""
+
+    EOS = "eos"                         # the model's end-of-turn token
+    LENGTH = "length"                   # max_new_tokens reached
+    STOPPED = "stopped"                 # the user stopped it (or a reset, rewind or close ended it)
+    STOP_STRING = "stop_string"         # the server: a request's stop string appeared
+    BUDGET = "budget"                   # the KV budget is full
+    CONTEXT = "context"                 # the model's context is full
+    ABORTED = "aborted"                 # the server: the request was cancelled or the server is shutting down
+    ERROR = "error"                     # the server: generation failed
+    UNREACHABLE = "unreachable"         # remote: no server answered; nothing was said
+    DISCONNECTED = "disconnected"       # remote: the server went away mid-reply; the partial reply is kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +89,8 @@ class StatsSnapshot:
     tokens_in_context: int              # tokens of the conversation so far
     tokens_held: int                    # tokens whose K/V the cache holds now
     tokens_evicted: int                 # tokens that left the window
-    tokens_left: int                    # forecast: more tokens that fit in the budget in this mode
+    tokens_left: int | None             # forecast: more tokens that fit in the budget in this mode; None when the
+                                        # budget does not bound them (a window holds the cache) or nobody says (remote)
     bytes_per_token: float              # steady-state KV bytes per token in this mode
     prefill_tokens: int                 # tokens prefilled by the last turn (only the new ones)
     prefill_tok_s: float
@@ -102,6 +121,6 @@ class TokenDelta:
 @dataclass(frozen=True, slots=True)
 class TurnFinished:
     text: str                           # the whole reply
-    finish_reason: str                  # "eos", "length", "stopped", "budget", "context"; remote: "unreachable", "disconnected"
+    finish_reason: FinishReason
     message: str                        # for humans; empty unless something needs saying
     stats: StatsSnapshot

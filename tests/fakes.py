@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from engine.api import LOCAL
 from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+from engine.errors import ModelLoadError
 from engine.kv.layout import check_cache_for_model
 from engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
 
@@ -26,10 +27,6 @@ class FakeTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [sum(map(ord, word)) % VOCAB for word in text.split()]
-
-
-class ModelLoadError(RuntimeError):
-    """Named like the engine's, so the worker treats it the same way."""
 
 
 class FakeAlternative(SimpleNamespace):
@@ -191,7 +188,7 @@ class FakeSession:
             blocks_free=max(0, blocks_budget - blocks_used), blocks_budget=blocks_budget,
             tokens_in_context=self.tokens_in_context, tokens_held=self.tokens_held,
             tokens_evicted=self.tokens_evicted,
-            tokens_left=-1 if cache.window is not None else max(0, self._budget_tokens() - self.tokens_held),
+            tokens_left=None if cache.window is not None else max(0, self._budget_tokens() - self.tokens_held),
             bytes_per_token=per_token, prefill_tokens=0, prefill_tok_s=500.0, decode_tok_s=self.decode_tok_s,
             ttft_s=0.01, memory=MemoryProbe(300 * 1024 * 1024 + kv, 0, 0, 0),
             full_precision_bytes_per_token=float(BYTES_PER_ELEMENT["auto"] * ELEMENTS_PER_TOKEN * 2 * NUM_LAYERS),

@@ -53,7 +53,7 @@ def snapshot(t: float, evicted: int = 0, held: int = 100) -> StatsSnapshot:
     layers = tuple(LayerBytes(i, held * 32, held * 32, "int4", "int4") for i in range(2))
     return StatsSnapshot(time_s=t, cache_label="int4", layers=layers, kv_bytes=held * 128, budget_bytes=1 << 20,
                          block_size=16, blocks_used=held // 16 + 1, blocks_free=10, blocks_budget=40,
-                         tokens_in_context=held + evicted, tokens_held=held, tokens_evicted=evicted, tokens_left=-1,
+                         tokens_in_context=held + evicted, tokens_held=held, tokens_evicted=evicted, tokens_left=None,
                          bytes_per_token=128.0, prefill_tokens=0, prefill_tok_s=0.0, decode_tok_s=20.0, ttft_s=0.01,
                          memory=MemoryProbe(200 << 20, 0, 0, 0))
 

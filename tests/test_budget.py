@@ -108,7 +108,7 @@ def test_tokens_left_is_right_within_one_block(engine, fmt):
 
 
 def test_tokens_left_follows_the_mode(engine):
-    """Switching to a smaller format raises the forecast; a window makes it unbounded (-1)."""
+    """Switching to a smaller format raises the forecast; a window makes it unbounded (None)."""
     s = engine.new_session(cache=CacheConfig(budget_mb=0.5))
     s.append(_ids(engine, 40))
     full = s.tokens_left()
@@ -118,4 +118,4 @@ def test_tokens_left_follows_the_mode(engine):
     int4 = s.tokens_left()
     assert full < int8 < int4
     s.set_cache(CacheConfig(window=64, budget_mb=0.5))
-    assert s.stats().tokens_left == -1
+    assert s.stats().tokens_left is None

@@ -9,6 +9,7 @@ import pytest
 from engine import CacheConfig, SamplingParams
 from bench.serve import make_specs, measure, scrape
 from engine.config import ConfigError
+from engine.events import FinishReason
 from engine.serve import batch
 from engine.serve.protocol import StopMatcher
 from engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
@@ -212,7 +213,7 @@ def test_scheduler_preempts_the_newest_and_recomputes_the_same_tokens(tiny_engin
     sched, outs = _run_scheduler(tiny_engine, prompts, [70] * 4, 0.125)    # 4 x 110 tokens > 160 in the budget
     assert sched.num_preemptions > 0 and sched.max_usage <= 1.0
     assert [ids for ids, _ in outs] == solo
-    assert all(isinstance(fin[0], Finished) and fin[0].reason in ("length", "stop") for _, fin in outs)
+    assert all(isinstance(fin[0], Finished) and fin[0].reason in (FinishReason.LENGTH, FinishReason.EOS) for _, fin in outs)
     assert batch.num_live(tiny_engine) == 0
 
 

@@ -176,6 +176,13 @@ class WindowGeometry:
     def sink_blocks(self) -> int:
         return -(-self.sinks // self.block_size) if self.window is not None else 0
 
+    @property
+    def full_attention_tokens(self) -> float:
+        """Tokens a sequence computes as full attention does: a window changes the K/V of later tokens (they attend
+        to the sinks and the window only), so only blocks within the first window + sinks tokens are shared by
+        prefix."""
+        return float("inf") if self.window is None else self.window + self.sinks
+
     def start(self, num_tokens: int, evicted: int) -> tuple[int, int]:
         """(window_start slot, num_sinks) of a stream of num_tokens tokens with `evicted` blocks gone."""
         if self.window is None:
@@ -222,3 +229,21 @@ class WindowGeometry:
         """Most blocks a windowed conversation holds while a chunk of `chunk` new tokens is in flight."""
         assert self.window is not None
         return self.sink_blocks + self.blocks_for(self.window + chunk) + 1
+
+
+def sinks_at_first_positions(delta: int, first_slot: int, window: int | None, num_sinks: int, sink_blocks: int,
+                             block_size: int) -> int:
+    """How many leading held slots (the sinks, first among a step's rows) keep their first positions while the
+    new tokens' in-cache positions trail their absolute ones by delta: none while delta is 0 (nothing left);
+    with a window its sinks; a window removed after it slid keeps its whole sink blocks."""
+    if not delta:
+        return 0
+    if window is not None:
+        return min(num_sinks, first_slot)
+    return min(sink_blocks * block_size, first_slot)
+
+
+def absolute_slot(slot, sink_blocks: int, evicted: int, block_size: int):
+    """The token index of a slot, an int or an int64 tensor of slots: slots after the sink blocks moved down by
+    the `evicted` blocks that left."""
+    return slot + (slot >= sink_blocks * block_size) * (evicted * block_size)

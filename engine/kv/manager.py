@@ -3,10 +3,8 @@
 Plain Python, no torch: it decides which blocks hold what; the page store (engine/kv/pages.py)
 holds the bytes. Names follow vLLM's v1 KV manager where they apply.
 
-- `BlockPool` hands out block ids (lowest free id first, so page storage stays as large as the
-  blocks in use), counts references, and keeps freed blocks that hold a full, hashed prefix block
-  as *evictable*: reusable by a later conversation with the same prefix until the pool needs them
-  (least recently freed first).
+- `BlockPool` (engine/kv/block_pool.py) hands out block ids, counts references, and keeps freed
+  prefix blocks as *evictable*.
 - A `Sequence` is one conversation's (or request's) view: its block table, its token count, the
   blocks its window evicted, the hashes of its full blocks.
 - `KVCacheManager` reserves slots for a step, commits or rolls them back, forks, truncates, frees,
@@ -15,12 +13,11 @@ holds the bytes. Names follow vLLM's v1 KV manager where they apply.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine.kv.layout import KVLayout, WindowGeometry
+from engine.kv.block_pool import BlockPool
+from engine.kv.layout import KVLayout, WindowGeometry, absolute_slot
 
 
 class NoFreeBlocks(RuntimeError):
@@ -29,109 +26,6 @@ class NoFreeBlocks(RuntimeError):
     def __init__(self, need_bytes: int, free_bytes: int):
         super().__init__(f"need {need_bytes} bytes, {free_bytes} free")
         self.need_bytes, self.free_bytes = need_bytes, free_bytes
-
-
-class BlockPool:
-    """Block ids, reference counts, the free heap and the evictable prefix blocks."""
-
-    def __init__(self):
-        self.ref_cnt: list[int] = []
-        self._free: list[int] = []                         # heap of unreferenced, unhashed ids below high_water
-        self._evictable: OrderedDict[int, None] = OrderedDict()   # unreferenced, hashed: least recently freed first
-        self.block_hash: dict[int, tuple] = {}             # id -> its prefix key
-        self._by_key: dict[tuple, int] = {}                # prefix key -> id
-
-    @property
-    def high_water(self) -> int:
-        """One past the highest id in use or evictable: the page storage's length."""
-        return len(self.ref_cnt)
-
-    @property
-    def num_in_use(self) -> int:
-        return len(self.ref_cnt) - len(self._free) - len(self._evictable)
-
-    @property
-    def num_evictable(self) -> int:
-        return len(self._evictable)
-
-    def evictable_ids(self) -> list[int]:
-        return list(self._evictable)
-
-    def allocate(self) -> int:
-        if self._free:
-            block_id = heapq.heappop(self._free)
-        else:
-            block_id = len(self.ref_cnt)
-            self.ref_cnt.append(0)
-        self.ref_cnt[block_id] = 1
-        return block_id
-
-    def evict_oldest(self) -> int | None:
-        """Forget the least recently freed prefix block; returns its id (now free) or None."""
-        if not self._evictable:
-            return None
-        block_id, _ = self._evictable.popitem(last=False)
-        self._forget(block_id)
-        heapq.heappush(self._free, block_id)
-        self._trim()
-        return block_id
-
-    def touch(self, block_id: int) -> None:
-        """Take a reference, reviving an evictable block."""
-        if self.ref_cnt[block_id] == 0:
-            del self._evictable[block_id]
-        self.ref_cnt[block_id] += 1
-
-    def free(self, block_id: int) -> bool:
-        """Drop one reference; True when nothing references the block any more."""
-        assert self.ref_cnt[block_id] > 0, f"double free of block {block_id}"
-        self.ref_cnt[block_id] -= 1
-        if self.ref_cnt[block_id]:
-            return False
-        if block_id in self.block_hash:
-            self._evictable[block_id] = None
-        else:
-            heapq.heappush(self._free, block_id)
-            self._trim()
-        return True
-
-    def cache(self, block_id: int, key: tuple) -> None:
-        if key not in self._by_key and block_id not in self.block_hash:
-            self._by_key[key] = block_id
-            self.block_hash[block_id] = key
-
-    def uncache(self, block_id: int) -> None:
-        """Take a referenced block out of the prefix index (its contents are about to change)."""
-        self._forget(block_id)
-
-    def lookup(self, key: tuple) -> int | None:
-        return self._by_key.get(key)
-
-    def clear_cache(self) -> list[int]:
-        """Forget every prefix key; evictable blocks become free. Returns the ids freed."""
-        freed = list(self._evictable)
-        self._evictable.clear()
-        self._by_key.clear()
-        self.block_hash.clear()
-        for block_id in freed:
-            heapq.heappush(self._free, block_id)
-        self._trim()
-        return freed
-
-    def _forget(self, block_id: int) -> None:
-        key = self.block_hash.pop(block_id, None)
-        if key is not None and self._by_key.get(key) == block_id:
-            del self._by_key[key]
-
-    def _trim(self) -> None:
-        # free ids at the top are forgotten, so high_water (and the page storage) shrinks with use
-        top = len(self.ref_cnt)
-        while self.ref_cnt and self.ref_cnt[-1] == 0 and (len(self.ref_cnt) - 1) not in self._evictable:
-            self.ref_cnt.pop()
-        if len(self.ref_cnt) < top:
-            limit = len(self.ref_cnt)
-            self._free = [b for b in self._free if b < limit]
-            heapq.heapify(self._free)
 
 
 _ids = itertools.count(1)
@@ -143,6 +37,7 @@ class Sequence:
 
     layout: KVLayout
     geometry: WindowGeometry
+    sink_blocks: int                    # blocks at the start that never leave (kept if the window is removed)
     seq_id: int = field(default_factory=lambda: next(_ids))
     block_table: list[int] = field(default_factory=list)
     num_tokens: int = 0                 # tokens committed since the sequence started (or was reset)
@@ -152,11 +47,6 @@ class Sequence:
     last_used: int = 0
     released: bool = False              # its blocks were taken back for another conversation
     closed: bool = False
-    sink_blocks: int = -1               # blocks at the start that never leave (kept if the window is removed)
-
-    def __post_init__(self):
-        if self.sink_blocks < 0:
-            self.sink_blocks = self.geometry.sink_blocks
 
     @property
     def block_size(self) -> int:
@@ -186,13 +76,7 @@ class Sequence:
 
     def absolute(self, slot: int) -> int:
         """The token index of a slot (slots after the sink blocks moved down as blocks left)."""
-        return slot if slot < self.sink_blocks * self.block_size else slot + self.evicted * self.block_size
-
-
-def _full_attention_tokens(geometry: WindowGeometry) -> float:
-    """Tokens a sequence computes as full attention does: a window changes the K/V of later tokens (they attend to
-    the sinks and the window only), so only blocks within the first window + sinks tokens are shared by prefix."""
-    return float("inf") if geometry.window is None else geometry.window + geometry.sinks
+        return absolute_slot(slot, self.sink_blocks, self.evicted, self.block_size)
 
 
 @dataclass
@@ -258,7 +142,7 @@ class KVCacheManager:
     # ---- sequences ----------------------------------------------------------------------
 
     def new_sequence(self, layout: KVLayout, geometry: WindowGeometry) -> Sequence:
-        seq = Sequence(layout, geometry)
+        seq = Sequence(layout, geometry, geometry.sink_blocks)
         seq.last_used = next(self._clock)
         self.sequences[seq.seq_id] = seq
         return seq
@@ -384,7 +268,7 @@ class KVCacheManager:
 
     def _index_full_blocks(self, seq: Sequence) -> None:
         bs = seq.block_size
-        while (len(seq.block_keys) + 1) * bs <= min(seq.num_tokens, _full_attention_tokens(seq.geometry)):
+        while (len(seq.block_keys) + 1) * bs <= min(seq.num_tokens, seq.geometry.full_attention_tokens):
             i = len(seq.block_keys)
             parent = hash(seq.block_keys[-1]) if seq.block_keys else 0
             key = (parent, seq.layout, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
@@ -427,7 +311,7 @@ class KVCacheManager:
         The last token is always left to compute, so its logits come from a forward pass."""
         assert not seq.block_table and seq.num_tokens == 0
         bs = seq.block_size
-        usable = (min(len(token_ids) - 1, _full_attention_tokens(seq.geometry))) // bs
+        usable = (min(len(token_ids) - 1, seq.geometry.full_attention_tokens)) // bs
         self.prefix_queries += usable * bs
         parent = 0
         for i in range(usable):

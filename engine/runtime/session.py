@@ -17,14 +17,14 @@ from engine.text.chat_format import encode_conversation, tokenize_pieces
 from engine.config import CacheConfig, ConfigError, SamplingParams
 from engine.kv.convert import convert_sequence
 from engine.text.detok import StreamDecoder
-from engine.events import LayerBytes, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
+from engine.events import FinishReason, LayerBytes, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
 from engine.kv.layout import MIB, WindowGeometry
 from engine.kv.manager import NoFreeBlocks
 from engine.plan.fit import trim_heap
 from engine.runtime.runner import ModelRunner
 from engine.runtime.sampling import sample
 from engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
-from engine.runtime.turns import TurnGuard, checked_history, checked_params, checked_text, turn
+from engine.runtime.turns import TurnGuard, TurnTimes, checked_history, checked_params, checked_text, turn
 
 
 class BudgetFull(RuntimeError):
@@ -71,7 +71,7 @@ class Session:
         self._prompt_end = 0                # tokens before the last reply
         self._prompt_logits: torch.Tensor | None = None
         self._starts: list[int | None] = [None] * len(self.messages)   # token index where each message begins
-        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        self._turn = TurnTimes()
         self.notice = ""
         self._guard = TurnGuard()
 
@@ -231,17 +231,17 @@ class Session:
         params = checked_params(params)
         self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
-        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        self._turn = TurnTimes()
         started = time.perf_counter()
         new_ids = self._new_tokens_for(self.messages + [{"role": "user", "content": text}])
         kept, seq_before = len(self.token_ids), (self.seq, self.seq.evicted)
         self.token_ids.extend(new_ids)
         if not self._cached and self.prefix_cache:
-            self._turn["reused"] = self.runner.manager.match_prefix(self.seq, self.token_ids)
+            self._turn.reused = self.runner.manager.match_prefix(self.seq, self.token_ids)
         prompt = self.token_ids[self._cached:]
         if self._past_context(len(prompt)):
             del self.token_ids[kept:]
-            yield TurnFinished("", "context", self._context_message(len(prompt)), self.stats())
+            yield TurnFinished("", FinishReason.CONTEXT, self._context_message(len(prompt)), self.stats())
             return
         try:
             self._check_whole_fits(len(prompt))
@@ -249,9 +249,9 @@ class Session:
         except (BudgetFull, Stopped) as exc:
             self._undo_prompt(kept, seq_before)
             if isinstance(exc, Stopped):
-                yield TurnFinished("", "stopped", "", self.stats())
+                yield TurnFinished("", FinishReason.STOPPED, "", self.stats())
             else:
-                yield TurnFinished("", "budget", str(exc), self.stats())
+                yield TurnFinished("", FinishReason.BUDGET, str(exc), self.stats())
             return
         except BaseException:
             self._undo_prompt(kept, seq_before)
@@ -260,8 +260,8 @@ class Session:
         self._starts.append(kept)
         self._drop_alternatives()
         self._prompt_end, self._prompt_logits = len(self.token_ids), logits.detach().clone()
-        self._turn["prefill_tokens"] = len(prompt)
-        self._turn["prefill_s"] = time.perf_counter() - started
+        self._turn.prefill_tokens = len(prompt)
+        self._turn.prefill_s = time.perf_counter() - started
         yield from self._decode(logits, params, should_stop, started)
 
     def _undo_prompt(self, kept: int, seq_before: tuple) -> None:
@@ -286,22 +286,22 @@ class Session:
             generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
         reply: list[int] = []
         stream = StreamDecoder(self.tokenizer)
-        reason, message = "length", ""
+        reason, message = FinishReason.LENGTH, ""
         decode_started = time.perf_counter()
         try:
             for step in range(params.max_new_tokens):
                 if should_stop is not None and should_stop():
-                    reason = "stopped"
+                    reason = FinishReason.STOPPED
                     break
                 if self._past_context(1):
-                    reason, message = "context", self._context_message(1)
+                    reason, message = FinishReason.CONTEXT, self._context_message(1)
                     break
                 next_id = sample(logits.cpu(), params, self.token_ids[-1024:], generator)
                 if step == 0:
-                    self._turn["ttft_s"] = time.perf_counter() - started
+                    self._turn.ttft_s = time.perf_counter() - started
                 self.token_ids.append(next_id)
                 if next_id in self.info.stop_ids:
-                    reason = "eos"
+                    reason = FinishReason.EOS
                     break
                 reply.append(next_id)
                 delta = stream.push(next_id)
@@ -312,12 +312,12 @@ class Session:
                 try:
                     logits = self._forward([next_id], all_logits=False)[-1]
                 except BudgetFull as exc:
-                    reason, message = "budget", str(exc)
+                    reason, message = FinishReason.BUDGET, str(exc)
                     break
-                self._turn["decode_tokens"] += 1
-                self._turn["decode_s"] = time.perf_counter() - decode_started   # live rate for stats()
+                self._turn.decode_tokens += 1
+                self._turn.decode_s = time.perf_counter() - decode_started   # live rate for stats()
         finally:
-            self._turn["decode_s"] = time.perf_counter() - decode_started
+            self._turn.decode_s = time.perf_counter() - decode_started
             final = stream.text()
             if continues:
                 final = self.messages[-1]["content"] + final
@@ -340,7 +340,7 @@ class Session:
         self._sync()
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ConfigError("there is no reply to regenerate yet: send a message first")
-        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        self._turn = TurnTimes()
         started = time.perf_counter()
         old = self.messages.pop()
         self._starts.pop()
@@ -373,8 +373,8 @@ class Session:
         if shared < self._prompt_end:      # a quantized block the fork could not share exactly: re-read it
             prompt = self.token_ids[shared:]
             logits = self._forward(prompt, all_logits=False)[-1]
-            self._turn["prefill_tokens"] = len(prompt)
-        self._turn["prefill_s"] = time.perf_counter() - started
+            self._turn.prefill_tokens = len(prompt)
+        self._turn.prefill_s = time.perf_counter() - started
         yield from self._decode(logits, params, should_stop, started)
 
     @turn
@@ -388,7 +388,7 @@ class Session:
             raise ConfigError("there is no reply to continue: send a message first")
         if self.token_ids and self.token_ids[-1] in self.info.stop_ids:
             raise ConfigError("the last reply ended on its own; send a message to go on")
-        self._turn = dict(prefill_tokens=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, ttft_s=0.0, reused=0)
+        self._turn = TurnTimes()
         started = time.perf_counter()
         if not self.token_ids:        # released or resumed: the whole chat is read again, the reply included
             rendered, pieces = self._encode_conversation(self.messages[:-1])
@@ -403,7 +403,7 @@ class Session:
                 self.reset()
                 return (yield from self.continue_reply(params, should_stop))
         pending = self.token_ids[self._cached:]
-        self._turn["prefill_tokens"] = len(pending)
+        self._turn.prefill_tokens = len(pending)
         logits = self._forward(pending, all_logits=False)[-1]
         yield from self._decode(logits, params, should_stop, started, continues=True)
 
@@ -526,11 +526,12 @@ class Session:
 
     # ---- statistics ---------------------------------------------------------------------
 
-    def tokens_left(self) -> int:
-        """More tokens that fit in the budget in this mode (idle conversations released); -1 when a window bounds it."""
+    def tokens_left(self) -> int | None:
+        """More tokens that fit in the budget in this mode (idle conversations released); None when a window bounds
+        the cache instead (any length fits)."""
         seq, m = self.seq, self.runner.manager
         if self._config.window is not None:
-            return -1
+            return None
         layout = seq.layout
         room = m.free_bytes() + m.reclaimable_bytes({seq.seq_id}) - (layout.fixed_bytes - seq.side_bytes)
         in_last = len(seq.block_table) * layout.block_size - seq.seq_len
@@ -571,16 +572,16 @@ class Session:
             tokens_evicted=seq.num_tokens - seq.tokens_held,
             tokens_left=self.tokens_left(),
             bytes_per_token=layout.bytes_per_token,
-            prefill_tokens=t["prefill_tokens"],
-            prefill_tok_s=t["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0,
-            decode_tok_s=t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0,
-            ttft_s=t["ttft_s"],
+            prefill_tokens=t.prefill_tokens,
+            prefill_tok_s=t.prefill_tok_s,
+            decode_tok_s=t.decode_tok_s,
+            ttft_s=t.ttft_s,
             memory=memory.probe(),
             weight_bytes=self.info.weight_bytes,
             weights_label=self.info.weights_label,
             context_tokens=self.info.max_context,
             full_precision_bytes_per_token=layout.full_precision_bytes_per_token,
-            prefix_reused_tokens=t["reused"],
+            prefix_reused_tokens=t.reused,
             pool=self.pool_stats(),
             notice=self.notice,
         )

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from engine.text.chat_format import clean_text
 from engine.config import ConfigError, SamplingParams
-from engine.events import StatsSnapshot, TokenDelta, TurnFinished
+from engine.events import FinishReason, StatsSnapshot, TokenDelta, TurnFinished
 
 
 class SessionBusy(ConfigError):
@@ -30,6 +30,26 @@ ENDED_BY = {
     "rewind": "The conversation was rewound during the reply: the reply stops here.",
     "close": "The conversation was closed during the reply.",
 }
+
+
+@dataclass(slots=True)
+class TurnTimes:
+    """The last turn's counts and times, as stats() reports them; filled in while the turn streams."""
+
+    reused: int = 0                     # prompt tokens found in the prefix cache
+    prefill_tokens: int = 0             # prompt tokens the turn read (only the new ones)
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0                 # time to the first sampled token
+    decode_tokens: int = 0              # tokens decoded after the first
+    decode_s: float = 0.0               # time since the first; live while the turn streams
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
 @dataclass
@@ -67,7 +87,7 @@ class TurnGuard:
                     self.live = None        # the turn is over: what follows its TurnFinished changes nothing
                 yield event
                 if turn.ended:
-                    yield TurnFinished(turn.text, "stopped", ENDED_BY[turn.ended], turn.stats)
+                    yield TurnFinished(turn.text, FinishReason.STOPPED, ENDED_BY[turn.ended], turn.stats)
                     return
         finally:
             inner.close()

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.text.chat_format import ChatTemplateError, encode_conversation, tokenize_pieces
 from engine.text.detok import StreamDecoder
+from engine.events import FinishReason
 from engine.serve import batch
 from engine.serve import guard
 from engine.serve import protocol
@@ -51,7 +52,7 @@ class Generation:
         self.stops = protocol.StopMatcher(parsed.stop)
         self.num_prompt = len(prompt_ids)
         self.num_completion = 0
-        self.finish: str | None = None
+        self.finish: FinishReason | None = None
         loop = asyncio.get_running_loop()
 
         def emit(event):        # engine thread
@@ -89,25 +90,25 @@ class Generation:
                 text = self.stops.push(self.decoder.push(event.token_id))
                 if self.stops.stopped:
                     self.state.scheduler.abort(self.request.id)
-                    self.finish = "stop"
+                    self.finish = FinishReason.STOP_STRING
                 return text
             if self.stops.stopped:
-                self.finish = "stop"
+                self.finish = FinishReason.STOP_STRING
                 return ""
             self.finish = self._finish_reason(event)
             text = self.stops.push(self.decoder.flush())     # bytes held back may complete a stop string
             if self.stops.stopped:
-                self.finish = "stop"
+                self.finish = FinishReason.STOP_STRING
             return text + self.stops.flush()
         return None
 
-    def _finish_reason(self, event: Finished) -> str:
-        if event.reason in ("stop", "length"):
-            return event.reason
-        if event.reason == "abort":
+    def _finish_reason(self, event: Finished) -> FinishReason:
+        if event.reason == FinishReason.ABORTED:
             raise APIError(503, f"The request was cancelled: {event.message or 'aborted'}.", "server_error",
                            code="cancelled")
-        raise APIError(500, f"Generation failed: {event.message}", "server_error", code="internal_error")
+        if event.reason == FinishReason.ERROR:
+            raise APIError(500, f"Generation failed: {event.message}", "server_error", code="internal_error")
+        return event.reason
 
 
 class ServeState:

@@ -13,7 +13,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
 
+from engine.events import FinishReason
 from engine.serve import batch
+from engine.serve.protocol import openai_finish
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
                 160.0)
@@ -69,8 +71,8 @@ class ServeMetrics:
     def generated(self, n: int) -> None:
         self.generation_tokens.inc(n)
 
-    def finished(self, reason: str) -> None:
-        self.request_success.labels(self._model_name, "0", reason).inc()
+    def finished(self, reason: FinishReason) -> None:
+        self.request_success.labels(self._model_name, "0", openai_finish(reason)).inc()
 
     def preempted(self) -> None:
         self.preemptions.inc()

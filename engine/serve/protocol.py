@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from engine.config import ConfigError, SamplingParams
+from engine.events import FinishReason
 
 MAX_STOP_STRINGS = 4
 GREEDY_BELOW = 1e-5         # logits divided by less overflow float32: the softmax would be NaN
@@ -179,7 +180,25 @@ def usage(num_prompt: int, num_completion: int) -> dict:
             "total_tokens": num_prompt + num_completion}
 
 
-def response(kind: str, rid: str, model: str, text: str, finish: str, num_prompt: int, num_completion: int) -> dict:
+# The engine's finish reasons in OpenAI's words (and vLLM's finished_reason metric label, which adds abort and
+# error): a reply that ended by itself or at a stop string is "stop"; one cut by a limit is "length".
+OPENAI_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP_STRING: "stop", FinishReason.STOPPED: "stop",
+                 FinishReason.LENGTH: "length", FinishReason.CONTEXT: "length", FinishReason.BUDGET: "length",
+                 FinishReason.ABORTED: "abort", FinishReason.ERROR: "error"}
+
+
+def openai_finish(reason: FinishReason) -> str:
+    return OPENAI_FINISH[reason]
+
+
+def from_openai_finish(finish: str) -> FinishReason:
+    """A server's finish_reason in the engine's words; anything but "stop" ended at a limit."""
+    return FinishReason.EOS if finish == "stop" else FinishReason.LENGTH
+
+
+def response(kind: str, rid: str, model: str, text: str, reason: FinishReason, num_prompt: int,
+             num_completion: int) -> dict:
+    finish = openai_finish(reason)
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                "logprobs": None} if kind == "chat" else
               {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
@@ -188,8 +207,9 @@ def response(kind: str, rid: str, model: str, text: str, finish: str, num_prompt
             "usage": usage(num_prompt, num_completion)}
 
 
-def chunk(kind: str, rid: str, model: str, text: str | None, finish: str | None = None, first: bool = False,
+def chunk(kind: str, rid: str, model: str, text: str | None, reason: FinishReason | None = None, first: bool = False,
           usage_: dict | None = None) -> dict:
+    finish = None if reason is None else openai_finish(reason)
     out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
            "created": int(time.time()), "model": model}
     if usage_ is not None:

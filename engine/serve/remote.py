@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import httpx
@@ -15,16 +16,27 @@ import httpx
 from engine.runtime import memory
 from engine.api import REMOTE
 from engine.config import CacheConfig, ConfigError, SamplingParams
-from engine.events import ServerStats, StatsSnapshot, TokenDelta, TurnFinished
+from engine.errors import UserError
+from engine.events import FinishReason, ServerStats, StatsSnapshot, TokenDelta, TurnFinished
+from engine.serve.protocol import from_openai_finish
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0                  # a long prompt on a busy server may take minutes to start
 METRICS_INTERVAL_S = 1.0                # /metrics is read at most this often (stats are asked for ~10x a second)
-_FINISH = {"stop": "eos", "length": "length"}
 
 
-class RemoteError(RuntimeError):
+class RemoteError(UserError, RuntimeError):
     """The server could not be used; the message says what to check."""
+
+
+@dataclass(slots=True)
+class RemoteTurn:
+    """The last turn's counts and times as the server's stream gave them, for stats()."""
+
+    prompt_tokens: int = 0              # the server's usage, when it sends one
+    completion_tokens: int = 0          # content chunks counted, or the server's usage
+    decode_s: float = 0.0               # from the first chunk to the latest
+    ttft_s: float = 0.0
 
 
 def _v1(base_url: str) -> str:
@@ -163,7 +175,7 @@ class RemoteSession:
         self.system_prompt = system_prompt
         self.messages: list[dict] = [dict(m) for m in history or ()]
         self._cache = cache
-        self._turn = dict(prompt_tokens=0, completion_tokens=0, decode_s=0.0, ttft_s=0.0)
+        self._turn = RemoteTurn()
         self._last_rate_tokens = 0
 
     @property
@@ -195,11 +207,11 @@ class RemoteSession:
     def send(self, text: str, params: SamplingParams | None = None,
              should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
         params = params or SamplingParams()
-        self._turn = dict(prompt_tokens=0, completion_tokens=0, decode_s=0.0, ttft_s=0.0)
+        self._turn = RemoteTurn()
         self.engine.refresh_metrics()
         started = time.perf_counter()
         pieces: list[str] = []
-        reason, message, chunks = "length", "", 0
+        reason, message, chunks = FinishReason.LENGTH, "", 0
         first_at, lost = None, None
         try:
             with self.engine.http.stream("POST", "/chat/completions", json=self._body(text, params)) as r:
@@ -207,13 +219,13 @@ class RemoteSession:
                     r.read()
                     error, code = _error_text(r)
                     if code == "context_length_exceeded":
-                        yield TurnFinished("", "context", error, self.stats())
+                        yield TurnFinished("", FinishReason.CONTEXT, error, self.stats())
                         return
                     raise RemoteError(f"the server answered {r.status_code}: {error}")
                 self.messages.append({"role": "user", "content": text})
                 for line in r.iter_lines():
                     if should_stop is not None and should_stop():
-                        reason = "stopped"
+                        reason = FinishReason.STOPPED
                         break       # leaving the block closes the stream: the server aborts the request
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -221,22 +233,22 @@ class RemoteSession:
                     if "error" in event:
                         raise RemoteError(f"the server ended the reply: {_error_text_from(event)}")
                     if event.get("usage"):
-                        self._turn["prompt_tokens"] = event["usage"].get("prompt_tokens", 0)
-                        self._turn["completion_tokens"] = event["usage"].get("completion_tokens", chunks)
+                        self._turn.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+                        self._turn.completion_tokens = event["usage"].get("completion_tokens", chunks)
                     for choice in event.get("choices") or ():
                         piece = (choice.get("delta") or {}).get("content")
                         if piece:
                             now = time.perf_counter()
                             if first_at is None:
                                 first_at = now
-                                self._turn["ttft_s"] = now - started
+                                self._turn.ttft_s = now - started
                             chunks += 1
-                            self._turn["completion_tokens"] = chunks
-                            self._turn["decode_s"] = now - first_at
+                            self._turn.completion_tokens = chunks
+                            self._turn.decode_s = now - first_at
                             pieces.append(piece)
                             yield TokenDelta(piece, ())
                         if choice.get("finish_reason"):
-                            reason = _FINISH.get(choice["finish_reason"], "length")
+                            reason = from_openai_finish(choice["finish_reason"])
         except httpx.HTTPError as exc:
             lost = exc
         finally:
@@ -256,23 +268,24 @@ class RemoteSession:
         refused ("unreachable"), so the app gives the text back."""
         cause, url = _cause(exc), self.engine.base_url
         if partial:
-            return TurnFinished(partial, "disconnected", f"the server went away mid-reply ({cause}); the partial "
-                                f"reply is kept", self.stats())
+            return TurnFinished(partial, FinishReason.DISCONNECTED,
+                                f"the server went away mid-reply ({cause}); the partial reply is kept", self.stats())
         if isinstance(exc, httpx.ConnectError):
             text = f"the server is unreachable ({cause} at {url}): start it again, or check the URL in Settings"
         else:
             text = f"the server went away before it replied ({cause}): start it again and resend"
-        return TurnFinished("", "unreachable", text + "; your message is back in the input box", self.stats())
+        return TurnFinished("", FinishReason.UNREACHABLE, text + "; your message is back in the input box",
+                            self.stats())
 
     def stats(self) -> StatsSnapshot:
         t = self._turn
-        decoded = max(0, t["completion_tokens"] - 1)        # tokens after the first, over the time after it
+        decoded = max(0, t.completion_tokens - 1)        # tokens after the first, over the time after it
         return StatsSnapshot(
             time_s=time.monotonic(), cache_label=f"remote: {self.engine.model_name}", layers=(), kv_bytes=0,
             budget_bytes=0, block_size=0, blocks_used=0, blocks_free=0, blocks_budget=0,
-            tokens_in_context=t["prompt_tokens"] + t["completion_tokens"], tokens_held=0, tokens_evicted=0,
-            tokens_left=-1, bytes_per_token=0.0, prefill_tokens=t["prompt_tokens"], prefill_tok_s=0.0,
-            decode_tok_s=decoded / t["decode_s"] if t["decode_s"] else 0.0, ttft_s=t["ttft_s"],
+            tokens_in_context=t.prompt_tokens + t.completion_tokens, tokens_held=0, tokens_evicted=0,
+            tokens_left=None, bytes_per_token=0.0, prefill_tokens=t.prompt_tokens, prefill_tok_s=0.0,
+            decode_tok_s=decoded / t.decode_s if t.decode_s else 0.0, ttft_s=t.ttft_s,
             memory=memory.probe(), weights_label="remote", server=self.engine.server_stats())
 
 

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from engine.config import CacheConfig, SamplingParams
+from engine.events import FinishReason
 from engine.runtime.sampling import sample
 from engine.serve import batch
 
@@ -35,7 +36,7 @@ class TokenOut:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    reason: str                 # "stop" (EOS), "length" (max tokens, context, budget), "abort", "error"
+    reason: FinishReason        # EOS, LENGTH, CONTEXT, BUDGET, ABORTED or ERROR
     message: str = ""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -155,12 +156,12 @@ class Scheduler:
                         self._end_quietly(request, exc)
         finally:
             for request in list(self.running) + list(self.waiting) + list(self._inbox):
-                self._finish(request, "abort", "the server is shutting down")
+                self._finish(request, FinishReason.ABORTED, "the server is shutting down")
 
     def _end_quietly(self, request: Request, exc: Exception) -> None:
         """End a request with the error that broke it; an error while ending it must not stop the loop."""
         try:
-            self._finish(request, "error", f"{type(exc).__name__}: {exc}")
+            self._finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
         except Exception:  # noqa: BLE001
             log.exception("could not end request %s", request.id)
             request.status = FINISHED
@@ -174,7 +175,7 @@ class Scheduler:
             self._inbox.clear()
             aborts, self._aborts = self._aborts, set()
         for request in [r for r in self.running + list(self.waiting) if r.id in aborts]:
-            self._finish(request, "abort")
+            self._finish(request, FinishReason.ABORTED)
         self._admit()
         items = self._schedule()
         if items:
@@ -183,7 +184,7 @@ class Scheduler:
                                     [r.num_computed >= len(r.prompt_ids) for r, _ in items])
             except Exception as exc:  # noqa: BLE001 - one bad step ends its requests, not the server
                 for request, _ in items:
-                    self._finish(request, "error", f"{type(exc).__name__}: {exc}")
+                    self._finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
                 logits = []
             for (request, ids), row in zip(items, logits):
                 request.num_computed += len(ids)
@@ -245,7 +246,7 @@ class Scheduler:
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
                 # alone and still no room: the budget is what limits this sequence's length
-                self._finish(request, "length", "the KV budget is full")
+                self._finish(request, FinishReason.BUDGET, "the KV budget is full")
                 continue
             self._preempt(victim)
             if victim is request:
@@ -271,18 +272,18 @@ class Scheduler:
             if self.metrics:
                 self.metrics.first_token(request.first_token_s, len(request.prompt_ids))
         if token in self._stop_ids and not request.ignore_eos:
-            self._finish(request, "stop")
+            self._finish(request, FinishReason.EOS)
             return
         request.output_ids.append(token)
         if self.metrics:
             self.metrics.generated(1)
         request.emit(TokenOut(token))
         if len(request.output_ids) >= request.params.max_new_tokens:
-            self._finish(request, "length")
+            self._finish(request, FinishReason.LENGTH)
         elif len(request.all_ids) >= self._max_context:
-            self._finish(request, "length", "the model's context is full")
+            self._finish(request, FinishReason.CONTEXT, "the model's context is full")
 
-    def _finish(self, request: Request, reason: str, message: str = "") -> None:
+    def _finish(self, request: Request, reason: FinishReason, message: str = "") -> None:
         if request.status == FINISHED:
             return
         if request in self.running:
