@@ -132,7 +132,15 @@ def test_regenerate_forks_without_reading_the_history_again(engine):
     s.select_alternative(1)                        # back to the sampled reply, its cache still held
     assert s.messages[-1]["content"] == done.text and s.alternatives[1].text == old
     engine.runner.manager.check()
-    assert s.reply("Third", GREEDY) is not None
+    # the conversation goes on from the chosen alternative's cache (the history is not read again): a whole greedy
+    # turn, its reply the last max_new_tokens tokens
+    held = len(s.token_ids)
+    third = list(s.send("Third", GREEDY))[-1]
+    reply_ids = s.token_ids[-GREEDY.max_new_tokens:]
+    assert third.finish_reason == "length" and 0 < third.stats.prefill_tokens < held
+    assert engine.tokenizer.decode(reply_ids) == third.text != ""
+    assert s.messages[-1] == {"role": "assistant", "content": third.text}
+    engine.runner.manager.check()
 
 
 @pytest.mark.slow

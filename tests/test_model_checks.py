@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, ModelLoadError
+from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from bench.gguf_writer import write_random_gguf
 from engine.model.source import locate, transformers_reference
 from engine.text.tokenizer_cache import load_tokenizer
@@ -106,12 +106,15 @@ def plant_auto_map(folder: Path) -> None:
         path.write_text(json.dumps({**config, "auto_map": auto_map}))
 
 
-def test_auto_map_in_a_safetensors_folder_never_runs(folder, monkeypatch):
-    """A folder whose config and tokenizer_config point auto_map at a .py file loads without running or asking."""
+def test_auto_map_in_a_safetensors_folder_never_runs(folder, tiny_engine, monkeypatch):
+    """A folder whose config and tokenizer_config point auto_map at a .py file loads without running or asking,
+    and answers as the same folder without the auto_map does (the same weights and tokenizer, greedy)."""
     plant_auto_map(folder)
     monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("transformers asked to run custom code"))
     engine = Engine.load(EngineConfig(model=str(folder)))
-    assert engine.new_session().reply("Hello", None) is not None
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    done = list(engine.new_session().send("Hello", greedy))[-1]
+    assert done.finish_reason == "length" and done.text == tiny_engine.new_session().reply("Hello", greedy) != ""
     load_tokenizer(folder)
     transformers_reference(locate(str(folder)), dtype=None)
     assert not (folder / "RAN").exists()
@@ -125,8 +128,9 @@ def test_auto_map_beside_a_gguf_never_runs(tiny_gguf, tmp_path, monkeypatch):
     plant_auto_map(folder)
     monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("transformers asked to run custom code"))
     from engine.text.tokenizer_cache import _auto_gguf_tokenizer, gguf_tokenizer
-    assert gguf_tokenizer(folder / "tiny.gguf") is not None
-    assert _auto_gguf_tokenizer(folder / "tiny.gguf") is not None     # the fallback for other transformers layouts
+    ids = gguf_tokenizer(folder / "tiny.gguf").encode("Hello world", add_special_tokens=False)
+    # the fallback for other transformers layouts reads the same vocabulary
+    assert _auto_gguf_tokenizer(folder / "tiny.gguf").encode("Hello world", add_special_tokens=False) == ids != []
     transformers_reference(locate(str(folder / "tiny.gguf")), dtype=None)
     assert not (folder / "RAN").exists()
 
