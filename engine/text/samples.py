@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TEXTS_DIR = Path(__file__).resolve().parent.parent / "resources" / "texts"
+TEXTS_DIR = Path(__file__).resolve().parents[2] / "resources" / "texts"
 
 
 def text_path(name: str) -> Path:
