@@ -174,7 +174,7 @@ def test_token_room_takes_the_smaller_limit():
     assert token_room(snapshot(held=100, left=1000, context=8192)).binding == "budget"
     room = token_room(snapshot(held=100, in_context=150, left=100_000, context=8192))
     assert (room.left, room.binding, room.context_limit) == (8192 - 150, "context", 8192)
-    assert token_room(snapshot(held=100, left=-1, context=8192)).left is None
+    assert token_room(snapshot(held=100, left=None, context=8192)).left is None
     assert token_room(snapshot(held=100, left=5000, context=0)).binding == "budget"
 
 

@@ -66,6 +66,16 @@ def safetensors_summary(folder) -> tuple[int, int, str]:
     return params, size, dominant
 
 
+def folder_weights(folder) -> tuple[int, str]:
+    """(bytes on disk, dominant dtype) of a folder's *.safetensors for the fit check. A header that does not
+    read gives no dtype (planned at the model dtype): the loader's own message then says what is wrong."""
+    try:
+        _, size, dtype = safetensors_summary(folder)
+    except ModelLoadError:
+        return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")), ""
+    return size, dtype
+
+
 def resident_bytes(mc, stored_bytes: int, weights: str, device: str, dtype: str = "auto", source: str = "gguf",
                    stored_dtype: str = "") -> int:
     """Bytes the weights hold once loaded on `device`, as engine.model.weights builds them.

@@ -17,7 +17,7 @@ from engine.model.source import (Progress, load_state_dict, locate, read_config,
                                  transformers_reference)
 from engine.text.tokenizer_cache import cached_gguf_tokenizer, gguf_tokenizer, load_tokenizer
 from engine.errors import ModelLoadError
-from engine.plan.fit import check_fits, safetensors_summary, trim_heap
+from engine.plan.fit import check_fits, folder_weights, trim_heap
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
 from engine.model.weights import from_gguf, from_state_dict
@@ -130,7 +130,7 @@ class Engine:
                 gf.release_pages()
             else:
                 mc = ModelConfig.from_hf(read_config(files.folder))
-                _, stored_bytes, stored_dtype = safetensors_summary(files.folder)
+                stored_bytes, stored_dtype = folder_weights(files.folder)
                 check_fits(mc, stored_bytes, config.weights, device, files.name, dtype_name, "safetensors",
                            stored_dtype)
                 tokenizer = pool.submit(load_tokenizer, files.folder)
