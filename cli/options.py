@@ -7,18 +7,21 @@ from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="default, a local HF folder, or a .gguf file")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
-    p.add_argument("--k-format", default="auto")
-    p.add_argument("--v-format", default="auto")
-    p.add_argument("--k-scheme", default="channel", choices=["channel", "token"])
-    p.add_argument("--window", type=int, default=None)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--budget-mb", type=float, default=1024.0)
-    p.add_argument("--overflow", default="stop", choices=["stop", "slide"])
-    p.add_argument("--fp-layers", default="", help="comma-separated layers kept in full precision")
+    # the defaults are the configs' own, so that a run without options is EngineConfig() (quick.covers reads them too)
+    engine, cache = EngineConfig(), CacheConfig()
+    p.add_argument("--model", default=engine.model, help="default, a local HF folder, or a .gguf file")
+    p.add_argument("--device", default=engine.device)
+    p.add_argument("--dtype", default=engine.dtype, choices=["auto", "fp32", "fp16", "bf16"])
+    p.add_argument("--k-format", default=cache.k_format)
+    p.add_argument("--v-format", default=cache.v_format)
+    p.add_argument("--k-scheme", default=cache.k_scheme, choices=["channel", "token"])
+    p.add_argument("--window", type=int, default=cache.window)
+    p.add_argument("--sinks", type=int, default=cache.sinks)
+    p.add_argument("--block-size", type=int, default=cache.block_size)
+    p.add_argument("--budget-mb", type=float, default=cache.budget_mb)
+    p.add_argument("--overflow", default=cache.overflow, choices=["stop", "slide"])
+    p.add_argument("--fp-layers", default=",".join(map(str, cache.full_precision_layers)),
+                   help="comma-separated layers kept in full precision")
 
 
 def parse_fp_layers(text: str) -> tuple[int, ...]:

@@ -206,7 +206,7 @@ def test_split_blocks_equals_numpy(monkeypatch):
     """GGUF blocks split by the C kernel (scales apart from codes) equal numpy's strided copies, into given buffers
     too, for Q4_0's 18-byte and Q8_0's 34-byte blocks."""
     import numpy as np
-    from engine.gguf.file import split_blocks
+    from engine.gguf.blocks import split_blocks
     from kernels import cpu_lib
     rng = np.random.default_rng(0)
     for size, head in ((18, 2), (34, 2), (20, 4)):

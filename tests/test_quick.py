@@ -15,7 +15,7 @@ from engine.runtime import quick
 from cli.terminal import build_parser
 from bench.gguf_writer import write_random_gguf
 from engine.model.source import default_gguf_path
-from engine.runtime.sampling import sample as engine_sample
+from engine.runtime.sampling import sample as engine_sample, sample_numpy
 from kernels import cpu_quant
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="C kernels unavailable")
@@ -87,14 +87,14 @@ def test_sampling_matches_the_engines_rules():
         recent = [int(i) for i in torch.randint(0, 300, (12,), generator=g)]
         greedy = SamplingParams(temperature=0.0, repetition_penalty=1.3)
         rng = np.random.default_rng(0)
-        assert quick.sample(logits.numpy(), greedy, recent, rng) == engine_sample(logits, greedy, recent, None)
+        assert sample_numpy(logits.numpy(), greedy, recent, rng) == engine_sample(logits, greedy, recent, None)
         best = int(logits.argmax())
-        assert quick.sample(logits.numpy(), SamplingParams(temperature=0.8, top_k=1, top_p=1.0,
+        assert sample_numpy(logits.numpy(), SamplingParams(temperature=0.8, top_k=1, top_p=1.0,
                                                            repetition_penalty=1.0), [], rng) == best
-        assert quick.sample(logits.numpy(), SamplingParams(temperature=0.8, top_k=0, top_p=1e-6,
+        assert sample_numpy(logits.numpy(), SamplingParams(temperature=0.8, top_k=0, top_p=1e-6,
                                                            repetition_penalty=1.0), [], rng) == best
     probs = torch.tensor([0.5, 0.3, 0.2]).log().numpy()
-    draws = [quick.sample(probs, SamplingParams(temperature=1.0, top_k=0, top_p=0.7, repetition_penalty=1.0), [], rng)
+    draws = [sample_numpy(probs, SamplingParams(temperature=1.0, top_k=0, top_p=0.7, repetition_penalty=1.0), [], rng)
              for _ in range(2000)]
     assert set(draws) == {0, 1} and 0.55 < draws.count(0) / len(draws) < 0.70     # 0.5 / 0.8 = 0.625
 

@@ -140,7 +140,7 @@ def test_a_planted_library_is_never_loaded_and_the_kernels_still_work(tmp_path):
         import numpy as np
         from pathlib import Path
         from kernels import cpu_lib
-        from engine.gguf.file import split_blocks
+        from engine.gguf.blocks import split_blocks
         cpu_lib.BUILT = Path(sys.argv[1])
         data = np.random.default_rng(0).integers(0, 256, (3, 4 * 18), dtype=np.uint8)
         heads, body = split_blocks(data, 18, 2)

@@ -156,7 +156,7 @@ def test_q4_0_scales_kept_as_stored_unless_the_zero_overflows(d):
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from engine.gguf.file import q4_blocks
+    from engine.gguf.blocks import q4_blocks
     rng = np.random.default_rng(0)
     blocks = np.zeros((3, 2, 18), dtype=np.uint8)
     blocks[..., :2] = np.full((3, 2), d, dtype=np.float16)[..., None].view(np.uint8)

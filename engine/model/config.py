@@ -1,14 +1,28 @@
-"""A model's shape and settings (ModelConfig), read from config.json or a GGUF's metadata; no torch here."""
+"""A model's shape and settings (ModelConfig), read from config.json or a GGUF's metadata; no torch here.
+
+The shape is flat fields; what each layer computes is `layers`, one LayerSpec per layer (engine/model/spec.py),
+which the family registry (engine/model/families.py) builds from the same fields.
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from engine.errors import ModelLoadError
+from engine.model.families import family
+from engine.model.spec import LayerSpec, Rope
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
+    """The shape, and the description of every layer.
+
+    rope_theta / rope_scaling are the model's own rotary settings (a layer with other ones, such as Gemma 3's
+    sliding layers, says so in its LayerSpec); qkv_bias / o_bias / mlp_bias say whether any layer has that
+    bias. Built without `layers` (the presets, tests), every layer is the Llama layer these fields describe.
+    """
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -25,6 +39,9 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    embed_scale: float = 1.0                # the embedding rows times this (Gemma: sqrt(hidden))
+    final_softcap: float | None = None      # logits -> cap * tanh(logits / cap) (Gemma 2); None: not capped
+    layers: tuple[LayerSpec, ...] = ()
 
     def __post_init__(self):
         _check_numbers({"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -38,6 +55,37 @@ class ModelConfig:
                                  f"num_key_value_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not self.layers:
+            layer = LayerSpec(rope=self.rope, query_scale=self.head_dim ** -0.5, qkv_bias=self.qkv_bias,
+                              o_bias=self.o_bias, mlp_bias=self.mlp_bias)
+            object.__setattr__(self, "layers", (layer,) * self.num_layers)
+        # a description that disagrees with the flat fields is a programming error (a replace() of one of them)
+        if len(self.layers) != self.num_layers:
+            raise ValueError(f"{len(self.layers)} layer specs for {self.num_layers} layers")
+        for name in ("qkv_bias", "o_bias", "mlp_bias"):
+            if getattr(self, name) != any(getattr(layer, name) for layer in self.layers):
+                raise ValueError(f"{name}={getattr(self, name)} but the layer specs say otherwise")
+
+    @property
+    def rope(self) -> Rope:
+        """The model's own rotary settings (see the class docstring)."""
+        return Rope(self.rope_theta, self.rope_scaling)
+
+    @property
+    def fused_kernel_ok(self) -> bool:
+        """Whether the one-call C step covers the model's arithmetic: every layer (LayerSpec.fused_kernel_ok) with
+        the model's rope and one query scale (the step takes one cos / sin table and one scale for all layers),
+        unscaled embeddings and uncapped logits. The weights' packing is the linears' to say."""
+        first = self.layers[0]
+        return (self.embed_scale == 1.0 and self.final_softcap is None
+                and all(layer.fused_kernel_ok and layer.rope == self.rope and layer.query_scale == first.query_scale
+                        for layer in self.layers))
+
+    def with_rope_scaling(self, scaling: tuple) -> "ModelConfig":
+        """This config with the model's rope scaling replaced, in every layer that used the model's rope."""
+        old, new = self.rope, Rope(self.rope_theta, scaling)
+        layers = tuple(replace(layer, rope=new) if layer.rope == old else layer for layer in self.layers)
+        return replace(self, rope_scaling=scaling, layers=layers)
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json", names: dict[str, str] | None = None) -> "ModelConfig":
@@ -78,6 +126,9 @@ class ModelConfig:
                        float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
         else:
             raise ModelLoadError(f"unsupported rope scaling {rtype!r}: kvchat supports default, linear and llama3")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        described = family(mt, source).describe(cfg, cfg["num_hidden_layers"], head_dim, Rope(float(theta), scaling))
+        layers = described.layers
         return cls(
             model_type=mt,
             vocab_size=cfg["vocab_size"],
@@ -85,16 +136,19 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=mt == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=mt != "qwen2" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qkv_bias=any(layer.qkv_bias for layer in layers),
+            o_bias=any(layer.o_bias for layer in layers),
+            mlp_bias=any(layer.mlp_bias for layer in layers),
+            embed_scale=described.embed_scale,
+            final_softcap=described.final_softcap,
+            layers=layers,
         )
 
     @classmethod
@@ -108,8 +162,7 @@ class ModelConfig:
             if not all(math.isfinite(f) and f > 0 for f in factors):
                 raise ModelLoadError(f"{gf.path.name}: rope_freqs holds a divisor that is 0, negative or not finite: "
                                      f"the file is damaged; re-download or re-convert it")
-            from dataclasses import replace
-            cfg = replace(cfg, rope_scaling=("factors", factors))
+            cfg = cfg.with_rope_scaling(("factors", factors))
         check_weight_shapes(cfg, gf.hf_shapes(), gf.path.name, gf.key_names(), gf.gguf_name, stored_order=True)
         tokens = gf.fields.get("tokenizer.ggml.tokens")
         if tokens is not None and len(tokens) > cfg.vocab_size:
@@ -118,30 +171,15 @@ class ModelConfig:
                                  f"re-download or re-convert it")
         return cfg
 
-    def inv_freq(self):
-        """[head_dim/2] float32 rotary frequencies (a torch tensor), with llama3 / linear scaling applied."""
+    def inv_freq(self, layer: int | None = None):
+        """[head_dim/2] float32 rotary frequencies (a torch tensor) of the model's rope, or of layer `layer`'s."""
         import torch
-        return torch.from_numpy(self.rope_frequencies())
+        return torch.from_numpy(self.rope_frequencies(layer))
 
-    def rope_frequencies(self) -> np.ndarray:
-        """inv_freq() as a numpy array: computed in float64, rounded to float32 once."""
-        d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-        if self.rope_scaling:
-            kind, factor = self.rope_scaling[:2]
-            if kind == "linear":
-                inv = inv / factor
-            elif kind == "factors":     # a GGUF's rope_freqs tensor: one divisor per frequency
-                inv = inv / np.asarray(factor, dtype=np.float64)
-            else:  # llama3: long wavelengths slowed by `factor`, short kept, smooth in between
-                low, high, orig = self.rope_scaling[2:]
-                wavelen = 2 * math.pi / inv
-                low_wl, high_wl = orig / low, orig / high
-                smooth = (orig / wavelen - low) / (high - low)
-                scaled = np.where(wavelen > low_wl, inv / factor, inv)
-                mid = (wavelen <= low_wl) & (wavelen >= high_wl)
-                inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-        return inv.astype(np.float32)
+    def rope_frequencies(self, layer: int | None = None) -> np.ndarray:
+        """inv_freq() as a numpy array (Rope.frequencies: float64, rounded to float32 once)."""
+        rope = self.rope if layer is None else self.layers[layer].rope
+        return rope.frequencies(self.head_dim)
 
 
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -200,16 +238,16 @@ def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]
     kv = (mc.num_kv_heads * mc.head_dim, ("num_key_value_heads", "head_dim"))
     out = {"model.embed_tokens.weight": ((v, h), True), "model.norm.weight": ((h,), True),
            "lm_head.weight": ((v, h), False)}         # absent: tied to the embedding
-    for i in range(mc.num_layers):
+    for i, spec in enumerate(mc.layers):
         p = f"model.layers.{i}."
         for name, shape in (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)), ("self_attn.v_proj", (kv, h)),
                             ("self_attn.o_proj", (h, q)), ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)),
                             ("mlp.down_proj", (h, f)), ("input_layernorm", (h,)), ("post_attention_layernorm", (h,))):
             out[p + name + ".weight"] = (shape, True)
-        for on, name, shape in ((mc.qkv_bias, "self_attn.q_proj", q), (mc.qkv_bias, "self_attn.k_proj", kv),
-                                (mc.qkv_bias, "self_attn.v_proj", kv), (mc.o_bias, "self_attn.o_proj", h),
-                                (mc.mlp_bias, "mlp.gate_proj", f), (mc.mlp_bias, "mlp.up_proj", f),
-                                (mc.mlp_bias, "mlp.down_proj", h)):
+        for on, name, shape in ((spec.qkv_bias, "self_attn.q_proj", q), (spec.qkv_bias, "self_attn.k_proj", kv),
+                                (spec.qkv_bias, "self_attn.v_proj", kv), (spec.o_bias, "self_attn.o_proj", h),
+                                (spec.mlp_bias, "mlp.gate_proj", f), (spec.mlp_bias, "mlp.up_proj", f),
+                                (spec.mlp_bias, "mlp.down_proj", h)):
             if on:
                 out[p + name + ".bias"] = ((shape,), True)
     return out

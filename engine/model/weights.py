@@ -15,7 +15,8 @@ import torch
 
 from kernels.cpu_quant import Scales
 
-from engine.gguf.file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, q4_blocks, q8_rows, unpermute_rows
+from engine.gguf.blocks import packed_matrix, unpermute_rows
+from engine.gguf.file import GGUFFile
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 from engine.model.transformer import Layer, Transformer
@@ -29,15 +30,15 @@ _PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.
 def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "") -> Transformer:
     """linear(names, bias_names) -> a linear; tensor(name) -> a norm vector."""
     layers = []
-    for i in range(mc.num_layers):
+    for i, spec in enumerate(mc.layers):
         p = f"model.layers.{i}."
         w = lambda *ms: [p + m + ".weight" for m in ms]                      # noqa: E731
         b = lambda on, *ms: [p + m + ".bias" for m in ms] if on else None    # noqa: E731
         layers.append(Layer(
-            qkv=linear(w(*_PROJ[:3]), b(mc.qkv_bias, *_PROJ[:3])),
-            o=linear(w(_PROJ[3]), b(mc.o_bias, _PROJ[3])),
-            gate_up=linear(w(*_PROJ[4:6]), b(mc.mlp_bias, *_PROJ[4:6])),
-            down=linear(w(_PROJ[6]), b(mc.mlp_bias, _PROJ[6])),
+            qkv=linear(w(*_PROJ[:3]), b(spec.qkv_bias, *_PROJ[:3])),
+            o=linear(w(_PROJ[3]), b(spec.o_bias, _PROJ[3])),
+            gate_up=linear(w(*_PROJ[4:6]), b(spec.mlp_bias, *_PROJ[4:6])),
+            down=linear(w(_PROJ[6]), b(spec.mlp_bias, _PROJ[6])),
             norm_attn=tensor(p + "input_layernorm.weight"),
             norm_mlp=tensor(p + "post_attention_layernorm.weight")))
     table = linear(["model.embed_tokens.weight"], None)
@@ -91,13 +92,9 @@ def _tied(mc: ModelConfig) -> ModelConfig:
 def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, weights: str) -> Transformer:
     check_weight_shapes(mc, gf.hf_shapes(), gf.path.name, gf.key_names(), gf.gguf_name, stored_order=True)
     packed = weights == "auto" and device == "cpu"
-    permute = {"self_attn.q_proj": mc.num_heads, "self_attn.k_proj": mc.num_kv_heads} if mc.model_type == "llama" else {}
 
     def heads_of(name: str) -> int | None:
-        for key, h in permute.items():
-            if f".{key}." in name:
-                return h
-        return None
+        return gf.permuted_heads(name, mc.num_heads, mc.num_kv_heads)
 
     def dense(name: str) -> torch.Tensor:
         w = gf.dequantize(name)
@@ -110,20 +107,12 @@ def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, we
 
     def part(name: str):
         """(kind, payload) for one stored matrix, in the closest packed form."""
-        kind, data = gf.raw(name)
+        kind, _ = gf.raw(name)
         k = gf.tensors[gf.gguf_name(name)].shape[0]
-        h = heads_of(name)
-        rows = (lambda a: unpermute_rows(a, h)) if h else (lambda a: a)
-
-        def tensors(codes, grid):
-            t = lambda a: torch.from_numpy(np.ascontiguousarray(rows(a)))      # noqa: E731
-            return t(codes), {key: (t(a) if isinstance(a, np.ndarray) else a) for key, a in grid.items()}
-
-        if k % 32 == 0 and kind in INT4_GRID_TYPES:
-            return f"q4/{kind}", tensors(*q4_blocks(kind, data))
-        if k % 32 == 0 and kind in INT8_GRID_TYPES:
-            codes, grid = q8_rows(gf, name)
-            return f"q8/{kind}", tensors(codes, grid)
+        m = packed_matrix(gf, name, heads_of(name))
+        if m is not None:
+            grid = {key: (torch.from_numpy(a) if isinstance(a, np.ndarray) else a) for key, a in m.grid.items()}
+            return f"q{m.bits}/{kind}", (torch.from_numpy(m.codes), grid)
         w = dense(name)
         if kind in ("F16", "BF16"):
             return "16", w.to(torch.bfloat16 if kind == "BF16" else torch.float16)

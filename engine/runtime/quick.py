@@ -24,15 +24,18 @@ import numpy as np
 
 from kernels import cpu_lib
 
-from engine.text.chat_format import clean_text, encode_conversation, stop_ids, tokenize_pieces
-from engine.config import SamplingParams
-from engine.text.detok import StreamDecoder
-from engine.gguf.file import INT4_GRID_TYPES, INT8_GRID_TYPES, GGUFFile, q4_blocks, q8_rows, unpermute_rows
-from engine.model.source import locate
-from engine.text.tokenizer_cache import gguf_tokenizer
+from engine.config import CacheConfig, EngineConfig, SamplingParams
 from engine.errors import ModelLoadError
-from engine.plan.fit import check_fits
+from engine.gguf.blocks import packed_matrix
+from engine.gguf.file import GGUFFile
 from engine.model.config import ModelConfig
+from engine.model.source import locate
+from engine.model.spec import rope_cos_sin
+from engine.plan.fit import check_fits
+from engine.runtime.sampling import sample_numpy
+from engine.text.chat_format import clean_text, encode_conversation, stop_ids, tokenize_pieces
+from engine.text.detok import StreamDecoder
+from engine.text.tokenizer_cache import gguf_tokenizer
 
 CHUNK = 64                 # prompt tokens a kernel call
 _PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -102,16 +105,12 @@ class Packed:
 
 
 def _pack(gf: GGUFFile, name: str, heads: int | None) -> Packed:
-    kind, data = gf.raw(name)
-    k = gf.tensors[gf.gguf_name(name)].shape[0]
-    if k % 32 == 0 and kind in INT4_GRID_TYPES:
-        bits, (codes, grid) = 4, q4_blocks(kind, data)
-    elif k % 32 == 0 and kind in INT8_GRID_TYPES:
-        bits, (codes, grid) = 8, q8_rows(gf, name)
-    else:
-        raise NotCovered(f"{name} is {kind}")
-    fix = (lambda a: np.ascontiguousarray(unpermute_rows(a, heads))) if heads else np.ascontiguousarray
-    arrays = {key: fix(a) if isinstance(a, np.ndarray) else a for key, a in grid.items()}
+    """The file's blocks as the engine packs them (gguf.blocks.packed_matrix), with cpu_quant.Scales' choice of
+    scale storage made over numpy (Q4Linear / Q8Linear make it over torch: linears._compact)."""
+    m = packed_matrix(gf, name, heads)
+    if m is None:
+        raise NotCovered(f"{name} is {gf.raw(name)[0]}")
+    bits, arrays = m.bits, m.grid
     scale, zero = arrays["scale"], arrays.get("zero")
     sup = arrays.get("scale_sup")
     offset8 = False
@@ -121,7 +120,7 @@ def _pack(gf: GGUFFile, name: str, heads: int | None) -> Packed:
             zero = None if zero is None else zero.astype(np.float32)
         elif bits == 4 and zero is not None and np.array_equal(zero.astype(np.float32), scale.astype(np.float32) * -8):
             zero, offset8 = None, True          # Q4_0: zero = -8 * scale, not stored
-    return Packed(bits, fix(codes), scale, zero, sup, arrays.get("zero_sup"), int(arrays.get("per", 1)), offset8)
+    return Packed(bits, m.codes, scale, zero, sup, arrays.get("zero_sup"), int(arrays.get("per", 1)), offset8)
 
 
 class QuickModel:
@@ -131,15 +130,13 @@ class QuickModel:
         self.gf = gf = GGUFFile(path)
         self.config = c = ModelConfig.from_gguf(gf)
         check_fits(c, gf.tensor_bytes, "auto", "cpu", path.name)      # too big: the engine refuses, with the numbers
-        if c.model_type not in ("llama", "mistral", "qwen2") or c.qkv_bias or c.o_bias or c.mlp_bias:
-            raise NotCovered(f"{c.model_type} with biases")
+        if not c.fused_kernel_ok:           # the same rule as the engine's one-call step (ModelConfig.fused_kernel_ok)
+            raise NotCovered(f"{c.model_type}: layers decode_layers does not compute")
         if c.head_dim > 256:
             raise NotCovered(f"head_dim {c.head_dim}: decode_attend holds at most 256")
         self.lib = cpu_lib.library()
         if self.lib is None:
             raise NotCovered(cpu_lib.library_error())
-        permute = {"self_attn.q_proj": c.num_heads, "self_attn.k_proj": c.num_kv_heads} \
-            if c.model_type == "llama" else {}
         self.keep = []                       # every array the table points into
         table = (cpu_lib.QLayer * c.num_layers)()
         for i in range(c.num_layers):
@@ -148,7 +145,8 @@ class QuickModel:
             for s, names in enumerate(slots):
                 parts = []
                 for m in names:
-                    parts.append(_pack(gf, p + m + ".weight", permute.get(m)))
+                    name = p + m + ".weight"
+                    parts.append(_pack(gf, name, gf.permuted_heads(name, c.num_heads, c.num_kv_heads)))
                     gf.release_pages(p + m + ".weight")      # the packed copy stays, the file's pages go
                 self.keep += parts
                 table[i].nparts[s] = len(parts)
@@ -162,16 +160,15 @@ class QuickModel:
         tied = c.tie_word_embeddings or not gf.has("lm_head.weight")
         self.head = self.embed if tied else _pack(gf, "lm_head.weight", None)
         self.norm = self._vector("model.norm.weight")
-        self.inv_freq = c.rope_frequencies().astype(np.float64)
+        self.inv_freq = c.rope_frequencies()           # every layer's (fused_kernel_ok)
+        self.query_scale = c.layers[0].query_scale
 
     def _vector(self, name: str) -> np.ndarray:
         return np.ascontiguousarray(self.gf.dequantize(name), dtype=np.float32).reshape(-1)
 
     def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin [N, D] float32 (rotate-half layout), angles in float64: attention.rope_cos_sin's values."""
-        freqs = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
-        emb = np.concatenate((freqs, freqs), axis=-1)
-        return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+        """cos, sin [N, D] float32 (rotate-half layout), angles in float64: the engine's RoPE table."""
+        return rope_cos_sin(self.inv_freq, positions)
 
 
 class QuickSequence:
@@ -203,7 +200,7 @@ class QuickSequence:
         rc = m.lib.decode_layers(c.num_layers, ctypes.addressof(m.table), b, _ptr(x), c.hidden_size,
                                  float(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim, self._kp, self._vp,
                                  self._bf16, _ptr(cos), _ptr(sin), None, None, _ptr(n_sink), _ptr(pos), _ptr(rows),
-                                 _ptr(off), float(c.head_dim ** -0.5), None, None)
+                                 _ptr(off), float(m.query_scale), None, None)
         if rc == -3:       # the widths did not chain: check_weight_shapes should have refused the file first
             raise ValueError("decode_layers: the layer table's widths do not match the model's")
         if rc:
@@ -223,36 +220,14 @@ class QuickSequence:
         return logits[0]
 
 
-def sample(logits: np.ndarray, params: SamplingParams, recent: list[int], rng: np.random.Generator) -> int:
-    """engine.runtime.sampling.sample's choice over numpy: repetition penalty, greedy or temperature, top-k, top-p."""
-    if params.repetition_penalty != 1.0 and recent:
-        ids = np.array(sorted(set(recent)))
-        picked = logits[ids]
-        logits = logits.copy()
-        logits[ids] = np.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
-    if params.greedy:
-        return int(np.argmax(logits))
-    logits = logits.astype(np.float64) / params.temperature
-    if params.top_k:
-        kth = np.partition(logits, -min(params.top_k, logits.size))[-min(params.top_k, logits.size)]
-        logits = np.where(logits < kth, -np.inf, logits)
-    if params.top_p < 1.0:
-        order = np.argsort(-logits, kind="stable")
-        ranked = logits[order]
-        p = np.exp(ranked - ranked[0])
-        p /= p.sum()
-        ranked[np.cumsum(p) - p > params.top_p] = -np.inf     # keep the smallest set reaching top_p
-        logits = np.full_like(logits, -np.inf)
-        logits[order] = ranked
-    p = np.exp(logits - logits.max())
-    return int(rng.choice(p.size, p=p / p.sum()))
-
-
 def covers(args) -> bool:
     """Whether `kvchat chat --prompt` with these arguments may try this path: a CPU run with the default
     cache and weights, and no seed (a seeded sample must equal the engine's own stream)."""
-    defaults = dict(dtype="auto", k_format="auto", v_format="auto", k_scheme="channel", window=None, sinks=4,
-                    block_size=16, budget_mb=1024.0, overflow="stop", fp_layers="")
+    cache = CacheConfig()             # the command line's defaults are these (cli/options.py)
+    defaults = dict(dtype=EngineConfig().dtype, k_format=cache.k_format, v_format=cache.v_format,
+                    k_scheme=cache.k_scheme, window=cache.window, sinks=cache.sinks, block_size=cache.block_size,
+                    budget_mb=cache.budget_mb, overflow=cache.overflow,
+                    fp_layers=",".join(map(str, cache.full_precision_layers)))
     if os.environ.get("KVCHAT_NO_QUICK") or args.prompt is None:
         return False
     if any(getattr(args, k, v) != v for k, v in defaults.items()):
@@ -292,7 +267,7 @@ def one_shot(model: str, prompt: str, system: str | None, params: SamplingParams
     stream = StreamDecoder(tokenizer)
     held = list(ids)
     for step in range(params.max_new_tokens):
-        nxt = sample(logits, params, held[-1024:], rng)
+        nxt = sample_numpy(logits, params, held[-1024:], rng)
         held.append(nxt)
         if nxt in stops:
             break

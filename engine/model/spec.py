@@ -1,0 +1,104 @@
+"""What one decoder layer computes, in data: the description the torch forward, the one-call C step and the
+torch-free one-shot path all read; no torch here.
+
+A family (engine/model/families.py) turns a config.json or a GGUF header into one LayerSpec per layer. A
+Llama-family layer is the default LayerSpec with its biases; the fields past that are the ways the
+families of issue 23 differ (Gemma 2 / 3, Qwen3, Phi-3), so that adding one is a new row in the
+registry and a reader of the new fields, never a new kind of config.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# the gated MLP's activation on the gate: SwiGLU (Llama, Qwen, Phi-3) or GELU with the tanh approximation (Gemma)
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """Rotary embedding of one layer: base, scaling and how many dimensions of each head turn.
+
+    scaling: () none; ("linear", factor, 0.0, 0.0, 0); ("llama3", factor, low_freq_factor, high_freq_factor,
+    original_max); ("factors", (divisor, ...)): a GGUF's rope_freqs tensor, one divisor per frequency.
+    dims: the rotated leading dimensions of a head (Phi-4-mini's partial rotary factor); None: all of them.
+    """
+    theta: float
+    scaling: tuple = ()
+    dims: int | None = None
+
+    def frequencies(self, head_dim: int) -> np.ndarray:
+        """[rotated dims / 2] float32 inverse frequencies: computed in float64, rounded to float32 once. The
+        table every RoPE (Python, C) turns with: position p rotates pair i (i, i + half) by p * inv[i]."""
+        d = self.dims or head_dim
+        inv = 1.0 / (self.theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if self.scaling:
+            kind, factor = self.scaling[:2]
+            if kind == "linear":
+                inv = inv / factor
+            elif kind == "factors":
+                inv = inv / np.asarray(factor, dtype=np.float64)
+            else:  # llama3: long wavelengths slowed by `factor`, short kept, smooth in between
+                low, high, orig = self.scaling[2:]
+                wavelen = 2 * math.pi / inv
+                low_wl, high_wl = orig / low, orig / high
+                smooth = (orig / wavelen - low) / (high - low)
+                scaled = np.where(wavelen > low_wl, inv / factor, inv)
+                mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+                inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+        return inv.astype(np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One decoder layer: x += o(attend(qkv(norm(x)))); x += down(act(gate) * up(norm(x))).
+
+    norm_offset: every RMSNorm of the layer scales by (norm_offset + w): 0 for Llama, 1 for Gemma's (1 + w).
+    post_norms: a norm also after attention and after the MLP, before each residual add (Gemma 2 / 3).
+    activation: one of ACTIVATIONS.
+    qk_norm: a per-head RMSNorm of q and of k before RoPE (Qwen3, Gemma 3).
+    window: the layer attends to its newest `window` tokens (a sliding layer); None: to all of them.
+    query_scale: what q . k is multiplied by before the softmax: head_dim ** -0.5, or Gemma's
+        query_pre_attn_scalar ** -0.5.
+    attn_softcap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2); None: not capped.
+    qkv_bias / o_bias / mlp_bias: the projections with a bias (Qwen2: q, k and v).
+    """
+    rope: Rope
+    query_scale: float
+    norm_offset: float = 0.0
+    post_norms: bool = False
+    activation: str = "silu"
+    qk_norm: bool = False
+    window: int | None = None
+    attn_softcap: float | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: one of {', '.join(ACTIVATIONS)}")
+
+    @property
+    def has_bias(self) -> bool:
+        return self.qkv_bias or self.o_bias or self.mlp_bias
+
+    @property
+    def fused_kernel_ok(self) -> bool:
+        """Whether the one-call C step (kernels/cpu_quant.c: decode_layers) computes this layer: w * RMSNorm
+        before attention and MLP only, SwiGLU, no q/k norm, every dimension rotated, full attention (the
+        cache's own window is the caller's rows), no soft-cap, no bias. Its weights must be packed too, which
+        the linears say (kernel_parts)."""
+        return (self.norm_offset == 0.0 and not self.post_norms and self.activation == "silu" and not self.qk_norm
+                and self.rope.dims is None and self.window is None and self.attn_softcap is None
+                and not self.has_bias)
+
+
+def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [N, D] float32 of positions [N] over a Rope.frequencies table [D/2], in the rotate-half layout
+    (frequency i at columns i and i + D/2), angles in float64: the numpy twin of the torch path's table."""
+    freqs = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
+    emb = np.concatenate((freqs, freqs), axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)

@@ -1,0 +1,142 @@
+"""engine.model.families is the one registry of architectures, its description is what a GGUF and a Hugging Face
+folder of one model both read as, and the one-shot sampler chooses as the engine's does."""
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench.gguf_writer import permute
+from engine.config import SamplingParams
+from engine.errors import ModelLoadError
+from engine.gguf.file import GGUFFile
+from engine.model import families
+from engine.model.config import ModelConfig
+from engine.model.source import load_state_dict, read_config
+from engine.model.spec import LayerSpec, Rope
+from engine.model.weights import from_gguf, from_state_dict
+from engine.runtime.sampling import sample, sample_numpy
+from tests.tiny_models import tiny_model_dir
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def _write_gguf(folder: str, path: Path, arch: str) -> Path:
+    """The folder's weights as an F32 GGUF in llama.cpp's names and keys, q / k rows permuted as its converter
+    does for the architectures it permutes (written here, by hand, apart from the registry's own flag)."""
+    from gguf import GGUFWriter
+    cfg = read_config(Path(folder))
+    state = load_state_dict(Path(folder))
+    w = GGUFWriter(str(path), arch)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    w.add_context_length(cfg["max_position_embeddings"])
+    heads = {"self_attn.q_proj": cfg["num_attention_heads"], "self_attn.k_proj": cfg["num_key_value_heads"]}
+    for name, t in state.items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
+            if arch == "llama" and module in heads:
+                a = permute(a, heads[module]) if a.ndim == 2 else permute(a[:, None], heads[module])[:, 0]
+        w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_architecture_names_the_registry(tmp_path):
+    """A config.json and a GGUF of an architecture outside the registry are refused with one message that lists
+    exactly the registry's families, in its order."""
+    listed = "(" + ", ".join(f.name for f in families.FAMILIES) + ")"
+    with pytest.raises(ModelLoadError) as info:
+        ModelConfig.from_hf(dict(model_type="gemma3", vocab_size=320, hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=128))
+    assert str(info.value) == f"unsupported architecture 'gemma3' in config.json: kvchat runs the Llama family {listed}"
+    with pytest.raises(ModelLoadError) as info:
+        families.gguf_family("phi3", "x.gguf")
+    assert str(info.value).endswith(listed)
+    for f in families.FAMILIES:
+        assert families.family(f.model_types[0], "here") is f and families.gguf_family(f.gguf_arch, "here") is f
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_gguf_and_folder_read_as_one_description(tmp_path, arch):
+    """The same tiny model as a Hugging Face folder and as a GGUF gives one ModelConfig (shape and every layer's
+    spec), and the same weights once the registry's rule for llama.cpp's q / k row order is applied."""
+    folder = tiny_model_dir(tmp_path / arch, arch=arch, tie=False, seed=4)
+    gf = GGUFFile(_write_gguf(folder, tmp_path / f"{arch}.gguf", arch))
+    from_file, from_folder = ModelConfig.from_gguf(gf), ModelConfig.from_hf(read_config(Path(folder)))
+    assert from_file.rms_norm_eps == pytest.approx(from_folder.rms_norm_eps, rel=1e-6)     # float32 in a GGUF
+    assert from_file == replace(from_folder, rms_norm_eps=from_file.rms_norm_eps)
+    assert from_file.layers == (from_file.layers[0],) * from_file.num_layers
+    assert from_file.layers[0].qkv_bias == (arch == "qwen2") and not from_file.layers[0].o_bias
+    assert from_file.fused_kernel_ok == (arch != "qwen2")
+    a = from_gguf(from_file, gf, torch.float32, "cpu", "dense")
+    b = from_state_dict(from_folder, load_state_dict(Path(folder)), torch.float32, "cpu", "dense")
+    for la, lb in zip(a.layers, b.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            x, y = getattr(la, name), getattr(lb, name)
+            assert torch.equal(x.dequantize(), y.dequantize()), (arch, name)
+            assert (x.bias is None) == (y.bias is None) and (x.bias is None or torch.equal(x.bias, y.bias))
+
+
+def test_layer_spec_says_what_the_fused_step_covers():
+    """The C step's rule is the description's: each way a layer leaves the Llama layer takes it out."""
+    base = LayerSpec(rope=Rope(10000.0), query_scale=0.125)
+    assert base.fused_kernel_ok
+    for change in (dict(norm_offset=1.0), dict(post_norms=True), dict(activation="gelu_tanh"), dict(qk_norm=True),
+                   dict(window=512), dict(attn_softcap=50.0), dict(qkv_bias=True), dict(o_bias=True),
+                   dict(mlp_bias=True), dict(rope=Rope(10000.0, dims=32))):
+        assert not replace(base, **change).fused_kernel_ok, change
+    with pytest.raises(ValueError):
+        LayerSpec(rope=Rope(1e4), query_scale=0.125, activation="relu")
+
+
+def test_rope_scaling_replaced_in_the_layers_that_used_it():
+    """A GGUF's rope_freqs replace the model's rope in its layers (with_rope_scaling); a layer with a rope of its
+    own keeps it, and the frequencies are the layer's."""
+    mc = ModelConfig.from_hf(dict(model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=128))
+    local = Rope(500.0)
+    mc = replace(mc, layers=(replace(mc.layers[0], rope=local), mc.layers[1]))
+    factors = tuple(float(i + 1) for i in range(mc.head_dim // 2))
+    scaled = mc.with_rope_scaling(("factors", factors))
+    assert scaled.layers[0].rope == local and scaled.layers[1].rope == Rope(10000.0, ("factors", factors))
+    assert np.array_equal(scaled.rope_frequencies(1), scaled.rope_frequencies())
+    assert np.array_equal(scaled.rope_frequencies(0), local.frequencies(mc.head_dim))
+    assert not scaled.fused_kernel_ok             # two ropes: the one-call step takes one table
+    with pytest.raises(ValueError, match="qkv_bias"):
+        replace(mc, qkv_bias=True)                # a flat field that disagrees with the layers
+
+
+def test_numpy_and_torch_samplers_choose_alike():
+    """Where no random draw decides (greedy with a repetition penalty, top-k 1, a top-p that keeps one token),
+    sample_numpy picks what sample picks."""
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        logits = torch.randn(300, generator=g) * 3
+        recent = [int(i) for i in torch.randint(0, 300, (12,), generator=g)]
+        for params in (SamplingParams(temperature=0.0, repetition_penalty=1.3),
+                       SamplingParams(temperature=0.0),
+                       SamplingParams(temperature=0.8, top_k=1, repetition_penalty=1.2),
+                       SamplingParams(temperature=0.8, top_p=1e-6, repetition_penalty=0.8)):
+            assert sample_numpy(logits.numpy(), params, recent, rng) == sample(logits, params, recent, None), params
