@@ -10,6 +10,7 @@ from engine import Engine, EngineConfig
 from engine.config import CacheConfig
 from bench.gguf_writer import write_random_gguf
 from engine.model.transformer import Transformer
+from engine.runtime.backends.full_pages import kernel_covers
 from kernels import cpu_quant
 
 TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_1", "Q6_K", "Q8_0")
@@ -32,7 +33,8 @@ def _decode(engine, cache, prompts, steps, fused, paths=None):
         out = orig(self, *a, **k) if fused else None
         calls.append(out is not None)
         if paths is not None:
-            paths.append("quant" if k.get("quant") else "callback" if k.get("attention") else "kernel")
+            kernel = k.get("kernel")
+            paths.append("callback" if kernel is None else "quant" if kernel.kind == "quant-pages" else "kernel")
         return out
     Transformer.forward_decode = spy
     try:
@@ -110,7 +112,9 @@ def test_mixed_key_and_value_precision_decodes_in_a_batch(ggufs):
     engine = Engine.load(EngineConfig(model=ggufs["Q8_0"]))
     cache = CacheConfig(k_format="fp32", v_format="bf16")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    assert engine.model.forward_decode(torch.tensor([5]), (), [(torch.zeros(4, 2, 16), torch.zeros(4, 2, 16, dtype=torch.bfloat16))]) is None
+    probe = engine.runner.new_sequence(cache)
+    assert not kernel_covers(engine.runner.components(probe), engine.model.config.num_heads)
+    engine.runner.close(probe)
     both = _decode(engine, cache, prompts, 3, fused=False)
     alone = [_decode(engine, cache, [p], 3, fused=False) for p in prompts]
     assert both.shape[1] == 2 and torch.isfinite(both).all()

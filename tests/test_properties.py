@@ -140,14 +140,14 @@ class EngineMachine(RuleBasedStateMachine):
                     return out
                 return forward(x, attend, *a, **k)
 
-            def failing_decode(x, attention_args=None, pages=None, attention=None, quant=None):
+            def failing_decode(x, attention=None, kernel=None):
                 # the one-call decode step: inside its attention callback, or (the kernel attending itself,
                 # over full-precision or quantized pages) after every layer wrote its pages or tail rows
                 calls[0] += 1
                 if calls[0] != fail_call:
-                    return forward_decode(x, attention_args, pages, attention, quant)
+                    return forward_decode(x, attention, kernel)
                 if attention is None:
-                    forward_decode(x, attention_args, pages, quant=quant)
+                    forward_decode(x, kernel=kernel)
                     raise Boom(f"injected after the layers of forward {fail_call}")
 
                 def attend(layer, q, kk, v):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import CacheConfig, Engine, EngineConfig
-from engine.runtime import attention
+from engine.model.rope import rope_table
+from engine.runtime.backends import quant_pages
 from kernels import cpu_quant
 from kernels.formats import page_format
 from kernels.reference import store_blocks
@@ -39,21 +40,20 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.errors, self.kernel_steps, self.torch_steps = [], 0, 0
-        real = attention._attend_quantized
+        real = quant_pages.attend_quantized
 
-        def spy(kc, vc, q, k, v, st):
+        def spy(kc, vc, q, k, v, st, kernel):
             if q.shape[0] == 1:
-                pages = attention._kernel_pages(kc, vc, q, st)
-                if pages is None:
+                if not kernel:
                     self.torch_steps += 1
                 else:
                     self.kernel_steps += 1
-                    ref = attention._quantized_torch(kc, vc, q, k, v, st)
-                    got = attention._decode_kernel(q, k, v, st, *pages)
+                    ref = quant_pages.attend_torch(kc, vc, q, k, v, st)
+                    got = quant_pages.decode_kernel(q, k, v, st, *quant_pages.kernel_pages(kc, vc, st))
                     self.errors.append(_relative(got, ref))
-            return real(kc, vc, q, k, v, st)
+            return real(kc, vc, q, k, v, st, kernel)
 
-        monkeypatch.setattr(attention, "_attend_quantized", spy)
+        monkeypatch.setattr(quant_pages, "attend_quantized", spy)
 
 
 CASES = ([(*pair, 40, 4) for pair in PAIRS]                               # every format, a sliding window
@@ -100,7 +100,7 @@ def test_decoded_logits_match_with_the_kernel_off(engine, monkeypatch, k_format,
         return torch.stack([s.append([t])[-1] for t in ids[30:]])
 
     with_kernel = run()
-    monkeypatch.setattr(cpu_quant, "can_attend_quantized", lambda *a: False)
+    monkeypatch.setattr(cpu_quant, "kv_kernels_ready", lambda *a, **k: False)    # the backend is chosen again
     without = run()
     assert _relative(with_kernel, without) < 1e-3, _relative(with_kernel, without)
     assert torch.equal(with_kernel.argmax(-1), without.argmax(-1))
@@ -139,7 +139,7 @@ def test_kernel_matches_its_reference_on_random_pages(fmt_name, full, with_head,
         (kp if fmt is kf else vp).append(cpu_quant.QuantPages(fmt, data, scale, zero, head, tail))
     seq_len = n_full * bs + tail_len
     slots = torch.cat((torch.arange(min(4, seq_len)), torch.arange(min(4 + drop, seq_len), seq_len)))
-    cos_h, sin_h = attention.rope_table(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 5000)
+    cos_h, sin_h = rope_table(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 5000)
     pos = torch.cat((slots + 3000, torch.tensor([3000 + seq_len + drop])))
     q = torch.randn(hq, d, generator=gen)
     k_new, v_new = torch.randn(hkv, d, generator=gen), torch.randn(hkv, d, generator=gen)

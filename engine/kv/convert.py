@@ -1,5 +1,6 @@
 """Live switch of a conversation's cache mode: convert the blocks held, never run the model again.
 
+The runner calls this with its own manager and page store (ModelRunner.convert_sequence, under its lock).
 Only the manager's public API is used: a new window is applied in place (stored keys carry
 absolute positions, so a window changes which blocks are kept, not what they hold); a new layout
 reads the held slots, gives the old blocks back, reserves blocks in the new layout and writes
@@ -8,18 +9,23 @@ value is never re-quantized); the others are dequantized and written in the new 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from engine.runtime.attention import rope_cos_sin, rotate
 from engine.config import CacheConfig, ConfigError
-from engine.kv.layout import MIB, WindowGeometry
-from engine.kv.manager import NoFreeBlocks, Sequence
-from engine.kv.pages import Component
+from engine.kv.layout import MIB, KVLayout, WindowGeometry
+from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
+from engine.kv.pages import PageStore, page_rows
+from engine.model.rope import rope_cos_sin, rotate
 
 
-def convert_sequence(runner, seq: Sequence, old: CacheConfig, new: CacheConfig) -> Sequence:
-    """seq in mode `old` -> a sequence in mode `new` holding the same tokens (seq itself when the layout stays)."""
-    m = runner.manager
+def convert_sequence(m: KVCacheManager, store: PageStore, seq: Sequence, old: CacheConfig, new: CacheConfig,
+                     layout: KVLayout, inv_freq: torch.Tensor, close: Callable[[Sequence], None],
+                     drop_unused_layouts: Callable[[], None]) -> Sequence:
+    """seq in mode `old` -> a sequence in mode `new` (whose layout is `layout`) holding the same tokens (seq
+    itself when the layout stays). close(seq) gives a sequence back to the runner; drop_unused_layouts lets the
+    runner free the pages of layouts nobody uses any more."""
     geometry = WindowGeometry.of(new)
     if new.block_size != old.block_size and seq.evicted:
         raise ConfigError(f"the window has already dropped {seq.evicted * seq.block_size} tokens, so the block size "
@@ -27,22 +33,20 @@ def convert_sequence(runner, seq: Sequence, old: CacheConfig, new: CacheConfig) 
     if seq.evicted and new.window is not None and geometry.sink_blocks != seq.sink_blocks:
         raise ConfigError(f"the window has already evicted tokens around {old.sinks} sinks; changing the number "
                           f"of sinks now needs a reset")
-    with runner.lock:
-        layout = runner.layout(new)
-        if layout.budget_blocks(m.budget_bytes) < 1:
-            raise ConfigError(f"a KV budget of {m.budget_bytes / MIB:g} MiB does not hold even one block of "
-                              f"{new.block_size} tokens in {new.label()}: raise the budget")
-        if layout.block_size == seq.layout.block_size:
-            m.apply_window(seq, geometry)     # first drop what the new window does not keep
-        else:
-            seq.geometry = geometry
-        if layout == seq.layout:
-            return seq
-        return _relayout(runner, seq, layout, new)
+    if layout.budget_blocks(m.budget_bytes) < 1:
+        raise ConfigError(f"a KV budget of {m.budget_bytes / MIB:g} MiB does not hold even one block of "
+                          f"{new.block_size} tokens in {new.label()}: raise the budget")
+    if layout.block_size == seq.layout.block_size:
+        m.apply_window(seq, geometry)     # first drop what the new window does not keep
+    else:
+        seq.geometry = geometry
+    if layout == seq.layout:
+        return seq
+    return _relayout(m, store, seq, layout, new, inv_freq, close, drop_unused_layouts)
 
 
-def _relayout(runner, seq: Sequence, layout, new: CacheConfig) -> Sequence:
-    m, store = runner.manager, runner.store
+def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayout, new: CacheConfig,
+              inv_freq: torch.Tensor, close, drop_unused_layouts) -> Sequence:
     n = seq.seq_len
     need = layout.blocks_for(n) * layout.block_bytes + layout.side_bytes(n, n >= layout.block_size)
     room = m.free_bytes() + m.reclaimable_bytes({seq.seq_id}) + m.sequence_bytes(seq)
@@ -55,17 +59,17 @@ def _relayout(runner, seq: Sequence, layout, new: CacheConfig) -> Sequence:
     same_blocks = layout.block_size == seq.layout.block_size
     slots = torch.arange(n)
     abs_pos = torch.tensor([seq.absolute(j) for j in range(n)], dtype=torch.long)
-    cos, sin = rope_cos_sin(abs_pos, runner.inv_freq.cpu())
-    cos, sin = cos.to(runner.device), sin.to(runner.device)
+    cos, sin = rope_cos_sin(abs_pos, inv_freq.cpu())
+    cos, sin = cos.to(store.device), sin.to(store.device)
     # read everything the new layout needs before the old blocks go back
     carried = []
     for (okc, ovc), (nkc, nvc) in zip(old_comps, new_layout_comps):
         pair = []
         for role, oc, nc in (("k", okc, nkc), ("v", ovc, nvc)):
             if same_blocks and oc.fmt == nc.fmt:
-                pair.append(("copy", _copy_out(oc, seq)))
+                pair.append(("copy", oc.copy_out(seq.seq_id, seq.block_table)))
             else:
-                values = _values(oc, seq, slots)
+                values = oc.values(seq.seq_id, seq.block_table, seq.seq_len, slots)
                 if role == "k" and oc.fmt.is_quantized != nc.fmt.is_quantized:
                     # full precision holds keys rotated at their absolute positions, quantized pages before RoPE
                     values = rotate(values, cos, sin) if nc.fmt.is_quantized is False else rotate(values, cos, -sin)
@@ -74,53 +78,24 @@ def _relayout(runner, seq: Sequence, layout, new: CacheConfig) -> Sequence:
     num_tokens, evicted, sink_blocks, keep_head = seq.num_tokens, seq.evicted, seq.sink_blocks, seq.has_head
     child = m.new_sequence(layout, seq.geometry)     # registered first, so its layout's pages stay
     child.sink_blocks = sink_blocks
-    runner.close(seq)
+    close(seq)
     try:
         res = m.reserve(child, n)
     except NoFreeBlocks:       # checked above; only a race with another step could get here
         raise ConfigError("the budget filled while converting: reset the session") from None
     store.reserve(layout, m.pool.high_water, layout.budget_blocks(m.budget_bytes) + 1)
     new_layout_comps = store.components(layout)
-    bs = layout.block_size
-    table = torch.tensor(child.block_table, dtype=torch.long)
-    rows = (table[slots // bs] * bs + slots % bs).to(runner.device)
+    rows = page_rows(child.block_table, slots, layout.block_size, store.device)
     for (nkc, nvc), pair in zip(new_layout_comps, carried):
         for nc, (how, payload) in zip((nkc, nvc), pair):
             if how == "copy":
-                _copy_in(nc, child, payload)
+                nc.copy_in(child.seq_id, child.block_table, payload)
             elif nc.fmt.is_quantized:
                 if n:
                     nc.write(child.seq_id, payload, 0, child.block_table, keep_head=keep_head or evicted == 0)
             else:
                 nc.write_rows(payload, rows)
     m.adopt(res, num_tokens, evicted)
-    runner.drop_unused_layouts()
+    drop_unused_layouts()
     return child
 
-
-def _values(comp: Component, seq: Sequence, slots: torch.Tensor) -> torch.Tensor:
-    """Float values [len(slots), H, D] of a sequence's slots as stored (full-precision keys stay rotated)."""
-    if comp.fmt.is_quantized:
-        return comp.read_slots(seq.seq_id, seq.block_table, seq.seq_len, slots)
-    bs = comp.block_size
-    table = torch.tensor(seq.block_table, dtype=torch.long)
-    rows = (table[slots // bs] * bs + slots % bs).to(comp.device)
-    return comp.flat_pages().index_select(0, rows).float()
-
-
-def _copy_out(comp: Component, seq: Sequence) -> dict:
-    ids = torch.tensor(seq.block_table, dtype=torch.long, device=comp.device)
-    out = {name: t.index_select(0, ids) for name, t in comp.pages.items()}
-    out["tail"] = comp.tails.get(seq.seq_id)
-    out["head"] = comp.heads.get(seq.block_table[0]) if seq.block_table else None
-    return out
-
-
-def _copy_in(comp: Component, seq: Sequence, saved: dict) -> None:
-    ids = torch.tensor(seq.block_table, dtype=torch.long, device=comp.device)
-    for name, t in comp.pages.items():
-        t.index_copy_(0, ids, saved[name])
-    if saved["tail"] is not None:
-        comp.tails[seq.seq_id] = saved["tail"]
-    if saved["head"] is not None and seq.block_table:
-        comp.heads[seq.block_table[0]] = saved["head"]

@@ -18,6 +18,12 @@ from kernels.formats import FULL_DTYPES, PageFormat
 from engine.kv.layout import KVLayout
 
 
+def page_rows(block_table: list[int], slots: torch.Tensor, block_size: int, device) -> torch.Tensor:
+    """slots [N] int64 of a sequence -> their rows [N] in flat pages (row = block id * block_size + offset)."""
+    table = torch.tensor(block_table, dtype=torch.long)
+    return (table[slots // block_size] * block_size + slots % block_size).to(device)
+
+
 class Component:
     """One layer's K or V pages in one format."""
 
@@ -83,13 +89,18 @@ class Component:
         flat = self.flat_pages()
         flat.index_copy_(0, rows, x.to(flat.dtype))
 
+    def open_tail(self, seq_id: int) -> torch.Tensor:
+        """Quantized: the sequence's tail [bs, H, D], zeros where it has none yet."""
+        tail = self.tails.get(seq_id)
+        if tail is None:
+            tail = self.tails[seq_id] = torch.zeros(self.block_size, self.num_heads, self.head_dim,
+                                                    dtype=self.full_dtype, device=self.device)
+        return tail
+
     def write(self, seq_id: int, x: torch.Tensor, first_slot: int, table: list[int], keep_head: bool = True) -> None:
         """Quantized: x [T, H, D] (before RoPE) at slots first_slot.. of the table; full blocks are quantized."""
         bs = self.block_size
-        tail = self.tails.get(seq_id)
-        if tail is None:
-            tail = self.tails[seq_id] = torch.zeros(bs, self.num_heads, self.head_dim, dtype=self.full_dtype,
-                                                    device=self.device)
+        tail = self.open_tail(seq_id)
         start = (first_slot // bs) * bs
         filled = first_slot - start
         seq = torch.cat((tail[:filled].to(x.dtype), x)) if filled else x
@@ -108,6 +119,30 @@ class Component:
         self.tails[seq_id] = new_tail          # a new tensor: a snapshot of the old one stays valid
 
     # ---- reads ----------------------------------------------------------------------------
+
+    def values(self, seq_id: int, table: list[int], seq_len: int, slots: torch.Tensor) -> torch.Tensor:
+        """Float32 values [len(slots), H, D] of a sequence's slots as stored (full-precision keys stay rotated,
+        quantized ones are before RoPE)."""
+        if self.fmt.is_quantized:
+            return self.read_slots(seq_id, table, seq_len, slots)
+        return self.flat_pages().index_select(0, page_rows(table, slots, self.block_size, self.device)).float()
+
+    def copy_out(self, seq_id: int, table: list[int]) -> dict:
+        """A sequence's stored blocks, tail and head, byte for byte (for copy_in under new block ids)."""
+        ids = torch.tensor(table, dtype=torch.long, device=self.device)
+        out = {name: t.index_select(0, ids) for name, t in self.pages.items()}
+        out["tail"] = self.tails.get(seq_id)
+        out["head"] = self.heads.get(table[0]) if table else None
+        return out
+
+    def copy_in(self, seq_id: int, table: list[int], saved: dict) -> None:
+        ids = torch.tensor(table, dtype=torch.long, device=self.device)
+        for name, t in self.pages.items():
+            t.index_copy_(0, ids, saved[name])
+        if saved["tail"] is not None:
+            self.tails[seq_id] = saved["tail"]
+        if saved["head"] is not None and table:
+            self.heads[table[0]] = saved["head"]
 
     def read_slots(self, seq_id: int, table: list[int], seq_len: int, slots: torch.Tensor) -> torch.Tensor:
         """Quantized: float32 values [len(slots), H, D] (before RoPE) of the chosen slots (< seq_len)."""
@@ -175,6 +210,14 @@ class PageStore:
     def snapshot_tails(self, layout: KVLayout, seq_id: int) -> list:
         """The sequence's tails before a step (writes replace tail tensors, so references are a snapshot)."""
         return [tuple(c.tails.get(seq_id) for c in pair) for pair in self.components(layout)]
+
+    def open_tails(self, layout: KVLayout, seq_id: int) -> None:
+        """Every quantized component's tail of the sequence exists (zeros where new; a snapshot taken before
+        restores its absence), so a decode step's kernels always have a tail to write into."""
+        for pair in self.components(layout):
+            for c in pair:
+                if c.fmt.is_quantized:
+                    c.open_tail(seq_id)
 
     def restore_tails(self, layout: KVLayout, seq_id: int, snapshot: list, head_block: int | None) -> None:
         for pair, saved in zip(self.components(layout), snapshot):

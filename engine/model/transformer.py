@@ -5,6 +5,7 @@ attention callback that owns positions, rotation, the paged cache and the softma
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -15,6 +16,16 @@ from engine.model.config import ModelConfig
 
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """An attention backend's whole decode step in C: run(table, x) takes the model's layer table
+    (Transformer.kernel_layers) and x [B, hidden] fp32, the new tokens' embeddings, and leaves the last layer's
+    output in x, every layer's attention and cache writes included. kind names the backend's pages."""
+
+    kind: str
+    run: Callable[[object, torch.Tensor], None]
 
 
 class Layer:
@@ -103,35 +114,26 @@ class Transformer:
         return self._kernel_layers
 
     @torch.inference_mode()
-    def forward_decode(self, token_ids: torch.Tensor, attention_args: tuple | None = None, pages: list | None = None,
-                       attention: Attention | None = None, quant: cpu_quant.QuantStep | None = None
-                       ) -> torch.Tensor | None:
+    def forward_decode(self, token_ids: torch.Tensor, attention: Attention | None = None,
+                       kernel: DecodeKernel | None = None) -> torch.Tensor | None:
         """One decode token for each of B sequences through every layer in one kernel call (see
         cpu_quant.decode_layers), then the output head -> logits [B, vocab]; the same bits as forward() with
-        rows = all and num_decode = B. Either attention_args, decode_attend's (cos, sin, sink_cos, sink_sin,
-        n_sink, new_rows, rows, offsets), with pages[l] layer l's (K, V) pages, and the kernel attends too;
-        or `quant`, attention over quantized pages that the kernel runs for each layer (attention.quant_step);
-        or `attention`, forward()'s callback, called from the kernel for each layer (caches no kernel reads).
-        None where the kernel does not apply."""
+        rows = all and num_decode = B. Either `attention`, forward()'s callback, called from the kernel for each
+        layer, or `kernel`, an attention backend's whole step (its attention inside the kernel). None where the
+        kernel does not cover this model (kernel_layers)."""
         table = self.kernel_layers()
         c = self.config
         if table is None:
             return None
         x = self.table.rows(token_ids).to(self.dtype).contiguous()
-        if quant is not None:
-            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None, quant=quant)
-        elif attention is not None:
+        if kernel is not None:
+            kernel.run(table, x)
+        else:
             def attend(layer, qkv):
                 # a copy: the kernel's buffer outlives no call, so nothing may keep a view of it
                 return attention(layer, *self._split_qkv(qkv.clone())).to(self.dtype)
             cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None,
                                     attend=attend)
-        else:
-            if not all(cpu_quant.can_attend_pages(c.num_heads, k) and v.dtype == k.dtype and v.is_contiguous()
-                       for k, v in pages):
-                return None
-            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, pages,
-                                    *attention_args, c.head_dim ** -0.5)
         return self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float()
 
     def weight_bytes(self) -> int:

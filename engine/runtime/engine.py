@@ -154,13 +154,13 @@ class Engine:
         carrying another budget_mb sets it for every conversation."""
         cache = cache or self.config.cache
         self.runner.check(cache)
-        if int(cache.budget_mb * MIB) != self.runner.manager.budget_bytes:
+        if int(cache.budget_mb * MIB) != self.runner.budget_bytes:
             self.runner.set_budget(cache.budget_mb)
         return Session(self.runner, self.info, cache, system_prompt, history, prefix_cache)
 
     @property
     def budget_mb(self) -> float:
-        return self.runner.manager.budget_bytes / MIB
+        return self.runner.budget_bytes / MIB
 
     def clear_prefix_cache(self) -> int:
         """Free the blocks kept only for prefix reuse and give the memory back to the system; returns the bytes freed."""

@@ -1,9 +1,11 @@
 """The model runner: owns the forward pass, the KV manager, the page store and the budget.
 
-A step takes (sequence, new token ids) pairs, reserves their slots, runs one forward pass over all
-of their tokens (the linear layers see one batch; attention runs per sequence over its pages) and
-commits. Any exception inside the step (a stop, an error at any layer) rolls every sequence back
-to exactly where it was.
+A step takes (sequence, new token ids) pairs and is three moves: reserve every item's slots and pages
+(step_plan.StepReservation), run one forward pass over all of their tokens (the linear layers see one
+batch; each sequence attends through its layout's backend, engine/runtime/backends/, or a batch of
+one-token decodes of one layout runs in that backend's one kernel call), then commit. Any exception
+inside the step (a stop, an error at any layer) rolls every sequence back to exactly where it was.
+Session, conversion and serving reach the manager and the page store only through the methods here.
 """
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import threading
 
 import torch
 
-from kernels import cpu_quant
-
-from engine.runtime import attention
+from engine.runtime.backends import AttentionBackend, StepAttention, backend_for, choice_key
+from engine.runtime.step_plan import StepReservation, decode_first
 from engine.config import CacheConfig, ConfigError
+from engine.kv import convert
 from engine.kv.layout import MIB, KVLayout, WindowGeometry, check_cache_for_model, kv_layout
 from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
 from engine.kv.pages import PageStore
@@ -31,6 +33,12 @@ class ModelRunner:
         self.manager = KVCacheManager(int(budget_mb * MIB), on_free=self.store.forget_blocks)
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
         self.steps = 0
+        self._backends: dict[tuple, AttentionBackend] = {}     # by backends.choice_key
+
+    @property
+    def config(self):
+        """The model's ModelConfig."""
+        return self.model.config
 
     # ---- layouts and sequences --------------------------------------------------------------
 
@@ -105,6 +113,62 @@ class ModelRunner:
             self.store.shrink(self.manager.pool.high_water)
             return freed
 
+    def match_prefix(self, seq: Sequence, ids: list[int]) -> int:
+        """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass."""
+        with self.lock:
+            return self.manager.match_prefix(seq, ids)
+
+    def convert_sequence(self, seq: Sequence, old: CacheConfig, new: CacheConfig) -> Sequence:
+        """seq in mode `old` -> a sequence in mode `new` holding the same tokens (see kv/convert.py)."""
+        with self.lock:
+            return convert.convert_sequence(self.manager, self.store, seq, old, new, self.layout(new),
+                                            self.inv_freq, self.close, self.drop_unused_layouts)
+
+    # ---- the pool, read -----------------------------------------------------------------------
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.manager.budget_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the pool's blocks and sides hold."""
+        return self.manager.held_bytes
+
+    def free_bytes(self) -> int:
+        return self.manager.free_bytes()
+
+    def room_bytes(self, keep: set[int]) -> int:
+        """Bytes free once every idle sequence outside `keep` (ids) and every reusable prefix block gave its back."""
+        return self.manager.free_bytes() + self.manager.reclaimable_bytes(keep)
+
+    def bytes_needed(self, seq: Sequence, num_new: int) -> int:
+        return self.manager.bytes_needed(seq, num_new)
+
+    def shared_partial(self, seq: Sequence) -> bool:
+        """Whether the sequence's last block is partial and shared (its next token copies it first)."""
+        return self.manager.shared_partial(seq)
+
+    def sequences(self) -> list[Sequence]:
+        """Every live sequence of the pool."""
+        return list(self.manager.sequences.values())
+
+    def pool_view(self):
+        """The pool's numbers at one moment (KVCacheManager.view)."""
+        return self.manager.view()
+
+    def released_count(self) -> int:
+        """Sequences released so far to make room."""
+        return len(self.manager.released_log)
+
+    def prefix_counts(self) -> tuple[int, int]:
+        """(tokens looked up, tokens found) in the prefix cache since load."""
+        return self.manager.prefix_queries, self.manager.prefix_hits
+
+    def components(self, seq: Sequence):
+        """The sequence's page components per layer, (K, V): the store's pages of its layout."""
+        return self.store.components(seq.layout)
+
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self, items: list[tuple[Sequence, list[int]]], all_logits: bool = False,
@@ -114,115 +178,48 @@ class ModelRunner:
 
         decode[i]: item i is generated tokens (default: a single token), else prompt tokens. The two kinds
         take different kernels, chosen per row, so that a sequence's numbers never depend on the other
-        sequences of the batch: decode items go first in the batch."""
-        if decode is None:
-            decode = [len(ids) == 1 for _, ids in items]
-        layouts = {}
-        for seq, _ in items:
-            layouts.setdefault(seq.layout, len(layouts))
-        # decode items first, those of one layout together (one kernel call attends them all)
-        order = sorted(range(len(items)), key=lambda i: (not decode[i], layouts[items[i][0].layout]))
-        items = [items[i] for i in order]
-        num_decode = sum(len(items[j][1]) for j in range(len(items)) if decode[order[j]])
+        sequences of the batch: decode items go first in the batch (step_plan.decode_first)."""
+        decode = [len(ids) == 1 for _, ids in items] if decode is None else decode
+        order = decode_first(items, decode)
         with self.lock:
-            m = self.manager
-            keep = {s.seq_id for s, _ in items}
-            reservations, steps, saved = [], [], []
+            reserved = StepReservation(self.manager, self.store, [items[i] for i in order], [decode[i] for i in order],
+                                       self.inv_freq, self.device)
             try:
-                offset = 0
-                for j, (seq, ids) in enumerate(items):
-                    res = m.reserve(seq, len(ids), keep)
-                    reservations.append(res)
-                    self.store.reserve(seq.layout, m.pool.high_water, seq.layout.budget_blocks(m.budget_bytes) + 1)
-                    if res.copied:
-                        self.store.copy_block(seq.layout, res.copied[1], res.copied[2])
-                    quantized = seq.layout.quantized_components > 0
-                    head_new = quantized and res.first_slot < seq.block_size <= res.first_slot + len(ids)
-                    saved.append((self.store.snapshot_tails(seq.layout, seq.seq_id) if quantized else None,
-                                  seq.block_table[0] if head_new else None))
-                    steps.append(attention.plan(res, offset, self.inv_freq, self.device, quantized, decode[order[j]]))
-                    offset += len(ids)
-                x = torch.tensor([t for _, ids in items for t in ids], dtype=torch.long, device=self.device)
-                comps = [self.store.components(s.layout) for s, _ in items]
-                if all_logits:
-                    rows = None
-                else:
-                    rows = [st.offset + st.num_new - 1 for st in steps]
-
-                groups = self._decode_groups(items, steps)
-
-                def attend(layer, q, k, v):
-                    if len(steps) == 1 and not groups:
-                        kc, vc = comps[0][layer]
-                        return attention.attend(kc, vc, q, k, v, steps[0])
-                    outs, i = [], 0
-                    while i < len(steps):
-                        kc, vc = comps[i][layer]
-                        grp = groups.get(i)
-                        if grp is not None:
-                            sl = slice(grp.start, grp.start + grp.size)
-                            out = attention.attend_group(kc, vc, q[sl], k[sl], v[sl], grp)
-                            if out is not None:
-                                outs.append(out)
-                                i += grp.size
-                                continue
-                        st = steps[i]
-                        sl = slice(st.offset, st.offset + st.num_new)
-                        outs.append(attention.attend(kc, vc, q[sl], k[sl], v[sl], st))
-                        i += 1
-                    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-                logits = None
-                whole = groups.get(0)
-                if whole is not None and whole.size == len(steps) and not all_logits:
-                    # every item a one-token decode over one full-precision layout: all layers in one kernel call
-                    logits = self.model.forward_decode(x, attention.group_args(whole),
-                                                       [(kc.flat_pages(), vc.flat_pages()) for kc, vc in comps[0]])
-                elif not all_logits and self.model.kernel_layers() is not None \
-                        and (quant := attention.quant_step(comps, steps, self.model.config.num_heads)) is not None:
-                    # one-token decodes over quantized pages: the layers and their attention in one kernel call
-                    logits = self.model.forward_decode(x, quant=quant)
-                    if logits is not None:
-                        attention.finish_quant_step(comps, steps, quant)
-                elif not all_logits and all(st.decode and st.num_new == 1 for st in steps):
-                    # one-token decodes over other caches (quantized): the layers in one kernel call, which
-                    # calls back for each layer's attention
-                    logits = self.model.forward_decode(x, attention=attend)
-                if logits is None:
-                    logits = self.model.forward(x, attend, all_logits=True, rows=rows, num_decode=num_decode)
+                logits = self._forward(reserved, all_logits)
             except BaseException:
-                for i in reversed(range(len(reservations))):
-                    res = reservations[i]
-                    if i < len(saved) and saved[i][0] is not None:
-                        self.store.restore_tails(res.seq.layout, res.seq.seq_id, *saved[i])
-                    m.rollback(res)
+                reserved.rollback()
                 raise
-            for (seq, ids), res in zip(items, reservations):
-                m.commit(res, ids if hash_ids else None)
+            reserved.commit(hash_ids)
             self.steps += 1
-        if all_logits:
-            out = [logits[st.offset:st.offset + st.num_new] for st in steps]
-        else:
-            out = [logits[i:i + 1] for i in range(len(steps))]
-        result = [None] * len(out)
-        for j, i in enumerate(order):
-            result[i] = out[j]
+        result = [None] * len(items)
+        for j, (i, st) in enumerate(zip(order, reserved.steps)):
+            result[i] = logits[st.offset:st.offset + st.num_new] if all_logits else logits[j:j + 1]
         return result
 
-    @staticmethod
-    def _decode_groups(items, steps) -> dict:
-        """First step index -> DecodeGroup, for each run of one-token decode steps whose sequences share a
-        full-precision layout (on the CPU, where one kernel call does their attention)."""
-        groups, i = {}, 0
-        while i < len(steps):
-            j = i
-            while (j < len(steps) and steps[j].decode and steps[j].num_new == 1
-                   and not items[j][0].layout.quantized_components and items[j][0].layout == items[i][0].layout):
-                j += 1
-            if j > i and steps[i].rows.device.type == "cpu" and cpu_quant.available():
-                groups[i] = attention.decode_group(steps[i:j])
-            i = max(j, i + 1)
-        return groups
+    def _forward(self, reserved: StepReservation, all_logits: bool) -> torch.Tensor:
+        """The step's logits: one kernel call where every item is a one-token decode (of one layout: its backend's
+        own step), else the forward with each sequence's backend attending."""
+        steps = reserved.steps
+        x = torch.tensor([t for _, ids in reserved.items for t in ids], dtype=torch.long, device=self.device)
+        attention = StepAttention(steps, [self.backend(st.res.seq.layout) for st in steps])
+        logits = None
+        if not all_logits and all(st.one_token_decode for st in steps):
+            logits = (attention.decode(self.model, x) if attention.one_layout_decode
+                      else self.model.forward_decode(x, attention=attention))
+        if logits is None:
+            rows = None if all_logits else [st.offset + st.num_new - 1 for st in steps]
+            num_decode = sum(st.num_new for st in steps if st.decode)
+            logits = self.model.forward(x, attention, all_logits=True, rows=rows, num_decode=num_decode)
+        return logits
+
+    def backend(self, layout: KVLayout) -> AttentionBackend:
+        """The layout's attention backend on this device, chosen on first use (backends.backend_for)."""
+        key = choice_key(layout, self.device)
+        chosen = self._backends.get(key)
+        if chosen is None:
+            chosen = self._backends[key] = backend_for(layout, self.store.components(layout), self.device,
+                                                       self.model.config.num_heads)
+        return chosen
 
     # ---- numbers ----------------------------------------------------------------------------------
 
@@ -239,6 +236,7 @@ class ModelRunner:
         """Page storage of layouts no sequence and no cached block uses any more goes back."""
         in_use = {s.layout for s in self.manager.sequences.values()} | set(self.manager.block_layout.values())
         self.store.drop_unused_layouts(in_use)
+        self._backends = {key: b for key, b in self._backends.items() if key[0] in in_use}
 
     def storage_bytes(self) -> int:
         """Bytes the page store holds (capacity included): what the process really spends on KV."""

@@ -15,7 +15,6 @@ import torch
 from engine.runtime import memory
 from engine.text.chat_format import encode_conversation, tokenize_pieces
 from engine.config import CacheConfig, ConfigError, SamplingParams
-from engine.kv.convert import convert_sequence
 from engine.text.detok import StreamDecoder
 from engine.events import FinishReason, LayerBytes, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
 from engine.kv.layout import MIB, WindowGeometry
@@ -82,7 +81,7 @@ class Session:
     @property
     def components(self):
         """This conversation's page components per layer, (K, V): the engine's pages in its layout."""
-        return self.runner.store.components(self.seq.layout)
+        return self.runner.components(self.seq)
 
     @property
     def tokenizer(self):
@@ -177,7 +176,7 @@ class Session:
         self._guard.check_idle()
         self._sync()
         token_ids = [int(t) for t in token_ids]
-        vocab = self.runner.model.config.vocab_size
+        vocab = self.runner.config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0-{vocab - 1})")
@@ -237,7 +236,7 @@ class Session:
         kept, seq_before = len(self.token_ids), (self.seq, self.seq.evicted)
         self.token_ids.extend(new_ids)
         if not self._cached and self.prefix_cache:
-            self._turn.reused = self.runner.manager.match_prefix(self.seq, self.token_ids)
+            self._turn.reused = self.runner.match_prefix(self.seq, self.token_ids)
         prompt = self.token_ids[self._cached:]
         if self._past_context(len(prompt)):
             del self.token_ids[kept:]
@@ -478,7 +477,7 @@ class Session:
         self.runner.check(config)
         if config.budget_mb != self._config.budget_mb:
             self.runner.set_budget(config.budget_mb)
-        self.seq = convert_sequence(self.runner, self.seq, self._config, config)
+        self.seq = self.runner.convert_sequence(self.seq, self._config, config)
         self._config = config
 
     def reset(self) -> int:

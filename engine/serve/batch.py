@@ -6,12 +6,14 @@ sequence attends over its own pages) and rolls all of them back if it fails.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import CacheConfig
 from engine.kv.layout import MIB
+from engine.kv.layout import KVLayout
 from engine.kv.manager import Sequence as _Seq
 
 
@@ -22,33 +24,47 @@ class Sequence:
     cache_config: CacheConfig
 
 
+@dataclass(eq=False)
+class _Served:
+    """What serving keeps per engine beside the runner: its live handles and the layout block counts are in."""
+    handles: set[Sequence] = field(default_factory=set)
+    layout: KVLayout | None = None
+
+
+_served: "weakref.WeakKeyDictionary[object, _Served]" = weakref.WeakKeyDictionary()     # by runner
+
+
 def _runner(engine):
     return engine.runner
+
+
+def _state(runner) -> _Served:
+    state = _served.get(runner)
+    if state is None:
+        state = _served[runner] = _Served()
+    return state
 
 
 def new_sequence(engine, cache_config: CacheConfig) -> Sequence:
     """An empty sequence with no blocks, in the engine's pool (whose budget the config's budget_mb sets)."""
     runner = _runner(engine)
-    if int(cache_config.budget_mb * MIB) != runner.manager.budget_bytes:
+    if int(cache_config.budget_mb * MIB) != runner.budget_bytes:
         runner.set_budget(cache_config.budget_mb)
     seq = runner.new_sequence(cache_config)
-    runner.serve_layout = seq.layout        # block counts below are in this layout's blocks
     handle = Sequence(seq, cache_config)
-    _handles(runner).add(handle)
+    state = _state(runner)
+    state.layout = seq.layout               # block counts below are in this layout's blocks
+    state.handles.add(handle)
     return handle
 
 
 def _handles(runner) -> set:
-    if not hasattr(runner, "serve_handles"):
-        runner.serve_handles = set()
-    return runner.serve_handles
+    return _state(runner).handles
 
 
 def match_prefix(engine, handle: Sequence, ids: list[int]) -> int:
     """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass."""
-    runner = _runner(engine)
-    with runner.lock:
-        return runner.manager.match_prefix(handle.seq, ids)
+    return _runner(engine).match_prefix(handle.seq, ids)
 
 
 def step(engine, items: list[tuple[Sequence, list[int]]], decode: list[bool] | None = None) -> list[torch.Tensor]:
@@ -62,14 +78,12 @@ def step(engine, items: list[tuple[Sequence, list[int]]], decode: list[bool] | N
 def blocks_needed(engine, handle: Sequence, num_new: int) -> int:
     """Blocks the sequence must add to take num_new more tokens (a shared partial block counts: it is copied)."""
     seq = handle.seq
-    m = _runner(engine).manager
     need = max(0, seq.layout.blocks_for(seq.seq_len + num_new) - len(seq.block_table))
-    return need + int(num_new > 0 and m.shared_partial(seq))
+    return need + int(num_new > 0 and _runner(engine).shared_partial(seq))
 
 
 def _block_bytes(engine) -> int:
-    runner = _runner(engine)
-    layout = getattr(runner, "serve_layout", None)
+    layout = _state(_runner(engine)).layout
     if layout is None:
         raise RuntimeError("no sequence was opened on this engine yet: call new_sequence first")
     return layout.block_bytes
@@ -79,15 +93,13 @@ def num_free_blocks(engine) -> int:
     """Blocks of the budget no request holds: prefix blocks kept only for reuse count as free (as in vLLM), and
     so do the blocks of idle app conversations on the same engine, which give them back when asked."""
     runner = _runner(engine)
-    m = runner.manager
     keep = {h.seq.seq_id for h in _handles(runner)}
-    return max(0, (m.free_bytes() + m.reclaimable_bytes(keep)) // _block_bytes(engine))
+    return max(0, runner.room_bytes(keep) // _block_bytes(engine))
 
 
 def num_blocks(engine) -> int:
     """All blocks the budget holds."""
-    m = _runner(engine).manager
-    return m.budget_bytes // _block_bytes(engine)
+    return _runner(engine).budget_bytes // _block_bytes(engine)
 
 
 def fits(engine, handle: Sequence, num_new: int) -> bool:
@@ -114,18 +126,18 @@ def usage(engine) -> float:
 
 def kv_bytes(engine) -> int:
     """Bytes the pool holds."""
-    return _runner(engine).manager.held_bytes
+    return _runner(engine).held_bytes
 
 
 def budget_bytes(engine) -> int:
-    return _runner(engine).manager.budget_bytes
+    return _runner(engine).budget_bytes
 
 
 def kv_bytes_by_layer(engine) -> list[tuple[int, str, str, int]]:
     """(layer, "k" or "v", format label, bytes held) summed over live sequences."""
     runner = _runner(engine)
     totals: dict[tuple[int, str, str], int] = {}
-    for seq in list(runner.manager.sequences.values()):
+    for seq in runner.sequences():
         for layer, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), seq.layout.formats)):
             for comp, fmt, nbytes in (("k", kf.label, k), ("v", vf.label, v)):
                 totals[(layer, comp, fmt)] = totals.get((layer, comp, fmt), 0) + nbytes
@@ -136,7 +148,7 @@ def bytes_by_sequence(engine) -> dict[int, int]:
     """Sequence id -> KV bytes it holds (all layers, K and V), for every live sequence of the engine's pool."""
     runner = _runner(engine)
     return {seq.seq_id: sum(k + v for k, v in runner.layer_bytes(seq))
-            for seq in list(runner.manager.sequences.values())}
+            for seq in runner.sequences()}
 
 
 def sequence_id(handle: Sequence) -> int:
@@ -145,8 +157,7 @@ def sequence_id(handle: Sequence) -> int:
 
 def prefix_cache_counts(engine) -> tuple[int, int]:
     """(tokens looked up, tokens found) in the prefix cache since load."""
-    m = _runner(engine).manager
-    return m.prefix_queries, m.prefix_hits
+    return _runner(engine).prefix_counts()
 
 
 def max_context(engine) -> int:

@@ -1,0 +1,41 @@
+"""RoPE in Python, once: the cos/sin rows of positions, the grown half-table a decode step looks up, and the
+rotation (rotate-half layout, the same values as kernels.apply_rope and the C kernels' tables)."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """cos, sin [N, D] (rotate-half layout), angles in float64 so long streams keep exact differences."""
+    freqs = positions.double()[:, None] * inv_freq.double()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+_tables: dict[tuple[float, ...], tuple[torch.Tensor, torch.Tensor]] = {}      # by inv_freq's values
+_tables_lock = threading.Lock()
+
+
+def rope_table(inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [>= n, D/2] float32 of positions 0, 1, ... (one half of rope_cos_sin's rows, the same
+    values), kept per inv_freq and grown by doubling, so a decode step looks positions up instead of
+    computing a cosine per held token."""
+    with _tables_lock:
+        key = tuple(inv_freq.tolist())
+        cached = _tables.get(key)
+        if cached is None or cached[0].shape[0] < n:
+            size = max(n, 1024, 2 * cached[0].shape[0] if cached is not None else 0)
+            freqs = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq.double().cpu()[None, :]
+            cached = _tables[key] = (freqs.cos().float(), freqs.sin().float())
+        return cached
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] rotated by per-row cos/sin [N, D] (or [1, D]); equals kernels.apply_rope."""
+    n, h, d = x.shape
+    swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
+    half = d // 2
+    folded = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return (x * cos[:, None]).addcmul_(swapped, folded[:, None])

@@ -1,0 +1,51 @@
+"""The seam every attention backend plugs into: one KV layout's attention on one device.
+
+A backend is chosen once per (layout, device) by backends.backend_for, from facts that do not change per
+step (the page formats, the device, whether the C kernels loaded), and owns that layout's page components.
+The runner asks it for three things:
+- attend: one sequence's rows of a step (prompt rows, or anything not batched below);
+- attend_decodes: a run of one-token decodes of this layout, consecutive in the batch (prepare_decodes
+  makes, once per step, what every layer of the run shares);
+- decode: a whole step of one-token decodes of this layout through every layer in one kernel call
+  (None where the model has no kernel table: the runner then runs the forward with `attend`).
+Every method stores the new keys and values, and a sequence's result never depends on the others in the
+batch. A GPU backend, a save / restore exporter or importance scores attach here.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.kv.layout import KVLayout
+from engine.kv.pages import Component
+
+Pages = list[tuple[Component, Component]]          # per layer, the (K, V) components of one layout
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    def __init__(self, layout: KVLayout, comps: Pages, num_heads: int):
+        self.layout, self.comps, self.num_heads = layout, comps, num_heads
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] before RoPE, one sequence's rows (st: its SeqStep); -> [T, Hq, D]."""
+
+    def prepare_decodes(self, steps: list) -> object | None:
+        """What every layer of a run of one-token decodes shares, made once per step (None: nothing)."""
+        return None
+
+    def attend_decodes(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, steps: list,
+                       prepared: object | None) -> torch.Tensor:
+        """q [B, Hq, D], k/v [B, Hkv, D], one token for each of B sequences; -> [B, Hq, D]."""
+        outs = [self.attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], st) for i, st in enumerate(steps)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def decode(self, model, token_ids: torch.Tensor, steps: list, prepared: object | None,
+               attention) -> torch.Tensor | None:
+        """token_ids [B], one decode token per sequence of this layout -> logits [B, vocab] in one kernel call
+        through every layer; the same bits as the forward with `attention` (the step's callback). Here: the
+        model's kernel calls back for each layer's attention."""
+        return model.forward_decode(token_ids, attention=attention)

@@ -1,0 +1,108 @@
+"""Full-precision pages (fp32, fp16, bf16): keys stored rotated at their absolute positions, so a step reads
+every held row once and turns only the sinks. Two backends: torch, and C on the CPU (decode_attend for runs of
+one-token decodes, the whole step in one decode_layers call; prompt rows take the torch path)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_quant
+
+from engine.model.rope import rotate
+from engine.model.transformer import DecodeKernel
+from engine.runtime.attention import softmax_attention
+from engine.runtime.backends.base import AttentionBackend, Pages
+from engine.kv.pages import Component
+
+
+def attend_torch(kc: Component, vc: Component, q, k, v, st) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] before RoPE: store the rotated keys, then read every held row once."""
+    T = q.shape[0]
+    new_rows = st.rows[st.rows.shape[0] - T:]
+    q32 = q.float()
+    kc.write_rows(rotate(k.float(), st.q_cos, st.q_sin), new_rows)
+    vc.write_rows(v, new_rows)
+    k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
+    q_rot = rotate(q32, st.q_cos, st.q_sin)
+    k_all = k_pages.index_select(0, st.rows).float()
+    v_all = v_pages.index_select(0, st.rows).float()
+    if st.n_sink:
+        k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
+    return softmax_attention(q_rot, k_all, v_all, st.decode)
+
+
+class FullPagesTorch(AttentionBackend):
+    name = "full-pages-torch"
+
+    def attend(self, layer, q, k, v, st):
+        kc, vc = self.comps[layer]
+        return attend_torch(kc, vc, q, k, v, st)
+
+
+@dataclass
+class DecodeGroup:
+    """Several sequences' single decode tokens over the same full-precision pages, attended in one kernel call."""
+
+    q_cos: torch.Tensor           # [B, D]
+    q_sin: torch.Tensor
+    sink_cos: torch.Tensor | None  # [B, D] (rows of sequences without sinks: q_cos, unused)
+    sink_sin: torch.Tensor | None
+    n_sink: torch.Tensor          # [B] int32
+    rows: torch.Tensor            # every sequence's page rows, one after another (int64)
+    offsets: torch.Tensor         # [B + 1] int64
+    new_rows: torch.Tensor        # [B] the page rows of the new tokens
+
+    def args(self) -> tuple:
+        """decode_attend's per-step arguments, as cpu_quant.decode_layers takes them."""
+        return self.q_cos, self.q_sin, self.sink_cos, self.sink_sin, self.n_sink, self.new_rows, self.rows, self.offsets
+
+
+def decode_group(steps: list) -> DecodeGroup:
+    """steps: consecutive one-token decode steps of sequences sharing one full-precision layout (CPU)."""
+    sinks = any(st.n_sink for st in steps)
+    cat = torch.cat
+    sizes = torch.tensor([0] + [st.rows.shape[0] for st in steps], dtype=torch.long)
+    return DecodeGroup(
+        cat([st.q_cos for st in steps]), cat([st.q_sin for st in steps]),
+        cat([st.sink_cos if st.n_sink else st.q_cos for st in steps]) if sinks else None,
+        cat([st.sink_sin if st.n_sink else st.q_sin for st in steps]) if sinks else None,
+        torch.tensor([st.n_sink for st in steps], dtype=torch.int32), cat([st.rows for st in steps]).cpu(),
+        sizes.cumsum(0), cat([st.rows[-1:] for st in steps]))
+
+
+def kernel_covers(comps: Pages, num_heads: int) -> bool:
+    """Whether the C decode attention reads these pages: fp32 or bf16 on the CPU, K and V of one dtype."""
+    return all(cpu_quant.can_attend_pages(num_heads, kc.pages["data"]) and vc.pages["data"].dtype == kc.pages["data"].dtype
+               and vc.pages["data"].is_contiguous() for kc, vc in comps)
+
+
+class FullPagesC(FullPagesTorch):
+    """decode_attend rotates, stores and attends one-token decodes in one call per layer (a sequence's result
+    does not depend on the others in the group); the whole step runs in one decode_layers call."""
+    name = "full-pages-c"
+
+    def attend(self, layer, q, k, v, st):
+        if st.one_token_decode:
+            return self.attend_decodes(layer, q, k, v, [st], decode_group([st]))
+        return super().attend(layer, q, k, v, st)
+
+    def prepare_decodes(self, steps):
+        return decode_group(steps)
+
+    def attend_decodes(self, layer, q, k, v, steps, grp: DecodeGroup):
+        kc, vc = self.comps[layer]
+        if q.dtype != torch.float32:
+            q, k, v = q.float(), k.float(), v.float()
+        cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets = grp.args()
+        return cpu_quant.decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, kc.flat_pages(), vc.flat_pages(),
+                                       new_rows, rows, offsets, q.shape[-1] ** -0.5)
+
+    def decode(self, model, token_ids, steps, grp: DecodeGroup, attention):
+        c = model.config
+        pages = [(kc.flat_pages(), vc.flat_pages()) for kc, vc in self.comps]
+
+        def run(table, x):
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, pages,
+                                    *grp.args(), c.head_dim ** -0.5)
+        return model.forward_decode(token_ids, kernel=DecodeKernel("full-pages", run))

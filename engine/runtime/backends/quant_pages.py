@@ -1,0 +1,172 @@
+"""Quantized pages (int8, fp8, int4; any layer may keep full precision): keys stored before RoPE and rotated as
+they are read, at the step's effective positions; a tail per sequence holds the block being filled. Two
+backends: torch (dequantize the held past), and C on the CPU (attn_decode_quant reads the pages in place for a
+one-token decode; the whole step, every layer's attention included, in one QuantStep call when no layer keeps
+full precision)."""
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_quant
+
+from engine.kv.pages import Component
+from engine.model.rope import rope_table, rotate
+from engine.model.transformer import DecodeKernel
+from engine.runtime.attention import softmax_attention
+from engine.runtime.backends.base import AttentionBackend
+from engine.runtime.backends.full_pages import attend_torch as attend_full
+
+
+def key_rope(st) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [P + T, D] at the effective key positions (for keys stored before RoPE), computed once per step."""
+    if st.key_cos is None:
+        cos_h, sin_h = rope_table(st.inv_freq, int(st.key_pos.max()) + 1)
+        cos, sin = cos_h[st.key_pos], sin_h[st.key_pos]
+        device = st.q_cos.device
+        st.key_cos, st.key_sin = torch.cat((cos, cos), -1).to(device), torch.cat((sin, sin), -1).to(device)
+    return st.key_cos, st.key_sin
+
+
+def attend_quantized(kc: Component, vc: Component, q, k, v, st, kernel: bool) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] before RoPE, a layer with a quantized K or V; -> [T, Hq, D]. Attends over the
+    past before writing, since a write may quantize the tail away. kernel: through attn_decode_quant (a one-token
+    decode of a layer whose K and V the C kernel reads), else through torch."""
+    out = decode_kernel(q, k, v, st, *kernel_pages(kc, vc, st)) if kernel else attend_torch(kc, vc, q, k, v, st)
+    store(kc, vc, k, v, st)
+    return out
+
+
+def kernel_pages(kc: Component, vc: Component, st) -> list[cpu_quant.QuantPages]:
+    """The K and V pages as the C decode kernel reads them."""
+    seq = st.res.seq
+    n_full = st.res.first_slot // kc.block_size
+    out = []
+    for c in (kc, vc):
+        data, scale, zero = c.tensors()
+        head = c.heads.get(seq.block_table[0]) if n_full else None
+        out.append(cpu_quant.QuantPages(c.fmt, data, scale, zero, head, c.tails.get(seq.seq_id)))
+    return out
+
+
+def decode_kernel(q, k, v, st, kp, vp) -> torch.Tensor:
+    prep = st.kernel_args
+    if prep is None:          # once per step, shared by the layers
+        seq, bs = st.res.seq, kp.data.shape[1]
+        cos_h, sin_h = rope_table(st.inv_freq, int(st.key_pos.max()) + 1)
+        prep = st.kernel_args = (st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
+                                 st.res.first_slot // bs, bs, cos_h, sin_h, st.key_pos.contiguous(), q.shape[-1] ** -0.5)
+    out = cpu_quant.attn_decode_quant(q[0].float().contiguous(), k[0].float().contiguous(), v[0].float().contiguous(),
+                                      kp, vp, *prep, check=False)
+    return out.view(1, *out.shape)
+
+
+def store(kc: Component, vc: Component, k, v, st) -> None:
+    res, T = st.res, k.shape[0]
+    seq = res.seq
+    new_rows = st.rows[st.rows.shape[0] - T:]
+    for comp, x in ((kc, k), (vc, v)):
+        if comp.fmt.is_quantized:
+            comp.write(seq.seq_id, x, res.first_slot, seq.block_table)
+        elif comp is kc:
+            comp.write_rows(rotate(x.float(), st.q_cos, st.q_sin), new_rows)
+        else:
+            comp.write_rows(x, new_rows)
+
+
+def attend_torch(kc: Component, vc: Component, q, k, v, st) -> torch.Tensor:
+    """The torch path (prefill, GPUs, mixed formats; the decode kernel's reference): dequantize the held past."""
+    res = st.res
+    seq = res.seq
+    k_all, v_all = k.float(), v.float()
+    if st.past_slots.numel():
+        k_all = torch.cat((kc.values(seq.seq_id, seq.block_table, res.first_slot, st.past_slots), k_all))
+        v_all = torch.cat((vc.values(seq.seq_id, seq.block_table, res.first_slot, st.past_slots), v_all))
+    if not kc.fmt.is_quantized:       # stored rotated: only the sinks and the new keys need turning
+        P = st.past_slots.numel()
+        if st.n_sink:
+            k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
+        k_all[P:] = rotate(k_all[P:], st.q_cos, st.q_sin)
+    else:
+        k_all = rotate(k_all, *key_rope(st))
+    return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all, st.decode)
+
+
+class QuantPagesTorch(AttentionBackend):
+    name = "quant-pages-torch"
+
+    def attend(self, layer, q, k, v, st):
+        kc, vc = self.comps[layer]
+        if not (kc.fmt.is_quantized or vc.fmt.is_quantized):      # a layer kept in full precision
+            return attend_full(kc, vc, q, k, v, st)
+        return attend_quantized(kc, vc, q, k, v, st, kernel=False)
+
+
+def kernel_reads(kc: Component, vc: Component) -> bool:
+    """Whether the C quantized decode attention reads this layer's K and V (both quantized, in kinds it knows)."""
+    query = torch.empty(1, kc.head_dim, device=kc.device)       # only its width and device are read
+    return (kc.fmt.is_quantized and vc.fmt.is_quantized
+            and cpu_quant.can_attend_quantized(query, kc.fmt, vc.fmt, kc.full_dtype, kc.pages["data"]))
+
+
+class QuantPagesC(QuantPagesTorch):
+    name = "quant-pages-c"
+
+    def __init__(self, layout, comps, num_heads):
+        super().__init__(layout, comps, num_heads)
+        self.kernel_layers = [kernel_reads(kc, vc) for kc, vc in comps]
+
+    def attend(self, layer, q, k, v, st):
+        if not self.kernel_layers[layer]:
+            return super().attend(layer, q, k, v, st)
+        kc, vc = self.comps[layer]
+        return attend_quantized(kc, vc, q, k, v, st, kernel=st.one_token_decode)
+
+    def decode(self, model, token_ids, steps, prepared, attention):
+        if not all(self.kernel_layers):          # the one-call step takes no full-precision layers: call back
+            return super().decode(model, token_ids, steps, prepared, attention)
+        quant = quant_step(self.comps, steps, model.config.num_heads)
+        c = model.config
+
+        def run(table, x):
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None,
+                                    quant=quant)
+        logits = model.forward_decode(token_ids, kernel=DecodeKernel("quant-pages", run))
+        if logits is not None:
+            finish_quant_step(self.comps, steps, quant)
+        return logits
+
+
+def quant_step(comps, steps: list, num_heads: int) -> cpu_quant.QuantStep:
+    """A decode step's attention over quantized pages, every layer and sequence of one layout, for the one-call
+    step to run in C (cpu_quant.QuantStep). After the kernel, finish_quant_step quantizes the blocks it completed."""
+    fields = [[] for _ in comps]
+    seqs, key_pos = [], []
+    kc = comps[0][0]
+    bs = kc.block_size
+    for st in steps:
+        seq = st.res.seq
+        S = st.res.first_slot
+        sid, n_full = seq.seq_id, S // bs
+        first = seq.block_table[0]
+        for l, (kl, vl) in enumerate(comps):
+            for c in (kl, vl):
+                fields[l].append((c.kernel_static(), c.heads.get(first) if n_full else None, c.tails[sid]))
+        seqs.append(cpu_quant.QuantSeq(st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
+                                       st.key_pos.contiguous(), n_full, S % bs))
+        key_pos.append(int(st.key_pos.max()))
+    cos_h, sin_h = rope_table(steps[0].inv_freq, max(key_pos) + 1)
+    return cpu_quant.QuantStep([f for layer in fields for f in layer], seqs, bs, num_heads, kc.num_heads,
+                               kc.head_dim, cos_h, sin_h, kc.head_dim ** -0.5)
+
+
+def finish_quant_step(comps, steps: list, quant: cpu_quant.QuantStep) -> None:
+    """After quant_step's kernel: each token that filled its block's last row quantizes the block (or keeps it as
+    the head), from the tail and the token's float32 rows, as store() does on the Python path."""
+    bs = comps[0][0].block_size
+    for b, st in enumerate(steps):
+        S = st.res.first_slot
+        if S % bs == bs - 1:
+            seq = st.res.seq
+            for l, (kc, vc) in enumerate(comps):
+                kc.write(seq.seq_id, quant.rows[l, b, 0:1], S, seq.block_table)
+                vc.write(seq.seq_id, quant.rows[l, b, 1:2], S, seq.block_table)

@@ -1,0 +1,141 @@
+"""One step's plan: the order of its items, every item's reservation (committed or rolled back together) and what
+each sequence's attention needs in every layer.
+
+Positions. Every query is rotated at its absolute position (the token's index in the stream) and
+full-precision keys are stored rotated at theirs, so no step rotates stored keys again: RoPE
+scores depend on position differences only, and a window's kept tokens keep their differences
+(StreamingLLM re-positions them as one run). Only the sinks, which stay at their first positions
+while the window moves on, see the query at its in-cache position: a second rotation of q
+(decode) or of the few sink keys (prefill). Quantized keys are stored before RoPE and rotated as
+they are read, at the same effective positions (key_pos).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+
+from engine.kv.layout import KVLayout, absolute_slot, sinks_at_first_positions
+from engine.kv.manager import KVCacheManager, Reservation, Sequence
+from engine.kv.pages import PageStore, page_rows
+from engine.model.rope import rope_cos_sin
+
+
+@dataclass
+class SeqStep:
+    """What every layer needs to attend for one sequence in one step."""
+
+    res: Reservation
+    offset: int                   # the sequence's first row in the step's token batch
+    rows: torch.Tensor            # [P + T] page rows: held past slots (sinks first), then the new slots
+    past_slots: torch.Tensor      # [P] slots of the held past
+    n_sink: int                   # leading rows seen with the query at its in-cache position (0: none differ)
+    q_cos: torch.Tensor           # [T, D] at the new tokens' absolute positions (queries and new keys)
+    q_sin: torch.Tensor
+    sink_cos: torch.Tensor | None  # [T, D] at the new tokens' in-cache positions, when n_sink
+    sink_sin: torch.Tensor | None
+    delta_cos: torch.Tensor | None  # [1, D]: the sinks' extra rotation, when n_sink
+    delta_sin: torch.Tensor | None
+    key_cos: torch.Tensor | None  # [P + T, D] effective key positions, for keys stored before RoPE
+    key_sin: torch.Tensor | None  #   (None until a backend computes them from key_pos)
+    key_pos: torch.Tensor | None = None   # [P + T] int64 on the CPU: those effective positions
+    inv_freq: torch.Tensor | None = None
+    kernel_args: tuple | None = None      # the quantized decode kernel's per-step arguments, made by its first layer
+    decode: bool = True           # one generated token (False: prompt rows, see softmax_attention)
+
+    @property
+    def num_new(self) -> int:
+        return self.res.num_new
+
+    @property
+    def one_token_decode(self) -> bool:
+        return self.decode and self.res.num_new == 1
+
+
+def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantized: bool,
+         decode: bool | None = None) -> SeqStep:
+    seq = res.seq
+    bs = seq.block_size
+    S, N = res.first_slot, seq.num_tokens
+    ws, ns = seq.window()
+    slots, _ = kernels.slot_positions(S, ws, ns)
+    P, T = slots.numel(), res.num_new
+    rows = page_rows(seq.block_table, torch.cat((slots, torch.arange(S, S + T))), bs, device)
+    delta = N - P                                   # absolute minus in-cache position, for every new token
+    n_sink = sinks_at_first_positions(delta, S, seq.geometry.window, ns, seq.sink_blocks, bs)
+    q_pos = torch.arange(N, N + T)
+    q_cos, q_sin = rope_cos_sin(q_pos, inv_freq)
+    sink_cos = sink_sin = d_cos = d_sin = key_cos = key_sin = None
+    if n_sink:
+        sink_cos, sink_sin = rope_cos_sin(q_pos - delta, inv_freq)
+        d_cos, d_sin = rope_cos_sin(torch.tensor([delta]), inv_freq)
+    if quantized:
+        abs_pos = absolute_slot(slots, seq.sink_blocks, seq.evicted, bs)
+        if n_sink:
+            abs_pos[:n_sink] += delta
+        key_pos = torch.cat((abs_pos, q_pos))
+    else:
+        key_pos = None
+    dev = lambda t: None if t is None else t.to(device)
+    return SeqStep(res, offset, rows, slots, n_sink, dev(q_cos), dev(q_sin), dev(sink_cos), dev(sink_sin),
+                   dev(d_cos), dev(d_sin), key_cos, key_sin, key_pos, inv_freq,
+                   decode=T == 1 if decode is None else decode)
+
+
+def decode_first(items: list[tuple[Sequence, list[int]]], decode: list[bool]) -> list[int]:
+    """The batch order of a step's items: decode items first, those of one layout together (one kernel call
+    attends them all); a stable sort, so each kind keeps the caller's order."""
+    layouts: dict[KVLayout, int] = {}
+    for seq, _ in items:
+        layouts.setdefault(seq.layout, len(layouts))
+    return sorted(range(len(items)), key=lambda i: (not decode[i], layouts[items[i][0].layout]))
+
+
+class StepReservation:
+    """Every item's slots, pages and tail snapshot for one step, taken in batch order: commit() adds the tokens
+    to their sequences, rollback() leaves every sequence and page exactly as before. A failure while reserving
+    rolls back what was taken and raises (NoFreeBlocks when the budget cannot take the tokens)."""
+
+    def __init__(self, manager: KVCacheManager, store: PageStore, items: list[tuple[Sequence, list[int]]],
+                 decode: list[bool], inv_freq: torch.Tensor, device):
+        self.manager, self.store, self.items = manager, store, items
+        self.reservations: list[Reservation] = []
+        self.saved: list[tuple[list | None, int | None]] = []     # per item: tails before, a head it starts
+        self.steps: list[SeqStep] = []
+        keep = {s.seq_id for s, _ in items}
+        try:
+            offset = 0
+            for (seq, ids), dec in zip(items, decode):
+                self._reserve(seq, ids, dec, keep, offset, inv_freq, device)
+                offset += len(ids)
+        except BaseException:
+            self.rollback()
+            raise
+
+    def _reserve(self, seq: Sequence, ids: list[int], decode: bool, keep: set[int], offset: int, inv_freq, device):
+        m, store = self.manager, self.store
+        res = m.reserve(seq, len(ids), keep)
+        self.reservations.append(res)
+        store.reserve(seq.layout, m.pool.high_water, seq.layout.budget_blocks(m.budget_bytes) + 1)
+        if res.copied:
+            store.copy_block(seq.layout, res.copied[1], res.copied[2])
+        quantized = seq.layout.quantized_components > 0
+        head_new = quantized and res.first_slot < seq.block_size <= res.first_slot + len(ids)
+        self.saved.append((store.snapshot_tails(seq.layout, seq.seq_id) if quantized else None,
+                           seq.block_table[0] if head_new else None))
+        if quantized:
+            store.open_tails(seq.layout, seq.seq_id)
+        self.steps.append(plan(res, offset, inv_freq, device, quantized, decode))
+
+    def rollback(self) -> None:
+        for i in reversed(range(len(self.reservations))):
+            res = self.reservations[i]
+            if i < len(self.saved) and self.saved[i][0] is not None:
+                self.store.restore_tails(res.seq.layout, res.seq.seq_id, *self.saved[i])
+            self.manager.rollback(res)
+
+    def commit(self, hash_ids: bool) -> None:
+        for (_, ids), res in zip(self.items, self.reservations):
+            self.manager.commit(res, ids if hash_ids else None)
