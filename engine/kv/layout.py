@@ -225,6 +225,13 @@ class WindowGeometry:
             return PREFILL_CHUNK
         return max(self.block_size, min(PREFILL_CHUNK, self.window) // self.block_size * self.block_size)
 
+    def sliding_window_for(self, budget_blocks: int) -> int:
+        """The longest window (whole blocks) that fits in budget_blocks beside these sink blocks while a prompt
+        chunk is in flight: the window and the chunk share what is left, less a block of each for their partial
+        ends. 0 when not even one block fits."""
+        sink_blocks = -(-self.sinks // self.block_size)
+        return max(0, (budget_blocks - sink_blocks - 2) // 2 * self.block_size)
+
     def peak_blocks(self, chunk: int) -> int:
         """Most blocks a windowed conversation holds while a chunk of `chunk` new tokens is in flight."""
         assert self.window is not None

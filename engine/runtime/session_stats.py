@@ -1,0 +1,71 @@
+"""What a session reports after a step: its StatsSnapshot, its share of the engine's KV pool, and the
+forecast of the tokens that still fit. Every byte count comes from what the runner holds."""
+from __future__ import annotations
+
+import time
+
+from engine.events import LayerBytes, PoolStats, StatsSnapshot
+from engine.runtime import memory
+
+
+def tokens_left(session) -> int | None:
+    """More tokens that fit in the budget in this mode (idle conversations released); None when a window bounds
+    the cache instead (any length fits)."""
+    seq = session.seq
+    if session.cache_config.window is not None:
+        return None
+    layout = seq.layout
+    room = session.runner.room_bytes({seq.seq_id}) - (layout.fixed_bytes - seq.side_bytes)
+    in_last = len(seq.block_table) * layout.block_size - seq.seq_len
+    return max(0, room // layout.block_bytes * layout.block_size + in_last)
+
+
+def pool_stats(session) -> PoolStats:
+    v = session.runner.pool_view()
+    mine = {session.seq.seq_id}
+    return PoolStats(
+        budget_bytes=v.budget_bytes, held_bytes=v.held_bytes, free_bytes=v.free_bytes,
+        evictable_blocks=v.evictable_blocks, evictable_bytes=v.evictable_bytes, shared_blocks=v.shared_blocks,
+        blocks_in_use=v.blocks_in_use, prefix_queries=v.prefix_queries, prefix_hits=v.prefix_hits,
+        conversations=tuple((sid, blocks, nbytes, sid in mine) for sid, blocks, nbytes, released in v.sequences
+                            if blocks),
+        released=session.runner.released_count(), storage_bytes=session.runner.storage_bytes())
+
+
+def snapshot(session) -> StatsSnapshot:
+    seq = session.seq
+    c = session.cache_config
+    layout = seq.layout
+    layers = tuple(LayerBytes(i, k, v, kf.label, vf.label)
+                   for i, ((k, v), (kf, vf)) in enumerate(zip(session.runner.layer_bytes(seq), layout.formats)))
+    t = session.turn_times
+    budget = session.runner.budget_bytes
+    free = session.runner.free_bytes()
+    return StatsSnapshot(
+        time_s=time.monotonic(),
+        cache_label=c.label(),            # "auto" stays: the app names it in the user's words
+        layers=layers,
+        kv_bytes=sum(l.k_bytes + l.v_bytes for l in layers),
+        budget_bytes=budget,
+        block_size=c.block_size,
+        blocks_used=len(seq.block_table),
+        blocks_free=max(0, free // layout.block_bytes),
+        blocks_budget=layout.budget_blocks(budget),
+        tokens_in_context=len(session.token_ids),
+        tokens_held=seq.tokens_held,
+        tokens_evicted=seq.num_tokens - seq.tokens_held,
+        tokens_left=tokens_left(session),
+        bytes_per_token=layout.bytes_per_token,
+        prefill_tokens=t.prefill_tokens,
+        prefill_tok_s=t.prefill_tok_s,
+        decode_tok_s=t.decode_tok_s,
+        ttft_s=t.ttft_s,
+        memory=memory.probe(),
+        weight_bytes=session.info.weight_bytes,
+        weights_label=session.info.weights_label,
+        context_tokens=session.info.max_context,
+        full_precision_bytes_per_token=layout.full_precision_bytes_per_token,
+        prefix_reused_tokens=t.reused,
+        pool=pool_stats(session),
+        notice=session.notice,
+    )
