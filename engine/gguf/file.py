@@ -15,13 +15,6 @@ import numpy as np
 from engine.errors import ModelLoadError
 from engine.model.families import gguf_family
 
-# HF parameter name -> GGUF tensor name (per layer, with {i})
-_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}
-
 
 # ggml type id -> (name, values per block, bytes per block) of the types Llama-family files use, so that
 # reading a header needs no `import gguf` (70 ms); any other id is looked up in gguf's own table
@@ -218,7 +211,7 @@ class GGUFFile:
         tensors of kinds kvchat does not read keep a name of their own, so that they still count as a layer."""
         top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                "output.weight": "lm_head.weight"}
-        modules = {v: k for k, v in _LAYER_NAMES.items()}
+        modules = {v: k for k, v in self.family.gguf_tensors.items()}
         out = {}
         for name, t in self.tensors.items():
             parts = name.split(".")
@@ -242,7 +235,7 @@ class GGUFFile:
             return "output.weight"
         _, _, i, rest = hf_name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{i}.{_LAYER_NAMES[module]}.{kind}"
+        return f"blk.{i}.{self.family.gguf_tensors[module]}.{kind}"
 
     def permuted_heads(self, hf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
         """How many heads' rows llama.cpp's converter interleaved in this tensor (unpermute_rows undoes it):

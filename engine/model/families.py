@@ -7,7 +7,7 @@ family's layer do?" reads this table: the loaders, the GGUF reader, the estimate
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.errors import ModelLoadError
@@ -26,13 +26,23 @@ class Description:
 Describe = Callable[[dict, int, int, Rope], Description]
 
 
-@dataclass(frozen=True, slots=True)
+# a layer's Hugging Face module -> llama.cpp's tensor name (blk.{i}.<name>.weight); a family that stores q, k, v or
+# gate, up fused (Phi-3: attn_qkv, ffn_up holding gate and up) names its own modules here
+LLAMA_TENSORS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+@dataclass(frozen=True, slots=True, eq=False)       # each family is one object: compared as itself
 class Family:
     name: str
     model_types: tuple[str, ...]          # config.json's model_type(s); the first is the one a GGUF reads as
     gguf_arch: str                        # a GGUF's general.architecture (also the prefix of its keys)
     gguf_permuted_qk: bool                # llama.cpp's converter interleaved the q / k rows of each head
     describe: Describe
+    gguf_tensors: dict[str, str] = field(default_factory=lambda: LLAMA_TENSORS)
 
 
 def _llama(cfg: dict, n_layers: int, head_dim: int, rope: Rope) -> Description:
