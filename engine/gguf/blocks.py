@@ -151,8 +151,9 @@ def unpermute_rows(x: np.ndarray, num_heads: int) -> np.ndarray:
     return x.reshape(num_heads, n // num_heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def q8_rows(gf: "GGUFFile", name: str, chunk: int = 2048):
-    """Codes [N, K] int8 and the file's own scales (and zeros) of a 5-8 bit tensor, a chunk of rows at a time.
+def q8_rows(gf, name: str, chunk: int = 2048):
+    """Codes [N, K] int8 and the file's own scales (and zeros) of GGUFFile gf's 5-8 bit tensor `name`, a chunk
+    of rows at a time.
 
     Each value the file holds is code * scale + zero exactly, so the codes are recovered by
     rounding (value - zero) / scale of gguf's own dequantization: nothing is re-quantized.
