@@ -194,6 +194,15 @@ class Session:
         if not self._cached and self.prefix_cache:
             self.turn_times.reused = self.runner.match_prefix(self.seq, self.token_ids)
         prompt = self.token_ids[self._cached:]
+        if not prompt:
+            # the cache already holds the whole prompt (a regenerate that could not fork after its reply's tokens
+            # were cut): its last token is read again for the logits the reply starts from, all of it where the
+            # cache cannot give one token back
+            try:
+                self.runner.truncate(self.seq, 1)
+            except ConfigError:
+                self.runner.free(self.seq)
+            prompt = self.token_ids[self._cached:]
         if overflow.past_context(self, len(prompt)):
             del self.token_ids[kept:]
             yield TurnFinished("", FinishReason.CONTEXT, overflow.context_message(self, len(prompt)), self.stats())
