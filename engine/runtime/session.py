@@ -5,7 +5,7 @@ forward passes and owns the cache; a session holds one `Sequence` of it (and, af
 the sequences of the replies it kept as alternatives).
 
 The statistics a session reports are in engine/runtime/session_stats.py, what it does when the budget or
-the context runs out in engine/runtime/overflow.py. What is left is ~470 lines, past the ~400 the style
+the context runs out in engine/runtime/overflow.py. What is left is ~490 lines, past the ~400 the style
 asks for: the four ways a turn starts (send, regenerate, continue_reply, append) share the conversation's
 token bookkeeping and its undo rules, and read best together.
 """
