@@ -140,3 +140,30 @@ def test_numpy_and_torch_samplers_choose_alike():
                        SamplingParams(temperature=0.8, top_k=1, repetition_penalty=1.2),
                        SamplingParams(temperature=0.8, top_p=1e-6, repetition_penalty=0.8)):
             assert sample_numpy(logits.numpy(), params, recent, rng) == sample(logits, params, recent, None), params
+
+
+def test_the_forward_reads_the_description(tiny_engine):
+    """The torch forward computes what the description says at the model level (embedding scale, final soft-cap)
+    and refuses, naming the field, a layer it does not compute yet rather than running it as a Llama layer."""
+    from engine.model.transformer import Transformer
+    m = tiny_engine.model
+    c = m.config
+
+    def model(config):
+        return Transformer(config, m.table, m.layers, m.norm, m.lm_head, m.dtype, m.device, m.weights)
+
+    def zero_attention(layer, q, k, v):          # no cache: each layer's attention output is zero
+        return torch.zeros_like(q)
+
+    ids = torch.tensor([1, 2, 3])
+    plain = model(c).forward(ids, zero_attention, all_logits=True)
+    capped = model(replace(c, final_softcap=2.0)).forward(ids, zero_attention, all_logits=True)
+    assert torch.allclose(capped, 2.0 * torch.tanh(plain / 2.0), atol=1e-6) and capped.abs().max() < 2.0
+    scaled = model(replace(c, embed_scale=3.0)).forward(ids, zero_attention, all_logits=True)
+    assert not torch.allclose(scaled, plain)
+    assert not model(replace(c, final_softcap=2.0)).config.fused_kernel_ok     # the C step does not cap
+    for change, name in ((dict(qk_norm=True), "qk_norm"), (dict(activation="gelu_tanh"), "activation"),
+                         (dict(norm_offset=1.0), "norm_offset"), (dict(window=64), "window")):
+        layers = (replace(c.layers[0], **change),) + c.layers[1:]
+        with pytest.raises(ModelLoadError, match=f"layer 0 asks for {name}="):
+            model(replace(c, layers=layers))

@@ -1,7 +1,13 @@
-"""Our own compact Llama-family forward pass (llama, mistral, qwen2) over transformers' weights.
+"""Our own compact forward pass over transformers' weights, read from the model's description.
 
 The model never sees the cache layout: each layer hands q, k, v (keys before RoPE) to an
 attention callback that owns positions, rotation, the paged cache and the softmax.
+
+What a layer computes is its LayerSpec (engine/model/spec.py, built by the family registry). This forward
+computes the Llama layer (pre-norm w * RMSNorm, SwiGLU, optional biases, full attention at head_dim ** -0.5),
+plus the model-level embedding scale and final soft-cap; a description asking for more (a (1 + w) norm,
+post-norms, q/k norms, GELU, a soft-capped or windowed layer, partial rotary) is refused at construction,
+naming the field, instead of being computed as a Llama layer.
 """
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import torch
 
 from kernels import cpu_quant
 
+from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
+from engine.model.spec import LayerSpec
 
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -26,6 +34,15 @@ class DecodeKernel:
 
     kind: str
     run: Callable[[object, torch.Tensor], None]
+
+
+def unsupported(spec: LayerSpec, head_dim: int) -> str | None:
+    """The first thing in a layer's description this forward does not compute, or None."""
+    checks = (("norm_offset", spec.norm_offset == 0.0), ("post_norms", not spec.post_norms),
+              ("activation", spec.activation == "silu"), ("qk_norm", not spec.qk_norm),
+              ("window", spec.window is None), ("attn_softcap", spec.attn_softcap is None),
+              ("rope.dims", spec.rope.dims is None), ("query_scale", spec.query_scale == head_dim ** -0.5))
+    return next((f"{name}={getattr(spec, name.split('.')[0])!r}" for name, ok in checks if not ok), None)
 
 
 class Layer:
@@ -47,6 +64,11 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, table, layers: list[Layer], norm: torch.Tensor, lm_head,
                  dtype: torch.dtype, device: str, weights: str, quant: str = ""):
+        for i, spec in enumerate(config.layers):
+            missing = unsupported(spec, config.head_dim)
+            if missing is not None:
+                raise ModelLoadError(f"{config.model_type}: layer {i} asks for {missing}, which kvchat's forward pass "
+                                     f"does not compute yet")
         self.config = config
         self.table = table
         self.layers = layers
@@ -70,7 +92,7 @@ class Transformer:
         c = self.config
         T = token_ids.shape[0]
         q_size = c.num_heads * c.head_dim
-        x = self.table.rows(token_ids).to(self.dtype)
+        x = self._embed(token_ids)
         eps = c.rms_norm_eps
         split = num_decode
         for i, L in enumerate(self.layers):
@@ -85,7 +107,17 @@ class Transformer:
         elif not all_logits:
             x = x[-1:]
             split = None
-        return self.lm_head.fused(x, norm=self.norm, eps=eps, split=split).float()
+        return self._capped(self.lm_head.fused(x, norm=self.norm, eps=eps, split=split).float())
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden] in the model dtype, times the description's embedding scale (Gemma: sqrt(hidden))."""
+        x = self.table.rows(token_ids).to(self.dtype)
+        return x if self.config.embed_scale == 1.0 else x * self.config.embed_scale
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The description's final soft-cap: cap * tanh(logits / cap) (Gemma 2); None leaves them as they are."""
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _split_qkv(self, qkv: torch.Tensor):
         """[T, (Hq + 2 Hkv) D] -> views q [T, Hq, D], k and v [T, Hkv, D]."""
@@ -100,7 +132,8 @@ class Transformer:
         does not cover this model: weights not all packed, biases, 16-bit activations, another device."""
         if not self._kernel_checked:
             self._kernel_checked = True
-            if self.device == "cpu" and self.dtype == torch.float32 and cpu_quant.available():
+            if self.device == "cpu" and self.dtype == torch.float32 and cpu_quant.available() \
+                    and self.config.fused_kernel_ok:
                 rows = []
                 for L in self.layers:
                     slots = [lin.kernel_parts() for lin in (L.qkv, L.o, L.gate_up, L.down)]
@@ -125,7 +158,7 @@ class Transformer:
         c = self.config
         if table is None:
             return None
-        x = self.table.rows(token_ids).to(self.dtype).contiguous()
+        x = self._embed(token_ids).contiguous()
         if kernel is not None:
             kernel.run(table, x)
         else:
@@ -134,7 +167,7 @@ class Transformer:
                 return attention(layer, *self._split_qkv(qkv.clone())).to(self.dtype)
             cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None,
                                     attend=attend)
-        return self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float()
+        return self._capped(self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float())
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold resident: packed codes, scales, norms and the embedding table."""
