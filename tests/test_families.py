@@ -167,3 +167,14 @@ def test_the_forward_reads_the_description(tiny_engine):
         layers = (replace(c.layers[0], **change),) + c.layers[1:]
         with pytest.raises(ModelLoadError, match=f"layer 0 asks for {name}="):
             model(replace(c, layers=layers))
+
+
+def test_the_numpy_rope_twin_gives_the_torch_rope_values():
+    """The one-shot path's RoPE rows (numpy, no torch) are the engine's, bit for bit, far into a long stream."""
+    from engine.model.rope import rope_cos_sin
+    from engine.model.spec import rope_cos_sin_numpy
+    inv_freq = Rope(500000.0, ("llama3", 32.0, 1.0, 4.0, 8192)).frequencies(64)
+    positions = np.array([0, 1, 2, 17, 1000, 8191, 8192, 65_535, 131_071])
+    cos_np, sin_np = rope_cos_sin_numpy(positions, inv_freq)
+    cos_t, sin_t = rope_cos_sin(torch.from_numpy(positions), torch.from_numpy(inv_freq))
+    assert np.array_equal(cos_np, cos_t.numpy()) and np.array_equal(sin_np, sin_t.numpy())

@@ -96,9 +96,10 @@ class LayerSpec:
                 and not self.has_bias)
 
 
-def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def rope_cos_sin_numpy(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [N, D] float32 of positions [N] over a Rope.frequencies table [D/2], in the rotate-half layout
-    (frequency i at columns i and i + D/2), angles in float64: the numpy twin of the torch path's table."""
+    (frequency i at columns i and i + D/2), angles in float64: engine/model/rope.py's rope_cos_sin for the
+    torch-free one-shot path (same arguments, same values: tests/test_families.py holds them equal)."""
     freqs = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
     emb = np.concatenate((freqs, freqs), axis=-1)
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)

@@ -30,7 +30,7 @@ from engine.gguf.blocks import packed_matrix
 from engine.gguf.file import GGUFFile
 from engine.model.config import ModelConfig
 from engine.model.source import locate
-from engine.model.spec import rope_cos_sin
+from engine.model.spec import rope_cos_sin_numpy
 from engine.plan.fit import check_fits
 from engine.runtime.sampling import sample_numpy
 from engine.text.chat_format import clean_text, encode_conversation, stop_ids, tokenize_pieces
@@ -168,7 +168,7 @@ class QuickModel:
 
     def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin [N, D] float32 (rotate-half layout), angles in float64: the engine's RoPE table."""
-        return rope_cos_sin(self.inv_freq, positions)
+        return rope_cos_sin_numpy(positions, self.inv_freq)
 
 
 class QuickSequence:
