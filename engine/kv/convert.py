@@ -38,15 +38,13 @@ def convert_sequence(m: KVCacheManager, store: PageStore, seq: Sequence, old: Ca
                           f"{new.block_size} tokens in {new.label()}: raise the budget")
     if layout.block_size == seq.layout.block_size:
         m.apply_window(seq, geometry)     # first drop what the new window does not keep
-    else:
-        seq.geometry = geometry
     if layout == seq.layout:
         return seq
-    return _relayout(m, store, seq, layout, new, inv_freq, close, drop_unused_layouts)
+    return _relayout(m, store, seq, layout, geometry, new, inv_freq, close, drop_unused_layouts)
 
 
-def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayout, new: CacheConfig,
-              inv_freq: torch.Tensor, close, drop_unused_layouts) -> Sequence:
+def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayout, geometry: WindowGeometry,
+              new: CacheConfig, inv_freq: torch.Tensor, close, drop_unused_layouts) -> Sequence:
     n = seq.seq_len
     need = layout.blocks_for(n) * layout.block_bytes + layout.side_bytes(n, n >= layout.block_size)
     room = m.free_bytes() + m.reclaimable_bytes({seq.seq_id}) + m.sequence_bytes(seq)
@@ -76,8 +74,7 @@ def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayo
                 pair.append(("write", values))
         carried.append(pair)
     num_tokens, evicted, sink_blocks, keep_head = seq.num_tokens, seq.evicted, seq.sink_blocks, seq.has_head
-    child = m.new_sequence(layout, seq.geometry)     # registered first, so its layout's pages stay
-    child.sink_blocks = sink_blocks
+    child = m.new_sequence(layout, geometry, sink_blocks)     # registered first, so its layout's pages stay
     close(seq)
     try:
         res = m.reserve(child, n)

@@ -141,8 +141,10 @@ class KVCacheManager:
 
     # ---- sequences ----------------------------------------------------------------------
 
-    def new_sequence(self, layout: KVLayout, geometry: WindowGeometry) -> Sequence:
-        seq = Sequence(layout, geometry, geometry.sink_blocks)
+    def new_sequence(self, layout: KVLayout, geometry: WindowGeometry, sink_blocks: int | None = None) -> Sequence:
+        """A sequence holding nothing yet; sink_blocks: where a converted sequence's sinks already are (they stay
+        at the blocks they were kept in, whatever the new window says), else the geometry's."""
+        seq = Sequence(layout, geometry, geometry.sink_blocks if sink_blocks is None else sink_blocks)
         seq.last_used = next(self._clock)
         self.sequences[seq.seq_id] = seq
         return seq
