@@ -18,7 +18,6 @@ BENCHES = {
     "memory": "bench.memory",
     "quality": "bench.quality",
     "passkey": "bench.passkey",
-    "kernels": "bench.kernels",
     "serve": "bench.serve",
 }
 
@@ -180,7 +179,7 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
     plan = sub.add_parser("estimate", help="KV and weight memory of a model and context, before loading it")
     estimate.add_arguments(plan)
     plan.set_defaults(func=estimate.cmd_estimate)
-    bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, kernels, serve)")
+    bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, serve)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
         p = bsub.add_parser(name)

@@ -1,7 +1,8 @@
-"""Cache kernels: Triton on CUDA, the torch reference elsewhere, behind one dispatch point.
+"""Cache kernels behind one dispatch point: the page store in Triton on CUDA, in torch elsewhere.
 
 Triton is imported lazily, only when a CUDA tensor arrives, so `import kernels` works on a
-machine without triton or without a GPU.
+machine without triton or without a GPU. The CUDA decode attention is not here yet: it comes with
+the GPU issue (27), on the engine's own page layout.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ if TYPE_CHECKING:
 # loader (kernels.cpu_lib) serves a one-shot answer without torch (engine.runtime.quick)
 _LAZY = {"reference": ("reference", None), "PageFormat": ("formats", "PageFormat"),
          "bytes_per_block": ("formats", "bytes_per_block"), "page_format": ("formats", "page_format"),
-         **{name: ("reference", name) for name in ("apply_rope", "dequantize", "gather_kv", "merge_attention",
-                                                   "quantize", "rope_cos_sin", "slot_positions")}}
+         **{name: ("reference", name) for name in ("apply_rope", "dequantize", "quantize", "rope_cos_sin",
+                                                   "slot_positions")}}
 
 
 def __getattr__(name: str):
@@ -30,8 +31,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "PageFormat", "page_format", "bytes_per_block",
-    "quantize", "dequantize", "rope_cos_sin", "apply_rope", "slot_positions", "gather_kv", "merge_attention",
-    "paged_decode_attention", "store_blocks", "triton_available",
+    "quantize", "dequantize", "rope_cos_sin", "apply_rope", "slot_positions",
+    "store_blocks", "triton_available",
 ]
 
 
@@ -47,18 +48,6 @@ def triton_available() -> bool:
 
 def _use_triton(t) -> bool:
     return t.is_cuda and triton_available()
-
-
-def paged_decode_attention(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero,
-                           block_tables, seq_lens, window_starts, num_sinks,
-                           inv_freq, sm_scale: float, k_fmt: PageFormat, v_fmt: PageFormat):
-    """q [B, Hq, D] -> out [B, Hq, D], lse [B, Hq] float32; see `reference.paged_decode_attention`."""
-    if _use_triton(q):
-        from .triton_attention import paged_decode_attention as impl
-    else:
-        from .reference import paged_decode_attention as impl
-    return impl(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, block_tables, seq_lens,
-                window_starts, num_sinks, inv_freq, sm_scale, k_fmt, v_fmt)
 
 
 def store_blocks(src, block_ids, data, scale, zero, fmt: PageFormat) -> None:

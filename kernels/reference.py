@@ -1,10 +1,9 @@
-"""Torch references of the cache kernels. Each has the signature of its Triton twin.
+"""Torch references of the cache kernels: page quantize / dequantize and the page store.
 
-The engine runs these on the CPU; on CUDA the dispatch in kernels/__init__.py picks Triton.
+The engine runs these on the CPU; on CUDA the dispatch in kernels/__init__.py picks the Triton
+store (`triton_store.store_blocks`, with this `store_blocks`'s signature).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -153,58 +152,3 @@ def slot_positions(seq_len: int, window_start: int, num_sinks: int, device=None)
     slots = torch.cat((sink, win))
     positions = torch.cat((sink, num_sinks + (win - window_start)))
     return slots, positions
-
-
-def gather_kv(data, scale, zero, fmt: PageFormat, block_table: torch.Tensor, slots: torch.Tensor, block_size: int):
-    """Dequantized K or V of the chosen slots of one sequence: [len(slots), H, D] float32."""
-    nb = int(slots.max().item()) // block_size + 1 if slots.numel() else 0
-    blocks = block_table[:nb].long()
-    pages = dequantize(data[blocks], None if scale is None else scale[blocks],
-                       None if zero is None else zero[blocks], fmt)
-    flat = pages.flatten(0, 1)
-    return flat.index_select(0, slots)
-
-
-def paged_decode_attention(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero,
-                           block_tables, seq_lens, window_starts, num_sinks,
-                           inv_freq, sm_scale: float, k_fmt: PageFormat, v_fmt: PageFormat):
-    """One query token per sequence over its paged, possibly quantized K/V.
-
-    q: [B, Hq, D], already rotated at its own position. Keys are stored before RoPE and rotated
-    here at their in-cache position (see `slot_positions`). block_tables: [B, max_blocks] int32;
-    seq_lens, window_starts, num_sinks: [B] int32. Returns out [B, Hq, D] and the natural-log
-    sum of exp of the scores, lse [B, Hq], both float32, so a caller can merge partial results.
-    """
-    B, Hq, D = q.shape
-    Hkv = k_data.shape[2]
-    bs = k_data.shape[1]
-    group = Hq // Hkv
-    out = torch.zeros(B, Hq, D, dtype=torch.float32, device=q.device)
-    lse = torch.full((B, Hq), -math.inf, dtype=torch.float32, device=q.device)
-    for b in range(B):
-        slots, pos = slot_positions(int(seq_lens[b]), int(window_starts[b]), int(num_sinks[b]), q.device)
-        if slots.numel() == 0:
-            continue
-        k = gather_kv(k_data, k_scale, k_zero, k_fmt, block_tables[b], slots, bs)
-        v = gather_kv(v_data, v_scale, v_zero, v_fmt, block_tables[b], slots, bs)
-        cos, sin = rope_cos_sin(pos, inv_freq)
-        k = apply_rope(k, cos, sin)                                  # [T, Hkv, D]
-        qb = q[b].float().view(Hkv, group, D)
-        scores = torch.einsum("hgd,thd->hgt", qb, k) * sm_scale       # [Hkv, group, T]
-        m = scores.amax(-1, keepdim=True)
-        p = (scores - m).exp()
-        denom = p.sum(-1, keepdim=True)
-        out[b] = (torch.einsum("hgt,thd->hgd", p, v) / denom).reshape(Hq, D)
-        lse[b] = (m + denom.log()).reshape(Hq)
-    return out, lse
-
-
-def merge_attention(out_a, lse_a, out_b, lse_b):
-    """Combine two attention results over disjoint key sets. out: [..., D], lse: [...]."""
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    wa = (lse_a - m).exp()
-    wb = (lse_b - m).exp()
-    total = wa + wb
-    out = (out_a * wa[..., None] + out_b * wb[..., None]) / total.clamp_min(1e-30)[..., None]
-    return out, m + total.log()
