@@ -17,8 +17,7 @@ if TYPE_CHECKING:
 # loader (kernels.cpu_lib) serves a one-shot answer without torch (engine.runtime.quick)
 _LAZY = {"reference": ("reference", None), "PageFormat": ("formats", "PageFormat"),
          "bytes_per_block": ("formats", "bytes_per_block"), "page_format": ("formats", "page_format"),
-         **{name: ("reference", name) for name in ("apply_rope", "dequantize", "quantize", "rope_cos_sin",
-                                                   "slot_positions")}}
+         **{name: ("reference", name) for name in ("dequantize", "quantize")}}
 
 
 def __getattr__(name: str):
@@ -31,7 +30,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "PageFormat", "page_format", "bytes_per_block",
-    "quantize", "dequantize", "rope_cos_sin", "apply_rope", "slot_positions",
+    "quantize", "dequantize",
     "store_blocks", "triton_available",
 ]
 

@@ -125,30 +125,3 @@ def store_blocks(src: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor,
         scale.index_copy_(0, idx, s)
     if z is not None:
         zero.index_copy_(0, idx, z)
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
-    """positions: [T] -> cos, sin: [T, D] float32 (rotate-half layout, halves duplicated)."""
-    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, D]. Rotate-half convention of Hugging Face Llama."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def slot_positions(seq_len: int, window_start: int, num_sinks: int, device=None):
-    """Valid slots of a sequence's block table and their in-cache positions (StreamingLLM).
-
-    Slot j is held if j < num_sinks or window_start <= j < seq_len; a sink keeps position j,
-    a window slot gets num_sinks + (j - window_start). Without a window: (0, 0) -> positions 0..n-1.
-    """
-    sink = torch.arange(min(num_sinks, seq_len), device=device)
-    win = torch.arange(max(window_start, num_sinks), seq_len, device=device)
-    slots = torch.cat((sink, win))
-    positions = torch.cat((sink, num_sinks + (win - window_start)))
-    return slots, positions

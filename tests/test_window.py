@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-import kernels
 from engine import CacheConfig, Engine, EngineConfig
+from engine.kv.pages import slot_positions
 from tiny_models import random_ids as _ids
 
 FP32 = dict(k_format="fp32", v_format="fp32")     # exact comparisons need the 32-bit cache
@@ -63,7 +63,7 @@ def test_positions_are_bounded_and_stream_runs_past_max_positions(engine):
         logits = s.append([t])
         assert torch.isfinite(logits).all()
         ws, ns = s.seq.window()
-        slots, pos = kernels.slot_positions(s.seq.seq_len, ws, ns)
+        slots, pos = slot_positions(s.seq.seq_len, ws, ns)
         highest = max(highest, int(pos.max()) + 1)
     assert s.seq.num_tokens == 300
     assert highest <= 4 + 48 + 16

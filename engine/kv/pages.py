@@ -18,6 +18,19 @@ from kernels.formats import FULL_DTYPES, PageFormat
 from engine.kv.layout import KVLayout
 
 
+def slot_positions(seq_len: int, window_start: int, num_sinks: int, device=None):
+    """Valid slots of a sequence's block table and their in-cache positions (StreamingLLM).
+
+    Slot j is held if j < num_sinks or window_start <= j < seq_len; a sink keeps position j,
+    a window slot gets num_sinks + (j - window_start). Without a window: (0, 0) -> positions 0..n-1.
+    """
+    sink = torch.arange(min(num_sinks, seq_len), device=device)
+    win = torch.arange(max(window_start, num_sinks), seq_len, device=device)
+    slots = torch.cat((sink, win))
+    positions = torch.cat((sink, num_sinks + (win - window_start)))
+    return slots, positions
+
+
 def page_rows(block_table: list[int], slots: torch.Tensor, block_size: int, device) -> torch.Tensor:
     """slots [N] int64 of a sequence -> their rows [N] in flat pages (row = block id * block_size + offset)."""
     table = torch.tensor(block_table, dtype=torch.long)

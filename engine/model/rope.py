@@ -1,5 +1,5 @@
 """RoPE in Python, once: the cos/sin rows of positions, the grown half-table a decode step looks up, and the
-rotation (rotate-half layout, the same values as kernels.apply_rope and the C kernels' tables)."""
+rotation (rotate-half layout: frequency i at columns i and i + D/2, as in the C kernels' tables)."""
 from __future__ import annotations
 
 import threading
@@ -33,7 +33,7 @@ def rope_table(inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D] rotated by per-row cos/sin [N, D] (or [1, D]); equals kernels.apply_rope."""
+    """x [N, H, D] rotated by per-row cos/sin [N, D] (or [1, D]): x cos + rotate_half(x) sin."""
     n, h, d = x.shape
     swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
     half = d // 2

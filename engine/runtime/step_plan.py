@@ -15,11 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-
 from engine.kv.layout import KVLayout, absolute_slot, sinks_at_first_positions
 from engine.kv.manager import KVCacheManager, Reservation, Sequence
-from engine.kv.pages import PageStore, page_rows
+from engine.kv.pages import PageStore, page_rows, slot_positions
 from engine.model.rope import rope_cos_sin
 
 
@@ -60,7 +58,7 @@ def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantize
     bs = seq.block_size
     S, N = res.first_slot, seq.num_tokens
     ws, ns = seq.window()
-    slots, _ = kernels.slot_positions(S, ws, ns)
+    slots, _ = slot_positions(S, ws, ns)
     P, T = slots.numel(), res.num_new
     rows = page_rows(seq.block_table, torch.cat((slots, torch.arange(S, S + T))), bs, device)
     delta = N - P                                   # absolute minus in-cache position, for every new token
