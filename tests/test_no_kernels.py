@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +15,7 @@ import pytest
 
 from engine import SamplingParams
 from fakes import FakeLoader, isolate_app, open_window
+from serve_process import kvchat as _kvchat, start_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "What is the capital of France?"
@@ -27,16 +25,6 @@ DISABLED = "C kernels not loaded (disabled by KVCHAT_NO_CPU_KERNELS): running to
 def _env(no_kernels: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("KVCHAT_NO_CPU_KERNELS", "KVCHAT_NO_QUICK")}
     return {**env, "KVCHAT_NO_CPU_KERNELS": "1"} if no_kernels else env
-
-
-def _kvchat(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", *args]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the status line ---------------------------------------------------------------------------------------------
@@ -119,19 +107,8 @@ def test_a_greedy_chat_turn_without_the_kernels_gives_the_same_reply():
 def test_a_serve_request_without_the_kernels_gives_the_same_completion(tiny_llama, tiny_engine):
     """`kvchat serve` without the kernels answers an OpenAI chat request with the reply a session with them
     gives, and its startup lines on stderr say the kernels are missing."""
-    port = _free_port()
-    proc = subprocess.Popen(_kvchat("serve", "--model", tiny_llama, "--port", str(port)), cwd=ROOT, env=_env(True),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc, base = start_serve(["--model", tiny_llama], env=_env(True), cwd=ROOT)
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.2)
         body = {"model": Path(tiny_llama).name, "temperature": 0, "max_tokens": 12,
                 "messages": [{"role": "user", "content": "Hello! How are you?"}]}
         r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)

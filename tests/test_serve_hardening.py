@@ -3,9 +3,7 @@ no unbounded work on its event loop."""
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -18,6 +16,7 @@ from engine.events import FinishReason
 from engine.serve import protocol
 from engine.serve.scheduler import Finished, Request, TokenOut
 from engine.serve.server import ServeConfig, Server
+from serve_process import kvchat, start_serve
 from test_templates_limits import SPIN, model_with_template, when_system
 
 CACHE = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=0.5)
@@ -246,30 +245,9 @@ def test_a_looping_template_neither_freezes_the_server_nor_outlives_its_deadline
         srv.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kvchat(*args) -> list[str]:
-    return [sys.executable, "-m", "cli.main", *args]
-
-
 def test_sigint_stops_the_server_while_a_template_spins(spin_model):
-    port = _free_port()
-    proc = subprocess.Popen(_kvchat("serve", "--model", spin_model, "--port", str(port), "--budget-mb", "1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    proc, base = start_serve(["--model", spin_model, "--budget-mb", "1"], env=dict(os.environ))
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.2)
         body = {"model": os.path.basename(spin_model), "max_tokens": 2,
                 "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]}
         threading.Thread(target=lambda: httpx.post(base + "/v1/chat/completions", json=body, timeout=60),
@@ -289,7 +267,7 @@ def test_bad_scheduler_sizes_are_refused_before_the_model_loads(tmp_path, flag, 
     """One line naming the flag, exit 2, and no model is even looked for (the path does not exist)."""
     with pytest.raises(ConfigError, match=flag):
         ServeConfig(**{flag[2:].replace("-", "_"): int(value)})
-    out = subprocess.run(_kvchat("serve", "--model", str(tmp_path / "no-such-model"), flag, value),
+    out = subprocess.run(kvchat("serve", "--model", str(tmp_path / "no-such-model"), flag, value),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()

@@ -79,8 +79,7 @@ def family(model_type: str, where: str) -> Family:
     """The family of a config.json model_type; else a ModelLoadError naming it, `where`, and the supported list."""
     f = _BY_MODEL_TYPE.get(model_type)
     if f is None:
-        raise ModelLoadError(f"unsupported architecture {model_type!r} in {where}: kvchat runs the Llama family "
-                             f"({supported()})")
+        raise _unsupported(model_type, where)
     return f
 
 
@@ -88,9 +87,13 @@ def gguf_family(arch: str, where: str) -> Family:
     """The family of a GGUF's general.architecture; else the same ModelLoadError as family()."""
     f = _BY_GGUF_ARCH.get(arch)
     if f is None:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in {where}: kvchat runs the Llama family "
-                             f"({supported()})")
+        raise _unsupported(arch, where)
     return f
+
+
+def _unsupported(name: str, where: str) -> ModelLoadError:
+    return ModelLoadError(f"unsupported architecture {name!r} in {where}: kvchat runs the Llama family "
+                          f"({supported()})")
 
 
 def check_architecture(model_type: str, where: str) -> None:
