@@ -82,3 +82,66 @@ def write_bad_folder(path, model_type: str) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 8}))
     return str(folder)
+
+
+# every feature of each family on by default (see tiny_family_dir); vocab 320 is build_tokenizer's
+_FAMILY_DEFAULTS = {
+    # head_dim 32 with hidden 64 / 4 heads: head_dim != hidden / heads
+    "qwen3": dict(num_hidden_layers=2, head_dim=32, num_key_value_heads=2),
+    # 4 layers alternating sliding / full; query_pre_attn_scalar 24: the query scale is not head_dim ** -0.5
+    "gemma2": dict(num_hidden_layers=4, head_dim=32, num_key_value_heads=2, query_pre_attn_scalar=24,
+                   sliding_window=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   layer_types=["sliding_attention", "full_attention"] * 2),
+    # 6 layers: 5 sliding then 1 full, each kind with its own rope (the full one linearly scaled by 8)
+    "gemma3": dict(num_hidden_layers=6, head_dim=32, num_key_value_heads=1, query_pre_attn_scalar=24,
+                   sliding_window=16, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                       "rope_theta": 1000000.0}}),
+    "phi3": dict(num_hidden_layers=2, num_key_value_heads=2, sliding_window=None),
+}
+
+
+def tiny_family_dir(path, family: str, seed: int = 0, longrope: bool = False, **overrides) -> str:
+    """Write a random-weight Hugging Face folder (config.json, model.safetensors, build_tokenizer's tokenizer) of
+    `family` ("qwen3", "gemma2", "gemma3" as model_type gemma3_text, "phi3"), float32, from transformers' own
+    config class and *ForCausalLM; returns the folder. Small but exercising every feature of the family (see
+    _FAMILY_DEFAULTS); the weights are large (std 0.2) and the norm weights random, so that each feature, and a
+    (1 + w) against w norm, moves the logits. longrope (phi3): LongRoPE short / long factors over an original
+    context of 64 positions, max_position_embeddings 256. Overrides go to the config."""
+    import torch
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config,
+                              Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+               "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
+    if family not in classes:
+        raise ValueError(f"family {family!r}: one of {', '.join(classes)}")
+    config_cls, model_cls = classes[family]
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(folder)
+    fields = dict(vocab_size=len(tok), hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                  tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.2,
+                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                  **_FAMILY_DEFAULTS[family])
+    if longrope:
+        rotary_half = 64 // 4 // 2
+        g = torch.Generator().manual_seed(seed + 1)
+        short = (1.0 + torch.rand(rotary_half, generator=g)).tolist()
+        long = (1.0 + 4 * torch.rand(rotary_half, generator=g)).tolist()
+        fields.update(max_position_embeddings=256, original_max_position_embeddings=64,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
+                                       "long_factor": long})
+    fields.update(overrides)
+    config = config_cls(**fields)
+    torch.manual_seed(seed)
+    model = model_cls(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:    # around 0 for (1 + w) norms, around 1 for w norms: never all ones
+                p.uniform_(-0.3, 0.3) if family.startswith("gemma") else p.uniform_(0.7, 1.3)
+            else:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    return str(folder)
