@@ -151,6 +151,14 @@ def check_cache_for_model(cache: CacheConfig, model: ModelConfig, model_dtype: s
             raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB cannot hold {cache.label()} on this model: "
                               f"reading a prompt into the window needs {need_mb:g} MiB; raise the budget to "
                               f"{need_mb:g} MiB or more, or lower the window")
+    groups = kv_groups(model, cache, model_dtype, device)
+    if len(groups) > 1:
+        peak = hybrid_peak_bytes(groups, WindowGeometry.of(cache).prefill_chunk())
+        if peak > cache.budget_mb * MIB:
+            need_mb = math.ceil(peak / MIB * 10) / 10
+            raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB cannot hold {cache.label()} on this model: "
+                              f"reading a prompt into its sliding layers' windows needs {need_mb:g} MiB; raise the "
+                              f"budget to {need_mb:g} MiB or more")
     return layout
 
 
@@ -254,3 +262,111 @@ def absolute_slot(slot, sink_blocks: int, evicted: int, block_size: int):
     """The token index of a slot, an int or an int64 tensor of slots: slots after the sink blocks moved down by
     the `evicted` blocks that left."""
     return slot + (slot >= sink_blocks * block_size) * (evicted * block_size)
+
+
+# ---- hybrid models: layers with their own windows (Gemma 2 / 3, Phi-3's sliding window) ---------------------------
+
+def layer_geometry(model: ModelConfig, cache: CacheConfig, layer: int) -> WindowGeometry:
+    """What layer `layer` keeps: the smaller of its own window and the user's.
+
+    A model window W (the layer's query at p reads keys p - W < k <= p) keeps W - 1 past tokens and no sinks, at
+    absolute positions. The user's window (cache.window past tokens plus cache.sinks sinks, StreamingLLM) applies
+    instead where it is the smaller one, or where the layer has no window of its own."""
+    own = model.layers[layer].window
+    if own is not None and (cache.window is None or own <= cache.window):
+        return WindowGeometry(cache.block_size, own - 1, 0)
+    return WindowGeometry.of(cache)
+
+
+def layer_windows(model: ModelConfig, cache: CacheConfig) -> tuple[int | None, ...]:
+    """The effective window of every layer (None: the layer holds every token): the smaller of its own and the
+    user's (layer_geometry)."""
+    out = []
+    for i, spec in enumerate(model.layers):
+        own, user = spec.window, cache.window
+        out.append(user if own is None else own if user is None else min(own, user))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """Layers that keep the same tokens (one geometry): one block table per conversation, blocks of its layers
+    only (vLLM's KV cache group)."""
+
+    layers: tuple[int, ...]
+    geometry: WindowGeometry
+    layout: KVLayout                    # the group's layers' formats (layer j of it is model layer layers[j])
+
+
+def kv_groups(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
+              device: str = "cpu") -> tuple[KVGroup, ...]:
+    """The model's KV groups under a cache mode, in order of their first layer; one group for a model whose layers
+    all keep the same tokens (every model without windows of its own)."""
+    full = kv_layout(model, cache, model_dtype, device)
+    by_geometry: dict[WindowGeometry, list[int]] = {}
+    for i in range(model.num_layers):
+        by_geometry.setdefault(layer_geometry(model, cache, i), []).append(i)
+    if len(by_geometry) == 1:
+        (geometry, _), = by_geometry.items()
+        return (KVGroup(tuple(range(model.num_layers)), geometry, full),)
+    return tuple(KVGroup(tuple(ids), g, KVLayout(len(ids), full.num_kv_heads, full.head_dim, full.block_size,
+                                                 full.full_dtype, tuple(full.formats[i] for i in ids)))
+                 for g, ids in by_geometry.items())
+
+
+def _group_bytes(group: KVGroup, num_tokens: int) -> int:
+    g = group.geometry
+    return group.layout.sequence_bytes(num_tokens, g.window, g.sinks)
+
+
+def conversation_bytes(model: ModelConfig, cache: CacheConfig, num_tokens: int, model_dtype: str = "fp32",
+                       device: str = "cpu") -> int:
+    """KV bytes one conversation of num_tokens tokens holds, every group's blocks and full-precision head / tail
+    (KVLayout.sequence_bytes of each group)."""
+    return sum(_group_bytes(g, num_tokens) for g in kv_groups(model, cache, model_dtype, device))
+
+
+def _peak_bytes(group: KVGroup, num_tokens: int) -> int:
+    """The most bytes a windowed group held at any length up to num_tokens (its blocks rise, then level off as they
+    leave): the group's bytes only change at block boundaries, and repeat once the window is full."""
+    g, bs = group.geometry, group.layout.block_size
+    horizon = min(num_tokens, g.window + g.sinks + 2 * bs)
+    return max(_group_bytes(group, n) for n in {*range(0, horizon + 1, bs), *range(1, horizon + 1, bs), horizon})
+
+
+def max_conversation_tokens(model: ModelConfig, cache: CacheConfig, budget_bytes: float, model_dtype: str = "fp32",
+                            device: str = "cpu") -> int | None:
+    """The longest conversation (whole blocks) whose KV fits in budget_bytes at every length on the way, or None
+    when every layer is windowed (it never outgrows what it holds at its window). One group without a window:
+    KVLayout.max_tokens."""
+    groups = kv_groups(model, cache, model_dtype, device)
+    growing = [g for g in groups if g.geometry.window is None]
+    if not growing:
+        return None
+    if len(groups) == 1:
+        return groups[0].layout.max_tokens(budget_bytes)
+    bs = cache.block_size
+    per_block = sum(g.layout.block_bytes for g in growing)
+    fixed = sum(g.layout.fixed_bytes for g in growing)
+
+    def fits(blocks: int) -> bool:
+        n = blocks * bs
+        return blocks * per_block + fixed + sum(_peak_bytes(g, n) for g in groups if g not in growing) <= budget_bytes
+
+    lo, hi = 0, max(0, int(budget_bytes // per_block)) + 1      # fits(lo); not fits(hi)
+    if not fits(0):
+        return 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * bs
+
+
+def hybrid_peak_bytes(groups: tuple[KVGroup, ...], chunk: int) -> int:
+    """Most bytes one conversation of several groups holds while a prompt chunk of `chunk` tokens is in flight and
+    its full groups hold one block: each windowed group its sinks, window and the chunk, each group its sides."""
+    total = 0
+    for g in groups:
+        blocks = 1 if g.geometry.window is None else g.geometry.peak_blocks(chunk)
+        total += blocks * g.layout.block_bytes + g.layout.fixed_bytes
+    return total
