@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from PySide6.QtCore import QCoreApplication
 
 from engine.config import CacheConfig
+from engine.kv.layout import conversation_bytes
 
 from app.bar_widgets import format_mib
 
@@ -112,7 +113,8 @@ class WindowSuggestion:
 def suggest_window(tokens: list[int], layout, context: int, sinks: int, format_label: str) -> WindowSuggestion | None:
     """The smallest power-of-two window that keeps most conversations whole, when longer ones exist.
 
-    `layout` is the KVLayout of the chat's formats; its sequence_bytes gives both sides of the comparison."""
+    `layout` is the chat's formats on the model (ConversationBytes, or a KVLayout where every layer keeps the same
+    tokens); its sequence_bytes gives both sides of the comparison."""
     if not tokens:
         return None
     ordered = sorted(tokens)
@@ -130,6 +132,23 @@ def suggest_window(tokens: list[int], layout, context: int, sinks: int, format_l
     total = sum(full[n] for n in tokens) or 1
     return WindowSuggestion(window, sinks, len(long), len(tokens), sum(full[n] for n in long) / total,
                             max(capped.values()), sum(full[n] - capped[n] for n in long), format_label)
+
+
+class ConversationBytes:
+    """What one conversation of n tokens holds on a model in the chat's formats (engine.kv.layout's
+    conversation_bytes, so a hybrid model's sliding layers count their window only), with the user's window and
+    sinks as asked: the `layout` histogram and suggest_window read, cached per length."""
+
+    def __init__(self, model_config, cache: CacheConfig, model_dtype: str, device: str):
+        self.model_config, self.cache, self.model_dtype, self.device = model_config, cache, model_dtype, device
+        self._bytes: dict[tuple[int, int | None, int], int] = {}
+
+    def sequence_bytes(self, num_tokens: int, window: int | None = None, sinks: int = 0) -> int:
+        key = (num_tokens, window, sinks)
+        if key not in self._bytes:
+            cache = self.cache.with_(window=window, sinks=sinks) if window is not None else without_window(self.cache)
+            self._bytes[key] = conversation_bytes(self.model_config, cache, num_tokens, self.model_dtype, self.device)
+        return self._bytes[key]
 
 
 def without_window(cache: CacheConfig) -> CacheConfig:

@@ -15,7 +15,7 @@ from engine.kv.layout import kv_layout
 from app.bar_widgets import BarRows, Column, ColumnChart, Row, format_mib
 from app.history import ConversationLength
 from app.i18n import cache_label
-from app.lengths_data import WindowSuggestion, histogram, suggest_window, without_window
+from app.lengths_data import ConversationBytes, WindowSuggestion, histogram, suggest_window, without_window
 
 COUNT_COLOUR, BYTES_COLOUR = "#94a3b8", "#7e22ce"
 
@@ -76,6 +76,7 @@ class LengthsView(QWidget):
             self._clear(self.tr("Cannot size these conversations on this model: {error}").format(error=exc))
             return
         label = cache_label(base).replace("auto", layout.full_dtype)
+        layout = ConversationBytes(model_config, base, model_dtype, device)     # hybrid layers count their window
         self.bins = histogram(counted, layout.sequence_bytes)
         total_bytes = sum(b.num_bytes for b in self.bins) or 1
         total = len(counted) or 1

@@ -13,7 +13,8 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSli
                                QVBoxLayout, QWidget)
 
 from engine.config import CacheConfig, ConfigError
-from engine.kv.layout import MIB, kv_layout
+from engine.kv.layout import MIB, conversation_bytes, kv_groups, kv_layout, max_conversation_tokens
+from engine.plan.estimate import growth_bytes_per_token
 
 from app.bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_family, format_mib
 from app.i18n import cache_label, value_name
@@ -43,11 +44,15 @@ def plan_bars(model_config, model_dtype: str, device: str, cache: CacheConfig, t
     for name, k, v in PLAN_FORMATS:
         option = cache.with_(k_format=k, v_format=v)
         layout = kv_layout(model_config, option, model_dtype, device)
+        groups = kv_groups(model_config, option, model_dtype, device)
         if k == "auto":                 # named as Settings and the status line name it; its dtype in the tooltip
             name = value_name("auto")
-        bars.append(PlanBar(name, option, layout.sequence_bytes(tokens, cache.window, cache.sinks),
-                            layout.sequence_bytes(now_tokens, cache.window, cache.sinks), layout.bytes_per_token,
-                            None if cache.window is not None else layout.max_tokens(budget_bytes), layout.full_dtype))
+        # a hybrid model's sliding layers stay flat at their window: a token adds only its global layers' bytes
+        per_token = layout.bytes_per_token if len(groups) == 1 else growth_bytes_per_token(groups)
+        bars.append(PlanBar(name, option, conversation_bytes(model_config, option, tokens, model_dtype, device),
+                            conversation_bytes(model_config, option, now_tokens, model_dtype, device), per_token,
+                            max_conversation_tokens(model_config, option, budget_bytes, model_dtype, device),
+                            layout.full_dtype))
     return bars
 
 

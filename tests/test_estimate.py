@@ -8,7 +8,8 @@ import pytest
 
 from cli.terminal import main as cli_main
 from engine.config import ConfigError
-from engine.plan.estimate import (FORMATS, PRESETS, GIB, MIB, estimate, largest_context, model_facts, parameter_count)
+from engine.plan.estimate import (FORMATS, GIB, MIB, estimate, largest_context, model_facts, parameter_count)
+from engine.plan.presets import preset
 from engine.kv.layout import kv_layout
 from engine.plan.estimate import cache_for
 
@@ -40,7 +41,7 @@ def test_batch_multiplies_kv_and_total_adds_weights():
 @pytest.mark.parametrize("name, published", [
     ("llama-3.1-8b", 8_030_261_248), ("llama-2-7b", 6_738_415_616), ("smollm2-135m", 134_515_008)])
 def test_preset_parameter_counts_match_the_published_models(name, published):
-    assert parameter_count(PRESETS[name]) == published
+    assert parameter_count(preset(name)) == published
 
 
 def test_default_model_preset_matches_its_gguf_header():
@@ -52,7 +53,7 @@ def test_default_model_preset_matches_its_gguf_header():
 
 
 def test_largest_context_is_the_last_token_count_that_fits():
-    layout = kv_layout(PRESETS["smollm2-135m"], cache_for("int4"), "fp32", "cpu")
+    layout = kv_layout(preset("smollm2-135m"), cache_for("int4"), "fp32", "cpu")
     budget = 37 * MIB
     n = largest_context(layout, budget)
     assert layout.sequence_bytes(n) <= budget < layout.sequence_bytes(n + 1)
@@ -61,7 +62,7 @@ def test_largest_context_is_the_last_token_count_that_fits():
 
 
 def test_window_bounds_memory_unless_even_the_window_does_not_fit():
-    layout = kv_layout(PRESETS["smollm2-135m"], cache_for("fp16", window=256, sinks=4), "fp32", "cpu")
+    layout = kv_layout(preset("smollm2-135m"), cache_for("fp16", window=256, sinks=4), "fp32", "cpu")
     assert largest_context(layout, 64 * MIB, 256, 4) is None
     peak = max(layout.sequence_bytes(n, 256, 4) for n in range(1, 600))
     tight = largest_context(layout, peak - 1, 256, 4)
@@ -176,7 +177,7 @@ def test_estimate_and_fit_check_agree_for_a_folder_and_hold_what_the_engine_load
 
 def test_fit_check_knows_what_each_weights_choice_holds():
     from engine.plan.fit import resident_bytes
-    mc = PRESETS["smollm2-135m"]
+    mc = preset("smollm2-135m")
     params, packed = parameter_count(mc), 80 * MIB
     assert resident_bytes(mc, packed, "auto", "cpu") == packed                   # a GGUF kept packed
     assert resident_bytes(mc, packed, "dense", "cpu") == 4 * params              # fp32 reference

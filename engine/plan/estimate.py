@@ -19,44 +19,11 @@ from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 from engine.plan.fit import (FREE_SHARE, RUNTIME_BYTES, margin_for, model_dtype_for, parameter_count, resident_bytes,
                              safetensors_summary)
+from engine.plan.presets import PRESET_CONFIGS, preset
 from engine.units import GIB, MIB, format_size
 
 FORMATS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
 MAX_SEARCH_TOKENS = 1 << 31
-
-
-def _preset(model_type, vocab, hidden, layers, heads, kv_heads, intermediate, context, tie, head_dim=None,
-            theta=10000.0) -> ModelConfig:
-    return ModelConfig(model_type=model_type, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
-                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim or hidden // heads,
-                       intermediate_size=intermediate, rms_norm_eps=1e-5, rope_theta=theta, rope_scaling=(),
-                       max_position_embeddings=context, tie_word_embeddings=tie, qkv_bias=model_type == "qwen2",
-                       o_bias=False, mlp_bias=False)
-
-
-# Published config.json values (vocab_size, hidden_size, num_hidden_layers, num_attention_heads,
-# num_key_value_heads, intermediate_size, max_position_embeddings, tie_word_embeddings) of each
-# model's Hugging Face repository.
-PRESETS: dict[str, ModelConfig] = {
-    # meta-llama/Llama-2-7b-hf: the README's "7B with 32 KV heads" (no grouped-query attention)
-    "llama-2-7b": _preset("llama", 32000, 4096, 32, 32, 32, 11008, 4096, False),
-    # meta-llama/Llama-3.1-8B: 128256, 4096, 32, 32, 8, 14336, 131072, false (rope_theta 500000)
-    "llama-3.1-8b": _preset("llama", 128256, 4096, 32, 32, 8, 14336, 131072, False, theta=500000.0),
-    # meta-llama/Llama-3.1-70B: 128256, 8192, 80, 64, 8, 28672, 131072, false
-    "llama-3.1-70b": _preset("llama", 128256, 8192, 80, 64, 8, 28672, 131072, False, theta=500000.0),
-    # meta-llama/Meta-Llama-3-70B: as 3.1 with max_position_embeddings 8192
-    "llama-3-70b": _preset("llama", 128256, 8192, 80, 64, 8, 28672, 8192, False, theta=500000.0),
-    # Qwen/Qwen2.5-7B: 152064, 3584, 28, 28, 4, 18944, 131072, false (qkv bias)
-    "qwen2.5-7b": _preset("qwen2", 152064, 3584, 28, 28, 4, 18944, 131072, False, theta=1000000.0),
-    # mistralai/Mistral-7B-v0.3: 32768, 4096, 32, 32, 8, 14336, 32768, false
-    "mistral-7b-v0.3": _preset("mistral", 32768, 4096, 32, 32, 8, 14336, 32768, False, theta=1000000.0),
-    # HuggingFaceTB/SmolLM2-135M: 49152, 576, 30, 9, 3, 1536, 8192, true
-    "smollm2-135m": _preset("llama", 49152, 576, 30, 9, 3, 1536, 8192, True, theta=100000.0),
-    # HuggingFaceTB/SmolLM2-360M: 49152, 960, 32, 15, 5, 2560, 8192, true
-    "smollm2-360m": _preset("llama", 49152, 960, 32, 15, 5, 2560, 8192, True, theta=100000.0),
-    # HuggingFaceTB/SmolLM2-1.7B: 49152, 2048, 24, 32, 32, 8192, 8192, true
-    "smollm2-1.7b": _preset("llama", 49152, 2048, 24, 32, 32, 8192, 8192, True, theta=130000.0),
-}
 
 
 def bytes_per_weight(type_name: str) -> float:
@@ -85,8 +52,8 @@ class ModelFacts:
 def model_facts(model: str, weights_type: str = "F16") -> ModelFacts:
     """Facts of "default", a preset name, a .gguf file or a Hugging Face folder; reads headers only."""
     key = model.lower()
-    if key in PRESETS:
-        mc = PRESETS[key]
+    if key in PRESET_CONFIGS:
+        mc = preset(key)
         params = parameter_count(mc)
         per = bytes_per_weight(weights_type)
         return ModelFacts(key, "preset", mc, params, int(params * per),
@@ -189,6 +156,28 @@ def largest_context(layout, budget_bytes: float, window: int | None = None, sink
     return None
 
 
+def window_counts(windows) -> tuple[tuple[int | None, int], ...]:
+    """(window, layers) per distinct window of a per-layer tuple, sliding ones first by window, then the layers
+    that hold every token (None): ((512, 22), (None, 4)) for Gemma-3 1B."""
+    counts: dict[int | None, int] = {}
+    for w in windows:
+        counts[w] = counts.get(w, 0) + 1
+    return tuple(sorted(counts.items(), key=lambda item: (item[0] is None, item[0] or 0)))
+
+
+def describe_windows(windows) -> str:
+    """"22 sliding 512 + 4 global" for a hybrid model; "" when every layer keeps the same tokens."""
+    counts = window_counts(windows)
+    if len(counts) < 2:
+        return ""
+    return " + ".join(f"{n} global" if w is None else f"{n} sliding {w:,}" for w, n in counts)
+
+
+def growth_bytes_per_token(groups) -> float:
+    """KV bytes each token adds once the sliding layers' windows are full: only the groups without a window grow."""
+    return sum(g.layout.bytes_per_token for g in groups if g.geometry.window is None)
+
+
 def _last_fitting(fits, lo: int, hi: int) -> int:
     # fits(lo) holds, fits(hi) does not; bytes never shrink in between
     while hi - lo > 1:
@@ -201,7 +190,8 @@ def _last_fitting(fits, lo: int, hi: int) -> int:
 class FormatEstimate:
     format: str                     # "int8", or "int4/int8" for K int4, V int8
     label: str                      # the layout's own words, e.g. "K int8 (per channel/block) / V int8 (per token)"
-    bytes_per_token: float          # steady state, all layers, K and V, scales included
+    bytes_per_token: float          # what each token adds in steady state, K and V, scales included: every layer,
+                                    # or a hybrid model's layers without a window (the sliding ones stay flat)
     full_precision_bytes: int       # head/tail blocks kept in full precision, per conversation (at most)
     kv_bytes: int                   # the context x batch, exactly what the cache holds
     total_bytes: int                # weights + KV
@@ -233,6 +223,8 @@ class Estimate:
     margin_bytes: int               # runtime allowance + share of memory kept free (engine.plan.fit.margin_for)
     kv_room_bytes: int              # memory - weights - margin: what the KV cache may take
     rows: tuple[FormatEstimate, ...] = field(default_factory=tuple)
+    # (window, layers) of the model's own attention windows: ((512, 22), (None, 4)) for Gemma-3 1B; None: all tokens
+    layer_windows: tuple[tuple[int | None, int], ...] = ()
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -242,7 +234,7 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
              window: int | None = None, sinks: int = 4, k_scheme: str = "channel", fp_layers: tuple[int, ...] = (),
              memory_bytes: int | None = None, memory_source: str = "", device: str = "cpu",
              dtype: str = "auto", weights: str = "auto") -> Estimate:
-    from engine.kv.layout import kv_layout
+    from engine.kv.layout import conversation_bytes, kv_groups, kv_layout, max_conversation_tokens
     if context < 1:
         raise ConfigError(f"context={context}: ask for at least 1 token")
     if batch < 1:
@@ -254,21 +246,29 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
                                   facts.weights_label)
     room = max(0, memory_bytes - weight_bytes - margin)
     model_dtype = model_dtype_for(dtype, device)
+    mc = facts.config
     rows, full = [], ""
     for fmt in formats:
         cache = cache_for(fmt, block_size, window, sinks, k_scheme, fp_layers)
-        layout = kv_layout(facts.config, cache, model_dtype, device)
+        layout = kv_layout(mc, cache, model_dtype, device)
+        groups = kv_groups(mc, cache, model_dtype, device)
         full = layout.full_dtype
-        kv = batch * layout.sequence_bytes(context, window, sinks)
+        kv = batch * conversation_bytes(mc, cache, context, model_dtype, device)
         kinds = {f.label for pair in layout.formats for f in pair}
+        if len(groups) == 1:            # every layer keeps the same tokens: to the token, as before
+            g = groups[0].geometry
+            per_token, longest = layout.bytes_per_token, largest_context(layout, room, g.window, g.sinks, batch)
+        else:                           # the engine's own forecast for layers that keep different tokens
+            per_token = growth_bytes_per_token(groups)
+            longest = max_conversation_tokens(mc, cache, room / batch, model_dtype, device)
         rows.append(FormatEstimate(
-            format=fmt, label=", ".join(sorted(kinds)), bytes_per_token=layout.bytes_per_token,
+            format=fmt, label=", ".join(sorted(kinds)), bytes_per_token=per_token,
             full_precision_bytes=layout.fixed_bytes, kv_bytes=kv, total_bytes=weight_bytes + kv,
-            max_context=largest_context(layout, room, window, sinks, batch), fits=kv <= room))
-    mc = facts.config
+            max_context=longest, fits=kv <= room))
     return Estimate(facts.name, facts.source, mc.model_type, facts.parameters, mc.num_layers, mc.num_kv_heads,
                     mc.head_dim, mc.max_position_embeddings, facts.weights_label, weight_bytes, context, batch,
-                    block_size, window, sinks, device, full, memory_bytes, memory_source, margin, room, tuple(rows))
+                    block_size, window, sinks, device, full, memory_bytes, memory_source, margin, room, tuple(rows),
+                    window_counts(layer.window for layer in mc.layers))
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -282,8 +282,10 @@ def _tokens(n: int | None, trained: int) -> str:
 
 def summarize(e: Estimate) -> str:
     window = f", window {e.window} + {e.sinks} sinks" if e.window is not None else ""
+    hybrid = describe_windows(w for w, n in e.layer_windows for _ in range(n))
     lines = [
-        f"{e.model} ({e.source}): {e.architecture}, {e.parameters / 1e9:.2f} B parameters, {e.num_layers} layers, "
+        f"{e.model} ({e.source}): {e.architecture}, {e.parameters / 1e9:.2f} B parameters, {e.num_layers} layers"
+        f"{f' ({hybrid})' if hybrid else ''}, "
         f"{e.num_kv_heads} KV heads x head_dim {e.head_dim}, trained context {e.trained_context:,}",
         f"weights {format_size(e.weight_bytes)} ({e.weights_label}); context {e.context:,} x batch {e.batch}, "
         f"blocks of {e.block_size}{window}; full-precision blocks in {e.full_dtype}",
@@ -292,6 +294,9 @@ def summarize(e: Estimate) -> str:
         "",
         f"{'format':<10} {'B/token':>12} {'KV':>12} {'total':>12} {'fits':>5}  {'largest context':>22}",
     ]
+    if hybrid:
+        lines.insert(-1, f"B/token: what each token adds once the sliding windows are full (only the "
+                         f"{dict(e.layer_windows).get(None, 0)} global layers grow)")
     for r in e.rows:
         lines.append(f"{r.format:<10} {r.bytes_per_token:>12,.1f} {format_size(r.kv_bytes):>12} {format_size(r.total_bytes):>12} "
                      f"{'yes' if r.fits else 'NO':>5}  {_tokens(r.max_context, e.trained_context):>22}")
@@ -300,7 +305,7 @@ def summarize(e: Estimate) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help=f"default, a .gguf file, a Hugging Face folder, or a preset: {', '.join(PRESETS)}")
+                   help=f"default, a .gguf file, a Hugging Face folder, or a preset: {', '.join(PRESET_CONFIGS)}")
     p.add_argument("--context", type=int, required=True, help="tokens per conversation")
     p.add_argument("--batch", type=int, default=1, help="conversations held at once")
     p.add_argument("--format", default="all",

@@ -26,15 +26,17 @@ def margin_for(memory_bytes: int) -> int:
 
 
 def parameter_count(mc) -> int:
-    """Parameters of a Llama-family model of this shape (norms and biases included)."""
+    """Parameters of a model of this shape: norms and biases included, and per layer its description's extra
+    norms (a q and a k norm of head_dim each; Gemma's norms after attention and after the MLP)."""
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
     attn = mc.hidden_size * (2 * q + 2 * kv)
     bias = (q + 2 * kv) * mc.qkv_bias + mc.hidden_size * mc.o_bias
     mlp = 3 * mc.hidden_size * mc.intermediate_size
     mlp_bias = (2 * mc.intermediate_size + mc.hidden_size) * mc.mlp_bias
     layer = attn + bias + mlp + mlp_bias + 2 * mc.hidden_size
+    extra = sum(2 * mc.head_dim * spec.qk_norm + 2 * mc.hidden_size * spec.post_norms for spec in mc.layers)
     embed = mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2)
-    return mc.num_layers * layer + embed + mc.hidden_size
+    return mc.num_layers * layer + extra + embed + mc.hidden_size
 
 
 def model_dtype_for(dtype: str, device: str) -> str:
