@@ -1,22 +1,25 @@
-"""Write random-weight GGUF files with real architectures' shapes (benchmarks) or tiny ones (tests).
+"""Write GGUF files as llama.cpp's converter and quantizer would: random weights with real architectures' shapes
+(benchmarks) or tiny ones (tests), and a Hugging Face folder's own weights (write_gguf_from_hf).
 
-The files are what llama.cpp's converter and quantizer would write for arch "llama": the same metadata
-keys, GGUF tensor names, q/k rows permuted for llama.cpp's rotary layout, and a per-tensor type mix
-close to llama.cpp's defaults. The tokenizer (every `tokenizer.*` field, chat template included) is
-copied from the default model's GGUF, so llama.cpp and transformers can load the result.
-
-gguf-py quantizes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16 and BF16; Q4_K and Q6_K are quantized here, in
-numpy, into the exact block layouts gguf's dequantizer reads. Their scales are rounded up (not to the
-nearest level) so that every sub-block's grid covers all its values: the error of each weight is then at
-most half a step of its sub-block.
+The files carry llama.cpp's metadata keys and tensor names for their architecture (llama, qwen3, gemma2,
+gemma3, phi3: engine/gguf/arch.py names what each stores), q/k rows permuted for llama.cpp's rotary layout
+where its converter permutes them (llama), Gemma's norms stored as 1 + w as its converter stores them, and a
+per-tensor type mix close to llama.cpp's defaults (bench/gguf_quant.py quantizes). A random model's
+tokenizer (every `tokenizer.*` field, chat template included) is copied from the default model's GGUF and
+padded with unused tokens to the preset's vocabulary; a folder's byte-level BPE tokenizer is written as
+its own. llama.cpp and transformers load the results.
 
     python -m bench.gguf_writer --preset llama-3.2-1b --type Q4_0 [--out PATH]
+
+(~490 lines: the random writer and the folder writer share the metadata, type and name rules above them,
+which is what keeps the two kinds of file alike.)
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
+import json
 import os
 import sys
 import time
@@ -24,114 +27,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType, RopeScalingType
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import quantize as gguf_quantize
 
-QK_K = 256
+from bench.gguf_quant import QK_K, quantize
+
 CHUNK_ELEMENTS = 1 << 24          # rows are generated and quantized ~16M values (64 MiB of fp32) at a time
-
-
-# ----------------------------------------------------------------------------------------- quantizers
-
-def _f16_at_least(v: np.ndarray) -> np.ndarray:
-    """The smallest float16 >= v (v >= 0, float32), returned as float32."""
-    h = v.astype(np.float16)
-    low = h.astype(np.float32) < v
-    if low.any():
-        h[low] = np.nextafter(h[low], np.float16(np.inf))
-    return h.astype(np.float32)
-
-
-def _ceil_ratio(num: np.ndarray, den: np.ndarray, top: int) -> np.ndarray:
-    """ceil(num / den) clipped to 0..top, 0 where den == 0 (den broadcasts against num)."""
-    den = np.broadcast_to(den, num.shape)
-    out = np.zeros(num.shape, dtype=np.float32)
-    np.divide(num, den, out=out, where=den > 0)
-    return np.clip(np.ceil(out), 0, top)
-
-
-def _rows(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % QK_K:
-        raise ValueError(f"expected [rows, K] with K a multiple of {QK_K}, got {x.shape}")
-    return x
-
-
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """float32 [rows, K] (K % 256 == 0) -> Q4_K blocks, uint8 [rows, K // 256 * 144].
-
-    Block of 256 = 8 sub-blocks of 32; w = d * sc_j * q - dmin * mn_j with q in 0..15 and 6-bit sc, mn.
-    """
-    x = _rows(x)
-    rows, k = x.shape
-    b = x.reshape(-1, 8, 32)
-    n = b.shape[0]
-    m = -np.minimum(b.min(axis=-1), 0)                                # [n, 8] >= 0: the sub-block's -min
-    dmin = _f16_at_least(m.max(axis=-1) / 63)                         # [n]
-    mn = _ceil_ratio(m, dmin[:, None], 63)                            # dmin * mn >= m: the grid starts at or below min
-    span = np.maximum(b.max(axis=-1) + dmin[:, None] * mn, 0)         # from the grid's bottom to the max
-    d = _f16_at_least(span.max(axis=-1) / (15 * 63))
-    sc = _ceil_ratio(span / 15, d[:, None], 63)                       # 15 * d * sc >= span: it reaches the max
-    step = (d[:, None] * sc)[..., None]
-    zero = (dmin[:, None] * mn)[..., None]
-    q = np.zeros(b.shape, dtype=np.float32)
-    np.divide(b + zero, step, out=q, where=step > 0)
-    q = np.clip(np.rint(q), 0, 15).astype(np.uint8)
-
-    sc = sc.astype(np.uint8)
-    mn = mn.astype(np.uint8)
-    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
-                             mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
-                             (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=-1)
-    q = q.reshape(n, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
-    blocks = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(n, 2),
-                             dmin.astype(np.float16).view(np.uint8).reshape(n, 2),
-                             scales, qs], axis=-1)
-    return blocks.reshape(rows, k // QK_K * 144)
-
-
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    """float32 [rows, K] (K % 256 == 0) -> Q6_K blocks, uint8 [rows, K // 256 * 210].
-
-    Block of 256 = 16 sub-blocks of 16; w = d * sc_j * (q - 32) with q in 0..63 and int8 sc.
-    """
-    x = _rows(x)
-    rows, k = x.shape
-    b = x.reshape(-1, 16, 16)
-    n = b.shape[0]
-    s = np.abs(b).max(axis=-1) / 31                                   # [n, 16]
-    d = _f16_at_least(s.max(axis=-1) / 127)
-    sc = _ceil_ratio(s, d[:, None], 127)                              # 31 * d * sc >= amax: nothing clips
-    step = (d[:, None] * sc)[..., None]
-    q = np.zeros(b.shape, dtype=np.float32)
-    np.divide(b, step, out=q, where=step > 0)
-    q = (np.clip(np.rint(q), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 128)
-
-    ql = ((q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)).reshape(n, 128)
-    hi = ((q >> 4) & 0x03).reshape(n, 2, 4, 32)
-    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
-    blocks = np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8),
-                             d.astype(np.float16).view(np.uint8).reshape(n, 2)], axis=-1)
-    return blocks.reshape(rows, k // QK_K * 210)
-
-
-def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
-    """float32 [rows, K] -> the bytes (or float16 / float32 values) a GGUF stores for type_name."""
-    if type_name == "F32":
-        return np.asarray(x, dtype=np.float32)
-    if type_name == "Q4_K":
-        return quantize_q4_k(x)
-    if type_name == "Q6_K":
-        return quantize_q6_k(x)
-    return gguf_quantize(np.asarray(x, dtype=np.float32), GGMLQuantizationType[type_name])
 
 
 # ------------------------------------------------------------------------------------ shapes and mixes
 
 @dataclass(frozen=True)
 class ModelShape:
+    """A model's shape as its GGUF stores it. arch: the GGUF architecture (llama, qwen3, gemma3); vocab: the
+    real vocabulary, to which the copied default tokenizer is padded (None: the tokenizer's own); window:
+    Gemma 3's sliding window (every sixth layer global, as llama.cpp reads the arch)."""
     name: str
     layers: int
     hidden: int
@@ -142,12 +52,20 @@ class ModelShape:
     context: int = 8192
     rope_theta: float = 500000.0
     tied: bool = True
+    arch: str = "llama"
+    vocab: int | None = None
+    window: int | None = None
+    rms_norm_eps: float = 1e-5
 
 
 PRESETS = {
     "tiny": ModelShape("tiny", 2, 256, 4, 2, 512, 64, 2048, 10000.0, True),
     "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 32, 8, 8192, 64, 8192, 500000.0, True),
     "llama-3.2-3b": ModelShape("llama-3.2-3b", 28, 3072, 24, 8, 8192, 128, 8192, 500000.0, True),
+    "qwen3-0.6b": ModelShape("qwen3-0.6b", 28, 1024, 16, 8, 3072, 128, 40960, 1e6, True, arch="qwen3",
+                             vocab=151936, rms_norm_eps=1e-6),
+    "gemma-3-1b": ModelShape("gemma-3-1b", 26, 1152, 4, 1, 6912, 256, 32768, 1e6, True, arch="gemma3",
+                             vocab=262144, window=512, rms_norm_eps=1e-6),
 }
 
 # mix name -> (type of the 2-D layer weights, token_embd / output type, general.file_type)
@@ -162,7 +80,10 @@ MIXES: dict[str, tuple[str, str, LlamaFileType]] = {
     "Q6_K": ("Q6_K", "Q6_K", LlamaFileType.MOSTLY_Q6_K),
     "F16": ("F16", "F16", LlamaFileType.MOSTLY_F16),
     "BF16": ("BF16", "BF16", LlamaFileType.MOSTLY_BF16),
+    "F32": ("F32", "F32", LlamaFileType.ALL_F32),
 }
+# llama.cpp's quantizer's type for rows that are not whole 256-value super-blocks (Gemma 3 1B's hidden 1152)
+_SHORT_ROW_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -190,6 +111,23 @@ def tensor_type(mix: str, name: str, layers: int, tied: bool) -> str:
     return base
 
 
+def file_type(mix: str, name: str, numpy_shape: tuple[int, ...], layers: int, tied: bool) -> str:
+    """tensor_type, with llama.cpp's rules for what it cannot hold: 1-D tensors (norms, biases, rope factors)
+    F32, a K-quant of rows that are not whole super-blocks its fallback type."""
+    if len(numpy_shape) == 1:
+        return "F32"
+    kind = tensor_type(mix, name, layers, tied)
+    if kind in _SHORT_ROW_FALLBACK and numpy_shape[-1] % QK_K:
+        kind = _SHORT_ROW_FALLBACK[kind]
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
+    return kind if numpy_shape[-1] % block == 0 else "F32"
+
+
+# a layer's extra tensors beyond the Llama ones, per GGUF architecture: qk: q / k norms, post: Gemma's post-norms
+_QK_NORMS = {"qwen3", "gemma3"}
+_POST_NORMS = {"gemma2", "gemma3"}
+
+
 def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, numpy shape [out, in]) in the order llama.cpp's converter writes them."""
     h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
@@ -197,8 +135,15 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]
     for i in range(shape.layers):
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (q, h)), (p + "attn_k.weight", (kv, h)),
-                (p + "attn_v.weight", (kv, h)), (p + "attn_output.weight", (h, q)), (p + "ffn_norm.weight", (h,)),
-                (p + "ffn_gate.weight", (f, h)), (p + "ffn_up.weight", (f, h)), (p + "ffn_down.weight", (h, f))]
+                (p + "attn_v.weight", (kv, h)), (p + "attn_output.weight", (h, q))]
+        if shape.arch in _QK_NORMS:
+            out += [(p + "attn_q_norm.weight", (shape.head_dim,)), (p + "attn_k_norm.weight", (shape.head_dim,))]
+        if shape.arch in _POST_NORMS:
+            out.append((p + "post_attention_norm.weight", (h,)))
+        out += [(p + "ffn_norm.weight", (h,)), (p + "ffn_gate.weight", (f, h)), (p + "ffn_up.weight", (f, h)),
+                (p + "ffn_down.weight", (h, f))]
+        if shape.arch in _POST_NORMS:
+            out.append((p + "post_ffw_norm.weight", (h,)))
     out.append(("output_norm.weight", (h,)))
     if not shape.tied:
         out.append(("output.weight", (vocab, h)))
@@ -223,7 +168,7 @@ def _weights(name: str, numpy_shape: tuple[int, ...], type_name: str, rng: np.ra
     if len(numpy_shape) == 1:
         return rng.uniform(0.9, 1.1, numpy_shape).astype(np.float32)
     rows, cols = numpy_shape
-    if name.endswith((".attn_q.weight", ".attn_k.weight")):
+    if shape.arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
         w = rng.standard_normal(numpy_shape, dtype=np.float32)
         w *= np.float32(0.02)
         w = permute(w, shape.heads if name.endswith(".attn_q.weight") else shape.kv_heads)
@@ -259,16 +204,37 @@ def _tokenizer_fields(source: str, mtime_ns: int) -> tuple[tuple[str, object, GG
     return tuple(out)
 
 
-def _copy_tokenizer(writer: GGUFWriter, source: Path) -> int:
-    """Copy every tokenizer.* field of `source` into writer; return the vocabulary size."""
-    vocab = 0
-    for key, value, vtype, sub in _tokenizer_fields(str(source), source.stat().st_mtime_ns):
-        writer.add_key_value(key, value, vtype, sub)
-        if key == "tokenizer.ggml.tokens":
-            vocab = len(value)
-    if not vocab:
+def _copy_tokenizer(writer: GGUFWriter, source: Path, vocab: int | None = None) -> int:
+    """Copy every tokenizer.* field of `source` into writer, the vocabulary padded with unused tokens
+    (`<unused{n}>`, type UNUSED, score 0) to `vocab` entries when it is larger; return the vocabulary size."""
+    fields = _tokenizer_fields(str(source), source.stat().st_mtime_ns)
+    tokens = next((value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens"), None)
+    if not tokens:
         raise ValueError(f"{source} has no tokenizer.ggml.tokens")
-    return vocab
+    pad = max(0, (vocab or 0) - len(tokens))
+    padding = {"tokenizer.ggml.tokens": [f"<unused{n}>" for n in range(pad)],
+               "tokenizer.ggml.token_type": [5] * pad, "tokenizer.ggml.scores": [0.0] * pad}
+    for key, value, vtype, sub in fields:
+        if pad and key in padding:
+            value = list(value) + padding[key]
+        writer.add_key_value(key, value, vtype, sub)
+    return len(tokens) + pad
+
+
+def _add_shape_keys(writer: GGUFWriter, arch: str, *, layers: int, hidden: int, heads: int, kv_heads: int,
+                    ffn: int, head_dim: int, context: int, theta: float, eps: float, rotary_dims: int) -> None:
+    """The keys every architecture here stores, in the order llama.cpp's converter writes them."""
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(theta)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_rope_dimension_count(rotary_dims)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
 
 
 @contextlib.contextmanager
@@ -289,38 +255,33 @@ def atomic_writer(path: Path, arch: str):
 
 def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: str, seed: int = 0,
                       vocab_from: str | os.PathLike | None = None) -> Path:
-    """Write a random-weight llama GGUF of `shape` in mix `qtype` to `path` and return the path.
+    """Write a random-weight GGUF of `shape` (its arch) in mix `qtype` to `path` and return the path.
 
     The file appears complete or not at all (written under a temporary name, then renamed). At most one
     tensor's quantized bytes and one chunk of fp32 values are held at a time.
     """
     if isinstance(shape, str):
-        shape = PRESETS[shape]
+        shape = preset(shape)
     if qtype not in MIXES:
         raise ValueError(f"unknown type {qtype!r}: one of {', '.join(MIXES)}")
     if vocab_from is None:
         from engine.model.source import default_gguf_path
         vocab_from = default_gguf_path()
     path = Path(path)
-    with atomic_writer(path, "llama") as writer:
+    with atomic_writer(path, shape.arch) as writer:
         writer.add_name(f"random {shape.name} {qtype}")
-        writer.add_block_count(shape.layers)
-        writer.add_context_length(shape.context)
-        writer.add_embedding_length(shape.hidden)
-        writer.add_feed_forward_length(shape.intermediate)
-        writer.add_head_count(shape.heads)
-        writer.add_head_count_kv(shape.kv_heads)
-        writer.add_rope_freq_base(shape.rope_theta)
-        writer.add_layer_norm_rms_eps(1e-5)
-        writer.add_rope_dimension_count(shape.head_dim)
-        writer.add_key_length(shape.head_dim)
-        writer.add_value_length(shape.head_dim)
+        _add_shape_keys(writer, shape.arch, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+                        kv_heads=shape.kv_heads, ffn=shape.intermediate, head_dim=shape.head_dim,
+                        context=shape.context, theta=shape.rope_theta, eps=shape.rms_norm_eps,
+                        rotary_dims=shape.head_dim)
+        if shape.window:
+            writer.add_sliding_window(shape.window)
         writer.add_file_type(int(MIXES[qtype][2]))
         writer.add_quantization_version(2)
-        vocab = _copy_tokenizer(writer, Path(vocab_from))
+        vocab = _copy_tokenizer(writer, Path(vocab_from), shape.vocab)
         writer.add_vocab_size(vocab)
 
-        plan = [(name, dims, tensor_type(qtype, name, shape.layers, shape.tied))
+        plan = [(name, dims, file_type(qtype, name, dims, shape.layers, shape.tied))
                 for name, dims in _tensors(shape, vocab)]
         for name, dims, kind in plan:
             # the shape is given in numpy order [out, in]; the writer stores it reversed, ggml's [in, out]
@@ -335,12 +296,182 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
     return path
 
 
-def bench_model_path(preset: str, qtype: str) -> Path:
-    """The random `preset` model in mix `qtype`, in the user cache dir: written on the first call, then reused."""
+# ------------------------------------------------------------------------------ a Hugging Face folder
+
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the stored weight)
+_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+
+
+def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype: str = "F32") -> Path:
+    """Write a Hugging Face folder's model (its weights, config and byte-level BPE tokenizer) as the GGUF
+    llama.cpp's converter and quantizer would make of it, in mix `qtype` (MIXES), and return the path.
+
+    A setting llama.cpp does not store but derives from the architecture (Gemma's query scale and window
+    pattern, Gemma 3's local RoPE base) must be the one it derives: else a ValueError says which, since the
+    file would describe another model.
+    """
+    from engine.gguf.arch import GEMMA3_LOCAL_THETA, layer_types, query_pre_attn_scalar
+    from engine.model.families import family
+    from engine.model.source import load_state_dict, read_config
+
+    folder, path = Path(folder), Path(path)
+    if qtype not in MIXES:
+        raise ValueError(f"unknown type {qtype!r}: one of {', '.join(MIXES)}")
+    cfg = read_config(folder)
+    fam = family(cfg.get("model_type"), str(folder / "config.json"))
+    arch = fam.gguf_arch
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    local = rope.get("sliding_attention") if arch == "gemma3" else None
+    if arch == "gemma3":
+        rope = rope.get("full_attention", {})
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rotary = int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
+
+    def derived(what: str, have, llama_cpp) -> None:
+        if have != llama_cpp:
+            raise ValueError(f"{folder.name}: {what} is {have!r}, but llama.cpp derives {llama_cpp!r} for {arch} "
+                             f"(a GGUF does not store it): the file would describe another model")
+
+    state = load_state_dict(folder)
+    tied = bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in state
+    with atomic_writer(path, arch) as writer:
+        writer.add_name(folder.name)
+        _add_shape_keys(writer, arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                        ffn=cfg["intermediate_size"], head_dim=head_dim,
+                        context=cfg.get("max_position_embeddings", 4096), theta=theta,
+                        eps=cfg.get("rms_norm_eps", 1e-6), rotary_dims=rotary)
+        if rtype == "linear":
+            writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
+        elif rtype == "longrope":
+            original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+            scale = cfg["max_position_embeddings"] / original
+            # the converter's attention factor where the config gives none (as transformers computes it)
+            factor = rope.get("attention_factor") or (
+                1.0 if scale <= 1.0 else float(np.sqrt(1 + np.log(scale) / np.log(original))))
+            writer.add_rope_scaling_attn_factors(float(factor))
+            writer.add_rope_scaling_orig_ctx_len(original)
+        elif rtype != "default":
+            raise ValueError(f"{folder.name}: rope type {rtype!r} is not written here (default, linear, longrope)")
+        if arch in ("gemma2", "gemma3"):
+            derived("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", head_dim),
+                    query_pre_attn_scalar(arch, layers, hidden, heads, head_dim))
+            window = cfg.get("sliding_window")
+            expected = layer_types(arch, layers, bool(window))
+            derived("layer_types", list(cfg.get("layer_types") or expected), expected)
+            if window:
+                writer.add_sliding_window(int(window))
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(float(cfg["attn_logit_softcapping"]))
+            writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+        if arch == "gemma3":
+            derived("the sliding layers' rope", (local or {}).get("rope_theta", GEMMA3_LOCAL_THETA), GEMMA3_LOCAL_THETA)
+            if cfg.get("final_logit_softcapping"):
+                writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+        if arch == "phi3" and cfg.get("sliding_window"):
+            writer.add_sliding_window(int(cfg["sliding_window"]))
+        writer.add_file_type(int(MIXES[qtype][2]))
+        writer.add_quantization_version(2)
+        for key, value, vtype, sub in hf_tokenizer_fields(folder):
+            writer.add_key_value(key, value, vtype, sub)
+
+        if rtype == "longrope":     # one divisor per rotated frequency, F32, as the converter writes them
+            for kind in ("long", "short"):
+                writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
+        permuted = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads} if fam.gguf_permuted_qk else {}
+        shift = _NORM_SHIFT.get(arch, 0.0)
+        for name, t in state.items():
+            if name == "lm_head.weight" and tied:
+                continue
+            a = t.float().numpy()
+            gname, module = _gguf_name(name, fam.gguf_tensors)
+            if module in permuted:
+                a = permute(a, permuted[module]) if a.ndim == 2 else permute(a[:, None], permuted[module])[:, 0]
+            if shift and name.endswith("norm.weight"):
+                a = a + np.float32(shift)
+            kind = file_type(qtype, gname, a.shape, layers, tied)
+            data = quantize(np.ascontiguousarray(a), kind) if a.ndim == 2 else np.ascontiguousarray(a)
+            writer.add_tensor(gname, data, raw_shape=data.shape if a.ndim == 2 else None,
+                              raw_dtype=GGMLQuantizationType[kind] if a.ndim == 2 else None)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    return path
+
+
+def _gguf_name(hf_name: str, tensors: dict[str, str]) -> tuple[str, str | None]:
+    """(llama.cpp's name, the layer module or None) of a Hugging Face weight."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name], None
+    _, _, i, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    if module not in tensors:
+        raise ValueError(f"weight {hf_name}: llama.cpp has no tensor for {module!r} in this architecture")
+    return f"blk.{i}.{tensors[module]}.{kind}", module
+
+
+def hf_tokenizer_fields(folder: Path) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
+    """A folder's byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json, its chat template) as the
+    tokenizer.* fields llama.cpp's converter writes: model gpt2, pre-tokenizer gpt-2, every token with its
+    type (special added tokens CONTROL, other added ones USER_DEFINED), the merges, the special ids."""
+    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    model = spec["model"]
+    if model.get("type") != "BPE" or (spec.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"{folder.name}: only a byte-level BPE tokenizer is written here")
+    vocab = dict(model["vocab"])
+    kinds = {}
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        kinds[added["id"]] = 3 if added.get("special") else 4
+    tokens = [None] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        tokens[i] = text
+    if any(t is None for t in tokens):
+        raise ValueError(f"{folder.name}: the vocabulary's ids are not 0..{len(tokens) - 1}")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    S, A, U32, I32, B = (GGUFValueType.STRING, GGUFValueType.ARRAY, GGUFValueType.UINT32, GGUFValueType.INT32,
+                         GGUFValueType.BOOL)
+    out = [("tokenizer.ggml.model", "gpt2", S, None), ("tokenizer.ggml.pre", "gpt-2", S, None),
+           ("tokenizer.ggml.tokens", tokens, A, S),
+           ("tokenizer.ggml.token_type", [kinds.get(i, 1) for i in range(len(tokens))], A, I32),
+           ("tokenizer.ggml.merges", merges, A, S)]
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        text = config.get(name)
+        text = text.get("content") if isinstance(text, dict) else text
+        if text in vocab:
+            out.append((f"tokenizer.ggml.{key}", vocab[text], U32, None))
+    post = spec.get("post_processor") or {}
+    single = post.get("single", []) if post.get("type") == "TemplateProcessing" else []
+    out.append(("tokenizer.ggml.add_bos_token", bool(single) and "SpecialToken" in single[0], B, None))
+    template = folder / "chat_template.jinja"
+    text = template.read_text(encoding="utf-8") if template.is_file() else config.get("chat_template")
+    if text:
+        out.append(("tokenizer.chat_template", text, S, None))
+    return out
+
+
+def preset(name: str) -> ModelShape:
+    """The preset named `name`; a ValueError naming the presets otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def bench_model_path(name: str, qtype: str) -> Path:
+    """The random preset `name` in mix `qtype`, in the user cache dir: written on the first call, then reused."""
     from engine.model.source import cache_root
-    path = cache_root() / "bench-models" / f"{preset}-{qtype}.gguf"
+    shape = preset(name)
+    path = cache_root() / "bench-models" / f"{name}-{qtype}.gguf"
     if not path.is_file():
-        write_random_gguf(path, preset, qtype)
+        write_random_gguf(path, shape, qtype)
     return path
 
 

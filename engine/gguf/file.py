@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import ModelLoadError
-from engine.model.families import gguf_family
+from engine.gguf import arch as arch_fields
+from engine.model.families import gguf_family, supported
 
 
 # ggml type id -> (name, values per block, bytes per block) of the types Llama-family files use, so that
@@ -62,8 +63,6 @@ class GGUFFile:
         except Exception as exc:   # a truncated or foreign file
             raise ModelLoadError(f"{self.path.name} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
                                  f"re-download or re-export it") from exc
-        self.arch = self.field("general.architecture")
-        self.family = gguf_family(str(self.arch), self.path.name)
 
     # header: magic, version, counts, key/value metadata, tensor infos, aligned data
     def _read_header(self) -> None:
@@ -79,6 +78,13 @@ class GGUFFile:
             key, pos = _string(buf, pos)
             (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
             self.fields[key], pos = _value(buf, pos, vtype)
+        # the architecture is known (or refused) before any tensor is looked at
+        self.arch = self.field("general.architecture")
+        self.family = gguf_family(str(self.arch), self.path.name)
+        experts = self.fields.get(f"{self.arch}.expert_count")
+        if experts:          # Mixtral and its kin are written as arch llama with routed experts
+            raise ModelLoadError(f"unsupported architecture {self.arch!r} with {experts} experts in {self.path.name}: "
+                                 f"mixture-of-experts families are not supported yet; kvchat runs {supported()}")
         infos = []
         for _ in range(n_tensors):
             name, pos = _string(buf, pos)
@@ -194,6 +200,7 @@ class GGUFFile:
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": self.field(f"{a}.rope.scaling.factor")}
         elif kind not in ("none", ""):
             raise ModelLoadError(f"{self.path.name}: unsupported rope scaling {kind!r}: kvchat supports none and linear")
+        cfg.update(arch_fields.family_config(self, cfg))
         return cfg
 
     def key_names(self) -> dict[str, str]:
@@ -204,7 +211,7 @@ class GGUFFile:
                 "num_key_value_heads": f"{a}.attention.head_count_kv", "head_dim": f"{a}.attention.key_length",
                 "intermediate_size": f"{a}.feed_forward_length", "max_position_embeddings": f"{a}.context_length",
                 "rms_norm_eps": f"{a}.attention.layer_norm_rms_epsilon", "rope_theta": f"{a}.rope.freq_base",
-                "rope_scaling.factor": f"{a}.rope.scaling.factor"}
+                "rope_scaling.factor": f"{a}.rope.scaling.factor", **arch_fields.key_names(a)}
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape under its Hugging Face name, [out, in] (the reverse of the file's order); a layer's

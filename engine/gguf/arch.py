@@ -1,0 +1,149 @@
+"""What each GGUF architecture stores beyond the Llama keys, read back into config.json's words.
+
+llama.cpp's converter writes a family's settings as `{arch}.*` metadata keys (named by gguf.constants.Keys)
+and derives some of them at load instead of storing them (Gemma's query scale, its window pattern, Gemma 3's
+local RoPE base): `family_config` returns those fields under the names a Hugging Face config.json of the same
+model gives them (transformers' Qwen3Config, Gemma2Config, Gemma3TextConfig, Phi3Config), so that one family
+`describe` reads both sources. The tensor tables name each layer module's llama.cpp tensor
+(gguf.constants.TENSOR_NAMES of the arch's MODEL_TENSORS).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from engine.errors import ModelLoadError
+
+# Hugging Face layer module -> llama.cpp tensor (blk.{i}.<name>.weight), per architecture
+QWEN3_TENSORS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+# Gemma 2 / 3: post_attention_layernorm is the norm *after* attention; the MLP's pre-norm is ffn_norm
+GEMMA2_TENSORS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+}
+GEMMA3_TENSORS = {**GEMMA2_TENSORS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# Phi-3 stores q, k, v as one matrix and gate, up as one (ffn_up holds 2 x intermediate rows: gate first)
+PHI3_TENSORS = {
+    "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+# llama.cpp's defaults where a Gemma 2 file lacks the key (llama_hparams; Gemma 2's published settings)
+GEMMA2_WINDOW = 4096
+GEMMA2_ATTN_SOFTCAP = 50.0
+GEMMA2_FINAL_SOFTCAP = 30.0
+# llama.cpp gives Gemma 3's sliding layers this RoPE base (rope_freq_base_train_swa), unscaled
+GEMMA3_LOCAL_THETA = 10000.0
+# the layer counts llama.cpp reads as the 27B models, whose query scale is (hidden / heads) ** -0.5
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# how often a global layer comes: llama.cpp's set_swa_pattern(n): layer i slides unless i % n == n - 1
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+def query_pre_attn_scalar(arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> int:
+    """Gemma's query_pre_attn_scalar as llama.cpp derives it (f_attention_scale): hidden / heads on the 27B
+    models, head_dim on the others. A GGUF does not store it."""
+    return hidden // heads if layers == _GEMMA_27B_LAYERS.get(arch) else head_dim
+
+
+def layer_types(arch: str, layers: int, windowed: bool) -> list[str]:
+    """config.json's layer_types under llama.cpp's window pattern of `arch`."""
+    n = SWA_PATTERN[arch]
+    return ["sliding_attention" if windowed and i % n != n - 1 else "full_attention" for i in range(layers)]
+
+
+def family_config(gf, base: dict) -> dict:
+    """The fields beyond `base` (hf_config's Llama fields) that the GGUF `gf` of a non-Llama family gives, in
+    config.json's names; {} for the Llama family."""
+    arch = gf.arch
+    reader = _ARCH_FIELDS.get(arch)
+    return reader(gf, arch, base) if reader else {}
+
+
+def key_names(arch: str) -> dict[str, str]:
+    """family_config's fields -> the header's keys, for messages."""
+    return {"sliding_window": f"{arch}.attention.sliding_window",
+            "attn_logit_softcapping": f"{arch}.attn_logit_softcapping",
+            "final_logit_softcapping": f"{arch}.final_logit_softcapping",
+            "original_max_position_embeddings": f"{arch}.rope.scaling.original_context_length",
+            "rope_parameters.attention_factor": f"{arch}.rope.scaling.attn_factor"}
+
+
+def _head_dim(base: dict) -> int:
+    return int(base["head_dim"] or base["hidden_size"] // base["num_attention_heads"])
+
+
+def _gemma(gf, arch: str, base: dict) -> dict:
+    head_dim = _head_dim(base)
+    layers = int(base["num_hidden_layers"])
+    cfg = {"hidden_activation": "gelu_pytorch_tanh",
+           "query_pre_attn_scalar": query_pre_attn_scalar(arch, layers, int(base["hidden_size"]),
+                                                          int(base["num_attention_heads"]), head_dim)}
+    window = gf.fields.get(f"{arch}.attention.sliding_window")
+    if arch == "gemma2":
+        window = GEMMA2_WINDOW if window is None else window
+        cfg["attn_logit_softcapping"] = float(gf.fields.get(f"{arch}.attn_logit_softcapping", GEMMA2_ATTN_SOFTCAP))
+        cfg["final_logit_softcapping"] = float(gf.fields.get(f"{arch}.final_logit_softcapping", GEMMA2_FINAL_SOFTCAP))
+    else:
+        # Gemma 3 has no attention soft-cap; a final one only where the file sets it (0: none, as llama.cpp reads it)
+        final = gf.fields.get(f"{arch}.final_logit_softcapping")
+        cfg["attn_logit_softcapping"] = None
+        cfg["final_logit_softcapping"] = float(final) if final else None
+    windowed = bool(window) and window > 0
+    cfg["sliding_window"] = int(window) if windowed else None
+    cfg["layer_types"] = layer_types(arch, layers, windowed)
+    if arch == "gemma3":
+        # the file's rope keys are the global layers'; the sliding ones turn at the local base, unscaled
+        full = {"rope_type": "default", "rope_theta": float(base["rope_theta"])}
+        scaling = base.get("rope_scaling")
+        if scaling:
+            full.update(rope_type=scaling["rope_type"], factor=scaling["factor"])
+        local = float(gf.fields.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_THETA))
+        cfg["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": local},
+                                  "full_attention": full}
+        cfg["rope_scaling"] = None          # it is the global layers' own, in rope_parameters
+    return cfg
+
+
+def _phi3(gf, arch: str, base: dict) -> dict:
+    head_dim = _head_dim(base)
+    dims = int(gf.fields.get(f"{arch}.rope.dimension_count", head_dim))
+    if not 0 < dims <= head_dim or dims % 2:
+        raise ModelLoadError(f"{gf.path.name}: {arch}.rope.dimension_count is {dims}, not an even number of at most "
+                             f"the head's {head_dim} dimensions: the file is damaged; re-download or re-convert it")
+    rope = {"rope_type": "default", "rope_theta": float(base["rope_theta"]), "partial_rotary_factor": dims / head_dim}
+    cfg = {"hidden_act": "silu", "sliding_window": gf.fields.get(f"{arch}.attention.sliding_window")}
+    long, short = gf.tensors.get("rope_factors_long.weight"), gf.tensors.get("rope_factors_short.weight")
+    if (long is None) != (short is None):
+        raise ModelLoadError(f"{gf.path.name} has only one of rope_factors_long / rope_factors_short: the file is "
+                             f"incomplete; re-download or re-convert it")
+    if long is not None:
+        factors = {k: [float(v) for v in np.asarray(t.data, dtype=np.float32)]
+                   for k, t in (("long_factor", long), ("short_factor", short))}
+        for key, values in factors.items():
+            if len(values) != dims // 2 or not all(math.isfinite(v) and v > 0 for v in values):
+                raise ModelLoadError(f"{gf.path.name}: rope_factors_{key.split('_')[0]} holds {len(values)} values, "
+                                     f"not {dims // 2} positive ones: the file is damaged; re-download or re-convert it")
+        original = gf.fields.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ModelLoadError(f"{gf.path.name} has LongRoPE factors but lacks the metadata key "
+                                 f"'{arch}.rope.scaling.original_context_length': the file is incomplete")
+        rope.update(rope_type="longrope", original_max_position_embeddings=int(original), **factors)
+        factor = gf.fields.get(f"{arch}.rope.scaling.attn_factor")
+        if factor is not None:
+            rope["attention_factor"] = float(factor)
+        cfg["original_max_position_embeddings"] = int(original)
+    cfg["rope_parameters"] = rope
+    cfg["rope_scaling"] = None
+    return cfg
+
+
+_ARCH_FIELDS = {"gemma2": _gemma, "gemma3": _gemma, "phi3": _phi3}
