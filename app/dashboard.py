@@ -13,15 +13,15 @@ import math
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QPointF, QSize, Qt, QTimer
-from PySide6.QtGui import QCursor, QTextDocument
+from PySide6.QtGui import QBrush, QColor, QCursor, QTextDocument
 from PySide6.QtWidgets import (QBoxLayout, QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QStackedWidget,
                                QTabBar, QToolButton, QToolTip, QVBoxLayout, QWidget)
 
 from engine.units import MIB
 
 from app.bar_widgets import FORMAT_COLOURS, format_family, format_mib
-from app.dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, layer_hover_text, nice_ceiling,
-                             series_hover_text, time_span_end, token_room)
+from app.dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, is_hybrid, layer_hover_text,
+                             layer_kinds, nice_ceiling, series_hover_text, time_span_end, token_room)
 from app.event_strip import MARKER_COLOURS, EventStrip
 from app.gauge import TokenGauge
 from app.i18n import label_text, weights_text
@@ -45,6 +45,7 @@ MEMORY_SERIES = {"budget": (QT_TRANSLATE_NOOP("Dashboard", "budget"), "#dc2626",
                  "kv": (QT_TRANSLATE_NOOP("Dashboard", "KV held"), "#2563eb", 2.5, Qt.PenStyle.SolidLine)}  # last: on top
 OPTIONAL_SERIES = ("weights", "torch", "gpu")   # shown only when this machine reports them
 DECODE_COLOUR, PREFILL_COLOUR = "#2563eb", "#ea580c"
+WINDOW_COLOUR = "#7c3aed"               # sliding layers: their legend entry and the line where the window is full
 
 
 class _PlotWidget(pg.PlotWidget):
@@ -304,6 +305,10 @@ class Dashboard(QWidget):
         self.v_bars = pg.BarGraphItem(x=[], height=[], y0=[], width=0.7, pen=None)
         for item in (self.full_bars, self.k_bars, self.v_bars):
             self.layer_plot.addItem(item)
+        # a sliding layer's bar is hatched, and a line across it marks what it holds once its window is full
+        self.window_ticks = pg.PlotDataItem([], [], connect="pairs", pen=pg.mkPen(WINDOW_COLOUR, width=2))
+        self.window_ticks.setZValue(5)
+        self.layer_plot.addItem(self.window_ticks)
         self.budget_line = pg.InfiniteLine(angle=0, movable=False,
                                            pen=pg.mkPen("#dc2626", width=1, style=Qt.PenStyle.DashLine))
         self.budget_line.setVisible(False)
@@ -494,8 +499,17 @@ class Dashboard(QWidget):
         k = np.array([layer.k_bytes for layer in layers], float) / scale
         v = np.array([layer.v_bytes for layer in layers], float) / scale
         full = full_precision_layer_bytes(snapshot) / scale
-        k_brushes = [pg.mkBrush(FORMAT_COLOURS[format_family(layer.k_format)][0]) for layer in layers]
-        v_brushes = [pg.mkBrush(FORMAT_COLOURS[format_family(layer.v_format)][1]) for layer in layers]
+        hybrid = is_hybrid(snapshot)
+
+        def brush(colour: str, layer) -> QBrush:
+            style = Qt.BrushStyle.BDiagPattern if hybrid and layer.window is not None else Qt.BrushStyle.SolidPattern
+            return QBrush(QColor(colour), style)
+
+        k_brushes = [brush(FORMAT_COLOURS[format_family(layer.k_format)][0], layer) for layer in layers]
+        v_brushes = [brush(FORMAT_COLOURS[format_family(layer.v_format)][1], layer) for layer in layers]
+        sliding = [layer for layer in layers if hybrid and layer.window_bytes is not None]
+        self.window_ticks.setData(np.repeat([layer.layer for layer in sliding], 2) + np.tile([-0.45, 0.45], len(sliding)),
+                                  np.repeat([layer.window_bytes / scale for layer in sliding], 2))
         self.full_bars.setOpts(x=x, height=np.full(len(layers), full), width=0.9)
         self.full_bars.setVisible(full > 0)
         self.k_bars.setOpts(x=x, height=k, width=0.7, brushes=k_brushes)
@@ -511,6 +525,12 @@ class Dashboard(QWidget):
                           key=list(FORMAT_COLOURS).index)
         entries = [(self.tr(FORMAT_NAMES[family]), FORMAT_COLOURS[family][0]) for family in families]
         entries.append((self.tr("K dark, V light"), "#94a3b8"))
+        if hybrid:
+            for window, count in layer_kinds(snapshot):
+                entries.append((self.tr("{n} global").format(n=count) if window is None else
+                                self.tr("{n} sliding (window {window}), hatched; line: window full").format(
+                                    n=count, window=f"{window:,}"),
+                                "#334155" if window is None else WINDOW_COLOUR))
         if full > 0:
             entries.append((self.tr("outline: full precision"), OUTLINE_COLOUR))
         if near:

@@ -14,6 +14,7 @@ from typing import Callable
 from PySide6.QtCore import QCoreApplication
 
 from engine.events import StatsSnapshot
+from engine.plan.estimate import window_counts
 from engine.units import MIB
 
 from app.i18n import value_name
@@ -148,9 +149,7 @@ class DashboardData:
         for name, value in values.items():
             self.series[name].append(float(value))
         if snapshot.layers:
-            biggest = max(max(layer.k_bytes + layer.v_bytes for layer in snapshot.layers),
-                          full_precision_layer_bytes(snapshot))
-            self.layer_top_bytes = stable_top(self.layer_top_bytes, biggest * 1.05)
+            self.layer_top_bytes = stable_top(self.layer_top_bytes, layer_peak_bytes(snapshot) * 1.05)
         self.latest = snapshot
         self.version += 1
 
@@ -158,9 +157,7 @@ class DashboardData:
         """A reset or another conversation: the per-layer scale starts again from what is held."""
         self.layer_top_bytes = 0.0
         if self.latest is not None and self.latest.layers:
-            biggest = max(max(layer.k_bytes + layer.v_bytes for layer in self.latest.layers),
-                          full_precision_layer_bytes(self.latest))
-            self.layer_top_bytes = stable_top(0.0, biggest * 1.05)
+            self.layer_top_bytes = stable_top(0.0, layer_peak_bytes(self.latest) * 1.05)
         self.version += 1
 
     def mark(self, kind: str, label: str, t: float | None = None) -> None:
@@ -213,6 +210,24 @@ def time_span_end(t: float) -> float:
     return step * math.ceil((t + 1e-9) / step)
 
 
+def layer_peak_bytes(snapshot: StatsSnapshot) -> float:
+    """The per-layer plot's highest value: the biggest bar, its full-precision outline, or the line where a sliding
+    layer's window is full (drawn before the chat reaches it)."""
+    caps = [layer.window_bytes for layer in snapshot.layers if layer.window_bytes is not None]
+    return max(max(layer.k_bytes + layer.v_bytes for layer in snapshot.layers), full_precision_layer_bytes(snapshot),
+               *caps)
+
+
+def is_hybrid(snapshot: StatsSnapshot | None) -> bool:
+    """Whether the layers keep different tokens (a Gemma's sliding and global layers): the plot marks which is which."""
+    return snapshot is not None and len({layer.window for layer in snapshot.layers}) > 1
+
+
+def layer_kinds(snapshot: StatsSnapshot) -> tuple[tuple[int | None, int], ...]:
+    """(window, layers) per distinct window, sliding ones first, then the global layers (None)."""
+    return window_counts(layer.window for layer in snapshot.layers)
+
+
 def layer_hover_text(snapshot: StatsSnapshot | None, layer_index: int) -> str | None:
     if snapshot is None or not 0 <= layer_index < len(snapshot.layers):
         return None
@@ -223,6 +238,11 @@ def layer_hover_text(snapshot: StatsSnapshot | None, layer_index: int) -> str | 
             + f"\nK {value_name(layer.k_format)}: {layer.k_bytes:,} B ({format_bytes(layer.k_bytes)})\n"
             f"V {value_name(layer.v_format)}: {layer.v_bytes:,} B ({format_bytes(layer.v_bytes)})\n"
             + QCoreApplication.translate("DashboardData", "total {n} B").format(n=f"{total:,}"))
+    if is_hybrid(snapshot):
+        text += "\n" + (QCoreApplication.translate("DashboardData", "global: holds every token") if layer.window is None
+                        else QCoreApplication.translate("DashboardData", "sliding: keeps the newest {window} tokens, at "
+                                                        "most {size}").format(window=f"{layer.window:,}",
+                                                                              size=format_bytes(layer.window_bytes or 0)))
     full = full_precision_layer_bytes(snapshot)
     if full and total:
         text += "\n" + QCoreApplication.translate("DashboardData", "full precision would hold {size} ({share} of "

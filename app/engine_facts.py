@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from PySide6.QtCore import QCoreApplication
+
 from engine.events import StatsSnapshot
+from engine.model.families import family
+from engine.plan.estimate import window_counts
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -34,3 +38,17 @@ def complete(snapshot: StatsSnapshot | None, facts: dict[str, float]) -> StatsSn
         return None
     missing = {name: value for name, value in facts.items() if not getattr(snapshot, name)}
     return replace(snapshot, **missing) if missing else snapshot
+
+
+def family_text(config) -> str:
+    """"gemma3 · 26 layers (22 sliding 512 + 4 global)" for the status line: the family and, where layers keep
+    different tokens, how many slide over which window and how many hold everything."""
+    def tr(text: str) -> str:
+        return QCoreApplication.translate("EngineFacts", text)
+
+    counts = window_counts(layer.window for layer in config.layers)
+    layers = tr("{n} layers").format(n=config.num_layers)
+    if len(counts) > 1:
+        layers += " (" + " + ".join(tr("{n} global").format(n=n) if w is None else
+                                    tr("{n} sliding {window}").format(n=n, window=f"{w:,}") for w, n in counts) + ")"
+    return f"{family(config.model_type, 'the loaded model').name} · {layers}"

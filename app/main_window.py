@@ -25,6 +25,7 @@ from app.dashboard import Dashboard
 from app.dock_width import DockWidth
 from app.dashboard import format_mib
 from app.history import HistoryError, HistoryStore
+from app.engine_facts import family_text
 from app.engine_text import engine_text
 from app.i18n import cache_label, weights_text
 from app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ReadingHistory, ResetDone, SessionOpened,
@@ -540,6 +541,8 @@ class MainWindow(QMainWindow):
         if self.engine_info is not None:
             parts += [self.engine_info.model_name, self.tr("server {url}").format(url=self.engine_info.server_url)
                       if self.engine_info.capabilities.remote else self.engine_info.device]
+            if self.engine_info.model_config is not None:
+                parts.append(family_text(self.engine_info.model_config))
             if self.engine_info.weight_bytes:
                 parts.append(self.tr("weights {label} {size}").format(
                     label=weights_text(self.engine_info.weights_label), size=format_bytes(self.engine_info.weight_bytes)))

@@ -29,6 +29,8 @@ class LayerBytes:
     v_bytes: int
     k_format: str
     v_format: str
+    window: int | None = None           # the tokens the layer keeps (its own window or the user's); None: every one
+    window_bytes: int | None = None     # the most it holds once that window is full; None: it grows with every token
 
 
 @dataclass(frozen=True, slots=True)

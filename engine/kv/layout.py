@@ -10,6 +10,7 @@ it is full) and the table's first block (the head: the first tokens, which draw 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -370,3 +371,20 @@ def hybrid_peak_bytes(groups: tuple[KVGroup, ...], chunk: int) -> int:
         blocks = 1 if g.geometry.window is None else g.geometry.peak_blocks(chunk)
         total += blocks * g.layout.block_bytes + g.layout.fixed_bytes
     return total
+
+
+@functools.lru_cache(maxsize=16)
+def layer_window_bytes(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
+                       device: str = "cpu") -> tuple[int | None, ...]:
+    """Per layer, the most K and V bytes one conversation holds there once the layer's window is full (its blocks
+    stop growing: the dashboard draws this line); None for a layer that holds every token. Cached: a snapshot asks
+    after every step."""
+    out: list[int | None] = [None] * model.num_layers
+    for group in kv_groups(model, cache, model_dtype, device):
+        g, lay = group.geometry, group.layout
+        if g.window is None:
+            continue
+        for j, layer in enumerate(group.layers):
+            one = KVLayout(1, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.full_dtype, (lay.formats[j],))
+            out[layer] = _peak_bytes(KVGroup((layer,), g, one), g.window + g.sinks + 2 * lay.block_size)
+    return tuple(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from engine.events import LayerBytes, PoolStats, StatsSnapshot
+from engine.kv.layout import layer_window_bytes, layer_windows
 from engine.runtime import memory
 
 
@@ -36,8 +37,11 @@ def snapshot(session) -> StatsSnapshot:
     seq = session.seq
     c = session.cache_config
     layout = seq.layout
-    layers = tuple(LayerBytes(i, k, v, kf.label, vf.label)
-                   for i, ((k, v), (kf, vf)) in enumerate(zip(session.runner.layer_bytes(seq), layout.formats)))
+    runner = session.runner
+    windows = layer_windows(runner.config, c)
+    caps = layer_window_bytes(runner.config, c, runner.dtype_name, str(runner.device))
+    layers = tuple(LayerBytes(i, k, v, kf.label, vf.label, windows[i], caps[i])
+                   for i, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), layout.formats)))
     t = session.turn_times
     budget = session.runner.budget_bytes
     free = session.runner.free_bytes()

@@ -1,0 +1,190 @@
+"""Hybrid models (sliding + global layers) are planned and shown with one arithmetic: `kvchat estimate`, the Plan
+page, Lengths and the Models page agree with engine.kv.layout's conversation_bytes to the byte, a token past the
+windows adds only the global layers' bytes, and the dashboard and status line say which layers slide."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import dataclasses
+import itertools
+
+import pytest
+
+from engine.config import CacheConfig
+from engine.events import LayerBytes, MemoryProbe, StatsSnapshot
+from engine.kv.layout import conversation_bytes, kv_layout, layer_window_bytes, max_conversation_tokens
+from engine.model.config import ModelConfig
+from engine.plan.estimate import ModelFacts, cache_for, describe_windows, estimate, model_facts, window_counts
+from engine.units import GIB, MIB
+
+WINDOW = 64
+
+
+def gemma_shaped(layers: int = 12, window: int = WINDOW) -> ModelConfig:
+    """A Llama-family shape whose layers follow Gemma 3's pattern: five sliding over `window`, then one global. The
+    arithmetic reads only the description, so this needs no Gemma forward."""
+    base = ModelConfig.from_hf(dict(model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                    max_position_embeddings=4096))
+    specs = tuple(spec if (i + 1) % 6 == 0 else dataclasses.replace(spec, window=window)
+                  for i, spec in enumerate(base.layers))
+    return dataclasses.replace(base, layers=specs)
+
+
+def facts_of(mc: ModelConfig) -> ModelFacts:
+    return ModelFacts("gemma-shaped", "preset", mc, 1_000_000, 2_000_000, "F16")
+
+
+CASES = list(itertools.product(("fp16", "int8", "int4", "int4/int8"), (1, 16), (None, 32), (10, 63, 64, 65, 200, 513)))
+
+
+@pytest.mark.parametrize("fmt, block_size, window, tokens", CASES)
+def test_estimate_plan_and_lengths_size_a_hybrid_conversation_as_the_layout_does(fmt, block_size, window, tokens):
+    from app.lengths_data import ConversationBytes
+    from app.plan_panel import plan_bars
+    mc = gemma_shaped()
+    cache = cache_for(fmt, block_size, window, sinks=4)
+    expected = conversation_bytes(mc, cache, tokens, "fp32", "cpu")
+    e = estimate(facts_of(mc), tokens, formats=(fmt,), block_size=block_size, window=window, sinks=4,
+                 memory_bytes=GIB, device="cpu")
+    row = e.rows[0]
+    assert row.kv_bytes == expected
+    if window is None:
+        assert row.max_context == max_conversation_tokens(mc, cache, e.kv_room_bytes, "fp32", "cpu")
+    bar = next(b for b in plan_bars(mc, "fp32", "cpu", cache, tokens, tokens, 8 * MIB)
+               if (b.cache.k_format, b.cache.v_format) == (cache.k_format, cache.v_format)) \
+        if fmt in ("int8", "int4") else None
+    if bar is not None:
+        assert bar.num_bytes == bar.now_bytes == expected
+        assert bar.max_tokens == max_conversation_tokens(mc, cache, 8 * MIB, "fp32", "cpu")
+    lengths = ConversationBytes(mc, cache.with_(window=None), "fp32", "cpu")
+    assert lengths.sequence_bytes(tokens, window, 4) == expected
+
+
+def test_the_estimate_forecasts_with_the_engine_function_and_the_global_layers_growth():
+    mc = gemma_shaped()
+    e = estimate(facts_of(mc), 1000, formats=("fp16",), memory_bytes=2 * GIB, device="cpu")
+    row = e.rows[0]
+    room = e.kv_room_bytes
+    assert row.max_context == max_conversation_tokens(mc, cache_for("fp16"), room, "fp32", "cpu")
+    # past the windows a token adds K and V of the two global layers only: 2 layers x 2 x 2 KV heads x 16 x 2 B
+    assert row.bytes_per_token == 2 * 2 * 2 * 16 * 2
+    assert kv_layout(mc, cache_for("fp16")).bytes_per_token == 6 * row.bytes_per_token
+    assert e.layer_windows == ((WINDOW, 10), (None, 2))
+    assert describe_windows([WINDOW] * 10 + [None] * 2) == "10 sliding 64 + 2 global"
+    assert describe_windows([None] * 3) == ""
+
+
+def test_at_eight_windows_a_gemma_shape_holds_the_hybrid_share_not_the_full_count():
+    mc = gemma_shaped()
+    cache = cache_for("fp16", block_size=16)
+    tokens = 8 * WINDOW
+    full = kv_layout(mc, cache).sequence_bytes(tokens)
+    held = conversation_bytes(mc, cache, tokens)
+    share = 1 / 6 + 5 / 6 * WINDOW / tokens
+    # the sliding layers hold their window plus the block being filled: at most two blocks more than the window
+    slack = 5 / 6 * 2 * 16 / tokens
+    assert share * full <= held <= (share + slack) * full
+    assert held < 0.4 * full
+
+
+def test_user_window_on_a_hybrid_model_bounds_every_layer():
+    mc = gemma_shaped()
+    cache = cache_for("int8", window=32, sinks=4)
+    assert max_conversation_tokens(mc, cache, GIB) is None
+    row = estimate(facts_of(mc), 5000, formats=("int8",), window=32, sinks=4, memory_bytes=GIB, device="cpu").rows[0]
+    assert row.max_context is None
+    assert row.kv_bytes == conversation_bytes(mc, cache, 5000)
+
+
+def test_window_bytes_is_where_a_sliding_layer_stops_growing():
+    mc = gemma_shaped(layers=6)
+    cache = cache_for("int4", block_size=16)
+    caps = layer_window_bytes(mc, cache)
+    assert caps[5] is None and all(c is not None for c in caps[:5])
+    one = dataclasses.replace(mc, num_layers=1, layers=mc.layers[:1], qkv_bias=False)
+    grown = [conversation_bytes(one, cache, n) for n in range(1, 12 * WINDOW)]
+    assert max(grown) == caps[0]
+    assert grown[-1] <= caps[0]
+
+
+# --- the dashboard and the status line -------------------------------------------------------------------------
+
+def hybrid_snapshot(held: int = 300) -> StatsSnapshot:
+    mc = gemma_shaped()
+    cache = CacheConfig(k_format="int8", v_format="int8")
+    caps = layer_window_bytes(mc, cache)
+    layers = []
+    for i, spec in enumerate(mc.layers):
+        tokens = held if spec.window is None else min(held, spec.window + 15)
+        layers.append(LayerBytes(i, tokens * 40, tokens * 40, "int8", "int8", spec.window, caps[i]))
+    kv = sum(layer.k_bytes + layer.v_bytes for layer in layers)
+    return StatsSnapshot(time_s=0.0, cache_label="int8", layers=tuple(layers), kv_bytes=kv, budget_bytes=64 * MIB,
+                         block_size=16, blocks_used=held // 16 + 1, blocks_free=100, blocks_budget=200,
+                         tokens_in_context=held, tokens_held=held, tokens_evicted=0, tokens_left=1000,
+                         bytes_per_token=80.0, prefill_tokens=0, prefill_tok_s=0.0, decode_tok_s=10.0, ttft_s=0.1,
+                         memory=MemoryProbe(1 << 30, 0, 0, 0))
+
+
+@pytest.mark.gui
+def test_dashboard_marks_sliding_layers_and_draws_their_window(qtbot):
+    from PySide6.QtCore import Qt
+    from app.dashboard import Dashboard
+    dash = Dashboard()
+    qtbot.addWidget(dash)
+    snap = hybrid_snapshot()
+    dash.data.add(snap)
+    dash._draw_layers(snap)
+    xs, ys = dash.window_ticks.getData()
+    sliding = [layer for layer in snap.layers if layer.window is not None]
+    assert len(xs) == 2 * len(sliding) == 20
+    scale = 1024.0 if dash.data.layer_top_bytes < MIB else MIB
+    assert sorted(set(ys.round(6))) == sorted({round(layer.window_bytes / scale, 6) for layer in sliding})
+    legend = dash.legends["layers"].text()
+    assert "10 sliding (window 64)" in legend and "2 global" in legend
+    brushes = dash.k_bars.opts["brushes"]
+    assert brushes[0].style() == Qt.BrushStyle.BDiagPattern and brushes[5].style() == Qt.BrushStyle.SolidPattern
+    assert "sliding: keeps the newest 64 tokens" in dash.layer_hover_text(0)
+    assert "global: holds every token" in dash.layer_hover_text(5)
+    # a model whose layers all keep the same tokens looks as it always did
+    flat = dataclasses.replace(snap, layers=tuple(dataclasses.replace(layer, window=None, window_bytes=None)
+                                                  for layer in snap.layers))
+    dash._draw_layers(flat)
+    assert len(dash.window_ticks.getData()[0] or ()) == 0
+    assert "sliding" not in dash.legends["layers"].text()
+
+
+def test_status_line_names_the_family_and_its_layers():
+    from app.engine_facts import family_text
+    assert family_text(gemma_shaped()) == "llama · 12 layers (10 sliding 64 + 2 global)"
+    assert family_text(dataclasses.replace(gemma_shaped(), layers=gemma_shaped().layers[5:6] * 12)) == \
+        "llama · 12 layers"
+    assert window_counts([512, None, 512, 1024]) == ((512, 2), (1024, 1), (None, 1))
+
+
+# --- presets of the new families, built through their family ------------------------------------------------------
+
+def test_gemma_3_1b_preset_is_its_published_shape():
+    facts = model_facts("gemma-3-1b")
+    mc = facts.config
+    assert (mc.model_type, mc.num_layers, mc.hidden_size, mc.num_kv_heads, mc.head_dim) == ("gemma3_text", 26, 1152, 1, 256)
+    assert window_counts(layer.window for layer in mc.layers) == ((512, 22), (None, 4))
+    assert [i for i, layer in enumerate(mc.layers) if layer.window is None] == [5, 11, 17, 23]
+    assert facts.parameters == 999_885_952          # google/gemma-3-1b-pt's safetensors
+    e = estimate(facts, 8192, formats=("fp16",), memory_bytes=16 * GIB, device="cpu")
+    fp16 = e.rows[0]
+    # each token past the window adds K and V of the 4 global layers: 4 x 2 x 1 x 256 x 2 B
+    assert fp16.bytes_per_token == 4 * 2 * 256 * 2
+
+
+@pytest.mark.parametrize("name, layers, windows", [
+    ("gemma-3-4b", 34, ((1024, 29), (None, 5))), ("gemma-3-12b", 48, ((1024, 40), (None, 8))),
+    ("gemma-3-27b", 62, ((1024, 52), (None, 10))), ("qwen3-0.6b", 28, ((None, 28),)),
+    ("qwen3-32b", 64, ((None, 64),)), ("phi-4-mini", 32, None)])
+def test_new_presets_build_through_their_family(name, layers, windows):
+    mc = model_facts(name).config
+    assert mc.num_layers == layers
+    if windows is not None:
+        assert window_counts(layer.window for layer in mc.layers) == windows
