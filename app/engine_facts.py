@@ -43,12 +43,11 @@ def complete(snapshot: StatsSnapshot | None, facts: dict[str, float]) -> StatsSn
 def family_text(config) -> str:
     """"gemma3 · 26 layers (22 sliding 512 + 4 global)" for the status line: the family and, where layers keep
     different tokens, how many slide over which window and how many hold everything."""
-    def tr(text: str) -> str:
-        return QCoreApplication.translate("EngineFacts", text)
-
+    translate = QCoreApplication.translate
     counts = window_counts(layer.window for layer in config.layers)
-    layers = tr("{n} layers").format(n=config.num_layers)
+    layers = translate("EngineFacts", "{n} layers").format(n=config.num_layers)
     if len(counts) > 1:
-        layers += " (" + " + ".join(tr("{n} global").format(n=n) if w is None else
-                                    tr("{n} sliding {window}").format(n=n, window=f"{w:,}") for w, n in counts) + ")"
+        layers += " (" + " + ".join(translate("EngineFacts", "{n} global").format(n=n) if w is None else
+                                    translate("EngineFacts", "{n} sliding {window}").format(n=n, window=f"{w:,}")
+                                    for w, n in counts) + ")"
     return f"{family(config.model_type, 'the loaded model').name} · {layers}"

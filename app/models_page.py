@@ -313,7 +313,10 @@ class ModelsDialog(QDialog):
 
     def load_selected(self) -> None:
         entry = self.selected_entry()
-        if entry is None or not entry.loadable:
+        if entry is None:
+            return
+        if not entry.loadable:          # a double-click on a family kvchat does not run: say why, load nothing
+            self.summary.setText(self.tr("{name} cannot load: {error}").format(name=entry.name, error=entry.error))
             return
         try:                            # the built-in model is saved as "default", as Settings names it
             path = "default" if entry.source == BUILT_IN else library.loadable_path(entry)

@@ -100,3 +100,62 @@ def test_unloadable_entry_cannot_be_loaded(qtbot, tmp_path):
     assert not dialog.load_button.isEnabled()
     with qtbot.assertNotEmitted(dialog.model_chosen):
         dialog.load_selected()
+
+
+def _header_only_gguf(path: Path, arch: str) -> Path:
+    """A GGUF whose header names `arch`, with one small tensor: enough for the library's header read."""
+    import numpy as np
+    from gguf import GGUFWriter
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    if arch.endswith("moe"):
+        writer.add_expert_count(8)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_family_kvchat_does_not_run_says_so_before_loading(qtbot, tmp_path):
+    from app.models_page import ModelsDialog
+    from engine.plan import library
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for arch in ("qwen3moe", "bert"):
+        _header_only_gguf(folder / f"{arch}-tiny.gguf", arch)
+    entries = {e.name: e for e in library.scan([folder], memory_bytes=8 << 30)}
+    for arch in ("qwen3moe", "bert"):
+        entry = entries[f"{arch}-tiny"]
+        assert not entry.loadable
+        assert repr(arch) in entry.error and "llama" in entry.error      # the architecture and what kvchat runs
+    assert "mixture-of-experts" in entries["qwen3moe-tiny"].error
+    dialog = ModelsDialog([str(folder)], scan=lambda folders, memory_bytes: list(entries.values()))
+    qtbot.addWidget(dialog)
+    qtbot.waitUntil(lambda: not dialog.scanning, timeout=10_000)
+    row = next(r for r in range(dialog.proxy.rowCount())
+               if dialog.proxy.index(r, 0).data() == "qwen3moe-tiny")
+    dialog.view.selectRow(row)
+    assert not dialog.load_button.isEnabled()
+    with qtbot.assertNotEmitted(dialog.model_chosen):
+        dialog.load_selected()
+    assert dialog.summary.text().startswith("qwen3moe-tiny cannot load: ") and "qwen3moe" in dialog.summary.text()
+
+
+def test_a_hybrid_folder_is_listed_with_what_fits_in_the_hybrid_arithmetic(tmp_path):
+    from engine.kv.layout import max_conversation_tokens
+    from engine.plan import library
+    from engine.plan.estimate import cache_for, estimate, model_facts_from
+    from tiny_models import tiny_family_dir
+    folder = tmp_path / "models"
+    tiny_family_dir(folder / "gemma3-tiny", "gemma3")
+    memory = 1 << 30
+    (entry,) = library.scan([folder], memory_bytes=memory)
+    assert entry.loadable and entry.architecture == "gemma3_text"
+    facts = model_facts_from(folder / "gemma3-tiny")
+    room = estimate(facts, 1, formats=("int8",), memory_bytes=memory, device="cpu").kv_room_bytes
+    assert dict(entry.fits)["int8"] == max_conversation_tokens(facts.config, cache_for("int8"), room)

@@ -467,6 +467,14 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>K 深色，V 浅色</translation>
     </message>
     <message>
+        <source>{n} global</source>
+        <translation>{n} 层全局</translation>
+    </message>
+    <message>
+        <source>{n} sliding (window {window}), hatched; line: window full</source>
+        <translation>{n} 层滑动（窗口 {window}），斜线填充；横线：窗口已满</translation>
+    </message>
+    <message>
         <source>outline: full precision</source>
         <translation>虚线框：全精度</translation>
     </message>
@@ -492,6 +500,14 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
     <message>
         <source>total {n} B</source>
         <translation>合计 {n} B</translation>
+    </message>
+    <message>
+        <source>global: holds every token</source>
+        <translation>全局：保留每个 token</translation>
+    </message>
+    <message>
+        <source>sliding: keeps the newest {window} tokens, at most {size}</source>
+        <translation>滑动：保留最新的 {window} 个 token，最多 {size}</translation>
     </message>
     <message>
         <source>full precision would hold {size} ({share} of it)</source>
@@ -608,6 +624,21 @@ prefill {prefill} tok/s</source>
     <message>
         <source>Hide the panel (View menu brings it back)</source>
         <translation>隐藏面板（可从“视图”菜单恢复）</translation>
+    </message>
+</context>
+<context>
+    <name>EngineFacts</name>
+    <message>
+        <source>{n} layers</source>
+        <translation>{n} 层</translation>
+    </message>
+    <message>
+        <source>{n} global</source>
+        <translation>{n} 全局</translation>
+    </message>
+    <message>
+        <source>{n} sliding {window}</source>
+        <translation>{n} 滑动 {window}</translation>
     </message>
 </context>
 <context>
@@ -1364,6 +1395,10 @@ prefill {prefill} tok/s</source>
     <message>
         <source>Add a folder of models</source>
         <translation>添加模型文件夹</translation>
+    </message>
+    <message>
+        <source>{name} cannot load: {error}</source>
+        <translation>{name} 无法加载：{error}</translation>
     </message>
     <message>
         <source>Cannot open {name}: {error}</source>
