@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine.errors import ModelLoadError
-from engine.model.families import family
+from engine.model.families import Ropes, family, family_of
 from engine.model.spec import LayerSpec, Rope
 
 
@@ -110,24 +110,12 @@ class ModelConfig:
         mt = cfg.get("model_type")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        _check_numbers({**cfg, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6), "rope_theta": theta,
-                        "head_dim": cfg.get("head_dim") or hidden // heads}, source, names)
-        if isinstance(rope, dict) and "factor" in rope:
-            _check_numbers({"rope_scaling.factor": rope["factor"]}, source, names)
-        rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if rtype == "default":
-            scaling = ()
-        elif rtype == "linear":
-            scaling = ("linear", float(rope["factor"]), 0.0, 0.0, 0)
-        elif rtype == "llama3":
-            scaling = ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
-                       float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
-        else:
-            raise ModelLoadError(f"unsupported rope scaling {rtype!r}: kvchat supports default, linear and llama3")
         head_dim = cfg.get("head_dim") or hidden // heads
-        described = family(mt, source).describe(cfg, cfg["num_hidden_layers"], head_dim, Rope(float(theta), scaling))
+        _check_numbers({**cfg, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6), "head_dim": head_dim}, source, names)
+        fam = family(mt, source)
+        ropes = _ropes(cfg, head_dim, source, names)
+        theta, scaling = ropes.full.theta, ropes.full.scaling
+        described = fam.describe(cfg, cfg["num_hidden_layers"], head_dim, ropes)
         layers = described.layers
         return cls(
             model_type=mt,
@@ -197,6 +185,86 @@ def _whole(cfg: dict, key: str, required: bool, source: str, names: dict[str, st
         raise ModelLoadError(f"{source} has {names.get(key, key)}={value!r}: it must be a positive whole number")
 
 
+def _ropes(cfg: dict, head_dim: int, source: str, names: dict[str, str]) -> Ropes:
+    """The rotary settings of config.json in either spelling: rope_parameters (transformers 5; Gemma 3's keyed by
+    layer type, "full_attention" / "sliding_attention"), or rope_theta + rope_scaling (older files; Gemma 3's
+    sliding layers then at rope_local_base_freq, default 10,000)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{source} has rope settings {params!r}: expected an object of rope parameters")
+    partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ModelLoadError(f"{source} has partial_rotary_factor={partial!r}: it must be above 0 and at most 1")
+    dims = int(head_dim * partial)
+    dims = None if dims == head_dim else dims
+    if dims is not None and (dims < 2 or dims % 2):
+        raise ModelLoadError(f"{source} has partial_rotary_factor={partial!r}: it rotates {dims} of {head_dim} "
+                             f"dimensions, which must be a positive even number")
+    if "full_attention" in params or "sliding_attention" in params:
+        full, factor = _rope(params.get("full_attention") or {}, cfg.get("rope_theta", 1_000_000.0), cfg, dims,
+                             source, names)
+        sliding, _ = _rope(params.get("sliding_attention") or {}, cfg.get("rope_local_base_freq", 10000.0), cfg,
+                           dims, source, names)
+        return Ropes(full, sliding, factor)
+    full, factor = _rope(params, cfg.get("rope_theta", 10000.0), cfg, dims, source, names)
+    local = cfg.get("rope_local_base_freq")
+    sliding = full if local is None else _rope({}, local, cfg, dims, source, names)[0]
+    return Ropes(full, sliding, factor)
+
+
+def _rope(params: dict, theta, cfg: dict, dims: int | None, source: str,
+          names: dict[str, str]) -> tuple[Rope, float]:
+    """One rope_parameters object -> (Rope, LongRoPE's attention factor, 1.0 for the other kinds)."""
+    theta = params.get("rope_theta", theta)
+    _check_numbers({"rope_theta": theta}, source, names)
+    if "factor" in params:
+        _check_numbers({"rope_scaling.factor": params["factor"]}, source, names)
+    rtype = params.get("rope_type", params.get("type", "default")) or "default"
+    attention_factor = 1.0
+    if rtype == "default":
+        scaling = ()
+    elif rtype == "linear":
+        scaling = ("linear", float(params["factor"]), 0.0, 0.0, 0)
+    elif rtype == "llama3":
+        scaling = ("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                   float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    elif rtype in ("longrope", "su"):
+        scaling, attention_factor = _longrope(params, cfg, dims, source)
+    else:
+        raise ModelLoadError(f"unsupported rope scaling {rtype!r}: kvchat supports default, linear, llama3 and "
+                             f"longrope")
+    return Rope(float(theta), scaling, dims), attention_factor
+
+
+def _longrope(params: dict, cfg: dict, dims: int | None, source: str) -> tuple[tuple, float]:
+    """LongRoPE as ("factors", short_factor) (see Rope's docstring for why the short ones) and its attention
+    factor: as given, else sqrt(1 + ln(s) / ln(original)) for s = max_position_embeddings / original (1 if s <= 1)."""
+    original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    short = params.get("short_factor")
+    half = (dims or cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ModelLoadError(f"{source} has longrope scaling without a positive original_max_position_embeddings "
+                             f"({original!r}): the model's settings are damaged")
+    for key in ("short_factor", "long_factor"):
+        value = params.get(key)
+        if not isinstance(value, list) or len(value) != half or not all(
+                not isinstance(f, bool) and isinstance(f, (int, float)) and 0 < f < math.inf for f in value):
+            raise ModelLoadError(f"{source} has longrope {key} {_brief(value)}: expected {half} finite numbers "
+                                 f"above 0 (one per rotated frequency)")
+    attention = params.get("attention_factor")
+    if attention is None:
+        factor = params.get("factor") or cfg.get("max_position_embeddings", original) / original
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if isinstance(attention, bool) or not isinstance(attention, (int, float)) or not 0 < attention < math.inf:
+        raise ModelLoadError(f"{source} has longrope attention_factor={attention!r}: it must be a finite number "
+                             f"above 0")
+    return ("factors", tuple(float(f) for f in short)), float(attention)
+
+
+def _brief(value) -> str:
+    return f"of {len(value)} entries" if isinstance(value, list) else repr(value)
+
+
 # The most of each that kvchat runs: several times the largest open models (Llama 3.1 405B: 126 layers, 128 heads,
 # hidden 16384, intermediate 53248; head_dim 256 at most; Gemma 3's 262k vocabulary; contexts of 10M tokens), so
 # no real model is refused, while a damaged header cannot make the estimate or the cache loop over 10^9 layers
@@ -230,26 +298,56 @@ def _check_numbers(values: dict, source: str, names: dict[str, str]) -> None:
 _Dim = tuple[int, tuple[str, ...]]       # a length, and the config fields whose product it is
 
 
+def layer_modules(mc: ModelConfig, spec: LayerSpec) -> dict[str, tuple[str, ...]]:
+    """A layer's Hugging Face modules (under model.layers.{i}.) by the part of the Layer each makes: qkv, o,
+    gate_up and down (several modules: concatenated along the output, in this order) and the norms the spec asks
+    for. Llama's post_attention_layernorm is the norm before the MLP; Gemma's is the one after attention, its
+    MLP's pre_feedforward_layernorm. Phi-3 stores q|k|v and gate|up already fused."""
+    fam = family_of(mc.model_type)
+    fused = fam is not None and fam.fused_projections
+    modules = {"qkv": ("self_attn.qkv_proj",) if fused else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "o": ("self_attn.o_proj",),
+               "gate_up": ("mlp.gate_up_proj",) if fused else ("mlp.gate_proj", "mlp.up_proj"),
+               "down": ("mlp.down_proj",), "norm_attn": ("input_layernorm",)}
+    if spec.post_norms:
+        modules.update(post_attn_norm=("post_attention_layernorm",), norm_mlp=("pre_feedforward_layernorm",),
+                       post_mlp_norm=("post_feedforward_layernorm",))
+    else:
+        modules["norm_mlp"] = ("post_attention_layernorm",)
+    if spec.qk_norm:
+        modules.update(q_norm=("self_attn.q_norm",), k_norm=("self_attn.k_norm",))
+    return modules
+
+
 def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]:
     """Every weight a model of this config reads: Hugging Face name -> ([out, in] shape, required)."""
     h, f = (mc.hidden_size, ("hidden_size",)), (mc.intermediate_size, ("intermediate_size",))
     v = (mc.vocab_size, ("vocab_size",))
     q = (mc.num_heads * mc.head_dim, ("num_attention_heads", "head_dim"))
     kv = (mc.num_kv_heads * mc.head_dim, ("num_key_value_heads", "head_dim"))
+    d = (mc.head_dim, ("head_dim",))
+    rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": h,
+            "self_attn.qkv_proj": ((mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim,
+                                   ("(num_attention_heads + 2 x num_key_value_heads)", "head_dim")),
+            "mlp.gate_proj": f, "mlp.up_proj": f, "mlp.gate_up_proj": (2 * mc.intermediate_size, ("2", "intermediate_size")),
+            "mlp.down_proj": h}
     out = {"model.embed_tokens.weight": ((v, h), True), "model.norm.weight": ((h,), True),
            "lm_head.weight": ((v, h), False)}         # absent: tied to the embedding
     for i, spec in enumerate(mc.layers):
         p = f"model.layers.{i}."
-        for name, shape in (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)), ("self_attn.v_proj", (kv, h)),
-                            ("self_attn.o_proj", (h, q)), ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)),
-                            ("mlp.down_proj", (h, f)), ("input_layernorm", (h,)), ("post_attention_layernorm", (h,))):
-            out[p + name + ".weight"] = (shape, True)
-        for on, name, shape in ((spec.qkv_bias, "self_attn.q_proj", q), (spec.qkv_bias, "self_attn.k_proj", kv),
-                                (spec.qkv_bias, "self_attn.v_proj", kv), (spec.o_bias, "self_attn.o_proj", h),
-                                (spec.mlp_bias, "mlp.gate_proj", f), (spec.mlp_bias, "mlp.up_proj", f),
-                                (spec.mlp_bias, "mlp.down_proj", h)):
-            if on:
-                out[p + name + ".bias"] = ((shape,), True)
+        modules = layer_modules(mc, spec)
+        biased = {"qkv": spec.qkv_bias, "o": spec.o_bias, "gate_up": spec.mlp_bias, "down": spec.mlp_bias}
+        for part in ("qkv", "o", "gate_up", "down"):
+            for name in modules[part]:
+                out[p + name + ".weight"] = ((rows[name], q if part == "o" else f if part == "down" else h), True)
+        for part, names in modules.items():
+            if part in biased:
+                continue
+            out[p + names[0] + ".weight"] = ((d if part in ("q_norm", "k_norm") else h,), True)
+        for part in ("qkv", "o", "gate_up", "down"):
+            if biased[part]:
+                for name in modules[part]:
+                    out[p + name + ".bias"] = ((rows[name],), True)
     return out
 
 

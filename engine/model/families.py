@@ -22,8 +22,18 @@ class Description:
     final_softcap: float | None = None       # logits become cap * tanh(logits / cap) (Gemma 2); None: not capped
 
 
-# describe(config.json's fields, layers, head_dim, the model's rope) -> Description
-Describe = Callable[[dict, int, int, Rope], Description]
+@dataclass(frozen=True, slots=True)
+class Ropes:
+    """The rotary settings a config names (engine/model/config.py reads both spellings of them): the full-attention
+    layers' (the model's own rope), the sliding layers' (Gemma 3's local base; else the same as full), and
+    LongRoPE's attention factor (cos and sin both multiplied by it, so the scores by its square; 1.0 otherwise)."""
+    full: Rope
+    sliding: Rope
+    attention_factor: float = 1.0
+
+
+# describe(config.json's fields, layers, head_dim, the ropes it names) -> Description
+Describe = Callable[[dict, int, int, Ropes], Description]
 
 
 # a layer's Hugging Face module -> llama.cpp's tensor name (blk.{i}.<name>.weight); a family that stores q, k, v or
@@ -43,21 +53,114 @@ class Family:
     gguf_permuted_qk: bool                # llama.cpp's converter interleaved the q / k rows of each head
     describe: Describe
     gguf_tensors: dict[str, str] = field(default_factory=lambda: LLAMA_TENSORS)
+    fused_projections: bool = False       # a Hugging Face folder stores self_attn.qkv_proj and mlp.gate_up_proj (Phi-3)
 
 
-def _llama(cfg: dict, n_layers: int, head_dim: int, rope: Rope) -> Description:
+def _llama(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
     # attention_bias: q, k, v and o together (InternLM-style exports); mlp_bias: gate, up and down. Mistral's
     # sliding_window is not read: kvchat has run its models with full attention (v0.3 and later have none)
     attn = bool(cfg.get("attention_bias", False))
-    layer = LayerSpec(rope=rope, query_scale=head_dim ** -0.5, qkv_bias=attn, o_bias=attn,
+    layer = LayerSpec(rope=ropes.full, query_scale=head_dim ** -0.5, qkv_bias=attn, o_bias=attn,
                       mlp_bias=bool(cfg.get("mlp_bias", False)))
     return Description((layer,) * n_layers)
 
 
-def _qwen2(cfg: dict, n_layers: int, head_dim: int, rope: Rope) -> Description:
+def _qwen2(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
     # q, k and v always carry a bias, o never (Qwen2Attention), whatever attention_bias says
-    layer = LayerSpec(rope=rope, query_scale=head_dim ** -0.5, qkv_bias=True,
+    layer = LayerSpec(rope=ropes.full, query_scale=head_dim ** -0.5, qkv_bias=True,
                       mlp_bias=bool(cfg.get("mlp_bias", False)))
+    return Description((layer,) * n_layers)
+
+
+def layer_types(cfg: dict, n_layers: int, every: int) -> tuple[bool, ...]:
+    """Which layers slide: config.json's layer_types ("sliding_attention" / "full_attention") where given, else
+    the older sliding_window_pattern (every `every`-th layer full, the rest sliding: Gemma 2 alternates from a
+    sliding layer 0, Gemma 3 has five sliding then one full)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("sliding_window_pattern") or every)
+        return tuple(bool((i + 1) % every) for i in range(n_layers))
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ModelLoadError(f"layer_types has {len(types) if isinstance(types, list) else repr(types)} entries for "
+                             f"{n_layers} layers: the model's settings are damaged")
+    unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
+    if unknown:
+        raise ModelLoadError(f"layer_types names {', '.join(map(repr, unknown))}: kvchat runs sliding_attention and "
+                             f"full_attention layers")
+    return tuple(t == "sliding_attention" for t in types)
+
+
+def _window(cfg: dict) -> int:
+    """sliding_window, a whole number of tokens (see LayerSpec.window for what it covers)."""
+    w = cfg.get("sliding_window")
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise ModelLoadError(f"sliding_window={w!r}: a model with sliding layers needs a positive whole number")
+    return w
+
+
+def _cap(cfg: dict, key: str) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ModelLoadError(f"{key}={value!r}: a soft-cap must be a finite number above 0, or null")
+    return float(value)
+
+
+def _qwen3(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    # Qwen3Attention: q_norm / k_norm over each head before RoPE; q, k, v, o biased together only by attention_bias;
+    # sliding layers only where use_sliding_window (layer_types, else the layers from max_window_layers on)
+    attn = bool(cfg.get("attention_bias", False))
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
+        window = _window(cfg)
+        first = int(cfg.get("max_window_layers", n_layers))
+        sliding = (layer_types(cfg, n_layers, 1) if cfg.get("layer_types") is not None
+                   else tuple(i >= first for i in range(n_layers)))
+    else:
+        window, sliding = None, (False,) * n_layers
+    layers = tuple(LayerSpec(rope=ropes.full, query_scale=head_dim ** -0.5, qk_norm=True,
+                             window=window if s else None, qkv_bias=attn, o_bias=attn,
+                             mlp_bias=bool(cfg.get("mlp_bias", False))) for s in sliding)
+    return Description(layers)
+
+
+def _gemma(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes, *, qk_norm: bool, every: int) -> Description:
+    # Gemma 2 / 3: (1 + w) RMSNorms before and after attention and the MLP, GELU (tanh) gate, embeddings times
+    # sqrt(hidden), scores at query_pre_attn_scalar ** -0.5, sliding layers over sliding_window with their own rope
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("use_bidirectional_attention=true: this is an embedding model (bidirectional "
+                             "attention), not a chat model kvchat runs")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"hidden_activation={act!r}: kvchat runs Gemma's gelu_pytorch_tanh")
+    scalar = cfg.get("query_pre_attn_scalar", head_dim)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not 0 < scalar < float("inf"):
+        raise ModelLoadError(f"query_pre_attn_scalar={scalar!r}: it must be a finite number above 0")
+    sliding = layer_types(cfg, n_layers, every)
+    window = _window(cfg) if any(sliding) else None
+    softcap = _cap(cfg, "attn_logit_softcapping")
+    layers = tuple(LayerSpec(rope=ropes.sliding if s else ropes.full, query_scale=float(scalar) ** -0.5,
+                             norm_offset=1.0, post_norms=True, activation="gelu_tanh", qk_norm=qk_norm,
+                             window=window if s else None, attn_softcap=softcap,
+                             qkv_bias=bool(cfg.get("attention_bias", False)),
+                             o_bias=bool(cfg.get("attention_bias", False))) for s in sliding)
+    return Description(layers, embed_scale=float(cfg["hidden_size"]) ** 0.5,
+                       final_softcap=_cap(cfg, "final_logit_softcapping"))
+
+
+def _gemma2(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    return _gemma(cfg, n_layers, head_dim, ropes, qk_norm=False, every=2)
+
+
+def _gemma3(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    return _gemma(cfg, n_layers, head_dim, ropes, qk_norm=True, every=6)
+
+
+def _phi3(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    # Phi3Attention: fused qkv_proj / gate_up_proj, no biases; sliding_window, where set, on every layer (one mask
+    # for the whole model); LongRoPE's attention factor scales cos and sin, so q . k by its square
+    window = _window(cfg) if cfg.get("sliding_window") is not None else None
+    layer = LayerSpec(rope=ropes.full, query_scale=head_dim ** -0.5 * ropes.attention_factor ** 2, window=window)
     return Description((layer,) * n_layers)
 
 
@@ -65,9 +168,25 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), "llama", True, _llama),
     Family("mistral", ("mistral",), "mistral", False, _llama),
     Family("qwen2", ("qwen2",), "qwen2", False, _qwen2),
+    Family("qwen3", ("qwen3",), "qwen3", False, _qwen3),
+    Family("gemma2", ("gemma2",), "gemma2", False, _gemma2),
+    # a Hugging Face "gemma3" folder is the multimodal model (its text model under text_config): only the text
+    # model's own folders (gemma3_text) are read; a GGUF of either is general.architecture "gemma3"
+    Family("gemma3", ("gemma3_text",), "gemma3", False, _gemma3),
+    Family("phi3", ("phi3",), "phi3", False, _phi3, fused_projections=True),
 )
+# mixture-of-experts families: named in the error as such (their routed MLPs are not a layer kvchat computes yet)
+MOE_ARCHITECTURES = frozenset({"qwen2_moe", "qwen3_moe", "qwen2moe", "qwen3moe", "mixtral", "gpt_oss", "gpt-oss",
+                               "deepseek_v2", "deepseek_v3", "deepseek2", "dbrx", "olmoe", "granitemoe", "phimoe",
+                               "jamba", "llama4", "llama4_text", "minimax", "glm4_moe", "glm4moe", "ernie4_5_moe",
+                               "hunyuan_v1_moe", "arctic", "grok", "jetmoe", "bailingmoe", "dots1", "qwen3_next"})
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 _BY_GGUF_ARCH = {f.gguf_arch: f for f in FAMILIES}
+
+
+def family_of(model_type: str) -> Family | None:
+    """The family of a model_type, or None (a ModelConfig built by hand may name none: it is a Llama layer)."""
+    return _BY_MODEL_TYPE.get(model_type)
 
 
 def supported() -> str:
@@ -92,6 +211,14 @@ def gguf_family(arch: str, where: str) -> Family:
 
 
 def _unsupported(name: str, where: str) -> ModelLoadError:
+    if name in MOE_ARCHITECTURES:
+        return ModelLoadError(f"unsupported architecture {name!r} in {where}: mixture-of-experts families are not "
+                              f"supported yet; kvchat runs {supported()}")
+    if name == "gemma3":
+        return ModelLoadError(f"unsupported architecture 'gemma3' in {where}: this is Gemma 3's multimodal folder; "
+                              f"kvchat runs its text model (model_type gemma3_text, or a Gemma 3 GGUF); it runs "
+                              f"{supported()}")
+    # worded as app/engine_text.py's catalog has it (translated there)
     return ModelLoadError(f"unsupported architecture {name!r} in {where}: kvchat runs the Llama family "
                           f"({supported()})")
 

@@ -38,20 +38,28 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
-class _Fused:
-    """fused(): what a layer does around a matmul, in one call: RMSNorm or SwiGLU before, residual after.
+def gated(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """The gated MLP's activation: x [T, 2K] (gate | up) -> act(gate) * up [T, K]; act one of spec.ACTIVATIONS
+    (silu: SwiGLU; gelu_tanh: GELU with the tanh approximation, Gemma's gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
 
-    Here as plain torch ops; packed linears run decode steps of it inside the C kernel.
+
+class _Fused:
+    """fused(): what a layer does around a matmul, in one call: RMSNorm or the gated activation before (swiglu:
+    the input is gate | up, act names the gate's activation), residual after.
+
+    Here as plain torch ops; packed linears run decode steps of it inside the C kernel (SwiGLU only: another
+    activation runs in torch first, the kernel then only multiplies).
     """
 
     def fused(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
-              residual: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None = None, split: int | None = None, act: str = "silu") -> torch.Tensor:
         # x: [T, K] ([T, 2K] with swiglu) -> [T, N]; split (decode rows first) matters to packed kinds only
         if norm is not None:
             x = rms_norm(x, norm, eps)
         elif swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
+            x = gated(x, act)
         y = self(x, split=split)
         return y if residual is None else residual + y
 
@@ -135,11 +143,14 @@ class _Packed(_Fused):
             y[:, lo:hi] = x @ self._dequant_rows(lo, hi, out).t()
         return y[:T]
 
-    def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None):
+    def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None, act="silu"):
         """split: how many leading rows are decode rows (one generated token of a sequence each); they run
         through the C kernel MAX_ROWS at a time, the rest (prompt rows) through the GEMM. A row's result
         then depends only on the row and its kind, never on what it is batched with (tested). None: the
-        kernel for up to MAX_ROWS rows, else the GEMM."""
+        kernel for up to MAX_ROWS rows, else the GEMM. act: the gate's activation with swiglu; the kernel's
+        SwiGLU computes silu only, so another one is applied here in torch and the kernel runs a plain GEMV."""
+        if swiglu and act != "silu":
+            x, swiglu = gated(x, act), False
         T, dtype = x.shape[0], x.dtype
         if split is None:
             split = T if T <= cpu_quant.MAX_ROWS else 0
@@ -284,12 +295,12 @@ class ConcatLinear(_Fused):
         y = torch.cat([p(x, split=split) for p in self.parts], -1)
         return y + self.bias if self.bias is not None else y
 
-    def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None):
+    def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None, act="silu"):
         if self.bias is not None or not all(isinstance(p, _Packed) for p in self.parts):
-            return super().fused(x, norm, eps, swiglu, residual, split)
+            return super().fused(x, norm, eps, swiglu, residual, split, act)
         # packed parts each take the norm / SwiGLU themselves (inside the kernel for decode rows), as
         # decode_layers does: the two paths give the same bits
-        y = torch.cat([p.fused(x, norm=norm, eps=eps, swiglu=swiglu, split=split) for p in self.parts], -1)
+        y = torch.cat([p.fused(x, norm=norm, eps=eps, swiglu=swiglu, split=split, act=act) for p in self.parts], -1)
         return y if residual is None else residual + y
 
     def kernel_parts(self):

@@ -22,7 +22,14 @@ class Rope:
     """Rotary embedding of one layer: base, scaling and how many dimensions of each head turn.
 
     scaling: () none; ("linear", factor, 0.0, 0.0, 0); ("llama3", factor, low_freq_factor, high_freq_factor,
-    original_max); ("factors", (divisor, ...)): a GGUF's rope_freqs tensor, one divisor per frequency.
+    original_max); ("factors", (divisor, ...)): one divisor per frequency, a GGUF's rope_freqs tensor or
+    LongRoPE's short_factor (Phi-3).
+    LongRoPE (Phi-3 / Phi-4-mini) is read as its short factors: the ones the model was trained with for positions
+    up to original_max_position_embeddings, which is every position of a context within that length. Past it
+    transformers switches the whole sequence (every key already cached included) to the long factors, which a
+    cache of rotated keys cannot follow (llama.cpp picks one set for the whole run by the context size it is
+    started with); here a longer context keeps the short factors, still coherent but past what they were tuned for. Its attention
+    factor is not a rope setting: the family folds it into LayerSpec.query_scale.
     dims: the rotated leading dimensions of a head (Phi-4-mini's partial rotary factor); None: all of them.
     """
     theta: float
@@ -59,9 +66,10 @@ class LayerSpec:
     post_norms: a norm also after attention and after the MLP, before each residual add (Gemma 2 / 3).
     activation: one of ACTIVATIONS.
     qk_norm: a per-head RMSNorm of q and of k before RoPE (Qwen3, Gemma 3).
-    window: the layer attends to its newest `window` tokens (a sliding layer); None: to all of them.
-    query_scale: what q . k is multiplied by before the softmax: head_dim ** -0.5, or Gemma's
-        query_pre_attn_scalar ** -0.5.
+    window: a sliding layer: the query at absolute position p attends the keys at positions p - window < k <= p
+        (`window` keys, itself included), as transformers' sliding mask and llama.cpp's SWA do; None: every key.
+    query_scale: what q . k is multiplied by before the softmax: head_dim ** -0.5, Gemma's
+        query_pre_attn_scalar ** -0.5, or head_dim ** -0.5 times the square of LongRoPE's attention factor.
     attn_softcap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2); None: not capped.
     qkv_bias / o_bias / mlp_bias: the projections with a bias (Qwen2: q, k and v).
     """

@@ -4,10 +4,11 @@ The model never sees the cache layout: each layer hands q, k, v (keys before RoP
 attention callback that owns positions, rotation, the paged cache and the softmax.
 
 What a layer computes is its LayerSpec (engine/model/spec.py, built by the family registry). This forward
-computes the Llama layer (pre-norm w * RMSNorm, SwiGLU, optional biases, full attention at head_dim ** -0.5),
-plus the model-level embedding scale and final soft-cap; a description asking for more (a (1 + w) norm,
-post-norms, q/k norms, GELU, a soft-capped or windowed layer, partial rotary) is refused at construction,
-naming the field, instead of being computed as a Llama layer.
+computes the norms (w * RMSNorm, the (1 + w) folded into the weights at load), q/k norms per head, post-norms
+(Gemma: a norm after attention and after the MLP, before each residual add), the gated MLP's activation (SwiGLU,
+GELU tanh), the biases, and the model-level embedding scale and final soft-cap. Rotation, query scale, soft-cap
+and window are the attention callback's; what the engine's attention does not compute yet (see unsupported()) is
+refused at construction, naming the field, instead of being computed as a Llama layer.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kernels import cpu_quant
 
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
+from engine.model.linears import rms_norm
 from engine.model.spec import LayerSpec
 
 
@@ -37,21 +39,39 @@ class DecodeKernel:
 
 
 def unsupported(spec: LayerSpec, head_dim: int) -> str | None:
-    """The first thing in a layer's description this forward does not compute, or None."""
-    checks = (("norm_offset", spec.norm_offset == 0.0), ("post_norms", not spec.post_norms),
-              ("activation", spec.activation == "silu"), ("qk_norm", not spec.qk_norm),
-              ("window", spec.window is None), ("attn_softcap", spec.attn_softcap is None),
+    """The first thing in a layer's description the engine's attention does not compute yet, or None (the
+    forward itself computes every other field)."""
+    checks = (("window", spec.window is None), ("attn_softcap", spec.attn_softcap is None),
               ("rope.dims", spec.rope.dims is None), ("query_scale", spec.query_scale == head_dim ** -0.5))
-    return next((f"{name}={getattr(spec, name.split('.')[0])!r}" for name, ok in checks if not ok), None)
+    return next((f"{name}={_field(spec, name)!r}" for name, ok in checks if not ok), None)
+
+
+def _field(spec: LayerSpec, name: str):
+    """spec's field by its dotted name ("rope.dims")."""
+    value = spec
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
 
 
 class Layer:
-    """One decoder layer's weights: q/k/v and gate/up fused so a step runs fewer, larger matmuls."""
-    __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp")
+    """One decoder layer's weights: q/k/v and gate/up fused so a step runs fewer, larger matmuls. Norms hold the
+    multiplier each applies (Gemma's 1 + w already added); q_norm / k_norm [head_dim] where the spec has qk_norm,
+    post_attn_norm / post_mlp_norm where it has post_norms, else None."""
+    __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "q_norm", "k_norm", "post_attn_norm",
+                 "post_mlp_norm")
 
-    def __init__(self, qkv, o, gate_up, down, norm_attn: torch.Tensor, norm_mlp: torch.Tensor):
+    def __init__(self, qkv, o, gate_up, down, norm_attn: torch.Tensor, norm_mlp: torch.Tensor,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 post_attn_norm: torch.Tensor | None = None, post_mlp_norm: torch.Tensor | None = None):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.norm_attn, self.norm_mlp = norm_attn, norm_mlp
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
+
+    def norms(self) -> list[torch.Tensor]:
+        return [t for t in (self.norm_attn, self.norm_mlp, self.q_norm, self.k_norm, self.post_attn_norm,
+                            self.post_mlp_norm) if t is not None]
 
 
 class Transformer:
@@ -64,11 +84,16 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, table, layers: list[Layer], norm: torch.Tensor, lm_head,
                  dtype: torch.dtype, device: str, weights: str, quant: str = ""):
-        for i, spec in enumerate(config.layers):
+        for i, (spec, L) in enumerate(zip(config.layers, layers)):
             missing = unsupported(spec, config.head_dim)
             if missing is not None:
                 raise ModelLoadError(f"{config.model_type}: layer {i} asks for {missing}, which kvchat's forward pass "
                                      f"does not compute yet")
+            # the weights a spec's fields need (a loader that built a Layer without them is a programming error)
+            for name, need in (("q_norm", spec.qk_norm), ("k_norm", spec.qk_norm),
+                               ("post_attn_norm", spec.post_norms), ("post_mlp_norm", spec.post_norms)):
+                if need and getattr(L, name) is None:
+                    raise ValueError(f"layer {i}: its spec asks for {name}, but the layer has no such weight")
         self.config = config
         self.table = table
         self.layers = layers
@@ -95,12 +120,21 @@ class Transformer:
         x = self._embed(token_ids)
         eps = c.rms_norm_eps
         split = num_decode
-        for i, L in enumerate(self.layers):
+        for i, (L, spec) in enumerate(zip(self.layers, c.layers)):
             qkv = L.qkv.fused(x, norm=L.norm_attn, eps=eps, split=split)
-            o = attention(i, *self._split_qkv(qkv))
-            x = L.o.fused(o.reshape(T, q_size).to(self.dtype), residual=x, split=split)
+            q, k, v = self._split_qkv(qkv)
+            if spec.qk_norm:                    # per head, over head_dim, before the callback rotates them
+                q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
+            o = attention(i, q, k, v).reshape(T, q_size).to(self.dtype)
+            if spec.post_norms:                 # normed after attention, then added (not o_proj's fused residual)
+                x = x + rms_norm(L.o.fused(o, split=split), L.post_attn_norm, eps)
+            else:
+                x = L.o.fused(o, residual=x, split=split)
             gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps, split=split)
-            x = L.down.fused(gu, swiglu=True, residual=x, split=split)
+            if spec.post_norms:
+                x = x + rms_norm(L.down.fused(gu, swiglu=True, split=split, act=spec.activation), L.post_mlp_norm, eps)
+            else:
+                x = L.down.fused(gu, swiglu=True, residual=x, split=split, act=spec.activation)
         if rows is not None:
             x = x[rows]
             split = None if num_decode is None else len(rows)    # one row per sequence: all through the kernel
@@ -172,7 +206,7 @@ class Transformer:
     def weight_bytes(self) -> int:
         """Bytes the weights hold resident: packed codes, scales, norms and the embedding table."""
         linears = [self.table, self.lm_head] + [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
-        norms = [self.norm] + [t for L in self.layers for t in (L.norm_attn, L.norm_mlp)]
+        norms = [self.norm] + [t for L in self.layers for t in L.norms()]
         total = sum(lin.nbytes for lin in {id(x): x for x in linears}.values())
         return total + sum(t.numel() * t.element_size() for t in norms)
 

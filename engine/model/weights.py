@@ -20,30 +20,38 @@ from engine.gguf.file import GGUFFile
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 from engine.model.transformer import Layer, Transformer
-from engine.model.config import check_weight_shapes
+from engine.model.config import check_weight_shapes, layer_modules
 from engine.model.linears import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
 
-_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
 def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "") -> Transformer:
-    """linear(names, bias_names) -> a linear; tensor(name) -> a norm vector."""
+    """linear(names, bias_names) -> a linear (several names: concatenated along the output); tensor(name, offset)
+    -> a norm vector holding the multiplier the norm applies, offset + w, where the source stores w (LayerSpec's
+    norm_offset: Gemma's (1 + w)). Whether the stored vector is w or already offset + w is the source's to know,
+    so each loader's tensor() says which it adds. Module names per family: config.layer_modules."""
     layers = []
     for i, spec in enumerate(mc.layers):
         p = f"model.layers.{i}."
-        w = lambda *ms: [p + m + ".weight" for m in ms]                      # noqa: E731
-        b = lambda on, *ms: [p + m + ".bias" for m in ms] if on else None    # noqa: E731
+        modules = layer_modules(mc, spec)
+
+        def lin(part: str, biased: bool):
+            names = modules[part]
+            return linear([p + m + ".weight" for m in names], [p + m + ".bias" for m in names] if biased else None)
+
+        def norm(part: str) -> torch.Tensor | None:
+            names = modules.get(part)
+            return None if names is None else tensor(p + names[0] + ".weight", spec.norm_offset)
+
         layers.append(Layer(
-            qkv=linear(w(*_PROJ[:3]), b(spec.qkv_bias, *_PROJ[:3])),
-            o=linear(w(_PROJ[3]), b(spec.o_bias, _PROJ[3])),
-            gate_up=linear(w(*_PROJ[4:6]), b(spec.mlp_bias, *_PROJ[4:6])),
-            down=linear(w(_PROJ[6]), b(spec.mlp_bias, _PROJ[6])),
-            norm_attn=tensor(p + "input_layernorm.weight"),
-            norm_mlp=tensor(p + "post_attention_layernorm.weight")))
+            qkv=lin("qkv", spec.qkv_bias), o=lin("o", spec.o_bias),
+            gate_up=lin("gate_up", spec.mlp_bias), down=lin("down", spec.mlp_bias),
+            norm_attn=norm("norm_attn"), norm_mlp=norm("norm_mlp"),
+            q_norm=norm("q_norm"), k_norm=norm("k_norm"),
+            post_attn_norm=norm("post_attn_norm"), post_mlp_norm=norm("post_mlp_norm")))
     table = linear(["model.embed_tokens.weight"], None)
     head = table if mc.tie_word_embeddings else linear(["lm_head.weight"], None)
-    return Transformer(mc, table, layers, tensor("model.norm.weight"), head, dtype, device, weights, quant)
+    # the final norm is the family's kind too (Gemma: 1 + w)
+    offset = mc.layers[0].norm_offset if mc.layers else 0.0
+    return Transformer(mc, table, layers, tensor("model.norm.weight", offset), head, dtype, device, weights, quant)
 
 
 # ---- safetensors ---------------------------------------------------------------------------------
@@ -65,8 +73,10 @@ def from_state_dict(mc: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
     keep16 = weights == "auto" and device == "cpu" and stored in (torch.bfloat16, torch.float16)
     wdtype = stored if keep16 else dtype
 
-    def tensor(name: str) -> torch.Tensor:
-        return get(name).to(device=device, dtype=dtype)
+    def tensor(name: str, offset: float = 0.0) -> torch.Tensor:
+        # a Hugging Face folder stores a Gemma norm as w: the multiplier 1 + w is made here, in fp32 as HF does
+        t = get(name)
+        return (t.float() + offset if offset else t).to(device=device, dtype=dtype)
 
     def linear(names, bias_names):
         w = torch.cat([get(n) for n in names], 0) if len(names) > 1 else get(names[0])
@@ -102,7 +112,9 @@ def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, we
         w = np.ascontiguousarray(unpermute_rows(w, h) if h else w)
         return torch.from_numpy(w if w.flags.writeable else w.copy())
 
-    def tensor(name: str) -> torch.Tensor:
+    def tensor(name: str, offset: float = 0.0) -> torch.Tensor:
+        # llama.cpp's converter stores a Gemma norm as 1 + w already: the file's vector is the multiplier, and
+        # the offset is not added again
         return dense(name).reshape(-1).to(device=device, dtype=dtype)
 
     def part(name: str):

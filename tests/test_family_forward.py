@@ -1,0 +1,162 @@
+"""The families of issue 23 (Qwen3, Gemma 2, Gemma 3, Phi-3) through our dense forward, against transformers' own
+model on the same Hugging Face folder (tests/tiny_models.py: tiny_family_dir), on a prompt three times the
+sliding window; and the one-line errors of what kvchat does not run.
+
+The forward is driven here by a reference attention written plainly from each layer's description
+(exact_attention), so that these tests check the forward and the description; the engine's own attention is
+checked against the same models by the runtime's tests."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.errors import ModelLoadError
+from engine.model.config import ModelConfig
+from engine.model.families import family
+from engine.model.rope import rope_cos_sin, rotate
+from engine.model.source import load_state_dict, locate, read_config, transformers_reference
+from engine.model.spec import LayerSpec
+from engine.model.transformer import Transformer
+from engine.model.weights import from_state_dict
+from tiny_models import tiny_family_dir
+
+PROMPT = 48            # three times the tiny models' window of 16
+
+
+def load_dense(folder: str) -> Transformer:
+    """Our Transformer on a Hugging Face folder, read as the engine reads one (weights="dense", fp32)."""
+    mc = ModelConfig.from_hf(read_config(Path(folder)))
+    return from_state_dict(mc, load_state_dict(Path(folder)), torch.float32, "cpu", "dense")
+
+
+def exact_attention(config: ModelConfig):
+    """Attention over a whole prompt at positions 0..T-1 from each layer's spec: q and k rotated by the layer's
+    rope (its first rope.dims dimensions), scores times query_scale, soft-capped, causal, and within the window
+    (the query at p sees keys p - window < k <= p)."""
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]
+        spec: LayerSpec = config.layers[i]
+        T, Hq, D = q.shape
+        positions = torch.arange(T)
+        d = spec.rope.dims or D
+        cos, sin = rope_cos_sin(positions, torch.from_numpy(spec.rope.frequencies(D)))
+        q = torch.cat((rotate(q[..., :d].contiguous(), cos, sin), q[..., d:]), -1)
+        k = torch.cat((rotate(k[..., :d].contiguous(), cos, sin), k[..., d:]), -1)
+        group = Hq // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * spec.query_scale
+        if spec.attn_softcap is not None:
+            scores = spec.attn_softcap * torch.tanh(scores / spec.attn_softcap)
+        qpos, kpos = positions[:, None], positions[None, :]
+        allowed = kpos <= qpos
+        if spec.window is not None:
+            allowed &= kpos > qpos - spec.window
+        scores = scores.masked_fill(~allowed, -math.inf)
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return attend
+
+
+def reference_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
+    ref = transformers_reference(locate(folder), torch.float32).eval()
+    with torch.no_grad():
+        return ref(ids[None]).logits[0].float()
+
+
+CASES = {"qwen3": {}, "gemma2": {}, "gemma3": {}, "phi3": {}, "phi3-longrope": dict(longrope=True),
+         "phi3-window": dict(sliding_window=16)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dense_forward_matches_transformers(tmp_path, case):
+    """All logits of a 48-token prompt within 1e-3 of the largest, every feature of the family on (window 16)."""
+    folder = tiny_family_dir(tmp_path / case, case.split("-")[0], **CASES[case])
+    ids = torch.randint(3, 320, (PROMPT,), generator=torch.Generator().manual_seed(1))
+    model = load_dense(folder)
+    ours = model.forward(ids, exact_attention(model.config), all_logits=True)
+    theirs = reference_logits(folder, ids)
+    err = (ours - theirs).abs().max().item()
+    assert err <= 1e-3 * theirs.abs().max().item(), (case, err)
+    # only Phi-3's layer without a window is the Llama arithmetic the one-call C step computes (LongRoPE's short
+    # factors are a rope table, its attention factor one query scale for every layer)
+    assert model.config.fused_kernel_ok == (case in ("phi3", "phi3-longrope"))
+
+
+def test_each_feature_moves_the_logits(tmp_path):
+    """The comparison can fail: the reference attention without the window, or a Gemma norm read as w instead of
+    1 + w, lands far outside the bound."""
+    folder = tiny_family_dir(tmp_path / "g3", "gemma3")
+    ids = torch.randint(3, 320, (PROMPT,), generator=torch.Generator().manual_seed(1))
+    theirs = reference_logits(folder, ids)
+    bound = 1e-3 * theirs.abs().max().item()
+    model = load_dense(folder)
+    unwindowed = replace(model.config, layers=tuple(replace(s, window=None) for s in model.config.layers))
+    assert (model.forward(ids, exact_attention(unwindowed), all_logits=True) - theirs).abs().max() > 100 * bound
+    model.norm = model.norm - 1.0                  # the final norm as the stored w
+    assert (model.forward(ids, exact_attention(model.config), all_logits=True) - theirs).abs().max() > 100 * bound
+
+
+def test_descriptions_read_the_config_fields(tmp_path):
+    """What each family's describe() makes of its config: the fields the forward and the runtime read."""
+    g3 = ModelConfig.from_hf(read_config(Path(tiny_family_dir(tmp_path / "g3", "gemma3"))))
+    assert [s.window for s in g3.layers] == [16] * 5 + [None]
+    assert {s.rope.theta for s in g3.layers[:5]} == {10000.0} and g3.layers[5].rope.scaling[:2] == ("linear", 8.0)
+    assert (g3.rope_theta, g3.embed_scale, g3.final_softcap) == (1e6, 8.0, None)
+    assert all(s.qk_norm and s.post_norms and s.norm_offset == 1.0 and s.activation == "gelu_tanh"
+               and s.query_scale == 24 ** -0.5 and s.attn_softcap is None for s in g3.layers)
+    g2 = ModelConfig.from_hf(read_config(Path(tiny_family_dir(tmp_path / "g2", "gemma2"))))
+    assert [s.window for s in g2.layers] == [16, None, 16, None] and g2.final_softcap == 30.0
+    assert all(s.attn_softcap == 50.0 and not s.qk_norm for s in g2.layers)
+    q3 = ModelConfig.from_hf(read_config(Path(tiny_family_dir(tmp_path / "q3", "qwen3"))))
+    assert q3.head_dim == 32 and all(s.qk_norm and not s.post_norms and s.window is None for s in q3.layers)
+    phi = ModelConfig.from_hf(read_config(Path(tiny_family_dir(tmp_path / "p", "phi3", longrope=True))))
+    cfg = read_config(tmp_path / "p")
+    assert phi.layers[0].rope.scaling == ("factors", tuple(cfg["rope_parameters"]["short_factor"]))
+    attention_factor = math.sqrt(1 + math.log(256 / 64) / math.log(64))
+    assert phi.layers[0].query_scale == pytest.approx(16 ** -0.5 * attention_factor ** 2)
+    # the older spelling of Gemma 3's ropes and pattern reads the same
+    old = dict(read_config(tmp_path / "g3"), rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+               rope_scaling={"rope_type": "linear", "factor": 8.0})
+    del old["rope_parameters"], old["layer_types"]
+    assert ModelConfig.from_hf(old).layers == g3.layers
+
+
+def test_what_the_attention_does_not_compute_is_named(tmp_path):
+    """Loaded as the engine loads it, a layer field the engine does not compute yet (Phi-4-mini's partial rotary
+    factor: rope.dims) is a one-line ModelLoadError naming it, never a Llama layer's numbers."""
+    folder = Path(tiny_family_dir(tmp_path / "p", "phi3", partial_rotary_factor=0.5))
+    assert ModelConfig.from_hf(read_config(folder)).layers[0].rope.dims == 8
+    with pytest.raises(ModelLoadError, match=r"^phi3: layer 0 asks for rope\.dims=8, ") as info:
+        load_dense(str(folder))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "deepseek_v3"])
+def test_moe_architectures_are_named_as_such(arch):
+    with pytest.raises(ModelLoadError) as info:
+        family(arch, "config.json")
+    text = str(info.value)
+    assert repr(arch) in text and "mixture-of-experts" in text
+    assert text.endswith("llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3")
+
+
+def test_the_multimodal_gemma3_folder_is_refused_by_name():
+    with pytest.raises(ModelLoadError, match="gemma3_text"):
+        family("gemma3", "config.json")
+
+
+def test_a_gemma_folder_missing_a_post_norm_names_it(tmp_path):
+    """A gemma folder without post_feedforward_layernorm names that tensor (Gemma's four norms are expected)."""
+    from safetensors.torch import load_file, save_file
+    folder = Path(tiny_family_dir(tmp_path / "g2", "gemma2"))
+    state = load_file(str(folder / "model.safetensors"))
+    del state["model.layers.1.post_feedforward_layernorm.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"lacks the tensor model\.layers\.1\.post_feedforward_layernorm\.weight"):
+        load_dense(str(folder))
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "gemma2"
