@@ -21,12 +21,14 @@ from engine.model.rope import rope_cos_sin, rotate
 
 
 def convert_sequence(m: KVCacheManager, store: PageStore, seq: Sequence, old: CacheConfig, new: CacheConfig,
-                     layout: KVLayout, inv_freq: torch.Tensor, close: Callable[[Sequence], None],
+                     layout: KVLayout, geometry: WindowGeometry, inv_freq: list[torch.Tensor],
+                     close: Callable[[Sequence], None],
                      drop_unused_layouts: Callable[[], None]) -> Sequence:
-    """seq in mode `old` -> a sequence in mode `new` (whose layout is `layout`) holding the same tokens (seq
-    itself when the layout stays). close(seq) gives a sequence back to the runner; drop_unused_layouts lets the
-    runner free the pages of layouts nobody uses any more."""
-    geometry = WindowGeometry.of(new)
+    """seq (one KV group's sequence) in mode `old` -> a sequence in mode `new` (whose layout and geometry for the
+    group are `layout` and `geometry`) holding the same tokens (seq
+    itself when the layout stays); inv_freq: the RoPE table of each of the layout's layers. close(seq) gives a
+    sequence back to the runner; drop_unused_layouts lets the runner free the pages of layouts nobody uses any
+    more."""
     if new.block_size != old.block_size and seq.evicted:
         raise ConfigError(f"the window has already dropped {seq.evicted * seq.block_size} tokens, so the block size "
                           f"cannot change now: reset the session first")
@@ -44,7 +46,7 @@ def convert_sequence(m: KVCacheManager, store: PageStore, seq: Sequence, old: Ca
 
 
 def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayout, geometry: WindowGeometry,
-              new: CacheConfig, inv_freq: torch.Tensor, close, drop_unused_layouts) -> Sequence:
+              new: CacheConfig, inv_freq: list[torch.Tensor], close, drop_unused_layouts) -> Sequence:
     n = seq.seq_len
     need = layout.blocks_for(n) * layout.block_bytes + layout.side_bytes(n, n >= layout.block_size)
     room = m.free_bytes() + m.reclaimable_bytes({seq.seq_id}) + m.sequence_bytes(seq)
@@ -57,11 +59,10 @@ def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayo
     same_blocks = layout.block_size == seq.layout.block_size
     slots = torch.arange(n)
     abs_pos = torch.tensor([seq.absolute(j) for j in range(n)], dtype=torch.long)
-    cos, sin = rope_cos_sin(abs_pos, inv_freq.cpu())
-    cos, sin = cos.to(store.device), sin.to(store.device)
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}      # cos, sin per RoPE table (by identity)
     # read everything the new layout needs before the old blocks go back
     carried = []
-    for (okc, ovc), (nkc, nvc) in zip(old_comps, new_layout_comps):
+    for layer, ((okc, ovc), (nkc, nvc)) in enumerate(zip(old_comps, new_layout_comps)):
         pair = []
         for role, oc, nc in (("k", okc, nkc), ("v", ovc, nvc)):
             if same_blocks and oc.fmt == nc.fmt:
@@ -69,6 +70,10 @@ def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayo
             else:
                 values = oc.values(seq.seq_id, seq.block_table, seq.seq_len, slots)
                 if role == "k" and oc.fmt.is_quantized != nc.fmt.is_quantized:
+                    if id(inv_freq[layer]) not in tables:
+                        cos, sin = rope_cos_sin(abs_pos, inv_freq[layer].cpu())
+                        tables[id(inv_freq[layer])] = cos.to(store.device), sin.to(store.device)
+                    cos, sin = tables[id(inv_freq[layer])]
                     # full precision holds keys rotated at their absolute positions, quantized pages before RoPE
                     values = rotate(values, cos, sin) if nc.fmt.is_quantized is False else rotate(values, cos, -sin)
                 pair.append(("write", values))

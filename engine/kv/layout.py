@@ -39,6 +39,7 @@ class KVLayout:
     block_size: int
     full_dtype: str                                            # what "auto" and the head/tail blocks use
     formats: tuple[tuple[PageFormat, PageFormat], ...]         # per layer: (K, V)
+    layers: tuple[int, ...] = ()        # the model layers a KV group's layout holds, in order; (): all of them
     # computed once: the manager asks for block bytes on every step
     layer_block_bytes: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     block_bytes: int = field(init=False, repr=False, compare=False)   # one block over all layers, K and V
@@ -54,7 +55,7 @@ class KVLayout:
         object.__setattr__(self, "block_bytes", sum(k + v for k, v in per_layer))
         object.__setattr__(self, "quantized_components", sum(f.is_quantized for pair in self.formats for f in pair))
         object.__setattr__(self, "_hash", hash((self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                                                self.full_dtype, self.formats)))
+                                                self.full_dtype, self.formats, self.layers)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -176,6 +177,9 @@ class WindowGeometry:
     block_size: int
     window: int | None
     sinks: int
+    # the model's own sliding window (layer_geometry): no sinks, absolute positions, so every block holds what full
+    # attention's model computes and may be indexed for prefix reuse after blocks left
+    model_window: bool = False
 
     @classmethod
     def of(cls, cache: CacheConfig) -> "WindowGeometry":
@@ -190,7 +194,7 @@ class WindowGeometry:
         """Tokens a sequence computes as full attention does: a window changes the K/V of later tokens (they attend
         to the sinks and the window only), so only blocks within the first window + sinks tokens are shared by
         prefix."""
-        return float("inf") if self.window is None else self.window + self.sinks
+        return float("inf") if self.window is None or self.model_window else self.window + self.sinks
 
     def start(self, num_tokens: int, evicted: int) -> tuple[int, int]:
         """(window_start slot, num_sinks) of a stream of num_tokens tokens with `evicted` blocks gone."""
@@ -275,7 +279,7 @@ def layer_geometry(model: ModelConfig, cache: CacheConfig, layer: int) -> Window
     instead where it is the smaller one, or where the layer has no window of its own."""
     own = model.layers[layer].window
     if own is not None and (cache.window is None or own <= cache.window):
-        return WindowGeometry(cache.block_size, own - 1, 0)
+        return WindowGeometry(cache.block_size, own - 1, 0, model_window=True)
     return WindowGeometry.of(cache)
 
 
@@ -301,8 +305,9 @@ class KVGroup:
 
 def kv_groups(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
               device: str = "cpu") -> tuple[KVGroup, ...]:
-    """The model's KV groups under a cache mode, in order of their first layer; one group for a model whose layers
-    all keep the same tokens (every model without windows of its own)."""
+    """The model's KV groups under a cache mode, the one keeping the most first (then by first layer); one group,
+    the whole layout, for a model whose layers all keep the same tokens (every model without windows of its
+    own)."""
     full = kv_layout(model, cache, model_dtype, device)
     by_geometry: dict[WindowGeometry, list[int]] = {}
     for i in range(model.num_layers):
@@ -310,9 +315,12 @@ def kv_groups(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
     if len(by_geometry) == 1:
         (geometry, _), = by_geometry.items()
         return (KVGroup(tuple(range(model.num_layers)), geometry, full),)
+    # the group that keeps the most first: a conversation's tokens, statistics and limits are read from it
+    order = sorted(by_geometry.items(), key=lambda item: (item[0].window is not None, -(item[0].window or 0),
+                                                          item[1][0]))
     return tuple(KVGroup(tuple(ids), g, KVLayout(len(ids), full.num_kv_heads, full.head_dim, full.block_size,
-                                                 full.full_dtype, tuple(full.formats[i] for i in ids)))
-                 for g, ids in by_geometry.items())
+                                                 full.full_dtype, tuple(full.formats[i] for i in ids), tuple(ids)))
+                 for g, ids in order)
 
 
 def _group_bytes(group: KVGroup, num_tokens: int) -> int:
@@ -333,6 +341,12 @@ def _peak_bytes(group: KVGroup, num_tokens: int) -> int:
     g, bs = group.geometry, group.layout.block_size
     horizon = min(num_tokens, g.window + g.sinks + 2 * bs)
     return max(_group_bytes(group, n) for n in {*range(0, horizon + 1, bs), *range(1, horizon + 1, bs), horizon})
+
+
+def window_peak_bytes(layout: KVLayout, geometry: WindowGeometry) -> int:
+    """The most bytes one windowed KV group's sequence (its layout, its geometry) holds at any length."""
+    horizon = geometry.window + geometry.sinks + 2 * layout.block_size
+    return _peak_bytes(KVGroup(layout.layers, geometry, layout), horizon)
 
 
 def max_conversation_tokens(model: ModelConfig, cache: CacheConfig, budget_bytes: float, model_dtype: str = "fp32",

@@ -47,6 +47,11 @@ class Sequence:
     last_used: int = 0
     released: bool = False              # its blocks were taken back for another conversation
     closed: bool = False
+    # a hybrid model's conversation is one sequence per KV group (kv/layout.kv_groups): the first, which keeps the
+    # most, is the conversation everyone holds; `groups` lists all of them (itself first), and each of the others
+    # names it as `conversation`. A one-group conversation is its own only group.
+    groups: list["Sequence"] = field(default_factory=list, repr=False)
+    conversation: "Sequence | None" = field(default=None, repr=False)
 
     @property
     def block_size(self) -> int:
@@ -78,6 +83,11 @@ class Sequence:
         """The token index of a slot (slots after the sink blocks moved down as blocks left)."""
         return absolute_slot(slot, self.sink_blocks, self.evicted, self.block_size)
 
+    @property
+    def members(self) -> list["Sequence"]:
+        """Every group's sequence of this conversation, this one first (itself alone for one group)."""
+        return self.groups or [self]
+
 
 @dataclass
 class Reservation:
@@ -103,7 +113,7 @@ class PoolView:
     blocks_in_use: int
     prefix_queries: int                 # tokens looked up in the prefix index
     prefix_hits: int                    # of those, tokens found
-    sequences: tuple[tuple[int, int, int, bool], ...]   # (seq_id, blocks, bytes, released)
+    sequences: tuple[tuple[int, int, int, bool], ...]   # per conversation (seq_id, blocks, bytes, released)
 
 
 class KVCacheManager:
@@ -181,8 +191,18 @@ class KVCacheManager:
     def free_bytes(self) -> int:
         return self.budget_bytes - self.held_bytes
 
+    def _whole(self, keep) -> set[int]:
+        """keep (sequence ids) with every group of their conversations: a conversation is kept or released whole."""
+        out = set(keep)
+        for sid in keep:
+            seq = self.sequences.get(sid)
+            if seq is not None:
+                out.update(m.seq_id for m in (seq.conversation or seq).members)
+        return out
+
     def reclaimable_bytes(self, keep: set[int]) -> int:
         """Bytes that could be made free: evictable prefix blocks and idle sequences' own blocks."""
+        keep = self._whole(keep)
         total = self.evictable_bytes()
         for s in self.sequences.values():
             if s.seq_id not in keep and s.block_table:
@@ -191,6 +211,7 @@ class KVCacheManager:
 
     def _make_room(self, need: int, keep: set[int]) -> None:
         """Free bytes until `need` more fit: oldest evictable prefix blocks, then least recently used idle sequences."""
+        keep = self._whole(keep)
         while self.free_bytes() < need:
             block_id = self.pool.evict_oldest()
             if block_id is not None:
@@ -200,8 +221,10 @@ class KVCacheManager:
             if not idle:
                 raise NoFreeBlocks(need, self.free_bytes())
             victim = min(idle, key=lambda s: s.last_used)
-            self.free(victim)
-            victim.released = True
+            victim = victim.conversation or victim
+            for member in victim.members:       # a conversation goes whole, every group together
+                self.free(member)
+                member.released = True
             self.released_log.append(victim.seq_id)
 
     def _allocate(self, layout: KVLayout, n: int) -> list[int]:
@@ -259,7 +282,8 @@ class KVCacheManager:
         if res.copied:
             self._free_ids([res.copied[1]])
         seq.num_tokens += res.num_new
-        hashing = token_ids is not None and seq.evicted == 0 and len(seq.token_ids) == seq.num_tokens - res.num_new
+        hashing = (token_ids is not None and (seq.evicted == 0 or seq.geometry.model_window)
+                   and len(seq.token_ids) == seq.num_tokens - res.num_new)
         if hashing:
             seq.token_ids.extend(token_ids)
             self._index_full_blocks(seq)
@@ -275,7 +299,7 @@ class KVCacheManager:
             parent = hash(seq.block_keys[-1]) if seq.block_keys else 0
             key = (parent, seq.layout, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             seq.block_keys.append(key)
-            self.pool.cache(seq.block_table[i], key)
+            self.pool.cache(seq.block_table[i - seq.evicted], key)      # a model window has no sink blocks
 
     def apply_window(self, seq: Sequence, geometry: WindowGeometry) -> int:
         """A new window on a sequence (live switch): blocks it no longer keeps go back; returns how many."""
@@ -300,8 +324,9 @@ class KVCacheManager:
             gone = seq.block_table[sb:sb + n]
             del seq.block_table[sb:sb + n]
             seq.evicted += n
-            seq.token_ids.clear()           # positions past the sinks moved: nothing more is indexed
-            seq.block_keys.clear()
+            if not seq.geometry.model_window:   # positions past the sinks moved: nothing more is indexed
+                seq.token_ids.clear()
+                seq.block_keys.clear()
             self._free_ids(gone)
         return n
 
@@ -384,7 +409,9 @@ class KVCacheManager:
         ref = self.pool.ref_cnt
         held = self.held_bytes
         ev = self.evictable_bytes()
-        seqs = tuple((s.seq_id, len(s.block_table), self.sequence_bytes(s), s.released) for s in self.sequences.values())
+        # a conversation of several groups once, by its first group's id
+        seqs = tuple((s.seq_id, sum(len(m.block_table) for m in s.members), sum(map(self.sequence_bytes, s.members)),
+                      s.released) for s in self.sequences.values() if s.conversation is None)
         return PoolView(self.budget_bytes, held, self.budget_bytes - held, self.pool.num_evictable, ev,
                         sum(1 for r in ref if r > 1), self.pool.num_in_use, self.prefix_queries, self.prefix_hits, seqs)
 

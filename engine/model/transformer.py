@@ -41,8 +41,7 @@ class DecodeKernel:
 def unsupported(spec: LayerSpec, head_dim: int) -> str | None:
     """The first thing in a layer's description the engine's attention does not compute yet, or None (the
     forward itself computes every other field)."""
-    checks = (("window", spec.window is None), ("attn_softcap", spec.attn_softcap is None),
-              ("rope.dims", spec.rope.dims is None), ("query_scale", spec.query_scale == head_dim ** -0.5))
+    checks = (("rope.dims", spec.rope.dims is None),)
     return next((f"{name}={_field(spec, name)!r}" for name, ok in checks if not ok), None)
 
 

@@ -8,9 +8,15 @@ import torch
 Q_BLOCK = 32        # query rows per block of prompt attention
 
 
-def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, decode: bool = True) -> torch.Tensor:
+def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, decode: bool = True,
+                      scale: float | None = None, softcap: float | None = None,
+                      outside: torch.Tensor | None = None) -> torch.Tensor:
     """The one softmax attention (besides the kernels' references): q [T, Hq, D] rotated, k/v [P + T, Hkv, D]
     with the new tokens last (causal among themselves) -> [T, Hq, D].
+
+    scale: what q . k is multiplied by (the layer's query_scale; None: D ** -0.5). softcap: scores become
+    cap * tanh(scores / cap) before the softmax (Gemma 2). outside: [T, P + T] bool, True where a key lies outside
+    the query's sliding window (a layer's own window over prompt rows; a decode row reads only its window's keys).
 
     Prompt rows go in blocks of Q_BLOCK queries aligned to multiples of Q_BLOCK positions, each block
     padded to Q_BLOCK rows and reading the keys up to its block's end: a row's result then depends only
@@ -18,8 +24,9 @@ def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     prefix cache gives the same bits as one read whole)."""
     T, D = q_rot.shape[0], q_rot.shape[-1]
     Hkv = k_all.shape[1]
+    scale = D ** -0.5 if scale is None else scale
     if T == 1 and decode:     # one query: two batched matmuls beat SDPA's GQA expansion on small heads
-        scores = torch.bmm(q_rot[0].view(Hkv, -1, D), k_all.permute(1, 2, 0)) * D ** -0.5
+        scores = _capped(torch.bmm(q_rot[0].view(Hkv, -1, D), k_all.permute(1, 2, 0)) * scale, softcap)
         return torch.bmm(scores.softmax(-1), v_all.transpose(0, 1)).reshape(1, -1, D)
     N, Hq = k_all.shape[0], q_rot.shape[1]
     G, P = Hq // Hkv, N - T
@@ -34,11 +41,17 @@ def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
         if end - start < Q_BLOCK:
             qb = torch.cat((qb, qb.new_zeros(Q_BLOCK - (end - start), Hq, D)))
         qg = qb.view(Q_BLOCK, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * Q_BLOCK, D)
-        scores = torch.bmm(qg, k_t[:, :, :end]) * D ** -0.5
+        scores = _capped(torch.bmm(qg, k_t[:, :, :end]) * scale, softcap)
         future = torch.arange(end, device=q_rot.device)[None, :] > (start + offsets)[:, None]
+        if outside is not None:
+            rows = outside[start - P:end - P, :end]
+            future[:end - start] |= rows
         scores = scores.view(Hkv, G, Q_BLOCK, end).masked_fill_(future, float("-inf"))
         o = torch.bmm(scores.softmax(-1).view(Hkv, G * Q_BLOCK, end), v_t[:, :end])
         out[start - P:end - P] = o.view(Hkv, G, Q_BLOCK, D).permute(2, 0, 1, 3).reshape(Q_BLOCK, Hq, D)[:end - start]
         start = end
     return out
 
+
+def _capped(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return scores if cap is None else torch.tanh(scores / cap) * cap

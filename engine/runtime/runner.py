@@ -13,11 +13,11 @@ import threading
 
 import torch
 
-from engine.runtime.backends import AttentionBackend, StepAttention, backend_for, choice_key
+from engine.runtime.backends import AttentionBackend, LayerScores, StepAttention, backend_for, choice_key
 from engine.runtime.step_plan import StepReservation, decode_first
 from engine.config import CacheConfig, ConfigError
 from engine.kv import convert
-from engine.kv.layout import MIB, KVLayout, WindowGeometry, check_cache_for_model, kv_layout
+from engine.kv.layout import MIB, PREFILL_CHUNK, KVLayout, check_cache_for_model, kv_groups, kv_layout
 from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
 from engine.kv.pages import PageStore
 from engine.model.transformer import Transformer
@@ -29,6 +29,8 @@ class ModelRunner:
         self.dtype_name = dtype_name
         self.device = model.device
         self.inv_freq = model.config.inv_freq().to(self.device)
+        self.layer_inv_freq = layer_ropes(model.config, self.device)
+        self.scores = tuple(LayerScores(spec.query_scale, spec.attn_softcap) for spec in model.config.layers)
         self.store = PageStore(self.device)
         self.manager = KVCacheManager(int(budget_mb * MIB), on_free=self.store.forget_blocks)
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
@@ -63,19 +65,35 @@ class ModelRunner:
         return check_cache_for_model(cache, self.model.config, self.dtype_name, str(self.device))
 
     def new_sequence(self, cache: CacheConfig) -> Sequence:
-        return self.manager.new_sequence(self.check(cache), WindowGeometry.of(cache))
+        """A conversation holding nothing yet: one sequence per KV group of the model under this cache mode
+        (kv/layout.kv_groups), the first standing for all (Sequence.groups)."""
+        self.check(cache)
+        groups = kv_groups(self.model.config, cache, self.dtype_name, str(self.device))
+        members = [self.manager.new_sequence(g.layout, g.geometry) for g in groups]
+        return self._joined(members)
+
+    @staticmethod
+    def _joined(members: list[Sequence]) -> Sequence:
+        if len(members) > 1:
+            members[0].groups = members
+            for m in members[1:]:
+                m.conversation = members[0]
+        return members[0]
 
     def free(self, seq: Sequence) -> int:
         with self.lock:
-            freed = self.manager.free(seq)
-            self.store.drop_tails(seq.seq_id)
+            freed = 0
+            for m in seq.members:
+                freed += self.manager.free(m)
+                self.store.drop_tails(m.seq_id)
             self.store.shrink(self.manager.pool.high_water)
             return freed
 
     def close(self, seq: Sequence) -> None:
         with self.lock:
             self.free(seq)
-            self.manager.close(seq)
+            for m in seq.members:
+                self.manager.close(m)
             self.drop_unused_layouts()
 
     def fork(self, seq: Sequence, num_tokens: int) -> tuple[Sequence, int]:
@@ -85,27 +103,36 @@ class ModelRunner:
         values are not re-quantized); otherwise the child shares whole blocks and re-reads the rest."""
         with self.lock:
             bs = seq.block_size
-            if seq.evicted:
-                return self.manager.new_sequence(seq.layout, seq.geometry), 0
+            members = seq.members
+            if any(m.evicted for m in members):       # a window let blocks go: nothing to share from the start
+                return self._joined([self.manager.new_sequence(m.layout, m.geometry) for m in members]), 0
             partial = num_tokens % bs
-            quantized = seq.layout.quantized_components > 0
+            quantized = any(m.layout.quantized_components for m in members)
             if partial and quantized and seq.seq_len // bs != num_tokens // bs:
                 num_tokens -= partial
-            child, n = self.manager.fork(seq, num_tokens)
-            if quantized and n % bs:
-                self.store.copy_tail(seq.layout, seq.seq_id, child.seq_id)
-            return child, n
+            children = []
+            for m in members:
+                child, n = self.manager.fork(m, num_tokens)
+                if m.layout.quantized_components and n % bs:
+                    self.store.copy_tail(m.layout, m.seq_id, child.seq_id)
+                children.append(child)
+            return self._joined(children), n
 
     def truncate(self, seq: Sequence, n: int) -> None:
         """Take back the last n tokens (exact within a quantized sequence's tail block)."""
         with self.lock:
             bs = seq.block_size
-            if n > seq.seq_len or (seq.evicted and seq.seq_len - n < seq.sink_blocks * bs):
-                raise ConfigError(f"the cache holds {seq.seq_len} tokens since the window moved: it cannot take "
-                                  f"back {n}")
-            if seq.layout.quantized_components and n > seq.seq_len % bs:
-                raise ConfigError("a quantized cache can take back tokens of its last, unquantized block only")
-            self.manager.truncate(seq, n)
+            for m in seq.members:
+                g = m.geometry
+                # a model window must still hold the W - 1 tokens before the new end
+                short = g.model_window and m.num_tokens - n - g.window < m.evicted * bs
+                if n > m.seq_len or (m.evicted and m.seq_len - n < m.sink_blocks * bs) or short:
+                    raise ConfigError(f"the cache holds {m.seq_len} tokens since the window moved: it cannot take "
+                                      f"back {n}")
+                if m.layout.quantized_components and n > m.seq_len % bs:
+                    raise ConfigError("a quantized cache can take back tokens of its last, unquantized block only")
+            for m in seq.members:
+                self.manager.truncate(m, n)
 
     def clear_prefix_cache(self) -> int:
         with self.lock:
@@ -116,13 +143,43 @@ class ModelRunner:
     def match_prefix(self, seq: Sequence, ids: list[int]) -> int:
         """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass."""
         with self.lock:
-            return self.manager.match_prefix(seq, ids)
+            m = self.manager
+            if not seq.groups:
+                return m.match_prefix(seq, ids)
+            # a hit is the shortest hit over the groups (each from the start); the groups holding more give back
+            # what the others could not find, and the pool counts the lookup once
+            queries, hits = m.prefix_queries, m.prefix_hits
+            found = [m.match_prefix(g, ids) for g in seq.groups]
+            n = min(found)
+            for g, got in zip(seq.groups, found):
+                if got > n:
+                    m.truncate(g, got - n)
+            usable = min(len(ids) - 1, seq.geometry.full_attention_tokens) // seq.block_size
+            m.prefix_queries, m.prefix_hits = queries + usable * seq.block_size, hits + n
+            return n
 
     def convert_sequence(self, seq: Sequence, old: CacheConfig, new: CacheConfig) -> Sequence:
         """seq in mode `old` -> a sequence in mode `new` holding the same tokens (see kv/convert.py)."""
         with self.lock:
-            return convert.convert_sequence(self.manager, self.store, seq, old, new, self.layout(new),
-                                            self.inv_freq, self.close, self.drop_unused_layouts)
+            groups = kv_groups(self.model.config, new, self.dtype_name, str(self.device))
+            members = seq.members
+            if [g.layout.layers for g in groups] != [m.layout.layers for m in members]:
+                raise ConfigError(f"{new.label()} keeps this model's layers in other groups than {old.label()} (a "
+                                  f"window against the layers' own windows): reset the session to switch to it")
+            if len(members) == 1:
+                return convert.convert_sequence(self.manager, self.store, seq, old, new, groups[0].layout,
+                                                groups[0].geometry, self.layer_inv_freq, self.close,
+                                                self.drop_unused_layouts)
+            children = [convert.convert_sequence(self.manager, self.store, m, old, new, g.layout, g.geometry,
+                                                 [self.layer_inv_freq[i] for i in g.layers], self._close_member,
+                                                 self.drop_unused_layouts)
+                        for m, g in zip(members, groups)]
+            return self._joined(children)
+
+    def _close_member(self, seq: Sequence) -> None:
+        """One group's sequence goes (a conversion replaced it)."""
+        self.manager.close(seq)
+        self.store.drop_tails(seq.seq_id)
 
     # ---- the pool, read -----------------------------------------------------------------------
 
@@ -143,15 +200,28 @@ class ModelRunner:
         return self.manager.free_bytes() + self.manager.reclaimable_bytes(keep)
 
     def bytes_needed(self, seq: Sequence, num_new: int) -> int:
-        return self.manager.bytes_needed(seq, num_new)
+        """More bytes num_new tokens take, every group of the conversation; a windowed group of a hybrid model at
+        most what it lacks of its peak with a prompt chunk in flight (the session reads a long prompt in chunks,
+        and the window lets blocks go between them)."""
+        if not seq.groups:
+            return self.manager.bytes_needed(seq, num_new)
+        total = 0
+        for m in seq.members:
+            need = self.manager.bytes_needed(m, num_new)
+            if m.geometry.window is not None:
+                g, layout = m.geometry, m.layout
+                peak = g.peak_blocks(min(num_new, PREFILL_CHUNK)) * layout.block_bytes + layout.fixed_bytes
+                need = min(need, max(0, peak - self.manager.sequence_bytes(m)))
+            total += need
+        return total
 
     def shared_partial(self, seq: Sequence) -> bool:
         """Whether the sequence's last block is partial and shared (its next token copies it first)."""
         return self.manager.shared_partial(seq)
 
     def sequences(self) -> list[Sequence]:
-        """Every live sequence of the pool."""
-        return list(self.manager.sequences.values())
+        """Every live conversation of the pool (a hybrid model's by its first group)."""
+        return [s for s in self.manager.sequences.values() if s.conversation is None]
 
     def pool_view(self):
         """The pool's numbers at one moment (KVCacheManager.view)."""
@@ -183,7 +253,7 @@ class ModelRunner:
         order = decode_first(items, decode)
         with self.lock:
             reserved = StepReservation(self.manager, self.store, [items[i] for i in order], [decode[i] for i in order],
-                                       self.inv_freq, self.device)
+                                       self.layer_inv_freq, self.device)
             try:
                 logits = self._forward(reserved, all_logits)
             except BaseException:
@@ -201,7 +271,7 @@ class ModelRunner:
         own step), else the forward with each sequence's backend attending."""
         steps = reserved.steps
         x = torch.tensor([t for _, ids in reserved.items for t in ids], dtype=torch.long, device=self.device)
-        attention = StepAttention(steps, [self.backend(st.res.seq.layout) for st in steps])
+        attention = StepAttention(reserved.layer_steps, lambda st: self.backend(st.res.seq.layout))
         logits = None
         if not all_logits and all(st.one_token_decode for st in steps):
             logits = (attention.decode(self.model, x) if attention.one_layout_decode
@@ -217,20 +287,37 @@ class ModelRunner:
         key = choice_key(layout, self.device)
         chosen = self._backends.get(key)
         if chosen is None:
+            scores = tuple(self.scores[i] for i in layout.layers) if layout.layers else self.scores
             chosen = self._backends[key] = backend_for(layout, self.store.components(layout), self.device,
-                                                       self.model.config.num_heads)
+                                                       self.model.config.num_heads, scores)
         return chosen
 
     # ---- numbers ----------------------------------------------------------------------------------
 
     def layer_bytes(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Per layer (K, V) bytes the sequence holds: its blocks at the layout's block bytes plus its
-        full-precision head and tail."""
-        layout = seq.layout
-        n = len(seq.block_table)
-        side = layout.full_block_bytes * (1 + int(seq.has_head)) if seq.seq_len else 0
-        return [tuple(b * n + (side if f.is_quantized else 0) for b, f in zip(bb, fmts))
-                for bb, fmts in zip(layout.layer_block_bytes, layout.formats)]
+        """Per model layer (K, V) bytes the conversation holds: each group's blocks at its layout's block bytes
+        plus its full-precision head and tail."""
+        out = [None] * self.model.config.num_layers
+        for m in seq.members:
+            layout = m.layout
+            n = len(m.block_table)
+            side = layout.full_block_bytes * (1 + int(m.has_head)) if m.seq_len else 0
+            for j, (bb, fmts) in enumerate(zip(layout.layer_block_bytes, layout.formats)):
+                out[layout.layers[j] if layout.layers else j] = tuple(b * n + (side if f.is_quantized else 0)
+                                                                      for b, f in zip(bb, fmts))
+        return out
+
+    def layer_formats(self, seq: Sequence):
+        """Per model layer the conversation's (K, V) page formats."""
+        out = [None] * self.model.config.num_layers
+        for m in seq.members:
+            for j, fmts in enumerate(m.layout.formats):
+                out[m.layout.layers[j] if m.layout.layers else j] = fmts
+        return out
+
+    def conversation_bytes(self, seq: Sequence) -> int:
+        """Bytes the conversation holds, every group."""
+        return sum(self.manager.sequence_bytes(m) for m in seq.members)
 
     def drop_unused_layouts(self) -> None:
         """Page storage of layouts no sequence and no cached block uses any more goes back."""
@@ -241,3 +328,14 @@ class ModelRunner:
     def storage_bytes(self) -> int:
         """Bytes the page store holds (capacity included): what the process really spends on KV."""
         return self.store.layer_bytes()
+
+
+def layer_ropes(config, device) -> list[torch.Tensor]:
+    """Every layer's RoPE table ([head_dim/2]), one tensor per distinct Rope (layers of one rope share it, and a
+    step plans once per group and table)."""
+    tables, out = {}, []
+    for i, spec in enumerate(config.layers):
+        if spec.rope not in tables:
+            tables[spec.rope] = config.inv_freq(i).to(device)
+        out.append(tables[spec.rope])
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from engine.events import LayerBytes, PoolStats, StatsSnapshot
-from engine.kv.layout import layer_window_bytes, layer_windows
+from engine.kv.layout import layer_window_bytes, layer_windows, window_peak_bytes
 from engine.runtime import memory
 
 
@@ -13,17 +13,22 @@ def tokens_left(session) -> int | None:
     """More tokens that fit in the budget in this mode (idle conversations released); None when a window bounds
     the cache instead (any length fits)."""
     seq = session.seq
-    if session.cache_config.window is not None:
+    if seq.geometry.window is not None:     # the group that keeps the most is windowed: every group is bounded
         return None
     layout = seq.layout
     room = session.runner.room_bytes({seq.seq_id}) - (layout.fixed_bytes - seq.side_bytes)
+    if seq.groups:
+        # the windowed groups still take what they lack of their windows; past them only the first group grows
+        for m in seq.groups[1:]:
+            room -= max(0, window_peak_bytes(m.layout, m.geometry) - len(m.block_table) * m.layout.block_bytes
+                        - m.side_bytes)
     in_last = len(seq.block_table) * layout.block_size - seq.seq_len
     return max(0, room // layout.block_bytes * layout.block_size + in_last)
 
 
 def pool_stats(session) -> PoolStats:
     v = session.runner.pool_view()
-    mine = {session.seq.seq_id}
+    mine = {session.seq.seq_id}            # a conversation by its first group (KVCacheManager.view)
     return PoolStats(
         budget_bytes=v.budget_bytes, held_bytes=v.held_bytes, free_bytes=v.free_bytes,
         evictable_blocks=v.evictable_blocks, evictable_bytes=v.evictable_bytes, shared_blocks=v.shared_blocks,
@@ -41,7 +46,7 @@ def snapshot(session) -> StatsSnapshot:
     windows = layer_windows(runner.config, c)
     caps = layer_window_bytes(runner.config, c, runner.dtype_name, str(runner.device))
     layers = tuple(LayerBytes(i, k, v, kf.label, vf.label, windows[i], caps[i])
-                   for i, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), layout.formats)))
+                   for i, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), runner.layer_formats(seq))))
     t = session.turn_times
     budget = session.runner.budget_bytes
     free = session.runner.free_bytes()
@@ -52,7 +57,7 @@ def snapshot(session) -> StatsSnapshot:
         kv_bytes=sum(l.k_bytes + l.v_bytes for l in layers),
         budget_bytes=budget,
         block_size=c.block_size,
-        blocks_used=len(seq.block_table),
+        blocks_used=sum(len(m.block_table) for m in seq.members),
         blocks_free=max(0, free // layout.block_bytes),
         blocks_budget=layout.budget_blocks(budget),
         tokens_in_context=len(session.token_ids),
@@ -68,7 +73,7 @@ def snapshot(session) -> StatsSnapshot:
         weight_bytes=session.info.weight_bytes,
         weights_label=session.info.weights_label,
         context_tokens=session.info.max_context,
-        full_precision_bytes_per_token=layout.full_precision_bytes_per_token,
+        full_precision_bytes_per_token=runner.layout(c).full_precision_bytes_per_token,   # every layer (all groups)
         prefix_reused_tokens=t.reused,
         pool=pool_stats(session),
         notice=session.notice,

@@ -8,6 +8,12 @@ scores depend on position differences only, and a window's kept tokens keep thei
 while the window moves on, see the query at its in-cache position: a second rotation of q
 (decode) or of the few sink keys (prefill). Quantized keys are stored before RoPE and rotated as
 they are read, at the same effective positions (key_pos).
+
+Layers. A hybrid model's conversation has a sequence per KV group (kv/layout.kv_groups), and every
+item gets a SeqStep per (group, RoPE) pair of its layers: a group keeping the layers' own window W
+reads the keys at p - W < k <= p for the query at absolute position p (the W - 1 newest past keys
+for a decode row; a mask for prompt rows), with no sinks and no re-positioning. Every other model
+has one group and one RoPE: one SeqStep per item, as before.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ class SeqStep:
     inv_freq: torch.Tensor | None = None
     kernel_args: tuple | None = None      # the quantized decode kernel's per-step arguments, made by its first layer
     decode: bool = True           # one generated token (False: prompt rows, see softmax_attention)
+    outside: torch.Tensor | None = None   # [T, P + T] bool: keys outside a prompt row's own window (or None)
 
     @property
     def num_new(self) -> int:
@@ -53,33 +60,44 @@ class SeqStep:
 
 
 def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantized: bool,
-         decode: bool | None = None) -> SeqStep:
+         decode: bool | None = None, window: int | None = None) -> SeqStep:
+    """window: the layers' own sliding window W where their group keeps it (the query at p reads keys
+    p - W < k <= p), else None: the sequence's geometry (all of it, or the user's window and sinks)."""
     seq = res.seq
     bs = seq.block_size
     S, N = res.first_slot, seq.num_tokens
-    ws, ns = seq.window()
-    slots, _ = slot_positions(S, ws, ns)
+    if window is None:
+        ws, ns = seq.window()
+        slots, _ = slot_positions(S, ws, ns)
+    else:       # the W - 1 newest past tokens, at their absolute positions
+        start_abs = max(0, N - (window - 1))
+        moved = seq.evicted and start_abs >= (seq.sink_blocks + seq.evicted) * bs
+        slots, ns = torch.arange(start_abs - seq.evicted * bs if moved else start_abs, S), 0
     P, T = slots.numel(), res.num_new
     rows = page_rows(seq.block_table, torch.cat((slots, torch.arange(S, S + T))), bs, device)
     delta = N - P                                   # absolute minus in-cache position, for every new token
-    n_sink = sinks_at_first_positions(delta, S, seq.geometry.window, ns, seq.sink_blocks, bs)
+    n_sink = 0 if window is not None else sinks_at_first_positions(delta, S, seq.geometry.window, ns,
+                                                                    seq.sink_blocks, bs)
     q_pos = torch.arange(N, N + T)
     q_cos, q_sin = rope_cos_sin(q_pos, inv_freq)
     sink_cos = sink_sin = d_cos = d_sin = key_cos = key_sin = None
     if n_sink:
         sink_cos, sink_sin = rope_cos_sin(q_pos - delta, inv_freq)
         d_cos, d_sin = rope_cos_sin(torch.tensor([delta]), inv_freq)
+    abs_pos = absolute_slot(slots, seq.sink_blocks, seq.evicted, bs) if quantized or window else None
     if quantized:
-        abs_pos = absolute_slot(slots, seq.sink_blocks, seq.evicted, bs)
         if n_sink:
             abs_pos[:n_sink] += delta
         key_pos = torch.cat((abs_pos, q_pos))
     else:
         key_pos = None
+    decode = T == 1 if decode is None else decode
+    outside = None
+    if window is not None and T > 1:
+        outside = torch.cat((abs_pos, q_pos))[None, :] <= (q_pos - window)[:, None]
     dev = lambda t: None if t is None else t.to(device)
     return SeqStep(res, offset, rows, slots, n_sink, dev(q_cos), dev(q_sin), dev(sink_cos), dev(sink_sin),
-                   dev(d_cos), dev(d_sin), key_cos, key_sin, key_pos, inv_freq,
-                   decode=T == 1 if decode is None else decode)
+                   dev(d_cos), dev(d_sin), key_cos, key_sin, key_pos, inv_freq, decode=decode, outside=dev(outside))
 
 
 def decode_first(items: list[tuple[Sequence, list[int]]], decode: list[bool]) -> list[int]:
@@ -92,30 +110,42 @@ def decode_first(items: list[tuple[Sequence, list[int]]], decode: list[bool]) ->
 
 
 class StepReservation:
-    """Every item's slots, pages and tail snapshot for one step, taken in batch order: commit() adds the tokens
-    to their sequences, rollback() leaves every sequence and page exactly as before. A failure while reserving
-    rolls back what was taken and raises (NoFreeBlocks when the budget cannot take the tokens)."""
+    """Every item's slots, pages and tail snapshot for one step, taken in batch order, in every KV group of its
+    conversation: commit() adds the tokens to their sequences, rollback() leaves every sequence and page exactly as
+    before. A failure while reserving rolls back what was taken and raises (NoFreeBlocks when the budget cannot
+    take the tokens).
+
+    steps[i] is item i's plan in its first group with the first layer's RoPE (offsets, rows, logits: what the runner
+    reads); layer_steps[l][i] the plan layer l attends with (its group's sequence, its RoPE, its window)."""
 
     def __init__(self, manager: KVCacheManager, store: PageStore, items: list[tuple[Sequence, list[int]]],
-                 decode: list[bool], inv_freq: torch.Tensor, device):
+                 decode: list[bool], layer_rope: list[torch.Tensor], device):
         self.manager, self.store, self.items = manager, store, items
-        self.reservations: list[Reservation] = []
-        self.saved: list[tuple[list | None, int | None]] = []     # per item: tails before, a head it starts
+        self.reservations: list[tuple[Reservation, list[int]]] = []
+        self.saved: list[tuple[list | None, int | None]] = []     # per reservation: tails before, a head it starts
+        self.layer_rope = layer_rope
+        self.layer_steps: list[list[SeqStep]] = [[] for _ in layer_rope]   # [layer][item]
         self.steps: list[SeqStep] = []
-        keep = {s.seq_id for s, _ in items}
+        keep = {m.seq_id for s, _ in items for m in s.members}
         try:
             offset = 0
             for (seq, ids), dec in zip(items, decode):
-                self._reserve(seq, ids, dec, keep, offset, inv_freq, device)
+                plans = {}
+                for member in seq.members:
+                    self._reserve(member, ids, dec, keep, offset, device, plans)
+                for layer, steps in enumerate(self.layer_steps):
+                    steps.append(plans[layer])
+                self.steps.append(next(iter(plans.values())))
                 offset += len(ids)
         except BaseException:
             self.rollback()
             raise
 
-    def _reserve(self, seq: Sequence, ids: list[int], decode: bool, keep: set[int], offset: int, inv_freq, device):
+    def _reserve(self, seq: Sequence, ids: list[int], decode: bool, keep: set[int], offset: int, device,
+                 plans: dict[int, SeqStep]):
         m, store = self.manager, self.store
         res = m.reserve(seq, len(ids), keep)
-        self.reservations.append(res)
+        self.reservations.append((res, ids))
         store.reserve(seq.layout, m.pool.high_water, seq.layout.budget_blocks(m.budget_bytes) + 1)
         if res.copied:
             store.copy_block(seq.layout, res.copied[1], res.copied[2])
@@ -125,15 +155,22 @@ class StepReservation:
                            seq.block_table[0] if head_new else None))
         if quantized:
             store.open_tails(seq.layout, seq.seq_id)
-        self.steps.append(plan(res, offset, inv_freq, device, quantized, decode))
+        g = seq.geometry
+        window = g.window + 1 if g.model_window else None        # W - 1 past keys: the layer's own window W
+        by_rope: dict[int, SeqStep] = {}
+        for layer in seq.layout.layers or range(len(self.layer_rope)):
+            inv = self.layer_rope[layer]
+            if id(inv) not in by_rope:
+                by_rope[id(inv)] = plan(res, offset, inv, device, quantized, decode, window)
+            plans[layer] = by_rope[id(inv)]
 
     def rollback(self) -> None:
         for i in reversed(range(len(self.reservations))):
-            res = self.reservations[i]
+            res = self.reservations[i][0]
             if i < len(self.saved) and self.saved[i][0] is not None:
                 self.store.restore_tails(res.seq.layout, res.seq.seq_id, *self.saved[i])
             self.manager.rollback(res)
 
     def commit(self, hash_ids: bool) -> None:
-        for (_, ids), res in zip(self.items, self.reservations):
+        for res, ids in self.reservations:
             self.manager.commit(res, ids if hash_ids else None)

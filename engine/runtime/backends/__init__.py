@@ -7,12 +7,12 @@ import torch
 from kernels import cpu_quant
 
 from engine.kv.layout import KVLayout
-from engine.runtime.backends.base import AttentionBackend, Pages
+from engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
 from engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers
 from engine.runtime.backends.quant_pages import QuantPagesC, QuantPagesTorch, kernel_reads
 
-__all__ = ["AttentionBackend", "FullPagesC", "FullPagesTorch", "QuantPagesC", "QuantPagesTorch", "StepAttention",
-           "backend_for", "choice_key"]
+__all__ = ["AttentionBackend", "FullPagesC", "FullPagesTorch", "LayerScores", "QuantPagesC", "QuantPagesTorch",
+           "StepAttention", "backend_for", "choice_key"]
 
 
 def choice_key(layout: KVLayout, device) -> tuple:
@@ -23,56 +23,75 @@ def choice_key(layout: KVLayout, device) -> tuple:
     return layout, bool(layout.quantized_components and cpu and cpu_quant.kv_kernels_ready())
 
 
-def backend_for(layout: KVLayout, comps: Pages, device, num_heads: int) -> AttentionBackend:
-    """The one backend for a layout's pages on a device: C where its kernels read these pages, else torch."""
+def backend_for(layout: KVLayout, comps: Pages, device, num_heads: int,
+                scores: tuple[LayerScores, ...]) -> AttentionBackend:
+    """The one backend for a layout's pages on a device: C where its kernels read these pages, else torch (the C
+    kernels take a layer's scale, not a soft-cap: a capped layer attends through torch)."""
     cpu = torch.device(device).type == "cpu"
     if layout.quantized_components:
         if cpu and any(kernel_reads(kc, vc) for kc, vc in comps):
-            return QuantPagesC(layout, comps, num_heads)
-        return QuantPagesTorch(layout, comps, num_heads)
+            return QuantPagesC(layout, comps, num_heads, scores)
+        return QuantPagesTorch(layout, comps, num_heads, scores)
     if cpu and cpu_quant.available() and kernel_covers(comps, num_heads):
-        return FullPagesC(layout, comps, num_heads)
-    return FullPagesTorch(layout, comps, num_heads)
+        return FullPagesC(layout, comps, num_heads, scores)
+    return FullPagesTorch(layout, comps, num_heads, scores)
 
 
 class StepAttention:
-    """The forward's attention callback for one step: steps[i] (a SeqStep) attended by backends[i]. Runs of
-    one-token decodes of one layout go to their backend together (one kernel call per layer); the rest one
-    sequence at a time. Batch rows follow the steps' order."""
+    """The forward's attention callback for one step: layer_steps[l][i] (a SeqStep: item i's sequence of the KV
+    group holding layer l, at the layer's RoPE) attended by backend_of(that step). Runs of one-token decodes of one
+    backend go to it together (one kernel call per layer); the rest one sequence at a time. Batch rows follow the
+    items' order. Layers that share their steps (every layer of a one-group model) share their runs."""
 
-    def __init__(self, steps: list, backends: list[AttentionBackend]):
-        self.steps, self.backends = steps, backends
-        self.runs = []                      # (first step, end step, backend, prepared or None for one sequence)
+    def __init__(self, layer_steps: list[list], backend_of):
+        self.layer_steps = layer_steps
+        self.steps = layer_steps[0]
+        by_steps: dict[tuple, list] = {}
+        self.layer_runs = []
+        for steps in layer_steps:
+            key = tuple(map(id, steps))
+            if key not in by_steps:
+                by_steps[key] = self._runs(steps, [backend_of(st) for st in steps])
+            self.layer_runs.append(by_steps[key])
+        self.shared = len(by_steps) == 1
+
+    @staticmethod
+    def _runs(steps: list, backends: list[AttentionBackend]) -> list:
+        runs = []                      # (first step, end step, backend, prepared or None for one sequence, steps)
         i = 0
         while i < len(steps):
             j = i
             while j < len(steps) and steps[j].one_token_decode and backends[j] is backends[i]:
                 j += 1
             if j > i:
-                self.runs.append((i, j, backends[i], backends[i].prepare_decodes(steps[i:j])))
+                runs.append((i, j, backends[i], backends[i].prepare_decodes(steps[i:j]), steps))
             else:
                 j = i + 1
-                self.runs.append((i, j, backends[i], None))
+                runs.append((i, j, backends[i], None, steps))
             i = j
+        return runs
 
     @property
     def one_layout_decode(self) -> bool:
-        """Every item a one-token decode of one layout: the step may run in its backend's one kernel call."""
-        return len(self.runs) == 1 and self.runs[0][1] - self.runs[0][0] == len(self.steps) \
+        """Every item a one-token decode of one layout, every layer on the same steps: the step may run in its
+        backend's one kernel call."""
+        runs = self.layer_runs[0]
+        return self.shared and len(runs) == 1 and runs[0][1] - runs[0][0] == len(self.steps) \
             and self.steps[0].one_token_decode
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outs = []
-        for i, j, backend, prepared in self.runs:
-            first, last = self.steps[i], self.steps[j - 1]
+        for i, j, backend, prepared, steps in self.layer_runs[layer]:
+            first, last = steps[i], steps[j - 1]
             sl = slice(first.offset, last.offset + last.num_new)
+            local = backend.local_layer(layer)
             if first.one_token_decode:
-                outs.append(backend.attend_decodes(layer, q[sl], k[sl], v[sl], self.steps[i:j], prepared))
+                outs.append(backend.attend_decodes(local, q[sl], k[sl], v[sl], steps[i:j], prepared))
             else:
-                outs.append(backend.attend(layer, q[sl], k[sl], v[sl], first))
+                outs.append(backend.attend(local, q[sl], k[sl], v[sl], first))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def decode(self, model, token_ids: torch.Tensor) -> torch.Tensor | None:
         """One kernel call through every layer (see one_layout_decode) -> logits [B, vocab], or None."""
-        i, j, backend, prepared = self.runs[0]
-        return backend.decode(model, token_ids, self.steps, prepared, self)
+        i, j, backend, prepared, steps = self.layer_runs[0][0]
+        return backend.decode(model, token_ids, steps, prepared, self)

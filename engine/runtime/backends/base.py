@@ -14,6 +14,7 @@ batch. A GPU backend, a save / restore exporter or importance scores attach here
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -23,11 +24,26 @@ from engine.kv.pages import Component
 Pages = list[tuple[Component, Component]]          # per layer, the (K, V) components of one layout
 
 
+@dataclass(frozen=True, slots=True)
+class LayerScores:
+    """How a layer turns q . k into scores: times `scale` (its query_scale), then soft-capped (Gemma 2) or not."""
+
+    scale: float
+    softcap: float | None = None
+
+
 class AttentionBackend(ABC):
     name: str = ""
 
-    def __init__(self, layout: KVLayout, comps: Pages, num_heads: int):
-        self.layout, self.comps, self.num_heads = layout, comps, num_heads
+    def __init__(self, layout: KVLayout, comps: Pages, num_heads: int, scores: tuple[LayerScores, ...]):
+        """scores: per layer of the layout (a KV group's layers only)."""
+        self.layout, self.comps, self.num_heads, self.scores = layout, comps, num_heads, scores
+        # a KV group's layout holds some of the model's layers: model layer -> its index here
+        self._local = {layer: j for j, layer in enumerate(layout.layers)}
+
+    def local_layer(self, layer: int) -> int:
+        """The index among this layout's layers (and scores) of model layer `layer`."""
+        return self._local[layer] if self._local else layer
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st) -> torch.Tensor:

@@ -12,11 +12,11 @@ from kernels import cpu_quant
 from engine.model.rope import rotate
 from engine.model.transformer import DecodeKernel
 from engine.runtime.attention import softmax_attention
-from engine.runtime.backends.base import AttentionBackend, Pages
+from engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
 from engine.kv.pages import Component
 
 
-def attend_torch(kc: Component, vc: Component, q, k, v, st) -> torch.Tensor:
+def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] before RoPE: store the rotated keys, then read every held row once."""
     T = q.shape[0]
     new_rows = st.rows[st.rows.shape[0] - T:]
@@ -29,7 +29,7 @@ def attend_torch(kc: Component, vc: Component, q, k, v, st) -> torch.Tensor:
     v_all = v_pages.index_select(0, st.rows).float()
     if st.n_sink:
         k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
-    return softmax_attention(q_rot, k_all, v_all, st.decode)
+    return softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside)
 
 
 class FullPagesTorch(AttentionBackend):
@@ -37,7 +37,7 @@ class FullPagesTorch(AttentionBackend):
 
     def attend(self, layer, q, k, v, st):
         kc, vc = self.comps[layer]
-        return attend_torch(kc, vc, q, k, v, st)
+        return attend_torch(kc, vc, q, k, v, st, self.scores[layer])
 
 
 @dataclass
@@ -92,11 +92,15 @@ class FullPagesC(FullPagesTorch):
 
     def attend_decodes(self, layer, q, k, v, steps, grp: DecodeGroup):
         kc, vc = self.comps[layer]
+        scores = self.scores[layer]
+        if scores.softcap is not None:      # the C kernel does not cap: torch, one sequence at a time
+            outs = [attend_torch(kc, vc, q[i:i + 1], k[i:i + 1], v[i:i + 1], st, scores) for i, st in enumerate(steps)]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         if q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
         cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets = grp.args()
         return cpu_quant.decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, kc.flat_pages(), vc.flat_pages(),
-                                       new_rows, rows, offsets, q.shape[-1] ** -0.5)
+                                       new_rows, rows, offsets, scores.scale)
 
     def decode(self, model, token_ids, steps, grp: DecodeGroup, attention):
         c = model.config
@@ -104,5 +108,10 @@ class FullPagesC(FullPagesTorch):
 
         def run(table, x):
             cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, pages,
-                                    *grp.args(), c.head_dim ** -0.5)
+                                    *grp.args(), self.scores[0].scale)
         return model.forward_decode(token_ids, kernel=DecodeKernel("full-pages", run))
+
+
+def score_args(scores: LayerScores | None) -> tuple[float | None, float | None]:
+    """softmax_attention's (scale, softcap) of a layer; None: head_dim ** -0.5, uncapped."""
+    return (None, None) if scores is None else (scores.scale, scores.softcap)

@@ -13,8 +13,8 @@ from engine.kv.pages import Component
 from engine.model.rope import rope_table, rotate
 from engine.model.transformer import DecodeKernel
 from engine.runtime.attention import softmax_attention
-from engine.runtime.backends.base import AttentionBackend
-from engine.runtime.backends.full_pages import attend_torch as attend_full
+from engine.runtime.backends.base import AttentionBackend, LayerScores
+from engine.runtime.backends.full_pages import score_args, attend_torch as attend_full
 
 
 def key_rope(st) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,11 +27,15 @@ def key_rope(st) -> tuple[torch.Tensor, torch.Tensor]:
     return st.key_cos, st.key_sin
 
 
-def attend_quantized(kc: Component, vc: Component, q, k, v, st, kernel: bool) -> torch.Tensor:
+def attend_quantized(kc: Component, vc: Component, q, k, v, st, kernel: bool,
+                     scores: LayerScores | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] before RoPE, a layer with a quantized K or V; -> [T, Hq, D]. Attends over the
     past before writing, since a write may quantize the tail away. kernel: through attn_decode_quant (a one-token
     decode of a layer whose K and V the C kernel reads), else through torch."""
-    out = decode_kernel(q, k, v, st, *kernel_pages(kc, vc, st)) if kernel else attend_torch(kc, vc, q, k, v, st)
+    if kernel:
+        out = decode_kernel(q, k, v, st, *kernel_pages(kc, vc, st), None if scores is None else scores.scale)
+    else:
+        out = attend_torch(kc, vc, q, k, v, st, scores)
     store(kc, vc, k, v, st)
     return out
 
@@ -48,15 +52,16 @@ def kernel_pages(kc: Component, vc: Component, st) -> list[cpu_quant.QuantPages]
     return out
 
 
-def decode_kernel(q, k, v, st, kp, vp) -> torch.Tensor:
+def decode_kernel(q, k, v, st, kp, vp, scale: float | None = None) -> torch.Tensor:
     prep = st.kernel_args
     if prep is None:          # once per step, shared by the layers
         seq, bs = st.res.seq, kp.data.shape[1]
         cos_h, sin_h = rope_table(st.inv_freq, int(st.key_pos.max()) + 1)
         prep = st.kernel_args = (st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
-                                 st.res.first_slot // bs, bs, cos_h, sin_h, st.key_pos.contiguous(), q.shape[-1] ** -0.5)
+                                 st.res.first_slot // bs, bs, cos_h, sin_h, st.key_pos.contiguous())
     out = cpu_quant.attn_decode_quant(q[0].float().contiguous(), k[0].float().contiguous(), v[0].float().contiguous(),
-                                      kp, vp, *prep, check=False)
+                                      kp, vp, *prep, q.shape[-1] ** -0.5 if scale is None else scale,
+                                      check=False)
     return out.view(1, *out.shape)
 
 
@@ -73,7 +78,7 @@ def store(kc: Component, vc: Component, k, v, st) -> None:
             comp.write_rows(x, new_rows)
 
 
-def attend_torch(kc: Component, vc: Component, q, k, v, st) -> torch.Tensor:
+def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores | None = None) -> torch.Tensor:
     """The torch path (prefill, GPUs, mixed formats; the decode kernel's reference): dequantize the held past."""
     res = st.res
     seq = res.seq
@@ -88,7 +93,8 @@ def attend_torch(kc: Component, vc: Component, q, k, v, st) -> torch.Tensor:
         k_all[P:] = rotate(k_all[P:], st.q_cos, st.q_sin)
     else:
         k_all = rotate(k_all, *key_rope(st))
-    return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all, st.decode)
+    return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all, st.decode,
+                             *score_args(scores), st.outside)
 
 
 class QuantPagesTorch(AttentionBackend):
@@ -97,8 +103,14 @@ class QuantPagesTorch(AttentionBackend):
     def attend(self, layer, q, k, v, st):
         kc, vc = self.comps[layer]
         if not (kc.fmt.is_quantized or vc.fmt.is_quantized):      # a layer kept in full precision
-            return attend_full(kc, vc, q, k, v, st)
-        return attend_quantized(kc, vc, q, k, v, st, kernel=False)
+            return attend_full(kc, vc, q, k, v, st, self.scores[layer])
+        return self._quantized(layer, kc, vc, q, k, v, st, False)
+
+    def _quantized(self, layer, kc, vc, q, k, v, st, kernel: bool) -> torch.Tensor:
+        scores = self.scores[layer]
+        if scores.softcap is None and scores.scale == q.shape[-1] ** -0.5:     # the default: as every Llama layer
+            return attend_quantized(kc, vc, q, k, v, st, kernel)
+        return attend_quantized(kc, vc, q, k, v, st, kernel, scores)
 
 
 def kernel_reads(kc: Component, vc: Component) -> bool:
@@ -111,20 +123,21 @@ def kernel_reads(kc: Component, vc: Component) -> bool:
 class QuantPagesC(QuantPagesTorch):
     name = "quant-pages-c"
 
-    def __init__(self, layout, comps, num_heads):
-        super().__init__(layout, comps, num_heads)
-        self.kernel_layers = [kernel_reads(kc, vc) for kc, vc in comps]
+    def __init__(self, layout, comps, num_heads, scores):
+        super().__init__(layout, comps, num_heads, scores)
+        # the C kernel takes a layer's scale, not a soft-cap
+        self.kernel_layers = [kernel_reads(kc, vc) and s.softcap is None for (kc, vc), s in zip(comps, scores)]
 
     def attend(self, layer, q, k, v, st):
         if not self.kernel_layers[layer]:
             return super().attend(layer, q, k, v, st)
         kc, vc = self.comps[layer]
-        return attend_quantized(kc, vc, q, k, v, st, kernel=st.one_token_decode)
+        return self._quantized(layer, kc, vc, q, k, v, st, st.one_token_decode)
 
     def decode(self, model, token_ids, steps, prepared, attention):
         if not all(self.kernel_layers):          # the one-call step takes no full-precision layers: call back
             return super().decode(model, token_ids, steps, prepared, attention)
-        quant = quant_step(self.comps, steps, model.config.num_heads)
+        quant = quant_step(self.comps, steps, model.config.num_heads, self.scores[0].scale)
         c = model.config
 
         def run(table, x):
@@ -136,7 +149,7 @@ class QuantPagesC(QuantPagesTorch):
         return logits
 
 
-def quant_step(comps, steps: list, num_heads: int) -> cpu_quant.QuantStep:
+def quant_step(comps, steps: list, num_heads: int, scale: float) -> cpu_quant.QuantStep:
     """A decode step's attention over quantized pages, every layer and sequence of one layout, for the one-call
     step to run in C (cpu_quant.QuantStep). After the kernel, finish_quant_step quantizes the blocks it completed."""
     fields = [[] for _ in comps]
@@ -156,7 +169,7 @@ def quant_step(comps, steps: list, num_heads: int) -> cpu_quant.QuantStep:
         key_pos.append(int(st.key_pos.max()))
     cos_h, sin_h = rope_table(steps[0].inv_freq, max(key_pos) + 1)
     return cpu_quant.QuantStep([f for layer in fields for f in layer], seqs, bs, num_heads, kc.num_heads,
-                               kc.head_dim, cos_h, sin_h, kc.head_dim ** -0.5)
+                               kc.head_dim, cos_h, sin_h, scale)
 
 
 def finish_quant_step(comps, steps: list, quant: cpu_quant.QuantStep) -> None:
