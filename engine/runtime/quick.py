@@ -28,7 +28,7 @@ from engine.config import CacheConfig, EngineConfig, SamplingParams
 from engine.errors import ModelLoadError
 from engine.gguf.blocks import packed_matrix
 from engine.gguf.file import GGUFFile
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, layer_modules
 from engine.model.source import locate
 from engine.model.spec import rope_cos_sin_numpy
 from engine.plan.fit import check_fits
@@ -38,8 +38,6 @@ from engine.text.detok import StreamDecoder
 from engine.text.tokenizer_cache import gguf_tokenizer
 
 CHUNK = 64                 # prompt tokens a kernel call
-_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 class NotCovered(Exception):
@@ -141,7 +139,8 @@ class QuickModel:
         table = (cpu_lib.QLayer * c.num_layers)()
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            slots = [_PROJ[:3], _PROJ[3:4], _PROJ[4:6], _PROJ[6:]]
+            modules = layer_modules(c, c.layers[i])       # the family's names (Phi-3: qkv and gate | up stored fused)
+            slots = [modules[part] for part in ("qkv", "o", "gate_up", "down")]
             for s, names in enumerate(slots):
                 parts = []
                 for m in names:
@@ -152,7 +151,7 @@ class QuickModel:
                 table[i].nparts[s] = len(parts)
                 for j, part in enumerate(parts):
                     table[i].lin[s][j] = part.qlin()
-            norms = [self._vector(p + "input_layernorm.weight"), self._vector(p + "post_attention_layernorm.weight")]
+            norms = [self._vector(p + modules[part][0] + ".weight") for part in ("norm_attn", "norm_mlp")]
             self.keep += norms
             table[i].norm_attn, table[i].norm_mlp = norms[0].ctypes.data, norms[1].ctypes.data
         self.table = table
