@@ -48,6 +48,12 @@ def _say_kernel_status(engine) -> None:
         print(f"kvchat: {engine.kernel_status}", file=sys.stderr)
 
 
+def _say_chat_format(engine) -> None:
+    """Once, on stderr, when the model has no chat template: the chat is a plain-text continuation."""
+    if engine.chat_format_notice:
+        print(f"kvchat: {engine.chat_format_notice}", file=sys.stderr)
+
+
 def cmd_chat(args) -> int:
     try:
         return _chat(args)
@@ -78,6 +84,7 @@ def _chat(args) -> int:
         print(f"kvchat: {exc}", file=sys.stderr)
         return 2
     _say_kernel_status(engine)
+    _say_chat_format(engine)
     session = engine.new_session(system_prompt=args.system)
     if args.prompt is not None:
         try:

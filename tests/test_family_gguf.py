@@ -213,3 +213,17 @@ def test_llama_cpp_reads_our_files_as_we_do(tmp_path, case):
     llm.eval(ids.tolist())
     got = np.asarray(llm.scores[:len(ids)], dtype=np.float32)
     assert np.abs(got - expect).max() <= 1e-3 * np.abs(expect).max(), case
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma2", "gemma3", "phi3-longrope"])
+def test_weight_fidelity_bench_on_family_files(tmp_path, case):
+    """bench quality --weight-fidelity on a family's file as on Llama's (test_gguf_weights): requantized by gguf
+    into Q4_0 with its metadata kept, the engine's packed decode agrees with its dense fp32 one."""
+    from bench.weights import checks, fidelity, requantize_gguf
+    _, path = _folder_and_gguf(tmp_path, case)
+    out = requantize_gguf(path, tmp_path / f"{case}-q4.gguf", "Q4_0")
+    gf = GGUFFile(out)
+    assert gf.type_name("blk.0.attn_output.weight") == "Q4_0" and gf.hf_config() == GGUFFile(path).hf_config()
+    r = fidelity(str(out), _ids()[:32].tolist())
+    assert r["top1_agreement"] >= 0.95 and r["mean_kl"] <= 1e-3 and r["kinds"].get("q4"), (case, r)
+    assert all(checks({"Q4_0": r}).values()), r

@@ -242,8 +242,11 @@ def test_uncovered_kinds_fall_back_to_transformers(vocab_fields, tmp_path, monke
         tok = gguf_tokenizer(path)
         assert calls == [path]
         assert_same_behaviour(tok, real(path), CORPUS[:6], CHATS[:1])
-    path = metadata_gguf(tmp_path / "spm.gguf", vocab_fields, ggml__model="llama")
-    with pytest.raises(NotCovered, match="'llama'"):
+    path = metadata_gguf(tmp_path / "t5.gguf", vocab_fields, ggml__model="t5")      # Unigram: transformers builds it
+    with pytest.raises(NotCovered, match="'t5'"):
+        check_covered(GGUFFile(path))
+    path = metadata_gguf(tmp_path / "spm.gguf", vocab_fields, ggml__model="llama")   # SentencePiece, a BPE split
+    with pytest.raises(NotCovered, match="SentencePiece vocabulary with pre-tokenizer 'smollm'"):
         check_covered(GGUFFile(path))
 
 

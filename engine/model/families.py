@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.errors import ModelLoadError
+from engine.gguf.arch import GEMMA2_TENSORS, GEMMA3_TENSORS, PHI3_TENSORS, QWEN3_TENSORS
 from engine.model.spec import LayerSpec, Rope
 
 
@@ -168,12 +169,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), "llama", True, _llama),
     Family("mistral", ("mistral",), "mistral", False, _llama),
     Family("qwen2", ("qwen2",), "qwen2", False, _qwen2),
-    Family("qwen3", ("qwen3",), "qwen3", False, _qwen3),
-    Family("gemma2", ("gemma2",), "gemma2", False, _gemma2),
+    Family("qwen3", ("qwen3",), "qwen3", False, _qwen3, gguf_tensors=QWEN3_TENSORS),
+    Family("gemma2", ("gemma2",), "gemma2", False, _gemma2, gguf_tensors=GEMMA2_TENSORS),
     # a Hugging Face "gemma3" folder is the multimodal model (its text model under text_config): only the text
     # model's own folders (gemma3_text) are read; a GGUF of either is general.architecture "gemma3"
-    Family("gemma3", ("gemma3_text",), "gemma3", False, _gemma3),
-    Family("phi3", ("phi3",), "phi3", False, _phi3, fused_projections=True),
+    Family("gemma3", ("gemma3_text",), "gemma3", False, _gemma3, gguf_tensors=GEMMA3_TENSORS),
+    Family("phi3", ("phi3",), "phi3", False, _phi3, gguf_tensors=PHI3_TENSORS, fused_projections=True),
 )
 # mixture-of-experts families: named in the error as such (their routed MLPs are not a layer kvchat computes yet)
 MOE_ARCHITECTURES = frozenset({"qwen2_moe", "qwen3_moe", "qwen2moe", "qwen3moe", "mixtral", "gpt_oss", "gpt-oss",

@@ -9,7 +9,7 @@ import torch
 from kernels import cpu_quant
 
 from engine.api import LOCAL
-from engine.text.chat_format import check_template, stop_ids
+from engine.text.chat_format import chat_format_notice, check_template, stop_ids
 from engine.config import CacheConfig, EngineConfig
 from engine.kv.layout import MIB
 from engine.gguf.file import GGUFFile
@@ -93,6 +93,12 @@ class Engine:
     @property
     def num_layers(self) -> int:
         return self.model.config.num_layers
+
+    @property
+    def chat_format_notice(self) -> str | None:
+        """What the user should hear before chatting with a model whose file has no chat template (a base model:
+        chats go as a plain-text continuation, engine.text.chat_format.PLAIN_TEMPLATE); None for the others."""
+        return chat_format_notice(self.tokenizer, self.model_name)
 
     @classmethod
     def load(cls, config: EngineConfig | None = None, progress: Progress | None = None) -> "Engine":

@@ -33,7 +33,7 @@ from engine.model.source import locate
 from engine.model.spec import rope_cos_sin_numpy
 from engine.plan.fit import check_fits
 from engine.runtime.sampling import sample_numpy
-from engine.text.chat_format import clean_text, encode_conversation, stop_ids, tokenize_pieces
+from engine.text.chat_format import chat_format_notice, clean_text, encode_conversation, stop_ids, tokenize_pieces
 from engine.text.detok import StreamDecoder
 from engine.text.tokenizer_cache import gguf_tokenizer
 
@@ -258,6 +258,9 @@ def one_shot(model: str, prompt: str, system: str | None, params: SamplingParams
     limit = m.config.max_position_embeddings
     if not ids or len(ids) >= limit:
         return None
+    notice = chat_format_notice(tokenizer, files.path.name)
+    if notice:                       # as the engine's path says it (cli/terminal.py), once, on stderr
+        print(f"kvchat: {notice}", file=sys.stderr)
     seq = QuickSequence(m, min(limit, len(ids) + params.max_new_tokens))
     for lo in range(0, len(ids), CHUNK):
         logits = seq.forward(ids[lo:lo + CHUNK])

@@ -46,14 +46,47 @@ def _describe(exc: Exception, where: str) -> str:
     return f"The chat template of {where} {what}{_template_line(exc)}."
 
 
-def render_chat(tokenizer, messages: list[dict], where: str = "this model") -> str:
-    """The conversation through the model's chat template, with the generation prompt, under chat_template's
-    limits; any failure is a ChatTemplateError of one line naming `where` (the model file)."""
+# The conversation as plain text for a model whose file has no chat template (a base model): it continues the
+# transcript after "Assistant:". Its BOS comes first where the tokenizer starts a text with one (bos_prefix).
+PLAIN_TEMPLATE = (
+    "{{ bos_prefix }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% else %}{{ 'Assistant' if m['role'] == 'assistant' else 'User' }}: {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+def has_chat_template(tokenizer) -> bool:
     source = getattr(tokenizer, "chat_template", None)
-    if not source or not isinstance(source, str):
-        raise ChatTemplateError(f"{where} has no chat template: it cannot chat (a plain prompt still works)")
+    return bool(source) and isinstance(source, str)
+
+
+def chat_format_notice(tokenizer, where: str = "this model") -> str | None:
+    """What to tell the user before a chat with a model whose file has no chat template (None for the others):
+    the chat is a plain-text continuation, which a base model follows loosely."""
+    if has_chat_template(tokenizer):
+        return None
+    return (f"{where} has no chat template (a base model?): the chat is sent as plain text, 'User:' and "
+            f"'Assistant:' lines it continues; its replies may ramble or speak for the user")
+
+
+def _bos_prefix(tokenizer) -> str:
+    """The BOS text where the tokenizer starts a plain text with it (its add_bos rule), else ""."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return ""
+    ids = tokenizer.encode("x", add_special_tokens=True)
+    return bos if ids and ids[0] == bos_id else ""
+
+
+def render_chat(tokenizer, messages: list[dict], where: str = "this model") -> str:
+    """The conversation through the model's chat template (PLAIN_TEMPLATE where it has none: chat_format_notice
+    says so), with the generation prompt, under chat_template's limits; any failure is a ChatTemplateError of one
+    line naming `where` (the model file)."""
     from engine.text.chat_template import render
     specials = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items()}
+    if has_chat_template(tokenizer):
+        source = tokenizer.chat_template
+    else:
+        source, specials = PLAIN_TEMPLATE, {**specials, "bos_prefix": _bos_prefix(tokenizer)}
     try:
         text = render(source, messages, True, **specials)
     except Exception as exc:  # noqa: BLE001 - whatever a template does wrong, the user hears it in one line
@@ -90,14 +123,20 @@ def encode_conversation(tokenizer, system_prompt: str | None, messages: list[dic
 
 
 def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]], skip_chars: int = 0) -> list[int]:
-    """The pieces' tokens, from character skip_chars of their text on."""
+    """The pieces' tokens, from character skip_chars of their text on. Every piece but the text's very first is
+    encoded as a continuation where the tokenizer knows how (engine.text.tokenizer: no SentencePiece "▁" added
+    before it)."""
     ids: list[int] = []
+    knows = getattr(tokenizer, "encodes_continuations", False)
+    continues = knows and skip_chars > 0
     for text, content in pieces:
         if skip_chars >= len(text):
             skip_chars -= len(text)
             continue
         text, skip_chars = text[skip_chars:], 0
-        ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=content)
+        more = {"continuation": True} if continues else {}
+        ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=content, **more)
+        continues = knows
     return ids
 
 

@@ -19,10 +19,13 @@ SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class ChatTokenizer:
+    encodes_continuations = True       # encode(..., continuation=True): see encode
     def __init__(self, folder: Path):
         from tokenizers import Tokenizer
         folder = Path(folder)
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self._cont = None          # the tokenizer for continuations, made on first use (see _continuing)
+        self._added = None
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         self.special_tokens_map = {k: _token_text(config[k]) for k in SPECIAL_NAMES if config.get(k)}
         template = folder / "chat_template.jinja"
@@ -77,10 +80,50 @@ class ChatTokenizer:
 
     # ---- text <-> ids --------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
-        """split_special_tokens=True reads a special token's text inside `text` as plain text."""
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False,
+               continuation: bool = False) -> list[int]:
+        """split_special_tokens=True reads a special token's text inside `text` as plain text. continuation=True:
+        `text` continues text already encoded (a piece of a rendered chat), so a SentencePiece tokenizer adds no
+        leading "▁" of its own: encoded piece by piece, a chat reads as the whole text would, with no space added
+        before each message."""
+        if continuation and add_special_tokens:
+            raise ValueError("a continuation lies inside a text: it takes no BOS / EOS (add_special_tokens=False)")
         self._tok.encode_special_tokens = bool(split_special_tokens)
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if not continuation or self._continuing() is self._tok:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # only the text before its first added token continues the earlier text: what follows an added token is
+        # a section of its own, encoded as in the whole text (Phi-3's normalizer gives each such section its "▁")
+        whole = self._tok.encode(text, add_special_tokens=False)
+        added = self._added_ids()
+        first = next((n for n, i in enumerate(whole.ids) if i in added), None)
+        cut = len(text) if first is None else whole.offsets[first][0]
+        self._cont.encode_special_tokens = bool(split_special_tokens)
+        ids = self._cont.encode(text[:cut], add_special_tokens=False).ids
+        if cut < len(text):
+            ids += self._tok.encode(text[cut:], add_special_tokens=False).ids
+        return ids
+
+    def _added_ids(self) -> frozenset[int]:
+        if self._added is None:
+            self._added = frozenset(self._tok.get_added_tokens_decoder())
+        return self._added
+
+    def _continuing(self):
+        """The tokenizer without the leading "▁" SentencePiece adds to a text (Metaspace's prepend, Phi-3's Prepend
+        normalizer); itself where it adds none (byte-level BPE, Gemma)."""
+        if self._cont is None:
+            from tokenizers import Tokenizer
+            spec = json.loads(self._tok.to_str())
+            pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer") or {}
+            changed = False
+            if pre.get("type") == "Metaspace" and pre.get("prepend_scheme") != "never":
+                pre["prepend_scheme"], changed = "never", True
+            if norm.get("type") == "Sequence":
+                kept = [n for n in norm["normalizers"] if n.get("type") != "Prepend"]
+                changed |= len(kept) != len(norm["normalizers"])
+                norm["normalizers"] = kept
+            self._cont = Tokenizer.from_str(json.dumps(spec)) if changed else self._tok
+        return self._cont
 
     def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> str:
         # clean_up_tokenization_spaces is a WordPiece fix-up that transformers itself skips for BPE (every
