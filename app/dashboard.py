@@ -512,8 +512,11 @@ class Dashboard(QWidget):
                                   np.repeat([layer.window_bytes / scale for layer in sliding], 2))
         self.full_bars.setOpts(x=x, height=np.full(len(layers), full), width=0.9)
         self.full_bars.setVisible(full > 0)
-        self.k_bars.setOpts(x=x, height=k, width=0.7, brushes=k_brushes)
-        self.v_bars.setOpts(x=x, height=v, y0=k, width=0.7, brushes=v_brushes)
+        # a hatched bar gets an edge in its own colour, so its height reads as well as a solid bar's
+        k_pens = [pg.mkPen(b.color(), width=1) if b.style() != Qt.BrushStyle.SolidPattern else None for b in k_brushes]
+        v_pens = [pg.mkPen(b.color(), width=1) if b.style() != Qt.BrushStyle.SolidPattern else None for b in v_brushes]
+        self.k_bars.setOpts(x=x, height=k, width=0.7, brushes=k_brushes, pens=k_pens)
+        self.v_bars.setOpts(x=x, height=v, y0=k, width=0.7, brushes=v_brushes, pens=v_pens)
         if self._ranges.get("layer_unit") != unit:
             self._ranges["layer_unit"] = unit
             self.sections["layers"].setText(self.tr("KV bytes per layer ({unit})").format(unit=unit))
@@ -532,7 +535,8 @@ class Dashboard(QWidget):
                                     n=count, window=f"{window:,}"),
                                 "#334155" if window is None else WINDOW_COLOUR))
         if full > 0:
-            entries.append((self.tr("outline: full precision"), OUTLINE_COLOUR))
+            entries.append((self.tr("outline: full precision, no window") if hybrid else
+                            self.tr("outline: full precision"), OUTLINE_COLOUR))
         if near:
             entries.append((self.tr("dashed line: budget share"), "#dc2626"))
         self._set_legend("layers", entries)

@@ -90,7 +90,10 @@ def full_precision_layer_bytes(snapshot: StatsSnapshot) -> float:
     all its bytes, at full precision as in the layer's bar."""
     if not snapshot.layers:
         return 0.0
-    tokens = max(snapshot.tokens_held, snapshot.blocks_used * snapshot.block_size)
+    bs = snapshot.block_size
+    # a hybrid model's blocks_used counts every group's blocks: its global layers hold tokens_held in whole blocks
+    tokens = -(-snapshot.tokens_held // bs) * bs if is_hybrid(snapshot) else \
+        max(snapshot.tokens_held, snapshot.blocks_used * bs)
     return full_precision_bytes_per_token(snapshot) * tokens / len(snapshot.layers)
 
 

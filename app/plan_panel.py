@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSli
 
 from engine.config import CacheConfig, ConfigError
 from engine.kv.layout import MIB, conversation_bytes, kv_groups, kv_layout, max_conversation_tokens
-from engine.plan.estimate import growth_bytes_per_token
+from engine.plan.estimate import growth_bytes_per_token, window_counts
 
 from app.bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_family, format_mib
 from app.i18n import cache_label, value_name
@@ -250,10 +250,17 @@ class PlanPanel(QWidget):
         self._update_apply()
 
     def _window_text(self) -> str:
+        text = ""
+        counts = window_counts(layer.window for layer in self.model_config.layers) if self.model_config else ()
+        if len(counts) > 1:             # a hybrid model: say which layers stay flat before the bars do
+            sliding = sum(n for w, n in counts if w is not None)
+            text = self.tr(" · {sliding} of {layers} layers slide (window {window}): only the other {rest} grow").format(
+                sliding=sliding, layers=self.model_config.num_layers, rest=self.model_config.num_layers - sliding,
+                window=", ".join(f"{w:,}" for w, _ in counts if w is not None))
         if self.cache.window is None:
-            return ""
-        return self.tr(" · window {window} + {sinks} sinks").format(window=f"{self.cache.window:,}",
-                                                                     sinks=self.cache.sinks)
+            return text
+        return text + self.tr(" · window {window} + {sinks} sinks").format(window=f"{self.cache.window:,}",
+                                                                            sinks=self.cache.sinks)
 
     def _tip(self, bar: PlanBar, n: int) -> str:
         lines = [self.tr("{name}: K and V as the model holds them ({dtype})").format(name=bar.name, dtype=bar.full_dtype)

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text", default="What is the capital of France? Answer in one sentence.")
     parser.add_argument("--size", default="1320x820", help="window size, WIDTHxHEIGHT")
     parser.add_argument("--page", default="Live", help="dashboard page: Live, Pool, Plan or Lengths")
+    parser.add_argument("--model", default="default", help="the model to load (a .gguf or a Hugging Face folder)")
+    parser.add_argument("--dashboard-only", action="store_true", help="grab the dashboard, not the whole window")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory(prefix="kvchat-shot-") as tmp:
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         app.setApplicationName("kvchat")
         load_style(app)
         store = SettingsStore()
+        store.save(replace(store.load(), model=args.model))
         language = install(app, store.language())
         history = HistoryStore()
         window = MainWindow(store, history)
@@ -55,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         def shoot() -> None:
             window.dashboard.show_page(args.page)
             window.dashboard.redraw()
-            QTimer.singleShot(600, lambda: finish(window.grab().save(args.out)))
+            window.statusBar().clearMessage()   # the status line (model, family, cache), not the load message
+            shown = window.dashboard if args.dashboard_only else window
+            QTimer.singleShot(600, lambda: finish(shown.grab().save(args.out)))
 
         def finish(saved: bool) -> None:
             print(f"{language}: {'wrote' if saved else 'could not write'} {args.out}")

@@ -188,3 +188,50 @@ def test_new_presets_build_through_their_family(name, layers, windows):
     assert mc.num_layers == layers
     if windows is not None:
         assert window_counts(layer.window for layer in mc.layers) == windows
+
+
+@pytest.mark.gui
+def test_plan_page_says_which_layers_slide_and_sizes_them_by_the_hybrid_arithmetic(qtbot):
+    from app.plan_panel import PlanPanel
+    panel = PlanPanel()
+    qtbot.addWidget(panel)
+    mc = gemma_shaped()
+    panel.set_model(mc, "fp32", "cpu")
+    panel.set_conversation(CacheConfig(k_format="int8", v_format="int8"), 300, 300, 8 * MIB, True)
+    panel.refresh()
+    assert "10 of 12 layers slide (window 64): only the other 2 grow" in panel.context_label.text()
+    int8 = next(bar for bar in panel.bars if bar.cache.k_format == "int8" and bar.cache.v_format == "int8")
+    assert int8.now_bytes == conversation_bytes(mc, int8.cache, 300)
+    plain = ModelConfig.from_hf(dict(model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=128))
+    panel.set_model(plain, "fp32", "cpu")
+    panel.refresh()
+    assert "slide" not in panel.context_label.text()
+
+
+# --- the engine holds what the plan says ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_engine(tmp_path_factory):
+    from engine import Engine, EngineConfig
+    from tiny_models import tiny_family_dir
+    folder = tiny_family_dir(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3")     # 5 sliding (window 16) + 1 global
+    return Engine.load(EngineConfig(model=folder)), folder
+
+
+@pytest.mark.parametrize("fmt, block_size, window, tokens", [
+    (f, b, w, n) for f, b, w, n in itertools.product(("fp16", "int8", "int4/int8", "auto"), (1, 4, 16), (None, 24, 12),
+                                                     (10, 40, 130))
+    if not (w == 12 and b == 16)])          # a user window must hold a block
+def test_estimate_equals_what_a_hybrid_engine_holds(tiny_gemma3_engine, fmt, block_size, window, tokens):
+    from tiny_models import random_ids
+    engine, folder = tiny_gemma3_engine
+    session = engine.new_session(cache=cache_for(fmt, block_size, window, sinks=4))
+    session.append(random_ids(engine, tokens))
+    stats = session.stats()
+    row = estimate(model_facts(folder), tokens, formats=(fmt,), block_size=block_size, window=window, sinks=4,
+                   memory_bytes=GIB, device=str(engine.device)).rows[0]
+    assert row.kv_bytes == stats.kv_bytes
+    windows = [layer.window for layer in stats.layers]
+    assert len(windows) == 6 and windows[5] == window
+    assert all(w == (16 if window is None else min(16, window)) for w in windows[:5])

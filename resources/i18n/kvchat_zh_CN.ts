@@ -475,6 +475,10 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>{n} 层滑动（窗口 {window}），斜线填充；横线：窗口已满</translation>
     </message>
     <message>
+        <source>outline: full precision, no window</source>
+        <translation>虚线框：全精度、无窗口</translation>
+    </message>
+    <message>
         <source>outline: full precision</source>
         <translation>虚线框：全精度</translation>
     </message>
@@ -1454,6 +1458,10 @@ prefill {prefill} tok/s</source>
     <message>
         <source>Bar: KV bytes at the slider&apos;s context · black tick: the open chat now · ▲ on the slider: the open chat&apos;s length · red dashed: the budget</source>
         <translation>柱：滑块所选上下文下的 KV 字节数 · 黑色刻度：当前对话 · 滑块上的 ▲：当前对话的长度 · 红色虚线：预算</translation>
+    </message>
+    <message>
+        <source> · {sliding} of {layers} layers slide (window {window}): only the other {rest} grow</source>
+        <translation> · {layers} 层中有 {sliding} 层滑动（窗口 {window}）：只有另外 {rest} 层增长</translation>
     </message>
     <message>
         <source> · window {window} + {sinks} sinks</source>
