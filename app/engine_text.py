@@ -50,6 +50,16 @@ MESSAGES = (
     QT_TRANSLATE_NOOP("EngineText", "{name} is not a readable GGUF file ({error}); re-download or re-export it"),
     QT_TRANSLATE_NOOP("EngineText", "unsupported architecture {arch} in {where}: kvchat runs the Llama family "
                                     "({supported})"),
+    QT_TRANSLATE_NOOP("EngineText", "unsupported architecture {arch} in {where}: mixture-of-experts families are "
+                                    "not supported yet; kvchat runs {supported}"),
+    QT_TRANSLATE_NOOP("EngineText", "unsupported architecture {arch} with {experts} experts in {where}: "
+                                    "mixture-of-experts families are not supported yet; kvchat runs {supported}"),
+    QT_TRANSLATE_NOOP("EngineText", "unsupported architecture 'gemma3' in {where}: this is Gemma 3's multimodal "
+                                    "folder; kvchat runs its text model (model_type gemma3_text, or a Gemma 3 GGUF); "
+                                    "it runs {supported}"),
+    QT_TRANSLATE_NOOP("EngineText", "{where} has no chat template (a base model?): the chat is sent as plain text, "
+                                    "'User:' and 'Assistant:' lines it continues; its replies may ramble or speak for "
+                                    "the user"),
     QT_TRANSLATE_NOOP("EngineText", "there is no reply to regenerate yet: send a message first"),
     QT_TRANSLATE_NOOP("EngineText", "there is no reply to continue: send a message first"),
     QT_TRANSLATE_NOOP("EngineText", "the last reply ended on its own; send a message to go on"),

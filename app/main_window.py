@@ -395,6 +395,8 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(self.tr("Loaded {model}{weights} on {device} in {seconds} s").format(
                 model=event.model_name, weights=weights, device=event.device, seconds=f"{event.load_s:.1f}")
                 + notice, 15000 if notice else 5000)
+        if event.chat_format_notice:    # a base model: said before the first message, never a silent template
+            self.banner.show_message(self.tr("This model has no chat template"), engine_text(event.chat_format_notice))
         messages = self.history.messages(self.conversation_id) if self.conversation_id is not None else []
         self._open_session(messages)
 
@@ -546,6 +548,8 @@ class MainWindow(QMainWindow):
             if self.engine_info.weight_bytes:
                 parts.append(self.tr("weights {label} {size}").format(
                     label=weights_text(self.engine_info.weights_label), size=format_bytes(self.engine_info.weight_bytes)))
+            if self.engine_info.chat_format_notice:
+                parts.append(self.tr("plain-text chat (no template)"))
             if self.engine_info.kernel_status:      # the slow torch fallback is said, not silent
                 parts.append(engine_text(self.engine_info.kernel_status))
         remote = self.engine_info is not None and self.engine_info.capabilities.remote

@@ -35,6 +35,7 @@ class EngineReady:
     capabilities: Capabilities = LOCAL  # what the engine can show and do (a remote server: no per-layer data)
     server_url: str = ""                # a remote engine's base URL
     kernel_status: str = ""             # why the C kernels are missing (the engine's English line); "" when loaded
+    chat_format_notice: str = ""        # the model has no chat template: it chats in plain text (the engine's line)
 
 
 @dataclass(frozen=True, slots=True)

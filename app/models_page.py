@@ -18,6 +18,7 @@ from engine.plan import library
 from engine.plan.fit import RUNTIME_BYTES
 from engine.plan.library import ModelEntry, format_parameters, format_tokens
 
+from app.engine_text import engine_text
 from app.messages import format_bytes
 
 SHOWN_FITS = ("fp16", "int8", "int4")
@@ -108,7 +109,7 @@ class ModelTable(QAbstractTableModel):
         if role == SORT_ROLE:
             return self._value(e, column)
         if role == Qt.ItemDataRole.ToolTipRole:
-            return e.error or e.path
+            return engine_text(e.error) if e.error else e.path
         if role == Qt.ItemDataRole.ForegroundRole and not e.loadable:
             return Qt.GlobalColor.gray
         if role == Qt.ItemDataRole.FontRole and index.row() == self.current_row:
@@ -130,7 +131,7 @@ class ModelTable(QAbstractTableModel):
             return format_parameters(e.parameters)
         if column == "Quantization":
             return e.quantization if e.loadable else \
-                QCoreApplication.translate("ModelTable", "cannot load: {error}").format(error=e.error)
+                QCoreApplication.translate("ModelTable", "cannot load: {error}").format(error=engine_text(e.error))
         if column == "Size":
             return format_bytes(e.file_bytes)
         if column == "Trained context":
@@ -316,7 +317,8 @@ class ModelsDialog(QDialog):
         if entry is None:
             return
         if not entry.loadable:          # a double-click on a family kvchat does not run: say why, load nothing
-            self.summary.setText(self.tr("{name} cannot load: {error}").format(name=entry.name, error=entry.error))
+            self.summary.setText(self.tr("{name} cannot load: {error}").format(name=entry.name,
+                                                                               error=engine_text(entry.error)))
             return
         try:                            # the built-in model is saved as "default", as Settings names it
             path = "default" if entry.source == BUILT_IN else library.loadable_path(entry)

@@ -150,7 +150,8 @@ class EngineWorker(QObject):
                                     getattr(getattr(engine, "model", None), "config", None),
                                     getattr(engine, "dtype_name", "fp32"), capabilities_of(engine),
                                     getattr(engine, "base_url", ""),
-                                    kernel_status=getattr(engine, "kernel_status", None) or ""))
+                                    kernel_status=getattr(engine, "kernel_status", None) or "",
+                                    chat_format_notice=getattr(engine, "chat_format_notice", None) or ""))
 
     @Slot(object, object, object, object)
     def open_session(self, conversation_id, system_prompt, cache, history) -> None:

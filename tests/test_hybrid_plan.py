@@ -235,3 +235,38 @@ def test_estimate_equals_what_a_hybrid_engine_holds(tiny_gemma3_engine, fmt, blo
     windows = [layer.window for layer in stats.layers]
     assert len(windows) == 6 and windows[5] == window
     assert all(w == (16 if window is None else min(16, window)) for w in windows[:5])
+
+
+# --- the app with the real engine: the status line names the family; a base model says so -----------------------
+
+def _window_on(qtbot, monkeypatch, tmp_path, model: str):
+    from app.settings_store import SettingsStore
+    from app.worker import _default_loader
+    from fakes import isolate_app, open_window
+    isolate_app(monkeypatch, tmp_path)
+    store = SettingsStore()
+    store.save(dataclasses.replace(store.load(), model=model))
+    window = open_window(qtbot, _default_loader)
+    qtbot.waitUntil(lambda: window.session_ready, timeout=60_000)
+    return window
+
+
+@pytest.mark.gui
+def test_status_line_of_a_loaded_gemma3_names_its_sliding_and_global_layers(qtbot, monkeypatch, tmp_path,
+                                                                            tiny_gemma3_engine):
+    _, folder = tiny_gemma3_engine
+    window = _window_on(qtbot, monkeypatch, tmp_path, folder)
+    window.statusBar().clearMessage()
+    assert "gemma3 · 6 layers (5 sliding 16 + 1 global)" in window.status_label.text()
+    assert not window.banner.isVisible()            # its folder has a chat template
+
+
+@pytest.mark.gui
+def test_a_base_model_is_named_as_such_before_the_first_message(qtbot, monkeypatch, tmp_path):
+    from pathlib import Path
+    from tiny_models import tiny_model_dir
+    folder = tiny_model_dir(tmp_path / "base", seed=5)
+    (Path(folder) / "chat_template.jinja").unlink()
+    window = _window_on(qtbot, monkeypatch, tmp_path, folder)
+    assert window.banner.isVisible() and "no chat template" in window.banner.text()
+    assert "plain-text chat (no template)" in window.status_label.text()

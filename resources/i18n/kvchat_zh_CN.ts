@@ -731,6 +731,22 @@ prefill {prefill} tok/s</source>
         <translation>{where} 中的架构 {arch} 不受支持：kvchat 运行 Llama 系列（{supported}）</translation>
     </message>
     <message>
+        <source>unsupported architecture {arch} in {where}: mixture-of-experts families are not supported yet; kvchat runs {supported}</source>
+        <translation>{where} 中的架构 {arch} 不受支持：暂不支持混合专家（MoE）系列；kvchat 运行 {supported}</translation>
+    </message>
+    <message>
+        <source>unsupported architecture {arch} with {experts} experts in {where}: mixture-of-experts families are not supported yet; kvchat runs {supported}</source>
+        <translation>{where} 中带 {experts} 个专家的架构 {arch} 不受支持：暂不支持混合专家（MoE）系列；kvchat 运行 {supported}</translation>
+    </message>
+    <message>
+        <source>unsupported architecture &apos;gemma3&apos; in {where}: this is Gemma 3&apos;s multimodal folder; kvchat runs its text model (model_type gemma3_text, or a Gemma 3 GGUF); it runs {supported}</source>
+        <translation>{where} 中的架构 &apos;gemma3&apos; 不受支持：这是 Gemma 3 的多模态文件夹；kvchat 运行其文本模型（model_type gemma3_text，或 Gemma 3 GGUF）；它运行 {supported}</translation>
+    </message>
+    <message>
+        <source>{where} has no chat template (a base model?): the chat is sent as plain text, &apos;User:&apos; and &apos;Assistant:&apos; lines it continues; its replies may ramble or speak for the user</source>
+        <translation>{where} 没有对话模板（基础模型？）：对话以纯文本发送，模型续写 &apos;User:&apos; 和 &apos;Assistant:&apos; 行；回复可能离题，或替用户发言</translation>
+    </message>
+    <message>
         <source>there is no reply to regenerate yet: send a message first</source>
         <translation>还没有可重新生成的回复：请先发送一条消息</translation>
     </message>
@@ -1128,6 +1144,10 @@ prefill {prefill} tok/s</source>
         <translation>已在 {device} 上加载 {model}{weights}，用时 {seconds} 秒</translation>
     </message>
     <message>
+        <source>This model has no chat template</source>
+        <translation>此模型没有对话模板</translation>
+    </message>
+    <message>
         <source>Stopped.</source>
         <translation>已停止。</translation>
     </message>
@@ -1174,6 +1194,10 @@ prefill {prefill} tok/s</source>
     <message>
         <source>weights {label} {size}</source>
         <translation>权重 {label} {size}</translation>
+    </message>
+    <message>
+        <source>plain-text chat (no template)</source>
+        <translation>纯文本对话（无模板）</translation>
     </message>
     <message>
         <source>disconnected: the server does not answer</source>
