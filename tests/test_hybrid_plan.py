@@ -190,6 +190,12 @@ def test_new_presets_build_through_their_family(name, layers, windows):
         assert window_counts(layer.window for layer in mc.layers) == windows
 
 
+def test_phi_4_mini_preset_counts_its_published_parameters():
+    facts = model_facts("phi-4-mini")
+    assert facts.parameters == 3_836_021_760        # microsoft/Phi-4-mini-instruct's safetensors headers
+    assert facts.config.layers[0].rope.dims == 96   # partial_rotary_factor 0.75 of head_dim 128
+
+
 @pytest.mark.gui
 def test_plan_page_says_which_layers_slide_and_sizes_them_by_the_hybrid_arithmetic(qtbot):
     from app.plan_panel import PlanPanel

@@ -151,11 +151,17 @@ def test_a_hybrid_folder_is_listed_with_what_fits_in_the_hybrid_arithmetic(tmp_p
     from engine.plan import library
     from engine.plan.estimate import cache_for, estimate, model_facts_from
     from tiny_models import tiny_family_dir
+    from bench.gguf_writer import write_gguf_from_hf
     folder = tmp_path / "models"
-    tiny_family_dir(folder / "gemma3-tiny", "gemma3")
+    tiny_family_dir(folder / "gemma3-tiny", "gemma3", query_pre_attn_scalar=32)     # what llama.cpp derives
+    write_gguf_from_hf(folder / "gemma3-tiny", folder / "gemma3-tiny-q8.gguf", "Q8_0")
     memory = 1 << 30
-    (entry,) = library.scan([folder], memory_bytes=memory)
-    assert entry.loadable and entry.architecture == "gemma3_text"
-    facts = model_facts_from(folder / "gemma3-tiny")
-    room = estimate(facts, 1, formats=("int8",), memory_bytes=memory, device="cpu").kv_room_bytes
-    assert dict(entry.fits)["int8"] == max_conversation_tokens(facts.config, cache_for("int8"), room)
+    entries = {e.name: e for e in library.scan([folder], memory_bytes=memory)}
+    assert {e.architecture for e in entries.values()} == {"gemma3"}        # the GGUF and the folder: one family
+    for name, path in (("gemma3-tiny", folder / "gemma3-tiny"), ("gemma3-tiny-q8", folder / "gemma3-tiny-q8.gguf")):
+        entry = entries[name]
+        assert entry.loadable
+        facts = model_facts_from(path)
+        assert [layer.window for layer in facts.config.layers] == [16] * 5 + [None]
+        room = estimate(facts, 1, formats=("int8",), memory_bytes=memory, device="cpu").kv_room_bytes
+        assert dict(entry.fits)["int8"] == max_conversation_tokens(facts.config, cache_for("int8"), room)

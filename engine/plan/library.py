@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engine.config import ConfigError
 from engine.errors import ModelLoadError
+from engine.model.families import family
 FIT_FORMATS = ("fp16", "int8", "fp8", "int4")
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 
@@ -122,7 +123,9 @@ def describe(name: str, path: Path, source: str, memory_bytes: int, device: str 
     except (ModelLoadError, ConfigError, OSError, ValueError, KeyError) as exc:
         return ModelEntry(name, str(path), source, kind, file_bytes=size, error=str(exc))
     fits = tuple((r.format, r.max_context) for r in e.rows)
-    return ModelEntry(name, str(path), source, kind, facts.config.model_type, facts.parameters, facts.weights_label,
+    # the family's name ("gemma3"), which a GGUF and a folder (model_type gemma3_text) of one model share
+    arch = family(facts.config.model_type, str(path)).name
+    return ModelEntry(name, str(path), source, kind, arch, facts.parameters, facts.weights_label,
                       size, facts.config.max_position_embeddings, fits)
 
 
