@@ -12,7 +12,7 @@ import torch
 
 from engine import CacheConfig, Engine, EngineConfig
 from engine.config import ConfigError
-from engine.kv.layout import conversation_bytes, kv_layout, layer_windows
+from engine.kv.layout import conversation_bytes, kv_layout, layer_windows, window_peak_bytes
 from engine.model.source import locate, transformers_reference
 from tiny_models import tiny_family_dir
 
@@ -224,3 +224,33 @@ def test_live_switch_and_the_users_window_on_top(gemma3):
     s.close()
     w.close()
     runner.manager.check()
+
+
+def test_room_is_made_by_releasing_whole_conversations(gemma3):
+    """A 1 MiB budget: one conversation of 1,000 tokens and the prompt chunk of the next do not fit together, so
+    the idle one is released, every group of it; its forecast counted only the global layer's growth past the
+    windows."""
+    engine = gemma3
+    runner = engine.runner
+    n = 1000
+    ids = torch.randint(3, 320, (2 * n,), generator=torch.Generator().manual_seed(2)).tolist()
+    small = FP32.with_(budget_mb=1.0)
+    one = conversation_bytes(runner.config, small, n, runner.dtype_name, "cpu")
+    try:
+        a = engine.new_session(cache=small)
+        a.append(ids[:n])
+        assert runner.conversation_bytes(a.seq) == one
+        sliding = a.seq.groups[1]
+        lacks = window_peak_bytes(sliding.layout, sliding.geometry) - runner.manager.sequence_bytes(sliding)
+        global_block = a.seq.layout.block_bytes          # the first group: the global layer, 16 tokens a block
+        in_last = -n % 16                                # the free rows of its last global block
+        assert a.tokens_left() == (runner.budget_bytes - one - lacks) // global_block * 16 + in_last
+        b = engine.new_session(cache=small)
+        b.append(ids[n:])                                # another prompt: no prefix to share
+        assert all(m.released and not m.block_table for m in a.seq.members)
+        assert runner.conversation_bytes(b.seq) == one and runner.held_bytes <= runner.budget_bytes
+        runner.manager.check()
+        a.close()
+        b.close()
+    finally:
+        engine.new_session(cache=FP32).close()          # the module's budget again

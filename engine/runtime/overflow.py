@@ -2,7 +2,7 @@
 (overflow="stop"), slide into a window (overflow="slide"), and say in the user's words what to change."""
 from __future__ import annotations
 
-from engine.kv.layout import WindowGeometry
+from engine.kv.layout import WindowGeometry, window_peak_bytes
 from engine.units import MIB
 
 
@@ -44,7 +44,10 @@ def budget_message(session, num_new: int) -> str:
 def slide_to_fit(session) -> None:
     c = session.cache_config
     # the window and one prompt chunk in flight share what the budget holds beside the sink blocks
-    budget_blocks = session.seq.layout.budget_blocks(session.runner.budget_bytes)
+    seq = session.seq
+    # a hybrid model's windowed groups keep their peak beside it; the first group's blocks share the rest
+    others = sum(window_peak_bytes(m.layout, m.geometry) for m in seq.groups[1:])
+    budget_blocks = seq.layout.budget_blocks(session.runner.budget_bytes - others)
     window = WindowGeometry.of(c).sliding_window_for(budget_blocks)
     if window < c.block_size:
         raise BudgetFull(f"The KV budget ({session.runner.budget_bytes / MIB:g} MiB) is too small even for "

@@ -140,7 +140,7 @@ def kv_bytes_by_layer(engine) -> list[tuple[int, str, str, int]]:
     runner = _runner(engine)
     totals: dict[tuple[int, str, str], int] = {}
     for seq in runner.sequences():
-        for layer, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), seq.layout.formats)):
+        for layer, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), runner.layer_formats(seq))):
             for comp, fmt, nbytes in (("k", kf.label, k), ("v", vf.label, v)):
                 totals[(layer, comp, fmt)] = totals.get((layer, comp, fmt), 0) + nbytes
     return [(layer, comp, fmt, b) for (layer, comp, fmt), b in sorted(totals.items())]
