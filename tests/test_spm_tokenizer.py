@@ -49,11 +49,12 @@ def spm_vocab(family: str) -> tuple[list[str], list[float], list[int], dict[str,
     types = [k for _, k in head] + [BYTE] * 256
     scores = [0.0] * len(tokens)
     pieces = list(dict.fromkeys(made + chars))
-    if family == "gemma":     # Gemma's file stores a token of spaces as real spaces
+    if family == "gemma":     # Gemma's file stores a token of two or more spaces as real spaces
         pieces = [SPACE * 2, SPACE * 3] + [p for p in pieces if p.strip(SPACE) or p == SPACE]
     for rank, piece in enumerate(pieces):
         if piece not in tokens:
-            tokens.append(" " * len(piece) if family == "gemma" and not piece.strip(SPACE) else piece)
+            spaces = family == "gemma" and len(piece) > 1 and not piece.strip(SPACE)
+            tokens.append(" " * len(piece) if spaces else piece)
             types.append(NORMAL)
             scores.append(-float(rank) if len(piece) > 1 else -1e6 - rank)
     if family == "phi3":      # Phi-3's chat tokens follow the pieces: one control, two user-defined
