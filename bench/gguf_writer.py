@@ -477,7 +477,7 @@ def bench_model_path(name: str, qtype: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gguf_writer",
-                                     description="write a random-weight llama GGUF with a real model's shapes")
+                                     description="write a random-weight GGUF with a real model's shapes")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b")
     parser.add_argument("--type", dest="qtype", choices=list(MIXES), default="Q4_0")
     parser.add_argument("--out", help="file to write (default: the bench-models cache, reused if present)")
