@@ -86,6 +86,23 @@ def test_dense_forward_matches_transformers(tmp_path, case):
     assert model.config.fused_kernel_ok == (case in ("phi3", "phi3-longrope"))
 
 
+@pytest.mark.parametrize("fam", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_greedy_generation_gives_transformers_tokens(tmp_path, fam):
+    """32 greedy tokens after a 24-token prompt (so the reply runs past the window of 16 into position 56): the same
+    tokens as transformers' generate, each step our forward over the whole sequence."""
+    folder = tiny_family_dir(tmp_path / fam, fam, seed=3)
+    prompt = torch.randint(3, 320, (24,), generator=torch.Generator().manual_seed(2))
+    ref = transformers_reference(locate(folder), torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref.generate(prompt[None], max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    model = load_dense(folder)
+    ids = prompt.tolist()
+    for _ in range(32):
+        ids.append(int(model.forward(torch.tensor(ids), exact_attention(model.config)).argmax()))
+    assert ids[len(prompt):] == theirs
+
+
 def test_each_feature_moves_the_logits(tmp_path):
     """The comparison can fail: the reference attention without the window, or a Gemma norm read as w instead of
     1 + w, lands far outside the bound."""

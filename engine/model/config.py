@@ -382,8 +382,8 @@ def _check_each(expected: dict, shapes: dict, source: str, name_of, field, store
         got = shapes.get(name)
         if got is None:
             if required:
-                raise ModelLoadError(f"{source} lacks the tensor {name_of(name)}: the model is incomplete or not a "
-                                     f"Llama-family model")
+                raise ModelLoadError(f"{source} lacks the tensor {name_of(name)}: the model is incomplete or not "
+                                     f"the architecture its settings name")
             continue
         want = tuple(n for n, _ in dims)
         if tuple(got) != want:
