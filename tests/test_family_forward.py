@@ -2,9 +2,9 @@
 model on the same Hugging Face folder (tests/tiny_models.py: tiny_family_dir), on a prompt three times the
 sliding window; and the one-line errors of what kvchat does not run.
 
-The forward is driven here by a reference attention written plainly from each layer's description
-(exact_attention), so that these tests check the forward and the description; the engine's own attention is
-checked against the same models by the runtime's tests."""
+The forward is driven by a reference attention written plainly from each layer's description (exact_attention),
+so that those tests check the forward and the description alone; test_the_engine_matches_transformers then runs
+the same models through the engine's own cache and attention."""
 from __future__ import annotations
 
 import json
@@ -84,6 +84,21 @@ def test_dense_forward_matches_transformers(tmp_path, case):
     # only Phi-3's layer without a window is the Llama arithmetic the one-call C step computes (LongRoPE's short
     # factors are a rope table, its attention factor one query scale for every layer)
     assert model.config.fused_kernel_ok == (case in ("phi3", "phi3-longrope"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_engine_matches_transformers(tmp_path, case):
+    """The same prompt through the engine itself (its paged fp32 cache and its own attention: windows, caps, scales,
+    a rope per layer), weights="dense": within 1e-3 of the largest logit of transformers' model."""
+    from engine import Engine, EngineConfig
+    from engine.config import CacheConfig
+    folder = tiny_family_dir(tmp_path / case, case.split("-")[0], **CASES[case])
+    ids = torch.randint(3, 320, (PROMPT,), generator=torch.Generator().manual_seed(1))
+    fp32 = CacheConfig(k_format="fp32", v_format="fp32")
+    engine = Engine.load(EngineConfig(model=folder, weights="dense", cache=fp32))
+    ours = engine.new_session().append(ids.tolist(), all_logits=True)
+    theirs = reference_logits(folder, ids)
+    assert (ours - theirs).abs().max() <= 1e-3 * theirs.abs().max()
 
 
 @pytest.mark.parametrize("fam", ["qwen3", "gemma2", "gemma3", "phi3"])

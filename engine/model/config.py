@@ -305,7 +305,8 @@ def layer_modules(mc: ModelConfig, spec: LayerSpec) -> dict[str, tuple[str, ...]
     MLP's pre_feedforward_layernorm. Phi-3 stores q|k|v and gate|up already fused."""
     fam = family_of(mc.model_type)
     fused = fam is not None and fam.fused_projections
-    modules = {"qkv": ("self_attn.qkv_proj",) if fused else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    qkv = ("self_attn.qkv_proj",) if fused else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    modules = {"qkv": qkv,
                "o": ("self_attn.o_proj",),
                "gate_up": ("mlp.gate_up_proj",) if fused else ("mlp.gate_proj", "mlp.up_proj"),
                "down": ("mlp.down_proj",), "norm_attn": ("input_layernorm",)}
@@ -329,7 +330,8 @@ def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]
     rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": h,
             "self_attn.qkv_proj": ((mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim,
                                    ("(num_attention_heads + 2 x num_key_value_heads)", "head_dim")),
-            "mlp.gate_proj": f, "mlp.up_proj": f, "mlp.gate_up_proj": (2 * mc.intermediate_size, ("2", "intermediate_size")),
+            "mlp.gate_proj": f, "mlp.up_proj": f,
+            "mlp.gate_up_proj": (2 * mc.intermediate_size, ("2", "intermediate_size")),
             "mlp.down_proj": h}
     out = {"model.embed_tokens.weight": ((v, h), True), "model.norm.weight": ((h,), True),
            "lm_head.weight": ((v, h), False)}         # absent: tied to the embedding
