@@ -151,7 +151,10 @@ class Component:
     def copy_in(self, seq_id: int, table: list[int], saved: dict) -> None:
         ids = torch.tensor(table, dtype=torch.long, device=self.device)
         for name, t in self.pages.items():
-            t.index_copy_(0, ids, saved[name])
+            src = saved[name]
+            if t.dtype.is_floating_point and t.element_size() == 1:   # no CPU index_copy_ for fp8: copy its bytes
+                t, src = t.view(torch.uint8), src.view(torch.uint8)
+            t.index_copy_(0, ids, src)
         if saved["tail"] is not None:
             self.tails[seq_id] = saved["tail"]
         if saved["head"] is not None and table:
