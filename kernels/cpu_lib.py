@@ -210,6 +210,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
               lib.decode_attend):
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P]
+    lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
+    lib.qk_norm_rows.restype = None
     lib.split_blocks.argtypes = [P, ctypes.c_int64, I, I, P, P]
     lib.split_blocks.restype = None
     lib.decode_layers.restype = I
@@ -225,4 +227,4 @@ class QLin(ctypes.Structure):
 
 class QLayer(ctypes.Structure):
     _fields_ = [("lin", (QLin * 3) * 4), ("nparts", ctypes.c_int * 4), ("norm_attn", ctypes.c_void_p),
-                ("norm_mlp", ctypes.c_void_p)]
+                ("norm_mlp", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]

@@ -663,7 +663,23 @@ typedef struct {
     qlin_t lin[4][3];
     int nparts[4];
     const float *norm_attn, *norm_mlp;
+    const float *q_norm, *k_norm;        // Qwen3's RMSNorm of each q and k head before RoPE, [D] each; NULL: none
 } qlayer_t;
+
+// The q and k heads of B rows of qkv [B, ld] (q: Hq heads of D, then k: Hkv heads) RMS-normed over D in place,
+// times q_w / k_w [D]: the one q/k norm of both paths (the Python forward calls it for every row on the CPU in
+// fp32, decode_layers between the qkv projection and attention), so they give the same bits
+void qk_norm_rows(float *qkv, int B, int ld, int Hq, int Hkv, int D, const float *q_w, const float *k_w, float eps) {
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < Hq + Hkv; h++) {
+            float *x = qkv + (size_t)b * ld + (size_t)h * D;
+            const float *w = h < Hq ? q_w : k_w;
+            float ss = 0.0f;
+            for (int d = 0; d < D; d++) ss += x[d] * x[d];
+            float r = 1.0f / sqrtf(ss / (float)D + eps);
+            for (int d = 0; d < D; d++) x[d] = x[d] * r * w[d];
+        }
+}
 
 // y [M, sum of the parts' N] = parts(x [M, K] ([M, 2K] with SwiGLU)) (+ resid [M, N], one part only), MAXM
 // rows a call as cpu_quant.py's fused() splits them
@@ -707,7 +723,7 @@ static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
         for (int p = 0; p < L->nparts[s]; p++)
             if (L->lin[s][p].K != want_k[s]) return 0;
     }
-    return L->norm_attn && L->norm_mlp;
+    return L->norm_attn && L->norm_mlp && !L->q_norm == !L->k_norm;
 }
 
 // attend(ctx, layer, qkv [B, n_qkv], out [B, Hq * D]): attention for pages no kernel here reads (quantized
@@ -754,6 +770,7 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
         int n0 = 0;
         for (int p = 0; p < L->nparts[0]; p++) n0 += L->lin[0][p].N;
         lin_apply(L->lin[0], L->nparts[0], x, B, qkv, gs, 1, L->norm_attn, eps, NULL);
+        if (L->q_norm) qk_norm_rows(qkv, B, n0, Hq, Hkv, D, L->q_norm, L->k_norm, eps);
         if (attend) {
             if (attend(ctx, l, qkv, att)) {
                 free(mem);

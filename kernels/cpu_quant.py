@@ -445,6 +445,17 @@ def attn_decode_quant_ref(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots
 
 # ---- a decode step of all decoder layers in one call (decode_layers in the C source) ----------------------
 
+def qk_norm_(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_w: torch.Tensor, k_w: torch.Tensor, eps: float) -> bool:
+    """qkv [T, n] fp32 contiguous on the CPU: its q and k heads RMS-normed in place (qk_norm_rows, the norm the
+    one-call step computes, so both paths give the same bits). False (nothing done) where the kernel cannot."""
+    if not (available() and qkv.dtype == torch.float32 and qkv.is_contiguous() and not qkv.is_cuda
+            and q_w.dtype == k_w.dtype == torch.float32 and q_w.is_contiguous() and k_w.is_contiguous()):
+        return False
+    _lib.qk_norm_rows(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], hq, hkv, d, q_w.data_ptr(), k_w.data_ptr(),
+                      float(eps))
+    return True
+
+
 def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32) -> QLin:
     """codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), contiguous; scale a Scales."""
     s = _scales(scale, None)
@@ -454,11 +465,14 @@ def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32) -> QLin:
     return QLin(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), ssup, zsup, bits, kind, per, group, n, k)
 
 
-def layer_table(layers: list[tuple[list[list[QLin]], torch.Tensor, torch.Tensor]]) -> ctypes.Array:
-    """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), and the two RMSNorm
-    weights (fp32 contiguous). The tensors behind the pointers must outlive the table."""
+def layer_table(layers: list[tuple]) -> ctypes.Array:
+    """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), the two RMSNorm
+    weights (fp32 contiguous), and optionally the q and k norms' weights [head_dim] (Qwen3). The tensors behind
+    the pointers must outlive the table."""
     table = (QLayer * len(layers))()
-    for t, (slots, norm_attn, norm_mlp) in zip(table, layers):
+    for t, (slots, norm_attn, norm_mlp, *qk) in zip(table, layers):
+        if qk and qk[0] is not None:
+            t.q_norm, t.k_norm = qk[0].data_ptr(), qk[1].data_ptr()
         assert len(slots) == 4 and all(1 <= len(p) <= 3 for p in slots) and len(slots[1]) == len(slots[3]) == 1
         for i, parts in enumerate(slots):
             t.nparts[i] = len(parts)

@@ -10,12 +10,21 @@ pytestmark = pytest.mark.slow
 FP32 = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=64)
 
 
-@pytest.fixture(scope="module")
-def packed_engine():
+@pytest.fixture(scope="module", params=["default", "qwen3"])
+def packed_engine(request, tmp_path_factory):
     """The default GGUF as the app runs it: weights kept packed (the promise holds for packed weights; dense
-    float weights go through MKL, whose rounding depends on the row count below about 12 rows)."""
+    float weights go through MKL, whose rounding depends on the row count below about 12 rows); and a tiny Qwen3
+    as a Q8_0 GGUF, whose q/k norms run in the one-call step and in the forward's decode and prompt rows alike."""
     from engine import Engine, EngineConfig
-    return Engine.load(EngineConfig(model="default"))
+    model = "default"
+    if request.param == "qwen3":
+        from bench.gguf_writer import write_gguf_from_hf
+        from tiny_models import tiny_family_dir
+        tmp = tmp_path_factory.mktemp("qwen3")
+        model = str(write_gguf_from_hf(tiny_family_dir(tmp / "hf", "qwen3"), tmp / "qwen3.gguf", "Q8_0"))
+    engine = Engine.load(EngineConfig(model=model))
+    assert engine.model.kernel_layers() is not None         # the one-call step is what a decode step runs
+    return engine
 
 
 def _greedy(logits):

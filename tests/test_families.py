@@ -62,8 +62,8 @@ def test_gguf_and_folder_read_as_one_description(tmp_path, arch):
 def test_layer_spec_says_what_the_fused_step_covers():
     """The C step's rule is the description's: each way a layer leaves the Llama layer takes it out."""
     base = LayerSpec(rope=Rope(10000.0), query_scale=0.125)
-    assert base.fused_kernel_ok
-    for change in (dict(norm_offset=1.0), dict(post_norms=True), dict(activation="gelu_tanh"), dict(qk_norm=True),
+    assert base.fused_kernel_ok and replace(base, qk_norm=True).fused_kernel_ok    # Qwen3's: qk_norm_rows
+    for change in (dict(norm_offset=1.0), dict(post_norms=True), dict(activation="gelu_tanh"),
                    dict(window=512), dict(attn_softcap=50.0), dict(qkv_bias=True), dict(o_bias=True),
                    dict(mlp_bias=True), dict(rope=Rope(10000.0, dims=32))):
         assert not replace(base, **change).fused_kernel_ok, change

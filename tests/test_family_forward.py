@@ -81,9 +81,9 @@ def test_dense_forward_matches_transformers(tmp_path, case):
     theirs = reference_logits(folder, ids)
     err = (ours - theirs).abs().max().item()
     assert err <= 1e-3 * theirs.abs().max().item(), (case, err)
-    # only Phi-3's layer without a window is the Llama arithmetic the one-call C step computes (LongRoPE's short
-    # factors are a rope table, its attention factor one query scale for every layer)
-    assert model.config.fused_kernel_ok == (case in ("phi3", "phi3-longrope"))
+    # the one-call C step computes Phi-3's layer without a window (LongRoPE's short factors are a rope table, its
+    # attention factor one query scale for every layer) and Qwen3's (the Llama layer plus qk_norm_rows)
+    assert model.config.fused_kernel_ok == (case in ("phi3", "phi3-longrope", "qwen3"))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1,6 +1,7 @@
 """The torch-free one-shot path (engine.runtime.quick) on the families of issue 23: a family the C step does not
-compute (Qwen3's q/k norms, Gemma's) declines before printing anything and `kvchat chat --prompt` answers through
-the engine; Phi-3 without a window is the Llama arithmetic with fused weights, and is answered here."""
+compute (Gemma's) declines before printing anything and `kvchat chat --prompt` answers through the engine; Phi-3
+without a window is the Llama arithmetic with fused weights, and Qwen3 the Llama arithmetic with its q/k norms
+(qk_norm_rows in the kernel), both answered here."""
 from __future__ import annotations
 
 import io
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="C kernels una
 GGUF_OVERRIDES = {"qwen3": {}, "gemma3": dict(query_pre_attn_scalar=32)}
 
 
-@pytest.mark.parametrize("fam", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("fam", ["gemma3"])
 def test_a_family_the_kernel_does_not_compute_declines_to_the_engine(tmp_path, fam, capsys, monkeypatch):
     """A folder, and the same model as a Q8_0 GGUF: one_shot answers None with nothing printed, and `kvchat chat
     --prompt` answers as with the one-shot path switched off (the engine's answer), without a traceback."""
@@ -45,16 +46,16 @@ def test_a_family_the_kernel_does_not_compute_declines_to_the_engine(tmp_path, f
         assert answers[0] == answers[1] and answers[0]
 
 
-@pytest.mark.parametrize("longrope", [False, True])
-def test_phi3_fused_weights_through_the_kernel_are_the_engines_decode_steps(tmp_path, longrope):
+@pytest.mark.parametrize("fam, longrope", [("phi3", False), ("phi3", True), ("qwen3", False)])
+def test_phi3_and_qwen3_through_the_kernel_are_the_engines_decode_steps(tmp_path, fam, longrope):
     """Phi-3's stored qkv and gate | up, one part each in the kernel's table; with LongRoPE the short factors are
     the rope table and the attention factor the query scale. A prompt of two kernel calls gives, bit for bit, the
     logits of the engine's decode steps fed the same tokens one at a time (the same kernel; the engine's own
     prompt goes through the GEMM, which differs in the last bits)."""
-    folder = tiny_family_dir(tmp_path / "phi3", "phi3", longrope=longrope)
-    gguf = write_gguf_from_hf(folder, tmp_path / "phi3.gguf", "Q8_0")
+    folder = tiny_family_dir(tmp_path / fam, fam, **({"longrope": True} if longrope else {}))
+    gguf = write_gguf_from_hf(folder, tmp_path / f"{fam}.gguf", "Q8_0")
     m = quick.QuickModel(Path(gguf))
-    assert m.config.fused_kernel_ok and (m.query_scale != 16 ** -0.5) == longrope
+    assert m.config.fused_kernel_ok and (m.query_scale != m.config.head_dim ** -0.5) == longrope
     session = Engine.load(EngineConfig(model=str(gguf))).new_session()
     ids = torch.randint(3, 320, (quick.CHUNK + 9,), generator=torch.Generator().manual_seed(1)).tolist()
     seq = quick.QuickSequence(m, len(ids) + 3)

@@ -121,9 +121,13 @@ class Transformer:
         split = num_decode
         for i, (L, spec) in enumerate(zip(self.layers, c.layers)):
             qkv = L.qkv.fused(x, norm=L.norm_attn, eps=eps, split=split)
+            if spec.qk_norm:
+                qkv = qkv.contiguous()
             q, k, v = self._split_qkv(qkv)
             if spec.qk_norm:                    # per head, over head_dim, before the callback rotates them
-                q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
+                # on the CPU in fp32 the one-call step's own norm (in place; q, k are views), so both give one bits
+                if not cpu_quant.qk_norm_(qkv, c.num_heads, c.num_kv_heads, c.head_dim, L.q_norm, L.k_norm, eps):
+                    q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
             o = attention(i, q, k, v).reshape(T, q_size).to(self.dtype)
             if spec.post_norms:                 # normed after attention, then added (not o_proj's fused residual)
                 x = x + rms_norm(L.o.fused(o, split=split), L.post_attn_norm, eps)
@@ -170,7 +174,7 @@ class Transformer:
                 rows = []
                 for L in self.layers:
                     slots = [lin.kernel_parts() for lin in (L.qkv, L.o, L.gate_up, L.down)]
-                    norms = (L.norm_attn, L.norm_mlp)
+                    norms = (L.norm_attn, L.norm_mlp) + ((L.q_norm, L.k_norm) if L.q_norm is not None else ())
                     if any(p is None for p in slots) or len(slots[1]) != 1 or len(slots[3]) != 1 \
                             or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
                         break

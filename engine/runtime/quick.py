@@ -154,6 +154,10 @@ class QuickModel:
             norms = [self._vector(p + modules[part][0] + ".weight") for part in ("norm_attn", "norm_mlp")]
             self.keep += norms
             table[i].norm_attn, table[i].norm_mlp = norms[0].ctypes.data, norms[1].ctypes.data
+            if "q_norm" in modules:                       # Qwen3: each q and k head RMS-normed before RoPE
+                qk = [self._vector(p + modules[part][0] + ".weight") for part in ("q_norm", "k_norm")]
+                self.keep += qk
+                table[i].q_norm, table[i].k_norm = qk[0].ctypes.data, qk[1].ctypes.data
         self.table = table
         self.embed = _pack(gf, "model.embed_tokens.weight", None)
         tied = c.tie_word_embeddings or not gf.has("lm_head.weight")
