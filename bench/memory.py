@@ -1,8 +1,9 @@
 """`kvchat bench memory`: bytes the KV cache holds per token in each format, from the tensors held.
 
-For each mode it fills a session's cache with --tokens tokens (K and V written through the cache
-exactly as the model writes them; the values do not change the bytes) and reads back the bytes of
-every page tensor and full-precision block, per layer. Reported per mode: bytes per token of the
+For each mode it fills a conversation's cache with --tokens tokens (K and V written through the cache
+exactly as the model writes them; the values do not change the bytes), a block table per KV group
+of the model (kv/layout.kv_groups: a hybrid model's sliding layers keep their window only), and reads
+back the bytes of every page tensor and full-precision block, per layer. Reported per mode: bytes per token of the
 pages (data + scales + zero points, the steady state), the metadata's share, the fixed
 full-precision blocks of quantized components (the block being filled and the first block), the
 ratio to fp16, and a check that the bytes held equal `kernels.bytes_per_block` times the blocks
@@ -15,7 +16,7 @@ import argparse
 import torch
 
 from engine.config import CacheConfig
-from engine.kv.layout import WindowGeometry, kv_layout
+from engine.kv.layout import conversation_bytes, kv_groups
 from engine.kv.manager import KVCacheManager, Sequence
 from engine.kv.pages import PageStore
 
@@ -57,7 +58,7 @@ def fill(manager: KVCacheManager, store: PageStore, seq: Sequence, num_tokens: i
     while done < num_tokens:
         n = min(layout.block_size * 8, num_tokens - done)
         res = manager.reserve(seq, n)
-        store.reserve(layout, manager.pool.high_water, layout.budget_blocks(manager.budget_bytes))
+        store.reserve(layout, manager.high_water(layout), layout.budget_blocks(manager.budget_bytes))
         table = torch.tensor(seq.block_table, dtype=torch.long)
         slots = torch.arange(res.first_slot, res.first_slot + n)
         rows = table[slots // layout.block_size] * layout.block_size + slots % layout.block_size
@@ -73,25 +74,30 @@ def fill(manager: KVCacheManager, store: PageStore, seq: Sequence, num_tokens: i
 
 
 def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = "fp32") -> dict:
-    layout = kv_layout(model_cfg, config, model_dtype, "cpu")
-    manager, store = KVCacheManager(1 << 40), PageStore("cpu")
-    seq = manager.new_sequence(layout, WindowGeometry.of(config))
-    fill(manager, store, seq, num_tokens)
+    store = PageStore("cpu")
+    manager = KVCacheManager(1 << 40, on_free=store.forget_blocks)   # a sliding group's head goes with its block
+    groups = kv_groups(model_cfg, config, model_dtype, "cpu")
+    members = [manager.new_sequence(g.layout, g.geometry) for g in groups]
+    for seq in members:
+        fill(manager, store, seq, num_tokens)
     m = model_cfg
-    blocks = len(seq.block_table)
-    layers, pages_total, tails_total, meta_total = [], 0, 0, 0
-    for i, pair in enumerate(store.components(layout)):
-        row = {"layer": i}
-        for role, comp in zip(("k", "v"), pair):
-            # bytes of the rows this conversation's blocks use in each page tensor, read from the tensors
-            pages = {name: t[0].numel() * t.element_size() * blocks for name, t in comp.pages.items()}
-            tail = sum(t.numel() * t.element_size() for t in (*comp.tails.values(), *comp.heads.values()))
-            row[role] = {"format": comp.fmt.label, "bytes": sum(pages.values()) + tail, "data": pages["data"],
-                         "scale": pages.get("scale", 0), "zero": pages.get("zero", 0), "tail": tail}
-            pages_total += sum(pages.values())
-            meta_total += pages.get("scale", 0) + pages.get("zero", 0)
-            tails_total += tail
-        layers.append(row)
+    blocks = len(members[0].block_table)      # the conversation's tokens: its first group keeps the most
+    rows: dict[int, dict] = {}
+    pages_total, tails_total, meta_total = 0, 0, 0
+    for group, seq in zip(groups, members):
+        for layer, pair in zip(group.layers, store.components(seq.layout)):
+            row = rows[layer] = {"layer": layer}
+            for role, comp in zip(("k", "v"), pair):
+                # bytes of the rows this group's blocks use in each page tensor, read from the tensors
+                pages = {name: t[0].numel() * t.element_size() * len(seq.block_table) for name, t in comp.pages.items()}
+                tail = sum(t.numel() * t.element_size() for t in (*comp.tails.values(), *comp.heads.values()))
+                row[role] = {"format": comp.fmt.label, "bytes": sum(pages.values()) + tail, "data": pages["data"],
+                             "scale": pages.get("scale", 0), "zero": pages.get("zero", 0), "tail": tail}
+                pages_total += sum(pages.values())
+                meta_total += pages.get("scale", 0) + pages.get("zero", 0)
+                tails_total += tail
+    layers = [rows[i] for i in sorted(rows)]
+    blocks_bytes = sum(len(seq.block_table) * seq.layout.block_bytes for seq in members)
     fp16_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
     page_per_token = pages_total / (blocks * config.block_size)
     held = pages_total + tails_total
@@ -110,7 +116,8 @@ def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = 
         "metadata_fraction_of_fp16": meta_total / (blocks * config.block_size) / fp16_per_token,
         "ratio_to_fp16": page_per_token / fp16_per_token,
         "ratio_to_fp16_with_tail": held / (num_tokens * fp16_per_token),
-        "matches_bytes_per_block": pages_total == blocks * layout.block_bytes and held == layout.sequence_bytes(num_tokens),
+        "matches_bytes_per_block": pages_total == blocks_bytes and held == conversation_bytes(m, config, num_tokens,
+                                                                                          model_dtype, "cpu"),
         "per_layer": layers,
     }
 

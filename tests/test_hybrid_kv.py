@@ -7,6 +7,8 @@ arithmetic, not the full count; and quantized formats, fork, truncate, rollback,
 batched step and the user's window on top all work on the groups."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -254,3 +256,46 @@ def test_room_is_made_by_releasing_whole_conversations(gemma3):
         b.close()
     finally:
         engine.new_session(cache=FP32).close()          # the module's budget again
+
+
+def test_sliding_pages_stay_at_their_window(tmp_path):
+    """Each KV group has its own block ids, so the sliding layers' page storage (the process's real KV memory) grows
+    to their window, not to the global layer's blocks: at 8x the window it is near the bytes held and far below a
+    full-attention cache. Blocks are not indexed here (hash_ids=False), so none is kept for reuse past its window."""
+    engine = Engine.load(EngineConfig(model=tiny_family_dir(tmp_path, "gemma3")))
+    runner = engine.runner
+    for cache in (FP32, CacheConfig(k_format="int8", v_format="int8")):
+        seq = runner.new_sequence(cache)
+        for pos in range(0, TOKENS, 8):
+            runner.step([(seq, IDS[pos:pos + 8])], hash_ids=False)
+        held = runner.held_bytes
+        assert held == runner.conversation_bytes(seq)
+        full = kv_layout(runner.config, cache, runner.dtype_name, "cpu").sequence_bytes(TOKENS)
+        # the rest is the pages' growth by doubling (at least 4 blocks a layout)
+        assert runner.storage_bytes() <= 2.5 * held and runner.storage_bytes() < 0.6 * full, \
+            (runner.storage_bytes(), held, full)
+        runner.manager.check()
+        runner.close(seq)
+
+
+def test_each_group_has_its_own_block_ids():
+    """The manager alone: two groups' sequences both count their ids from 0, one budget holds both, and room is
+    made from the least recently freed prefix block over the groups' pools."""
+    from engine.kv.layout import KVLayout, WindowGeometry
+    from engine.kv.manager import KVCacheManager
+    full = kv_layout(SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16),
+                     CacheConfig(k_format="fp16", v_format="fp16", block_size=4), "fp32", "cpu")
+    glob, slide = (KVLayout(1, 2, 16, 4, full.full_dtype, (full.formats[i],), (i,)) for i in (0, 1))
+    nowin = WindowGeometry(4, None, 0)
+    m = KVCacheManager(6 * glob.block_bytes)
+    a, b = m.new_sequence(glob, nowin), m.new_sequence(slide, nowin)
+    for seq in (a, b):
+        m.commit(m.reserve(seq, 8), list(range(8)))
+    assert a.block_table == b.block_table == [0, 1]
+    assert m.high_water(glob) == m.high_water(slide) == 2 and m.held_bytes == 4 * glob.block_bytes
+    m.free(b)                                           # freed first: its blocks are the oldest prefix blocks
+    m.free(a)
+    c = m.new_sequence(glob, nowin)
+    m.commit(m.reserve(c, 16), list(range(100, 116)))   # 4 blocks in a budget of 6: two evictable blocks go
+    assert m.pools[(1,)].num_evictable == 0 and m.pools[(0,)].num_evictable == 2
+    m.check()

@@ -8,16 +8,20 @@ them (least recently freed first). Names follow vLLM's v1 block pool where they 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 
 
 class BlockPool:
     """Block ids, reference counts, the free heap and the evictable prefix blocks."""
 
-    def __init__(self):
+    def __init__(self, clock=None):
         self.ref_cnt: list[int] = []
         self._free: list[int] = []                         # heap of unreferenced, unhashed ids below high_water
-        self._evictable: OrderedDict[int, None] = OrderedDict()   # unreferenced, hashed: least recently freed first
+        # unreferenced, hashed: least recently freed first, each with the tick it was freed at (pools that share a
+        # clock, one per KV group, can so find the least recently freed block over all of them)
+        self._evictable: OrderedDict[int, int] = OrderedDict()
+        self._clock = clock if clock is not None else itertools.count()
         self.block_hash: dict[int, tuple] = {}             # id -> its prefix key
         self._by_key: dict[tuple, int] = {}                # prefix key -> id
 
@@ -36,6 +40,10 @@ class BlockPool:
 
     def evictable_ids(self) -> list[int]:
         return list(self._evictable)
+
+    def oldest_freed(self) -> int | None:
+        """The tick the least recently freed evictable block was freed at (None when there is none)."""
+        return next(iter(self._evictable.values()), None)
 
     def allocate(self) -> int:
         if self._free:
@@ -69,7 +77,7 @@ class BlockPool:
         if self.ref_cnt[block_id]:
             return False
         if block_id in self.block_hash:
-            self._evictable[block_id] = None
+            self._evictable[block_id] = next(self._clock)
         else:
             heapq.heappush(self._free, block_id)
             self._trim()

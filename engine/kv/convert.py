@@ -85,7 +85,7 @@ def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayo
         res = m.reserve(child, n)
     except NoFreeBlocks:       # checked above; only a race with another step could get here
         raise ConfigError("the budget filled while converting: reset the session") from None
-    store.reserve(layout, m.pool.high_water, layout.budget_blocks(m.budget_bytes) + 1)
+    store.reserve(layout, m.high_water(layout), layout.budget_blocks(m.budget_bytes) + 1)
     new_layout_comps = store.components(layout)
     rows = page_rows(child.block_table, slots, layout.block_size, store.device)
     for (nkc, nvc), pair in zip(new_layout_comps, carried):

@@ -4,12 +4,17 @@ Plain Python, no torch: it decides which blocks hold what; the page store (engin
 holds the bytes. Names follow vLLM's v1 KV manager where they apply.
 
 - `BlockPool` (engine/kv/block_pool.py) hands out block ids, counts references, and keeps freed
-  prefix blocks as *evictable*.
+  prefix blocks as *evictable*. Each KV group (kv/layout.kv_groups, named by its layout's layers) has a pool
+  of its own, so its layouts' pages grow to its own blocks only: a sliding layer's pages stay at its window
+  while the global layers' grow. A model of one group (every model without windows of its own) has one pool.
 - A `Sequence` is one conversation's (or request's) view: its block table, its token count, the
   blocks its window evicted, the hashes of its full blocks.
 - `KVCacheManager` reserves slots for a step, commits or rolls them back, forks, truncates, frees,
   matches prefixes, and keeps every sequence's bytes inside one byte budget, releasing the least
   recently used idle sequence first when a step needs room.
+
+Past 400 lines on purpose: reserve, commit, the window, prefixes, fork and truncate all keep the same books
+(the pools' counts and the bytes held) and stay beside them.
 """
 from __future__ import annotations
 
@@ -118,21 +123,51 @@ class PoolView:
 
 class KVCacheManager:
     def __init__(self, budget_bytes: int, on_free=None):
-        self.pool = BlockPool()
+        # one block-id space per KV group, by its layout's layers (() for a model of one group: the whole layout)
+        self._free_clock = itertools.count()                # the pools' shared order of freed prefix blocks
+        self.pools: dict[tuple[int, ...], BlockPool] = {(): BlockPool(self._free_clock)}
+        self.block_layouts: dict[tuple[int, ...], dict[int, KVLayout]] = {(): {}}   # id -> the layout whose pages hold it
         self.budget_bytes = int(budget_bytes)
         self.sequences: dict[int, Sequence] = {}
-        self.block_layout: dict[int, KVLayout] = {}         # id -> the layout whose pages hold it
-        self._block_bytes_held = 0                          # bytes of the blocks in block_layout
-        self._on_free = on_free or (lambda ids: None)       # page store hook: these ids hold nothing now
+        self._block_bytes_held = 0                          # bytes of the blocks in block_layouts
+        self._on_free = on_free or (lambda layers, ids: None)   # page store hook: these ids of a group hold nothing now
         self._clock = itertools.count(1)
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.released_log: list[int] = []                   # seq ids released for room, newest last
 
-    # ---- bytes --------------------------------------------------------------------------
+    # ---- block-id spaces ------------------------------------------------------------------
 
-    def block_bytes(self, block_id: int) -> int:
-        return self.block_layout[block_id].block_bytes
+    @property
+    def pool(self) -> BlockPool:
+        """The pool of a model of one KV group (the whole layout)."""
+        return self.pools[()]
+
+    @property
+    def block_layout(self) -> dict[int, KVLayout]:
+        """The layouts of the one-group pool's blocks."""
+        return self.block_layouts[()]
+
+    def pool_of(self, seq: Sequence) -> BlockPool:
+        return self.pools[seq.layout.layers]
+
+    def high_water(self, layout: KVLayout) -> int:
+        """One past the highest id in use or evictable in the layout's group: the length its pages need."""
+        pool = self.pools.get(layout.layers)
+        return pool.high_water if pool is not None else 0
+
+    def layouts_held(self) -> set[KVLayout]:
+        """Layouts whose pages hold a block in use or kept for reuse."""
+        return {layout for held in self.block_layouts.values() for layout in held.values()}
+
+    def _space(self, layers: tuple[int, ...]) -> BlockPool:
+        pool = self.pools.get(layers)
+        if pool is None:
+            pool = self.pools[layers] = BlockPool(self._free_clock)
+            self.block_layouts[layers] = {}
+        return pool
+
+    # ---- bytes --------------------------------------------------------------------------
 
     @property
     def held_bytes(self) -> int:
@@ -141,10 +176,12 @@ class KVCacheManager:
 
     def recount(self) -> int:
         """held block bytes counted from scratch (check() compares it with the running count)."""
-        return sum(self.block_bytes(b) for b, r in enumerate(self.pool.ref_cnt) if r or b in self.pool.block_hash)
+        return sum(self.block_layouts[k][b].block_bytes for k, pool in self.pools.items()
+                   for b, r in enumerate(pool.ref_cnt) if r or b in pool.block_hash)
 
     def evictable_bytes(self) -> int:
-        return sum(self.block_bytes(b) for b in self.pool.evictable_ids())
+        return sum(self.block_layouts[k][b].block_bytes for k, pool in self.pools.items()
+                   for b in pool.evictable_ids())
 
     def sequence_bytes(self, seq: Sequence) -> int:
         return len(seq.block_table) * seq.layout.block_bytes + seq.side_bytes
@@ -155,6 +192,7 @@ class KVCacheManager:
         """A sequence holding nothing yet; sink_blocks: where a converted sequence's sinks already are (they stay
         at the blocks they were kept in, whatever the new window says), else the geometry's."""
         seq = Sequence(layout, geometry, geometry.sink_blocks if sink_blocks is None else sink_blocks)
+        self._space(layout.layers)
         seq.last_used = next(self._clock)
         self.sequences[seq.seq_id] = seq
         return seq
@@ -162,7 +200,7 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> int:
         """Give back every block of the sequence (hashed ones stay reusable); returns the bytes released."""
         released = self.sequence_bytes(seq)
-        self._free_ids(reversed(seq.block_table))     # the tail of a prefix is evicted before its head
+        self._free_ids(seq, reversed(seq.block_table))     # the tail of a prefix is evicted before its head
         seq.block_table.clear()
         seq.num_tokens = seq.evicted = 0
         seq.token_ids.clear()
@@ -174,17 +212,29 @@ class KVCacheManager:
         seq.closed = True
         self.sequences.pop(seq.seq_id, None)
 
-    def _free_ids(self, ids) -> None:
-        gone = [b for b in ids if self.pool.free(b) and b not in self.pool.block_hash]
-        self._forget(gone)
+    def _free_ids(self, seq: Sequence, ids) -> None:
+        """Drop one reference to each of ids, blocks of seq's group."""
+        pool = self.pool_of(seq)
+        gone = [b for b in ids if pool.free(b) and b not in pool.block_hash]
+        self._forget(seq.layout.layers, gone)
 
-    def _forget(self, ids: list[int]) -> None:
+    def _forget(self, layers: tuple[int, ...], ids: list[int]) -> None:
+        held = self.block_layouts[layers]
         for b in ids:
-            layout = self.block_layout.pop(b, None)
+            layout = held.pop(b, None)
             if layout is not None:
                 self._block_bytes_held -= layout.block_bytes
         if ids:
-            self._on_free(ids)
+            self._on_free(layers, ids)
+
+    def _evict_oldest(self) -> bool:
+        """Forget the least recently freed prefix block of every group's pool; False when none is evictable."""
+        ticks = [(t, k) for k, pool in self.pools.items() if (t := pool.oldest_freed()) is not None]
+        if not ticks:
+            return False
+        layers = min(ticks)[1]
+        self._forget(layers, [self.pools[layers].evict_oldest()])
+        return True
 
     # ---- room ---------------------------------------------------------------------------
 
@@ -206,16 +256,15 @@ class KVCacheManager:
         total = self.evictable_bytes()
         for s in self.sequences.values():
             if s.seq_id not in keep and s.block_table:
-                total += sum(s.layout.block_bytes for b in s.block_table if self.pool.ref_cnt[b] == 1) + s.side_bytes
+                ref = self.pool_of(s).ref_cnt
+                total += sum(s.layout.block_bytes for b in s.block_table if ref[b] == 1) + s.side_bytes
         return total
 
     def _make_room(self, need: int, keep: set[int]) -> None:
         """Free bytes until `need` more fit: oldest evictable prefix blocks, then least recently used idle sequences."""
         keep = self._whole(keep)
         while self.free_bytes() < need:
-            block_id = self.pool.evict_oldest()
-            if block_id is not None:
-                self._forget([block_id])
+            if self._evict_oldest():
                 continue
             idle = [s for s in self.sequences.values() if s.seq_id not in keep and s.block_table]
             if not idle:
@@ -228,9 +277,10 @@ class KVCacheManager:
             self.released_log.append(victim.seq_id)
 
     def _allocate(self, layout: KVLayout, n: int) -> list[int]:
-        ids = [self.pool.allocate() for _ in range(n)]
+        pool, held = self.pools[layout.layers], self.block_layouts[layout.layers]
+        ids = [pool.allocate() for _ in range(n)]
         for b in ids:
-            self.block_layout[b] = layout
+            held[b] = layout
         self._block_bytes_held += n * layout.block_bytes
         return ids
 
@@ -272,7 +322,7 @@ class KVCacheManager:
             i, old, new = res.copied
             seq.block_table[i] = old
             ids.append(new)
-        self._free_ids(ids)
+        self._free_ids(seq, ids)
 
     def commit(self, res: Reservation, token_ids: list[int] | None = None) -> int:
         """Count the step's tokens, index its newly full blocks, and let blocks that left the window go.
@@ -280,7 +330,7 @@ class KVCacheManager:
         Returns the number of blocks evicted by the window."""
         seq = res.seq
         if res.copied:
-            self._free_ids([res.copied[1]])
+            self._free_ids(seq, [res.copied[1]])
         seq.num_tokens += res.num_new
         hashing = (token_ids is not None and (seq.evicted == 0 or seq.geometry.model_window)
                    and len(seq.token_ids) == seq.num_tokens - res.num_new)
@@ -299,7 +349,7 @@ class KVCacheManager:
             parent = hash(seq.block_keys[-1]) if seq.block_keys else 0
             key = (parent, seq.layout, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             seq.block_keys.append(key)
-            self.pool.cache(seq.block_table[i - seq.evicted], key)      # a model window has no sink blocks
+            self.pool_of(seq).cache(seq.block_table[i - seq.evicted], key)      # a model window has no sink blocks
 
     def apply_window(self, seq: Sequence, geometry: WindowGeometry) -> int:
         """A new window on a sequence (live switch): blocks it no longer keeps go back; returns how many."""
@@ -327,7 +377,7 @@ class KVCacheManager:
             if not seq.geometry.model_window:   # positions past the sinks moved: nothing more is indexed
                 seq.token_ids.clear()
                 seq.block_keys.clear()
-            self._free_ids(gone)
+            self._free_ids(seq, gone)
         return n
 
     # ---- prefix caching, fork, truncate ---------------------------------------------------
@@ -340,13 +390,13 @@ class KVCacheManager:
         bs = seq.block_size
         usable = (min(len(token_ids) - 1, seq.geometry.full_attention_tokens)) // bs
         self.prefix_queries += usable * bs
-        parent = 0
+        parent, pool = 0, self.pool_of(seq)
         for i in range(usable):
             key = (parent, seq.layout, tuple(token_ids[i * bs:(i + 1) * bs]))
-            block_id = self.pool.lookup(key)
+            block_id = pool.lookup(key)
             if block_id is None:
                 break
-            self.pool.touch(block_id)
+            pool.touch(block_id)
             seq.block_table.append(block_id)
             seq.block_keys.append(key)
             parent = hash(key)
@@ -365,8 +415,9 @@ class KVCacheManager:
         assert 0 <= num_tokens <= seq.num_tokens and seq.evicted == 0
         child = self.new_sequence(seq.layout, seq.geometry)
         blocks = seq.block_table[:seq.layout.blocks_for(num_tokens)]
+        pool = self.pool_of(seq)
         for b in blocks:
-            self.pool.touch(b)
+            pool.touch(b)
         child.block_table = list(blocks)
         child.num_tokens = num_tokens
         if len(seq.token_ids) >= num_tokens:
@@ -383,21 +434,23 @@ class KVCacheManager:
         keep = seq.layout.blocks_for(seq.seq_len)
         dropped = seq.block_table[keep:]
         del seq.block_table[keep:]
-        self._free_ids(reversed(dropped))
+        self._free_ids(seq, reversed(dropped))
         del seq.token_ids[seq.num_tokens:]
         del seq.block_keys[seq.num_tokens // seq.block_size:]
         if seq.seq_len % seq.block_size:     # a full block is partial again: new tokens will overwrite its rows
-            self.pool.uncache(seq.block_table[-1])
+            self.pool_of(seq).uncache(seq.block_table[-1])
         return dropped
 
     def shared_partial(self, seq: Sequence) -> bool:
-        return bool(seq.seq_len % seq.block_size) and self.pool.ref_cnt[seq.block_table[-1]] > 1
+        return bool(seq.seq_len % seq.block_size) and self.pool_of(seq).ref_cnt[seq.block_table[-1]] > 1
 
     def clear_prefix_cache(self) -> int:
         """Free every evictable prefix block; returns the bytes freed."""
-        freed = self.pool.clear_cache()
-        total = sum(self.block_layout[b].block_bytes for b in freed)
-        self._forget(freed)
+        total = 0
+        for layers, pool in self.pools.items():
+            freed = pool.clear_cache()
+            total += sum(self.block_layouts[layers][b].block_bytes for b in freed)
+            self._forget(layers, freed)
         for s in self.sequences.values():
             s.block_keys.clear()
             s.token_ids.clear()
@@ -406,26 +459,31 @@ class KVCacheManager:
     # ---- views ----------------------------------------------------------------------------
 
     def view(self) -> PoolView:
-        ref = self.pool.ref_cnt
         held = self.held_bytes
         ev = self.evictable_bytes()
         # a conversation of several groups once, by its first group's id
         seqs = tuple((s.seq_id, sum(len(m.block_table) for m in s.members), sum(map(self.sequence_bytes, s.members)),
                       s.released) for s in self.sequences.values() if s.conversation is None)
-        return PoolView(self.budget_bytes, held, self.budget_bytes - held, self.pool.num_evictable, ev,
-                        sum(1 for r in ref if r > 1), self.pool.num_in_use, self.prefix_queries, self.prefix_hits, seqs)
+        pools = self.pools.values()
+        return PoolView(self.budget_bytes, held, self.budget_bytes - held, sum(p.num_evictable for p in pools), ev,
+                        sum(1 for p in pools for r in p.ref_cnt if r > 1), sum(p.num_in_use for p in pools),
+                        self.prefix_queries, self.prefix_hits, seqs)
 
     def check(self) -> None:
         """Invariants (tests call this): reference counts match the tables, no id is both free and used."""
-        counts: dict[int, int] = {}
+        counts: dict[tuple, int] = {}
         for s in self.sequences.values():
             for b in s.block_table:
-                counts[b] = counts.get(b, 0) + 1
-        for b, r in enumerate(self.pool.ref_cnt):
-            assert r >= 0, f"block {b} has a negative count"
-            assert r == counts.get(b, 0), f"block {b}: {r} references, {counts.get(b, 0)} in tables"
-            if r == 0:
-                assert (b in self.pool._evictable) != (b in self.pool._free), f"block {b} lost"
-        assert len(set(self.pool._free)) == len(self.pool._free), "an id is twice in the free heap"
+                counts[s.layout.layers, b] = counts.get((s.layout.layers, b), 0) + 1
+        for layers, pool in self.pools.items():
+            for b, r in enumerate(pool.ref_cnt):
+                n = counts.get((layers, b), 0)
+                assert r >= 0, f"block {b} has a negative count"
+                assert r == n, f"block {b} of group {layers}: {r} references, {n} in tables"
+                if r == 0:
+                    assert (b in pool._evictable) != (b in pool._free), f"block {b} lost"
+                else:
+                    assert self.block_layouts[layers][b].layers == layers, f"block {b} is in another group's pages"
+            assert len(set(pool._free)) == len(pool._free), "an id is twice in the free heap"
         assert self.recount() == self._block_bytes_held, "the running count of held bytes drifted"
         assert self.held_bytes <= self.budget_bytes, "held bytes above the budget"

@@ -9,6 +9,8 @@ Full-precision keys are stored rotated at their absolute positions; quantized ke
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 import kernels
@@ -203,14 +205,19 @@ class PageStore:
             for c in pair:
                 c.reserve(high_water, limit)
 
-    def shrink(self, high_water: int) -> None:
-        for comps in self.layouts.values():
+    def shrink(self, high_water: Callable[[KVLayout], int]) -> None:
+        """high_water(layout): one past the highest block id of the layout's KV group (each group has its ids)."""
+        for layout, comps in self.layouts.items():
+            top = high_water(layout)
             for pair in comps:
                 for c in pair:
-                    c.shrink(high_water)
+                    c.shrink(top)
 
-    def forget_blocks(self, ids: list[int]) -> None:
-        for comps in self.layouts.values():
+    def forget_blocks(self, layers: tuple[int, ...], ids: list[int]) -> None:
+        """ids of the KV group of these layers (KVLayout.layers) hold nothing now: their heads go."""
+        for layout, comps in self.layouts.items():
+            if layout.layers != layers:
+                continue
             for pair in comps:
                 for c in pair:
                     if c.heads:

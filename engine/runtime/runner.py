@@ -86,7 +86,7 @@ class ModelRunner:
             for m in seq.members:
                 freed += self.manager.free(m)
                 self.store.drop_tails(m.seq_id)
-            self.store.shrink(self.manager.pool.high_water)
+            self.store.shrink(self.manager.high_water)
             return freed
 
     def close(self, seq: Sequence) -> None:
@@ -137,7 +137,7 @@ class ModelRunner:
     def clear_prefix_cache(self) -> int:
         with self.lock:
             freed = self.manager.clear_prefix_cache()
-            self.store.shrink(self.manager.pool.high_water)
+            self.store.shrink(self.manager.high_water)
             return freed
 
     def match_prefix(self, seq: Sequence, ids: list[int]) -> int:
@@ -321,7 +321,7 @@ class ModelRunner:
 
     def drop_unused_layouts(self) -> None:
         """Page storage of layouts no sequence and no cached block uses any more goes back."""
-        in_use = {s.layout for s in self.manager.sequences.values()} | set(self.manager.block_layout.values())
+        in_use = {s.layout for s in self.manager.sequences.values()} | self.manager.layouts_held()
         self.store.drop_unused_layouts(in_use)
         self._backends = {key: b for key, b in self._backends.items() if key[0] in in_use}
 

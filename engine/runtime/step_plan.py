@@ -146,7 +146,7 @@ class StepReservation:
         m, store = self.manager, self.store
         res = m.reserve(seq, len(ids), keep)
         self.reservations.append((res, ids))
-        store.reserve(seq.layout, m.pool.high_water, seq.layout.budget_blocks(m.budget_bytes) + 1)
+        store.reserve(seq.layout, m.high_water(seq.layout), seq.layout.budget_blocks(m.budget_bytes) + 1)
         if res.copied:
             store.copy_block(seq.layout, res.copied[1], res.copied[2])
         quantized = seq.layout.quantized_components > 0
