@@ -46,7 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _model_config(model: str):
     from engine.runtime.engine import read_model_config
-    from engine.model.config import ModelConfig
     return read_model_config(model)
 
 
