@@ -274,12 +274,14 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
                     speeds.setdefault(("llamacpp", mode, n), []).append(steps / (time.perf_counter() - t0))
     copy = copy_bandwidth_gbs() * 1e9
     out: dict = {"steps": steps, "copy_gbs": copy / 1e9, "modes": {}}
+    from engine.kv.layout import conversation_bytes
     for mode, (fmt, _) in LONG_MODES.items():
-        layout = engine.runner.layout(CacheConfig(k_format=fmt, v_format=fmt))
+        cache = CacheConfig(k_format=fmt, v_format=fmt)
         row = {}
         for n in contexts:
             k = statistics.median(speeds[("kvchat", mode, n)])
-            kv_read = layout.sequence_bytes(n)
+            # what a token's attention reads: a sliding layer (Gemma) its window, a global one all n tokens
+            kv_read = conversation_bytes(engine.model.config, cache, n, engine.dtype_name, str(engine.runner.device))
             bound = copy / (engine.weight_bytes + kv_read)
             row[n] = {"kvchat_tok_s": k, "bound_tok_s": bound, "of_bound": k / bound, "kv_bytes_read": kv_read}
             if ("llamacpp", mode, n) in speeds:
