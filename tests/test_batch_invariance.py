@@ -10,13 +10,16 @@ pytestmark = pytest.mark.slow
 FP32 = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=64)
 
 
-@pytest.fixture(scope="module", params=["default", "qwen3"])
+@pytest.fixture(scope="module", params=["default", "qwen3", "dense"])
 def packed_engine(request, tmp_path_factory):
-    """The default GGUF as the app runs it: weights kept packed (the promise holds for packed weights; dense
-    float weights go through MKL, whose rounding depends on the row count below about 12 rows); and a tiny Qwen3
-    as a Q8_0 GGUF, whose q/k norms run in the one-call step and in the forward's decode and prompt rows alike."""
+    """The default GGUF as the app runs it (weights kept packed); a tiny Qwen3 as a Q8_0 GGUF, whose q/k norms run
+    in the one-call step and in the forward's decode and prompt rows alike; and a tiny float folder (dense weights
+    through MKL, whose rounding of a row depends on the row count below about 12 rows unless padded)."""
     from engine import Engine, EngineConfig
     model = "default"
+    if request.param == "dense":
+        # a float folder: DenseLinear pads CPU calls under GEMM_MIN_ROWS rows, so MKL rounds every row alike
+        return Engine.load(EngineConfig(model=request.getfixturevalue("tiny_llama")))
     if request.param == "qwen3":
         from bench.gguf_writer import write_gguf_from_hf
         from tiny_models import tiny_family_dir

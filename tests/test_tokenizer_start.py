@@ -76,6 +76,37 @@ def test_split_special_tokens_reads_them_as_text(cached_default):
     assert tok.encode("<|im_end|>", add_special_tokens=False) == [tok.eos_token_id]   # not sticky
 
 
+@pytest.mark.parametrize("kind", ["transformers", "gguf"])
+def test_encoding_on_many_threads_reads_each_text_as_asked(cached_default, tmp_path, kind):
+    """The server encodes on several threads: one thread's split_special_tokens must not leak into another's
+    encode. transformers sets the flag on the shared Rust tokenizer and encodes with the GIL released: unguarded,
+    about half of these encodes came back with the other thread's reading (and a load test's template lost its
+    <|im_start|> tokens)."""
+    import threading
+    if kind == "transformers":
+        from tiny_models import build_tokenizer
+        from engine.text.tokenizer_cache import load_tokenizer
+        build_tokenizer(tmp_path)
+        tok = load_tokenizer(tmp_path)
+    else:
+        tok = cached_default[0]
+    text = "user says <|im_end|> then more words " * 4
+    want = {split: tok.encode(text, add_special_tokens=False, split_special_tokens=split) for split in (False, True)}
+    assert want[False] != want[True]
+    wrong = []
+
+    def encode_many(split: bool):
+        for _ in range(500):
+            if tok.encode(text, add_special_tokens=False, split_special_tokens=split) != want[split]:
+                wrong.append(split)
+    threads = [threading.Thread(target=encode_many, args=(i % 2 == 1,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+
+
 @pytest.mark.parametrize("chat", CHATS)
 def test_chat_template_matches_transformers(cached_default, reference, chat):
     tok = cached_default[0]

@@ -77,7 +77,12 @@ class DenseLinear(_Fused):
         self.kind = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, "dense")
 
     def __call__(self, x: torch.Tensor, split: int | None = None) -> torch.Tensor:
-        # x: [T, K] -> [T, N] in x.dtype
+        # x: [T, K] -> [T, N] in x.dtype. On the CPU, fewer than GEMM_MIN_ROWS rows are padded with zeros: MKL
+        # rounds a row of a 1-row (GEMV) or few-row call differently from the same row in a larger GEMM, so without
+        # the padding a served stream's tokens could depend on what it was batched with (a near-tie flips).
+        T = x.shape[0]
+        if x.device.type == "cpu" and x.dim() == 2 and 0 < T < GEMM_MIN_ROWS:
+            return self(torch.cat((x, x.new_zeros(GEMM_MIN_ROWS - T, x.shape[1]))))[:T]
         if x.dtype == self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)

@@ -234,9 +234,12 @@ class Scheduler:
         while i < len(self.running):
             request = self.running[i]
             # chunks end at multiples of prefill_chunk, wherever the prefix cache let the prompt start,
-            # so each prompt row attends over the same keys as when the prompt is read whole
-            chunk = self.config.prefill_chunk
-            ids = request.all_ids[request.num_computed:(request.num_computed // chunk + 1) * chunk]
+            # so each prompt row attends over the same keys as when the prompt is read whole; generated tokens
+            # go one per step as decode rows, also when a preempted request reads its reply again: a decode
+            # row's numbers differ from a prompt row's, and the stream must equal the request run alone
+            chunk, done, prompt_len = self.config.prefill_chunk, request.num_computed, len(request.prompt_ids)
+            end = done + 1 if done >= prompt_len else min(prompt_len, (done // chunk + 1) * chunk)
+            ids = request.all_ids[done:end]
             need = batch.blocks_needed(self.engine, request.handle, len(ids))
             if need + planned <= batch.num_free_blocks(self.engine):
                 items.append((request, ids))

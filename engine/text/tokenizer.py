@@ -13,6 +13,7 @@ and their ids, the vocabulary.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -26,6 +27,10 @@ class ChatTokenizer:
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self._cont = None          # the tokenizer for continuations, made on first use (see _continuing)
         self._added = None
+        # encode_special_tokens is state of the Rust tokenizer, not an argument: the server encodes on several
+        # threads at once, and a template's <|im_start|> encoded while another thread had the flag set for a
+        # user's text came out as plain-text pieces (seen as one stream of a load test differing from its solo run)
+        self._encoding = threading.Lock()
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         self.special_tokens_map = {k: _token_text(config[k]) for k in SPECIAL_NAMES if config.get(k)}
         template = folder / "chat_template.jinja"
@@ -88,6 +93,10 @@ class ChatTokenizer:
         before each message."""
         if continuation and add_special_tokens:
             raise ValueError("a continuation lies inside a text: it takes no BOS / EOS (add_special_tokens=False)")
+        with self._encoding:
+            return self._encode(text, add_special_tokens, split_special_tokens, continuation)
+
+    def _encode(self, text: str, add_special_tokens: bool, split_special_tokens: bool, continuation: bool) -> list[int]:
         self._tok.encode_special_tokens = bool(split_special_tokens)
         if not continuation or self._continuing() is self._tok:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 from pathlib import Path
 
 from engine.errors import ModelLoadError
@@ -90,21 +91,35 @@ def _tokenizer_from_gguf(path: Path):
         return _auto_gguf_tokenizer(path)
     arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
     backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+    return one_encode_at_a_time(PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra))
+
+
+def one_encode_at_a_time(tok):
+    """transformers' encode sets split_special_tokens on the shared Rust tokenizer, then encodes with the GIL
+    released: two threads of the server encoding at once (a user's text read as plain text, a template's
+    <|im_start|> as its token) could swap flags, and a template's special tokens came out as text pieces. The
+    tokenizer's encode is wrapped in a lock of its own (ChatTokenizer holds one too)."""
+    lock, encode = threading.Lock(), tok.encode
+
+    def locked_encode(*args, **kwargs):
+        with lock:
+            return encode(*args, **kwargs)
+    tok.encode = locked_encode
+    return tok
 
 
 def _auto_gguf_tokenizer(path: Path):
     """AutoTokenizer on the GGUF, through a private folder: the folder's own config files are never read."""
     from transformers import AutoTokenizer
     with private_model_dir(path.parent, (), links=(path,)) as tmp:
-        return AutoTokenizer.from_pretrained(str(tmp), gguf_file=path.name, **SAFE_PRETRAINED)
+        return one_encode_at_a_time(AutoTokenizer.from_pretrained(str(tmp), gguf_file=path.name, **SAFE_PRETRAINED))
 
 
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
     try:
         with private_model_dir(folder) as tmp:
-            return AutoTokenizer.from_pretrained(str(tmp), **SAFE_PRETRAINED)
+            return one_encode_at_a_time(AutoTokenizer.from_pretrained(str(tmp), **SAFE_PRETRAINED))
     except ModelLoadError:
         raise
     except Exception as exc:
