@@ -3,9 +3,60 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
-#ifdef __AVX2__
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>      // every x86 variant: F16C's conversions exist without AVX2 (an AVX-only CPU's -march)
 #endif
+
+// IEEE half <-> float without _Float16 (gcc before 12 has none on x86): F16C where the variant has it, else the
+// same conversions in integer arithmetic (round to nearest even; tests/test_kernel_variants.py holds both to
+// numpy's over all 65,536 halves and a sweep of floats)
+typedef uint16_t half_t;
+
+static inline float f16_to_f32(half_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    if (e == 0x1f) {
+        bits = sign | 0x7f800000u | (m << 13);                  // infinity, NaN (payload kept)
+    } else if (e) {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    } else if (!m) {
+        bits = sign;
+    } else {                                                    // subnormal: m * 2^-24, normalized
+        e = 113;
+        while (!(m & 0x400u)) { m <<= 1; e--; }
+        bits = sign | (e << 23) | ((m & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline half_t f32_to_f16(float f) {
+#ifdef __F16C__
+    return (half_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
+    if (e == 0xff) return (half_t)(sign | 0x7c00u | (m ? 0x200u | (m >> 13) : 0));   // infinity, quiet NaN
+    int he = (int)e - 112;
+    if (he >= 31) return (half_t)(sign | 0x7c00u);                                  // too large: infinity
+    uint32_t out, rest, mid;
+    if (he <= 0) {                                                                  // a subnormal half, or zero
+        if (he < -10) return (half_t)sign;
+        int shift = 14 - he;
+        m |= 0x800000u;
+        out = m >> shift, rest = m & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    } else {
+        out = ((uint32_t)he << 10) | (m >> 13), rest = m & 0x1fffu, mid = 0x1000u;
+    }
+    if (rest > mid || (rest == mid && (out & 1u))) out++;      // a carry into the exponent is the right answer
+    return (half_t)(sign | out);
+#endif
+}
 
 #ifdef __AVX2__
 static inline float hsum8(__m256 v) {
@@ -100,4 +151,47 @@ static inline uint16_t to_bf16(float f) {
     union { float f; uint32_t u; } v = {f};
     if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+// Exported by both libraries (each includes this header once): the half conversions as this build has them (the
+// tests hold every variant's to numpy's), and what the library was compiled with.
+void kvchat_f16_to_f32(const half_t *h, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = f16_to_f32(h[i]);
+}
+
+void kvchat_f32_to_f16(const float *x, half_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_f16(x[i]);
+}
+
+// What this library was compiled with: "isa=avx2+fma+f16c openmp=1 cc=12.2.0"
+const char *kvchat_build_info(void) {
+    return "isa="
+#if defined(__AVX512F__)
+        "avx512f+"
+#endif
+#if defined(__AVX512VNNI__)
+        "vnni+"
+#endif
+#if defined(__AVX512BF16__)
+        "bf16+"
+#endif
+#if defined(__AVX2__)
+        "avx2+"
+#endif
+#if defined(__FMA__)
+        "fma+"
+#endif
+#if defined(__F16C__)
+        "f16c+"
+#endif
+#if defined(__ARM_NEON)
+        "neon+"
+#endif
+        "base"
+#ifdef _OPENMP
+        " openmp=1"
+#else
+        " openmp=0"
+#endif
+        " cc=" __VERSION__;
 }

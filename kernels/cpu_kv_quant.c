@@ -42,7 +42,7 @@ static inline float pow2_f(uint8_t code) {
 }
 
 static inline float scale_f(const kv_comp *c, const void *p, size_t i) {
-    return c->kind == 1 ? pow2_f(((const uint8_t *)p)[i]) : (float)((const _Float16 *)p)[i];
+    return c->kind == 1 ? pow2_f(((const uint8_t *)p)[i]) : f16_to_f32(((const half_t *)p)[i]);
 }
 
 static inline const float *full_row(const void *base, int full, size_t off, int D, float *buf) {
@@ -51,8 +51,8 @@ static inline const float *full_row(const void *base, int full, size_t off, int 
         const uint16_t *s = (const uint16_t *)base + off;
         for (int d = 0; d < D; d++) { union { uint32_t u; float f; } v; v.u = (uint32_t)s[d] << 16; buf[d] = v.f; }
     } else {
-        const _Float16 *s = (const _Float16 *)base + off;
-        for (int d = 0; d < D; d++) buf[d] = (float)s[d];
+        const half_t *s = (const half_t *)base + off;
+        for (int d = 0; d < D; d++) buf[d] = f16_to_f32(s[d]);
     }
     return buf;
 }
@@ -86,7 +86,7 @@ static const float *kv_row(const kv_comp *c, int H, int D, int bs, int n_full, c
         if (cs->id != id) {
             size_t o = ((size_t)id * H + h) * D;
             for (int d = 0; d < D; d++) cs->s[d] = scale_f(c, c->scale, o + d);
-            for (int d = 0; d < D; d++) cs->z[d] = c->zero ? (float)((const _Float16 *)c->zero)[o + d] : 0.f;
+            for (int d = 0; d < D; d++) cs->z[d] = c->zero ? f16_to_f32(((const half_t *)c->zero)[o + d]) : 0.f;
             cs->id = id;
         }
         if (c->zero) for (int d = 0; d < D; d++) buf[d] = buf[d] * cs->s[d] + cs->z[d];
@@ -94,7 +94,7 @@ static const float *kv_row(const kv_comp *c, int H, int D, int bs, int n_full, c
     } else if (c->axis == 1) {
         float s = scale_f(c, c->scale, r);
         if (c->zero) {
-            float z = (float)((const _Float16 *)c->zero)[r];
+            float z = f16_to_f32(((const half_t *)c->zero)[r]);
             for (int d = 0; d < D; d++) buf[d] = buf[d] * s + z;
         } else {
             for (int d = 0; d < D; d++) buf[d] = buf[d] * s;
@@ -105,7 +105,7 @@ static const float *kv_row(const kv_comp *c, int H, int D, int bs, int n_full, c
             float s = scale_f(c, c->scale, r * ng + g);
             float *o = buf + g * G;
             if (c->zero) {
-                float z = (float)((const _Float16 *)c->zero)[r * ng + g];
+                float z = f16_to_f32(((const half_t *)c->zero)[r * ng + g]);
                 for (int j = 0; j < G; j++) o[j] = o[j] * s + z;
             } else {
                 for (int j = 0; j < G; j++) o[j] = o[j] * s;
@@ -187,9 +187,9 @@ static inline void chan_setup(const qattn *a, const kv_comp *c, int64_t id, int 
             sv = _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)c->scale + o + d))), 23));
         else
-            sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)c->scale + o + d)));
+            sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const half_t *)c->scale + o + d)));
         _mm256_storeu_ps(cs->s + d, sv);
-        _mm256_storeu_ps(cs->z + d, c->zero ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)c->zero + o + d)))
+        _mm256_storeu_ps(cs->z + d, c->zero ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const half_t *)c->zero + o + d)))
                                             : _mm256_setzero_ps());
     }
     cs->id = id;
@@ -209,12 +209,12 @@ static inline void row_setup(const qattn *a, const kv_comp *c, int64_t id, int64
     r->codes = (const uint8_t *)c->data + row * (kind == 2 ? D / 2 : D);
     if (axis == 1) {
         r->s1 = _mm256_set1_ps(scale_f(c, c->scale, row));
-        r->z1 = _mm256_set1_ps(c->zero ? (float)((const _Float16 *)c->zero)[row] : 0.f);
+        r->z1 = _mm256_set1_ps(c->zero ? f16_to_f32(((const half_t *)c->zero)[row]) : 0.f);
     } else if (axis == 2) {
         int ng = D / c->group;
         for (int i = 0; i < ng; i++) {
             r->gs[i] = scale_f(c, c->scale, row * ng + i);
-            r->gz[i] = c->zero ? (float)((const _Float16 *)c->zero)[row * ng + i] : 0.f;
+            r->gz[i] = c->zero ? f16_to_f32(((const half_t *)c->zero)[row * ng + i]) : 0.f;
         }
     }
 }
@@ -340,7 +340,7 @@ static inline __attribute__((always_inline)) void v_pass(const qattn *a, int h, 
             if (axis != 0)
                 for (int k = 0; k < ng; k++) {
                     rs[i * ng + k] = scale_f(c, c->scale, row * ng + k);
-                    rz[i * ng + k] = c->zero ? (float)((const _Float16 *)c->zero)[row * ng + k] : 0.f;
+                    rz[i * ng + k] = c->zero ? f16_to_f32(((const half_t *)c->zero)[row * ng + k]) : 0.f;
                 }
         }
         float ws[256 * 4], zs[4] = {0.f, 0.f, 0.f, 0.f};       // axes 1 and 2: weight times scale per row, weight times zero summed
@@ -521,8 +521,8 @@ static void tail_write(const kv_comp *c, int row, const float *x, int H, int D) 
         uint16_t *t = (uint16_t *)c->tail + off;
         for (size_t i = 0; i < n; i++) t[i] = to_bf16(x[i]);
     } else {
-        _Float16 *t = (_Float16 *)c->tail + off;
-        for (size_t i = 0; i < n; i++) t[i] = (_Float16)x[i];
+        half_t *t = (half_t *)c->tail + off;
+        for (size_t i = 0; i < n; i++) t[i] = f32_to_f16(x[i]);
     }
 }
 

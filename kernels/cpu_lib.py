@@ -10,6 +10,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 KV_SOURCE = Path(__file__).with_name("cpu_kv_quant.c")     # quantized-KV decode attention: built in the background
+PROBE_SOURCE = Path(__file__).with_name("cpu_probe.c")      # which variant the CPU runs (CPUID), built for the baseline
 HEADER = Path(__file__).with_name("cpu_common.h")
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 # decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
@@ -36,20 +38,93 @@ def _cache_dir() -> Path:
 
 _main = None
 _main_error: str | None = None
+_variant: str | None = None         # the variant library() loaded (or would load)
+_variant_why = ""
+_skipped: list[str] = []            # variants above it that did not build or load, with why
+
+# Prebuilt variants, best first, with the CPU features each needs (bits of cpu_probe.c's kvchat_cpu_features).
+# A variant is compiled for exactly its instructions (never -march=native), so a cached or shipped build runs on
+# any CPU that offers them. The AVX-512 variant asks for VNNI and BF16 too: the compiler may emit them on its own.
+FEATURE_BITS = {"avx2": 0, "fma": 1, "f16c": 2, "avx512f": 3, "avx512bw": 4, "avx512vl": 5, "avx512vnni": 6,
+                "avx512bf16": 7, "avx": 8}
+_AVX2 = ["-march=x86-64", "-mavx", "-mavx2", "-mfma", "-mf16c"]
+X86_VARIANTS = {
+    "avx512": (_AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"],
+               ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512bf16")),
+    "avx2": (_AVX2, ("avx", "avx2", "fma", "f16c")),
+    "baseline": (["-march=x86-64", "-mtune=generic"], ()),
+}
+OTHER_VARIANTS = {"generic": ([], ())}      # aarch64 and the rest: the compiler's default for the architecture
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]   # no contraction: dequant bit-exact with torch
+OPENMP = "-fopenmp"                 # tried first; without it (Apple clang, no libomp) the kernels run on one thread
+
+
+def variants() -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return X86_VARIANTS if x86 else OTHER_VARIANTS
+
+
+_features: int | None = None
+
+
+def cpu_features() -> set[str]:
+    """The CPU's features that pick a variant, from CPUID (cpu_probe.c); empty where the probe cannot be built."""
+    global _features
+    if _features is None:
+        _features = 0
+        try:
+            probe = _build(PROBE_SOURCE, variant=list(variants())[-1])
+            _features = int(probe.kvchat_cpu_features())
+        except (OSError, RuntimeError) as exc:
+            log.warning("cannot ask the CPU which kernels it runs (%s): using the baseline build", exc)
+    return {name for name, bit in FEATURE_BITS.items() if _features >> bit & 1}
+
+
+def choose_variant() -> tuple[str, str]:
+    """(variant, why): KVCHAT_CPU_VARIANT when set, else the best one whose features the CPU has."""
+    table = variants()
+    forced = os.environ.get("KVCHAT_CPU_VARIANT")
+    if forced:
+        if forced not in table:
+            raise RuntimeError(f"KVCHAT_CPU_VARIANT={forced!r}: this machine's variants are {', '.join(table)}")
+        return forced, "chosen by KVCHAT_CPU_VARIANT"
+    have = cpu_features()
+    for name, (_, needs) in table.items():
+        if set(needs) <= have:
+            return name, "the best this CPU runs" if needs or len(table) == 1 else "the CPU lacks AVX2, FMA or F16C"
+    return list(table)[-1], "the baseline"
+
+
+def runnable_variants() -> list[str]:
+    """The variants this CPU can execute, best first (the tests run the kernels' checks against each)."""
+    have = cpu_features()
+    return [name for name, (_, needs) in variants().items() if set(needs) <= have]
 
 
 def library() -> ctypes.CDLL | None:
-    """The main library (cpu_quant.c), built or loaded once; None where it cannot be, or KVCHAT_NO_CPU_KERNELS
-    is set (library_error() says why)."""
-    global _main, _main_error
+    """The main library (cpu_quant.c) of the chosen variant, built or loaded once; a variant that does not build
+    (an old compiler without AVX-512) gives way to the next. None where none can be, or KVCHAT_NO_CPU_KERNELS is
+    set (library_error() says why)."""
+    global _main, _main_error, _variant, _variant_why
     if _main is None and _main_error is None:
         if os.environ.get("KVCHAT_NO_CPU_KERNELS"):
             _main_error = "disabled by KVCHAT_NO_CPU_KERNELS"
-        else:
+            return None
+        try:
+            _variant, _variant_why = choose_variant()
+        except RuntimeError as exc:
+            _main_error = str(exc)
+            return None
+        names = list(variants())
+        for name in names[names.index(_variant):]:
             try:
-                _main = _build()
+                _main, _variant = _build(variant=name), name
+                return _main
             except (OSError, RuntimeError) as exc:
+                _skipped.append(f"{name}: {exc}")
                 _main_error = str(exc)
+                if os.environ.get("KVCHAT_CPU_VARIANT"):
+                    break
     return _main
 
 
@@ -57,8 +132,17 @@ def library_error() -> str | None:
     return _main_error
 
 
+def status() -> dict:
+    """What `kvchat doctor` and the status line say about the kernels."""
+    lib = library()
+    info = lib.kvchat_build_info().decode() if lib is not None else None
+    return {"loaded": lib is not None, "variant": _variant if lib is not None else None, "why": _variant_why,
+            "error": _main_error if lib is None else None, "skipped": list(_skipped), "build": info,
+            "openmp": info is not None and "openmp=1" in info, "cpu_features": sorted(cpu_features()),
+            "machine": platform.machine(), "variants": list(variants())}
+
+
 BUILT = Path(__file__).with_name("_built")    # libraries compiled at install (`python -m kernels.cpu_quant`)
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]   # dequant bit-exact with torch
 HASH_SUFFIX = ".sha256"         # beside each library: the sha256 of the file as it was built
 
 
@@ -69,26 +153,41 @@ def _compiler() -> str:
     return cc
 
 
-def library_name(source: Path = SOURCE) -> str:
-    """The file name a build of `source` has on this machine: keyed by the source, compiler, flags and CPU flags."""
-    src = source.read_bytes() + HEADER.read_bytes()
-    machine = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
-        if Path("/proc/cpuinfo").exists() else ""
-    key = hashlib.sha256(src + " ".join(FLAGS + [_compiler(), machine]).encode()).hexdigest()[:16]
-    return f"{source.stem}-{key}.so"
+def variant_flags(variant: str) -> list[str]:
+    return COMMON_FLAGS + variants()[variant][0]
 
 
-def _build(source: Path = SOURCE, into: Path | None = None) -> ctypes.CDLL:
-    """The library for `source`: a checked build from the install folder or the cache, else compiled now (into
-    `into`, or the cache). A file that fails its check is never loaded: it is removed and built again."""
-    name, target = library_name(source), into or _cache_dir()
+def library_name(source: Path = SOURCE, variant: str | None = None) -> str:
+    """The file name of a build of `source` for `variant` (default: the chosen one): keyed by the source and the
+    variant's flags, so it runs on any CPU with the variant's features, whichever compiler built it."""
+    variant = variant or current_variant()
+    src = source.read_bytes() + (HEADER.read_bytes() if source != PROBE_SOURCE else b"")
+    key = hashlib.sha256(src + " ".join(variant_flags(variant)).encode()).hexdigest()[:16]
+    return f"{source.stem}-{variant}-{key}.so"
+
+
+def current_variant() -> str:
+    """The variant library() uses: the one it loaded, else the one it would choose."""
+    if _variant is not None:
+        return _variant
+    try:
+        return choose_variant()[0]
+    except RuntimeError:
+        return list(variants())[-1]
+
+
+def _build(source: Path = SOURCE, into: Path | None = None, variant: str | None = None) -> ctypes.CDLL:
+    """The library for `source` and `variant`: a checked build from the install folder or the cache, else compiled
+    now (into `into`, or the cache). A file that fails its check is never loaded: it is removed and built again."""
+    variant = variant or current_variant()
+    name, target = library_name(source, variant), into or _cache_dir()
     with contextlib.suppress(OSError):      # a read-only home can still load the build from install
         _private_folder(target)
     for folder in [target] if into is not None else [BUILT, target]:
         lib = _load_checked(folder / name, source)
         if lib is not None:
             return lib
-    return _compile(source, _private_folder(target) / name)
+    return _compile(source, _private_folder(target) / name, variant_flags(variant))
 
 
 def _load_checked(path: Path, source: Path) -> ctypes.CDLL | None:
@@ -145,13 +244,19 @@ def _ownership(path: Path, what: str, kind) -> str | None:
     return None
 
 
-def _compile(source: Path, out: Path) -> ctypes.CDLL:
-    """Build into a temporary name in the private folder, record its hash, load it, then rename it into place."""
+def _compile(source: Path, out: Path, flags: list[str]) -> ctypes.CDLL:
+    """Build into a temporary name in the private folder, record its hash, load it, then rename it into place.
+    With OpenMP where the compiler has it, else without (one thread: said in the library's build info)."""
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}-", suffix=".so")
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        res = subprocess.run([_compiler(), *FLAGS, str(source), "-o", str(tmp)], capture_output=True, text=True)
+        cc = _compiler()
+        res = subprocess.run([cc, *flags, OPENMP, str(source), "-o", str(tmp)], capture_output=True, text=True)
+        if res.returncode:
+            log.info("compiling %s with OpenMP failed; trying without: %s", source.name, res.stderr.strip()[-300:])
+            res = subprocess.run([cc, *flags, "-Wno-unknown-pragmas", str(source), "-o", str(tmp)],
+                                 capture_output=True, text=True)
         if res.returncode:
             raise RuntimeError(f"compiling {source.name} failed: {res.stderr.strip()[:400]}")
         os.chmod(tmp, 0o700)
@@ -193,6 +298,15 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     """Argument and result types of each kernel; AttributeError when the library lacks one."""
     P, I = ctypes.c_void_p, ctypes.c_int
     F = ctypes.c_float
+    if source == PROBE_SOURCE:
+        lib.kvchat_cpu_features.argtypes = []
+        lib.kvchat_cpu_features.restype = ctypes.c_uint64
+        return lib
+    lib.kvchat_f16_to_f32.argtypes = [P, P, ctypes.c_int64]
+    lib.kvchat_f32_to_f16.argtypes = [P, P, ctypes.c_int64]
+    lib.kvchat_f16_to_f32.restype = lib.kvchat_f32_to_f16.restype = None
+    lib.kvchat_build_info.argtypes = []
+    lib.kvchat_build_info.restype = ctypes.c_char_p
     if source == KV_SOURCE:
         lib.attn_decode_quant.argtypes = [P, P, P, I, I, I, I, P, I, P, I, P, P, P, P, P, F, I, P, P]
         lib.attn_decode_quant.restype = None

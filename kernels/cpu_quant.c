@@ -28,12 +28,12 @@ static inline const float *row_f32(const void *p, const float *sup, int per, siz
     size_t off = row * n;
     if (kind == 0) return (const float *)p + off;
     if (kind == 1 || kind == 4) {
-        const _Float16 *h = (const _Float16 *)p + off;
+        const half_t *h = (const half_t *)p + off;
         int i = 0;
 #ifdef __F16C__
         for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 #endif
-        for (; i < n; i++) buf[i] = (float)h[i];
+        for (; i < n; i++) buf[i] = f16_to_f32(h[i]);
     } else {
         const float *s = sup + row * (n / per);
         for (int b = 0; b < n / per; b++) {          // one super-block at a time: no division per element

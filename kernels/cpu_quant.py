@@ -610,10 +610,16 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
 
 
 def prebuild() -> list[Path]:
-    """Compile both libraries for this machine into the package (make's install step runs this), so that a first
-    start loads them instead of compiling (about 5 s, and 10 s more in the background for the quantized-KV one)."""
-    for source in (SOURCE, KV_SOURCE):
-        _build(source=source, into=BUILT)
+    """Compile every variant of both libraries (and the CPU probe) into the package: make's install step and the
+    bundle run this, so that a first start on any x86-64 CPU (or this architecture's) loads a build made for its
+    instructions instead of compiling. A variant the compiler cannot build (AVX-512 on an old one) is skipped."""
+    cpu_lib._build(cpu_lib.PROBE_SOURCE, into=BUILT, variant=list(cpu_lib.variants())[-1])
+    for variant in cpu_lib.variants():
+        for source in (SOURCE, KV_SOURCE):
+            try:
+                _build(source=source, into=BUILT, variant=variant)
+            except (OSError, RuntimeError) as exc:
+                print(f"skipped the {variant} build of {source.name}: {exc}")
     return sorted(BUILT.glob("*.so"))
 
 

@@ -1,0 +1,152 @@
+"""The C kernels' prebuilt variants (baseline, AVX2, AVX-512; generic elsewhere): chosen by CPUID, keyed by what
+they were built for, each one this CPU can run held to the same checks, and buildable without OpenMP, without
+_Float16 and for aarch64."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels import cpu_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(cpu_lib.library() is None, reason=f"C kernels unavailable: {cpu_lib.library_error()}")
+
+
+def _halves(lib, bits: np.ndarray) -> np.ndarray:
+    out = np.empty(bits.shape, np.float32)
+    lib.kvchat_f16_to_f32(bits.ctypes.data, out.ctypes.data, bits.size)
+    return out
+
+
+def _to_half(lib, x: np.ndarray) -> np.ndarray:
+    out = np.empty(x.shape, np.uint16)
+    lib.kvchat_f32_to_f16(x.ctypes.data, out.ctypes.data, x.size)
+    return out
+
+
+@pytest.fixture(scope="module", params=cpu_lib.runnable_variants())
+def variant_lib(request):
+    return request.param, cpu_lib._build(variant=request.param)
+
+
+def test_the_choice_is_the_best_variant_the_cpu_runs():
+    status = cpu_lib.status()
+    runnable = cpu_lib.runnable_variants()
+    assert runnable[-1] == list(cpu_lib.variants())[-1]             # the baseline runs everywhere
+    if not os.environ.get("KVCHAT_CPU_VARIANT"):
+        assert status["variant"] == runnable[0], status
+    if status["variant"] in ("avx2", "avx512"):
+        assert {"avx2", "fma", "f16c"} <= set(status["cpu_features"])
+        assert "avx2+fma+f16c" in status["build"]
+
+
+def test_a_build_is_named_for_its_variant_not_for_this_machine():
+    names = {v: cpu_lib.library_name(cpu_lib.SOURCE, v) for v in cpu_lib.variants()}
+    assert len(set(names.values())) == len(names) and all(f"-{v}-" in n for v, n in names.items())
+    assert "-march=native" not in " ".join(" ".join(cpu_lib.variant_flags(v)) for v in cpu_lib.variants())
+
+
+def test_an_unknown_forced_variant_is_refused_in_one_line():
+    env = dict(os.environ, KVCHAT_CPU_VARIANT="sse9")
+    code = "from kernels import cpu_lib; print(cpu_lib.library() is None, cpu_lib.library_error())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("True KVCHAT_CPU_VARIANT='sse9': this machine's variants are"), out.stdout
+
+
+def test_every_half_converts_as_numpy_does(variant_lib):
+    """All 65,536 halves to float, and floats (every half, the midpoints between neighbours, subnormals, overflow,
+    infinities, NaN) back to half with round-to-nearest-even, in each variant (F16C or integer arithmetic)."""
+    name, lib = variant_lib
+    bits = np.arange(65536, dtype=np.uint16)
+    want = bits.view(np.float16).astype(np.float32)
+    got = _halves(lib, bits)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)), name
+    finite = want[np.isfinite(want)]
+    with np.errstate(over="ignore"):
+        up = np.nextafter(finite.astype(np.float16), np.float16(np.inf)).astype(np.float32)
+    rng = np.random.default_rng(0)
+    x = np.concatenate([finite, (finite + up) / 2, np.nextafter((finite + up) / 2, np.float32(np.inf)),
+                        rng.standard_normal(20000).astype(np.float32) * np.float32(10.0) ** rng.integers(-9, 6, 20000),
+                        np.array([65504, 65519.99, 65520, 1e9, -1e9, np.inf, -np.inf, 2 ** -25, 2 ** -26, 0.0, -0.0],
+                                 np.float32)]).astype(np.float32)
+    x = x[np.isfinite(x) | np.isinf(x)]
+    with np.errstate(over="ignore"):
+        assert np.array_equal(_to_half(lib, x), x.astype(np.float16).view(np.uint16)), name
+    assert np.isnan(_to_half(lib, np.array([np.nan], np.float32)).view(np.float16)).all()
+
+
+def test_each_variant_gives_the_kernels_the_same_numbers(variant_lib):
+    """A packed matvec (with RMSNorm) and a dequantization in each variant: dequantization equals the reference
+    bit for bit everywhere; the SIMD variants' matvec equals the chosen variant's (one order of operations, no
+    contraction); the baseline's scalar sums run in another order, so it is held to the torch reference."""
+    import torch
+    from kernels import cpu_quant
+    from test_cpu_quant import _q4
+    name, lib = variant_lib
+    codes, scale, zero = _q4(96, 256)
+    x, norm = torch.randn(3, 256), torch.rand(256) + 0.5
+    chosen = cpu_quant.q4_gemv(x, codes, scale, zero, norm=norm, eps=1e-5)
+    old = cpu_quant._lib
+    try:
+        cpu_quant._lib = lib
+        got = cpu_quant.q4_gemv(x, codes, scale, zero, norm=norm, eps=1e-5)
+        deq = cpu_quant.q4_dequant(codes, scale, zero)
+    finally:
+        cpu_quant._lib = old
+    assert torch.equal(deq, cpu_quant.q4_dequant_ref(codes, scale, zero)), name
+    if name != "baseline" or cpu_lib.current_variant() == "baseline":
+        assert torch.equal(got, chosen), name
+    want = cpu_quant.q4_gemv_ref(x, codes, scale, zero, norm=norm, eps=1e-5)
+    assert (got - want).abs().max() <= 2e-4 * want.abs().max(), name
+
+
+@pytest.mark.slow
+def test_the_kernel_checks_pass_on_the_baseline_variant():
+    """What a CPU without AVX2 (and an ARM build's scalar loops) runs: the kernels' own test files, again, with
+    the baseline forced."""
+    if cpu_lib.current_variant() == "baseline":
+        pytest.skip("the baseline is the variant the suite runs")
+    env = dict(os.environ, KVCHAT_CPU_VARIANT="baseline")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                          "tests/test_cpu_quant.py", "tests/test_quant_decode_kernel.py"],
+                         env=env, cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:]
+
+
+def test_without_openmp_the_kernels_still_build_and_say_so(tmp_path, monkeypatch):
+    """A compiler without OpenMP (Apple clang, or no libomp): the build falls back to one thread and says so."""
+    monkeypatch.setattr(cpu_lib, "OPENMP", "-fno-such-openmp-flag")
+    lib = cpu_lib._build(into=tmp_path, variant=list(cpu_lib.variants())[-1])
+    assert b"openmp=0" in lib.kvchat_build_info()
+    assert hasattr(lib, "decode_layers")
+
+
+@pytest.mark.parametrize("compiler", ["clang", "gcc-11"])
+def test_other_compilers_build_every_variant(compiler, tmp_path):
+    """clang (here without libomp: the OpenMP fallback) and gcc 11 (no _Float16 on x86) build both libraries."""
+    if not shutil.which(compiler):
+        pytest.skip(f"{compiler} is not installed (apt-get install {compiler})")
+    for variant in cpu_lib.variants():
+        for source in (cpu_lib.SOURCE, cpu_lib.KV_SOURCE):
+            out = tmp_path / f"{source.stem}-{variant}.so"
+            # -O0 -c: what a compiler refuses shows without optimizing (the optimized builds are the suite's own)
+            res = subprocess.run([compiler, *cpu_lib.variant_flags(variant), "-O0", "-c", "-Wno-unknown-pragmas",
+                                  str(source), "-o", str(out)], capture_output=True, text=True)
+            assert res.returncode == 0, (variant, source.name, res.stderr[-2000:])
+
+
+def test_the_aarch64_build_compiles():
+    """The ARM build (the scalar loops; NEON where the compiler vectorizes them) compiles with a cross compiler."""
+    cc = shutil.which("aarch64-linux-gnu-gcc")
+    if not cc:
+        pytest.skip("no aarch64 cross compiler (apt-get install gcc-aarch64-linux-gnu)")
+    for source in (cpu_lib.SOURCE, cpu_lib.KV_SOURCE, cpu_lib.PROBE_SOURCE):
+        res = subprocess.run([cc, *cpu_lib.COMMON_FLAGS, "-O0", "-c", "-fopenmp", "-Werror=implicit-function-declaration",
+                              str(source), "-o", os.devnull], capture_output=True, text=True)
+        assert res.returncode == 0, (source.name, res.stderr[-2000:])
