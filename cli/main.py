@@ -1,9 +1,9 @@
-"""The `kvchat` command: the desktop app, or a terminal subcommand (chat, serve, bench, estimate)."""
+"""The `kvchat` command: the desktop app, or a terminal subcommand (chat, serve, bench, estimate, doctor)."""
 from __future__ import annotations
 
 import sys
 
-TERMINAL_COMMANDS = {"chat", "bench", "serve", "estimate", "-h", "--help"}
+TERMINAL_COMMANDS = {"chat", "bench", "serve", "estimate", "doctor", "-h", "--help"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Terminal entry points: `kvchat chat`, `kvchat bench ...`, `kvchat estimate`, `kvchat info`."""
+"""Terminal entry points: `kvchat chat`, `kvchat bench ...`, `kvchat estimate`, `kvchat doctor`."""
 from __future__ import annotations
 
 import argparse
@@ -186,6 +186,10 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
     plan = sub.add_parser("estimate", help="KV and weight memory of a model and context, before loading it")
     estimate.add_arguments(plan)
     plan.set_defaults(func=estimate.cmd_estimate)
+    from cli import doctor
+    check = sub.add_parser("doctor", help="which kernels run here and why, the device, what the CPU offers")
+    doctor.add_arguments(check)
+    check.set_defaults(func=doctor.cmd_doctor)
     bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, serve)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
@@ -207,7 +211,7 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(benches=not argv or argv[0] not in ("chat", "serve", "estimate"))
+    parser = build_parser(benches=not argv or argv[0] not in ("chat", "serve", "estimate", "doctor"))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

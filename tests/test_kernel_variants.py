@@ -150,3 +150,26 @@ def test_the_aarch64_build_compiles():
         res = subprocess.run([cc, *cpu_lib.COMMON_FLAGS, "-O0", "-c", "-fopenmp", "-Werror=implicit-function-declaration",
                               str(source), "-o", os.devnull], capture_output=True, text=True)
         assert res.returncode == 0, (source.name, res.stderr[-2000:])
+
+
+def test_the_baseline_build_is_said_not_silent():
+    """Forced (or on a CPU without AVX2), the baseline build runs about 6x slower: the status line and `kvchat doctor`
+    say so; doctor names the variant, why, the build and the CPU's features."""
+    env = dict(os.environ, KVCHAT_CPU_VARIANT="baseline")
+    code = "from engine.runtime.engine import kernel_status; print(kernel_status('cpu'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "C kernels: the baseline x86-64 build (no AVX2, FMA or F16C here), several times slower"
+    doctor = subprocess.run([sys.executable, "-m", "cli.main", "doctor"], env=env, cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    assert "kernels    baseline build: chosen by KVCHAT_CPU_VARIANT" in doctor and "isa=base" in doctor
+    chosen = subprocess.run([sys.executable, "-m", "cli.main", "doctor", "--json"], cwd=ROOT, capture_output=True,
+                            text=True, check=True, env={k: v for k, v in os.environ.items()
+                                                        if k != "KVCHAT_CPU_VARIANT"}).stdout
+    import json
+    report = json.loads(chosen)
+    assert report["kernels"]["variant"] == cpu_lib.runnable_variants()[0]
+    assert report["kernels"]["cpu_features"] == sorted(cpu_lib.cpu_features()) and report["device"] == "cpu"
+    off = subprocess.run([sys.executable, "-m", "cli.main", "doctor"], cwd=ROOT, capture_output=True, text=True,
+                         check=True, env=dict(os.environ, KVCHAT_NO_CPU_KERNELS="1")).stdout
+    assert "kernels    none: disabled by KVCHAT_NO_CPU_KERNELS; running torch's kernels" in off
+    assert "note       C kernels not loaded" in off

@@ -1,0 +1,103 @@
+"""`kvchat doctor`: which kernels run here and why, on which device, and what the machine offers."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() in ("model name", "Hardware", "Model"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpus() -> list[str]:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVIDIA driver is the common case, not an error
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total
+            out.append(f"{name.decode() if isinstance(name, bytes) else name}, {mem / 2**30:.1f} GiB")
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def report() -> dict:
+    import psutil
+    from kernels import cpu_lib, cpu_quant
+    kernels = cpu_lib.status()
+    kv = cpu_quant.kv_kernels_ready(wait=True) if kernels["loaded"] else False
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+        torch_info = {"version": torch.__version__, "cuda": cuda, "threads": torch.get_num_threads()}
+    except ImportError:
+        cuda, torch_info = False, None
+    return {
+        "kernels": {**kernels, "kv_kernels": kv, "kv_error": None if kv else cpu_quant._kv_error,
+                    "fallback": None if kernels["loaded"] else "torch's kernels (correct, several times slower)"},
+        "device": "cuda" if cuda else "cpu",
+        "cpu": {"name": _cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(),
+                "features": kernels["cpu_features"]},
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpus": _gpus(),
+        "torch": torch_info,
+    }
+
+
+def advice(r: dict) -> list[str]:
+    k = r["kernels"]
+    out = []
+    if not k["loaded"]:
+        out.append(f"C kernels not loaded ({k['error']}): install a C compiler (gcc or clang) and run "
+                   "`python -m kernels.cpu_quant`, or use a build of kvchat that ships them")
+    elif k["variant"] == "baseline" and "avx512" in k["variants"] and not os.environ.get("KVCHAT_CPU_VARIANT"):
+        out.append("this CPU lacks AVX2, FMA or F16C: the baseline kernels decode several times slower")
+    if k["loaded"] and not k["openmp"]:
+        out.append("the kernels were built without OpenMP: they run on one thread (install libomp, then "
+                   "`python -m kernels.cpu_quant`)")
+    if k["loaded"] and not k["kv_kernels"]:
+        out.append(f"the quantized-KV kernels did not build ({k['kv_error']}): int8 / fp8 / int4 caches decode "
+                   "through torch")
+    return out
+
+
+def text(r: dict) -> str:
+    k, cpu = r["kernels"], r["cpu"]
+    lines = [f"CPU        {cpu['name']} ({cpu['machine']}, {cpu['cores']} cores, {r['memory_gib']} GiB)",
+             f"features   {', '.join(cpu['features']) or 'none of AVX / AVX2 / AVX-512'} (CPUID)"]
+    if k["loaded"]:
+        lines.append(f"kernels    {k['variant']} build: {k['why']} (variants here: {', '.join(k['variants'])})")
+        lines.append(f"           {k['build']}")
+        lines.append(f"KV kernels {'loaded' if k['kv_kernels'] else 'not loaded'}")
+    else:
+        lines.append(f"kernels    none: {k['error']}; running {k['fallback']}")
+    lines += [f"skipped    {s}" for s in k["skipped"]]
+    lines.append(f"device     {r['device']}" + (f" ({'; '.join(r['gpus'])})" if r["gpus"] else ""))
+    if r["torch"]:
+        lines.append(f"torch      {r['torch']['version']}, {r['torch']['threads']} threads")
+    lines += [f"note       {a}" for a in advice(r)]
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def cmd_doctor(args) -> int:
+    r = report()
+    print(json.dumps({**r, "advice": advice(r)}, indent=2) if args.json else text(r))
+    return 0
