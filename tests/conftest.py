@@ -15,6 +15,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Opt-in tests (marked arm) run only when asked for by name: pytest -m arm."""
+    if "arm" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="opt-in: run with pytest -m arm")
+    for item in items:
+        if "arm" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def default_engine():
     from engine import Engine, EngineConfig

@@ -173,3 +173,60 @@ def test_the_baseline_build_is_said_not_silent():
                          check=True, env=dict(os.environ, KVCHAT_NO_CPU_KERNELS="1")).stdout
     assert "kernels    none: disabled by KVCHAT_NO_CPU_KERNELS; running torch's kernels" in off
     assert "note       C kernels not loaded" in off
+
+
+def _harness_inputs(tmp_path):
+    """The harness's input file (tests/kernel_harness.c reads it in this order) and the torch arguments."""
+    import torch
+    from test_cpu_quant import _q4, _q8
+    M, K, N, G, Hq, Hkv, D, L = 3, 256, 40, 32, 4, 2, 64, 37
+    gen = torch.Generator().manual_seed(3)
+    x, norm = torch.randn(M, K, generator=gen), torch.rand(K, generator=gen) + 0.5
+    c4, s4, z4 = _q4(N, K, seed=1)
+    c8, s8, z8 = _q8(N, K, G, True, seed=2)
+    q = torch.randn(Hq, D, generator=gen)
+    kp, vp = torch.randn(L + 5, Hkv, D, generator=gen), torch.randn(L + 5, Hkv, D, generator=gen)
+    rows = torch.randperm(L + 5, generator=gen)[:L].to(torch.int64)
+    kp, vp = kp[:L + 5].contiguous(), vp[:L + 5].contiguous()
+    parts = [np.array([M, K, N, G, Hq, Hkv, D, L], np.int32), x, norm, c4, s4, z4, c8, s8, z8, q, kp[:L], vp[:L],
+             torch.arange(L, dtype=torch.int64)]
+    path = tmp_path / "in.bin"
+    path.write_bytes(b"".join((p if isinstance(p, np.ndarray) else p.contiguous().numpy()).tobytes() for p in parts))
+    return path, dict(x=x, norm=norm, q4=(c4, s4, z4), q8=(c8, s8, z8), G=G, q=q, kp=kp[:L], vp=vp[:L], L=L)
+
+
+@pytest.mark.arm
+def test_the_aarch64_build_equals_the_references_under_qemu(tmp_path):
+    """Opt-in (-m arm; Debian's gcc-aarch64-linux-gnu and qemu-user): the ARM build of the kernels, run under
+    qemu-user, gives the torch references' numbers: dequantization bit for bit, every half, the matvecs and the
+    decode attention within float32 rounding."""
+    import torch
+    from kernels import cpu_quant as cq
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if not (cc and qemu):
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu qemu-user)")
+    exe = tmp_path / "harness"
+    subprocess.run([cc, "-O3", "-ffp-contract=off", "-fopenmp", str(cpu_lib.SOURCE), str(ROOT / "tests" / "kernel_harness.c"),
+                    "-o", str(exe), "-lm"], check=True, capture_output=True)
+    path, a = _harness_inputs(tmp_path)
+    res = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), str(path), str(tmp_path / "out.bin")],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert res.returncode == 0, res.stderr
+    assert "neon" in res.stderr                        # the build saw the NEON unit (__ARM_NEON)
+    got = torch.from_numpy(np.fromfile(tmp_path / "out.bin", np.float32))
+    x, (c4, s4, z4), (c8, s8, z8) = a["x"], a["q4"], a["q8"]
+    want = [cq.q4_gemv_ref(x, c4, s4, z4, norm=a["norm"], eps=1e-5), cq.q4_dequant_ref(c4, s4, z4),
+            cq.q8_gemv_ref(x, c8, s8, z8, a["G"]), cq.q8_dequant_ref(c8, s8, z8, a["G"]),
+            cq.attn_decode_ref(a["q"], a["q"], 0, a["kp"], a["vp"], torch.arange(a["L"]), 0.125)]
+    exact = [False, True, False, True, False]
+    at = 0
+    for w, is_exact in zip(want, exact):
+        part, at = got[at:at + w.numel()].view(w.shape), at + w.numel()
+        if is_exact:
+            assert torch.equal(part, w)
+        else:
+            assert (part - w).abs().max() <= 2e-4 * w.abs().max()
+    halves = got[at:]
+    ref = torch.from_numpy(np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32))
+    nan = ref.isnan()
+    assert torch.equal(halves.isnan(), nan) and torch.equal(halves[~nan], ref[~nan])
