@@ -185,14 +185,12 @@ def _harness_inputs(tmp_path):
     c4, s4, z4 = _q4(N, K, seed=1)
     c8, s8, z8 = _q8(N, K, G, True, seed=2)
     q = torch.randn(Hq, D, generator=gen)
-    kp, vp = torch.randn(L + 5, Hkv, D, generator=gen), torch.randn(L + 5, Hkv, D, generator=gen)
-    rows = torch.randperm(L + 5, generator=gen)[:L].to(torch.int64)
-    kp, vp = kp[:L + 5].contiguous(), vp[:L + 5].contiguous()
-    parts = [np.array([M, K, N, G, Hq, Hkv, D, L], np.int32), x, norm, c4, s4, z4, c8, s8, z8, q, kp[:L], vp[:L],
+    kp, vp = torch.randn(L, Hkv, D, generator=gen), torch.randn(L, Hkv, D, generator=gen)
+    parts = [np.array([M, K, N, G, Hq, Hkv, D, L], np.int32), x, norm, c4, s4, z4, c8, s8, z8, q, kp, vp,
              torch.arange(L, dtype=torch.int64)]
     path = tmp_path / "in.bin"
     path.write_bytes(b"".join((p if isinstance(p, np.ndarray) else p.contiguous().numpy()).tobytes() for p in parts))
-    return path, dict(x=x, norm=norm, q4=(c4, s4, z4), q8=(c8, s8, z8), G=G, q=q, kp=kp[:L], vp=vp[:L], L=L)
+    return path, dict(x=x, norm=norm, q4=(c4, s4, z4), q8=(c8, s8, z8), G=G, q=q, kp=kp, vp=vp, L=L)
 
 
 @pytest.mark.arm
