@@ -364,6 +364,8 @@ def run(args) -> dict:
     }
     for name, r in runs.items():
         result[name] = _median_dict(r)
+        result[f"{name}_spread"] = {key: [min(x[key] for x in r), max(x[key] for x in r)]
+                                    for key in ("decode_tok_s", "prefill_tok_s")}
     k = result["kvchat"]
     step_s = 1 / k["decode_tok_s"]
     result["weight_read_gbs"] = engine.model.weight_bytes() / step_s / 1e9
@@ -383,8 +385,12 @@ def run(args) -> dict:
 
 
 def _kernels_label() -> str:
-    from kernels import cpu_quant
-    return "cpu_quant.c" if cpu_quant.available() else f"torch reference ({cpu_quant.unavailable_reason()})"
+    """The kernels and the variant (ISA) they chose, e.g. "cpu_quant.c avx2 (isa=avx2+fma+f16c+base openmp=1 ...)"."""
+    from kernels import cpu_lib, cpu_quant
+    if not cpu_quant.available():
+        return f"torch reference ({cpu_quant.unavailable_reason()})"
+    st = cpu_lib.status()
+    return f"cpu_quant.c {st['variant']} ({st['build']})"
 
 
 def _fresh_process_runs(spec: str, path: str, threads: int, runs: int, with_llamacpp: bool) -> dict:

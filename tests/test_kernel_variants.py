@@ -153,7 +153,7 @@ def test_the_aarch64_build_compiles():
 
 
 def test_the_baseline_build_is_said_not_silent():
-    """Forced (or on a CPU without AVX2), the baseline build runs about 6x slower: the status line and `kvchat doctor`
+    """Forced (or on a CPU without AVX2), the baseline build decodes about 2.5x slower: the status line and `kvchat doctor`
     say so; doctor names the variant, why, the build and the CPU's features."""
     env = dict(os.environ, KVCHAT_CPU_VARIANT="baseline")
     code = "from engine.runtime.engine import kernel_status; print(kernel_status('cpu'))"
