@@ -87,6 +87,10 @@ def choose_variant() -> tuple[str, str]:
     if forced:
         if forced not in table:
             raise RuntimeError(f"KVCHAT_CPU_VARIANT={forced!r}: this machine's variants are {', '.join(table)}")
+        missing = [f for f in table[forced][1] if f not in cpu_features()]
+        if missing:         # loading it would end the process on its first instruction the CPU lacks
+            raise RuntimeError(f"KVCHAT_CPU_VARIANT={forced!r}: this CPU lacks {', '.join(missing)}; it runs "
+                               f"{', '.join(runnable_variants())}")
         return forced, "chosen by KVCHAT_CPU_VARIANT"
     have = cpu_features()
     for name, (_, needs) in table.items():

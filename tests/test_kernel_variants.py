@@ -55,6 +55,11 @@ def test_an_unknown_forced_variant_is_refused_in_one_line():
     code = "from kernels import cpu_lib; print(cpu_lib.library() is None, cpu_lib.library_error())"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.startswith("True KVCHAT_CPU_VARIANT='sse9': this machine's variants are"), out.stdout
+    beyond = [v for v in cpu_lib.variants() if v not in cpu_lib.runnable_variants()]
+    if beyond:          # a variant this CPU cannot execute is refused, never loaded (SIGILL)
+        out = subprocess.run([sys.executable, "-c", code], env=dict(env, KVCHAT_CPU_VARIANT=beyond[0]), cwd=ROOT,
+                             capture_output=True, text=True, check=True)
+        assert out.stdout.startswith(f"True KVCHAT_CPU_VARIANT='{beyond[0]}': this CPU lacks "), out.stdout
 
 
 def test_every_half_converts_as_numpy_does(variant_lib):
