@@ -64,7 +64,7 @@ MESSAGES = (
     QT_TRANSLATE_NOOP("EngineText", "there is no reply to continue: send a message first"),
     QT_TRANSLATE_NOOP("EngineText", "the last reply ended on its own; send a message to go on"),
     QT_TRANSLATE_NOOP("EngineText", "C kernels not loaded ({reason}): running torch's kernels, several times slower"),
-    QT_TRANSLATE_NOOP("EngineText", "C kernels: the baseline x86-64 build (no AVX2, FMA or F16C here), several times slower"),
+    QT_TRANSLATE_NOOP("EngineText", "C kernels: the baseline x86-64 build (without AVX2, FMA and F16C), several times slower"),
     QT_TRANSLATE_NOOP("EngineText", "C kernels built without OpenMP: one thread of {cores}"),
 )
 # the parts an {advice} field is made of, joined by ", "

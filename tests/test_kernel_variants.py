@@ -163,7 +163,7 @@ def test_the_baseline_build_is_said_not_silent():
     env = dict(os.environ, KVCHAT_CPU_VARIANT="baseline")
     code = "from engine.runtime.engine import kernel_status; print(kernel_status('cpu'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "C kernels: the baseline x86-64 build (no AVX2, FMA or F16C here), several times slower"
+    assert out.stdout.strip() == "C kernels: the baseline x86-64 build (without AVX2, FMA and F16C), several times slower"
     doctor = subprocess.run([sys.executable, "-m", "cli.main", "doctor"], env=env, cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout
     assert "kernels    baseline build: chosen by KVCHAT_CPU_VARIANT" in doctor and "isa=base" in doctor

@@ -60,7 +60,7 @@ def kernel_status(device: str) -> str | None:
     st = cpu_lib.status()
     if st["variant"] == "baseline" and "avx2" in st["variants"]:
         # measured on the default model (AMD EPYC, AVX2): the baseline build decodes 28.6 tok/s, the AVX2 one 73
-        return "C kernels: the baseline x86-64 build (no AVX2, FMA or F16C here), several times slower"
+        return "C kernels: the baseline x86-64 build (without AVX2, FMA and F16C), several times slower"
     if not st["openmp"] and (os.cpu_count() or 1) > 1:
         return "C kernels built without OpenMP: one thread of {cores}".format(cores=os.cpu_count())
     return None

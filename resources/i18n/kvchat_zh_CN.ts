@@ -763,8 +763,8 @@ prefill {prefill} tok/s</source>
         <translation>C 内核未加载（{reason}）：改用 torch 的内核运行，慢数倍</translation>
     </message>
     <message>
-        <source>C kernels: the baseline x86-64 build (no AVX2, FMA or F16C here), several times slower</source>
-        <translation>C 内核：x86-64 基础版本（本机没有 AVX2、FMA 或 F16C），慢数倍</translation>
+        <source>C kernels: the baseline x86-64 build (without AVX2, FMA and F16C), several times slower</source>
+        <translation>C 内核：x86-64 基础版本（不用 AVX2、FMA 和 F16C），慢数倍</translation>
     </message>
     <message>
         <source>C kernels built without OpenMP: one thread of {cores}</source>
