@@ -92,11 +92,8 @@ def choose_variant() -> tuple[str, str]:
             raise RuntimeError(f"KVCHAT_CPU_VARIANT={forced!r}: this CPU lacks {', '.join(missing)}; it runs "
                                f"{', '.join(runnable_variants())}")
         return forced, "chosen by KVCHAT_CPU_VARIANT"
-    have = cpu_features()
-    for name, (_, needs) in table.items():
-        if set(needs) <= have:
-            return name, "the best this CPU runs" if needs or len(table) == 1 else "the CPU lacks AVX2, FMA or F16C"
-    return list(table)[-1], "the baseline"
+    best = runnable_variants()[0]           # the last variant needs nothing: there is always one
+    return best, "the CPU lacks AVX2, FMA or F16C" if best == "baseline" else "the best this CPU runs"
 
 
 def runnable_variants() -> list[str]:
@@ -120,15 +117,14 @@ def library() -> ctypes.CDLL | None:
             _main_error = str(exc)
             return None
         names = list(variants())
-        for name in names[names.index(_variant):]:
+        # a forced variant is that one only; else each one below the choice, until one builds
+        for name in [_variant] if os.environ.get("KVCHAT_CPU_VARIANT") else names[names.index(_variant):]:
             try:
-                _main, _variant = _build(variant=name), name
+                _main, _variant, _main_error = _build(variant=name), name, None
                 return _main
             except (OSError, RuntimeError) as exc:
                 _skipped.append(f"{name}: {exc}")
-                _main_error = str(exc)
-                if os.environ.get("KVCHAT_CPU_VARIANT"):
-                    break
+                _main_error = str(exc)          # kept only when no variant loads (the return above clears it)
     return _main
 
 
