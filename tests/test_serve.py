@@ -241,3 +241,22 @@ def test_metrics_give_each_sequence_its_kv_bytes(server, tiny_engine):
     batch.release(tiny_engine, handle)
     server.metrics.update_kv_bytes()
     assert 'sequence="req-mine"' not in httpx.get(server.base_url.removesuffix("/v1") + "/metrics").text
+
+
+def test_a_request_shows_as_running_before_its_first_token_goes_out(tiny_engine):
+    """A client that has seen a token and then reads /metrics sees its request running (the app's dashboard
+    looks right after the first token; before, the gauge moved only after the step's tokens were out)."""
+    from engine.serve.metrics import ServeMetrics
+    sched = Scheduler(tiny_engine, SchedulerConfig(SERVE_CACHE, 4, prefill_chunk=32),
+                      ServeMetrics(tiny_engine, "tiny-running"))
+    seen = []
+    registry = sched.metrics.registry
+    sched.submit(Request([5, 6, 7, 8], SamplingParams(temperature=0, max_new_tokens=3),
+                         lambda e: seen.append((type(e).__name__, registry.get_sample_value(
+                             "vllm:num_requests_running", {"model_name": "tiny-running", "engine": "0"})))))
+    for _ in range(20):
+        sched.step()
+        if any(kind == "Finished" for kind, _ in seen):
+            break
+    tokens = [running for kind, running in seen if kind == "TokenOut"]
+    assert tokens and all(running == 1 for running in tokens), seen

@@ -122,7 +122,7 @@ class RemoteEngine:
         return self._metrics[1]
 
     def refresh_metrics(self) -> None:
-        """The next look reads /metrics again (a new turn: its first look shows it running)."""
+        """The next look reads /metrics again (a turn's first token: that look shows it running)."""
         self._metrics = None
 
     def mark_unreachable(self) -> None:
@@ -242,6 +242,7 @@ class RemoteSession:
                             if first_at is None:
                                 first_at = now
                                 self._turn.ttft_s = now - started
+                                self.engine.refresh_metrics()   # a look before now may predate the request
                             chunks += 1
                             self._turn.completion_tokens = chunks
                             self._turn.decode_s = now - first_at

@@ -179,6 +179,7 @@ class Scheduler:
         self._admit()
         items = self._schedule()
         if items:
+            self._report()      # before any token goes out: a client that saw a token sees its request running
             try:
                 logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items],
                                     [r.num_computed >= len(r.prompt_ids) for r, _ in items])
