@@ -173,8 +173,12 @@ class EngineConfig:
                                       # dtype above: the exact reference), or int8 / int4 (quantize on load)
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None
+    kv_disk_budget_mb: float = 2048.0  # saved conversation caches (warm conversations) in the user cache dir
 
     def __post_init__(self):
+        if isinstance(self.kv_disk_budget_mb, bool) or not isinstance(self.kv_disk_budget_mb, (int, float)) \
+                or not 0 <= self.kv_disk_budget_mb <= 1 << 24:
+            raise ConfigError(f"kv_disk_budget_mb={self.kv_disk_budget_mb!r}: choose 0 (keep no caches) to 16 TiB")
         if not self.device.startswith(("auto", "cpu", "cuda")):
             raise ConfigError(f"device={self.device!r}: choose auto, cpu or cuda[:N]")
         if self.dtype not in ("auto", "fp32", "fp16", "bf16"):

@@ -96,6 +96,7 @@ class GGUFFile:
             infos.append((name, dims, ttype, offset))
         align = int(self.fields.get("general.alignment", 32))
         start = (pos + align - 1) // align * align
+        self.data_start = start           # the header and tensor index end here (a saved KV cache names their hash)
         self.tensors: dict[str, _Tensor] = {}
         for name, dims, ttype, offset in infos:
             type_name, block, size = ggml_type(ttype)

@@ -122,7 +122,7 @@ class PoolView:
 
 
 class KVCacheManager:
-    def __init__(self, budget_bytes: int, on_free=None):
+    def __init__(self, budget_bytes: int, on_free=None, on_release=None):
         # one block-id space per KV group, by its layout's layers (() for a model of one group: the whole layout)
         self._free_clock = itertools.count()                # the pools' shared order of freed prefix blocks
         self.pools: dict[tuple[int, ...], BlockPool] = {(): BlockPool(self._free_clock)}
@@ -131,6 +131,7 @@ class KVCacheManager:
         self.sequences: dict[int, Sequence] = {}
         self._block_bytes_held = 0                          # bytes of the blocks in block_layouts
         self._on_free = on_free or (lambda layers, ids: None)   # page store hook: these ids of a group hold nothing now
+        self._on_release = on_release or (lambda seq: None)     # a conversation is about to be released for room
         self._clock = itertools.count(1)
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -271,6 +272,7 @@ class KVCacheManager:
                 raise NoFreeBlocks(need, self.free_bytes())
             victim = min(idle, key=lambda s: s.last_used)
             victim = victim.conversation or victim
+            self._on_release(victim)            # its blocks may go to a second tier first
             for member in victim.members:       # a conversation goes whole, every group together
                 self.free(member)
                 member.released = True

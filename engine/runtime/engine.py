@@ -97,6 +97,8 @@ class Engine:
         self.weights_label = describe_weights(model)
         self.kernel_status = kernel_status(model.device)   # None, or why the C kernels are missing
         self.runner = ModelRunner(model, self.dtype_name, config.cache.budget_mb)
+        self._identity: dict | None = None
+        self._warm_store = None
         self.info = ModelInfo(name, tokenizer, self.stop_ids, model.config.max_position_embeddings,
                               self.weight_bytes, self.weights_label)
 
@@ -173,6 +175,49 @@ class Engine:
         if int(cache.budget_mb * MIB) != self.runner.budget_bytes:
             self.runner.set_budget(cache.budget_mb)
         return Session(self.runner, self.info, cache, system_prompt, history, prefix_cache)
+
+    # ---- warm conversations (engine/runtime/warm.py) ----------------------------------------------------------
+
+    @property
+    def model_identity(self) -> dict:
+        """What a saved cache must name to be restored here: the model file's name, size, mtime, header hash."""
+        if self._identity is None:
+            from engine.runtime.warm import model_identity
+            files = locate(self.config.model)
+            self._identity = model_identity(files.path, files.is_gguf)
+        return self._identity
+
+    @property
+    def warm_store(self):
+        """The folder of saved conversation caches (the user cache dir's kv/) and its disk budget."""
+        if self._warm_store is None:
+            from engine.model.source import cache_root
+            from engine.runtime.warm import WarmStore
+            self._warm_store = WarmStore(cache_root() / "kv", self.config.kv_disk_budget_mb)
+        return self._warm_store
+
+    def keep_warm(self, session: Session, key: str) -> None:
+        """The session's cache is kept under `key` (a conversation id): saved by save_warm, restored by
+        restore_warm, and saved instead of dropped when the budget releases it for another conversation."""
+        session.warm = (self.warm_store, str(key), self.model_identity)
+        self.runner.warm_sessions.add(session)
+
+    def save_warm(self, session: Session) -> int:
+        """Save a warm session's cache now (idle, switched away from, app closing); returns the file's bytes."""
+        if session.warm is None:
+            return 0
+        store, key, identity = session.warm
+        with self.runner.lock:
+            return store.save(session, key, identity)
+
+    def restore_warm(self, session: Session):
+        """Read a warm session's saved cache back (a conversation reopened): warm.Restored, or warm.CacheFileError
+        saying why its history must be read again."""
+        from engine.runtime.warm import CacheFileError
+        if session.warm is None:
+            raise CacheFileError("the conversation is not kept warm")
+        store, key, identity = session.warm
+        return store.restore(session, key, identity)
 
     @property
     def budget_mb(self) -> float:

@@ -10,13 +10,14 @@ Session, conversion and serving reach the manager and the page store only throug
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
 from engine.runtime.backends import AttentionBackend, LayerScores, StepAttention, backend_for, choice_key
 from engine.runtime.step_plan import StepReservation, decode_first
 from engine.config import CacheConfig, ConfigError
-from engine.kv import convert
+from engine.kv import convert, saved
 from engine.kv.layout import MIB, PREFILL_CHUNK, KVLayout, check_cache_for_model, kv_groups, kv_layout
 from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
 from engine.kv.pages import PageStore
@@ -32,7 +33,10 @@ class ModelRunner:
         self.layer_inv_freq = layer_ropes(model.config, self.device)
         self.scores = tuple(LayerScores(spec.query_scale, spec.attn_softcap) for spec in model.config.layers)
         self.store = PageStore(self.device)
-        self.manager = KVCacheManager(int(budget_mb * MIB), on_free=self.store.forget_blocks)
+        self.manager = KVCacheManager(int(budget_mb * MIB), on_free=self.store.forget_blocks,
+                                      on_release=self._releasing)
+        self.warm_sessions: weakref.WeakSet = weakref.WeakSet()   # sessions whose cache has a second tier
+        self.offloaded = 0                         # conversations saved to the second tier when released
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
         self.steps = 0
         self._backends: dict[tuple, AttentionBackend] = {}     # by backends.choice_key
@@ -175,6 +179,34 @@ class ModelRunner:
                                                  self.drop_unused_layouts)
                         for m, g in zip(members, groups)]
             return self._joined(children)
+
+    def _releasing(self, seq: Sequence) -> None:
+        """The budget releases an idle conversation: a warm one goes to its second tier (the saved file) first; a
+        failure there only means it is read again later."""
+        for session in list(self.warm_sessions):
+            if session.seq is seq:
+                try:
+                    if session.offload():
+                        self.offloaded += 1
+                except Exception:  # noqa: BLE001 - the release must go on; the text is still there to read
+                    pass
+
+    def import_kv(self, seq: Sequence, groups: list, tensors: dict, extra: set[str] = frozenset()) -> None:
+        """Fill an empty conversation with saved blocks (engine/kv/saved.py); CacheFileError says why not, the
+        conversation then still holds nothing."""
+        with self.lock:
+            members = seq.members
+            if any(m.num_tokens or m.block_table for m in members):
+                raise saved.CacheFileError("the conversation already holds a cache")
+            saved.check_groups(self.store, members, groups, tensors, set(extra))
+            try:
+                saved.import_groups(self.manager, self.store, members, groups, tensors)
+            except NoFreeBlocks as exc:
+                raise saved.CacheFileError(f"the saved cache needs {exc.need_bytes / MIB:.1f} MiB, more than the KV "
+                                           f"budget has room for now") from None
+            except Exception as exc:     # a file that passed every check and still does not fit the pages
+                self.free(seq)
+                raise saved.CacheFileError(f"the saved cache could not be read into the pages ({exc})") from None
 
     def _close_member(self, seq: Sequence) -> None:
         """One group's sequence goes (a conversion replaced it)."""

@@ -75,6 +75,8 @@ class Session:
         self.turn_times = TurnTimes()
         self.notice = ""
         self._guard = TurnGuard()
+        self.warm = None                    # (WarmStore, key, model identity): where this cache is kept (engine.keep_warm)
+        self.tier = "pool"                  # where the cache is: pool, disk (released to its saved file) or none
 
     @property
     def cache_config(self) -> CacheConfig:
@@ -99,12 +101,45 @@ class Session:
         return self.seq.released and self.seq.num_tokens == 0 and bool(self.token_ids)
 
     def _sync(self) -> None:
-        """A sequence released for another conversation holds nothing: its tokens are read again next turn."""
+        """A sequence released for another conversation holds nothing: its saved cache is read back where it has one
+        (engine/runtime/warm.py), else its tokens are read again next turn."""
         if self.released:
             self.seq.released = False
+            ids, end, starts, logits = list(self.token_ids), self._prompt_end, list(self._starts), self._prompt_logits
             self.token_ids.clear()
             self._prompt_logits = None
+            if self.warm is not None and self.tier == "disk":
+                from engine.runtime import warm
+                store, key, identity = self.warm
+                try:
+                    got = store.restore(self, key, identity)
+                except warm.CacheFileError as exc:
+                    self.notice = (f"This conversation's cache was released to make room for another and could not "
+                                   f"be read back ({exc}); its history is read again.")
+                else:
+                    if self.token_ids == ids:
+                        self.tier = "pool"
+                        self._prompt_end, self._starts, self._prompt_logits = end, starts, logits
+                        self.notice = (f"This conversation's cache was read back from disk ({got.tokens:,} tokens, "
+                                       f"{got.seconds:.1f} s) after it was released to make room for another.")
+                        return
+                    self.runner.free(self.seq)        # saved before the last turn: not what the chat holds now
+                    self.token_ids.clear()
+                    self._prompt_logits = None
+                    self.notice = "This conversation's cache was released to make room for another; its history is read again."
+                self.tier = "none"
+                return
             self.notice = "This conversation's cache was released to make room for another; its history is read again."
+
+    def offload(self) -> bool:
+        """The budget is releasing this idle conversation: its cache goes to its saved file first (the second tier of
+        a pool in host memory). True when it was saved."""
+        if self.warm is None or self._guard.closed:
+            return False
+        store, key, identity = self.warm
+        kept = store.save(self, key, identity) > 0
+        self.tier = "disk" if kept else "none"
+        return kept
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -435,9 +470,15 @@ class Session:
         A reply streaming meanwhile stops first, kept as a stopped reply is."""
         self._guard.check_open()
         self._guard.end(self, "reset")
+        if self.warm is not None:           # a saved cache of what is gone would only be refused later
+            self.warm[0].delete(self.warm[1])
+        return self._free_all()
+
+    def _free_all(self) -> int:
         freed = self.runner.free(self.seq) + self._drop_alternative_caches()
         self.token_ids.clear()
         self._prompt_logits = None
+        self.tier = "pool"
         if str(self.runner.device).startswith("cuda"):
             torch.cuda.empty_cache()
         trim_heap()
@@ -449,7 +490,7 @@ class Session:
         if self._guard.closed:
             return
         self._guard.end(self, "close")
-        self.reset()
+        self._free_all()                    # a saved cache stays: the chat may be reopened
         self.runner.close(self.seq)
         self._guard.closed = True
 

@@ -1,0 +1,248 @@
+"""A conversation's KV cache as a file: its blocks as stored, and what produced them.
+
+The file is safetensors (no pickle). Its tensors: per KV group and layer, the K and V pages of the sequence's
+blocks in table order (data, and scales and zero points where the format has them), the full-precision tail and
+head of quantized components, and whatever the caller adds (token ids, logits). Its metadata, JSON under
+"kvchat", names the format version, the identity of the model, each group's layout, window geometry and counts,
+and the SHA-256 of the rest of the file's contents.
+
+Written atomically: a temp file in the same folder, fsync, rename, fsync of the folder. Read without trust: the
+size is capped before a byte is read, the checksum is checked before any tensor is used, and every tensor must have
+exactly the shape and dtype the *current* layout gives for the counts, so a crafted header can neither make the
+engine allocate more than the file holds nor index outside its pages. Anything wrong is a CacheFileError whose
+text says why in the user's words; the caller then reads the conversation's text again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.kv.layout import KVLayout
+from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
+from engine.kv.pages import Component, PageStore
+
+FORMAT_VERSION = 1
+META_KEY = "kvchat"
+
+
+class CacheFileError(Exception):
+    """A saved cache that cannot be restored; the text says why (the conversation is read again instead)."""
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A page tensor as rows of bytes where torch cannot index its dtype on the CPU (fp8), else itself."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
+def _blocks_of(c: Component, name: str, table: list[int]) -> torch.Tensor:
+    ids = torch.tensor(table, dtype=torch.long, device=c.device)
+    t = c.pages[name]
+    return _rows(t).index_select(0, ids).view(t.dtype).cpu().contiguous()
+
+
+def group_meta(seq: Sequence) -> dict:
+    return {"layout": repr(seq.layout), "geometry": repr(seq.geometry), "num_tokens": seq.num_tokens,
+            "evicted": seq.evicted, "sink_blocks": seq.sink_blocks, "blocks": len(seq.block_table)}
+
+
+def export_groups(store: PageStore, seq: Sequence) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Every KV group of a conversation: (per group its metadata, the tensors), byte for byte as stored."""
+    metas, tensors = [], {}
+    for g, m in enumerate(seq.members):
+        metas.append(group_meta(m))
+        for l, pair in enumerate(store.components(m.layout)):
+            for role, c in zip("kv", pair):
+                prefix = f"g{g}.l{l}.{role}."
+                if m.block_table:
+                    for name in c.pages:
+                        tensors[prefix + name] = _blocks_of(c, name, m.block_table)
+                tail = c.tails.get(m.seq_id)
+                if tail is not None:
+                    tensors[prefix + "tail"] = tail.cpu().contiguous()
+                head = c.heads.get(m.block_table[0]) if m.block_table else None
+                if head is not None:
+                    tensors[prefix + "head"] = head.cpu().contiguous()
+    return metas, tensors
+
+
+def _expected(store: PageStore, layout: KVLayout, n_blocks: int, g: int) -> dict[str, tuple]:
+    """name -> (shape, dtype, required) of every tensor a group of n_blocks blocks may have in this layout."""
+    out = {}
+    for l, pair in enumerate(store.components(layout)):
+        for role, c in zip("kv", pair):
+            prefix = f"g{g}.l{l}.{role}."
+            if n_blocks:
+                for name, (shape, dtype) in c.shapes.items():
+                    out[prefix + name] = ((n_blocks, *shape), dtype, True)
+            if c.fmt.is_quantized:
+                side = ((c.block_size, c.num_heads, c.head_dim), c.full_dtype, False)
+                out[prefix + "tail"] = side
+                if n_blocks:
+                    out[prefix + "head"] = side
+    return out
+
+
+def _count(meta: dict, key: str) -> int:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CacheFileError(f"the saved cache's {key} is not a count ({value!r}): the file is damaged")
+    return value
+
+
+def check_groups(store: PageStore, members: list[Sequence], metas, tensors: dict, extra: set[str]) -> None:
+    """The saved groups fit these (empty) sequences' layouts exactly, every tensor of the shape they give; raises
+    CacheFileError. extra: names the caller's own tensors may take."""
+    if not isinstance(metas, list) or len(metas) != len(members):
+        raise CacheFileError("the saved cache has another number of KV groups than this model in this cache mode")
+    allowed: dict[str, tuple] = {}
+    for g, (m, meta) in enumerate(zip(members, metas)):
+        if not isinstance(meta, dict):
+            raise CacheFileError("the saved cache's group description is damaged")
+        if meta.get("layout") != repr(m.layout):
+            raise CacheFileError("the cache was saved in another cache mode or KV layout (format, block size or "
+                                 "layers differ)")
+        if meta.get("geometry") != repr(m.geometry):
+            raise CacheFileError("the cache was saved with another window or number of sinks")
+        num_tokens, evicted, sinks, n_blocks = (_count(meta, k) for k in ("num_tokens", "evicted", "sink_blocks",
+                                                                          "blocks"))
+        bs = m.block_size
+        seq_len = num_tokens - evicted * bs
+        if (seq_len < 0 or n_blocks != m.layout.blocks_for(seq_len) or sinks not in (0, m.geometry.sink_blocks)
+                or m.geometry.num_to_evict(num_tokens, evicted, n_blocks)):
+            raise CacheFileError("the saved cache's token and block counts do not agree: the file is damaged")
+        allowed.update(_expected(store, m.layout, n_blocks, g))
+    for name, t in tensors.items():
+        if name in extra:
+            continue
+        want = allowed.get(name)
+        if want is None:
+            raise CacheFileError(f"the saved cache holds a tensor this layout has no place for ({name[:40]})")
+        shape, dtype, _ = want
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise CacheFileError(f"the saved cache's {name} is {tuple(t.shape)} {t.dtype}, not {tuple(shape)} "
+                                 f"{dtype}: the file is damaged or from another layout")
+    missing = [n for n, (_, _, required) in allowed.items() if required and n not in tensors]
+    if missing:
+        raise CacheFileError(f"the saved cache lacks {len(missing)} of its page tensors: the file is damaged")
+
+
+def import_groups(manager: KVCacheManager, store: PageStore, members: list[Sequence], metas: list[dict],
+                  tensors: dict[str, torch.Tensor]) -> None:
+    """Fill empty sequences (checked by check_groups) with the saved blocks under new block ids: the pool's budget
+    applies (idle conversations may be released for room; NoFreeBlocks when even that is too little)."""
+    keep = {m.seq_id for m in members}
+    taken = []
+    try:
+        for m, meta in zip(members, metas):
+            m.sink_blocks = meta["sink_blocks"]
+            seq_len = meta["num_tokens"] - meta["evicted"] * m.block_size
+            taken.append(manager.reserve(m, seq_len, keep))
+    except NoFreeBlocks:
+        for res in reversed(taken):
+            manager.rollback(res)
+        raise
+    for g, (m, meta, res) in enumerate(zip(members, metas, taken)):
+        layout = m.layout
+        store.reserve(layout, manager.high_water(layout), layout.budget_blocks(manager.budget_bytes) + 1)
+        ids = torch.tensor(m.block_table, dtype=torch.long, device=store.device)
+        for l, pair in enumerate(store.components(layout)):
+            for role, c in zip("kv", pair):
+                prefix = f"g{g}.l{l}.{role}."
+                if m.block_table:
+                    for name, t in c.pages.items():
+                        _rows(t).index_copy_(0, ids, _rows(tensors[prefix + name].to(c.device)))
+                    c._kernel_static = None
+                tail, head = tensors.get(prefix + "tail"), tensors.get(prefix + "head")
+                if tail is not None:
+                    c.tails[m.seq_id] = tail.to(c.device).clone()
+                if head is not None and m.block_table:
+                    c.heads[m.block_table[0]] = head.to(c.device).clone()
+        manager.adopt(res, meta["num_tokens"], meta["evicted"])
+
+
+# ---- the file ------------------------------------------------------------------------------------------------
+
+def _digest(meta_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(meta_json.encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(_rows(t.contiguous()).view(torch.uint8).reshape(-1).numpy().data)
+    return h.hexdigest()
+
+
+def write(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
+    """The file at path, replaced atomically; returns its size."""
+    from safetensors.torch import save
+    meta_json = json.dumps({**meta, "version": FORMAT_VERSION}, sort_keys=True)
+    data = save(tensors, {META_KEY: meta_json, "sha256": _digest(meta_json, tensors)})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:            # some platforms cannot fsync a folder; the rename is still atomic
+        pass
+    return len(data)
+
+
+def read(path: Path, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a file written by `write`, checked against its checksum; CacheFileError otherwise."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CacheFileError("no saved cache") from None
+    except OSError as exc:
+        raise CacheFileError(f"the saved cache cannot be read ({exc.strerror or exc})") from None
+    if size > max_bytes:
+        raise CacheFileError(f"the saved cache is {size / 2**20:.0f} MiB, more than this budget could restore")
+    try:
+        data = path.read_bytes()
+        tensors = load(data)
+        with_meta = _header_meta(data)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CacheFileError(f"the saved cache is damaged or truncated ({str(exc)[:80]})") from None
+    meta_json, digest = with_meta.get(META_KEY), with_meta.get("sha256")
+    if not isinstance(meta_json, str) or not isinstance(digest, str):
+        raise CacheFileError("the file is not a kvchat cache")
+    if _digest(meta_json, tensors) != digest:
+        raise CacheFileError("the saved cache does not match its checksum: the file is damaged")
+    try:
+        meta = json.loads(meta_json)
+    except ValueError:
+        raise CacheFileError("the saved cache's description is damaged") from None
+    if not isinstance(meta, dict):
+        raise CacheFileError("the saved cache's description is damaged")
+    if meta.get("version") != FORMAT_VERSION:
+        raise CacheFileError(f"the cache was saved by another version of kvchat (format {meta.get('version')!r}, "
+                             f"this one reads {FORMAT_VERSION})")
+    return meta, tensors
+
+
+def _header_meta(data: bytes) -> dict:
+    """The safetensors header's __metadata__ (the library already checked the header is sound)."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    meta = header.get("__metadata__") or {}
+    return meta if isinstance(meta, dict) else {}

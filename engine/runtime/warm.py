@@ -1,0 +1,220 @@
+"""Warm conversations: a session's KV cache saved to the user cache dir and restored instead of read again.
+
+`WarmStore` is the folder of saved caches with its disk budget (least recently used first out). `save` writes a
+session's cache (engine/kv/saved.py: its blocks as stored, its token ids, the identity of the model file, the
+layout, the format version); `restore` reads it back into an empty session whose messages are the same
+conversation, or raises CacheFileError saying why not (the caller reads the text again, losing nothing).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.kv import saved
+from engine.kv.layout import MIB
+from engine.kv.saved import CacheFileError
+
+__all__ = ["CacheFileError", "Restored", "WarmStore", "model_identity", "restore", "save"]
+
+DEFAULT_DISK_BUDGET_MB = 2048
+SUFFIX = ".kvcache"
+_READ_SLACK = 64 * MIB           # a file may exceed the KV budget by its token ids, logits and header
+
+
+def model_identity(path: Path, is_gguf: bool) -> dict:
+    """What produced a cache: the model file's name, size, mtime and a SHA-256 of its header and tensor index
+    (a GGUF's bytes before the tensor data; a folder's config.json and each safetensors header)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    if is_gguf:
+        from engine.gguf.file import GGUFFile
+        start = GGUFFile(path).data_start
+        with open(path, "rb") as f:
+            h.update(f.read(start))
+        st = path.stat()
+        size, mtime = st.st_size, int(st.st_mtime)
+    else:
+        size = mtime = 0
+        for f in sorted([path / "config.json", *path.glob("*.safetensors")]):
+            st = f.stat()
+            size, mtime = size + st.st_size, max(mtime, int(st.st_mtime))
+            with open(f, "rb") as fh:
+                if f.suffix == ".safetensors":
+                    n = int.from_bytes(fh.read(8), "little")
+                    h.update(fh.read(min(n, 100 * MIB)))
+                else:
+                    h.update(fh.read())
+    return {"name": path.name, "size": size, "mtime": mtime, "header_sha256": h.hexdigest()}
+
+
+@dataclass(frozen=True)
+class Restored:
+    tokens: int              # tokens the cache holds again
+    seconds: float
+    file_bytes: int
+
+
+def save(session, path: Path, identity: dict) -> int:
+    """The session's cache into `path` (atomically); returns the file's bytes, 0 when it holds nothing (any old file
+    goes: it no longer says what this conversation holds)."""
+    runner, seq = session.runner, session.seq
+    with runner.lock:
+        if not seq.num_tokens:
+            Path(path).unlink(missing_ok=True)
+            return 0
+        groups, tensors = saved.export_groups(runner.store, seq)
+        tensors["token_ids"] = torch.tensor(session.token_ids, dtype=torch.int64)
+        if session._prompt_logits is not None:
+            tensors["prompt_logits"] = session._prompt_logits.detach().float().cpu().reshape(-1).contiguous()
+        meta = {"model": identity, "groups": groups, "prompt_end": session._prompt_end,
+                "starts": list(session._starts), "messages": len(session.messages),
+                "cache": session.cache_config.label()}
+    return saved.write(path, meta, tensors)
+
+
+def restore(session, path: Path, identity: dict) -> Restored:
+    """Read a saved cache into `session` (holding nothing, its messages the saved conversation's or more);
+    CacheFileError says why it cannot be, and leaves the session as it was."""
+    started = time.perf_counter()
+    runner = session.runner
+    if session.seq.num_tokens or session.token_ids:
+        raise CacheFileError("the conversation already holds a cache")
+    meta, tensors = saved.read(path, runner.budget_bytes + _READ_SLACK)
+    if meta.get("model") != identity:
+        raise CacheFileError("the cache was saved with another model file (or the file changed since)")
+    ids_t = tensors.get("token_ids")
+    if ids_t is None or ids_t.dtype != torch.int64 or ids_t.dim() != 1:
+        raise CacheFileError("the saved cache has no token ids: the file is damaged")
+    ids = ids_t.tolist()
+    vocab = runner.config.vocab_size
+    groups = meta.get("groups")
+    if not isinstance(groups, list) or not groups or not isinstance(groups[0], dict):
+        raise CacheFileError("the saved cache's group description is damaged")
+    held = groups[0].get("num_tokens")
+    if not ids or any(not 0 <= t < vocab for t in ids) or not isinstance(held, int) or not 0 < held <= len(ids):
+        raise CacheFileError("the saved cache's token ids do not fit this model: the file is damaged")
+    if any(isinstance(g, dict) and g.get("num_tokens") != held for g in groups):
+        raise CacheFileError("the saved cache's groups hold different tokens: the file is damaged")
+    logits = tensors.get("prompt_logits")
+    if logits is not None and (logits.dtype != torch.float32 or tuple(logits.shape) != (vocab,)):
+        raise CacheFileError("the saved cache's logits do not fit this model: the file is damaged")
+    _check_text(session, ids)
+    runner.import_kv(session.seq, groups, tensors, extra={"token_ids", "prompt_logits"})
+    session.token_ids = ids
+    end = meta.get("prompt_end")
+    session._prompt_end = end if isinstance(end, int) and 0 <= end <= len(ids) else len(ids)
+    starts = meta.get("starts")
+    if (isinstance(starts, list) and len(starts) == len(session.messages)
+            and all(s is None or (isinstance(s, int) and 0 <= s <= len(ids)) for s in starts)):
+        session._starts = list(starts)
+    # the logits a regenerate starts from, where the conversation is exactly as saved (its last reply included)
+    same = meta.get("messages") == len(session.messages) and logits is not None
+    session._prompt_logits = logits.to(runner.device) if same else None
+    return Restored(held, time.perf_counter() - started, Path(path).stat().st_size)
+
+
+def _check_text(session, ids: list[int]) -> None:
+    """The saved tokens must read as the start of the conversation as it is now (an edit in between: read again)."""
+    if not session.messages:          # tokens fed through append: they are the conversation
+        return
+    tok = session.tokenizer
+    rendered, _ = session._encode_conversation(session.messages)
+    held = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if not rendered.startswith(held):
+        raise CacheFileError("the conversation changed since its cache was saved")
+
+
+_KEY = re.compile(r"[^A-Za-z0-9_.]")
+
+
+class WarmStore:
+    """The folder of saved caches (the user cache dir's kv/), within a disk budget: the least recently used
+    file goes first when a new one needs room; a restore counts as a use."""
+
+    def __init__(self, folder: Path, budget_mb: float = DEFAULT_DISK_BUDGET_MB):
+        self.folder = Path(folder)
+        self.budget_bytes = int(budget_mb * MIB)
+
+    def path(self, key: str, identity: dict) -> Path:
+        """The file of one conversation (key: its id in the app's history) for one model."""
+        model = identity.get("header_sha256", "")[:12]
+        return self.folder / f"{_KEY.sub('_', str(key))[:64]}-{model}{SUFFIX}"
+
+    def files(self) -> list[Path]:
+        if not self.folder.is_dir():
+            return []
+        return [p for p in self.folder.iterdir() if p.name.endswith(SUFFIX) and p.is_file()]
+
+    def total_bytes(self) -> int:
+        return sum(_size(p) for p in self.files())
+
+    def save(self, session, key: str, identity: dict) -> int:
+        """Write the session's cache; then drop the least recently used files until the folder fits its budget
+        (this one last: a cache larger than the whole budget is not kept). Returns the bytes kept (0: none)."""
+        path = self.path(key, identity)
+        written = save(session, path, identity)
+        if written > self.budget_bytes:
+            path.unlink(missing_ok=True)
+            return 0
+        self.trim(keep=path)
+        return written if path.exists() else 0
+
+    def restore(self, session, key: str, identity: dict) -> Restored:
+        path = self.path(key, identity)
+        result = restore(session, path, identity)
+        try:
+            os.utime(path)              # used now: the last to go
+        except OSError:
+            pass
+        return result
+
+    def trim(self, keep: Path | None = None) -> int:
+        """Delete least recently used files until the total fits the budget; returns the bytes deleted."""
+        files = sorted(self.files(), key=_mtime)
+        total, deleted = sum(map(_size, files)), 0
+        for p in files:
+            if total <= self.budget_bytes:
+                break
+            if p == keep:
+                continue
+            size = _size(p)
+            p.unlink(missing_ok=True)
+            total, deleted = total - size, deleted + size
+        return deleted
+
+    def delete(self, key: str) -> int:
+        """Every saved cache of one conversation (any model); returns the bytes deleted."""
+        prefix = _KEY.sub("_", str(key))[:64] + "-"
+        gone = 0
+        for p in self.files():
+            if p.name.startswith(prefix):
+                gone += _size(p)
+                p.unlink(missing_ok=True)
+        return gone
+
+    def clear(self) -> int:
+        gone = 0
+        for p in self.files():
+            gone += _size(p)
+            p.unlink(missing_ok=True)
+        return gone
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return 0.0
