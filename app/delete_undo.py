@@ -148,4 +148,5 @@ class DeleteWithUndo:
         self.undo_bar.timer.stop()
         self.undo_bar.setVisible(False)
         if conversation_id is not None:
-            self._write(self.w.history.purge, conversation_id)
+            if self._write(self.w.history.purge, conversation_id) is not None:
+                self.w.host.forget_cache(conversation_id)       # its saved KV goes with it

@@ -409,6 +409,8 @@ class MainWindow(QMainWindow):
             self._on_stats(event.stats)
         self.dashboard.data.reset_scales()     # another conversation: the per-layer scale starts from it
         self._update_controls()
+        if event.stats is not None:
+            self.actions._on_stats(event.stats)     # what the open said (a cache restored from disk, or why not)
 
     def _on_token(self, event: TokenDelta) -> None:
         if self.turn is not None:

@@ -6,6 +6,7 @@ before every step, not a queued command: the worker is busy in that loop when St
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -64,6 +65,8 @@ def _load_error_message(exc: BaseException) -> str:
 
 MAX_OPEN_SESSIONS = 16              # conversations kept warm; the KV budget may release them sooner (LRU)
 
+
+log = logging.getLogger(__name__)
 
 def _close(session) -> None:
     close = getattr(session, "close", None)
@@ -158,6 +161,8 @@ class EngineWorker(QObject):
         """Start a conversation; `history` ((role, content) pairs) resumes a saved one."""
         if self._engine is None:
             return
+        if self._session is not None:
+            self._save(self._session)       # the chat being left goes idle: its cache goes to disk too
         self._session = None            # a failed open must not leave the previous conversation's session in use
         self._conversation_id = conversation_id
         try:
@@ -171,10 +176,12 @@ class EngineWorker(QObject):
                     _close(kept)
                 self._session = self._engine.new_session(system_prompt=system_prompt or None, cache=cache,
                                                          history=turns or None)
+                self._warm(self._session, conversation_id)
+                self._restore(self._session)
             if conversation_id is not None:
                 self._open[conversation_id] = self._session
                 while len(self._open) > MAX_OPEN_SESSIONS:          # the oldest opened gives its blocks back
-                    _close(self._open.pop(next(iter(self._open))))
+                    self._retire(self._open.pop(next(iter(self._open))))
         except ConfigError as exc:
             self.error.emit(ErrorEvent("session", self.tr("These cache settings do not work"), str(exc)))
             return
@@ -193,8 +200,9 @@ class EngineWorker(QObject):
             return
         self._conversation_id = conversation_id
         self._open[conversation_id] = self._session
+        self._warm(self._session, conversation_id)
         while len(self._open) > MAX_OPEN_SESSIONS:
-            _close(self._open.pop(next(iter(self._open))))
+            self._retire(self._open.pop(next(iter(self._open))))
 
     @Slot(str, object)
     def send(self, text: str, sampling: SamplingParams) -> None:
@@ -270,9 +278,60 @@ class EngineWorker(QObject):
             return False
         _close(session)
         self._session = replacement
+        self._warm(replacement, self._conversation_id)
         if self._conversation_id is not None:
             self._open[self._conversation_id] = replacement
         return True
+
+    # --- warm conversations: a local engine keeps each saved chat's KV on disk (engine/runtime/warm.py) ---
+
+    def _warm(self, session, conversation_id) -> None:
+        if conversation_id is not None and hasattr(self._engine, "keep_warm"):
+            self._engine.keep_warm(session, conversation_id)
+
+    def _restore(self, session) -> None:
+        """A reopened chat reads its saved cache back instead of its text, and says so; a cache that cannot be
+        used says why (the history is then read again with the next message)."""
+        if getattr(session, "warm", None) is None or not session.messages:
+            return
+        from engine.runtime.warm import CacheFileError
+        try:
+            got = self._engine.restore_warm(session)
+        except CacheFileError as exc:
+            if str(exc) != "no saved cache":
+                session.notice = f"The saved cache was not used ({exc}); the history is read again."
+            return
+        except Exception as exc:  # noqa: BLE001 - a restore that fails leaves the chat to be read again
+            session.notice = f"The saved cache was not used ({type(exc).__name__}: {exc}); the history is read again."
+            return
+        session.notice = f"Cache restored from disk: {got.tokens:,} tokens in {got.seconds:.1f} s."
+
+    def _save(self, session) -> None:
+        if getattr(session, "warm", None) is None or getattr(session, "is_closed", False):
+            return
+        try:
+            self._engine.save_warm(session)
+        except Exception:  # noqa: BLE001 - a cache that could not be saved is read again next time
+            log.exception("could not save a conversation's cache")
+
+    def _retire(self, session) -> None:
+        self._save(session)
+        _close(session)
+
+    def save_all(self) -> None:
+        """Every open chat's cache to disk (the app is closing: run in the engine thread as it ends)."""
+        if self._engine is None:
+            return
+        for session in list(self._open.values()) + [self._session]:
+            if session is not None:
+                self._save(session)
+
+    @Slot(object)
+    def forget_cache(self, conversation_id) -> None:
+        """A chat deleted for good: its saved caches go too."""
+        store = getattr(self._engine, "warm_store", None) if hasattr(self._engine, "keep_warm") else None
+        if store is not None and conversation_id is not None:
+            store.delete(str(conversation_id))
 
     @Slot()
     def clear_prefix_cache(self) -> None:
@@ -499,6 +558,7 @@ class EngineHost(QObject):
     _clear_prefix = Signal()
     _adopt = Signal(object)
     _count = Signal(object)
+    _forget = Signal(object)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -520,6 +580,9 @@ class EngineHost(QObject):
         self._clear_prefix.connect(self.worker.clear_prefix_cache)
         self._adopt.connect(self.worker.adopt)
         self._count.connect(self.worker.count_tokens)
+        self._forget.connect(self.worker.forget_cache)
+        # the engine thread's last act, whichever way it is asked to end: every open chat's cache to disk
+        self.thread.finished.connect(self.worker.save_all, Qt.ConnectionType.DirectConnection)
         self.thread.started.connect(self.worker.lower_priority)
         for name in EVENT_SIGNALS:
             getattr(self.worker, name).connect(getattr(self, name), Qt.ConnectionType.QueuedConnection)
@@ -600,3 +663,7 @@ class EngineHost(QObject):
         self.worker.cancel_measure()
         self.thread.quit()
         return self.thread.wait(timeout_ms)
+
+    def forget_cache(self, conversation_id: int) -> None:
+        """A chat deleted for good: delete its saved KV caches too."""
+        self._forget.emit(conversation_id)

@@ -15,7 +15,6 @@ import torch
 
 from engine import CacheConfig, Engine, EngineConfig, SamplingParams
 from engine.kv import saved
-from engine.runtime import warm
 from engine.runtime.warm import CacheFileError, WarmStore
 
 G = SamplingParams(temperature=0, max_new_tokens=12)

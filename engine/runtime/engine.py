@@ -204,7 +204,7 @@ class Engine:
 
     def save_warm(self, session: Session) -> int:
         """Save a warm session's cache now (idle, switched away from, app closing); returns the file's bytes."""
-        if session.warm is None:
+        if session.warm is None or session.is_closed:
             return 0
         store, key, identity = session.warm
         with self.runner.lock:

@@ -79,6 +79,10 @@ class Session:
         self.tier = "pool"                  # where the cache is: pool, disk (released to its saved file) or none
 
     @property
+    def is_closed(self) -> bool:
+        return self._guard.closed
+
+    @property
     def cache_config(self) -> CacheConfig:
         return self._config
 

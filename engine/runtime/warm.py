@@ -61,12 +61,11 @@ class Restored:
 
 
 def save(session, path: Path, identity: dict) -> int:
-    """The session's cache into `path` (atomically); returns the file's bytes, 0 when it holds nothing (any old file
-    goes: it no longer says what this conversation holds)."""
+    """The session's cache into `path` (atomically); returns the file's bytes, 0 when it holds nothing (a file saved
+    before stays: a chat released to it, or reopened and not yet restored, holds nothing in the pool)."""
     runner, seq = session.runner, session.seq
     with runner.lock:
         if not seq.num_tokens:
-            Path(path).unlink(missing_ok=True)
             return 0
         groups, tensors = saved.export_groups(runner.store, seq)
         tensors["token_ids"] = torch.tensor(session.token_ids, dtype=torch.int64)
@@ -159,6 +158,8 @@ class WarmStore:
         (this one last: a cache larger than the whole budget is not kept). Returns the bytes kept (0: none)."""
         path = self.path(key, identity)
         written = save(session, path, identity)
+        if not written:
+            return 0
         if written > self.budget_bytes:
             path.unlink(missing_ok=True)
             return 0
