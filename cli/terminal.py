@@ -19,6 +19,7 @@ BENCHES = {
     "quality": "bench.quality",
     "passkey": "bench.passkey",
     "serve": "bench.serve",
+    "resume": "bench.resume",
 }
 
 
@@ -190,7 +191,7 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
     check = sub.add_parser("doctor", help="which kernels run here and why, the device, what the CPU offers")
     doctor.add_arguments(check)
     check.set_defaults(func=doctor.cmd_doctor)
-    bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, serve)")
+    bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, serve, resume)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
         p = bsub.add_parser(name)

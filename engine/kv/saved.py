@@ -206,8 +206,7 @@ def write(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
 
 def read(path: Path, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """(metadata, tensors) of a file written by `write`, checked against its checksum; CacheFileError otherwise."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
+    from safetensors import SafetensorError, safe_open
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -218,9 +217,9 @@ def read(path: Path, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
     if size > max_bytes:
         raise CacheFileError(f"the saved cache is {size / 2**20:.0f} MiB, more than this budget could restore")
     try:
-        data = path.read_bytes()
-        tensors = load(data)
-        with_meta = _header_meta(data)
+        with safe_open(str(path), framework="pt") as f:     # mapped: each tensor is copied once, from the page cache
+            with_meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CacheFileError(f"the saved cache is damaged or truncated ({str(exc)[:80]})") from None
     meta_json, digest = with_meta.get(META_KEY), with_meta.get("sha256")
@@ -238,11 +237,3 @@ def read(path: Path, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
         raise CacheFileError(f"the cache was saved by another version of kvchat (format {meta.get('version')!r}, "
                              f"this one reads {FORMAT_VERSION})")
     return meta, tensors
-
-
-def _header_meta(data: bytes) -> dict:
-    """The safetensors header's __metadata__ (the library already checked the header is sound)."""
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
-    meta = header.get("__metadata__") or {}
-    return meta if isinstance(meta, dict) else {}
