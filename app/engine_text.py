@@ -30,6 +30,12 @@ MESSAGES = (
                                     "{needed} more needed): {advice}."),
     QT_TRANSLATE_NOOP("EngineText", "This conversation's cache was released to make room for another; its history "
                                     "is read again."),
+    QT_TRANSLATE_NOOP("EngineText", "Cache restored from disk: {tokens} tokens in {seconds} s."),
+    QT_TRANSLATE_NOOP("EngineText", "The saved cache was not used ({reason}); the history is read again."),
+    QT_TRANSLATE_NOOP("EngineText", "This conversation's cache was read back from disk ({tokens} tokens, {seconds} s) "
+                                    "after it was released to make room for another."),
+    QT_TRANSLATE_NOOP("EngineText", "This conversation's cache was released to make room for another and could not "
+                                    "be read back ({reason}); its history is read again."),
     QT_TRANSLATE_NOOP("EngineText", "The budget filled: the cache now slides, keeping the newest {window} tokens and "
                                     "{sinks} sinks."),
     QT_TRANSLATE_NOOP("EngineText", "window {window} + {sinks} sinks is longer than the model's context of {context} "

@@ -71,8 +71,9 @@ class SettingsDialog(QDialog):
 
     def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None,
                  model_config=None, model_dtype: str = "fp32", device: str = "cpu",
-                 last_server: RemoteSettings | None = None, language: str = "system"):
+                 last_server: RemoteSettings | None = None, language: str = "system", disk_budget_mb: float = 2048.0):
         super().__init__(parent)
+        self._disk_budget_mb = disk_budget_mb
         self.setWindowTitle(self.tr("kvchat settings"))
         self.setObjectName("settingsDialog")
         self.num_layers = num_layers
@@ -291,6 +292,21 @@ class SettingsDialog(QDialog):
         self.budget = QDoubleSpinBox(minimum=0.0, maximum=1_048_576.0, decimals=1, suffix=" MiB", singleStep=64.0)
         self.budget.setValue(cache.budget_mb)
         form.addRow(self.tr("KV budget"), self.budget)
+        # warm conversations: each chat's KV saved in the user cache dir, least recently used first out
+        self.disk_budget = QDoubleSpinBox(minimum=0.0, maximum=1_048_576.0, decimals=0, suffix=" MiB", singleStep=256.0,
+                                          objectName="diskBudget")
+        self.disk_budget.setValue(self._disk_budget_mb)
+        self.disk_budget.setToolTip(self.tr("Each chat's KV cache is saved here when you switch away or close the "
+                                            "app, so reopening it does not read the whole chat again"))
+        self.saved_caches = QLabel(objectName="savedCaches")
+        self.clear_saved = QPushButton(self.tr("Clear"), objectName="clearSavedCaches")
+        self.clear_saved.clicked.connect(self._clear_saved_caches)
+        disk_row = QHBoxLayout()
+        disk_row.addWidget(self.disk_budget, 1)
+        disk_row.addWidget(self.saved_caches)
+        disk_row.addWidget(self.clear_saved)
+        form.addRow(self.tr("Saved caches on disk"), disk_row)
+        self._show_saved_caches()
         self.overflow = QComboBox()
         fill_choices(self.overflow, OVERFLOW_POLICIES, cache.overflow)
         self.overflow.setToolTip(self.tr("stop: end the reply with a message when the budget is full; "
@@ -393,6 +409,24 @@ class SettingsDialog(QDialog):
         self.error_label.setVisible(error is not None)
         self.buttons.button(QDialogButtonBox.StandardButton.Ok).setEnabled(error is None)
         return error
+
+    def _saved_store(self):
+        from engine.model.source import cache_root
+        from engine.runtime.warm import WarmStore
+        return WarmStore(cache_root() / "kv", self._disk_budget_mb)
+
+    def _show_saved_caches(self) -> None:
+        store = self._saved_store()
+        n, total = len(store.files()), store.total_bytes()
+        self.saved_caches.setText(self.tr("{n} saved, {mib:.0f} MiB").format(n=n, mib=total / 2**20))
+        self.clear_saved.setEnabled(n > 0)
+
+    def _clear_saved_caches(self) -> None:
+        self._saved_store().clear()
+        self._show_saved_caches()
+
+    def disk_budget_mb(self) -> float:
+        return float(self.disk_budget.value())
 
     def result_settings(self) -> AppSettings | None:
         return self._result

@@ -167,6 +167,18 @@ class SettingsStore:
     def set_export_dir(self, folder: str) -> None:
         self._qs.setValue("chat/export_dir", folder)
 
+    def kv_disk_budget_mb(self) -> float:
+        """The disk budget of saved conversation caches (warm conversations), MiB; 2048 unless changed."""
+        try:
+            value = float(self._qs.value("kv/disk_budget_mb", 2048.0))
+        except (TypeError, ValueError):
+            return 2048.0
+        return value if 0 <= value <= 1_048_576 else 2048.0
+
+    def set_kv_disk_budget_mb(self, value: float) -> None:
+        self._qs.setValue("kv/disk_budget_mb", float(value))
+        self._qs.sync()
+
     def sync(self) -> None:
         self._qs.sync()
 

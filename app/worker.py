@@ -102,6 +102,7 @@ class EngineWorker(QObject):
         self._cancel_measure = threading.Event()  # set by any command, so a quality measurement yields to it
         self._facts: dict[str, float] = {}
         self._released_chats: set = set()  # conversations whose cache the engine released for room
+        self._disk_budget_mb: float | None = None   # saved caches' disk budget from Settings (None: the engine's)
 
     # --- called from the GUI thread (thread-safe, never blocks) ---
 
@@ -145,6 +146,8 @@ class EngineWorker(QObject):
             self.error.emit(ErrorEvent("load", title, _load_error_message(exc)))
             return
         self._engine, self._session, self._open = engine, None, {}
+        if self._disk_budget_mb is not None:
+            self.set_disk_budget(self._disk_budget_mb)
         self._released_chats = set()
         self._facts = model_facts(engine)
         self.ready.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
@@ -325,6 +328,15 @@ class EngineWorker(QObject):
         for session in list(self._open.values()) + [self._session]:
             if session is not None:
                 self._save(session)
+
+    @Slot(float)
+    def set_disk_budget(self, mb: float) -> None:
+        """The saved caches' disk budget (Settings); the least recently used files go now if they exceed it."""
+        self._disk_budget_mb = mb
+        if hasattr(self._engine, "keep_warm"):
+            store = self._engine.warm_store
+            store.budget_bytes = int(mb * 2**20)
+            store.trim()
 
     @Slot(object)
     def forget_cache(self, conversation_id) -> None:
@@ -559,6 +571,7 @@ class EngineHost(QObject):
     _adopt = Signal(object)
     _count = Signal(object)
     _forget = Signal(object)
+    _disk_budget = Signal(float)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -581,6 +594,7 @@ class EngineHost(QObject):
         self._adopt.connect(self.worker.adopt)
         self._count.connect(self.worker.count_tokens)
         self._forget.connect(self.worker.forget_cache)
+        self._disk_budget.connect(self.worker.set_disk_budget)
         # the engine thread's last act, whichever way it is asked to end: every open chat's cache to disk
         self.thread.finished.connect(self.worker.save_all, Qt.ConnectionType.DirectConnection)
         self.thread.started.connect(self.worker.lower_priority)
@@ -667,3 +681,6 @@ class EngineHost(QObject):
     def forget_cache(self, conversation_id: int) -> None:
         """A chat deleted for good: delete its saved KV caches too."""
         self._forget.emit(conversation_id)
+
+    def set_disk_budget(self, mb: float) -> None:
+        self._disk_budget.emit(float(mb))

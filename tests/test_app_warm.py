@@ -5,6 +5,7 @@ a real window offscreen."""
 from __future__ import annotations
 
 import pytest
+from PySide6.QtCore import Qt
 
 from engine.config import CacheConfig, SamplingParams
 from fakes import isolate_app, real_window
@@ -83,3 +84,19 @@ def test_a_damaged_saved_cache_is_read_again_with_a_notice(qtbot, tiny_llama, tm
     nxt = send(qtbot, again, "And again?")
     assert nxt.stats.prefill_tokens > first.stats.prefill_tokens, "the history was read again"
     assert [m["role"] for m in again.history.messages(chat_id)] == ["user", "assistant"] * 2
+
+
+def test_settings_show_the_saved_caches_set_their_budget_and_clear_them(qtbot, tiny_llama, tmp_path):
+    window = real_window(qtbot, str(tiny_llama), sampling=SHORT)
+    send(qtbot, window, "Hello there, how are you doing today?")
+    window.host.worker._save(window.host.worker._session)
+    assert len(saved_files(tmp_path)) == 1
+    dialog = window.open_settings()
+    assert dialog.disk_budget.value() == 2048 and dialog.saved_caches.text().startswith("1 saved")
+    dialog.disk_budget.setValue(512)
+    qtbot.mouseClick(dialog.clear_saved, Qt.MouseButton.LeftButton)
+    assert saved_files(tmp_path) == [] and dialog.saved_caches.text().startswith("0 saved")
+    assert not dialog.clear_saved.isEnabled()
+    dialog.accept()
+    assert window.store.kv_disk_budget_mb() == 512
+    qtbot.waitUntil(lambda: window.host.worker._engine.warm_store.budget_bytes == 512 * 2**20, timeout=5000)

@@ -687,6 +687,22 @@ prefill {prefill} tok/s</source>
         <translation>此对话的缓存已释放给其他对话使用；将重新读入它的历史。</translation>
     </message>
     <message>
+        <source>Cache restored from disk: {tokens} tokens in {seconds} s.</source>
+        <translation>已从磁盘恢复缓存：{tokens} 个词元，用时 {seconds} 秒。</translation>
+    </message>
+    <message>
+        <source>The saved cache was not used ({reason}); the history is read again.</source>
+        <translation>未使用保存的缓存（{reason}）；将重新读取历史。</translation>
+    </message>
+    <message>
+        <source>This conversation&apos;s cache was read back from disk ({tokens} tokens, {seconds} s) after it was released to make room for another.</source>
+        <translation>此对话的缓存曾为其他对话腾出空间而被释放，现已从磁盘读回（{tokens} 个词元，{seconds} 秒）。</translation>
+    </message>
+    <message>
+        <source>This conversation&apos;s cache was released to make room for another and could not be read back ({reason}); its history is read again.</source>
+        <translation>此对话的缓存曾为其他对话腾出空间而被释放，且无法读回（{reason}）；将重新读取其历史。</translation>
+    </message>
+    <message>
         <source>The budget filled: the cache now slides, keeping the newest {window} tokens and {sinks} sinks.</source>
         <translation>预算已满：缓存改为滑动窗口，保留最新的 {window} 个 token 和 {sinks} 个锚点。</translation>
     </message>
@@ -1929,6 +1945,22 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     <message>
         <source>channel: keys quantized per channel over each block (more accurate); token: per token</source>
         <translation>按通道：键在每个块内按通道量化（更准确）；按 token：逐个 token 量化</translation>
+    </message>
+    <message>
+        <source>Each chat&apos;s KV cache is saved here when you switch away or close the app, so reopening it does not read the whole chat again</source>
+        <translation>切换到别的对话或关闭应用时，每个对话的 KV 缓存都保存在这里，重新打开时无需把整个对话再读一遍</translation>
+    </message>
+    <message>
+        <source>Clear</source>
+        <translation>清除</translation>
+    </message>
+    <message>
+        <source>Saved caches on disk</source>
+        <translation>磁盘上保存的缓存</translation>
+    </message>
+    <message>
+        <source>{n} saved, {mib:.0f} MiB</source>
+        <translation>已保存 {n} 个，{mib:.0f} MiB</translation>
     </message>
     <message>
         <source>Key quantization</source>
