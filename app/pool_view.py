@@ -132,7 +132,17 @@ def pool_summary(pool: PoolStats) -> str:
     return QCoreApplication.translate("PoolView", "<b>{held}</b> held of the {budget} KV budget · {blocks} blocks in "
                                       "use, <b>{shared}</b> shared · <b>{reclaimable}</b> reclaimable").format(
         held=format_mib(pool.held_bytes), budget=format_mib(pool.budget_bytes), blocks=f"{pool.blocks_in_use:,}",
-        shared=f"{pool.shared_blocks:,}", reclaimable=f"{pool.evictable_blocks:,}") + f"<br>{hits}{released}"
+        shared=f"{pool.shared_blocks:,}", reclaimable=f"{pool.evictable_blocks:,}") + f"<br>{hits}{released}" \
+        + saved_line(pool)
+
+
+def saved_line(pool: PoolStats) -> str:
+    """The second tier: chats whose KV cache is saved on disk, beside its budget ("" when none is kept)."""
+    if not pool.saved_budget_bytes:
+        return ""
+    return "<br>" + QCoreApplication.translate("PoolView", "saved on disk: <b>{n}</b> chats, {size} of the {budget} "
+                                               "disk budget (read back when a chat is reopened)").format(
+        n=f"{pool.saved_files:,}", size=format_mib(pool.saved_bytes), budget=format_mib(pool.saved_budget_bytes))
 
 
 def conversation_bar_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:

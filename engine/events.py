@@ -57,6 +57,9 @@ class PoolStats:
     conversations: tuple[tuple[int, int, int, bool], ...] = ()   # (id, blocks, bytes, is this one)
     released: int = 0                   # idle conversations released so far to make room
     storage_bytes: int = 0              # page storage actually allocated (capacity included)
+    saved_files: int = 0                # conversations' caches saved on disk (warm conversations)
+    saved_bytes: int = 0
+    saved_budget_bytes: int = 0         # their disk budget; 0 when this session keeps none
 
     @property
     def hit_rate(self) -> float:

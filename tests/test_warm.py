@@ -286,10 +286,12 @@ def test_a_released_conversation_is_saved_and_read_back_on_its_next_turn(tiny_ll
 
 def test_reset_deletes_the_saved_cache(tiny):
     s = chat(tiny, MODES["int8"])
-    tiny.save_warm(s)
+    written = tiny.save_warm(s)
     assert tiny.warm_store.files()
+    pool = s.pool_stats()           # the Pool page's second tier: what is on disk beside its budget
+    assert (pool.saved_files, pool.saved_bytes, pool.saved_budget_bytes) == (1, written, tiny.warm_store.budget_bytes)
     s.reset()
-    assert tiny.warm_store.files() == []
+    assert tiny.warm_store.files() == [] and s.pool_stats().saved_files == 0
     s.close()
 
 

@@ -35,7 +35,16 @@ def pool_stats(session) -> PoolStats:
         blocks_in_use=v.blocks_in_use, prefix_queries=v.prefix_queries, prefix_hits=v.prefix_hits,
         conversations=tuple((sid, blocks, nbytes, sid in mine) for sid, blocks, nbytes, released in v.sequences
                             if blocks),
-        released=session.runner.released_count(), storage_bytes=session.runner.storage_bytes())
+        released=session.runner.released_count(), storage_bytes=session.runner.storage_bytes(),
+        **_saved(session))
+
+
+def _saved(session) -> dict:
+    if session.warm is None:
+        return {}
+    store = session.warm[0]
+    files, total = store.totals()
+    return {"saved_files": files, "saved_bytes": total, "saved_budget_bytes": store.budget_bytes}
 
 
 def snapshot(session) -> StatsSnapshot:

@@ -139,6 +139,15 @@ class WarmStore:
     def __init__(self, folder: Path, budget_mb: float = DEFAULT_DISK_BUDGET_MB):
         self.folder = Path(folder)
         self.budget_bytes = int(budget_mb * MIB)
+        self._totals: tuple[float, int, int] | None = None      # (when counted, files, bytes)
+
+    def totals(self, max_age_s: float = 2.0) -> tuple[int, int]:
+        """(files, bytes) saved, counted at most every max_age_s (stats ask ~10 times a second)."""
+        now = time.monotonic()
+        if self._totals is None or now - self._totals[0] > max_age_s:
+            files = self.files()
+            self._totals = (now, len(files), sum(map(_size, files)))
+        return self._totals[1], self._totals[2]
 
     def path(self, key: str, identity: dict) -> Path:
         """The file of one conversation (key: its id in the app's history) for one model."""
@@ -158,6 +167,7 @@ class WarmStore:
         (this one last: a cache larger than the whole budget is not kept). Returns the bytes kept (0: none)."""
         path = self.path(key, identity)
         written = save(session, path, identity)
+        self._totals = None
         if not written:
             return 0
         if written > self.budget_bytes:
@@ -177,6 +187,7 @@ class WarmStore:
 
     def trim(self, keep: Path | None = None) -> int:
         """Delete least recently used files until the total fits the budget; returns the bytes deleted."""
+        self._totals = None
         files = sorted(self.files(), key=_mtime)
         total, deleted = sum(map(_size, files)), 0
         for p in files:
@@ -192,6 +203,7 @@ class WarmStore:
     def delete(self, key: str) -> int:
         """Every saved cache of one conversation (any model); returns the bytes deleted."""
         prefix = _KEY.sub("_", str(key))[:64] + "-"
+        self._totals = None
         gone = 0
         for p in self.files():
             if p.name.startswith(prefix):
@@ -200,6 +212,7 @@ class WarmStore:
         return gone
 
     def clear(self) -> int:
+        self._totals = None
         gone = 0
         for p in self.files():
             gone += _size(p)

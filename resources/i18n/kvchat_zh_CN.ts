@@ -1631,6 +1631,10 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
         <translation>KV 预算 {budget} 中已占用 &lt;b&gt;{held}&lt;/b&gt; · 使用中 {blocks} 个块，&lt;b&gt;{shared}&lt;/b&gt; 个共享 · &lt;b&gt;{reclaimable}&lt;/b&gt; 个可回收</translation>
     </message>
     <message>
+        <source>saved on disk: &lt;b&gt;{n}&lt;/b&gt; chats, {size} of the {budget} disk budget (read back when a chat is reopened)</source>
+        <translation>磁盘上已保存：&lt;b&gt;{n}&lt;/b&gt; 个对话，{size}，磁盘预算 {budget}（重新打开对话时读回）</translation>
+    </message>
+    <message>
         <source> (open now)</source>
         <translation>（当前打开）</translation>
     </message>
