@@ -417,6 +417,9 @@ class MainWindow(QMainWindow):
         self._update_controls()
         if event.stats is not None:
             self.actions._on_stats(event.stats)     # what the open said (a cache restored from disk, or why not)
+        if event.restored_tokens:
+            self.dashboard.data.mark("restore", self.tr("restored {n} tokens from disk").format(
+                n=f"{event.restored_tokens:,}"))
 
     def _on_token(self, event: TokenDelta) -> None:
         if self.turn is not None:

@@ -44,6 +44,7 @@ class SessionOpened:
     cache: CacheConfig
     num_messages: int
     stats: StatsSnapshot | None
+    restored_tokens: int = 0            # its KV cache was read back from disk (warm conversations)
 
 
 @dataclass(frozen=True, slots=True)

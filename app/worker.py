@@ -171,6 +171,7 @@ class EngineWorker(QObject):
         try:
             turns = [{"role": role, "content": content} for role, content in history or ()]
             kept = self._open.pop(conversation_id, None) if conversation_id is not None else None
+            restored = 0
             if kept is not None and kept.messages == turns and kept.cache_config == cache \
                     and kept.system_prompt == (system_prompt or None):
                 self._session = kept    # its blocks are still in the engine's pool: no prefill to go on
@@ -180,7 +181,7 @@ class EngineWorker(QObject):
                 self._session = self._engine.new_session(system_prompt=system_prompt or None, cache=cache,
                                                          history=turns or None)
                 self._warm(self._session, conversation_id)
-                self._restore(self._session)
+                restored = self._restore(self._session)
             if conversation_id is not None:
                 self._open[conversation_id] = self._session
                 while len(self._open) > MAX_OPEN_SESSIONS:          # the oldest opened gives its blocks back
@@ -193,7 +194,7 @@ class EngineWorker(QObject):
                                        f"{type(exc).__name__}: {exc}"))
             return
         self.session_opened.emit(SessionOpened(conversation_id, self._session.cache_config,
-                                               len(self._session.messages), self._snapshot()))
+                                               len(self._session.messages), self._snapshot(), restored))
 
     @Slot(object)
     def adopt(self, conversation_id) -> None:
@@ -292,22 +293,23 @@ class EngineWorker(QObject):
         if conversation_id is not None and hasattr(self._engine, "keep_warm"):
             self._engine.keep_warm(session, conversation_id)
 
-    def _restore(self, session) -> None:
+    def _restore(self, session) -> int:
         """A reopened chat reads its saved cache back instead of its text, and says so; a cache that cannot be
         used says why (the history is then read again with the next message)."""
         if getattr(session, "warm", None) is None or not session.messages:
-            return
+            return 0
         from engine.runtime.warm import CacheFileError
         try:
             got = self._engine.restore_warm(session)
         except CacheFileError as exc:
             if str(exc) != "no saved cache":
                 session.notice = f"The saved cache was not used ({exc}); the history is read again."
-            return
+            return 0
         except Exception as exc:  # noqa: BLE001 - a restore that fails leaves the chat to be read again
             session.notice = f"The saved cache was not used ({type(exc).__name__}: {exc}); the history is read again."
-            return
+            return 0
         session.notice = f"Cache restored from disk: {got.tokens:,} tokens in {got.seconds:.1f} s."
+        return got.tokens
 
     def _save(self, session) -> None:
         if getattr(session, "warm", None) is None or getattr(session, "is_closed", False):

@@ -50,6 +50,7 @@ def test_a_chat_reopened_after_a_restart_reads_its_cache_back(qtbot, tiny_llama,
     session = again.host.worker._session
     assert session.seq.num_tokens == held, "the cache came back from disk"
     qtbot.waitUntil(lambda: "restored from disk" in again.statusBar().currentMessage(), timeout=5000)
+    assert [m.kind for m in again.dashboard.data.markers][-1] == "restore"       # the timeline marks it
     nxt = send(qtbot, again, "Thanks!")
     assert 0 < nxt.stats.prefill_tokens < first.stats.prefill_tokens, "only the new message was read"
 

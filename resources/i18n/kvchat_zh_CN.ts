@@ -1172,6 +1172,10 @@ prefill {prefill} tok/s</source>
         <translation>此模型没有对话模板</translation>
     </message>
     <message>
+        <source>restored {n} tokens from disk</source>
+        <translation>从磁盘恢复了 {n} 个词元</translation>
+    </message>
+    <message>
         <source>Stopped.</source>
         <translation>已停止。</translation>
     </message>
