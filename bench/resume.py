@@ -141,7 +141,9 @@ class LlamaCppState:
         llm.input_ids[:n] = out[:n]
         llm.n_tokens = n
         llm.eval(new)
-        int(llm.scores[llm.n_tokens - 1].argmax())
+        import numpy as np
+        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+        int(logits.argmax())            # the first new token
         return time.perf_counter() - started
 
 
