@@ -6,7 +6,6 @@ before every step, not a queued command: the worker is busy in that loop when St
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -22,6 +21,7 @@ from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 from engine.errors import UserError
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
+from app import warm_chats
 from app.engine_facts import complete, model_facts
 from app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, PrefixCleared, ReadingHistory, ResetDone,
                        SessionOpened)
@@ -65,8 +65,6 @@ def _load_error_message(exc: BaseException) -> str:
 
 MAX_OPEN_SESSIONS = 16              # conversations kept warm; the KV budget may release them sooner (LRU)
 
-
-log = logging.getLogger(__name__)
 
 def _close(session) -> None:
     close = getattr(session, "close", None)
@@ -287,37 +285,16 @@ class EngineWorker(QObject):
             self._open[self._conversation_id] = replacement
         return True
 
-    # --- warm conversations: a local engine keeps each saved chat's KV on disk (engine/runtime/warm.py) ---
+    # --- warm conversations (app/warm_chats.py) ---
 
     def _warm(self, session, conversation_id) -> None:
-        if conversation_id is not None and hasattr(self._engine, "keep_warm"):
-            self._engine.keep_warm(session, conversation_id)
+        warm_chats.keep(self._engine, session, conversation_id)
 
     def _restore(self, session) -> int:
-        """A reopened chat reads its saved cache back instead of its text, and says so; a cache that cannot be
-        used says why (the history is then read again with the next message)."""
-        if getattr(session, "warm", None) is None or not session.messages:
-            return 0
-        from engine.runtime.warm import CacheFileError
-        try:
-            got = self._engine.restore_warm(session)
-        except CacheFileError as exc:
-            if str(exc) != "no saved cache":
-                session.notice = f"The saved cache was not used ({exc}); the history is read again."
-            return 0
-        except Exception as exc:  # noqa: BLE001 - a restore that fails leaves the chat to be read again
-            session.notice = f"The saved cache was not used ({type(exc).__name__}: {exc}); the history is read again."
-            return 0
-        session.notice = f"Cache restored from disk: {got.tokens:,} tokens in {got.seconds:.1f} s."
-        return got.tokens
+        return warm_chats.restore(self._engine, session)
 
     def _save(self, session) -> None:
-        if getattr(session, "warm", None) is None or getattr(session, "is_closed", False):
-            return
-        try:
-            self._engine.save_warm(session)
-        except Exception:  # noqa: BLE001 - a cache that could not be saved is read again next time
-            log.exception("could not save a conversation's cache")
+        warm_chats.save(self._engine, session)
 
     def _retire(self, session) -> None:
         self._save(session)
@@ -325,27 +302,17 @@ class EngineWorker(QObject):
 
     def save_all(self) -> None:
         """Every open chat's cache to disk (the app is closing: run in the engine thread as it ends)."""
-        if self._engine is None:
-            return
         for session in list(self._open.values()) + [self._session]:
-            if session is not None:
-                self._save(session)
+            self._save(session)
 
     @Slot(float)
     def set_disk_budget(self, mb: float) -> None:
-        """The saved caches' disk budget (Settings); the least recently used files go now if they exceed it."""
         self._disk_budget_mb = mb
-        if hasattr(self._engine, "keep_warm"):
-            store = self._engine.warm_store
-            store.budget_bytes = int(mb * 2**20)
-            store.trim()
+        warm_chats.set_disk_budget(self._engine, mb)
 
     @Slot(object)
     def forget_cache(self, conversation_id) -> None:
-        """A chat deleted for good: its saved caches go too."""
-        store = getattr(self._engine, "warm_store", None) if hasattr(self._engine, "keep_warm") else None
-        if store is not None and conversation_id is not None:
-            store.delete(str(conversation_id))
+        warm_chats.forget(self._engine, conversation_id)
 
     @Slot()
     def clear_prefix_cache(self) -> None:

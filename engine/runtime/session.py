@@ -32,6 +32,9 @@ from engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - rais
 from engine.runtime.turns import TurnGuard, TurnTimes, checked_history, checked_params, checked_text, turn
 
 
+RELEASED_NOTICE = "This conversation's cache was released to make room for another; its history is read again."
+
+
 class Stopped(Exception):
     """The user stopped the turn while its prompt was being read."""
 
@@ -106,34 +109,17 @@ class Session:
 
     def _sync(self) -> None:
         """A sequence released for another conversation holds nothing: its saved cache is read back where it has one
-        (engine/runtime/warm.py), else its tokens are read again next turn."""
+        (the second tier, engine/runtime/warm.py), else its tokens are read again next turn."""
         if self.released:
             self.seq.released = False
-            ids, end, starts, logits = list(self.token_ids), self._prompt_end, list(self._starts), self._prompt_logits
+            kept = (list(self.token_ids), self._prompt_end, list(self._starts), self._prompt_logits)
             self.token_ids.clear()
             self._prompt_logits = None
             if self.warm is not None and self.tier == "disk":
                 from engine.runtime import warm
-                store, key, identity = self.warm
-                try:
-                    got = store.restore(self, key, identity)
-                except warm.CacheFileError as exc:
-                    self.notice = (f"This conversation's cache was released to make room for another and could not "
-                                   f"be read back ({exc}); its history is read again.")
-                else:
-                    if self.token_ids == ids:
-                        self.tier = "pool"
-                        self._prompt_end, self._starts, self._prompt_logits = end, starts, logits
-                        self.notice = (f"This conversation's cache was read back from disk ({got.tokens:,} tokens, "
-                                       f"{got.seconds:.1f} s) after it was released to make room for another.")
-                        return
-                    self.runner.free(self.seq)        # saved before the last turn: not what the chat holds now
-                    self.token_ids.clear()
-                    self._prompt_logits = None
-                    self.notice = "This conversation's cache was released to make room for another; its history is read again."
-                self.tier = "none"
+                self.notice = warm.read_back(self, *kept)
                 return
-            self.notice = "This conversation's cache was released to make room for another; its history is read again."
+            self.notice = RELEASED_NOTICE
 
     def offload(self) -> bool:
         """The budget is releasing this idle conversation: its cache goes to its saved file first (the second tier of

@@ -129,6 +129,29 @@ def _check_text(session, ids: list[int]) -> None:
         raise CacheFileError("the conversation changed since its cache was saved")
 
 
+def read_back(session, ids: list[int], prompt_end: int, starts: list, logits) -> str:
+    """The second tier: a conversation the budget released to its saved file (Session.offload) reads it back on
+    its next turn; returns the notice for the user. Anything but the same tokens leaves it empty (read again)."""
+    from engine.runtime.session import RELEASED_NOTICE
+    store, key, identity = session.warm
+    try:
+        got = store.restore(session, key, identity)
+    except CacheFileError as exc:
+        session.tier = "none"
+        return (f"This conversation's cache was released to make room for another and could not be read back "
+                f"({exc}); its history is read again.")
+    if session.token_ids != ids:           # saved before its last turn: not what the chat holds now
+        session.runner.free(session.seq)
+        session.token_ids.clear()
+        session._prompt_logits = None
+        session.tier = "none"
+        return RELEASED_NOTICE
+    session.tier = "pool"
+    session._prompt_end, session._starts, session._prompt_logits = prompt_end, starts, logits
+    return (f"This conversation's cache was read back from disk ({got.tokens:,} tokens, {got.seconds:.1f} s) "
+            f"after it was released to make room for another.")
+
+
 _KEY = re.compile(r"[^A-Za-z0-9_.]")
 
 

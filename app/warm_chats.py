@@ -1,0 +1,56 @@
+"""Warm conversations in the app: a local engine keeps each saved chat's KV cache on disk
+(engine/runtime/warm.py). The engine thread calls these; a remote engine has no cache of its own, so
+each is a no-op there."""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def keep(engine, session, conversation_id) -> None:
+    """The session's cache is kept under its chat's id."""
+    if conversation_id is not None and hasattr(engine, "keep_warm"):
+        engine.keep_warm(session, conversation_id)
+
+
+def restore(engine, session) -> int:
+    """A reopened chat reads its saved cache back instead of its text, and says so in its notice; a cache that
+    cannot be used says why (the history is then read again with the next message). Returns the tokens restored."""
+    if getattr(session, "warm", None) is None or not session.messages:
+        return 0
+    from engine.runtime.warm import CacheFileError
+    try:
+        got = engine.restore_warm(session)
+    except CacheFileError as exc:
+        if str(exc) != "no saved cache":
+            session.notice = f"The saved cache was not used ({exc}); the history is read again."
+        return 0
+    except Exception as exc:  # noqa: BLE001 - a restore that fails leaves the chat to be read again
+        session.notice = f"The saved cache was not used ({type(exc).__name__}: {exc}); the history is read again."
+        return 0
+    session.notice = f"Cache restored from disk: {got.tokens:,} tokens in {got.seconds:.1f} s."
+    return got.tokens
+
+
+def save(engine, session) -> None:
+    if session is None or getattr(session, "warm", None) is None or getattr(session, "is_closed", False):
+        return
+    try:
+        engine.save_warm(session)
+    except Exception:  # noqa: BLE001 - a cache that could not be saved is read again next time
+        log.exception("could not save a conversation's cache")
+
+
+def set_disk_budget(engine, mb: float) -> None:
+    """The saved caches' disk budget (Settings); the least recently used files go now if they exceed it."""
+    if hasattr(engine, "keep_warm"):
+        store = engine.warm_store
+        store.budget_bytes = int(mb * 2**20)
+        store.trim()
+
+
+def forget(engine, conversation_id) -> None:
+    """A chat deleted for good: its saved caches go too."""
+    if hasattr(engine, "keep_warm") and conversation_id is not None:
+        engine.warm_store.delete(str(conversation_id))
