@@ -17,7 +17,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine.runtime import overflow, session_stats
+from engine.runtime import overflow, session_stats, warm
+from engine.runtime.warm import RELEASED_NOTICE
 from engine.text.chat_format import encode_conversation, tokenize_pieces
 from engine.config import CacheConfig, ConfigError, SamplingParams
 from engine.text.detok import StreamDecoder
@@ -30,9 +31,6 @@ from engine.runtime.runner import ModelRunner
 from engine.runtime.sampling import sample
 from engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
 from engine.runtime.turns import TurnGuard, TurnTimes, checked_history, checked_params, checked_text, turn
-
-
-RELEASED_NOTICE = "This conversation's cache was released to make room for another; its history is read again."
 
 
 class Stopped(Exception):
@@ -116,7 +114,6 @@ class Session:
             self.token_ids.clear()
             self._prompt_logits = None
             if self.warm is not None and self.tier == "disk":
-                from engine.runtime import warm
                 self.notice = warm.read_back(self, *kept)
                 return
             self.notice = RELEASED_NOTICE

@@ -23,6 +23,7 @@ from engine.kv.saved import CacheFileError
 __all__ = ["CacheFileError", "Restored", "WarmStore", "model_identity", "restore", "save"]
 
 DEFAULT_DISK_BUDGET_MB = 2048
+RELEASED_NOTICE = "This conversation's cache was released to make room for another; its history is read again."
 SUFFIX = ".kvcache"
 _READ_SLACK = 64 * MIB           # a file may exceed the KV budget by its token ids, logits and header
 
@@ -132,7 +133,6 @@ def _check_text(session, ids: list[int]) -> None:
 def read_back(session, ids: list[int], prompt_end: int, starts: list, logits) -> str:
     """The second tier: a conversation the budget released to its saved file (Session.offload) reads it back on
     its next turn; returns the notice for the user. Anything but the same tokens leaves it empty (read again)."""
-    from engine.runtime.session import RELEASED_NOTICE
     store, key, identity = session.warm
     try:
         got = store.restore(session, key, identity)
