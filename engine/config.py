@@ -164,6 +164,51 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+SPEC_METHODS = ("off", "lookup", "draft")
+MAX_DRAFTS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to k tokens after the next one, one step verifies them all.
+
+    method: "off", "lookup" (prompt lookup: the tokens that followed the last n-gram's latest earlier match in the
+    conversation, n from ngram_max down to ngram_min) or "draft" (a smaller model sharing the tokenizer, draft_model:
+    a model spec as EngineConfig.model takes, or "self" for the loaded model itself, which shows the mechanics).
+    adaptive: the number proposed follows what was accepted (up to k)."""
+
+    method: str = "lookup"
+    k: int = 8
+    ngram_max: int = 3
+    ngram_min: int = 2
+    adaptive: bool = True
+    draft_model: str | None = None
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative method={self.method!r}: choose off, lookup or draft")
+        _number(self, "k", int, lambda v: 1 <= v <= MAX_DRAFTS,
+                f"use a whole number of draft tokens from 1 to {MAX_DRAFTS} (4 to 8 is typical)")
+        _number(self, "ngram_max", int, lambda v: 1 <= v <= 16, "use a whole number of tokens from 1 to 16 (3 is typical)")
+        _number(self, "ngram_min", int, lambda v: 1 <= v <= self.ngram_max,
+                f"use a whole number of tokens from 1 to ngram_max ({self.ngram_max})")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive={self.adaptive!r}: use true or false")
+        if self.method == "draft" and not (isinstance(self.draft_model, str) and self.draft_model.strip()):
+            raise ConfigError("speculative method 'draft' needs a draft model: a .gguf file, a model folder, or 'self'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    def label(self) -> str:
+        if self.method == "off":
+            return "off"
+        if self.method == "lookup":
+            return f"prompt lookup, k={self.k}"
+        return f"draft {self.draft_model}, k={self.k}"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "default"            # "default", a local HF folder, or a .gguf file
@@ -174,8 +219,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None
     kv_disk_budget_mb: float = 2048.0  # saved conversation caches (warm conversations) in the user cache dir
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
+        if not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative={self.speculative!r}: give a SpeculativeConfig")
         if isinstance(self.kv_disk_budget_mb, bool) or not isinstance(self.kv_disk_budget_mb, (int, float)) \
                 or not 0 <= self.kv_disk_budget_mb <= 1 << 24:
             raise ConfigError(f"kv_disk_budget_mb={self.kv_disk_budget_mb!r}: choose 0 (keep no caches) to 16 TiB")

@@ -67,6 +67,26 @@ class PoolStats:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecStats:
+    """Speculative decoding in the last turn (engine/runtime/speculative.py): how many drafts were verified, how many
+    of them were accepted, and how many tokens each decode step produced."""
+
+    method: str                         # lookup or draft
+    drafted: int                        # draft tokens verified
+    accepted: int                       # of those, accepted
+    steps: int                          # decode steps (forward passes after the first token)
+    tokens: int                         # tokens those steps produced
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class ServerStats:
     """What a remote OpenAI-compatible server reports on /metrics (vLLM's names); None where it says nothing."""
 
@@ -110,6 +130,7 @@ class StatsSnapshot:
     pool: PoolStats | None = None
     notice: str = ""                    # something that happened to the cache the user should hear about
     server: ServerStats | None = None   # a remote engine's server-side numbers; None for the local engine
+    spec: SpecStats | None = None       # speculative decoding in the last turn; None when it was off
 
     @property
     def usage(self) -> float:

@@ -12,7 +12,7 @@ from kernels import cpu_lib, cpu_quant
 
 from engine.api import LOCAL
 from engine.text.chat_format import chat_format_notice, check_template, stop_ids
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from engine.kv.layout import MIB
 from engine.gguf.file import GGUFFile
 from engine.model.source import (Progress, load_state_dict, locate, read_config, remove_conversion_cache,
@@ -101,6 +101,9 @@ class Engine:
         self._warm_store = None
         self.info = ModelInfo(name, tokenizer, self.stop_ids, model.config.max_position_embeddings,
                               self.weight_bytes, self.weights_label)
+        self.draft_engine: "Engine | None" = None     # a draft model loaded for speculative decoding
+        if config.speculative.method != "draft":      # a draft model loads in set_speculative (Engine.load calls it)
+            self.runner.speculation = config.speculative
 
     @property
     def num_layers(self) -> int:
@@ -162,6 +165,8 @@ class Engine:
         check_template(tokenizer, files.name)     # a template that hangs or fails is refused now, not mid-chat
         engine = cls(config, model, tokenizer, files.name, time.perf_counter() - started, notice)
         engine.runner.check(config.cache)   # validates the cache config against this model
+        if config.speculative.method == "draft":
+            engine.set_speculative(config.speculative)
         if progress:
             progress("ready", 1.0)
         return engine
@@ -218,6 +223,43 @@ class Engine:
             raise CacheFileError("the conversation is not kept warm")
         store, key, identity = session.warm
         return store.restore(session, key, identity)
+
+    # ---- speculative decoding (engine/runtime/speculative.py) -------------------------------------------------------
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return self.runner.speculation
+
+    def set_speculative(self, config: SpeculativeConfig) -> None:
+        """Switch speculative decoding live (every conversation's next turn uses it). A draft model loads here and must
+        share this model's tokenizer; ModelLoadError or ConfigError say why not, and the setting stays as it was."""
+        if not isinstance(config, SpeculativeConfig):
+            raise ConfigError(f"speculative={config!r}: give a SpeculativeConfig")
+        draft = self.runner.draft_runner if config.method == "draft" else None
+        if config.method == "draft":
+            draft = self._draft_runner(config.draft_model)
+        with self.runner.lock:
+            if draft is not self.runner.draft_runner and self.draft_engine is not None \
+                    and self.draft_engine.runner is not draft:
+                self.draft_engine = None       # the old draft's weights go once no conversation holds them
+            self.runner.speculation, self.runner.draft_runner = config, draft
+
+    def _draft_runner(self, spec: str) -> ModelRunner:
+        if spec == "self":
+            return self.runner
+        if self.draft_engine is not None and self.draft_engine.config.model == spec:
+            return self.draft_engine.runner
+        c = self.config
+        draft = Engine.load(EngineConfig(model=spec, device=str(self.device), dtype=c.dtype, weights=c.weights,
+                                         cache=CacheConfig(budget_mb=256.0), num_threads=c.num_threads,
+                                         speculative=SpeculativeConfig("off")))
+        mine, theirs = self.tokenizer, draft.tokenizer
+        probe = "def f(x):\n    return x + 1  # Hello, world. 你好"
+        if len(theirs) > len(mine) + 1024 or theirs.encode(probe) != mine.encode(probe):
+            raise ConfigError(f"the draft model {draft.model_name} does not share {self.model_name}'s tokenizer: "
+                              f"choose a draft of the same family (the same vocabulary), or prompt lookup")
+        self.draft_engine = draft
+        return draft.runner
 
     @property
     def budget_mb(self) -> float:

@@ -16,7 +16,7 @@ import torch
 
 from engine.runtime.backends import AttentionBackend, LayerScores, StepAttention, backend_for, choice_key
 from engine.runtime.step_plan import StepReservation, decode_first
-from engine.config import CacheConfig, ConfigError
+from engine.config import CacheConfig, ConfigError, SpeculativeConfig
 from engine.kv import convert, saved
 from engine.kv.layout import MIB, PREFILL_CHUNK, KVLayout, check_cache_for_model, kv_groups, kv_layout
 from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
@@ -39,6 +39,8 @@ class ModelRunner:
         self.offloaded = 0                         # conversations saved to the second tier when released
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
         self.steps = 0
+        self.speculation = SpeculativeConfig("off")   # the engine's setting (Engine.set_speculative), read each turn
+        self.draft_runner: "ModelRunner | None" = None   # a draft model's runner when speculation uses one
         self._backends: dict[tuple, AttentionBackend] = {}     # by backends.choice_key
 
     @property
@@ -137,6 +139,27 @@ class ModelRunner:
                     raise ConfigError("a quantized cache can take back tokens of its last, unquantized block only")
             for m in seq.members:
                 self.manager.truncate(m, n)
+
+    def draft_room(self, seq: Sequence, most: int) -> int:
+        """How many drafts (at most `most`) can follow the next token in one verification step and still be taken back
+        exactly: in a quantized group no draft may complete a block (it would be quantized with the block, and a
+        quantized value is never re-quantized), so every row stays in the block the next token goes to; in a
+        windowed group no row may move the window (a block evicted for a draft would be gone when the draft is)."""
+        room = most
+        for m in seq.members:
+            bs, slot = m.block_size, m.seq_len
+            if m.layout.quantized_components:
+                room = min(room, bs - 2 - slot % bs)
+            g = m.geometry
+            if g.window is not None:
+                k = 0
+                while k < room and not g.num_to_evict(m.num_tokens + k + 2, m.evicted,
+                                                      max(len(m.block_table), m.layout.blocks_for(slot + k + 2))):
+                    k += 1
+                if g.num_to_evict(m.num_tokens + 1, m.evicted, max(len(m.block_table), m.layout.blocks_for(slot + 1))):
+                    k = 0
+                room = min(room, k)
+        return max(0, room)
 
     def clear_prefix_cache(self) -> int:
         with self.lock:
@@ -280,14 +303,17 @@ class ModelRunner:
 
         decode[i]: item i is generated tokens (default: a single token), else prompt tokens. The two kinds
         take different kernels, chosen per row, so that a sequence's numbers never depend on the other
-        sequences of the batch: decode items go first in the batch (step_plan.decode_first)."""
+        sequences of the batch: decode items go first in the batch (step_plan.decode_first). A decode item of
+        several tokens is a verification (speculative decoding): each of its rows runs as plain decoding would
+        run it (step_plan.plan_rows) and it always gets every row's logits [T, vocab]; keep its drafts within
+        draft_room, and take the rejected ones back with truncate."""
         decode = [len(ids) == 1 for _, ids in items] if decode is None else decode
         order = decode_first(items, decode)
         with self.lock:
             reserved = StepReservation(self.manager, self.store, [items[i] for i in order], [decode[i] for i in order],
                                        self.layer_inv_freq, self.device)
             try:
-                logits = self._forward(reserved, all_logits)
+                logits, per_row = self._forward(reserved, all_logits)
             except BaseException:
                 reserved.rollback()
                 raise
@@ -295,24 +321,30 @@ class ModelRunner:
             self.steps += 1
         result = [None] * len(items)
         for j, (i, st) in enumerate(zip(order, reserved.steps)):
-            result[i] = logits[st.offset:st.offset + st.num_new] if all_logits else logits[j:j + 1]
+            if not per_row:
+                result[i] = logits[j:j + 1]
+            elif all_logits or st.num_new > 1 and st.decode:
+                result[i] = logits[st.offset:st.offset + st.num_new]
+            else:
+                result[i] = logits[st.offset + st.num_new - 1:st.offset + st.num_new]
         return result
 
-    def _forward(self, reserved: StepReservation, all_logits: bool) -> torch.Tensor:
-        """The step's logits: one kernel call where every item is a one-token decode (of one layout: its backend's
-        own step), else the forward with each sequence's backend attending."""
+    def _forward(self, reserved: StepReservation, all_logits: bool) -> tuple[torch.Tensor, bool]:
+        """The step's logits and whether they are one row per token (else one per item): one kernel call where every
+        row is a one-token decode (of one layout: its backend's own step), else the forward with each sequence's
+        backend attending."""
         steps = reserved.steps
         x = torch.tensor([t for _, ids in reserved.items for t in ids], dtype=torch.long, device=self.device)
         attention = StepAttention(reserved.layer_steps, lambda st: self.backend(st.res.seq.layout))
-        logits = None
-        if not all_logits and all(st.one_token_decode for st in steps):
+        if all(st.one_token_decode for st in attention.steps):        # rows: every token of the step, in order
             logits = (attention.decode(self.model, x) if attention.one_layout_decode
                       else self.model.forward_decode(x, attention=attention))
-        if logits is None:
-            rows = None if all_logits else [st.offset + st.num_new - 1 for st in steps]
-            num_decode = sum(st.num_new for st in steps if st.decode)
-            logits = self.model.forward(x, attention, all_logits=True, rows=rows, num_decode=num_decode)
-        return logits
+            if logits is not None:
+                return logits, True
+        verifying = any(st.decode and st.num_new > 1 for st in steps)
+        rows = None if all_logits or verifying else [st.offset + st.num_new - 1 for st in steps]
+        num_decode = sum(st.num_new for st in steps if st.decode)
+        return self.model.forward(x, attention, all_logits=True, rows=rows, num_decode=num_decode), rows is None
 
     def backend(self, layout: KVLayout) -> AttentionBackend:
         """The layout's attention backend on this device, chosen on first use (backends.backend_for)."""

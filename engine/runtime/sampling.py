@@ -33,6 +33,27 @@ def sample(logits: "torch.Tensor", params: SamplingParams, recent_ids: list[int]
            generator: "torch.Generator | None") -> int:
     """logits: [vocab] float32 -> token id."""
     import torch         # here, so that the one-shot path can import this module without torch
+    logits = processed(logits, params, recent_ids)
+    if params.greedy:
+        return int(logits.argmax())
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def distribution(logits: "torch.Tensor", params: SamplingParams, recent_ids: list[int]) -> "torch.Tensor":
+    """The probabilities sample() draws from, [vocab] (greedy: all on its one choice); speculative decoding's
+    acceptance rule reads them."""
+    import torch
+    logits = processed(logits, params, recent_ids)
+    if params.greedy:
+        return torch.zeros_like(logits).index_fill_(0, logits.argmax().view(1), 1.0)
+    return logits.softmax(-1)
+
+
+def processed(logits: "torch.Tensor", params: SamplingParams, recent_ids: list[int]) -> "torch.Tensor":
+    """The logits after the repetition penalty and, when sampling, the temperature, top-k and top-p (dropped tokens
+    at -inf)."""
+    import torch
     ids = penalized_ids(params, recent_ids)
     if ids:
         index = torch.tensor(ids, dtype=torch.long, device=logits.device)
@@ -41,7 +62,7 @@ def sample(logits: "torch.Tensor", params: SamplingParams, recent_ids: list[int]
         logits = logits.clone()
         logits[index] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
     if params.greedy:
-        return int(logits.argmax())
+        return logits
     logits = logits / params.temperature
     k = kept_top_k(params, logits.shape[-1])
     if k:
@@ -53,8 +74,7 @@ def sample(logits: "torch.Tensor", params: SamplingParams, recent_ids: list[int]
         drop = cum - sorted_logits.softmax(-1) > params.top_p   # keep the smallest set reaching top_p
         sorted_logits[drop] = float("-inf")
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return logits
 
 
 def sample_numpy(logits: np.ndarray, params: SamplingParams, recent_ids: list[int], rng: np.random.Generator) -> int:

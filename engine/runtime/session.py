@@ -12,6 +12,7 @@ token bookkeeping and its undo rules, and read best together.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -29,6 +30,7 @@ from engine.plan.fit import trim_heap
 from engine.runtime.overflow import BudgetFull
 from engine.runtime.runner import ModelRunner
 from engine.runtime.sampling import sample
+from engine.runtime.speculative import Speculator
 from engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
 from engine.runtime.turns import TurnGuard, TurnTimes, checked_history, checked_params, checked_text, turn
 
@@ -78,6 +80,7 @@ class Session:
         self._guard = TurnGuard()
         self.warm = None                    # (WarmStore, key, model identity): where this cache is kept (engine.keep_warm)
         self.tier = "pool"                  # where the cache is: pool, disk (released to its saved file) or none
+        self._spec: Speculator | None = None  # speculative decoding's state here (engine/runtime/speculative.py)
 
     @property
     def is_closed(self) -> bool:
@@ -270,7 +273,9 @@ class Session:
         if not params.greedy:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
+        spec = self._speculator()
         reply: list[int] = []
+        chosen: deque[int] = deque()        # tokens a verification chose; all but the last are in the cache already
         stream = StreamDecoder(self.tokenizer)
         reason, message = FinishReason.LENGTH, ""
         decode_started = time.perf_counter()
@@ -279,10 +284,10 @@ class Session:
                 if should_stop is not None and should_stop():
                     reason = FinishReason.STOPPED
                     break
-                if overflow.past_context(self, 1):
+                if not chosen and overflow.past_context(self, 1):
                     reason, message = FinishReason.CONTEXT, overflow.context_message(self, 1)
                     break
-                next_id = sample(logits.cpu(), params, self.token_ids[-1024:], generator)
+                next_id = chosen.popleft() if chosen else sample(logits.cpu(), params, self.token_ids[-1024:], generator)
                 if step == 0:
                     self.turn_times.ttft_s = time.perf_counter() - started
                 self.token_ids.append(next_id)
@@ -295,15 +300,31 @@ class Session:
                     yield TokenDelta(delta, (next_id,))
                 if step + 1 == params.max_new_tokens:
                     break
+                if chosen:                  # the next is chosen already
+                    continue
                 try:
-                    logits = self._forward([next_id], all_logits=False)[-1]
+                    verified = None
+                    if spec is not None:
+                        room = params.max_new_tokens - step - 2       # drafts, and the token after them, still fit
+                        while room > 0 and overflow.past_context(self, 1 + room):
+                            room -= 1
+                        verified = spec.verify(self, next_id, params, generator, room)
+                    if verified is None:
+                        logits = self._forward([next_id], all_logits=False)[-1]
+                        if spec is not None:
+                            spec.record(0, 0)
+                    else:
+                        chosen.extend(verified)
                 except BudgetFull as exc:
                     reason, message = FinishReason.BUDGET, str(exc)
                     break
-                self.turn_times.decode_tokens += 1
+                self.turn_times.decode_tokens += len(verified) if verified else 1
                 self.turn_times.decode_s = time.perf_counter() - decode_started   # live rate for stats()
         finally:
             self.turn_times.decode_s = time.perf_counter() - decode_started
+            self.turn_times.spec = spec.stats() if spec is not None else None
+            # the cache as plain decoding leaves it: the last token fed only where the turn went on after it
+            self._settle(len(self.token_ids) - (0 if reason in (FinishReason.STOPPED, FinishReason.CONTEXT) else 1))
             final = stream.text()
             if continues:
                 final = self.messages[-1]["content"] + final
@@ -315,6 +336,27 @@ class Session:
         if rest:
             yield TokenDelta(rest, ())
         yield TurnFinished(final, reason, message, self.stats())
+
+    def _speculator(self) -> Speculator | None:
+        """This conversation's speculation under the engine's setting now (switched live), or None when it is off."""
+        config, draft = self.runner.speculation, self.runner.draft_runner
+        if self._spec is not None and (self._spec.config != config or self._spec.draft_runner is not draft):
+            self._spec.close()
+            self._spec = None
+        if self._spec is None and config.enabled:
+            self._spec = Speculator(config, draft, self.runner.config.vocab_size)
+        if self._spec is not None:
+            self._spec.reset_counts()
+        return self._spec
+
+    def _settle(self, keep: int) -> None:
+        """Accepted drafts a turn did not reach (a stop, an end of text among them) leave the cache."""
+        extra = self._cached - max(0, keep)
+        if extra > 0:
+            try:
+                self.runner.truncate(self.seq, extra)
+            except ConfigError:          # cannot happen within draft_room; read again rather than keep them
+                self.runner.free(self.seq)
 
     @turn
     def regenerate(self, params: SamplingParams | None = None,
@@ -462,6 +504,9 @@ class Session:
         return self._free_all()
 
     def _free_all(self) -> int:
+        if self._spec is not None:          # a draft model's cache of this conversation goes too
+            self._spec.close()
+            self._spec = None
         freed = self.runner.free(self.seq) + self._drop_alternative_caches()
         self.token_ids.clear()
         self._prompt_logits = None

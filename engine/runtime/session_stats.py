@@ -86,4 +86,5 @@ def snapshot(session) -> StatsSnapshot:
         prefix_reused_tokens=t.reused,
         pool=pool_stats(session),
         notice=session.notice,
+        spec=t.spec,
     )

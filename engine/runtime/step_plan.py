@@ -17,7 +17,7 @@ has one group and one RoPE: one SeqStep per item, as before.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -100,6 +100,37 @@ def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantize
                    dev(d_cos), dev(d_sin), key_cos, key_sin, key_pos, inv_freq, decode=decode, outside=dev(outside))
 
 
+def plan_rows(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantized: bool,
+              window: int | None = None) -> list[SeqStep]:
+    """A verification item (speculative decoding: several generated tokens in one step) as one one-token decode per
+    row: row i is planned as plain decoding would plan it after rows 0..i-1 committed (its slot, the sequence at N + i
+    tokens, the same block table), so its numbers are plain decoding's, bit for bit. Exact while no row but the
+    first completes a quantized block and no row moves a window (ModelRunner.draft_room keeps drafts inside that)."""
+    seq, out = res.seq, []
+    for i in range(res.num_new):
+        view = replace(seq, num_tokens=seq.num_tokens + i)      # the same block table and ids, i tokens on
+        row = Reservation(view, 1, res.first_slot + i, [])
+        out.append(plan(row, offset + i, inv_freq, device, quantized, True, window))
+    return out
+
+
+@dataclass
+class ItemStep:
+    """A verification item's place in the step's batch (its rows are planned one by one, plan_rows)."""
+
+    res: Reservation
+    offset: int
+    decode: bool = True
+
+    @property
+    def num_new(self) -> int:
+        return self.res.num_new
+
+    @property
+    def one_token_decode(self) -> bool:
+        return False
+
+
 def decode_first(items: list[tuple[Sequence, list[int]]], decode: list[bool]) -> list[int]:
     """The batch order of a step's items: decode items first, those of one layout together (one kernel call
     attends them all); a stable sort, so each kind keeps the caller's order."""
@@ -116,7 +147,8 @@ class StepReservation:
     take the tokens).
 
     steps[i] is item i's plan in its first group with the first layer's RoPE (offsets, rows, logits: what the runner
-    reads); layer_steps[l][i] the plan layer l attends with (its group's sequence, its RoPE, its window)."""
+    reads); layer_steps[l] the plans layer l attends with (its group's sequence, its RoPE, its window), one per item,
+    or one per row of a verification item (a decode item of several tokens, plan_rows), in batch order."""
 
     def __init__(self, manager: KVCacheManager, store: PageStore, items: list[tuple[Sequence, list[int]]],
                  decode: list[bool], layer_rope: list[torch.Tensor], device):
@@ -134,8 +166,13 @@ class StepReservation:
                 for member in seq.members:
                     self._reserve(member, ids, dec, keep, offset, device, plans)
                 for layer, steps in enumerate(self.layer_steps):
-                    steps.append(plans[layer])
-                self.steps.append(next(iter(plans.values())))
+                    if isinstance(plans[layer], list):
+                        steps.extend(plans[layer])
+                    else:
+                        steps.append(plans[layer])
+                first = next(iter(plans.values()))
+                self.steps.append(ItemStep(self.reservations[-len(seq.members)][0], offset)
+                                  if isinstance(first, list) else first)
                 offset += len(ids)
         except BaseException:
             self.rollback()
@@ -157,11 +194,13 @@ class StepReservation:
             store.open_tails(seq.layout, seq.seq_id)
         g = seq.geometry
         window = g.window + 1 if g.model_window else None        # W - 1 past keys: the layer's own window W
-        by_rope: dict[int, SeqStep] = {}
+        by_rope: dict[int, SeqStep | list[SeqStep]] = {}
+        rows = decode and len(ids) > 1            # a verification item: one plan per row
         for layer in seq.layout.layers or range(len(self.layer_rope)):
             inv = self.layer_rope[layer]
             if id(inv) not in by_rope:
-                by_rope[id(inv)] = plan(res, offset, inv, device, quantized, decode, window)
+                by_rope[id(inv)] = (plan_rows(res, offset, inv, device, quantized, window) if rows
+                                    else plan(res, offset, inv, device, quantized, decode, window))
             plans[layer] = by_rope[id(inv)]
 
     def rollback(self) -> None:

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from engine.text.chat_format import clean_text
 from engine.config import ConfigError, SamplingParams
-from engine.events import FinishReason, StatsSnapshot, TokenDelta, TurnFinished
+from engine.events import FinishReason, SpecStats, StatsSnapshot, TokenDelta, TurnFinished
 
 
 class SessionBusy(ConfigError):
@@ -42,6 +42,7 @@ class TurnTimes:
     ttft_s: float = 0.0                 # time to the first sampled token
     decode_tokens: int = 0              # tokens decoded after the first
     decode_s: float = 0.0               # time since the first; live while the turn streams
+    spec: SpecStats | None = None       # speculative decoding's counts (None: off)
 
     @property
     def prefill_tok_s(self) -> float:

@@ -68,11 +68,31 @@ def match_prefix(engine, handle: Sequence, ids: list[int]) -> int:
 
 
 def step(engine, items: list[tuple[Sequence, list[int]]], decode: list[bool] | None = None) -> list[torch.Tensor]:
-    """Feed each sequence its new token ids in one forward pass; returns each item's last-token logits [vocab].
-    decode[i]: item i is a generated token (not prompt): the runner keeps each kind's numbers independent of
+    """Feed each sequence its new token ids in one forward pass; returns each item's last-token logits [1, vocab], or
+    every row's [T, vocab] for a verification (a decode item of several tokens: speculative decoding).
+    decode[i]: item i is generated tokens (not prompt): the runner keeps each kind's numbers independent of
     the batch, so a request gives the same tokens alone or among others."""
-    rows = _runner(engine).step([(h.seq, ids) for h, ids in items], all_logits=False, decode=decode)
-    return [r[-1] for r in rows]
+    return _runner(engine).step([(h.seq, ids) for h, ids in items], all_logits=False, decode=decode)
+
+
+def truncate(engine, handle: Sequence, n: int) -> None:
+    """Take back the last n tokens (the drafts a verification rejected)."""
+    if n:
+        _runner(engine).truncate(handle.seq, n)
+
+
+def draft_room(engine, handle: Sequence, most: int) -> int:
+    """How many drafts may follow the sequence's next token in one verification (ModelRunner.draft_room)."""
+    return _runner(engine).draft_room(handle.seq, most)
+
+
+def speculator(engine):
+    """A new request's speculation under the engine's setting now, or None when it is off."""
+    from engine.runtime.speculative import Speculator
+    runner = _runner(engine)
+    if not runner.speculation.enabled:
+        return None
+    return Speculator(runner.speculation, runner.draft_runner, runner.config.vocab_size)
 
 
 def blocks_needed(engine, handle: Sequence, num_new: int) -> int:

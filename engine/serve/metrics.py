@@ -50,6 +50,13 @@ class ServeMetrics:
                                        labels + ("finished_reason",), registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               labels, buckets=TTFT_BUCKETS, registry=r).labels(*values)
+        # speculative decoding, as vLLM v1 counts it (vllm/v1/spec_decode/metrics.py): verification steps, the draft
+        # tokens they checked, those accepted, and the accepted ones by their place among the drafts (0 first)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", labels + ("position",), registry=r)
         self.kv_bytes = Gauge("kvchat_kv_bytes", "KV cache bytes held, by layer, component (k or v) and format.",
                               ("model_name", "layer", "component", "format"), registry=r)
         self.seq_bytes = Gauge("kvchat_sequence_kv_bytes", "KV cache bytes held by one sequence: a running request "
@@ -70,6 +77,14 @@ class ServeMetrics:
 
     def generated(self, n: int) -> None:
         self.generation_tokens.inc(n)
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        """One verification step: `drafted` draft tokens checked, the first `accepted` of them kept."""
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted.inc(accepted)
+        for pos in range(accepted):
+            self.spec_per_pos.labels(self._model_name, "0", str(pos)).inc()
 
     def finished(self, reason: FinishReason) -> None:
         self.request_success.labels(self._model_name, "0", openai_finish(reason)).inc()

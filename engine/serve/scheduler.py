@@ -23,6 +23,7 @@ import torch
 from engine.config import CacheConfig, SamplingParams
 from engine.events import FinishReason
 from engine.runtime.sampling import sample
+from engine.runtime.speculative import accept
 from engine.serve import batch
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -69,6 +70,7 @@ class Request:
     num_preemptions: int = 0
     first_token_s: float | None = None
     generator: torch.Generator | None = None
+    spec: object | None = None                      # its speculation (engine/runtime/speculative.py), or None
 
     @property
     def all_ids(self) -> list[int]:
@@ -180,21 +182,23 @@ class Scheduler:
         items = self._schedule()
         if items:
             self._report()      # before any token goes out: a client that saw a token sees its request running
+            decode = [r.num_computed >= len(r.prompt_ids) for r, _ in items]
             try:
-                logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items],
-                                    [r.num_computed >= len(r.prompt_ids) for r, _ in items])
+                logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items], decode)
             except Exception as exc:  # noqa: BLE001 - one bad step ends its requests, not the server
                 for request, _ in items:
                     self._finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
                 logits = []
-            for (request, ids), row in zip(items, logits):
+            for (request, ids), rows, dec in zip(items, logits, decode):
                 request.num_computed += len(ids)
-                if request.num_computed == len(request.all_ids):
-                    try:
-                        self._sample(request, row)
-                    except Exception as exc:  # noqa: BLE001 - a request whose sampling fails ends alone
-                        log.exception("sampling failed for %s", request.id)
-                        self._end_quietly(request, exc)
+                try:
+                    if dec and len(ids) > 1:
+                        self._verified(request, ids[1:], rows)
+                    elif request.num_computed == len(request.all_ids):
+                        self._sample(request, rows[-1])
+                except Exception as exc:  # noqa: BLE001 - a request whose sampling fails ends alone
+                    log.exception("sampling failed for %s", request.id)
+                    self._end_quietly(request, exc)
         self._report()
 
     def _admit(self) -> None:
@@ -221,6 +225,9 @@ class Scheduler:
             request.generator = torch.Generator(device="cpu").manual_seed(seed)
         request.handle = batch.new_sequence(self.engine, self.config.cache)
         request.num_computed = batch.match_prefix(self.engine, request.handle, request.all_ids)
+        if request.spec is not None:         # preempted: its draft's cache went with its own
+            request.spec.close()
+        request.spec = batch.speculator(self.engine)
         request.status = RUNNING
 
     def _blocks_to_finish_prompt(self, request: Request) -> int:
@@ -242,7 +249,11 @@ class Scheduler:
             end = done + 1 if done >= prompt_len else min(prompt_len, (done // chunk + 1) * chunk)
             ids = request.all_ids[done:end]
             need = batch.blocks_needed(self.engine, request.handle, len(ids))
-            if need + planned <= batch.num_free_blocks(self.engine):
+            free = batch.num_free_blocks(self.engine)
+            drafts = self._drafts(request) if done >= prompt_len and done + 1 == len(request.all_ids) else []
+            if drafts and batch.blocks_needed(self.engine, request.handle, 1 + len(drafts)) + planned <= free:
+                ids, need = ids + drafts, batch.blocks_needed(self.engine, request.handle, 1 + len(drafts))
+            if need + planned <= free:
                 items.append((request, ids))
                 planned += need
                 i += 1
@@ -269,15 +280,44 @@ class Scheduler:
         if self.metrics:
             self.metrics.preempted()
 
+    def _drafts(self, request: Request) -> list[int]:
+        """Speculative decoding's guesses after a decoding request's last token (which the step feeds), within what it
+        may still generate, its context and what can be taken back exactly."""
+        spec = request.spec
+        if spec is None:
+            return []
+        room = min(request.params.max_new_tokens - len(request.output_ids) - 1,
+                   self._max_context - len(request.all_ids) - 1)
+        return spec.propose(request.all_ids, batch.draft_room(self.engine, request.handle, min(room, spec.config.k)))
+
+    def _verified(self, request: Request, drafts: list[int], rows: torch.Tensor) -> None:
+        """After a verification step: the accepted drafts stay (the rest are taken back) and go out with the token after
+        them, each as a sampled token would."""
+        taken, after = accept(rows.float().cpu(), drafts, request.params, request.all_ids, request.generator)
+        batch.truncate(self.engine, request.handle, len(drafts) - taken)
+        request.num_computed -= len(drafts) - taken
+        request.spec.record(len(drafts), taken)
+        if self.metrics:
+            self.metrics.speculated(len(drafts), taken)
+        for token in drafts[:taken] + [after]:
+            if not self._take(request, token):
+                return
+
     def _sample(self, request: Request, logits: torch.Tensor) -> None:
         token = sample(logits.float().cpu(), request.params, request.all_ids[-1024:], request.generator)
+        if request.spec is not None and request.output_ids:
+            request.spec.record(0, 0)
+        self._take(request, token)
+
+    def _take(self, request: Request, token: int) -> bool:
+        """One chosen token goes out (or ends the request); False once the request is over."""
         if request.first_token_s is None:
             request.first_token_s = time.monotonic() - request.arrival
             if self.metrics:
                 self.metrics.first_token(request.first_token_s, len(request.prompt_ids))
         if token in self._stop_ids and not request.ignore_eos:
             self._finish(request, FinishReason.EOS)
-            return
+            return False
         request.output_ids.append(token)
         if self.metrics:
             self.metrics.generated(1)
@@ -286,6 +326,7 @@ class Scheduler:
             self._finish(request, FinishReason.LENGTH)
         elif len(request.all_ids) >= self._max_context:
             self._finish(request, FinishReason.CONTEXT, "the model's context is full")
+        return request.status != FINISHED
 
     def _finish(self, request: Request, reason: FinishReason, message: str = "") -> None:
         if request.status == FINISHED:
@@ -297,6 +338,9 @@ class Scheduler:
         if request.handle is not None:
             batch.release(self.engine, request.handle)
             request.handle = None
+        if request.spec is not None:
+            request.spec.close()
+            request.spec = None
         request.status = FINISHED
         if self.metrics:
             self.metrics.finished(reason)
