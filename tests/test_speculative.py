@@ -12,12 +12,12 @@ import torch
 from engine import CacheConfig, Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from engine.config import ConfigError
 from engine.events import FinishReason, TurnFinished
-from engine.runtime.speculative import PromptLookup, Speculator, accept
+from engine.runtime.speculative import PromptLookup, Speculator, StepCosts, accept
 from engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
 from tiny_models import tiny_family_dir, tiny_model_dir
 
 OFF = SpeculativeConfig("off")
-LOOKUP = SpeculativeConfig("lookup", k=6, ngram_max=3, ngram_min=1)
+LOOKUP = SpeculativeConfig("lookup", k=6, ngram_max=3, ngram_min=1, adaptive=False)   # verify every proposal
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
 FP32 = dict(k_format="fp32", v_format="fp32")
 MODES = [CacheConfig(**FP32), CacheConfig(), CacheConfig(k_format="int8", v_format="int8"),
@@ -196,7 +196,7 @@ def test_the_default_model_is_its_own_draft():
     prompt = "Write a haiku about the sea."
     params = SamplingParams(temperature=0, max_new_tokens=40)
     plain, _ = turn(eng, OFF, CacheConfig(), prompt=prompt, params=params, turns=1)
-    spec, finished = turn(eng, SpeculativeConfig("draft", k=4, draft_model="self"), CacheConfig(), prompt=prompt,
+    spec, finished = turn(eng, SpeculativeConfig("draft", k=4, draft_model="self", adaptive=False), CacheConfig(), prompt=prompt,
                           params=params, turns=1)
     assert spec.token_ids == plain.token_ids
     st = finished.stats.spec
@@ -211,7 +211,7 @@ def test_a_tiny_random_draft_model_sharing_the_tokenizer(engine, tmp_path):
     still plain decoding's."""
     draft = tiny_model_dir(tmp_path / "draft", hidden=32, heads=2, kv_heads=1, layers=1, seed=7, max_positions=4096)
     plain, _ = turn(engine, OFF, CacheConfig(**FP32))
-    spec, finished = turn(engine, SpeculativeConfig("draft", k=3, draft_model=draft), CacheConfig(**FP32))
+    spec, finished = turn(engine, SpeculativeConfig("draft", k=3, draft_model=draft, adaptive=False), CacheConfig(**FP32))
     assert spec.token_ids == plain.token_ids
     assert finished.stats.spec.drafted > 0 and engine.draft_engine is not None
     engine.set_speculative(OFF)
@@ -336,3 +336,26 @@ def test_greedy_acceptance_takes_exactly_the_argmax_run():
     assert accept(rows, [3, 4, 9], greedy, [], None) == (3, 1)     # all taken, then the bonus token
     assert accept(rows, [3, 7, 9], greedy, [], None) == (1, 4)     # the second rejected: row 1's own choice
     assert accept(rows, [2], greedy, [], None) == (0, 3)
+
+
+def test_adaptive_drafts_follow_acceptance_and_what_a_row_costs():
+    """The number proposed maximises expected tokens per time: none while guesses fail or rows are dear, many while
+    they are taken and rows are cheap; an unverified proposal that would have been right brings drafting back."""
+    costs = StepCosts()
+    spec = Speculator(SpeculativeConfig("lookup", k=8, ngram_min=1), costs=costs)
+    for _ in range(10):
+        costs.plain(0.010)
+        costs.verified(5, 0.010 + 4 * 0.0005)          # a row costs 5% of a step
+    for _ in range(6):
+        spec.record(4, 4)
+    assert spec.worth(8) == 8
+    for _ in range(10):
+        costs.verified(5, 0.010 + 4 * 0.008)           # 80%: only near-certain runs pay
+    for _ in range(8):
+        spec.record(4, 0)
+    assert spec.worth(8) == 0
+    ids = [1, 2, 3, 1, 2]
+    assert spec.propose(ids, 8) == []                  # not worth verifying; kept as a shadow guess (3)
+    before = spec.acceptance
+    spec.propose(ids + [3], 8)                         # the guess was right: the estimate rises
+    assert spec.acceptance > before

@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from engine.runtime.backends import AttentionBackend, LayerScores, StepAttention, backend_for, choice_key
+from engine.runtime.speculative import StepCosts
 from engine.runtime.step_plan import StepReservation, decode_first
 from engine.config import CacheConfig, ConfigError, SpeculativeConfig
 from engine.kv import convert, saved
@@ -41,6 +42,7 @@ class ModelRunner:
         self.steps = 0
         self.speculation = SpeculativeConfig("off")   # the engine's setting (Engine.set_speculative), read each turn
         self.draft_runner: "ModelRunner | None" = None   # a draft model's runner when speculation uses one
+        self.step_costs = StepCosts()             # what a decode step and a verification row cost here
         self._backends: dict[tuple, AttentionBackend] = {}     # by backends.choice_key
 
     @property

@@ -310,9 +310,10 @@ class Session:
                             room -= 1
                         verified = spec.verify(self, next_id, params, generator, room)
                     if verified is None:
+                        plain_started = time.perf_counter()
                         logits = self._forward([next_id], all_logits=False)[-1]
                         if spec is not None:
-                            spec.record(0, 0)
+                            spec.record(0, 0, time.perf_counter() - plain_started)
                     else:
                         chosen.extend(verified)
                 except BudgetFull as exc:
@@ -344,7 +345,7 @@ class Session:
             self._spec.close()
             self._spec = None
         if self._spec is None and config.enabled:
-            self._spec = Speculator(config, draft, self.runner.config.vocab_size)
+            self._spec = Speculator(config, draft, self.runner.config.vocab_size, self.runner.step_costs)
         if self._spec is not None:
             self._spec.reset_counts()
         return self._spec

@@ -19,6 +19,8 @@ than over one (the README's batched-decode table): every accepted draft saves mo
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.config import CacheConfig, ConfigError, SamplingParams, SpeculativeConfig
@@ -135,28 +137,102 @@ class DraftProposer:
         self.seq, self.ids = None, []
 
 
-class Speculator:
-    """One conversation's speculation: its proposer, the number it proposes next (adaptive), and the turn's counts."""
+class StepCosts:
+    """What a decode step costs on this machine and model, learned as it runs: the time of a plain step and the time
+    each further row adds to a verification, as moving averages. One per runner (the same weights and kernels for
+    every conversation). Where weights dominate (a GPU, a large model) a row costs a small share of a step; on a
+    small model on two CPU cores it costs most of one, and only long accepted runs pay."""
 
-    def __init__(self, config: SpeculativeConfig, draft_runner=None, vocab_size: int = 0):
+    DECAY = 0.8
+
+    def __init__(self, row_share: float = 0.25):
+        self.step_s: float | None = None
+        self.row_s: float | None = None
+        self._guess = row_share
+
+    def plain(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else self.DECAY * self.step_s + (1 - self.DECAY) * seconds
+
+    def verified(self, rows: int, seconds: float) -> None:
+        if self.step_s is None or rows < 2:
+            return
+        per_row = max(0.0, (seconds - self.step_s) / (rows - 1))
+        self.row_s = per_row if self.row_s is None else self.DECAY * self.row_s + (1 - self.DECAY) * per_row
+
+    @property
+    def row_share(self) -> float:
+        """A further row's time as a share of a plain step's."""
+        if self.step_s and self.row_s is not None:
+            return self.row_s / self.step_s
+        return self._guess
+
+
+class Speculator:
+    """One conversation's speculation: its proposer, how many drafts pay now, and the turn's counts.
+
+    How many (adaptive): with a per-token acceptance rate a (a moving estimate) and a further row costing a share c
+    of a step, k drafts give 1 + a + ... + a^k tokens for 1 + c k of a step's time; the k that gives most per time
+    is proposed (0: a plain step). Proposals not verified are still checked against the token that follows, so the
+    estimate recovers when the reply starts copying."""
+
+    DECAY = 0.7
+
+    def __init__(self, config: SpeculativeConfig, draft_runner=None, vocab_size: int = 0, costs: StepCosts | None = None):
         self.config = config
         self.draft_runner = draft_runner
+        self.costs = costs or StepCosts()
         if config.method == "draft":
             if draft_runner is None:
                 raise ConfigError("the draft model is not loaded: set speculative decoding again to load it")
             self.proposer = DraftProposer(draft_runner, vocab_size)
         else:
             self.proposer = PromptLookup(config.ngram_max, config.ngram_min)
-        self.k_now = config.k
+        self._hits, self._tries = 1.0, 2.0          # the acceptance estimate starts at 1/2
+        self._shadow: tuple[int, int] | None = None  # (position, first draft) of a proposal not verified
         self.reset_counts()
 
     def reset_counts(self) -> None:
         self.drafted = self.accepted = self.steps = self.tokens = 0
 
+    @property
+    def acceptance(self) -> float:
+        return self._hits / self._tries
+
+    def _observe(self, hits: int, tries: int) -> None:
+        self._hits = self.DECAY * self._hits + hits
+        self._tries = self.DECAY * self._tries + tries
+
+    def worth(self, most: int) -> int:
+        """The number of drafts that gives the most tokens per time now (at most `most`)."""
+        if not self.config.adaptive:
+            return most
+        a, c = min(self.acceptance, 0.999), self.costs.row_share
+        best, best_rate, tokens = 0, 1.0, 1.0
+        for k in range(1, most + 1):
+            tokens += a ** k
+            rate = tokens / (1 + c * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
     def propose(self, ids: list[int], room: int) -> list[int]:
-        """Drafts to follow ids[-1] (the next token, not in the cache yet), at most `room`."""
-        most = min(room, self.k_now if self.config.adaptive else self.config.k)
-        return self.proposer.propose(ids, most) if most > 0 else []
+        """Drafts to follow ids[-1] (the next token, not in the cache yet), at most `room`; [] for a plain step."""
+        if self._shadow is not None:       # did the last unverified proposal guess the token that came?
+            pos, first = self._shadow
+            if len(ids) > pos + 1:
+                self._observe(int(ids[pos + 1] == first), 1)
+            self._shadow = None
+        if room <= 0:
+            return []
+        want = self.worth(room)
+        if want == 0 and self.config.method == "draft":      # a draft model's guesses are not free: no shadow
+            return []
+        drafts = self.proposer.propose(ids, max(1, want))
+        if want == 0:
+            if drafts:
+                self._shadow = (len(ids) - 1, drafts[0])
+            return []
+        return drafts
 
     def verify(self, session, next_id: int, params: SamplingParams, generator, room: int) -> list[int] | None:
         """One verification step after next_id (the conversation's last token, not in the cache yet): returns the
@@ -166,25 +242,28 @@ class Speculator:
         drafts = self.propose(session.token_ids, runner.draft_room(seq, min(room, self.config.k)))
         if not drafts:
             return None
+        started = time.perf_counter()
         try:
             (rows,) = runner.step([(seq, [next_id] + drafts)], decode=[True])
         except NoFreeBlocks:
             return None
+        self.costs.verified(1 + len(drafts), time.perf_counter() - started)
         taken, after = accept(rows.cpu(), drafts, params, session.token_ids, generator)
         if taken < len(drafts):
             runner.truncate(seq, len(drafts) - taken)
         self.record(len(drafts), taken)
         return drafts[:taken] + [after]
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """One decode step: `drafted` verified, `accepted` kept (0, 0 for a plain step)."""
+    def record(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """One decode step: `drafted` verified, `accepted` kept (0, 0 for a plain step taking `seconds`)."""
         self.steps += 1
         self.tokens += 1 + accepted
         self.drafted += drafted
         self.accepted += accepted
-        if drafted and self.config.adaptive:
-            # all taken: guess further; else guess about as far as was right (at least 1)
-            self.k_now = min(self.config.k, self.k_now + 2) if accepted == drafted else max(1, accepted + 1)
+        if drafted:
+            self._observe(accepted, accepted + int(accepted < drafted))
+        elif seconds is not None:
+            self.costs.plain(seconds)
 
     def stats(self) -> SpecStats:
         return SpecStats(self.config.method, self.drafted, self.accepted, self.steps, self.tokens)

@@ -92,7 +92,7 @@ def speculator(engine):
     runner = _runner(engine)
     if not runner.speculation.enabled:
         return None
-    return Speculator(runner.speculation, runner.draft_runner, runner.config.vocab_size)
+    return Speculator(runner.speculation, runner.draft_runner, runner.config.vocab_size, runner.step_costs)
 
 
 def blocks_needed(engine, handle: Sequence, num_new: int) -> int:
