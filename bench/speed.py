@@ -39,6 +39,11 @@ def add_arguments(p) -> None:
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--transformers", choices=["auto", "yes", "no"], default="auto",
                    help="time transformers generate() too (auto: the default model only)")
+    p.add_argument("--speculative", action="store_true",
+                   help="decode with and without speculative decoding (and llama.cpp's prompt lookup) on three "
+                        "prompts, instead of the rest (bench/speculative.py)")
+    from bench import speculative
+    speculative.add_arguments(p)
     p.add_argument("--long-context", action="store_true",
                    help="also measure decode with 4,096 tokens cached against 256 (kvchat only)")
 
@@ -339,6 +344,11 @@ def run(args) -> dict:
     path = model_path(spec)
     budget = CacheConfig(budget_mb=4096)
     engine = Engine.load(EngineConfig(model=spec, device="cpu", cache=budget, num_threads=threads))
+    if getattr(args, "speculative", False):
+        from bench import speculative
+        return {"model": engine.model_name, "path": path, "quant": engine.model.quant, "weights": engine.model.weights,
+                "threads": threads, "kernels": _kernels_label(), "mode": "speculative",
+                **speculative.run(args, engine, path, threads)}
     ids = prompt_ids(engine.tokenizer, args.prompt_tokens)
     sides = {"kvchat": lambda n: _time_kvchat(engine, ids[:n] if n else ids, args.new_tokens if not n else 4)}
     llm = None if args.no_llamacpp or not path.endswith(".gguf") else \
@@ -418,6 +428,10 @@ def _fresh_process_runs(spec: str, path: str, threads: int, runs: int, with_llam
 
 
 def summarize(r: dict) -> str:
+    if r.get("mode") == "speculative":
+        from bench import speculative
+        return "\n".join([f"{r['model']} ({r['quant']}, weights {r['weights']}) on {r['threads']} threads; kernels: "
+                          f"{r['kernels']}"] + speculative.summarize(r))
     lines = [f"{r['model']} ({r['quant']}, weights {r['weights']}, {r['weight_bytes'] / MIB:.0f} MiB resident"
              + (f", file {r['file_bytes'] / MIB:.0f} MiB" if r.get("file_bytes") else "") + f") on {r['threads']} "
              f"threads, {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, median of {r['runs']} "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+from engine.config import SPEC_METHODS, CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,12 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overflow", default=cache.overflow, choices=["stop", "slide"])
     p.add_argument("--fp-layers", default=",".join(map(str, cache.full_precision_layers)),
                    help="comma-separated layers kept in full precision")
+    spec = engine.speculative
+    p.add_argument("--speculative", default=spec.method, choices=SPEC_METHODS,
+                   help="speculative decoding: prompt lookup (the default), a draft model, or off")
+    p.add_argument("--spec-tokens", type=int, default=spec.k, help="most draft tokens verified in one step")
+    p.add_argument("--draft-model", default=None, help="the draft model (--speculative draft): a .gguf file or folder "
+                                                       "of the same tokenizer, or 'self'")
 
 
 def parse_fp_layers(text: str) -> tuple[int, ...]:
@@ -39,8 +45,19 @@ def cache_config(args) -> CacheConfig:
                        block_size=args.block_size, budget_mb=args.budget_mb, overflow=args.overflow)
 
 
+def speculative_config(args) -> SpeculativeConfig:
+    """The speculative-decoding options; a bad value is a ConfigError naming the option."""
+    try:
+        return SpeculativeConfig(args.speculative, k=args.spec_tokens, draft_model=args.draft_model)
+    except ConfigError as exc:
+        text = str(exc)
+        name = "--spec-tokens" if text.startswith("k=") else "--draft-model" if "draft model" in text else "--speculative"
+        raise ConfigError(f"{name}: {text}") from None
+
+
 def engine_config(args) -> EngineConfig:
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, cache=cache_config(args))
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
+                        speculative=speculative_config(args))
 
 
 def sampling_params(args) -> SamplingParams:

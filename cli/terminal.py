@@ -29,6 +29,9 @@ def _print_stats(session) -> None:
           f"KV {s.kv_bytes / KIB:.1f} KiB of {s.budget_bytes / MIB:.0f} MiB, blocks {s.blocks_used}/{s.blocks_budget}, "
           f"tokens left {'unbounded (window)' if s.tokens_left is None else s.tokens_left}, "
           f"prefill {s.prefill_tok_s:.0f} tok/s, decode {s.decode_tok_s:.1f} tok/s, TTFT {s.ttft_s * 1000:.0f} ms")
+    if s.spec is not None:
+        print(f"speculative ({s.spec.method}): {s.spec.accepted} of {s.spec.drafted} drafts accepted "
+              f"({s.spec.acceptance_rate:.0%}), {s.spec.tokens_per_step:.2f} tokens a step")
 
 
 def _stream(session, text: str, params: SamplingParams) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from kernels import cpu_lib
 
-from engine.config import CacheConfig, EngineConfig, SamplingParams
+from engine.config import CacheConfig, EngineConfig, SamplingParams, SpeculativeConfig
 from engine.errors import ModelLoadError
 from engine.gguf.blocks import packed_matrix
 from engine.gguf.file import GGUFFile
@@ -231,6 +231,8 @@ def covers(args) -> bool:
                     k_scheme=cache.k_scheme, window=cache.window, sinks=cache.sinks, block_size=cache.block_size,
                     budget_mb=cache.budget_mb, overflow=cache.overflow,
                     fp_layers=",".join(map(str, cache.full_precision_layers)))
+    # the one-shot path decodes plainly (the same tokens greedy); asking for something else takes the engine's
+    defaults.update(speculative=SpeculativeConfig().method, spec_tokens=SpeculativeConfig().k, draft_model=None)
     if os.environ.get("KVCHAT_NO_QUICK") or args.prompt is None:
         return False
     if any(getattr(args, k, v) != v for k, v in defaults.items()):

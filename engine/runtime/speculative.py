@@ -202,11 +202,15 @@ class Speculator:
         self._hits = self.DECAY * self._hits + hits
         self._tries = self.DECAY * self._tries + tries
 
-    def worth(self, most: int) -> int:
-        """The number of drafts that gives the most tokens per time now (at most `most`)."""
+    def worth(self, most: int, batch: int = 1) -> int:
+        """The number of drafts that gives the most tokens per time now (at most `most`). batch: the decoding
+        sequences sharing the step (serving): a step of B rows costs 1 + c (B - 1) steps, so a further row costs
+        c B / (1 + c (B - 1)) of one sequence's share, nearly a whole share in a large batch (where vLLM, too,
+        turns speculation off)."""
         if not self.config.adaptive:
             return most
         a, c = min(self.acceptance, 0.999), self.costs.row_share
+        c = c * batch / (1 + c * (batch - 1))
         best, best_rate, tokens = 0, 1.0, 1.0
         for k in range(1, most + 1):
             tokens += a ** k
@@ -215,7 +219,7 @@ class Speculator:
                 best, best_rate = k, rate
         return best
 
-    def propose(self, ids: list[int], room: int) -> list[int]:
+    def propose(self, ids: list[int], room: int, batch: int = 1) -> list[int]:
         """Drafts to follow ids[-1] (the next token, not in the cache yet), at most `room`; [] for a plain step."""
         if self._shadow is not None:       # did the last unverified proposal guess the token that came?
             pos, first = self._shadow
@@ -224,7 +228,7 @@ class Speculator:
             self._shadow = None
         if room <= 0:
             return []
-        want = self.worth(room)
+        want = self.worth(room, batch)
         if want == 0 and self.config.method == "draft":      # a draft model's guesses are not free: no shadow
             return []
         drafts = self.proposer.propose(ids, max(1, want))

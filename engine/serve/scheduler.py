@@ -183,8 +183,13 @@ class Scheduler:
         if items:
             self._report()      # before any token goes out: a client that saw a token sees its request running
             decode = [r.num_computed >= len(r.prompt_ids) for r, _ in items]
+            started = time.perf_counter()
             try:
                 logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items], decode)
+                if len(items) == 1 and decode[0] and items[0][0].spec is not None:    # one sequence alone: its costs
+                    costs, rows = items[0][0].spec.costs, len(items[0][1])
+                    seconds = time.perf_counter() - started
+                    costs.plain(seconds) if rows == 1 else costs.verified(rows, seconds)
             except Exception as exc:  # noqa: BLE001 - one bad step ends its requests, not the server
                 for request, _ in items:
                     self._finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
@@ -250,7 +255,9 @@ class Scheduler:
             ids = request.all_ids[done:end]
             need = batch.blocks_needed(self.engine, request.handle, len(ids))
             free = batch.num_free_blocks(self.engine)
-            drafts = self._drafts(request) if done >= prompt_len and done + 1 == len(request.all_ids) else []
+            decoding = sum(1 for r in self.running if r.num_computed >= len(r.prompt_ids))
+            drafts = (self._drafts(request, decoding) if done >= prompt_len and done + 1 == len(request.all_ids)
+                      else [])
             if drafts and batch.blocks_needed(self.engine, request.handle, 1 + len(drafts)) + planned <= free:
                 ids, need = ids + drafts, batch.blocks_needed(self.engine, request.handle, 1 + len(drafts))
             if need + planned <= free:
@@ -280,7 +287,7 @@ class Scheduler:
         if self.metrics:
             self.metrics.preempted()
 
-    def _drafts(self, request: Request) -> list[int]:
+    def _drafts(self, request: Request, decoding: int) -> list[int]:
         """Speculative decoding's guesses after a decoding request's last token (which the step feeds), within what it
         may still generate, its context and what can be taken back exactly."""
         spec = request.spec
@@ -288,7 +295,8 @@ class Scheduler:
             return []
         room = min(request.params.max_new_tokens - len(request.output_ids) - 1,
                    self._max_context - len(request.all_ids) - 1)
-        return spec.propose(request.all_ids, batch.draft_room(self.engine, request.handle, min(room, spec.config.k)))
+        return spec.propose(request.all_ids, batch.draft_room(self.engine, request.handle, min(room, spec.config.k)),
+                            decoding)
 
     def _verified(self, request: Request, drafts: list[int], rows: torch.Tensor) -> None:
         """After a verification step: the accepted drafts stay (the rest are taken back) and go out with the token after
