@@ -359,3 +359,30 @@ def test_adaptive_drafts_follow_acceptance_and_what_a_row_costs():
     before = spec.acceptance
     spec.propose(ids + [3], 8)                         # the guess was right: the estimate rises
     assert spec.acceptance > before
+
+
+def test_sampling_over_a_tiny_models_verification_keeps_its_distribution(engine):
+    """The same rule over a real verification step of the tiny model (its rows after a context and two drafts, the
+    drafts then taken back): the first token follows the model's own sampling distribution after the context."""
+    from engine.runtime.sampling import distribution
+    s = engine.new_session(cache=CacheConfig(**FP32))
+    context = list(range(5, 40))
+    s.append(context)
+    nxt, drafts = 41, [42, 43]
+    (rows,) = engine.runner.step([(s.seq, [nxt] + drafts)], decode=[True])
+    engine.runner.truncate(s.seq, 3)
+    params = SamplingParams(temperature=1.5, top_k=20)        # flat enough that both branches happen
+    recent = context + [nxt]
+    rows = rows.cpu()
+    drafts = [int(rows[0].argsort(descending=True)[1]), int(rows[1].argmax())]   # a likely but not certain guess
+    p0 = distribution(rows[0], params, recent)
+    g = torch.Generator().manual_seed(1)
+    n = 8000
+    first = torch.zeros(rows.shape[1])
+    for _ in range(n):
+        taken, after = accept(rows, drafts, params, recent, g)
+        first[(drafts[:taken] + [after])[0]] += 1
+    assert 0.02 < float(p0[drafts[0]]) < 0.98
+    assert _chi2_ok(first, p0, n)
+    assert s.seq.num_tokens == len(context)
+    s.close()
