@@ -438,9 +438,9 @@ class Dashboard(QWidget):
     def _draw_summary(self, snapshot) -> None:
         self.gauge.set_room(token_room(snapshot), snapshot.tokens_evicted)
         generating = bool(self.data.series["decode"]) and not math.isnan(self.data.series["decode"][-1])
-        speed = self.tr("decode {decode} tok/s · prefill {prefill} tok/s · TTFT {ttft} ms").format(
-            decode=f"{snapshot.decode_tok_s:.1f}", prefill=f"{snapshot.prefill_tok_s:.0f}",
-            ttft=f"{snapshot.ttft_s * 1000:.0f}")
+        speed = self.tr("decode {decode} tok/s{drafts} · prefill {prefill} tok/s · TTFT {ttft} ms").format(
+            decode=f"{snapshot.decode_tok_s:.1f}", drafts=self._drafts_text(snapshot.spec),
+            prefill=f"{snapshot.prefill_tok_s:.0f}", ttft=f"{snapshot.ttft_s * 1000:.0f}")
         if self.reading:
             speed = html.escape(self.reading)
         elif not generating:
@@ -456,10 +456,20 @@ class Dashboard(QWidget):
                                                              label=html.escape(weights_text(snapshot.weights_label)))
                if snapshot.weight_bytes else ""))
 
+    def _drafts_text(self, spec) -> str:
+        """What speculative decoding did in the last turn, to follow the decode rate; "" when it was off."""
+        if spec is None or spec.steps <= 0:
+            return ""
+        if not spec.drafted:            # no acceptance to show: the chat gave prompt lookup nothing to copy
+            return " · " + self.tr("nothing drafted")
+        return " · " + self.tr("drafts {accepted} accepted, {per_step} tokens/step").format(
+            accepted=f"{spec.acceptance_rate:.0%}", per_step=f"{spec.tokens_per_step:.1f}")
+
     def _draw_remote_summary(self, snapshot) -> None:
         generating = bool(self.data.series["decode"]) and not math.isnan(self.data.series["decode"][-1])
-        speed = self.tr("decode {decode} tok/s · TTFT {ttft} ms").format(decode=f"{snapshot.decode_tok_s:.1f}",
-                                                                          ttft=f"{snapshot.ttft_s * 1000:.0f}")
+        speed = self.tr("decode {decode} tok/s{drafts} · TTFT {ttft} ms").format(
+            decode=f"{snapshot.decode_tok_s:.1f}", drafts=self._drafts_text(snapshot.spec),
+            ttft=f"{snapshot.ttft_s * 1000:.0f}")
         if not generating:
             speed = self.tr("idle · last reply: {speed}").format(speed=speed) \
                 if snapshot.decode_tok_s or snapshot.ttft_s else self.tr("idle")

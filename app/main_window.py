@@ -184,6 +184,7 @@ class MainWindow(QMainWindow):
     def _connect_host(self, host: EngineHost) -> None:
         self.host = host
         host.set_disk_budget(self.store.kv_disk_budget_mb())     # queued before any load: applied to each engine
+        host.set_speculative(*self.store.speculative())
         worker = host                   # its signals arrive in the GUI thread
         worker.progress.connect(self._on_progress)
         worker.ready.connect(self._on_ready)
@@ -317,9 +318,11 @@ class MainWindow(QMainWindow):
                                 model_config=self.engine_info.model_config if self.engine_info else None,
                                 model_dtype=self.engine_info.dtype if self.engine_info else "fp32",
                                 device=self.engine_info.device if self.engine_info else "cpu",
-                                language=self.store.language(), disk_budget_mb=self.store.kv_disk_budget_mb())
+                                language=self.store.language(), disk_budget_mb=self.store.kv_disk_budget_mb(),
+                                speculative=self.store.speculative())
         dialog.accepted.connect(lambda: self.store.set_language(dialog.language()))     # applies on restart
         dialog.accepted.connect(lambda: self._set_disk_budget(dialog.disk_budget_mb()))
+        dialog.accepted.connect(lambda: self._set_speculative(*dialog.speculative()))
         dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()
@@ -329,6 +332,10 @@ class MainWindow(QMainWindow):
     def _set_disk_budget(self, mb: float) -> None:
         self.store.set_kv_disk_budget_mb(mb)
         self.host.set_disk_budget(mb)
+
+    def _set_speculative(self, method: str, k: int) -> None:
+        self.store.set_speculative(method, k)
+        self.host.set_speculative(method, k)
 
     def open_models(self) -> ModelsDialog:
         """The Models page (non-blocking): Load there reloads through apply_settings, which saves the choice."""

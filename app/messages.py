@@ -77,7 +77,7 @@ class ReadingHistory:
 class ErrorEvent:
     """Something the user must hear about. `kind` says which command failed."""
 
-    kind: str                           # "load", "session", "send", "cache", "reset"
+    kind: str                           # "load", "session", "send", "cache", "reset", "speculative"
     title: str
     message: str                        # what happened and what to do, in one or two sentences
 

@@ -1,5 +1,5 @@
 """Settings: where the model runs (this computer or a server), model, cache formats and policies, sampling,
-system prompt.
+speculative decoding, system prompt.
 
 Every edit is validated by building the engine's own frozen configs and, once a model is loaded,
 by the engine's own check of a cache config against that model (kv_layout.check_cache_for_model); a
@@ -15,12 +15,12 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QScrollArea,
                                QSpinBox, QVBoxLayout, QWidget)
 
-from engine.config import FORMATS, KEY_SCHEMES, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
+from engine.config import FORMATS, KEY_SCHEMES, MAX_DRAFTS, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
 from engine.kv.layout import check_cache_for_model
 
 from app.engine_text import engine_text
 from app.i18n import choice, choose, fill_choices, language_names
-from app.settings_store import AppSettings, RemoteSettings
+from app.settings_store import DEFAULT_SPECULATIVE, AppSettings, RemoteSettings
 
 LOCAL_CHOICE, SERVER_CHOICE = "This computer", "Server"     # the engine choice's item data (shown translated)
 
@@ -71,9 +71,11 @@ class SettingsDialog(QDialog):
 
     def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None,
                  model_config=None, model_dtype: str = "fp32", device: str = "cpu",
-                 last_server: RemoteSettings | None = None, language: str = "system", disk_budget_mb: float = 2048.0):
+                 last_server: RemoteSettings | None = None, language: str = "system", disk_budget_mb: float = 2048.0,
+                 speculative: tuple[str, int] = DEFAULT_SPECULATIVE):
         super().__init__(parent)
         self._disk_budget_mb = disk_budget_mb
+        self._speculative = speculative
         self.setWindowTitle(self.tr("kvchat settings"))
         self.setObjectName("settingsDialog")
         self.num_layers = num_layers
@@ -195,8 +197,8 @@ class SettingsDialog(QDialog):
     def _engine_changed(self, *_args) -> None:
         server = self.uses_server()
         self.server_box.setVisible(server)
-        for group in (self.model_box, self.cache_box):
-            group.setEnabled(not server)
+        for part in (self.model_box, self.cache_box, self.spec_row):
+            part.setEnabled(not server)
         self.cache_box.setTitle(self.tr("KV cache (the server chooses its own)") if server
                                 else self.tr("KV cache (applies to the open chat live)"))
         self._fit_to_screen()
@@ -326,7 +328,32 @@ class SettingsDialog(QDialog):
         form.addRow(self.tr("Top-p"), self.top_p)
         form.addRow(self.tr("Top-k"), self.top_k)
         form.addRow(self.tr("Max new tokens"), self.max_new_tokens)
+        form.addRow(self.tr("Speculative decoding"), self._speculative_row())
         return box
+
+    def _speculative_row(self) -> QWidget:
+        """Local engines only: a server decodes its own way."""
+        method, k = self._speculative
+        self.spec_method = QComboBox(objectName="specMethod")
+        self.spec_method.addItem(self.tr("Off"), "off")
+        self.spec_method.addItem(self.tr("Prompt lookup"), "lookup")
+        self.spec_method.setCurrentIndex(max(0, self.spec_method.findData(method)))
+        self.spec_tokens = _spin(QSpinBox(minimum=1, maximum=MAX_DRAFTS, suffix=self.tr(" tokens a step"),
+                                          objectName="specTokens"), k)
+        tip = self.tr("Prompt lookup guesses the next tokens from text already in the chat (code, quotes), and the "
+                      "model checks them all in one step. The reply is the same; it comes sooner when it copies, and "
+                      "kvchat drafts only as many as pay on this machine.")
+        self.spec_row = QWidget()
+        row = QHBoxLayout(self.spec_row)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(self.spec_method, 1)
+        row.addWidget(QLabel(self.tr("up to")))
+        row.addWidget(self.spec_tokens)
+        for widget in (self.spec_row, self.spec_method, self.spec_tokens):
+            widget.setToolTip(tip)
+        self.spec_method.currentIndexChanged.connect(self._spec_method_changed)
+        self._spec_method_changed()
+        return self.spec_row
 
     # --- behaviour ---
 
@@ -427,6 +454,13 @@ class SettingsDialog(QDialog):
 
     def disk_budget_mb(self) -> float:
         return float(self.disk_budget.value())
+
+    def _spec_method_changed(self, *_args) -> None:
+        self.spec_tokens.setEnabled(self.speculative()[0] != "off")
+
+    def speculative(self) -> tuple[str, int]:
+        """(method, most draft tokens per step): "off" or "lookup", 1 to 32."""
+        return str(self.spec_method.currentData()), int(self.spec_tokens.value())
 
     def result_settings(self) -> AppSettings | None:
         return self._result

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from engine.config import CacheConfig, ConfigError, SamplingParams
+from engine.config import MAX_DRAFTS, CacheConfig, ConfigError, SamplingParams
 
 from app.history import cache_from_json, cache_to_json
 
@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, max_new_tokens=256)
 KEYRING_SERVICE = "kvchat"
 IN_KEYRING = "keyring"          # server/api_key_in: where the key is, when not in this file
+SPEC_METHODS = ("off", "lookup")    # what Settings offers: a draft model needs a model file of its own
+DEFAULT_SPECULATIVE = ("lookup", 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,21 @@ class SettingsStore:
 
     def set_kv_disk_budget_mb(self, value: float) -> None:
         self._qs.setValue("kv/disk_budget_mb", float(value))
+        self._qs.sync()
+
+    def speculative(self) -> tuple[str, int]:
+        """Speculative decoding (method, most draft tokens per step); prompt lookup with 8 unless changed."""
+        method = str(self._qs.value("engine/speculative", DEFAULT_SPECULATIVE[0]) or "")
+        try:
+            k = int(self._qs.value("engine/spec_tokens", DEFAULT_SPECULATIVE[1]))
+        except (TypeError, ValueError):
+            k = DEFAULT_SPECULATIVE[1]
+        return (method if method in SPEC_METHODS else DEFAULT_SPECULATIVE[0],
+                k if 1 <= k <= MAX_DRAFTS else DEFAULT_SPECULATIVE[1])
+
+    def set_speculative(self, method: str, k: int) -> None:
+        self._qs.setValue("engine/speculative", method)
+        self._qs.setValue("engine/spec_tokens", int(k))
         self._qs.sync()
 
     def sync(self) -> None:

@@ -17,7 +17,7 @@ from typing import Callable
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QObject, Qt, QThread, Signal, Slot
 
 from engine.api import capabilities_of
-from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 from engine.errors import UserError
 from engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
@@ -101,6 +101,7 @@ class EngineWorker(QObject):
         self._facts: dict[str, float] = {}
         self._released_chats: set = set()  # conversations whose cache the engine released for room
         self._disk_budget_mb: float | None = None   # saved caches' disk budget from Settings (None: the engine's)
+        self._speculative: tuple[str, int] | None = None    # (method, k) from Settings (None: the engine's)
 
     # --- called from the GUI thread (thread-safe, never blocks) ---
 
@@ -146,6 +147,8 @@ class EngineWorker(QObject):
         self._engine, self._session, self._open = engine, None, {}
         if self._disk_budget_mb is not None:
             self.set_disk_budget(self._disk_budget_mb)
+        if self._speculative is not None:
+            self.set_speculative(*self._speculative)
         self._released_chats = set()
         self._facts = model_facts(engine)
         self.ready.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
@@ -309,6 +312,18 @@ class EngineWorker(QObject):
     def set_disk_budget(self, mb: float) -> None:
         self._disk_budget_mb = mb
         warm_chats.set_disk_budget(self._engine, mb)
+
+    @Slot(str, int)
+    def set_speculative(self, method: str, k: int) -> None:
+        """Speculative decoding from Settings, live: every chat's next turn uses it. A server decodes its own way."""
+        self._speculative = (method, k)
+        if not hasattr(self._engine, "set_speculative"):
+            return
+        try:
+            self._engine.set_speculative(SpeculativeConfig(method, k=k))
+        except Exception as exc:  # noqa: BLE001 - ConfigError says what to change; the last setting stays
+            self.error.emit(ErrorEvent("speculative", self.tr("Cannot change speculative decoding"),
+                                       _load_error_message(exc)))
 
     @Slot(object)
     def forget_cache(self, conversation_id) -> None:
@@ -541,6 +556,7 @@ class EngineHost(QObject):
     _count = Signal(object)
     _forget = Signal(object)
     _disk_budget = Signal(float)
+    _speculative = Signal(str, int)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -564,6 +580,7 @@ class EngineHost(QObject):
         self._count.connect(self.worker.count_tokens)
         self._forget.connect(self.worker.forget_cache)
         self._disk_budget.connect(self.worker.set_disk_budget)
+        self._speculative.connect(self.worker.set_speculative)
         # the engine thread's last act, whichever way it is asked to end: every open chat's cache to disk
         self.thread.finished.connect(self.worker.save_all, Qt.ConnectionType.DirectConnection)
         self.thread.started.connect(self.worker.lower_priority)
@@ -653,3 +670,7 @@ class EngineHost(QObject):
 
     def set_disk_budget(self, mb: float) -> None:
         self._disk_budget.emit(float(mb))
+
+    def set_speculative(self, method: str, k: int) -> None:
+        """Speculative decoding for every chat's next turn; queued before any load, it applies to each engine."""
+        self._speculative.emit(method, int(k))

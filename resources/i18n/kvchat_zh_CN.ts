@@ -435,8 +435,20 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>预填充 tok/s</translation>
     </message>
     <message>
-        <source>decode {decode} tok/s · prefill {prefill} tok/s · TTFT {ttft} ms</source>
-        <translation>解码 {decode} tok/s · 预填充 {prefill} tok/s · TTFT {ttft} ms</translation>
+        <source>decode {decode} tok/s{drafts} · prefill {prefill} tok/s · TTFT {ttft} ms</source>
+        <translation>解码 {decode} tok/s{drafts} · 预填充 {prefill} tok/s · TTFT {ttft} ms</translation>
+    </message>
+    <message>
+        <source>nothing drafted</source>
+        <translation>没有草稿 token</translation>
+    </message>
+    <message>
+        <source>drafts {accepted} accepted, {per_step} tokens/step</source>
+        <translation>草稿接受率 {accepted}，每步 {per_step} 个 token</translation>
+    </message>
+    <message>
+        <source>decode {decode} tok/s{drafts} · TTFT {ttft} ms</source>
+        <translation>解码 {decode} tok/s{drafts} · TTFT {ttft} ms</translation>
     </message>
     <message>
         <source>idle · last reply: {speed}</source>
@@ -453,10 +465,6 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
     <message>
         <source> · weights {size} ({label})</source>
         <translation> · 权重 {size}（{label}）</translation>
-    </message>
-    <message>
-        <source>decode {decode} tok/s · TTFT {ttft} ms</source>
-        <translation>解码 {decode} tok/s · TTFT {ttft} ms</translation>
     </message>
     <message>
         <source>&lt;b&gt;{cache}&lt;/b&gt; on {url}&lt;br&gt;{speed}&lt;br&gt;this app&apos;s process RSS {rss}</source>
@@ -903,6 +911,10 @@ prefill {prefill} tok/s</source>
     <message>
         <source>Could not change the conversation</source>
         <translation>无法修改对话</translation>
+    </message>
+    <message>
+        <source>Cannot change speculative decoding</source>
+        <translation>无法更改推测解码</translation>
     </message>
     <message>
         <source>Could not clear the prefix cache</source>
@@ -1965,6 +1977,30 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     <message>
         <source>Saved caches on disk</source>
         <translation>磁盘上保存的缓存</translation>
+    </message>
+    <message>
+        <source>Speculative decoding</source>
+        <translation>推测解码</translation>
+    </message>
+    <message>
+        <source>Off</source>
+        <translation>关闭</translation>
+    </message>
+    <message>
+        <source>Prompt lookup</source>
+        <translation>提示查找</translation>
+    </message>
+    <message>
+        <source> tokens a step</source>
+        <translation> 个 token</translation>
+    </message>
+    <message>
+        <source>Prompt lookup guesses the next tokens from text already in the chat (code, quotes), and the model checks them all in one step. The reply is the same; it comes sooner when it copies, and kvchat drafts only as many as pay on this machine.</source>
+        <translation>提示查找根据对话中已有的文本（代码、引文）猜出接下来的 token，模型在一步之内一并核对。回复内容不变；回复照抄已有文本时会来得更快，kvchat 只起草在本机上划算的数量。</translation>
+    </message>
+    <message>
+        <source>up to</source>
+        <translation>每步最多</translation>
     </message>
     <message>
         <source>{n} saved, {mib:.0f} MiB</source>
