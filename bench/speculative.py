@@ -16,26 +16,21 @@ from __future__ import annotations
 import statistics
 import time
 
-CODE = '''def moving_average(values, width):
-    if width <= 0:
-        raise ValueError("width must be positive")
-    out = []
-    total = 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= width:
-            total -= values[i - width]
-        if i >= width - 1:
-            out.append(total / width)
-    return out
+CODE = '''def word_counts(text):
+    counts = {}
+    for word in text.lower().split():
+        word = word.strip(".,!?;:")
+        if word:
+            counts[word] = counts.get(word, 0) + 1
+    return counts
 '''
 TEXT = ("The old lighthouse stood at the edge of the cliff for two hundred years. Every night its keeper climbed the "
         "one hundred and twelve steps to light the lamp, and every morning he wrote the weather in a small leather "
         "book. When the keeper retired, the town voted to keep the light burning with an electric lamp, but they kept "
         "his books in the library, where children still read them on rainy afternoons.")
 PROMPTS = {
-    "code_edit": "Here is a Python function:\n\n```python\n" + CODE + "```\n\nRename `moving_average` to "
-                 "`rolling_mean` and change nothing else. Reply with the whole function in a code block.",
+    "code_edit": "Rename the variable `counts` to `freq` in this function and show the complete function:\n\n"
+                 "```python\n" + CODE + "```",
     "summary": "Summarize the following text, quoting its key sentences word for word.\n\n" + TEXT,
     "story": "Write a short story about a robot who learns to paint.",
 }
@@ -154,8 +149,11 @@ def run(args, engine, spec_path: str, threads: int) -> dict:
             for peer, llm in peers.items():
                 runs[name][peer].append(_llamacpp(llm, token_ids[name], new))
     engine.set_speculative(base)
+    cost = row_share(engine)
+    # the most any prompt could gain here: every draft accepted, k + 1 tokens for 1 + c k steps
+    cost["ceiling_speedup"] = (k + 1) / (1 + cost["row_share"] * k)
     result = {"speculative": lookup.label(), "new_tokens": new, "runs": args.runs, "greedy_outputs_equal": same,
-              "cost": row_share(engine), "prompts": {}}
+              "cost": cost, "prompts": {}}
     for name, sides in runs.items():
         row = {side: {"decode_tok_s": _med(xs, "decode_tok_s"), "tokens": _med(xs, "tokens")}
                for side, xs in sides.items()}
@@ -179,7 +177,8 @@ def summarize(r: dict) -> list[str]:
     lines = [f"  speculative decoding ({r['speculative']}), {r['new_tokens']} new tokens, median of {r['runs']} "
              f"interleaved runs; greedy outputs equal: {r['greedy_outputs_equal']}",
              f"  a verification row costs {c['row_share']:.2f} of a plain step here ({c['plain_step_ms']:.1f} ms plain, "
-             f"{c['verify_5_rows_ms']:.1f} ms for 5 rows)"]
+             f"{c['verify_5_rows_ms']:.1f} ms for 5 rows): every draft accepted would give at most "
+             f"{c['ceiling_speedup']:.2f}x"]
     for name, row in r["prompts"].items():
         p, s = row["plain"]["decode_tok_s"], row["lookup"]["decode_tok_s"]
         peer = ""

@@ -386,3 +386,29 @@ def test_sampling_over_a_tiny_models_verification_keeps_its_distribution(engine)
     assert _chi2_ok(first, p0, n)
     assert s.seq.num_tokens == len(context)
     s.close()
+
+
+def test_a_self_draft_never_releases_the_conversation_it_drafts_for(engine):
+    """The loaded model as its own draft under a budget that holds one copy of the chat but not two: the draft's
+    steps may not take the conversation's blocks; they give up (plain steps) and the reply is plain decoding's."""
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    plain, _ = turn(engine, OFF, CacheConfig(**FP32), turns=1, params=params)
+    plain_ids = list(plain.token_ids)
+    held = engine.runner.conversation_bytes(plain.seq)
+    plain.close()
+    engine.clear_prefix_cache()          # else the draft shares the chat's blocks through the prefix cache
+    block = plain.seq.layout.block_bytes
+    cache = CacheConfig(**FP32, budget_mb=(held + 2 * block) / 2**20)     # the chat and two blocks more
+    engine.set_speculative(OFF)
+    plain, _ = turn(engine, OFF, cache, turns=1, params=params)           # it fits alone
+    assert plain.token_ids == plain_ids
+    plain.close()
+    engine.clear_prefix_cache()
+    spec, finished = turn(engine, SpeculativeConfig("draft", k=3, draft_model="self", adaptive=False, ngram_min=1),
+                          cache, turns=1, params=params)
+    assert spec.token_ids == plain_ids and not spec.seq.released and not spec.notice
+    assert finished.stats.spec.drafted > 0          # the draft ran while it had room
+    engine.runner.manager.check()
+    spec.close()
+    engine.set_speculative(OFF)
+    engine.new_session(cache=CacheConfig(**FP32))          # the budget back to the default

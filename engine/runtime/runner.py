@@ -299,7 +299,8 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self, items: list[tuple[Sequence, list[int]]], all_logits: bool = False,
-             hash_ids: bool = True, decode: list[bool] | None = None) -> list[torch.Tensor]:
+             hash_ids: bool = True, decode: list[bool] | None = None,
+             keep: frozenset[int] = frozenset()) -> list[torch.Tensor]:
         """Feed each sequence its new ids in one forward pass; returns per sequence logits [T, vocab] (all_logits)
         or [1, vocab] (its last token). Raises NoFreeBlocks when the budget cannot take the tokens.
 
@@ -308,12 +309,13 @@ class ModelRunner:
         sequences of the batch: decode items go first in the batch (step_plan.decode_first). A decode item of
         several tokens is a verification (speculative decoding): each of its rows runs as plain decoding would
         run it (step_plan.plan_rows) and it always gets every row's logits [T, vocab]; keep its drafts within
-        draft_room, and take the rejected ones back with truncate."""
+        draft_room, and take the rejected ones back with truncate. keep: ids of other sequences the budget must not
+        release for this step's room (a draft model's step beside the conversation it drafts for)."""
         decode = [len(ids) == 1 for _, ids in items] if decode is None else decode
         order = decode_first(items, decode)
         with self.lock:
             reserved = StepReservation(self.manager, self.store, [items[i] for i in order], [decode[i] for i in order],
-                                       self.layer_inv_freq, self.device)
+                                       self.layer_inv_freq, self.device, keep)
             try:
                 logits, per_row = self._forward(reserved, all_logits)
             except BaseException:

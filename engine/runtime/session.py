@@ -345,7 +345,7 @@ class Session:
             self._spec.close()
             self._spec = None
         if self._spec is None and config.enabled:
-            self._spec = Speculator(config, draft, self.runner.config.vocab_size, self.runner.step_costs)
+            self._spec = Speculator(config, draft, self.runner.config.vocab_size, self.runner.step_costs, self._config)
         if self._spec is not None:
             self._spec.reset_counts()
         return self._spec

@@ -73,17 +73,22 @@ class DraftProposer:
     """A draft model's greedy guesses. Its conversation lives in the draft model's runner (the target's own when the
     draft is the loaded model itself) and follows the target's tokens: what the target rejected is taken back."""
 
-    def __init__(self, runner, vocab_size: int):
+    def __init__(self, runner, vocab_size: int, cache: CacheConfig | None = None):
         self.runner = runner
         self.vocab_size = vocab_size          # the target's: a draft token past it is never proposed
+        # its cache: the conversation's own where that is full precision without a window (then the model as its own
+        # draft shares the conversation's blocks through the prefix cache), else full precision of the model dtype
+        plain = cache is not None and not cache.is_quantized and cache.window is None
+        self.cache = cache if plain else CacheConfig(block_size=cache.block_size if cache else 16)
         self.seq = None
         self.ids: list[int] = []              # the tokens the draft's cache holds
+        self.protect: frozenset[int] = frozenset()   # the target's sequence ids: never released for the draft's room
 
     def _sync(self, ids: list[int]):
         """The draft's cache holds ids[:-1]; returns the logits after ids[-1] (its forward pass)."""
         r = self.runner
         if self.seq is None or self.seq.closed:
-            self.seq, self.ids = r.new_sequence(CacheConfig()), []
+            self.seq, self.ids = r.new_sequence(self.cache), []
         if self.seq.released or self.seq.num_tokens != len(self.ids):   # the budget took its blocks back
             r.free(self.seq)
             self.ids = []
@@ -106,7 +111,7 @@ class DraftProposer:
         logits = None
         for i in range(common, len(ids), PREFILL_CHUNK):
             part = ids[i:i + PREFILL_CHUNK]
-            (logits,) = r.step([(self.seq, part)], decode=[len(part) == 1])
+            (logits,) = r.step([(self.seq, part)], decode=[len(part) == 1], keep=self.protect)
             self.ids.extend(part)
         return logits[-1]
 
@@ -123,7 +128,7 @@ class DraftProposer:
                 drafts.append(d)
                 if len(drafts) == most:
                     break
-                (logits,) = self.runner.step([(self.seq, [d])])
+                (logits,) = self.runner.step([(self.seq, [d])], keep=self.protect)
                 self.ids.append(d)
                 logits = logits[-1]
             return drafts
@@ -177,14 +182,15 @@ class Speculator:
 
     DECAY = 0.7
 
-    def __init__(self, config: SpeculativeConfig, draft_runner=None, vocab_size: int = 0, costs: StepCosts | None = None):
+    def __init__(self, config: SpeculativeConfig, draft_runner=None, vocab_size: int = 0, costs: StepCosts | None = None,
+                 cache: CacheConfig | None = None):
         self.config = config
         self.draft_runner = draft_runner
         self.costs = costs or StepCosts()
         if config.method == "draft":
             if draft_runner is None:
                 raise ConfigError("the draft model is not loaded: set speculative decoding again to load it")
-            self.proposer = DraftProposer(draft_runner, vocab_size)
+            self.proposer = DraftProposer(draft_runner, vocab_size, cache)
         else:
             self.proposer = PromptLookup(config.ngram_max, config.ngram_min)
         self._hits, self._tries = 1.0, 2.0          # the acceptance estimate starts at 1/2
@@ -243,6 +249,8 @@ class Speculator:
         tokens chosen (the accepted drafts, in the cache now, then the token after them), or None when nothing was
         proposed or the budget cannot take the drafts (nothing changed: a plain step follows)."""
         runner, seq = session.runner, session.seq
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.protect = frozenset(m.seq_id for m in seq.members)
         drafts = self.propose(session.token_ids, runner.draft_room(seq, min(room, self.config.k)))
         if not drafts:
             return None

@@ -151,14 +151,14 @@ class StepReservation:
     or one per row of a verification item (a decode item of several tokens, plan_rows), in batch order."""
 
     def __init__(self, manager: KVCacheManager, store: PageStore, items: list[tuple[Sequence, list[int]]],
-                 decode: list[bool], layer_rope: list[torch.Tensor], device):
+                 decode: list[bool], layer_rope: list[torch.Tensor], device, keep: frozenset[int] = frozenset()):
         self.manager, self.store, self.items = manager, store, items
         self.reservations: list[tuple[Reservation, list[int]]] = []
         self.saved: list[tuple[list | None, int | None]] = []     # per reservation: tails before, a head it starts
         self.layer_rope = layer_rope
         self.layer_steps: list[list[SeqStep]] = [[] for _ in layer_rope]   # [layer][item]
         self.steps: list[SeqStep] = []
-        keep = {m.seq_id for s, _ in items for m in s.members}
+        keep = {m.seq_id for s, _ in items for m in s.members} | set(keep)     # none of them is released for room
         try:
             offset = 0
             for (seq, ids), dec in zip(items, decode):

@@ -86,13 +86,13 @@ def draft_room(engine, handle: Sequence, most: int) -> int:
     return _runner(engine).draft_room(handle.seq, most)
 
 
-def speculator(engine):
+def speculator(engine, cache: CacheConfig | None = None):
     """A new request's speculation under the engine's setting now, or None when it is off."""
     from engine.runtime.speculative import Speculator
     runner = _runner(engine)
     if not runner.speculation.enabled:
         return None
-    return Speculator(runner.speculation, runner.draft_runner, runner.config.vocab_size, runner.step_costs)
+    return Speculator(runner.speculation, runner.draft_runner, runner.config.vocab_size, runner.step_costs, cache)
 
 
 def blocks_needed(engine, handle: Sequence, num_new: int) -> int:
@@ -171,6 +171,11 @@ def bytes_by_sequence(engine) -> dict[int, int]:
     runner = _runner(engine)
     return {seq.seq_id: sum(k + v for k, v in runner.layer_bytes(seq))
             for seq in runner.sequences()}
+
+
+def sequence_ids(handles: list[Sequence]) -> frozenset[int]:
+    """The pool ids of these handles' sequences, every KV group."""
+    return frozenset(m.seq_id for h in handles for m in h.seq.members)
 
 
 def sequence_id(handle: Sequence) -> int:

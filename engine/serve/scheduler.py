@@ -232,7 +232,7 @@ class Scheduler:
         request.num_computed = batch.match_prefix(self.engine, request.handle, request.all_ids)
         if request.spec is not None:         # preempted: its draft's cache went with its own
             request.spec.close()
-        request.spec = batch.speculator(self.engine)
+        request.spec = batch.speculator(self.engine, self.config.cache)
         request.status = RUNNING
 
     def _blocks_to_finish_prompt(self, request: Request) -> int:
@@ -295,6 +295,8 @@ class Scheduler:
             return []
         room = min(request.params.max_new_tokens - len(request.output_ids) - 1,
                    self._max_context - len(request.all_ids) - 1)
+        if hasattr(spec.proposer, "protect"):     # a draft model's steps must not release a running request for room
+            spec.proposer.protect = batch.sequence_ids([r.handle for r in self.running if r.handle is not None])
         return spec.propose(request.all_ids, batch.draft_room(self.engine, request.handle, min(room, spec.config.k)),
                             decoding)
 
