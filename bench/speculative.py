@@ -3,7 +3,8 @@ lookup decoding, on three chat prompts:
 - code_edit: the reply repeats most of a given function (a rename);
 - summary: a summary that quotes the text;
 - story: a free story, nothing to copy.
-Each run is a fresh greedy turn (prefix cache off), the sides interleaved run by run: kvchat plain, kvchat with
+Each run is a fresh greedy turn (prefix cache off), the sides interleaved run by run (every other run in the
+reverse order): kvchat plain, kvchat with
 prompt lookup, llama.cpp plain, llama.cpp with `LlamaPromptLookupDecoding` (where llama-cpp-python is importable),
 all on the same GGUF and the same prompt token ids. Greedy, so both kvchat sides give the same tokens (checked).
 Decode tok/s is the tokens after the first over the time after the first. Reported per prompt: medians with
@@ -137,17 +138,18 @@ def run(args, engine, spec_path: str, threads: int) -> dict:
             _llamacpp(llm, token_ids[name], 8)
     runs = {name: {"plain": [], "lookup": [], **{p: [] for p in peers}} for name in prompts}
     same = True
-    for _ in range(args.runs):                  # interleaved: every side of every prompt once per run
+    for run_no in range(args.runs):             # interleaved: every side of every prompt once per run, in turn first
         for name, text in prompts.items():
-            engine.set_speculative(off)
-            plain = _kvchat(engine, text, new)
-            engine.set_speculative(lookup)
-            spec = _kvchat(engine, text, new)
+            got = {}
+            for config in ((off, lookup) if run_no % 2 == 0 else (lookup, off)):
+                engine.set_speculative(config)
+                got[config.method] = _kvchat(engine, text, new)
+            plain, spec = got["off"], got["lookup"]
             same &= plain.pop("ids") == spec.pop("ids")
             runs[name]["plain"].append(plain)
             runs[name]["lookup"].append(spec)
-            for peer, llm in peers.items():
-                runs[name][peer].append(_llamacpp(llm, token_ids[name], new))
+            for peer in (list(peers) if run_no % 2 == 0 else list(peers)[::-1]):
+                runs[name][peer].append(_llamacpp(peers[peer], token_ids[name], new))
     engine.set_speculative(base)
     cost = row_share(engine)
     # the most any prompt could gain here: every draft accepted, k + 1 tokens for 1 + c k steps

@@ -122,9 +122,11 @@ def test_a_draft_room_keeps_drafts_inside_the_block_and_the_window(engine):
         x.close()
 
 
-def test_a_hybrid_model_speculates_exactly(tmp_path):
-    """Gemma-3-shaped: five sliding layers (window 16) and a global one, two KV groups."""
-    eng = Engine.load(EngineConfig(model=tiny_family_dir(tmp_path / "g3", "gemma3")))
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_a_hybrid_model_speculates_exactly(tmp_path, family):
+    """Gemma-3-shaped: five sliding layers (window 16) and a global one, two KV groups; Gemma-2-shaped: sliding and
+    global layers alternating, soft-capped (those layers attend through torch, row by row)."""
+    eng = Engine.load(EngineConfig(model=tiny_family_dir(tmp_path / family, family)))
     for cache in (CacheConfig(**FP32), CacheConfig(k_format="int8", v_format="int8")):
         plain, _ = turn(eng, OFF, cache)
         spec, finished = turn(eng, LOOKUP, cache)

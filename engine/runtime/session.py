@@ -5,9 +5,10 @@ forward passes and owns the cache; a session holds one `Sequence` of it (and, af
 the sequences of the replies it kept as alternatives).
 
 The statistics a session reports are in engine/runtime/session_stats.py, what it does when the budget or
-the context runs out in engine/runtime/overflow.py. What is left is ~490 lines, past the ~400 the style
-asks for: the four ways a turn starts (send, regenerate, continue_reply, append) share the conversation's
-token bookkeeping and its undo rules, and read best together.
+the context runs out in engine/runtime/overflow.py, speculative decoding's proposers and acceptance in
+engine/runtime/speculative.py. What is left is ~560 lines, past the ~400 the style asks for: the four ways a
+turn starts (send, regenerate, continue_reply, append) and the decode loop share the conversation's token
+bookkeeping and its undo rules, and read best together.
 """
 from __future__ import annotations
 
@@ -303,23 +304,12 @@ class Session:
                 if chosen:                  # the next is chosen already
                     continue
                 try:
-                    verified = None
-                    if spec is not None:
-                        room = params.max_new_tokens - step - 2       # drafts, and the token after them, still fit
-                        while room > 0 and overflow.past_context(self, 1 + room):
-                            room -= 1
-                        verified = spec.verify(self, next_id, params, generator, room)
-                    if verified is None:
-                        plain_started = time.perf_counter()
-                        logits = self._forward([next_id], all_logits=False)[-1]
-                        if spec is not None:
-                            spec.record(0, 0, time.perf_counter() - plain_started)
-                    else:
-                        chosen.extend(verified)
+                    produced, logits = self._decode_step(next_id, params.max_new_tokens - step - 1, spec, params,
+                                                         generator, chosen, logits)
                 except BudgetFull as exc:
                     reason, message = FinishReason.BUDGET, str(exc)
                     break
-                self.turn_times.decode_tokens += len(verified) if verified else 1
+                self.turn_times.decode_tokens += produced
                 self.turn_times.decode_s = time.perf_counter() - decode_started   # live rate for stats()
         finally:
             self.turn_times.decode_s = time.perf_counter() - decode_started
@@ -338,16 +328,26 @@ class Session:
             yield TokenDelta(rest, ())
         yield TurnFinished(final, reason, message, self.stats())
 
+    def _decode_step(self, next_id: int, left: int, spec, params, generator, chosen: deque, logits):
+        """Feed next_id: one verification where drafts pay (the tokens it chose join `chosen`), else a plain step.
+        left: tokens the turn may still generate after next_id. Returns (tokens produced, the logits to sample)."""
+        if spec is not None:
+            room = left - 1                   # the drafts, and the token after them, still fit
+            while room > 0 and overflow.past_context(self, 1 + room):
+                room -= 1
+            verified = spec.verify(self, next_id, params, generator, room)
+            if verified is not None:
+                chosen.extend(verified)
+                return len(verified), logits
+        started = time.perf_counter()
+        logits = self._forward([next_id], all_logits=False)[-1]
+        if spec is not None:
+            spec.record(0, 0, time.perf_counter() - started)
+        return 1, logits
+
     def _speculator(self) -> Speculator | None:
         """This conversation's speculation under the engine's setting now (switched live), or None when it is off."""
-        config, draft = self.runner.speculation, self.runner.draft_runner
-        if self._spec is not None and (self._spec.config != config or self._spec.draft_runner is not draft):
-            self._spec.close()
-            self._spec = None
-        if self._spec is None and config.enabled:
-            self._spec = Speculator(config, draft, self.runner.config.vocab_size, self.runner.step_costs, self._config)
-        if self._spec is not None:
-            self._spec.reset_counts()
+        self._spec = Speculator.following(self._spec, self.runner, self._config)
         return self._spec
 
     def _settle(self, keep: int) -> None:

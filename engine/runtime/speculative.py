@@ -1,8 +1,10 @@
 """Speculative decoding: a cheap proposer guesses the tokens after the next one, one step of the model verifies them
 all, the accepted prefix stays in the cache and the rest is taken back.
 
-Decode on this machine is bound by reading the weights once per step, so a step over 1 + k rows costs little more
-than over one (the README's batched-decode table): every accepted draft saves most of a step.
+Where decode is bound by reading the weights once per step (a GPU, a large model), a step over 1 + k rows costs
+little more than over one, and every accepted draft saves most of a step. On a small model on two CPU cores a row
+costs about half a step (the kernels' per-row arithmetic bounds decode there), so only long accepted runs pay:
+the number of drafts is chosen from what a row costs and how often drafts are accepted (Speculator.worth).
 
 - Proposers. PromptLookup: the tokens that followed the latest earlier match of the conversation's last n tokens
   (n from ngram_max down to ngram_min), as in llama.cpp's lookup decoding, vLLM's `ngram` speculator and
@@ -40,9 +42,11 @@ class PromptLookup:
         self._index: dict[tuple[int, ...], int] = {}     # n-gram -> the latest position it ended at (with a follower)
         self._seen: list[int] = []                        # the ids indexed so far (every n-gram ending before the last)
 
+    CHECK = 64          # the indexed tokens compared each step: a cut or an edit changes the newest of them
+
     def _update(self, ids: list[int]) -> None:
         n_seen = len(self._seen)
-        if len(ids) < n_seen or ids[:n_seen] != self._seen:
+        if len(ids) < n_seen or ids[max(0, n_seen - self.CHECK):n_seen] != self._seen[-self.CHECK:]:
             self._index.clear()
             self._seen = []
             n_seen = 0
@@ -50,7 +54,7 @@ class PromptLookup:
             for n in self.sizes:
                 if end + 1 >= n:
                     self._index[tuple(ids[end + 1 - n:end + 1])] = end
-        self._seen = list(ids)
+        self._seen.extend(ids[n_seen:])
 
     def propose(self, ids: list[int], most: int) -> list[int]:
         """Up to `most` tokens that followed the latest earlier occurrence of the longest matching suffix."""
@@ -181,6 +185,7 @@ class Speculator:
     estimate recovers when the reply starts copying."""
 
     DECAY = 0.7
+    PROBE = 16          # a draft model that stopped paying verifies one guess every PROBE steps
 
     def __init__(self, config: SpeculativeConfig, draft_runner=None, vocab_size: int = 0, costs: StepCosts | None = None,
                  cache: CacheConfig | None = None):
@@ -195,7 +200,22 @@ class Speculator:
             self.proposer = PromptLookup(config.ngram_max, config.ngram_min)
         self._hits, self._tries = 1.0, 2.0          # the acceptance estimate starts at 1/2
         self._shadow: tuple[int, int] | None = None  # (position, first draft) of a proposal not verified
+        self._idle = 0                               # steps since a draft model last proposed
         self.reset_counts()
+
+    @classmethod
+    def following(cls, current: "Speculator | None", runner, cache: CacheConfig) -> "Speculator | None":
+        """A conversation's speculation for its next turn under the runner's setting now (switched live): `current`
+        while the setting is unchanged, a new one when it changed, None when it is off; its counts start over."""
+        config, draft = runner.speculation, runner.draft_runner
+        if current is not None and (current.config != config or current.draft_runner is not draft):
+            current.close()
+            current = None
+        if current is None and config.enabled:
+            current = cls(config, draft, runner.config.vocab_size, runner.step_costs, cache)
+        if current is not None:
+            current.reset_counts()
+        return current
 
     def reset_counts(self) -> None:
         self.drafted = self.accepted = self.steps = self.tokens = 0
@@ -235,8 +255,13 @@ class Speculator:
         if room <= 0:
             return []
         want = self.worth(room, batch)
-        if want == 0 and self.config.method == "draft":      # a draft model's guesses are not free: no shadow
-            return []
+        if want == 0 and self.config.method == "draft":
+            # a draft model's guesses are not free, so none are made in the shadow: every PROBE-th step verifies one
+            self._idle += 1
+            if self._idle < self.PROBE:
+                return []
+            want = 1
+        self._idle = 0
         drafts = self.proposer.propose(ids, max(1, want))
         if want == 0:
             if drafts:
