@@ -27,6 +27,7 @@ class ServerPanel(QWidget):
               ("running", QT_TRANSLATE_NOOP("ServerPanel", "Requests running")),
               ("waiting", QT_TRANSLATE_NOOP("ServerPanel", "Requests waiting")),
               ("prefix", QT_TRANSLATE_NOOP("ServerPanel", "Prefix-cache hit rate")),
+              ("spec", QT_TRANSLATE_NOOP("ServerPanel", "Speculative decoding")),
               ("decode", QT_TRANSLATE_NOOP("ServerPanel", "Decode speed (this chat)")),
               ("ttft", QT_TRANSLATE_NOOP("ServerPanel", "Time to first token (this chat)")))
 
@@ -70,7 +71,7 @@ class ServerPanel(QWidget):
         if server is None or not server.reachable:
             text = self.tr("this server publishes no /metrics") if server is None else \
                 self.tr("server unreachable: nothing answers at its address")
-            for key in ("kv_usage", "running", "waiting", "prefix"):
+            for key in ("kv_usage", "running", "waiting", "prefix", "spec"):
                 self.values[key].setText(text)
         else:
             self.values["kv_usage"].setText(not_reported if server.kv_usage is None else f"{server.kv_usage:.1%}")
@@ -82,6 +83,9 @@ class ServerPanel(QWidget):
                 self._prefix = self.tr("{rate} of prompt tokens (latest requests)").format(
                     rate=f"{server.prefix_cache_hit_rate:.1%}")
             self.values["prefix"].setText(self._prefix or self.tr("no prefix lookups yet"))
+            self.values["spec"].setText(self.tr("no drafts verified yet") if server.spec_acceptance is None else
+                                        self.tr("{rate} of draft tokens accepted").format(
+                                            rate=f"{server.spec_acceptance:.0%}"))
         self.values["decode"].setText(f"{snapshot.decode_tok_s:.1f} tok/s" if snapshot.decode_tok_s
                                       else self.tr("no reply measured yet"))
         self.values["ttft"].setText(f"{snapshot.ttft_s * 1000:.0f} ms" if snapshot.ttft_s

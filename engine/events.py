@@ -95,6 +95,8 @@ class ServerStats:
     requests_running: int | None = None
     requests_waiting: int | None = None
     prefix_cache_hit_rate: float | None = None   # hits / queries since the previous look (tokens)
+    spec_acceptance: float | None = None   # draft tokens accepted / verified since the server started (vLLM's
+                                           # vllm:spec_decode_num_accepted_tokens / _num_draft_tokens); None: no drafts
     reachable: bool = True              # False: the last look (or the last reply) found no server answering
 
 

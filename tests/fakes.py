@@ -302,3 +302,13 @@ def remote_window(qtbot, url: str, key: str = "", model: str = "tiny", sampling=
         qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=20_000)
         assert window.last_error is None, window.last_error
     return window
+
+
+def send(qtbot, window, text: str, timeout: int = 60_000):
+    """Type a message into a real window and send it; returns the TurnFinished once the reply is done and the window
+    is idle again."""
+    with qtbot.waitSignal(window.host.turn_finished, timeout=timeout) as blocker:
+        window.input.setPlainText(text)
+        window.input.submit()
+    qtbot.waitUntil(lambda: not window.generating, timeout=5000)
+    return blocker.args[0]

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QFileDialog, QMessageBox
 
 from engine.config import SamplingParams
 from engine.events import PoolStats
-from fakes import FakeLoader, isolate_app, open_window
+from fakes import FakeLoader, isolate_app, open_window, send
 
 pytestmark = pytest.mark.gui
 SHORT = SamplingParams(max_new_tokens=3)
@@ -32,14 +32,6 @@ def ready_window(qtbot, loader=None, sampling=SHORT):
     window.apply_settings(replace(window.settings, sampling=sampling))
     qtbot.waitUntil(lambda: window.session_ready, timeout=5000)
     return window
-
-
-def send(qtbot, window, text):
-    with qtbot.waitSignal(window.host.turn_finished, timeout=10_000) as blocker:
-        window.input.setPlainText(text)
-        window.input.submit()
-    qtbot.waitUntil(lambda: not window.generating, timeout=2000)
-    return blocker.args[0]
 
 
 def click(qtbot, window, button, timeout=10_000):

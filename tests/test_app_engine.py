@@ -12,7 +12,7 @@ from PySide6.QtCore import QObject, Qt, QTimer
 
 from engine.config import CacheConfig, SamplingParams
 from tiny_models import tiny_model_dir, write_bad_folder
-from fakes import isolate_app, open_window
+from fakes import isolate_app, open_window, send
 
 pytestmark = pytest.mark.gui
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -73,14 +73,6 @@ def _real_loader():
     from app.worker import _default_loader
 
     return _default_loader
-
-
-def send(qtbot, window, text: str, timeout: int = 30_000):
-    with qtbot.waitSignal(window.host.turn_finished, timeout=timeout) as blocker:
-        window.input.setPlainText(text)
-        window.input.submit()
-    qtbot.waitUntil(lambda: not window.generating, timeout=2000)
-    return blocker.args[0]
 
 
 def measured_send(qtbot, window, text: str, timeout: int = 30_000):

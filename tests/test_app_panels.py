@@ -17,7 +17,7 @@ from engine.config import CacheConfig, SamplingParams
 from engine.events import PoolStats
 from engine.kv.layout import kv_layout
 from tiny_models import tiny_model_dir
-from fakes import FakeLoader, fake_model_config, isolate_app, open_window
+from fakes import FakeLoader, fake_model_config, isolate_app, open_window, send
 
 pytestmark = pytest.mark.gui
 SYSTEM_PROMPT = " ".join(["You are a careful assistant who answers in one short sentence."] * 10)
@@ -45,13 +45,6 @@ def ready_window(qtbot, loader, model="default", system_prompt="", max_new_token
     qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=60_000)
     assert window.last_error is None, window.last_error
     return window
-
-
-def send(qtbot, window, text):
-    with qtbot.waitSignal(window.host.turn_finished, timeout=60_000):
-        window.input.setPlainText(text)
-        window.input.submit()
-    qtbot.waitUntil(lambda: not window.generating, timeout=2000)
 
 
 def show_tab(window, name):

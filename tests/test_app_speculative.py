@@ -11,7 +11,7 @@ from PySide6.QtCore import QSettings
 from app.settings_store import SettingsStore
 from engine.config import SamplingParams, SpeculativeConfig
 from engine.events import SpecStats
-from fakes import isolate_app, real_window
+from fakes import isolate_app, real_window, send as send_message
 
 pytestmark = pytest.mark.gui
 SHORT = SamplingParams(temperature=0, max_new_tokens=24)
@@ -25,12 +25,9 @@ def _isolated(monkeypatch, tmp_path):
 
 
 def send(qtbot, window, text):
-    with qtbot.waitSignal(window.host.turn_finished, timeout=30_000) as blocker:
-        window.input.setPlainText(text)
-        window.input.submit()
-    qtbot.waitUntil(lambda: not window.generating, timeout=5000)
+    finished = send_message(qtbot, window, text)
     window.dashboard.redraw()
-    return blocker.args[0]
+    return finished
 
 
 def engine_of(window):

@@ -17,7 +17,7 @@ from app.pool_view import pool_summary
 from engine.config import CacheConfig, SamplingParams
 from engine.events import LayerBytes, MemoryProbe, StatsSnapshot
 import fakes
-from fakes import isolate_app, open_window
+from fakes import isolate_app, open_window, send
 from tiny_models import tiny_model_dir
 
 pytestmark = pytest.mark.gui
@@ -39,14 +39,6 @@ def tiny_dir(tmp_path_factory):
 
 def real_window(qtbot, model: str, cache: CacheConfig | None = None, sampling: SamplingParams = GREEDY):
     return fakes.real_window(qtbot, model, cache, sampling)
-
-
-def send(qtbot, window, text: str):
-    with qtbot.waitSignal(window.host.turn_finished, timeout=60_000) as blocker:
-        window.input.setPlainText(text)
-        window.input.submit()
-    qtbot.waitUntil(lambda: not window.generating, timeout=5000)
-    return blocker.args[0]
 
 
 def snapshot(t: float, evicted: int = 0, held: int = 100) -> StatsSnapshot:

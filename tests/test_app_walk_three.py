@@ -14,7 +14,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from engine.config import SamplingParams
-from fakes import FakeLoader, isolate_app, open_window
+from fakes import FakeLoader, isolate_app, open_window, send
 
 pytestmark = pytest.mark.gui
 SHORT = SamplingParams(max_new_tokens=3)
@@ -43,14 +43,6 @@ def ready_window(qtbot, loader=None, sampling=SHORT, model=None, system_prompt=N
     qtbot.waitUntil(lambda: window.session_ready or window.last_error is not None, timeout=30_000)
     assert window.last_error is None, window.last_error
     return window
-
-
-def send(qtbot, window, text):
-    with qtbot.waitSignal(window.host.turn_finished, timeout=30_000) as blocker:
-        window.input.setPlainText(text)
-        window.input.submit()
-    qtbot.waitUntil(lambda: not window.generating, timeout=2000)
-    return blocker.args[0]
 
 
 def saved(window):

@@ -8,7 +8,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from engine.config import CacheConfig, SamplingParams
-from fakes import isolate_app, real_window
+from fakes import isolate_app, real_window, send
 
 pytestmark = pytest.mark.gui
 SHORT = SamplingParams(temperature=0, max_new_tokens=8)
@@ -18,14 +18,6 @@ SHORT = SamplingParams(temperature=0, max_new_tokens=8)
 def _isolated(monkeypatch, tmp_path):
     isolate_app(monkeypatch, tmp_path)
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def send(qtbot, window, text):
-    with qtbot.waitSignal(window.host.turn_finished, timeout=30_000) as blocker:
-        window.input.setPlainText(text)
-        window.input.submit()
-    qtbot.waitUntil(lambda: not window.generating, timeout=5000)
-    return blocker.args[0]
 
 
 def saved_files(tmp_path):

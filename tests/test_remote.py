@@ -91,3 +91,20 @@ def test_local_remote_and_fake_engines_share_one_protocol(remote, tiny_engine):
         assert isinstance(engine, ChatEngine)
         assert isinstance(engine.new_session(), ChatSession)
         assert capabilities_of(engine) == caps
+
+
+def test_remote_stats_show_the_servers_draft_acceptance(remote, tiny_engine):
+    """A server that verified drafts (vLLM's vllm:spec_decode_* counters): the share accepted reaches the session's
+    stats."""
+    from engine.config import SpeculativeConfig
+    before = tiny_engine.speculative
+    tiny_engine.set_speculative(SpeculativeConfig("lookup", k=4, ngram_min=1, adaptive=False))
+    try:
+        session = remote.new_session()
+        list(session.send("the cat sat on the mat, the cat sat on the mat, the cat sat on the mat",
+                          SamplingParams(temperature=0, max_new_tokens=24)))
+        remote.refresh_metrics()
+        rate = session.stats().server.spec_acceptance
+        assert rate is not None and 0.0 <= rate <= 1.0
+    finally:
+        tiny_engine.set_speculative(before)

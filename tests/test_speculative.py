@@ -414,3 +414,19 @@ def test_a_self_draft_never_releases_the_conversation_it_drafts_for(engine):
     spec.close()
     engine.set_speculative(OFF)
     engine.new_session(cache=CacheConfig(**FP32))          # the budget back to the default
+
+
+def test_a_seeded_sample_repeats_whatever_speculation_decides(engine):
+    """Sampling with a seed decodes plainly (whether drafts pay is timed, and verified drafts take other random
+    draws): the same seed gives the same reply with speculation on or off."""
+    params = SamplingParams(temperature=0.9, seed=11, max_new_tokens=40)
+    replies = []
+    for spec in (OFF, LOOKUP, SpeculativeConfig("lookup")):
+        engine.set_speculative(spec)
+        s = engine.new_session(cache=CacheConfig(**FP32), prefix_cache=False)
+        finished = [e for e in s.send(PROMPT, params) if isinstance(e, TurnFinished)][-1]
+        replies.append(list(s.token_ids))
+        assert finished.stats.spec is None
+        s.close()
+    assert replies[0] == replies[1] == replies[2]
+    engine.set_speculative(OFF)

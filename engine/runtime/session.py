@@ -274,7 +274,8 @@ class Session:
         if not params.greedy:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
-        spec = self._speculator()
+        # a seeded sample must repeat: drafts verified or not take other random draws, and whether they pay is timed
+        spec = self._speculator() if params.greedy or params.seed is None else None
         reply: list[int] = []
         chosen: deque[int] = deque()        # tokens a verification chose; all but the last are in the cache already
         stream = StreamDecoder(self.tokenizer)

@@ -162,10 +162,13 @@ class RemoteEngine:
             if queries > seen_q:
                 rate = (hits - seen_h) / (queries - seen_q)
             self._prefix_seen = (queries, hits)
+        drafted = first("vllm:spec_decode_num_draft_tokens_total")
+        accepted = first("vllm:spec_decode_num_accepted_tokens_total")
+        spec = accepted / drafted if drafted and accepted is not None else None
         if usage is None and running is None and waiting is None and rate is None:
             return None
         return ServerStats(self._metrics_url, usage, None if running is None else int(running),
-                           None if waiting is None else int(waiting), rate)
+                           None if waiting is None else int(waiting), rate, spec_acceptance=spec)
 
 
 class RemoteSession:

@@ -232,7 +232,8 @@ class Scheduler:
         request.num_computed = batch.match_prefix(self.engine, request.handle, request.all_ids)
         if request.spec is not None:         # preempted: its draft's cache went with its own
             request.spec.close()
-        request.spec = batch.speculator(self.engine, self.config.cache)
+        seeded = request.params.seed is not None and request.params.temperature > 0   # must repeat: see Session._decode
+        request.spec = None if seeded else batch.speculator(self.engine, self.config.cache)
         request.status = RUNNING
 
     def _blocks_to_finish_prompt(self, request: Request) -> int:

@@ -1768,6 +1768,10 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
         <translation>前缀缓存命中率</translation>
     </message>
     <message>
+        <source>Speculative decoding</source>
+        <translation>推测解码</translation>
+    </message>
+    <message>
         <source>Decode speed (this chat)</source>
         <translation>解码速度（此对话）</translation>
     </message>
@@ -1802,6 +1806,14 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     <message>
         <source>no prefix lookups yet</source>
         <translation>还没有前缀查找</translation>
+    </message>
+    <message>
+        <source>no drafts verified yet</source>
+        <translation>尚未验证草稿</translation>
+    </message>
+    <message>
+        <source>{rate} of draft tokens accepted</source>
+        <translation>{rate} 的草稿 token 被接受</translation>
     </message>
     <message>
         <source>no reply measured yet</source>
