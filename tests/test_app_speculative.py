@@ -35,13 +35,20 @@ def engine_of(window):
 
 
 def test_the_settings_row_is_saved_and_switches_the_engine_live(qtbot, tiny_llama):
-    """Off, then prompt lookup with 3 drafts: each OK saves the choice and the engine's next turn uses it."""
+    """Off by default in the app; then prompt lookup with 8, off, and lookup with 3 drafts: each OK saves the choice
+    and the engine's next turn uses it."""
     window = real_window(qtbot, str(tiny_llama), sampling=SHORT)
-    assert window.store.speculative() == ("lookup", 8)
-    assert engine_of(window).speculative == SpeculativeConfig("lookup", k=8)
+    assert window.store.speculative() == ("off", 8)
+    qtbot.waitUntil(lambda: not engine_of(window).speculative.enabled, timeout=5000)
     dialog = window.open_settings()
     assert dialog.findChild(type(dialog.spec_method), "specMethod") is dialog.spec_method
-    assert dialog.speculative() == ("lookup", 8) and dialog.spec_tokens.maximum() == 32
+    assert dialog.speculative() == ("off", 8) and dialog.spec_tokens.maximum() == 32
+    dialog.spec_method.setCurrentIndex(dialog.spec_method.findData("lookup"))
+    dialog.accept()
+    assert SettingsStore().speculative() == ("lookup", 8)
+    qtbot.waitUntil(lambda: engine_of(window).speculative == SpeculativeConfig("lookup", k=8), timeout=5000)
+    dialog = window.open_settings()
+    assert dialog.speculative() == ("lookup", 8)
     dialog.spec_method.setCurrentIndex(dialog.spec_method.findData("off"))
     assert not dialog.spec_tokens.isEnabled()          # no drafts to count with speculation off
     dialog.accept()
@@ -70,11 +77,11 @@ def test_a_saved_choice_applies_to_a_newly_loaded_engine_and_a_refused_one_is_re
     assert window.session_ready
 
 
-def test_a_damaged_stored_setting_falls_back_to_prompt_lookup_with_8(qtbot, tmp_path):
+def test_a_damaged_stored_setting_falls_back_to_the_default(qtbot, tmp_path):
     """An unknown method, or a draft count that is not a number from 1 to 32, reads back as the default."""
     store = SettingsStore()
-    for stored, read in ((("warp", "8"), ("lookup", 8)), (("lookup", "lots"), ("lookup", 8)),
-                         (("off", "0"), ("off", 8)), (("draft", "99"), ("lookup", 8)), (("off", "12"), ("off", 12))):
+    for stored, read in ((("warp", "8"), ("off", 8)), (("lookup", "lots"), ("lookup", 8)),
+                         (("off", "0"), ("off", 8)), (("draft", "99"), ("off", 8)), (("lookup", "12"), ("lookup", 12))):
         raw = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
         raw.setValue("engine/speculative", stored[0])
         raw.setValue("engine/spec_tokens", stored[1])
@@ -88,6 +95,8 @@ def test_the_speed_line_shows_accepted_drafts_and_tokens_per_step_only_with_spec
     """A reply that copies the chat: "drafts N% accepted, T tokens/step" after the decode rate; with speculation
     off the line has no such part, and a turn that found nothing to draft says so instead of 0%."""
     window = real_window(qtbot, str(tiny_llama), sampling=SHORT)
+    window._set_speculative("lookup", 8)
+    qtbot.waitUntil(lambda: engine_of(window).speculative.enabled, timeout=5000)
     spec = send(qtbot, window, REPEATS).stats.spec
     assert spec is not None and spec.drafted > 0 and spec.steps > 0
     summary = window.dashboard.summary.text()
