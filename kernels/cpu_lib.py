@@ -21,6 +21,7 @@ SOURCE = Path(__file__).with_name("cpu_quant.c")
 KV_SOURCE = Path(__file__).with_name("cpu_kv_quant.c")     # quantized-KV decode attention: built in the background
 PROBE_SOURCE = Path(__file__).with_name("cpu_probe.c")      # which variant the CPU runs (CPUID), built for the baseline
 HEADER = Path(__file__).with_name("cpu_common.h")
+HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"))     # what the libraries include: part of the key
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 # decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
 # to stop
@@ -161,7 +162,7 @@ def library_name(source: Path = SOURCE, variant: str | None = None) -> str:
     """The file name of a build of `source` for `variant` (default: the chosen one): keyed by the source and the
     variant's flags, so it runs on any CPU with the variant's features, whichever compiler built it."""
     variant = variant or current_variant()
-    src = source.read_bytes() + (HEADER.read_bytes() if source != PROBE_SOURCE else b"")
+    src = source.read_bytes() + (b"".join(h.read_bytes() for h in HEADERS) if source != PROBE_SOURCE else b"")
     key = hashlib.sha256(src + " ".join(variant_flags(variant)).encode()).hexdigest()[:16]
     return f"{source.stem}-{variant}-{key}.so"
 

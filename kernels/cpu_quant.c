@@ -319,6 +319,11 @@ static void q8_rowsM(const int8_t *row, const float *sc, const float *zr, int G,
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KVCHAT_AVX512 1     // the matvecs below take their 512-bit twins, same bits (cpu_avx512.h)
+#include "cpu_avx512.h"
+#endif
+
 // The activations a matvec reads: x prepared (mode) and quantized to int16 per group of 32, so inner
 // products are integer multiply-adds (16 per instruction on AVX2) with one float multiply-add per
 // group. scratch: 6 * M * K bytes + 2 * M * K / 32 floats (mode 0: 2 * M * K bytes + the floats), carved into
@@ -386,7 +391,11 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zr = row_zero(zero, zsup, per, n, ng, kind, sc, zbuf);
         float out[MAXM];
 #ifdef __AVX2__
+#ifdef KVCHAT_AVX512
+        q4_rowsM_512(row, sc, zr, xq, xs, sums, ng, K, M, out);
+#else
         q4_rowsM(row, sc, zr, xq, xs, sums, ng, K, M, out);
+#endif
         for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
         continue;
 #else
@@ -424,6 +433,13 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
         const float *zrow = row_f32(zero, zsup, per, n, ng, kind, zbuf);
         float out[MAXM];
 #ifdef __AVX2__
+#ifdef KVCHAT_AVX512
+        if (M > 1 && (!zero || G == 32)) {      // one row: the AVX2 loop below is faster (one chain either way)
+            q8_rowsM_512(row, sc, zrow, G, xq, xs, sums32, nx, K, M, out);
+            for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
+            continue;
+        }
+#endif
         if (M == 1 && (!zero || G == 32)) {
             y[n] = q8_row1(row, sc, zrow, G, xq, xs, sums32, nx) + (resid ? resid[n] : 0.f);
             continue;

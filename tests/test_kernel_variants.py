@@ -111,6 +111,43 @@ def test_each_variant_gives_the_kernels_the_same_numbers(variant_lib):
     assert (got - want).abs().max() <= 2e-4 * want.abs().max(), name
 
 
+def _with_lib(lib, fn):
+    from kernels import cpu_quant
+    old = cpu_quant._lib
+    try:
+        cpu_quant._lib = lib
+        return fn()
+    finally:
+        cpu_quant._lib = old
+
+
+@pytest.mark.parametrize("k", [576, 544])          # an even and an odd number of groups of 32
+def test_the_simd_variants_give_the_same_bits_for_every_row_count_and_format(variant_lib, k):
+    """AVX-512 runs two groups per register (cpu_avx512.h) and AVX2 one: the same integer sums and the same float
+    operations in the same order, so every SIMD variant gives the chosen one's bits, for 1 to 8 rows, q4 with
+    zeros, q8 in groups of 32 and 16, with and without zeros; and a row's result is the same alone as in a call
+    of several rows (what batch invariance in serving rests on)."""
+    import torch
+    from kernels import cpu_quant
+    from test_cpu_quant import _q4, _q8
+    name, lib = variant_lib
+    if name == "baseline":
+        pytest.skip("the baseline sums in another order: held to the torch reference above")
+    q4 = _q4(40, k, seed=1)
+    cases = [("q4", lambda x: cpu_quant.q4_gemv(x, *q4))]
+    for group, with_zero in ((32, False), (32, True), (16, False)):
+        codes, scale, zero = _q8(40, k, group, with_zero, seed=2)
+        cases.append((f"q8/{group}/{with_zero}",
+                      lambda x, c=codes, s=scale, z=zero, g=group: cpu_quant.q8_gemv(x, c, s, z, g)))
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    for label, fn in cases:
+        for m in range(1, 9):
+            got = _with_lib(lib, lambda: fn(x[:m]))
+            assert torch.equal(got, fn(x[:m])), (name, label, m)
+            alone = torch.cat([_with_lib(lib, lambda i=i: fn(x[i:i + 1])) for i in range(m)])
+            assert torch.equal(got, alone), (name, label, m)
+
+
 @pytest.mark.slow
 def test_the_kernel_checks_pass_on_the_baseline_variant():
     """What a CPU without AVX2 (and an ARM build's scalar loops) runs: the kernels' own test files, again, with

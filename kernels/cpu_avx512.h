@@ -1,0 +1,133 @@
+// The AVX-512 variant's weight matvecs (included by cpu_quant.c in builds with AVX-512 F/BW/VL and VNNI).
+//
+// Each function here gives the same bits as its AVX2 twin in cpu_quant.c: two groups of 32 weights go through
+// one 512-bit register, lanes 0-7 doing the AVX2 code's work for the even group (its accumulator a0) and lanes
+// 8-15 for the odd one (a1), with the same integer sums (VNNI's vpdpwssd adds the 16-bit products into the
+// 32-bit lanes without saturating, as madd + add does) and the same float operations in the same order. So a
+// conversation answers the same on an AVX-512 machine as on an AVX2 one (tests/test_kernel_variants.py).
+#pragma once
+
+// the activations of two neighbouring groups, 16 of each: v[0, 16) in the low half, v[32, 48) in the high one
+static inline __m512i pair16(const int16_t *v) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)v)),
+                              _mm256_loadu_si256((const __m256i *)(v + 32)), 1);
+}
+
+// [f[0] x 8 | f[1] x 8]
+static inline __m512 pair_scale(const float *f) {
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)f))));
+}
+
+static inline __m256 low8(__m512 a) { return _mm512_castps512_ps256(a); }
+static inline __m256 high8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+
+// the codes of groups g and g + 1 (32 bytes), unpacked: elements 0-15 of each (low nibbles) and 16-31 (high)
+static inline void q4_unpack_pair(const uint8_t *b, __m512i *lo, __m512i *hi) {
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b));
+    *lo = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
+    *hi = _mm512_srli_epi16(w, 4);
+}
+
+// q4_group of groups g (lanes 0-7) and g + 1 (lanes 8-15); v: group g's activations
+static inline __m512i q4_pair_dot(__m512i lo, __m512i hi, const int16_t *v) {
+    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, pair16(v)), hi, pair16(v + 16));
+}
+
+// q4_rows for R rows (up to 8: 32 registers hold their accumulators), the codes unpacked once for all of them.
+// One row keeps q4_row1: alone, a row is bound by its chain of multiply-adds, which is as long here.
+static inline __attribute__((always_inline)) void q4_rows_512(const uint8_t *row, const float *f, const float *zr,
+        const int16_t *xq, const float *sums, int ng, int K, const int R, float *out) {
+    __m512 acc[8];
+    for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
+    int g = 0;
+    for (; g + 2 <= ng; g += 2) {
+        if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
+        __m512i lo, hi;
+        q4_unpack_pair(row + g * 16, &lo, &hi);
+        for (int m = 0; m < R; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_pair_dot(lo, hi, xq + (size_t)m * K + g * 32)),
+                                     pair_scale(f + m * ng + g), acc[m]);
+    }
+    for (int m = 0; m < R; m++) {
+        __m256 a0 = low8(acc[m]), a1 = high8(acc[m]);
+        if (g < ng)
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + (size_t)m * K + g * 32)),
+                                 _mm256_broadcast_ss(f + m * ng + g), a0);
+        float tail;
+        __m256 z = zero_terms(zr, sums + (size_t)m * ng, ng, &tail);
+        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
+    }
+}
+
+static __attribute__((noinline)) void q4_rowsM_512(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
+                         const float *sums, int ng, int K, int M, float *out) {
+    if (M == 1) { out[0] = q4_row1(row, sc, zr, xq, xs, sums, ng); return; }     // AVX2's: faster alone
+    float f[MAXM * MAXG];
+    scale_products(sc, xs, ng, M, f);
+    switch (M) {        // a constant R per case: the accumulators stay in registers
+        case 2: q4_rows_512(row, f, zr, xq, sums, ng, K, 2, out); break;
+        case 3: q4_rows_512(row, f, zr, xq, sums, ng, K, 3, out); break;
+        case 4: q4_rows_512(row, f, zr, xq, sums, ng, K, 4, out); break;
+        case 5: q4_rows_512(row, f, zr, xq, sums, ng, K, 5, out); break;
+        case 6: q4_rows_512(row, f, zr, xq, sums, ng, K, 6, out); break;
+        case 7: q4_rows_512(row, f, zr, xq, sums, ng, K, 7, out); break;
+        default: q4_rows_512(row, f, zr, xq, sums, ng, K, 8, out); break;
+    }
+}
+
+// int8 codes of groups g and g + 1 as [g's 16 codes from j | g + 1's 16 codes from j], widened to 16 bits
+static inline __m512i q8_pair16(const int8_t *w) {
+    return _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)w)), _mm_loadu_si128((const __m128i *)(w + 32)), 1));
+}
+
+// [s0 x 8 | s1 x 8], each product formed in float as q8_row1 forms it
+static inline __m512 pair_of(float s0, float s1) {
+    float f[2] = {s0, s1};
+    return pair_scale(f);
+}
+
+// q8_row1 (G == 32, or G == 16 without zeros) for M rows: groups of 32 two at a time (G == 32), or one group of
+// 32 a step whose halves have their own scales (G == 16)
+static __attribute__((noinline)) void q8_rowsM_512(const int8_t *row, const float *sc, const float *zr, int G, const int16_t *xq,
+                         const float *xs, const float *sums32, int nx, int K, int M, float *out) {
+    __m512 acc[MAXM];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    int g = 0;
+    if (G == 32) {
+        for (; g + 2 <= nx; g += 2) {
+            _mm_prefetch((const char *)(row + g * 32 + PREFETCH), _MM_HINT_T0);
+            __m512i a = q8_pair16(row + g * 32), b = q8_pair16(row + g * 32 + 16);
+            for (int m = 0; m < M; m++) {
+                const int16_t *v = xq + (size_t)m * K + g * 32;
+                __m512i p = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), a, pair16(v)), b,
+                                                pair16(v + 16));
+                const float *sx = xs + (size_t)m * nx + g;
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_of(sc[g] * sx[0], sc[g + 1] * sx[1]), acc[m]);
+            }
+        }
+    } else {
+        for (; g < nx; g++) {
+            if (!(g & 1)) _mm_prefetch((const char *)(row + g * 32 + PREFETCH), _MM_HINT_T0);
+            __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + g * 32)));
+            for (int m = 0; m < M; m++) {
+                __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512((const void *)(xq + (size_t)m * K + g * 32)));
+                float sx = xs[(size_t)m * nx + g];
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_of(sc[2 * g] * sx, sc[2 * g + 1] * sx), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        __m256 a0 = low8(acc[m]), a1 = high8(acc[m]);
+        if (g < nx) {       // G == 32 with an odd number of groups: the last one is even, a0's
+            const int16_t *v = xq + (size_t)m * K + g * 32;
+            __m256i p0 = q8_half(row + g * 32, v), p1 = q8_half(row + g * 32 + 16, v + 16);
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                 _mm256_set1_ps(sc[g] * xs[(size_t)m * nx + g]), a0);
+        }
+        float tail = 0.f;
+        __m256 z = zr && G == 32 ? zero_terms(zr, sums32 + (size_t)m * nx, nx, &tail) : _mm256_setzero_ps();
+        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
+    }
+}
