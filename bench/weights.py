@@ -59,7 +59,7 @@ def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
     """Packed against dense fp32 on one file, teacher-forced one token per step over ids."""
     from engine.runtime.engine import Engine
     cache = CacheConfig(budget_mb=512)
-    packed = Engine.load(EngineConfig(model=path, cache=cache, num_threads=threads))
+    packed = Engine.load(EngineConfig(model=path, cache=cache, num_threads=threads, prefill="fp32"))
     dense = Engine.load(EngineConfig(model=path, weights="dense", cache=cache, num_threads=threads))
     sp, sd = packed.new_session(), dense.new_session()
     agree, kl, nll_p, nll_d = 0, 0.0, 0.0, 0.0
@@ -78,6 +78,39 @@ def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
             "dense_weight_bytes": dense.model.weight_bytes()}
 
 
+def _agreement(ref: torch.Tensor, got: torch.Tensor) -> dict:
+    """Top-1 agreement and mean KL(ref || got) over the rows of two [T, vocab] logit tensors."""
+    lr, lg = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    kl = (lr.exp() * (lr - lg)).sum(-1)
+    return {"top1_agreement": float((lr.argmax(-1) == lg.argmax(-1)).double().mean()), "mean_kl": float(kl.mean())}
+
+
+def prefill_paths(path: str, ids: list[int], threads: int | None = None) -> dict:
+    """The prompt path of each precision against the dense fp32 forward, one whole-text prefill each, every
+    position's logits compared: our fp32 and bf16 GEMMs over the packed weights, and llama.cpp's own prefill
+    (its int8 activations) on the same file and token ids, when llama-cpp-python is installed."""
+    from engine.runtime.engine import Engine
+    cache = CacheConfig(budget_mb=512)
+    dense = Engine.load(EngineConfig(model=path, weights="dense", cache=cache, num_threads=threads))
+    ref = dense.new_session().append(ids)
+    del dense
+    out = {}
+    for mode in ("fp32", "bf16"):
+        engine = Engine.load(EngineConfig(model=path, prefill=mode, cache=cache, num_threads=threads))
+        out[f"kvchat {mode}"] = _agreement(ref, engine.new_session().append(ids))
+        del engine
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return out
+    llm = Llama(model_path=path, n_ctx=len(ids) + 8, n_threads=threads or torch.get_num_threads(),
+                n_threads_batch=threads or torch.get_num_threads(), n_batch=512, logits_all=True, verbose=False)
+    llm.eval(ids)
+    out["llama.cpp"] = _agreement(ref, torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32)))
+    llm.close()
+    return out
+
+
 def run_types(model: str, types: list[str], tokens: int, threads: int | None = None) -> dict:
     from engine.model.source import cache_root, locate
     from engine.text.tokenizer_cache import gguf_tokenizer
@@ -94,7 +127,9 @@ def run_types(model: str, types: list[str], tokens: int, threads: int | None = N
             if not path.is_file():
                 requantize_gguf(src, path, kind)
         tok = gguf_tokenizer(path)          # cached per file: no engine loaded just for it
-        results[kind] = fidelity(str(path), load_tokens(tok, "prose", tokens + 1), threads)
+        ids = load_tokens(tok, "prose", tokens + 1)
+        results[kind] = fidelity(str(path), ids, threads)
+        results[kind]["prefill_paths"] = prefill_paths(str(path), ids[:-1], threads)
     return results
 
 
@@ -113,4 +148,8 @@ def summarize(results: dict) -> list[str]:
         held = "+".join(f"{k}×{n}" for k, n in sorted(r["kinds"].items()))
         lines.append(f"{kind:<8}{held:<18}{r['tokens']:>7}{r['top1_agreement']:>9.2%}{r['mean_kl']:>11.6f}"
                      f"{r['ppl_ratio']:>11.4f}{r['prefill_max_logit_diff']:>11.2e}{r['weight_bytes'] / MIB:>7.0f}")
+    lines.append("prompt paths (a whole-text prefill, every position) against the dense fp32 forward:")
+    for kind, r in results.items():
+        for path, a in r.get("prefill_paths", {}).items():
+            lines.append(f"  {kind:<8}{path:<16} top-1 {a['top1_agreement']:>8.2%}  KL {a['mean_kl']:.6f}")
     return lines

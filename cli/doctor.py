@@ -55,6 +55,7 @@ def report() -> dict:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpus": _gpus(),
         "torch": torch_info,
+        "prefill": dict(zip(("auto", "why"), cpu_lib.auto_prefill())),
     }
 
 
@@ -83,6 +84,8 @@ def text(r: dict) -> str:
         lines.append(f"kernels    {k['variant']} build: {k['why']} (variants here: {', '.join(k['variants'])})")
         lines.append(f"           {k['build']}")
         lines.append(f"KV kernels {'loaded' if k['kv_kernels'] else 'not loaded'}")
+        lines.append(f"prompts    {r['prefill']['auto']} GEMM over packed weights by default: {r['prefill']['why']} "
+                     "(--prefill fp32 | bf16)")
     else:
         lines.append(f"kernels    none: {k['error']}; running {k['fallback']}")
     lines += [f"skipped    {s}" for s in k["skipped"]]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import SPEC_METHODS, CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
+from engine.config import PREFILL_MODES, SPEC_METHODS, CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,6 +12,9 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=engine.model, help="default, a local HF folder, or a .gguf file")
     p.add_argument("--device", default=engine.device)
     p.add_argument("--dtype", default=engine.dtype, choices=["auto", "fp32", "fp16", "bf16"])
+    p.add_argument("--prefill", default=engine.prefill, choices=PREFILL_MODES,
+                   help="the prompt's matrix products over packed weights: bf16 (oneDNN, about 5x fp32 on a CPU "
+                        "with AMX), fp32 (exact), or auto (bf16 where the CPU has AMX)")
     p.add_argument("--k-format", default=cache.k_format)
     p.add_argument("--v-format", default=cache.v_format)
     p.add_argument("--k-scheme", default=cache.k_scheme, choices=["channel", "token"])
@@ -57,7 +60,7 @@ def speculative_config(args) -> SpeculativeConfig:
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
-                        speculative=speculative_config(args))
+                        speculative=speculative_config(args), prefill=args.prefill)
 
 
 def sampling_params(args) -> SamplingParams:

@@ -209,6 +209,9 @@ class SpeculativeConfig:
         return f"draft {self.draft_model}, k={self.k}"
 
 
+PREFILL_MODES = ("auto", "fp32", "bf16")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "default"            # "default", a local HF folder, or a .gguf file
@@ -220,6 +223,8 @@ class EngineConfig:
     num_threads: int | None = None
     kv_disk_budget_mb: float = 2048.0  # saved conversation caches (warm conversations) in the user cache dir
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    prefill: str = "auto"             # prompt rows over packed weights on the CPU: fp32 (exact over the dequantized
+                                      # weights), bf16 (oneDNN's bf16 GEMM), or auto (bf16 where the CPU has AMX)
 
     def __post_init__(self):
         if not isinstance(self.speculative, SpeculativeConfig):
@@ -233,3 +238,5 @@ class EngineConfig:
             raise ConfigError(f"dtype={self.dtype!r}: choose auto, fp32, fp16 or bf16")
         if self.weights not in ("auto", "dense", "int8", "int4"):
             raise ConfigError(f"weights={self.weights!r}: choose auto, dense, int8 or int4")
+        if self.prefill not in PREFILL_MODES:
+            raise ConfigError(f"prefill={self.prefill!r}: choose {', '.join(PREFILL_MODES)}")

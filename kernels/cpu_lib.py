@@ -47,7 +47,7 @@ _skipped: list[str] = []            # variants above it that did not build or lo
 # A variant is compiled for exactly its instructions (never -march=native), so a cached or shipped build runs on
 # any CPU that offers them. The AVX-512 variant asks for VNNI and BF16 too: the compiler may emit them on its own.
 FEATURE_BITS = {"avx2": 0, "fma": 1, "f16c": 2, "avx512f": 3, "avx512bw": 4, "avx512vl": 5, "avx512vnni": 6,
-                "avx512bf16": 7, "avx": 8}
+                "avx512bf16": 7, "avx": 8, "amx_bf16": 9}
 _AVX2 = ["-march=x86-64", "-mavx", "-mavx2", "-mfma", "-mf16c"]
 X86_VARIANTS = {
     "avx512": (_AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"],
@@ -95,6 +95,14 @@ def choose_variant() -> tuple[str, str]:
         return forced, "chosen by KVCHAT_CPU_VARIANT"
     best = runnable_variants()[0]           # the last variant needs nothing: there is always one
     return best, "the CPU lacks AVX2, FMA or F16C" if best == "baseline" else "the best this CPU runs"
+
+
+def auto_prefill() -> tuple[str, str]:
+    """(precision, why) that EngineConfig(prefill="auto") gives prompt rows on this CPU: bf16 where it has AMX
+    (oneDNN's bf16 GEMM there ran 5-6x the fp32 one), else fp32. Torch-free: quick.covers asks it too."""
+    if "amx_bf16" in cpu_features():
+        return "bf16", "the CPU's AMX multiplies bf16"
+    return "fp32", "no AMX on this CPU"
 
 
 def runnable_variants() -> list[str]:
@@ -318,11 +326,13 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P, I, P, P, I]
     lib.q4_dequant.argtypes = [P, P, P, I, I, P, I, P, P, I]
     lib.q8_dequant.argtypes = [P, P, P, I, I, I, P, I, P, P, I]
+    lib.q4_dequant_bf16.argtypes = lib.q4_dequant.argtypes
+    lib.q8_dequant_bf16.argtypes = lib.q8_dequant.argtypes
     lib.attn_decode_rot.argtypes = [P, P, I, I, I, I, P, P, I, P, I, F, P, P]
     lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P]
     lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, P, P]
-    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.attn_decode_rot, lib.attn_decode_batch,
-              lib.decode_attend):
+    for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.q4_dequant_bf16, lib.q8_dequant_bf16,
+              lib.attn_decode_rot, lib.attn_decode_batch, lib.decode_attend):
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P]
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]

@@ -3,7 +3,8 @@
 #include <stdint.h>
 // kernels/cpu_lib.py loads this first, asks the CPU (CPUID, and XGETBV: the OS must save the
 // wider registers) which variants it can run, then loads the best one. Bits: 0 AVX2, 1 FMA, 2 F16C, 3 AVX512F,
-// 4 AVX512BW, 5 AVX512VL, 6 AVX512_VNNI, 7 AVX512_BF16, 8 AVX (with the OS's YMM state).
+// 4 AVX512BW, 5 AVX512VL, 6 AVX512_VNNI, 7 AVX512_BF16, 8 AVX (with the OS's YMM state), 9 AMX-BF16 (with AMX-TILE
+// and the OS's tile state: oneDNN's bf16 GEMM then runs on the tiles).
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 static uint64_t xgetbv0(void) {
@@ -28,6 +29,7 @@ uint64_t kvchat_cpu_features(void) {
     if (__get_cpuid_max(0, 0) >= 7) {
         __cpuid_count(7, 0, a, b, c, d);
         if ((b >> 5) & 1) f |= 1u << 0;                     // AVX2
+        if ((d >> 22) & 1 && (d >> 24) & 1 && (xcr0 & 0x60000) == 0x60000) f |= 1u << 9;     // AMX-BF16, AMX-TILE
         if (zmm) {
             if ((b >> 16) & 1) f |= 1u << 3;                // AVX512F
             if ((b >> 30) & 1) f |= 1u << 4;                // AVX512BW

@@ -509,8 +509,32 @@ void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scal
     q8_gemv_ld(x, M, K, codes, scale, zero, G, N, y, N, scratch, mode, norm_w, eps, resid, kind, ssup, zsup, per);
 }
 
-void q4_dequant(const uint8_t *codes, const void *scale, const void *zero, int N, int K, float *out, int kind,
-                const float *ssup, const float *zsup, int per) {
+// n floats to bf16, rounded to nearest even as torch rounds (NaN kept a NaN): to_bf16, eight at a time
+static inline void store_bf16(const float *x, uint16_t *o, int n) {
+    int j = 0;
+#ifdef __AVX2__
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    for (; j + 16 <= n; j += 16) {
+        __m256i r[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + j + 8 * h));
+            __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+            __m256i up = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+            __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+            r[h] = _mm256_blendv_epi8(up, quiet, nan);
+        }
+        // packus interleaves 128-bit lanes: put them back in order
+        _mm256_storeu_si256((__m256i *)(o + j), _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8));
+    }
+#endif
+    for (; j < n; j++) o[j] = to_bf16(x[j]);
+}
+
+// Dequantization into float32 (out) or, for bf16 prefill, bf16 (out16: each value as torch's .bfloat16() of the
+// float32 one)
+static void q4_dequant_to(const uint8_t *codes, const void *scale, const void *zero, int N, int K, float *out,
+                          uint16_t *out16, int kind, const float *ssup, const float *zsup, int per) {
     int ng = K / 32;
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
@@ -518,8 +542,8 @@ void q4_dequant(const uint8_t *codes, const void *scale, const void *zero, int N
         const float *sr = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zrr = row_zero(zero, zsup, per, n, ng, kind, sr, zbuf);
         for (int g = 0; g < ng; g++) {
             const uint8_t *b = codes + (size_t)n * (K / 2) + g * 16;
-            float s = sr[g], z = zrr[g];
-            float *o = out + (size_t)n * K + g * 32;
+            float s = sr[g], z = zrr[g], tmp[32];
+            float *o = out16 ? tmp : out + (size_t)n * K + g * 32;
 #ifdef __AVX2__
             // code * scale, then + zero: two roundings, as the scalar loop (and torch) does
             __m128i x = _mm_loadu_si128((const __m128i *)b), m = _mm_set1_epi8(15);
@@ -535,12 +559,23 @@ void q4_dequant(const uint8_t *codes, const void *scale, const void *zero, int N
                 o[j + 16] = (b[j] >> 4) * s + z;
             }
 #endif
+            if (out16) store_bf16(tmp, out16 + (size_t)n * K + g * 32, 32);
         }
     }
 }
 
-void q8_dequant(const int8_t *codes, const void *scale, const void *zero, int G, int N, int K, float *out, int kind,
+void q4_dequant(const uint8_t *codes, const void *scale, const void *zero, int N, int K, float *out, int kind,
                 const float *ssup, const float *zsup, int per) {
+    q4_dequant_to(codes, scale, zero, N, K, out, NULL, kind, ssup, zsup, per);
+}
+
+void q4_dequant_bf16(const uint8_t *codes, const void *scale, const void *zero, int N, int K, uint16_t *out,
+                     int kind, const float *ssup, const float *zsup, int per) {
+    q4_dequant_to(codes, scale, zero, N, K, NULL, out, kind, ssup, zsup, per);
+}
+
+static void q8_dequant_to(const int8_t *codes, const void *scale, const void *zero, int G, int N, int K, float *out,
+                          uint16_t *out16, int kind, const float *ssup, const float *zsup, int per) {
     int ng = K / G;
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
@@ -549,7 +584,8 @@ void q8_dequant(const int8_t *codes, const void *scale, const void *zero, int G,
         for (int g = 0; g < ng; g++) {
             float s = sr[g], z = zrr ? zrr[g] : 0.f;
             const int8_t *b = codes + (size_t)n * K + g * G;
-            float *o = out + (size_t)n * K + g * G;
+            float tmp[32];
+            float *o = out16 ? tmp : out + (size_t)n * K + g * G;
             int j = 0;
 #ifdef __AVX2__
             __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
@@ -558,8 +594,19 @@ void q8_dequant(const int8_t *codes, const void *scale, const void *zero, int G,
                     _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + j)))), sv), zv));
 #endif
             for (; j < G; j++) o[j] = b[j] * s + z;
+            if (out16) store_bf16(tmp, out16 + (size_t)n * K + g * G, G);
         }
     }
+}
+
+void q8_dequant(const int8_t *codes, const void *scale, const void *zero, int G, int N, int K, float *out, int kind,
+                const float *ssup, const float *zsup, int per) {
+    q8_dequant_to(codes, scale, zero, G, N, K, out, NULL, kind, ssup, zsup, per);
+}
+
+void q8_dequant_bf16(const int8_t *codes, const void *scale, const void *zero, int G, int N, int K, uint16_t *out,
+                     int kind, const float *ssup, const float *zsup, int per) {
+    q8_dequant_to(codes, scale, zero, G, N, K, NULL, out, kind, ssup, zsup, per);
 }
 
 // Decode attention of one new token over full-precision (fp32) pages, keys stored before RoPE.

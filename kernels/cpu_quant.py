@@ -68,19 +68,21 @@ def unavailable_reason() -> str | None:
 _local = threading.local()
 
 
-def _out(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+def _out(out: torch.Tensor | None, n: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if out is None:
-        return torch.empty(n, k)
-    assert out.shape == (n, k) and out.dtype == torch.float32 and out.is_contiguous()
+        return torch.empty(n, k, dtype=dtype)
+    assert out.shape == (n, k) and out.dtype == dtype and out.is_contiguous()
     return out
 
 
-def slab(n: int) -> torch.Tensor:
-    """n float32s of a buffer this thread reuses for dequantized weights (prefill's slabs): a fresh
+def slab(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """n values of a buffer this thread reuses for dequantized weights (prefill's slabs): a fresh
     allocation per slab costs a page fault per 4 KiB, about a tenth of a second per prompt here."""
-    buf = getattr(_local, "slab", None)
+    name = "slab" if dtype == torch.float32 else "slab_bf16"
+    buf = getattr(_local, name, None)
     if buf is None or buf.numel() < n:
-        buf = _local.slab = torch.empty(n)
+        buf = torch.empty(n, dtype=dtype)
+        setattr(_local, name, buf)
     return buf[:n]
 
 
@@ -207,20 +209,25 @@ def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero, group: int,
     return y
 
 
-def q4_dequant(codes: torch.Tensor, scale, zero=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """codes [N, K/2] -> float32 [N, K] (into out, contiguous, when given)."""
+def q4_dequant(codes: torch.Tensor, scale, zero=None, out: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes [N, K/2] -> float32 [N, K] (into out, contiguous, when given); dtype=bfloat16: the float32 values
+    rounded as .bfloat16() rounds them, in the same pass."""
     s = _scales(scale, zero)
     n, half = codes.shape
-    out = _out(out, n, half * 2)
-    _lib.q4_dequant(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), n, half * 2, out.data_ptr(), *s.args())
+    out = _out(out, n, half * 2, dtype)
+    fn = _lib.q4_dequant if dtype == torch.float32 else _lib.q4_dequant_bf16
+    fn(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), n, half * 2, out.data_ptr(), *s.args())
     return out
 
 
-def q8_dequant(codes: torch.Tensor, scale, zero, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def q8_dequant(codes: torch.Tensor, scale, zero, group: int, out: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     s = _scales(scale, zero)
     n, k = codes.shape
-    out = _out(out, n, k)
-    _lib.q8_dequant(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), group, n, k, out.data_ptr(), *s.args())
+    out = _out(out, n, k, dtype)
+    fn = _lib.q8_dequant if dtype == torch.float32 else _lib.q8_dequant_bf16
+    fn(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), group, n, k, out.data_ptr(), *s.args())
     return out
 
 

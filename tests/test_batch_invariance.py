@@ -10,13 +10,19 @@ pytestmark = pytest.mark.slow
 FP32 = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=64)
 
 
-@pytest.fixture(scope="module", params=["default", "qwen3", "dense"])
+@pytest.fixture(scope="module", params=["default", "default-bf16", "qwen3", "dense"])
 def packed_engine(request, tmp_path_factory):
-    """The default GGUF as the app runs it (weights kept packed); a tiny Qwen3 as a Q8_0 GGUF, whose q/k norms run
-    in the one-call step and in the forward's decode and prompt rows alike; and a tiny float folder (dense weights
-    through MKL, whose rounding of a row depends on the row count below about 12 rows unless padded)."""
+    """The default GGUF as the app runs it (weights kept packed), its prompts read by the fp32 GEMM and by the bf16
+    one (whose rounding of a row depends on the call's row count: calls of BF16_TILE rows); a tiny Qwen3 as a Q8_0
+    GGUF, whose q/k norms run in the one-call step and in the forward's decode and prompt rows alike; and a tiny
+    float folder (dense weights through MKL, whose rounding of a row depends on the row count below about 12 rows
+    unless padded)."""
     from engine import Engine, EngineConfig
     model = "default"
+    if request.param.startswith("default"):
+        engine = Engine.load(EngineConfig(prefill="bf16" if request.param.endswith("bf16") else "fp32"))
+        assert engine.prefill == ("bf16" if request.param.endswith("bf16") else "fp32")
+        return engine
     if request.param == "dense":
         # a float folder: DenseLinear pads CPU calls under GEMM_MIN_ROWS rows, so MKL rounds every row alike
         return Engine.load(EngineConfig(model=request.getfixturevalue("tiny_llama")))
@@ -85,3 +91,27 @@ def test_prompt_tail_after_a_prefix_hit_equals_the_prompt_read_whole(packed_engi
         runner.close(s)
     packed_engine.clear_prefix_cache()
     assert torch.equal(tail, whole)
+
+
+def test_prompts_read_in_one_step_equal_each_read_alone(packed_engine):
+    """Two prompts whose rows share the prompt GEMM (70 rows) against each alone (40 and 30): oneDNN's bf16 GEMM
+    rounds a row by the call's row count from about 48 rows up, so the bf16 path runs fixed tiles."""
+    if packed_engine.prefill == "fp32" and packed_engine.model.weights == "gguf":
+        # a known limit (docs/faults.md): MKL's sgemm rounds a row by the call's row count in some ranges on some
+        # CPUs (measured: 64-128 rows of the 576x1536 down projection, a Xeon with AVX-512); fixed tiles would cost
+        # the fp32 prompt path 15-35% and short prompts up to 3x, so it keeps padding to GEMM_MIN_ROWS only
+        pytest.skip("the fp32 prompt GEMM's row bits follow MKL's choice of kernel by row count")
+    runner = packed_engine.runner
+    tok = packed_engine.tokenizer
+    a = (tok.encode("The cache keeps keys and values for every token so attention can look back. " * 4))[:40]
+    b = (tok.encode("Paged memory lets many conversations share one pool of blocks without copying. " * 4))[:30]
+    solo = []
+    for p in (a, b):
+        seq = runner.new_sequence(FP32)
+        solo.append(runner.step([(seq, p)], hash_ids=False)[0])
+        runner.close(seq)
+    sa, sb = runner.new_sequence(FP32), runner.new_sequence(FP32)
+    got = runner.step([(sa, a), (sb, b)], hash_ids=False)
+    for s in (sa, sb):
+        runner.close(s)
+    assert torch.equal(got[0], solo[0]) and torch.equal(got[1], solo[1])

@@ -101,9 +101,9 @@ def test_sampling_matches_the_engines_rules():
 
 def test_default_model_one_shot_without_torch():
     """The real default model: `kvchat chat --prompt` answers greedily with the engine's words, in a process that
-    never imports torch."""
+    never imports torch (the prompt read as exactly as the engine's fp32 GEMM reads it)."""
     prompt, n = "What is the capital of France?", 24
-    engine = Engine.load(EngineConfig())
+    engine = Engine.load(EngineConfig(prefill="fp32"))     # this path's prompt is as exact (a CPU with AMX: bf16)
     events = list(engine.new_session().send(prompt, SamplingParams(temperature=0.0, max_new_tokens=n)))
     want = "".join(e.text for e in events if isinstance(e, TokenDelta))
     code = ("import sys; from cli.main import main; rc = main(sys.argv[1:]); "

@@ -11,7 +11,10 @@ One interface (`__call__(x [T, K]) -> [T, N]`, `nbytes`, `kind`, `dequantize()`)
 
 Decode steps (a few rows) run kernels/cpu_quant.c, which reads the packed codes and quantizes the
 activations to int16 per group of 32 (llama.cpp uses int8); prefill dequantizes a slab of rows at a
-time into a scratch buffer and runs the BLAS GEMM, so no dense copy of a weight ever persists.
+time into a scratch buffer and runs the BLAS GEMM, so no dense copy of a weight ever persists. Where the CPU
+multiplies bf16 natively (AMX), prefill can take the slabs and the prompt rows in bf16 (`prefill_dtype`,
+EngineConfig.prefill): oneDNN's bf16 GEMM, about 5x the fp32 one there, in calls of a fixed BF16_TILE rows so
+that a row's bits never depend on the rows it is batched with.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from kernels import cpu_quant
 GROUP = 32
 SLAB_BYTES = 32 * 2**20      # prefill dequantizes at most this much of a weight at once
 GEMM_MIN_ROWS = 16           # MKL's sgemm gives a row the same bits for any row count from about 12 up
+BF16_TILE = 64               # oneDNN's bf16 GEMM: a row's bits depend on the call's row count (measured), not its
+                             # place in it or its neighbours; so every call has this many rows (zeros pad the last)
 
 
 def _nbytes(*ts) -> int:
@@ -124,17 +129,23 @@ class _Packed(_Fused):
     def _gemv(self, x: torch.Tensor, **prep) -> torch.Tensor:
         raise NotImplementedError
 
-    def _dequant_rows(self, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows lo..hi as float32 [hi - lo, K] (into out, when given and the C kernels are available)."""
+    def _dequant_rows(self, lo: int, hi: int, out: torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows lo..hi as float32 [hi - lo, K] (into out, when given and the C kernels are available); dtype=
+        bfloat16: those values rounded to bf16."""
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, split: int | None = None) -> torch.Tensor:
         # x: [T, K] -> [T, N] in x.dtype
         return self.fused(x, split=split)
 
+    prefill_dtype = torch.float32       # the GEMM's: float32, or bfloat16 (Transformer.set_prefill)
+
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows: dequantized slabs through the BLAS GEMM, at least GEMM_MIN_ROWS rows at a time
         (zeros pad the rest), a row count from which MKL gives each row the same bits whatever the count."""
+        if self.prefill_dtype == torch.bfloat16:
+            return self._gemm_bf16(x)
         T = x.shape[0]
         if T < GEMM_MIN_ROWS:
             x = torch.cat((x, x.new_zeros(GEMM_MIN_ROWS - T, x.shape[1])))
@@ -146,6 +157,24 @@ class _Packed(_Fused):
             hi = min(self.out_features, lo + step)
             out = None if buf is None else buf[:(hi - lo) * K].view(hi - lo, K)
             y[:, lo:hi] = x @ self._dequant_rows(lo, hi, out).t()
+        return y[:T]
+
+    def _gemm_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The same in bf16: slabs rounded to bf16 (to nearest even, as torch rounds), the prompt rows too, the
+        products summed in fp32 and each output rounded to bf16 by oneDNN, BF16_TILE rows a call."""
+        T, K = x.shape
+        tiles = -(-T // BF16_TILE) * BF16_TILE
+        xb = torch.zeros(tiles, K, dtype=torch.bfloat16)
+        xb[:T] = x
+        y = torch.empty(tiles, self.out_features)
+        step = min(self.out_features, max(16, SLAB_BYTES // (4 * K)))
+        buf = cpu_quant.slab(step * K, torch.bfloat16) if cpu_quant.available() else None
+        for lo in range(0, self.out_features, step):
+            hi = min(self.out_features, lo + step)
+            out = None if buf is None else buf[:(hi - lo) * K].view(hi - lo, K)
+            wt = self._dequant_rows(lo, hi, out, torch.bfloat16).t()
+            for r in range(0, tiles, BF16_TILE):
+                y[r:r + BF16_TILE, lo:hi] = xb[r:r + BF16_TILE] @ wt
         return y[:T]
 
     def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None, act="silu"):
@@ -234,10 +263,10 @@ class Q4Linear(_Packed):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_quant.q4_dequant_ref(self.codes[ids], self.scales.index(ids))
 
-    def _dequant_rows(self, lo, hi, out=None):
+    def _dequant_rows(self, lo, hi, out=None, dtype=torch.float32):
         if not cpu_quant.available():
-            return cpu_quant.q4_dequant_ref(self.codes[lo:hi], self.scales.rows(lo, hi))
-        return cpu_quant.q4_dequant(self.codes[lo:hi], self.scales.rows(lo, hi), out=out)
+            return cpu_quant.q4_dequant_ref(self.codes[lo:hi], self.scales.rows(lo, hi)).to(dtype)
+        return cpu_quant.q4_dequant(self.codes[lo:hi], self.scales.rows(lo, hi), out=out, dtype=dtype)
 
     @property
     def nbytes(self) -> int:
@@ -273,10 +302,11 @@ class Q8Linear(_Packed):
     def kernel_parts(self):
         return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 8, self.group)]
 
-    def _dequant_rows(self, lo, hi, out=None):
+    def _dequant_rows(self, lo, hi, out=None, dtype=torch.float32):
         if not cpu_quant.available():
-            return cpu_quant.q8_dequant_ref(self.codes[lo:hi], self.scales.rows(lo, hi), None, self.group)
-        return cpu_quant.q8_dequant(self.codes[lo:hi], self.scales.rows(lo, hi), None, self.group, out=out)
+            return cpu_quant.q8_dequant_ref(self.codes[lo:hi], self.scales.rows(lo, hi), None, self.group).to(dtype)
+        return cpu_quant.q8_dequant(self.codes[lo:hi], self.scales.rows(lo, hi), None, self.group, out=out,
+                                    dtype=dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup from the same codes a tied output head reads: [T, K]."""

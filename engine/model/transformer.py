@@ -213,6 +213,15 @@ class Transformer:
         total = sum(lin.nbytes for lin in {id(x): x for x in linears}.values())
         return total + sum(t.numel() * t.element_size() for t in norms)
 
+    def set_prefill(self, dtype: torch.dtype) -> None:
+        """The packed linears' prompt-row GEMM: float32 (exact over the dequantized weights) or bfloat16."""
+        from engine.model.linears import _Packed
+        linears = [self.table, self.lm_head] + [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
+        for lin in linears:
+            for part in getattr(lin, "parts", [lin]):
+                if isinstance(part, _Packed):
+                    part.prefill_dtype = dtype
+
     def linear_kinds(self) -> dict[str, int]:
         """Packed kind -> number of linears, e.g. {"int4": 120, "int8": 1}."""
         from collections import Counter

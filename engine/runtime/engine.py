@@ -12,7 +12,7 @@ from kernels import cpu_lib, cpu_quant
 
 from engine.api import LOCAL
 from engine.text.chat_format import chat_format_notice, check_template, stop_ids
-from engine.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from engine.config import PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from engine.kv.layout import MIB
 from engine.gguf.file import GGUFFile
 from engine.model.source import (Progress, load_state_dict, locate, read_config, remove_conversion_cache,
@@ -66,6 +66,17 @@ def kernel_status(device: str) -> str | None:
     return None
 
 
+def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
+    """(fp32 | bf16, why): the GEMM the packed linears give prompt rows. auto takes bf16 where the CPU has AMX,
+    whose bf16 GEMM (oneDNN, through torch) ran 5-6x the fp32 one on a 2-core Xeon with AMX; elsewhere (AVX2, or
+    AVX-512 BF16 without AMX) fp32, which is exact over the dequantized weights and was not measured slower."""
+    if not str(model.device).startswith("cpu") or model.weights not in ("gguf", "int8", "int4"):
+        return "fp32", "dense weights: the model's own dtype"
+    if asked != "auto":
+        return asked, "asked for"
+    return cpu_lib.auto_prefill()
+
+
 def _done(value) -> Future:
     future = Future()
     future.set_result(value)
@@ -96,6 +107,7 @@ class Engine:
         self.weight_bytes = model.weight_bytes()
         self.weights_label = describe_weights(model)
         self.kernel_status = kernel_status(model.device)   # None, or why the C kernels are missing
+        self.set_prefill(config.prefill)
         self.runner = ModelRunner(model, self.dtype_name, config.cache.budget_mb)
         self._identity: dict | None = None
         self._warm_store = None
@@ -104,6 +116,14 @@ class Engine:
         self.draft_engine: "Engine | None" = None     # a draft model loaded for speculative decoding
         if config.speculative.method != "draft":      # a draft model loads in set_speculative (Engine.load calls it)
             self.runner.speculation = config.speculative
+
+    def set_prefill(self, mode: str) -> None:
+        """The prompt rows' GEMM over packed weights, now: "auto", "fp32" or "bf16" (EngineConfig.prefill). Decode
+        steps and KV already written are untouched; the next prompt reads in the new precision."""
+        if mode not in PREFILL_MODES:
+            raise ConfigError(f"prefill={mode!r}: choose {', '.join(PREFILL_MODES)}")
+        self.prefill, self.prefill_why = choose_prefill(mode, self.model)
+        self.model.set_prefill(torch.bfloat16 if self.prefill == "bf16" else torch.float32)
 
     @property
     def num_layers(self) -> int:

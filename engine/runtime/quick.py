@@ -235,6 +235,9 @@ def covers(args) -> bool:
     defaults.update(speculative=SpeculativeConfig().method, spec_tokens=SpeculativeConfig().k, draft_model=None)
     if os.environ.get("KVCHAT_NO_QUICK") or args.prompt is None:
         return False
+    # this path reads the prompt through the decode kernel, as exact as the fp32 GEMM: asked for bf16, it declines
+    if getattr(args, "prefill", "auto") == "bf16":
+        return False
     if any(getattr(args, k, v) != v for k, v in defaults.items()):
         return False
     if args.seed is not None and args.temperature > 0:
