@@ -134,6 +134,10 @@ class Dashboard(QWidget):
         layout.addWidget(self._build_notice())
         self.quality_row = QualityRow()
         layout.addWidget(self.quality_row)
+        self.prompt_note = QLabel(objectName="promptPrecision")      # said only when prompts are not read exactly
+        self.prompt_note.setWordWrap(True)
+        self.prompt_note.setVisible(False)
+        layout.addWidget(self.prompt_note)
         self.server_panel = ServerPanel()
         self.server_panel.setVisible(False)
         layout.addWidget(self.server_panel)
@@ -455,6 +459,12 @@ class Dashboard(QWidget):
             + (self.tr(" · weights {size} ({label})").format(size=format_mib(snapshot.weight_bytes),
                                                              label=html.escape(weights_text(snapshot.weights_label)))
                if snapshot.weight_bytes else ""))
+
+    def set_prompt_precision(self, precision: str) -> None:
+        """The quality line's companion: prompts read in bf16 are named, with where to change it."""
+        self.prompt_note.setText(self.tr("Prompts are read in bf16: faster on this CPU, close to exact but not "
+                                         "exact (Settings › Model › Read prompts in)"))
+        self.prompt_note.setVisible(precision == "bf16")
 
     def _drafts_text(self, spec) -> str:
         """What speculative decoding did in the last turn, to follow the decode rate; "" when it was off."""

@@ -185,9 +185,11 @@ class MainWindow(QMainWindow):
         self.host = host
         host.set_disk_budget(self.store.kv_disk_budget_mb())     # queued before any load: applied to each engine
         host.set_speculative(*self.store.speculative())
+        host.set_prefill(self.store.prefill())
         worker = host                   # its signals arrive in the GUI thread
         worker.progress.connect(self._on_progress)
         worker.ready.connect(self._on_ready)
+        worker.prefill_set.connect(self._on_prefill_set)
         worker.session_opened.connect(self._on_session_opened)
         worker.token.connect(self._on_token)
         worker.turn_finished.connect(self._on_turn_finished)
@@ -319,10 +321,11 @@ class MainWindow(QMainWindow):
                                 model_dtype=self.engine_info.dtype if self.engine_info else "fp32",
                                 device=self.engine_info.device if self.engine_info else "cpu",
                                 language=self.store.language(), disk_budget_mb=self.store.kv_disk_budget_mb(),
-                                speculative=self.store.speculative())
+                                speculative=self.store.speculative(), prefill=self.store.prefill())
         dialog.accepted.connect(lambda: self.store.set_language(dialog.language()))     # applies on restart
         dialog.accepted.connect(lambda: self._set_disk_budget(dialog.disk_budget_mb()))
         dialog.accepted.connect(lambda: self._set_speculative(*dialog.speculative()))
+        dialog.accepted.connect(lambda: self._set_prefill(dialog.prefill()))
         dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()
@@ -336,6 +339,16 @@ class MainWindow(QMainWindow):
     def _set_speculative(self, method: str, k: int) -> None:
         self.store.set_speculative(method, k)
         self.host.set_speculative(method, k)
+
+    def _set_prefill(self, mode: str) -> None:
+        self.store.set_prefill(mode)
+        self.host.set_prefill(mode)
+
+    def _on_prefill_set(self, precision: str) -> None:
+        if self.engine_info is not None:        # the status line names what the engine now reads prompts in
+            self.engine_info = replace(self.engine_info, prefill=precision)
+            self._update_status()
+        self.dashboard.set_prompt_precision(precision)
 
     def open_models(self) -> ModelsDialog:
         """The Models page (non-blocking): Load there reloads through apply_settings, which saves the choice."""
@@ -396,6 +409,7 @@ class MainWindow(QMainWindow):
         self._loaded_model = self.settings.model
         self._loaded_remote = self.settings.remote
         self.dashboard.set_remote(event.server_url if event.capabilities.remote else "", event.model_name)
+        self.dashboard.set_prompt_precision(event.prefill)
         self.load_bar.setVisible(False)
         self.chat.set_assistant_name(event.model_name)
         self.dashboard.data.mark("load", self.tr("model loaded"))
@@ -568,6 +582,8 @@ class MainWindow(QMainWindow):
                     label=weights_text(self.engine_info.weights_label), size=format_bytes(self.engine_info.weight_bytes)))
             if self.engine_info.chat_format_notice:
                 parts.append(self.tr("plain-text chat (no template)"))
+            if self.engine_info.prefill == "bf16":  # the prompt path that is not exact is named
+                parts.append(self.tr("prompts in bf16"))
             if self.engine_info.kernel_status:      # the slow torch fallback is said, not silent
                 parts.append(engine_text(self.engine_info.kernel_status))
         remote = self.engine_info is not None and self.engine_info.capabilities.remote

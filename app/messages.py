@@ -36,6 +36,7 @@ class EngineReady:
     server_url: str = ""                # a remote engine's base URL
     kernel_status: str = ""             # why the C kernels are missing (the engine's English line); "" when loaded
     chat_format_notice: str = ""        # the model has no chat template: it chats in plain text (the engine's line)
+    prefill: str = ""                   # the prompt GEMM's precision as loaded ("fp32", "bf16"); "" for a server
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
 
 from engine.config import FORMATS, KEY_SCHEMES, MAX_DRAFTS, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
 from engine.kv.layout import check_cache_for_model
+from kernels.cpu_lib import auto_prefill
 
 from app.engine_text import engine_text
 from app.i18n import choice, choose, fill_choices, language_names
@@ -72,10 +73,11 @@ class SettingsDialog(QDialog):
     def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None,
                  model_config=None, model_dtype: str = "fp32", device: str = "cpu",
                  last_server: RemoteSettings | None = None, language: str = "system", disk_budget_mb: float = 2048.0,
-                 speculative: tuple[str, int] = DEFAULT_SPECULATIVE):
+                 speculative: tuple[str, int] = DEFAULT_SPECULATIVE, prefill: str = "auto"):
         super().__init__(parent)
         self._disk_budget_mb = disk_budget_mb
         self._speculative = speculative
+        self._prefill = prefill
         self.setWindowTitle(self.tr("kvchat settings"))
         self.setObjectName("settingsDialog")
         self.num_layers = num_layers
@@ -197,7 +199,7 @@ class SettingsDialog(QDialog):
     def _engine_changed(self, *_args) -> None:
         server = self.uses_server()
         self.server_box.setVisible(server)
-        for part in (self.model_box, self.cache_box, self.spec_row):
+        for part in (self.model_box, self.cache_box, self.spec_row):     # the model box holds the prompt precision
             part.setEnabled(not server)
         self.cache_box.setTitle(self.tr("KV cache (the server chooses its own)") if server
                                 else self.tr("KV cache (applies to the open chat live)"))
@@ -239,7 +241,9 @@ class SettingsDialog(QDialog):
 
     def _model_group(self, model: str) -> QGroupBox:
         box = self.model_box = QGroupBox(self.tr("Model"))
-        row = QHBoxLayout(box)
+        column = QVBoxLayout(box)
+        row = QHBoxLayout()
+        column.addLayout(row)
         self.model_edit = QLineEdit(model)
         self.model_edit.setPlaceholderText(self.tr("default (SmolLM2-135M-Instruct), a model folder or a .gguf file"))
         self.model_edit.setToolTip(self.tr("'default', a local Hugging Face folder (config.json + safetensors) or a "
@@ -253,7 +257,24 @@ class SettingsDialog(QDialog):
         for widget in (self.model_edit, folder, gguf, default):
             row.addWidget(widget)
         row.setStretch(0, 1)
+        form = QFormLayout()
+        column.addLayout(form)
+        form.addRow(self.tr("Read prompts in"), self._prefill_combo())
         return box
+
+    def _prefill_combo(self) -> QComboBox:
+        """The prompt GEMM's precision (EngineConfig.prefill), applied live to the next prompt."""
+        auto, _why = auto_prefill()
+        self.prefill_combo = QComboBox(objectName="prefillMode")
+        self.prefill_combo.addItem(self.tr("Automatic ({precision} on this CPU)").format(precision=auto), "auto")
+        self.prefill_combo.addItem(self.tr("fp32 (exact)"), "fp32")
+        self.prefill_combo.addItem(self.tr("bf16 (about 5x faster on a CPU with AMX)"), "bf16")
+        self.prefill_combo.setCurrentIndex(max(0, self.prefill_combo.findData(self._prefill)))
+        self.prefill_combo.setToolTip(self.tr(
+            "How the model reads a prompt over packed weights. fp32 is exact; bf16 agreed with it on 97.7% of next-token "
+            "choices over 512 tokens of prose (llama.cpp's own prompt path: 95.9%). Replies are decoded the same way "
+            "either way."))
+        return self.prefill_combo
 
     def _cache_group(self, cache: CacheConfig) -> QGroupBox:
         box = self.cache_box = QGroupBox(self.tr("KV cache (applies to the open chat live)"))
@@ -457,6 +478,10 @@ class SettingsDialog(QDialog):
 
     def _spec_method_changed(self, *_args) -> None:
         self.spec_tokens.setEnabled(self.speculative()[0] != "off")
+
+    def prefill(self) -> str:
+        """The prompt precision chosen: auto, fp32 or bf16."""
+        return str(self.prefill_combo.currentData())
 
     def speculative(self) -> tuple[str, int]:
         """(method, most draft tokens per step): "off" or "lookup", 1 to 32."""

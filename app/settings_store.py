@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from engine.config import MAX_DRAFTS, CacheConfig, ConfigError, SamplingParams
+from engine.config import MAX_DRAFTS, PREFILL_MODES, CacheConfig, ConfigError, SamplingParams
 
 from app.history import cache_from_json, cache_to_json
 
@@ -197,6 +197,15 @@ class SettingsStore:
     def set_speculative(self, method: str, k: int) -> None:
         self._qs.setValue("engine/speculative", method)
         self._qs.setValue("engine/spec_tokens", int(k))
+        self._qs.sync()
+
+    def prefill(self) -> str:
+        """The prompt GEMM's precision (EngineConfig.prefill): auto unless changed; an unknown value reads as auto."""
+        value = str(self._qs.value("engine/prefill", "auto") or "")
+        return value if value in PREFILL_MODES else "auto"
+
+    def set_prefill(self, mode: str) -> None:
+        self._qs.setValue("engine/prefill", mode)
         self._qs.sync()
 
     def sync(self) -> None:

@@ -88,6 +88,7 @@ class EngineWorker(QObject):
     prefix_cleared = Signal(object)     # PrefixCleared
     token_counts = Signal(object)       # TokenCounts of saved conversations (the Lengths tab)
     reading = Signal(object)            # ReadingHistory: a turn reads the chat into an empty cache first
+    prefill_set = Signal(str)           # the prompt GEMM's precision after a change ("fp32", "bf16")
 
     def __init__(self, loader=_default_loader):
         super().__init__()
@@ -102,6 +103,7 @@ class EngineWorker(QObject):
         self._released_chats: set = set()  # conversations whose cache the engine released for room
         self._disk_budget_mb: float | None = None   # saved caches' disk budget from Settings (None: the engine's)
         self._speculative: tuple[str, int] | None = None    # (method, k) from Settings (None: the engine's)
+        self._prefill: str | None = None                    # the prompt GEMM's precision from Settings
 
     # --- called from the GUI thread (thread-safe, never blocks) ---
 
@@ -149,6 +151,8 @@ class EngineWorker(QObject):
             self.set_disk_budget(self._disk_budget_mb)
         if self._speculative is not None:
             self.set_speculative(*self._speculative)
+        if self._prefill is not None:
+            self.set_prefill(self._prefill)
         self._released_chats = set()
         self._facts = model_facts(engine)
         self.ready.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
@@ -158,6 +162,7 @@ class EngineWorker(QObject):
                                     getattr(engine, "dtype_name", "fp32"), capabilities_of(engine),
                                     getattr(engine, "base_url", ""),
                                     kernel_status=getattr(engine, "kernel_status", None) or "",
+                                    prefill=getattr(engine, "prefill", ""),
                                     chat_format_notice=getattr(engine, "chat_format_notice", None) or ""))
 
     @Slot(object, object, object, object)
@@ -324,6 +329,14 @@ class EngineWorker(QObject):
         except Exception as exc:  # noqa: BLE001 - ConfigError says what to change; the last setting stays
             self.error.emit(ErrorEvent("speculative", self.tr("Cannot change speculative decoding"),
                                        _load_error_message(exc)))
+
+    @Slot(str)
+    def set_prefill(self, mode: str) -> None:
+        """The prompt GEMM's precision from Settings, live: the next prompt read uses it. A server reads its own way."""
+        self._prefill = mode
+        if hasattr(self._engine, "set_prefill"):
+            self._engine.set_prefill(mode)      # one of PREFILL_MODES: Settings offers no other
+            self.prefill_set.emit(self._engine.prefill)
 
     @Slot(object)
     def forget_cache(self, conversation_id) -> None:
@@ -512,7 +525,7 @@ class _DecodeRate:
 
 
 EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished", "stats", "mode_switched",
-                 "reset_done", "error", "quality", "prefix_cleared", "token_counts", "reading")
+                 "reset_done", "error", "quality", "prefix_cleared", "token_counts", "reading", "prefill_set")
 
 
 def _pairs(history: list[dict] | None):
@@ -539,6 +552,7 @@ class EngineHost(QObject):
     prefix_cleared = Signal(object)
     token_counts = Signal(object)
     reading = Signal(object)
+    prefill_set = Signal(str)
 
     _load = Signal(object)
     _open = Signal(object, object, object, object)
@@ -557,6 +571,7 @@ class EngineHost(QObject):
     _forget = Signal(object)
     _disk_budget = Signal(float)
     _speculative = Signal(str, int)
+    _prefill = Signal(str)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -581,6 +596,7 @@ class EngineHost(QObject):
         self._forget.connect(self.worker.forget_cache)
         self._disk_budget.connect(self.worker.set_disk_budget)
         self._speculative.connect(self.worker.set_speculative)
+        self._prefill.connect(self.worker.set_prefill)
         # the engine thread's last act, whichever way it is asked to end: every open chat's cache to disk
         self.thread.finished.connect(self.worker.save_all, Qt.ConnectionType.DirectConnection)
         self.thread.started.connect(self.worker.lower_priority)
@@ -674,3 +690,7 @@ class EngineHost(QObject):
     def set_speculative(self, method: str, k: int) -> None:
         """Speculative decoding for every chat's next turn; queued before any load, it applies to each engine."""
         self._speculative.emit(method, int(k))
+
+    def set_prefill(self, mode: str) -> None:
+        """The prompt GEMM's precision (auto, fp32, bf16); queued before any load, it applies to each engine."""
+        self._prefill.emit(mode)
