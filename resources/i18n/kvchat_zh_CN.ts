@@ -439,6 +439,10 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>解码 {decode} tok/s{drafts} · 预填充 {prefill} tok/s · TTFT {ttft} ms</translation>
     </message>
     <message>
+        <source>Prompts are read in bf16: faster on this CPU, close to exact but not exact (Settings › Model › Read prompts in)</source>
+        <translation>提示词以 bf16 读取：在此 CPU 上更快，接近精确但并非精确（设置 › 模型 › 提示词读取精度）</translation>
+    </message>
+    <message>
         <source>nothing drafted</source>
         <translation>没有草稿 token</translation>
     </message>
@@ -1240,6 +1244,10 @@ prefill {prefill} tok/s</source>
         <translation>纯文本对话（无模板）</translation>
     </message>
     <message>
+        <source>prompts in bf16</source>
+        <translation>提示词 bf16</translation>
+    </message>
+    <message>
         <source>disconnected: the server does not answer</source>
         <translation>已断开：服务器没有响应</translation>
     </message>
@@ -1961,6 +1969,26 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     <message>
         <source>Default</source>
         <translation>默认</translation>
+    </message>
+    <message>
+        <source>Read prompts in</source>
+        <translation>提示词读取精度</translation>
+    </message>
+    <message>
+        <source>Automatic ({precision} on this CPU)</source>
+        <translation>自动（此 CPU 上为 {precision}）</translation>
+    </message>
+    <message>
+        <source>fp32 (exact)</source>
+        <translation>fp32（精确）</translation>
+    </message>
+    <message>
+        <source>bf16 (about 5x faster on a CPU with AMX)</source>
+        <translation>bf16（在支持 AMX 的 CPU 上约快 5 倍）</translation>
+    </message>
+    <message>
+        <source>How the model reads a prompt over packed weights. fp32 is exact; bf16 agreed with it on 97.7% of next-token choices over 512 tokens of prose (llama.cpp&apos;s own prompt path: 95.9%). Replies are decoded the same way either way.</source>
+        <translation>模型如何在打包权重上读取提示词。fp32 是精确的；在 512 个 token 的散文上，bf16 与它的下一个 token 选择一致率为 97.7%（llama.cpp 自身的提示词路径：95.9%）。两种方式下回复的解码方式相同。</translation>
     </message>
     <message>
         <source>Presets…</source>

@@ -1,0 +1,58 @@
+"""The prompt precision in the app (Settings › Model › Read prompts in): saved, applied to the engine live and to
+each engine loaded later, and named in the status line and the dashboard while prompts are read in bf16. The
+real default model (packed weights: the choice applies to them), a real window offscreen."""
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import QSettings
+
+from app.settings_store import SettingsStore
+from engine.config import SamplingParams
+from fakes import isolate_app, real_window
+from kernels import cpu_lib
+
+pytestmark = pytest.mark.gui
+SHORT = SamplingParams(temperature=0, max_new_tokens=8)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    isolate_app(monkeypatch, tmp_path)
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def engine_of(window):
+    return window.host.worker._engine
+
+
+def said(window) -> bool:
+    return "prompts in bf16" in window.status_label.text() and not window.dashboard.prompt_note.isHidden()
+
+
+def test_the_choice_is_saved_switched_live_and_said(qtbot):
+    window = real_window(qtbot, "default", sampling=SHORT)
+    auto = cpu_lib.auto_prefill()[0]
+    assert window.store.prefill() == "auto" and engine_of(window).prefill == auto
+    assert said(window) == (auto == "bf16")
+    dialog = window.open_settings()
+    assert dialog.prefill() == "auto" and auto in dialog.prefill_combo.currentText()
+    dialog.prefill_combo.setCurrentIndex(dialog.prefill_combo.findData("bf16"))
+    dialog.accept()
+    assert SettingsStore().prefill() == "bf16"
+    qtbot.waitUntil(lambda: engine_of(window).prefill == "bf16" and said(window), timeout=5000)
+    dialog = window.open_settings()
+    assert dialog.prefill() == "bf16"
+    dialog.prefill_combo.setCurrentIndex(dialog.prefill_combo.findData("fp32"))
+    dialog.accept()
+    qtbot.waitUntil(lambda: engine_of(window).prefill == "fp32" and not said(window), timeout=5000)
+    assert SettingsStore().prefill() == "fp32"
+
+
+def test_a_saved_choice_reaches_a_newly_loaded_engine_and_a_damaged_one_reads_as_auto(qtbot, tmp_path):
+    SettingsStore().set_prefill("bf16")
+    window = real_window(qtbot, "default", sampling=SHORT)
+    qtbot.waitUntil(lambda: engine_of(window).prefill == "bf16" and said(window), timeout=5000)
+    raw = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    raw.setValue("engine/prefill", "int3")
+    raw.sync()
+    assert SettingsStore().prefill() == "auto"
