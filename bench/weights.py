@@ -56,24 +56,31 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
 
 
 def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
-    """Packed against dense fp32 on one file, teacher-forced one token per step over ids."""
+    """Packed against dense fp32 on one file, teacher-forced one token per step over ids (the decode path), with
+    int16 activations (the default) and, under "int8_activations", int8 ones (EngineConfig(activations="int8"))."""
     from engine.runtime.engine import Engine
     cache = CacheConfig(budget_mb=512)
     packed = Engine.load(EngineConfig(model=path, cache=cache, num_threads=threads, prefill="fp32"))
+    act8 = Engine.load(EngineConfig(model=path, cache=cache, num_threads=threads, prefill="fp32", activations="int8"))
     dense = Engine.load(EngineConfig(model=path, weights="dense", cache=cache, num_threads=threads))
-    sp, sd = packed.new_session(), dense.new_session()
-    agree, kl, nll_p, nll_d = 0, 0.0, 0.0, 0.0
+    sessions = {"int16": packed.new_session(), "int8": act8.new_session()}
+    sd = dense.new_session()
+    agree, kl, nll = dict.fromkeys(sessions, 0), dict.fromkeys(sessions, 0.0), dict.fromkeys([*sessions, "dense"], 0.0)
     for i in range(len(ids) - 1):
-        lp = torch.log_softmax(sp.append([ids[i]])[-1].double(), -1)
         ld = torch.log_softmax(sd.append([ids[i]])[-1].double(), -1)
-        agree += int(lp.argmax() == ld.argmax())
-        kl += float((ld.exp() * (ld - lp)).sum())
-        nll_p -= float(lp[ids[i + 1]])
-        nll_d -= float(ld[ids[i + 1]])
+        nll["dense"] -= float(ld[ids[i + 1]])
+        for name, session in sessions.items():
+            lp = torch.log_softmax(session.append([ids[i]])[-1].double(), -1)
+            agree[name] += int(lp.argmax() == ld.argmax())
+            kl[name] += float((ld.exp() * (ld - lp)).sum())
+            nll[name] -= float(lp[ids[i + 1]])
     n = len(ids) - 1
     prefill_diff = (packed.new_session().append(ids) - dense.new_session().append(ids)).abs().max().item()
     return {"quant": packed.model.quant, "kinds": packed.model.linear_kinds(), "tokens": n,
-            "top1_agreement": agree / n, "mean_kl": kl / n, "ppl_ratio": math.exp((nll_p - nll_d) / n),
+            "top1_agreement": agree["int16"] / n, "mean_kl": kl["int16"] / n,
+            "ppl_ratio": math.exp((nll["int16"] - nll["dense"]) / n),
+            "int8_activations": {"top1_agreement": agree["int8"] / n, "mean_kl": kl["int8"] / n,
+                                 "ppl_ratio": math.exp((nll["int8"] - nll["dense"]) / n)},
             "prefill_max_logit_diff": prefill_diff, "weight_bytes": packed.model.weight_bytes(),
             "dense_weight_bytes": dense.model.weight_bytes()}
 
@@ -148,6 +155,12 @@ def summarize(results: dict) -> list[str]:
         held = "+".join(f"{k}×{n}" for k, n in sorted(r["kinds"].items()))
         lines.append(f"{kind:<8}{held:<18}{r['tokens']:>7}{r['top1_agreement']:>9.2%}{r['mean_kl']:>11.6f}"
                      f"{r['ppl_ratio']:>11.4f}{r['prefill_max_logit_diff']:>11.2e}{r['weight_bytes'] / MIB:>7.0f}")
+    lines.append("int8 activations (EngineConfig(activations='int8')), the same decode steps:")
+    for kind, r in results.items():
+        a = r.get("int8_activations")
+        if a:
+            lines.append(f"  {kind:<8}{'kvchat int8':<16} top-1 {a['top1_agreement']:>8.2%}  KL {a['mean_kl']:.6f}"
+                         f"  ppl ratio {a['ppl_ratio']:.4f}")
     lines.append("prompt paths (a whole-text prefill, every position) against the dense fp32 forward:")
     for kind, r in results.items():
         for path, a in r.get("prefill_paths", {}).items():

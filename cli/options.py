@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import PREFILL_MODES, SPEC_METHODS, CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
+from engine.config import ACTIVATION_MODES, PREFILL_MODES, SPEC_METHODS, CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,6 +15,9 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", default=engine.prefill, choices=PREFILL_MODES,
                    help="the prompt's matrix products over packed weights: bf16 (oneDNN, about 5x fp32 on a CPU "
                         "with AMX), fp32 (exact), or auto (bf16 where the CPU has AMX)")
+    p.add_argument("--activations", default=engine.activations, choices=ACTIVATION_MODES,
+                   help="decode activations over packed weights: int16 (exact to about 1e-5), or int8 (llama.cpp's "
+                        "rounding: faster for several rows a step, less exact)")
     p.add_argument("--k-format", default=cache.k_format)
     p.add_argument("--v-format", default=cache.v_format)
     p.add_argument("--k-scheme", default=cache.k_scheme, choices=["channel", "token"])
@@ -60,7 +63,7 @@ def speculative_config(args) -> SpeculativeConfig:
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, cache=cache_config(args),
-                        speculative=speculative_config(args), prefill=args.prefill)
+                        speculative=speculative_config(args), prefill=args.prefill, activations=args.activations)
 
 
 def sampling_params(args) -> SamplingParams:

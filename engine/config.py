@@ -210,6 +210,7 @@ class SpeculativeConfig:
 
 
 PREFILL_MODES = ("auto", "fp32", "bf16")
+ACTIVATION_MODES = ("int16", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +226,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     prefill: str = "auto"             # prompt rows over packed weights on the CPU: fp32 (exact over the dequantized
                                       # weights), bf16 (oneDNN's bf16 GEMM), or auto (bf16 where the CPU has AMX)
+    activations: str = "int16"        # decode rows over packed weights in the C kernels: int16 per group of 32 (exact
+                                      # to ~1e-5), or int8 (llama.cpp's Q8_0 rounding: opt-in, see the README)
 
     def __post_init__(self):
         if not isinstance(self.speculative, SpeculativeConfig):
@@ -240,3 +243,5 @@ class EngineConfig:
             raise ConfigError(f"weights={self.weights!r}: choose auto, dense, int8 or int4")
         if self.prefill not in PREFILL_MODES:
             raise ConfigError(f"prefill={self.prefill!r}: choose {', '.join(PREFILL_MODES)}")
+        if self.activations not in ACTIVATION_MODES:
+            raise ConfigError(f"activations={self.activations!r}: choose {', '.join(ACTIVATION_MODES)}")

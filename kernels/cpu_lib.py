@@ -21,7 +21,7 @@ SOURCE = Path(__file__).with_name("cpu_quant.c")
 KV_SOURCE = Path(__file__).with_name("cpu_kv_quant.c")     # quantized-KV decode attention: built in the background
 PROBE_SOURCE = Path(__file__).with_name("cpu_probe.c")      # which variant the CPU runs (CPUID), built for the baseline
 HEADER = Path(__file__).with_name("cpu_common.h")
-HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"))     # what the libraries include: part of the key
+HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"), Path(__file__).with_name("cpu_act8.h"))     # what the libraries include: part of the key
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 # decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
 # to stop
@@ -347,7 +347,8 @@ class QLin(ctypes.Structure):
     """One packed linear (or one part of a concatenation) as decode_layers reads it."""
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("ssup", ctypes.c_void_p), ("zsup", ctypes.c_void_p), ("bits", ctypes.c_int), ("kind", ctypes.c_int),
-                ("per", ctypes.c_int), ("group", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int)]
+                ("per", ctypes.c_int), ("group", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int),
+                ("act", ctypes.c_int)]      # activation bits: 8 for int8, 0 (or 16) for int16
 
 
 class QLayer(ctypes.Structure):

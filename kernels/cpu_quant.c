@@ -376,10 +376,17 @@ static inline int q8_dot(const int8_t *w, const int16_t *v, int n) {
 }
 #endif
 
-// y: [M, ldy] (ldy >= N: one part of a concatenated output); resid [M, N]
+#include "cpu_act8.h"
+
+// y: [M, ldy] (ldy >= N: one part of a concatenated output); resid [M, N]. mode: the prep, with ACT8 for int8
+// activations (gemv8)
 static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const void *scale, const void *zero,
                        int N, float *y, int ldy, void *scratch, int mode, const float *norm_w, float eps,
                        const float *resid, int kind, const float *ssup, const float *zsup, int per) {
+    if (mode & ACT8) {
+        gemv8(x, M, K, codes, 4, scale, zero, N, y, ldy, scratch, mode & ~ACT8, norm_w, eps, resid, kind, ssup, zsup, per);
+        return;
+    }
     int ng = K / 32;
     int16_t *xq;
     float *xs, *sums;
@@ -420,7 +427,15 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
 static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const void *scale, const void *zero, int G,
                        int N, float *y, int ldy, void *scratch, int mode, const float *norm_w, float eps,
                        const float *resid, int kind, const float *ssup, const float *zsup, int per) {
-    // G is 16 or 32; zero may be NULL (symmetric); scratch as for q4_gemv
+    // G is 16 or 32; zero may be NULL (symmetric); scratch as for q4_gemv. Groups of 16 keep int16 activations.
+    if (mode & ACT8) {
+        if (G == 32) {
+            gemv8(x, M, K, codes, 8, scale, zero, N, y, ldy, scratch, mode & ~ACT8, norm_w, eps, resid, kind, ssup,
+                  zsup, per);
+            return;
+        }
+        mode &= ~ACT8;
+    }
     int ng = K / G, nx = K / 32;
     int16_t *xq;
     float *xs, *sums32;
@@ -754,6 +769,7 @@ typedef struct {
     const void *codes, *scale, *zero;
     const float *ssup, *zsup;
     int bits, kind, per, group, N, K;
+    int act;                    // activation bits: 8 for int8 (gemv8), anything else int16
 } qlin_t;
 
 // One decoder layer: the four linears (qkv, o, gate_up, down), each up to 3 parts side by side.
@@ -792,11 +808,12 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
             const float *xm = x + (size_t)m0 * l->K * (mode == 2 ? 2 : 1);
             float *ym = y + (size_t)m0 * ldy + col;
             const float *rm = resid ? resid + (size_t)m0 * l->N : NULL;
+            int lm = mode | (l->act == 8 ? ACT8 : 0);
             if (l->bits == 4)
-                q4_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->N, ym, ldy, scratch, mode, norm_w, eps,
+                q4_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->N, ym, ldy, scratch, lm, norm_w, eps,
                            rm, l->kind, l->ssup, l->zsup, l->per);
             else
-                q8_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->group, l->N, ym, ldy, scratch, mode,
+                q8_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->group, l->N, ym, ldy, scratch, lm,
                            norm_w, eps, rm, l->kind, l->ssup, l->zsup, l->per);
         }
     }

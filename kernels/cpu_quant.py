@@ -174,8 +174,12 @@ def _scales(scale, zero) -> Scales:
     return scale if isinstance(scale, Scales) else Scales(scale, zero)
 
 
-def _prep_args(x, k, norm, eps, swiglu, residual):
+ACT8 = 8        # the mode bit that asks for int8 activations (kernels/cpu_act8.h)
+
+
+def _prep_args(x, k, norm, eps, swiglu, residual, act=16):
     mode = PREP_RMSNORM if norm is not None else PREP_SWIGLU if swiglu else PREP_NONE
+    mode |= ACT8 if act == 8 else 0
     assert x.shape[1] == (2 * k if swiglu else k) and x.is_contiguous() and x.dtype == torch.float32
     assert residual is None or residual.is_contiguous()
     return mode, _ptr(norm), float(eps), _ptr(residual)
@@ -185,27 +189,27 @@ def _prep_args(x, k, norm, eps, swiglu, residual):
 # fp32. Optional: norm [K] applies RMSNorm to x first, swiglu applies silu(x[:, :K]) * x[:, K:], residual
 # [M, N] is added to the output. -> [M, N]
 def q4_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, norm=None, eps=0.0,
-            swiglu=False, residual=None) -> torch.Tensor:
+            swiglu=False, residual=None, act: int = 16) -> torch.Tensor:
     s = _scales(scale, zero)
     n, k = codes.shape[0], codes.shape[1] * 2
     m = x.shape[0]
     y = torch.empty(m, n)
     scratch = _scratch_bytes(m * k * 7)
     _lib.q4_gemv(x.data_ptr(), m, k, codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), n, y.data_ptr(),
-                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual), *s.args())
+                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual, act), *s.args())
     return y
 
 
 # codes: [N, K] int8; scale (zero or None): [N, K/G] fp32; the rest as q4_gemv -> [M, N]
 def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero, group: int,
-            norm=None, eps=0.0, swiglu=False, residual=None) -> torch.Tensor:
+            norm=None, eps=0.0, swiglu=False, residual=None, act: int = 16) -> torch.Tensor:
     s = _scales(scale, zero)
     n, k = codes.shape
     m = x.shape[0]
     y = torch.empty(m, n)
     scratch = _scratch_bytes(m * k * 7)
     _lib.q8_gemv(x.data_ptr(), m, k, codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), group, n, y.data_ptr(),
-                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual), *s.args())
+                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual, act), *s.args())
     return y
 
 
@@ -463,13 +467,13 @@ def qk_norm_(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_w: torch.Tensor, k_
     return True
 
 
-def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32) -> QLin:
-    """codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), contiguous; scale a Scales."""
+def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32, act: int = 16) -> QLin:
+    """codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), contiguous; scale a Scales; act: activation bits."""
     s = _scales(scale, None)
     n = codes.shape[0]
     k = codes.shape[1] * (2 if bits == 4 else 1)
     kind, ssup, zsup, per = s.args()
-    return QLin(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), ssup, zsup, bits, kind, per, group, n, k)
+    return QLin(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), ssup, zsup, bits, kind, per, group, n, k, act)
 
 
 def layer_table(layers: list[tuple]) -> ctypes.Array:

@@ -44,8 +44,9 @@ def test_packed_weights_equal_gguf_dequantize(tiny_ggufs, kind):
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_packed_logits_track_dense(tiny_ggufs, kind):
-    """Decode steps (C kernels, int16 activations) and prefill (dequantized slabs) track the dense fp32 forward."""
-    packed = Engine.load(EngineConfig(model=tiny_ggufs[kind]))
+    """Decode steps (C kernels, int16 activations) and prefill (dequantized slabs, the fp32 GEMM: a CPU with AMX
+    would take bf16 by default) track the dense fp32 forward."""
+    packed = Engine.load(EngineConfig(model=tiny_ggufs[kind], prefill="fp32"))
     dense = Engine.load(EngineConfig(model=tiny_ggufs[kind], weights="dense"))
     ids = torch.randint(3, 49152, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     # bf16 weights multiply bf16 activations (8-bit mantissas); every other kind keeps activations at >= 11 bits

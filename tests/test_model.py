@@ -80,7 +80,7 @@ def test_greedy_matches_transformers_generate(default_engine, hf_default):
 def test_packed_gguf_weights_track_dense(default_engine):
     """weights=auto keeps the GGUF's blocks packed (Q4_1 codes, Q8_0 head); decode and prefill track dense fp32."""
     from engine.text.samples import load_tokens
-    fast = Engine.load(EngineConfig(model="default"))
+    fast = Engine.load(EngineConfig(model="default", prefill="fp32"))       # the exact prompt path on every CPU
     assert fast.model.weights == "gguf" and default_engine.model.weights == "dense"
     assert fast.model.linear_kinds() == {"q4": 120, "q8": 1}
     assert fast.model.weight_bytes() < 0.35 * default_engine.model.weight_bytes()

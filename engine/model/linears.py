@@ -140,6 +140,7 @@ class _Packed(_Fused):
         return self.fused(x, split=split)
 
     prefill_dtype = torch.float32       # the GEMM's: float32, or bfloat16 (Transformer.set_prefill)
+    act_bits = 16                       # decode rows' activations in the C kernel: 16, or 8 (set_activations)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows: dequantized slabs through the BLAS GEMM, at least GEMM_MIN_ROWS rows at a time
@@ -255,10 +256,10 @@ class Q4Linear(_Packed):
         return cls.from_codes(q, scale, lo, bias)
 
     def _gemv(self, x, **prep):
-        return cpu_quant.q4_gemv(x, self.codes, self.scales, **prep)
+        return cpu_quant.q4_gemv(x, self.codes, self.scales, act=self.act_bits, **prep)
 
     def kernel_parts(self):
-        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 4)]
+        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 4, act=self.act_bits)]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_quant.q4_dequant_ref(self.codes[ids], self.scales.index(ids))
@@ -297,10 +298,11 @@ class Q8Linear(_Packed):
         return cls(q, scale, None, bias)
 
     def _gemv(self, x, **prep):
-        return cpu_quant.q8_gemv(x, self.codes, self.scales, None, self.group, **prep)
+        return cpu_quant.q8_gemv(x, self.codes, self.scales, None, self.group, act=self.act_bits, **prep)
 
     def kernel_parts(self):
-        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 8, self.group)]
+        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 8, self.group,
+                                                                  act=self.act_bits)]
 
     def _dequant_rows(self, lo, hi, out=None, dtype=torch.float32):
         if not cpu_quant.available():

@@ -213,14 +213,23 @@ class Transformer:
         total = sum(lin.nbytes for lin in {id(x): x for x in linears}.values())
         return total + sum(t.numel() * t.element_size() for t in norms)
 
-    def set_prefill(self, dtype: torch.dtype) -> None:
-        """The packed linears' prompt-row GEMM: float32 (exact over the dequantized weights) or bfloat16."""
+    def _packed(self) -> list:
         from engine.model.linears import _Packed
         linears = [self.table, self.lm_head] + [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
-        for lin in linears:
-            for part in getattr(lin, "parts", [lin]):
-                if isinstance(part, _Packed):
-                    part.prefill_dtype = dtype
+        return [part for lin in linears for part in getattr(lin, "parts", [lin]) if isinstance(part, _Packed)]
+
+    def set_prefill(self, dtype: torch.dtype) -> None:
+        """The packed linears' prompt-row GEMM: float32 (exact over the dequantized weights) or bfloat16."""
+        for part in self._packed():
+            part.prefill_dtype = dtype
+
+    def set_activations(self, bits: int) -> None:
+        """The packed linears' decode activations in the C kernels: 16 (int16 per group of 32, exact to about
+        1e-5) or 8 (int8, as llama.cpp's Q8_0; weights in groups of 16 keep int16). The one-call step's table is
+        built again with them."""
+        for part in self._packed():
+            part.act_bits = bits
+        self._kernel_layers, self._kernel_checked = None, False
 
     def linear_kinds(self) -> dict[str, int]:
         """Packed kind -> number of linears, e.g. {"int4": 120, "int8": 1}."""

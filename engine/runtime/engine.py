@@ -12,7 +12,7 @@ from kernels import cpu_lib, cpu_quant
 
 from engine.api import LOCAL
 from engine.text.chat_format import chat_format_notice, check_template, stop_ids
-from engine.config import PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from engine.config import ACTIVATION_MODES, PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from engine.kv.layout import MIB
 from engine.gguf.file import GGUFFile
 from engine.model.source import (Progress, load_state_dict, locate, read_config, remove_conversion_cache,
@@ -108,6 +108,7 @@ class Engine:
         self.weights_label = describe_weights(model)
         self.kernel_status = kernel_status(model.device)   # None, or why the C kernels are missing
         self.set_prefill(config.prefill)
+        self.set_activations(config.activations)
         self.runner = ModelRunner(model, self.dtype_name, config.cache.budget_mb)
         self._identity: dict | None = None
         self._warm_store = None
@@ -124,6 +125,14 @@ class Engine:
             raise ConfigError(f"prefill={mode!r}: choose {', '.join(PREFILL_MODES)}")
         self.prefill, self.prefill_why = choose_prefill(mode, self.model)
         self.model.set_prefill(torch.bfloat16 if self.prefill == "bf16" else torch.float32)
+
+    def set_activations(self, mode: str) -> None:
+        """Decode rows' activations in the C kernels, now: "int16" or "int8" (EngineConfig.activations). Only
+        packed weights on the CPU have them; elsewhere the setting is kept and changes nothing."""
+        if mode not in ACTIVATION_MODES:
+            raise ConfigError(f"activations={mode!r}: choose {', '.join(ACTIVATION_MODES)}")
+        self.activations = mode
+        self.model.set_activations(8 if mode == "int8" else 16)
 
     @property
     def num_layers(self) -> int:
@@ -272,7 +281,8 @@ class Engine:
         c = self.config
         draft = Engine.load(EngineConfig(model=spec, device=str(self.device), dtype=c.dtype, weights=c.weights,
                                          cache=CacheConfig(budget_mb=256.0), num_threads=c.num_threads,
-                                         speculative=SpeculativeConfig("off")))
+                                         speculative=SpeculativeConfig("off"), prefill=c.prefill,
+                                         activations=self.activations))
         mine, theirs = self.tokenizer, draft.tokenizer
         probe = "def f(x):\n    return x + 1  # Hello, world. 你好"
         if len(theirs) > len(mine) + 1024 or theirs.encode(probe) != mine.encode(probe):
