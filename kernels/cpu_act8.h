@@ -23,15 +23,9 @@ static void quantize_x8(const float *x, int M, int K, int8_t *xq, float *xs, flo
             const float *v = x + (size_t)m * K + g * 32;
             int8_t *o = xq + (size_t)m * K + g * 32;
 #ifdef __AVX2__
-            const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
-                   v3 = _mm256_loadu_ps(v + 24);
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
-                                      _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-            float vmax = _mm_cvtss_f32(m4);
+            __m256 q[4];
+            float vmax = load_group(v, q);
+            __m256 v0 = q[0], v1 = q[1], v2 = q[2], v3 = q[3];
             if (vmax == vmax) {        // no NaN: the scalar loop below, eight lanes at a time
                 __m256 iv = _mm256_set1_ps(vmax > 0 ? 127.f / vmax : 0.f);
                 __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv)),
@@ -40,19 +34,12 @@ static void quantize_x8(const float *x, int M, int K, int8_t *xq, float *xs, flo
                 // the packs interleave 4-byte pieces across the 128-bit lanes: put them back in element order
                 __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
                 _mm256_storeu_si256((__m256i *)o, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
                 xs[m * ng + g] = vmax / 127.f;
-                sums[m * ng + g] = (vmax / 127.f) * (float)_mm_cvtsi128_si32(s4);
+                sums[m * ng + g] = (vmax / 127.f) * (float)hsum_epi32(sum);
                 continue;
             }
 #endif
-            float amax = 0.f;
-            for (int j = 0; j < 32; j++) {
-                float a = v[j] < 0 ? -v[j] : v[j];
-                amax = a > amax ? a : amax;
-            }
+            float amax = absmax32(v);
             float inv = amax > 0 ? 127.f / amax : 0.f;
             int isum = 0;
             for (int j = 0; j < 32; j++) {

@@ -64,6 +64,37 @@ static inline const float *row_zero(const void *p, const float *sup, int per, si
 }
 
 
+#ifdef __AVX2__
+// a group of 32 floats as four vectors, and its largest |x| (NaN where the group holds a NaN: the quantizers then
+// take their scalar loops, whose max skips it)
+static inline float load_group(const float *v, __m256 q[4]) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < 4; i++) q[i] = _mm256_loadu_ps(v + 8 * i);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(q[0], absmask), _mm256_and_ps(q[1], absmask)),
+                              _mm256_max_ps(_mm256_and_ps(q[2], absmask), _mm256_and_ps(q[3], absmask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    return _mm_cvtss_f32(m4);
+}
+
+static inline int hsum_epi32(__m256i sum) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
+}
+#endif
+
+static inline float absmax32(const float *v) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) {
+        float a = v[j] < 0 ? -v[j] : v[j];
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
 static void quantize_x(const float *x, int M, int K, int16_t *xq, float *xs, float *sums) {
     // per row and group of 32: xq = round(x / s) in [-32767, 32767], s = max|x| / 32767, and
     // sums = s * sum of xq. 16-bit activations keep the products exact to about 1e-5 (8-bit ones, as
@@ -76,15 +107,9 @@ static void quantize_x(const float *x, int M, int K, int16_t *xq, float *xs, flo
             const float *v = x + (size_t)m * K + g * 32;
 #ifdef __AVX2__
             // the scalar loop below, eight lanes at a time: the same max, the same rounding (to nearest even)
-            const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
-                   v3 = _mm256_loadu_ps(v + 24);
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
-                                      _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-            float vmax = _mm_cvtss_f32(m4);
+            __m256 q[4];
+            float vmax = load_group(v, q);
+            __m256 v0 = q[0], v1 = q[1], v2 = q[2], v3 = q[3];
             if (vmax == vmax) {        // no NaN: NaN inputs take the scalar loop, whose max skips them
                 float inv_v = vmax > 0 ? 32767.f / vmax : 0.f;
                 __m256 iv = _mm256_set1_ps(inv_v);
@@ -97,19 +122,12 @@ static void quantize_x(const float *x, int M, int K, int16_t *xq, float *xs, flo
                 __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
                 _mm256_storeu_si256((__m256i *)o, p01);
                 _mm256_storeu_si256((__m256i *)(o + 16), p23);
-                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
                 xs[m * ng + g] = vmax / 32767.f;
-                sums[m * ng + g] = (vmax / 32767.f) * (float)_mm_cvtsi128_si32(s4);
+                sums[m * ng + g] = (vmax / 32767.f) * (float)hsum_epi32(sum);
                 continue;
             }
 #endif
-            float amax = 0.f;
-            for (int j = 0; j < 32; j++) {
-                float a = v[j] < 0 ? -v[j] : v[j];
-                amax = a > amax ? a : amax;
-            }
+            float amax = absmax32(v);
             float s = amax / 32767.f, inv = amax > 0 ? 32767.f / amax : 0.f;
             int16_t *o = xq + (size_t)m * K + g * 32;
             int isum = 0;
