@@ -312,3 +312,14 @@ def send(qtbot, window, text: str, timeout: int = 60_000):
         window.input.submit()
     qtbot.waitUntil(lambda: not window.generating, timeout=5000)
     return blocker.args[0]
+
+
+def slow_steps(monkeypatch, engine, seconds: float = 0.02) -> None:
+    """Each model step of `engine` (a real engine, served here) waits `seconds` first, so that a reply the test
+    must see streaming lasts long enough to be seen: a fast machine streamed the tiny model's in 0.4 s."""
+    step = engine.runner.step
+
+    def slowed(*args, **kwargs):
+        time.sleep(seconds)
+        return step(*args, **kwargs)
+    monkeypatch.setattr(engine.runner, "step", slowed)

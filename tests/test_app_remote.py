@@ -15,7 +15,7 @@ from PySide6.QtWidgets import QDialogButtonBox
 from engine import CacheConfig, SamplingParams
 from engine.serve.server import ServeConfig, Server
 import fakes
-from fakes import isolate_app
+from fakes import isolate_app, slow_steps
 
 pytestmark = pytest.mark.gui
 
@@ -101,7 +101,8 @@ def _metrics(server) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def test_dashboard_shows_the_servers_numbers_and_marks_local_only_views(qtbot, server):
+def test_dashboard_shows_the_servers_numbers_and_marks_local_only_views(qtbot, server, monkeypatch):
+    slow_steps(monkeypatch, server.engine)      # the reply must still stream when the dashboard polls
     window = remote_window(qtbot, server.base_url, sampling=LONG)
     dash = window.dashboard
     assert dash.server_panel.isVisible() and dash.layers_unavailable.isVisible()

@@ -15,7 +15,7 @@ from PySide6.QtCore import Qt
 from engine import CacheConfig, SamplingParams
 from engine.serve.server import ServeConfig, Server
 import fakes
-from fakes import isolate_app, open_window
+from fakes import isolate_app, open_window, slow_steps
 
 pytestmark = pytest.mark.gui
 
@@ -146,7 +146,8 @@ def test_a_server_killed_mid_reply_keeps_the_reply_says_so_and_keeps_the_next_me
     assert "disconnected" in window.status_label.text()
 
 
-def test_metrics_are_read_about_once_a_second_while_streaming(qtbot, server):
+def test_metrics_are_read_about_once_a_second_while_streaming(qtbot, server, monkeypatch):
+    slow_steps(monkeypatch, server.engine)      # a reply long enough to count polls in
     cut = Cut(int(server.base_url.split(":")[2].split("/")[0]))
     window = remote_window(qtbot, cut.base_url, sampling=replace(LONG, max_new_tokens=400))
     stats = []
