@@ -323,3 +323,8 @@ def slow_steps(monkeypatch, engine, seconds: float = 0.02) -> None:
         time.sleep(seconds)
         return step(*args, **kwargs)
     monkeypatch.setattr(engine.runner, "step", slowed)
+
+
+def engine_of(window):
+    """The engine a real window's worker holds (None before a load)."""
+    return window.host.worker._engine

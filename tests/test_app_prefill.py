@@ -8,7 +8,7 @@ from PySide6.QtCore import QSettings
 
 from app.settings_store import SettingsStore
 from engine.config import SamplingParams
-from fakes import isolate_app, real_window
+from fakes import engine_of, isolate_app, real_window
 from kernels import cpu_lib
 
 pytestmark = pytest.mark.gui
@@ -19,10 +19,6 @@ SHORT = SamplingParams(temperature=0, max_new_tokens=8)
 def _isolated(monkeypatch, tmp_path):
     isolate_app(monkeypatch, tmp_path)
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def engine_of(window):
-    return window.host.worker._engine
 
 
 def said(window) -> bool:

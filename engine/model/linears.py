@@ -143,39 +143,27 @@ class _Packed(_Fused):
     act_bits = 16                       # decode rows' activations in the C kernel: 16, or 8 (set_activations)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """Prompt rows: dequantized slabs through the BLAS GEMM, at least GEMM_MIN_ROWS rows at a time
-        (zeros pad the rest), a row count from which MKL gives each row the same bits whatever the count."""
-        if self.prefill_dtype == torch.bfloat16:
-            return self._gemm_bf16(x)
-        T = x.shape[0]
-        if T < GEMM_MIN_ROWS:
-            x = torch.cat((x, x.new_zeros(GEMM_MIN_ROWS - T, x.shape[1])))
-        y = torch.empty(x.shape[0], self.out_features)
-        K = self.in_features
-        step = min(self.out_features, max(16, SLAB_BYTES // (4 * K)))
-        buf = cpu_quant.slab(step * K) if cpu_quant.available() else None
-        for lo in range(0, self.out_features, step):
-            hi = min(self.out_features, lo + step)
-            out = None if buf is None else buf[:(hi - lo) * K].view(hi - lo, K)
-            y[:, lo:hi] = x @ self._dequant_rows(lo, hi, out).t()
-        return y[:T]
-
-    def _gemm_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """The same in bf16: slabs rounded to bf16 (to nearest even, as torch rounds), the prompt rows too, the
-        products summed in fp32 and each output rounded to bf16 by oneDNN, BF16_TILE rows a call."""
+        """Prompt rows: dequantized slabs through the BLAS GEMM. fp32: one call of at least GEMM_MIN_ROWS rows
+        (zeros pad the rest), a row count from which MKL gives each row the same bits whatever the count. bf16:
+        slabs and rows rounded to bf16 (to nearest even, as torch rounds), products summed in fp32 and each output
+        rounded to bf16 by oneDNN, in calls of exactly BF16_TILE rows."""
         T, K = x.shape
-        tiles = -(-T // BF16_TILE) * BF16_TILE
-        xb = torch.zeros(tiles, K, dtype=torch.bfloat16)
-        xb[:T] = x
-        y = torch.empty(tiles, self.out_features)
+        bf16 = self.prefill_dtype == torch.bfloat16
+        rows = -(-T // BF16_TILE) * BF16_TILE if bf16 else max(T, GEMM_MIN_ROWS)
+        tile = BF16_TILE if bf16 else rows
+        if rows > T or x.dtype != self.prefill_dtype:
+            padded = torch.zeros(rows, K, dtype=self.prefill_dtype)
+            padded[:T] = x
+            x = padded
+        y = torch.empty(rows, self.out_features)
         step = min(self.out_features, max(16, SLAB_BYTES // (4 * K)))
-        buf = cpu_quant.slab(step * K, torch.bfloat16) if cpu_quant.available() else None
+        buf = cpu_quant.slab(step * K, self.prefill_dtype) if cpu_quant.available() else None
         for lo in range(0, self.out_features, step):
             hi = min(self.out_features, lo + step)
             out = None if buf is None else buf[:(hi - lo) * K].view(hi - lo, K)
-            wt = self._dequant_rows(lo, hi, out, torch.bfloat16).t()
-            for r in range(0, tiles, BF16_TILE):
-                y[r:r + BF16_TILE, lo:hi] = xb[r:r + BF16_TILE] @ wt
+            wt = self._dequant_rows(lo, hi, out, self.prefill_dtype).t()
+            for r in range(0, rows, tile):
+                y[r:r + tile, lo:hi] = x[r:r + tile] @ wt
         return y[:T]
 
     def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None, act="silu"):
