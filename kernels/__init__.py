@@ -1,13 +1,17 @@
 """Cache kernels behind one dispatch point: the page store in Triton on CUDA, in torch elsewhere.
 
 Triton is imported lazily, only when a CUDA tensor arrives, so `import kernels` works on a
-machine without triton or without a GPU. The CUDA decode attention is not here yet: it comes with
-the GPU issue (27), on the engine's own page layout.
+machine without triton or without a GPU.
+
+`gpu_path(t)` is the one question every GPU/CPU choice asks: a CUDA tensor with triton, or, for checking
+the GPU path on a machine without one, CPU tensors while KVCHAT_GPU_PATH=interpret and
+TRITON_INTERPRET=1 are set (every Triton kernel then runs under triton's interpreter).
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,7 +35,7 @@ def __getattr__(name: str):
 __all__ = [
     "PageFormat", "page_format", "bytes_per_block",
     "quantize", "dequantize",
-    "store_blocks", "triton_available",
+    "store_blocks", "triton_available", "gpu_path", "interpreting",
 ]
 
 
@@ -45,8 +49,22 @@ def triton_available() -> bool:
     return True
 
 
+def interpreting() -> bool:
+    """The GPU path on CPU tensors, every Triton kernel under the interpreter (a test mode; see the docstring)."""
+    return os.environ.get("KVCHAT_GPU_PATH") == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gpu_path(t) -> bool:
+    """Whether work on `t` (a tensor, a torch.device or a device string) takes the GPU path: Triton kernels,
+    weights packed for them, the Triton attention backends."""
+    kind = t.device.type if hasattr(t, "device") else (t.type if hasattr(t, "type") else str(t).split(":")[0])
+    if kind == "cuda":
+        return triton_available()
+    return kind == "cpu" and interpreting() and triton_available()
+
+
 def _use_triton(t) -> bool:
-    return t.is_cuda and triton_available()
+    return gpu_path(t)
 
 
 def store_blocks(src, block_ids, data, scale, zero, fmt: PageFormat) -> None:
