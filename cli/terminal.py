@@ -129,7 +129,7 @@ def cmd_serve(args) -> int:
     try:
         config = ServeConfig(host=args.host, port=args.port, api_key=api_key_from(args.api_key),
                              model_id=args.served_model_name, max_num_seqs=args.max_num_seqs,
-                             prefill_chunk=args.prefill_chunk)
+                             prefill_chunk=args.prefill_chunk, preempt_tier_mb=args.preempt_tier_mb)
         engine = Engine.load(engine_config(args))
         server = Server(engine, config)
     except (ModelLoadError, ConfigError) as exc:
@@ -185,6 +185,9 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the file's)")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together at most")
     serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per request per step")
+    serve.add_argument("--preempt-tier-mb", type=float, default=2048,
+                       help="MiB kept for preempted requests' caches, so they resume instead of reading their "
+                            "prompt again (host memory beside a GPU, files beside a host pool; 0: read again)")
     serve.set_defaults(func=cmd_serve)
     from engine.plan import estimate
     plan = sub.add_parser("estimate", help="KV and weight memory of a model and context, before loading it")

@@ -191,9 +191,10 @@ def test_client_disconnect_frees_blocks_at_once(server, tiny_engine):
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 500
 
 
-def _run_scheduler(engine, prompts, max_tokens, budget_mb, max_num_seqs=8):
+def _run_scheduler(engine, prompts, max_tokens, budget_mb, max_num_seqs=8, tier_mb=0, cache=SERVE_CACHE, metrics=None):
     """Drive a Scheduler by hand (no thread, no HTTP); returns each request's token ids and finish."""
-    sched = Scheduler(engine, SchedulerConfig(SERVE_CACHE.with_(budget_mb=budget_mb), max_num_seqs, prefill_chunk=32))
+    sched = Scheduler(engine, SchedulerConfig(cache.with_(budget_mb=budget_mb), max_num_seqs, prefill_chunk=32,
+                                              tier_mb=tier_mb), metrics)
     outs = [([], []) for _ in prompts]
     for (ids, fin), prompt, n in zip(outs, prompts, max_tokens):
         sched.submit(Request(prompt, SamplingParams(temperature=0, max_new_tokens=n),
@@ -207,11 +208,12 @@ def _run_scheduler(engine, prompts, max_tokens, budget_mb, max_num_seqs=8):
 
 
 def test_scheduler_preempts_the_newest_and_recomputes_the_same_tokens(tiny_engine):
-    """A pool too small for all four: the newest are preempted and re-prefilled, tokens equal solo runs."""
+    """A pool too small for all four, no tier: the newest are preempted and re-prefilled, tokens equal solo runs."""
     prompts = [list(range(5 + i, 45 + i)) for i in range(4)]
     solo = [_run_scheduler(tiny_engine, [p], [70], 0.125)[1][0][0] for p in prompts]
     sched, outs = _run_scheduler(tiny_engine, prompts, [70] * 4, 0.125)    # 4 x 110 tokens > 160 in the budget
     assert sched.num_preemptions > 0 and sched.max_usage <= 1.0
+    assert sched.tier.num_resumed == 0 and sched.tier.num_recomputed == sched.num_preemptions
     assert [ids for ids, _ in outs] == solo
     assert all(isinstance(fin[0], Finished) and fin[0].reason in (FinishReason.LENGTH, FinishReason.EOS) for _, fin in outs)
     assert batch.num_live(tiny_engine) == 0

@@ -132,10 +132,11 @@ def check_groups(store: PageStore, members: list[Sequence], metas, tensors: dict
 
 
 def import_groups(manager: KVCacheManager, store: PageStore, members: list[Sequence], metas: list[dict],
-                  tensors: dict[str, torch.Tensor]) -> None:
+                  tensors: dict[str, torch.Tensor], keep: frozenset[int] = frozenset()) -> None:
     """Fill empty sequences (checked by check_groups) with the saved blocks under new block ids: the pool's budget
-    applies (idle conversations may be released for room; NoFreeBlocks when even that is too little)."""
-    keep = {m.seq_id for m in members}
+    applies (idle conversations outside `keep` may be released for room; NoFreeBlocks when even that is too
+    little)."""
+    keep = {m.seq_id for m in members} | set(keep)
     taken = []
     try:
         for m, meta in zip(members, metas):

@@ -216,16 +216,18 @@ class ModelRunner:
                 except Exception:  # noqa: BLE001 - the release must go on; the text is still there to read
                     pass
 
-    def import_kv(self, seq: Sequence, groups: list, tensors: dict, extra: set[str] = frozenset()) -> None:
+    def import_kv(self, seq: Sequence, groups: list, tensors: dict, extra: set[str] = frozenset(),
+                  keep: frozenset[int] = frozenset()) -> None:
         """Fill an empty conversation with saved blocks (engine/kv/saved.py); CacheFileError says why not, the
-        conversation then still holds nothing."""
+        conversation then still holds nothing. keep: ids of other sequences the budget must not release for room
+        (a server's running requests)."""
         with self.lock:
             members = seq.members
             if any(m.num_tokens or m.block_table for m in members):
                 raise saved.CacheFileError("the conversation already holds a cache")
             saved.check_groups(self.store, members, groups, tensors, set(extra))
             try:
-                saved.import_groups(self.manager, self.store, members, groups, tensors)
+                saved.import_groups(self.manager, self.store, members, groups, tensors, keep)
             except NoFreeBlocks as exc:
                 raise saved.CacheFileError(f"the saved cache needs {exc.need_bytes / MIB:.1f} MiB, more than the KV "
                                            f"budget has room for now") from None

@@ -111,6 +111,11 @@ def _block_bytes(engine) -> int:
     return layout.block_bytes
 
 
+def blocks_for_bytes(engine, nbytes: int) -> int:
+    """Blocks of the budget that nbytes of cache take (a quantized layout's tails and heads included)."""
+    return -(-nbytes // _block_bytes(engine))
+
+
 def num_free_blocks(engine) -> int:
     """Blocks of the budget no request holds: prefix blocks kept only for reuse count as free (as in vLLM), and
     so do the blocks of idle app conversations on the same engine, which give them back when asked."""
@@ -133,6 +138,28 @@ def release(engine, handle: Sequence) -> None:
     runner = _runner(engine)
     runner.close(handle.seq)
     _handles(runner).discard(handle)
+
+
+def export(engine, handle: Sequence) -> tuple[int, list, dict[str, torch.Tensor]]:
+    """(tokens held, per KV group its metadata, the tensors) of a sequence's cache, byte for byte as stored, copied
+    to host memory (engine/kv/saved.py): what the preemption tier keeps."""
+    from engine.kv import saved
+    runner = _runner(engine)
+    with runner.lock:
+        groups, tensors = saved.export_groups(runner.store, handle.seq)
+        return handle.seq.num_tokens, groups, tensors
+
+
+def import_cache(engine, handle: Sequence, groups: list, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill an empty sequence with an exported cache (under new block ids); engine.kv.saved.CacheFileError says why
+    it cannot be (no room now, or a copy that does not fit the pages), and the sequence then holds nothing. The other
+    live requests keep their blocks: only reusable prefix blocks and idle conversations give theirs up."""
+    runner = _runner(engine)
+    runner.import_kv(handle.seq, groups, tensors, keep=sequence_ids(list(_handles(runner))))
+
+
+def pool_on_gpu(engine) -> bool:
+    return torch.device(_runner(engine).device).type == "cuda"
 
 
 def num_live(engine) -> int:

@@ -57,6 +57,16 @@ class ServeMetrics:
         self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted tokens per draft position.", labels + ("position",), registry=r)
+        # the preemption tier (engine/serve/tier.py): requests resumed from it, those read again, what it holds
+        self.resumed_total = counter("kvchat_preemptions_resumed", "Preempted requests whose cache was read back from "
+                                     "the second tier (no prompt pass).")
+        self.resumed_tokens = counter("kvchat_preemption_resumed_tokens", "Tokens preempted requests got back from "
+                                      "the second tier instead of reading them again.")
+        self.recomputed_total = counter("kvchat_preemptions_recomputed", "Preempted requests read again (the tier "
+                                        "was off, full, or its copy could not be used).")
+        self.tier_requests = gauge("kvchat_preemption_tier_requests", "Preempted requests whose cache the tier holds.")
+        self.tier_bytes = gauge("kvchat_preemption_tier_bytes", "Bytes the preemption tier holds (host memory "
+                                "beside a GPU pool, files beside a host pool).")
         self.kv_bytes = Gauge("kvchat_kv_bytes", "KV cache bytes held, by layer, component (k or v) and format.",
                               ("model_name", "layer", "component", "format"), registry=r)
         self.seq_bytes = Gauge("kvchat_sequence_kv_bytes", "KV cache bytes held by one sequence: a running request "
@@ -92,10 +102,20 @@ class ServeMetrics:
     def preempted(self) -> None:
         self.preemptions.inc()
 
+    def resumed(self, tokens: int) -> None:
+        self.resumed_total.inc()
+        self.resumed_tokens.inc(tokens)
+
+    def recomputed(self) -> None:
+        self.recomputed_total.inc()
+
     def scheduler_state(self, num_running: int, num_waiting: int, usage: float,
-                        names: dict[int, str] | None = None) -> None:
-        """names: sequence id -> request id of the running requests (other sequences show as seq-N)."""
+                        names: dict[int, str] | None = None, tier: tuple[int, int] = (0, 0)) -> None:
+        """names: sequence id -> request id of the running requests (other sequences show as seq-N); tier: (requests,
+        bytes) the preemption tier holds."""
         self.running.set(num_running)
+        self.tier_requests.set(tier[0])
+        self.tier_bytes.set(tier[1])
         self.waiting.set(num_waiting)
         self.kv_usage.set(usage)
         queries, hits = batch.prefix_cache_counts(self.engine)

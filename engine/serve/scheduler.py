@@ -4,9 +4,11 @@ Requests arrive from any thread (submit / abort); everything else runs in the en
 iteration frees aborted requests, admits waiting ones while their prompt fits in the free blocks,
 then runs one step over all running sequences: a prefill chunk for those still reading their
 prompt, one token for those decoding. When the next step does not fit, the newest running
-sequence is preempted (its blocks freed, back to the front of the queue, re-prefilled later with
-the tokens it already generated), as vLLM's recompute preemption does. The scheduler never touches
-the engine except through `batch`.
+sequence is preempted: its cache goes to the second tier (engine/serve/tier.py: host memory beside a
+GPU pool, a file beside a host pool) and its blocks back to the pool, and it waits at the front of
+the queue. Admitted again, it reads its cache back and goes on where it stopped; where the tier had
+no room (or is off), it is re-prefilled with the tokens it already generated, as vLLM's recompute
+preemption does. The scheduler never touches the engine except through `batch`.
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from engine.config import CacheConfig, SamplingParams
 from engine.events import FinishReason
 from engine.runtime.sampling import sample
 from engine.runtime.speculative import accept
+from engine.kv.saved import CacheFileError
 from engine.serve import batch
+from engine.serve.tier import DEFAULT_TIER_MB, PreemptTier
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 log = logging.getLogger("kvchat.serve")
@@ -49,10 +53,13 @@ class SchedulerConfig:
     max_num_seqs: int = 16              # running sequences at most
     prefill_chunk: int = 256            # prompt tokens one sequence prefills per step
     max_num_waiting: int = 256          # the queue refuses more (the server answers 503)
+    tier_mb: float = DEFAULT_TIER_MB    # preempted requests' caches kept aside (0: recompute them)
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.prefill_chunk < 1 or self.max_num_waiting < 1:
             raise ValueError("max_num_seqs, prefill_chunk and max_num_waiting must be at least 1")
+        if not 0 <= self.tier_mb <= 2**20:
+            raise ValueError("tier_mb must be between 0 and 2**20 (MiB)")
 
 
 @dataclass(eq=False)
@@ -102,6 +109,7 @@ class Scheduler:
         self._stop_ids = batch.stop_ids(engine)
         batch.release(engine, batch.new_sequence(engine, config.cache))   # sizes the budget, checks the config
         self.num_blocks = batch.num_blocks(engine)
+        self.tier = PreemptTier(config.tier_mb, "host" if batch.pool_on_gpu(engine) else "disk")
 
     # ---- any thread ------------------------------------------------------------------------
 
@@ -134,6 +142,7 @@ class Scheduler:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.tier.close()
 
     def prompt_fits_budget(self, num_prompt: int) -> bool:
         """Could a prompt of this length (plus one generated token) ever fit, alone, in the budget?"""
@@ -211,6 +220,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             need = -(-(len(request.all_ids) + 1) // block_size)
+            if request.num_preemptions:      # its kept cache comes back whole, with its tails and heads
+                need = max(need, batch.blocks_for_bytes(self.engine, self.tier.bytes_of(request.id)) + 1)
             # room for its prompt, the rest of the running prompts, and one block of growth each
             reserved = sum(self._blocks_to_finish_prompt(r) + 1 for r in self.running)
             if need + reserved > batch.num_free_blocks(self.engine) and self.running:
@@ -229,12 +240,37 @@ class Scheduler:
             seed = request.params.seed if request.params.seed is not None else time.time_ns() % 2**63
             request.generator = torch.Generator(device="cpu").manual_seed(seed)
         request.handle = batch.new_sequence(self.engine, self.config.cache)
-        request.num_computed = batch.match_prefix(self.engine, request.handle, request.all_ids)
+        request.num_computed = self._resume(request)
+        if not request.num_computed:
+            request.num_computed = batch.match_prefix(self.engine, request.handle, request.all_ids)
         if request.spec is not None:         # preempted: its draft's cache went with its own
             request.spec.close()
         seeded = request.params.seed is not None and request.params.temperature > 0   # must repeat: see Session._decode
         request.spec = None if seeded else batch.speculator(self.engine, self.config.cache)
         request.status = RUNNING
+
+    def _resume(self, request: Request) -> int:
+        """A preempted request's cache read back from the tier -> the tokens it holds (0: none kept, or it could not
+        be read back: the request is read again)."""
+        if not request.num_preemptions:
+            return 0
+        kept = self.tier.take(request.id)
+        if kept is not None:
+            tokens, groups, tensors = kept
+            try:
+                if tokens < len(request.all_ids):      # the last token (sampled, not yet fed) is still to come
+                    batch.import_cache(self.engine, request.handle, groups, tensors)
+                    self.tier.num_resumed += 1
+                    self.tier.tokens_resumed += tokens
+                    if self.metrics:
+                        self.metrics.resumed(tokens)
+                    return tokens
+            except CacheFileError as exc:
+                log.warning("could not resume %s from the tier (%s): it is read again", request.id, exc)
+        self.tier.num_recomputed += 1
+        if self.metrics:
+            self.metrics.recomputed()
+        return 0
 
     def _blocks_to_finish_prompt(self, request: Request) -> int:
         left = len(request.all_ids) - request.num_computed
@@ -278,6 +314,12 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        if self.tier.budget_bytes and request.num_computed:
+            try:
+                tokens, groups, tensors = batch.export(self.engine, request.handle)
+                self.tier.put(request.id, groups, tensors, tokens)
+            except Exception:  # noqa: BLE001 - a copy that fails only costs the prompt pass
+                log.exception("could not keep %s's cache in the tier", request.id)
         batch.release(self.engine, request.handle)
         request.handle = None
         request.num_computed = 0
@@ -352,6 +394,8 @@ class Scheduler:
         if request.spec is not None:
             request.spec.close()
             request.spec = None
+        if request.num_preemptions:
+            self.tier.drop(request.id)
         request.status = FINISHED
         if self.metrics:
             self.metrics.finished(reason)
@@ -362,4 +406,5 @@ class Scheduler:
         self.max_usage = max(self.max_usage, usage)
         if self.metrics:
             self.metrics.scheduler_state(len(self.running), len(self.waiting) + len(self._inbox), usage,
-                                         {batch.sequence_id(r.handle): r.id for r in self.running if r.handle})
+                                         {batch.sequence_id(r.handle): r.id for r in self.running if r.handle},
+                                         tier=(len(self.tier), self.tier.nbytes))

@@ -12,6 +12,7 @@ from engine.serve.app import ServeState, create_app
 from engine.serve.guard import is_loopback
 from engine.serve.metrics import ServeMetrics
 from engine.serve.scheduler import Scheduler, SchedulerConfig
+from engine.serve.tier import DEFAULT_TIER_MB
 
 API_KEY_ENV = "KVCHAT_API_KEY"
 
@@ -24,6 +25,7 @@ class ServeConfig:
     model_id: str | None = None         # the name clients send; the model file's name by default
     max_num_seqs: int = 16
     prefill_chunk: int = 256
+    preempt_tier_mb: float = DEFAULT_TIER_MB
 
     def __post_init__(self):
         if not is_loopback(self.host) and not self.api_key:
@@ -36,6 +38,9 @@ class ServeConfig:
         if not 1 <= self.prefill_chunk <= 65536:
             raise ConfigError(f"--prefill-chunk {self.prefill_chunk}: use 1-65536 (prompt tokens a request reads "
                               f"per step)")
+        if not (isinstance(self.preempt_tier_mb, (int, float)) and 0 <= self.preempt_tier_mb <= 2**20):
+            raise ConfigError(f"--preempt-tier-mb {self.preempt_tier_mb}: use 0 (preempted requests read their prompt "
+                              f"again) up to 1048576")
 
 
 class Server:
@@ -46,7 +51,8 @@ class Server:
         cache = cache or engine.config.cache
         self.model_id = config.model_id or engine.model_name
         self.metrics = ServeMetrics(engine, self.model_id)
-        self.scheduler = Scheduler(engine, SchedulerConfig(cache, config.max_num_seqs, config.prefill_chunk),
+        self.scheduler = Scheduler(engine, SchedulerConfig(cache, config.max_num_seqs, config.prefill_chunk,
+                                                                   tier_mb=config.preempt_tier_mb),
                                    self.metrics)
         self.state = ServeState(engine, self.scheduler, self.metrics, self.model_id, config.api_key)
         self.app = create_app(self.state)
