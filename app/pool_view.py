@@ -16,7 +16,8 @@ from engine.events import PoolStats
 from app.bar_widgets import BarRows, Row, Segment, StackedBar, format_mib, format_share
 
 IN_USE, RECLAIMABLE, FREE, SHARED = "#2563eb", "#f59e0b", "#e5e7eb", "#0d9488"
-THIS_CHAT, OTHER_CHAT = "#2563eb", "#94a3b8"
+THIS_CHAT, OTHER_CHAT, ON_DISK = "#2563eb", "#94a3b8", "#a78bfa"
+POOL, DISK = "pool", "disk"             # where a conversation's cache is
 UNKNOWN = object()                      # a sequence whose conversation the window never saw
 
 
@@ -47,10 +48,12 @@ class PoolRow:
     num_bytes: int
     budget_share: float                 # of the engine's KV budget, 0.0-1.0
     current: bool
+    where: str = POOL                   # POOL: blocks in the pool; DISK: only its saved file (the second tier)
 
 
 def pool_rows(pool: PoolStats, owners: PoolOwners, title_of: Callable[[int], str | None]) -> list[PoolRow]:
-    """One row per conversation holding blocks: the open one first, then by bytes held."""
+    """One row per conversation holding blocks: the open one first, then by bytes held; then one per chat whose
+    cache is only on disk (saved, or released to its file), the most recently used first."""
     rows, seen, others = [], set(), 0
     ordered = sorted(pool.conversations, key=lambda c: (not c[3], -c[2], c[0]))
     for seq_id, blocks, num_bytes, mine in ordered:
@@ -69,6 +72,19 @@ def pool_rows(pool: PoolStats, owners: PoolOwners, title_of: Callable[[int], str
             seen.add(owner)
         rows.append(PoolRow(seq_id, owner if isinstance(owner, int) else None, label, blocks, num_bytes,
                             num_bytes / pool.budget_bytes if pool.budget_bytes else 0.0, mine))
+    return rows + disk_rows(pool, seen, title_of)
+
+
+def disk_rows(pool: PoolStats, in_pool: set, title_of: Callable[[int], str | None]) -> list[PoolRow]:
+    """Chats of this history whose cache is on disk and not in the pool (a file whose chat is gone is not shown)."""
+    rows = []
+    for key, num_bytes in pool.saved:
+        if not key.isdigit() or int(key) in in_pool:
+            continue
+        title = title_of(int(key))
+        if title is not None:
+            rows.append(PoolRow(-1, int(key), title, 0, num_bytes,
+                                num_bytes / pool.budget_bytes if pool.budget_bytes else 0.0, False, DISK))
     return rows
 
 
@@ -148,7 +164,8 @@ def saved_line(pool: PoolStats) -> str:
 def conversation_bar_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:
     """Bars to scale with the largest conversation; the number is the share of the KV budget."""
     largest = max((r.num_bytes for r in rows), default=0) or 1
-    return [Row(r.label, r.num_bytes / largest, f"{format_mib(r.num_bytes)} · {format_share(r.budget_share)}",
+    return [disk_bar_row(r, largest) if r.where == DISK else
+            Row(r.label, r.num_bytes / largest, f"{format_mib(r.num_bytes)} · {format_share(r.budget_share)}",
                 THIS_CHAT if r.current else OTHER_CHAT,
                 r.label + (QCoreApplication.translate("PoolView", " (open now)") if r.current else "") + "\n"
                 + QCoreApplication.translate("PoolView", "{blocks} blocks · {size}\n{share} of the {budget} KV budget\n"
@@ -156,6 +173,14 @@ def conversation_bar_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:
                     blocks=f"{r.blocks:,}", size=format_mib(r.num_bytes), share=format_share(r.budget_share),
                     budget=format_mib(budget_bytes)), r.current)
             for r in rows]
+
+
+def disk_bar_row(r: PoolRow, largest: int) -> Row:
+    return Row(r.label, r.num_bytes / largest,
+               QCoreApplication.translate("PoolView", "{size} on disk").format(size=format_mib(r.num_bytes)), ON_DISK,
+               r.label + "\n" + QCoreApplication.translate(
+                   "PoolView", "Its cache is on disk only ({size}): it holds no blocks of the pool, and reopening "
+                   "the chat reads it back instead of the text").format(size=format_mib(r.num_bytes)), False)
 
 
 class PoolView(QWidget):
@@ -178,7 +203,8 @@ class PoolView(QWidget):
         layout.addWidget(QLabel(self.tr("Blocks held"), objectName="dashboardSection"))
         self.block_bar = StackedBar()
         layout.addWidget(self.block_bar)
-        self.conversations_title = QLabel(self.tr("Open conversations · KV held, share of the budget"),
+        self.conversations_title = QLabel(self.tr("Conversations · KV held in the pool (share of the budget) or on "
+                                                  "disk"),
                                           objectName="dashboardSection")
         layout.addWidget(self.conversations_title)
         self.conversation_bars = BarRows(self.tr("No conversation holds blocks yet."))

@@ -60,6 +60,7 @@ class PoolStats:
     saved_files: int = 0                # conversations' caches saved on disk (warm conversations)
     saved_bytes: int = 0
     saved_budget_bytes: int = 0         # their disk budget; 0 when this session keeps none
+    saved: tuple[tuple[str, int], ...] = ()     # (conversation key, bytes) of each cache saved on disk, newest first
 
     @property
     def hit_rate(self) -> float:

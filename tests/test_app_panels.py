@@ -260,3 +260,18 @@ def test_a_closed_window_reads_its_closed_history_no_more(qtbot):
     window.panels._mark_lengths_stale()
     qtbot.wait(3 * 250)                 # several refresh periods: an exception in the Qt loop fails the test
     assert not window.panels.timer.isActive()
+
+
+def test_pool_rows_add_the_chats_whose_cache_is_only_on_disk():
+    """Chats of this history saved on disk and not in the pool get a row each (newest first); a chat in the pool
+    is not shown twice; a file whose chat is gone or whose key is not a chat id is left out."""
+    pool = PoolStats(budget_bytes=1000, held_bytes=300, free_bytes=700, evictable_blocks=0, evictable_bytes=0,
+                     shared_blocks=0, blocks_in_use=3, prefix_queries=0, prefix_hits=0,
+                     conversations=((7, 3, 300, True),), saved=(("42", 500), ("41", 200), ("99", 10), ("x", 5)))
+    owners = PoolOwners()
+    owners.learn(pool, 41)
+    rows = pool_rows(pool, owners, {41: "Colours", 42: "Ships"}.get)
+    assert [(r.label, r.where, r.num_bytes) for r in rows] == [("Colours", "pool", 300), ("Ships", "disk", 500)]
+    from app.pool_view import conversation_bar_rows
+    bars = conversation_bar_rows(rows, 1000)
+    assert bars[1].text.endswith("on disk") and "reads it back" in bars[1].tip and bars[1].fraction == 1.0

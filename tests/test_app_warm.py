@@ -93,3 +93,30 @@ def test_settings_show_the_saved_caches_set_their_budget_and_clear_them(qtbot, t
     dialog.accept()
     assert window.store.kv_disk_budget_mb() == 512
     qtbot.waitUntil(lambda: window.host.worker._engine.warm_store.budget_bytes == 512 * 2**20, timeout=5000)
+
+
+def test_the_pool_page_shows_a_chat_whose_cache_is_only_on_disk(qtbot, tiny_llama, tmp_path):
+    """After a restart, with one saved chat reopened, the Pool page has a row for the other: on disk, its size."""
+    window = real_window(qtbot, str(tiny_llama), sampling=SHORT)
+    send(qtbot, window, "The first chat, about the sea")
+    first = window.conversation_id
+    window.new_chat()
+    qtbot.waitUntil(lambda: window.session_ready, timeout=30_000)
+    send(qtbot, window, "The second chat, about the mountains")
+    second = window.conversation_id
+    window.close()
+    qtbot.waitUntil(lambda: not window.host.thread.isRunning(), timeout=30_000)
+    assert len(saved_files(tmp_path)) == 2
+
+    again = real_window(qtbot, str(tiny_llama), sampling=SHORT)
+    again.show_conversation(second)
+    qtbot.waitUntil(lambda: again.session_ready, timeout=30_000)
+    send(qtbot, again, "And the rivers?")
+    again.dashboard.show_page("Pool")
+    again.panels.refresh()
+    rows = again.panels.rows()
+    disk = [r for r in rows if r.where == "disk"]
+    assert [r.conversation_id for r in disk] == [first] and disk[0].num_bytes > 0
+    assert any(r.current and r.where == "pool" for r in rows)
+    texts = [row.text for row in again.dashboard.pool_view.conversation_bars.rows]
+    assert any(t.endswith("on disk") for t in texts), texts

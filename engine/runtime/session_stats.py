@@ -40,11 +40,15 @@ def pool_stats(session) -> PoolStats:
 
 
 def _saved(session) -> dict:
-    if session.warm is None:
+    """The disk tier, as any warm conversation of this engine sees it (a new chat not kept yet sees the others')."""
+    warm = session.warm or next((s.warm for s in list(session.runner.warm_sessions) if s.warm), None)
+    if warm is None:
         return {}
-    store = session.warm[0]
+    store, _key, identity = warm
     files, total = store.totals()
-    return {"saved_files": files, "saved_bytes": total, "saved_budget_bytes": store.budget_bytes}
+    model = store.path("", identity).name.removesuffix(".kvcache").lstrip("-")
+    return {"saved_files": files, "saved_bytes": total, "saved_budget_bytes": store.budget_bytes,
+            "saved": tuple((key, n) for key, n, m in store.entries() if m == model)}
 
 
 def snapshot(session) -> StatsSnapshot:

@@ -162,15 +162,23 @@ class WarmStore:
     def __init__(self, folder: Path, budget_mb: float = DEFAULT_DISK_BUDGET_MB):
         self.folder = Path(folder)
         self.budget_bytes = int(budget_mb * MIB)
-        self._totals: tuple[float, int, int] | None = None      # (when counted, files, bytes)
+        self._totals: tuple[float, tuple] | None = None      # (when counted, ((key, bytes), ...) newest first)
 
-    def totals(self, max_age_s: float = 2.0) -> tuple[int, int]:
-        """(files, bytes) saved, counted at most every max_age_s (stats ask ~10 times a second)."""
+    def entries(self, max_age_s: float = 2.0) -> tuple[tuple[str, int, str], ...]:
+        """(conversation key, bytes, model tag) of every saved cache, the most recently used first (the tag: the
+        start of the model's header hash, as `path` names it); counted at most every max_age_s (stats ask ~10 times
+        a second)."""
         now = time.monotonic()
         if self._totals is None or now - self._totals[0] > max_age_s:
-            files = self.files()
-            self._totals = (now, len(files), sum(map(_size, files)))
-        return self._totals[1], self._totals[2]
+            files = sorted(self.files(), key=_mtime, reverse=True)
+            self._totals = (now, tuple((*p.name[:-len(SUFFIX)].rsplit("-", 1), _size(p)) for p in files
+                                       if "-" in p.name))
+        return tuple((key, size, model) for key, model, size in self._totals[1])
+
+    def totals(self, max_age_s: float = 2.0) -> tuple[int, int]:
+        """(files, bytes) saved (see entries)."""
+        entries = self.entries(max_age_s)
+        return len(entries), sum(b for _, b, _ in entries)
 
     def path(self, key: str, identity: dict) -> Path:
         """The file of one conversation (key: its id in the app's history) for one model."""
