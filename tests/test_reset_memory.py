@@ -86,3 +86,49 @@ def test_reset_gives_most_of_a_long_chats_memory_back_to_the_system():
     assert growth > 40, f"the chat grew RSS by {growth:.0f} MiB only: not a long chat"
     assert after_reset - at_load < 0.35 * growth, (at_load, after_chat, after_reset)
     assert engine.runner.storage_bytes() == 0
+
+
+class _FakeNVML:
+    """pynvml as the driver would answer for this process: used = a base (CUDA context, weights) plus the page
+    storage the engine's pool holds now. Stands in for a GPU only because this machine has none."""
+
+    def __init__(self, runner, base: int = 300 * MIB, total: int = 12 * 1024 * MIB):
+        self.runner, self.base, self.total = runner, base, total
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        from types import SimpleNamespace
+        return SimpleNamespace(total=self.total, used=self.base + self.runner.storage_bytes())
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        from types import SimpleNamespace
+        return [SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.base + self.runner.storage_bytes())]
+
+
+@pytest.mark.gui
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a real GPU is here: NVML is not mocked")
+def test_on_a_gpu_the_dashboard_shows_nvml_and_the_allocator_and_reset_drops_them(qtbot, tiny_llama, _isolated,
+                                                                                   monkeypatch):
+    """Weights, KV pool, torch's allocator and NVML side by side; Reset returns the pages (the allocator's figure and
+    NVML's drop in the snapshot ResetDone carries, and the dashboard's lines show it)."""
+    import sys
+    from engine.runtime import memory
+    from test_app_engine import real_window, send
+
+    window = real_window(qtbot, tiny_llama, cache=CacheConfig(k_format="fp32", v_format="fp32"))
+    runner = window.host.worker._session.runner
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNVML(runner))
+    monkeypatch.setattr(memory, "_nvml", lambda: "gpu0")
+    monkeypatch.setattr(memory, "_allocated", lambda: runner.storage_bytes() + 50 * MIB)
+    send(qtbot, window, "The quick brown fox jumps over the lazy dog. " * 12)
+    before = window.dashboard.data.latest
+    assert before.memory.gpu_used_bytes > 300 * MIB and before.memory.gpu_total_bytes == 12 * 1024 * MIB
+    assert before.memory.torch_allocated_bytes > 50 * MIB
+    assert {"weights", "torch", "gpu", "kv"} <= set(window.dashboard.applicable_series())   # side by side
+    with qtbot.waitSignal(window.host.reset_done, timeout=10_000) as blocker:
+        window.reset_session()
+    after = blocker.args[0].stats
+    assert after.memory.gpu_used_bytes == 300 * MIB < before.memory.gpu_used_bytes
+    assert after.memory.torch_allocated_bytes == 50 * MIB
+    series = window.dashboard.data.series
+    assert series["gpu"][-1] == 300 * MIB and max(series["gpu"]) > 300 * MIB
+    assert series["torch"][-1] == 50 * MIB

@@ -23,6 +23,7 @@ from engine.plan.fit import check_fits, folder_weights, trim_heap
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
 from engine.model.weights import from_gguf, from_state_dict
+from engine.runtime import memory
 from engine.runtime.runner import ModelRunner
 from engine.runtime.session import ModelInfo, Session
 
@@ -298,7 +299,6 @@ class Engine:
     def clear_prefix_cache(self) -> int:
         """Free the blocks kept only for prefix reuse and give the memory back to the system; returns the bytes freed."""
         freed = self.runner.clear_prefix_cache()
-        if str(self.device).startswith("cuda"):
-            torch.cuda.empty_cache()
+        memory.release_cached(self.device)
         trim_heap()
         return freed

@@ -23,10 +23,22 @@ def _nvml():
     return _nvml_handle
 
 
+def _allocated() -> int:
+    """Bytes torch's CUDA allocator has handed out (0 without CUDA)."""
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def release_cached(device) -> None:
+    """Give the CUDA allocator's cached, unused blocks back to the driver (after a reset or a cleared prefix cache),
+    so NVML's figure drops with the pool's; nothing to do on the CPU (plan.fit.trim_heap does that part)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def probe() -> MemoryProbe:
     import psutil             # here, not at import: 40-90 ms off every start, paid once the first turn ends
     rss = psutil.Process(os.getpid()).memory_info().rss
-    allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    allocated = _allocated()
     used = total = 0
     handle = _nvml()
     if handle is not None:

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine.runtime import overflow, session_stats, warm
+from engine.runtime import memory, overflow, session_stats, warm
 from engine.runtime.warm import RELEASED_NOTICE
 from engine.text.chat_format import encode_conversation, tokenize_pieces
 from engine.config import CacheConfig, ConfigError, SamplingParams
@@ -513,8 +513,7 @@ class Session:
         self.token_ids.clear()
         self._prompt_logits = None
         self.tier = "pool"
-        if str(self.runner.device).startswith("cuda"):
-            torch.cuda.empty_cache()
+        memory.release_cached(self.runner.device)
         trim_heap()
         return freed
 
