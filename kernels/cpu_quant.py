@@ -153,6 +153,11 @@ class Scales:
         return Scales(self.scale[ids], pick(self.zero), pick(self.scale_sup), pick(self.zero_sup), self.per,
                       self.offset8)
 
+    def to(self, device) -> "Scales":
+        move = lambda t: None if t is None else t.to(device)     # noqa: E731
+        return Scales(move(self.scale), move(self.zero), move(self.scale_sup), move(self.zero_sup), self.per,
+                      self.offset8)
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """float32 [N, G] scales and zeros (or None)."""
         def widen(t, sup):

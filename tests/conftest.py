@@ -11,18 +11,31 @@ if "KVCHAT_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["KVCHAT_CACHE_DIR"], True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# without a GPU, Triton kernels run under triton's interpreter on CPU tensors; it must be chosen before triton is
+# first imported (tests/test_cuda_path.py, test_kernels.py, test_triton_*.py)
+try:
+    import torch as _torch
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
 
 import pytest  # noqa: E402
 
 
+OPT_IN = ("arm", "gpu_long")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Opt-in tests (marked arm) run only when asked for by name: pytest -m arm."""
-    if "arm" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="opt-in: run with pytest -m arm")
-    for item in items:
-        if "arm" in item.keywords:
-            item.add_marker(skip)
+    """Opt-in tests (marked arm or gpu_long) run only when asked for by name: pytest -m arm."""
+    asked = config.getoption("-m") or ""
+    for mark in OPT_IN:
+        if mark in asked:
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in: run with pytest -m {mark}")
+        for item in items:
+            if mark in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

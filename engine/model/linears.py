@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import kernels
 from kernels import cpu_quant
 
 GROUP = 32
@@ -99,6 +100,11 @@ class DenseLinear(_Fused):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
+    def moved(self, device) -> "DenseLinear":
+        self.weight = self.weight.to(device)
+        self.bias = None if self.bias is None else self.bias.to(device)
+        return self
+
     @property
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.bias)
@@ -174,6 +180,8 @@ class _Packed(_Fused):
         SwiGLU computes silu only, so another one is applied here in torch and the kernel runs a plain GEMV."""
         if swiglu and act != "silu":
             x, swiglu = gated(x, act), False
+        if kernels.gpu_path(x):
+            return self._gpu(x, norm, eps, swiglu, residual)
         T, dtype = x.shape[0], x.dtype
         if split is None:
             split = T if T <= cpu_quant.MAX_ROWS else 0
@@ -212,9 +220,32 @@ class _Packed(_Fused):
     def dequantize(self) -> torch.Tensor:
         return self._dequant_rows(0, self.out_features)
 
+    bits: int
+    group: int = GROUP
+
+    def _gpu(self, x, norm, eps, swiglu, residual) -> torch.Tensor:
+        """The GPU path: every row through the Triton dequantize-and-multiply kernels (kernels/triton_matmul.py,
+        a GEMV-like one for decode rows, a tiled one for prompt rows), the weights never unpacked in memory; the
+        norm or the SwiGLU before and the residual after in torch."""
+        from kernels.triton_matmul import packed_matmul
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
+        elif swiglu:
+            x = gated(x)
+        y = packed_matmul(x, self.codes, self.scales, self.bits, self.group, self.bias)
+        return (y if residual is None else residual.float() + y).to(x.dtype)
+
+    def moved(self, device) -> "_Packed":
+        """This linear's codes, scales and bias on `device` (the packed forms stay packed)."""
+        self.codes = self.codes.to(device)
+        self.scales = self.scales.to(device)
+        self.bias = None if self.bias is None else self.bias.to(device)
+        return self
+
 
 class Q4Linear(_Packed):
     kind = "q4"
+    bits = 4
 
     def __init__(self, codes: torch.Tensor, scale, zero: torch.Tensor | None = None, bias: torch.Tensor | None = None):
         # codes: [N, K/2] uint8 (group g, byte j: element j low nibble, j + 16 high); scale, zero: [N, K/32],
@@ -264,6 +295,7 @@ class Q4Linear(_Packed):
 
 class Q8Linear(_Packed):
     kind = "q8"
+    bits = 8
 
     def __init__(self, codes: torch.Tensor, scale, zero: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None):
@@ -336,6 +368,11 @@ class ConcatLinear(_Fused):
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts], 0)
+
+    def moved(self, device) -> "ConcatLinear":
+        self.parts = [p.moved(device) for p in self.parts]
+        self.bias = None if self.bias is None else self.bias.to(device)
+        return self
 
     @property
     def nbytes(self) -> int:

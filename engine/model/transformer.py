@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+import kernels
 from kernels import cpu_quant
 
 from engine.errors import ModelLoadError
@@ -126,7 +127,8 @@ class Transformer:
             q, k, v = self._split_qkv(qkv)
             if spec.qk_norm:                    # per head, over head_dim, before the callback rotates them
                 # on the CPU in fp32 the one-call step's own norm (in place; q, k are views), so both give one bits
-                if not cpu_quant.qk_norm_(qkv, c.num_heads, c.num_kv_heads, c.head_dim, L.q_norm, L.k_norm, eps):
+                if kernels.gpu_path(qkv) or not cpu_quant.qk_norm_(qkv, c.num_heads, c.num_kv_heads, c.head_dim,
+                                                                 L.q_norm, L.k_norm, eps):
                     q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
             o = attention(i, q, k, v).reshape(T, q_size).to(self.dtype)
             if spec.post_norms:                 # normed after attention, then added (not o_proj's fused residual)
@@ -169,8 +171,8 @@ class Transformer:
         does not cover this model: weights not all packed, biases, 16-bit activations, another device."""
         if not self._kernel_checked:
             self._kernel_checked = True
-            if self.device == "cpu" and self.dtype == torch.float32 and cpu_quant.available() \
-                    and self.config.fused_kernel_ok:
+            if self.device == "cpu" and not kernels.gpu_path(self.device) and self.dtype == torch.float32 \
+                    and cpu_quant.available() and self.config.fused_kernel_ok:
                 rows = []
                 for L in self.layers:
                     slots = [lin.kernel_parts() for lin in (L.qkv, L.o, L.gate_up, L.down)]

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+import kernels
 from kernels.cpu_quant import Scales
 
 from engine.gguf.blocks import packed_matrix, unpermute_rows
@@ -101,7 +102,8 @@ def _tied(mc: ModelConfig) -> ModelConfig:
 
 def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, weights: str) -> Transformer:
     check_weight_shapes(mc, gf.hf_shapes(), gf.path.name, gf.key_names(), gf.gguf_name, stored_order=True)
-    packed = weights == "auto" and device == "cpu"
+    # packed on the CPU (the C kernels) and on the GPU path (the Triton kernels): a GGUF's blocks stay blocks
+    packed = weights == "auto" and (device == "cpu" or kernels.gpu_path(device))
 
     def heads_of(name: str) -> int | None:
         return gf.permuted_heads(name, mc.num_heads, mc.num_kv_heads)
@@ -149,7 +151,7 @@ def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, we
                 groups[-1][1].append(payload)
             else:
                 groups.append([kind, [payload]])
-        made = [_make(kind, payloads) for kind, payloads in groups]
+        made = [_make(kind, payloads).moved(device) for kind, payloads in groups]
         if len(made) == 1:
             made[0].bias = bias
             return made[0]

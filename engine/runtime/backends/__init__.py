@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from kernels import cpu_quant
 
 from engine.kv.layout import KVLayout
@@ -20,13 +21,18 @@ def choice_key(layout: KVLayout, device) -> tuple:
     background on first use (cpu_quant.kv_kernels_ready), so a quantized layout chosen before they loaded is
     chosen again once they have."""
     cpu = torch.device(device).type == "cpu"
-    return layout, bool(layout.quantized_components and cpu and cpu_quant.kv_kernels_ready())
+    return layout, bool(layout.quantized_components and cpu and cpu_quant.kv_kernels_ready()), kernels.gpu_path(device)
 
 
 def backend_for(layout: KVLayout, comps: Pages, device, num_heads: int,
                 scores: tuple[LayerScores, ...]) -> AttentionBackend:
-    """The one backend for a layout's pages on a device: C where its kernels read these pages, else torch (the C
-    kernels take a layer's scale, not a soft-cap: a capped layer attends through torch)."""
+    """The one backend for a layout's pages on a device: Triton on the GPU path; on the CPU, C where its kernels read
+    these pages, else torch (the C kernels take a layer's scale, not a soft-cap: a capped layer attends through
+    torch)."""
+    if kernels.gpu_path(device):              # CUDA (or its check on CPU tensors under triton's interpreter)
+        from engine.runtime.backends.triton_pages import FullPagesTriton, QuantPagesTriton
+        kind = QuantPagesTriton if layout.quantized_components else FullPagesTriton
+        return kind(layout, comps, num_heads, scores)
     cpu = torch.device(device).type == "cpu"
     if layout.quantized_components:
         if cpu and any(kernel_reads(kc, vc) for kc, vc in comps):
