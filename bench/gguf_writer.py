@@ -60,6 +60,7 @@ class ModelShape:
 
 PRESETS = {
     "tiny": ModelShape("tiny", 2, 256, 4, 2, 512, 64, 2048, 10000.0, True),
+    "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 9, 3, 1536, 64, 8192, 100000.0, True),   # the default's shape
     "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 32, 8, 8192, 64, 8192, 500000.0, True),
     "llama-3.2-3b": ModelShape("llama-3.2-3b", 28, 3072, 24, 8, 8192, 128, 8192, 500000.0, True),
     "qwen3-0.6b": ModelShape("qwen3-0.6b", 28, 1024, 16, 8, 3072, 128, 40960, 1e6, True, arch="qwen3",
@@ -253,6 +254,22 @@ def atomic_writer(path: Path, arch: str):
         raise
 
 
+def write_vocab_gguf(path: str | os.PathLike, source: str | os.PathLike | None = None) -> Path:
+    """A GGUF with the default model's tokenizer (every tokenizer.* field) and no tensors: a few MB that let
+    write_random_gguf run where the default model is not installed (KVCHAT_VOCAB_GGUF)."""
+    if source is None:
+        from engine.model.source import default_gguf_path
+        source = default_gguf_path()
+    path = Path(path)
+    with atomic_writer(path, "llama") as writer:
+        writer.add_name("kvchat tokenizer only")
+        _copy_tokenizer(writer, Path(source))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+    return path
+
+
 def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: str, seed: int = 0,
                       vocab_from: str | os.PathLike | None = None) -> Path:
     """Write a random-weight GGUF of `shape` (its arch) in mix `qtype` to `path` and return the path.
@@ -264,9 +281,9 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
         shape = preset(shape)
     if qtype not in MIXES:
         raise ValueError(f"unknown type {qtype!r}: one of {', '.join(MIXES)}")
-    if vocab_from is None:
-        from engine.model.source import default_gguf_path
-        vocab_from = default_gguf_path()
+    if vocab_from is None:       # KVCHAT_VOCAB_GGUF: a GGUF holding the tokenizer, where the default model is not
+        from engine.model.source import default_gguf_path        # installed (packaging/gpu_check.sh carries one)
+        vocab_from = os.environ.get("KVCHAT_VOCAB_GGUF") or default_gguf_path()
     path = Path(path)
     with atomic_writer(path, shape.arch) as writer:
         writer.add_name(f"random {shape.name} {qtype}")

@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
     speculative.add_arguments(p)
     p.add_argument("--long-context", action="store_true",
                    help="also measure decode with 4,096 tokens cached against 256 (kvchat only)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: the GPU path against the copy bandwidth and "
+                                                  "transformers (bench/gpu.py)")
+    p.add_argument("--no-attention", action="store_true", help="with --device cuda: skip the 32k-token KV read")
 
 
 def resolve_model(spec: str) -> str:
@@ -335,6 +338,10 @@ def _prefix_ttft(engine, runs: int, system_tokens: int = 1000) -> dict:
 
 
 def run(args) -> dict:
+    import kernels
+    if getattr(args, "device", "cpu") != "cpu" or kernels.interpreting():
+        from bench import gpu
+        return gpu.run(args)
     from engine.config import CacheConfig, EngineConfig
     from engine.runtime.engine import Engine, load_transformers_reference
 
