@@ -1671,6 +1671,14 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
 （与其他对话共享的块在每个对话中都计入）</translation>
     </message>
     <message>
+        <source>{size} on disk</source>
+        <translation>磁盘上 {size}</translation>
+    </message>
+    <message>
+        <source>Its cache is on disk only ({size}): it holds no blocks of the pool, and reopening the chat reads it back instead of the text</source>
+        <translation>它的缓存只在磁盘上（{size}）：不占用池中的块，重新打开这个对话时会读回缓存，而不是重新读取文本</translation>
+    </message>
+    <message>
         <source>No pool yet: the model is loading.</source>
         <translation>还没有缓存池：模型正在加载。</translation>
     </message>
@@ -1683,8 +1691,8 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
         <translation>已持有的块</translation>
     </message>
     <message>
-        <source>Open conversations · KV held, share of the budget</source>
-        <translation>打开的对话 · KV 占用及占预算的份额</translation>
+        <source>Conversations · KV held in the pool (share of the budget) or on disk</source>
+        <translation>对话 · 池中占用的 KV（占预算的比例）或磁盘上的缓存</translation>
     </message>
     <message>
         <source>No conversation holds blocks yet.</source>
