@@ -324,11 +324,19 @@ class ChatActions(DeleteWithUndo, QObject):
         released = snapshot.pool.released if snapshot.pool is not None else None
         if released is not None and self._released is not None and released > self._released:
             n = released - self._released
-            self.w.statusBar().showMessage(
-                self.tr("Released the cache of 1 idle chat to make room in the KV budget; reopening it reads its "
-                        "history again.") if n == 1 else
-                self.tr("Released the cache of {n} idle chats to make room in the KV budget; reopening one reads "
-                        "its history again.").format(n=n), 10_000)
+            if snapshot.pool.saved_budget_bytes:      # kept warm: the chats' caches went to their files
+                text = (self.tr("Moved the cache of 1 idle chat to disk to make room in the KV budget; reopening it "
+                                "reads it back.") if n == 1 else
+                        self.tr("Moved the caches of {n} idle chats to disk to make room in the KV budget; reopening "
+                                "one reads it back.").format(n=n))
+                self.w.dashboard.data.mark("offload", self.tr("{n} to disk").format(n=n))
+            else:
+                text = (self.tr("Released the cache of 1 idle chat to make room in the KV budget; reopening it reads "
+                                "its history again.") if n == 1 else
+                        self.tr("Released the cache of {n} idle chats to make room in the KV budget; reopening one "
+                                "reads its history again.").format(n=n))
+                self.w.dashboard.data.mark("offload", self.tr("{n} released").format(n=n))
+            self.w.statusBar().showMessage(text, 10_000)
         if released is not None:
             self._released = released
 

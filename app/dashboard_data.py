@@ -27,7 +27,7 @@ MAX_MARKERS = 60
 @dataclass(frozen=True, slots=True)
 class Marker:
     time_s: float                       # seconds since the dashboard started
-    kind: str                           # "mode", "evict", "reset", "load", "restore"
+    kind: str                           # "mode", "evict", "reset", "load", "restore", "offload"
     label: str
     count: int = 1                      # evictions this marker stands for (a running eviction marker)
     tokens: int = 0                     # tokens those evictions took out of the window
@@ -281,7 +281,7 @@ def series_hover_text(data: DashboardData, kind: str, t: float) -> str | None:
     return "\n".join(lines)
 
 
-MARKER_GLYPHS = {"mode": "◆", "evict": "▼", "reset": "↺", "load": "●", "restore": "⤒"}
+MARKER_GLYPHS = {"mode": "◆", "evict": "▼", "reset": "↺", "load": "●", "restore": "⤒", "offload": "⤓"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -282,8 +282,14 @@ def test_status_line_says_when_an_idle_chat_was_released(qtbot):
     assert "Released" not in window.statusBar().currentMessage()
     window.host.stats.emit(replace(base, pool=replace(pool, released=2)))
     assert "Released the cache of 2 idle chats" in window.statusBar().currentMessage()
+    assert window.dashboard.data.markers[-1].kind == "offload"          # the timeline marks it too
+    kept = replace(pool, released=3, saved_budget_bytes=2**31)          # chats kept warm: their caches went to disk
+    window.host.stats.emit(replace(base, pool=kept))
+    assert "Moved the cache of 1 idle chat to disk" in window.statusBar().currentMessage()
+    assert [m.kind for m in list(window.dashboard.data.markers)[-2:]] == ["offload", "offload"]
+    pool = kept
     notice = "This conversation's cache was released to make room for another; its history is read again."
-    window.host.stats.emit(replace(base, pool=replace(pool, released=2), notice=notice))
+    window.host.stats.emit(replace(base, pool=replace(pool, released=3), notice=notice))
     assert window.statusBar().currentMessage() == notice
 
 

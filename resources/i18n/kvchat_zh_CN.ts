@@ -172,12 +172,28 @@
         <translation>前缀缓存本来就是空的：没有可释放的内容。打开的对话保留各自的缓存。</translation>
     </message>
     <message>
+        <source>Moved the cache of 1 idle chat to disk to make room in the KV budget; reopening it reads it back.</source>
+        <translation>为在 KV 预算中腾出空间，已把 1 个空闲对话的缓存移到磁盘；重新打开它时会读回缓存。</translation>
+    </message>
+    <message>
+        <source>Moved the caches of {n} idle chats to disk to make room in the KV budget; reopening one reads it back.</source>
+        <translation>为在 KV 预算中腾出空间，已把 {n} 个空闲对话的缓存移到磁盘；重新打开其中一个时会读回缓存。</translation>
+    </message>
+    <message>
+        <source>{n} to disk</source>
+        <translation>{n} 个移到磁盘</translation>
+    </message>
+    <message>
         <source>Released the cache of 1 idle chat to make room in the KV budget; reopening it reads its history again.</source>
         <translation>为在 KV 预算中腾出空间，已释放 1 个空闲对话的缓存；重新打开它时会再次读入其历史。</translation>
     </message>
     <message>
         <source>Released the cache of {n} idle chats to make room in the KV budget; reopening one reads its history again.</source>
         <translation>为在 KV 预算中腾出空间，已释放 {n} 个空闲对话的缓存；重新打开其中任一个时会再次读入其历史。</translation>
+    </message>
+    <message>
+        <source>{n} released</source>
+        <translation>释放 {n} 个</translation>
     </message>
 </context>
 <context>
