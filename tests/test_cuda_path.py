@@ -1,0 +1,115 @@
+"""The engine's GPU path, run end to end: on a CUDA machine on the GPU, elsewhere on CPU tensors with every Triton
+kernel under triton's interpreter (KVCHAT_GPU_PATH=interpret, kernels.gpu_path). Weights stay packed and go
+through kernels/triton_matmul.py, decode attention through kernels/triton_attention.py (the backends in
+engine/runtime/backends/triton_pages.py), quantized page stores through kernels/triton_store.py. Its logits are
+compared with the CPU path's (within 1e-3 of the largest logit) and its greedy tokens must be equal.
+
+Under the interpreter a kernel call costs milliseconds, so the model is tiny and the prompts short; the longer
+version (more formats, longer replies) runs with `pytest -m gpu_long`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from bench.gguf_writer import write_random_gguf
+from engine import CacheConfig, Engine, EngineConfig
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not importable here")
+
+PROMPT = [5 + (7 * i) % 200 for i in range(21)]
+FORMATS = {
+    "fp32": CacheConfig(k_format="fp32", v_format="fp32"),
+    "int8": CacheConfig(k_format="int8", v_format="int8"),
+    "int4": CacheConfig(k_format="int4", v_format="int4"),
+    "fp8": CacheConfig(k_format="fp8", v_format="fp8"),
+    "window": CacheConfig(k_format="fp32", v_format="fp32", window=16, sinks=4),
+    "int8-window": CacheConfig(k_format="int8", v_format="int8", window=16, sinks=4),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return str(write_random_gguf(tmp_path_factory.mktemp("gpu-path") / "tiny-Q4_0.gguf", "tiny", "Q4_0", seed=5))
+
+
+def run(engine, cache: CacheConfig, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's last logits, then `steps` greedy decode steps: logits [steps + 1, vocab], the tokens."""
+    runner = engine.runner
+    seq = runner.new_sequence(cache)
+    try:
+        rows = [runner.step([(seq, prompt)])[0][-1].float().cpu()]
+        tokens = []
+        for _ in range(steps):
+            tokens.append(int(rows[-1].argmax()))
+            rows.append(runner.step([(seq, [tokens[-1]])])[0][-1].float().cpu())
+    finally:
+        runner.close(seq)
+    return torch.stack(rows), tokens
+
+
+def gpu_engine(model: str, monkeypatch) -> Engine:
+    if not CUDA:
+        monkeypatch.setenv("KVCHAT_GPU_PATH", "interpret")
+        assert kernels.gpu_path("cpu"), "TRITON_INTERPRET=1 must be set before triton is imported (conftest)"
+    return Engine.load(EngineConfig(model=model, device=DEVICE))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    err = (a - b).abs().max().item()
+    assert err <= 1e-3 * b.abs().max().item(), f"largest difference {err:.2e} of {b.abs().max().item():.2f}"
+
+
+def compare(tiny_gguf, monkeypatch, names: list[str], steps: int) -> None:
+    cpu = Engine.load(EngineConfig(model=tiny_gguf, device="cpu"))
+    want = {name: run(cpu, FORMATS[name], PROMPT, steps) for name in names}
+    gpu = gpu_engine(tiny_gguf, monkeypatch)
+    assert gpu.model.weights == "gguf", "the GPU path keeps the GGUF's blocks packed"
+    for name in names:
+        got = run(gpu, FORMATS[name], PROMPT, steps)
+        close(got[0], want[name][0])
+        assert got[1] == want[name][1], name
+    used = {type(b).__name__ for b in gpu.runner._backends.values()}
+    assert used and all(n.endswith("Triton") for n in used), used
+
+
+def test_the_gpu_path_gives_the_cpu_paths_logits_and_tokens(tiny_gguf, monkeypatch):
+    compare(tiny_gguf, monkeypatch, ["fp32", "int8", "int4", "window"], steps=3)
+
+
+@pytest.mark.gpu_long
+def test_the_gpu_path_longer(tiny_gguf, monkeypatch):
+    compare(tiny_gguf, monkeypatch, list(FORMATS), steps=24)
+
+
+def test_a_batched_step_on_the_gpu_path_equals_each_sequence_alone(tiny_gguf, monkeypatch):
+    """A serve step of three sequences (two decoding, one reading its prompt) gives each the logits it has alone."""
+    gpu = gpu_engine(tiny_gguf, monkeypatch)
+    runner, cache = gpu.runner, FORMATS["int8"]
+    prompts = [PROMPT, PROMPT[3:15], PROMPT[:9]]
+    alone = [run(gpu, cache, p, 1)[0] for p in prompts]
+    seqs = [runner.new_sequence(cache) for _ in prompts]
+    try:
+        first = [runner.step([(s, p)])[0][-1].float().cpu() for s, p in zip(seqs[:2], prompts[:2])]
+        nxt = [int(f.argmax()) for f in first]
+        out = runner.step([(seqs[0], [nxt[0]]), (seqs[1], [nxt[1]]), (seqs[2], prompts[2])],
+                          decode=[True, True, False])
+        close(out[0][-1].float().cpu(), alone[0][1])
+        close(out[1][-1].float().cpu(), alone[1][1])
+        close(out[2][-1].float().cpu(), alone[2][0])
+    finally:
+        for s in seqs:
+            runner.close(s)
+
+
+def test_weights_stay_packed_on_the_gpu_path(tiny_gguf, monkeypatch):
+    """Resident weight bytes on the GPU path are the CPU path's (packed), within 1.1x of the file's tensor bytes."""
+    from engine.gguf.file import GGUFFile
+    gpu = gpu_engine(tiny_gguf, monkeypatch)
+    gf = GGUFFile(tiny_gguf)
+    file_bytes = sum(t.n_bytes for t in gf.tensors.values())
+    assert gpu.model.weight_bytes() <= 1.1 * file_bytes, (gpu.model.weight_bytes(), file_bytes)
+    kinds = gpu.model.linear_kinds()
+    assert kinds and all(k.startswith(("q4", "q8", "int")) for k in kinds), kinds
