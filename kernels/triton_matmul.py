@@ -135,7 +135,9 @@ def _scale_args(scales: cpu_quant.Scales) -> tuple:
 def _decode_blocks(N: int, K: int, device) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, K per split) of the GEMV kernel: a function of the weight's shape and device only."""
     if _interpreting():
-        return 64, 128, triton.cdiv(K, 128) * 128          # few programs: the interpreter runs them one by one
+        # few, large programs: the interpreter runs them one by one, at a cost per operation, not per element
+        block_n, block_k = min(1024, triton.next_power_of_2(N)), min(256, triton.next_power_of_2(K))
+        return block_n, block_k, triton.cdiv(K, block_k) * block_k
     block_n, block_k = 16, 128
     tiles = triton.cdiv(K, block_k)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 1
@@ -168,7 +170,7 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: cpu_quant.Scales
         y = part[0] if splits == 1 else part.sum(0)
     else:
         y = torch.empty(T, N, dtype=torch.float32, device=x.device)
-        bm, bn, bk = (64, 64, 64) if _interpreting() else (64, 64, 32)
+        bm, bn, bk = (64, 256, 128) if _interpreting() else (64, 64, 32)
         _gemm_kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn))](
             x, codes, sc, zero, ssup, zsup, y, T, N, K, G, GS, BITS=bits, GROUP=group, PER=per,
             SCALE_SUP=two_level, ZERO=zero_kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

@@ -62,13 +62,14 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert err <= 1e-3 * b.abs().max().item(), f"largest difference {err:.2e} of {b.abs().max().item():.2f}"
 
 
-def compare(tiny_gguf, monkeypatch, names: list[str], steps: int) -> None:
-    cpu = Engine.load(EngineConfig(model=tiny_gguf, device="cpu"))
-    want = {name: run(cpu, FORMATS[name], PROMPT, steps) for name in names}
-    gpu = gpu_engine(tiny_gguf, monkeypatch)
-    assert gpu.model.weights == "gguf", "the GPU path keeps the GGUF's blocks packed"
+def compare(model, monkeypatch, names: list[str], steps: int, prompt: list[int] = PROMPT) -> None:
+    cpu = Engine.load(EngineConfig(model=model, device="cpu"))
+    want = {name: run(cpu, FORMATS[name], prompt, steps) for name in names}
+    gpu = gpu_engine(model, monkeypatch)
+    if model.endswith(".gguf"):
+        assert gpu.model.weights == "gguf", "the GPU path keeps the GGUF's blocks packed"
     for name in names:
-        got = run(gpu, FORMATS[name], PROMPT, steps)
+        got = run(gpu, FORMATS[name], prompt, steps)
         close(got[0], want[name][0])
         assert got[1] == want[name][1], name
     used = {type(b).__name__ for b in gpu.runner._backends.values()}
@@ -76,7 +77,18 @@ def compare(tiny_gguf, monkeypatch, names: list[str], steps: int) -> None:
 
 
 def test_the_gpu_path_gives_the_cpu_paths_logits_and_tokens(tiny_gguf, monkeypatch):
-    compare(tiny_gguf, monkeypatch, ["fp32", "int8", "int4", "window"], steps=3)
+    compare(tiny_gguf, monkeypatch, list(FORMATS), steps=4)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3"])
+def test_the_families_on_the_gpu_path(family, tmp_path, monkeypatch):
+    """Gemma 2 (soft-capped scores, sliding and global layers alternating), Gemma 3 (five sliding layers to one
+    global, a KV group each, their own RoPE) and Qwen3 (q/k norms): a prompt past the sliding window, then decodes,
+    through the Triton backends, against the CPU path."""
+    from tiny_models import tiny_family_dir
+    folder = tiny_family_dir(tmp_path / family, family)
+    prompt = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    compare(folder, monkeypatch, ["fp32", "int8", "int8-window"], steps=4, prompt=prompt)
 
 
 @pytest.mark.gpu_long
