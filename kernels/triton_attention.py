@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 _ROT_NONE, _ROT_SINKS, _ROT_KEYS = 0, 1, 2
-_NEG = -1.0e30
+GPU_TILES = {"_decode_kernel": {"BLOCK_N": 32}}     # on a GPU (the interpreter takes 64 rows a tile)
+_NEG = tl.constexpr(-1.0e30)          # a global a jitted function reads must be a constexpr
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def decode_attention(q_rot: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
     assert len(lengths) == B and min(lengths) > 0
     dev = q_rot.device
     G = HQ // HKV
-    block_n = 32 if os.environ.get("TRITON_INTERPRET") != "1" else 64
+    block_n = GPU_TILES["_decode_kernel"]["BLOCK_N"] if os.environ.get("TRITON_INTERPRET") != "1" else 64
     splits = _splits(lengths, HKV, dev, block_n)
     split_len = triton.cdiv(triton.cdiv(max(lengths), splits), block_n) * block_n
     if key_cos is not None:

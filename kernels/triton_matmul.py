@@ -31,6 +31,9 @@ import triton.language as tl
 from . import cpu_quant
 
 DECODE_ROWS = 8          # up to this many rows take the split-K GEMV kernel
+# the tiles on a GPU (the interpreter takes larger ones: _decode_blocks, packed_matmul)
+GPU_TILES = {"_gemv_kernel": {"BLOCK_N": 16, "BLOCK_K": 128},
+             "_gemm_kernel": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "PRECISION": "tf32"}}
 _ZERO_NONE, _ZERO_PLAIN, _ZERO_SUP, _ZERO_OFFSET8 = 0, 1, 2, 3
 
 
@@ -138,7 +141,7 @@ def _decode_blocks(N: int, K: int, device) -> tuple[int, int, int]:
         # few, large programs: the interpreter runs them one by one, at a cost per operation, not per element
         block_n, block_k = min(1024, triton.next_power_of_2(N)), min(256, triton.next_power_of_2(K))
         return block_n, block_k, triton.cdiv(K, block_k) * block_k
-    block_n, block_k = 16, 128
+    block_n, block_k = GPU_TILES["_gemv_kernel"]["BLOCK_N"], GPU_TILES["_gemv_kernel"]["BLOCK_K"]
     tiles = triton.cdiv(K, block_k)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 1
     split = max(1, min(tiles, (4 * sms) // triton.cdiv(N, block_n)))
@@ -170,11 +173,12 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: cpu_quant.Scales
         y = part[0] if splits == 1 else part.sum(0)
     else:
         y = torch.empty(T, N, dtype=torch.float32, device=x.device)
-        bm, bn, bk = (64, 256, 128) if _interpreting() else (64, 64, 32)
+        tiles = GPU_TILES["_gemm_kernel"]
+        bm, bn, bk = (64, 256, 128) if _interpreting() else (tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"])
         _gemm_kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn))](
             x, codes, sc, zero, ssup, zsup, y, T, N, K, G, GS, BITS=bits, GROUP=group, PER=per,
             SCALE_SUP=two_level, ZERO=zero_kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PRECISION="ieee" if _interpreting() else "tf32", num_warps=4)
+            PRECISION="ieee" if _interpreting() else tiles["PRECISION"], num_warps=4)
     return y if bias is None else y + bias.float()
 
 

@@ -52,11 +52,14 @@ def _pow2_value(code):
 @triton.jit
 def _stored_scale(r, KIND: tl.constexpr):
     # r: float32 scale -> (what the page stores, the float32 it dequantizes with)
+    # one return: the compiler types every return alike, even those a constexpr branch leaves out
     if KIND == 2:      # fp8: a power-of-two scale, stored as its exponent byte
-        code = _pow2_code(r)
-        return code, _pow2_value(code)
-    s = r.to(tl.float16)
-    return s, s.to(tl.float32)
+        s = _pow2_code(r)
+        f = _pow2_value(s)
+    else:
+        s = r.to(tl.float16)
+        f = s.to(tl.float32)
+    return s, f
 
 
 @triton.jit
@@ -65,6 +68,19 @@ def _to_code(y, KIND: tl.constexpr):
     if KIND == 2:
         return _snap_e4m3(y)
     return _rint(y)
+
+
+@triton.jit
+def _e4m3_byte(y):
+    # y: float32 that is exactly an e4m3 value (_snap_e4m3) -> its float8_e4m3fn byte, built from the bits: Triton
+    # has no e4m3 type before sm_89 (an RTX 30-series card), so fp8 pages are written as bytes everywhere
+    bits = y.to(tl.int32, bitcast=True)
+    sign = ((bits >> 24) & 0x80)
+    a = tl.abs(y)
+    abits = a.to(tl.int32, bitcast=True)
+    normal = (((abits >> 23) - 120) << 3) | ((abits >> 20) & 7)           # (exponent + 7) << 3 | 3 mantissa bits
+    sub = _rint(a * 512.0).to(tl.int32)                                    # below 2**-6: m * 2**-9
+    return (tl.where(a >= 0.015625, normal, sub) | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -197,6 +213,10 @@ def _store_kernel(src, block_ids, data, scale, zero, num_heads, s_n, s_t, s_h, s
         if KIND == 3:  # two codes per byte: even channel low nibble, odd channel high nibble
             packed = qe.to(tl.uint8) | (qo.to(tl.uint8) << 4)
             tl.store(data + row[:, None] * HALF + c[None, :], packed, mask=m2)
+        elif KIND == 2:  # fp8 pages come as bytes (store_blocks)
+            ptr = data + row[:, None] * HEAD_DIM + 2 * c[None, :]
+            tl.store(ptr, _e4m3_byte(qe), mask=m2)
+            tl.store(ptr + 1, _e4m3_byte(qo), mask=m2)
         else:
             ptr = data + row[:, None] * HEAD_DIM + 2 * c[None, :]
             tl.store(ptr, qe.to(data.dtype.element_ty), mask=m2)
@@ -219,6 +239,8 @@ def store_blocks(src: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor,
     if n == 0:
         return
     kind = _KIND.get(fmt.name, 0)
+    if fmt.name == "fp8":             # written as bytes: see _e4m3_byte
+        data = data.view(torch.uint8)
     _store_kernel[(n, H)](
         src, block_ids, data, data if scale is None else scale, data if zero is None else zero, H,
         *src.stride(),
