@@ -13,8 +13,9 @@ Two kernels. Decode rows (T <= DECODE_ROWS, a GEMV-like shape): each program own
 and a slice of K (split-K, so a 576-wide layer still fills a GPU), multiplies by broadcast and sum (tensor cores
 need 16 rows), and the slices are summed in torch; the slicing depends on the weight's shape only, so a row's
 result does not depend on how many rows came with it. Prompt rows: [BLOCK_M, BLOCK_N] tiles, each K tile of the
-weight dequantized and fed to tl.dot, which runs on the tensor cores (TF32 on CUDA; under triton's interpreter
-plain float32).
+weight dequantized and fed to tl.dot, which runs on the tensor cores (TF32 on CUDA, about 3 decimal digits per
+product; KVCHAT_MATMUL_IEEE=1 asks for float32 FMAs instead, which the end-to-end check on a GPU uses; under
+triton's interpreter always float32).
 
 Why not torch's int4 weight-only matmul (`torch._weight_int4pack_mm`): it wants its own tiled repacking of the
 codes, bf16 scales-and-zeros in groups it chooses, and knows neither offset8 nor the K-quants' two-level scales
@@ -178,7 +179,8 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: cpu_quant.Scales
         _gemm_kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn))](
             x, codes, sc, zero, ssup, zsup, y, T, N, K, G, GS, BITS=bits, GROUP=group, PER=per,
             SCALE_SUP=two_level, ZERO=zero_kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PRECISION="ieee" if _interpreting() else tiles["PRECISION"], num_warps=4)
+            PRECISION="ieee" if _interpreting() or os.environ.get("KVCHAT_MATMUL_IEEE") == "1" else tiles["PRECISION"],
+            num_warps=4)
     return y if bias is None else y + bias.float()
 
 

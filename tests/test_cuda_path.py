@@ -51,7 +51,9 @@ def run(engine, cache: CacheConfig, prompt: list[int], steps: int) -> tuple[torc
 
 
 def gpu_engine(model: str, monkeypatch) -> Engine:
-    if not CUDA:
+    if CUDA:        # prompt rows in float32, not TF32: the comparison is with the CPU's float32 bits
+        monkeypatch.setenv("KVCHAT_MATMUL_IEEE", "1")
+    else:
         monkeypatch.setenv("KVCHAT_GPU_PATH", "interpret")
         assert kernels.gpu_path("cpu"), "TRITON_INTERPRET=1 must be set before triton is imported (conftest)"
     return Engine.load(EngineConfig(model=model, device=DEVICE))
