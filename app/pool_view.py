@@ -16,8 +16,8 @@ from engine.events import PoolStats
 from app.bar_widgets import BarRows, Row, Segment, StackedBar, format_mib, format_share
 
 IN_USE, RECLAIMABLE, FREE, SHARED = "#2563eb", "#f59e0b", "#e5e7eb", "#0d9488"
-THIS_CHAT, OTHER_CHAT, ON_DISK = "#2563eb", "#94a3b8", "#a78bfa"
-POOL, DISK = "pool", "disk"             # where a conversation's cache is
+THIS_CHAT, OTHER_CHAT, ON_DISK, IN_HOST = "#2563eb", "#94a3b8", "#a78bfa", "#0d9488"
+POOL, HOST, DISK = "pool", "host", "disk"     # where a conversation's cache is
 UNKNOWN = object()                      # a sequence whose conversation the window never saw
 
 
@@ -48,7 +48,8 @@ class PoolRow:
     num_bytes: int
     budget_share: float                 # of the engine's KV budget, 0.0-1.0
     current: bool
-    where: str = POOL                   # POOL: blocks in the pool; DISK: only its saved file (the second tier)
+    where: str = POOL                   # POOL: blocks in the pool; HOST: a copy in host memory beside a GPU pool;
+                                        # DISK: only its saved file (the second tier)
 
 
 def pool_rows(pool: PoolStats, owners: PoolOwners, title_of: Callable[[int], str | None]) -> list[PoolRow]:
@@ -76,15 +77,18 @@ def pool_rows(pool: PoolStats, owners: PoolOwners, title_of: Callable[[int], str
 
 
 def disk_rows(pool: PoolStats, in_pool: set, title_of: Callable[[int], str | None]) -> list[PoolRow]:
-    """Chats of this history whose cache is on disk and not in the pool (a file whose chat is gone is not shown)."""
-    rows = []
-    for key, num_bytes in pool.saved:
-        if not key.isdigit() or int(key) in in_pool:
-            continue
-        title = title_of(int(key))
-        if title is not None:
-            rows.append(PoolRow(-1, int(key), title, 0, num_bytes,
-                                num_bytes / pool.budget_bytes if pool.budget_bytes else 0.0, False, DISK))
+    """Chats of this history whose cache is in host memory (beside a GPU pool) or on disk, and not in the pool (a
+    file whose chat is gone is not shown)."""
+    rows, seen = [], set(in_pool)
+    for where, entries in ((HOST, pool.in_host), (DISK, pool.saved)):
+        for key, num_bytes in entries:
+            if not key.isdigit() or int(key) in seen:
+                continue
+            title = title_of(int(key))
+            if title is not None:
+                seen.add(int(key))
+                rows.append(PoolRow(-1, int(key), title, 0, num_bytes,
+                                    num_bytes / pool.budget_bytes if pool.budget_bytes else 0.0, False, where))
     return rows
 
 
@@ -164,7 +168,7 @@ def saved_line(pool: PoolStats) -> str:
 def conversation_bar_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:
     """Bars to scale with the largest conversation; the number is the share of the KV budget."""
     largest = max((r.num_bytes for r in rows), default=0) or 1
-    return [disk_bar_row(r, largest) if r.where == DISK else
+    return [disk_bar_row(r, largest) if r.where != POOL else
             Row(r.label, r.num_bytes / largest, f"{format_mib(r.num_bytes)} · {format_share(r.budget_share)}",
                 THIS_CHAT if r.current else OTHER_CHAT,
                 r.label + (QCoreApplication.translate("PoolView", " (open now)") if r.current else "") + "\n"
@@ -176,6 +180,13 @@ def conversation_bar_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:
 
 
 def disk_bar_row(r: PoolRow, largest: int) -> Row:
+    if r.where == HOST:
+        return Row(r.label, r.num_bytes / largest,
+                   QCoreApplication.translate("PoolView", "{size} in host memory").format(size=format_mib(r.num_bytes)),
+                   IN_HOST, r.label + "\n" + QCoreApplication.translate(
+                       "PoolView", "Its cache was moved to host memory ({size}) to make room on the GPU: reopening "
+                       "the chat copies it back instead of reading the text").format(size=format_mib(r.num_bytes)),
+                   False)
     return Row(r.label, r.num_bytes / largest,
                QCoreApplication.translate("PoolView", "{size} on disk").format(size=format_mib(r.num_bytes)), ON_DISK,
                r.label + "\n" + QCoreApplication.translate(
@@ -203,8 +214,8 @@ class PoolView(QWidget):
         layout.addWidget(QLabel(self.tr("Blocks held"), objectName="dashboardSection"))
         self.block_bar = StackedBar()
         layout.addWidget(self.block_bar)
-        self.conversations_title = QLabel(self.tr("Conversations · KV held in the pool (share of the budget) or on "
-                                                  "disk"),
+        self.conversations_title = QLabel(self.tr("Conversations · KV held in the pool (share of the budget), in "
+                                                  "host memory or on disk"),
                                           objectName="dashboardSection")
         layout.addWidget(self.conversations_title)
         self.conversation_bars = BarRows(self.tr("No conversation holds blocks yet."))

@@ -61,6 +61,7 @@ class PoolStats:
     saved_bytes: int = 0
     saved_budget_bytes: int = 0         # their disk budget; 0 when this session keeps none
     saved: tuple[tuple[str, int], ...] = ()     # (conversation key, bytes) of each cache saved on disk, newest first
+    in_host: tuple[tuple[str, int], ...] = ()   # (conversation key, bytes) of each released to host memory (GPU pool)
 
     @property
     def hit_rate(self) -> float:

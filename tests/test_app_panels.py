@@ -275,3 +275,20 @@ def test_pool_rows_add_the_chats_whose_cache_is_only_on_disk():
     from app.pool_view import conversation_bar_rows
     bars = conversation_bar_rows(rows, 1000)
     assert bars[1].text.endswith("on disk") and "reads it back" in bars[1].tip and bars[1].fraction == 1.0
+
+
+def test_pool_rows_show_chats_moved_to_host_memory_before_those_on_disk():
+    """Beside a GPU pool a released chat's cache is in host memory: its row says so, and its saved file (if any) is
+    not shown a second time."""
+    pool = PoolStats(budget_bytes=1000, held_bytes=300, free_bytes=700, evictable_blocks=0, evictable_bytes=0,
+                     shared_blocks=0, blocks_in_use=3, prefix_queries=0, prefix_hits=0,
+                     conversations=((7, 3, 300, True),), in_host=(("43", 250),), saved=(("43", 240), ("42", 500)))
+    owners = PoolOwners()
+    owners.learn(pool, 41)
+    rows = pool_rows(pool, owners, {41: "Colours", 42: "Ships", 43: "Maps"}.get)
+    assert [(r.label, r.where, r.num_bytes) for r in rows] == [("Colours", "pool", 300), ("Maps", "host", 250),
+                                                              ("Ships", "disk", 500)]
+    from app.pool_view import conversation_bar_rows
+    bars = conversation_bar_rows(rows, 1000)
+    assert bars[1].text.endswith("in host memory") and "copies it back" in bars[1].tip
+    assert bars[2].text.endswith("on disk")

@@ -1,4 +1,4 @@
-"""The second tier for preempted requests (engine/serve/tier.py): a preempted request reads its cache back instead
+"""The second tier for preempted requests (engine/kv/tier.py): a preempted request reads its cache back instead
 of its prompt, with the tokens of a request that ran alone, for every cache format; a damaged or missing copy is
 read again; the tier's budget, its metrics and its folder."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from engine.config import CacheConfig, SamplingParams
 from engine.events import FinishReason
 from engine.serve import batch
 from engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
-from engine.serve.tier import PreemptTier
+from engine.kv.tier import PreemptTier
 
 FP32 = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=0.125)     # 10 blocks of 16 tokens on the tiny model
 

@@ -284,6 +284,46 @@ def test_a_released_conversation_is_saved_and_read_back_on_its_next_turn(tiny_ll
         a.close()
 
 
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+def test_a_gpu_pools_released_conversation_goes_to_host_memory_and_back(tiny_llama, tmp_path, mode):
+    """Beside a GPU pool the second tier is host memory (runner.host_tier; pinned there): here a CPU engine given
+    that tier, which is all a GPU pool adds. Released for room, the chat's cache goes there, not to disk, and
+    comes back on its next turn with the bits of a chat never released; a reset drops the copy."""
+    from engine.kv.tier import PreemptTier
+    tiny = Engine.load(EngineConfig(model=tiny_llama))
+    tiny._warm_store = WarmStore(tmp_path / "kv")
+    tiny.runner.host_tier = PreemptTier(64, "host")
+    budget = tiny.runner.budget_bytes
+    cache = MODES[mode]
+    twin = tiny.new_session(cache=cache, prefix_cache=False)
+    twin.reply("word " * 60, G)
+    want = twin.append([5, 6, 7])
+    twin.close()
+    tiny.clear_prefix_cache()
+    a = chat(tiny, cache, key="a", turns=("word " * 60,))
+    small = cache.with_(budget_mb=tiny.runner.held_bytes * 1.3 / 2**20)
+    tiny.runner.set_budget(small.budget_mb)
+    try:
+        b = tiny.new_session(cache=small, prefix_cache=False)
+        b.append([10 + i % 300 for i in range(a.seq.num_tokens)])              # no room for both: `a` is released
+        assert a.seq.num_tokens == 0 and a.tier == "host" and len(tiny.runner.host_tier) == 1
+        assert tiny.warm_store.files() == []                                    # not written to disk
+        b.close()
+        got = a.append([5, 6, 7])
+        assert "read back from host memory" in a.notice and a.tier == "pool"
+        assert torch.equal(got, want)
+        assert len(tiny.runner.host_tier) == 0
+        c = tiny.new_session(cache=small, prefix_cache=False)
+        c.append([10 + i % 300 for i in range(a.seq.num_tokens)])              # released again, then reset
+        assert a.tier == "host"
+        a.reset()
+        assert len(tiny.runner.host_tier) == 0 and a.tier == "pool"
+        c.close()
+    finally:
+        tiny.runner.set_budget(budget / 2**20)
+        a.close()
+
+
 def test_reset_deletes_the_saved_cache(tiny):
     s = chat(tiny, MODES["int8"])
     written = tiny.save_warm(s)

@@ -22,6 +22,7 @@ from engine.kv import convert, saved
 from engine.kv.layout import MIB, PREFILL_CHUNK, KVLayout, check_cache_for_model, kv_groups, kv_layout
 from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
 from engine.kv.pages import PageStore
+from engine.kv.tier import DEFAULT_TIER_MB as HOST_TIER_MB, PreemptTier
 from engine.model.transformer import Transformer
 
 
@@ -38,6 +39,8 @@ class ModelRunner:
                                       on_release=self._releasing)
         self.warm_sessions: weakref.WeakSet = weakref.WeakSet()   # sessions whose cache has a second tier
         self.offloaded = 0                         # conversations saved to the second tier when released
+        # a GPU pool's released conversations go to pinned host memory first (engine/kv/tier.py), then to disk
+        self.host_tier = PreemptTier(HOST_TIER_MB, "host") if torch.device(self.device).type == "cuda" else None
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
         self.steps = 0
         self.speculation = SpeculativeConfig("off")   # the engine's setting (Engine.set_speculative), read each turn

@@ -80,7 +80,8 @@ class Session:
         self.notice = ""
         self._guard = TurnGuard()
         self.warm = None                    # (WarmStore, key, model identity): where this cache is kept (engine.keep_warm)
-        self.tier = "pool"                  # where the cache is: pool, disk (released to its saved file) or none
+        self.tier = "pool"                  # where the cache is: pool, host (released to host memory), disk (to its
+                                            # saved file) or none
         self._spec: Speculator | None = None  # speculative decoding's state here (engine/runtime/speculative.py)
 
     @property
@@ -117,16 +118,22 @@ class Session:
             kept = (list(self.token_ids), self._prompt_end, list(self._starts), self._prompt_logits)
             self.token_ids.clear()
             self._prompt_logits = None
+            if self.tier == "host":
+                self.notice = warm.from_host(self, *kept)
+                return
             if self.warm is not None and self.tier == "disk":
                 self.notice = warm.read_back(self, *kept)
                 return
             self.notice = RELEASED_NOTICE
 
     def offload(self) -> bool:
-        """The budget is releasing this idle conversation: its cache goes to its saved file first (the second tier of
-        a pool in host memory). True when it was saved."""
+        """The budget is releasing this idle conversation: its cache goes to the second tier first, host memory when
+        the pool is on a GPU (runner.host_tier), else (or when that is full) its saved file. True when it was kept."""
         if self.warm is None or self._guard.closed:
             return False
+        if warm.to_host(self):
+            self.tier = "host"
+            return True
         store, key, identity = self.warm
         kept = store.save(self, key, identity) > 0
         self.tier = "disk" if kept else "none"
@@ -510,6 +517,8 @@ class Session:
             self._spec.close()
             self._spec = None
         freed = self.runner.free(self.seq) + self._drop_alternative_caches()
+        if self.runner.host_tier is not None:
+            self.runner.host_tier.drop(warm.host_key(self))
         self.token_ids.clear()
         self._prompt_logits = None
         self.tier = "pool"

@@ -36,7 +36,17 @@ def pool_stats(session) -> PoolStats:
         conversations=tuple((sid, blocks, nbytes, sid in mine) for sid, blocks, nbytes, released in v.sequences
                             if blocks),
         released=session.runner.released_count(), storage_bytes=session.runner.storage_bytes(),
-        **_saved(session))
+        in_host=_in_host(session.runner), **_saved(session))
+
+
+def _in_host(runner) -> tuple:
+    """The host tier beside a GPU pool: warm conversations released to it, with the bytes each copy holds."""
+    tier = runner.host_tier
+    if tier is None:
+        return ()
+    from engine.runtime.warm import host_key
+    return tuple((s.warm[1], tier.bytes_of(host_key(s))) for s in list(runner.warm_sessions)
+                 if s.tier == "host" and s.warm is not None)
 
 
 def _saved(session) -> dict:

@@ -152,6 +152,43 @@ def read_back(session, ids: list[int], prompt_end: int, starts: list, logits) ->
             f"after it was released to make room for another.")
 
 
+def host_key(session) -> str:
+    return f"conversation-{id(session)}"
+
+
+def to_host(session) -> bool:
+    """The second tier of a GPU pool: a released conversation's cache exported as stored into pinned host memory
+    (runner.host_tier, within its budget). False where there is no such tier, or no room in it."""
+    tier = session.runner.host_tier
+    if tier is None or not session.seq.num_tokens:
+        return False
+    groups, tensors = saved.export_groups(session.runner.store, session.seq)
+    return tier.put(host_key(session), groups, tensors, session.seq.num_tokens)
+
+
+def from_host(session, ids: list[int], prompt_end: int, starts: list, logits) -> str:
+    """A conversation released to host memory (to_host) reads its cache back on its next turn; returns the notice.
+    A copy that cannot come back (no room in the pool now) leaves it empty: its history is read again."""
+    t0 = time.perf_counter()
+    kept = session.runner.host_tier.take(host_key(session))
+    session.tier = "none"
+    if kept is None:
+        return RELEASED_NOTICE
+    tokens, groups, tensors = kept
+    if tokens > len(ids):
+        return RELEASED_NOTICE
+    try:
+        session.runner.import_kv(session.seq, groups, tensors)
+    except CacheFileError as exc:
+        return (f"This conversation's cache was released to make room for another and could not be read back from "
+                f"host memory ({exc}); its history is read again.")
+    session.token_ids[:] = ids
+    session.tier = "pool"
+    session._prompt_end, session._starts, session._prompt_logits = prompt_end, starts, logits
+    return (f"This conversation's cache was read back from host memory ({tokens:,} tokens, "
+            f"{time.perf_counter() - t0:.2f} s) after it was released to make room for another.")
+
+
 _KEY = re.compile(r"[^A-Za-z0-9_.]")
 
 

@@ -57,7 +57,7 @@ class ServeMetrics:
         self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted tokens per draft position.", labels + ("position",), registry=r)
-        # the preemption tier (engine/serve/tier.py): requests resumed from it, those read again, what it holds
+        # the preemption tier (engine/kv/tier.py): requests resumed from it, those read again, what it holds
         self.resumed_total = counter("kvchat_preemptions_resumed", "Preempted requests whose cache was read back from "
                                      "the second tier (no prompt pass).")
         self.resumed_tokens = counter("kvchat_preemption_resumed_tokens", "Tokens preempted requests got back from "

@@ -4,7 +4,7 @@ Requests arrive from any thread (submit / abort); everything else runs in the en
 iteration frees aborted requests, admits waiting ones while their prompt fits in the free blocks,
 then runs one step over all running sequences: a prefill chunk for those still reading their
 prompt, one token for those decoding. When the next step does not fit, the newest running
-sequence is preempted: its cache goes to the second tier (engine/serve/tier.py: host memory beside a
+sequence is preempted: its cache goes to the second tier (engine/kv/tier.py: host memory beside a
 GPU pool, a file beside a host pool) and its blocks back to the pool, and it waits at the front of
 the queue. Admitted again, it reads its cache back and goes on where it stopped; where the tier had
 no room (or is off), it is re-prefilled with the tokens it already generated, as vLLM's recompute
@@ -28,7 +28,7 @@ from engine.runtime.sampling import sample
 from engine.runtime.speculative import accept
 from engine.kv.saved import CacheFileError
 from engine.serve import batch
-from engine.serve.tier import DEFAULT_TIER_MB, PreemptTier
+from engine.kv.tier import DEFAULT_TIER_MB, PreemptTier
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 log = logging.getLogger("kvchat.serve")

@@ -12,7 +12,7 @@ from engine.serve.app import ServeState, create_app
 from engine.serve.guard import is_loopback
 from engine.serve.metrics import ServeMetrics
 from engine.serve.scheduler import Scheduler, SchedulerConfig
-from engine.serve.tier import DEFAULT_TIER_MB
+from engine.kv.tier import DEFAULT_TIER_MB
 
 API_KEY_ENV = "KVCHAT_API_KEY"
 

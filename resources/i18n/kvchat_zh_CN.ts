@@ -1687,6 +1687,14 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
 （与其他对话共享的块在每个对话中都计入）</translation>
     </message>
     <message>
+        <source>{size} in host memory</source>
+        <translation>{size} 在主机内存</translation>
+    </message>
+    <message>
+        <source>Its cache was moved to host memory ({size}) to make room on the GPU: reopening the chat copies it back instead of reading the text</source>
+        <translation>为给 GPU 腾出空间，它的缓存已移到主机内存（{size}）：重新打开此对话时会把它复制回来，而不是重新读取文本</translation>
+    </message>
+    <message>
         <source>{size} on disk</source>
         <translation>磁盘上 {size}</translation>
     </message>
@@ -1707,8 +1715,8 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
         <translation>已持有的块</translation>
     </message>
     <message>
-        <source>Conversations · KV held in the pool (share of the budget) or on disk</source>
-        <translation>对话 · 池中占用的 KV（占预算的比例）或磁盘上的缓存</translation>
+        <source>Conversations · KV held in the pool (share of the budget), in host memory or on disk</source>
+        <translation>对话 · KV 在池中（占预算的比例）、在主机内存或在磁盘上</translation>
     </message>
     <message>
         <source>No conversation holds blocks yet.</source>

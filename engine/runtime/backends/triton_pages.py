@@ -6,7 +6,7 @@ Triton store kernel (kernels.store_blocks, which Component.write calls).
 Full-precision pages: the kernel reads the rotated rows in place, turning each sequence's sinks by its delta, and a
 run of decodes of one layout is one kernel call per layer. Quantized pages: the held past is dequantized by torch
 into a scratch (Component.values, one sequence at a time), and the kernel turns its pre-RoPE keys at their effective
-positions as it reads them. Reading int8 / fp8 / int4 pages inside the kernel, as the C kernel does on the CPU,
+positions as it reads them; a run of decodes is one kernel call per layer there too. Reading int8 / fp8 / int4 pages inside the kernel, as the C kernel does on the CPU,
 would save that scratch's round trip through memory; it is the next step for this backend, not done here.
 """
 from __future__ import annotations
@@ -78,28 +78,41 @@ class FullPagesTriton(FullPagesTorch):
         return attend_full(kc, vc, q, k, v, grp, self.scores[layer])
 
 
-def attend_quantized(kc, vc, q, k, v, st, scores: LayerScores) -> torch.Tensor:
-    """One sequence's one-token decode of a layer with a quantized K or V: the past dequantized by torch, the kernel
-    turning pre-RoPE keys per row; attends before storing (a store may quantize the tail away) -> [1, Hq, D]."""
-    res, seq = st.res, st.res.seq
-    k_all, v_all = k.float(), v.float()
-    P = st.past_slots.numel()
-    if P:
-        k_all = torch.cat((kc.values(seq.seq_id, seq.block_table, res.first_slot, st.past_slots), k_all))
-        v_all = torch.cat((vc.values(seq.seq_id, seq.block_table, res.first_slot, st.past_slots), v_all))
-    n = k_all.shape[0]
-    rows, offsets = torch.arange(n, device=k_all.device), torch.tensor([0, n], device=k_all.device)
-    q_rot = rotate(q.float(), st.q_cos, st.q_sin)
-    if kc.fmt.is_quantized:               # every key before RoPE: turned at its effective position in the kernel
-        cos, sin = key_rope(st)
-        out = decode_attention(q_rot, k_all, v_all, rows, offsets, [n], scores.scale, scores.softcap,
-                               key_cos=cos, key_sin=sin)
-    else:                                 # keys stored rotated: the new one turned here, the sinks in the kernel
-        k_all[P:] = rotate(k_all[P:], st.q_cos, st.q_sin)
-        sink = torch.tensor([st.n_sink], dtype=torch.int32, device=k_all.device)
-        out = decode_attention(q_rot, k_all, v_all, rows, offsets, [n], scores.scale, scores.softcap,
-                               sink if st.n_sink else None, st.delta_cos, st.delta_sin)
-    store(kc, vc, k, v, st)
+def attend_quantized(kc, vc, q, k, v, steps: list, scores: LayerScores) -> torch.Tensor:
+    """A run of one-token decodes (one per sequence of `steps`) of a layer with a quantized K or V, in one kernel
+    call: each sequence's past dequantized by torch into one scratch, the new token last; pre-RoPE keys turned per
+    row in the kernel (stored-rotated ones: the new key turned here, the sinks in the kernel). Attends before
+    storing, since a store may quantize a tail away -> float32 [B, Hq, D]."""
+    ks, vs, cos, sin, lengths = [], [], [], [], []
+    for i, st in enumerate(steps):
+        res, seq = st.res, st.res.seq
+        k_new, v_new = k[i:i + 1].float(), v[i:i + 1].float()
+        if not kc.fmt.is_quantized:
+            k_new = rotate(k_new, st.q_cos, st.q_sin)
+        if st.past_slots.numel():
+            k_new = torch.cat((kc.values(seq.seq_id, seq.block_table, res.first_slot, st.past_slots), k_new))
+            v_new = torch.cat((vc.values(seq.seq_id, seq.block_table, res.first_slot, st.past_slots), v_new))
+        ks.append(k_new)
+        vs.append(v_new)
+        lengths.append(k_new.shape[0])
+        if kc.fmt.is_quantized:
+            c, s_ = key_rope(st)
+            cos.append(c)
+            sin.append(s_)
+    k_all, v_all = torch.cat(ks), torch.cat(vs)
+    device = k_all.device
+    rows = torch.arange(k_all.shape[0], device=device)
+    offsets = torch.tensor([0] + lengths).cumsum(0).to(device)
+    grp = triton_group(steps)
+    q_rot = rotate(q.float(), grp.q_cos, grp.q_sin)
+    if kc.fmt.is_quantized:
+        out = decode_attention(q_rot, k_all, v_all, rows, offsets, lengths, scores.scale, scores.softcap,
+                               key_cos=torch.cat(cos), key_sin=torch.cat(sin))
+    else:
+        out = decode_attention(q_rot, k_all, v_all, rows, offsets, lengths, scores.scale, scores.softcap,
+                               grp.n_sink, grp.delta_cos, grp.delta_sin)
+    for i, st in enumerate(steps):
+        store(kc, vc, k[i:i + 1], v[i:i + 1], st)
     return out
 
 
@@ -107,9 +120,15 @@ class QuantPagesTriton(QuantPagesTorch):
     name = "quant-pages-triton"
 
     def attend(self, layer, q, k, v, st):
-        if not st.one_token_decode:
-            return super().attend(layer, q, k, v, st)
+        if st.one_token_decode:
+            return self.attend_decodes(layer, q, k, v, [st], triton_group([st]))
+        return super().attend(layer, q, k, v, st)
+
+    def prepare_decodes(self, steps):
+        return triton_group(steps)
+
+    def attend_decodes(self, layer, q, k, v, steps, grp: TritonGroup):
         kc, vc = self.comps[layer]
         if not (kc.fmt.is_quantized or vc.fmt.is_quantized):        # a layer kept in full precision
-            return attend_full(kc, vc, q, k, v, triton_group([st]), self.scores[layer])
-        return attend_quantized(kc, vc, q, k, v, st, self.scores[layer])
+            return attend_full(kc, vc, q, k, v, grp, self.scores[layer])
+        return attend_quantized(kc, vc, q, k, v, steps, self.scores[layer])
