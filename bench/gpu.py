@@ -77,12 +77,15 @@ def time_transformers(model, ids: list[int], new_tokens: int, device) -> dict:
 
 
 def attention_bandwidth(device, tokens: int = 32768, kv_heads: int = 8, heads: int = 32, head_dim: int = 128,
-                        runs: int = 20) -> dict:
-    """The Triton decode attention over `tokens` rows of bf16 K and V pages for one sequence: GB/s of KV read."""
+                        runs: int = 20, fmt: str = "bf16") -> dict:
+    """The Triton decode attention over `tokens` rows of K and V pages for one sequence (bf16, or a quantized format
+    read in place): GB/s of KV bytes read (scales and zero points included)."""
+    from kernels.formats import bytes_per_block, page_format
     from kernels.triton_attention import bench_decode_full
-    seconds = bench_decode_full(device, tokens, kv_heads, heads, head_dim, runs, sync)
-    kv_bytes = 2 * tokens * kv_heads * head_dim * 2
-    return {"tokens": tokens, "kv_bytes": kv_bytes, "seconds": seconds, "gbs": kv_bytes / seconds / 1e9}
+    seconds = bench_decode_full(device, tokens, kv_heads, heads, head_dim, runs, sync, fmt)
+    blocks = -(-tokens // 16)
+    kv_bytes = sum(bytes_per_block(page_format(fmt, role), 16, kv_heads, head_dim) for role in "kv") * blocks
+    return {"format": fmt, "tokens": tokens, "kv_bytes": kv_bytes, "seconds": seconds, "gbs": kv_bytes / seconds / 1e9}
 
 
 def _median(rows: list[dict]) -> dict:
@@ -140,6 +143,9 @@ def run(args) -> dict:
         att = attention_bandwidth(device, tokens, runs=20 if tokens > 256 else 2)
         result["attention"] = att
         result["ratio_attention_vs_copy"] = att["gbs"] / result["copy_gbs"]
+        q8 = attention_bandwidth(device, tokens, runs=20 if tokens > 256 else 2, fmt="int8")
+        result["attention_int8"] = q8
+        result["ratio_attention_int8_vs_bf16_time"] = q8["seconds"] / att["seconds"]
     if torch.device(device).type == "cuda":
         result["torch_allocated_bytes"] = torch.cuda.memory_allocated()
         result["torch_peak_bytes"] = torch.cuda.max_memory_allocated()

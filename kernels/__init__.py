@@ -63,6 +63,13 @@ def gpu_path(t) -> bool:
     return kind == "cpu" and interpreting() and triton_available()
 
 
+@functools.cache
+def sm_count(index: int = 0) -> int:
+    """Streaming multiprocessors of CUDA device `index` (the Triton kernels size their grids by it)."""
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _use_triton(t) -> bool:
     return gpu_path(t)
 

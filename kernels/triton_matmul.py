@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cpu_quant
+from . import cpu_quant, sm_count
 
 DECODE_ROWS = 8          # up to this many rows take the split-K GEMV kernel
 # the tiles on a GPU (the interpreter takes larger ones: _decode_blocks, packed_matmul)
@@ -144,7 +144,7 @@ def _decode_blocks(N: int, K: int, device) -> tuple[int, int, int]:
         return block_n, block_k, triton.cdiv(K, block_k) * block_k
     block_n, block_k = GPU_TILES["_gemv_kernel"]["BLOCK_N"], GPU_TILES["_gemv_kernel"]["BLOCK_K"]
     tiles = triton.cdiv(K, block_k)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 1
+    sms = sm_count(torch.device(device).index or 0) if torch.device(device).type == "cuda" else 1
     split = max(1, min(tiles, (4 * sms) // triton.cdiv(N, block_n)))
     return block_n, block_k, triton.cdiv(tiles, split) * block_k
 

@@ -68,6 +68,8 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/bench-*.json")):
         line += f", {r['ratio_decode_vs_transformers']:.2f}x transformers' decode"
     if "attention" in r:
         line += f", KV read at 32k {r['attention']['gbs']:.0f} GB/s ({r['ratio_attention_vs_copy']:.0%} of copy)"
+    if "attention_int8" in r:
+        line += f", int8 KV in {r['ratio_attention_int8_vs_bf16_time']:.2f}x bf16's time"
     print(line)
 EOF
 cat "$OUT/summary.txt"

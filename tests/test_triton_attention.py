@@ -7,7 +7,9 @@ import torch
 pytest.importorskip("triton")
 
 from engine.model.rope import rope_cos_sin  # noqa: E402
-from kernels.triton_attention import decode_attention, decode_attention_ref  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.formats import page_format  # noqa: E402
+from kernels.triton_attention import QuantPages, decode_attention, decode_attention_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -23,10 +25,15 @@ def _case(lengths, hkv=2, hq=6, d=16, dtype=torch.float32, seed=0):
     return q, k, v, rows, offsets
 
 
+def _to(a):
+    if isinstance(a, QuantPages):
+        return QuantPages(a.data.to(DEVICE), a.scale.to(DEVICE), None if a.zero is None else a.zero.to(DEVICE), a.fmt)
+    return a.to(DEVICE) if isinstance(a, torch.Tensor) else a
+
+
 def _same(args, **kw):
     want = decode_attention_ref(*args, **kw)
-    dev = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    got = decode_attention(*[a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args], **dev).cpu()
+    got = decode_attention(*map(_to, args), **{k: _to(v) for k, v in kw.items()}).cpu()
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     return got
 
@@ -77,3 +84,28 @@ def test_a_sequence_does_not_depend_on_the_others_in_the_batch():
     alone = decode_attention(q[:1].to(DEVICE), k.to(DEVICE), v.to(DEVICE), rows[:30].to(DEVICE),
                              offsets[:2].to(DEVICE), [30], 0.25)
     assert torch.equal(both[0], alone[0])
+
+
+def _quant_pages(fmt, n_blocks, bs, hkv, d, g) -> QuantPages:
+    pages = {name: torch.zeros((n_blocks, *shape), dtype=dtype) for name, (shape, dtype) in fmt.shapes(bs, hkv, d).items()}
+    src = torch.randn(n_blocks, bs, hkv, d, generator=g) * 2 + torch.randn(1, 1, hkv, d, generator=g)
+    reference.store_blocks(src, torch.arange(n_blocks), pages["data"], pages.get("scale"), pages.get("zero"), fmt)
+    return QuantPages(pages["data"], pages.get("scale"), pages.get("zero"), fmt)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["channel", "token"])
+def test_quantized_pages_are_read_in_place(name, scheme):
+    """Keys and values in their stored formats (kvchat's recipes: keys per channel or per token, values per token or
+    in groups of 32; fp8 from its bytes and power-of-two scales), dequantized in the kernel, keys turned per row."""
+    g = torch.Generator().manual_seed(6)
+    bs, hkv, d, n_blocks = 16, 2, 32, 9
+    kp = _quant_pages(page_format(name, "k", scheme), n_blocks, bs, hkv, d, g)
+    vp = _quant_pages(page_format(name, "v", scheme), n_blocks, bs, hkv, d, g)
+    lengths = [37, 100]
+    rows = torch.randperm(n_blocks * bs, generator=g)[:sum(lengths)]
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    q = torch.randn(2, 6, d, generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cos, sin = rope_cos_sin(pos, 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    _same((q, kp, vp, rows, offsets, lengths, d ** -0.5), key_cos=cos, key_sin=sin)

@@ -3,11 +3,12 @@
 Q_BLOCK queries, so a prompt's bits do not depend on where its chunk started); new quantized blocks through the
 Triton store kernel (kernels.store_blocks, which Component.write calls).
 
-Full-precision pages: the kernel reads the rotated rows in place, turning each sequence's sinks by its delta, and a
-run of decodes of one layout is one kernel call per layer. Quantized pages: the held past is dequantized by torch
-into a scratch (Component.values, one sequence at a time), and the kernel turns its pre-RoPE keys at their effective
-positions as it reads them; a run of decodes is one kernel call per layer there too. Reading int8 / fp8 / int4 pages inside the kernel, as the C kernel does on the CPU,
-would save that scratch's round trip through memory; it is the next step for this backend, not done here.
+Full-precision pages: the kernel reads the rotated rows in place, turning each sequence's sinks by its delta.
+Quantized pages (K and V both quantized): the kernel reads the int8 / fp8 / int4 blocks in place, dequantizing and
+turning each pre-RoPE key at its effective position as it reads it; the full-precision head block, the tail being
+filled and the new token come from a small scratch, and the two parts' softmax states are merged. A layer with
+only one side quantized dequantizes its past into a scratch first. A run of decodes of one layout is one call (two
+for the quantized split) per layer.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton_attention import decode_attention
+from kernels.triton_attention import QuantPages, attention_partials, decode_attention, merge_partials
 
 from engine.model.rope import rotate
 from engine.runtime.backends.base import LayerScores
@@ -78,6 +79,87 @@ class FullPagesTriton(FullPagesTorch):
         return attend_full(kc, vc, q, k, v, grp, self.scores[layer])
 
 
+@dataclass
+class PastSplit:
+    """One sequence's held past split for a step, the same for every layer: the slots in quantized blocks (read in
+    place as page rows) and the rest, in the full-precision head block and the tail being filled (read from a
+    scratch); with each part's index into the step's key positions."""
+
+    quant_idx: torch.Tensor       # positions in past_slots of the quantized rows
+    quant_rows: torch.Tensor      # their page rows (block id * bs + slot)
+    other_idx: torch.Tensor       # positions in past_slots of the head / tail rows
+    other_at: torch.Tensor        # their rows in cat(head, tail)
+    has_head: bool
+
+
+def past_split(st, bs: int, has_head: bool) -> PastSplit:
+    if st.kernel_args is None:            # once per step, shared by the layers (the field the CPU's kernel uses)
+        slots = st.past_slots.cpu()
+        n_full = st.res.first_slot // bs
+        skip = int(has_head and n_full > 0)
+        block = slots // bs
+        quant = (block >= skip) & (block < n_full)
+        q_idx, o_idx = quant.nonzero()[:, 0], (~quant).nonzero()[:, 0]
+        table = torch.tensor(st.res.seq.block_table, dtype=torch.long)
+        o_slots = slots[o_idx]
+        st.kernel_args = PastSplit(q_idx, table[block[q_idx]] * bs + slots[q_idx] % bs, o_idx,
+                                   torch.where(o_slots < skip * bs, o_slots, o_slots - n_full * bs + skip * bs),
+                                   bool(skip))
+    return st.kernel_args
+
+
+def attend_in_place(kc, vc, q, k, v, steps: list, scores: LayerScores) -> torch.Tensor:
+    """A run of one-token decodes of a layer whose K and V are both quantized: the quantized blocks read in place by
+    the kernel (QuantPages), the head block, the tail and the new token from a small scratch; each key turned at its
+    effective position in the kernel; the two parts' softmax states merged. Attends before storing."""
+    device = q.device
+    bs = kc.block_size
+    data_k, scale_k, zero_k = kc.tensors()
+    data_v, scale_v, zero_v = vc.tensors()
+    q_rows, q_cos, q_sin, q_len = [], [], [], []
+    o_k, o_v, o_cos, o_sin, o_len = [], [], [], [], []
+    for i, st in enumerate(steps):
+        seq = st.res.seq
+        first = seq.block_table[0] if seq.block_table else None
+        head_k, head_v = kc.heads.get(first), vc.heads.get(first)
+        split = past_split(st, bs, head_k is not None)
+        cos, sin = key_rope(st)
+        P = st.past_slots.numel()
+        q_rows.append(split.quant_rows)
+        q_cos.append(cos[split.quant_idx.to(cos.device)])
+        q_sin.append(sin[split.quant_idx.to(sin.device)])
+        q_len.append(split.quant_rows.numel())
+        fp_k = [head_k.float()] if split.has_head else []
+        fp_v = [head_v.float()] if split.has_head else []
+        at = split.other_at.to(device)
+        if split.other_idx.numel():
+            k_o = torch.cat(fp_k + [kc.open_tail(seq.seq_id).float()]).index_select(0, at)
+            v_o = torch.cat(fp_v + [vc.open_tail(seq.seq_id).float()]).index_select(0, at)
+        else:
+            k_o = v_o = k.new_zeros(0, *k.shape[1:], dtype=torch.float32)
+        o_k.append(torch.cat((k_o, k[i:i + 1].float())))
+        o_v.append(torch.cat((v_o, v[i:i + 1].float())))
+        idx = torch.cat((split.other_idx, torch.tensor([P]))).to(cos.device)
+        o_cos.append(cos[idx])
+        o_sin.append(sin[idx])
+        o_len.append(idx.numel())
+    grp_q = torch.cat([st.q_cos for st in steps]), torch.cat([st.q_sin for st in steps])
+    q_rot = rotate(q.float(), *grp_q)
+    offsets = lambda n: torch.tensor([0] + n).cumsum(0).to(device)        # noqa: E731
+    parts = [attention_partials(q_rot, torch.cat(o_k), torch.cat(o_v), torch.arange(sum(o_len), device=device),
+                                offsets(o_len), o_len, scores.scale, scores.softcap, key_cos=torch.cat(o_cos),
+                                key_sin=torch.cat(o_sin))]
+    if sum(q_len):
+        parts.append(attention_partials(q_rot, QuantPages(data_k, scale_k, zero_k, kc.fmt),
+                                        QuantPages(data_v, scale_v, zero_v, vc.fmt), torch.cat(q_rows).to(device),
+                                        offsets(q_len), q_len, scores.scale, scores.softcap, key_cos=torch.cat(q_cos),
+                                        key_sin=torch.cat(q_sin)))
+    out = merge_partials(*parts)
+    for i, st in enumerate(steps):
+        store(kc, vc, k[i:i + 1], v[i:i + 1], st)
+    return out
+
+
 def attend_quantized(kc, vc, q, k, v, steps: list, scores: LayerScores) -> torch.Tensor:
     """A run of one-token decodes (one per sequence of `steps`) of a layer with a quantized K or V, in one kernel
     call: each sequence's past dequantized by torch into one scratch, the new token last; pre-RoPE keys turned per
@@ -131,4 +213,6 @@ class QuantPagesTriton(QuantPagesTorch):
         kc, vc = self.comps[layer]
         if not (kc.fmt.is_quantized or vc.fmt.is_quantized):        # a layer kept in full precision
             return attend_full(kc, vc, q, k, v, grp, self.scores[layer])
-        return attend_quantized(kc, vc, q, k, v, steps, self.scores[layer])
+        if kc.fmt.is_quantized and vc.fmt.is_quantized:
+            return attend_in_place(kc, vc, q, k, v, steps, self.scores[layer])
+        return attend_quantized(kc, vc, q, k, v, steps, self.scores[layer])     # one side quantized: a scratch
