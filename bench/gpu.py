@@ -93,7 +93,7 @@ def _median(rows: list[dict]) -> dict:
 
 
 def run(args) -> dict:
-    from bench.speed import model_path, prompt_ids, resolve_model
+    from bench.models import model_path, prompt_ids, resolve_model
     from engine.config import CacheConfig, EngineConfig
     from engine.runtime.engine import Engine, load_transformers_reference
 

@@ -149,7 +149,7 @@ class LlamaCppState:
 
 def run(args) -> dict:
     import torch
-    from bench.speed import resolve_model
+    from bench.models import resolve_model
     from engine import Engine
     from engine.model.source import locate
     from engine.runtime.warm import WarmStore

@@ -21,10 +21,9 @@ import time
 
 import torch
 
+from bench.models import FALLBACK_TEXT, model_path, prompt_ids, resolve_model  # noqa: F401 - used here and re-exported
 from engine.units import MIB
 
-FALLBACK_TEXT = ("The library was quiet in the early morning, and the reading room smelled of old paper and "
-                 "floor polish. ")
 ANSWER_PROMPT = "What is the capital of France?"
 
 
@@ -49,32 +48,6 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: the GPU path against the copy bandwidth and "
                                                   "transformers (bench/gpu.py)")
     p.add_argument("--no-attention", action="store_true", help="with --device cuda: skip the 32k-token KV read")
-
-
-def resolve_model(spec: str) -> str:
-    """A model spec as Engine.load takes it; preset:NAME:TYPE writes (once) and returns that GGUF."""
-    if spec.startswith("preset:"):
-        from bench.gguf_writer import bench_model_path
-        _, preset, qtype = spec.split(":")
-        return str(bench_model_path(preset, qtype))
-    return spec
-
-
-def model_path(spec: str) -> str:
-    from engine.model.source import locate
-    return str(locate(spec).path)
-
-
-def prompt_ids(tokenizer, n: int) -> list[int]:
-    try:
-        from engine.text.samples import load_text
-        text = load_text("prose")
-    except Exception:
-        text = FALLBACK_TEXT * 200
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    while len(ids) < n:
-        ids = ids + ids
-    return ids[:n]
 
 
 def _time_kvchat(engine, ids: list[int], new_tokens: int) -> dict:

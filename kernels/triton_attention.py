@@ -268,6 +268,12 @@ def decode_attention(q_rot: torch.Tensor, k_pages, v_pages, rows: torch.Tensor, 
                                              n_sink, delta_cos, delta_sin, key_cos, key_sin))
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE as engine.model.rope applies it: x [N, H, D] by cos/sin [N or 1, D]."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
+
+
 def _flat(x) -> torch.Tensor:
     if isinstance(x, QuantPages):
         from .reference import dequantize
@@ -278,7 +284,6 @@ def _flat(x) -> torch.Tensor:
 def decode_attention_ref(q_rot, k_pages, v_pages, rows, offsets, lengths, scale, softcap=None, n_sink=None,
                          delta_cos=None, delta_sin=None, key_cos=None, key_sin=None) -> torch.Tensor:
     """decode_attention in torch, one sequence at a time (gather, turn, softmax)."""
-    from engine.model.rope import rotate
     outs = []
     k_pages, v_pages = _flat(k_pages), _flat(v_pages)
     HKV = k_pages.shape[1]
@@ -328,9 +333,9 @@ def bench_decode_full(device, tokens: int, kv_heads: int, heads: int, head_dim: 
         sides.append(QuantPages(pages["data"], pages["scale"], pages.get("zero"), f))
     kw = {}
     if fmt != "bf16":
-        from engine.model.rope import rope_cos_sin
-        cos, sin = rope_cos_sin(torch.arange(tokens), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
-        kw = {"key_cos": cos.to(device), "key_sin": sin.to(device)}
+        angles = torch.arange(tokens)[:, None] * (1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))[None, :]
+        angles = torch.cat((angles, angles), -1)
+        kw = {"key_cos": angles.cos().to(device), "key_sin": angles.sin().to(device)}
     scale = head_dim ** -0.5
     decode_attention(q, *sides, rows, offsets, [tokens], scale, **kw)        # compile
     times = []

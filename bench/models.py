@@ -1,0 +1,31 @@
+"""What a benchmark runs on: a model spec resolved (a preset written once), its file, a prompt of n tokens."""
+from __future__ import annotations
+
+FALLBACK_TEXT = ("The library was quiet in the early morning, and the reading room smelled of old paper and "
+                 "floor polish. ")
+
+
+def resolve_model(spec: str) -> str:
+    """A model spec as Engine.load takes it; preset:NAME:TYPE writes (once) and returns that GGUF."""
+    if spec.startswith("preset:"):
+        from bench.gguf_writer import bench_model_path
+        _, preset, qtype = spec.split(":")
+        return str(bench_model_path(preset, qtype))
+    return spec
+
+
+def model_path(spec: str) -> str:
+    from engine.model.source import locate
+    return str(locate(spec).path)
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    try:
+        from engine.text.samples import load_text
+        text = load_text("prose")
+    except Exception:
+        text = FALLBACK_TEXT * 200
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
