@@ -258,12 +258,10 @@ def test_a_cache_larger_than_the_budget_is_refused_and_nothing_is_held(tiny):
 
 # ---- the second tier: released for room -> saved, then read back --------------------------------------------
 
-def test_a_released_conversation_is_saved_and_read_back_on_its_next_turn(tiny_llama, tmp_path):
-    tiny = Engine.load(EngineConfig(model=tiny_llama))            # a pool of its own: `a` is the only idle chat
-    tiny._warm_store = WarmStore(tmp_path / "kv")
-    budget = tiny.runner.budget_bytes
-    cache = MODES["fp32"]
-    twin = tiny.new_session(cache=cache, prefix_cache=False)      # the same chat, never released
+def released_chat(tiny, cache):
+    """A warm chat `a` of one long turn, the logits its twin (never released) gives next, and the budget cut to
+    room for about one such chat: the next chat of that size releases `a`."""
+    twin = tiny.new_session(cache=cache, prefix_cache=False)
     twin.reply("word " * 60, G)
     want = twin.append([5, 6, 7])
     twin.close()
@@ -271,11 +269,23 @@ def test_a_released_conversation_is_saved_and_read_back_on_its_next_turn(tiny_ll
     a = chat(tiny, cache, key="a", turns=("word " * 60,))
     small = cache.with_(budget_mb=tiny.runner.held_bytes * 1.3 / 2**20)
     tiny.runner.set_budget(small.budget_mb)
+    return a, want, small
+
+
+def crowd_out(tiny, a, small):
+    b = tiny.new_session(cache=small, prefix_cache=False)
+    b.append([10 + i % 300 for i in range(a.seq.num_tokens)])              # no room for both: `a` is released
+    return b
+
+
+def test_a_released_conversation_is_saved_and_read_back_on_its_next_turn(tiny_llama, tmp_path):
+    tiny = Engine.load(EngineConfig(model=tiny_llama))            # a pool of its own: `a` is the only idle chat
+    tiny._warm_store = WarmStore(tmp_path / "kv")
+    budget = tiny.runner.budget_bytes
+    a, want, small = released_chat(tiny, MODES["fp32"])
     try:
-        b = tiny.new_session(cache=small, prefix_cache=False)
-        b.append([10 + i % 300 for i in range(a.seq.num_tokens)])              # no room for both: `a` is released
+        crowd_out(tiny, a, small).close()
         assert a.seq.num_tokens == 0 and a.tier == "disk" and tiny.runner.offloaded >= 1
-        b.close()
         got = a.append([5, 6, 7])          # its next turn reads the file back, not the text
         assert "read back from disk" in a.notice and a.tier == "pool"
         assert torch.equal(got, want)
@@ -294,27 +304,16 @@ def test_a_gpu_pools_released_conversation_goes_to_host_memory_and_back(tiny_lla
     tiny._warm_store = WarmStore(tmp_path / "kv")
     tiny.runner.host_tier = PreemptTier(64, "host")
     budget = tiny.runner.budget_bytes
-    cache = MODES[mode]
-    twin = tiny.new_session(cache=cache, prefix_cache=False)
-    twin.reply("word " * 60, G)
-    want = twin.append([5, 6, 7])
-    twin.close()
-    tiny.clear_prefix_cache()
-    a = chat(tiny, cache, key="a", turns=("word " * 60,))
-    small = cache.with_(budget_mb=tiny.runner.held_bytes * 1.3 / 2**20)
-    tiny.runner.set_budget(small.budget_mb)
+    a, want, small = released_chat(tiny, MODES[mode])
     try:
-        b = tiny.new_session(cache=small, prefix_cache=False)
-        b.append([10 + i % 300 for i in range(a.seq.num_tokens)])              # no room for both: `a` is released
+        crowd_out(tiny, a, small).close()
         assert a.seq.num_tokens == 0 and a.tier == "host" and len(tiny.runner.host_tier) == 1
         assert tiny.warm_store.files() == []                                    # not written to disk
-        b.close()
         got = a.append([5, 6, 7])
         assert "read back from host memory" in a.notice and a.tier == "pool"
         assert torch.equal(got, want)
         assert len(tiny.runner.host_tier) == 0
-        c = tiny.new_session(cache=small, prefix_cache=False)
-        c.append([10 + i % 300 for i in range(a.seq.num_tokens)])              # released again, then reset
+        c = crowd_out(tiny, a, small)                                           # released again, then reset
         assert a.tier == "host"
         a.reset()
         assert len(tiny.runner.host_tier) == 0 and a.tier == "pool"

@@ -63,8 +63,9 @@ def attend_full(kc, vc, q, k, v, grp: TritonGroup, scores: LayerScores) -> torch
                             grp.delta_sin)
 
 
-class FullPagesTriton(FullPagesTorch):
-    name = "full-pages-triton"
+class _TritonDecodes:
+    """Every one-token decode through attend_decodes (a run of them: one kernel call a layer), prompt rows through
+    the torch backend beside it in the MRO."""
 
     def attend(self, layer, q, k, v, st):
         if st.one_token_decode:
@@ -73,6 +74,10 @@ class FullPagesTriton(FullPagesTorch):
 
     def prepare_decodes(self, steps):
         return triton_group(steps)
+
+
+class FullPagesTriton(_TritonDecodes, FullPagesTorch):
+    name = "full-pages-triton"
 
     def attend_decodes(self, layer, q, k, v, steps, grp: TritonGroup):
         kc, vc = self.comps[layer]
@@ -198,16 +203,8 @@ def attend_quantized(kc, vc, q, k, v, steps: list, scores: LayerScores) -> torch
     return out
 
 
-class QuantPagesTriton(QuantPagesTorch):
+class QuantPagesTriton(_TritonDecodes, QuantPagesTorch):
     name = "quant-pages-triton"
-
-    def attend(self, layer, q, k, v, st):
-        if st.one_token_decode:
-            return self.attend_decodes(layer, q, k, v, [st], triton_group([st]))
-        return super().attend(layer, q, k, v, st)
-
-    def prepare_decodes(self, steps):
-        return triton_group(steps)
 
     def attend_decodes(self, layer, q, k, v, steps, grp: TritonGroup):
         kc, vc = self.comps[layer]
