@@ -113,7 +113,7 @@ def past_split(st, bs: int, has_head: bool) -> PastSplit:
     return st.kernel_args
 
 
-def attend_in_place(kc, vc, q, k, v, steps: list, scores: LayerScores) -> torch.Tensor:
+def attend_in_place(kc, vc, q, k, v, steps: list, grp: TritonGroup, scores: LayerScores) -> torch.Tensor:
     """A run of one-token decodes of a layer whose K and V are both quantized: the quantized blocks read in place by
     the kernel (QuantPages), the head block, the tail and the new token from a small scratch; each key turned at its
     effective position in the kernel; the two parts' softmax states merged. Attends before storing."""
@@ -148,8 +148,7 @@ def attend_in_place(kc, vc, q, k, v, steps: list, scores: LayerScores) -> torch.
         o_cos.append(cos[idx])
         o_sin.append(sin[idx])
         o_len.append(idx.numel())
-    grp_q = torch.cat([st.q_cos for st in steps]), torch.cat([st.q_sin for st in steps])
-    q_rot = rotate(q.float(), *grp_q)
+    q_rot = rotate(q.float(), grp.q_cos, grp.q_sin)
     offsets = lambda n: torch.tensor([0] + n).cumsum(0).to(device)        # noqa: E731
     parts = [attention_partials(q_rot, torch.cat(o_k), torch.cat(o_v), torch.arange(sum(o_len), device=device),
                                 offsets(o_len), o_len, scores.scale, scores.softcap, key_cos=torch.cat(o_cos),
@@ -165,7 +164,7 @@ def attend_in_place(kc, vc, q, k, v, steps: list, scores: LayerScores) -> torch.
     return out
 
 
-def attend_quantized(kc, vc, q, k, v, steps: list, scores: LayerScores) -> torch.Tensor:
+def attend_quantized(kc, vc, q, k, v, steps: list, grp: TritonGroup, scores: LayerScores) -> torch.Tensor:
     """A run of one-token decodes (one per sequence of `steps`) of a layer with a quantized K or V, in one kernel
     call: each sequence's past dequantized by torch into one scratch, the new token last; pre-RoPE keys turned per
     row in the kernel (stored-rotated ones: the new key turned here, the sinks in the kernel). Attends before
@@ -190,7 +189,6 @@ def attend_quantized(kc, vc, q, k, v, steps: list, scores: LayerScores) -> torch
     device = k_all.device
     rows = torch.arange(k_all.shape[0], device=device)
     offsets = torch.tensor([0] + lengths).cumsum(0).to(device)
-    grp = triton_group(steps)
     q_rot = rotate(q.float(), grp.q_cos, grp.q_sin)
     if kc.fmt.is_quantized:
         out = decode_attention(q_rot, k_all, v_all, rows, offsets, lengths, scores.scale, scores.softcap,
@@ -211,5 +209,5 @@ class QuantPagesTriton(_TritonDecodes, QuantPagesTorch):
         if not (kc.fmt.is_quantized or vc.fmt.is_quantized):        # a layer kept in full precision
             return attend_full(kc, vc, q, k, v, grp, self.scores[layer])
         if kc.fmt.is_quantized and vc.fmt.is_quantized:
-            return attend_in_place(kc, vc, q, k, v, steps, self.scores[layer])
-        return attend_quantized(kc, vc, q, k, v, steps, self.scores[layer])     # one side quantized: a scratch
+            return attend_in_place(kc, vc, q, k, v, steps, grp, self.scores[layer])
+        return attend_quantized(kc, vc, q, k, v, steps, grp, self.scores[layer])     # one side quantized: a scratch
