@@ -214,9 +214,10 @@ class PoolView(QWidget):
         layout.addWidget(QLabel(self.tr("Blocks held"), objectName="dashboardSection"))
         self.block_bar = StackedBar()
         layout.addWidget(self.block_bar)
-        self.conversations_title = QLabel(self.tr("Conversations · KV held in the pool (share of the budget), in "
-                                                  "host memory or on disk"),
+        self.conversations_title = QLabel(self.tr("Conversations · KV in the pool (share of the budget), in host "
+                                                  "memory or on disk"),
                                           objectName="dashboardSection")
+        self.conversations_title.setWordWrap(True)
         layout.addWidget(self.conversations_title)
         self.conversation_bars = BarRows(self.tr("No conversation holds blocks yet."))
         layout.addWidget(self.conversation_bars)

@@ -1715,7 +1715,7 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
         <translation>已持有的块</translation>
     </message>
     <message>
-        <source>Conversations · KV held in the pool (share of the budget), in host memory or on disk</source>
+        <source>Conversations · KV in the pool (share of the budget), in host memory or on disk</source>
         <translation>对话 · KV 在池中（占预算的比例）、在主机内存或在磁盘上</translation>
     </message>
     <message>
