@@ -11,7 +11,7 @@ from PySide6.QtCore import QEvent, QPointF, QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
-from engine.units import MIB
+from kvchat.engine.units import MIB
 
 TEXT = QColor("#1f2937")
 MUTED = QColor("#6b7280")

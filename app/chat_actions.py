@@ -13,18 +13,18 @@ from PySide6.QtCore import QObject, QStandardPaths
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import QFileDialog, QLineEdit
 
-from engine.events import StatsSnapshot, TurnFinished
+from kvchat.engine.events import StatsSnapshot, TurnFinished
 
-from app.about import AboutDialog
-from app.chat_view import FINISH_MARKS, MessageWidget
-from app.delete_undo import DeleteWithUndo
-from app.engine_text import engine_text
-from app.export import FORMATS, export_conversation, suggested_name
-from app.history import HistoryError
-from app.i18n import weights_text
-from app.dashboard import format_mib
-from app.messages import PrefixCleared
-from app.turn_record import ReplyRecord, TurnRecord
+from kvchat.app.about import AboutDialog
+from kvchat.app.chat_view import FINISH_MARKS, MessageWidget
+from kvchat.app.delete_undo import DeleteWithUndo
+from kvchat.app.engine_text import engine_text
+from kvchat.app.export import FORMATS, export_conversation, suggested_name
+from kvchat.app.history import HistoryError
+from kvchat.app.i18n import weights_text
+from kvchat.app.dashboard import format_mib
+from kvchat.app.messages import PrefixCleared
+from kvchat.app.turn_record import ReplyRecord, TurnRecord
 
 
 class ChatActions(DeleteWithUndo, QObject):

@@ -14,8 +14,8 @@ import time
 from PySide6.QtCore import QCoreApplication, Qt, Signal
 from PySide6.QtWidgets import QInputDialog, QListWidget, QListWidgetItem, QMenu, QMessageBox, QStyle, QWidget
 
-from app.history import HistoryError, HistoryStore
-from app.i18n import cache_label
+from kvchat.app.history import HistoryError, HistoryStore
+from kvchat.app.i18n import cache_label
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 TITLE_ROLE = Qt.ItemDataRole.UserRole + 1   # (title, detail) as stored, before eliding

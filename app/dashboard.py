@@ -17,19 +17,19 @@ from PySide6.QtGui import QBrush, QColor, QCursor, QTextDocument
 from PySide6.QtWidgets import (QBoxLayout, QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QStackedWidget,
                                QTabBar, QToolButton, QToolTip, QVBoxLayout, QWidget)
 
-from engine.units import MIB
+from kvchat.engine.units import MIB
 
-from app.bar_widgets import FORMAT_COLOURS, format_family, format_mib
-from app.dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, is_hybrid, layer_hover_text,
+from kvchat.app.bar_widgets import FORMAT_COLOURS, format_family, format_mib
+from kvchat.app.dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, is_hybrid, layer_hover_text,
                              layer_kinds, nice_ceiling, series_hover_text, time_span_end, token_room)
-from app.event_strip import MARKER_COLOURS, EventStrip
-from app.gauge import TokenGauge
-from app.i18n import label_text, weights_text
-from app.lengths_view import LengthsView
-from app.plan_panel import PlanPanel
-from app.pool_view import PoolView
-from app.quality_view import QualityRow
-from app.server_panel import ServerPanel, unavailable_remote
+from kvchat.app.event_strip import MARKER_COLOURS, EventStrip
+from kvchat.app.gauge import TokenGauge
+from kvchat.app.i18n import label_text, weights_text
+from kvchat.app.lengths_view import LengthsView
+from kvchat.app.plan_panel import PlanPanel
+from kvchat.app.pool_view import PoolView
+from kvchat.app.quality_view import QualityRow
+from kvchat.app.server_panel import ServerPanel, unavailable_remote
 
 REDRAW_MS = 125                         # each panel at most 8 Hz
 LOG_FLOOR_MIB = 1e-3                    # a log axis cannot show 0; an empty cache sits on this floor (1 KiB)
@@ -219,7 +219,7 @@ class Dashboard(QWidget):
 
     def title_bar(self, dock) -> QWidget:
         """A title bar for the dock that holds the page switcher, so the pages keep the dock's whole height."""
-        from app.dock_title import DockTitle
+        from kvchat.app.dock_title import DockTitle
         return DockTitle(dock, self.switcher)
 
     # --- construction: every item is made here, once ---

@@ -13,12 +13,12 @@ from typing import Callable
 
 from PySide6.QtCore import QCoreApplication
 
-from engine.events import StatsSnapshot
-from engine.plan.estimate import window_counts
-from engine.units import MIB
+from kvchat.engine.events import StatsSnapshot
+from kvchat.engine.plan.estimate import window_counts
+from kvchat.engine.units import MIB
 
-from app.i18n import value_name
-from app.messages import format_bytes
+from kvchat.app.i18n import value_name
+from kvchat.app.messages import format_bytes
 
 MAX_POINTS = 3000
 MAX_MARKERS = 60

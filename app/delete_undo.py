@@ -9,7 +9,7 @@ from __future__ import annotations
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QMessageBox, QPushButton
 
-from app.chat_view import MessageWidget
+from kvchat.app.chat_view import MessageWidget
 
 UNDO_S = 10
 

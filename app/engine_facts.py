@@ -9,9 +9,9 @@ from dataclasses import replace
 
 from PySide6.QtCore import QCoreApplication
 
-from engine.events import StatsSnapshot
-from engine.model.families import family
-from engine.plan.estimate import window_counts
+from kvchat.engine.events import StatsSnapshot
+from kvchat.engine.model.families import family
+from kvchat.engine.plan.estimate import window_counts
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 

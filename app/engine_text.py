@@ -14,8 +14,8 @@ from functools import lru_cache
 
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication
 
-from app.field_labels import with_labels
-from app.i18n import label_text
+from kvchat.app.field_labels import with_labels
+from kvchat.app.i18n import label_text
 
 CONTEXT = "EngineText"
 MESSAGES = (

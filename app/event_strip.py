@@ -11,7 +11,7 @@ from PySide6.QtCore import QEvent, QPointF, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
-from app.dashboard_data import Marker, MarkerCluster, cluster_markers
+from kvchat.app.dashboard_data import Marker, MarkerCluster, cluster_markers
 
 MARKER_COLOURS = {"mode": "#7e22ce", "evict": "#c2410c", "reset": "#15803d", "load": "#64748b", "restore": "#0369a1", "offload": "#a16207",
                   "mixed": "#334155"}

@@ -8,8 +8,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from app.chat_view import split_segments
-from app.history import HistoryStore
+from kvchat.app.chat_view import split_segments
+from kvchat.app.history import HistoryStore
 
 FORMATS = {"markdown": ".md", "json": ".json"}
 

@@ -9,7 +9,7 @@ from PySide6.QtCore import QT_TRANSLATE_NOOP, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPainterPath
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
-from app.dashboard_data import TokenRoom
+from kvchat.app.dashboard_data import TokenRoom
 
 HELD = QColor("#2563eb")
 LEFT = QColor("#e5e7eb")

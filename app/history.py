@@ -18,9 +18,9 @@ from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication
 
-from engine.config import CacheConfig, ConfigError
+from kvchat.engine.config import CacheConfig, ConfigError
 
-from app.history_open import Recovered, is_read_only, open_history
+from kvchat.app.history_open import Recovered, is_read_only, open_history
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QCoreApplication
 
-from engine.config import CacheConfig
-from engine.kv.layout import conversation_bytes
+from kvchat.engine.config import CacheConfig
+from kvchat.engine.kv.layout import conversation_bytes
 
-from app.bar_widgets import format_mib
+from kvchat.app.bar_widgets import format_mib
 
 FIRST_EDGE = 256                        # histogram bins: <256, 256-511, 512-1,023, ... tokens
 MIN_WINDOW = 512

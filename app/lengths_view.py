@@ -9,13 +9,13 @@ import statistics
 
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from engine.config import CacheConfig, ConfigError
-from engine.kv.layout import kv_layout
+from kvchat.engine.config import CacheConfig, ConfigError
+from kvchat.engine.kv.layout import kv_layout
 
-from app.bar_widgets import BarRows, Column, ColumnChart, Row, format_mib
-from app.history import ConversationLength
-from app.i18n import cache_label
-from app.lengths_data import ConversationBytes, WindowSuggestion, histogram, suggest_window, without_window
+from kvchat.app.bar_widgets import BarRows, Column, ColumnChart, Row, format_mib
+from kvchat.app.history import ConversationLength
+from kvchat.app.i18n import cache_label
+from kvchat.app.lengths_data import ConversationBytes, WindowSuggestion, histogram, suggest_window, without_window
 
 COUNT_COLOUR, BYTES_COLOUR = "#94a3b8", "#7e22ce"
 

@@ -42,15 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     from PySide6.QtWidgets import QApplication
 
-    from app.history import HistoryStore
-    from app.logs import install_excepthook, setup_logging
-    from app.main_window import MainWindow
-    from app.settings_store import SettingsStore
+    from kvchat.app.history import HistoryStore
+    from kvchat.app.logs import install_excepthook, setup_logging
+    from kvchat.app.main_window import MainWindow
+    from kvchat.app.settings_store import SettingsStore
 
     log_path = setup_logging()
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "kvchat"])
-    from app.gc_guard import GuiThreadCollector
+    from kvchat.app.gc_guard import GuiThreadCollector
     app._collector = GuiThreadCollector(app)      # never collect Qt objects on the engine's threads
     app.setApplicationName("kvchat")
     app.setOrganizationName("kvchat")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setWindowIcon(QIcon(str(RESOURCES / "kvchat.png")))
     app.setDesktopFileName("kvchat")
     store = SettingsStore()
-    from app.i18n import install as install_language
+    from kvchat.app.i18n import install as install_language
     install_language(app, store.language())     # before any window is built
     if args.model:
         settings = store.load()
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = _close_on_ctrl_c(app, window)
     check = None
     if args.self_test:
-        from app.self_test import SelfTest
+        from kvchat.app.self_test import SelfTest
         check = SelfTest(app, window, args.self_test)     # greedy for this run only; Settings stay as saved
     code = app.exec()
     history.close()

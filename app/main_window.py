@@ -13,30 +13,30 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QApplication, QDockWidget, QHBoxLayout, QLabel, QMainWindow, QProgressBar,
                                QPushButton, QSplitter, QVBoxLayout, QWidget)
 
-from engine.config import EngineConfig
-from engine.events import StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.config import EngineConfig
+from kvchat.engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
-from app.banner import Banner
-from app.chat_actions import ChatActions
-from app.chat_input import ChatInput
-from app.chat_view import ChatView
-from app.conversation_list import ConversationList
-from app.dashboard import Dashboard
-from app.dock_width import DockWidth
-from app.dashboard import format_mib
-from app.history import HistoryError, HistoryStore
-from app.engine_facts import family_text
-from app.engine_text import engine_text
-from app.i18n import cache_label, weights_text
-from app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ReadingHistory, ResetDone, SessionOpened,
+from kvchat.app.banner import Banner
+from kvchat.app.chat_actions import ChatActions
+from kvchat.app.chat_input import ChatInput
+from kvchat.app.chat_view import ChatView
+from kvchat.app.conversation_list import ConversationList
+from kvchat.app.dashboard import Dashboard
+from kvchat.app.dock_width import DockWidth
+from kvchat.app.dashboard import format_mib
+from kvchat.app.history import HistoryError, HistoryStore
+from kvchat.app.engine_facts import family_text
+from kvchat.app.engine_text import engine_text
+from kvchat.app.i18n import cache_label, weights_text
+from kvchat.app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ReadingHistory, ResetDone, SessionOpened,
                        format_bytes)
-from app.quality_view import QualityController
-from app.models_page import ModelsDialog
-from app.panels import DashboardPanels
-from app.settings_dialog import SettingsDialog
-from app.settings_store import AppSettings, SettingsStore
-from app.turn_record import ReplyRecord, TurnRecord, is_refused
-from app.worker import EngineHost, _default_loader
+from kvchat.app.quality_view import QualityController
+from kvchat.app.models_page import ModelsDialog
+from kvchat.app.panels import DashboardPanels
+from kvchat.app.settings_dialog import SettingsDialog
+from kvchat.app.settings_store import AppSettings, SettingsStore
+from kvchat.app.turn_record import ReplyRecord, TurnRecord, is_refused
+from kvchat.app.worker import EngineHost, _default_loader
 
 
 def engine_threads() -> int:

@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.api import LOCAL, Capabilities
-from engine.config import CacheConfig
-from engine.events import StatsSnapshot
+from kvchat.engine.api import LOCAL, Capabilities
+from kvchat.engine.config import CacheConfig
+from kvchat.engine.events import StatsSnapshot
 
 if TYPE_CHECKING:
-    from engine.model.config import ModelConfig
+    from kvchat.engine.model.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

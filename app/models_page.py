@@ -14,12 +14,12 @@ from PySide6.QtCore import (QT_TRANSLATE_NOOP, QAbstractTableModel, QCoreApplica
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QListWidget,
                                QPushButton, QTableView, QVBoxLayout, QWidget)
 
-from engine.plan import library
-from engine.plan.fit import RUNTIME_BYTES
-from engine.plan.library import ModelEntry, format_parameters, format_tokens
+from kvchat.engine.plan import library
+from kvchat.engine.plan.fit import RUNTIME_BYTES
+from kvchat.engine.plan.library import ModelEntry, format_parameters, format_tokens
 
-from app.engine_text import engine_text
-from app.messages import format_bytes
+from kvchat.app.engine_text import engine_text
+from kvchat.app.messages import format_bytes
 
 SHOWN_FITS = ("fp16", "int8", "int4")
 COLUMNS = ("Name", "Source", "Architecture", "Parameters", "Quantization", "Size", "Trained context",
@@ -47,8 +47,8 @@ SORT_ROLE = Qt.ItemDataRole.UserRole + 1
 
 def scan_with_builtin(folders, memory_bytes: int) -> list[ModelEntry]:
     """The library's scan with the built-in model first (it lives in a Python package, in no folder a scan reads)."""
-    from engine.model.source import default_gguf_path
-    from engine.errors import ModelLoadError
+    from kvchat.engine.model.source import default_gguf_path
+    from kvchat.engine.errors import ModelLoadError
     entries = list(library.scan(folders, memory_bytes=memory_bytes))
     try:
         path = default_gguf_path()
@@ -247,7 +247,7 @@ class ModelsDialog(QDialog):
         folders, scan, done = list(self.folders), self._scan, self._scan_done
 
         def work():
-            from engine.plan.estimate import available_memory, resolve_device
+            from kvchat.engine.plan.estimate import available_memory, resolve_device
             try:
                 memory, where = available_memory(resolve_device("auto"))
                 entries = tuple(scan(folders, memory_bytes=memory))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from PySide6.QtCore import QEvent, QObject, QTimer
 
-from engine.config import CacheConfig
-from engine.units import MIB
+from kvchat.engine.config import CacheConfig
+from kvchat.engine.units import MIB
 
-from app.bar_widgets import Row, format_mib, format_share
-from app.lengths_data import TokenCounts
-from app.pool_view import PoolOwners, PoolRow, conversation_bar_rows, pool_rows
+from kvchat.app.bar_widgets import Row, format_mib, format_share
+from kvchat.app.lengths_data import TokenCounts
+from kvchat.app.pool_view import PoolOwners, PoolRow, conversation_bar_rows, pool_rows
 
 REFRESH_MS = 250
 

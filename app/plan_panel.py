@@ -12,12 +12,12 @@ from PySide6.QtGui import QColor, QPainter, QPen, QPolygonF
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSlider, QStyle, QStyleOptionSlider,
                                QVBoxLayout, QWidget)
 
-from engine.config import CacheConfig, ConfigError
-from engine.kv.layout import MIB, conversation_bytes, kv_groups, kv_layout, max_conversation_tokens
-from engine.plan.estimate import growth_bytes_per_token, window_counts
+from kvchat.engine.config import CacheConfig, ConfigError
+from kvchat.engine.kv.layout import MIB, conversation_bytes, kv_groups, kv_layout, max_conversation_tokens
+from kvchat.engine.plan.estimate import growth_bytes_per_token, window_counts
 
-from app.bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_family, format_mib
-from app.i18n import cache_label, value_name
+from kvchat.app.bar_widgets import FORMAT_COLOURS, Column, ColumnChart, Line, format_family, format_mib
+from kvchat.app.i18n import cache_label, value_name
 
 # (name shown, K format, V format)
 PLAN_FORMATS = (("full precision", "auto", "auto"), ("int8", "int8", "int8"), ("fp8", "fp8", "fp8"),

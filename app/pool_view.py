@@ -11,9 +11,9 @@ from typing import Callable
 from PySide6.QtCore import QCoreApplication
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from engine.events import PoolStats
+from kvchat.engine.events import PoolStats
 
-from app.bar_widgets import BarRows, Row, Segment, StackedBar, format_mib, format_share
+from kvchat.app.bar_widgets import BarRows, Row, Segment, StackedBar, format_mib, format_share
 
 IN_USE, RECLAIMABLE, FREE, SHARED = "#2563eb", "#f59e0b", "#e5e7eb", "#0d9488"
 THIS_CHAT, OTHER_CHAT, ON_DISK, IN_HOST = "#2563eb", "#94a3b8", "#a78bfa", "#0d9488"

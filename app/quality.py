@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.config import CacheConfig, ConfigError
-from engine.kv.layout import MIB, kv_layout
+from kvchat.engine.config import CacheConfig, ConfigError
+from kvchat.engine.kv.layout import MIB, kv_layout
 
 QUALITY_TOKENS = 256                    # 16 block-sized steps: seconds on a small model, and enough to see int4's cost
 QUALITY_STEP = 16                       # block-aligned chunks: the attention the decode path sees (bench_quality)
@@ -71,8 +71,8 @@ def measure(engine, cache: CacheConfig, should_stop: Callable[[], bool] | None =
     """Teacher-force the built-in text through full precision and `cache` in lockstep.
 
     Raises engine.runtime.fidelity.Cancelled when should_stop answers True between steps."""
-    from engine.runtime.fidelity import compare_modes
-    from engine.text.samples import load_tokens
+    from kvchat.engine.runtime.fidelity import compare_modes
+    from kvchat.engine.text.samples import load_tokens
 
     started = time.perf_counter()
     ids = load_tokens(engine.tokenizer, QUALITY_TEXT, num_tokens)

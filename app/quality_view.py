@@ -7,10 +7,10 @@ from typing import Callable
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWidget
 
-from engine.config import CacheConfig
+from kvchat.engine.config import CacheConfig
 
-from app.i18n import label_text
-from app.quality import QualityResult, QualityStore, is_reference, mode_key, model_key, result_key
+from kvchat.app.i18n import label_text
+from kvchat.app.quality import QualityResult, QualityStore, is_reference, mode_key, model_key, result_key
 
 
 class QualityRow(QWidget):

@@ -16,7 +16,7 @@ class SelfTest:
     def __init__(self, app, window, text: str, timeout_s: float = 300.0):
         from dataclasses import replace
 
-        from engine.config import SamplingParams
+        from kvchat.engine.config import SamplingParams
         self.app, self.window, self.text = app, window, text
         window.settings = replace(window.settings, sampling=SamplingParams(temperature=0.0, max_new_tokens=32))
         self.deadline = time.monotonic() + timeout_s

@@ -11,7 +11,7 @@ import html
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication
 from PySide6.QtWidgets import QFormLayout, QLabel, QVBoxLayout, QWidget
 
-from engine.events import StatsSnapshot
+from kvchat.engine.events import StatsSnapshot
 
 UNAVAILABLE_REMOTE = QT_TRANSLATE_NOOP("ServerPanel", "not available for a remote server")
 NOT_REPORTED = QT_TRANSLATE_NOOP("ServerPanel", "not reported by this server")

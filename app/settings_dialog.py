@@ -15,20 +15,20 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QScrollArea,
                                QSpinBox, QVBoxLayout, QWidget)
 
-from engine.config import FORMATS, KEY_SCHEMES, MAX_DRAFTS, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
-from engine.kv.layout import check_cache_for_model
-from kernels.cpu_lib import auto_prefill
+from kvchat.engine.config import FORMATS, KEY_SCHEMES, MAX_DRAFTS, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
+from kvchat.engine.kv.layout import check_cache_for_model
+from kvchat.kernels.cpu_lib import auto_prefill
 
-from app.engine_text import engine_text
-from app.i18n import choice, choose, fill_choices, language_names
-from app.settings_store import DEFAULT_SPECULATIVE, AppSettings, RemoteSettings
+from kvchat.app.engine_text import engine_text
+from kvchat.app.i18n import choice, choose, fill_choices, language_names
+from kvchat.app.settings_store import DEFAULT_SPECULATIVE, AppSettings, RemoteSettings
 
 LOCAL_CHOICE, SERVER_CHOICE = "This computer", "Server"     # the engine choice's item data (shown translated)
 
 
 def fetch_models(base_url: str, api_key: str) -> list[str]:
     """The models an OpenAI-compatible server lists (GET /v1/models); RemoteError/ConfigError say what to check."""
-    from engine.serve.remote import RemoteEngine
+    from kvchat.engine.serve.remote import RemoteEngine
     engine = RemoteEngine.connect(base_url, api_key or None)
     engine.http.close()
     return list(engine.models)
@@ -431,7 +431,7 @@ class SettingsDialog(QDialog):
     def settings(self) -> AppSettings:
         """The edited settings; raises ConfigError when they do not form a valid combination."""
         if self.uses_server():
-            from engine.serve.remote import _v1
+            from kvchat.engine.serve.remote import _v1
             url = self.server_url.text().strip()
             if not url:
                 raise ConfigError(self.tr("server: enter its base URL, e.g. http://127.0.0.1:8000/v1"))
@@ -459,8 +459,8 @@ class SettingsDialog(QDialog):
         return error
 
     def _saved_store(self):
-        from engine.model.source import cache_root
-        from engine.runtime.warm import WarmStore
+        from kvchat.engine.model.source import cache_root
+        from kvchat.engine.runtime.warm import WarmStore
         return WarmStore(cache_root() / "kv", self._disk_budget_mb)
 
     def _show_saved_caches(self) -> None:

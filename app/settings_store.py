@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from engine.config import MAX_DRAFTS, PREFILL_MODES, CacheConfig, ConfigError, SamplingParams
+from kvchat.engine.config import MAX_DRAFTS, PREFILL_MODES, CacheConfig, ConfigError, SamplingParams
 
-from app.history import cache_from_json, cache_to_json
+from kvchat.app.history import cache_from_json, cache_to_json
 
 log = logging.getLogger(__name__)
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, max_new_tokens=256)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from engine.events import TurnFinished
+from kvchat.engine.events import TurnFinished
 
-from app.history import DONE, INTERRUPTED, STREAMING, HistoryStore
+from kvchat.app.history import DONE, INTERRUPTED, STREAMING, HistoryStore
 
 SAVE_INTERVAL_S = 0.5
 REFUSED_REASONS = ("context", "budget", "unreachable")    # unreachable: a remote server that did not answer

@@ -19,7 +19,7 @@ def restore(engine, session) -> int:
     cannot be used says why (the history is then read again with the next message). Returns the tokens restored."""
     if getattr(session, "warm", None) is None or not session.messages:
         return 0
-    from engine.runtime.warm import CacheFileError
+    from kvchat.engine.runtime.warm import CacheFileError
     try:
         got = engine.restore_warm(session)
     except CacheFileError as exc:

@@ -16,14 +16,14 @@ from typing import Callable
 
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QObject, Qt, QThread, Signal, Slot
 
-from engine.api import capabilities_of
-from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
-from engine.errors import UserError
-from engine.events import StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.api import capabilities_of
+from kvchat.engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
+from kvchat.engine.errors import UserError
+from kvchat.engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
-from app import warm_chats
-from app.engine_facts import complete, model_facts
-from app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, PrefixCleared, ReadingHistory, ResetDone,
+from kvchat.app import warm_chats
+from kvchat.app.engine_facts import complete, model_facts
+from kvchat.app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, PrefixCleared, ReadingHistory, ResetDone,
                        SessionOpened)
 
 STATS_INTERVAL_S = 0.1                  # session.stats() is cheap, but no more than ~10 Hz
@@ -33,12 +33,12 @@ WORKER_NICE = 5
 
 def _default_loader(config, progress: Callable[[str, float | None], None]):
     """An EngineConfig loads a model here; RemoteSettings connect to a server (the app's Settings choose)."""
-    from app.settings_store import RemoteSettings
+    from kvchat.app.settings_store import RemoteSettings
     if isinstance(config, RemoteSettings):
-        from engine.serve.remote import RemoteEngine
+        from kvchat.engine.serve.remote import RemoteEngine
         progress(QCoreApplication.translate("EngineWorker", "Connecting to {url}…").format(url=config.base_url), None)
         return RemoteEngine.connect(config.base_url, config.api_key or None, config.model or None)
-    from engine import Engine
+    from kvchat.engine import Engine
 
     return Engine.load(config, progress=progress)
 
@@ -397,7 +397,7 @@ class EngineWorker(QObject):
                                                 or not session.stats().tokens_in_context)
             if not empty:
                 return lambda: None
-            from app.lengths_data import count_tokens
+            from kvchat.app.lengths_data import count_tokens
             turns = [(m["role"], m["content"]) for m in session.messages] + ([("user", new_text)] if new_text else [])
             tokens = count_tokens(self._engine.tokenizer, getattr(session, "system_prompt", None), turns)
         except Exception:  # noqa: BLE001 - only the progress line is lost; the turn itself says what went wrong
@@ -449,9 +449,9 @@ class EngineWorker(QObject):
     @Slot(object)
     def measure_quality(self, cache: CacheConfig) -> None:
         """What `cache` costs against full precision on this model; yields to any command sent meanwhile."""
-        from engine.runtime.fidelity import Cancelled
+        from kvchat.engine.runtime.fidelity import Cancelled
 
-        from app.quality import QualityCancelled, engine_key, measure, result_key
+        from kvchat.app.quality import QualityCancelled, engine_key, measure, result_key
         if self._engine is None or capabilities_of(self._engine).remote:
             return
         model, mode = engine_key(self._engine), result_key(cache)
@@ -468,7 +468,7 @@ class EngineWorker(QObject):
     @Slot(object)
     def count_tokens(self, requests) -> None:
         if self._engine is not None and not capabilities_of(self._engine).remote:   # no tokenizer here
-            from app.lengths_data import count_conversations
+            from kvchat.app.lengths_data import count_conversations
             self.token_counts.emit(count_conversations(self._engine, requests))
 
     def _snapshot(self) -> StatsSnapshot | None:

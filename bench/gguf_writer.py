@@ -30,7 +30,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType, RopeScalingType
 from gguf.constants import GGML_QUANT_SIZES
 
-from bench.gguf_quant import QK_K, quantize
+from kvchat.bench.gguf_quant import QK_K, quantize
 
 CHUNK_ELEMENTS = 1 << 24          # rows are generated and quantized ~16M values (64 MiB of fp32) at a time
 
@@ -258,7 +258,7 @@ def write_vocab_gguf(path: str | os.PathLike, source: str | os.PathLike | None =
     """A GGUF with the default model's tokenizer (every tokenizer.* field) and no tensors: a few MB that let
     write_random_gguf run where the default model is not installed (KVCHAT_VOCAB_GGUF)."""
     if source is None:
-        from engine.model.source import default_gguf_path
+        from kvchat.engine.model.source import default_gguf_path
         source = default_gguf_path()
     path = Path(path)
     with atomic_writer(path, "llama") as writer:
@@ -282,7 +282,7 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
     if qtype not in MIXES:
         raise ValueError(f"unknown type {qtype!r}: one of {', '.join(MIXES)}")
     if vocab_from is None:       # KVCHAT_VOCAB_GGUF: a GGUF holding the tokenizer, where the default model is not
-        from engine.model.source import default_gguf_path        # installed (packaging/gpu_check.sh carries one)
+        from kvchat.engine.model.source import default_gguf_path        # installed (packaging/gpu_check.sh carries one)
         vocab_from = os.environ.get("KVCHAT_VOCAB_GGUF") or default_gguf_path()
     path = Path(path)
     with atomic_writer(path, shape.arch) as writer:
@@ -327,9 +327,9 @@ def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype
     pattern, Gemma 3's local RoPE base) must be the one it derives: else a ValueError says which, since the
     file would describe another model.
     """
-    from engine.gguf.arch import GEMMA3_LOCAL_THETA, layer_types, query_pre_attn_scalar
-    from engine.model.families import family
-    from engine.model.source import load_state_dict, read_config
+    from kvchat.engine.gguf.arch import GEMMA3_LOCAL_THETA, layer_types, query_pre_attn_scalar
+    from kvchat.engine.model.families import family
+    from kvchat.engine.model.source import load_state_dict, read_config
 
     folder, path = Path(folder), Path(path)
     if qtype not in MIXES:
@@ -484,7 +484,7 @@ def preset(name: str) -> ModelShape:
 
 def bench_model_path(name: str, qtype: str) -> Path:
     """The random preset `name` in mix `qtype`, in the user cache dir: written on the first call, then reused."""
-    from engine.model.source import cache_root
+    from kvchat.engine.model.source import cache_root
     shape = preset(name)
     path = cache_root() / "bench-models" / f"{name}-{qtype}.gguf"
     if not path.is_file():

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from engine.units import MIB
+from kvchat.engine.units import MIB
 
 
 def sync(device) -> None:
@@ -80,8 +80,8 @@ def attention_bandwidth(device, tokens: int = 32768, kv_heads: int = 8, heads: i
                         runs: int = 20, fmt: str = "bf16") -> dict:
     """The Triton decode attention over `tokens` rows of K and V pages for one sequence (bf16, or a quantized format
     read in place): GB/s of KV bytes read (scales and zero points included)."""
-    from kernels.formats import bytes_per_block, page_format
-    from kernels.triton_attention import bench_decode_full
+    from kvchat.kernels.formats import bytes_per_block, page_format
+    from kvchat.kernels.triton_attention import bench_decode_full
     seconds = bench_decode_full(device, tokens, kv_heads, heads, head_dim, runs, sync, fmt)
     blocks = -(-tokens // 16)
     kv_bytes = sum(bytes_per_block(page_format(fmt, role), 16, kv_heads, head_dim) for role in "kv") * blocks
@@ -93,9 +93,9 @@ def _median(rows: list[dict]) -> dict:
 
 
 def run(args) -> dict:
-    from bench.models import model_path, prompt_ids, resolve_model
-    from engine.config import CacheConfig, EngineConfig
-    from engine.runtime.engine import Engine, load_transformers_reference
+    from kvchat.bench.models import model_path, prompt_ids, resolve_model
+    from kvchat.engine.config import CacheConfig, EngineConfig
+    from kvchat.engine.runtime.engine import Engine, load_transformers_reference
 
     device = args.device
     spec = resolve_model(args.model)
@@ -155,5 +155,5 @@ def run(args) -> dict:
 def _file_tensor_bytes(path: str) -> int | None:
     if not path.endswith(".gguf"):
         return None
-    from engine.gguf.file import GGUFFile
+    from kvchat.engine.gguf.file import GGUFFile
     return sum(t.n_bytes for t in GGUFFile(path).tensors.values())

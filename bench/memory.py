@@ -15,10 +15,10 @@ import argparse
 
 import torch
 
-from engine.config import CacheConfig
-from engine.kv.layout import conversation_bytes, kv_groups
-from engine.kv.manager import KVCacheManager, Sequence
-from engine.kv.pages import PageStore
+from kvchat.engine.config import CacheConfig
+from kvchat.engine.kv.layout import conversation_bytes, kv_groups
+from kvchat.engine.kv.manager import KVCacheManager, Sequence
+from kvchat.engine.kv.pages import PageStore
 
 MODES = {
     "fp32": CacheConfig(k_format="fp32", v_format="fp32"),
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_config(model: str):
-    from engine.runtime.engine import read_model_config
+    from kvchat.engine.runtime.engine import read_model_config
     return read_model_config(model)
 
 

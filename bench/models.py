@@ -8,20 +8,20 @@ FALLBACK_TEXT = ("The library was quiet in the early morning, and the reading ro
 def resolve_model(spec: str) -> str:
     """A model spec as Engine.load takes it; preset:NAME:TYPE writes (once) and returns that GGUF."""
     if spec.startswith("preset:"):
-        from bench.gguf_writer import bench_model_path
+        from kvchat.bench.gguf_writer import bench_model_path
         _, preset, qtype = spec.split(":")
         return str(bench_model_path(preset, qtype))
     return spec
 
 
 def model_path(spec: str) -> str:
-    from engine.model.source import locate
+    from kvchat.engine.model.source import locate
     return str(locate(spec).path)
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
     try:
-        from engine.text.samples import load_text
+        from kvchat.engine.text.samples import load_text
         text = load_text("prose")
     except Exception:
         text = FALLBACK_TEXT * 200

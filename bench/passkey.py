@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig
+from kvchat.engine.config import CacheConfig, EngineConfig
 
 MODES = {
     "full": CacheConfig(),
@@ -86,7 +86,7 @@ def score(engine, config: CacheConfig, prompt: dict) -> tuple[bool, float]:
 
 
 def run(args) -> dict:
-    from engine.runtime.engine import Engine
+    from kvchat.engine.runtime.engine import Engine
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.load(EngineConfig(model=args.model, weights=args.weights))

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.runtime.fidelity import compare_modes, perplexity
-from engine.text.samples import load_tokens
+from kvchat.engine.config import CacheConfig, EngineConfig
+from kvchat.engine.runtime.fidelity import compare_modes, perplexity
+from kvchat.engine.text.samples import load_tokens
 
 MODES = {
     "int8": CacheConfig(k_format="int8", v_format="int8"),
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine(args):
-    from engine.runtime.engine import Engine
+    from kvchat.engine.runtime.engine import Engine
     if args.threads:
         torch.set_num_threads(args.threads)
     return Engine.load(EngineConfig(model=args.model, weights=args.weights))
@@ -143,7 +143,7 @@ def check_targets(result: dict) -> dict[str, bool]:
 
 def run(args) -> dict:
     if getattr(args, "weight_fidelity", None):
-        from bench import weights as bench_weights
+        from kvchat.bench import weights as bench_weights
         types = args.weight_fidelity.split(",")
         if types == ["all"]:
             types = ["file", *bench_weights.DEFAULT_TYPES]
@@ -191,7 +191,7 @@ def summarize(result: dict) -> str:
         lines.append(f"{name:<16}{r['tokens']:>7}{r['top1_agreement']:>9.2%}{r['mean_kl']:>10.5f}{r['ppl_ratio']:>11.4f}"
                      f"{r['last_over_first_quarter']:>14.4f}{r['kv_bytes'] / 1024:>9.0f}")
     if result.get("weights"):
-        from bench.weights import summarize as weights_table
+        from kvchat.bench.weights import summarize as weights_table
         lines += [f"{result['model']}: packed weights against dense fp32 of the same file, teacher-forced"]
         lines += weights_table(result["weights"])
     for name, r in result.get("long", {}).items():

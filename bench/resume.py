@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.config import CacheConfig, EngineConfig, SamplingParams
+from kvchat.engine.config import CacheConfig, EngineConfig, SamplingParams
 
 MODES = {
     "auto": CacheConfig(),
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def conversation(tokenizer, tokens: int) -> list[dict]:
     """Filler turns until the rendered chat holds about `tokens` tokens."""
-    from engine.text.chat_format import encode_conversation
+    from kvchat.engine.text.chat_format import encode_conversation
     messages: list[dict] = []
     turn = 0
     while True:
@@ -149,10 +149,10 @@ class LlamaCppState:
 
 def run(args) -> dict:
     import torch
-    from bench.models import resolve_model
-    from engine import Engine
-    from engine.model.source import locate
-    from engine.runtime.warm import WarmStore
+    from kvchat.bench.models import resolve_model
+    from kvchat.engine import Engine
+    from kvchat.engine.model.source import locate
+    from kvchat.engine.runtime.warm import WarmStore
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     spec = resolve_model(args.model)

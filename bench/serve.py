@@ -123,7 +123,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def measure(server, specs: list[Spec], num_clients: int) -> dict:
     """Solo reference pass, then the concurrent pass; returns numbers and the checks' outcome."""
-    from engine.serve import batch
+    from kvchat.engine.serve import batch
     base_url, model = server.base_url, server.model_id
     before = scrape(base_url)["vllm:generation_tokens_total"]
     started = time.perf_counter()
@@ -186,8 +186,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> dict:
-    from engine.runtime.engine import Engine
-    from engine.serve.server import ServeConfig, Server
+    from kvchat.engine.runtime.engine import Engine
+    from kvchat.engine.serve.server import ServeConfig, Server
     engine = Engine.load(args.engine_config)
     server = Server(engine, ServeConfig(port=0, max_num_seqs=args.max_num_seqs))
     server.start()

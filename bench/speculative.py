@@ -43,8 +43,8 @@ def add_arguments(p) -> None:
 
 
 def _kvchat(engine, ids_text: str, new_tokens: int) -> dict:
-    from engine.config import SamplingParams
-    from engine.events import TurnFinished
+    from kvchat.engine.config import SamplingParams
+    from kvchat.engine.events import TurnFinished
     session = engine.new_session(prefix_cache=False)
     fin = [e for e in session.send(ids_text, SamplingParams(temperature=0, max_new_tokens=new_tokens))
            if isinstance(e, TurnFinished)][-1]
@@ -111,7 +111,7 @@ def _med(xs: list[dict], key: str) -> dict:
 
 
 def run(args, engine, spec_path: str, threads: int) -> dict:
-    from engine.config import SpeculativeConfig
+    from kvchat.engine.config import SpeculativeConfig
     base = engine.speculative if engine.speculative.enabled else SpeculativeConfig()
     k = args.spec_k or base.k
     ngram = args.ngram_max or base.ngram_max

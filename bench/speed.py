@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from bench.models import FALLBACK_TEXT, model_path, prompt_ids, resolve_model  # noqa: F401 - used here and re-exported
-from engine.units import MIB
+from kvchat.bench.models import FALLBACK_TEXT, model_path, prompt_ids, resolve_model  # noqa: F401 - used here and re-exported
+from kvchat.engine.units import MIB
 
 ANSWER_PROMPT = "What is the capital of France?"
 
@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--speculative", action="store_true",
                    help="decode with and without speculative decoding (and llama.cpp's prompt lookup) on three "
                         "prompts, instead of the rest (bench/speculative.py)")
-    from bench import speculative
+    from kvchat.bench import speculative
     speculative.add_arguments(p)
     p.add_argument("--long-context", action="store_true",
                    help="also measure decode with 4,096 tokens cached against 256 (kvchat only)")
@@ -110,8 +110,8 @@ def peak_rss():   # VmHWM: ru_maxrss would carry the parent's peak across fork +
 _KVCHAT_ONESHOT = _PEAK + """
 import json, sys, time
 t0 = time.perf_counter()
-from engine import Engine, EngineConfig, SamplingParams
-from engine.events import TokenDelta
+from kvchat.engine import Engine, EngineConfig, SamplingParams
+from kvchat.engine.events import TokenDelta
 engine = Engine.load(EngineConfig(model=sys.argv[1], num_threads=int(sys.argv[2])))
 loaded = time.perf_counter()
 rss_load = peak_rss()
@@ -166,7 +166,7 @@ def _cli_oneshot(model: str, threads: int, cache_dir: str | None = None) -> dict
     if cache_dir:
         env["KVCHAT_CACHE_DIR"] = cache_dir
     # the CLI's own main, then the process's peak RSS (VmHWM: a fork's rusage would count the parent's pages)
-    code = _PEAK + ("import sys\nfrom cli.main import main\nrc = main(sys.argv[1:])\n"
+    code = _PEAK + ("import sys\nfrom kvchat.cli.main import main\nrc = main(sys.argv[1:])\n"
                     "sys.stderr.write(f'\\nkvchat-peak-rss {peak_rss()}\\n')\nsys.exit(rc)\n")
     cmd = [sys.executable, "-c", code, "chat", "--model", model, "--prompt", ANSWER_PROMPT, "--temperature", "0",
            "--max-new-tokens", "64"]
@@ -215,9 +215,9 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
     """Decode tok/s with 256 and 4,096 tokens cached, per cache format, kvchat beside llama.cpp on the same
     file (f16 / q8_0 / q4_0 caches), interleaved; each rate beside its bandwidth bound: (weight bytes + KV
     bytes read per token) over the copy bandwidth measured in the same run."""
-    from engine.config import CacheConfig
+    from kvchat.engine.config import CacheConfig
     try:
-        from engine.text.samples import load_tokens
+        from kvchat.engine.text.samples import load_tokens
         ids = load_tokens(engine.tokenizer, "stream", 4096 + steps)
     except Exception:
         ids = prompt_ids(engine.tokenizer, 4096 + steps)
@@ -255,7 +255,7 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
                     speeds.setdefault(("llamacpp", mode, n), []).append(steps / (time.perf_counter() - t0))
     copy = copy_bandwidth_gbs() * 1e9
     out: dict = {"steps": steps, "copy_gbs": copy / 1e9, "modes": {}}
-    from engine.kv.layout import conversation_bytes
+    from kvchat.engine.kv.layout import conversation_bytes
     for mode, (fmt, _) in LONG_MODES.items():
         cache = CacheConfig(k_format=fmt, v_format=fmt)
         row = {}
@@ -277,10 +277,10 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
 
 def _prefix_ttft(engine, runs: int, system_tokens: int = 1000) -> dict:
     """TTFT of a first conversation with a ~1,000-token system prompt, and of a second one sharing it."""
-    from engine.config import SamplingParams
-    from engine.events import TokenDelta
+    from kvchat.engine.config import SamplingParams
+    from kvchat.engine.events import TokenDelta
     try:
-        from engine.text.samples import load_text
+        from kvchat.engine.text.samples import load_text
         text = load_text("prose")
     except Exception:
         text = FALLBACK_TEXT * 100
@@ -311,12 +311,12 @@ def _prefix_ttft(engine, runs: int, system_tokens: int = 1000) -> dict:
 
 
 def run(args) -> dict:
-    import kernels
+    from kvchat import kernels
     if getattr(args, "device", "cpu") != "cpu" or kernels.interpreting():
-        from bench import gpu
+        from kvchat.bench import gpu
         return gpu.run(args)
-    from engine.config import CacheConfig, EngineConfig
-    from engine.runtime.engine import Engine, load_transformers_reference
+    from kvchat.engine.config import CacheConfig, EngineConfig
+    from kvchat.engine.runtime.engine import Engine, load_transformers_reference
 
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -325,7 +325,7 @@ def run(args) -> dict:
     budget = CacheConfig(budget_mb=4096)
     engine = Engine.load(EngineConfig(model=spec, device="cpu", cache=budget, num_threads=threads))
     if getattr(args, "speculative", False):
-        from bench import speculative
+        from kvchat.bench import speculative
         return {"model": engine.model_name, "path": path, "quant": engine.model.quant, "weights": engine.model.weights,
                 "threads": threads, "kernels": _kernels_label(), "mode": "speculative",
                 **speculative.run(args, engine, path, threads)}
@@ -376,7 +376,7 @@ def run(args) -> dict:
 
 def _kernels_label() -> str:
     """The kernels and the variant (ISA) they chose, e.g. "cpu_quant.c avx2 (isa=avx2+fma+f16c+base openmp=1 ...)"."""
-    from kernels import cpu_lib, cpu_quant
+    from kvchat.kernels import cpu_lib, cpu_quant
     if not cpu_quant.available():
         return f"torch reference ({cpu_quant.unavailable_reason()})"
     st = cpu_lib.status()
@@ -389,7 +389,7 @@ def _fresh_process_runs(spec: str, path: str, threads: int, runs: int, with_llam
         # first start ever after install: an empty cache dir (tokenizer built from the file); the kernels come from
         # the install step when it ran (kernels/_built), else this start compiles them
         out["kvchat_cold"] = _cli_oneshot(path, threads, cache_dir=tmp)
-        from kernels import cpu_quant
+        from kvchat.kernels import cpu_quant
         out["kvchat_cold"]["kernels_built_at_install"] = any(cpu_quant.BUILT.glob("cpu_quant-*.so"))
         warm, api, peer = [], [], []
         for _ in range(runs):                     # interleaved
@@ -409,7 +409,7 @@ def _fresh_process_runs(spec: str, path: str, threads: int, runs: int, with_llam
 
 def summarize(r: dict) -> str:
     if r.get("mode") == "speculative":
-        from bench import speculative
+        from kvchat.bench import speculative
         return "\n".join([f"{r['model']} ({r['quant']}, weights {r['weights']}) on {r['threads']} threads; kernels: "
                           f"{r['kernels']}"] + speculative.summarize(r))
     lines = [f"{r['model']} ({r['quant']}, weights {r['weights']}, {r['weight_bytes'] / MIB:.0f} MiB resident"

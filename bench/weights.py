@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.units import MIB
+from kvchat.engine.config import CacheConfig, EngineConfig
+from kvchat.engine.units import MIB
 
 TARGETS = {"top1_min": 0.98, "kl_max": 0.002}
 # types the default model (hidden 576) can hold: K-quants need rows of 256 and fall back to these
@@ -29,7 +29,7 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
     from gguf.quants import dequantize
 
-    from bench.gguf_writer import MIXES, atomic_writer, quantize, tensor_type
+    from kvchat.bench.gguf_writer import MIXES, atomic_writer, quantize, tensor_type
     reader = GGUFReader(str(src))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     layers = int(reader.fields[f"{arch}.block_count"].contents())
@@ -58,7 +58,7 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
 def fidelity(path: str, ids: list[int], threads: int | None = None) -> dict:
     """Packed against dense fp32 on one file, teacher-forced one token per step over ids (the decode path), with
     int16 activations (the default) and, under "int8_activations", int8 ones (EngineConfig(activations="int8"))."""
-    from engine.runtime.engine import Engine
+    from kvchat.engine.runtime.engine import Engine
     cache = CacheConfig(budget_mb=512)
     packed = Engine.load(EngineConfig(model=path, cache=cache, num_threads=threads, prefill="fp32"))
     act8 = Engine.load(EngineConfig(model=path, cache=cache, num_threads=threads, prefill="fp32", activations="int8"))
@@ -96,7 +96,7 @@ def prefill_paths(path: str, ids: list[int], threads: int | None = None) -> dict
     """The prompt path of each precision against the dense fp32 forward, one whole-text prefill each, every
     position's logits compared: our fp32 and bf16 GEMMs over the packed weights, and llama.cpp's own prefill
     (its int8 activations) on the same file and token ids, when llama-cpp-python is installed."""
-    from engine.runtime.engine import Engine
+    from kvchat.engine.runtime.engine import Engine
     cache = CacheConfig(budget_mb=512)
     dense = Engine.load(EngineConfig(model=path, weights="dense", cache=cache, num_threads=threads))
     ref = dense.new_session().append(ids)
@@ -119,9 +119,9 @@ def prefill_paths(path: str, ids: list[int], threads: int | None = None) -> dict
 
 
 def run_types(model: str, types: list[str], tokens: int, threads: int | None = None) -> dict:
-    from engine.model.source import cache_root, locate
-    from engine.text.tokenizer_cache import gguf_tokenizer
-    from engine.text.samples import load_tokens
+    from kvchat.engine.model.source import cache_root, locate
+    from kvchat.engine.text.tokenizer_cache import gguf_tokenizer
+    from kvchat.engine.text.samples import load_tokens
     src = locate(model).path
     out_dir = cache_root() / "weight-fidelity"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ def _gpus() -> list[str]:
 
 def report() -> dict:
     import psutil
-    from kernels import cpu_lib, cpu_quant
+    from kvchat.kernels import cpu_lib, cpu_quant
     kernels = cpu_lib.status()
     kv = cpu_quant.kv_kernels_ready(wait=True) if kernels["loaded"] else False
     try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import ACTIVATION_MODES, PREFILL_MODES, SPEC_METHODS, CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
+from kvchat.engine.config import ACTIVATION_MODES, PREFILL_MODES, SPEC_METHODS, CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,17 +9,17 @@ import signal
 import sys
 import threading
 
-from cli.options import add_cache_arguments, engine_config, sampling_params
-from engine.config import ConfigError, SamplingParams
-from engine.units import KIB, MIB
+from kvchat.cli.options import add_cache_arguments, engine_config, sampling_params
+from kvchat.engine.config import ConfigError, SamplingParams
+from kvchat.engine.units import KIB, MIB
 
 BENCHES = {
-    "speed": "bench.speed",
-    "memory": "bench.memory",
-    "quality": "bench.quality",
-    "passkey": "bench.passkey",
-    "serve": "bench.serve",
-    "resume": "bench.resume",
+    "speed": "kvchat.bench.speed",
+    "memory": "kvchat.bench.memory",
+    "quality": "kvchat.bench.quality",
+    "passkey": "kvchat.bench.passkey",
+    "serve": "kvchat.bench.serve",
+    "resume": "kvchat.bench.resume",
 }
 
 
@@ -35,7 +35,7 @@ def _print_stats(session) -> None:
 
 
 def _stream(session, text: str, params: SamplingParams) -> None:
-    from engine.events import TokenDelta, TurnFinished
+    from kvchat.engine.events import TokenDelta, TurnFinished
     for event in session.send(text, params):
         if isinstance(event, TokenDelta):
             sys.stdout.write(event.text)
@@ -69,7 +69,7 @@ def cmd_chat(args) -> int:
 def _chat(args) -> int:
     params = sampling_params(args)      # before anything loads: a bad value costs no wait
     if args.prompt is not None:
-        from engine.runtime import quick              # a one-shot answer without torch, where it covers the model
+        from kvchat.engine.runtime import quick              # a one-shot answer without torch, where it covers the model
         if quick.covers(args):
             try:
                 done = quick.one_shot(args.model, args.prompt, args.system, params)
@@ -80,8 +80,8 @@ def _chat(args) -> int:
                 return 130
             if done is not None:
                 return done
-    from engine.runtime.engine import Engine
-    from engine.errors import ModelLoadError
+    from kvchat.engine.runtime.engine import Engine
+    from kvchat.engine.errors import ModelLoadError
     try:
         engine = Engine.load(engine_config(args))
     except (ModelLoadError, ConfigError) as exc:
@@ -123,9 +123,9 @@ def _chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from engine.runtime.engine import Engine
-    from engine.errors import ModelLoadError
-    from engine.serve.server import ServeConfig, Server, api_key_from
+    from kvchat.engine.runtime.engine import Engine
+    from kvchat.engine.errors import ModelLoadError
+    from kvchat.engine.serve.server import ServeConfig, Server, api_key_from
     try:
         config = ServeConfig(host=args.host, port=args.port, api_key=api_key_from(args.api_key),
                              model_id=args.served_model_name, max_num_seqs=args.max_num_seqs,
@@ -189,11 +189,11 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
                        help="MiB kept for preempted requests' caches, so they resume instead of reading their "
                             "prompt again (host memory beside a GPU, files beside a host pool; 0: read again)")
     serve.set_defaults(func=cmd_serve)
-    from engine.plan import estimate
+    from kvchat.engine.plan import estimate
     plan = sub.add_parser("estimate", help="KV and weight memory of a model and context, before loading it")
     estimate.add_arguments(plan)
     plan.set_defaults(func=estimate.cmd_estimate)
-    from cli import doctor
+    from kvchat.cli import doctor
     check = sub.add_parser("doctor", help="which kernels run here and why, the device, what the CPU offers")
     doctor.add_arguments(check)
     check.set_defaults(func=doctor.cmd_doctor)

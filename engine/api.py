@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, runtime_checkable
 
-from engine.config import CacheConfig, SamplingParams
-from engine.events import StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.config import CacheConfig, SamplingParams
+from kvchat.engine.events import StatsSnapshot, TokenDelta, TurnFinished
 
 
 @dataclass(frozen=True, slots=True)

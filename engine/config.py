@@ -9,10 +9,10 @@ from dataclasses import dataclass, field, replace
 from numbers import Integral, Real
 from typing import TYPE_CHECKING
 
-from engine.errors import UserError
+from kvchat.engine.errors import UserError
 
 if TYPE_CHECKING:
-    from engine.model.config import ModelConfig
+    from kvchat.engine.model.config import ModelConfig
 
 FULL_FORMATS = ("auto", "fp32", "fp16", "bf16")
 QUANT_FORMATS = ("int8", "fp8", "int4")

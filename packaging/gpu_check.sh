@@ -45,7 +45,7 @@ tests=${PIPESTATUS[0]}
 bench() {   # name, model, transformers yes|no
     local budget; budget=$(left)
     if [ "$budget" -lt 40 ]; then echo "skipped $1: the lease's plan is spent" | tee -a "$OUT/summary.txt"; return; fi
-    timeout "$budget" "$PY" -m cli.main bench speed --device cuda --model "$2" --transformers "$3" --runs 3 \
+    timeout "$budget" "$PY" -m kvchat.cli.main bench speed --device cuda --model "$2" --transformers "$3" --runs 3 \
         --prompt-tokens 512 --new-tokens 128 --json > "$OUT/bench-$1.json" 2> "$OUT/bench-$1.err"
     echo "bench $1 rc=$?" >> "$OUT/summary.txt"
 }

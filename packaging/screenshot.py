@@ -25,7 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default", help="the model to load (a .gguf or a Hugging Face folder)")
     parser.add_argument("--dashboard-only", action="store_true", help="grab the dashboard, not the whole window")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory(prefix="kvchat-shot-") as tmp:
         os.environ.update(KVCHAT_DATA_DIR=f"{tmp}/data", KVCHAT_SETTINGS_FILE=f"{tmp}/settings.ini",
                           HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -34,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         from PySide6.QtCore import QTimer
         from PySide6.QtWidgets import QApplication
 
-        from app.history import HistoryStore
-        from app.i18n import install
-        from app.main import load_style
-        from app.main_window import MainWindow
-        from app.settings_store import SettingsStore
-        from engine.config import SamplingParams
+        from kvchat.app.history import HistoryStore
+        from kvchat.app.i18n import install
+        from kvchat.app.main import load_style
+        from kvchat.app.main_window import MainWindow
+        from kvchat.app.settings_store import SettingsStore
+        from kvchat.engine.config import SamplingParams
 
         app = QApplication([sys.argv[0]])
         app.setApplicationName("kvchat")

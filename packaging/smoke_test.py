@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smoke test: no built app at {app}: run `make package` first", file=sys.stderr)
         return 2
     if args.model is None:
-        sys.path.insert(0, str(ROOT))
-        from engine.model.source import default_gguf_path
+        from kvchat.engine.model.source import default_gguf_path
         args.model = str(default_gguf_path())
     with tempfile.TemporaryDirectory(prefix="kvchat-smoke-") as tmp:
         env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=f"{tmp}/data",

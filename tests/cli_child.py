@@ -13,7 +13,7 @@ import traceback
 
 
 def run(request: dict) -> dict:
-    from cli.main import main
+    from kvchat.cli.main import main
     for key, value in request.get("env", {}).items():
         if value is None:
             os.environ.pop(key, None)

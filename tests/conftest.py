@@ -1,7 +1,17 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
+
+# kvchat is imported by its one name, kvchat (the editable install maps it onto the repository root); the root
+# itself must not be on sys.path, where its folders would pass for top-level packages and shadow others of the same
+# name (Hugging Face's `kernels`, which transformers imports). `python -m pytest` puts it there: take it off, and
+# keep it off in every child process the tests start from this folder (PYTHONSAFEPATH, Python 3.11's -P).
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # the tests' tokenizer caches and any kernel build go to a folder of their own, not the user's cache dir
@@ -40,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_engine():
-    from engine import Engine, EngineConfig
+    from kvchat.engine import Engine, EngineConfig
     # dense fp32 weights: the path whose logits must match transformers exactly
     return Engine.load(EngineConfig(model="default", weights="dense"))
 
@@ -54,7 +64,7 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_llama):
-    from engine import Engine, EngineConfig
+    from kvchat.engine import Engine, EngineConfig
     return Engine.load(EngineConfig(model=tiny_llama))
 
 
@@ -66,7 +76,7 @@ def _collect_on_the_gui_thread(request):
         yield
         return
     import gc
-    from app.gc_guard import GuiThreadCollector
+    from kvchat.app.gc_guard import GuiThreadCollector
     request.getfixturevalue("qapp")
     gc.collect()
     collector = GuiThreadCollector()

@@ -13,10 +13,10 @@ def run_window() -> int:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.settings_store import SettingsStore
-    from engine.config import SamplingParams
+    from kvchat.app.history import HistoryStore
+    from kvchat.app.main_window import MainWindow
+    from kvchat.app.settings_store import SettingsStore
+    from kvchat.engine.config import SamplingParams
     from fakes import FakeLoader
 
     app = QApplication([])
@@ -42,8 +42,8 @@ def run_window() -> int:
 
 
 def run_writer() -> int:
-    from app.history import STREAMING, HistoryStore
-    from engine.config import CacheConfig
+    from kvchat.app.history import STREAMING, HistoryStore
+    from kvchat.engine.config import CacheConfig
 
     store = HistoryStore()
     cid = store.create("writer", CacheConfig())
@@ -67,10 +67,10 @@ def _real_window():
 
     from PySide6.QtWidgets import QApplication
 
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.settings_store import SettingsStore
-    from engine import Engine
+    from kvchat.app.history import HistoryStore
+    from kvchat.app.main_window import MainWindow
+    from kvchat.app.settings_store import SettingsStore
+    from kvchat.engine import Engine
 
     def loader(config, progress):
         return Engine.load(replace(config, model=os.environ["KVCHAT_TEST_MODEL"]), progress=progress)
@@ -86,7 +86,7 @@ def run_switch() -> int:
 
     from PySide6.QtCore import QTimer
 
-    from engine.config import CacheConfig, SamplingParams
+    from kvchat.engine.config import CacheConfig, SamplingParams
 
     app, window = _real_window()
     window.settings = replace(window.settings, sampling=SamplingParams(temperature=0.0, max_new_tokens=6))
@@ -124,7 +124,7 @@ def run_resume() -> int:
 
     from PySide6.QtCore import QTimer
 
-    from app.history import cache_to_json
+    from kvchat.app.history import cache_to_json
 
     app, window = _real_window()
     out = {}

@@ -8,11 +8,11 @@ import time
 
 from types import SimpleNamespace
 
-from engine.api import LOCAL
-from engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
-from engine.errors import ModelLoadError
-from engine.kv.layout import check_cache_for_model
-from engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.api import LOCAL
+from kvchat.engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.kv.layout import check_cache_for_model
+from kvchat.engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
 
 NUM_LAYERS = 4
 ELEMENTS_PER_TOKEN = 2 * 32             # kv_heads x head_dim of the fake model
@@ -230,7 +230,7 @@ class FakeEngine:
 
 
 def fake_model_config():
-    from engine.model.config import ModelConfig
+    from kvchat.engine.model.config import ModelConfig
     return ModelConfig.from_hf(dict(model_type="llama", vocab_size=320, hidden_size=64, num_hidden_layers=NUM_LAYERS,
                                     num_attention_heads=2, num_key_value_heads=2, intermediate_size=128,
                                     max_position_embeddings=2048))
@@ -265,9 +265,9 @@ def isolate_app(monkeypatch, tmp_path) -> None:
 
 def open_window(qtbot, loader, autoload: bool = True):
     """A MainWindow on the isolated stores, shown, registered with qtbot for closing."""
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.settings_store import SettingsStore
+    from kvchat.app.history import HistoryStore
+    from kvchat.app.main_window import MainWindow
+    from kvchat.app.settings_store import SettingsStore
 
     window = MainWindow(SettingsStore(), HistoryStore(), loader=loader, autoload=autoload)
     # pytest-qt holds widgets weakly; without a strong reference the window (and its running engine
@@ -280,7 +280,7 @@ def open_window(qtbot, loader, autoload: bool = True):
 
 def real_window(qtbot, model: str, cache=None, sampling=None, timeout: int = 60_000):
     """A window over the real engine (the app's own loader), loaded with `model`; fails on a load error."""
-    from app.worker import _default_loader
+    from kvchat.app.worker import _default_loader
     window = open_window(qtbot, _default_loader, autoload=False)
     base = window.settings
     window.apply_settings(type(base)(model, cache or base.cache, sampling or base.sampling, base.system_prompt))
@@ -293,8 +293,8 @@ def remote_window(qtbot, url: str, key: str = "", model: str = "tiny", sampling=
     """A window in Server mode on `url` (a real kvchat server on loopback in the tests)."""
     from dataclasses import replace
 
-    from app.settings_store import RemoteSettings
-    from app.worker import _default_loader
+    from kvchat.app.settings_store import RemoteSettings
+    from kvchat.app.worker import _default_loader
     window = open_window(qtbot, _default_loader, autoload=False)
     window.apply_settings(replace(window.settings, sampling=sampling or window.settings.sampling,
                                   remote=RemoteSettings(url, key, model)))

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from bench.gguf_writer import _tokenizer_fields, atomic_writer
-from engine.model.source import default_gguf_path
+from kvchat.bench.gguf_writer import _tokenizer_fields, atomic_writer
+from kvchat.engine.model.source import default_gguf_path
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 2, 1, 32, 128, 2
 MISSING = object()          # a field value: the key is left out
 

@@ -17,7 +17,7 @@ def free_port() -> int:
 
 def kvchat(*args) -> list[str]:
     """The `kvchat` command line as this interpreter runs it."""
-    return [sys.executable, "-m", "cli.main", *args]
+    return [sys.executable, "-m", "kvchat.cli.main", *args]
 
 
 def start_serve(args: list[str], env: dict[str, str], cwd=None, wait_s: float = 120) -> tuple[subprocess.Popen, str]:

@@ -4,9 +4,9 @@ close to the exact product; and the setting is checked, switched live and kept o
 import pytest
 import torch
 
-from engine import Engine
-from engine.config import CacheConfig, ConfigError, EngineConfig
-from kernels import cpu_lib, cpu_quant
+from kvchat.engine import Engine
+from kvchat.engine.config import CacheConfig, ConfigError, EngineConfig
+from kvchat.kernels import cpu_lib, cpu_quant
 from test_cpu_quant import _q4, _q8
 from test_decode_layers import _decode, ggufs  # noqa: F401 - the fixture
 
@@ -63,9 +63,9 @@ def test_the_one_call_step_with_int8_activations_equals_the_layer_path(ggufs, ki
 def test_the_setting_is_checked_and_kept_off_the_torch_free_path():
     with pytest.raises(ConfigError, match="activations='int4': choose int16, int8"):
         EngineConfig(activations="int4")
-    from cli.options import engine_config
-    from cli.terminal import build_parser
-    from engine.runtime import quick
+    from kvchat.cli.options import engine_config
+    from kvchat.cli.terminal import build_parser
+    from kvchat.engine.runtime import quick
     args = build_parser().parse_args(["chat", "--activations", "int8", "--prompt", "hi"])
     assert engine_config(args).activations == "int8" and not quick.covers(args)
     engine = Engine.load(EngineConfig(cache=CacheConfig(budget_mb=64)))

@@ -14,8 +14,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QFileDialog, QMessageBox
 
-from engine.config import SamplingParams
-from engine.events import PoolStats
+from kvchat.engine.config import SamplingParams
+from kvchat.engine.events import PoolStats
 from fakes import FakeLoader, isolate_app, open_window, send
 
 pytestmark = pytest.mark.gui
@@ -167,7 +167,7 @@ def test_copy_and_delete_one_message(qtbot):
 
 def test_export_markdown_and_json(qtbot, tmp_path, monkeypatch):
     """Export writes the chat (with reply versions and marks); the menu action asks for a path first."""
-    from app.export import export_conversation
+    from kvchat.app.export import export_conversation
 
     window = ready_window(qtbot)
     finished = send(qtbot, window, "Export *me*")
@@ -307,7 +307,7 @@ def test_unfenced_code_keeps_newlines_and_indentation(qtbot):
 def test_real_engine_regenerate_forks_without_prefill_and_arrows_keep_the_cache(qtbot, tiny_llama):
     """On the real (tiny) engine: Regenerate reads 0 prompt tokens; switching back re-uses the old reply's
     cache (the next turn reads only its own message); edit and resend reads only the edited message."""
-    from app.worker import _default_loader
+    from kvchat.app.worker import _default_loader
 
     window = open_window(qtbot, _default_loader, autoload=False)
     window.apply_settings(replace(window.settings, model=tiny_llama,

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 
-from app.dashboard import Dashboard
-from app.dashboard_data import DashboardData, Marker, cluster_markers, stable_top, token_room
-from engine.config import CacheConfig, SamplingParams
-from engine.events import LayerBytes, MemoryProbe, StatsSnapshot
+from kvchat.app.dashboard import Dashboard
+from kvchat.app.dashboard_data import DashboardData, Marker, cluster_markers, stable_top, token_room
+from kvchat.engine.config import CacheConfig, SamplingParams
+from kvchat.engine.events import LayerBytes, MemoryProbe, StatsSnapshot
 from fakes import CONTEXT_TOKENS, FakeLoader, isolate_app, open_window
 
 pytestmark = pytest.mark.gui
@@ -107,7 +107,7 @@ def test_stable_top_steps():
 
 def test_full_precision_size_from_full_precision_layers_when_the_field_is_zero():
     """Without the engine's field, layers held in the model dtype still give the outline."""
-    from app.dashboard_data import full_precision_bytes_per_token
+    from kvchat.app.dashboard_data import full_precision_bytes_per_token
     assert full_precision_bytes_per_token(snapshot(fmt="fp32", layers=3)) == pytest.approx(64.0 * 3)
     assert full_precision_bytes_per_token(snapshot(fmt="int8")) == 0.0
     assert full_precision_bytes_per_token(snapshot(fmt="int8", per_token_full=512.0)) == 512.0
@@ -261,13 +261,13 @@ def test_a_send_cancels_the_measurement_and_the_reply_still_comes(qtbot):
 
 def test_measure_on_a_real_tiny_model_uses_bench_quality(tiny_engine):
     """A real engine: int4 agrees with full precision on most tokens and the KL is small but not zero."""
-    from app.quality import measure
+    from kvchat.app.quality import measure
     result = measure(tiny_engine, CacheConfig(k_format="int4", v_format="int4"), num_tokens=64)
     assert result.tokens == 64 and 0.5 < result.top1_agreement <= 1.0 and 0.0 < result.mean_kl < 1.0
 
 
 def test_quality_store_survives_a_damaged_file(tmp_path):
-    from app.quality import QualityResult, QualityStore
+    from kvchat.app.quality import QualityResult, QualityStore
     path = tmp_path / "q.json"
     path.write_text("{not json")
     store = QualityStore(path)

@@ -10,7 +10,7 @@ import time
 import pytest
 from PySide6.QtCore import QObject, Qt, QTimer
 
-from engine.config import CacheConfig, SamplingParams
+from kvchat.engine.config import CacheConfig, SamplingParams
 from tiny_models import tiny_model_dir, write_bad_folder
 from fakes import isolate_app, open_window, send
 
@@ -70,7 +70,7 @@ def real_window(qtbot, model: str, cache: CacheConfig | None = None, sampling: S
 
 
 def _real_loader():
-    from app.worker import _default_loader
+    from kvchat.app.worker import _default_loader
 
     return _default_loader
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QSettings
 
-from app.settings_store import SettingsStore
-from engine.config import SamplingParams
+from kvchat.app.settings_store import SettingsStore
+from kvchat.engine.config import SamplingParams
 from fakes import engine_of, isolate_app, real_window
-from kernels import cpu_lib
+from kvchat.kernels import cpu_lib
 
 pytestmark = pytest.mark.gui
 SHORT = SamplingParams(temperature=0, max_new_tokens=8)

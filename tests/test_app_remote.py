@@ -12,8 +12,8 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QDialogButtonBox
 
-from engine import CacheConfig, SamplingParams
-from engine.serve.server import ServeConfig, Server
+from kvchat.engine import CacheConfig, SamplingParams
+from kvchat.engine.serve.server import ServeConfig, Server
 import fakes
 from fakes import isolate_app, slow_steps
 
@@ -143,7 +143,7 @@ def test_dashboard_shows_the_servers_numbers_and_marks_local_only_views(qtbot, s
 
 
 def test_wrong_key_or_url_shows_a_banner_and_the_app_keeps_running(qtbot, server):
-    from app.settings_store import RemoteSettings
+    from kvchat.app.settings_store import RemoteSettings
     window = remote_window(qtbot, server.base_url, key="wrong", wait=False)
     qtbot.waitUntil(lambda: window.last_error is not None, timeout=20_000)
     assert window.banner.isVisible() and "API key" in window.banner.text()
@@ -163,8 +163,8 @@ def test_wrong_key_or_url_shows_a_banner_and_the_app_keeps_running(qtbot, server
 
 
 def test_settings_dialog_fetches_models_and_explains_errors(qtbot, server):
-    from app.settings_dialog import SERVER_CHOICE, SettingsDialog
-    from app.settings_store import AppSettings
+    from kvchat.app.settings_dialog import SERVER_CHOICE, SettingsDialog
+    from kvchat.app.settings_store import AppSettings
     dialog = SettingsDialog(AppSettings())
     qtbot.addWidget(dialog)
     ok = dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)

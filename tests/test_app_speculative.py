@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 from PySide6.QtCore import QSettings
 
-from app.settings_store import SettingsStore
-from engine.config import SamplingParams, SpeculativeConfig
-from engine.events import SpecStats
+from kvchat.app.settings_store import SettingsStore
+from kvchat.engine.config import SamplingParams, SpeculativeConfig
+from kvchat.engine.events import SpecStats
 from fakes import isolate_app, real_window, send as send_message
 
 pytestmark = pytest.mark.gui

@@ -7,11 +7,11 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
 
-from app.chat_view import split_segments
-from app.dashboard_data import nice_ceiling
-from app.history import HistoryStore
-from app.messages import format_bytes
-from engine.config import CacheConfig
+from kvchat.app.chat_view import split_segments
+from kvchat.app.dashboard_data import nice_ceiling
+from kvchat.app.history import HistoryStore
+from kvchat.app.messages import format_bytes
+from kvchat.engine.config import CacheConfig
 
 
 def test_split_segments_finds_fenced_code_and_streaming_tail():
@@ -47,8 +47,8 @@ def test_settings_dialog_explains_invalid_combinations(qtbot):
     """An invalid cache combination is explained inside the dialog and OK is disabled until fixed."""
     from PySide6.QtWidgets import QDialogButtonBox
 
-    from app.settings_dialog import SettingsDialog
-    from app.settings_store import AppSettings
+    from kvchat.app.settings_dialog import SettingsDialog
+    from kvchat.app.settings_store import AppSettings
 
     dialog = SettingsDialog(AppSettings(), num_layers=30)
     qtbot.addWidget(dialog)
@@ -86,7 +86,7 @@ def test_gui_thread_collector_collects_cycles_on_its_timer(qtbot):
     import gc
     import weakref
 
-    from app.gc_guard import GuiThreadCollector
+    from kvchat.app.gc_guard import GuiThreadCollector
     gc.enable()
     collector = GuiThreadCollector(interval_ms=10)
     try:

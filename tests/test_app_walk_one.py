@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from PySide6.QtWidgets import QDialogButtonBox
 
-from app.dashboard_data import MAX_MARKERS, DashboardData
-from app.pool_view import pool_summary
-from engine.config import CacheConfig, SamplingParams
-from engine.events import LayerBytes, MemoryProbe, StatsSnapshot
+from kvchat.app.dashboard_data import MAX_MARKERS, DashboardData
+from kvchat.app.pool_view import pool_summary
+from kvchat.engine.config import CacheConfig, SamplingParams
+from kvchat.engine.events import LayerBytes, MemoryProbe, StatsSnapshot
 import fakes
 from fakes import isolate_app, open_window, send
 from tiny_models import tiny_model_dir
@@ -57,9 +57,9 @@ CLOSE_CHILD = textwrap.dedent("""
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
     app = QApplication([sys.argv[0]])
-    from app.history import HistoryStore
-    from app.main_window import MainWindow
-    from app.settings_store import SettingsStore
+    from kvchat.app.history import HistoryStore
+    from kvchat.app.main_window import MainWindow
+    from kvchat.app.settings_store import SettingsStore
     window = MainWindow(SettingsStore(), HistoryStore())
     window.show()
     state = {}
@@ -86,8 +86,7 @@ def test_closing_during_a_long_prompt_ends_the_process(tmp_path):
     """The app, closed while the default model reads a long prompt, hides at once and the process exits with 0
     once the engine thread has stopped (it used to run on with no window and the model in memory)."""
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=str(tmp_path / "data"),
-               KVCHAT_SETTINGS_FILE=str(tmp_path / "settings.ini"), KVCHAT_QUALITY_FILE=str(tmp_path / "q.json"),
-               PYTHONPATH=str(ROOT))
+               KVCHAT_SETTINGS_FILE=str(tmp_path / "settings.ini"), KVCHAT_QUALITY_FILE=str(tmp_path / "q.json"))
     child = subprocess.Popen([sys.executable, "-c", CLOSE_CHILD], cwd=ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -214,7 +213,7 @@ def test_released_counter_counts_chats_not_the_engines_sequences(qtbot, tiny_dir
 
 def test_a_refused_load_replaces_the_load_step_on_the_live_page(qtbot, tmp_path):
     """A model folder the engine refuses: the Live page says the load failed and why, not "locating model"."""
-    from app.worker import _default_loader
+    from kvchat.app.worker import _default_loader
     from tiny_models import write_bad_folder
     bad = write_bad_folder(tmp_path / "bad-model", "llama")
     window = open_window(qtbot, _default_loader, autoload=False)
@@ -232,8 +231,8 @@ def test_a_refused_load_replaces_the_load_step_on_the_live_page(qtbot, tmp_path)
 def test_a_reopened_chat_says_how_many_tokens_it_reads_before_the_reply(qtbot, tiny_dir):
     """A saved chat opened after a restart holds no cache: its next Send first says, in the reply bubble and on the
     Live page, how many tokens it reads again; the first token (or the end) takes the line away."""
-    from app.history import HistoryStore
-    from app.settings_store import SettingsStore
+    from kvchat.app.history import HistoryStore
+    from kvchat.app.settings_store import SettingsStore
     history = HistoryStore()
     chat = history.create("a long one", INT4)
     history.add_message(chat, "user", "word " * 160)     # 800 tokens in the tiny model's tokenizer
@@ -262,10 +261,10 @@ def test_a_reopened_chat_says_how_many_tokens_it_reads_before_the_reply(qtbot, t
 def test_a_measurement_that_compared_nothing_is_refused(monkeypatch, tiny_dir):
     """Whatever the reason (here the comparison is made to report it), a result with fewer tokens compared than the
     text has, or an empty cache, raises a one-line error instead of becoming a stored 100 % / KL 0."""
-    import engine.runtime.fidelity as fidelity
-    from app.quality import measure
-    from engine import Engine, EngineConfig
-    from engine.config import ConfigError
+    import kvchat.engine.runtime.fidelity as fidelity
+    from kvchat.app.quality import measure
+    from kvchat.engine import Engine, EngineConfig
+    from kvchat.engine.config import ConfigError
     engine = Engine.load(EngineConfig(model=tiny_dir))
     hollow = {"mode": {"tokens": 0, "kv_bytes": 0, "top1_agreement": 1.0, "mean_kl": 0.0}}
     monkeypatch.setattr(fidelity, "compare_modes", lambda *args, **kwargs: hollow)

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 from PySide6.QtCore import Qt
 
-from engine.config import SamplingParams
+from kvchat.engine.config import SamplingParams
 from fakes import FakeLoader, isolate_app, open_window, send
 
 pytestmark = pytest.mark.gui
@@ -144,7 +144,7 @@ def test_without_undo_a_deleted_exchange_stays_deleted(qtbot):
 
 def saved_chat(window, turns):
     """A chat written straight into the history database, then opened in the window."""
-    from app.history import DONE
+    from kvchat.app.history import DONE
     conversation = window.history.create(turns[0], window.settings.cache)
     for question, answer in zip(turns[::2], turns[1::2]):
         window.history.add_turn(conversation, [("user", question, DONE), ("assistant", answer, DONE)])
@@ -157,7 +157,7 @@ def test_export_starts_in_documents_or_home_then_where_the_last_export_went(qtbo
     which a restart keeps."""
     from PySide6.QtCore import QStandardPaths
     from PySide6.QtWidgets import QFileDialog
-    from app.settings_store import SettingsStore
+    from kvchat.app.settings_store import SettingsStore
 
     started_in = tmp_path / "started-here"
     started_in.mkdir()
@@ -186,7 +186,7 @@ def test_export_starts_in_documents_or_home_then_where_the_last_export_went(qtbo
 def test_markdown_export_keeps_code_blocks_as_the_chat_showed_them(qtbot, tmp_path):
     """Code the view showed as a block without a fence in the text, and a fence a cut reply left open, are
     fenced code in the Markdown; the open fence does not swallow the messages after it."""
-    from app.export import export_conversation
+    from kvchat.app.export import export_conversation
 
     window = ready_window(qtbot)
     unfenced = "Here is how:\n\nimport os\nimport sys\nprint(os.getcwd())\n\nThat prints the folder."
@@ -288,7 +288,7 @@ def chinese(qtbot, monkeypatch, tmp_path):
     """The zh_CN catalog installed as app.main does it, removed afterwards (other tests read English)."""
     monkeypatch.setenv("KVCHAT_LANG", "zh_CN")
     from PySide6.QtWidgets import QApplication
-    from app import i18n
+    from kvchat.app import i18n
     app = QApplication.instance()
     assert i18n.install(app, "en") == "zh_CN"
     yield app
@@ -300,9 +300,9 @@ def chinese(qtbot, monkeypatch, tmp_path):
 def engine_messages(tiny_dir, tmp_path) -> list[str]:
     """Messages the real engine sends a user: refused cache settings, refused turns, rewrites with nothing to
     rewrite."""
-    from engine import Engine, EngineConfig
-    from engine.config import CacheConfig, ConfigError
-    from engine.kv.layout import check_cache_for_model
+    from kvchat.engine import Engine, EngineConfig
+    from kvchat.engine.config import CacheConfig, ConfigError
+    from kvchat.engine.kv.layout import check_cache_for_model
     from tiny_models import tiny_model_dir
 
     messages = []
@@ -342,7 +342,7 @@ def engine_messages(tiny_dir, tmp_path) -> list[str]:
 def test_the_engines_messages_are_shown_in_chinese(qtbot, tiny_dir, tmp_path, chinese):
     """Each message is translated whole, its numbers and names kept; English stays the engine's text."""
     from PySide6.QtWidgets import QApplication
-    from app.engine_text import engine_text
+    from kvchat.app.engine_text import engine_text
     from test_i18n import english_words
 
     messages = engine_messages(tiny_dir, tmp_path)
@@ -363,11 +363,11 @@ def test_the_engines_messages_are_shown_in_chinese(qtbot, tiny_dir, tmp_path, ch
 def test_chinese_window_names_formats_schemes_policies_and_weights(qtbot, tiny_dir, chinese):
     """Over the real engine in Chinese: a refused turn's notice, the Settings choices (which still give the
     engine its own values), the chat list's cache mode and the weights label carry no English words."""
-    from engine.config import CacheConfig
-    from app.i18n import weights_text
+    from kvchat.engine.config import CacheConfig
+    from kvchat.app.i18n import weights_text
     from test_i18n import english_in, english_words
 
-    from app.worker import _default_loader
+    from kvchat.app.worker import _default_loader
 
     window = open_window(qtbot, _default_loader, autoload=False)
     window.apply_settings(replace(window.settings, model=tiny_dir, sampling=GREEDY, cache=CacheConfig(budget_mb=0.1)))
@@ -397,7 +397,7 @@ def test_chinese_window_names_formats_schemes_policies_and_weights(qtbot, tiny_d
 @pytest.fixture
 def styled(qapp):
     """The app's style sheet, as app.main loads it (button sizes follow it), removed afterwards."""
-    from app.main import load_style
+    from kvchat.app.main import load_style
     load_style(qapp)
     yield qapp
     qapp.setStyleSheet("")
@@ -408,7 +408,7 @@ def test_chinese_window_at_1024_cuts_no_label(qtbot, chinese, styled):
     whole mode (over more lines), the Plan page fits the dock (its two buttons whole), and the reply's mark
     and buttons fit the chat column."""
     from PySide6.QtWidgets import QPushButton
-    from engine.config import CacheConfig
+    from kvchat.engine.config import CacheConfig
 
     window = ready_window(qtbot)
     window.apply_settings(replace(window.settings, cache=CacheConfig(k_format="int8", v_format="int4", window=256,

@@ -12,8 +12,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest
 from PySide6.QtCore import Qt
 
-from engine import CacheConfig, SamplingParams
-from engine.serve.server import ServeConfig, Server
+from kvchat.engine import CacheConfig, SamplingParams
+from kvchat.engine.serve.server import ServeConfig, Server
 import fakes
 from fakes import isolate_app, open_window, slow_steps
 
@@ -191,8 +191,8 @@ def test_the_live_page_fits_a_narrow_dock_in_remote_mode(qtbot, server):
 def test_settings_in_server_mode_fit_the_screen_and_scroll(qtbot, server):
     from PySide6.QtWidgets import QApplication, QDialogButtonBox
 
-    from app.settings_dialog import SERVER_CHOICE, SettingsDialog
-    from app.settings_store import AppSettings, RemoteSettings
+    from kvchat.app.settings_dialog import SERVER_CHOICE, SettingsDialog
+    from kvchat.app.settings_store import AppSettings, RemoteSettings
     dialog = SettingsDialog(AppSettings(), last_server=RemoteSettings(server.base_url, "", "tiny"))
     qtbot.addWidget(dialog)
     dialog.engine_choice.setCurrentIndex(dialog.engine_choice.findData(SERVER_CHOICE))
@@ -218,7 +218,7 @@ def _local_window(qtbot, loader):
 
 
 def test_after_a_relaunch_the_plan_marks_the_chats_own_mode(qtbot):
-    from app.plan_panel import PLAN_FORMATS
+    from kvchat.app.plan_panel import PLAN_FORMATS
     from fakes import FakeLoader
     int4 = next(i for i, (_, k, v) in enumerate(PLAN_FORMATS) if (k, v) == ("int4", "int4"))
     window = _local_window(qtbot, FakeLoader())
@@ -243,8 +243,8 @@ def test_after_a_relaunch_the_plan_marks_the_chats_own_mode(qtbot):
 def test_the_models_page_lists_the_built_in_model_it_runs(qtbot, monkeypatch, tmp_path):
     from pathlib import Path
 
-    from app.models_page import BUILT_IN
-    from engine.model.source import default_gguf_path
+    from kvchat.app.models_page import BUILT_IN
+    from kvchat.engine.model.source import default_gguf_path
     from fakes import FakeLoader
     home = tmp_path / "home"
     home.mkdir()
@@ -291,7 +291,7 @@ def _darkest(image, rect) -> int:
 @pytest.fixture
 def styled(qapp):
     """The app's own style sheet, as kvchat runs (sizes and colours depend on it)."""
-    from app.main import load_style
+    from kvchat.app.main import load_style
     before = qapp.styleSheet()
     load_style(qapp)
     yield
@@ -321,7 +321,7 @@ def test_a_long_streamed_reply_shows_its_last_line(qtbot, styled):
     wants at its preferred, wider width: the last lines were cut)."""
     from PySide6.QtWidgets import QLabel
 
-    from app.chat_view import ChatView
+    from kvchat.app.chat_view import ChatView
     view = ChatView()
     qtbot.addWidget(view)
     view.resize(620, 500)
@@ -343,10 +343,10 @@ def test_a_long_streamed_reply_shows_its_last_line(qtbot, styled):
 def test_engine_errors_name_the_setting_by_its_label(qtbot):
     import re
 
-    from app.engine_text import engine_text
-    from app.settings_dialog import SettingsDialog
-    from app.settings_store import AppSettings
-    from engine.config import ConfigError
+    from kvchat.app.engine_text import engine_text
+    from kvchat.app.settings_dialog import SettingsDialog
+    from kvchat.app.settings_store import AppSettings
+    from kvchat.engine.config import ConfigError
     dialog = SettingsDialog(AppSettings())
     qtbot.addWidget(dialog)
     dialog.block_size.setValue(16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import Qt
 
-from engine.config import CacheConfig, SamplingParams
+from kvchat.engine.config import CacheConfig, SamplingParams
 from fakes import isolate_app, real_window, send
 
 pytestmark = pytest.mark.gui

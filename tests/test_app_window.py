@@ -10,7 +10,7 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
-from engine.config import CacheConfig, SamplingParams
+from kvchat.engine.config import CacheConfig, SamplingParams
 from fakes import FakeLoader, isolate_app, open_window
 
 pytestmark = pytest.mark.gui

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.gguf_writer import write_gguf_from_hf
-from engine.config import CacheConfig, EngineConfig, SamplingParams
-from engine.events import TurnFinished
-from engine.text.chat_format import chat_format_notice, encode_conversation
+from kvchat.bench.gguf_writer import write_gguf_from_hf
+from kvchat.engine.config import CacheConfig, EngineConfig, SamplingParams
+from kvchat.engine.events import TurnFinished
+from kvchat.engine.text.chat_format import chat_format_notice, encode_conversation
 from tiny_models import tiny_model_dir
 
 
@@ -26,7 +26,7 @@ def files(tmp_path_factory):
 
 
 def test_a_base_model_chats_as_plain_text(files):
-    from engine.runtime.engine import Engine
+    from kvchat.engine.runtime.engine import Engine
     base, chat = files
     engine = Engine.load(EngineConfig(model=str(base), cache=CacheConfig(budget_mb=64)))
     notice = engine.chat_format_notice
@@ -61,7 +61,7 @@ def test_the_plain_format_starts_with_bos_where_the_tokenizer_adds_one(files):
 def test_the_cli_prints_the_notice(files, capsys):
     """`kvchat chat --prompt` on a base model: the notice once on stderr (the one-shot path, which covers this
     file, and the engine's path alike); the reply on stdout."""
-    from engine.runtime import quick
+    from kvchat.engine.runtime import quick
     base, chat = files
     params = SamplingParams(temperature=0.0, max_new_tokens=3)
     assert quick.one_shot(str(base), "Hi", None, params) == 0
@@ -69,7 +69,7 @@ def test_the_cli_prints_the_notice(files, capsys):
     assert out.err.count("has no chat template") == 1 and out.out.endswith("\n")
     assert quick.one_shot(str(chat), "Hi", None, params) == 0
     assert "chat template" not in capsys.readouterr().err
-    from cli.terminal import build_parser, cmd_chat
+    from kvchat.cli.terminal import build_parser, cmd_chat
     args = build_parser(benches=False).parse_args(["chat", "--model", str(base), "--prompt", "Hi", "--seed", "1",
                                                    "--max-new-tokens", "3"])
     assert cmd_chat(args) == 0

@@ -3,7 +3,7 @@ equals the same request run alone): the real default model, packed GGUF weights,
 import pytest
 import torch
 
-from engine.config import CacheConfig
+from kvchat.engine.config import CacheConfig
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ def packed_engine(request, tmp_path_factory):
     GGUF, whose q/k norms run in the one-call step and in the forward's decode and prompt rows alike; and a tiny
     float folder (dense weights through MKL, whose rounding of a row depends on the row count below about 12 rows
     unless padded)."""
-    from engine import Engine, EngineConfig
+    from kvchat.engine import Engine, EngineConfig
     model = "default"
     if request.param.startswith("default"):
         engine = Engine.load(EngineConfig(prefill="bf16" if request.param.endswith("bf16") else "fp32"))
@@ -27,7 +27,7 @@ def packed_engine(request, tmp_path_factory):
         # a float folder: DenseLinear pads CPU calls under GEMM_MIN_ROWS rows, so MKL rounds every row alike
         return Engine.load(EngineConfig(model=request.getfixturevalue("tiny_llama")))
     if request.param == "qwen3":
-        from bench.gguf_writer import write_gguf_from_hf
+        from kvchat.bench.gguf_writer import write_gguf_from_hf
         from tiny_models import tiny_family_dir
         tmp = tmp_path_factory.mktemp("qwen3")
         model = str(write_gguf_from_hf(tiny_family_dir(tmp / "hf", "qwen3"), tmp / "qwen3.gguf", "Q8_0"))

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine import BudgetFull, CacheConfig, Engine, EngineConfig, SamplingParams
-from engine.events import TurnFinished
-from engine.kv.layout import MIB
+from kvchat.engine import BudgetFull, CacheConfig, Engine, EngineConfig, SamplingParams
+from kvchat.engine.events import TurnFinished
+from kvchat.engine.kv.layout import MIB
 from tiny_models import random_ids as _ids
 
 

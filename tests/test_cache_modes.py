@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig
-from engine.config import ConfigError
+from kvchat.engine import CacheConfig, Engine, EngineConfig
+from kvchat.engine.config import ConfigError
 from tiny_models import random_ids as _ids
-from kernels.formats import bytes_per_block
+from kvchat.kernels.formats import bytes_per_block
 
 FORMAT_PAIRS = [("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "int8"), ("fp8", "fp8"),
                 ("int4", "int4"), ("int8", "int4"), ("fp16", "int8")]
@@ -82,7 +82,7 @@ def test_bytes_held_equal_bytes_per_block_and_stats(engine, k_format, v_format):
 @pytest.mark.parametrize("fmt, limit", [("int8", 0.57), ("fp8", 0.571), ("int4", 0.35)])
 def test_bytes_per_token_against_fp16(engine, fmt, limit):
     """Page bytes per token (scales and zero points included) stay under their share of fp16."""
-    from bench.memory import measure
+    from kvchat.bench.memory import measure
     m = engine.model.config
     fp16 = measure(m, CacheConfig(k_format="fp16", v_format="fp16"), 64)
     quant = measure(m, CacheConfig(k_format=fmt, v_format=fmt), 64)
@@ -182,8 +182,8 @@ def test_token_and_block_steps_agree(engine):
 
 def test_default_model_int8_and_int4_agree_with_full_precision(default_engine):
     """On SmolLM2 over 256 tokens of the shipped prose: int8 top-1 >= 99%, int4 >= 90%."""
-    from engine.runtime.fidelity import compare_modes
-    from engine.text.samples import load_tokens
+    from kvchat.engine.runtime.fidelity import compare_modes
+    from kvchat.engine.text.samples import load_tokens
     ids = load_tokens(default_engine.tokenizer, "prose", 256)
     result = compare_modes(default_engine, ids, {"int8": CacheConfig(k_format="int8", v_format="int8"),
                                                  "int4": CacheConfig(k_format="int4", v_format="int4")}, step=16)
@@ -194,7 +194,7 @@ def test_default_model_int8_and_int4_agree_with_full_precision(default_engine):
 
 def test_centred_fp8_keys_err_relative_to_the_centred_value():
     """fp8 keys (centred on each channel's mid-range) err at most 2^-4 of |x - zero| plus fp16 rounding."""
-    from kernels import dequantize, page_format, quantize
+    from kvchat.kernels import dequantize, page_format, quantize
     fmt = page_format("fp8", "k")
     assert not fmt.symmetric and fmt.scale_axis == "channel"
     x = 4 * torch.randn(3, 16, 2, 64, generator=torch.Generator().manual_seed(1)) + 20 * torch.rand(1, 1, 2, 64)

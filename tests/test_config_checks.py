@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from cli.terminal import main as cli_main
-from engine.config import CacheConfig, ConfigError
-from engine.units import MIB
-from engine.kv.layout import check_cache_for_model, kv_layout
+from kvchat.cli.terminal import main as cli_main
+from kvchat.engine.config import CacheConfig, ConfigError
+from kvchat.engine.units import MIB
+from kvchat.engine.kv.layout import check_cache_for_model, kv_layout
 
 
 @pytest.mark.parametrize("changes, words", [

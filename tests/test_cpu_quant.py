@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_quant as cq
+from kvchat.kernels import cpu_quant as cq
 
 pytestmark = pytest.mark.skipif(not cq.available(), reason=f"C kernels unavailable: {cq.unavailable_reason()}")
 
@@ -193,7 +193,7 @@ def test_a_damaged_library_from_install_is_replaced_by_a_cached_build(tmp_path, 
     monkeypatch.setattr(cq.cpu_lib, "BUILT", built)
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
     # built in another process: this one must not have the file mapped when it is damaged
-    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from kernels import cpu_quant as c; "
+    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from kvchat.kernels import cpu_quant as c; "
                     "c._build(into=Path(sys.argv[1]))", str(built)], check=True, cwd=Path(cq.__file__).parents[1])
     (so,) = built.glob("cpu_quant-*.so")
     so.write_bytes(b"not a shared library")
@@ -206,8 +206,8 @@ def test_split_blocks_equals_numpy(monkeypatch):
     """GGUF blocks split by the C kernel (scales apart from codes) equal numpy's strided copies, into given buffers
     too, for Q4_0's 18-byte and Q8_0's 34-byte blocks."""
     import numpy as np
-    from engine.gguf.blocks import split_blocks
-    from kernels import cpu_lib
+    from kvchat.engine.gguf.blocks import split_blocks
+    from kvchat.kernels import cpu_lib
     rng = np.random.default_rng(0)
     for size, head in ((18, 2), (34, 2), (20, 4)):
         data = rng.integers(0, 256, (37, 12 * size), dtype=np.uint8)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.history import INTERRUPTED, HistoryStore
+from kvchat.app.history import INTERRUPTED, HistoryStore
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -21,7 +21,7 @@ ROOT = HERE.parent
 def start_child(mode: str, tmp_path: Path, **extra_env) -> subprocess.Popen:
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=str(tmp_path / "data"),
                KVCHAT_SETTINGS_FILE=str(tmp_path / "settings.ini"), KVCHAT_LOG_DIR=str(tmp_path / "logs"),
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]), **extra_env)
+               PYTHONPATH=str(HERE), **extra_env)
     return subprocess.Popen([sys.executable, str(HERE / "crash_child.py"), mode], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -99,10 +99,10 @@ def test_sigkill_during_live_cache_switches_loses_nothing(tmp_path, tiny_llama, 
     the last switch reported or the one in flight, and a restarted app resumes it in that mode and chats on."""
     import json
 
-    from app.history import cache_from_json
-    from app.settings_store import SettingsStore
+    from kvchat.app.history import cache_from_json
+    from kvchat.app.settings_store import SettingsStore
     from crash_child import FIRST_QUESTION, SWITCH_MODES
-    from engine.config import CacheConfig
+    from kvchat.engine.config import CacheConfig
 
     child = start_child("switch", tmp_path, KVCHAT_TEST_MODEL=tiny_llama)
     reply, switches = None, -1

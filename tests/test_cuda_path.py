@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from bench.gguf_writer import write_random_gguf
-from engine import CacheConfig, Engine, EngineConfig
+from kvchat import kernels
+from kvchat.bench.gguf_writer import write_random_gguf
+from kvchat.engine import CacheConfig, Engine, EngineConfig
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -120,7 +120,7 @@ def test_a_batched_step_on_the_gpu_path_equals_each_sequence_alone(tiny_gguf, mo
 
 def test_weights_stay_packed_on_the_gpu_path(tiny_gguf, monkeypatch):
     """Resident weight bytes on the GPU path are the CPU path's (packed), within 1.1x of the file's tensor bytes."""
-    from engine.gguf.file import GGUFFile
+    from kvchat.engine.gguf.file import GGUFFile
     gpu = gpu_engine(tiny_gguf, monkeypatch)
     gf = GGUFFile(tiny_gguf)
     file_bytes = sum(t.n_bytes for t in gf.tensors.values())

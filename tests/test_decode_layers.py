@@ -6,12 +6,12 @@ completes quantized after it)."""
 import pytest
 import torch
 
-from engine import Engine, EngineConfig
-from engine.config import CacheConfig
-from bench.gguf_writer import write_random_gguf
-from engine.model.transformer import Transformer
-from engine.runtime.backends.full_pages import kernel_covers
-from kernels import cpu_quant
+from kvchat.engine import Engine, EngineConfig
+from kvchat.engine.config import CacheConfig
+from kvchat.bench.gguf_writer import write_random_gguf
+from kvchat.engine.model.transformer import Transformer
+from kvchat.engine.runtime.backends.full_pages import kernel_covers
+from kvchat.kernels import cpu_quant
 
 TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_1", "Q6_K", "Q8_0")
 

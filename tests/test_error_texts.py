@@ -2,8 +2,8 @@
 no smaller format than the one in use, shorten the message when the message alone is too big."""
 import pytest
 
-from engine import BudgetFull, CacheConfig, Engine, EngineConfig
-from engine.kv.layout import MIB
+from kvchat.engine import BudgetFull, CacheConfig, Engine, EngineConfig
+from kvchat.engine.kv.layout import MIB
 from tiny_models import random_ids
 
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from cli.terminal import main as cli_main
-from engine.config import ConfigError
-from engine.plan.estimate import (FORMATS, GIB, MIB, estimate, largest_context, model_facts, parameter_count)
-from engine.plan.presets import preset
-from engine.kv.layout import kv_layout
-from engine.plan.estimate import cache_for
+from kvchat.cli.terminal import main as cli_main
+from kvchat.engine.config import ConfigError
+from kvchat.engine.plan.estimate import (FORMATS, GIB, MIB, estimate, largest_context, model_facts, parameter_count)
+from kvchat.engine.plan.presets import preset
+from kvchat.engine.kv.layout import kv_layout
+from kvchat.engine.plan.estimate import cache_for
 
 
 def test_seven_b_with_32_kv_heads_fp16_is_512_kib_per_token_and_1_gib_for_2048():
@@ -138,8 +138,8 @@ def test_estimate_equals_engine_bytes(tiny_engine, tiny_llama, fmt, block_size, 
 # --- one planner: the estimate, the loader's fit check and the loaded weights agree -------------------------
 
 def _fit_check_agrees(monkeypatch, facts, stored_dtype=""):
-    from engine.errors import ModelLoadError
-    from engine.plan import fit
+    from kvchat.engine.errors import ModelLoadError
+    from kvchat.engine.plan import fit
     plenty = estimate(facts, 1, formats=("int8",), memory_bytes=64 * GIB, device="cpu")
     assert plenty.margin_bytes == fit.margin_for(64 * GIB) == fit.RUNTIME_BYTES + int(fit.FREE_SHARE * 64 * GIB)
     assert plenty.weight_bytes + plenty.margin_bytes == fit.load_need(
@@ -176,7 +176,7 @@ def test_estimate_and_fit_check_agree_for_a_folder_and_hold_what_the_engine_load
 
 
 def test_fit_check_knows_what_each_weights_choice_holds():
-    from engine.plan.fit import resident_bytes
+    from kvchat.engine.plan.fit import resident_bytes
     mc = preset("smollm2-135m")
     params, packed = parameter_count(mc), 80 * MIB
     assert resident_bytes(mc, packed, "auto", "cpu") == packed                   # a GGUF kept packed

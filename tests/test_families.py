@@ -1,4 +1,4 @@
-"""engine.model.families is the one registry of architectures, its description is what a GGUF and a Hugging Face
+"""kvchat.engine.model.families is the one registry of architectures, its description is what a GGUF and a Hugging Face
 folder of one model both read as, and the one-shot sampler chooses as the engine's does."""
 from dataclasses import replace
 from pathlib import Path
@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from bench.gguf_writer import permute, write_gguf_from_hf
-from engine.config import SamplingParams
-from engine.errors import ModelLoadError
-from engine.gguf.file import GGUFFile
-from engine.model import families
-from engine.model.config import ModelConfig
-from engine.model.source import load_state_dict, read_config
-from engine.model.spec import LayerSpec, Rope
-from engine.model.weights import from_gguf, from_state_dict
-from engine.runtime.sampling import sample, sample_numpy
-from tests.tiny_models import tiny_model_dir
+from kvchat.bench.gguf_writer import permute, write_gguf_from_hf
+from kvchat.engine.config import SamplingParams
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model import families
+from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.model.source import load_state_dict, read_config
+from kvchat.engine.model.spec import LayerSpec, Rope
+from kvchat.engine.model.weights import from_gguf, from_state_dict
+from kvchat.engine.runtime.sampling import sample, sample_numpy
+from tiny_models import tiny_model_dir
 
 def test_unsupported_architecture_names_the_registry(tmp_path):
     """A config.json and a GGUF of an architecture outside the registry are refused with one message that lists
@@ -106,7 +106,7 @@ def test_numpy_and_torch_samplers_choose_alike():
 def test_the_forward_reads_the_description(tiny_engine):
     """The torch forward computes what the description says at the model level (embedding scale, final soft-cap)
     and refuses, naming the field, a layer it does not compute yet rather than running it as a Llama layer."""
-    from engine.model.transformer import Transformer
+    from kvchat.engine.model.transformer import Transformer
     m = tiny_engine.model
     c = m.config
 
@@ -130,8 +130,8 @@ def test_the_forward_reads_the_description(tiny_engine):
 
 def test_the_numpy_rope_twin_gives_the_torch_rope_values():
     """The one-shot path's RoPE rows (numpy, no torch) are the engine's, bit for bit, far into a long stream."""
-    from engine.model.rope import rope_cos_sin
-    from engine.model.spec import rope_cos_sin_numpy
+    from kvchat.engine.model.rope import rope_cos_sin
+    from kvchat.engine.model.spec import rope_cos_sin_numpy
     inv_freq = Rope(500000.0, ("llama3", 32.0, 1.0, 4.0, 8192)).frequencies(64)
     positions = np.array([0, 1, 2, 17, 1000, 8191, 8192, 65_535, 131_071])
     cos_np, sin_np = rope_cos_sin_numpy(positions, inv_freq)

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import ModelLoadError
-from engine.model.config import ModelConfig
-from engine.model.families import family
-from engine.model.rope import rope_cos_sin, rotate
-from engine.model.source import load_state_dict, locate, read_config, transformers_reference
-from engine.model.spec import LayerSpec
-from engine.model.transformer import Transformer
-from engine.model.weights import from_state_dict
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.model.families import family
+from kvchat.engine.model.rope import rope_cos_sin, rotate
+from kvchat.engine.model.source import load_state_dict, locate, read_config, transformers_reference
+from kvchat.engine.model.spec import LayerSpec
+from kvchat.engine.model.transformer import Transformer
+from kvchat.engine.model.weights import from_state_dict
 from tiny_models import tiny_family_dir
 
 PROMPT = 48            # three times the tiny models' window of 16
@@ -90,8 +90,8 @@ def test_dense_forward_matches_transformers(tmp_path, case):
 def test_the_engine_matches_transformers(tmp_path, case):
     """The same prompt through the engine itself (its paged fp32 cache and its own attention: windows, caps, scales,
     a rope per layer), weights="dense": within 1e-3 of the largest logit of transformers' model."""
-    from engine import Engine, EngineConfig
-    from engine.config import CacheConfig
+    from kvchat.engine import Engine, EngineConfig
+    from kvchat.engine.config import CacheConfig
     folder = tiny_family_dir(tmp_path / case, case.split("-")[0], **CASES[case])
     ids = torch.randint(3, 320, (PROMPT,), generator=torch.Generator().manual_seed(1))
     fp32 = CacheConfig(k_format="fp32", v_format="fp32")

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from bench.gguf_writer import PRESETS, ModelShape, write_gguf_from_hf, write_random_gguf
-from engine.errors import ModelLoadError
-from engine.gguf.file import GGUFFile
-from engine.model.config import ModelConfig
-from engine.model.source import read_config
-from engine.model.transformer import Transformer
-from engine.model.weights import from_gguf
+from kvchat.bench.gguf_writer import PRESETS, ModelShape, write_gguf_from_hf, write_random_gguf
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.model.source import read_config
+from kvchat.engine.model.transformer import Transformer
+from kvchat.engine.model.weights import from_gguf
 from test_family_forward import PROMPT, exact_attention, load_dense
 from tiny_models import tiny_family_dir
 
@@ -98,7 +98,7 @@ def test_packed_gguf_loads_and_runs(tmp_path, case, qtype):
 def test_gemma_norms_are_stored_as_llama_cpp_stores_them(tmp_path):
     """The file holds 1 + w for every Gemma norm (q / k norms included), w for every other family: read raw."""
     folder, path = _folder_and_gguf(tmp_path, "gemma3")
-    from engine.model.source import load_state_dict
+    from kvchat.engine.model.source import load_state_dict
     state = load_state_dict(Path(folder))
     gf = GGUFFile(path)
     for hf, gguf in (("model.layers.0.self_attn.q_norm.weight", "blk.0.attn_q_norm.weight"),
@@ -158,7 +158,7 @@ def _header_only(path: Path, arch: str, extra: dict[str, int]) -> Path:
 def test_mixture_of_experts_refused_before_the_tensors(tmp_path, arch, extra, named):
     """An MoE GGUF (its own arch, or Mixtral's: llama with experts) is refused naming it and the supported list,
     before any tensor is looked at: this file's tensor runs past its end, which would be another message."""
-    from engine.model.families import supported
+    from kvchat.engine.model.families import supported
     with pytest.raises(ModelLoadError) as info:
         GGUFFile(_header_only(tmp_path / "moe.gguf", arch, extra))
     text = str(info.value)
@@ -199,7 +199,7 @@ def test_preset_vocabulary_padded_to_the_real_one(tmp_path):
 
 
 def test_unknown_preset_is_named(tmp_path):
-    from bench.gguf_writer import bench_model_path
+    from kvchat.bench.gguf_writer import bench_model_path
     with pytest.raises(ValueError, match="unknown preset 'gemma-9': one of .*gemma-3-1b"):
         bench_model_path("gemma-9", "Q8_0")
 
@@ -209,7 +209,7 @@ def test_llama_cpp_reads_our_files_as_we_do(tmp_path, case):
     """llama.cpp's own reading of our F32 GGUFs (names, metadata, Gemma's stored norms, Phi-3's fused tensors and
     rope factors) gives our logits, its KV cache in F32 so that nothing is rounded on its side."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    from engine.model.spec import Rope
+    from kvchat.engine.model.spec import Rope
     _, path = _folder_and_gguf(tmp_path, case)
     ids = _ids()
     ours = load_gguf(path)
@@ -234,7 +234,7 @@ def test_llama_cpp_reads_our_files_as_we_do(tmp_path, case):
 def test_weight_fidelity_bench_on_family_files(tmp_path, case):
     """bench quality --weight-fidelity on a family's file as on Llama's (test_gguf_weights): requantized by gguf
     into Q4_0 with its metadata kept, the engine's packed decode agrees with its dense fp32 one."""
-    from bench.weights import checks, fidelity, requantize_gguf
+    from kvchat.bench.weights import checks, fidelity, requantize_gguf
     _, path = _folder_and_gguf(tmp_path, case)
     out = requantize_gguf(path, tmp_path / f"{case}-q4.gguf", "Q4_0")
     gf = GGUFFile(out)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from bench.gguf_writer import write_gguf_from_hf
-from cli.main import main
-from engine import Engine, EngineConfig, SamplingParams
-from engine.runtime import quick
-from kernels import cpu_quant
+from kvchat.bench.gguf_writer import write_gguf_from_hf
+from kvchat.cli.main import main
+from kvchat.engine import Engine, EngineConfig, SamplingParams
+from kvchat.engine.runtime import quick
+from kvchat.kernels import cpu_quant
 from tiny_models import tiny_family_dir
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="C kernels unavailable")

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import gguf_mutants as gm
-from engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir
-from kernels import cpu_lib
+from kvchat.engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir
+from kvchat.kernels import cpu_lib
 
 pytestmark = pytest.mark.skipif(cpu_lib.library() is None, reason="C kernels unavailable")
 
@@ -89,7 +89,7 @@ class Child:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_child.py")], cwd=ROOT, text=True,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.proc.stdin.write(json.dumps({"args": [*ARGS, "--model", str(path)], "env": PATHS[which]}) + "\n")
         self.proc.stdin.flush()
         ready, _, _ = select.select([self.proc.stdout], [], [], 180)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from gguf import GGUFValueType, GGUFWriter
 
-from engine.gguf.file import GGUFFile
-from engine.gguf.tokenizer import PRE_SPLITS, NotCovered, byte_alphabet, check_covered, write_folder
-from engine.model.source import default_gguf_path
-from engine.text.tokenizer_cache import _tokenizer_from_gguf, gguf_tokenizer
-from engine.errors import ModelLoadError
-from engine.text.tokenizer import ChatTokenizer
+from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.gguf.tokenizer import PRE_SPLITS, NotCovered, byte_alphabet, check_covered, write_folder
+from kvchat.engine.model.source import default_gguf_path
+from kvchat.engine.text.tokenizer_cache import _tokenizer_from_gguf, gguf_tokenizer
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.text.tokenizer import ChatTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def assert_same_behaviour(tok: ChatTokenizer, ref, corpus=CORPUS, chats=CHATS, s
 
 @pytest.fixture(scope="module")
 def tiny_ggufs(tmp_path_factory):
-    from bench.gguf_writer import write_random_gguf
+    from kvchat.bench.gguf_writer import write_random_gguf
     folder = tmp_path_factory.mktemp("tiny")
     return [write_random_gguf(folder / f"tiny-{seed}.gguf", "tiny", "Q8_0", seed=seed) for seed in (0, 3)]
 
@@ -230,7 +230,7 @@ def test_splits_differ_by_family(vocab_fields, tmp_path):
 # ---- what falls back, what is refused -----------------------------------------------------------------------
 
 def test_uncovered_kinds_fall_back_to_transformers(vocab_fields, tmp_path, monkeypatch):
-    import engine.text.tokenizer_cache as loader
+    import kvchat.engine.text.tokenizer_cache as loader
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
     real = loader._tokenizer_from_gguf
     for pre in ("tekken", "some-future-model"):
@@ -272,15 +272,15 @@ def test_damaged_metadata_is_a_clear_error(changes, message, vocab_fields, tmp_p
 @pytest.mark.slow
 def test_first_start_with_default_model_does_not_import_transformers(tmp_path):
     code = ("import sys, time\n"
-            "from engine.model.source import locate\n"
-            "from engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir\n"
+            "from kvchat.engine.model.source import locate\n"
+            "from kvchat.engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir\n"
             "path = locate('default').path\n"
             "assert not gguf_tokenizer_dir(path).exists()\n"
             "tok = gguf_tokenizer(path)\n"
             "assert gguf_tokenizer_dir(path).is_dir()\n"
             "assert tok.encode('<|im_start|>user', add_special_tokens=False)[0] == 1\n"
             "print(sorted(m for m in sys.modules if m == 'transformers' or m.startswith('transformers.')))\n")
-    env = dict(os.environ, KVCHAT_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, KVCHAT_CACHE_DIR=str(tmp_path / "cache"))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, ModelLoadError
-from engine.gguf.file import GGUFFile
-from bench.gguf_writer import write_random_gguf
-from engine.plan.fit import check_fits
-from engine.model.config import ModelConfig
+from kvchat.engine import Engine, EngineConfig, ModelLoadError
+from kvchat.engine.gguf.file import GGUFFile
+from kvchat.bench.gguf_writer import write_random_gguf
+from kvchat.engine.plan.fit import check_fits
+from kvchat.engine.model.config import ModelConfig
 
-from engine.config import CacheConfig as _CacheConfig
+from kvchat.engine.config import CacheConfig as _CacheConfig
 
 FP32_CACHE = _CacheConfig(k_format="fp32", v_format="fp32")   # exact comparisons need the 32-bit cache
 
@@ -75,7 +75,7 @@ def test_resident_bytes_close_to_file(tiny_ggufs, kind):
 
 def test_gguf_matches_transformers(tiny_ggufs):
     """Our dense read of a GGUF (names, q/k row order, tied head) matches transformers' own GGUF loader."""
-    from engine.runtime.engine import load_transformers_reference
+    from kvchat.engine.runtime.engine import load_transformers_reference
     path = tiny_ggufs["Q8_0"]
     ref = load_transformers_reference(path)
     ids = list(range(100, 140))
@@ -127,7 +127,7 @@ def test_gguf_metadata_read_without_gguf_reader(tiny_ggufs):
 def test_weight_fidelity_bench_on_requantized_file(tiny_ggufs, tmp_path):
     """bench quality --weight-fidelity: a file requantized by gguf into Q4_0 keeps its metadata, and packed
     decode agrees with dense fp32 on it."""
-    from bench.weights import fidelity, requantize_gguf
+    from kvchat.bench.weights import fidelity, requantize_gguf
     out = requantize_gguf(GGUFFile(tiny_ggufs["Q8_0"]).path, tmp_path / "q4.gguf", "Q4_0")
     gf = GGUFFile(out)
     assert gf.type_name("blk.0.attn_q.weight") == "Q4_0" and gf.hf_config()["num_hidden_layers"] == 2

@@ -5,8 +5,8 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K, dequantize
 
-from bench.gguf_quant import quantize, quantize_q4_k, quantize_q6_k
-from bench.gguf_writer import bench_model_path, write_random_gguf
+from kvchat.bench.gguf_quant import quantize, quantize_q4_k, quantize_q6_k
+from kvchat.bench.gguf_writer import bench_model_path, write_random_gguf
 
 
 def _rows() -> np.ndarray:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import Qt
 
-from app.history import INTERRUPTED, STREAMING, HistoryError, HistoryStore
-from engine.config import CacheConfig, SamplingParams
+from kvchat.app.history import INTERRUPTED, STREAMING, HistoryError, HistoryStore
+from kvchat.engine.config import CacheConfig, SamplingParams
 from fakes import FakeLoader, isolate_app, open_window
 
 pytestmark = pytest.mark.gui
@@ -99,7 +99,7 @@ def test_unreadable_database_is_moved_aside(tmp_path):
 
 def _run_as_nobody(code: str, folder: Path) -> subprocess.CompletedProcess:
     """Run code in a child that drops to uid 'nobody' after its imports (root ignores file modes)."""
-    prelude = "import os, sys\nsys.path[:0] = [%r]\nfrom app.history import *\nfrom engine.config import CacheConfig\n" % str(ROOT)
+    prelude = "import os, sys\nfrom kvchat.app.history import *\nfrom kvchat.engine.config import CacheConfig\n"
     if os.geteuid() == 0:
         prelude += "os.setgid(65534); os.setuid(65534)\n"
     folder.chmod(0o777)
@@ -221,7 +221,7 @@ def test_refused_later_turn_keeps_the_earlier_ones_only(qtbot):
 
 def test_refused_turn_with_the_real_engine_is_not_saved(qtbot, tiny_llama):
     """The same with the real engine on a tiny model: a prompt over the KV budget is refused and not persisted."""
-    from engine import Engine
+    from kvchat.engine import Engine
 
     def loader(config, progress):
         return Engine.load(config, progress=progress)
@@ -243,7 +243,7 @@ def test_resumed_chat_drops_trailing_unanswered_messages_with_a_notice(qtbot, tm
     for role, text in (("user", "q1"), ("assistant", "a1"), ("user", "refused 1"), ("user", "refused 2")):
         store.add_message(cid, role, text)
     store.close()
-    from app.settings_store import SettingsStore
+    from kvchat.app.settings_store import SettingsStore
     SettingsStore().set_last_conversation(cid)
     loader = FakeLoader()
     window = ready_window(qtbot, loader)
@@ -280,7 +280,7 @@ def test_interrupted_reply_is_kept_and_marked_in_the_chat(qtbot, tmp_path):
     cid = store.create("chat", CacheConfig())
     store.add_turn(cid, [("user", "q", "done"), ("assistant", "half an ans", STREAMING)])
     store.close()
-    from app.settings_store import SettingsStore
+    from kvchat.app.settings_store import SettingsStore
     SettingsStore().set_last_conversation(cid)
     window = open_window(qtbot, FakeLoader(), autoload=False)
     assert window.history.entries(cid)[1].state == INTERRUPTED

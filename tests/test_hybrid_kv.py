@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig
-from engine.config import ConfigError
-from engine.kv.layout import conversation_bytes, kv_layout, layer_windows, window_peak_bytes
-from engine.model.source import locate, transformers_reference
+from kvchat.engine import CacheConfig, Engine, EngineConfig
+from kvchat.engine.config import ConfigError
+from kvchat.engine.kv.layout import conversation_bytes, kv_layout, layer_windows, window_peak_bytes
+from kvchat.engine.model.source import locate, transformers_reference
 from tiny_models import tiny_family_dir
 
 WINDOW = 16
@@ -281,8 +281,8 @@ def test_sliding_pages_stay_at_their_window(tmp_path):
 def test_each_group_has_its_own_block_ids():
     """The manager alone: two groups' sequences both count their ids from 0, one budget holds both, and room is
     made from the least recently freed prefix block over the groups' pools."""
-    from engine.kv.layout import KVLayout, WindowGeometry
-    from engine.kv.manager import KVCacheManager
+    from kvchat.engine.kv.layout import KVLayout, WindowGeometry
+    from kvchat.engine.kv.manager import KVCacheManager
     full = kv_layout(SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16),
                      CacheConfig(k_format="fp16", v_format="fp16", block_size=4), "fp32", "cpu")
     glob, slide = (KVLayout(1, 2, 16, 4, full.full_dtype, (full.formats[i],), (i,)) for i in (0, 1))

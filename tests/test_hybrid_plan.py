@@ -12,12 +12,12 @@ import itertools
 
 import pytest
 
-from engine.config import CacheConfig
-from engine.events import LayerBytes, MemoryProbe, StatsSnapshot
-from engine.kv.layout import conversation_bytes, kv_layout, layer_window_bytes, max_conversation_tokens
-from engine.model.config import ModelConfig
-from engine.plan.estimate import ModelFacts, cache_for, describe_windows, estimate, model_facts, window_counts
-from engine.units import GIB, MIB
+from kvchat.engine.config import CacheConfig
+from kvchat.engine.events import LayerBytes, MemoryProbe, StatsSnapshot
+from kvchat.engine.kv.layout import conversation_bytes, kv_layout, layer_window_bytes, max_conversation_tokens
+from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.plan.estimate import ModelFacts, cache_for, describe_windows, estimate, model_facts, window_counts
+from kvchat.engine.units import GIB, MIB
 
 WINDOW = 64
 
@@ -42,8 +42,8 @@ CASES = list(itertools.product(("fp16", "int8", "int4", "int4/int8"), (1, 16), (
 
 @pytest.mark.parametrize("fmt, block_size, window, tokens", CASES)
 def test_estimate_plan_and_lengths_size_a_hybrid_conversation_as_the_layout_does(fmt, block_size, window, tokens):
-    from app.lengths_data import ConversationBytes
-    from app.plan_panel import plan_bars
+    from kvchat.app.lengths_data import ConversationBytes
+    from kvchat.app.plan_panel import plan_bars
     mc = gemma_shaped()
     cache = cache_for(fmt, block_size, window, sinks=4)
     expected = conversation_bytes(mc, cache, tokens, "fp32", "cpu")
@@ -131,7 +131,7 @@ def hybrid_snapshot(held: int = 300) -> StatsSnapshot:
 @pytest.mark.gui
 def test_dashboard_marks_sliding_layers_and_draws_their_window(qtbot):
     from PySide6.QtCore import Qt
-    from app.dashboard import Dashboard
+    from kvchat.app.dashboard import Dashboard
     dash = Dashboard()
     qtbot.addWidget(dash)
     snap = hybrid_snapshot()
@@ -157,7 +157,7 @@ def test_dashboard_marks_sliding_layers_and_draws_their_window(qtbot):
 
 
 def test_status_line_names_the_family_and_its_layers():
-    from app.engine_facts import family_text
+    from kvchat.app.engine_facts import family_text
     assert family_text(gemma_shaped()) == "llama · 12 layers (10 sliding 64 + 2 global)"
     assert family_text(dataclasses.replace(gemma_shaped(), layers=gemma_shaped().layers[5:6] * 12)) == \
         "llama · 12 layers"
@@ -198,7 +198,7 @@ def test_phi_4_mini_preset_counts_its_published_parameters():
 
 @pytest.mark.gui
 def test_plan_page_says_which_layers_slide_and_sizes_them_by_the_hybrid_arithmetic(qtbot):
-    from app.plan_panel import PlanPanel
+    from kvchat.app.plan_panel import PlanPanel
     panel = PlanPanel()
     qtbot.addWidget(panel)
     mc = gemma_shaped()
@@ -219,7 +219,7 @@ def test_plan_page_says_which_layers_slide_and_sizes_them_by_the_hybrid_arithmet
 
 @pytest.fixture(scope="module")
 def tiny_gemma3_engine(tmp_path_factory):
-    from engine import Engine, EngineConfig
+    from kvchat.engine import Engine, EngineConfig
     from tiny_models import tiny_family_dir
     folder = tiny_family_dir(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3")     # 5 sliding (window 16) + 1 global
     return Engine.load(EngineConfig(model=folder)), folder
@@ -246,8 +246,8 @@ def test_estimate_equals_what_a_hybrid_engine_holds(tiny_gemma3_engine, fmt, blo
 # --- the app with the real engine: the status line names the family; a base model says so -----------------------
 
 def _window_on(qtbot, monkeypatch, tmp_path, model: str):
-    from app.settings_store import SettingsStore
-    from app.worker import _default_loader
+    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.worker import _default_loader
     from fakes import isolate_app, open_window
     isolate_app(monkeypatch, tmp_path)
     store = SettingsStore()

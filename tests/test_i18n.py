@@ -90,7 +90,7 @@ def test_committed_qm_translates_every_message_as_the_ts_says(tmp_path):
 def test_language_choice_resolves_system_locale_and_override(monkeypatch):
     from PySide6.QtCore import QLocale
 
-    from app.i18n import resolve
+    from kvchat.app.i18n import resolve
     assert resolve("system", QLocale(QLocale.Language.Chinese, QLocale.Country.China)) == "zh_CN"
     assert resolve("system", QLocale(QLocale.Language.Chinese, QLocale.Country.Taiwan)) == "zh_CN"
     assert resolve("system", QLocale(QLocale.Language.German, QLocale.Country.Germany)) == "en"
@@ -101,8 +101,8 @@ def test_language_choice_resolves_system_locale_and_override(monkeypatch):
 
 def test_language_is_saved_and_offered_in_settings(qtbot, monkeypatch, tmp_path):
     isolate_app(monkeypatch, tmp_path)
-    from app.settings_dialog import SettingsDialog
-    from app.settings_store import AppSettings, SettingsStore
+    from kvchat.app.settings_dialog import SettingsDialog
+    from kvchat.app.settings_store import AppSettings, SettingsStore
     store = SettingsStore()
     assert store.language() == "system"
     dialog = SettingsDialog(AppSettings(), language="zh_CN")
@@ -204,7 +204,7 @@ def chinese(qtbot, monkeypatch, tmp_path):
     monkeypatch.setenv("KVCHAT_LANG", "zh_CN")
     from PySide6.QtWidgets import QApplication
 
-    from app import i18n
+    from kvchat.app import i18n
     app = QApplication.instance()
     assert i18n.install(app, "en") == "zh_CN"          # the override wins over the saved choice
     yield app
@@ -215,9 +215,9 @@ def chinese(qtbot, monkeypatch, tmp_path):
 
 @pytest.mark.gui
 def test_chinese_window_dialogs_and_pages_show_no_english(chinese, qtbot):
-    from app.about import AboutDialog
-    from app.models_page import ModelsDialog
-    from engine.plan.library import ModelEntry
+    from kvchat.app.about import AboutDialog
+    from kvchat.app.models_page import ModelsDialog
+    from kvchat.engine.plan.library import ModelEntry
 
     window = open_window(qtbot, FakeLoader(), autoload=False)
     window.load_engine()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import cpu_lib
+from kvchat.kernels import cpu_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(cpu_lib.library() is None, reason=f"C kernels unavailable: {cpu_lib.library_error()}")
@@ -52,7 +52,7 @@ def test_a_build_is_named_for_its_variant_not_for_this_machine():
 
 def test_an_unknown_forced_variant_is_refused_in_one_line():
     env = dict(os.environ, KVCHAT_CPU_VARIANT="sse9")
-    code = "from kernels import cpu_lib; print(cpu_lib.library() is None, cpu_lib.library_error())"
+    code = "from kvchat.kernels import cpu_lib; print(cpu_lib.library() is None, cpu_lib.library_error())"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.startswith("True KVCHAT_CPU_VARIANT='sse9': this machine's variants are"), out.stdout
     beyond = [v for v in cpu_lib.variants() if v not in cpu_lib.runnable_variants()]
@@ -91,7 +91,7 @@ def test_each_variant_gives_the_kernels_the_same_numbers(variant_lib):
     bit for bit everywhere; the SIMD variants' matvec equals the chosen variant's (one order of operations, no
     contraction); the baseline's scalar sums run in another order, so it is held to the torch reference."""
     import torch
-    from kernels import cpu_quant
+    from kvchat.kernels import cpu_quant
     from test_cpu_quant import _q4
     name, lib = variant_lib
     codes, scale, zero = _q4(96, 256)
@@ -112,7 +112,7 @@ def test_each_variant_gives_the_kernels_the_same_numbers(variant_lib):
 
 
 def _with_lib(lib, fn):
-    from kernels import cpu_quant
+    from kvchat.kernels import cpu_quant
     old = cpu_quant._lib
     try:
         cpu_quant._lib = lib
@@ -128,7 +128,7 @@ def test_the_simd_variants_give_the_same_bits_for_every_row_count_and_format(var
     zeros, q8 in groups of 32 and 16, with and without zeros; and a row's result is the same alone as in a call
     of several rows (what batch invariance in serving rests on)."""
     import torch
-    from kernels import cpu_quant
+    from kvchat.kernels import cpu_quant
     from test_cpu_quant import _q4, _q8
     name, lib = variant_lib
     if name == "baseline":
@@ -198,20 +198,20 @@ def test_the_baseline_build_is_said_not_silent():
     """Forced (or on a CPU without AVX2), the baseline build decodes about 2.5x slower: the status line and `kvchat doctor`
     say so; doctor names the variant, why, the build and the CPU's features."""
     env = dict(os.environ, KVCHAT_CPU_VARIANT="baseline")
-    code = "from engine.runtime.engine import kernel_status; print(kernel_status('cpu'))"
+    code = "from kvchat.engine.runtime.engine import kernel_status; print(kernel_status('cpu'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "C kernels: the baseline x86-64 build (without AVX2, FMA and F16C), several times slower"
-    doctor = subprocess.run([sys.executable, "-m", "cli.main", "doctor"], env=env, cwd=ROOT, capture_output=True,
+    doctor = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "doctor"], env=env, cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout
     assert "kernels    baseline build: chosen by KVCHAT_CPU_VARIANT" in doctor and "isa=base" in doctor
-    chosen = subprocess.run([sys.executable, "-m", "cli.main", "doctor", "--json"], cwd=ROOT, capture_output=True,
+    chosen = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "doctor", "--json"], cwd=ROOT, capture_output=True,
                             text=True, check=True, env={k: v for k, v in os.environ.items()
                                                         if k != "KVCHAT_CPU_VARIANT"}).stdout
     import json
     report = json.loads(chosen)
     assert report["kernels"]["variant"] == cpu_lib.runnable_variants()[0]
     assert report["kernels"]["cpu_features"] == sorted(cpu_lib.cpu_features()) and report["device"] == "cpu"
-    off = subprocess.run([sys.executable, "-m", "cli.main", "doctor"], cwd=ROOT, capture_output=True, text=True,
+    off = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "doctor"], cwd=ROOT, capture_output=True, text=True,
                          check=True, env=dict(os.environ, KVCHAT_NO_CPU_KERNELS="1")).stdout
     assert "kernels    none: disabled by KVCHAT_NO_CPU_KERNELS; running torch's kernels" in off
     assert "note       C kernels not loaded" in off
@@ -241,7 +241,7 @@ def test_the_aarch64_build_equals_the_references_under_qemu(tmp_path):
     qemu-user, gives the torch references' numbers: dequantization bit for bit, every half, the matvecs and the
     decode attention within float32 rounding."""
     import torch
-    from kernels import cpu_quant as cq
+    from kvchat.kernels import cpu_quant as cq
     cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
     if not (cc and qemu):
         pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu qemu-user)")

@@ -19,11 +19,11 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 import pytest  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.formats import PageFormat, page_format  # noqa: E402
+from kvchat.kernels import reference  # noqa: E402
+from kvchat.kernels.formats import PageFormat, page_format  # noqa: E402
 
 try:
-    from kernels import triton_store
+    from kvchat.kernels import triton_store
     _TRITON_ERROR = None
 except Exception as exc:  # triton missing, or unusable in this process
     triton_store = None
@@ -89,7 +89,7 @@ def test_store_rounds_half_to_even(name):
 
 def test_import_kernels_needs_no_triton():
     """`import kernels` neither imports triton nor needs it; without triton the CPU path still runs."""
-    code = ("import sys; import kernels; assert 'triton' not in sys.modules, 'triton imported eagerly'; "
+    code = ("import sys; from kvchat import kernels; assert 'triton' not in sys.modules, 'triton imported eagerly'; "
             "sys.modules['triton'] = None; kernels.triton_available.cache_clear(); "
             "assert not kernels.triton_available(); "
             "import torch; f = kernels.page_format('int8', 'v'); s = f.shapes(4, 1, 8); "

@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig, SamplingParams
-from engine.kv.layout import MIB
+from kvchat.engine import CacheConfig, Engine, EngineConfig, SamplingParams
+from kvchat.engine.kv.layout import MIB
 from tiny_models import random_ids as _ids
 
 FP32 = dict(k_format="fp32", v_format="fp32")
@@ -78,7 +78,7 @@ def test_quantized_truncate_within_the_unquantized_block_only(engine):
     s.append(_ids(engine, 40, seed=3))
     s.truncate(5)
     assert s.seq.num_tokens == 35
-    from engine import ConfigError
+    from kvchat.engine import ConfigError
     with pytest.raises(ConfigError, match="last, unquantized block"):
         s.truncate(10)
 

@@ -1,9 +1,9 @@
 """The KV manager without torch: exact block ids, reference counts, prefix index, budget, fork, truncate."""
 import pytest
 
-from engine.config import CacheConfig
-from engine.kv.layout import WindowGeometry, kv_layout
-from engine.kv.manager import BlockPool, KVCacheManager, NoFreeBlocks
+from kvchat.engine.config import CacheConfig
+from kvchat.engine.kv.layout import WindowGeometry, kv_layout
+from kvchat.engine.kv.manager import BlockPool, KVCacheManager, NoFreeBlocks
 from types import SimpleNamespace
 
 MODEL = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16)      # all a layout reads of a model

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from engine.plan.estimate import model_facts_from, parameter_count
-from engine.kv.layout import kv_layout
-from engine.plan.estimate import cache_for, largest_context, margin_for
-from engine.plan.library import FIT_FORMATS, loadable_path, peer_locations, scan
+from kvchat.engine.plan.estimate import model_facts_from, parameter_count
+from kvchat.engine.kv.layout import kv_layout
+from kvchat.engine.plan.estimate import cache_for, largest_context, margin_for
+from kvchat.engine.plan.library import FIT_FORMATS, loadable_path, peer_locations, scan
 
 GIB = 2**30
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    from bench.gguf_writer import write_random_gguf
+    from kvchat.bench.gguf_writer import write_random_gguf
     return write_random_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf", "tiny", "Q8_0")
 
 
@@ -143,7 +143,7 @@ def test_bad_files_are_listed_with_the_reason(home, tmp_path):
 
 
 def test_ollama_blob_loads_through_a_named_link(home, tiny_gguf, tmp_path):
-    from engine.runtime.engine import read_model_config
+    from kvchat.engine.runtime.engine import read_model_config
     _ollama(home / ".ollama" / "models", tiny_gguf, "tiny", "q8", namespace="someone")
     (entry,) = [e for e in scan(memory_bytes=GIB) if e.source == "Ollama"]
     assert entry.name == "someone/tiny:q8"

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from engine import Engine, EngineConfig, ModelLoadError
-from engine.model.source import default_gguf_path, locate
+from kvchat.engine import Engine, EngineConfig, ModelLoadError
+from kvchat.engine.model.source import default_gguf_path, locate
 from tiny_models import tiny_model_dir, write_bad_folder
 
 
@@ -68,7 +68,7 @@ def test_corrupt_safetensors_and_gguf(tmp_path):
 
 def test_config_errors_are_actionable():
     """Impossible cache settings name the setting and what to do."""
-    from engine import CacheConfig, ConfigError
+    from kvchat.engine import CacheConfig, ConfigError
     with pytest.raises(ConfigError, match="block_size"):
         CacheConfig(block_size=0)
     with pytest.raises(ConfigError, match="window"):
@@ -79,7 +79,7 @@ def test_config_errors_are_actionable():
 
 def test_budget_too_small_for_one_block(tiny_llama):
     """A budget that cannot hold one block is refused at session creation with advice."""
-    from engine import CacheConfig, ConfigError
+    from kvchat.engine import CacheConfig, ConfigError
     engine = Engine.load(EngineConfig(model=tiny_llama))
     with pytest.raises(ConfigError, match="raise the budget"):
         engine.new_session(cache=CacheConfig(budget_mb=1e-6))
@@ -88,7 +88,7 @@ def test_budget_too_small_for_one_block(tiny_llama):
 @pytest.mark.slow
 def test_cli_prompt_answers_paris():
     """`kvchat chat --prompt ... --temperature 0` prints one reply with Paris and exits 0."""
-    out = subprocess.run([sys.executable, "-m", "cli.main", "chat", "--prompt", "What is the capital of France?",
+    out = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "chat", "--prompt", "What is the capital of France?",
                           "--temperature", "0", "--max-new-tokens", "24"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

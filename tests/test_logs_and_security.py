@@ -14,8 +14,8 @@ import psutil
 import pytest
 from PySide6.QtWidgets import QApplication, QMessageBox
 
-from app import logs
-from engine.config import SamplingParams
+from kvchat.app import logs
+from kvchat.engine.config import SamplingParams
 from fakes import FakeLoader, isolate_app, open_window
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ def log_setup(monkeypatch, tmp_path):
 
 def test_version_prints_the_package_version():
     """`kvchat --version` prints the version from pyproject without starting the app."""
-    out = subprocess.run([sys.executable, "-m", "cli.main", "--version"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "--version"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert out.returncode == 0 and out.stdout.strip() == f"kvchat {expected}"

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from engine import Engine, EngineConfig
+from kvchat.engine import Engine, EngineConfig
 from tiny_models import tiny_model_dir
 
-from engine.config import CacheConfig as _CacheConfig
+from kvchat.engine.config import CacheConfig as _CacheConfig
 
 FP32_CACHE = _CacheConfig(k_format="fp32", v_format="fp32")   # exact comparisons need the 32-bit cache
 
@@ -37,7 +37,7 @@ def test_tiny_logits_match_transformers(tmp_path, case):
 
 @pytest.fixture(scope="module")
 def hf_default():
-    from engine.runtime.engine import load_transformers_reference
+    from kvchat.engine.runtime.engine import load_transformers_reference
     return load_transformers_reference("default")
 
 
@@ -79,7 +79,7 @@ def test_greedy_matches_transformers_generate(default_engine, hf_default):
 @pytest.mark.slow
 def test_packed_gguf_weights_track_dense(default_engine):
     """weights=auto keeps the GGUF's blocks packed (Q4_1 codes, Q8_0 head); decode and prefill track dense fp32."""
-    from engine.text.samples import load_tokens
+    from kvchat.engine.text.samples import load_tokens
     fast = Engine.load(EngineConfig(model="default", prefill="fp32"))       # the exact prompt path on every CPU
     assert fast.model.weights == "gguf" and default_engine.model.weights == "dense"
     assert fast.model.linear_kinds() == {"q4": 120, "q8": 1}

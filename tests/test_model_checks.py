@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
-from bench.gguf_writer import write_random_gguf
-from engine.model.source import locate, transformers_reference
-from engine.text.tokenizer_cache import load_tokenizer
+from kvchat.engine import Engine, EngineConfig, ModelLoadError, SamplingParams
+from kvchat.bench.gguf_writer import write_random_gguf
+from kvchat.engine.model.source import locate, transformers_reference
+from kvchat.engine.text.tokenizer_cache import load_tokenizer
 EVIL = """
 from pathlib import Path
 Path(__file__).with_name("RAN").write_text("code from the model folder ran")
@@ -127,7 +127,7 @@ def test_auto_map_beside_a_gguf_never_runs(tiny_gguf, tmp_path, monkeypatch):
     shutil.copy(tiny_gguf, folder / "tiny.gguf")
     plant_auto_map(folder)
     monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("transformers asked to run custom code"))
-    from engine.text.tokenizer_cache import _auto_gguf_tokenizer, gguf_tokenizer
+    from kvchat.engine.text.tokenizer_cache import _auto_gguf_tokenizer, gguf_tokenizer
     ids = gguf_tokenizer(folder / "tiny.gguf").encode("Hello world", add_special_tokens=False)
     # the fallback for other transformers layouts reads the same vocabulary
     assert _auto_gguf_tokenizer(folder / "tiny.gguf").encode("Hello world", add_special_tokens=False) == ids != []
@@ -148,7 +148,7 @@ def test_pytorch_bin_folder_is_refused(folder):
 
 def test_failed_gguf_load_leaves_no_temporary_folder(tiny_gguf, tmp_path, monkeypatch):
     """A GGUF whose tokenizer cannot be saved, or whose metadata is wrong, leaves no folder in the cache or TMPDIR."""
-    from engine.text.tokenizer_cache import gguf_tokenizer_dir
+    from kvchat.engine.text.tokenizer_cache import gguf_tokenizer_dir
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
@@ -167,7 +167,7 @@ def test_failed_gguf_load_leaves_no_temporary_folder(tiny_gguf, tmp_path, monkey
     from transformers import PreTrainedTokenizerFast
     with monkeypatch.context() as m:          # both writers: engine/gguf/tokenizer.py's, and transformers' fallback
         m.setattr(PreTrainedTokenizerFast, "save_pretrained", broken_save)
-        m.setattr("engine.gguf.tokenizer.write_folder", lambda gguf, folder: broken_save(None, folder))
+        m.setattr("kvchat.engine.gguf.tokenizer.write_folder", lambda gguf, folder: broken_save(None, folder))
         with pytest.raises(OSError, match="disk full"):
             Engine.load(EngineConfig(model=str(gguf)))
     assert traces() == []

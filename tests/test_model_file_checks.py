@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import gguf_mutants as gm
-from engine import Engine, EngineConfig, ModelLoadError
-from engine.gguf.file import GGUFFile
-from engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir
-from engine.model.config import ModelConfig
-from kernels import cpu_lib
+from kvchat.engine import Engine, EngineConfig, ModelLoadError
+from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir
+from kvchat.engine.model.config import ModelConfig
+from kvchat.kernels import cpu_lib
 from test_gguf_fuzz import Child
 
 pytestmark = pytest.mark.skipif(cpu_lib.library() is None, reason="C kernels unavailable")
@@ -65,7 +65,7 @@ def test_transposed_ffn_down_is_refused_in_a_real_process(files):
     make, _ = files
     path = make("transposed", tensors={"blk.0.ffn_down.weight": (gm.FFN, gm.HIDDEN)})
     for env in ({}, {"KVCHAT_NO_QUICK": "1"}):
-        out = subprocess.run([sys.executable, "-m", "cli.main", "chat", "--prompt", "Hello", "--temperature", "0",
+        out = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "chat", "--prompt", "Hello", "--temperature", "0",
                               "--max-new-tokens", "4", "--device", "cpu", "--model", str(path)], cwd=ROOT,
                              capture_output=True, text=True, timeout=300, env={**os.environ, **env})
         err = out.stderr.strip()
@@ -98,8 +98,8 @@ def test_the_kernel_refuses_a_table_whose_widths_do_not_chain(files):
     ffn_down's K at 64 instead of 128, or qkv one head short, fails with -3 (ValueError), through the engine's
     wrapper and through the torch-free path."""
     import torch
-    from engine.runtime import quick
-    from kernels import cpu_quant
+    from kvchat.engine.runtime import quick
+    from kvchat.kernels import cpu_quant
     make, _ = files
     path = make("good")
     engine = Engine.load(EngineConfig(model=str(path)))
@@ -150,14 +150,14 @@ def test_absurd_numbers_are_one_line(files, name, fields, tensors, pattern):
 def test_estimate_and_the_models_page_refuse_a_billion_layers_at_once(files):
     """`kvchat estimate` and the Models page's facts on a header of 10^9 layers: refused in well under a second of
     work (they grew 42 MiB/s without end), one line."""
-    from engine.plan.estimate import model_facts_from
+    from kvchat.engine.plan.estimate import model_facts_from
     make, _ = files
     path = make("layers-1e9-est", {"llama.block_count": 10**9})
     started = time.perf_counter()
     with pytest.raises(ModelLoadError, match="block_count=1,000,000,000"):
         model_facts_from(path)
     assert time.perf_counter() - started < 5
-    out = subprocess.run([sys.executable, "-m", "cli.main", "estimate", "--model", str(path), "--context", "4096"],
+    out = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "estimate", "--model", str(path), "--context", "4096"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     err = out.stderr.strip()
     assert out.returncode == 2 and "\n" not in err and "past the 1,024 kvchat runs" in err, (out.returncode, err)
@@ -178,7 +178,7 @@ def test_model_config_refuses_absurd_numbers_however_it_is_built():
 
 def test_a_real_model_is_within_the_limits():
     """The default model's header passes every check, its shapes included."""
-    from engine.model.source import default_gguf_path
+    from kvchat.engine.model.source import default_gguf_path
     mc = ModelConfig.from_gguf(GGUFFile(default_gguf_path()))
     assert (mc.num_layers, mc.hidden_size, mc.vocab_size) == (30, 576, 49152)
 

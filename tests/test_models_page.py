@@ -11,7 +11,7 @@ import pytest
 import shiboken6
 from PySide6.QtCore import Qt
 
-from engine.plan.library import ModelEntry
+from kvchat.engine.plan.library import ModelEntry
 from fakes import FakeLoader, isolate_app, open_window
 
 pytestmark = pytest.mark.gui
@@ -33,7 +33,7 @@ def _entry(name, params, fits, error=""):
 
 
 def test_table_shows_and_sorts_by_value(qtbot):
-    from app.models_page import COLUMNS, SORT_ROLE, ModelTable
+    from kvchat.app.models_page import COLUMNS, SORT_ROLE, ModelTable
     table = ModelTable()
     small = _entry("small", 135_000_000, [("fp16", 90_000), ("int8", 170_000), ("int4", None)])
     big = _entry("big", 8_030_000_000, [("fp16", 2048), ("int8", 4000), ("int4", 9000)])
@@ -52,7 +52,7 @@ def test_table_shows_and_sorts_by_value(qtbot):
 
 
 def test_load_from_models_page_reloads_and_is_remembered(qtbot, tiny_llama, tmp_path):
-    from app.settings_store import SettingsStore
+    from kvchat.app.settings_store import SettingsStore
     mine = tmp_path / "my-models" / "tiny-llama"
     shutil.copytree(tiny_llama, mine)
     loader = FakeLoader()
@@ -91,7 +91,7 @@ def test_load_from_models_page_reloads_and_is_remembered(qtbot, tiny_llama, tmp_
 
 
 def test_unloadable_entry_cannot_be_loaded(qtbot, tmp_path):
-    from app.models_page import ModelsDialog
+    from kvchat.app.models_page import ModelsDialog
     broken = _entry("broken", 0, [], error="bad file")
     dialog = ModelsDialog([], scan=lambda folders, memory_bytes: [broken])
     qtbot.addWidget(dialog)
@@ -122,8 +122,8 @@ def _header_only_gguf(path: Path, arch: str) -> Path:
 
 
 def test_a_family_kvchat_does_not_run_says_so_before_loading(qtbot, tmp_path):
-    from app.models_page import ModelsDialog
-    from engine.plan import library
+    from kvchat.app.models_page import ModelsDialog
+    from kvchat.engine.plan import library
     folder = tmp_path / "models"
     folder.mkdir()
     for arch in ("qwen3moe", "bert"):
@@ -147,11 +147,11 @@ def test_a_family_kvchat_does_not_run_says_so_before_loading(qtbot, tmp_path):
 
 
 def test_a_hybrid_folder_is_listed_with_what_fits_in_the_hybrid_arithmetic(tmp_path):
-    from engine.kv.layout import max_conversation_tokens
-    from engine.plan import library
-    from engine.plan.estimate import cache_for, estimate, model_facts_from
+    from kvchat.engine.kv.layout import max_conversation_tokens
+    from kvchat.engine.plan import library
+    from kvchat.engine.plan.estimate import cache_for, estimate, model_facts_from
     from tiny_models import tiny_family_dir
-    from bench.gguf_writer import write_gguf_from_hf
+    from kvchat.bench.gguf_writer import write_gguf_from_hf
     folder = tmp_path / "models"
     tiny_family_dir(folder / "gemma3-tiny", "gemma3", query_pre_attn_scalar=32)     # what llama.cpp derives
     write_gguf_from_hf(folder / "gemma3-tiny", folder / "gemma3-tiny-q8.gguf", "Q8_0")

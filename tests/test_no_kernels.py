@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import SamplingParams
+from kvchat.engine import SamplingParams
 from fakes import FakeLoader, isolate_app, open_window
 from serve_process import kvchat as _kvchat, start_serve
 
@@ -30,8 +30,8 @@ def _env(no_kernels: bool) -> dict[str, str]:
 # ---- the status line ---------------------------------------------------------------------------------------------
 
 def test_kernel_status_says_why_on_cpu_and_nothing_on_cuda(monkeypatch):
-    from engine.runtime.engine import kernel_status
-    from kernels import cpu_quant
+    from kvchat.engine.runtime.engine import kernel_status
+    from kvchat.kernels import cpu_quant
     monkeypatch.setattr(cpu_quant, "available", lambda: False)
     monkeypatch.setattr(cpu_quant, "unavailable_reason", lambda: "no C compiler found (cc / gcc)")
     assert kernel_status("cpu") == ("C kernels not loaded (no C compiler found (cc / gcc)): running torch's kernels, "
@@ -42,9 +42,9 @@ def test_kernel_status_says_why_on_cpu_and_nothing_on_cuda(monkeypatch):
 
 
 def test_an_engine_with_the_kernels_says_nothing(tiny_engine):
-    from kernels import cpu_quant
+    from kvchat.kernels import cpu_quant
     assert cpu_quant.available(), cpu_quant.unavailable_reason()    # the rest of the suite runs them
-    from kernels import cpu_lib
+    from kvchat.kernels import cpu_lib
     if cpu_lib.status()["variant"] == "baseline":     # a CPU without AVX2: said too (tests/test_kernel_variants.py)
         pytest.skip("the baseline build is said in the status line")
     assert tiny_engine.kernel_status is None
@@ -79,7 +79,7 @@ def test_the_status_line_says_it_in_chinese(qtbot, monkeypatch, tmp_path):
     monkeypatch.setenv("KVCHAT_LANG", "zh_CN")
     from PySide6.QtWidgets import QApplication
 
-    from app import i18n
+    from kvchat.app import i18n
     app = QApplication.instance() or QApplication([])
     assert i18n.install(app, "en") == "zh_CN"
     try:

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig
+from kvchat.engine import CacheConfig, Engine, EngineConfig
 from tiny_models import random_ids as _ids
 
 
@@ -73,7 +73,7 @@ def test_memory_never_passes_budget(engine):
     """Filling a small budget stops at it: bytes held never exceed budget_mb."""
     budget_mb = 0.05
     s = engine.new_session(cache=CacheConfig(block_size=16, budget_mb=budget_mb))
-    from engine import BudgetFull
+    from kvchat.engine import BudgetFull
     with pytest.raises(BudgetFull):
         for _ in range(200):
             s.append(_ids(engine, 7))

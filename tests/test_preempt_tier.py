@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig, SamplingParams
-from engine.events import FinishReason
-from engine.serve import batch
-from engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
-from engine.kv.tier import PreemptTier
+from kvchat.engine.config import CacheConfig, SamplingParams
+from kvchat.engine.events import FinishReason
+from kvchat.engine.serve import batch
+from kvchat.engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
+from kvchat.engine.kv.tier import PreemptTier
 
 FP32 = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=0.125)     # 10 blocks of 16 tokens on the tiny model
 
@@ -99,7 +99,7 @@ def test_a_tier_too_small_recomputes(tiny_engine):
 
 
 def test_the_tier_metrics_and_folder(tiny_engine):
-    from engine.serve.metrics import ServeMetrics
+    from kvchat.engine.serve.metrics import ServeMetrics
     metrics = ServeMetrics(tiny_engine, "tiny")
     seen = []
     sched, outs = _run(tiny_engine, PROMPTS, 70, 0.125, 64, metrics=metrics,
@@ -132,8 +132,8 @@ def test_host_tier_keeps_tensors_in_memory():
 
 
 def test_serve_config_refuses_a_bad_tier():
-    from engine.config import ConfigError
-    from engine.serve.server import ServeConfig
+    from kvchat.engine.config import ConfigError
+    from kvchat.engine.serve.server import ServeConfig
     for bad in (-1, float("nan"), 2**21):
         with pytest.raises(ConfigError, match="--preempt-tier-mb"):
             ServeConfig(preempt_tier_mb=bad)
@@ -143,7 +143,7 @@ def test_serve_config_refuses_a_bad_tier():
 def test_a_hybrid_model_resumes_both_groups(tmp_path):
     """A Gemma-3-shaped model (sliding and global layers, two KV groups): preempted requests resume every group,
     the sliding one past its window, with the tokens of solo runs."""
-    from engine import Engine, EngineConfig
+    from kvchat.engine import Engine, EngineConfig
     from tiny_models import tiny_family_dir
     engine = Engine.load(EngineConfig(model=tiny_family_dir(tmp_path, "gemma3")))
     prompts = [list(range(5 + i, 25 + i)) for i in range(3)]

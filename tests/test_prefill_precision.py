@@ -4,8 +4,8 @@ against the exact fp32 path on the real default model."""
 import pytest
 import torch
 
-from engine.config import CacheConfig, ConfigError, EngineConfig
-from kernels import cpu_lib, cpu_quant
+from kvchat.engine.config import CacheConfig, ConfigError, EngineConfig
+from kvchat.kernels import cpu_lib, cpu_quant
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="C kernels unavailable")
 
@@ -35,7 +35,7 @@ def test_bf16_dequantization_rounds_as_torch_does(variant):
 
 def test_a_bf16_prompt_row_is_the_same_in_any_call():
     """Calls of BF16_TILE rows: a row gives the same bits alone, among 64, 65 or 130 rows, at any place."""
-    from engine.model.linears import BF16_TILE, Q4Linear
+    from kvchat.engine.model.linears import BF16_TILE, Q4Linear
     from test_cpu_quant import _q4
     lin = Q4Linear(*_q4(1536, 576, seed=6))
     lin.prefill_dtype = torch.bfloat16
@@ -49,7 +49,7 @@ def test_a_bf16_prompt_row_is_the_same_in_any_call():
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine import Engine
+    from kvchat.engine import Engine
     return Engine.load(EngineConfig(cache=CacheConfig(budget_mb=64)))
 
 
@@ -77,17 +77,17 @@ def test_the_choice_is_said_and_switches_live(engine):
 def test_a_bad_prefill_setting_is_refused_in_one_line(tiny_llama):
     with pytest.raises(ConfigError, match="prefill='int8': choose auto, fp32, bf16"):
         EngineConfig(prefill="int8")
-    from engine import Engine
+    from kvchat.engine import Engine
     dense = Engine.load(EngineConfig(model=tiny_llama, prefill="bf16"))
     assert dense.prefill == "fp32" and "dense" in dense.prefill_why     # float weights keep their own dtype
 
 
 def test_the_command_line_takes_it():
-    from cli.terminal import build_parser
-    from cli.options import engine_config
+    from kvchat.cli.terminal import build_parser
+    from kvchat.cli.options import engine_config
     args = build_parser().parse_args(["chat", "--prefill", "bf16", "--prompt", "hi"])
     assert engine_config(args).prefill == "bf16"
-    from engine.runtime import quick
+    from kvchat.engine.runtime import quick
     assert not quick.covers(args)                   # the torch-free one-shot path reads prompts as fp32 does
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--prefill", "fast"])

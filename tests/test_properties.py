@@ -19,11 +19,11 @@ import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from engine import CacheConfig, ConfigError, Engine, EngineConfig, SamplingParams
-from engine.kv.layout import MIB, WindowGeometry
-from bench.gguf_writer import write_random_gguf
-from engine.runtime.session import BudgetFull
-from kernels import cpu_quant
+from kvchat.engine import CacheConfig, ConfigError, Engine, EngineConfig, SamplingParams
+from kvchat.engine.kv.layout import MIB, WindowGeometry
+from kvchat.bench.gguf_writer import write_random_gguf
+from kvchat.engine.runtime.session import BudgetFull
+from kvchat.kernels import cpu_quant
 
 FP32 = dict(k_format="fp32", v_format="fp32")
 PROBE_TOKEN = 42

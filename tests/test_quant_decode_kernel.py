@@ -7,12 +7,12 @@ and on random pages against its torch reference.
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig
-from engine.model.rope import rope_table
-from engine.runtime.backends import quant_pages
-from kernels import cpu_quant
-from kernels.formats import page_format
-from kernels.reference import store_blocks
+from kvchat.engine import CacheConfig, Engine, EngineConfig
+from kvchat.engine.model.rope import rope_table
+from kvchat.engine.runtime.backends import quant_pages
+from kvchat.kernels import cpu_quant
+from kvchat.kernels.formats import page_format
+from kvchat.kernels.reference import store_blocks
 from tiny_models import random_ids
 
 pytestmark = pytest.mark.skipif(not cpu_quant.kv_kernels_ready(wait=True), reason="no C compiler for the CPU kernels")

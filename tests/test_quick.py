@@ -1,4 +1,4 @@
-"""engine.runtime.quick: a one-shot terminal answer without torch, against the engine on the same files."""
+"""kvchat.engine.runtime.quick: a one-shot terminal answer without torch, against the engine on the same files."""
 import io
 import os
 import subprocess
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams, TokenDelta
-from engine.runtime import quick
-from cli.terminal import build_parser
-from bench.gguf_writer import write_random_gguf
-from engine.model.source import default_gguf_path
-from engine.runtime.sampling import sample as engine_sample, sample_numpy
-from kernels import cpu_quant
+from kvchat.engine import Engine, EngineConfig, SamplingParams, TokenDelta
+from kvchat.engine.runtime import quick
+from kvchat.cli.terminal import build_parser
+from kvchat.bench.gguf_writer import write_random_gguf
+from kvchat.engine.model.source import default_gguf_path
+from kvchat.engine.runtime.sampling import sample as engine_sample, sample_numpy
+from kvchat.kernels import cpu_quant
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="C kernels unavailable")
 
@@ -61,7 +61,7 @@ def test_what_it_does_not_cover_is_left_to_the_engine(tiny, tmp_path, monkeypatc
     damaged.write_bytes(Path(tiny["Q8_0"]).read_bytes()[:5000])
     assert quick.one_shot(str(damaged), "hi", None, params, out) is None
     with monkeypatch.context() as mp:       # a file too big for the memory left: the engine refuses it, with numbers
-        mp.setattr("engine.plan.fit.available_bytes", lambda device: 2**20)
+        mp.setattr("kvchat.engine.plan.fit.available_bytes", lambda device: 2**20)
         assert quick.one_shot(tiny["Q8_0"], "hi", None, params, out) is None
     assert out.getvalue() == ""
     fresh = write_random_gguf(tmp_path / "fresh.gguf", "tiny", "Q8_0", seed=9)
@@ -106,7 +106,7 @@ def test_default_model_one_shot_without_torch():
     engine = Engine.load(EngineConfig(prefill="fp32"))     # this path's prompt is as exact (a CPU with AMX: bf16)
     events = list(engine.new_session().send(prompt, SamplingParams(temperature=0.0, max_new_tokens=n)))
     want = "".join(e.text for e in events if isinstance(e, TokenDelta))
-    code = ("import sys; from cli.main import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from kvchat.cli.main import main; rc = main(sys.argv[1:]); "
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH'); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code, "chat", "--prompt", prompt, "--temperature", "0",
                           "--max-new-tokens", str(n), "--device", "cpu"], capture_output=True, text=True, cwd=ROOT,
@@ -122,7 +122,7 @@ def test_a_reader_that_goes_away_stops_the_answer_quietly():
     """`kvchat chat --prompt ... | head -c 1` on the real model: no traceback, exit 141 as a pipe's writer, through
     either path."""
     for env in ({}, {"KVCHAT_NO_QUICK": "1"}):
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "chat", "--prompt", "Write a long story about a cat.",
+        proc = subprocess.Popen([sys.executable, "-m", "kvchat.cli.main", "chat", "--prompt", "Write a long story about a cat.",
                                  "--temperature", "0", "--max-new-tokens", "300"], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
         proc.stdout.read(1)

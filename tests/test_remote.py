@@ -3,13 +3,13 @@ import time
 
 import pytest
 
-from engine import CacheConfig, EngineConfig, SamplingParams, TokenDelta, TurnFinished
-from engine.api import LOCAL, REMOTE, ChatEngine, ChatSession, capabilities_of
-from engine.config import ConfigError
-from engine.serve.remote import RemoteEngine, RemoteError
-from engine.serve import batch
-from engine.serve.server import ServeConfig, Server
-from tests.fakes import FakeEngine
+from kvchat.engine import CacheConfig, EngineConfig, SamplingParams, TokenDelta, TurnFinished
+from kvchat.engine.api import LOCAL, REMOTE, ChatEngine, ChatSession, capabilities_of
+from kvchat.engine.config import ConfigError
+from kvchat.engine.serve.remote import RemoteEngine, RemoteError
+from kvchat.engine.serve import batch
+from kvchat.engine.serve.server import ServeConfig, Server
+from fakes import FakeEngine
 
 CACHE = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=0.5)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
@@ -96,7 +96,7 @@ def test_local_remote_and_fake_engines_share_one_protocol(remote, tiny_engine):
 def test_remote_stats_show_the_servers_draft_acceptance(remote, tiny_engine):
     """A server that verified drafts (vLLM's vllm:spec_decode_* counters): the share accepted reaches the session's
     stats."""
-    from engine.config import SpeculativeConfig
+    from kvchat.engine.config import SpeculativeConfig
     before = tiny_engine.speculative
     tiny_engine.set_speculative(SpeculativeConfig("lookup", k=4, ngram_min=1, adaptive=False))
     try:

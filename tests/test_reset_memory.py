@@ -7,8 +7,8 @@ import os
 import psutil
 import pytest
 
-from engine import CacheConfig, SamplingParams
-from engine.plan.fit import trim_heap
+from kvchat.engine import CacheConfig, SamplingParams
+from kvchat.engine.plan.fit import trim_heap
 from fakes import isolate_app
 
 MIB = 2**20
@@ -63,7 +63,7 @@ def test_reset_gives_most_of_a_long_chats_memory_back_to_the_system():
     reset and the prefix cache cleared, as the app's Reset does). Most of the growth must come back."""
     from pathlib import Path
 
-    from engine import Engine, EngineConfig
+    from kvchat.engine import Engine, EngineConfig
 
     engine = Engine.load(EngineConfig(model="default"))
     trim_heap()
@@ -111,7 +111,7 @@ def test_on_a_gpu_the_dashboard_shows_nvml_and_the_allocator_and_reset_drops_the
     """Weights, KV pool, torch's allocator and NVML side by side; Reset returns the pages (the allocator's figure and
     NVML's drop in the snapshot ResetDone carries, and the dashboard's lines show it)."""
     import sys
-    from engine.runtime import memory
+    from kvchat.engine.runtime import memory
     from test_app_engine import real_window, send
 
     window = real_window(qtbot, tiny_llama, cache=CacheConfig(k_format="fp32", v_format="fp32"))

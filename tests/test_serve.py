@@ -6,14 +6,14 @@ import httpx
 import openai
 import pytest
 
-from engine import CacheConfig, SamplingParams
-from bench.serve import make_specs, measure, scrape
-from engine.config import ConfigError
-from engine.events import FinishReason
-from engine.serve import batch
-from engine.serve.protocol import StopMatcher
-from engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
-from engine.serve.server import ServeConfig, Server
+from kvchat.engine import CacheConfig, SamplingParams
+from kvchat.bench.serve import make_specs, measure, scrape
+from kvchat.engine.config import ConfigError
+from kvchat.engine.events import FinishReason
+from kvchat.engine.serve import batch
+from kvchat.engine.serve.protocol import StopMatcher
+from kvchat.engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
+from kvchat.engine.serve.server import ServeConfig, Server
 
 # tiny_engine: 3 layers x 2 kv heads x 16 dims, fp32: 768 B a token, 12 KiB a block of 16
 SERVE_CACHE = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=0.125)    # 10 blocks, 160 tokens
@@ -248,7 +248,7 @@ def test_metrics_give_each_sequence_its_kv_bytes(server, tiny_engine):
 def test_a_request_shows_as_running_before_its_first_token_goes_out(tiny_engine):
     """A client that has seen a token and then reads /metrics sees its request running (the app's dashboard
     looks right after the first token; before, the gauge moved only after the step's tokens were out)."""
-    from engine.serve.metrics import ServeMetrics
+    from kvchat.engine.serve.metrics import ServeMetrics
     sched = Scheduler(tiny_engine, SchedulerConfig(SERVE_CACHE, 4, prefill_chunk=32),
                       ServeMetrics(tiny_engine, "tiny-running"))
     seen = []

@@ -10,12 +10,12 @@ import time
 import httpx
 import pytest
 
-from engine import CacheConfig, Engine, EngineConfig, SamplingParams
-from engine.config import ConfigError
-from engine.events import FinishReason
-from engine.serve import protocol
-from engine.serve.scheduler import Finished, Request, TokenOut
-from engine.serve.server import ServeConfig, Server
+from kvchat.engine import CacheConfig, Engine, EngineConfig, SamplingParams
+from kvchat.engine.config import ConfigError
+from kvchat.engine.events import FinishReason
+from kvchat.engine.serve import protocol
+from kvchat.engine.serve.scheduler import Finished, Request, TokenOut
+from kvchat.engine.serve.server import ServeConfig, Server
 from serve_process import kvchat, start_serve
 from test_templates_limits import SPIN, model_with_template, when_system
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine import SamplingParams, TokenDelta, TurnFinished
-from engine.runtime.sampling import sample
+from kvchat.engine import SamplingParams, TokenDelta, TurnFinished
+from kvchat.engine.runtime.sampling import sample
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 
@@ -58,7 +58,7 @@ def test_sampling_modes():
 
 def test_stream_decoder_never_splits_a_character(tiny_engine):
     """Byte-level tokens of multi-byte characters are emitted only once each character is whole."""
-    from engine.text.detok import StreamDecoder
+    from kvchat.engine.text.detok import StreamDecoder
     tok = tiny_engine.tokenizer
     text = "日本語 🙂 Ünïcödé"
     ids = tok.encode(text, add_special_tokens=False)
@@ -114,7 +114,7 @@ def test_reset_keeps_messages_and_next_turn_reprefills(tiny_engine):
 
 def test_context_limit_stops_turn_and_window_continues(tmp_path):
     """Past the model's context a turn ends with advice; the chat is intact and a window lets it go on."""
-    from engine import CacheConfig, Engine, EngineConfig
+    from kvchat.engine import CacheConfig, Engine, EngineConfig
     from tiny_models import tiny_model_dir
     engine = Engine.load(EngineConfig(model=tiny_model_dir(tmp_path, max_positions=64)))
     s = engine.new_session()

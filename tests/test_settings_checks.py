@@ -7,10 +7,10 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
 
-from app.chat_view import ChatView, confirm_link
-from app.history import HistoryStore
-from app.settings_store import SettingsStore
-from engine.config import CacheConfig, SamplingParams
+from kvchat.app.chat_view import ChatView, confirm_link
+from kvchat.app.history import HistoryStore
+from kvchat.app.settings_store import SettingsStore
+from kvchat.engine.config import CacheConfig, SamplingParams
 from fakes import FakeLoader, isolate_app, open_window
 
 pytestmark = pytest.mark.gui

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig, SamplingParams, SpeculativeConfig
-from engine.config import ConfigError
-from engine.events import FinishReason, TurnFinished
-from engine.runtime.speculative import PromptLookup, Speculator, StepCosts, accept
-from engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
+from kvchat.engine import CacheConfig, Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from kvchat.engine.config import ConfigError
+from kvchat.engine.events import FinishReason, TurnFinished
+from kvchat.engine.runtime.speculative import PromptLookup, Speculator, StepCosts, accept
+from kvchat.engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
 from tiny_models import tiny_family_dir, tiny_model_dir
 
 OFF = SpeculativeConfig("off")
@@ -250,7 +250,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
 def test_batched_serving_speculates_and_gives_each_request_its_plain_tokens(engine):
     """Four requests at once through the scheduler, with and without prompt lookup: the same tokens each; the metrics
     count drafts under vLLM's names."""
-    from engine.serve.metrics import ServeMetrics
+    from kvchat.engine.serve.metrics import ServeMetrics
     cache = CacheConfig(**FP32, block_size=8)
     prompts = [list(range(5, 25)) * 2, [7, 8, 9, 10] * 6, list(range(30, 70)), [11, 12, 13] * 9]
 
@@ -309,7 +309,7 @@ def test_sampling_with_rejection_keeps_the_target_distribution():
     vocab = 12
     rows = torch.randn(3, vocab, generator=g) * 1.5
     params = SamplingParams(temperature=0.8, top_k=8, repetition_penalty=1.3)
-    from engine.runtime.sampling import distribution
+    from kvchat.engine.runtime.sampling import distribution
     recent = [3, 4]
     drafts = [int(rows[0].argmax()), 5]
     p0 = distribution(rows[0], params, recent)
@@ -366,7 +366,7 @@ def test_adaptive_drafts_follow_acceptance_and_what_a_row_costs():
 def test_sampling_over_a_tiny_models_verification_keeps_its_distribution(engine):
     """The same rule over a real verification step of the tiny model (its rows after a context and two drafts, the
     drafts then taken back): the first token follows the model's own sampling distribution after the context."""
-    from engine.runtime.sampling import distribution
+    from kvchat.engine.runtime.sampling import distribution
     s = engine.new_session(cache=CacheConfig(**FP32))
     context = list(range(5, 40))
     s.append(context)

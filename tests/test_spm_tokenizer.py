@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from gguf import GGUFValueType as T
 
-from bench.gguf_writer import atomic_writer
-from engine.gguf.file import GGUFFile
-from engine.gguf.tokenizer import check_covered, write_folder
-from engine.text.tokenizer import ChatTokenizer
+from kvchat.bench.gguf_writer import atomic_writer
+from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.gguf.tokenizer import check_covered, write_folder
+from kvchat.engine.text.tokenizer import ChatTokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
 SPACE = "\u2581"
@@ -160,8 +160,8 @@ def test_the_loader_builds_it_without_transformers_and_reads_the_template(tmp_pa
                                                                           template, turn):
     """gguf_tokenizer builds a SentencePiece file's tokenizer itself (transformers' converter is never called) and
     the file's chat template renders its own turns, the turn tokens encoded whole as the converter does."""
-    import engine.text.tokenizer_cache as cache
-    from engine.text.chat_format import encode_conversation, tokenize_pieces
+    import kvchat.engine.text.tokenizer_cache as cache
+    from kvchat.engine.text.chat_format import encode_conversation, tokenize_pieces
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cache, "_tokenizer_from_gguf", lambda p: pytest.fail("transformers' converter was used"))
     (tmp_path / "f").mkdir()

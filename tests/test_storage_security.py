@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings_store import AppSettings, RemoteSettings, SettingsStore
+from kvchat.app.settings_store import AppSettings, RemoteSettings, SettingsStore
 
 HOSTILE_NAME = '<a href="file:///etc/passwd">x</a><img src=x>'
 
@@ -82,7 +82,7 @@ def test_about_shows_a_hostile_model_name_as_text(qtbot):
     """A model named like a link and an image shows those characters; the only link is the README's, no image."""
     from PySide6.QtGui import QTextDocument
 
-    from app.about import AboutDialog
+    from kvchat.app.about import AboutDialog
     dialog = AboutDialog(HOSTILE_NAME, "Q4_1 <b>", "some/model")
     qtbot.addWidget(dialog)
     doc = QTextDocument()
@@ -126,7 +126,7 @@ def test_a_planted_library_is_never_loaded_and_the_kernels_still_work(tmp_path):
     """A .so under the expected name in the install folder (no recorded hash: its constructor would write a marker)
     and a valid .so without the kernels' functions in the cache (its hash forged to match) are both refused with
     one line each; the kernels are built again and work."""
-    from kernels import cpu_lib
+    from kvchat.kernels import cpu_lib
     name = cpu_lib.library_name(cpu_lib.SOURCE)
     marker = tmp_path / "constructor-ran"
     built, cache = tmp_path / "built", tmp_path / "cache" / "kernels"
@@ -139,8 +139,8 @@ def test_a_planted_library_is_never_loaded_and_the_kernels_still_work(tmp_path):
         import sys
         import numpy as np
         from pathlib import Path
-        from kernels import cpu_lib
-        from engine.gguf.blocks import split_blocks
+        from kvchat.kernels import cpu_lib
+        from kvchat.engine.gguf.blocks import split_blocks
         cpu_lib.BUILT = Path(sys.argv[1])
         data = np.random.default_rng(0).integers(0, 256, (3, 4 * 18), dtype=np.uint8)
         heads, body = split_blocks(data, 18, 2)
@@ -164,7 +164,7 @@ def test_a_planted_library_is_never_loaded_and_the_kernels_still_work(tmp_path):
 
 def test_library_check_refuses_what_others_could_have_written(tmp_path):
     """The check passes only a file with its recorded hash, of this user, writable by nobody else, in such a folder."""
-    from kernels.cpu_lib import check_library
+    from kvchat.kernels.cpu_lib import check_library
     folder = tmp_path / "libs"
     folder.mkdir(mode=0o700)
     lib = folder / "k.so"
@@ -196,8 +196,8 @@ def test_library_check_refuses_what_others_could_have_written(tmp_path):
 
 def saved_history(folder: Path) -> bytes:
     """A history with one chat, closed cleanly (no -wal or -shm left), in WAL mode; its bytes."""
-    from app.history import HistoryStore
-    from engine.config import CacheConfig
+    from kvchat.app.history import HistoryStore
+    from kvchat.engine.config import CacheConfig
     store = HistoryStore(folder / "history.sqlite3")
     store.add_message(store.create("kept chat", CacheConfig()), "user", "kept message")
     store.close()
@@ -265,7 +265,7 @@ def rename_from_the_menu(window, monkeypatch, title: str) -> list[str]:
     """Rename the first chat through its context menu (the menu and the title dialog answered); warnings shown."""
     from PySide6.QtWidgets import QInputDialog, QMenu, QMessageBox
 
-    from app import conversation_list
+    from kvchat.app import conversation_list
 
     class FirstChoice(QMenu):
         def exec(self, *args):
@@ -283,7 +283,7 @@ def rename_from_the_menu(window, monkeypatch, title: str) -> list[str]:
 def test_damaged_or_missing_history_on_a_read_only_file_system_still_starts(tmp_path, read_only_mount):
     """A damaged file that cannot be moved aside stays as it is, and a history that cannot be created is said so:
     both start on an empty history that refuses writes with the reason."""
-    from app.history import HistoryError, HistoryStore
+    from kvchat.app.history import HistoryError, HistoryStore
     src, ro, mount = read_only_mount
     garbage = os.urandom(8192)
     (src / "history.sqlite3").write_bytes(garbage)
@@ -300,7 +300,7 @@ def test_damaged_or_missing_history_on_a_read_only_file_system_still_starts(tmp_
 
 
 def damaged_cache():
-    from engine.config import CacheConfig
+    from kvchat.engine.config import CacheConfig
     return CacheConfig()
 
 
@@ -316,8 +316,7 @@ def test_read_only_folder_opens_read_only_for_a_user_who_cannot_write_it(tmp_pat
         folder.chmod(0o555)
         code = """
             import os, sys
-            sys.path[:0] = [sys.argv[1]]
-            from app.history import HistoryError, HistoryStore
+            from kvchat.app.history import HistoryError, HistoryStore
             if os.geteuid() == 0:
                 os.setgid(65534); os.setuid(65534)
             store = HistoryStore(sys.argv[2])
@@ -328,7 +327,7 @@ def test_read_only_folder_opens_read_only_for_a_user_who_cannot_write_it(tmp_pat
             except HistoryError as exc:
                 print("ERROR", exc)
         """
-        run = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(ROOT), str(folder / "history.sqlite3")],
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent(code), "", str(folder / "history.sqlite3")],
                              capture_output=True, text=True, timeout=120, cwd="/")
         assert run.returncode == 0, run.stderr
         first, second = run.stdout.splitlines()

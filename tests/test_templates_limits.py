@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
-from engine.text.chat_format import ChatTemplateError
-from engine.text.chat_template import TemplateLimit, render
-from engine.config import ConfigError
+from kvchat.engine import Engine, EngineConfig, SamplingParams
+from kvchat.engine.text.chat_format import ChatTemplateError
+from kvchat.engine.text.chat_template import TemplateLimit, render
+from kvchat.engine.config import ConfigError
 from tiny_models import CHATML_TEMPLATE
 
 MSGS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.source import default_gguf_path
+from kvchat.engine.model.source import default_gguf_path
 
-from engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir
-from engine.text.tokenizer import ChatTokenizer
+from kvchat.engine.text.tokenizer_cache import gguf_tokenizer, gguf_tokenizer_dir
+from kvchat.engine.text.tokenizer import ChatTokenizer
 
 TEXTS = ["Hi", "", " leading and trailing  ", "Hello, world!\n\nTwo lines\tand a tab.",
          "日本語 🙂 Ünïcödé", "a<|im_end|>b <|im_start|>user\nx", "<|endoftext|>", "x" * 300,
@@ -85,7 +85,7 @@ def test_encoding_on_many_threads_reads_each_text_as_asked(cached_default, tmp_p
     import threading
     if kind == "transformers":
         from tiny_models import build_tokenizer
-        from engine.text.tokenizer_cache import load_tokenizer
+        from kvchat.engine.text.tokenizer_cache import load_tokenizer
         build_tokenizer(tmp_path)
         tok = load_tokenizer(tmp_path)
     else:
@@ -163,11 +163,11 @@ def test_warm_one_shot_chat_never_imports_transformers(tmp_path):
     """`kvchat chat --prompt` with the tokenizer cached answers without importing transformers (a second of
     start-up), Qt, triton or gguf and without running a compiler; the first start does not import transformers
     either (engine/gguf/tokenizer.py writes the default model's tokenizer)."""
-    env = dict(os.environ, KVCHAT_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).parents[1]))
+    env = dict(os.environ, KVCHAT_CACHE_DIR=str(tmp_path))
     probe = ("import sys, runpy; sys.argv = ['kvchat', 'chat', '--prompt', 'Hi', '--max-new-tokens', '1'];\n"
              "import subprocess; calls = []; real = subprocess.run\n"
              "subprocess.run = lambda *a, **k: (calls.append(a), real(*a, **k))[1]\n"
-             "from cli.terminal import main; rc = main(sys.argv[1:])\n"
+             "from kvchat.cli.terminal import main; rc = main(sys.argv[1:])\n"
              "print('\\nMODULES', 'transformers' in sys.modules, 'PySide6' in sys.modules, 'triton' in sys.modules,"
              " 'gguf' in sys.modules,"
              " 'CALLS', len(calls))")
@@ -187,7 +187,7 @@ def test_q4_0_scales_kept_as_stored_unless_the_zero_overflows(d):
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from engine.gguf.blocks import q4_blocks
+    from kvchat.engine.gguf.blocks import q4_blocks
     rng = np.random.default_rng(0)
     blocks = np.zeros((3, 2, 18), dtype=np.uint8)
     blocks[..., :2] = np.full((3, 2), d, dtype=np.float16)[..., None].view(np.uint8)
@@ -206,6 +206,6 @@ def test_q4_0_scales_kept_as_stored_unless_the_zero_overflows(d):
 def test_ggml_type_table_matches_gguf():
     """The header reader's own table of ggml types agrees with gguf's, for every id gguf knows."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from engine.gguf.file import ggml_type
+    from kvchat.engine.gguf.file import ggml_type
     for qtype in GGMLQuantizationType:
         assert ggml_type(qtype.value) == (qtype.name, *GGML_QUANT_SIZES[qtype])

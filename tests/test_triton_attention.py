@@ -6,10 +6,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.model.rope import rope_cos_sin  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels.formats import page_format  # noqa: E402
-from kernels.triton_attention import QuantPages, decode_attention, decode_attention_ref  # noqa: E402
+from kvchat.engine.model.rope import rope_cos_sin  # noqa: E402
+from kvchat.kernels import reference  # noqa: E402
+from kvchat.kernels.formats import page_format  # noqa: E402
+from kvchat.kernels.triton_attention import QuantPages, decode_attention, decode_attention_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -20,7 +20,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import kernels  # noqa: E402
+from kvchat import kernels  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = (86, 90)
@@ -87,10 +87,10 @@ def launches(monkeypatch):
 
 
 def test_every_kernel_the_gpu_path_launches_compiles_for_real_gpus(launches, tmp_path, monkeypatch):
-    from bench.gguf_writer import write_random_gguf
-    from engine import CacheConfig, Engine, EngineConfig
-    from kernels.triton_attention import decode_attention
-    from kernels.triton_matmul import packed_matmul
+    from kvchat.bench.gguf_writer import write_random_gguf
+    from kvchat.engine import CacheConfig, Engine, EngineConfig
+    from kvchat.kernels.triton_attention import decode_attention
+    from kvchat.kernels.triton_matmul import packed_matmul
     from test_triton_matmul import _q4, _q8
 
     g = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ def test_every_kernel_the_gpu_path_launches_compiles_for_real_gpus(launches, tmp
     names = {s["name"] for s in specs.values()}
     assert {"_gemv_kernel", "_gemm_kernel", "_decode_kernel", "_store_kernel"} <= names, names
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVCHAT_GPU_PATH")}
-    env |= {"PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "TRITON_DEFAULT_FP_FUSION": "1"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "TRITON_DEFAULT_FP_FUSION": "1"}
     out = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(list(specs.values())), env=env,
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

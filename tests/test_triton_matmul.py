@@ -5,8 +5,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import cpu_quant  # noqa: E402
-from kernels.triton_matmul import DECODE_ROWS, packed_matmul, packed_matmul_ref  # noqa: E402
+from kvchat.kernels import cpu_quant  # noqa: E402
+from kvchat.kernels.triton_matmul import DECODE_ROWS, packed_matmul, packed_matmul_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -100,7 +100,7 @@ def test_a_decode_row_does_not_depend_on_the_rows_beside_it():
 def test_the_linears_weights_through_the_kernel_match_their_cpu_path():
     """Q4Linear / Q8Linear as the loader builds them: the GPU-path matmul equals the CPU one (the C kernels or
     their references), so a linear's two paths are interchangeable."""
-    from engine.model.linears import Q4Linear, Q8Linear
+    from kvchat.engine.model.linears import Q4Linear, Q8Linear
     g = torch.Generator().manual_seed(11)
     w = torch.randn(24, 128, generator=g)
     x = torch.randn(4, 128, generator=g)

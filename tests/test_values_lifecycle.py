@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import CacheConfig, ConfigError, SamplingParams, TokenDelta, TurnFinished
-from cli.terminal import main as cli_main
-from engine.model.source import locate
-from engine.runtime.session import SessionBusy, SessionClosed
+from kvchat.engine import CacheConfig, ConfigError, SamplingParams, TokenDelta, TurnFinished
+from kvchat.cli.terminal import main as cli_main
+from kvchat.engine.model.source import locate
+from kvchat.engine.runtime.session import SessionBusy, SessionClosed
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -248,8 +248,8 @@ def _interrupt_during_load(argv: list[str], tmp_path: Path, timeout: float = 120
     model = str(locate("default").path)
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=str(tmp_path / "data"),
                KVCHAT_SETTINGS_FILE=str(tmp_path / "settings.ini"), KVCHAT_LOG_DIR=str(tmp_path / "logs"),
-               KVCHAT_QUALITY_FILE=str(tmp_path / "quality.json"), PYTHONPATH=str(ROOT))
-    child = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], cwd=ROOT, env=env, text=True,
+               KVCHAT_QUALITY_FILE=str(tmp_path / "quality.json"))
+    child = subprocess.Popen([sys.executable, "-m", "kvchat.cli.main", *argv], cwd=ROOT, env=env, text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
     try:

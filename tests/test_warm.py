@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig, SamplingParams
-from engine.kv import saved
-from engine.runtime.warm import CacheFileError, WarmStore
+from kvchat.engine import CacheConfig, Engine, EngineConfig, SamplingParams
+from kvchat.engine.kv import saved
+from kvchat.engine.runtime.warm import CacheFileError, WarmStore
 
 G = SamplingParams(temperature=0, max_new_tokens=12)
 MODES = {
@@ -299,7 +299,7 @@ def test_a_gpu_pools_released_conversation_goes_to_host_memory_and_back(tiny_lla
     """Beside a GPU pool the second tier is host memory (runner.host_tier; pinned there): here a CPU engine given
     that tier, which is all a GPU pool adds. Released for room, the chat's cache goes there, not to disk, and
     comes back on its next turn with the bits of a chat never released; a reset drops the copy."""
-    from engine.kv.tier import PreemptTier
+    from kvchat.engine.kv.tier import PreemptTier
     tiny = Engine.load(EngineConfig(model=tiny_llama))
     tiny._warm_store = WarmStore(tmp_path / "kv")
     tiny.runner.host_tier = PreemptTier(64, "host")

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from engine import CacheConfig, Engine, EngineConfig
-from engine.kv.pages import slot_positions
+from kvchat.engine import CacheConfig, Engine, EngineConfig
+from kvchat.engine.kv.pages import slot_positions
 from tiny_models import random_ids as _ids
 
 FP32 = dict(k_format="fp32", v_format="fp32")     # exact comparisons need the 32-bit cache
@@ -126,7 +126,7 @@ def test_sink_blocks_stay_and_window_int4_combines(engine):
 def test_c_decode_attention_matches_the_torch_path(engine, config, monkeypatch):
     """Decode through the C kernel (rotated keys read in place, sinks seen with their own query) gives the logits
     of the torch gather path."""
-    from kernels import cpu_quant
+    from kvchat.kernels import cpu_quant
     ids = _ids(engine, 90, seed=6)
     a = engine.new_session(cache=config)
     want = torch.cat([a.append(ids[:20])] + [a.append([t]) for t in ids[20:]])

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from engine.errors import ModelLoadError
+from kvchat.engine.errors import ModelLoadError
 
 # Hugging Face layer module -> llama.cpp tensor (blk.{i}.<name>.weight), per architecture
 QWEN3_TENSORS = {

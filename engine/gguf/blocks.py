@@ -120,7 +120,7 @@ def split_blocks(data: np.ndarray, size: int, head: int, heads: np.ndarray | Non
     nb = data.shape[1] // size
     heads = np.empty((n, nb, head), dtype=np.uint8) if heads is None else heads.reshape(n, nb, head)
     body = np.empty((n, nb * (size - head)), dtype=np.uint8) if body is None else body.reshape(n, nb * (size - head))
-    from kernels import cpu_lib
+    from kvchat.kernels import cpu_lib
     lib = cpu_lib.library()
     src = data if data.flags.c_contiguous else None
     if lib is not None and src is not None and heads.flags.c_contiguous and body.flags.c_contiguous:

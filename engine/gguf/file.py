@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import ModelLoadError
-from engine.gguf import arch as arch_fields
-from engine.model.families import gguf_family, supported
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.gguf import arch as arch_fields
+from kvchat.engine.model.families import gguf_family, supported
 
 
 # ggml type id -> (name, values per block, bytes per block) of the types Llama-family files use, so that

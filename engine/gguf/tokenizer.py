@@ -29,8 +29,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from engine.gguf.file import GGUFFile, SkippedArray
-from engine.errors import ModelLoadError
+from kvchat.engine.gguf.file import GGUFFile, SkippedArray
+from kvchat.engine.errors import ModelLoadError
 CONTROL, USER_DEFINED = 3, 4
 # The split each family's merges were learned with. None: GPT-2's own (the byte-level pre-tokenizer's regex).
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
@@ -187,7 +187,7 @@ def _byte_level(gguf: GGUFFile, tokens: list[str], pre: str):
 def _sentencepiece(gguf: GGUFFile, tokens: list[str], unk: str | None):
     """(tokenizer, its vocabulary, the special tokens its converter adds first) of a "llama" vocabulary: the
     file's merges where it has them, else those its scores (Gemma: its order) imply."""
-    from engine.gguf import spm
+    from kvchat.engine.gguf import spm
     arch = str(gguf.arch)
     spelled = spm.respell(tokens, arch)
     if "tokenizer.ggml.merges" in gguf.fields:

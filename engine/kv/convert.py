@@ -13,11 +13,11 @@ from typing import Callable
 
 import torch
 
-from engine.config import CacheConfig, ConfigError
-from engine.kv.layout import MIB, KVLayout, WindowGeometry
-from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
-from engine.kv.pages import PageStore, page_rows
-from engine.model.rope import rope_cos_sin, rotate
+from kvchat.engine.config import CacheConfig, ConfigError
+from kvchat.engine.kv.layout import MIB, KVLayout, WindowGeometry
+from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
+from kvchat.engine.kv.pages import PageStore, page_rows
+from kvchat.engine.model.rope import rope_cos_sin, rotate
 
 
 def convert_sequence(m: KVCacheManager, store: PageStore, seq: Sequence, old: CacheConfig, new: CacheConfig,

@@ -14,11 +14,11 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, page_format
+from kvchat.kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, page_format
 
-from engine.config import CacheConfig, ConfigError
-from engine.model.config import ModelConfig
-from engine.units import MIB
+from kvchat.engine.config import CacheConfig, ConfigError
+from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.units import MIB
 
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 PREFILL_CHUNK = 512                     # most prompt tokens one step reads (less within a window)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from engine.kv.block_pool import BlockPool
-from engine.kv.layout import KVLayout, WindowGeometry, absolute_slot
+from kvchat.engine.kv.block_pool import BlockPool
+from kvchat.engine.kv.layout import KVLayout, WindowGeometry, absolute_slot
 
 
 class NoFreeBlocks(RuntimeError):

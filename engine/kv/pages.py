@@ -13,11 +13,11 @@ from typing import Callable
 
 import torch
 
-import kernels
-from kernels import cpu_quant
-from kernels.formats import FULL_DTYPES, PageFormat
+from kvchat import kernels
+from kvchat.kernels import cpu_quant
+from kvchat.kernels.formats import FULL_DTYPES, PageFormat
 
-from engine.kv.layout import KVLayout
+from kvchat.engine.kv.layout import KVLayout
 
 
 def slot_positions(seq_len: int, window_start: int, num_sinks: int, device=None):

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from engine.kv.layout import KVLayout
-from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
-from engine.kv.pages import Component, PageStore
+from kvchat.engine.kv.layout import KVLayout
+from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
+from kvchat.engine.kv.pages import Component, PageStore
 
 FORMAT_VERSION = 1
 META_KEY = "kvchat"

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from engine.kv import saved
-from engine.kv.layout import MIB
+from kvchat.engine.kv import saved
+from kvchat.engine.kv.layout import MIB
 
 log = logging.getLogger("kvchat.serve")
 DEFAULT_TIER_MB = 2048

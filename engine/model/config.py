@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from engine.errors import ModelLoadError
-from engine.model.families import Ropes, family, family_of
-from engine.model.spec import LayerSpec, Rope
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.model.families import Ropes, family, family_of
+from kvchat.engine.model.spec import LayerSpec, Rope
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.errors import ModelLoadError
-from engine.gguf.arch import GEMMA2_TENSORS, GEMMA3_TENSORS, PHI3_TENSORS, QWEN3_TENSORS
-from engine.model.spec import LayerSpec, Rope
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.gguf.arch import GEMMA2_TENSORS, GEMMA3_TENSORS, PHI3_TENSORS, QWEN3_TENSORS
+from kvchat.engine.model.spec import LayerSpec, Rope
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu_quant
+from kvchat import kernels
+from kvchat.kernels import cpu_quant
 
 GROUP = 32
 SLAB_BYTES = 32 * 2**20      # prefill dequantizes at most this much of a weight at once
@@ -227,7 +227,7 @@ class _Packed(_Fused):
         """The GPU path: every row through the Triton dequantize-and-multiply kernels (kernels/triton_matmul.py,
         a GEMV-like one for decode rows, a tiled one for prompt rows), the weights never unpacked in memory; the
         norm or the SwiGLU before and the residual after in torch."""
-        from kernels.triton_matmul import packed_matmul
+        from kvchat.kernels.triton_matmul import packed_matmul
         if norm is not None:
             x = rms_norm(x, norm, eps)
         elif swiglu:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.errors import ModelLoadError
-from engine.model.families import check_architecture
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.model.families import check_architecture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -17,13 +17,13 @@ from typing import Callable
 
 import torch
 
-import kernels
-from kernels import cpu_quant
+from kvchat import kernels
+from kvchat.kernels import cpu_quant
 
-from engine.errors import ModelLoadError
-from engine.model.config import ModelConfig
-from engine.model.linears import rms_norm
-from engine.model.spec import LayerSpec
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.model.linears import rms_norm
+from kvchat.engine.model.spec import LayerSpec
 
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -216,7 +216,7 @@ class Transformer:
         return total + sum(t.numel() * t.element_size() for t in norms)
 
     def _packed(self) -> list:
-        from engine.model.linears import _Packed
+        from kvchat.engine.model.linears import _Packed
         linears = [self.table, self.lm_head] + [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
         return [part for lin in linears for part in getattr(lin, "parts", [lin]) if isinstance(part, _Packed)]
 

@@ -13,16 +13,16 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-import kernels
-from kernels.cpu_quant import Scales
+from kvchat import kernels
+from kvchat.kernels.cpu_quant import Scales
 
-from engine.gguf.blocks import packed_matrix, unpermute_rows
-from engine.gguf.file import GGUFFile
-from engine.errors import ModelLoadError
-from engine.model.config import ModelConfig
-from engine.model.transformer import Layer, Transformer
-from engine.model.config import check_weight_shapes, layer_modules
-from engine.model.linears import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
+from kvchat.engine.gguf.blocks import packed_matrix, unpermute_rows
+from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.model.transformer import Layer, Transformer
+from kvchat.engine.model.config import check_weight_shapes, layer_modules
+from kvchat.engine.model.linears import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
 
 def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "") -> Transformer:
     """linear(names, bias_names) -> a linear (several names: concatenated along the output); tensor(name, offset)

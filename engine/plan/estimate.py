@@ -14,13 +14,13 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field
 
-from engine.config import CacheConfig, ConfigError
-from engine.errors import ModelLoadError
-from engine.model.config import ModelConfig
-from engine.plan.fit import (FREE_SHARE, RUNTIME_BYTES, margin_for, model_dtype_for, parameter_count, resident_bytes,
+from kvchat.engine.config import CacheConfig, ConfigError
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.plan.fit import (FREE_SHARE, RUNTIME_BYTES, margin_for, model_dtype_for, parameter_count, resident_bytes,
                              safetensors_summary)
-from engine.plan.presets import PRESET_CONFIGS, preset
-from engine.units import GIB, MIB, format_size
+from kvchat.engine.plan.presets import PRESET_CONFIGS, preset
+from kvchat.engine.units import GIB, MIB, format_size
 
 FORMATS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
 MAX_SEARCH_TOKENS = 1 << 31
@@ -58,7 +58,7 @@ def model_facts(model: str, weights_type: str = "F16") -> ModelFacts:
         per = bytes_per_weight(weights_type)
         return ModelFacts(key, "preset", mc, params, int(params * per),
                           f"{weights_type.upper()} (preset: {per:.4g} B a weight)")
-    from engine.model.source import locate
+    from kvchat.engine.model.source import locate
     files = locate(model)
     return model_facts_from(files.path, files.name)
 
@@ -67,9 +67,9 @@ def model_facts_from(path, name: str | None = None) -> ModelFacts:
     """Facts of a GGUF file (whatever its name: Ollama's blobs have no suffix) or a Hugging Face folder."""
     from pathlib import Path
 
-    from engine.gguf.file import GGUFFile
-    from engine.model.source import read_config
-    from engine.model.families import check_architecture
+    from kvchat.engine.gguf.file import GGUFFile
+    from kvchat.engine.model.source import read_config
+    from kvchat.engine.model.families import check_architecture
     path = Path(path)
     name = name or path.stem
     if path.is_dir():
@@ -129,7 +129,7 @@ def largest_context(layout, budget_bytes: float, window: int | None = None, sink
                     batch: int = 1) -> int | None:
     """The most tokens each of `batch` conversations can reach with every step fitting in budget_bytes;
     None when a window bounds the memory below the budget (any length fits)."""
-    from engine.kv.layout import WindowGeometry
+    from kvchat.engine.kv.layout import WindowGeometry
     per = budget_bytes / batch
 
     def fits(n: int) -> bool:
@@ -234,7 +234,7 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
              window: int | None = None, sinks: int = 4, k_scheme: str = "channel", fp_layers: tuple[int, ...] = (),
              memory_bytes: int | None = None, memory_source: str = "", device: str = "cpu",
              dtype: str = "auto", weights: str = "auto") -> Estimate:
-    from engine.kv.layout import conversation_bytes, kv_groups, kv_layout, max_conversation_tokens
+    from kvchat.engine.kv.layout import conversation_bytes, kv_groups, kv_layout, max_conversation_tokens
     if context < 1:
         raise ConfigError(f"context={context}: ask for at least 1 token")
     if batch < 1:

@@ -9,8 +9,8 @@ import struct
 from collections import Counter
 from pathlib import Path
 
-from engine.errors import ModelLoadError
-from engine.units import GIB, MIB
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.units import GIB, MIB
 
 # What a running kvchat needs beside weights and KV (Python, torch, the tokenizer, a first KV block and
 # work buffers), plus a share of the memory left free for everything else on the machine.

@@ -25,9 +25,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import ConfigError
-from engine.errors import ModelLoadError
-from engine.model.families import family
+from kvchat.engine.config import ConfigError
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.model.families import family
 FIT_FORMATS = ("fp16", "int8", "fp8", "int4")
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 
@@ -114,7 +114,7 @@ def _ollama_models(root: Path) -> list[tuple[str, Path]]:
 
 def describe(name: str, path: Path, source: str, memory_bytes: int, device: str = "cpu") -> ModelEntry:
     """One entry from headers alone; an unreadable or unsupported model gets its reason in `error`."""
-    from engine.plan.estimate import estimate, model_facts_from
+    from kvchat.engine.plan.estimate import estimate, model_facts_from
     kind = "safetensors" if path.is_dir() else "gguf"
     size = (sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else path.stat().st_size)
     try:
@@ -132,7 +132,7 @@ def describe(name: str, path: Path, source: str, memory_bytes: int, device: str 
 def scan(folders: list[str | Path] = (), memory_bytes: int | None = None, device: str = "cpu",
          home: Path | None = None) -> list[ModelEntry]:
     """Every model in the user's folders and the peers' places, each file once (the first place found)."""
-    from engine.plan.estimate import available_memory
+    from kvchat.engine.plan.estimate import available_memory
     if memory_bytes is None:
         memory_bytes, _ = available_memory(device)
     places = [("Folder", Path(f).expanduser()) for f in folders] + peer_locations(home)
@@ -152,7 +152,7 @@ def loadable_path(entry: ModelEntry, link_dir: Path | None = None) -> str:
     path = Path(entry.path)
     if entry.kind != "gguf" or path.suffix == ".gguf":
         return str(path)
-    from engine.model.source import cache_root
+    from kvchat.engine.model.source import cache_root
     link_dir = link_dir or cache_root() / "ollama-links"
     link_dir.mkdir(parents=True, exist_ok=True)
     link = link_dir / (entry.name.replace("/", "_").replace(":", "-") + ".gguf")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from engine.model.config import ModelConfig
+from kvchat.engine.model.config import ModelConfig
 
 
 def _llama(vocab, hidden, layers, heads, kv_heads, intermediate, context, tie, theta, model_type="llama",

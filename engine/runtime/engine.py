@@ -8,24 +8,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kernels import cpu_lib, cpu_quant
+from kvchat.kernels import cpu_lib, cpu_quant
 
-from engine.api import LOCAL
-from engine.text.chat_format import chat_format_notice, check_template, stop_ids
-from engine.config import ACTIVATION_MODES, PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
-from engine.kv.layout import MIB
-from engine.gguf.file import GGUFFile
-from engine.model.source import (Progress, load_state_dict, locate, read_config, remove_conversion_cache,
+from kvchat.engine.api import LOCAL
+from kvchat.engine.text.chat_format import chat_format_notice, check_template, stop_ids
+from kvchat.engine.config import ACTIVATION_MODES, PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from kvchat.engine.kv.layout import MIB
+from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.source import (Progress, load_state_dict, locate, read_config, remove_conversion_cache,
                                  transformers_reference)
-from engine.text.tokenizer_cache import cached_gguf_tokenizer, gguf_tokenizer, load_tokenizer
-from engine.errors import ModelLoadError
-from engine.plan.fit import check_fits, folder_weights, trim_heap
-from engine.model.config import ModelConfig
-from engine.model.transformer import Transformer
-from engine.model.weights import from_gguf, from_state_dict
-from engine.runtime import memory
-from engine.runtime.runner import ModelRunner
-from engine.runtime.session import ModelInfo, Session
+from kvchat.engine.text.tokenizer_cache import cached_gguf_tokenizer, gguf_tokenizer, load_tokenizer
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.plan.fit import check_fits, folder_weights, trim_heap
+from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.model.transformer import Transformer
+from kvchat.engine.model.weights import from_gguf, from_state_dict
+from kvchat.engine.runtime import memory
+from kvchat.engine.runtime.runner import ModelRunner
+from kvchat.engine.runtime.session import ModelInfo, Session
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -217,7 +217,7 @@ class Engine:
     def model_identity(self) -> dict:
         """What a saved cache must name to be restored here: the model file's name, size, mtime, header hash."""
         if self._identity is None:
-            from engine.runtime.warm import model_identity
+            from kvchat.engine.runtime.warm import model_identity
             files = locate(self.config.model)
             self._identity = model_identity(files.path, files.is_gguf)
         return self._identity
@@ -226,8 +226,8 @@ class Engine:
     def warm_store(self):
         """The folder of saved conversation caches (the user cache dir's kv/) and its disk budget."""
         if self._warm_store is None:
-            from engine.model.source import cache_root
-            from engine.runtime.warm import WarmStore
+            from kvchat.engine.model.source import cache_root
+            from kvchat.engine.runtime.warm import WarmStore
             self._warm_store = WarmStore(cache_root() / "kv", self.config.kv_disk_budget_mb)
         return self._warm_store
 
@@ -248,7 +248,7 @@ class Engine:
     def restore_warm(self, session: Session):
         """Read a warm session's saved cache back (a conversation reopened): warm.Restored, or warm.CacheFileError
         saying why its history must be read again."""
-        from engine.runtime.warm import CacheFileError
+        from kvchat.engine.runtime.warm import CacheFileError
         if session.warm is None:
             raise CacheFileError("the conversation is not kept warm")
         store, key, identity = session.warm

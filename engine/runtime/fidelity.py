@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from engine.config import CacheConfig
+from kvchat.engine.config import CacheConfig
 
 
 class _Tally:

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from engine.events import MemoryProbe
+from kvchat.engine.events import MemoryProbe
 
 _nvml_handle = None
 _nvml_failed = False

@@ -2,8 +2,8 @@
 (overflow="stop"), slide into a window (overflow="slide"), and say in the user's words what to change."""
 from __future__ import annotations
 
-from engine.kv.layout import WindowGeometry, window_peak_bytes
-from engine.units import MIB
+from kvchat.engine.kv.layout import WindowGeometry, window_peak_bytes
+from kvchat.engine.units import MIB
 
 
 class BudgetFull(RuntimeError):

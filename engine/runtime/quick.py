@@ -22,20 +22,20 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import cpu_lib
+from kvchat.kernels import cpu_lib
 
-from engine.config import CacheConfig, EngineConfig, SamplingParams, SpeculativeConfig
-from engine.errors import ModelLoadError
-from engine.gguf.blocks import packed_matrix
-from engine.gguf.file import GGUFFile
-from engine.model.config import ModelConfig, layer_modules
-from engine.model.source import locate
-from engine.model.spec import rope_cos_sin_numpy
-from engine.plan.fit import check_fits
-from engine.runtime.sampling import sample_numpy
-from engine.text.chat_format import chat_format_notice, clean_text, encode_conversation, stop_ids, tokenize_pieces
-from engine.text.detok import StreamDecoder
-from engine.text.tokenizer_cache import gguf_tokenizer
+from kvchat.engine.config import CacheConfig, EngineConfig, SamplingParams, SpeculativeConfig
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.gguf.blocks import packed_matrix
+from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.config import ModelConfig, layer_modules
+from kvchat.engine.model.source import locate
+from kvchat.engine.model.spec import rope_cos_sin_numpy
+from kvchat.engine.plan.fit import check_fits
+from kvchat.engine.runtime.sampling import sample_numpy
+from kvchat.engine.text.chat_format import chat_format_notice, clean_text, encode_conversation, stop_ids, tokenize_pieces
+from kvchat.engine.text.detok import StreamDecoder
+from kvchat.engine.text.tokenizer_cache import gguf_tokenizer
 
 CHUNK = 64                 # prompt tokens a kernel call
 

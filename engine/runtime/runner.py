@@ -14,16 +14,16 @@ import weakref
 
 import torch
 
-from engine.runtime.backends import AttentionBackend, LayerScores, StepAttention, backend_for, choice_key
-from engine.runtime.speculative import StepCosts
-from engine.runtime.step_plan import StepReservation, decode_first
-from engine.config import CacheConfig, ConfigError, SpeculativeConfig
-from engine.kv import convert, saved
-from engine.kv.layout import MIB, PREFILL_CHUNK, KVLayout, check_cache_for_model, kv_groups, kv_layout
-from engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
-from engine.kv.pages import PageStore
-from engine.kv.tier import DEFAULT_TIER_MB as HOST_TIER_MB, PreemptTier
-from engine.model.transformer import Transformer
+from kvchat.engine.runtime.backends import AttentionBackend, LayerScores, StepAttention, backend_for, choice_key
+from kvchat.engine.runtime.speculative import StepCosts
+from kvchat.engine.runtime.step_plan import StepReservation, decode_first
+from kvchat.engine.config import CacheConfig, ConfigError, SpeculativeConfig
+from kvchat.engine.kv import convert, saved
+from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVLayout, check_cache_for_model, kv_groups, kv_layout
+from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
+from kvchat.engine.kv.pages import PageStore
+from kvchat.engine.kv.tier import DEFAULT_TIER_MB as HOST_TIER_MB, PreemptTier
+from kvchat.engine.model.transformer import Transformer
 
 
 class ModelRunner:

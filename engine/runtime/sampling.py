@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.config import SamplingParams
+from kvchat.engine.config import SamplingParams
 
 if TYPE_CHECKING:
     import torch

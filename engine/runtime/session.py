@@ -19,21 +19,21 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine.runtime import memory, overflow, session_stats, warm
-from engine.runtime.warm import RELEASED_NOTICE
-from engine.text.chat_format import encode_conversation, tokenize_pieces
-from engine.config import CacheConfig, ConfigError, SamplingParams
-from engine.text.detok import StreamDecoder
-from engine.events import FinishReason, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
-from engine.kv.layout import WindowGeometry
-from engine.kv.manager import NoFreeBlocks
-from engine.plan.fit import trim_heap
-from engine.runtime.overflow import BudgetFull
-from engine.runtime.runner import ModelRunner
-from engine.runtime.sampling import sample
-from engine.runtime.speculative import Speculator
-from engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
-from engine.runtime.turns import TurnGuard, TurnTimes, checked_history, checked_params, checked_text, turn
+from kvchat.engine.runtime import memory, overflow, session_stats, warm
+from kvchat.engine.runtime.warm import RELEASED_NOTICE
+from kvchat.engine.text.chat_format import encode_conversation, tokenize_pieces
+from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams
+from kvchat.engine.text.detok import StreamDecoder
+from kvchat.engine.events import FinishReason, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.kv.layout import WindowGeometry
+from kvchat.engine.kv.manager import NoFreeBlocks
+from kvchat.engine.plan.fit import trim_heap
+from kvchat.engine.runtime.overflow import BudgetFull
+from kvchat.engine.runtime.runner import ModelRunner
+from kvchat.engine.runtime.sampling import sample
+from kvchat.engine.runtime.speculative import Speculator
+from kvchat.engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
+from kvchat.engine.runtime.turns import TurnGuard, TurnTimes, checked_history, checked_params, checked_text, turn
 
 
 class Stopped(Exception):

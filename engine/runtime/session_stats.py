@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from engine.events import LayerBytes, PoolStats, StatsSnapshot
-from engine.kv.layout import layer_window_bytes, layer_windows, window_peak_bytes
-from engine.runtime import memory
+from kvchat.engine.events import LayerBytes, PoolStats, StatsSnapshot
+from kvchat.engine.kv.layout import layer_window_bytes, layer_windows, window_peak_bytes
+from kvchat.engine.runtime import memory
 
 
 def tokens_left(session) -> int | None:
@@ -44,7 +44,7 @@ def _in_host(runner) -> tuple:
     tier = runner.host_tier
     if tier is None:
         return ()
-    from engine.runtime.warm import host_key
+    from kvchat.engine.runtime.warm import host_key
     return tuple((s.warm[1], tier.bytes_of(host_key(s))) for s in list(runner.warm_sessions)
                  if s.tier == "host" and s.warm is not None)
 

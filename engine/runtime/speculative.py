@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from engine.config import CacheConfig, ConfigError, SamplingParams, SpeculativeConfig
-from engine.events import SpecStats
-from engine.kv.layout import PREFILL_CHUNK
-from engine.kv.manager import NoFreeBlocks
-from engine.runtime.sampling import distribution, sample
+from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams, SpeculativeConfig
+from kvchat.engine.events import SpecStats
+from kvchat.engine.kv.layout import PREFILL_CHUNK
+from kvchat.engine.kv.manager import NoFreeBlocks
+from kvchat.engine.runtime.sampling import distribution, sample
 
 RECENT = 1024           # the ids the repetition penalty looks at, as the session's sampler
 

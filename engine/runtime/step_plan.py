@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.kv.layout import KVLayout, absolute_slot, sinks_at_first_positions
-from engine.kv.manager import KVCacheManager, Reservation, Sequence
-from engine.kv.pages import PageStore, page_rows, slot_positions
-from engine.model.rope import rope_cos_sin
+from kvchat.engine.kv.layout import KVLayout, absolute_slot, sinks_at_first_positions
+from kvchat.engine.kv.manager import KVCacheManager, Reservation, Sequence
+from kvchat.engine.kv.pages import PageStore, page_rows, slot_positions
+from kvchat.engine.model.rope import rope_cos_sin
 
 
 @dataclass

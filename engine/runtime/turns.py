@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterator
 
-from engine.text.chat_format import clean_text
-from engine.config import ConfigError, SamplingParams
-from engine.events import FinishReason, SpecStats, StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.text.chat_format import clean_text
+from kvchat.engine.config import ConfigError, SamplingParams
+from kvchat.engine.events import FinishReason, SpecStats, StatsSnapshot, TokenDelta, TurnFinished
 
 
 class SessionBusy(ConfigError):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from engine.kv import saved
-from engine.kv.layout import MIB
-from engine.kv.saved import CacheFileError
+from kvchat.engine.kv import saved
+from kvchat.engine.kv.layout import MIB
+from kvchat.engine.kv.saved import CacheFileError
 
 __all__ = ["CacheFileError", "Restored", "WarmStore", "model_identity", "restore", "save"]
 
@@ -34,7 +34,7 @@ def model_identity(path: Path, is_gguf: bool) -> dict:
     path = Path(path)
     h = hashlib.sha256()
     if is_gguf:
-        from engine.gguf.file import GGUFFile
+        from kvchat.engine.gguf.file import GGUFFile
         start = GGUFFile(path).data_start
         with open(path, "rb") as f:
             h.update(f.read(start))

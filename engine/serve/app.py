@@ -16,15 +16,15 @@ from dataclasses import replace
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.text.chat_format import ChatTemplateError, encode_conversation, tokenize_pieces
-from engine.text.detok import StreamDecoder
-from engine.events import FinishReason
-from engine.serve import batch
-from engine.serve import guard
-from engine.serve import protocol
-from engine.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
-from engine.serve.protocol import APIError, bad_request
-from engine.serve.scheduler import Finished, QueueFull, Request, Scheduler, TokenOut
+from kvchat.engine.text.chat_format import ChatTemplateError, encode_conversation, tokenize_pieces
+from kvchat.engine.text.detok import StreamDecoder
+from kvchat.engine.events import FinishReason
+from kvchat.engine.serve import batch
+from kvchat.engine.serve import guard
+from kvchat.engine.serve import protocol
+from kvchat.engine.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
+from kvchat.engine.serve.protocol import APIError, bad_request
+from kvchat.engine.serve.scheduler import Finished, QueueFull, Request, Scheduler, TokenOut
 
 DISCONNECT_POLL_S = 0.5
 PROMPT_TIMEOUT_S = 10.0         # render and tokenize; the template's own limit (3 s) ends a runaway render first

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import CacheConfig
-from engine.kv.layout import MIB
-from engine.kv.layout import KVLayout
-from engine.kv.manager import Sequence as _Seq
+from kvchat.engine.config import CacheConfig
+from kvchat.engine.kv.layout import MIB
+from kvchat.engine.kv.layout import KVLayout
+from kvchat.engine.kv.manager import Sequence as _Seq
 
 
 @dataclass(eq=False)
@@ -88,7 +88,7 @@ def draft_room(engine, handle: Sequence, most: int) -> int:
 
 def speculator(engine, cache: CacheConfig | None = None):
     """A new request's speculation under the engine's setting now, or None when it is off."""
-    from engine.runtime.speculative import Speculator
+    from kvchat.engine.runtime.speculative import Speculator
     runner = _runner(engine)
     if not runner.speculation.enabled:
         return None
@@ -143,7 +143,7 @@ def release(engine, handle: Sequence) -> None:
 def export(engine, handle: Sequence) -> tuple[int, list, dict[str, torch.Tensor]]:
     """(tokens held, per KV group its metadata, the tensors) of a sequence's cache, byte for byte as stored, copied
     to host memory (engine/kv/saved.py): what the preemption tier keeps."""
-    from engine.kv import saved
+    from kvchat.engine.kv import saved
     runner = _runner(engine)
     with runner.lock:
         groups, tensors = saved.export_groups(runner.store, handle.seq)

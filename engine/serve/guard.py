@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 from urllib.parse import urlsplit
 
-from engine.serve.protocol import APIError
+from kvchat.engine.serve.protocol import APIError
 
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 32       # a context's worth of text, even JSON-escaped, or of token ids, fits

@@ -13,9 +13,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
 
-from engine.events import FinishReason
-from engine.serve import batch
-from engine.serve.protocol import openai_finish
+from kvchat.engine.events import FinishReason
+from kvchat.engine.serve import batch
+from kvchat.engine.serve.protocol import openai_finish
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
                 160.0)

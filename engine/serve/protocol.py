@@ -9,8 +9,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from engine.config import ConfigError, SamplingParams
-from engine.events import FinishReason
+from kvchat.engine.config import ConfigError, SamplingParams
+from kvchat.engine.events import FinishReason
 
 MAX_STOP_STRINGS = 4
 GREEDY_BELOW = 1e-5         # logits divided by less overflow float32: the softmax would be NaN

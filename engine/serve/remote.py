@@ -13,12 +13,12 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.runtime import memory
-from engine.api import REMOTE
-from engine.config import CacheConfig, ConfigError, SamplingParams
-from engine.errors import UserError
-from engine.events import FinishReason, ServerStats, StatsSnapshot, TokenDelta, TurnFinished
-from engine.serve.protocol import from_openai_finish
+from kvchat.engine.runtime import memory
+from kvchat.engine.api import REMOTE
+from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams
+from kvchat.engine.errors import UserError
+from kvchat.engine.events import FinishReason, ServerStats, StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.serve.protocol import from_openai_finish
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0                  # a long prompt on a busy server may take minutes to start

@@ -22,13 +22,13 @@ from typing import Callable
 
 import torch
 
-from engine.config import CacheConfig, SamplingParams
-from engine.events import FinishReason
-from engine.runtime.sampling import sample
-from engine.runtime.speculative import accept
-from engine.kv.saved import CacheFileError
-from engine.serve import batch
-from engine.kv.tier import DEFAULT_TIER_MB, PreemptTier
+from kvchat.engine.config import CacheConfig, SamplingParams
+from kvchat.engine.events import FinishReason
+from kvchat.engine.runtime.sampling import sample
+from kvchat.engine.runtime.speculative import accept
+from kvchat.engine.kv.saved import CacheFileError
+from kvchat.engine.serve import batch
+from kvchat.engine.kv.tier import DEFAULT_TIER_MB, PreemptTier
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 log = logging.getLogger("kvchat.serve")

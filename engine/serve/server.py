@@ -7,12 +7,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, ConfigError
-from engine.serve.app import ServeState, create_app
-from engine.serve.guard import is_loopback
-from engine.serve.metrics import ServeMetrics
-from engine.serve.scheduler import Scheduler, SchedulerConfig
-from engine.kv.tier import DEFAULT_TIER_MB
+from kvchat.engine.config import CacheConfig, ConfigError
+from kvchat.engine.serve.app import ServeState, create_app
+from kvchat.engine.serve.guard import is_loopback
+from kvchat.engine.serve.metrics import ServeMetrics
+from kvchat.engine.serve.scheduler import Scheduler, SchedulerConfig
+from kvchat.engine.kv.tier import DEFAULT_TIER_MB
 
 API_KEY_ENV = "KVCHAT_API_KEY"
 

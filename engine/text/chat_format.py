@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import traceback
 
-from engine.config import ConfigError
+from kvchat.engine.config import ConfigError
 
 _PLACEHOLDER = "\x00kvchat-content-{}\x00"
 PROBE = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hello! How can I help?"},
@@ -31,7 +31,7 @@ def _template_line(exc: BaseException) -> str:
 
 def _describe(exc: Exception, where: str) -> str:
     from jinja2 import exceptions as jx
-    from engine.text.chat_template import TemplateLimit
+    from kvchat.engine.text.chat_template import TemplateLimit
     text = " ".join(str(getattr(exc, "message", None) or exc).split()) or type(exc).__name__
     if isinstance(exc, TemplateLimit):
         what = f"was stopped: it {text}"
@@ -81,7 +81,7 @@ def render_chat(tokenizer, messages: list[dict], where: str = "this model") -> s
     """The conversation through the model's chat template (PLAIN_TEMPLATE where it has none: chat_format_notice
     says so), with the generation prompt, under chat_template's limits; any failure is a ChatTemplateError of one
     line naming `where` (the model file)."""
-    from engine.text.chat_template import render
+    from kvchat.engine.text.chat_template import render
     specials = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items()}
     if has_chat_template(tokenizer):
         source = tokenizer.chat_template

@@ -147,7 +147,7 @@ class ChatTokenizer:
                             tools=None, documents=None, **kwargs):
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        from engine.text.chat_template import render       # jinja2 is imported on the first render, not at start
+        from kvchat.engine.text.chat_template import render       # jinja2 is imported on the first render, not at start
         rendered = render(self.chat_template, conversation, add_generation_prompt, tools=tools, documents=documents,
                           **{**self.special_tokens_map, **kwargs})
         return self.encode(rendered, add_special_tokens=False) if tokenize else rendered

@@ -8,8 +8,8 @@ import shutil
 import threading
 from pathlib import Path
 
-from engine.errors import ModelLoadError
-from engine.model.source import Progress, SAFE_PRETRAINED, cache_root, private_model_dir
+from kvchat.engine.errors import ModelLoadError
+from kvchat.engine.model.source import Progress, SAFE_PRETRAINED, cache_root, private_model_dir
 def gguf_tokenizer_dir(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
@@ -55,15 +55,15 @@ def gguf_tokenizer(path: Path, progress: Progress | None = None):
 def _load_cached(folder: Path):
     """The tokenizer this module cached, read by `tokenizers` and jinja2 alone: transformers is not imported
     (a second of every start) once the cache is written."""
-    from engine.text.tokenizer import ChatTokenizer
+    from kvchat.engine.text.tokenizer import ChatTokenizer
     return ChatTokenizer(folder)
 
 
 def _write_gguf_tokenizer(path: Path, folder: Path) -> bool:
     """The tokenizer folder written by gguf/tokenizer.py (`tokenizers` alone, no transformers: seconds less on
     a first start); False when the file's tokenizer is of a kind only transformers' converter builds."""
-    from engine.gguf.file import GGUFFile
-    from engine.gguf.tokenizer import NotCovered, write_folder
+    from kvchat.engine.gguf.file import GGUFFile
+    from kvchat.engine.gguf.tokenizer import NotCovered, write_folder
     gguf = GGUFFile(path)
     try:
         write_folder(gguf, folder)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels import cpu_quant
+from kvchat import kernels
+from kvchat.kernels import cpu_quant
 
-from engine.kv.layout import KVLayout
-from engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
-from engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers
-from engine.runtime.backends.quant_pages import QuantPagesC, QuantPagesTorch, kernel_reads
+from kvchat.engine.kv.layout import KVLayout
+from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
+from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers
+from kvchat.engine.runtime.backends.quant_pages import QuantPagesC, QuantPagesTorch, kernel_reads
 
 __all__ = ["AttentionBackend", "FullPagesC", "FullPagesTorch", "LayerScores", "QuantPagesC", "QuantPagesTorch",
            "StepAttention", "backend_for", "choice_key"]
@@ -30,7 +30,7 @@ def backend_for(layout: KVLayout, comps: Pages, device, num_heads: int,
     these pages, else torch (the C kernels take a layer's scale, not a soft-cap: a capped layer attends through
     torch)."""
     if kernels.gpu_path(device):              # CUDA (or its check on CPU tensors under triton's interpreter)
-        from engine.runtime.backends.triton_pages import FullPagesTriton, QuantPagesTriton
+        from kvchat.engine.runtime.backends.triton_pages import FullPagesTriton, QuantPagesTriton
         kind = QuantPagesTriton if layout.quantized_components else FullPagesTriton
         return kind(layout, comps, num_heads, scores)
     cpu = torch.device(device).type == "cpu"

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv.layout import KVLayout
-from engine.kv.pages import Component
+from kvchat.engine.kv.layout import KVLayout
+from kvchat.engine.kv.pages import Component
 
 Pages = list[tuple[Component, Component]]          # per layer, the (K, V) components of one layout
 

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_quant
+from kvchat.kernels import cpu_quant
 
-from engine.model.rope import rotate
-from engine.model.transformer import DecodeKernel
-from engine.runtime.attention import softmax_attention
-from engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
-from engine.kv.pages import Component
+from kvchat.engine.model.rope import rotate
+from kvchat.engine.model.transformer import DecodeKernel
+from kvchat.engine.runtime.attention import softmax_attention
+from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
+from kvchat.engine.kv.pages import Component
 
 
 def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores | None = None) -> torch.Tensor:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_quant
+from kvchat.kernels import cpu_quant
 
-from engine.kv.pages import Component
-from engine.model.rope import rope_table, rotate
-from engine.model.transformer import DecodeKernel
-from engine.runtime.attention import softmax_attention
-from engine.runtime.backends.base import AttentionBackend, LayerScores
-from engine.runtime.backends.full_pages import score_args, attend_torch as attend_full
+from kvchat.engine.kv.pages import Component
+from kvchat.engine.model.rope import rope_table, rotate
+from kvchat.engine.model.transformer import DecodeKernel
+from kvchat.engine.runtime.attention import softmax_attention
+from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores
+from kvchat.engine.runtime.backends.full_pages import score_args, attend_torch as attend_full
 
 
 def key_rope(st) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton_attention import QuantPages, attention_partials, decode_attention, merge_partials
+from kvchat.kernels.triton_attention import QuantPages, attention_partials, decode_attention, merge_partials
 
-from engine.model.rope import rotate
-from engine.runtime.backends.base import LayerScores
-from engine.runtime.backends.full_pages import FullPagesTorch
-from engine.runtime.backends.quant_pages import QuantPagesTorch, key_rope, store
+from kvchat.engine.model.rope import rotate
+from kvchat.engine.runtime.backends.base import LayerScores
+from kvchat.engine.runtime.backends.full_pages import FullPagesTorch
+from kvchat.engine.runtime.backends.quant_pages import QuantPagesTorch, key_rope, store
 
 
 @dataclass
