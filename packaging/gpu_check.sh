@@ -32,8 +32,10 @@ SITE=/tmp/kvchat-gpu-site
 if [ -d "$PREP/wheels" ]; then
     "$PY" -m pip install -q --no-index --no-deps --find-links "$PREP/wheels" --target "$SITE" "$PREP"/wheels/*.whl \
         >> "$OUT/env.txt" 2>&1 || echo "some wheels did not install (see env.txt)"
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# kvchat itself, not installed there: its one import name points at this checkout (the root is the package)
+mkdir -p "$SITE" && ln -sfn "$PWD" "$SITE/kvchat"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
 [ -f "$PREP/vocab.gguf" ] && export KVCHAT_VOCAB_GGUF="$PWD/$PREP/vocab.gguf"
 "$PY" -c "import gguf, jinja2, psutil, pytest, transformers, tokenizers" >> "$OUT/env.txt" 2>&1 \
     || { echo "a module the check needs is missing: run make gpu-check-prep here and carry build/gpu-check"; exit 1; }

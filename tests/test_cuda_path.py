@@ -65,7 +65,8 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def compare(model, monkeypatch, names: list[str], steps: int, prompt: list[int] = PROMPT) -> None:
-    cpu = Engine.load(EngineConfig(model=model, device="cpu"))
+    # the CPU path in float32 prompts: `auto` takes bf16 on a CPU with AMX, and the comparison is with fp32 bits
+    cpu = Engine.load(EngineConfig(model=model, device="cpu", prefill="fp32"))
     want = {name: run(cpu, FORMATS[name], prompt, steps) for name in names}
     gpu = gpu_engine(model, monkeypatch)
     if model.endswith(".gguf"):
