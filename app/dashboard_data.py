@@ -17,6 +17,7 @@ from kvchat.engine.events import StatsSnapshot
 from kvchat.engine.plan.estimate import window_counts
 from kvchat.engine.units import MIB
 
+from kvchat.app.bar_widgets import format_mib
 from kvchat.app.i18n import value_name
 from kvchat.app.messages import format_bytes
 
@@ -38,6 +39,25 @@ def eviction_label(tokens: int, count: int) -> str:
         return QCoreApplication.translate("DashboardData", "evicted {n} tok").format(n=f"{tokens:,}")
     return QCoreApplication.translate("DashboardData", "evicted {n} tok in {k} steps").format(
         n=f"{tokens:,}", k=f"{count:,}")
+
+
+def switch_notice(cache: str, before: StatsSnapshot, after: StatsSnapshot) -> str:
+    """A live switch in numbers: KV memory before and after, the tokens held, and the chat's tokens the cache no
+    longer holds (they left a window, now or earlier: a full cache does not bring them back, a reset reads them)."""
+    fields = dict(cache=cache, before=format_mib(before.kv_bytes), after=format_mib(after.kv_bytes),
+                  tokens=f"{after.tokens_held:,}", held=f"{before.tokens_held:,}", lost=f"{after.tokens_evicted:,}")
+    if after.tokens_evicted:
+        return QCoreApplication.translate(
+            "DashboardData", "Switched the cache to {cache}: KV memory {before} → {after}, holding {tokens} tokens "
+            "(before: {held}). {lost} tokens of this chat are no longer in the cache: they left the window and the "
+            "model does not see them; Reset reads the whole chat again.").format(**fields)
+    if after.tokens_held != before.tokens_held:
+        return QCoreApplication.translate(
+            "DashboardData", "Switched the cache to {cache}: KV memory {before} → {after}, holding {tokens} tokens "
+            "(before: {held}): the whole chat.").format(**fields)
+    return QCoreApplication.translate(
+        "DashboardData", "Switched the cache to {cache}: KV memory {before} → {after} for the same {tokens} "
+        "tokens.").format(**fields)
 
 
 HOLD_GAP_S = 0.25                       # longer silences are drawn as held values (rates: as a gap)

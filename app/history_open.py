@@ -26,6 +26,11 @@ CANNOT_WRITE = QT_TRANSLATE_NOOP("HistoryStore", "it cannot be opened for writin
 STUCK_DAMAGED = QT_TRANSLATE_NOOP("HistoryStore", "it is damaged ({reason}) and could not be moved aside ({error})")
 READ_ONLY_FS = QT_TRANSLATE_NOOP("HistoryStore", "its file system is mounted read-only")
 FILE_NOT_WRITABLE = QT_TRANSLATE_NOOP("HistoryStore", "you cannot write {path} (chmod u+w)")
+FILE_NOT_READABLE = QT_TRANSLATE_NOOP("HistoryStore", "you cannot read {path}, so its chats are not shown "
+                                      "(chmod u+rw)")
+NOT_A_FILE = QT_TRANSLATE_NOOP("HistoryStore", "it cannot be opened: a folder or another kind of file stands at "
+                               "its path")
+STUCK_ASIDE = QT_TRANSLATE_NOOP("HistoryStore", "{reason}, and it could not be moved aside ({error})")
 FOLDER_NOT_WRITABLE = QT_TRANSLATE_NOOP("HistoryStore", "you cannot write its folder {folder}, where SQLite keeps its "
                                         "-wal and -shm files (chmod u+w)")
 
@@ -59,7 +64,9 @@ def open_history(path: Path, prepare: Prepare) -> Opened:
         _private_dir(path.parent)
         return _open(path, prepare)
     except sqlite3.DatabaseError as exc:
-        if _is_damage(exc) or _not_a_file(path):
+        if _not_a_file(path):
+            return _recover(path, prepare, exc, _tr(NOT_A_FILE))
+        if _is_damage(exc):
             return _recover(path, prepare, exc)
         return _open_read_only(path, prepare, exc)
     except OSError as exc:          # the folder or the file cannot be created
@@ -99,9 +106,15 @@ def _open_read_only(path: Path, prepare: Prepare, first: sqlite3.DatabaseError) 
     uris = [f"file:{name}?mode=ro"]
     if not os.access(path.parent, os.W_OK):
         uris.append(f"file:{name}?immutable=1")
+    unreadable = why_unreadable(path)
+    if unreadable:              # not damaged, and not ours to move: the app runs on an empty history and says why
+        return _unsaved(prepare, unreadable)
     reason = why_read_only(path) or _tr(CANNOT_WRITE).format(error=first)
     for uri in uris:
-        db = sqlite3.connect(uri, uri=True)
+        try:
+            db = sqlite3.connect(uri, uri=True)
+        except sqlite3.DatabaseError:
+            continue
         try:
             _quick_check(db)
             db.execute("SELECT count(*) FROM conversations").fetchone()
@@ -115,14 +128,15 @@ def _open_read_only(path: Path, prepare: Prepare, first: sqlite3.DatabaseError) 
     return _unsaved(prepare, reason)
 
 
-def _recover(path: Path, prepare: Prepare, exc: sqlite3.DatabaseError) -> Opened:
-    reason = _reason(exc)
+def _recover(path: Path, prepare: Prepare, exc: sqlite3.DatabaseError, why: str = "") -> Opened:
+    """Move a damaged file (or what stands at its path, `why` saying what) aside and start a fresh one."""
+    reason = why or _reason(exc)
     try:
         moved = _move_aside(path)
     except OSError as err:
-        return _unsaved(prepare, _tr(STUCK_DAMAGED).format(
-            reason=reason, error=err.strerror or err))
-    log.warning("history database %s is damaged (%s): moved to %s", path, exc, moved)
+        stuck = STUCK_ASIDE if why else STUCK_DAMAGED
+        return _unsaved(prepare, _tr(stuck).format(reason=reason, error=err.strerror or err))
+    log.warning("history database %s cannot be used (%s): moved to %s", path, reason, moved)
     try:
         opened = _open(path, prepare)
     except (sqlite3.DatabaseError, OSError) as err:
@@ -167,6 +181,13 @@ def _private_dir(folder: Path) -> None:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not existed:
         os.chmod(folder, 0o700)
+
+
+def why_unreadable(path: Path) -> str:
+    """Why the file at `path` cannot even be read, in words a user can act on; "" when nothing visible stops it."""
+    if path.is_file() and not os.access(path, os.R_OK):
+        return _tr(FILE_NOT_READABLE).format(path=path)
+    return ""
 
 
 def why_read_only(path: Path) -> str:

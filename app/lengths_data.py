@@ -5,6 +5,7 @@ from engine.kv.layout, the cache's own arithmetic.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from PySide6.QtCore import QCoreApplication
@@ -16,7 +17,6 @@ from kvchat.app.bar_widgets import format_mib
 
 FIRST_EDGE = 256                        # histogram bins: <256, 256-511, 512-1,023, ... tokens
 MIN_WINDOW = 512
-MOST = 0.75                             # the suggested window keeps this share of conversations whole
 
 
 def count_tokens(tokenizer, system_prompt: str | None, turns) -> int:
@@ -110,20 +110,23 @@ class WindowSuggestion:
             cap=format_mib(self.cap_bytes), saved=format_mib(self.saved_bytes), rest=self.num_total - self.num_long)
 
 
+def typical_window(tokens: list[int], context: int, sinks: int) -> int:
+    """The smallest power-of-two window (MIN_WINDOW at least) at or above the median length, the median the page's
+    summary shows: at least half of the conversations stay whole. Within the model's context when it has one."""
+    window = MIN_WINDOW
+    while window < statistics.median(tokens):
+        window *= 2
+    return min(window, max(1, context - sinks)) if context else window
+
+
 def suggest_window(tokens: list[int], layout, context: int, sinks: int, format_label: str) -> WindowSuggestion | None:
-    """The smallest power-of-two window that keeps most conversations whole, when longer ones exist.
+    """The typical window (typical_window), when conversations longer than it exist.
 
     `layout` is the chat's formats on the model (ConversationBytes, or a KVLayout where every layer keeps the same
-    tokens); its sequence_bytes gives both sides of the comparison."""
+    tokens); its sequence_bytes gives both sides of the comparison, and the chart's bytes."""
     if not tokens:
         return None
-    ordered = sorted(tokens)
-    typical = ordered[min(len(ordered) - 1, int(MOST * len(ordered)))]
-    window = MIN_WINDOW
-    while window < typical:
-        window *= 2
-    if context:
-        window = min(window, max(1, context - sinks))
+    window = typical_window(tokens, context, sinks)
     long = [n for n in tokens if n > window + sinks]
     if not long:
         return None
@@ -132,6 +135,26 @@ def suggest_window(tokens: list[int], layout, context: int, sinks: int, format_l
     total = sum(full[n] for n in tokens) or 1
     return WindowSuggestion(window, sinks, len(long), len(tokens), sum(full[n] for n in long) / total,
                             max(capped.values()), sum(full[n] - capped[n] for n in long), format_label)
+
+
+def no_window_text(tokens: list[int], context: int, sinks: int) -> str:
+    """Why no window is suggested, in the numbers the summary shows (suggest_window found no conversation longer
+    than the typical window)."""
+    window = typical_window(tokens, context, sinks)
+    assert max(tokens) <= window + sinks, "conversations are longer than the window: suggest_window has one"
+    return QCoreApplication.translate(
+        "Lengths", "No conversation is over {tokens} tokens (median {median}, longest {longest}): a window of {window} "
+        "+ {sinks} sinks would keep every one whole, so none is needed.").format(
+        tokens=f"{window + sinks:,}", median=f"{statistics.median(tokens):,.0f}", longest=f"{max(tokens):,}",
+        window=f"{window:,}", sinks=sinks)
+
+
+def kv_shares(sizes: list[int]) -> list[float]:
+    """Each conversation's KV bytes over the bytes all of them hold together, wherever they are (the pool, host
+    memory, disk): a chat only on disk is not in the pool, so the pool's held bytes do not contain it. Each share is
+    0.0-1.0 and together they make 1."""
+    total = sum(sizes)
+    return [n / total if total else 0.0 for n in sizes]
 
 
 class ConversationBytes:

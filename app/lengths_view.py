@@ -1,7 +1,7 @@
 """The Lengths tab: most saved conversations are short, a few long ones would hold most of the KV memory.
 
 A histogram of the saved conversations' lengths (share of conversations beside share of KV bytes),
-each open conversation's share of the pool now, and a window suggested for the long ones.
+each conversation with a cache and its share of the KV they hold together, and a window suggested for the long ones.
 """
 from __future__ import annotations
 
@@ -12,12 +12,24 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.kv.layout import kv_layout
 
-from kvchat.app.bar_widgets import BarRows, Column, ColumnChart, Row, format_mib
+from kvchat.app.bar_widgets import BarRows, Column, ColumnChart, Row, format_mib, format_share
 from kvchat.app.history import ConversationLength
 from kvchat.app.i18n import cache_label
-from kvchat.app.lengths_data import ConversationBytes, WindowSuggestion, histogram, suggest_window, without_window
+from kvchat.app.lengths_data import (ConversationBytes, WindowSuggestion, histogram, kv_shares, no_window_text,
+                                     suggest_window, without_window)
+from kvchat.app.pool_view import POOL, PoolRow, conversation_bar_rows
 
 COUNT_COLOUR, BYTES_COLOUR = "#94a3b8", "#7e22ce"
+
+
+def share_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:
+    """A bar per conversation with a cache (pool_rows: in the pool, host memory or on disk), as long as its share of
+    the KV they hold together (kv_shares)."""
+    bars = conversation_bar_rows(rows, budget_bytes)
+    shares = kv_shares([r.num_bytes for r in rows])
+    return [Row(bar.label, share, f"{format_share(share)} · "
+                + (format_mib(row.num_bytes) if row.where == POOL else bar.text), bar.colour, bar.tip, bar.bold)
+            for bar, row, share in zip(bars, rows, shares)]
 
 
 class LengthsView(QWidget):
@@ -46,12 +58,12 @@ class LengthsView(QWidget):
         self.suggestion_label.setStyleSheet("#lengthsSuggestion { background: #f5f3ff; border: 1px solid #ddd6fe; "
                                             "border-radius: 4px; padding: 4px 6px; }")
         layout.addWidget(self.suggestion_label)
-        layout.addWidget(QLabel(self.tr("Open conversations · share of the KV pool now"),
+        layout.addWidget(QLabel(self.tr("Conversations with a cache · share of the KV they hold together"),
                                 objectName="dashboardSection"))
         self.open_bars = BarRows(self.tr("No conversation holds blocks yet."))
         layout.addWidget(self.open_bars)
-        note = QLabel(self.tr("Of the bytes the pool holds now. Blocks shared by several conversations (a common "
-                              "system prompt) count in each, so the shares can add up to more than 100%."),
+        note = QLabel(self.tr("Of the KV bytes these conversations hold together, in the pool, in host memory or on "
+                              "disk. Blocks shared by several conversations (a common system prompt) count in each."),
                       objectName="plotLegend")
         note.setWordWrap(True)
         layout.addWidget(note)
@@ -109,8 +121,7 @@ class LengthsView(QWidget):
                 text += self.tr(" Set it in Settings (Window and sinks) for a long chat; the switch is live.")
             self.suggestion_label.setText(text)
         else:
-            self.suggestion_label.setText(self.tr("No conversation is much longer than the rest: no window needed.")
-                                          if counted else "")
+            self.suggestion_label.setText(no_window_text(counted, context, cache.sinks) if counted else "")
         self.suggestion_label.setVisible(bool(self.suggestion_label.text()))
 
     def _clear(self, message: str) -> None:

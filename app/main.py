@@ -38,8 +38,23 @@ def load_style(app) -> None:
         app.setStyleSheet(style.read_text(encoding="utf-8"))
 
 
+def no_display_reason(env=os.environ, platform: str = sys.platform) -> str | None:
+    """Why the window cannot open here, before Qt aborts the process with a longer message: a Linux session with
+    no X or Wayland display (over ssh, in a container) and no Qt platform chosen."""
+    if not platform.startswith("linux") or env.get("QT_QPA_PLATFORM"):
+        return None
+    if env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"):
+        return None
+    return ("kvchat: no display to open the window on (neither DISPLAY nor WAYLAND_DISPLAY is set). "
+            "Start it from a desktop session, or chat in this terminal with `kvchat chat`.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
+    reason = no_display_reason()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
     from PySide6.QtWidgets import QApplication
 
     from kvchat.app.history import HistoryStore

@@ -24,6 +24,7 @@ from kvchat.app.conversation_list import ConversationList
 from kvchat.app.dashboard import Dashboard
 from kvchat.app.dock_width import DockWidth
 from kvchat.app.dashboard import format_mib
+from kvchat.app.dashboard_data import switch_notice
 from kvchat.app.history import HistoryError, HistoryStore
 from kvchat.app.engine_facts import family_text
 from kvchat.app.engine_text import engine_text
@@ -505,10 +506,7 @@ class MainWindow(QMainWindow):
             self._on_stats(event.stats)
         self.statusBar().showMessage(self.tr("Cache switched to {cache}").format(cache=cache_label(event.new)), 5000)
         if before is not None and event.stats is not None:
-            self.dashboard.show_notice(self.tr("Switched the cache to {cache}: KV memory {before} → {after} for the "
-                                               "same {tokens} tokens.").format(
-                cache=cache_label(event.new), before=format_mib(before.kv_bytes),
-                after=format_mib(event.stats.kv_bytes), tokens=f"{event.stats.tokens_held:,}"))
+            self.dashboard.show_notice(switch_notice(cache_label(event.new), before, event.stats))
 
     def _on_reset_done(self, event: ResetDone) -> None:
         self.dashboard.data.mark("reset", self.tr("reset −{freed}").format(freed=format_bytes(event.freed_bytes)))

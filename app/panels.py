@@ -11,9 +11,10 @@ from PySide6.QtCore import QEvent, QObject, QTimer
 from kvchat.engine.config import CacheConfig
 from kvchat.engine.units import MIB
 
-from kvchat.app.bar_widgets import Row, format_mib, format_share
+from kvchat.app.bar_widgets import Row
 from kvchat.app.lengths_data import TokenCounts
-from kvchat.app.pool_view import PoolOwners, PoolRow, conversation_bar_rows, pool_rows
+from kvchat.app.lengths_view import share_rows
+from kvchat.app.pool_view import PoolOwners, PoolRow, pool_rows
 
 REFRESH_MS = 250
 
@@ -151,12 +152,6 @@ class DashboardPanels(QObject):
         self.window.host.count_tokens(tuple(requests))
 
     def _pool_share_rows(self) -> list[Row]:
-        """Each open conversation's share of the bytes the pool holds now."""
-        latest = self.dashboard.data.latest
+        """Each conversation with a cache, and its share of the KV they hold together (lengths_view.share_rows)."""
         rows = self.rows()
-        if not rows:
-            return []
-        held = max(1, latest.pool.held_bytes)
-        bars = conversation_bar_rows(rows, latest.pool.budget_bytes)
-        return [Row(bar.label, row.num_bytes / held, f"{format_share(row.num_bytes / held)} · {format_mib(row.num_bytes)}",
-                    bar.colour, bar.tip, bar.bold) for bar, row in zip(bars, rows)]
+        return share_rows(rows, self.dashboard.data.latest.pool.budget_bytes) if rows else []

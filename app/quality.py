@@ -5,7 +5,9 @@ on disk (JSON in the user cache dir) so the dashboard can say it at once the nex
 the engine thread calls measure(); the window reads and writes the store.
 
 A measurement is kept only when it measured: the budget held both sessions whole (a budget that
-released or refused them gave 100 % / KL 0 once) and every token was compared with a non-empty cache.
+released or refused them gave 100 % / KL 0 once) and every token was compared with a non-empty cache. A window
+mode reads more tokens than its window and sinks hold, so the window slides (read only up to the window it is
+the same format without one); a window the model's context cannot slide is not measured.
 The key holds what changes the result: the model file's weights, dtype and device, the mode and its
 block size; the budget is not in it because a measurement that did not fit is never kept.
 """
@@ -22,6 +24,7 @@ from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.kv.layout import MIB, kv_layout
 
 QUALITY_TOKENS = 256                    # 16 block-sized steps: seconds on a small model, and enough to see int4's cost
+                                        # (a window mode reads this many past its window and sinks)
 QUALITY_STEP = 16                       # block-aligned chunks: the attention the decode path sees (bench_quality)
 QUALITY_TEXT = "prose"                  # resources/texts/prose.txt
 
@@ -66,21 +69,46 @@ def is_reference(cache: CacheConfig) -> bool:
     return cache.k_format == "auto" and cache.v_format == "auto" and cache.window is None
 
 
+def tokens_to_measure(cache: CacheConfig, num_tokens: int = QUALITY_TOKENS) -> int:
+    """The text a measurement reads: num_tokens, past the window and its sinks for a window mode."""
+    return num_tokens if cache.window is None else cache.window + cache.sinks + num_tokens
+
+
+def covers(cache: CacheConfig, result: QualityResult) -> bool:
+    """The result measured the mode: a window mode's read more tokens than the window and sinks hold (one that
+    did not is the format's figure without the window)."""
+    return cache.window is None or result.tokens > cache.window + cache.sinks
+
+
 def measure(engine, cache: CacheConfig, should_stop: Callable[[], bool] | None = None,
             num_tokens: int = QUALITY_TOKENS) -> QualityResult:
-    """Teacher-force the built-in text through full precision and `cache` in lockstep.
+    """Teacher-force the built-in text through full precision and `cache` in lockstep: num_tokens tokens, or for a
+    window mode num_tokens past the window and its sinks (tokens_to_measure).
 
-    Raises engine.runtime.fidelity.Cancelled when should_stop answers True between steps."""
+    Raises engine.runtime.fidelity.Cancelled when should_stop answers True between steps, ConfigError when the
+    mode cannot be measured."""
     from kvchat.engine.runtime.fidelity import compare_modes
     from kvchat.engine.text.samples import load_tokens
 
     started = time.perf_counter()
-    ids = load_tokens(engine.tokenizer, QUALITY_TEXT, num_tokens)
+    n, context = tokens_to_measure(cache, num_tokens), engine.model.config.max_position_embeddings
+    if cache.window is not None and n > context:
+        raise ConfigError(f"a window of {cache.window:,} + {cache.sinks} sinks slides only past {n - num_tokens:,} "
+                          f"tokens, and measuring it reads {n:,}, more than this model's {context:,}-token context: "
+                          f"not measured")
+    try:
+        ids = load_tokens(engine.tokenizer, QUALITY_TEXT, n)
+    except ValueError:
+        raise ConfigError(f"the built-in text is shorter than the {n:,} tokens measuring this mode reads: "
+                          f"not measured") from None
     _check_room(engine, cache, len(ids))
     result = compare_modes(engine, ids, {"mode": cache}, step=QUALITY_STEP, should_stop=should_stop)["mode"]
     if int(result["tokens"]) != len(ids) or not result["kv_bytes"]:
         raise ConfigError(f"only {int(result['tokens'])} of {len(ids)} tokens were compared, with "
                           f"{int(result['kv_bytes'])} bytes cached: nothing was measured")
+    if cache.window is not None and result["tokens_held"] >= len(ids):
+        raise ConfigError(f"the window of {cache.window:,} + {cache.sinks} sinks never slid over the {len(ids):,} "
+                          f"tokens read: not measured")
     return QualityResult(engine_key(engine), result_key(cache), float(result["top1_agreement"]),
                          float(result["mean_kl"]), int(result["tokens"]), time.perf_counter() - started)
 

@@ -10,7 +10,8 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWi
 from kvchat.engine.config import CacheConfig
 
 from kvchat.app.i18n import label_text
-from kvchat.app.quality import QualityResult, QualityStore, is_reference, mode_key, model_key, result_key
+from kvchat.app.quality import (QualityResult, QualityStore, covers, is_reference, mode_key, model_key,
+                               result_key)
 
 
 class QualityRow(QWidget):
@@ -35,11 +36,17 @@ class QualityRow(QWidget):
         self.button.setVisible(False)
 
     def show_mode(self, cache: CacheConfig, result: QualityResult | None, measuring: bool = False,
-                  error: str = "") -> None:
+                  error: str = "", tokens_lost: int = 0) -> None:
+        """tokens_lost: the chat's tokens the cache no longer holds (they left an earlier window)."""
         label = html.escape(label_text(mode_key(cache)))
         if is_reference(cache):
             self.state = "reference"
-            self.label.setText(self.tr("Quality: <b>{mode}</b> is the reference: nothing lost.").format(mode=label))
+            if tokens_lost:
+                self.label.setText(self.tr("Quality: <b>{mode}</b> is the reference, but {n} tokens of this chat left "
+                                           "an earlier window and are not in the cache (Reset reads them again).").format(
+                    mode=label, n=f"{tokens_lost:,}"))
+            else:
+                self.label.setText(self.tr("Quality: <b>{mode}</b> is the reference: nothing lost.").format(mode=label))
         elif result is not None:
             self.state = "measured"
             self.label.setText(self.tr(
@@ -82,19 +89,23 @@ class QualityController(QObject):
         self.measuring: str | None = None   # mode key being measured
         self.remote = False                 # a remote server: no local model to measure
         self.failed: dict[str, str] = {}    # mode key -> why, not retried on its own
+        self.tokens_lost = 0                # the chat's tokens no longer in the cache (StatsSnapshot.tokens_evicted)
         self.timer = QTimer(self, singleShot=True, interval=AUTO_MEASURE_IDLE_MS)
         self.timer.timeout.connect(self._auto)
         row.measure_requested.connect(self.measure)
         host.ready.connect(self._on_ready)
-        host.session_opened.connect(lambda event: self._on_cache(event.cache))
-        host.mode_switched.connect(lambda event: self._on_cache(event.new))
+        host.session_opened.connect(lambda event: self._on_cache(event.cache, event.stats))
+        host.mode_switched.connect(lambda event: self._on_cache(event.new, event.stats))
+        host.stats.connect(self._on_stats)
+        host.reset_done.connect(lambda event: self._on_stats(event.stats))
         host.turn_finished.connect(lambda _event: self._restart_timer())
         host.quality.connect(self._on_quality)
 
     def result(self) -> QualityResult | None:
         if self.model is None or self.cache is None:
             return None
-        return self.store.get(self.model, result_key(self.cache))
+        found = self.store.get(self.model, result_key(self.cache))
+        return found if found is not None and covers(self.cache, found) else None   # kept by an older version
 
     def can_measure(self) -> bool:
         return self.model is not None and self.cache is not None and not is_reference(self.cache)
@@ -129,10 +140,16 @@ class QualityController(QObject):
         if self.remote:                 # nothing to measure here; the dashboard says so in the row
             self.model = None
 
-    def _on_cache(self, cache: CacheConfig) -> None:
+    def _on_cache(self, cache: CacheConfig, stats=None) -> None:
         self.cache = cache
+        self.tokens_lost = stats.tokens_evicted if stats is not None else 0
         self._show()
         self._restart_timer()
+
+    def _on_stats(self, stats) -> None:
+        if stats is not None and stats.tokens_evicted != self.tokens_lost:
+            self.tokens_lost = stats.tokens_evicted
+            self._show()
 
     def _on_quality(self, outcome) -> None:
         if outcome.mode == self.measuring:
@@ -149,4 +166,5 @@ class QualityController(QObject):
         if self.cache is None or self.remote:
             return
         key = result_key(self.cache)
-        self.row.show_mode(self.cache, self.result(), measuring=self.measuring == key, error=self.failed.get(key, ""))
+        self.row.show_mode(self.cache, self.result(), measuring=self.measuring == key, error=self.failed.get(key, ""),
+                           tokens_lost=self.tokens_lost)

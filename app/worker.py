@@ -433,10 +433,11 @@ class EngineWorker(QObject):
         try:
             freed = int(self._session.reset())
             # Reset is how the user gets memory back: the blocks it freed that were kept for prefix reuse
-            # (and other closed chats' ones) go too, so the page storage shrinks; open chats keep theirs
+            # (and other closed chats' ones) go too, so the page storage shrinks; open chats keep theirs. Both
+            # figures are falls of the pool's held bytes, so their sum is what the pool got back
             clear = getattr(self._engine, "clear_prefix_cache", None)
             if clear is not None:
-                clear()
+                freed += int(clear())
         except Exception as exc:  # noqa: BLE001
             self.error.emit(ErrorEvent("reset", self.tr("Reset failed"), f"{type(exc).__name__}: {exc}"))
             return

@@ -318,8 +318,11 @@ def run(args) -> dict:
     from kvchat.engine.config import CacheConfig, EngineConfig
     from kvchat.engine.runtime.engine import Engine, load_transformers_reference
 
+    from kvchat.bench.progress import Progress
+    say = getattr(args, "progress", None) or Progress("speed")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
+    say(f"loading {args.model}")
     spec = resolve_model(args.model)
     path = model_path(spec)
     budget = CacheConfig(budget_mb=4096)
@@ -340,11 +343,13 @@ def run(args) -> dict:
         ref = load_transformers_reference(spec)
         sides["transformers"] = lambda n: _time_transformers(ref, ids[:n] if n else ids,
                                                              args.new_tokens if not n else 4)
-    for f in sides.values():                     # warm every path
+    for name, f in sides.items():                # warm every path
+        say(f"warming {name}")
         f(64)
     runs: dict[str, list[dict]] = {k: [] for k in sides}
-    for _ in range(args.runs):                   # interleaved
+    for i in range(args.runs):                   # interleaved
         for name, f in sides.items():
+            say(f"{name}: {len(ids)}-token prompt + {args.new_tokens} tokens, run", i + 1, args.runs)
             runs[name].append(f(0))
     result = {
         "model": engine.model_name, "path": path, "quant": engine.model.quant, "weights": engine.model.weights,
@@ -364,13 +369,15 @@ def run(args) -> dict:
         if peer in result:
             result[f"ratio_decode_vs_{peer}"] = k["decode_tok_s"] / result[peer]["decode_tok_s"]
             result[f"ratio_prefill_vs_{peer}"] = k["prefill_tok_s"] / result[peer]["prefill_tok_s"]
+    say("time to first token with a shared 1,000-token system prompt")
     result["prefix_ttft"] = _prefix_ttft(engine, args.runs)
     if getattr(args, "long_context", False):
+        say("decode by context (4,096 cached tokens)")
         result["decode_by_context"] = _decode_by_context(engine, path if llm is not None else None, threads,
                                                          args.runs)
     del engine, llm
     if not args.no_load:
-        result.update(_fresh_process_runs(spec, path, threads, args.runs, "llamacpp" in sides))
+        result.update(_fresh_process_runs(spec, path, threads, args.runs, "llamacpp" in sides, say))
     return result
 
 
@@ -383,16 +390,18 @@ def _kernels_label() -> str:
     return f"cpu_quant.c {st['variant']} ({st['build']})"
 
 
-def _fresh_process_runs(spec: str, path: str, threads: int, runs: int, with_llamacpp: bool) -> dict:
+def _fresh_process_runs(spec: str, path: str, threads: int, runs: int, with_llamacpp: bool, say) -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
+        say("a fresh process's first answer (cold)")
         # first start ever after install: an empty cache dir (tokenizer built from the file); the kernels come from
         # the install step when it ran (kernels/_built), else this start compiles them
         out["kvchat_cold"] = _cli_oneshot(path, threads, cache_dir=tmp)
         from kvchat.kernels import cpu_quant
         out["kvchat_cold"]["kernels_built_at_install"] = any(cpu_quant.BUILT.glob("cpu_quant-*.so"))
         warm, api, peer = [], [], []
-        for _ in range(runs):                     # interleaved
+        for i in range(runs):                     # interleaved
+            say("fresh processes' first answers (warm), run", i + 1, runs)
             warm.append(_cli_oneshot(path, threads, cache_dir=tmp))
             api.append(_oneshot(_KVCHAT_ONESHOT, spec, threads, cache_dir=tmp))
             if with_llamacpp:

@@ -1,4 +1,5 @@
-"""`kvchat doctor`: which kernels run here and why, on which device, and what the machine offers."""
+"""`kvchat doctor`: which kernels run here and why, on which device, and what the machine offers; with --model,
+how that model's rotary embedding runs under the cache options (LongRoPE: which factors, and why)."""
 from __future__ import annotations
 
 import json
@@ -76,6 +77,20 @@ def advice(r: dict) -> list[str]:
     return out
 
 
+def rope(args) -> str:
+    """How --model's rotary embedding runs under the cache options: which LongRoPE factors their context takes (as
+    the engine takes them at load, Engine.rope_note), or that it has one set."""
+    from kvchat.engine.config import CacheConfig
+    from kvchat.engine.kv.layout import cache_context
+    from kvchat.engine.runtime.engine import read_model_config, resolve_device
+    mc = read_model_config(args.model)
+    cache = CacheConfig(k_format=args.k_format, v_format=args.v_format, window=args.window, sinks=args.sinks,
+                        budget_mb=args.budget_mb)
+    device = resolve_device("auto")
+    context = cache_context(mc, cache, "fp32" if device == "cpu" else "bf16", device)
+    return mc.rope_note(context) or f"one set of rotary frequencies at every length (a context of {context:,} tokens)"
+
+
 def text(r: dict) -> str:
     k, cpu = r["kernels"], r["cpu"]
     lines = [f"CPU        {cpu['name']} ({cpu['machine']}, {cpu['cores']} cores, {r['memory_gib']} GiB)",
@@ -92,15 +107,28 @@ def text(r: dict) -> str:
     lines.append(f"device     {r['device']}" + (f" ({'; '.join(r['gpus'])})" if r["gpus"] else ""))
     if r["torch"]:
         lines.append(f"torch      {r['torch']['version']}, {r['torch']['threads']} threads")
+    if r.get("rope"):
+        lines.append(f"rope       {r['rope']}")
     lines += [f"note       {a}" for a in advice(r)]
     return "\n".join(lines)
 
 
 def add_arguments(parser) -> None:
+    from kvchat.engine.config import CacheConfig
+    cache = CacheConfig()
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--model", default=None, help="also say how this model's rotary embedding runs under the "
+                                                      "cache options below (LongRoPE: which factors)")
+    parser.add_argument("--budget-mb", type=float, default=cache.budget_mb)
+    parser.add_argument("--k-format", default=cache.k_format)
+    parser.add_argument("--v-format", default=cache.v_format)
+    parser.add_argument("--window", type=int, default=cache.window)
+    parser.add_argument("--sinks", type=int, default=cache.sinks)
 
 
 def cmd_doctor(args) -> int:
     r = report()
+    if args.model:
+        r["rope"] = rope(args)
     print(json.dumps({**r, "advice": advice(r)}, indent=2) if args.json else text(r))
     return 0

@@ -11,6 +11,7 @@ import threading
 
 from kvchat.cli.options import add_cache_arguments, engine_config, sampling_params
 from kvchat.engine.config import ConfigError, SamplingParams
+from kvchat.engine.errors import UserError
 from kvchat.engine.units import KIB, MIB
 
 BENCHES = {
@@ -34,8 +35,10 @@ def _print_stats(session) -> None:
               f"({s.spec.acceptance_rate:.0%}), {s.spec.tokens_per_step:.2f} tokens a step")
 
 
-def _stream(session, text: str, params: SamplingParams) -> None:
-    from kvchat.engine.events import TokenDelta, TurnFinished
+def _stream(session, text: str, params: SamplingParams) -> bool:
+    """Print the reply as it comes, then what ended it when that needs saying; False when generation failed."""
+    from kvchat.engine.events import FinishReason, TokenDelta, TurnFinished
+    ok = True
     for event in session.send(text, params):
         if isinstance(event, TokenDelta):
             sys.stdout.write(event.text)
@@ -44,6 +47,8 @@ def _stream(session, text: str, params: SamplingParams) -> None:
             print()
             if event.message:
                 print(f"! {event.message}", file=sys.stderr)
+            ok = event.finish_reason != FinishReason.ERROR
+    return ok
 
 
 def _say_kernel_status(engine) -> None:
@@ -92,11 +97,10 @@ def _chat(args) -> int:
     session = engine.new_session(system_prompt=args.system)
     if args.prompt is not None:
         try:
-            _stream(session, args.prompt, params)
+            return 0 if _stream(session, args.prompt, params) else 1
         except KeyboardInterrupt:           # Ctrl+C mid-reply: what came so far stays printed
             print("\n(stopped)", file=sys.stderr)
             return 130
-        return 0
     print(f"kvchat: {engine.model_name} on {engine.device}, cache {session.cache_config.label()}. "
           f"Commands: /reset, /stats, /quit")
     while True:
@@ -151,7 +155,11 @@ def cmd_bench(args) -> int:
     module = importlib.import_module(BENCHES[args.bench])
     if getattr(module, "ENGINE_OPTIONS", False):      # the benchmark loads an engine from the cache options
         args.engine_config = engine_config(args)
-    result = module.run(args)
+    from kvchat.bench.progress import Progress
+    args.progress = Progress(args.bench)       # stderr: stdout carries the result alone
+    with args.progress.heartbeat():
+        result = module.run(args)
+    args.progress.done()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -225,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.func(args) or 0
-    except ConfigError as exc:          # a bad option value: one line, not a traceback
+    except UserError as exc:            # a bad option value, a model whose numbers break: one line, not a traceback
         print(f"kvchat: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:           # Ctrl+C while the model loads (a reply's own Ctrl+C is caught nearer)

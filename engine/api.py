@@ -5,10 +5,13 @@ instead of drawing zeros. Qt-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, runtime_checkable
 
 from kvchat.engine.config import CacheConfig, SamplingParams
 from kvchat.engine.events import StatsSnapshot, TokenDelta, TurnFinished
+
+if TYPE_CHECKING:
+    from kvchat.engine.runtime.session_stats import CacheSwitch
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +35,7 @@ class ChatSession(Protocol):
     def send(self, text: str, params: SamplingParams | None = None,
              should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]: ...
 
-    def set_cache(self, config: CacheConfig) -> None: ...
+    def set_cache(self, config: CacheConfig) -> "CacheSwitch | None": ...   # tokens held before / after / lost; None remote
 
     def reset(self) -> int: ...
 

@@ -5,6 +5,7 @@ Invariants are checked at construction, with messages a user can act on.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from numbers import Integral, Real
 from typing import TYPE_CHECKING
@@ -110,6 +111,10 @@ class CacheConfig:
 
 GREEDY_BELOW = 1e-5        # a temperature this low is greedy: dividing logits by it only overflows
 MAX_SEED = 2**64 - 1        # torch's generators take 64-bit seeds
+# a logit scaled by more than this (either way) only overflows or vanishes: 1e-300 made every logit infinite
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PRESENCE_PENALTY_RANGE = (-2.0, 2.0)        # OpenAI's ranges
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 def _shown(value) -> str:
@@ -136,6 +141,29 @@ def _number(obj, name: str, kind: type, ok, advice: str):
     return kind(value)
 
 
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """A logit bias as (token id, bias) pairs sorted by id, from pairs or a mapping {id: bias}."""
+    lo, hi = LOGIT_BIAS_RANGE
+    advice = f"give token ids (whole numbers from 0) with a bias from {lo:g} to {hi:g} each"
+    try:
+        pairs = list(value.items()) if isinstance(value, Mapping) else [tuple(p) for p in value]
+    except TypeError:
+        raise ConfigError(f"logit_bias={_shown(value)}: {advice}") from None
+    out = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ConfigError(f"logit_bias={_shown(value)}: {advice}")
+        token, bias = pair
+        try:
+            fits = isinstance(bias, Real) and not isinstance(bias, bool) and lo <= float(bias) <= hi
+        except OverflowError:
+            fits = False
+        if not (_is_whole(token) and token >= 0 and fits):
+            raise ConfigError(f"logit_bias={_shown(value)}: {advice}")
+        out[int(token)] = float(bias)
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token is chosen. A temperature below GREEDY_BELOW is stored as 0 (greedy), so every
@@ -147,17 +175,26 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_new_tokens: int = 256
     seed: int | None = None
+    presence_penalty: float = 0.0       # OpenAI's: subtracted once from each token already generated
+    frequency_penalty: float = 0.0      # OpenAI's: subtracted per time a token was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by id; a mapping is taken too
 
     def __post_init__(self):
         t = _number(self, "temperature", float, lambda v: v >= 0, "use a finite number: 0 for greedy, or e.g. 0.7")
         object.__setattr__(self, "temperature", 0.0 if t < GREEDY_BELOW else t)
         _number(self, "top_k", int, lambda v: v >= 0, "use a whole number: 0 to disable, or how many tokens to keep")
         _number(self, "top_p", float, lambda v: 0 < v <= 1, "use a finite number above 0 and at most 1 (1 disables it)")
-        _number(self, "repetition_penalty", float, lambda v: v > 0, "use a finite positive number (1.0 disables it)")
+        lo, hi = REPETITION_PENALTY_RANGE
+        _number(self, "repetition_penalty", float, lambda v: lo <= v <= hi,
+                f"use a number from {lo:g} to {hi:g} (1.0 disables it; 1.1 to 1.3 is typical)")
         _number(self, "max_new_tokens", int, lambda v: v >= 1, "use a whole number of tokens, at least 1")
         if self.seed is not None:
             _number(self, "seed", int, lambda v: 0 <= v <= MAX_SEED,
                     f"use a whole number from 0 to {MAX_SEED}, or none for a new seed each time")
+        lo, hi = PRESENCE_PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            _number(self, name, float, lambda v: lo <= v <= hi, f"use a number from {lo:g} to {hi:g} (0 disables it)")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:

@@ -17,7 +17,8 @@ class FinishReason(StrEnum):
     BUDGET = "budget"                   # the KV budget is full
     CONTEXT = "context"                 # the model's context is full
     ABORTED = "aborted"                 # the server: the request was cancelled or the server is shutting down
-    ERROR = "error"                     # the server: generation failed
+    ERROR = "error"                     # generation failed (the server's request broke; the model's logits were
+                                        # not finite), said in the message
     UNREACHABLE = "unreachable"         # remote: no server answered; nothing was said
     DISCONNECTED = "disconnected"       # remote: the server went away mid-reply; the partial reply is kept
 

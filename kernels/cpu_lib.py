@@ -196,7 +196,12 @@ def _build(source: Path = SOURCE, into: Path | None = None, variant: str | None 
         lib = _load_checked(folder / name, source)
         if lib is not None:
             return lib
-    return _compile(source, _private_folder(target) / name, variant_flags(variant))
+    target = _private_folder(target)
+    problem = _ownership(target, f"the kernels' folder {target}", stat.S_ISDIR)
+    if problem:         # what is built there could be swapped before it loads, or after, for the next start
+        raise RuntimeError(f"{problem}: the kernels are not built there (set KVCHAT_CACHE_DIR to a folder of your "
+                           f"own)")
+    return _compile(source, target / name, variant_flags(variant))
 
 
 def _load_checked(path: Path, source: Path) -> ctypes.CDLL | None:
@@ -254,11 +259,11 @@ def _ownership(path: Path, what: str, kind) -> str | None:
 
 
 def _compile(source: Path, out: Path, flags: list[str]) -> ctypes.CDLL:
-    """Build into a temporary name in the private folder, record its hash, load it, then rename it into place.
-    With OpenMP where the compiler has it, else without (one thread: said in the library's build info)."""
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}-", suffix=".so")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    """Build in a fresh private folder beside `out` (0700, nobody else can put a file there between the compiler and
+    dlopen), record its hash, load it, then rename it into place (os.replace: atomic, same file system). With OpenMP
+    where the compiler has it, else without (one thread: said in the library's build info)."""
+    work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.stem}-"))
+    tmp = work / out.name
     try:
         cc = _compiler()
         res = subprocess.run([cc, *flags, OPENMP, str(source), "-o", str(tmp)], capture_output=True, text=True)
@@ -269,21 +274,19 @@ def _compile(source: Path, out: Path, flags: list[str]) -> ctypes.CDLL:
         if res.returncode:
             raise RuntimeError(f"compiling {source.name} failed: {res.stderr.strip()[:400]}")
         os.chmod(tmp, 0o700)
-        digest = tmp.with_name(tmp.name + HASH_SUFFIX)
+        digest = _hash_file(tmp)
         digest.write_text(_sha256(tmp) + "\n")
-        # loaded under its unique temporary name: dlopen hands back an already loaded library by path, which
+        # loaded under its unique temporary path: dlopen hands back an already loaded library by path, which
         # would be the refused one when this replaces a file that loaded but lacked the kernels' functions
         try:
             lib = _bind(ctypes.CDLL(str(tmp)), source)
         except AttributeError as exc:
             raise RuntimeError(f"the library built from {source.name} lacks a kernel: {exc}") from exc
-        tmp.replace(out)
-        digest.replace(_hash_file(out))
+        os.replace(tmp, out)
+        os.replace(digest, _hash_file(out))
         return lib
     finally:
-        for leftover in (tmp, tmp.with_name(tmp.name + HASH_SUFFIX)):
-            with contextlib.suppress(OSError):
-                leftover.unlink()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _private_folder(folder: Path) -> Path:

@@ -170,7 +170,7 @@ def test_quality_is_not_measured_under_a_budget_that_cannot_hold_it(qtbot, tiny_
     with qtbot.waitSignal(window.host.quality, timeout=120_000) as blocker:
         window.quality.measure()
     result = blocker.args[0]
-    assert result.tokens == 256 and (result.top1_agreement < 1.0 or result.mean_kl > 0.0)
+    assert result.tokens == 256 + 4 + 256 and (result.top1_agreement < 1.0 or result.mean_kl > 0.0)
     assert result.mode == "int4, window 256 + 4 sinks · blocks of 16" and "fp32 · cpu" in result.model
     assert row.state == "measured" and row.button.isVisible() and row.button.text() == "Measure again"
 

@@ -110,9 +110,10 @@ def test_reset_returns_memory_and_dashboard_shows_zero(qtbot):
     send_and_wait(qtbot, window)
     held = window.dashboard.data.latest.kv_bytes
     assert held > 0
+    kept_for_prefixes = window.host.worker._engine.prefix_cache_bytes     # Reset clears them too
     with qtbot.waitSignal(window.host.reset_done, timeout=5000) as blocker:
         qtbot.mouseClick(window.reset_button, Qt.MouseButton.LeftButton)
-    assert blocker.args[0].freed_bytes == held
+    assert blocker.args[0].freed_bytes == held + kept_for_prefixes
     assert window.dashboard.data.latest.kv_bytes == 0
     assert "returned" in window.statusBar().currentMessage()
     assert window.dashboard.data.markers[-1].kind == "reset"

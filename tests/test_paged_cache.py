@@ -51,6 +51,7 @@ def test_memory_grows_with_conversation_and_reset_returns_it(engine):
     """KV bytes start at 0, grow block by block (not preallocated), and reset returns every block."""
     for seq in list(engine.runner.manager.sequences.values()):   # earlier tests' conversations
         engine.runner.close(seq)
+    engine.clear_prefix_cache()                                   # and the blocks they left for reuse
     s = engine.new_session(cache=CacheConfig(block_size=16, budget_mb=64))
     assert s.stats().kv_bytes == 0
     sizes = []
@@ -61,11 +62,12 @@ def test_memory_grows_with_conversation_and_reset_returns_it(engine):
     assert sizes[-1] < 64 * 2**20 / 100          # nowhere near the budget
     freed = s.reset()
     snap = s.stats()
-    assert freed == sizes[-1]
     assert snap.kv_bytes == 0 and snap.blocks_used == 0 and snap.tokens_held == 0
-    # its full blocks stay as reclaimable prefix blocks until the pool needs them or the user clears them
+    # its full blocks stay as reclaimable prefix blocks until the pool needs them or the user clears them: the pool
+    # still holds them, so reset returned the rest, and clearing them returns them
     assert snap.pool.evictable_bytes > 0 and snap.pool.held_bytes == snap.pool.evictable_bytes
-    engine.clear_prefix_cache()
+    assert freed == sizes[-1] - snap.pool.evictable_bytes
+    assert engine.clear_prefix_cache() == snap.pool.evictable_bytes
     assert engine.runner.storage_bytes() == 0            # the page storage itself went back
 
 

@@ -377,6 +377,16 @@ def max_conversation_tokens(model: ModelConfig, cache: CacheConfig, budget_bytes
     return lo * bs
 
 
+def cache_context(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32", device: str = "cpu") -> int:
+    """The most positions one conversation's attention spans under a cache config, within the model's context: a
+    window's sinks and window (StreamingLLM re-positions them as one run), else what the budget holds. LongRoPE
+    chooses its factors by it (ModelConfig.for_context)."""
+    if cache.window is not None:
+        return min(model.max_position_embeddings, cache.window + cache.sinks)
+    held = max_conversation_tokens(model, cache, cache.budget_mb * MIB, model_dtype, device)
+    return model.max_position_embeddings if held is None else min(model.max_position_embeddings, held)
+
+
 def hybrid_peak_bytes(groups: tuple[KVGroup, ...], chunk: int) -> int:
     """Most bytes one conversation of several groups holds while a prompt chunk of `chunk` tokens is in flight and
     its full groups hold one block: each windowed group its sinks, window and the chunk, each group its sides."""

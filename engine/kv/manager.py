@@ -199,14 +199,15 @@ class KVCacheManager:
         return seq
 
     def free(self, seq: Sequence) -> int:
-        """Give back every block of the sequence (hashed ones stay reusable); returns the bytes released."""
-        released = self.sequence_bytes(seq)
+        """Drop the sequence's reference to each of its blocks; returns the bytes the pool no longer holds (the fall
+        of held_bytes): a block another sequence shares, or a hashed one kept for prefix reuse, is still held."""
+        held = self._block_bytes_held + seq.side_bytes
         self._free_ids(seq, reversed(seq.block_table))     # the tail of a prefix is evicted before its head
         seq.block_table.clear()
         seq.num_tokens = seq.evicted = 0
         seq.token_ids.clear()
         seq.block_keys.clear()
-        return released
+        return held - self._block_bytes_held - seq.side_bytes
 
     def close(self, seq: Sequence) -> None:
         self.free(seq)

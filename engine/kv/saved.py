@@ -6,17 +6,21 @@ head of quantized components, and whatever the caller adds (token ids, logits). 
 "kvchat", names the format version, the identity of the model, each group's layout, window geometry and counts,
 and the SHA-256 of the rest of the file's contents.
 
-Written atomically: a temp file in the same folder, fsync, rename, fsync of the folder. Read without trust: the
-size is capped before a byte is read, the checksum is checked before any tensor is used, and every tensor must have
-exactly the shape and dtype the *current* layout gives for the counts, so a crafted header can neither make the
-engine allocate more than the file holds nor index outside its pages. Anything wrong is a CacheFileError whose
-text says why in the user's words; the caller then reads the conversation's text again.
+Written atomically: a temp file in the same folder, fsync, rename, fsync of the folder. Read without trust: only a
+regular file, opened without following a link or blocking, its size capped before a byte is read; the checksum is
+checked before any tensor is used, every tensor must have exactly the shape and dtype the *current* layout gives
+for the counts, so a crafted header can neither make the engine allocate more than the file holds nor index outside
+its pages, and every floating value attention reads must be finite (a NaN page would pass any checksum). Anything
+wrong is a CacheFileError whose text says why in the user's words; the caller then reads the conversation's text
+again.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -100,6 +104,7 @@ def check_groups(store: PageStore, members: list[Sequence], metas, tensors: dict
     if not isinstance(metas, list) or len(metas) != len(members):
         raise CacheFileError("the saved cache has another number of KV groups than this model in this cache mode")
     allowed: dict[str, tuple] = {}
+    read = []
     for g, (m, meta) in enumerate(zip(members, metas)):
         if not isinstance(meta, dict):
             raise CacheFileError("the saved cache's group description is damaged")
@@ -116,6 +121,7 @@ def check_groups(store: PageStore, members: list[Sequence], metas, tensors: dict
                 or m.geometry.num_to_evict(num_tokens, evicted, n_blocks)):
             raise CacheFileError("the saved cache's token and block counts do not agree: the file is damaged")
         allowed.update(_expected(store, m.layout, n_blocks, g))
+        read.append((g, m.layout, seq_len))
     for name, t in tensors.items():
         if name in extra:
             continue
@@ -129,6 +135,37 @@ def check_groups(store: PageStore, members: list[Sequence], metas, tensors: dict
     missing = [n for n, (_, _, required) in allowed.items() if required and n not in tensors]
     if missing:
         raise CacheFileError(f"the saved cache lacks {len(missing)} of its page tensors: the file is damaged")
+    for g, layout, seq_len in read:
+        for name, t in _values_read(store, layout, g, seq_len, tensors):
+            if not _finite(t):
+                raise CacheFileError(f"the saved cache's {name} holds values that are not finite (NaN or inf): the "
+                                     f"file is damaged")
+
+
+def _values_read(store: PageStore, layout: KVLayout, g: int, seq_len: int, tensors: dict):
+    """(name, values) of every floating tensor of one group that attention reads: full-precision pages' first
+    seq_len rows; quantized pages' full blocks (block 0 only where no head stands in for it), their head and tail.
+    The rest of a block was never written and may hold anything."""
+    for l, pair in enumerate(store.components(layout)):
+        for role, c in zip("kv", pair):
+            prefix = f"g{g}.l{l}.{role}."
+            head, tail = tensors.get(prefix + "head"), tensors.get(prefix + "tail")
+            rows = slice(int(head is not None), seq_len // c.block_size)
+            for name in c.pages:
+                t = tensors.get(prefix + name)
+                if t is not None and t.dtype.is_floating_point:
+                    yield prefix + name, t[rows] if c.fmt.is_quantized else t.flatten(0, 1)[:seq_len]
+            for name, t in (("head", head), ("tail", tail)):
+                if t is not None:
+                    yield prefix + name, t
+
+
+def _finite(t: torch.Tensor) -> bool:
+    if not t.dtype.is_floating_point:
+        return True
+    if t.element_size() == 1:          # fp8: isfinite has no CPU kernel for every kind; fp16 holds each exactly
+        t = t.to(torch.float16)
+    return bool(torch.isfinite(t).all())
 
 
 def import_groups(manager: KVCacheManager, store: PageStore, members: list[Sequence], metas: list[dict],
@@ -205,36 +242,67 @@ def write(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
     return len(data)
 
 
-def read(path: Path, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(metadata, tensors) of a file written by `write`, checked against its checksum; CacheFileError otherwise."""
-    from safetensors import SafetensorError, safe_open
-    path = Path(path)
+def _file_bytes(path: Path, max_bytes: int) -> bytes:
+    """The bytes of a regular file at path, at most max_bytes. Opened without following a link and without
+    blocking (a FIFO in its place would otherwise hang the whole process in open()), then checked and read on that
+    one descriptor, so what was checked is what is read."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        size = path.stat().st_size
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise CacheFileError("no saved cache") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CacheFileError("the saved cache is a link, not a file kvchat wrote") from None
         raise CacheFileError(f"the saved cache cannot be read ({exc.strerror or exc})") from None
-    if size > max_bytes:
-        raise CacheFileError(f"the saved cache is {size / 2**20:.0f} MiB, more than this budget could restore")
     try:
-        with safe_open(str(path), framework="pt") as f:     # mapped: each tensor is copied once, from the page cache
-            with_meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        with os.fdopen(fd, "rb") as f:          # closes fd
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CacheFileError("the saved cache is not a regular file (a pipe, device or folder is in its "
+                                     "place)")
+            if st.st_size > max_bytes:
+                raise CacheFileError(f"the saved cache is {st.st_size / 2**20:.0f} MiB, more than this budget "
+                                     f"could restore")
+            data = f.read(st.st_size + 1)
+    except OSError as exc:
+        raise CacheFileError(f"the saved cache cannot be read ({exc.strerror or exc})") from None
+    if len(data) != st.st_size:
+        raise CacheFileError("the saved cache changed while it was read")
+    return data
+
+
+def _json(text: str, what: str):
+    """Parsed JSON; a damaged or depth-bombed text is a CacheFileError."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise CacheFileError(f"the saved cache's {what} is damaged") from None
+
+
+def read(path: Path, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a file written by `write`, checked against its checksum; CacheFileError otherwise."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+    data = _file_bytes(Path(path), max_bytes)
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as exc:
         raise CacheFileError(f"the saved cache is damaged or truncated ({str(exc)[:80]})") from None
+    header = _json(data[8:8 + int.from_bytes(data[:8], "little")].decode("utf-8", "replace"), "header")
+    with_meta = header.get("__metadata__") if isinstance(header, dict) else None
+    with_meta = with_meta if isinstance(with_meta, dict) else {}
+    del data
     meta_json, digest = with_meta.get(META_KEY), with_meta.get("sha256")
     if not isinstance(meta_json, str) or not isinstance(digest, str):
         raise CacheFileError("the file is not a kvchat cache")
     if _digest(meta_json, tensors) != digest:
         raise CacheFileError("the saved cache does not match its checksum: the file is damaged")
-    try:
-        meta = json.loads(meta_json)
-    except ValueError:
-        raise CacheFileError("the saved cache's description is damaged") from None
+    meta = _json(meta_json, "description")
     if not isinstance(meta, dict):
         raise CacheFileError("the saved cache's description is damaged")
     if meta.get("version") != FORMAT_VERSION:
-        raise CacheFileError(f"the cache was saved by another version of kvchat (format {meta.get('version')!r}, "
-                             f"this one reads {FORMAT_VERSION})")
+        version = str(meta.get("version"))[:12]
+        raise CacheFileError(f"the cache was saved by another version of kvchat (format {version}, this one reads "
+                             f"{FORMAT_VERSION})")
     return meta, tensors

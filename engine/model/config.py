@@ -42,6 +42,7 @@ class ModelConfig:
     embed_scale: float = 1.0                # the embedding rows times this (Gemma: sqrt(hidden))
     final_softcap: float | None = None      # logits -> cap * tanh(logits / cap) (Gemma 2); None: not capped
     layers: tuple[LayerSpec, ...] = ()
+    longrope: tuple = ()                    # LongRoPE: (original context, short factors, long factors); see for_context
 
     def __post_init__(self):
         _check_numbers({"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -86,6 +87,27 @@ class ModelConfig:
         old, new = self.rope, Rope(self.rope_theta, scaling)
         layers = tuple(replace(layer, rope=new) if layer.rope == old else layer for layer in self.layers)
         return replace(self, rope_scaling=scaling, layers=layers)
+
+    def for_context(self, context: int) -> "ModelConfig":
+        """This config for a cache of `context` positions: LongRoPE's long factors where it passes the original
+        context (transformers switches to them past it, llama.cpp chooses by its context size), else the short
+        ones, as read. Keys are cached rotated, so one set serves a whole run. Other ropes: this config."""
+        if not self.longrope:
+            return self
+        original, short, long = self.longrope
+        old, new = self.rope_scaling, ("factors", long if context > original else short)
+        layers = tuple(replace(layer, rope=replace(layer.rope, scaling=new)) if layer.rope.scaling == old else layer
+                       for layer in self.layers)
+        return replace(self, rope_scaling=new, layers=layers)
+
+    def rope_note(self, context: int) -> str | None:
+        """Which LongRoPE factors for_context(context) takes, and why, in a short line; None for other ropes."""
+        if not self.longrope:
+            return None
+        original = self.longrope[0]
+        if context > original:
+            return f"LongRoPE long factors: a context of {context:,} tokens, past the original {original:,}"
+        return f"LongRoPE short factors: a context of {context:,} tokens, within the original {original:,}"
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json", names: dict[str, str] | None = None) -> "ModelConfig":
@@ -137,6 +159,7 @@ class ModelConfig:
             embed_scale=described.embed_scale,
             final_softcap=described.final_softcap,
             layers=layers,
+            longrope=_longrope_sets(cfg),
         )
 
     @classmethod
@@ -237,8 +260,9 @@ def _rope(params: dict, theta, cfg: dict, dims: int | None, source: str,
 
 
 def _longrope(params: dict, cfg: dict, dims: int | None, source: str) -> tuple[tuple, float]:
-    """LongRoPE as ("factors", short_factor) (see Rope's docstring for why the short ones) and its attention
-    factor: as given, else sqrt(1 + ln(s) / ln(original)) for s = max_position_embeddings / original (1 if s <= 1)."""
+    """LongRoPE as ("factors", short_factor) (ModelConfig.for_context takes the long ones for a longer context) and
+    its attention factor: as given, else sqrt(1 + ln(s) / ln(original)) for s = max_position_embeddings / original
+    (1 if s <= 1)."""
     original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
     short = params.get("short_factor")
     half = (dims or cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
@@ -259,6 +283,15 @@ def _longrope(params: dict, cfg: dict, dims: int | None, source: str) -> tuple[t
         raise ModelLoadError(f"{source} has longrope attention_factor={attention!r}: it must be a finite number "
                              f"above 0")
     return ("factors", tuple(float(f) for f in short)), float(attention)
+
+
+def _longrope_sets(cfg: dict) -> tuple:
+    """LongRoPE's (original context, short factors, long factors) of a config _ropes accepted; () for other ropes."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type")) not in ("longrope", "su"):
+        return ()
+    original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    return int(original), tuple(map(float, params["short_factor"])), tuple(map(float, params["long_factor"]))
 
 
 def _brief(value) -> str:

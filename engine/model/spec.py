@@ -23,13 +23,13 @@ class Rope:
 
     scaling: () none; ("linear", factor, 0.0, 0.0, 0); ("llama3", factor, low_freq_factor, high_freq_factor,
     original_max); ("factors", (divisor, ...)): one divisor per frequency, a GGUF's rope_freqs tensor or
-    LongRoPE's short_factor (Phi-3).
-    LongRoPE (Phi-3 / Phi-4-mini) is read as its short factors: the ones the model was trained with for positions
-    up to original_max_position_embeddings, which is every position of a context within that length. Past it
-    transformers switches the whole sequence (every key already cached included) to the long factors, which a
-    cache of rotated keys cannot follow (llama.cpp picks one set for the whole run by the context size it is
-    started with); here a longer context keeps the short factors, still coherent but past what they were tuned for. Its attention
-    factor is not a rope setting: the family folds it into LayerSpec.query_scale.
+    LongRoPE's short or long factors (Phi-3).
+    LongRoPE (Phi-3 / Phi-4-mini) has two sets: the short factors for positions up to
+    original_max_position_embeddings, the long ones past it. transformers switches the whole sequence (every key
+    already cached included) to the long ones once it passes that length, which a cache of rotated keys cannot
+    follow; as llama.cpp, which picks one set for the whole run by its context size, ModelConfig.for_context picks
+    one by the context the cache is configured for (the short ones as read). Its attention factor is not a rope
+    setting: the family folds it into LayerSpec.query_scale.
     dims: the rotated leading dimensions of a head (Phi-4-mini's partial rotary factor); None: all of them.
     """
     theta: float

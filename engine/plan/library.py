@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +39,7 @@ class ModelEntry:
     name: str                       # what to show: file stem, repo name, or ollama name:tag
     path: str                       # the .gguf file or the Hugging Face folder (an Ollama blob for Ollama)
     source: str                     # "LM Studio", "Jan", "Hugging Face", "Ollama", or "Folder"
-    kind: str                       # "gguf" or "safetensors"
+    kind: str                       # "gguf" or "safetensors" ("" for a folder that could not be searched)
     architecture: str = ""
     parameters: int = 0
     quantization: str = ""
@@ -66,58 +68,133 @@ def peer_locations(home: Path | None = None) -> list[tuple[str, Path]]:
             + [("Ollama", d) for d in ollama])
 
 
-def _gguf_files(folder: Path) -> list[Path]:
+MISSING = "a link to a file that is not there (an unfinished download, or deleted elsewhere)"
+Found = tuple[str, Path, str]       # (name, path, why the layout itself is broken; "" when it is not)
+
+
+def _gguf_files(folder: Path, prefix: str = "") -> list[Found]:
     # vision projectors (mmproj) are GGUFs too but not language models
-    return sorted(p for p in folder.rglob("*.gguf") if p.is_file() and not p.name.lower().startswith("mmproj"))
+    found = []
+    for p in sorted(folder.rglob("*.gguf")):
+        if p.name.lower().startswith("mmproj"):
+            continue
+        if p.is_file():
+            found.append((prefix + p.stem, p, ""))
+        elif p.is_symlink() and not p.exists():
+            found.append((prefix + p.stem, p, MISSING))
+    return found
 
 
-def _hf_folders(folder: Path) -> list[Path]:
-    return sorted(cfg.parent for cfg in folder.rglob("config.json") if any(cfg.parent.glob("*.safetensors")))
+def _hf_folders(folder: Path) -> list[Found]:
+    return [(cfg.parent.name, cfg.parent, "") for cfg in sorted(folder.rglob("config.json"))
+            if any(cfg.parent.glob("*.safetensors"))]
 
 
-def find_models(folder: Path, source: str) -> list[tuple[str, Path]]:
-    """(name, path) of the models under one folder, read the way `source` lays them out."""
+def find_models(folder: Path, source: str) -> list[Found]:
+    """(name, path, error) of the models under one folder, read the way `source` lays them out. An entry whose
+    layout is broken (a manifest that names no model, a link to nothing) comes with its reason, not left out."""
     if not folder.is_dir():
         return []
     if source == "Ollama":
         return _ollama_models(folder)
     if source == "Hugging Face":
-        found = []
-        for repo in sorted(folder.glob("models--*")):
-            label = repo.name.removeprefix("models--").replace("--", "/")
-            snapshots = sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
-            for snap in snapshots[:1]:              # the newest revision only
-                found += [(f"{label}/{p.stem}", p) for p in _gguf_files(snap)]
-                if (snap / "config.json").is_file() and any(snap.glob("*.safetensors")):
-                    found.append((label, snap))
-        return found
-    return [(p.stem, p) for p in _gguf_files(folder)] + [(p.name, p) for p in _hf_folders(folder)]
+        return _hub_models(folder)
+    return _gguf_files(folder) + _hf_folders(folder)
 
 
-def _ollama_models(root: Path) -> list[tuple[str, Path]]:
+def _hub_models(hub: Path) -> list[Found]:
+    found = []
+    for repo in sorted(hub.glob("models--*")):
+        label = repo.name.removeprefix("models--").replace("--", "/")
+        listed = list((repo / "snapshots").glob("*"))
+        snapshots = [p for p in listed if p.is_dir()]
+        if not snapshots:
+            if listed:
+                found.append((label, repo, f"its snapshot {listed[0].name} is {MISSING}"))
+            continue
+        snap = max(snapshots, key=_mtime)               # the newest revision only
+        found += _gguf_files(snap, f"{label}/")
+        if os.path.lexists(snap / "config.json") and any(snap.glob("*.safetensors")):
+            found.append((label, snap, ""))
+    return found
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _ollama_models(root: Path) -> list[Found]:
     found = []
     manifests = root / "manifests"
     for manifest in sorted(p for p in manifests.rglob("*") if p.is_file()) if manifests.is_dir() else []:
+        parts = manifest.relative_to(manifests).parts          # registry/namespace/model/tag
+        if len(parts) < 3:
+            name = "/".join(parts)
+        else:
+            name = f"{parts[-2] if parts[-3] == 'library' else '/'.join(parts[-3:-1])}:{parts[-1]}"
         try:
-            layers = json.loads(manifest.read_text()).get("layers", [])
-        except (OSError, ValueError, AttributeError):
-            continue
-        for layer in layers:
-            if layer.get("mediaType") == OLLAMA_MODEL_LAYER and str(layer.get("digest", "")).startswith("sha256:"):
-                blob = root / "blobs" / layer["digest"].replace(":", "-")
-                if blob.is_file():
-                    parts = manifest.relative_to(manifests).parts          # registry/namespace/model/tag
-                    model = parts[-2] if parts[-3] == "library" else "/".join(parts[-3:-1])
-                    found.append((f"{model}:{parts[-1]}", blob))
+            found.append((name, _ollama_blob(root, manifest), ""))
+        except ValueError as exc:
+            found.append((name, manifest, f"its Ollama manifest {manifest} {exc}"))
     return found
+
+
+def _ollama_blob(root: Path, manifest: Path) -> Path:
+    """The GGUF blob a manifest names; else ValueError, its text what follows "its Ollama manifest <path>"."""
+    try:
+        data = json.loads(manifest.read_text())
+    except RecursionError:
+        raise ValueError("nests too deep to be a manifest") from None
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"cannot be read ({exc})") from None
+    layers = data.get("layers") if isinstance(data, dict) else None
+    if not isinstance(layers, list):
+        raise ValueError("has no list of layers")
+    for layer in layers:
+        if isinstance(layer, dict) and layer.get("mediaType") == OLLAMA_MODEL_LAYER:
+            digest = layer.get("digest")
+            if not isinstance(digest, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+                raise ValueError(f"names the model by {str(digest)[:80]!r}, not a sha256 digest")
+            blob = root / "blobs" / digest.replace(":", "-")
+            if not blob.is_file():
+                raise ValueError(f"names the blob {blob.name}, which is missing")
+            return blob
+    raise ValueError("has no model layer")
+
+
+def _folder_problem(path: Path) -> str:
+    """Why a Hugging Face folder cannot be described from its files ("" when it can): a file missing or not a
+    regular one (a link to nothing in a hub snapshot, a pipe), or a config.json that is no JSON object."""
+    for f in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
+        try:
+            st = f.stat()
+        except OSError:
+            return f"{f.name} is {MISSING}" if f.is_symlink() else f"{f.name} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{f.name} is not a regular file"
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except RecursionError:
+        return "config.json nests too deep to be a model's configuration"
+    except (OSError, ValueError) as exc:
+        return f"config.json cannot be read ({exc})"
+    return "" if isinstance(config, dict) else "config.json is not a JSON object"
 
 
 def describe(name: str, path: Path, source: str, memory_bytes: int, device: str = "cpu") -> ModelEntry:
     """One entry from headers alone; an unreadable or unsupported model gets its reason in `error`."""
     from kvchat.engine.plan.estimate import estimate, model_facts_from
-    kind = "safetensors" if path.is_dir() else "gguf"
-    size = (sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else path.stat().st_size)
+    kind = _kind(path)
+    problem = _folder_problem(path) if kind == "safetensors" else ""
+    if problem:
+        return ModelEntry(name, str(path), source, kind, error=problem)
+    size = 0
     try:
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors")) if kind == "safetensors" else \
+            path.stat().st_size
         facts = model_facts_from(path, name)
         e = estimate(facts, 1, formats=FIT_FORMATS, memory_bytes=memory_bytes, memory_source="library", device=device)
     except (ModelLoadError, ConfigError, OSError, ValueError, KeyError) as exc:
@@ -131,20 +208,49 @@ def describe(name: str, path: Path, source: str, memory_bytes: int, device: str 
 
 def scan(folders: list[str | Path] = (), memory_bytes: int | None = None, device: str = "cpu",
          home: Path | None = None) -> list[ModelEntry]:
-    """Every model in the user's folders and the peers' places, each file once (the first place found)."""
+    """Every model in the user's folders and the peers' places, each file once (the first place found). Each
+    entry fails alone: one that cannot be read is listed with its reason, and the scan goes on."""
     from kvchat.engine.plan.estimate import available_memory
     if memory_bytes is None:
         memory_bytes, _ = available_memory(device)
     places = [("Folder", Path(f).expanduser()) for f in folders] + peer_locations(home)
     seen, entries = set(), []
     for source, folder in places:
-        for name, path in find_models(folder, source):
-            key = path.resolve()
+        try:
+            found = find_models(folder, source)
+        except OSError as exc:          # a folder that changed or vanished while it was searched
+            entries.append(ModelEntry(folder.name, str(folder), source, "", error=f"{folder} could not be searched "
+                                                                                  f"({exc.strerror or exc})"))
+            continue
+        for name, path, error in found:
+            key = _identity(path)
             if key in seen:
                 continue
             seen.add(key)
-            entries.append(describe(name, path, source, memory_bytes, device))
+            entries.append(ModelEntry(name, str(path), source, _kind(path), error=error) if error else
+                           _describe_alone(name, path, source, memory_bytes, device))
     return entries
+
+
+def _describe_alone(name: str, path: Path, source: str, memory_bytes: int, device: str) -> ModelEntry:
+    try:
+        return describe(name, path, source, memory_bytes, device)
+    except RecursionError:
+        why = "it nests too deep to be a model's header"
+    except Exception as exc:  # noqa: BLE001 - another app's file can trip any header parser: it fails alone, listed
+        why = f"its header cannot be read ({type(exc).__name__}: {exc})"
+    return ModelEntry(name, str(path), source, _kind(path), error=why)
+
+
+def _kind(path: Path) -> str:
+    return "safetensors" if path.is_dir() else "gguf"
+
+
+def _identity(path: Path):
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):     # a link loop
+        return path
 
 
 def loadable_path(entry: ModelEntry, link_dir: Path | None = None) -> str:

@@ -13,7 +13,7 @@ from kvchat.kernels import cpu_lib, cpu_quant
 from kvchat.engine.api import LOCAL
 from kvchat.engine.text.chat_format import chat_format_notice, check_template, stop_ids
 from kvchat.engine.config import ACTIVATION_MODES, PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
-from kvchat.engine.kv.layout import MIB
+from kvchat.engine.kv.layout import MIB, cache_context
 from kvchat.engine.gguf.file import GGUFFile
 from kvchat.engine.model.source import (Progress, load_state_dict, locate, read_config, remove_conversion_cache,
                                  transformers_reference)
@@ -108,6 +108,7 @@ class Engine:
         self.weight_bytes = model.weight_bytes()
         self.weights_label = describe_weights(model)
         self.kernel_status = kernel_status(model.device)   # None, or why the C kernels are missing
+        self.rope_note: str | None = None    # LongRoPE: which factors the cache's context chose (Engine.load)
         self.set_prefill(config.prefill)
         self.set_activations(config.activations)
         self.runner = ModelRunner(model, self.dtype_name, config.cache.budget_mb)
@@ -168,6 +169,8 @@ class Engine:
             if files.is_gguf:
                 gf = GGUFFile(files.path)
                 mc = ModelConfig.from_gguf(gf)
+                context = cache_context(mc, config.cache, dtype_name, device)
+                mc = mc.for_context(context)
                 check_fits(mc, gf.tensor_bytes, config.weights, device, files.path.name, dtype_name)
                 # cached: read at once, before the weights, so the two loads' transient memory never adds up;
                 # the first start converts it (seconds) beside the weights
@@ -181,6 +184,8 @@ class Engine:
                 gf.release_pages()
             else:
                 mc = ModelConfig.from_hf(read_config(files.folder))
+                context = cache_context(mc, config.cache, dtype_name, device)
+                mc = mc.for_context(context)
                 stored_bytes, stored_dtype = folder_weights(files.folder)
                 check_fits(mc, stored_bytes, config.weights, device, files.name, dtype_name, "safetensors",
                            stored_dtype)
@@ -194,6 +199,7 @@ class Engine:
         trim_heap()
         check_template(tokenizer, files.name)     # a template that hangs or fails is refused now, not mid-chat
         engine = cls(config, model, tokenizer, files.name, time.perf_counter() - started, notice)
+        engine.rope_note = mc.rope_note(context)
         engine.runner.check(config.cache)   # validates the cache config against this model
         if config.speculative.method == "draft":
             engine.set_speculative(config.speculative)
@@ -220,6 +226,9 @@ class Engine:
             from kvchat.engine.runtime.warm import model_identity
             files = locate(self.config.model)
             self._identity = model_identity(files.path, files.is_gguf)
+            mc = self.model.config
+            if mc.longrope:         # keys rotated with the other LongRoPE factors cannot be read back here
+                self._identity["longrope"] = "long" if mc.rope_scaling[1] == mc.longrope[2] else "short"
         return self._identity
 
     @property

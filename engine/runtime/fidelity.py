@@ -100,7 +100,9 @@ def _compare(engine, ids, modes, limits, step, should_stop, full, base_session, 
     out = {"baseline": {"label": full.label(), "tokens": n, "ppl": perplexity(base.nll)}}
     for name, config in modes.items():
         out[name] = _report(tallies[name], base, config)
-        out[name]["kv_bytes"] = sessions[name].stats().kv_bytes
+        stats = sessions[name].stats()
+        out[name]["kv_bytes"] = stats.kv_bytes
+        out[name]["tokens_held"] = stats.tokens_held        # fewer than "tokens": a window slid
         out[name]["seconds"] = seconds[name]
     out["baseline"]["kv_bytes"] = base_session.stats().kv_bytes
     return out

@@ -126,7 +126,11 @@ class QuickModel:
 
     def __init__(self, path: Path):
         self.gf = gf = GGUFFile(path)
-        self.config = c = ModelConfig.from_gguf(gf)
+        c = ModelConfig.from_gguf(gf)
+        if c.longrope:      # the factors the engine takes for this path's cache, the default (its arithmetic has torch)
+            from kvchat.engine.kv.layout import cache_context
+            c = c.for_context(cache_context(c, CacheConfig(), "fp32", "cpu"))
+        self.config = c
         check_fits(c, gf.tensor_bytes, "auto", "cpu", path.name)      # too big: the engine refuses, with the numbers
         if not c.fused_kernel_ok:           # the same rule as the engine's one-call step (ModelConfig.fused_kernel_ok)
             raise NotCovered(f"{c.model_type}: layers decode_layers does not compute")

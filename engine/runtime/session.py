@@ -21,7 +21,7 @@ import torch
 
 from kvchat.engine.runtime import memory, overflow, session_stats, warm
 from kvchat.engine.runtime.warm import RELEASED_NOTICE
-from kvchat.engine.text.chat_format import encode_conversation, tokenize_pieces
+from kvchat.engine.text.chat_format import encode_conversation, held_prefix, tokenize_pieces
 from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams
 from kvchat.engine.text.detok import StreamDecoder
 from kvchat.engine.events import FinishReason, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
@@ -30,7 +30,7 @@ from kvchat.engine.kv.manager import NoFreeBlocks
 from kvchat.engine.plan.fit import trim_heap
 from kvchat.engine.runtime.overflow import BudgetFull
 from kvchat.engine.runtime.runner import ModelRunner
-from kvchat.engine.runtime.sampling import sample
+from kvchat.engine.runtime.sampling import RECENT, NonFiniteLogits, sample
 from kvchat.engine.runtime.speculative import Speculator
 from kvchat.engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
 from kvchat.engine.runtime.turns import TurnGuard, TurnTimes, checked_history, checked_params, checked_text, turn
@@ -200,12 +200,12 @@ class Session:
     def _new_tokens_for(self, messages: list[dict]) -> list[int]:
         """The tokens to add for this turn: the rendered chat past what the session already holds."""
         rendered, pieces = self._encode_conversation(messages)
-        held = self.tokenizer.decode(self.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if self.token_ids and rendered.startswith(held):
-            return self._tokenize(pieces, len(held))
-        if self.token_ids:                      # the text diverged: start the cache over
+        held = held_prefix(self.tokenizer, rendered, self.token_ids, self._cached)
+        if held is None:                        # the text diverged: start the cache over
             self.reset()
-        return self._tokenize(pieces, 0)
+            return self._tokenize(pieces, 0)
+        del self.token_ids[held[0]:]            # an end of text the format does not write: never fed, not kept
+        return self._tokenize(pieces, held[1])
 
     @turn
     def send(self, text: str, params: SamplingParams | None = None,
@@ -216,7 +216,7 @@ class Session:
         conversation and the cache exactly as they were. While the stream is live the session takes no other
         turn (SessionBusy); a reset, rewind or close ends it (engine/runtime/turns.py)."""
         text = checked_text(text, "the message")
-        params = checked_params(params)
+        params = checked_params(params, self.runner.config.vocab_size)
         self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         self.turn_times = TurnTimes()
@@ -296,7 +296,12 @@ class Session:
                 if not chosen and overflow.past_context(self, 1):
                     reason, message = FinishReason.CONTEXT, overflow.context_message(self, 1)
                     break
-                next_id = chosen.popleft() if chosen else sample(logits.cpu(), params, self.token_ids[-1024:], generator)
+                try:
+                    next_id = chosen.popleft() if chosen else sample(logits.cpu(), params, self.token_ids[-RECENT:],
+                                                                     generator, reply)
+                except NonFiniteLogits as exc:
+                    reason, message = FinishReason.ERROR, str(exc)
+                    break
                 if step == 0:
                     self.turn_times.ttft_s = time.perf_counter() - started
                 self.token_ids.append(next_id)
@@ -313,9 +318,12 @@ class Session:
                     continue
                 try:
                     produced, logits = self._decode_step(next_id, params.max_new_tokens - step - 1, spec, params,
-                                                         generator, chosen, logits)
+                                                         generator, chosen, logits, reply)
                 except BudgetFull as exc:
                     reason, message = FinishReason.BUDGET, str(exc)
+                    break
+                except NonFiniteLogits as exc:      # a verification's rows: its drafts leave the cache below
+                    reason, message = FinishReason.ERROR, str(exc)
                     break
                 self.turn_times.decode_tokens += produced
                 self.turn_times.decode_s = time.perf_counter() - decode_started   # live rate for stats()
@@ -323,7 +331,8 @@ class Session:
             self.turn_times.decode_s = time.perf_counter() - decode_started
             self.turn_times.spec = spec.stats() if spec is not None else None
             # the cache as plain decoding leaves it: the last token fed only where the turn went on after it
-            self._settle(len(self.token_ids) - (0 if reason in (FinishReason.STOPPED, FinishReason.CONTEXT) else 1))
+            fed = reason in (FinishReason.STOPPED, FinishReason.CONTEXT, FinishReason.ERROR)
+            self._settle(len(self.token_ids) - (0 if fed else 1))
             final = stream.text()
             if continues:
                 final = self.messages[-1]["content"] + final
@@ -336,14 +345,17 @@ class Session:
             yield TokenDelta(rest, ())
         yield TurnFinished(final, reason, message, self.stats())
 
-    def _decode_step(self, next_id: int, left: int, spec, params, generator, chosen: deque, logits):
+    def _decode_step(self, next_id: int, left: int, spec, params, generator, chosen: deque, logits, reply: list[int]):
         """Feed next_id: one verification where drafts pay (the tokens it chose join `chosen`), else a plain step.
-        left: tokens the turn may still generate after next_id. Returns (tokens produced, the logits to sample)."""
+        left: tokens the turn may still generate after next_id; reply: the turn's tokens, next_id last. Returns
+        (tokens produced, the logits to sample)."""
         if spec is not None:
-            room = left - 1                   # the drafts, and the token after them, still fit
+            # the drafts, and the token after them, still fit: within what the turn may generate, at most k (a
+            # max_new_tokens of 10**12 counted down one by one never ended), and within the context
+            room = min(left - 1, spec.config.k)
             while room > 0 and overflow.past_context(self, 1 + room):
                 room -= 1
-            verified = spec.verify(self, next_id, params, generator, room)
+            verified = spec.verify(self, next_id, params, generator, room, reply)
             if verified is not None:
                 chosen.extend(verified)
                 return len(verified), logits
@@ -372,7 +384,7 @@ class Session:
                    should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
         """A new reply to the last user message: the cache forks where the reply began, so the history is not
         read again; the old reply is kept as an alternative (see `alternatives`, `select_alternative`)."""
-        params = checked_params(params)
+        params = checked_params(params, self.runner.config.vocab_size)
         self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         if not self.messages or self.messages[-1]["role"] != "assistant":
@@ -418,7 +430,7 @@ class Session:
     def continue_reply(self, params: SamplingParams | None = None,
                        should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
         """More of the last reply (cut at max tokens, or stopped): its text grows; nothing is read again."""
-        params = checked_params(params)
+        params = checked_params(params, self.runner.config.vocab_size)
         self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         if not self.messages or self.messages[-1]["role"] != "assistant":
@@ -494,14 +506,18 @@ class Session:
 
     # ---- cache control ----------------------------------------------------------------
 
-    def set_cache(self, config: CacheConfig) -> None:
-        """Switch the cache mode live: convert the blocks held, keep the conversation."""
+    def set_cache(self, config: CacheConfig) -> session_stats.CacheSwitch:
+        """Switch the cache mode live: convert the blocks held, keep the conversation. Returns the tokens held
+        before and after, and those the cache no longer holds (a window let them go; leaving it does not bring
+        them back)."""
         self._guard.check_open()
         self.runner.check(config)
         if config.budget_mb != self._config.budget_mb:
             self.runner.set_budget(config.budget_mb)
+        held = self.seq.tokens_held
         self.seq = self.runner.convert_sequence(self.seq, self._config, config)
         self._config = config
+        return session_stats.CacheSwitch(held, self.seq.tokens_held, self.seq.num_tokens - self.seq.tokens_held)
 
     def reset(self) -> int:
         """Free every block (alternatives' too); the messages stay and are read again on the next turn.

@@ -3,10 +3,21 @@ forecast of the tokens that still fit. Every byte count comes from what the runn
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from kvchat.engine.events import LayerBytes, PoolStats, StatsSnapshot
 from kvchat.engine.kv.layout import layer_window_bytes, layer_windows, window_peak_bytes
 from kvchat.engine.runtime import memory
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSwitch:
+    """What a live switch of the cache mode did to the conversation's tokens (Session.set_cache)."""
+
+    tokens_before: int                  # tokens the cache held (the window attends to) before the switch
+    tokens_after: int                   # and after
+    tokens_lost: int                    # of the conversation, no longer in the cache: they left a window (now or
+                                        # earlier), and a full cache does not bring them back; a reset reads them again
 
 
 def tokens_left(session) -> int | None:

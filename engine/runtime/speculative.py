@@ -22,6 +22,7 @@ the number of drafts is chosen from what a row costs and how often drafts are ac
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -29,9 +30,7 @@ from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams, Specu
 from kvchat.engine.events import SpecStats
 from kvchat.engine.kv.layout import PREFILL_CHUNK
 from kvchat.engine.kv.manager import NoFreeBlocks
-from kvchat.engine.runtime.sampling import distribution, sample
-
-RECENT = 1024           # the ids the repetition penalty looks at, as the session's sampler
+from kvchat.engine.runtime.sampling import RECENT, distribution, sample
 
 
 class PromptLookup:
@@ -269,10 +268,12 @@ class Speculator:
             return []
         return drafts
 
-    def verify(self, session, next_id: int, params: SamplingParams, generator, room: int) -> list[int] | None:
-        """One verification step after next_id (the conversation's last token, not in the cache yet): returns the
-        tokens chosen (the accepted drafts, in the cache now, then the token after them), or None when nothing was
-        proposed or the budget cannot take the drafts (nothing changed: a plain step follows)."""
+    def verify(self, session, next_id: int, params: SamplingParams, generator, room: int,
+               generated: Sequence[int]) -> list[int] | None:
+        """One verification step after next_id (the conversation's last token, not in the cache yet; the last of
+        `generated`, the reply so far): returns the tokens chosen (the accepted drafts, in the cache now, then the
+        token after them), or None when nothing was proposed or the budget cannot take the drafts (nothing changed:
+        a plain step follows)."""
         runner, seq = session.runner, session.seq
         if isinstance(self.proposer, DraftProposer):
             self.proposer.protect = frozenset(m.seq_id for m in seq.members)
@@ -285,7 +286,7 @@ class Speculator:
         except NoFreeBlocks:
             return None
         self.costs.verified(1 + len(drafts), time.perf_counter() - started)
-        taken, after = accept(rows.cpu(), drafts, params, session.token_ids, generator)
+        taken, after = accept(rows.cpu(), drafts, params, session.token_ids, generator, generated)
         if taken < len(drafts):
             runner.truncate(seq, len(drafts) - taken)
         self.record(len(drafts), taken)
@@ -310,23 +311,26 @@ class Speculator:
 
 
 def accept(rows: torch.Tensor, drafts: list[int], params: SamplingParams, recent_ids: list[int],
-           generator: torch.Generator | None) -> tuple[int, int]:
+           generator: torch.Generator | None, generated: Sequence[int] = ()) -> tuple[int, int]:
     """rows [1 + k, vocab]: the verification's logits (row i after the i-th draft; row 0 after the next token).
+    generated: the reply's tokens up to the next token (the presence and frequency penalties count them).
     Returns (drafts accepted, the token after them): greedy takes a draft while it is the argmax, sampling with
     probability p(draft) and otherwise draws from p without it (the module's rule)."""
     context = list(recent_ids[-RECENT:])
+    reply = list(generated[-RECENT:])
     for i, d in enumerate(drafts):
         if params.greedy:
-            chosen = sample(rows[i], params, context[-RECENT:], None)
+            chosen = sample(rows[i], params, context[-RECENT:], None, reply)
             if chosen != d:
                 return i, chosen
         else:
-            p = distribution(rows[i], params, context[-RECENT:])
+            p = distribution(rows[i], params, context[-RECENT:], reply)
             if float(torch.rand((), generator=generator)) >= float(p[d]):
                 rest = p.clone()
                 rest[d] = 0.0
                 if float(rest.sum()) > 0.0:        # (nothing left only where rounding put all of p on d: keep it)
                     return i, int(torch.multinomial(rest / rest.sum(), 1, generator=generator))
         context.append(d)
+        reply.append(d)
     k = len(drafts)
-    return k, sample(rows[k], params, context[-RECENT:], generator)
+    return k, sample(rows[k], params, context[-RECENT:], generator, reply)

@@ -15,6 +15,7 @@ from typing import Iterator
 from kvchat.engine.text.chat_format import clean_text
 from kvchat.engine.config import ConfigError, SamplingParams
 from kvchat.engine.events import FinishReason, SpecStats, StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.runtime.sampling import check_logit_bias
 
 
 class SessionBusy(ConfigError):
@@ -138,9 +139,10 @@ def checked_history(history) -> list[dict]:
     return messages
 
 
-def checked_params(params) -> SamplingParams:
+def checked_params(params, vocab: int) -> SamplingParams:
     if params is None:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         raise ConfigError(f"sampling settings must be a SamplingParams, not {type(params).__name__}")
+    check_logit_bias(params, vocab)
     return params

@@ -19,6 +19,7 @@ import torch
 from kvchat.engine.kv import saved
 from kvchat.engine.kv.layout import MIB
 from kvchat.engine.kv.saved import CacheFileError
+from kvchat.engine.text.chat_format import held_prefix
 
 __all__ = ["CacheFileError", "Restored", "WarmStore", "model_identity", "restore", "save"]
 
@@ -86,8 +87,12 @@ def restore(session, path: Path, identity: dict) -> Restored:
     if session.seq.num_tokens or session.token_ids:
         raise CacheFileError("the conversation already holds a cache")
     meta, tensors = saved.read(path, runner.budget_bytes + _READ_SLACK)
-    if meta.get("model") != identity:
-        raise CacheFileError("the cache was saved with another model file (or the file changed since)")
+    saved_with = meta.get("model")
+    if saved_with != identity:
+        rope = isinstance(saved_with, dict) and {**saved_with, "longrope": 0} == {**identity, "longrope": 0}
+        raise CacheFileError("the cache was saved with the model's other LongRoPE factors (another cache budget "
+                             "chose them)" if rope else "the cache was saved with another model file (or the file "
+                             "changed since)")
     ids_t = tensors.get("token_ids")
     if ids_t is None or ids_t.dtype != torch.int64 or ids_t.dim() != 1:
         raise CacheFileError("the saved cache has no token ids: the file is damaged")
@@ -104,7 +109,9 @@ def restore(session, path: Path, identity: dict) -> Restored:
     logits = tensors.get("prompt_logits")
     if logits is not None and (logits.dtype != torch.float32 or tuple(logits.shape) != (vocab,)):
         raise CacheFileError("the saved cache's logits do not fit this model: the file is damaged")
-    _check_text(session, ids)
+    if logits is not None and not bool(torch.isfinite(logits).all()):
+        raise CacheFileError("the saved cache's logits are not finite (NaN or inf): the file is damaged")
+    _check_text(session, ids, held)
     runner.import_kv(session.seq, groups, tensors, extra={"token_ids", "prompt_logits"})
     session.token_ids = ids
     end = meta.get("prompt_end")
@@ -119,14 +126,12 @@ def restore(session, path: Path, identity: dict) -> Restored:
     return Restored(held, time.perf_counter() - started, Path(path).stat().st_size)
 
 
-def _check_text(session, ids: list[int]) -> None:
+def _check_text(session, ids: list[int], cached: int) -> None:
     """The saved tokens must read as the start of the conversation as it is now (an edit in between: read again)."""
     if not session.messages:          # tokens fed through append: they are the conversation
         return
-    tok = session.tokenizer
     rendered, _ = session._encode_conversation(session.messages)
-    held = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    if not rendered.startswith(held):
+    if held_prefix(session.tokenizer, rendered, ids, cached) is None:
         raise CacheFileError("the conversation changed since its cache was saved")
 
 

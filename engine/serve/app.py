@@ -107,19 +107,23 @@ class Generation:
             raise APIError(503, f"The request was cancelled: {event.message or 'aborted'}.", "server_error",
                            code="cancelled")
         if event.reason == FinishReason.ERROR:
-            raise APIError(500, f"Generation failed: {event.message}", "server_error", code="internal_error")
+            raise APIError(500, f"Generation failed: {event.message}", "server_error",
+                           code=event.code or "internal_error")
         return event.reason
 
 
 class ServeState:
-    def __init__(self, engine, scheduler: Scheduler, metrics: ServeMetrics, model_id: str, api_key: str | None):
+    def __init__(self, engine, scheduler: Scheduler, metrics: ServeMetrics, model_id: str, api_key: str | None,
+                 read_timeout_s: float = guard.READ_TIMEOUT_S):
         self.engine = engine
+        self.read_timeout_s = read_timeout_s
         self.tokenizer = engine.tokenizer
         self.scheduler = scheduler
         self.metrics = metrics
         self.model_id = model_id
         self.api_key = api_key
         self.max_context = batch.max_context(engine)
+        self.vocab_size = batch.vocab_size(engine)
         self.max_body_bytes = guard.body_limit(self.max_context)
         self.created = int(time.time())
         self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="kvchat-serve-prompt")
@@ -158,11 +162,12 @@ class ServeState:
             raise bad_request("the prompt is empty", "prompt")
         limit = self.max_context
         if len(ids) >= limit or (parsed.max_tokens_given and len(ids) + parsed.params.max_new_tokens > limit):
-            want = len(ids) + (parsed.params.max_new_tokens if parsed.max_tokens_given else 0)
-            raise _context_error(f"This model's maximum context length is {limit} tokens. However, you requested "
-                                 f"{want} tokens ({len(ids)} in the messages, "
-                                 f"{parsed.params.max_new_tokens if parsed.max_tokens_given else 0} in the "
-                                 f"completion). Please reduce the length of the messages or completion.")
+            asked = parsed.params.max_new_tokens if parsed.max_tokens_given else 0
+            field = parsed.max_tokens_field
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{len(ids) + asked} tokens ({len(ids)} in the messages, {asked} in the completion). "
+                              f"Please reduce the length of the messages or '{field}'.",
+                              "messages" if len(ids) >= limit else field, "context_length_exceeded")
         if not self.scheduler.prompt_fits_budget(len(ids)):
             budget = self.scheduler.config.cache.budget_mb
             raise _context_error(f"The prompt has {len(ids)} tokens, more than this server's whole KV cache budget "
@@ -217,7 +222,7 @@ def create_app(state: ServeState) -> FastAPI:
         return await _complete(request, "completion")
 
     async def _complete(request: HTTPRequest, kind: str):
-        raw = await guard.read_body(request, state.max_body_bytes)
+        raw = await guard.read_body(request, state.max_body_bytes, state.read_timeout_s)
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -225,6 +230,10 @@ def create_app(state: ServeState) -> FastAPI:
         except ValueError as exc:        # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
             raise bad_request(f"The body is not valid JSON: {exc}") from None
         parsed = protocol.parse(body, kind)
+        past = [i for i, _ in parsed.params.logit_bias if i >= state.vocab_size]
+        if past:
+            raise bad_request(f"'logit_bias' names token id {past[0]}, outside the vocabulary "
+                              f"(0-{state.vocab_size - 1})", "logit_bias")
         if parsed.model != state.model_id:
             raise APIError(404, f"The model `{parsed.model}` does not exist: this server holds `{state.model_id}`.",
                            "invalid_request_error", "model", "model_not_found")

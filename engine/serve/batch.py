@@ -219,6 +219,11 @@ def max_context(engine) -> int:
     return int(engine.model.config.max_position_embeddings)
 
 
+def vocab_size(engine) -> int:
+    """The logits' width: token ids a logit bias may name."""
+    return int(_runner(engine).config.vocab_size)
+
+
 def stop_ids(engine) -> frozenset[int]:
     """Token ids that end a reply (EOS and the chat template's end-of-turn)."""
     return engine.stop_ids

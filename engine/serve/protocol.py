@@ -9,7 +9,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from kvchat.engine.config import ConfigError, SamplingParams
+from kvchat.engine.config import (LOGIT_BIAS_RANGE, PRESENCE_PENALTY_RANGE, REPETITION_PENALTY_RANGE, ConfigError,
+                                 SamplingParams)
 from kvchat.engine.events import FinishReason
 
 MAX_STOP_STRINGS = 4
@@ -50,6 +51,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False        # vLLM's extra: generate to max_tokens through end-of-sequence tokens
+    max_tokens_field: str = "max_tokens"    # the name the limit came under (chat's max_completion_tokens too)
 
 
 def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
@@ -63,6 +65,59 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise bad_request(f"'{name}' is {value}; it must be between {lo} and {hi}", name)
     return value
+
+
+def _unsupported(name: str, what: str) -> APIError:
+    return bad_request(f"'{name}' is not supported by this server: {what}", name, "unsupported_parameter")
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: {"token id": bias from -100 to 100} -> {id: bias}."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to biases from -100 to 100", "logit_bias")
+    bias = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 20):
+            raise bad_request(f"'logit_bias' keys are token ids (whole numbers from 0), got {key[:40]!r}", "logit_bias")
+        bias[int(key)] = _number({"logit_bias": value}, "logit_bias", None, *LOGIT_BIAS_RANGE)
+    return bias
+
+
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    """Fields this server cannot honour are refused, never ignored: a 200 in plain text would claim it did."""
+    for name in ("tools", "functions"):
+        if body.get(name) not in (None, []):
+            raise _unsupported(name, "it answers in plain text and makes no tool calls")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise _unsupported(name, "it answers in plain text and makes no tool calls")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        shown = response_format.get("type") if isinstance(response_format, dict) else response_format
+        raise _unsupported("response_format", f"{shown!r} (only {{\"type\": \"text\"}}): it answers in plain text, "
+                                              f"not constrained to a format or schema")
+    if kind == "chat":
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise bad_request(f"'logprobs' must be true or false, got {logprobs!r}", "logprobs")
+        if logprobs:
+            raise _unsupported("logprobs", "it returns no log probabilities")
+        if _number(body, "top_logprobs", 0, 0, 20, integer=True):
+            raise _unsupported("top_logprobs", "it returns no log probabilities")
+    else:
+        if _number(body, "logprobs", 0, 0, 5, integer=True):
+            raise _unsupported("logprobs", "it returns no log probabilities")
+        best_of = _number(body, "best_of", 1, 1, None, integer=True)
+        if best_of != 1:
+            raise bad_request(f"only best_of=1 is supported (one completion per request), got best_of={best_of}",
+                              "best_of", "unsupported_parameter")
+        if body.get("echo") not in (None, False):
+            raise _unsupported("echo", "it returns the completion without the prompt")
+        if body.get("suffix") not in (None, ""):
+            raise _unsupported("suffix", "it completes after the prompt only")
 
 
 def _content_text(content, index: int) -> str:
@@ -105,13 +160,15 @@ def parse(body, kind: str) -> Parsed:
                                          all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt))
         if not ok:
             raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
-    if _number(body, "n", 1, 1, 1, integer=True) != 1:
-        raise bad_request("only n=1 is supported", "n")
-    if body.get("logprobs") not in (None, False) or body.get("echo") or body.get("best_of") not in (None, 1):
-        raise bad_request("logprobs, echo and best_of are not supported by this server")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, 1, None, integer=True)
+    n = _number(body, "n", 1, 1, None, integer=True)
+    if n != 1:
+        raise bad_request(f"only n=1 is supported (one choice per request), got n={n}", "n", "unsupported_parameter")
+    _refuse_unsupported(body, kind)
+    max_tokens, max_tokens_field = None, "max_tokens"
+    for name in ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",):
+        value = _number(body, name, None, 1, None, integer=True)
+        if value is not None:           # OpenAI's newer name wins where both are sent
+            max_tokens, max_tokens_field = value, name
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -121,7 +178,9 @@ def parse(body, kind: str) -> Parsed:
         stop = tuple(stop)
     else:
         raise bad_request(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings", "stop")
-    stream = bool(body.get("stream", False))
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request(f"'stream' must be true or false, got {stream!r}", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
@@ -131,7 +190,10 @@ def parse(body, kind: str) -> Parsed:
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
             top_k=0 if body.get("top_k") in (None, -1) else _number(body, "top_k", 0, 0, 2**31 - 1, integer=True),
-            repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 100.0)),
+            repetition_penalty=float(_number(body, "repetition_penalty", 1.0, *REPETITION_PENALTY_RANGE)),
+            presence_penalty=float(_number(body, "presence_penalty", 0.0, *PRESENCE_PENALTY_RANGE)),
+            frequency_penalty=float(_number(body, "frequency_penalty", 0.0, *PRESENCE_PENALTY_RANGE)),
+            logit_bias=_logit_bias(body),
             max_new_tokens=max_tokens or 1,
             seed=_number(body, "seed", None, *SEED_RANGE, integer=True),
         )
@@ -141,7 +203,7 @@ def parse(body, kind: str) -> Parsed:
     if not isinstance(ignore_eos, bool):
         raise bad_request("'ignore_eos' must be true or false", "ignore_eos")
     return Parsed(kind, model, messages, prompt, params, max_tokens is not None, tuple(s for s in stop if s),
-                  stream, bool(options.get("include_usage")), ignore_eos)
+                  bool(stream), bool(options.get("include_usage")), ignore_eos, max_tokens_field)
 
 
 class StopMatcher:

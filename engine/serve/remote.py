@@ -205,6 +205,12 @@ class RemoteSession:
             body["top_k"] = params.top_k
         if params.repetition_penalty != 1.0:
             body["repetition_penalty"] = params.repetition_penalty
+        if params.presence_penalty:
+            body["presence_penalty"] = params.presence_penalty
+        if params.frequency_penalty:
+            body["frequency_penalty"] = params.frequency_penalty
+        if params.logit_bias:
+            body["logit_bias"] = {str(i): bias for i, bias in params.logit_bias}
         return body
 
     def send(self, text: str, params: SamplingParams | None = None,

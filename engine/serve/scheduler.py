@@ -24,7 +24,7 @@ import torch
 
 from kvchat.engine.config import CacheConfig, SamplingParams
 from kvchat.engine.events import FinishReason
-from kvchat.engine.runtime.sampling import sample
+from kvchat.engine.runtime.sampling import RECENT, NonFiniteLogits, sample
 from kvchat.engine.runtime.speculative import accept
 from kvchat.engine.kv.saved import CacheFileError
 from kvchat.engine.serve import batch
@@ -45,6 +45,7 @@ class Finished:
     message: str = ""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    code: str = ""              # an ERROR's kind in the API's words (non_finite_logits); "" for any other failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +211,9 @@ class Scheduler:
                         self._verified(request, ids[1:], rows)
                     elif request.num_computed == len(request.all_ids):
                         self._sample(request, rows[-1])
+                except NonFiniteLogits as exc:      # the model's numbers, not a bug here: one line, no traceback
+                    log.warning("%s: %s", request.id, exc)
+                    self._finish(request, FinishReason.ERROR, str(exc), code="non_finite_logits")
                 except Exception as exc:  # noqa: BLE001 - a request whose sampling fails ends alone
                     log.exception("sampling failed for %s", request.id)
                     self._end_quietly(request, exc)
@@ -346,7 +350,8 @@ class Scheduler:
     def _verified(self, request: Request, drafts: list[int], rows: torch.Tensor) -> None:
         """After a verification step: the accepted drafts stay (the rest are taken back) and go out with the token after
         them, each as a sampled token would."""
-        taken, after = accept(rows.float().cpu(), drafts, request.params, request.all_ids, request.generator)
+        taken, after = accept(rows.float().cpu(), drafts, request.params, request.all_ids, request.generator,
+                              request.output_ids)
         batch.truncate(self.engine, request.handle, len(drafts) - taken)
         request.num_computed -= len(drafts) - taken
         request.spec.record(len(drafts), taken)
@@ -357,7 +362,8 @@ class Scheduler:
                 return
 
     def _sample(self, request: Request, logits: torch.Tensor) -> None:
-        token = sample(logits.float().cpu(), request.params, request.all_ids[-1024:], request.generator)
+        token = sample(logits.float().cpu(), request.params, request.all_ids[-RECENT:], request.generator,
+                       request.output_ids)
         if request.spec is not None and request.output_ids:
             request.spec.record(0, 0)
         self._take(request, token)
@@ -381,7 +387,7 @@ class Scheduler:
             self._finish(request, FinishReason.CONTEXT, "the model's context is full")
         return request.status != FINISHED
 
-    def _finish(self, request: Request, reason: FinishReason, message: str = "") -> None:
+    def _finish(self, request: Request, reason: FinishReason, message: str = "", code: str = "") -> None:
         if request.status == FINISHED:
             return
         if request in self.running:
@@ -399,7 +405,7 @@ class Scheduler:
         request.status = FINISHED
         if self.metrics:
             self.metrics.finished(reason)
-        request.emit(Finished(reason, message, len(request.prompt_ids), len(request.output_ids)))
+        request.emit(Finished(reason, message, len(request.prompt_ids), len(request.output_ids), code))
 
     def _report(self) -> None:
         usage = batch.usage(self.engine)

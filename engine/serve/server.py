@@ -1,6 +1,7 @@
 """A running server: scheduler thread + uvicorn, in the foreground (CLI) or a background thread (tests, bench)."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.serve.app import ServeState, create_app
-from kvchat.engine.serve.guard import is_loopback
+from kvchat.engine.serve.guard import READ_TIMEOUT_S, HeaderDeadline, is_loopback
 from kvchat.engine.serve.metrics import ServeMetrics
 from kvchat.engine.serve.scheduler import Scheduler, SchedulerConfig
 from kvchat.engine.kv.tier import DEFAULT_TIER_MB
@@ -26,6 +27,7 @@ class ServeConfig:
     max_num_seqs: int = 16
     prefill_chunk: int = 256
     preempt_tier_mb: float = DEFAULT_TIER_MB
+    read_timeout_s: float = READ_TIMEOUT_S   # seconds a client has to send a request's line and headers, and its body
 
     def __post_init__(self):
         if not is_loopback(self.host) and not self.api_key:
@@ -41,6 +43,9 @@ class ServeConfig:
         if not (isinstance(self.preempt_tier_mb, (int, float)) and 0 <= self.preempt_tier_mb <= 2**20):
             raise ConfigError(f"--preempt-tier-mb {self.preempt_tier_mb}: use 0 (preempted requests read their prompt "
                               f"again) up to 1048576")
+        timeout = self.read_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+            raise ConfigError(f"read_timeout_s={timeout!r}: use more than 0 and at most 3600 seconds")
 
 
 class Server:
@@ -54,9 +59,11 @@ class Server:
         self.scheduler = Scheduler(engine, SchedulerConfig(cache, config.max_num_seqs, config.prefill_chunk,
                                                                    tier_mb=config.preempt_tier_mb),
                                    self.metrics)
-        self.state = ServeState(engine, self.scheduler, self.metrics, self.model_id, config.api_key)
+        self.state = ServeState(engine, self.scheduler, self.metrics, self.model_id, config.api_key,
+                                config.read_timeout_s)
         self.app = create_app(self.state)
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
+        http = functools.partial(HeaderDeadline, read_timeout_s=config.read_timeout_s)
+        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, http=http, log_level="warning", lifespan="off",
                                                       timeout_graceful_shutdown=5))
         self._socket: socket.socket | None = None
         self._thread: threading.Thread | None = None

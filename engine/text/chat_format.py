@@ -1,11 +1,16 @@
 """A conversation as prompt tokens, and the tokens that end a reply; no torch here (engine.runtime.quick uses it too)."""
 from __future__ import annotations
 
+import re
+import secrets
 import traceback
 
 from kvchat.engine.config import ConfigError
 
-_PLACEHOLDER = "\x00kvchat-content-{}\x00"
+# A message's content goes through the template as a sentinel: private-use brackets around a random number and the
+# message's index. No letters (a template's upper / lower / title leaves it as it is), no whitespace (trim), no
+# escapes (tojson, e); the random number keeps any other text the template writes from passing for one.
+_OPEN, _CLOSE = "\ue000", "\ue001"
 PROBE = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hello! How can I help?"},
          {"role": "user", "content": "Tell me a joke."}]
 STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
@@ -48,10 +53,12 @@ def _describe(exc: Exception, where: str) -> str:
 
 # The conversation as plain text for a model whose file has no chat template (a base model): it continues the
 # transcript after "Assistant:". Its BOS comes first where the tokenizer starts a text with one (bos_prefix).
+# A reply is written as the model gave it after "Assistant:": its own leading space, if any, is the only one (the
+# messages in `glued`), so the chat rendered again reads as the tokens in the cache.
 PLAIN_TEMPLATE = (
     "{{ bos_prefix }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-    "{% else %}{{ 'Assistant' if m['role'] == 'assistant' else 'User' }}: {{ m['content'] }}\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+    "{% else %}{{ 'Assistant' if m['role'] == 'assistant' else 'User' }}:{{ '' if loop.index0 in glued else ' ' }}"
+    "{{ m['content'] }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -77,16 +84,17 @@ def _bos_prefix(tokenizer) -> str:
     return bos if ids and ids[0] == bos_id else ""
 
 
-def render_chat(tokenizer, messages: list[dict], where: str = "this model") -> str:
+def render_chat(tokenizer, messages: list[dict], where: str = "this model", glued: list[int] = ()) -> str:
     """The conversation through the model's chat template (PLAIN_TEMPLATE where it has none: chat_format_notice
     says so), with the generation prompt, under chat_template's limits; any failure is a ChatTemplateError of one
-    line naming `where` (the model file)."""
+    line naming `where` (the model file). glued: PLAIN_TEMPLATE's messages written without a space after the
+    speaker."""
     from kvchat.engine.text.chat_template import render
     specials = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items()}
     if has_chat_template(tokenizer):
         source = tokenizer.chat_template
     else:
-        source, specials = PLAIN_TEMPLATE, {**specials, "bos_prefix": _bos_prefix(tokenizer)}
+        source, specials = PLAIN_TEMPLATE, {**specials, "bos_prefix": _bos_prefix(tokenizer), "glued": list(glued)}
     try:
         text = render(source, messages, True, **specials)
     except Exception as exc:  # noqa: BLE001 - whatever a template does wrong, the user hears it in one line
@@ -105,21 +113,44 @@ def check_template(tokenizer, where: str) -> None:
 def encode_conversation(tokenizer, system_prompt: str | None, messages: list[dict],
                         where: str = "this model") -> tuple[str, list[tuple[str, bool]]]:
     """The rendered chat (with the generation prompt) and its pieces: (text, is_content). Message contents are
-    tokenized as plain text, so a special-token string inside a message is never the template's own token."""
+    tokenized as plain text, so a special-token string inside a message is never the template's own token.
+
+    Each content goes through the template as a sentinel, found wherever the template put it (moved, as Mistral
+    v0.3 moves the system prompt into the last user turn, repeated, in any order); the content takes its place.
+    A template that leaves a message out, or cuts or rewrites its sentinel, is refused (ChatTemplateError): its
+    text could not be kept apart from the template's own tokens, and the model would not read what was sent."""
     msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
-    marked = [dict(m, content=_PLACEHOLDER.format(i)) for i, m in enumerate(msgs)]
-    rendered = render_chat(tokenizer, marked, where)
+    nonce = f"{secrets.randbelow(10 ** 18):018d}"
+    marked = [dict(m, content=f"{_OPEN}{nonce}:{i}{_CLOSE}") for i, m in enumerate(msgs)]
+    # a reply the model began with a space, after PLAIN_TEMPLATE's "Assistant:", is written without another
+    glued = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and m["content"][:1].isspace()]
+    rendered = render_chat(tokenizer, marked, where, glued)
     pieces: list[tuple[str, bool]] = []
-    rest = rendered
-    for i, m in enumerate(msgs):
-        mark = _PLACEHOLDER.format(i)
-        before, found, rest = rest.partition(mark)
-        if not found:          # the template dropped or changed this content: render it as it is
-            plain = render_chat(tokenizer, msgs, where)
-            return plain, [(plain, False)]
-        pieces += [(before, False), (m["content"], True)]
-    pieces.append((rest, False))
+    found, at = set(), 0
+    for match in re.finditer(re.escape(_OPEN + nonce) + r":(\d+)" + _CLOSE, rendered):
+        i = int(match.group(1))
+        if i >= len(msgs):          # rewritten: left in the template's text, refused below
+            continue
+        found.add(i)
+        pieces += [(rendered[at:match.start()], False), (msgs[i]["content"], True)]
+        at = match.end()
+    pieces.append((rendered[at:], False))
+    if any(_OPEN in text or _CLOSE in text for text, content in pieces if not content):
+        raise ChatTemplateError(f"The chat template of {where} cuts or rewrites a message's text, so that text "
+                                f"cannot be kept apart from the template's own control tokens: kvchat does not "
+                                f"send this conversation to this model.")
+    missing = [i for i in range(len(msgs)) if i not in found]
+    if missing:
+        raise ChatTemplateError(_left_out(msgs[missing[0]]["role"], where))
     return "".join(p for p, _ in pieces), [(p, c) for p, c in pieces if p]
+
+
+def _left_out(role: str, where: str) -> str:
+    what = "the system prompt" if role == "system" else f"a message of the {role}"
+    advice = ("clear the system prompt to chat with this model" if role == "system"
+              else "this conversation cannot be sent to this model as it is")
+    return (f"The chat template of {where} leaves out {what}: the model would not read it, so kvchat does not "
+            f"send the conversation; {advice}.")
 
 
 def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]], skip_chars: int = 0) -> list[int]:
@@ -138,6 +169,17 @@ def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]], skip_chars: int =
         ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=content, **more)
         continues = knows
     return ids
+
+
+def held_prefix(tokenizer, rendered: str, ids: list[int], cached: int) -> tuple[int, int] | None:
+    """How much of a conversation's tokens `ids` (the first `cached` of them in its cache) the chat rendered again
+    starts with, as (tokens, characters): all of them; the cached ones, where the rest is an end-of-text token
+    the format does not write (the plain format's, never fed); or None: the conversation changed."""
+    for n in (len(ids), cached):
+        held = tokenizer.decode(ids[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if rendered.startswith(held):
+            return n, len(held)
+    return None
 
 
 def stop_ids(tokenizer) -> frozenset[int]:

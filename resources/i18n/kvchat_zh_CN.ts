@@ -526,6 +526,18 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>分 {k} 步逐出 {n} 个 token</translation>
     </message>
     <message>
+        <source>Switched the cache to {cache}: KV memory {before} → {after}, holding {tokens} tokens (before: {held}). {lost} tokens of this chat are no longer in the cache: they left the window and the model does not see them; Reset reads the whole chat again.</source>
+        <translation>缓存已切换为 {cache}：KV 内存从 {before} 变为 {after}，现保存 {tokens} 个 token（之前：{held}）。本对话有 {lost} 个 token 已不在缓存中：它们已移出窗口，模型看不到它们；重置会重新读取整个对话。</translation>
+    </message>
+    <message>
+        <source>Switched the cache to {cache}: KV memory {before} → {after}, holding {tokens} tokens (before: {held}): the whole chat.</source>
+        <translation>缓存已切换为 {cache}：KV 内存从 {before} 变为 {after}，现保存 {tokens} 个 token（之前：{held}）：即整个对话。</translation>
+    </message>
+    <message>
+        <source>Switched the cache to {cache}: KV memory {before} → {after} for the same {tokens} tokens.</source>
+        <translation>缓存已切换为 {cache}：同样 {tokens} 个 token，KV 内存从 {before} 变为 {after}。</translation>
+    </message>
+    <message>
         <source>layer {n}</source>
         <translation>第 {n} 层</translation>
     </message>
@@ -996,6 +1008,18 @@ prefill {prefill} tok/s</source>
         <translation>你没有写入 {path} 的权限（chmod u+w）</translation>
     </message>
     <message>
+        <source>you cannot read {path}, so its chats are not shown (chmod u+rw)</source>
+        <translation>你没有读取 {path} 的权限，因此不显示其中的对话（chmod u+rw）</translation>
+    </message>
+    <message>
+        <source>it cannot be opened: a folder or another kind of file stands at its path</source>
+        <translation>无法打开它：它的路径上是一个文件夹或其他类型的文件</translation>
+    </message>
+    <message>
+        <source>{reason}, and it could not be moved aside ({error})</source>
+        <translation>{reason}，且无法移到一旁（{error}）</translation>
+    </message>
+    <message>
         <source>you cannot write its folder {folder}, where SQLite keeps its -wal and -shm files (chmod u+w)</source>
         <translation>你没有写入其文件夹 {folder} 的权限，SQLite 需要在那里存放 -wal 和 -shm 文件（chmod u+w）</translation>
     </message>
@@ -1023,7 +1047,11 @@ prefill {prefill} tok/s</source>
     </message>
     <message>
         <source>{long} of {total} conversations are over {tokens} tokens and hold {share} of the KV all of them would take ({mode}): a window of {window} + {sinks} sinks would cap each at {cap} (saving {saved} together), and leave the other {rest} whole.</source>
-        <translation>{total} 个对话中有 {long} 个超过 {tokens} 个 token，占全部对话所需 KV 的 {share}（{mode}）：使用 {window} + {sinks} 个 sink 的窗口可将每个对话限制在 {cap} 以内（共节省 {saved}），其余 {rest} 个对话保持完整。</translation>
+        <translation>{total} 个对话中有 {long} 个超过 {tokens} 个 token，占全部对话所需 KV 的 {share}（{mode}）：使用 {window} + {sinks} 个锚点的窗口可将每个对话限制在 {cap} 以内（共节省 {saved}），其余 {rest} 个对话保持完整。</translation>
+    </message>
+    <message>
+        <source>No conversation is over {tokens} tokens (median {median}, longest {longest}): a window of {window} + {sinks} sinks would keep every one whole, so none is needed.</source>
+        <translation>没有对话超过 {tokens} 个 token（中位数 {median}，最长 {longest}）：{window} + {sinks} 个锚点的窗口会让每个对话都保持完整，因此不需要窗口。</translation>
     </message>
 </context>
 <context>
@@ -1045,16 +1073,16 @@ prefill {prefill} tok/s</source>
         <translation>全部同时打开时所需 KV 的占比</translation>
     </message>
     <message>
-        <source>Open conversations · share of the KV pool now</source>
-        <translation>打开的对话 · 当前在 KV 池中的份额</translation>
-    </message>
-    <message>
         <source>No conversation holds blocks yet.</source>
         <translation>还没有对话占用缓存块。</translation>
     </message>
     <message>
-        <source>Of the bytes the pool holds now. Blocks shared by several conversations (a common system prompt) count in each, so the shares can add up to more than 100%.</source>
-        <translation>按池当前占用的字节数计算。被多个对话共享的块（例如相同的系统提示词）会在每个对话中都计入，因此各份额之和可能超过 100%。</translation>
+        <source>Conversations with a cache · share of the KV they hold together</source>
+        <translation>有缓存的对话 · 在它们共同占用的 KV 中的份额</translation>
+    </message>
+    <message>
+        <source>Of the KV bytes these conversations hold together, in the pool, in host memory or on disk. Blocks shared by several conversations (a common system prompt) count in each.</source>
+        <translation>按这些对话共同占用的 KV 字节数计算（在池中、主机内存中或磁盘上）。被多个对话共享的块（例如相同的系统提示词）会在每个对话中都计入。</translation>
     </message>
     <message>
         <source>No saved conversations yet: their lengths show here once you have chatted.</source>
@@ -1099,10 +1127,6 @@ prefill {prefill} tok/s</source>
     <message>
         <source> Set it in Settings (Window and sinks) for a long chat; the switch is live.</source>
         <translation> 对于长对话，可在设置中设置（窗口和锚点）；切换即时生效。</translation>
-    </message>
-    <message>
-        <source>No conversation is much longer than the rest: no window needed.</source>
-        <translation>没有哪个对话明显比其他的长：不需要窗口。</translation>
     </message>
 </context>
 <context>
@@ -1214,10 +1238,6 @@ prefill {prefill} tok/s</source>
     <message>
         <source>Cache switched to {cache}</source>
         <translation>缓存已切换为 {cache}</translation>
-    </message>
-    <message>
-        <source>Switched the cache to {cache}: KV memory {before} → {after} for the same {tokens} tokens.</source>
-        <translation>缓存已切换为 {cache}：同样 {tokens} 个 token，KV 内存从 {before} 变为 {after}。</translation>
     </message>
     <message>
         <source>reset −{freed}</source>
@@ -1748,6 +1768,10 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     <message>
         <source>Quality: &lt;b&gt;{mode}&lt;/b&gt; is the reference: nothing lost.</source>
         <translation>质量：&lt;b&gt;{mode}&lt;/b&gt; 是基准：没有损失。</translation>
+    </message>
+    <message>
+        <source>Quality: &lt;b&gt;{mode}&lt;/b&gt; is the reference, but {n} tokens of this chat left an earlier window and are not in the cache (Reset reads them again).</source>
+        <translation>质量：&lt;b&gt;{mode}&lt;/b&gt; 是基准，但本对话有 {n} 个 token 已移出先前的窗口，不在缓存中（重置会重新读取它们）。</translation>
     </message>
     <message>
         <source>Quality of &lt;b&gt;{mode}&lt;/b&gt; against full precision: top-1 agreement &lt;b&gt;{agreement}&lt;/b&gt; · KL {kl} nats/token &lt;span style=&apos;color:#6b7280&apos;&gt;(measured on {tokens} tokens of built-in text)&lt;/span&gt;</source>
