@@ -26,6 +26,10 @@ FINISH_MARKS = {"length": (QT_TRANSLATE_NOOP("MessageWidget", "Cut at max tokens
                 "stopped": (QT_TRANSLATE_NOOP("MessageWidget", "Stopped"),
                             QT_TRANSLATE_NOOP("MessageWidget", "You stopped this reply: Continue picks it up where it "
                                                                "ended."))}
+# under an empty reply that was stopped, by Stop or by closing the app, while the message before it was read
+NO_REPLY_MARK = (QT_TRANSLATE_NOOP("MessageWidget", "Interrupted: no reply — Regenerate or edit to send again"),
+                 QT_TRANSLATE_NOOP("MessageWidget", "The reply was stopped, or kvchat closed, while your message was "
+                                                    "being read: none of the reply came."))
 
 
 def confirm_link(url: str, parent: QWidget | None) -> QMessageBox | None:
@@ -235,6 +239,7 @@ class MessageWidget(QFrame):
                 body = hard_breaks(body)
             if widget.text() != body:
                 widget.setText(body)
+            widget.setVisible(bool(body))       # an empty reply (none came) is its mark alone, not a blank line
         self._segments = segments
 
     def _make_widget(self, kind: str) -> QWidget:
@@ -320,9 +325,10 @@ class MessageWidget(QFrame):
         return button
 
     def set_finish(self, reason: str) -> None:
-        """Mark why the reply ended: "stopped" and "length" (cut at max tokens) show under it."""
+        """Mark why the reply ended: "stopped" and "length" (cut at max tokens) show under it; an empty stopped
+        reply says that none came."""
         self.finish = reason or ""
-        mark = FINISH_MARKS.get(self.finish)
+        mark = NO_REPLY_MARK if self.finish == "stopped" and not self.text() else FINISH_MARKS.get(self.finish)
         self.finish_label.setText(self.tr(mark[0]) if mark else "")
         self.finish_label.setToolTip(self.tr(mark[1]) if mark else "")
         self.finish_label.setVisible(mark is not None)

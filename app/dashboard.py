@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QT_TRANSLATE_NOOP, QPointF, QSize, Qt, QTimer
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QEvent, QPointF, QSize, Qt, QTimer
 from PySide6.QtGui import QBrush, QColor, QCursor, QTextDocument
 from PySide6.QtWidgets import (QBoxLayout, QFrame, QGraphicsItem, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QStackedWidget,
                                QTabBar, QToolButton, QToolTip, QVBoxLayout, QWidget)
@@ -46,6 +46,15 @@ MEMORY_SERIES = {"budget": (QT_TRANSLATE_NOOP("Dashboard", "budget"), "#dc2626",
 OPTIONAL_SERIES = ("weights", "torch", "gpu")   # shown only when this machine reports them
 DECODE_COLOUR, PREFILL_COLOUR = "#2563eb", "#ea580c"
 WINDOW_COLOUR = "#7c3aed"               # sliding layers: their legend entry and the line where the window is full
+TITLE_PADDING = 4                       # a section title's room beside its text
+NOISE_SHARE = 0.05                      # a time saved or cost within this share of decode time is not a gain shown
+SPECULATION_TIP = QT_TRANSLATE_NOOP(
+    "Dashboard", "Speculative decoding: a cheap guess proposes the next tokens and one step of the model checks them "
+    "all.\n• accepted: the share of the guessed tokens the model kept (it would have written them itself).\n"
+    "• tokens/step: the tokens each step of the model produced (1.0 without drafts). More is not faster by itself: "
+    "a step that checks drafts takes longer than a plain one.\n• saved / cost: the time this reply's steps took "
+    "against plain steps for the same tokens, at the time a plain step was measured to take here; “no gain "
+    "measured” when the difference is under 5% or a plain step was not timed yet.")
 
 
 class _PlotWidget(pg.PlotWidget):
@@ -123,6 +132,7 @@ class Dashboard(QWidget):
         self.pages.addWidget(unavailable_scroll)
         body = QWidget(objectName="dashboardBody")
         self.scroll.setWidget(body)
+        self.scroll.viewport().installEventFilter(self)
         layout = QVBoxLayout(body)
         layout.setContentsMargins(8, 6, 8, 6)
         layout.setSpacing(3)
@@ -230,6 +240,7 @@ class Dashboard(QWidget):
         self._header_rows[key] = row
         row.setSpacing(10)
         self.sections[key] = QLabel(title, objectName="dashboardSection")
+        self.sections[key].installEventFilter(self)      # its font from the style sheet: measured again
         row.addWidget(self.sections[key], 0, Qt.AlignmentFlag.AlignTop)
         if key != "tokens":
             legend = QLabel("", objectName="plotLegend")
@@ -269,11 +280,17 @@ class Dashboard(QWidget):
         self.notice.setVisible(True)
 
     def set_reading(self, text: str) -> None:
-        """A turn reads a chat into an empty cache first: say so in the summary until its first token."""
+        """A turn reads a long prompt, or a chat into an empty cache, first: say so in the summary until its first
+        token."""
         self.reading = text
         if self.data.latest is None:
             self.summary.setText(text)
         self.data.version += 1          # the summary is drawn again with it
+
+    def turn_ended(self) -> None:
+        """A reply ended or failed: nothing is read any more, and its rates are the last reply's, not live ones."""
+        self.reading = ""
+        self.data.idle()
 
     def show_load_failed(self, title: str, message: str) -> None:
         """A refused load: the summary says so, not the last load step it reached."""
@@ -375,6 +392,11 @@ class Dashboard(QWidget):
         document.setDefaultFont(legend.font())
         document.setHtml(legend.text())
         room = self.scroll.viewport().width() - 16
+        # a title wider than a narrow dock wraps rather than be cut off (measured on one line: a wrapping label's
+        # size hint is not its one-line width)
+        wrap = title.fontMetrics().horizontalAdvance(title.text()) + 2 * TITLE_PADDING > room
+        if title.wordWrap() != wrap:
+            title.setWordWrap(wrap)
         stacked = title.sizeHint().width() + 10 + document.idealWidth() > room
         direction = QBoxLayout.Direction.TopToBottom if stacked else QBoxLayout.Direction.LeftToRight
         if self._header_rows[key].direction() != direction:
@@ -386,6 +408,15 @@ class Dashboard(QWidget):
         super().resizeEvent(event)
         for key in self.legends:
             self._arrange_header(key)
+
+    def eventFilter(self, watched, event) -> bool:
+        """The Live page's width changes without the dashboard's too (its scroll bar comes and goes), and a title's
+        width with the style sheet's font, applied after the first layout."""
+        if (watched is self.scroll.viewport() and event.type() == QEvent.Type.Resize) or \
+                event.type() in (QEvent.Type.Polish, QEvent.Type.FontChange):
+            for key in self.legends:
+                self._arrange_header(key)
+        return False
 
     def redraw(self) -> None:
         """Bring every panel up to date now."""
@@ -439,9 +470,13 @@ class Dashboard(QWidget):
         top = float(np.nanmax(prefill)) if np.isfinite(prefill).any() else 0.0
         self._set_range("prefill_y", self.prefill_view.setYRange, 0.0, nice_ceiling(top * 1.1))
 
+    def _generating(self) -> bool:
+        return self.data.generating and bool(self.data.series["decode"]) \
+            and not math.isnan(self.data.series["decode"][-1])
+
     def _draw_summary(self, snapshot) -> None:
         self.gauge.set_room(token_room(snapshot), snapshot.tokens_evicted)
-        generating = bool(self.data.series["decode"]) and not math.isnan(self.data.series["decode"][-1])
+        generating = self._generating()
         speed = self.tr("decode {decode} tok/s{drafts} · prefill {prefill} tok/s · TTFT {ttft} ms").format(
             decode=f"{snapshot.decode_tok_s:.1f}", drafts=self._drafts_text(snapshot.spec),
             prefill=f"{snapshot.prefill_tok_s:.0f}", ttft=f"{snapshot.ttft_s * 1000:.0f}")
@@ -467,16 +502,27 @@ class Dashboard(QWidget):
         self.prompt_note.setVisible(precision == "bf16")
 
     def _drafts_text(self, spec) -> str:
-        """What speculative decoding did in the last turn, to follow the decode rate; "" when it was off."""
+        """What speculative decoding did in the last turn, to follow the decode rate; "" when it was off. Tokens per
+        step is not speed (a step that checks drafts costs more than a plain one): the time it saved or cost is said,
+        measured, and the summary's tooltip says what each word means."""
+        self.summary.setToolTip(self.tr(SPECULATION_TIP) if spec is not None and spec.drafted else "")
         if spec is None or spec.steps <= 0:
             return ""
         if not spec.drafted:            # no acceptance to show: the chat gave prompt lookup nothing to copy
             return " · " + self.tr("nothing drafted")
-        return " · " + self.tr("drafts {accepted} accepted, {per_step} tokens/step").format(
-            accepted=f"{spec.acceptance_rate:.0%}", per_step=f"{spec.tokens_per_step:.1f}")
+        return " · " + self.tr("drafts {accepted} accepted, {per_step} tokens/step, {gain}").format(
+            accepted=f"{spec.acceptance_rate:.0%}", per_step=f"{spec.tokens_per_step:.1f}", gain=self._gain_text(spec))
+
+    def _gain_text(self, spec) -> str:
+        saved = spec.time_saved
+        if saved is None or abs(saved) < NOISE_SHARE:
+            return self.tr("no gain measured")
+        if saved > 0:
+            return self.tr("saved ~{share} of decode time").format(share=f"{saved:.0%}")
+        return self.tr("cost ~{share} more decode time").format(share=f"{-saved:.0%}")
 
     def _draw_remote_summary(self, snapshot) -> None:
-        generating = bool(self.data.series["decode"]) and not math.isnan(self.data.series["decode"][-1])
+        generating = self._generating()
         speed = self.tr("decode {decode} tok/s{drafts} · TTFT {ttft} ms").format(
             decode=f"{snapshot.decode_tok_s:.1f}", drafts=self._drafts_text(snapshot.spec),
             ttft=f"{snapshot.ttft_s * 1000:.0f}")

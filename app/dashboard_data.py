@@ -142,6 +142,7 @@ class DashboardData:
         self.layer_top_bytes = 0.0      # the per-layer plot's y top: grows with the chat, never with a mode switch
         self.num_marks = 0              # markers ever added, so a full deque still shows change
         self.version = 0                # bumps on every change; the redraw timer skips when unchanged
+        self.generating = False         # a reply is running: the latest rates are live, else the last reply's
 
     def elapsed(self, monotonic_s: float | None = None) -> float:
         return (time.monotonic() if monotonic_s is None else monotonic_s) - self.start_s
@@ -174,6 +175,12 @@ class DashboardData:
         if snapshot.layers:
             self.layer_top_bytes = stable_top(self.layer_top_bytes, layer_peak_bytes(snapshot) * 1.05)
         self.latest = snapshot
+        self.generating = generating
+        self.version += 1
+
+    def idle(self) -> None:
+        """The reply ended: its last snapshot's rates are the last reply's from now on, not live ones."""
+        self.generating = False
         self.version += 1
 
     def reset_scales(self) -> None:

@@ -99,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         from kvchat.app.self_test import SelfTest
         check = SelfTest(app, window, args.self_test)     # greedy for this run only; Settings stay as saved
     code = app.exec()
+    ended = window.wait_for_engine()    # the caches it saves as the window closes, for a bounded time
     history.close()
-    if interrupted:
-        return 130
-    return check.code if check else int(code)
+    code = 130 if interrupted else check.code if check else int(code)
+    if not ended:           # past the close's deadline: the process ends without the engine thread
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 def _close_on_ctrl_c(app, window) -> list:

@@ -5,19 +5,22 @@ and every answer comes back as a signal carrying a frozen dataclass.
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import replace
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QApplication, QDockWidget, QHBoxLayout, QLabel, QMainWindow, QProgressBar,
+from PySide6.QtWidgets import (QApplication, QDockWidget, QLabel, QMainWindow, QProgressBar,
                                QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from kvchat.engine.config import EngineConfig
-from kvchat.engine.events import StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.events import PrefillProgress, StatsSnapshot, TokenDelta, TurnFinished
 
 from kvchat.app.banner import Banner
 from kvchat.app.chat_actions import ChatActions
+from kvchat.app.button_row import ButtonRow, ColumnWidth
 from kvchat.app.chat_input import ChatInput
 from kvchat.app.chat_view import ChatView
 from kvchat.app.conversation_list import ConversationList
@@ -29,15 +32,15 @@ from kvchat.app.history import HistoryError, HistoryStore
 from kvchat.app.engine_facts import family_text
 from kvchat.app.engine_text import engine_text
 from kvchat.app.i18n import cache_label, weights_text
-from kvchat.app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, ReadingHistory, ResetDone, SessionOpened,
-                       format_bytes)
+from kvchat.app.messages import (EngineReady, ErrorEvent, LoadProgress, MessageCounted, ModeSwitched, ReadingHistory,
+                                 ResetDone, SavingCaches, SessionOpened, format_bytes)
 from kvchat.app.quality_view import QualityController
 from kvchat.app.models_page import ModelsDialog
 from kvchat.app.panels import DashboardPanels
 from kvchat.app.settings_dialog import SettingsDialog
 from kvchat.app.settings_store import AppSettings, SettingsStore
-from kvchat.app.turn_record import ReplyRecord, TurnRecord, is_refused
-from kvchat.app.worker import EngineHost, _default_loader
+from kvchat.app.turn_record import ReplyRecord, TurnRecord, is_refused, stopped_before_reply
+from kvchat.app.worker import EngineHost, _default_loader, may_pass_context
 
 
 def engine_threads() -> int:
@@ -47,6 +50,7 @@ def engine_threads() -> int:
 
 
 CLOSE_WAIT_MS = 50                      # the GUI thread never waits longer than this for the engine on close
+CLOSE_LIMIT_S = 30.0                    # a close ends the process by then, the engine thread's saves done or not
 
 
 class MainWindow(QMainWindow):
@@ -66,8 +70,11 @@ class MainWindow(QMainWindow):
         self.turn: TurnRecord | None = None
         self._pending_settings: tuple[AppSettings, AppSettings] | None = None   # (new, last accepted)
         self._session_failed = False
+        self._reading_chat = False      # the turn being read in is the whole chat (an empty cache), not one message
         self._closing = False
         self._close_pending = False
+        self._counting: tuple | None = None     # a long message the engine counts before it is sent
+        self.close_deadline: float | None = None    # time.monotonic() by which a close ends the process
         self._build()
         self._connect_host(EngineHost(loader, self))
         self.panels = DashboardPanels(self)     # the dashboard's Pool, Plan and Lengths tabs
@@ -105,6 +112,7 @@ class MainWindow(QMainWindow):
         self.banner = Banner()
         self.banner.settings_requested.connect(self.open_settings)
         self.chat = ChatView()
+        self.chat.setMinimumHeight(40)      # a 640x480 window with a banner still has room for every button
         self.input = ChatInput()
         self.input.submitted.connect(self.send)
         self.send_button = QPushButton(self.tr("Send"), objectName="sendButton")
@@ -112,12 +120,8 @@ class MainWindow(QMainWindow):
         self.reset_button = QPushButton(self.tr("Reset session"), objectName="resetButton")
         self.settings_button = QPushButton(self.tr("Settings…"), objectName="settingsButton")
         self.models_button = QPushButton(self.tr("Models…"), objectName="modelsButton")
-        buttons = QHBoxLayout()
-        for button in (self.settings_button, self.models_button, self.reset_button):
-            buttons.addWidget(button)
-        buttons.addStretch(1)
-        buttons.addWidget(self.stop_button)
-        buttons.addWidget(self.send_button)
+        buttons = ButtonRow([self.settings_button, self.models_button, self.reset_button],
+                            [self.stop_button, self.send_button])
         center = QWidget(objectName="chatPanel")
         center_layout = QVBoxLayout(center)
         center_layout.setContentsMargins(4, 8, 8, 8)
@@ -126,6 +130,7 @@ class MainWindow(QMainWindow):
         center_layout.addWidget(self.input)
         center_layout.addLayout(buttons)
 
+        self.setMinimumSize(640, 480)       # the smallest screen: every button keeps its text (app/button_row.py)
         self.splitter = QSplitter(Qt.Orientation.Horizontal, objectName="mainSplitter")
         self.splitter.addWidget(left)
         self.splitter.addWidget(center)
@@ -143,6 +148,7 @@ class MainWindow(QMainWindow):
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.dock)
         self.resizeDocks([self.dock], [540], Qt.Orientation.Horizontal)
         self.dock_width = DockWidth(self, self.dock)    # given back after the window was made small
+        self.column_width = ColumnWidth(self, center, buttons, left, self.dock)    # the dock gives way first
 
         self.status_label = QLabel(self.tr("Starting…"), objectName="statusLine")
         self.load_bar = QProgressBar(maximumWidth=220, textVisible=True)
@@ -199,6 +205,11 @@ class MainWindow(QMainWindow):
         worker.reset_done.connect(self._on_reset_done)
         worker.error.connect(self._on_error)
         worker.reading.connect(self._on_reading)
+        worker.saving.connect(self._on_saving)
+        worker.message_counted.connect(self._on_message_counted)
+        # connected once, here: a connection made while `finished` is being emitted (the thread saving as it
+        # ended) was never called, and the app ran on, hidden, with the model in memory
+        host.thread.finished.connect(self._close_after_engine)
 
     def _restore_layout(self) -> None:
         self.resize(1320, 820)
@@ -222,10 +233,19 @@ class MainWindow(QMainWindow):
         self.status_label.setText(self.tr("Loading {model}…").format(model=self.settings.model))
         self.host.load(EngineConfig(model=self.settings.model, cache=self.settings.cache, num_threads=engine_threads()))
 
-    def send(self, text: str, rewind_to: list[dict] | None = None) -> None:
-        """Send a message; with `rewind_to` (the messages before an edited one) the session goes back there first."""
+    def send(self, text: str, rewind_to: list[dict] | None = None, counted: bool = False) -> None:
+        """Send a message; with `rewind_to` (the messages before an edited one) the session goes back there first.
+        One that may pass the model's context is counted by the engine first, and shown as sent only if it fits."""
         text = text.strip()
         if not text or not self.session_ready or self.generating:
+            return
+        history = rewind_to if rewind_to is not None else \
+            self.history.messages(self.conversation_id) if self.conversation_id is not None else []
+        if not counted and may_pass_context(text, history, self.settings.system_prompt, self.latest_stats,
+                                            self.session_cache):
+            self._counting = (text, rewind_to, self.conversation_id, bool(history))
+            self.host.count_message(text, history)
+            self.statusBar().showMessage(self.tr("Counting the tokens of this long message…"))
             return
         self.banner.hide_message()
         new_conversation = self.conversation_id is None
@@ -251,6 +271,27 @@ class MainWindow(QMainWindow):
             self.host.send(text, self.settings.sampling)
         else:
             self.host.edit_resend(rewind_to, text, self.settings.sampling)
+
+    def _on_message_counted(self, event: MessageCounted) -> None:
+        """A long message counted: sent if it fits, else it stays in the input box and the banner says why."""
+        pending, self._counting = self._counting, None
+        if pending is None or pending[0] != event.text or pending[2] != self.conversation_id:
+            return                      # sent or left since (another chat)
+        text, rewind_to, _, has_history = pending
+        self.statusBar().clearMessage()
+        if not event.context or event.tokens <= event.context:
+            self.send(text, rewind_to, counted=True)
+            return
+        if not self.input.toPlainText().strip():
+            self.input.setPlainText(text)       # an edited message: here it can be shortened
+        model = self.engine_info.model_name if self.engine_info is not None else ""
+        reason = self.tr("With the chat before it, it makes {tokens} tokens, more than {model}'s context of "
+                         "{context} tokens: shorten it, start a new chat, or set a sliding window in Settings (a "
+                         "window bounds the cache).") if has_history else \
+            self.tr("It is {tokens} tokens long, more than {model}'s context of {context} tokens: shorten it, or set "
+                    "a sliding window in Settings (a window bounds the cache).")
+        self.banner.show_message(self.tr("Message not sent"), reason.format(
+            tokens=f"{event.tokens:,}", model=model, context=f"{event.context:,}"))
 
     def stop(self) -> None:
         if self.generating:
@@ -288,8 +329,8 @@ class MainWindow(QMainWindow):
             dropped = []                # read-only: they stay, and the next Send explains why nothing saves
         entries = self.history.entries(conversation.id)
         for entry in entries:
-            if entry.role == "assistant" and not entry.content:
-                continue
+            if entry.role == "assistant" and not entry.content and not (entry.finish == "stopped" or entry.interrupted):
+                continue                # an empty reply is shown only when it was cut off: marked, to send again
             widget = self.chat.add_message(entry.role, entry.content)
             self.actions.show_entry(widget, entry)
             if entry.interrupted:
@@ -424,7 +465,10 @@ class MainWindow(QMainWindow):
                 model=event.model_name, weights=weights, device=event.device, seconds=f"{event.load_s:.1f}")
                 + notice, 15000 if notice else 5000)
         if event.chat_format_notice:    # a base model: said before the first message, never a silent template
-            self.banner.show_message(self.tr("This model has no chat template"), engine_text(event.chat_format_notice))
+            self.banner.show_message(self.tr("This model has no chat template"), engine_text(event.chat_format_notice),
+                                     topic="chat_format")
+        else:
+            self.banner.hide_topic("chat_format")   # it spoke of the model loaded before
         messages = self.history.messages(self.conversation_id) if self.conversation_id is not None else []
         self._open_session(messages)
 
@@ -464,8 +508,8 @@ class MainWindow(QMainWindow):
             if visible and not self.input.toPlainText().strip():
                 self.input.setPlainText(turn.user_text)     # refused and not saved: the text is not lost
             asked = [m for m in self.chat.chat_messages() if m.role == "user"]
-            if visible and event.finish_reason == "unreachable" and asked and asked[-1].message_id is None:
-                self.chat.remove_message(asked[-1])         # no server took it: it is in the input box, not sent
+            if visible and asked and asked[-1].message_id is None:
+                self.chat.remove_message(asked[-1])         # refused (or no server took it): in the input box, not sent
             if turn.new_conversation and self.history.get(turn.conversation_id) is None:
                 if self.conversation_id == turn.conversation_id:
                     self.conversation_id = None
@@ -473,7 +517,9 @@ class MainWindow(QMainWindow):
         reply = None
         if visible:
             reply = self.chat.end_reply(event.text)
-            if reply is not None and not event.text and not isinstance(turn, ReplyRecord):
+            if reply is not None and stopped_before_reply(turn, event):
+                reply.set_text("")      # kept, marked: the message stays saved, to regenerate or edit
+            elif reply is not None and not event.text and not isinstance(turn, ReplyRecord):
                 self.chat.remove_message(reply)
                 reply = None
             if reply is not None and event.text:    # a reply came through: earlier notices and errors are stale
@@ -485,6 +531,7 @@ class MainWindow(QMainWindow):
                 self.statusBar().showMessage(self.tr("Stopped."), 3000)
         self.generating = False
         self.turn_conversation_id = None
+        self.dashboard.turn_ended()
         self.conversations.refresh(self.conversation_id)
         self._update_controls()
         self.actions.turn_ended(turn, reply, event)
@@ -521,9 +568,16 @@ class MainWindow(QMainWindow):
                                    if event.freed_bytes else
                                    self.tr("Session reset: the cache was already empty, nothing to return."))
 
-    def _on_reading(self, event: ReadingHistory) -> None:
-        """A reopened chat is read into an empty cache before its first token: say so where the reply will come."""
-        text = self.tr("reading {n} tokens of this chat…").format(n=f"{event.tokens:,}") if event.tokens else ""
+    def _on_reading(self, event: ReadingHistory | PrefillProgress) -> None:
+        """Before a turn's first token: a reopened chat read into an empty cache, a long prompt read chunk by chunk
+        (how far, as the engine counts it). Said where the reply will come and in the dashboard."""
+        if isinstance(event, PrefillProgress):
+            what = self.tr("reading this chat: {done} / {total} tokens…") if self._reading_chat else \
+                self.tr("reading your message: {done} / {total} tokens…")
+            text = what.format(done=f"{event.done:,}", total=f"{event.total:,}") if event.done < event.total else ""
+        else:
+            self._reading_chat = event.tokens > 0
+            text = self.tr("reading {n} tokens of this chat…").format(n=f"{event.tokens:,}") if event.tokens else ""
         if self.turn_conversation_id == self.conversation_id:
             self.chat.show_reply_status(text)
         self.dashboard.set_reading(text)
@@ -553,6 +607,7 @@ class MainWindow(QMainWindow):
                 self.chat.remove_message(reply)
             self.generating = False
             self.turn_conversation_id = None
+            self.dashboard.turn_ended()
             self.actions.turn_failed(failed, reply)
         if event.kind == "send":
             self.chat.add_notice(self.tr("{title}: {message}").format(title=event.title,
@@ -593,11 +648,23 @@ class MainWindow(QMainWindow):
                 parts.append(self.tr("disconnected: the server does not answer"))
             elif server is not None and server.kv_usage is not None:
                 parts.append(self.tr("server KV {share} used").format(share=f"{server.kv_usage:.0%}"))
-            parts.append(f"{self.latest_stats.decode_tok_s:.1f} tok/s")
         elif self.latest_stats is not None:
             parts.append(self.tr("{tokens} tokens in cache").format(tokens=f"{self.latest_stats.tokens_held:,}"))
-            parts.append(f"{self.latest_stats.decode_tok_s:.1f} tok/s")
-        self.status_label.setText("  ·  ".join(parts))
+            disk_budget = int(self.store.kv_disk_budget_mb() * 2**20)
+            if self.conversation_id is not None and self.latest_stats.kv_bytes > disk_budget:
+                # its file holds at least these bytes, and a file over the budget is not kept: said first, where
+                # the line's end is cut off in a narrow window
+                parts.insert(0, self.tr("cache not saved on disk: {size} is over the disk budget ({budget})").format(
+                    size=format_bytes(self.latest_stats.kv_bytes), budget=format_bytes(disk_budget)))
+        if self.latest_stats is not None:
+            rate = f"{self.latest_stats.decode_tok_s:.1f} tok/s"
+            if self.generating:
+                parts.append(rate)
+            elif self.latest_stats.decode_tok_s:        # a rate after the reply ended is the last reply's
+                parts.append(self.tr("last reply {rate}").format(rate=rate))
+        text = "  ·  ".join(parts)
+        self.status_label.setText(text)
+        self.status_label.setToolTip(text)      # the whole line, where a narrow window cuts it off
 
     def _update_controls(self) -> None:
         can_send = self.session_ready and not self.generating
@@ -622,20 +689,46 @@ class MainWindow(QMainWindow):
             self.store.set_layout("splitter", self.splitter.saveState())
             self.store.sync()
             self.dashboard.timer.stop()
+            self.close_deadline = time.monotonic() + CLOSE_LIMIT_S
         if not self.host.shutdown(timeout_ms=CLOSE_WAIT_MS):
-            # the engine is inside a step (a long prompt, a reply): it stops within one prefill chunk or decode
-            # step; the window goes away now and closes for good once the thread has ended, never killed
-            self.hide()
+            # the engine ends the step it is in (a prefill chunk, a decode step), saves the open chats' caches and
+            # ends; the window closes for good then, the thread never killed. Meanwhile it shows what it saves,
+            # or, with nothing to save, goes away at once
             event.ignore()
             if not self._close_pending:
                 self._close_pending = True
-                self.host.thread.finished.connect(self._close_after_engine)
+                if self.engine_info is not None and self.engine_info.saves_caches:
+                    for part in (self.centralWidget(), self.dock, self.menuBar()):
+                        part.setEnabled(False)
+                    self.statusBar().showMessage(self.tr("Closing…"))
+                else:
+                    self.hide()
+                QTimer.singleShot(int(CLOSE_LIMIT_S * 1000), self, self._give_up_on_engine)
             return
         super().closeEvent(event)
+
+    def _on_saving(self, event: SavingCaches) -> None:
+        if event.num_chats:
+            self.statusBar().showMessage(self.tr("Saving 1 chat's cache…") if event.num_chats == 1 else
+                                         self.tr("Saving {n} chats' caches…").format(n=event.num_chats))
+
+    def wait_for_engine(self) -> bool:
+        """After the event loop: the engine thread's end, waited for until the close's deadline; False if it runs
+        on (then the process must end without it: a cache file is written whole or not at all)."""
+        deadline = self.close_deadline or time.monotonic() + CLOSE_LIMIT_S
+        return self.host.shutdown(timeout_ms=max(0, int((deadline - time.monotonic()) * 1000)))
+
+    def _give_up_on_engine(self) -> None:
+        if self.host.thread.isRunning():    # a save on a stalled disk, a model still loading
+            logging.getLogger(__name__).warning("closing: the engine thread did not end in %.0f s", CLOSE_LIMIT_S)
+            self.hide()
+            QApplication.instance().quit()
 
     def _close_after_engine(self) -> None:
         """The deferred close: a window closed while hidden never counts as the last window closed, so the
         application would run on with the model in memory and no window; quit it here instead."""
+        if not self._close_pending:
+            return
         self.close()
         app = QApplication.instance()
         if app is not None and app.quitOnLastWindowClosed() and not any(

@@ -37,6 +37,7 @@ class EngineReady:
     kernel_status: str = ""             # why the C kernels are missing (the engine's English line); "" when loaded
     chat_format_notice: str = ""        # the model has no chat template: it chats in plain text (the engine's line)
     prefill: str = ""                   # the prompt GEMM's precision as loaded ("fp32", "bf16"); "" for a server
+    saves_caches: bool = False          # it keeps each chat's KV cache on disk (saved when the app closes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,22 @@ class ReadingHistory:
     """A turn reads a chat's history into an empty cache first (a reopened or released chat); 0: done reading."""
 
     tokens: int                         # tokens to read; 0 when the turn's first token or its end came
+
+
+@dataclass(frozen=True, slots=True)
+class SavingCaches:
+    """The app is closing: the engine thread saves this many chats' caches, then ends."""
+
+    num_chats: int
+
+
+@dataclass(frozen=True, slots=True)
+class MessageCounted:
+    """A long message counted before it is shown as sent: the open chat's tokens with it, against the context."""
+
+    text: str
+    tokens: int                         # the conversation with the message, as the model reads it
+    context: int                        # the model's context in tokens (0: unknown or bounded by a window)
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,12 @@ def same_file(a: str, b: str) -> bool:
         return False
 
 
+def past_trained(e: ModelEntry, column: str) -> bool:
+    """A "Fits" cell whose tokens run past the model's trained context (memory is then not what limits a chat)."""
+    tokens = dict(e.fits).get(column[5:]) if column.startswith("Fits ") else None
+    return tokens is not None and bool(e.trained_context) and tokens > e.trained_context
+
+
 class ModelTable(QAbstractTableModel):
     """The scanned entries as rows; the display text and a sortable value per cell."""
 
@@ -109,6 +115,11 @@ class ModelTable(QAbstractTableModel):
         if role == SORT_ROLE:
             return self._value(e, column)
         if role == Qt.ItemDataRole.ToolTipRole:
+            if past_trained(e, column):
+                return QCoreApplication.translate(
+                    "ModelTable", "The memory would hold {tokens} tokens, but the model was trained on {trained}: past "
+                    "that its replies usually fall apart, as `kvchat estimate` says too.").format(
+                    tokens=f"{dict(e.fits)[column[5:]]:,}", trained=f"{e.trained_context:,}")
             return engine_text(e.error) if e.error else e.path
         if role == Qt.ItemDataRole.ForegroundRole and not e.loadable:
             return Qt.GlobalColor.gray
@@ -138,7 +149,13 @@ class ModelTable(QAbstractTableModel):
             return f"{e.trained_context:,}" if e.trained_context else ""
         if column.startswith("Fits "):
             fits = dict(e.fits)
-            return engine_word(format_tokens(fits[column[5:]])) if column[5:] in fits else ""
+            if column[5:] not in fits:
+                return ""
+            text = engine_word(format_tokens(fits[column[5:]]))
+            if past_trained(e, column):
+                return QCoreApplication.translate("ModelTable", "{tokens} (past trained {trained})").format(
+                    tokens=text, trained=f"{e.trained_context:,}")
+            return text
         return e.path
 
     @staticmethod

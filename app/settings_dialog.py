@@ -12,8 +12,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame,
-                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QScrollArea,
-                               QSpinBox, QVBoxLayout, QWidget)
+                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit, QPushButton,
+                               QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from kvchat.engine.config import FORMATS, KEY_SCHEMES, MAX_DRAFTS, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
 from kvchat.engine.kv.layout import check_cache_for_model
@@ -21,6 +21,7 @@ from kvchat.kernels.cpu_lib import auto_prefill
 
 from kvchat.app.engine_text import engine_text
 from kvchat.app.i18n import choice, choose, fill_choices, language_names
+from kvchat.app.messages import format_bytes
 from kvchat.app.settings_store import DEFAULT_SPECULATIVE, AppSettings, RemoteSettings
 
 LOCAL_CHOICE, SERVER_CHOICE = "This computer", "Server"     # the engine choice's item data (shown translated)
@@ -469,9 +470,29 @@ class SettingsDialog(QDialog):
         self.saved_caches.setText(self.tr("{n} saved, {mib:.0f} MiB").format(n=n, mib=total / 2**20))
         self.clear_saved.setEnabled(n > 0)
 
-    def _clear_saved_caches(self) -> None:
-        self._saved_store().clear()
-        self._show_saved_caches()
+    def _clear_saved_caches(self) -> QMessageBox:
+        """Asks first, with what would go: every chat's saved cache, of every model (the chats' text stays)."""
+        store = self._saved_store()
+        n, total = len(store.files()), store.total_bytes()
+        buttons = QMessageBox.StandardButton
+        question = self.tr("Delete the saved chat cache on disk ({size})? The chat itself stays; it reads its whole "
+                           "history again the next time you write in it.") if n == 1 else \
+            self.tr("Delete the {n} saved chat caches on disk ({size})? The chats themselves stay; each reads its "
+                    "whole history again the next time you write in it.")
+        box = QMessageBox(QMessageBox.Icon.Question, self.tr("Delete saved caches"),
+                          question.format(n=n, size=format_bytes(total)), buttons.Yes | buttons.Cancel, self)
+        box.setObjectName("confirmClearSaved")
+        box.button(buttons.Yes).setText(self.tr("Delete"))
+        box.setDefaultButton(buttons.Cancel)
+
+        def answered() -> None:
+            if box.clickedButton() is box.button(buttons.Yes):
+                store.clear()
+            self._show_saved_caches()
+        box.finished.connect(answered)
+        box.open()
+        self.clear_confirm = box
+        return box
 
     def disk_budget_mb(self) -> float:
         return float(self.disk_budget.value())

@@ -23,6 +23,16 @@ def is_refused(event: TurnFinished) -> bool:
     return not event.text and event.finish_reason in REFUSED_REASONS
 
 
+def stopped_before_reply(turn, event: TurnFinished) -> bool:
+    """The turn was stopped (by Stop, or by closing the app) before any of its reply came, and an empty reply stands
+    saved for it: the chat shows that reply marked, to regenerate or edit (chat_view's NO_REPLY_MARK)."""
+    if event.text or event.finish_reason != "stopped":
+        return False
+    if isinstance(turn, TurnRecord):
+        return turn.saved
+    return isinstance(turn, ReplyRecord) and turn.kind == "regenerate" and not turn._versioned
+
+
 class TurnRecord:
     def __init__(self, history: HistoryStore, conversation_id: int, user_text: str, new_conversation: bool,
                  clock=time.monotonic):
@@ -82,7 +92,8 @@ class ReplyRecord:
     """A reply written again in place: a regenerate (a new version of the message) or a Continue (its text grows).
 
     The message row holds the reply as it streams (state "streaming"); at the end a regenerate adds a
-    version (the old reply stays one), a Continue updates the chosen version."""
+    version (the old reply stays one), a Continue updates the chosen version. An empty reply (stopped before
+    any of it came) is no version: a regenerate writes over it."""
 
     new_conversation = False
 
@@ -99,7 +110,8 @@ class ReplyRecord:
         self._clock = clock
         self._saved_at = clock()
         self._chosen = history.chosen_version(message_id)
-        if kind == "regenerate":
+        self._versioned = kind == "regenerate" and bool(before)
+        if self._versioned:
             history.keep_as_version(message_id)     # before the row starts holding the new reply
 
     @property
@@ -115,8 +127,8 @@ class ReplyRecord:
 
     def finish(self, event: TurnFinished) -> bool:
         text = event.text if event.text or self.kind == "regenerate" else self._text
-        if self.kind == "regenerate":
-            self.position = self.history.add_version(self.message_id, text, event.finish_reason)
+        if self._versioned:
+            self.history.add_version(self.message_id, text, event.finish_reason)
         else:
             self.history.update_message(self.message_id, text, DONE, event.finish_reason)
             self.history.update_version(self.message_id, text, event.finish_reason)
@@ -124,7 +136,9 @@ class ReplyRecord:
 
     def fail(self) -> None:
         """An exception mid-way: a regenerate goes back to the reply it replaced; a Continue keeps what came."""
-        if self.kind == "regenerate":
+        if self._versioned:
             self.history.choose_version(self.message_id, self._chosen)
+        elif self.kind == "regenerate":
+            self.history.update_message(self.message_id, self._before, DONE)
         else:
             self.history.update_message(self.message_id, self._text, DONE)

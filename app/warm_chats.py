@@ -8,6 +8,23 @@ import logging
 log = logging.getLogger(__name__)
 
 
+def supported(engine) -> bool:
+    """The engine keeps chats' caches on disk (a local one; a server keeps its own)."""
+    return hasattr(engine, "keep_warm")
+
+
+def to_save(sessions) -> list:
+    """The sessions, each once and in order, whose cache a save would write: kept warm, open, and not released
+    (a released chat's cache went to its file when it was released, or holds nothing now)."""
+    out = []
+    for session in sessions:
+        if session is None or getattr(session, "warm", None) is None or getattr(session, "is_closed", False) \
+                or getattr(session, "released", False) or any(session is s for s in out):
+            continue
+        out.append(session)
+    return out
+
+
 def keep(engine, session, conversation_id) -> None:
     """The session's cache is kept under its chat's id."""
     if conversation_id is not None and hasattr(engine, "keep_warm"):

@@ -6,6 +6,7 @@ before every step, not a queued command: the worker is busy in that loop when St
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -19,12 +20,14 @@ from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QObject, Qt, QTh
 from kvchat.engine.api import capabilities_of
 from kvchat.engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 from kvchat.engine.errors import UserError
-from kvchat.engine.events import StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.events import PrefillProgress, StatsSnapshot, TokenDelta, TurnFinished
 
 from kvchat.app import warm_chats
 from kvchat.app.engine_facts import complete, model_facts
-from kvchat.app.messages import (EngineReady, ErrorEvent, LoadProgress, ModeSwitched, PrefixCleared, ReadingHistory, ResetDone,
-                       SessionOpened)
+from kvchat.app.messages import (EngineReady, ErrorEvent, LoadProgress, MessageCounted, ModeSwitched, PrefixCleared,
+                                 ReadingHistory, ResetDone, SavingCaches, SessionOpened)
+
+log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.1                  # session.stats() is cheap, but no more than ~10 Hz
 TOKEN_BATCH_S = 0.02                    # at most ~50 token signals a second reach the GUI
@@ -63,7 +66,24 @@ def _load_error_message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+SAVE_LIMIT_S = 20.0                 # closing: no chat's cache starts saving later than this after the close
 MAX_OPEN_SESSIONS = 16              # conversations kept warm; the KV budget may release them sooner (LRU)
+
+
+TEMPLATE_TOKENS = 16                # a chat template's tokens around one message (role markers), generously
+TEMPLATE_TEXT_TOKENS = 64           # and its own text (a default system prompt, a date line)
+
+
+def may_pass_context(text: str, history: list[dict], system_prompt: str, stats: StatsSnapshot | None,
+                     cache: CacheConfig) -> bool:
+    """Could `text`, added to `history`, pass the model's context? Answered at once from its UTF-8 bytes (a token
+    is at least one byte): False means surely not; True, that the engine should count it (EngineHost.count_message).
+    With a window, or no known context, the engine never refuses for the context: False."""
+    if stats is None or not stats.context_tokens or cache.window is not None:
+        return False
+    texts = [system_prompt or "", *(m["content"] for m in history), text]
+    most = sum(len(t.encode("utf-8")) + TEMPLATE_TOKENS for t in texts) + TEMPLATE_TEXT_TOKENS
+    return most > stats.context_tokens
 
 
 def _close(session) -> None:
@@ -87,8 +107,10 @@ class EngineWorker(QObject):
     quality = Signal(object)            # QualityResult, or QualityCancelled when a command came first
     prefix_cleared = Signal(object)     # PrefixCleared
     token_counts = Signal(object)       # TokenCounts of saved conversations (the Lengths tab)
-    reading = Signal(object)            # ReadingHistory: a turn reads the chat into an empty cache first
+    reading = Signal(object)            # ReadingHistory (a chat read into an empty cache), PrefillProgress
     prefill_set = Signal(str)           # the prompt GEMM's precision after a change ("fp32", "bf16")
+    saving = Signal(object)             # SavingCaches: the app is closing, these chats' caches go to disk
+    message_counted = Signal(object)    # MessageCounted: a long message counted before it is shown as sent
 
     def __init__(self, loader=_default_loader):
         super().__init__()
@@ -163,7 +185,8 @@ class EngineWorker(QObject):
                                     getattr(engine, "base_url", ""),
                                     kernel_status=getattr(engine, "kernel_status", None) or "",
                                     prefill=getattr(engine, "prefill", ""),
-                                    chat_format_notice=getattr(engine, "chat_format_notice", None) or ""))
+                                    chat_format_notice=getattr(engine, "chat_format_notice", None) or "",
+                                    saves_caches=warm_chats.supported(engine)))
 
     @Slot(object, object, object, object)
     def open_session(self, conversation_id, system_prompt, cache, history) -> None:
@@ -308,10 +331,36 @@ class EngineWorker(QObject):
         self._save(session)
         _close(session)
 
-    def save_all(self) -> None:
-        """Every open chat's cache to disk (the app is closing: run in the engine thread as it ends)."""
-        for session in list(self._open.values()) + [self._session]:
+    @Slot(float)
+    def close(self, deadline: float) -> None:
+        """The app is closing: each open chat's cache to disk, the open one first, then the last one used, started
+        only before `deadline` (time.monotonic()): a chat not saved by then keeps its last file, or is read again
+        next time (a file is written whole or not at all). Then the thread ends."""
+        sessions = warm_chats.to_save([self._session, *reversed(self._open.values())])
+        self._session, self._open = None, {}
+        self.saving.emit(SavingCaches(len(sessions)))
+        for i, session in enumerate(sessions):
+            if time.monotonic() > deadline:
+                log.warning("closing: %d of %d chats' caches not saved in time", len(sessions) - i, len(sessions))
+                break
             self._save(session)
+        QThread.currentThread().quit()
+
+    @Slot(str, object)
+    def count_message(self, text: str, history) -> None:
+        """Tokens of the open chat as `history` ((role, content) pairs) with `text` added, against the model's
+        context: the window shows a long message as sent only once it fits. A window never passes the context, a
+        server counts for itself: nothing is counted there (context 0)."""
+        session, tokens, context = self._session, 0, 0
+        if session is not None and not capabilities_of(self._engine).remote and session.cache_config.window is None:
+            from kvchat.app.lengths_data import count_tokens
+            try:
+                context = session.stats().context_tokens
+                turns = [*history, ("user", text)]
+                tokens = count_tokens(self._engine.tokenizer, getattr(session, "system_prompt", None), turns)
+            except Exception:  # noqa: BLE001 - not counted: the engine itself refuses what does not fit
+                context = 0
+        self.message_counted.emit(MessageCounted(text, tokens, context))
 
     @Slot(float)
     def set_disk_budget(self, mb: float) -> None:
@@ -365,6 +414,9 @@ class EngineWorker(QObject):
         done_reading = self._announce_reading(reading) if reading is not None else (lambda: None)
         try:
             for event in start():
+                if isinstance(event, PrefillProgress):      # a long prompt read chunk by chunk: the window says how far
+                    self.reading.emit(event)
+                    continue
                 done_reading()
                 if isinstance(event, TokenDelta):
                     now = time.monotonic()
@@ -526,7 +578,8 @@ class _DecodeRate:
 
 
 EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished", "stats", "mode_switched",
-                 "reset_done", "error", "quality", "prefix_cleared", "token_counts", "reading", "prefill_set")
+                 "reset_done", "error", "quality", "prefix_cleared", "token_counts", "reading", "prefill_set", "saving",
+                 "message_counted")
 
 
 def _pairs(history: list[dict] | None):
@@ -554,6 +607,8 @@ class EngineHost(QObject):
     token_counts = Signal(object)
     reading = Signal(object)
     prefill_set = Signal(str)
+    saving = Signal(object)
+    message_counted = Signal(object)
 
     _load = Signal(object)
     _open = Signal(object, object, object, object)
@@ -573,6 +628,8 @@ class EngineHost(QObject):
     _disk_budget = Signal(float)
     _speculative = Signal(str, int)
     _prefill = Signal(str)
+    _close = Signal(float)
+    _count_message = Signal(str, object)
 
     def __init__(self, loader=_default_loader, parent: QObject | None = None):
         super().__init__(parent)
@@ -598,11 +655,12 @@ class EngineHost(QObject):
         self._disk_budget.connect(self.worker.set_disk_budget)
         self._speculative.connect(self.worker.set_speculative)
         self._prefill.connect(self.worker.set_prefill)
-        # the engine thread's last act, whichever way it is asked to end: every open chat's cache to disk
-        self.thread.finished.connect(self.worker.save_all, Qt.ConnectionType.DirectConnection)
+        self._close.connect(self.worker.close)
+        self._count_message.connect(self.worker.count_message)
         self.thread.started.connect(self.worker.lower_priority)
         for name in EVENT_SIGNALS:
             getattr(self.worker, name).connect(getattr(self, name), Qt.ConnectionType.QueuedConnection)
+        self._closing = False           # the close command was sent: the thread saves and ends by itself
         self.thread.start()
 
     def load(self, config: EngineConfig) -> None:
@@ -672,14 +730,22 @@ class EngineHost(QObject):
         """Tokens of saved conversations, ((id, system prompt, ((role, content), ...)), ...), by the model's tokenizer."""
         self._count.emit(requests)
 
-    def shutdown(self, timeout_ms: int = 120_000) -> bool:
-        """Stop any reply, let the running command end, and join the thread."""
+    def shutdown(self, timeout_ms: int = 120_000, save_limit_s: float = SAVE_LIMIT_S) -> bool:
+        """Stop any reply; once the running command ends, the engine thread saves the open chats' caches (starting
+        none after save_limit_s) and ends. Waits up to timeout_ms for that; True when the thread has ended."""
         if not self.thread.isRunning():
             return True
         self.worker.request_stop()
         self.worker.cancel_measure()
-        self.thread.quit()
+        if not self._closing:
+            self._closing = True
+            self._close.emit(time.monotonic() + save_limit_s)
         return self.thread.wait(timeout_ms)
+
+    def count_message(self, text: str, history: list[dict]) -> None:
+        """Count `text` with the chat before it (`history`) in the engine thread: answered by message_counted."""
+        self.worker.cancel_measure()
+        self._count_message.emit(text, tuple((m["role"], m["content"]) for m in history))
 
     def forget_cache(self, conversation_id: int) -> None:
         """A chat deleted for good: delete its saved KV caches too."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, runtime_checkable
 
 from kvchat.engine.config import CacheConfig, SamplingParams
-from kvchat.engine.events import StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.events import PrefillProgress, StatsSnapshot, TokenDelta, TurnFinished
 
 if TYPE_CHECKING:
     from kvchat.engine.runtime.session_stats import CacheSwitch
@@ -33,7 +33,7 @@ class ChatSession(Protocol):
     def cache_config(self) -> CacheConfig: ...
 
     def send(self, text: str, params: SamplingParams | None = None,
-             should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]: ...
+             should_stop: Callable[[], bool] | None = None) -> Iterator[PrefillProgress | TokenDelta | TurnFinished]: ...
 
     def set_cache(self, config: CacheConfig) -> "CacheSwitch | None": ...   # tokens held before / after / lost; None remote
 

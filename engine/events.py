@@ -79,6 +79,8 @@ class SpecStats:
     accepted: int                       # of those, accepted
     steps: int                          # decode steps (forward passes after the first token)
     tokens: int                         # tokens those steps produced
+    steps_s: float = 0.0                # the time those steps took, drafting and verifying included
+    plain_step_s: float = 0.0           # what a plain step (one token, no drafts) takes here, measured; 0.0: not yet
 
     @property
     def acceptance_rate(self) -> float:
@@ -87,6 +89,14 @@ class SpecStats:
     @property
     def tokens_per_step(self) -> float:
         return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def time_saved(self) -> float | None:
+        """The share of decode time drafting saved (negative: what it cost) against plain steps producing the same
+        tokens at the measured plain-step time; None when either time was not measured."""
+        if not self.tokens or self.steps_s <= 0.0 or self.plain_step_s <= 0.0:
+            return None
+        return 1.0 - self.steps_s / (self.tokens * self.plain_step_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +157,14 @@ class StatsSnapshot:
 class TokenDelta:
     text: str                           # UTF-8-safe piece of the reply
     token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    """A prompt longer than one chunk being read: said after each chunk, the last one included (done == total)."""
+
+    done: int                           # prompt tokens the cache holds so far
+    total: int                          # prompt tokens the turn reads
 
 
 @dataclass(frozen=True, slots=True)

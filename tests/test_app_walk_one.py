@@ -15,7 +15,7 @@ from PySide6.QtWidgets import QDialogButtonBox
 from kvchat.app.dashboard_data import MAX_MARKERS, DashboardData
 from kvchat.app.pool_view import pool_summary
 from kvchat.engine.config import CacheConfig, SamplingParams
-from kvchat.engine.events import LayerBytes, MemoryProbe, StatsSnapshot
+from kvchat.engine.events import LayerBytes, MemoryProbe, PrefillProgress, StatsSnapshot
 import fakes
 from fakes import isolate_app, open_window, send
 from tiny_models import tiny_model_dir
@@ -241,10 +241,13 @@ def test_a_reopened_chat_says_how_many_tokens_it_reads_before_the_reply(qtbot, t
     SettingsStore().set_last_conversation(chat)
     window = real_window(qtbot, tiny_dir, cache=INT4)
     assert window.conversation_id == chat
-    seen = []
+    seen, progress = [], []
 
     def on_reading(event):
         window.dashboard.redraw()
+        if isinstance(event, PrefillProgress):      # more than one chunk: how far the reading got, too
+            progress.append(window.chat.messages()[-1].text())
+            return
         seen.append((event.tokens, window.chat.messages()[-1].text(), window.dashboard.summary.text()))
     window.host.reading.connect(on_reading)
     finished = send(qtbot, window, "and now?")
@@ -252,6 +255,7 @@ def test_a_reopened_chat_says_how_many_tokens_it_reads_before_the_reply(qtbot, t
     tokens, bubble, summary = seen[0]
     assert tokens > 850 and abs(tokens - finished.stats.prefill_tokens) <= 16
     assert bubble == summary.split("<br>")[1] == f"reading {tokens:,} tokens of this chat…"
+    assert progress[0] == f"reading this chat: 512 / {finished.stats.prefill_tokens:,} tokens…", progress
     assert window.dashboard.reading == "" and "reading" not in window.chat.messages()[-1].text()
     window.host.reading.disconnect(on_reading)
     send(qtbot, window, "again")                  # the cache holds the chat now: nothing to announce

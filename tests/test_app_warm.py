@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMessageBox
 
 from kvchat.engine.config import CacheConfig, SamplingParams
 from fakes import isolate_app, real_window, send
@@ -88,6 +89,7 @@ def test_settings_show_the_saved_caches_set_their_budget_and_clear_them(qtbot, t
     assert dialog.disk_budget.value() == 2048 and dialog.saved_caches.text().startswith("1 saved")
     dialog.disk_budget.setValue(512)
     qtbot.mouseClick(dialog.clear_saved, Qt.MouseButton.LeftButton)
+    dialog.clear_confirm.button(QMessageBox.StandardButton.Yes).click()       # it asks first (test_r3_ui_disk.py)
     assert saved_files(tmp_path) == [] and dialog.saved_caches.text().startswith("0 saved")
     assert not dialog.clear_saved.isEnabled()
     dialog.accept()

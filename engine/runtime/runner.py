@@ -135,8 +135,8 @@ class ModelRunner:
             bs = seq.block_size
             for m in seq.members:
                 g = m.geometry
-                # a model window must still hold the W - 1 tokens before the new end
-                short = g.model_window and m.num_tokens - n - g.window < m.evicted * bs
+                # a model window reads the W - 1 tokens before the new end (all of them, while fewer): still held?
+                short = g.model_window and max(0, m.num_tokens - n - g.window) < m.evicted * bs
                 if n > m.seq_len or (m.evicted and m.seq_len - n < m.sink_blocks * bs) or short:
                     raise ConfigError(f"the cache holds {m.seq_len} tokens since the window moved: it cannot take "
                                       f"back {n}")

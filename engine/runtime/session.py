@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 import torch
 
@@ -24,7 +24,7 @@ from kvchat.engine.runtime.warm import RELEASED_NOTICE
 from kvchat.engine.text.chat_format import encode_conversation, held_prefix, tokenize_pieces
 from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams
 from kvchat.engine.text.detok import StreamDecoder
-from kvchat.engine.events import FinishReason, PoolStats, StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.events import FinishReason, PoolStats, PrefillProgress, StatsSnapshot, TokenDelta, TurnFinished
 from kvchat.engine.kv.layout import WindowGeometry
 from kvchat.engine.kv.manager import NoFreeBlocks
 from kvchat.engine.plan.fit import trim_heap
@@ -34,6 +34,9 @@ from kvchat.engine.runtime.sampling import RECENT, NonFiniteLogits, sample
 from kvchat.engine.runtime.speculative import Speculator
 from kvchat.engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
 from kvchat.engine.runtime.turns import TurnGuard, TurnTimes, checked_history, checked_params, checked_text, turn
+
+
+TurnEvent = PrefillProgress | TokenDelta | TurnFinished
 
 
 class Stopped(Exception):
@@ -146,6 +149,17 @@ class Session:
 
     def _forward(self, ids: list[int], all_logits: bool, should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run ids through the model in chunks; each chunk joins the cache or, on any error, leaves it untouched."""
+        reading = self._read(ids, all_logits, should_stop)
+        while True:
+            try:
+                next(reading)
+            except StopIteration as done:
+                return done.value
+
+    def _read(self, ids: list[int], all_logits: bool,
+              should_stop: Callable[[], bool] | None = None) -> Generator[PrefillProgress, None, torch.Tensor]:
+        """_forward for a turn's prompt: after each chunk of a prompt longer than one it says how far it got, so a
+        long paste shows progress instead of seconds of nothing; returns the logits as _forward does."""
         outs = []
         i = 0
         while i < len(ids):
@@ -162,6 +176,8 @@ class Session:
                 raise BudgetFull(overflow.budget_message(self, len(ids) - i)) from None
             i += len(part)
             outs.append(logits)
+            if len(outs) > 1 or i < len(ids):      # a prompt of more than one chunk
+                yield PrefillProgress(i, len(ids))
         return torch.cat(outs) if all_logits else outs[-1]
 
     def append(self, token_ids: list[int], all_logits: bool = True) -> torch.Tensor:
@@ -209,8 +225,9 @@ class Session:
 
     @turn
     def send(self, text: str, params: SamplingParams | None = None,
-             should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
-        """Add a user message and stream the reply: TokenDelta ..., then one TurnFinished.
+             should_stop: Callable[[], bool] | None = None) -> Iterator[TurnEvent]:
+        """Add a user message and stream the reply: TokenDelta ..., then one TurnFinished (before them, a
+        PrefillProgress after each chunk of a prompt longer than one).
 
         A turn refused (too long, over budget) or stopped while its prompt is read leaves the
         conversation and the cache exactly as they were. While the stream is live the session takes no other
@@ -242,7 +259,7 @@ class Session:
             return
         try:
             overflow.check_whole_fits(self, len(prompt))
-            logits = self._forward(prompt, all_logits=False, should_stop=should_stop)[-1]
+            logits = (yield from self._read(prompt, all_logits=False, should_stop=should_stop))[-1]
         except (BudgetFull, Stopped) as exc:
             self._undo_prompt(kept, seq_before)
             if isinstance(exc, Stopped):
@@ -381,7 +398,7 @@ class Session:
 
     @turn
     def regenerate(self, params: SamplingParams | None = None,
-                   should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
+                   should_stop: Callable[[], bool] | None = None) -> Iterator[TurnEvent]:
         """A new reply to the last user message: the cache forks where the reply began, so the history is not
         read again; the old reply is kept as an alternative (see `alternatives`, `select_alternative`)."""
         params = checked_params(params, self.runner.config.vocab_size)
@@ -428,7 +445,7 @@ class Session:
 
     @turn
     def continue_reply(self, params: SamplingParams | None = None,
-                       should_stop: Callable[[], bool] | None = None) -> Iterator[TokenDelta | TurnFinished]:
+                       should_stop: Callable[[], bool] | None = None) -> Iterator[TurnEvent]:
         """More of the last reply (cut at max tokens, or stopped): its text grows; nothing is read again."""
         params = checked_params(params, self.runner.config.vocab_size)
         self.notice = ""                    # a notice is about this turn; _sync may set one
@@ -453,7 +470,7 @@ class Session:
                 return (yield from self.continue_reply(params, should_stop))
         pending = self.token_ids[self._cached:]
         self.turn_times.prefill_tokens = len(pending)
-        logits = self._forward(pending, all_logits=False)[-1]
+        logits = (yield from self._read(pending, all_logits=False))[-1]
         yield from self._decode(logits, params, should_stop, started, continues=True)
 
     def rewind(self, index: int) -> None:

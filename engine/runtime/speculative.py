@@ -218,6 +218,7 @@ class Speculator:
 
     def reset_counts(self) -> None:
         self.drafted = self.accepted = self.steps = self.tokens = 0
+        self.steps_s = 0.0          # the turn's decode steps' time: proposing, verifying and plain steps
 
     @property
     def acceptance(self) -> float:
@@ -274,6 +275,14 @@ class Speculator:
         `generated`, the reply so far): returns the tokens chosen (the accepted drafts, in the cache now, then the
         token after them), or None when nothing was proposed or the budget cannot take the drafts (nothing changed:
         a plain step follows)."""
+        entered = time.perf_counter()
+        try:
+            return self._verify(session, next_id, params, generator, room, generated)
+        finally:
+            self.steps_s += time.perf_counter() - entered     # a proposal that came to nothing took time too
+
+    def _verify(self, session, next_id: int, params: SamplingParams, generator, room: int,
+                generated: Sequence[int]) -> list[int] | None:
         runner, seq = session.runner, session.seq
         if isinstance(self.proposer, DraftProposer):
             self.proposer.protect = frozenset(m.seq_id for m in seq.members)
@@ -302,9 +311,11 @@ class Speculator:
             self._observe(accepted, accepted + int(accepted < drafted))
         elif seconds is not None:
             self.costs.plain(seconds)
+            self.steps_s += seconds
 
     def stats(self) -> SpecStats:
-        return SpecStats(self.config.method, self.drafted, self.accepted, self.steps, self.tokens)
+        return SpecStats(self.config.method, self.drafted, self.accepted, self.steps, self.tokens,
+                         self.steps_s, self.costs.step_s or 0.0)
 
     def close(self) -> None:
         self.proposer.close()

@@ -27,6 +27,7 @@ DEFAULT_DISK_BUDGET_MB = 2048
 RELEASED_NOTICE = "This conversation's cache was released to make room for another; its history is read again."
 SUFFIX = ".kvcache"
 _READ_SLACK = 64 * MIB           # a file may exceed the KV budget by its token ids, logits and header
+LEFTOVER_AGE_S = 3600            # a save's temporary file this old belongs to a process that ended mid-write
 
 
 def model_identity(path: Path, is_gguf: bool) -> dict:
@@ -259,8 +260,10 @@ class WarmStore:
         return result
 
     def trim(self, keep: Path | None = None) -> int:
-        """Delete least recently used files until the total fits the budget; returns the bytes deleted."""
+        """Delete least recently used files until the total fits the budget; returns the bytes deleted. A save's
+        temporary file left by a process that ended mid-write (an app closed past its deadline) goes too."""
         self._totals = None
+        self._remove_leftovers()
         files = sorted(self.files(), key=_mtime)
         total, deleted = sum(map(_size, files)), 0
         for p in files:
@@ -272,6 +275,14 @@ class WarmStore:
             p.unlink(missing_ok=True)
             total, deleted = total - size, deleted + size
         return deleted
+
+    def _remove_leftovers(self) -> None:
+        if not self.folder.is_dir():
+            return
+        old = time.time() - LEFTOVER_AGE_S     # younger ones may be another process's save in progress
+        for p in self.folder.glob(f"*{SUFFIX}.*.tmp"):
+            if p.is_file() and _mtime(p) < old:
+                p.unlink(missing_ok=True)
 
     def delete(self, key: str) -> int:
         """Every saved cache of one conversation (any model); returns the bytes deleted."""

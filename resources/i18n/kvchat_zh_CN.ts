@@ -463,10 +463,6 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>没有草稿 token</translation>
     </message>
     <message>
-        <source>drafts {accepted} accepted, {per_step} tokens/step</source>
-        <translation>草稿接受率 {accepted}，每步 {per_step} 个 token</translation>
-    </message>
-    <message>
         <source>decode {decode} tok/s{drafts} · TTFT {ttft} ms</source>
         <translation>解码 {decode} tok/s{drafts} · TTFT {ttft} ms</translation>
     </message>
@@ -513,6 +509,32 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
     <message>
         <source>dashed line: budget share</source>
         <translation>虚线：预算份额</translation>
+    </message>
+    <message>
+        <source>Speculative decoding: a cheap guess proposes the next tokens and one step of the model checks them all.
+• accepted: the share of the guessed tokens the model kept (it would have written them itself).
+• tokens/step: the tokens each step of the model produced (1.0 without drafts). More is not faster by itself: a step that checks drafts takes longer than a plain one.
+• saved / cost: the time this reply&apos;s steps took against plain steps for the same tokens, at the time a plain step was measured to take here; “no gain measured” when the difference is under 5% or a plain step was not timed yet.</source>
+        <translation>推测解码：由一个廉价的猜测器提出接下来的几个 token，模型的一步同时检查它们。
+• 接受率：猜测的 token 中被模型保留的比例（模型本来也会写出它们）。
+• 每步 token 数：模型每一步产出的 token 数（不用草稿时为 1.0）。它本身并不代表更快：检查草稿的一步比普通的一步更耗时。
+• 节省 / 多花：这条回复各步所用的时间，与在本机测得的普通一步耗时下产出同样多 token 所需的时间相比；差别不到 5% 或尚未测得普通一步的耗时时，显示“未测得收益”。</translation>
+    </message>
+    <message>
+        <source>drafts {accepted} accepted, {per_step} tokens/step, {gain}</source>
+        <translation>草稿接受率 {accepted}，每步 {per_step} 个 token，{gain}</translation>
+    </message>
+    <message>
+        <source>no gain measured</source>
+        <translation>未测得收益</translation>
+    </message>
+    <message>
+        <source>saved ~{share} of decode time</source>
+        <translation>节省约 {share} 的解码时间</translation>
+    </message>
+    <message>
+        <source>cost ~{share} more decode time</source>
+        <translation>多花约 {share} 的解码时间</translation>
     </message>
 </context>
 <context>
@@ -1295,6 +1317,50 @@ prefill {prefill} tok/s</source>
         <source>{tokens} tokens in cache</source>
         <translation>缓存中有 {tokens} 个 token</translation>
     </message>
+    <message>
+        <source>Counting the tokens of this long message…</source>
+        <translation>正在统计这条长消息的 token 数…</translation>
+    </message>
+    <message>
+        <source>With the chat before it, it makes {tokens} tokens, more than {model}&apos;s context of {context} tokens: shorten it, start a new chat, or set a sliding window in Settings (a window bounds the cache).</source>
+        <translation>连同之前的对话共 {tokens} 个 token，超过了 {model} 的 {context} 个 token 上下文：请缩短它、开始新对话，或在设置中设置滑动窗口（窗口会限制缓存大小）。</translation>
+    </message>
+    <message>
+        <source>It is {tokens} tokens long, more than {model}&apos;s context of {context} tokens: shorten it, or set a sliding window in Settings (a window bounds the cache).</source>
+        <translation>它有 {tokens} 个 token，超过了 {model} 的 {context} 个 token 上下文：请缩短它，或在设置中设置滑动窗口（窗口会限制缓存大小）。</translation>
+    </message>
+    <message>
+        <source>Message not sent</source>
+        <translation>消息未发送</translation>
+    </message>
+    <message>
+        <source>Closing…</source>
+        <translation>正在关闭…</translation>
+    </message>
+    <message>
+        <source>Saving 1 chat&apos;s cache…</source>
+        <translation>正在保存 1 个对话的缓存…</translation>
+    </message>
+    <message>
+        <source>Saving {n} chats&apos; caches…</source>
+        <translation>正在保存 {n} 个对话的缓存…</translation>
+    </message>
+    <message>
+        <source>reading this chat: {done} / {total} tokens…</source>
+        <translation>正在读取这段对话：{done} / {total} 个 token…</translation>
+    </message>
+    <message>
+        <source>reading your message: {done} / {total} tokens…</source>
+        <translation>正在读取你的消息：{done} / {total} 个 token…</translation>
+    </message>
+    <message>
+        <source>last reply {rate}</source>
+        <translation>上一条回复 {rate}</translation>
+    </message>
+    <message>
+        <source>cache not saved on disk: {size} is over the disk budget ({budget})</source>
+        <translation>缓存未保存到磁盘：{size} 超出磁盘预算（{budget}）</translation>
+    </message>
 </context>
 <context>
     <name>MessageWidget</name>
@@ -1386,6 +1452,14 @@ prefill {prefill} tok/s</source>
         <source>Send the edited message; the messages after it are removed</source>
         <translation>发送修改后的消息；它之后的消息会被移除</translation>
     </message>
+    <message>
+        <source>Interrupted: no reply — Regenerate or edit to send again</source>
+        <translation>已中断：没有回复——点“重新生成”或编辑后再次发送</translation>
+    </message>
+    <message>
+        <source>The reply was stopped, or kvchat closed, while your message was being read: none of the reply came.</source>
+        <translation>在读取你的消息时回复被停止或 kvchat 已关闭：没有收到任何回复。</translation>
+    </message>
 </context>
 <context>
     <name>ModelTable</name>
@@ -1448,6 +1522,14 @@ prefill {prefill} tok/s</source>
     <message>
         <source>cannot load: {error}</source>
         <translation>无法加载：{error}</translation>
+    </message>
+    <message>
+        <source>{tokens} (past trained {trained})</source>
+        <translation>{tokens}（超出训练长度 {trained}）</translation>
+    </message>
+    <message>
+        <source>The memory would hold {tokens} tokens, but the model was trained on {trained}: past that its replies usually fall apart, as `kvchat estimate` says too.</source>
+        <translation>内存可容纳 {tokens} 个 token，但模型只在 {trained} 个 token 的上下文上训练过：超出后它的回复通常会崩坏，`kvchat estimate` 也这样提示。</translation>
     </message>
 </context>
 <context>
@@ -2205,6 +2287,22 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     <message>
         <source>model: {model} does not exist; choose a folder or .gguf file, or &apos;default&apos;</source>
         <translation>模型：{model} 不存在；请选择文件夹或 .gguf 文件，或填写 &apos;default&apos;</translation>
+    </message>
+    <message>
+        <source>Delete saved caches</source>
+        <translation>删除已保存的缓存</translation>
+    </message>
+    <message>
+        <source>Delete the saved chat cache on disk ({size})? The chat itself stays; it reads its whole history again the next time you write in it.</source>
+        <translation>删除磁盘上已保存的这个对话缓存（{size}）？对话本身会保留；下次在其中发消息时，会重新读取它的全部历史。</translation>
+    </message>
+    <message>
+        <source>Delete the {n} saved chat caches on disk ({size})? The chats themselves stay; each reads its whole history again the next time you write in it.</source>
+        <translation>删除磁盘上已保存的 {n} 个对话缓存（{size}）？对话本身会保留；下次在其中发消息时，会重新读取它的全部历史。</translation>
+    </message>
+    <message>
+        <source>Delete</source>
+        <translation>删除</translation>
     </message>
 </context>
 <context>
