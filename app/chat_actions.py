@@ -119,6 +119,8 @@ class ChatActions(DeleteWithUndo, QObject):
         """A restored message: its id, its finish mark, its reply versions."""
         widget.message_id = entry.id
         widget.set_finish(entry.finish)
+        if entry.role == "assistant":
+            self.w.chat.set_author(widget, entry.model)
         versions = self.w.history.versions(entry.id)
         widget.set_versions(self.w.history.chosen_version(entry.id), len(versions))
 
@@ -204,7 +206,8 @@ class ChatActions(DeleteWithUndo, QObject):
             return False
         try:
             w.history.check_writable()
-            record = ReplyRecord(w.history, w.conversation_id, message.message_id, kind, message.text())
+            record = ReplyRecord(w.history, w.conversation_id, message.message_id, kind, message.text(),
+                                 model=w.engine_info.model_name if w.engine_info is not None else None)
         except HistoryError as exc:
             w.banner.show_message(self.tr("Cannot save this chat"), str(exc))
             return False
@@ -259,6 +262,7 @@ class ChatActions(DeleteWithUndo, QObject):
             return
         message.set_text(version.content)
         message.set_finish(version.finish)
+        self.w.chat.set_author(message, version.model)
         message.set_versions(position, count)
         self.w.host.sync_history(self._saved_messages())
         self.refresh()

@@ -447,14 +447,17 @@ class ChatView(QScrollArea):
         self._follow = True
 
     def set_assistant_name(self, name: str) -> None:
-        """Name the model's replies, those already shown (restored before the model loaded) included."""
+        """Name the replies the loaded model writes from now on; those shown keep the name of their own author."""
         self.assistant_name = name
-        for message in self.messages():
-            if getattr(message, "role", None) == "assistant":
-                message.author_label.setText(name)
 
-    def add_message(self, role: str, text: str) -> MessageWidget:
-        author = {"user": self.tr("You"), "assistant": self.assistant_name}.get(role, "kvchat")
+    def set_author(self, message: MessageWidget, model: str | None) -> None:
+        """A reply's label: the model that wrote it, or a neutral "Assistant" when that was not stored (a reply
+        saved by an earlier version): naming the model loaded now would credit it with another model's words."""
+        message.author_label.setText(model or self.tr("Assistant"))
+
+    def add_message(self, role: str, text: str, author: str | None = None) -> MessageWidget:
+        """`author`: who wrote it; a reply without one is labelled "Assistant"."""
+        author = author or {"user": self.tr("You"), "assistant": self.tr("Assistant")}.get(role, "kvchat")
         message = MessageWidget(role, author, text, self._column)
         if role in ("user", "assistant"):
             message._request = lambda name, m=message: self.action_requested.emit(name, m)
@@ -493,7 +496,9 @@ class ChatView(QScrollArea):
         self._flush_timer.start()
 
     def restart_reply(self, message: MessageWidget) -> None:
+        """A regenerate: the loaded model writes the reply anew, so it is named."""
         self.resume_reply(message)
+        message.author_label.setText(self.assistant_name)
         self._reply_text = ""
         message.set_finish("")
         message.set_text("…")
@@ -518,7 +523,7 @@ class ChatView(QScrollArea):
 
     def begin_reply(self) -> None:
         self.end_reply()
-        self._reply = self.add_message("assistant", "")
+        self._reply = self.add_message("assistant", "", self.assistant_name)
         self._reply_text = ""
         self._flush_timer.start()
 

@@ -101,6 +101,7 @@ class Message:
     content: str
     state: str                  # DONE, STREAMING or INTERRUPTED
     finish: str = ""            # the engine's finish_reason for a reply ("length", "stopped", ...); "" unknown
+    model: str | None = None    # the model that wrote a reply; None for one saved before models were stored
 
     @property
     def interrupted(self) -> bool:
@@ -112,13 +113,14 @@ class Version:
     """One of the replies a regenerated message has had, oldest first."""
     content: str
     finish: str
+    model: str | None = None    # the model that wrote it; None when unknown (saved by an earlier version)
 
 
 @dataclass(frozen=True, slots=True)
 class TakenMessage:
     """A deleted message as it was stored, so an Undo can put it back under its own id."""
-    row: tuple                  # (id, conversation_id, role, content, created_at, state, finish, chosen)
-    versions: tuple             # its reply_versions rows: (position, content, finish)
+    row: tuple                  # (id, conversation_id, role, content, created_at, state, finish, chosen, model)
+    versions: tuple             # its reply_versions rows: (position, content, finish, model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,7 @@ class HistoryStore:
         self.read_only = bool(opened.read_only)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(messages)")}
         self._has_state, self._has_finish = "state" in columns, "finish" in columns
+        self._has_model = "model" in columns
         self._has_deleted = "deleted_at" in {row[1] for row in self._db.execute("PRAGMA table_info(conversations)")}
 
     def read_only_message(self) -> str:
@@ -211,25 +214,31 @@ class HistoryStore:
     def add_message(self, conversation_id: int, role: str, content: str) -> int:
         return self.add_turn(conversation_id, [(role, content, DONE)])[0]
 
-    def add_turn(self, conversation_id: int, rows: list[tuple[str, str, str]]) -> list[int]:
-        """Insert (role, content, state) rows in one transaction; their ids, in order."""
+    def add_turn(self, conversation_id: int, rows: list[tuple[str, str, str]], model: str | None = None) -> list[int]:
+        """Insert (role, content, state) rows in one transaction; their ids, in order. `model` (the loaded
+        model's name) is stored with the replies among them."""
         now = time.time()
         ids = []
         with self._writing() as db:
             for role, content, state in rows:
-                cursor = db.execute(
-                    "INSERT INTO messages (conversation_id, role, content, created_at, state) VALUES (?, ?, ?, ?, ?)",
-                    (conversation_id, role, content, now, state))
+                author = model if role == "assistant" else None
+                cursor = db.execute("INSERT INTO messages (conversation_id, role, content, created_at, state, model) "
+                                    "VALUES (?, ?, ?, ?, ?, ?)", (conversation_id, role, content, now, state, author))
                 ids.append(int(cursor.lastrowid))
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
         return ids
 
-    def update_message(self, message_id: int, content: str, state: str, finish: str | None = None) -> None:
+    def update_message(self, message_id: int, content: str, state: str, finish: str | None = None,
+                       model: str | None = None) -> None:
+        """`model`, when given, becomes the reply's author (a regenerate written over an empty reply)."""
         if finish is None or not self._has_finish:
-            self._write([("UPDATE messages SET content = ?, state = ? WHERE id = ?", (content, state, message_id))])
+            statements = [("UPDATE messages SET content = ?, state = ? WHERE id = ?", (content, state, message_id))]
         else:
-            self._write([("UPDATE messages SET content = ?, state = ?, finish = ? WHERE id = ?",
-                          (content, state, finish, message_id))])
+            statements = [("UPDATE messages SET content = ?, state = ?, finish = ? WHERE id = ?",
+                           (content, state, finish, message_id))]
+        if model is not None:
+            statements.append(("UPDATE messages SET model = ? WHERE id = ?", (model, message_id)))
+        self._write(statements)
 
     def delete_message(self, message_id: int) -> None:
         """One message (with its reply versions)."""
@@ -244,12 +253,12 @@ class HistoryStore:
         taken = []
         with self._writing() as db:
             for id_ in message_ids:
-                row = db.execute("SELECT id, conversation_id, role, content, created_at, state, finish, chosen "
-                                 "FROM messages WHERE id = ?", (id_,)).fetchone()
+                row = db.execute("SELECT id, conversation_id, role, content, created_at, state, finish, chosen, "
+                                 "model FROM messages WHERE id = ?", (id_,)).fetchone()
                 if row is None:
                     continue
-                versions = db.execute("SELECT position, content, finish FROM reply_versions WHERE message_id = ? "
-                                      "ORDER BY position", (id_,)).fetchall()
+                versions = db.execute("SELECT position, content, finish, model FROM reply_versions "
+                                      "WHERE message_id = ? ORDER BY position", (id_,)).fetchall()
                 taken.append(TakenMessage(tuple(row), tuple(map(tuple, versions))))
                 db.execute("DELETE FROM messages WHERE id = ?", (id_,))
         return taken
@@ -259,9 +268,9 @@ class HistoryStore:
         with self._writing() as db:
             for message in taken:
                 db.execute("INSERT INTO messages (id, conversation_id, role, content, created_at, state, finish, "
-                           "chosen) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", message.row)
-                db.executemany("INSERT INTO reply_versions (message_id, position, content, finish) VALUES (?, ?, ?, ?)",
-                               [(message.row[0], *version) for version in message.versions])
+                           "chosen, model) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", message.row)
+                db.executemany("INSERT INTO reply_versions (message_id, position, content, finish, model) "
+                               "VALUES (?, ?, ?, ?, ?)", [(message.row[0], *version) for version in message.versions])
 
     # --- reply versions (regenerate) ---
 
@@ -269,9 +278,10 @@ class HistoryStore:
         """Every reply this message has had, oldest first; [] when it was never regenerated."""
         if not self._has_finish:        # a read-only file from an earlier version
             return []
-        rows = self._db.execute("SELECT content, finish FROM reply_versions WHERE message_id = ? ORDER BY position",
-                                (message_id,)).fetchall()
-        return [Version(content, finish) for content, finish in rows]
+        model = "model" if self._has_model else "NULL"
+        rows = self._db.execute(f"SELECT content, finish, {model} FROM reply_versions WHERE message_id = ? "
+                                f"ORDER BY position", (message_id,)).fetchall()
+        return [Version(content, finish, author) for content, finish, author in rows]
 
     def chosen_version(self, message_id: int) -> int:
         if not self._has_finish:
@@ -281,21 +291,22 @@ class HistoryStore:
 
     def keep_as_version(self, message_id: int) -> None:
         """Before a regenerate: the message's reply becomes its first version (if it has none yet)."""
-        self._write([("INSERT INTO reply_versions (message_id, position, content, finish) "
-                      "SELECT id, 0, content, finish FROM messages WHERE id = ? AND NOT EXISTS "
+        self._write([("INSERT INTO reply_versions (message_id, position, content, finish, model) "
+                      "SELECT id, 0, content, finish, model FROM messages WHERE id = ? AND NOT EXISTS "
                       "(SELECT 1 FROM reply_versions WHERE message_id = ?)", (message_id, message_id))])
 
-    def add_version(self, message_id: int, content: str, finish: str) -> int:
-        """Add a reply to a regenerated message, now the chosen one (the message row holds it); its position.
+    def add_version(self, message_id: int, content: str, finish: str, model: str | None = None) -> int:
+        """Add a reply (written by `model`) to a regenerated message, now the chosen one (the message row holds
+        it); its position.
 
         The reply it replaces is kept as the first version if it was not one yet."""
         self.keep_as_version(message_id)
         with self._writing() as db:
             count = db.execute("SELECT count(*) FROM reply_versions WHERE message_id = ?", (message_id,)).fetchone()[0]
-            db.execute("INSERT INTO reply_versions (message_id, position, content, finish) VALUES (?, ?, ?, ?)",
-                       (message_id, count, content, finish))
-            db.execute("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ? WHERE id = ?",
-                       (content, finish, DONE, count, message_id))
+            db.execute("INSERT INTO reply_versions (message_id, position, content, finish, model) "
+                       "VALUES (?, ?, ?, ?, ?)", (message_id, count, content, finish, model))
+            db.execute("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ?, model = ? WHERE id = ?",
+                       (content, finish, DONE, count, model, message_id))
         return count
 
     def update_version(self, message_id: int, content: str, finish: str) -> None:
@@ -305,14 +316,15 @@ class HistoryStore:
 
     def choose_version(self, message_id: int, position: int) -> Version:
         """Show version `position` of a regenerated reply from now on (it survives a restart)."""
-        row = self._db.execute("SELECT content, finish FROM reply_versions WHERE message_id = ? AND position = ?",
-                               (message_id, position)).fetchone()
+        model = "model" if self._has_model else "NULL"
+        row = self._db.execute(f"SELECT content, finish, {model} FROM reply_versions WHERE message_id = ? AND "
+                               f"position = ?", (message_id, position)).fetchone()
         if row is None:
             raise HistoryError(QCoreApplication.translate("HistoryStore", "this reply has no version {n}").format(
                 n=position + 1))
-        self._write([("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ? WHERE id = ?",
-                      (row[0], row[1], DONE, position, message_id))])
-        return Version(row[0], row[1])
+        self._write([("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ?, model = ? WHERE id = ?",
+                      (row[0], row[1], DONE, position, row[2], message_id))])
+        return Version(*row)
 
     def drop_unanswered(self, conversation_id: int) -> list[str]:
         """Delete the user messages after the conversation's last reply (a turn that never got one); their texts."""
@@ -395,9 +407,10 @@ class HistoryStore:
         """The messages with their ids and states (an interrupted reply is marked)."""
         state = "state" if self._has_state else f"'{DONE}'"
         finish = "finish" if self._has_finish else "''"
-        rows = self._db.execute(f"SELECT id, role, content, {state}, {finish} FROM messages WHERE conversation_id = ? "
-                                f"ORDER BY id", (conversation_id,)).fetchall()
-        return [Message(int(id_), role, content, st, fin) for id_, role, content, st, fin in rows]
+        model = "model" if self._has_model else "NULL"
+        rows = self._db.execute(f"SELECT id, role, content, {state}, {finish}, {model} FROM messages "
+                                f"WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
+        return [Message(int(id_), role, content, st, fin, author) for id_, role, content, st, fin, author in rows]
 
     def integrity(self) -> str:
         """SQLite's integrity_check verdict: 'ok' or the first problem found."""
@@ -423,6 +436,10 @@ def _add_columns(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE messages ADD COLUMN finish TEXT NOT NULL DEFAULT ''")
     if "chosen" not in messages:        # which of reply_versions the message shows
         db.execute("ALTER TABLE messages ADD COLUMN chosen INTEGER NOT NULL DEFAULT 0")
+    if "model" not in messages:         # the model that wrote a reply; NULL on older rows (unknown)
+        db.execute("ALTER TABLE messages ADD COLUMN model TEXT")
+    if "model" not in {row[1] for row in db.execute("PRAGMA table_info(reply_versions)")}:
+        db.execute("ALTER TABLE reply_versions ADD COLUMN model TEXT")
     if "deleted_at" not in {row[1] for row in db.execute("PRAGMA table_info(conversations)")}:
         db.execute("ALTER TABLE conversations ADD COLUMN deleted_at REAL")
 

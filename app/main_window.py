@@ -258,7 +258,8 @@ class MainWindow(QMainWindow):
         except HistoryError as exc:         # the text stays in the input box
             self.banner.show_message(self.tr("Cannot save this chat"), str(exc))
             return
-        self.turn = TurnRecord(self.history, self.conversation_id, text, new_conversation)
+        self.turn = TurnRecord(self.history, self.conversation_id, text, new_conversation,
+                               model=self.engine_info.model_name if self.engine_info is not None else None)
         self.conversations.refresh(self.conversation_id)
         if rewind_to is None:
             self.input.clear()
@@ -331,7 +332,7 @@ class MainWindow(QMainWindow):
         for entry in entries:
             if entry.role == "assistant" and not entry.content and not (entry.finish == "stopped" or entry.interrupted):
                 continue                # an empty reply is shown only when it was cut off: marked, to send again
-            widget = self.chat.add_message(entry.role, entry.content)
+            widget = self.chat.add_message(entry.role, entry.content, entry.model)
             self.actions.show_entry(widget, entry)
             if entry.interrupted:
                 self.chat.mark_interrupted(widget)

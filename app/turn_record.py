@@ -35,8 +35,9 @@ def stopped_before_reply(turn, event: TurnFinished) -> bool:
 
 class TurnRecord:
     def __init__(self, history: HistoryStore, conversation_id: int, user_text: str, new_conversation: bool,
-                 clock=time.monotonic):
+                 clock=time.monotonic, model: str | None = None):
         self.history = history
+        self.model = model                              # the loaded model's name, stored as the reply's author
         self.conversation_id = conversation_id
         self.user_text = user_text
         self.new_conversation = new_conversation        # created for this turn: removed again if it is refused
@@ -60,7 +61,7 @@ class TurnRecord:
         now = self._clock()
         if self._reply_id is None:
             self.user_id, self._reply_id = self.history.add_turn(self.conversation_id, [
-                ("user", self.user_text, DONE), ("assistant", self._text, STREAMING)])
+                ("user", self.user_text, DONE), ("assistant", self._text, STREAMING)], self.model)
             self._saved_at = now
         elif now - self._saved_at >= SAVE_INTERVAL_S:
             self.history.update_message(self._reply_id, self._text, STREAMING)
@@ -74,7 +75,7 @@ class TurnRecord:
                     self.history.delete(self.conversation_id)
                 return False
             self.user_id, self._reply_id = self.history.add_turn(self.conversation_id, [
-                ("user", self.user_text, DONE), ("assistant", event.text, DONE)])
+                ("user", self.user_text, DONE), ("assistant", event.text, DONE)], self.model)
             self.history.update_message(self._reply_id, event.text, DONE, event.finish_reason)
             return True
         self.history.update_message(self._reply_id, event.text or self._text, DONE, event.finish_reason)
@@ -98,9 +99,10 @@ class ReplyRecord:
     new_conversation = False
 
     def __init__(self, history: HistoryStore, conversation_id: int, message_id: int, kind: str, before: str,
-                 clock=time.monotonic):
+                 clock=time.monotonic, model: str | None = None):
         assert kind in ("regenerate", "continue")
         self.history = history
+        self.model = model              # a regenerate's author; a Continue keeps the reply's first author
         self.conversation_id = conversation_id
         self.message_id = message_id
         self.kind = kind
@@ -128,9 +130,10 @@ class ReplyRecord:
     def finish(self, event: TurnFinished) -> bool:
         text = event.text if event.text or self.kind == "regenerate" else self._text
         if self._versioned:
-            self.history.add_version(self.message_id, text, event.finish_reason)
+            self.history.add_version(self.message_id, text, event.finish_reason, self.model)
         else:
-            self.history.update_message(self.message_id, text, DONE, event.finish_reason)
+            author = self.model if self.kind == "regenerate" else None
+            self.history.update_message(self.message_id, text, DONE, event.finish_reason, author)
             self.history.update_version(self.message_id, text, event.finish_reason)
         return True
 

@@ -31,8 +31,11 @@ def _print_stats(session) -> None:
           f"tokens left {'unbounded (window)' if s.tokens_left is None else s.tokens_left}, "
           f"prefill {s.prefill_tok_s:.0f} tok/s, decode {s.decode_tok_s:.1f} tok/s, TTFT {s.ttft_s * 1000:.0f} ms")
     if s.spec is not None:
+        saved = s.spec.time_saved
+        gain = ("no gain measured" if saved is None or abs(saved) < 0.05 else
+                f"saved ~{saved:.0%} of decode time" if saved > 0 else f"cost ~{-saved:.0%} more decode time")
         print(f"speculative ({s.spec.method}): {s.spec.accepted} of {s.spec.drafted} drafts accepted "
-              f"({s.spec.acceptance_rate:.0%}), {s.spec.tokens_per_step:.2f} tokens a step")
+              f"({s.spec.acceptance_rate:.0%}), {s.spec.tokens_per_step:.2f} tokens a step, {gain}")
 
 
 def _stream(session, text: str, params: SamplingParams) -> bool:
