@@ -112,3 +112,17 @@ def test_no_module_imports_a_bare_top_level_name():
                     continue        # Hugging Face's kernels, imported on purpose here
                 offenders.append(f"{path.relative_to(ROOT)}: {m.group(0).strip()}")
     assert offenders == [], offenders
+
+
+def test_run_from_the_checkout_kvchat_takes_its_root_off_the_path():
+    """`python -m kvchat.cli.main` (or -c) in the repository root puts the root on sys.path, where kernels/ would
+    pass for Hugging Face's `kernels`; importing kvchat takes it off, so transformers finds the real one."""
+    code = ("import sys, kvchat, transformers.integrations.hub_kernels, kernels; "
+            "assert 'site-packages' in kernels.__file__, kernels.__file__; "
+            "import kvchat.kernels; assert kvchat.kernels is not kernels; print('OK')")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "OK", run.stderr[-3000:]
+    version = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "--version"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert version.returncode == 0 and version.stdout.startswith("kvchat "), version.stderr[-2000:]
