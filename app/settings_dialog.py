@@ -17,7 +17,6 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
 
 from kvchat.engine.config import FORMATS, KEY_SCHEMES, MAX_DRAFTS, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
 from kvchat.engine.kv.layout import check_cache_for_model
-from kvchat.kernels.cpu_lib import auto_prefill
 
 from kvchat.app.engine_text import engine_text
 from kvchat.app.i18n import choice, choose, fill_choices, language_names
@@ -265,6 +264,7 @@ class SettingsDialog(QDialog):
 
     def _prefill_combo(self) -> QComboBox:
         """The prompt GEMM's precision (EngineConfig.prefill), applied live to the next prompt."""
+        from kvchat.engine.runtime.engine import auto_prefill   # the engine's answer; the app does not ask kernels/
         auto, _why = auto_prefill()
         self.prefill_combo = QComboBox(objectName="prefillMode")
         self.prefill_combo.addItem(self.tr("Automatic ({precision} on this CPU)").format(precision=auto), "auto")

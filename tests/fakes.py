@@ -328,3 +328,9 @@ def slow_steps(monkeypatch, engine, seconds: float = 0.02) -> None:
 def engine_of(window):
     """The engine a real window's worker holds (None before a load)."""
     return window.host.worker._engine
+
+
+def saved_files(tmp_path):
+    """The chat caches an isolated app (KVCHAT_CACHE_DIR under tmp_path) saved on disk."""
+    folder = tmp_path / "cache" / "kv"
+    return sorted(folder.glob("*.kvcache")) if folder.is_dir() else []

@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from kvchat.engine.config import CacheConfig, SamplingParams
-from fakes import isolate_app, real_window, send
+from fakes import isolate_app, real_window, saved_files, send
 
 pytestmark = pytest.mark.gui
 SHORT = SamplingParams(temperature=0, max_new_tokens=8)
@@ -20,10 +20,6 @@ def _isolated(monkeypatch, tmp_path):
     isolate_app(monkeypatch, tmp_path)
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
 
-
-def saved_files(tmp_path):
-    folder = tmp_path / "cache" / "kv"
-    return sorted(folder.glob("*.kvcache")) if folder.is_dir() else []
 
 
 def test_a_chat_reopened_after_a_restart_reads_its_cache_back(qtbot, tiny_llama, tmp_path):

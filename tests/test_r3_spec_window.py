@@ -12,6 +12,7 @@ from kvchat.engine import CacheConfig, Engine, EngineConfig, SamplingParams, Spe
 from kvchat.engine.events import FinishReason, TurnFinished
 from kvchat.engine.runtime import speculative
 from kvchat.engine.serve.server import ServeConfig, Server
+from misguided import Misguided
 from tiny_models import tiny_family_dir
 
 WINDOW = 32
@@ -22,19 +23,6 @@ PROMPT = "The fox."        # shorter than the window: drafts are rejected before
 REPLY = SamplingParams(temperature=0.0, max_new_tokens=5 * WINDOW)
 
 
-class Misguided(speculative.PromptLookup):
-    """Prompt lookup that spoils the last draft of every other proposal: verifications reject and take back."""
-
-    def __init__(self, ngram_max: int, ngram_min: int):
-        super().__init__(ngram_max, ngram_min)
-        self.calls = 0
-
-    def propose(self, ids, most):
-        drafts = super().propose(ids, most)
-        self.calls += 1
-        if drafts and self.calls % 2:
-            drafts[-1] = (drafts[-1] + 1) % 300 + 3
-        return drafts
 
 
 @pytest.fixture(autouse=True)

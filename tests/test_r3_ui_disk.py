@@ -9,7 +9,7 @@ from PySide6.QtWidgets import QMessageBox
 from kvchat.app.messages import format_bytes
 from kvchat.app.settings_store import SettingsStore
 from kvchat.engine.config import SamplingParams
-from fakes import isolate_app, real_window, send
+from fakes import isolate_app, real_window, saved_files, send
 
 pytestmark = pytest.mark.gui
 SHORT = SamplingParams(temperature=0, max_new_tokens=8)
@@ -20,10 +20,6 @@ def _isolated(monkeypatch, tmp_path):
     isolate_app(monkeypatch, tmp_path)
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
 
-
-def saved_files(tmp_path):
-    folder = tmp_path / "cache" / "kv"
-    return sorted(folder.glob("*.kvcache")) if folder.is_dir() else []
 
 
 def test_clear_asks_first_with_the_count_and_the_size(qtbot, tiny_llama, tmp_path):

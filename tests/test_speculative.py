@@ -14,6 +14,7 @@ from kvchat.engine.config import ConfigError
 from kvchat.engine.events import FinishReason, TurnFinished
 from kvchat.engine.runtime.speculative import PromptLookup, Speculator, StepCosts, accept
 from kvchat.engine.serve.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenOut
+from misguided import Misguided
 from tiny_models import tiny_family_dir, tiny_model_dir
 
 OFF = SpeculativeConfig("off")
@@ -39,17 +40,6 @@ def turn(engine, spec, cache, prompt=PROMPT, params=GREEDY, turns=2):
     return s, finished[-1]
 
 
-class Misguided(PromptLookup):
-    """Prompt lookup that spoils the last draft of every other proposal: verification must reject and take back."""
-
-    calls = 0
-
-    def propose(self, ids, most):
-        drafts = super().propose(ids, most)
-        self.calls += 1
-        if drafts and self.calls % 2:
-            drafts[-1] = (drafts[-1] + 1) % 300 + 3
-        return drafts
 
 
 def turns_of(engine, spec, cache, prompt=PROMPT, params=GREEDY, turns=2, misguided=True):

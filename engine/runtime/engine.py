@@ -67,6 +67,11 @@ def kernel_status(device: str) -> str | None:
     return None
 
 
+def auto_prefill() -> tuple[str, str]:
+    """(fp32 | bf16, why): what prefill="auto" takes for packed weights on this CPU (the app's settings say it)."""
+    return cpu_lib.auto_prefill()
+
+
 def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
     """(fp32 | bf16, why): the GEMM the packed linears give prompt rows. auto takes bf16 where the CPU has AMX,
     whose bf16 GEMM (oneDNN, through torch) ran 5-6x the fp32 one on a 2-core Xeon with AMX; elsewhere (AVX2, or
@@ -75,7 +80,7 @@ def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
         return "fp32", "dense weights: the model's own dtype"
     if asked != "auto":
         return asked, "asked for"
-    return cpu_lib.auto_prefill()
+    return auto_prefill()
 
 
 def _done(value) -> Future:
