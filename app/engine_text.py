@@ -56,10 +56,9 @@ MESSAGES = (
     QT_TRANSLATE_NOOP("EngineText", "{name} is not a readable GGUF file ({error}); re-download or re-export it"),
     QT_TRANSLATE_NOOP("EngineText", "unsupported architecture {arch} in {where}: kvchat runs the Llama family "
                                     "({supported})"),
-    QT_TRANSLATE_NOOP("EngineText", "unsupported architecture {arch} in {where}: mixture-of-experts families are "
-                                    "not supported yet; kvchat runs {supported}"),
-    QT_TRANSLATE_NOOP("EngineText", "unsupported architecture {arch} with {experts} experts in {where}: "
-                                    "mixture-of-experts families are not supported yet; kvchat runs {supported}"),
+    QT_TRANSLATE_NOOP("EngineText", "unsupported architecture {arch} in {where}: mixture-of-experts families other "
+                                    "than mixtral, qwen3_moe and gpt_oss are not supported yet; kvchat runs "
+                                    "{supported}"),
     QT_TRANSLATE_NOOP("EngineText", "unsupported architecture 'gemma3' in {where}: this is Gemma 3's multimodal "
                                     "folder; kvchat runs its text model (model_type gemma3_text, or a Gemma 3 GGUF); "
                                     "it runs {supported}"),

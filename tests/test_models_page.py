@@ -127,24 +127,24 @@ def test_a_family_kvchat_does_not_run_says_so_before_loading(qtbot, tmp_path):
     from kvchat.engine.plan import library
     folder = tmp_path / "models"
     folder.mkdir()
-    for arch in ("qwen3moe", "bert"):
+    for arch in ("qwen2moe", "bert"):
         _header_only_gguf(folder / f"{arch}-tiny.gguf", arch)
     entries = {e.name: e for e in library.scan([folder], memory_bytes=8 << 30)}
-    for arch in ("qwen3moe", "bert"):
+    for arch in ("qwen2moe", "bert"):
         entry = entries[f"{arch}-tiny"]
         assert not entry.loadable
         assert repr(arch) in entry.error and "llama" in entry.error      # the architecture and what kvchat runs
-    assert "mixture-of-experts" in entries["qwen3moe-tiny"].error
+    assert "mixture-of-experts" in entries["qwen2moe-tiny"].error
     dialog = ModelsDialog([str(folder)], scan=lambda folders, memory_bytes: list(entries.values()))
     qtbot.addWidget(dialog)
     qtbot.waitUntil(lambda: not dialog.scanning, timeout=10_000)
     row = next(r for r in range(dialog.proxy.rowCount())
-               if dialog.proxy.index(r, 0).data() == "qwen3moe-tiny")
+               if dialog.proxy.index(r, 0).data() == "qwen2moe-tiny")
     dialog.view.selectRow(row)
     assert not dialog.load_button.isEnabled()
     with qtbot.assertNotEmitted(dialog.model_chosen):
         dialog.load_selected()
-    assert dialog.summary.text().startswith("qwen3moe-tiny cannot load: ") and "qwen3moe" in dialog.summary.text()
+    assert dialog.summary.text().startswith("qwen2moe-tiny cannot load: ") and "qwen2moe" in dialog.summary.text()
 
 
 def test_a_hybrid_folder_is_listed_with_what_fits_in_the_hybrid_arithmetic(tmp_path):

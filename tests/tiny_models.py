@@ -99,22 +99,39 @@ _FAMILY_DEFAULTS = {
                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                        "rope_theta": 1000000.0}}),
     "phi3": dict(num_hidden_layers=2, num_key_value_heads=2, sliding_window=None),
+    # mixtures of experts. Qwen3-MoE: 8 experts, 3 used, not renormalized, layer 1 dense (mlp_only_layers)
+    "qwen3_moe": dict(num_hidden_layers=3, head_dim=32, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False),
+    "mixtral": dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=64),
+    # gpt-oss: sliding / full alternating over window 16, sink logits, biases, YaRN (its published factor 32 over
+    # 4,096), the clamped SwiGLU
+    "gpt_oss": dict(num_hidden_layers=4, head_dim=32, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=64, sliding_window=16, max_position_embeddings=131072,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
+    # SmolLM3: layer 3 of 4 without RoPE
+    "smollm3": dict(num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=4),
 }
 
 
 def tiny_family_dir(path, family: str, seed: int = 0, longrope: bool = False, **overrides) -> str:
     """Write a random-weight Hugging Face folder (config.json, model.safetensors, build_tokenizer's tokenizer) of
-    `family` ("qwen3", "gemma2", "gemma3" as model_type gemma3_text, "phi3"), float32, from transformers' own
+    `family` ("qwen3", "gemma2", "gemma3" as model_type gemma3_text, "phi3", and the mixtures of experts
+    "qwen3_moe", "mixtral", "gpt_oss", with "smollm3"), float32, from transformers' own
     config class and *ForCausalLM; returns the folder. Small but exercising every feature of the family (see
     _FAMILY_DEFAULTS); the weights are large (std 0.2) and the norm weights random, so that each feature, and a
     (1 + w) against w norm, moves the logits. longrope (phi3): LongRoPE short / long factors over an original
     context of 64 positions, max_position_embeddings 256. Overrides go to the config."""
     import torch
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config,
-                              Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                              GptOssForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
+                              SmolLM3ForCausalLM)
 
     classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
-               "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
+               "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+               "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM),
+               "gpt_oss": (GptOssConfig, GptOssForCausalLM), "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}
     if family not in classes:
         raise ValueError(f"family {family!r}: one of {', '.join(classes)}")
     config_cls, model_cls = classes[family]
@@ -123,8 +140,8 @@ def tiny_family_dir(path, family: str, seed: int = 0, longrope: bool = False, **
     tok = build_tokenizer(folder)
     fields = dict(vocab_size=len(tok), hidden_size=64, num_attention_heads=4, intermediate_size=128,
                   tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.2,
-                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
-                  **_FAMILY_DEFAULTS[family])
+                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    fields.update(_FAMILY_DEFAULTS[family])
     if longrope:
         rotary_half = 64 // 4 // 2
         g = torch.Generator().manual_seed(seed + 1)

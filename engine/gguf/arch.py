@@ -22,6 +22,23 @@ QWEN3_TENSORS = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
+# a mixture-of-experts layer's modules, in kvchat's own names for them (every loader reads its source's names into
+# these): the router [experts, hidden] (+ bias) and each expert matrix as one 3-D tensor [experts, out, in], as
+# llama.cpp stores them (a Hugging Face checkpoint's per-expert or fused tensors are read into them; their biases
+# [experts, out]). Mixtral's older GGUFs store one 2-D tensor per expert (blk.N.ffn_gate.E.weight): GGUFFile reads
+# those as the same 3-D names (hf_shapes, expert_slices).
+EXPERT_TENSORS = {"mlp.router": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+                  "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
+# llama.cpp's per-expert tensor of Mixtral's older GGUFs: ffn_gate.E -> the 3-D module above
+PER_EXPERT_TENSORS = {"ffn_gate": "mlp.experts.gate_proj", "ffn_up": "mlp.experts.up_proj",
+                      "ffn_down": "mlp.experts.down_proj"}
+QWEN3MOE_TENSORS = {**QWEN3_TENSORS, **EXPERT_TENSORS}
+# gpt-oss: biased attention, learned sink logits (attn_sinks), and the pre-MLP norm llama.cpp calls post_attention_norm
+GPT_OSS_TENSORS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.sinks": "attn_sinks", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm", **EXPERT_TENSORS,
+}
 # Gemma 2 / 3: post_attention_layernorm is the norm *after* attention; the MLP's pre-norm is ffn_norm
 GEMMA2_TENSORS = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -61,8 +78,8 @@ def layer_types(arch: str, layers: int, windowed: bool) -> list[str]:
 
 
 def family_config(gf, base: dict) -> dict:
-    """The fields beyond `base` (hf_config's Llama fields) that the GGUF `gf` of a non-Llama family gives, in
-    config.json's names; {} for the Llama family."""
+    """The fields beyond `base` (hf_config's Llama fields) that the GGUF `gf` of a non-Llama family (or a Llama file
+    with experts: Mixtral) gives, in config.json's names; {} for a dense Llama."""
     arch = gf.arch
     reader = _ARCH_FIELDS.get(arch)
     return reader(gf, arch, base) if reader else {}
@@ -74,7 +91,9 @@ def key_names(arch: str) -> dict[str, str]:
             "attn_logit_softcapping": f"{arch}.attn_logit_softcapping",
             "final_logit_softcapping": f"{arch}.final_logit_softcapping",
             "original_max_position_embeddings": f"{arch}.rope.scaling.original_context_length",
-            "rope_parameters.attention_factor": f"{arch}.rope.scaling.attn_factor"}
+            "rope_parameters.attention_factor": f"{arch}.rope.scaling.attn_factor",
+            "num_experts": f"{arch}.expert_count", "num_experts_per_tok": f"{arch}.expert_used_count",
+            "moe_intermediate_size": f"{arch}.expert_feed_forward_length"}
 
 
 def _head_dim(base: dict) -> int:
@@ -146,4 +165,58 @@ def _phi3(gf, arch: str, base: dict) -> dict:
     return cfg
 
 
-_ARCH_FIELDS = {"gemma2": _gemma, "gemma3": _gemma, "phi3": _phi3}
+def _experts(gf, arch: str, base: dict, ffn_key: str) -> dict:
+    """A mixture of experts' counts in config.json's names (num_local_experts, num_experts_per_tok and the experts'
+    intermediate size under ffn_key); {} where the file names no experts."""
+    count = gf.fields.get(f"{arch}.expert_count")
+    if not count:
+        return {}
+    used = gf.fields.get(f"{arch}.expert_used_count")
+    ffn = gf.fields.get(f"{arch}.expert_feed_forward_length", base.get("intermediate_size"))
+    return {"num_local_experts": count, "num_experts_per_tok": used, ffn_key: ffn}
+
+
+def _llama(gf, arch: str, base: dict) -> dict:
+    # Mixtral is written as arch llama with an expert count; its experts' intermediate size is feed_forward_length
+    return _experts(gf, arch, base, "intermediate_size")
+
+
+def _qwen3moe(gf, arch: str, base: dict) -> dict:
+    # llama.cpp renormalizes the top-k weights of qwen3moe unless the file says otherwise (expert_weights_norm)
+    cfg = _experts(gf, arch, base, "moe_intermediate_size")
+    cfg["norm_topk_prob"] = bool(gf.fields.get(f"{arch}.expert_weights_norm", True))
+    cfg["decoder_sparse_step"], cfg["mlp_only_layers"] = 1, []
+    if base.get("intermediate_size") is None:
+        cfg["intermediate_size"] = cfg.get("moe_intermediate_size")
+    return cfg
+
+
+def _gpt_oss(gf, arch: str, base: dict) -> dict:
+    # sliding window on the even layers (llama.cpp's swa pattern 2), YaRN as its config.json gives it (truncate off:
+    # transformers' gpt-oss reads it so), the clamped SwiGLU's published constants
+    cfg = _experts(gf, arch, base, "intermediate_size")
+    layers = int(base["num_hidden_layers"])
+    window = gf.fields.get(f"{arch}.attention.sliding_window")
+    cfg["sliding_window"] = int(window) if window else None
+    cfg["layer_types"] = ["sliding_attention" if window and i % 2 == 0 else "full_attention" for i in range(layers)]
+    kind = gf.fields.get(f"{arch}.rope.scaling.type")
+    if kind == "yarn":
+        cfg["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": float(base["rope_theta"]),
+            "factor": float(gf.field(f"{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": int(gf.field(f"{arch}.rope.scaling.original_context_length")),
+            "beta_fast": float(gf.fields.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(gf.fields.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+        cfg["rope_scaling"] = None
+    cfg["swiglu_alpha"], cfg["swiglu_limit"] = 1.702, float(gf.fields.get(f"{arch}.swiglu_limit", 7.0) or 7.0)
+    return cfg
+
+
+def _smollm3(gf, arch: str, base: dict) -> dict:
+    # llama.cpp leaves RoPE out of every fourth layer of smollm3 (n_no_rope_layer_step); a file may name another step
+    step = int(gf.fields.get(f"{arch}.no_rope_layer_interval", 4))
+    return {"no_rope_layer_interval": step}
+
+
+_ARCH_FIELDS = {"gemma2": _gemma, "gemma3": _gemma, "phi3": _phi3, "llama": _llama, "qwen3moe": _qwen3moe,
+                "gpt-oss": _gpt_oss, "smollm3": _smollm3}

@@ -81,10 +81,6 @@ class GGUFFile:
         # the architecture is known (or refused) before any tensor is looked at
         self.arch = self.field("general.architecture")
         self.family = gguf_family(str(self.arch), self.path.name)
-        experts = self.fields.get(f"{self.arch}.expert_count")
-        if experts:          # Mixtral and its kin are written as arch llama with routed experts
-            raise ModelLoadError(f"unsupported architecture {self.arch!r} with {experts} experts in {self.path.name}: "
-                                 f"mixture-of-experts families are not supported yet; kvchat runs {supported()}")
         infos = []
         for _ in range(n_tensors):
             name, pos = _string(buf, pos)
@@ -190,7 +186,8 @@ class GGUFFile:
             "num_attention_heads": self.field(f"{a}.attention.head_count"),
             "num_key_value_heads": self.fields.get(f"{a}.attention.head_count_kv"),
             "head_dim": head_dim,                 # absent: hidden_size // heads, as config.json's default
-            "intermediate_size": self.field(f"{a}.feed_forward_length"),
+            "intermediate_size": self.fields.get(f"{a}.feed_forward_length") or self.field(
+                f"{a}.expert_feed_forward_length" if f"{a}.expert_count" in self.fields else f"{a}.feed_forward_length"),
             "rms_norm_eps": self.fields.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
             "rope_theta": self.fields.get(f"{a}.rope.freq_base", 10000.0),
             "max_position_embeddings": self.fields.get(f"{a}.context_length", 4096),
@@ -199,6 +196,8 @@ class GGUFFile:
         kind = self.field(f"{a}.rope.scaling.type", "none")
         if kind == "linear":
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": self.field(f"{a}.rope.scaling.factor")}
+        elif kind == "yarn" and a == "gpt-oss":       # read with the family's fields (arch.py)
+            pass
         elif kind not in ("none", ""):
             raise ModelLoadError(f"{self.path.name}: unsupported rope scaling {kind!r}: kvchat supports none and linear")
         cfg.update(arch_fields.family_config(self, cfg))
@@ -221,13 +220,39 @@ class GGUFFile:
                "output.weight": "lm_head.weight"}
         modules = {v: k for k, v in self.family.gguf_tensors.items()}
         out = {}
+        per_expert: dict[str, list] = {}
         for name, t in self.tensors.items():
             parts = name.split(".")
             if name in top:
                 out[top[name]] = tuple(reversed(t.shape))
             elif len(parts) == 4 and parts[0] == "blk":
                 out[f"model.layers.{parts[1]}.{modules.get(parts[2], '?' + parts[2])}.{parts[3]}"] = tuple(reversed(t.shape))
+            elif len(parts) == 5 and parts[0] == "blk" and parts[2] in arch_fields.PER_EXPERT_TENSORS \
+                    and parts[3].isdigit():
+                # Mixtral's older files: one 2-D tensor per expert, read as the 3-D module [experts, out, in]
+                key = f"model.layers.{parts[1]}.{arch_fields.PER_EXPERT_TENSORS[parts[2]]}.{parts[4]}"
+                per_expert.setdefault(key, []).append((int(parts[3]), tuple(reversed(t.shape))))
+        for key, experts in per_expert.items():
+            shapes = {shape for _, shape in experts}
+            ids = sorted(e for e, _ in experts)
+            if len(shapes) != 1 or ids != list(range(len(ids))):
+                raise ModelLoadError(f"{self.path.name}: the per-expert tensors of {self.gguf_name(key)} disagree in "
+                                     f"shape or skip an expert: the file is damaged; re-download or re-convert it")
+            out[key] = (len(ids), *shapes.pop())
         return out
+
+    def expert_names(self, hf_name: str) -> list[str] | None:
+        """The per-expert 2-D tensors (blk.N.ffn_gate.E.weight) that hold the 3-D module `hf_name` in Mixtral's older
+        files, in expert order; None where the file stores it as one 3-D tensor (or not at all)."""
+        if self.has(hf_name):
+            return None
+        _, _, i, rest = hf_name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        short = {v: k for k, v in arch_fields.PER_EXPERT_TENSORS.items()}.get(module)
+        names = []
+        while short is not None and f"blk.{i}.{short}.{len(names)}.{kind}" in self.tensors:
+            names.append(f"blk.{i}.{short}.{len(names)}.{kind}")
+        return names or None
 
     def rope_factors(self) -> tuple[float, ...] | None:
         """Llama 3.x GGUFs store their rope scaling as per-frequency divisors (rope_freqs.weight)."""
@@ -235,6 +260,9 @@ class GGUFFile:
         return tuple(float(v) for v in np.asarray(t.data, dtype=np.float32)) if t is not None else None
 
     def gguf_name(self, hf_name: str) -> str:
+        """llama.cpp's name of a tensor kvchat names `hf_name` (a name that is already llama.cpp's passes through)."""
+        if hf_name.startswith("blk."):
+            return hf_name
         if hf_name == "model.embed_tokens.weight":
             return "token_embd.weight"
         if hf_name == "model.norm.weight":

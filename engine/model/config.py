@@ -12,7 +12,7 @@ import numpy as np
 
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.families import Ropes, family, family_of
-from kvchat.engine.model.spec import LayerSpec, Rope
+from kvchat.engine.model.spec import LayerSpec, Rope, yarn_attention_factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,9 +253,11 @@ def _rope(params: dict, theta, cfg: dict, dims: int | None, source: str,
                    float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
     elif rtype in ("longrope", "su"):
         scaling, attention_factor = _longrope(params, cfg, dims, source)
+    elif rtype == "yarn":
+        scaling, attention_factor = _yarn(params, cfg, source)
     else:
-        raise ModelLoadError(f"unsupported rope scaling {rtype!r}: kvchat supports default, linear, llama3 and "
-                             f"longrope")
+        raise ModelLoadError(f"unsupported rope scaling {rtype!r}: kvchat supports default, linear, llama3, yarn "
+                             f"and longrope")
     return Rope(float(theta), scaling, dims), attention_factor
 
 
@@ -283,6 +285,31 @@ def _longrope(params: dict, cfg: dict, dims: int | None, source: str) -> tuple[t
         raise ModelLoadError(f"{source} has longrope attention_factor={attention!r}: it must be a finite number "
                              f"above 0")
     return ("factors", tuple(float(f) for f in short)), float(attention)
+
+
+def _yarn(params: dict, cfg: dict, source: str) -> tuple[tuple, float]:
+    """YaRN as ("yarn", factor, beta_fast, beta_slow, original, truncate) and its attention factor: as given, else
+    0.1 ln(factor) + 1 (or the mscale / mscale_all_dim ratio where both are given), as transformers reads them."""
+    original = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ModelLoadError(f"{source} has yarn rope scaling without a positive original_max_position_embeddings "
+                             f"({original!r}): the model's settings are damaged")
+    factor = params.get("factor") or cfg.get("max_position_embeddings", original) / original
+    values = {"factor": factor, "beta_fast": params.get("beta_fast") or 32.0, "beta_slow": params.get("beta_slow") or 1.0}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ModelLoadError(f"{source} has yarn {key}={value!r}: it must be a finite number above 0")
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (yarn_attention_factor(factor) if not (mscale and mscale_all) else
+                     (1.0 if factor <= 1 else (0.1 * mscale * math.log(factor) + 1) /
+                      (0.1 * mscale_all * math.log(factor) + 1)))
+    if isinstance(attention, bool) or not isinstance(attention, (int, float)) or not 0 < attention < math.inf:
+        raise ModelLoadError(f"{source} has yarn attention_factor={attention!r}: it must be a finite number above 0")
+    truncate = bool(params.get("truncate", True))
+    return ("yarn", float(factor), float(values["beta_fast"]), float(values["beta_slow"]), int(original),
+            truncate), float(attention)
 
 
 def _longrope_sets(cfg: dict) -> tuple:
@@ -343,6 +370,12 @@ def layer_modules(mc: ModelConfig, spec: LayerSpec) -> dict[str, tuple[str, ...]
                "o": ("self_attn.o_proj",),
                "gate_up": ("mlp.gate_up_proj",) if fused else ("mlp.gate_proj", "mlp.up_proj"),
                "down": ("mlp.down_proj",), "norm_attn": ("input_layernorm",)}
+    if spec.experts is not None:        # a routed MLP: the router and the experts' 3-D matrices (families.EXPERT_TENSORS)
+        del modules["gate_up"], modules["down"]
+        modules.update(router=("mlp.router",), experts_gate=("mlp.experts.gate_proj",),
+                       experts_up=("mlp.experts.up_proj",), experts_down=("mlp.experts.down_proj",))
+    if spec.sink_logits:
+        modules["sinks"] = ("self_attn.sinks",)
     if spec.post_norms:
         modules.update(post_attn_norm=("post_attention_layernorm",), norm_mlp=("pre_feedforward_layernorm",),
                        post_mlp_norm=("post_feedforward_layernorm",))
@@ -372,17 +405,38 @@ def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]
         p = f"model.layers.{i}."
         modules = layer_modules(mc, spec)
         biased = {"qkv": spec.qkv_bias, "o": spec.o_bias, "gate_up": spec.mlp_bias, "down": spec.mlp_bias}
-        for part in ("qkv", "o", "gate_up", "down"):
+        dense = [part for part in ("qkv", "o", "gate_up", "down") if part in modules]
+        for part in dense:
             for name in modules[part]:
                 out[p + name + ".weight"] = ((rows[name], q if part == "o" else f if part == "down" else h), True)
         for part, names in modules.items():
-            if part in biased:
+            if part in biased or part.startswith(("router", "experts", "sinks")):
                 continue
             out[p + names[0] + ".weight"] = ((d if part in ("q_norm", "k_norm") else h,), True)
-        for part in ("qkv", "o", "gate_up", "down"):
+        for part in dense:
             if biased[part]:
                 for name in modules[part]:
                     out[p + name + ".bias"] = ((rows[name],), True)
+        if spec.sink_logits:
+            out[p + "self_attn.sinks.weight"] = (((mc.num_heads, ("num_attention_heads",)),), True)
+        if spec.experts is not None:
+            out.update(expert_shapes(p, spec.experts, h))
+    return out
+
+
+def expert_shapes(p: str, ex, h: _Dim) -> dict:
+    """A routed MLP's tensors under layer prefix p: the router [experts, hidden], each expert matrix [experts, out,
+    in], and their biases where the description has them."""
+    e, fe = (ex.count, ("num_experts",)), (ex.ffn, ("moe_intermediate_size",))
+    out = {p + "mlp.router.weight": ((e, h), True),
+           p + "mlp.experts.gate_proj.weight": ((e, fe, h), True),
+           p + "mlp.experts.up_proj.weight": ((e, fe, h), True),
+           p + "mlp.experts.down_proj.weight": ((e, h, fe), True)}
+    if ex.router_bias:
+        out[p + "mlp.router.bias"] = ((e,), True)
+    if ex.expert_bias:
+        out.update({p + "mlp.experts.gate_proj.bias": ((e, fe), True), p + "mlp.experts.up_proj.bias": ((e, fe), True),
+                    p + "mlp.experts.down_proj.bias": ((e, h), True)})
     return out
 
 

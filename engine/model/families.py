@@ -7,12 +7,13 @@ family's layer do?" reads this table: the loaders, the GGUF reader, the estimate
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvchat.engine.errors import ModelLoadError
-from kvchat.engine.gguf.arch import GEMMA2_TENSORS, GEMMA3_TENSORS, PHI3_TENSORS, QWEN3_TENSORS
-from kvchat.engine.model.spec import LayerSpec, Rope
+from kvchat.engine.gguf.arch import EXPERT_TENSORS, GEMMA2_TENSORS, GEMMA3_TENSORS, GPT_OSS_TENSORS, PHI3_TENSORS, QWEN3_TENSORS, \
+    QWEN3MOE_TENSORS
+from kvchat.engine.model.spec import Experts, LayerSpec, Rope
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ LLAMA_TENSORS = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
+LLAMA_TENSORS.update(EXPERT_TENSORS)         # Mixtral's GGUFs are arch llama
 
 
 @dataclass(frozen=True, slots=True, eq=False)       # each family is one object: compared as itself
@@ -57,12 +59,15 @@ class Family:
     fused_projections: bool = False       # a Hugging Face folder stores self_attn.qkv_proj and mlp.gate_up_proj (Phi-3)
 
 
-def _llama(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+def _llama(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes, experts: Experts | None = None) -> Description:
     # attention_bias: q, k, v and o together (InternLM-style exports); mlp_bias: gate, up and down. Mistral's
-    # sliding_window is not read: kvchat has run its models with full attention (v0.3 and later have none)
+    # sliding_window is not read: kvchat has run its models with full attention (v0.3 and later have none). A
+    # Llama GGUF with an expert count is Mixtral's (llama.cpp writes Mixtral as arch llama)
     attn = bool(cfg.get("attention_bias", False))
+    if experts is None and cfg.get("num_local_experts"):
+        experts = _experts_of(cfg, "intermediate_size", normalize=True)
     layer = LayerSpec(rope=ropes.full, query_scale=head_dim ** -0.5, qkv_bias=attn, o_bias=attn,
-                      mlp_bias=bool(cfg.get("mlp_bias", False)))
+                      mlp_bias=bool(cfg.get("mlp_bias", False)), experts=experts)
     return Description((layer,) * n_layers)
 
 
@@ -157,6 +162,77 @@ def _gemma3(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Descriptio
     return _gemma(cfg, n_layers, head_dim, ropes, qk_norm=True, every=6)
 
 
+def _experts_of(cfg: dict, ffn_key: str, *, normalize: bool, **kw) -> Experts:
+    """The routed MLP a config names: num_experts (Qwen) or num_local_experts (Mixtral, gpt-oss), top
+    num_experts_per_tok, each of intermediate size cfg[ffn_key]; a count that is not a whole number, or more used
+    than there are, is a one-line error naming the field."""
+    count = cfg.get("num_experts", cfg.get("num_local_experts"))
+    used, ffn = cfg.get("num_experts_per_tok"), cfg.get(ffn_key)
+    for key, value in (("num_experts", count), ("num_experts_per_tok", used), (ffn_key, ffn)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= (1 << 20):
+            raise ModelLoadError(f"{key}={value!r}: a mixture of experts needs a positive whole number")
+    if used > count:
+        raise ModelLoadError(f"num_experts_per_tok={used} but the model has only {count} experts: the model's "
+                             f"settings are damaged")
+    return Experts(count, used, ffn, normalize=normalize, **kw)
+
+
+def _mixtral(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    # MixtralSparseMoeBlock: softmax over all experts, the top num_experts_per_tok renormalized, SwiGLU experts of
+    # intermediate_size; attention as Llama's (no biases). A Llama GGUF with expert_count reads the same fields
+    return _llama(cfg, n_layers, head_dim, ropes, _experts_of(cfg, "intermediate_size", normalize=True))
+
+
+def _qwen3_moe(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    # Qwen3MoeDecoderLayer: Qwen3's attention (q/k norms); a layer's MLP is routed unless it is one of
+    # mlp_only_layers or off the decoder_sparse_step grid ((i + 1) % step == 0 is sparse); experts of
+    # moe_intermediate_size, the top-k renormalized only where norm_topk_prob
+    dense = _qwen3(cfg, n_layers, head_dim, ropes)
+    experts = _experts_of(cfg, "moe_intermediate_size", normalize=bool(cfg.get("norm_topk_prob", False)))
+    step = cfg.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ModelLoadError(f"decoder_sparse_step={step!r}: it must be a positive whole number")
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ModelLoadError(f"mlp_only_layers={only!r}: expected a list of layer numbers")
+    layers = tuple(replace(layer, experts=None if i in only or (i + 1) % step else experts)
+                   for i, layer in enumerate(dense.layers))
+    return Description(layers)
+
+
+def _gpt_oss(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    # GptOssDecoderLayer: biased q, k, v, o; learned sink logits per head; sliding and full layers by layer_types
+    # (sliding on even layers by default); YaRN, its attention factor folded into the query scale; router with a
+    # bias, softmax over the top-k logits (the renormalized top-k of the softmax: the same numbers); experts with
+    # biases and the clamped SwiGLU (alpha, limit)
+    sliding = layer_types(cfg, n_layers, 2)
+    window = _window(cfg) if any(sliding) else None
+    experts = _experts_of(cfg, "intermediate_size", normalize=True, router_bias=True, expert_bias=True,
+                          activation="swiglu_oai", alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                          limit=float(cfg.get("swiglu_limit", 7.0)))
+    scale = head_dim ** -0.5 * ropes.attention_factor ** 2
+    layers = tuple(LayerSpec(rope=ropes.full, query_scale=scale, window=window if s else None, qkv_bias=True,
+                             o_bias=True, sink_logits=True, experts=experts) for s in sliding)
+    return Description(layers)
+
+
+def _smollm3(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    # SmolLM3: a Llama layer, where no_rope_layers[i] == 0 marks a layer without rotary embeddings (by default
+    # every no_rope_layer_interval-th); sliding layers only where use_sliding_window
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = cfg.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
+    if not isinstance(flags, list) or len(flags) != n_layers or not all(f in (0, 1) for f in flags):
+        raise ModelLoadError(f"no_rope_layers={flags!r}: expected {n_layers} entries of 0 or 1")
+    window = _window(cfg) if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None else None
+    attn = bool(cfg.get("attention_bias", False))
+    nope = Rope(ropes.full.theta, ("nope",), ropes.full.dims)
+    layers = tuple(LayerSpec(rope=ropes.full if f else nope, query_scale=head_dim ** -0.5, window=window,
+                             qkv_bias=attn, o_bias=attn, mlp_bias=bool(cfg.get("mlp_bias", False))) for f in flags)
+    return Description(layers)
+
+
 def _phi3(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
     # Phi3Attention: fused qkv_proj / gate_up_proj, no biases; sliding_window, where set, on every layer (one mask
     # for the whole model); LongRoPE's attention factor scales cos and sin, so q . k by its square
@@ -175,14 +251,21 @@ FAMILIES: tuple[Family, ...] = (
     # model's own folders (gemma3_text) are read; a GGUF of either is general.architecture "gemma3"
     Family("gemma3", ("gemma3_text",), "gemma3", False, _gemma3, gguf_tensors=GEMMA3_TENSORS),
     Family("phi3", ("phi3",), "phi3", False, _phi3, gguf_tensors=PHI3_TENSORS, fused_projections=True),
+    # mixtures of experts. Mixtral's GGUF is arch llama (the llama family reads its expert count); a Hugging Face
+    # folder names its modules block_sparse_moe.experts.E.w1 / w2 / w3 (the loader reads them as EXPERT_TENSORS)
+    Family("mixtral", ("mixtral",), "llama", True, _mixtral),
+    Family("qwen3_moe", ("qwen3_moe",), "qwen3moe", False, _qwen3_moe, gguf_tensors=QWEN3MOE_TENSORS),
+    Family("gpt_oss", ("gpt_oss",), "gpt-oss", False, _gpt_oss, gguf_tensors=GPT_OSS_TENSORS),
+    Family("smollm3", ("smollm3",), "smollm3", False, _smollm3),
 )
 # mixture-of-experts families: named in the error as such (their routed MLPs are not a layer kvchat computes yet)
-MOE_ARCHITECTURES = frozenset({"qwen2_moe", "qwen3_moe", "qwen2moe", "qwen3moe", "mixtral", "gpt_oss", "gpt-oss",
-                               "deepseek_v2", "deepseek_v3", "deepseek2", "dbrx", "olmoe", "granitemoe", "phimoe",
+MOE_ARCHITECTURES = frozenset({"qwen2_moe", "qwen2moe", "deepseek_v2", "deepseek_v3", "deepseek2", "dbrx", "olmoe", "granitemoe", "phimoe",
                                "jamba", "llama4", "llama4_text", "minimax", "glm4_moe", "glm4moe", "ernie4_5_moe",
                                "hunyuan_v1_moe", "arctic", "grok", "jetmoe", "bailingmoe", "dots1", "qwen3_next"})
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
-_BY_GGUF_ARCH = {f.gguf_arch: f for f in FAMILIES}
+_BY_GGUF_ARCH: dict[str, Family] = {}
+for _f in FAMILIES:          # the first family of an arch reads its GGUFs (llama: Llama and Mixtral alike)
+    _BY_GGUF_ARCH.setdefault(_f.gguf_arch, _f)
 
 
 def family_of(model_type: str) -> Family | None:
@@ -213,8 +296,8 @@ def gguf_family(arch: str, where: str) -> Family:
 
 def _unsupported(name: str, where: str) -> ModelLoadError:
     if name in MOE_ARCHITECTURES:
-        return ModelLoadError(f"unsupported architecture {name!r} in {where}: mixture-of-experts families are not "
-                              f"supported yet; kvchat runs {supported()}")
+        return ModelLoadError(f"unsupported architecture {name!r} in {where}: mixture-of-experts families other than "
+                              f"mixtral, qwen3_moe and gpt_oss are not supported yet; kvchat runs {supported()}")
     if name == "gemma3":
         return ModelLoadError(f"unsupported architecture 'gemma3' in {where}: this is Gemma 3's multimodal folder; "
                               f"kvchat runs its text model (model_type gemma3_text, or a Gemma 3 GGUF); it runs "

@@ -15,6 +15,9 @@ import numpy as np
 
 # the gated MLP's activation on the gate: SwiGLU (Llama, Qwen, Phi-3) or GELU with the tanh approximation (Gemma)
 ACTIVATIONS = ("silu", "gelu_tanh")
+# an expert's activation: SwiGLU, or gpt-oss's clamped one (gate clamped above at `limit`, up to [-limit, limit],
+# gate * sigmoid(alpha * gate) * (up + 1))
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +26,11 @@ class Rope:
 
     scaling: () none; ("linear", factor, 0.0, 0.0, 0); ("llama3", factor, low_freq_factor, high_freq_factor,
     original_max); ("factors", (divisor, ...)): one divisor per frequency, a GGUF's rope_freqs tensor or
-    LongRoPE's short or long factors (Phi-3).
+    LongRoPE's short or long factors (Phi-3); ("yarn", factor, beta_fast, beta_slow, original_max, truncate):
+    YaRN's blend of interpolated and extrapolated frequencies (gpt-oss; its attention factor, like LongRoPE's,
+    is folded into LayerSpec.query_scale); ("nope",): a layer that does not rotate at all (SmolLM3's every fourth
+    layer): every frequency 0, so cos 1 and sin 0 and the rotation is exactly the identity, through the same
+    per-layer tables as any other rope.
     LongRoPE (Phi-3 / Phi-4-mini) has two sets: the short factors for positions up to
     original_max_position_embeddings, the long ones past it. transformers switches the whole sequence (every key
     already cached included) to the long ones once it passes that length, which a cache of rotated keys cannot
@@ -41,9 +48,13 @@ class Rope:
         table every RoPE (Python, C) turns with: position p rotates pair i (i, i + half) by p * inv[i]."""
         d = self.dims or head_dim
         inv = 1.0 / (self.theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if self.scaling == ("nope",):
+            return np.zeros(d // 2, dtype=np.float32)
         if self.scaling:
             kind, factor = self.scaling[:2]
-            if kind == "linear":
+            if kind == "yarn":
+                inv = _yarn(inv, d, self.theta, *self.scaling[1:])
+            elif kind == "linear":
                 inv = inv / factor
             elif kind == "factors":
                 inv = inv / np.asarray(factor, dtype=np.float64)
@@ -56,6 +67,34 @@ class Rope:
                 mid = (wavelen <= low_wl) & (wavelen >= high_wl)
                 inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
         return inv.astype(np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class Experts:
+    """A layer's MLP as a mixture of experts: a router picks `used` of `count` experts per token, and the token's
+    MLP output is the experts' outputs weighted by the router's probabilities.
+
+    Routing: softmax over all `count` router logits (plus the router's bias where router_bias), the top `used`
+    kept; normalize: those renormalized to sum to 1 (Mixtral and gpt-oss always, Qwen3-MoE by norm_topk_prob;
+    softmax over the selected logits alone, as gpt-oss writes it, is the same numbers). Each expert is a gated
+    MLP of intermediate size `ffn`: down(act(gate(x)) * up(x)), with biases on gate, up and down where
+    expert_bias (gpt-oss). activation: one of EXPERT_ACTIVATIONS; alpha, limit: swiglu_oai's constants.
+    """
+    count: int
+    used: int
+    ffn: int
+    normalize: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation {self.activation!r}: one of {', '.join(EXPERT_ACTIVATIONS)}")
+        if not 0 < self.used <= self.count:
+            raise ValueError(f"{self.used} experts used per token of {self.count}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +111,10 @@ class LayerSpec:
         query_pre_attn_scalar ** -0.5, or head_dim ** -0.5 times the square of LongRoPE's attention factor.
     attn_softcap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2); None: not capped.
     qkv_bias / o_bias / mlp_bias: the projections with a bias (Qwen2: q, k and v).
+    sink_logits: the layer has learned per-head sink logits (gpt-oss): one extra logit per query head that joins
+        the softmax's denominator and takes mass without a value (the weights hold them, [num_heads] float32).
+        Not to be confused with the cache's StreamingLLM sinks (CacheConfig.sinks), which are tokens.
+    experts: the MLP is a mixture of experts (Experts); None: one dense gated MLP.
     """
     rope: Rope
     query_scale: float
@@ -84,6 +127,8 @@ class LayerSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    sink_logits: bool = False
+    experts: Experts | None = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -101,7 +146,30 @@ class LayerSpec:
         the linears say (kernel_parts)."""
         return (self.norm_offset == 0.0 and not self.post_norms and self.activation == "silu"
                 and self.rope.dims is None and self.window is None and self.attn_softcap is None
-                and not self.has_bias)
+                and not self.has_bias and not self.sink_logits and self.experts is None)
+
+
+def _yarn(inv: np.ndarray, d: int, theta: float, factor: float, beta_fast: float, beta_slow: float,
+          original: int, truncate: bool) -> np.ndarray:
+    """YaRN (Peng et al. 2023, as transformers' _compute_yarn_parameters computes it): frequencies that turn fewer
+    than beta_slow times over the original context are interpolated (divided by factor), those that turn more than
+    beta_fast times kept, a linear ramp between."""
+    def dim_of(rotations):
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp                                   # the extrapolated (kept) share of each frequency
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's default attention factor (its mscale): 0.1 ln(factor) + 1, 1 for factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
 def rope_cos_sin_numpy(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -22,6 +22,7 @@ from kvchat.kernels import cpu_quant
 
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.model.experts import RoutedMLP
 from kvchat.engine.model.linears import rms_norm
 from kvchat.engine.model.spec import LayerSpec
 
@@ -57,21 +58,32 @@ def _field(spec: LayerSpec, name: str):
 class Layer:
     """One decoder layer's weights: q/k/v and gate/up fused so a step runs fewer, larger matmuls. Norms hold the
     multiplier each applies (Gemma's 1 + w already added); q_norm / k_norm [head_dim] where the spec has qk_norm,
-    post_attn_norm / post_mlp_norm where it has post_norms, else None."""
+    post_attn_norm / post_mlp_norm where it has post_norms, else None. A mixture-of-experts layer has `mlp` (an
+    experts.RoutedMLP) instead of gate_up / down; sinks: the learned sink logits [num_heads] float32 where the spec
+    has sink_logits (the attention backends read them through runner's LayerScores)."""
     __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "q_norm", "k_norm", "post_attn_norm",
-                 "post_mlp_norm")
+                 "post_mlp_norm", "mlp", "sinks")
 
     def __init__(self, qkv, o, gate_up, down, norm_attn: torch.Tensor, norm_mlp: torch.Tensor,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                 post_attn_norm: torch.Tensor | None = None, post_mlp_norm: torch.Tensor | None = None):
+                 post_attn_norm: torch.Tensor | None = None, post_mlp_norm: torch.Tensor | None = None,
+                 mlp: RoutedMLP | None = None, sinks: torch.Tensor | None = None):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.norm_attn, self.norm_mlp = norm_attn, norm_mlp
         self.q_norm, self.k_norm = q_norm, k_norm
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
+        self.mlp, self.sinks = mlp, sinks
 
     def norms(self) -> list[torch.Tensor]:
+        """The layer's vectors: norms, sink logits and the routed MLP's biases."""
+        extra = [self.sinks] + (self.mlp.tensors() if self.mlp is not None else [])
         return [t for t in (self.norm_attn, self.norm_mlp, self.q_norm, self.k_norm, self.post_attn_norm,
-                            self.post_mlp_norm) if t is not None]
+                            self.post_mlp_norm, *extra) if t is not None]
+
+    def linears(self) -> list:
+        """Every linear of the layer (a routed MLP's router and experts included)."""
+        dense = [p for p in (self.qkv, self.o, self.gate_up, self.down) if p is not None]
+        return dense + (self.mlp.linears() if self.mlp is not None else [])
 
 
 class Transformer:
@@ -91,7 +103,8 @@ class Transformer:
                                      f"does not compute yet")
             # the weights a spec's fields need (a loader that built a Layer without them is a programming error)
             for name, need in (("q_norm", spec.qk_norm), ("k_norm", spec.qk_norm),
-                               ("post_attn_norm", spec.post_norms), ("post_mlp_norm", spec.post_norms)):
+                               ("post_attn_norm", spec.post_norms), ("post_mlp_norm", spec.post_norms),
+                               ("mlp", spec.experts is not None), ("sinks", spec.sink_logits)):
                 if need and getattr(L, name) is None:
                     raise ValueError(f"layer {i}: its spec asks for {name}, but the layer has no such weight")
         self.config = config
@@ -135,6 +148,10 @@ class Transformer:
                 x = x + rms_norm(L.o.fused(o, split=split), L.post_attn_norm, eps)
             else:
                 x = L.o.fused(o, residual=x, split=split)
+            if L.mlp is not None:               # a routed MLP: only the experts each row is routed to
+                y = L.mlp.fused(x, L.norm_mlp, eps, None if spec.post_norms else x, split)
+                x = x + rms_norm(y, L.post_mlp_norm, eps) if spec.post_norms else y
+                continue
             gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps, split=split)
             if spec.post_norms:
                 x = x + rms_norm(L.down.fused(gu, swiglu=True, split=split, act=spec.activation), L.post_mlp_norm, eps)
@@ -210,14 +227,14 @@ class Transformer:
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold resident: packed codes, scales, norms and the embedding table."""
-        linears = [self.table, self.lm_head] + [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
+        linears = [self.table, self.lm_head] + [p for L in self.layers for p in L.linears()]
         norms = [self.norm] + [t for L in self.layers for t in L.norms()]
         total = sum(lin.nbytes for lin in {id(x): x for x in linears}.values())
         return total + sum(t.numel() * t.element_size() for t in norms)
 
     def _packed(self) -> list:
         from kvchat.engine.model.linears import _Packed
-        linears = [self.table, self.lm_head] + [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
+        linears = [self.table, self.lm_head] + [p for L in self.layers for p in L.linears()]
         return [part for lin in linears for part in getattr(lin, "parts", [lin]) if isinstance(part, _Packed)]
 
     def set_prefill(self, dtype: torch.dtype) -> None:
@@ -236,5 +253,4 @@ class Transformer:
     def linear_kinds(self) -> dict[str, int]:
         """Packed kind -> number of linears, e.g. {"int4": 120, "int8": 1}."""
         from collections import Counter
-        return dict(Counter(p.kind for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down))
-                    + Counter([self.lm_head.kind]))
+        return dict(Counter(p.kind for L in self.layers for p in L.linears()) + Counter([self.lm_head.kind]))

@@ -20,15 +20,19 @@ from kvchat.engine.gguf.blocks import packed_matrix, unpermute_rows
 from kvchat.engine.gguf.file import GGUFFile
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.config import ModelConfig
+from kvchat.engine.model.experts import RoutedMLP, expert_views
 from kvchat.engine.model.transformer import Layer, Transformer
 from kvchat.engine.model.config import check_weight_shapes, layer_modules
 from kvchat.engine.model.linears import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
 
-def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "") -> Transformer:
+def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "",
+              per_expert=lambda name: None) -> Transformer:
     """linear(names, bias_names) -> a linear (several names: concatenated along the output); tensor(name, offset)
     -> a norm vector holding the multiplier the norm applies, offset + w, where the source stores w (LayerSpec's
     norm_offset: Gemma's (1 + w)). Whether the stored vector is w or already offset + w is the source's to know,
-    so each loader's tensor() says which it adds. Module names per family: config.layer_modules."""
+    so each loader's tensor() says which it adds. Module names per family: config.layer_modules. per_expert(name)
+    -> the names of one tensor per expert where the source stores a 3-D expert matrix that way (Mixtral's older
+    GGUFs), else None: the 3-D tensor is then one linear, cut into its experts without a copy."""
     layers = []
     for i, spec in enumerate(mc.layers):
         p = f"model.layers.{i}."
@@ -42,12 +46,17 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
             names = modules.get(part)
             return None if names is None else tensor(p + names[0] + ".weight", spec.norm_offset)
 
+        mlp = None
+        if spec.experts is not None:
+            mlp = _routed(spec.experts, p, linear, tensor, per_expert)
         layers.append(Layer(
             qkv=lin("qkv", spec.qkv_bias), o=lin("o", spec.o_bias),
-            gate_up=lin("gate_up", spec.mlp_bias), down=lin("down", spec.mlp_bias),
+            gate_up=lin("gate_up", spec.mlp_bias) if mlp is None else None,
+            down=lin("down", spec.mlp_bias) if mlp is None else None,
             norm_attn=norm("norm_attn"), norm_mlp=norm("norm_mlp"),
             q_norm=norm("q_norm"), k_norm=norm("k_norm"),
-            post_attn_norm=norm("post_attn_norm"), post_mlp_norm=norm("post_mlp_norm")))
+            post_attn_norm=norm("post_attn_norm"), post_mlp_norm=norm("post_mlp_norm"),
+            mlp=mlp, sinks=tensor(p + "self_attn.sinks.weight").float() if spec.sink_logits else None))
     table = linear(["model.embed_tokens.weight"], None)
     head = table if mc.tie_word_embeddings else linear(["lm_head.weight"], None)
     # the final norm is the family's kind too (Gemma: 1 + w)
@@ -55,10 +64,80 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
     return Transformer(mc, table, layers, tensor("model.norm.weight", offset), head, dtype, device, weights, quant)
 
 
+def _routed(ex, p: str, linear, tensor, per_expert) -> RoutedMLP:
+    """A layer's routed MLP (config.expert_shapes names its tensors): each 3-D expert matrix one linear cut into its
+    experts (or one linear per stored expert), biases [experts, out]."""
+    def experts(module: str) -> list:
+        name = p + module + ".weight"
+        names = per_expert(name)
+        if names is not None:
+            return [linear([n], None) for n in names]
+        return expert_views(linear([name], None), ex.count)
+
+    def bias(module: str) -> torch.Tensor | None:
+        return tensor(p + module + ".bias").float().reshape(ex.count, -1) if ex.expert_bias else None
+
+    router_bias = tensor(p + "mlp.router.bias").float() if ex.router_bias else None
+    return RoutedMLP(ex, linear([p + "mlp.router.weight"], None), router_bias, experts("mlp.experts.gate_proj"),
+                     experts("mlp.experts.up_proj"), experts("mlp.experts.down_proj"), bias("mlp.experts.gate_proj"),
+                     bias("mlp.experts.up_proj"), bias("mlp.experts.down_proj"))
+
+
 # ---- safetensors ---------------------------------------------------------------------------------
+
+def expert_state(model_type: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint's mixture-of-experts tensors under kvchat's names (config.expert_shapes): per-expert
+    2-D tensors stacked into [experts, out, in], fused gate | up split, gpt-oss's [experts, in, 2 x ffn] with gate and
+    up interleaved taken apart and turned to [experts, out, in]; gpt-oss's sinks named as a weight. Other tensors
+    as they are."""
+    out, stacks = {}, {}
+    renames = {"block_sparse_moe.gate.": "mlp.router.", "mlp.gate.": "mlp.router.", "block_sparse_moe.": "mlp."}
+    per = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "gate_proj": "gate_proj", "up_proj": "up_proj",
+           "down_proj": "down_proj"}
+    for name, t in state.items():
+        for old, new in renames.items():
+            if old in name:
+                name = name.replace(old, new, 1)
+                break
+        head, sep, rest = name.partition(".mlp.experts.")
+        if sep and rest.split(".")[0].isdigit():             # mlp.experts.E.<proj>.weight
+            e, proj, kind = rest.split(".")
+            stacks.setdefault(f"{head}.mlp.experts.{per[proj]}.{kind}", {})[int(e)] = t
+        elif sep and rest in ("gate_up_proj", "gate_up_proj_bias"):
+            kind = "bias" if rest.endswith("_bias") else "weight"
+            if model_type == "gpt_oss":                   # [E, H, 2F] (bias [E, 2F]), gate and up interleaved
+                gate, up = t[..., 0::2], t[..., 1::2]
+                if kind == "weight":
+                    gate, up = gate.transpose(1, 2), up.transpose(1, 2)
+            else:                                         # [E, 2F, H]: gate rows, then up rows
+                gate, up = t.chunk(2, dim=1)
+            out[f"{head}.mlp.experts.gate_proj.{kind}"] = gate.contiguous()
+            out[f"{head}.mlp.experts.up_proj.{kind}"] = up.contiguous()
+        elif sep and rest in ("down_proj", "down_proj_bias"):
+            kind = "bias" if rest.endswith("_bias") else "weight"
+            if model_type == "gpt_oss" and kind == "weight":      # [E, F, H] -> [E, H, F]
+                t = t.transpose(1, 2)
+            out[f"{head}.mlp.experts.down_proj.{kind}"] = t.contiguous()
+        elif name.endswith(".self_attn.sinks"):
+            out[name + ".weight"] = t
+        else:
+            out[name] = t
+    for name, by_expert in stacks.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ModelLoadError(f"the checkpoint's experts of {name} skip a number: it is incomplete")
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
 
 def from_state_dict(mc: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
                     weights: str) -> Transformer:
+    if any(spec.experts is not None or spec.sink_logits for spec in mc.layers):
+        if any(name.endswith(("_blocks", "_scales")) for name in state):
+            raise ModelLoadError("this checkpoint stores its experts as MXFP4 blocks in safetensors, which kvchat does "
+                                 "not read: use the model's GGUF (it keeps MXFP4 packed)")
+        moved = expert_state(mc.model_type, state)
+        state.clear()
+        state.update(moved)
     check_weight_shapes(mc, {name: tuple(t.shape) for name, t in state.items()}, "config.json", {})
     if mc.tie_word_embeddings or "lm_head.weight" not in state:
         mc = _tied(mc)
@@ -81,6 +160,8 @@ def from_state_dict(mc: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
 
     def linear(names, bias_names):
         w = torch.cat([get(n) for n in names], 0) if len(names) > 1 else get(names[0])
+        if w.dim() == 3:                  # experts [E, out, in]: one linear over their rows, cut by _routed
+            w = w.reshape(-1, w.shape[-1])
         b = cat_bias([tensor(n) for n in bias_names]) if bias_names else None
         if weights in ("int8", "int4"):
             return quantize_float(w, b, weights)
@@ -160,7 +241,8 @@ def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, we
     if mc.tie_word_embeddings or not gf.has("lm_head.weight"):
         mc = _tied(mc)
     with _one_thread():
-        return _assemble(mc, linear, tensor, dtype, device, "gguf" if packed else weights, gf.quant_summary())
+        return _assemble(mc, linear, tensor, dtype, device, "gguf" if packed else weights, gf.quant_summary(),
+                         gf.expert_names)
 
 
 @contextmanager

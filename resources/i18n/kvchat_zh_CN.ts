@@ -809,12 +809,8 @@ prefill {prefill} tok/s</source>
         <translation>{where} 中的架构 {arch} 不受支持：kvchat 运行 Llama 系列（{supported}）</translation>
     </message>
     <message>
-        <source>unsupported architecture {arch} in {where}: mixture-of-experts families are not supported yet; kvchat runs {supported}</source>
-        <translation>{where} 中的架构 {arch} 不受支持：暂不支持混合专家（MoE）系列；kvchat 运行 {supported}</translation>
-    </message>
-    <message>
-        <source>unsupported architecture {arch} with {experts} experts in {where}: mixture-of-experts families are not supported yet; kvchat runs {supported}</source>
-        <translation>{where} 中带 {experts} 个专家的架构 {arch} 不受支持：暂不支持混合专家（MoE）系列；kvchat 运行 {supported}</translation>
+        <source>unsupported architecture {arch} in {where}: mixture-of-experts families other than mixtral, qwen3_moe and gpt_oss are not supported yet; kvchat runs {supported}</source>
+        <translation>{where} 中的架构 {arch} 不受支持：除 mixtral、qwen3_moe 和 gpt_oss 外，暂不支持其他混合专家（MoE）系列；kvchat 运行 {supported}</translation>
     </message>
     <message>
         <source>unsupported architecture &apos;gemma3&apos; in {where}: this is Gemma 3&apos;s multimodal folder; kvchat runs its text model (model_type gemma3_text, or a Gemma 3 GGUF); it runs {supported}</source>

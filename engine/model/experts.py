@@ -1,0 +1,134 @@
+"""A mixture-of-experts MLP over packed experts: only the experts a token is routed to are read.
+
+A GGUF stores each expert matrix of a layer as one 3-D tensor with the expert as its slowest dimension, so expert
+e is rows e * out .. (e + 1) * out of the packed 2-D form the loader makes of it: `expert_views` cuts a packed (or
+dense) linear into one linear per expert without copying a byte, and the decode kernels read exactly the k routed
+slabs per token. Older Mixtral GGUFs store one tensor per expert: those are one linear each to begin with.
+
+Routing is the description's (engine/model/spec.py: Experts): softmax over every router logit (plus its bias),
+the top `used` kept and, where `normalize`, renormalized. Prompt rows are grouped by expert, each group one call
+of that expert's linears; the decode rows of a step (the first `split`) go through the C kernels whatever their
+group's size, so that a token's numbers never depend on what it was batched with.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvchat.engine.model.linears import DenseLinear, Q4Linear, Q8Linear, rms_norm
+from kvchat.engine.model.spec import Experts
+
+
+def expert_views(linear, count: int) -> list:
+    """One linear per expert from a linear over `count` experts' rows stacked [count * out, in]: views of its codes,
+    scales or weights (nothing copied). A kind that cannot be cut is a ValueError."""
+    n = linear.out_features
+    if n % count:
+        raise ValueError(f"{n} rows are not {count} experts' worth")
+    out = n // count
+    views = []
+    for e in range(count):
+        lo, hi = e * out, (e + 1) * out
+        if isinstance(linear, DenseLinear):
+            views.append(DenseLinear(linear.weight[lo:hi]))
+        elif isinstance(linear, (Q4Linear, Q8Linear)):
+            views.append(type(linear)(linear.codes[lo:hi], linear.scales.rows(lo, hi)))
+        elif hasattr(linear, "expert_view"):           # another packed kind says how it is cut
+            views.append(linear.expert_view(lo, hi))
+        else:
+            raise ValueError(f"a {type(linear).__name__} cannot be cut into experts")
+        views[-1].act_bits = getattr(linear, "act_bits", 16)
+    return views
+
+
+class RoutedMLP:
+    """A layer's routed MLP: router [experts, hidden] (+ bias), and per expert gate, up [ffn, hidden] and down
+    [hidden, ffn] linears (+ biases [experts, ffn] / [experts, hidden])."""
+
+    def __init__(self, spec: Experts, router, router_bias: torch.Tensor | None, gate: list, up: list, down: list,
+                 gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None):
+        if not len(gate) == len(up) == len(down) == spec.count:
+            raise ValueError(f"{len(gate)} / {len(up)} / {len(down)} experts' linears for {spec.count} experts")
+        self.spec, self.router, self.router_bias = spec, router, router_bias
+        self.gate, self.up, self.down = gate, up, down
+        self.gate_bias, self.up_bias, self.down_bias = gate_bias, up_bias, down_bias
+        self.hits: torch.Tensor | None = None      # [experts] int64: tokens routed to each, counted when not None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (normed) -> (weights [T, used] float32, experts [T, used] int64)."""
+        logits = self.router(x).float()
+        if self.router_bias is not None:
+            logits = logits + self.router_bias.float()
+        probs = logits.softmax(-1)
+        weights, experts = probs.topk(self.spec.used, dim=-1)
+        if self.spec.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, experts
+
+    def _act(self, e: int, x: torch.Tensor, split: int | None) -> torch.Tensor:
+        """Expert e's gated activation of rows x -> [rows, ffn]."""
+        s = self.spec
+        gate = self.gate[e](x, split=split)
+        up = self.up[e](x, split=split)
+        if self.gate_bias is not None:
+            gate, up = gate + self.gate_bias[e], up + self.up_bias[e]
+        if s.activation == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=s.limit)                 # gpt-oss: clamped, then gate * sigmoid(alpha gate) * (up + 1)
+        up = up.clamp(-s.limit, s.limit)
+        return gate * torch.sigmoid(gate * s.alpha) * (up + 1)
+
+    def fused(self, x: torch.Tensor, norm: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+              split: int | None = None) -> torch.Tensor:
+        """residual (where given) + the routed MLP of rms_norm(x) ([T, hidden]). split: how many leading rows are decode rows
+        (see linears._Packed.fused); None lets the row count decide."""
+        dtype = x.dtype
+        xn = rms_norm(x, norm, eps).float()
+        T = xn.shape[0]
+        weights, experts = self.route(xn)
+        if self.hits is not None:
+            self.hits += torch.bincount(experts.reshape(-1).cpu(), minlength=self.spec.count)
+        out = torch.zeros_like(xn)
+        if T == 1:              # one row: its experts in ascending order, the order the groups below add them in
+            for slot in experts[0].argsort().tolist():
+                e = int(experts[0, slot])
+                y = self.down[e](self._act(e, xn, split), split=split)
+                if self.down_bias is not None:
+                    y = y + self.down_bias[e]
+                out += y * weights[0, slot]
+            return (out if residual is None else residual.float() + out).to(dtype)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)       # rows grouped by expert, each group in row order
+        counts = torch.bincount(flat, minlength=self.spec.count).tolist()
+        tokens = order // self.spec.used
+        slots = order % self.spec.used
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            rows, which = tokens[start:start + n], slots[start:start + n]
+            start += n
+            # decode rows first in each group (rows ascend): they go through the kernel, as in a dense layer
+            part = None if split is None else int((rows < split).sum())
+            y = self.down[e](self._act(e, xn.index_select(0, rows), part), split=part)
+            if self.down_bias is not None:
+                y = y + self.down_bias[e]
+            out.index_add_(0, rows, y * weights[rows, which].unsqueeze(-1))
+        return (out if residual is None else residual.float() + out).to(dtype)
+
+    def linears(self) -> list:
+        return [self.router] + self.gate + self.up + self.down
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.router_bias, self.gate_bias, self.up_bias, self.down_bias) if t is not None]
+
+    def moved(self, device) -> "RoutedMLP":
+        move = lambda t: None if t is None else t.to(device)     # noqa: E731
+        self.router = self.router.moved(device)
+        self.gate = [lin.moved(device) for lin in self.gate]
+        self.up = [lin.moved(device) for lin in self.up]
+        self.down = [lin.moved(device) for lin in self.down]
+        self.router_bias, self.gate_bias = move(self.router_bias), move(self.gate_bias)
+        self.up_bias, self.down_bias = move(self.up_bias), move(self.down_bias)
+        return self
