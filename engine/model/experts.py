@@ -55,9 +55,9 @@ class RoutedMLP:
         self.gate_bias, self.up_bias, self.down_bias = gate_bias, up_bias, down_bias
         self.hits: torch.Tensor | None = None      # [experts] int64: tokens routed to each, counted when not None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] (normed) -> (weights [T, used] float32, experts [T, used] int64)."""
-        logits = self.router(x).float()
+    def route(self, x: torch.Tensor, split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (normed) -> (weights [T, used] float32, experts [T, used] int64); split as in fused()."""
+        logits = self.router(x, split=split).float()
         if self.router_bias is not None:
             logits = logits + self.router_bias.float()
         probs = logits.softmax(-1)
@@ -86,7 +86,7 @@ class RoutedMLP:
         dtype = x.dtype
         xn = rms_norm(x, norm, eps).float()
         T = xn.shape[0]
-        weights, experts = self.route(xn)
+        weights, experts = self.route(xn, split)
         if self.hits is not None:
             self.hits += torch.bincount(experts.reshape(-1).cpu(), minlength=self.spec.count)
         out = torch.zeros_like(xn)
