@@ -21,7 +21,8 @@ SOURCE = Path(__file__).with_name("cpu_quant.c")
 KV_SOURCE = Path(__file__).with_name("cpu_kv_quant.c")     # quantized-KV decode attention: built in the background
 PROBE_SOURCE = Path(__file__).with_name("cpu_probe.c")      # which variant the CPU runs (CPUID), built for the baseline
 HEADER = Path(__file__).with_name("cpu_common.h")
-HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"), Path(__file__).with_name("cpu_act8.h"))     # what the libraries include: part of the key
+HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"), Path(__file__).with_name("cpu_act8.h"),
+           Path(__file__).with_name("cpu_moe.h"))     # what the libraries include: part of the key
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 # decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
 # to stop
@@ -339,6 +340,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P]
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
+    lib.moe_rows.argtypes = [I, I, P, P, P, I, P, P, P, P, P, P, I, F, F, P, P]
+    lib.moe_rows.restype = I
     lib.qk_norm_rows.restype = None
     lib.split_blocks.argtypes = [P, ctypes.c_int64, I, I, P, P]
     lib.split_blocks.restype = None

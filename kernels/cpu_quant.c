@@ -837,6 +837,8 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
     }
 }
 
+#include "cpu_moe.h"
+
 // Whether layer L's linears chain at widths H (the residual), Hq * D (attention) and its own intermediate: a
 // table built from a damaged file's header must fail here, not read past an activation row
 static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {

@@ -481,6 +481,34 @@ def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32, act: int = 16) 
     return QLin(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), ssup, zsup, bits, kind, per, group, n, k, act)
 
 
+class ExpertTable:
+    """A routed MLP's experts as moe_rows reads them: E gate, up and down linears (QLin arrays) and their biases."""
+
+    def __init__(self, gate: list, up: list, down: list, biases: tuple):
+        self.count = len(gate)
+        self.gate, self.up, self.down = ((QLin * self.count)(*parts) for parts in (gate, up, down))
+        self.biases = tuple(None if b is None else b.float().contiguous() for b in biases)
+
+
+def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: ExpertTable, act: int, alpha: float,
+             limit: float, residual: torch.Tensor | None) -> torch.Tensor:
+    """The routed MLP of decode rows x [M, K] (normed), each to its experts ids [M, k] (ascending per row) weighted
+    by weights [M, k]: [M, H] (+ residual), every expert through the packed kernels (moe_rows in the C source)."""
+    m, k = ids.shape
+    y = torch.empty(m, table.down[0].N)
+    ids = ids.to(torch.int32).contiguous()
+    weights = weights.float().contiguous()
+    x = x.contiguous()
+    residual = None if residual is None else residual.float().contiguous()
+    gb, ub, db = table.biases
+    rc = _lib.moe_rows(m, k, x.data_ptr(), ids.data_ptr(), weights.data_ptr(), table.count, table.gate, table.up,
+                       table.down, _ptr(gb), _ptr(ub), _ptr(db), act, float(alpha), float(limit), _ptr(residual),
+                       y.data_ptr())
+    if rc:
+        raise RuntimeError(f"moe_rows failed ({rc}): {'out of memory' if rc == -1 else 'the experts do not chain'}")
+    return y
+
+
 def layer_table(layers: list[tuple]) -> ctypes.Array:
     """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), the two RMSNorm
     weights (fp32 contiguous), and optionally the q and k norms' weights [head_dim] (Qwen3). The tensors behind

@@ -133,41 +133,49 @@ def test_a_batched_step_equals_solo_steps_bit_for_bit(packed):
         assert torch.equal(x, y)
 
 
-class Counted:
-    """An expert's linear that notes (layer, expert) on every call, then runs the linear."""
-
-    def __init__(self, linear, note):
-        self.linear, self.note = linear, note
-
-    def __call__(self, x, split=None):
-        self.note()
-        return self.linear(x, split=split)
-
-
-def test_a_decode_token_reads_only_its_routed_experts(packed):
-    """Each routed layer of a one-token step calls the gate of exactly `used` experts, the ones the router chose
-    (its hits), and no other expert's."""
+def test_a_decode_token_reads_only_its_routed_experts(packed, monkeypatch):
+    """Each routed layer of a one-token step hands the kernel exactly `used` experts, the ones its router chose
+    (counted in hits), ascending; the kernel reads those experts' slabs and no other's (moe_rows)."""
+    from kvchat.kernels import cpu_quant
     model = packed.runner.model
-    routed = [(i, L.mlp) for i, L in enumerate(model.layers) if L.mlp is not None]
-    calls: list[tuple[int, int]] = []
-    saved = {i: list(mlp.gate) for i, mlp in routed}
-    for i, mlp in routed:
-        mlp.gate = [Counted(lin, lambda i=i, e=e: calls.append((i, e))) for e, lin in enumerate(mlp.gate)]
+    routed = [L.mlp for L in model.layers if L.mlp is not None]
+    handed: list[list[int]] = []
+    real = cpu_quant.moe_rows
+
+    def noted(x, ids, *args, **kw):
+        handed.append(ids[0].tolist())
+        return real(x, ids, *args, **kw)
+    s = packed.new_session(cache=FP32)
+    s.append(IDS[:20])
+    monkeypatch.setattr(cpu_quant, "moe_rows", noted)
+    for mlp in routed:
+        mlp.hits = torch.zeros(mlp.spec.count, dtype=torch.long)
     try:
-        s = packed.new_session(cache=FP32)
-        s.append(IDS[:20])
-        calls.clear()
-        for _, mlp in routed:
-            mlp.hits = torch.zeros(mlp.spec.count, dtype=torch.long)
         s.append(IDS[20:21])
-        assert routed and len(calls) == sum(mlp.spec.used for _, mlp in routed)
-        for i, mlp in routed:
-            assert sorted(e for j, e in calls if j == i) == torch.nonzero(mlp.hits).flatten().tolist()
-            assert int(mlp.hits.sum()) == mlp.spec.used
-        s.close()
+        assert len(handed) == len(routed)
+        for ids, mlp in zip(handed, routed):
+            assert ids == sorted(ids) == torch.nonzero(mlp.hits).flatten().tolist() and len(ids) == mlp.spec.used
     finally:
-        for i, mlp in routed:
-            mlp.gate, mlp.hits = saved[i], None
+        for mlp in routed:
+            mlp.hits = None
+        s.close()
+
+
+def test_decode_rows_in_the_kernel_equal_the_grouped_path(packed):
+    """moe_rows against the linears one expert at a time (the path of prompt rows and of kinds the kernel does not
+    read): the same experts, the same sums to float rounding."""
+    model = packed.runner.model
+    mlp = next(L.mlp for L in model.layers if L.mlp is not None)
+    norm = next(L.norm_mlp for L in model.layers if L.mlp is not None)
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    fast = mlp.fused(x, norm, 1e-5, x, split=3)
+    table = mlp._table
+    mlp._table = None                      # the grouped path, checked already: kept off for this call
+    try:
+        slow = mlp.fused(x, norm, 1e-5, x, split=3)
+    finally:
+        mlp._table = table
+    assert table is not None and close(fast, slow, 1e-5)
 
 
 def test_speculation_gives_plain_decodings_tokens(packed, monkeypatch):

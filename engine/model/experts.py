@@ -8,12 +8,16 @@ slabs per token. Older Mixtral GGUFs store one tensor per expert: those are one 
 Routing is the description's (engine/model/spec.py: Experts): softmax over every router logit (plus its bias),
 the top `used` kept and, where `normalize`, renormalized. Prompt rows are grouped by expert, each group one call
 of that expert's linears; the decode rows of a step (the first `split`) go through the C kernels whatever their
-group's size, so that a token's numbers never depend on what it was batched with.
+group's size (all of them in one call of moe_rows, kernels/cpu_moe.h, where the experts are packed), so that a
+token's numbers never depend on what it was batched with.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvchat import kernels
+from kvchat.kernels import cpu_quant
 
 from kvchat.engine.model.linears import DenseLinear, Q4Linear, Q8Linear, rms_norm
 from kvchat.engine.model.spec import Experts
@@ -54,6 +58,7 @@ class RoutedMLP:
         self.gate, self.up, self.down = gate, up, down
         self.gate_bias, self.up_bias, self.down_bias = gate_bias, up_bias, down_bias
         self.hits: torch.Tensor | None = None      # [experts] int64: tokens routed to each, counted when not None
+        self._table, self._table_checked = None, False
 
     def route(self, x: torch.Tensor, split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] (normed) -> (weights [T, used] float32, experts [T, used] int64); split as in fused()."""
@@ -79,25 +84,55 @@ class RoutedMLP:
         up = up.clamp(-s.limit, s.limit)
         return gate * torch.sigmoid(gate * s.alpha) * (up + 1)
 
+    def kernel_table(self) -> cpu_quant.ExpertTable | None:
+        """The experts as moe_rows reads them (built once), or None where a kind is not one the kernel reads."""
+        if not self._table_checked:
+            self._table_checked = True
+            parts = [[lin.kernel_parts() for lin in group] for group in (self.gate, self.up, self.down)]
+            if cpu_quant.available() and all(p is not None and len(p) == 1 for group in parts for p in group):
+                self._table = cpu_quant.ExpertTable(*([p[0] for p in group] for group in parts),
+                                                    (self.gate_bias, self.up_bias, self.down_bias))
+        return self._table
+
+    def reset_kernel(self) -> None:
+        """Build kernel_table again (the linears' activation bits changed)."""
+        self._table, self._table_checked = None, False
+
     def fused(self, x: torch.Tensor, norm: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
               split: int | None = None) -> torch.Tensor:
-        """residual (where given) + the routed MLP of rms_norm(x) ([T, hidden]). split: how many leading rows are decode rows
-        (see linears._Packed.fused); None lets the row count decide."""
+        """residual (where given) + the routed MLP of rms_norm(x) ([T, hidden]). split: how many leading rows are
+        decode rows (see linears._Packed.fused); None: all of them up to MAX_ROWS rows, else none. Decode rows run
+        in one moe_rows call where the experts are packed (each row its k experts, ascending); prompt rows, and
+        every row where the kernel does not read the experts, grouped by expert through the linears."""
         dtype = x.dtype
         xn = rms_norm(x, norm, eps).float()
         T = xn.shape[0]
+        if split is None:
+            split = T if T <= cpu_quant.MAX_ROWS else 0
         weights, experts = self.route(xn, split)
         if self.hits is not None:
             self.hits += torch.bincount(experts.reshape(-1).cpu(), minlength=self.spec.count)
+        table = None if kernels.gpu_path(xn) else self.kernel_table()
+        res = None if residual is None else residual.float()
+        parts = []
+        if table is not None and split:
+            ids, order = experts[:split].sort(-1)
+            s = self.spec
+            parts.append(cpu_quant.moe_rows(xn[:split], ids, weights[:split].gather(1, order), table,
+                                            int(s.activation == "swiglu_oai"), s.alpha, s.limit,
+                                            None if res is None else res[:split]))
+            if split == T:
+                return parts[0].to(dtype)
+            xn, weights, experts, res, split = xn[split:], weights[split:], experts[split:], \
+                None if res is None else res[split:], 0
+        parts.append(self._grouped(xn, weights, experts, split, res))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dtype)
+
+    def _grouped(self, xn, weights, experts, split: int, res) -> torch.Tensor:
+        """Rows grouped by expert, each group one call of its expert's linears (decode rows, the first `split`,
+        first in each group: the kernel reads them, as in a dense layer); added in ascending expert order."""
+        T = xn.shape[0]
         out = torch.zeros_like(xn)
-        if T == 1:              # one row: its experts in ascending order, the order the groups below add them in
-            for slot in experts[0].argsort().tolist():
-                e = int(experts[0, slot])
-                y = self.down[e](self._act(e, xn, split), split=split)
-                if self.down_bias is not None:
-                    y = y + self.down_bias[e]
-                out += y * weights[0, slot]
-            return (out if residual is None else residual.float() + out).to(dtype)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)       # rows grouped by expert, each group in row order
         counts = torch.bincount(flat, minlength=self.spec.count).tolist()
@@ -109,13 +144,12 @@ class RoutedMLP:
                 continue
             rows, which = tokens[start:start + n], slots[start:start + n]
             start += n
-            # decode rows first in each group (rows ascend): they go through the kernel, as in a dense layer
-            part = None if split is None else int((rows < split).sum())
+            part = int((rows < split).sum()) if T > 1 else split
             y = self.down[e](self._act(e, xn.index_select(0, rows), part), split=part)
             if self.down_bias is not None:
                 y = y + self.down_bias[e]
             out.index_add_(0, rows, y * weights[rows, which].unsqueeze(-1))
-        return (out if residual is None else residual.float() + out).to(dtype)
+        return out if res is None else res + out
 
     def linears(self) -> list:
         return [self.router] + self.gate + self.up + self.down

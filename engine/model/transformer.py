@@ -248,6 +248,9 @@ class Transformer:
         built again with them."""
         for part in self._packed():
             part.act_bits = bits
+        for L in self.layers:
+            if L.mlp is not None:
+                L.mlp.reset_kernel()
         self._kernel_layers, self._kernel_checked = None, False
 
     def linear_kinds(self) -> dict[str, int]:
