@@ -104,7 +104,7 @@ class ChatActions(DeleteWithUndo, QObject):
         last = self._last_reply() if rewrite else None
         self.regenerate_action.setEnabled(not busy and last is not None and last.message_id is not None)
         self.continue_action.setEnabled(not busy and last is not None and last.message_id is not None
-                                        and last.finish in FINISH_MARKS and bool(last.text()))
+                                        and last.finish in FINISH_MARKS and last.has_reply())
         has_chat = self.w.conversation_id is not None
         self.export_markdown_action.setEnabled(has_chat)
         self.export_json_action.setEnabled(has_chat)
@@ -130,6 +130,7 @@ class ChatActions(DeleteWithUndo, QObject):
             entry = next((e for e in self.w.history.entries(turn.conversation_id) if e.id == turn.message_id), None)
             if entry is not None:
                 reply.set_text(entry.content)
+                reply.set_reasoning(entry.reasoning)
                 self.show_entry(reply, entry)
         self.refresh()
 
@@ -160,6 +161,7 @@ class ChatActions(DeleteWithUndo, QObject):
         handlers[name](message)
 
     def copy(self, message: MessageWidget) -> None:
+        """The message's text; a reply's answer alone, without its reasoning."""
         QGuiApplication.clipboard().setText(message.text())
         self.w.statusBar().showMessage(self.tr("Copied the message to the clipboard"), 2000)
 
@@ -207,7 +209,8 @@ class ChatActions(DeleteWithUndo, QObject):
         try:
             w.history.check_writable()
             record = ReplyRecord(w.history, w.conversation_id, message.message_id, kind, message.text(),
-                                 model=w.engine_info.model_name if w.engine_info is not None else None)
+                                 model=w.engine_info.model_name if w.engine_info is not None else None,
+                                 before_reasoning=message.reasoning())
         except HistoryError as exc:
             w.banner.show_message(self.tr("Cannot save this chat"), str(exc))
             return False
@@ -261,6 +264,7 @@ class ChatActions(DeleteWithUndo, QObject):
             self.w.banner.show_message(self.tr("Cannot save this chat"), str(exc))
             return
         message.set_text(version.content)
+        message.set_reasoning(version.reasoning)
         message.set_finish(version.finish)
         self.w.chat.set_author(message, version.model)
         message.set_versions(position, count)

@@ -1,4 +1,5 @@
-"""The conversation as a column of messages: markdown prose, code blocks with a Copy button.
+"""The conversation as a column of messages: markdown prose, code blocks with a Copy button, and above a reply
+the model's reasoning (gpt-oss's analysis channel), collapsed until clicked.
 
 A streaming reply is buffered and redrawn at most every FLUSH_MS, so a fast decoder cannot
 flood the GUI thread with markdown layouts.
@@ -13,7 +14,7 @@ import re
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QFontDatabase, QGuiApplication
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMessageBox, QPlainTextEdit, QPushButton, QScrollArea,
-                               QSizePolicy, QVBoxLayout, QWidget)
+                               QSizePolicy, QToolButton, QVBoxLayout, QWidget)
 
 FLUSH_MS = 50
 SYSTEM_PROMPT_CHARS = 240               # the rest of a long system prompt is in the line's tooltip
@@ -191,8 +192,53 @@ class CodeBlock(QFrame):
         self.copied.emit(self.code())
 
 
+class ReasoningSection(QFrame):
+    """What the model reasoned before its answer: a "Reasoning" toggle over the text, collapsed until clicked."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("reasoningSection")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(2)
+        self.toggle = QToolButton(self, objectName="reasoningToggle")
+        self.toggle.setCheckable(True)
+        self.toggle.setAutoRaise(True)
+        self.toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.toggle.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.toggle.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        self.toggle.setStyleSheet("QToolButton { color: #64748b; border: none; padding: 0; }")
+        self.toggle.setToolTip(self.tr("What the model reasoned before it answered: not part of the answer, and "
+                                       "not sent back to it with the next message"))
+        self.toggle.toggled.connect(self._expand)
+        self.body = QLabel(self, objectName="reasoningText")
+        self.body.setTextFormat(Qt.TextFormat.PlainText)
+        self.body.setWordWrap(True)
+        self.body.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.body.setStyleSheet("QLabel { color: #64748b; border-left: 2px solid #cbd5e1; padding-left: 8px; }")
+        self.body.setVisible(False)
+        layout.addWidget(self.toggle, 0, Qt.AlignmentFlag.AlignLeft)
+        layout.addWidget(self.body)
+        self.set_reasoning("", live=False)
+
+    def set_reasoning(self, text: str, live: bool) -> None:
+        """live: the reply is still streaming ("Reasoning…")."""
+        self.body.setText(text)
+        self.toggle.setText(self.tr("Reasoning…") if live else self.tr("Reasoning"))
+        self.setVisible(bool(text))
+
+    def expanded(self) -> bool:
+        return self.toggle.isChecked()
+
+    def _expand(self, on: bool) -> None:
+        self.toggle.setArrowType(Qt.ArrowType.DownArrow if on else Qt.ArrowType.RightArrow)
+        self.body.setVisible(on)
+
+
 class MessageWidget(QFrame):
-    """One message. `set_text` keeps existing segment widgets when the structure is unchanged."""
+    """One message. `set_text` keeps existing segment widgets when the structure is unchanged. A reply's reasoning
+    (`set_reasoning`) shows above its text in a ReasoningSection, collapsed; `text()` is the answer alone."""
 
     def __init__(self, role: str, author: str, text: str = "", parent: QWidget | None = None, request=None):
         super().__init__(parent)
@@ -209,12 +255,35 @@ class MessageWidget(QFrame):
         self._segments: list[tuple[str, str, str]] = []
         self._widgets: list[QWidget] = []
         self._text = ""
+        self._reasoning = ""
+        self.reasoning_section: ReasoningSection | None = None      # made for the first reasoning shown
         self.set_text(text)
         if role in ("user", "assistant"):
             self._build_footer(request or (lambda name: None))
 
     def text(self) -> str:
         return self._text
+
+    def reasoning(self) -> str:
+        return self._reasoning
+
+    def has_reply(self) -> bool:
+        """Some of the reply came: its text, or reasoning alone."""
+        return bool(self._text or self._reasoning)
+
+    def set_reasoning(self, text: str, live: bool = False) -> None:
+        """Show the reply's reasoning above its text, collapsed unless the user opened it; "" hides it."""
+        self._reasoning = text
+        if self.reasoning_section is None:
+            if not text:
+                return
+            self.reasoning_section = ReasoningSection(self)
+            self._layout.insertWidget(1, self.reasoning_section)       # after the author, before the text
+        self.reasoning_section.set_reasoning(text, live)
+
+    def _body_index(self) -> int:
+        """Where the text's widgets begin in the layout: after the author and the reasoning."""
+        return 1 + (self.reasoning_section is not None)
 
     def code_blocks(self) -> list[CodeBlock]:
         return [w for w in self._widgets if isinstance(w, CodeBlock)]
@@ -230,7 +299,7 @@ class MessageWidget(QFrame):
                 widget.deleteLater()
             self._widgets = [self._make_widget(kind) for kind, _, _ in segments]
             for i, widget in enumerate(self._widgets):
-                self._layout.insertWidget(1 + i, widget)        # after the author, before marks and footer
+                self._layout.insertWidget(self._body_index() + i, widget)   # after the author, before marks and footer
         for widget, (kind, language, body) in zip(self._widgets, segments):
             if kind == "code":
                 widget.set_code(language, body)
@@ -258,7 +327,7 @@ class MessageWidget(QFrame):
         self.interrupted_label.setStyleSheet("color: #9a6700; font-style: italic;")
         self.interrupted_label.setToolTip(self.tr("The app stopped (a crash or power loss) while this reply "
                                                   "streamed; what had arrived was saved."))
-        self._layout.insertWidget(1 + len(self._widgets), self.interrupted_label)
+        self._layout.insertWidget(self._body_index() + len(self._widgets), self.interrupted_label)
 
     def is_interrupted(self) -> bool:
         return getattr(self, "interrupted_label", None) is not None
@@ -328,7 +397,7 @@ class MessageWidget(QFrame):
         """Mark why the reply ended: "stopped" and "length" (cut at max tokens) show under it; an empty stopped
         reply says that none came."""
         self.finish = reason or ""
-        mark = NO_REPLY_MARK if self.finish == "stopped" and not self.text() else FINISH_MARKS.get(self.finish)
+        mark = NO_REPLY_MARK if self.finish == "stopped" and not self.has_reply() else FINISH_MARKS.get(self.finish)
         self.finish_label.setText(self.tr(mark[0]) if mark else "")
         self.finish_label.setToolTip(self.tr(mark[1]) if mark else "")
         self.finish_label.setVisible(mark is not None)
@@ -348,7 +417,7 @@ class MessageWidget(QFrame):
         server); nothing runs while busy."""
         is_reply = self.role == "assistant" and can_rewrite
         self.regenerate_button.setVisible(is_reply and last)
-        self.continue_button.setVisible(is_reply and last and self.finish in FINISH_MARKS and bool(self.text()))
+        self.continue_button.setVisible(is_reply and last and self.finish in FINISH_MARKS and self.has_reply())
         for button in (self.regenerate_button, self.continue_button, self.edit_button, self.delete_button,
                        self.previous_button, self.next_button):
             button.setEnabled(not busy and (button not in (self.previous_button, self.next_button)
@@ -427,6 +496,7 @@ class ChatView(QScrollArea):
         self._messages: list[MessageWidget] = []
         self._reply: MessageWidget | None = None
         self._reply_text = ""
+        self._reply_reasoning = ""
         self._dirty = False
         self._follow = True
         self._flush_timer = QTimer(self, interval=FLUSH_MS)
@@ -492,6 +562,7 @@ class ChatView(QScrollArea):
         self.end_reply()
         self._reply = message
         self._reply_text = message.text()
+        self._reply_reasoning = message.reasoning()
         self._dirty = False
         self._flush_timer.start()
 
@@ -499,8 +570,9 @@ class ChatView(QScrollArea):
         """A regenerate: the loaded model writes the reply anew, so it is named."""
         self.resume_reply(message)
         message.author_label.setText(self.assistant_name)
-        self._reply_text = ""
+        self._reply_text = self._reply_reasoning = ""
         message.set_finish("")
+        message.set_reasoning("")
         message.set_text("…")
 
     def add_notice(self, text: str) -> MessageWidget:
@@ -524,7 +596,7 @@ class ChatView(QScrollArea):
     def begin_reply(self) -> None:
         self.end_reply()
         self._reply = self.add_message("assistant", "", self.assistant_name)
-        self._reply_text = ""
+        self._reply_text = self._reply_reasoning = ""
         self._flush_timer.start()
 
     def append_reply(self, delta: str) -> None:
@@ -533,29 +605,42 @@ class ChatView(QScrollArea):
         self._reply_text += delta
         self._dirty = True
 
-    def end_reply(self, final_text: str | None = None) -> MessageWidget | None:
+    def append_reasoning(self, delta: str) -> None:
+        """More of the streaming reply's reasoning (shown above its text, collapsed)."""
+        if self._reply is None:
+            self.begin_reply()
+        self._reply_reasoning += delta
+        self._dirty = True
+
+    def end_reply(self, final_text: str | None = None, reasoning: str | None = None) -> MessageWidget | None:
         reply = self._reply
         if reply is None:
             return None
         if final_text is not None:
             self._reply_text = final_text
-        self._dirty = True
-        self._flush()
+        if reasoning is not None:
+            self._reply_reasoning = reasoning
+        self._reply, self._dirty = None, False
         self._flush_timer.stop()
-        self._reply = None
+        reply.set_reasoning(self._reply_reasoning)
+        reply.set_text(self._reply_text or "…")
         return reply
 
     def reply_text(self) -> str:
         return self._reply_text
 
+    def reply_reasoning(self) -> str:
+        return self._reply_reasoning
+
     def show_reply_status(self, text: str) -> None:
         """What happens before the first token (a long chat read again), in the empty reply until it comes."""
-        if self._reply is not None and not self._reply_text:
+        if self._reply is not None and not self._reply_text and not self._reply_reasoning:
             self._reply.set_text(text or "…")
 
     def _flush(self) -> None:
         if self._reply is not None and self._dirty:
             self._dirty = False
+            self._reply.set_reasoning(self._reply_reasoning, live=True)
             self._reply.set_text(self._reply_text or "…")
 
     def _on_scrolled(self, value: int) -> None:

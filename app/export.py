@@ -22,6 +22,8 @@ def conversation_dict(history: HistoryStore, conversation_id: int, model: str = 
     messages = []
     for entry in history.entries(conversation_id):
         item = {"role": entry.role, "content": entry.content}
+        if entry.reasoning:             # apart from the answer, as the chat shows it
+            item["reasoning"] = entry.reasoning
         if entry.finish:
             item["finish_reason"] = entry.finish
         versions = history.versions(entry.id)
@@ -41,7 +43,8 @@ def to_json(data: dict) -> str:
 
 
 def to_markdown(data: dict) -> str:
-    """Readable Markdown: a heading per message; a reply's text as the model wrote it."""
+    """Readable Markdown: a heading per message; a reply's text as the model wrote it, after its reasoning (if any)
+    in a quote marked "Reasoning"."""
     lines = [f"# {data['title']}", ""]
     facts = [f"Exported from kvchat on {time.strftime('%Y-%m-%d %H:%M')}", f"started {data['created_at']}"]
     if data.get("model"):
@@ -50,7 +53,11 @@ def to_markdown(data: dict) -> str:
     if data.get("system_prompt"):
         lines += ["## System", "", data["system_prompt"], ""]
     for message in data["messages"]:
-        lines += [f"## {'You' if message['role'] == 'user' else 'Assistant'}", "", as_shown(message["content"]), ""]
+        lines += [f"## {'You' if message['role'] == 'user' else 'Assistant'}", ""]
+        if message.get("reasoning"):
+            quoted = [f"> {line}".rstrip() for line in message["reasoning"].split("\n")]
+            lines += ["> **Reasoning**", ">", *quoted, ""]
+        lines += [as_shown(message["content"]), ""]
         note = {"length": "cut at max tokens", "stopped": "stopped"}.get(message.get("finish_reason", ""))
         versions = message.get("versions")
         if versions:

@@ -102,6 +102,7 @@ class Message:
     state: str                  # DONE, STREAMING or INTERRUPTED
     finish: str = ""            # the engine's finish_reason for a reply ("length", "stopped", ...); "" unknown
     model: str | None = None    # the model that wrote a reply; None for one saved before models were stored
+    reasoning: str = ""         # a reply's reasoning, kept apart from its text (gpt-oss's analysis); "" for none
 
     @property
     def interrupted(self) -> bool:
@@ -114,13 +115,15 @@ class Version:
     content: str
     finish: str
     model: str | None = None    # the model that wrote it; None when unknown (saved by an earlier version)
+    reasoning: str = ""         # its reasoning, kept apart from its text
 
 
 @dataclass(frozen=True, slots=True)
 class TakenMessage:
     """A deleted message as it was stored, so an Undo can put it back under its own id."""
-    row: tuple                  # (id, conversation_id, role, content, created_at, state, finish, chosen, model)
-    versions: tuple             # its reply_versions rows: (position, content, finish, model)
+    row: tuple                  # (id, conversation_id, role, content, created_at, state, finish, chosen, model,
+                                #  reasoning)
+    versions: tuple             # its reply_versions rows: (position, content, finish, model, reasoning)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,7 @@ class HistoryStore:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(messages)")}
         self._has_state, self._has_finish = "state" in columns, "finish" in columns
         self._has_model = "model" in columns
+        self._has_reasoning = "reasoning" in columns
         self._has_deleted = "deleted_at" in {row[1] for row in self._db.execute("PRAGMA table_info(conversations)")}
 
     def read_only_message(self) -> str:
@@ -214,9 +218,11 @@ class HistoryStore:
     def add_message(self, conversation_id: int, role: str, content: str) -> int:
         return self.add_turn(conversation_id, [(role, content, DONE)])[0]
 
-    def add_turn(self, conversation_id: int, rows: list[tuple[str, str, str]], model: str | None = None) -> list[int]:
+    def add_turn(self, conversation_id: int, rows: list[tuple[str, str, str]], model: str | None = None,
+                 reasoning: str = "") -> list[int]:
         """Insert (role, content, state) rows in one transaction; their ids, in order. `model` (the loaded
-        model's name) is stored with the replies among them."""
+        model's name) and `reasoning` (what the model reasoned before its answer) are stored with the replies
+        among them."""
         now = time.time()
         ids = []
         with self._writing() as db:
@@ -225,12 +231,15 @@ class HistoryStore:
                 cursor = db.execute("INSERT INTO messages (conversation_id, role, content, created_at, state, model) "
                                     "VALUES (?, ?, ?, ?, ?, ?)", (conversation_id, role, content, now, state, author))
                 ids.append(int(cursor.lastrowid))
+                if role == "assistant" and reasoning and self._has_reasoning:
+                    db.execute("UPDATE messages SET reasoning = ? WHERE id = ?", (reasoning, ids[-1]))
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
         return ids
 
     def update_message(self, message_id: int, content: str, state: str, finish: str | None = None,
-                       model: str | None = None) -> None:
-        """`model`, when given, becomes the reply's author (a regenerate written over an empty reply)."""
+                       model: str | None = None, reasoning: str | None = None) -> None:
+        """`model`, when given, becomes the reply's author (a regenerate written over an empty reply); `reasoning`,
+        when given, its reasoning."""
         if finish is None or not self._has_finish:
             statements = [("UPDATE messages SET content = ?, state = ? WHERE id = ?", (content, state, message_id))]
         else:
@@ -238,6 +247,8 @@ class HistoryStore:
                            (content, state, finish, message_id))]
         if model is not None:
             statements.append(("UPDATE messages SET model = ? WHERE id = ?", (model, message_id)))
+        if reasoning is not None and self._has_reasoning:
+            statements.append(("UPDATE messages SET reasoning = ? WHERE id = ?", (reasoning, message_id)))
         self._write(statements)
 
     def delete_message(self, message_id: int) -> None:
@@ -254,11 +265,11 @@ class HistoryStore:
         with self._writing() as db:
             for id_ in message_ids:
                 row = db.execute("SELECT id, conversation_id, role, content, created_at, state, finish, chosen, "
-                                 "model FROM messages WHERE id = ?", (id_,)).fetchone()
+                                 f"model, {self._reasoning()} FROM messages WHERE id = ?", (id_,)).fetchone()
                 if row is None:
                     continue
-                versions = db.execute("SELECT position, content, finish, model FROM reply_versions "
-                                      "WHERE message_id = ? ORDER BY position", (id_,)).fetchall()
+                versions = db.execute(f"SELECT position, content, finish, model, {self._reasoning()} FROM "
+                                      "reply_versions WHERE message_id = ? ORDER BY position", (id_,)).fetchall()
                 taken.append(TakenMessage(tuple(row), tuple(map(tuple, versions))))
                 db.execute("DELETE FROM messages WHERE id = ?", (id_,))
         return taken
@@ -268,9 +279,10 @@ class HistoryStore:
         with self._writing() as db:
             for message in taken:
                 db.execute("INSERT INTO messages (id, conversation_id, role, content, created_at, state, finish, "
-                           "chosen, model) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", message.row)
-                db.executemany("INSERT INTO reply_versions (message_id, position, content, finish, model) "
-                               "VALUES (?, ?, ?, ?, ?)", [(message.row[0], *version) for version in message.versions])
+                           "chosen, model, reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", message.row)
+                db.executemany("INSERT INTO reply_versions (message_id, position, content, finish, model, reasoning) "
+                               "VALUES (?, ?, ?, ?, ?, ?)",
+                               [(message.row[0], *version) for version in message.versions])
 
     # --- reply versions (regenerate) ---
 
@@ -279,9 +291,9 @@ class HistoryStore:
         if not self._has_finish:        # a read-only file from an earlier version
             return []
         model = "model" if self._has_model else "NULL"
-        rows = self._db.execute(f"SELECT content, finish, {model} FROM reply_versions WHERE message_id = ? "
-                                f"ORDER BY position", (message_id,)).fetchall()
-        return [Version(content, finish, author) for content, finish, author in rows]
+        rows = self._db.execute(f"SELECT content, finish, {model}, {self._reasoning()} FROM reply_versions "
+                                f"WHERE message_id = ? ORDER BY position", (message_id,)).fetchall()
+        return [Version(*row) for row in rows]
 
     def chosen_version(self, message_id: int) -> int:
         if not self._has_finish:
@@ -291,11 +303,12 @@ class HistoryStore:
 
     def keep_as_version(self, message_id: int) -> None:
         """Before a regenerate: the message's reply becomes its first version (if it has none yet)."""
-        self._write([("INSERT INTO reply_versions (message_id, position, content, finish, model) "
-                      "SELECT id, 0, content, finish, model FROM messages WHERE id = ? AND NOT EXISTS "
+        self._write([("INSERT INTO reply_versions (message_id, position, content, finish, model, reasoning) "
+                      "SELECT id, 0, content, finish, model, reasoning FROM messages WHERE id = ? AND NOT EXISTS "
                       "(SELECT 1 FROM reply_versions WHERE message_id = ?)", (message_id, message_id))])
 
-    def add_version(self, message_id: int, content: str, finish: str, model: str | None = None) -> int:
+    def add_version(self, message_id: int, content: str, finish: str, model: str | None = None,
+                    reasoning: str = "") -> int:
         """Add a reply (written by `model`) to a regenerated message, now the chosen one (the message row holds
         it); its position.
 
@@ -303,27 +316,31 @@ class HistoryStore:
         self.keep_as_version(message_id)
         with self._writing() as db:
             count = db.execute("SELECT count(*) FROM reply_versions WHERE message_id = ?", (message_id,)).fetchone()[0]
-            db.execute("INSERT INTO reply_versions (message_id, position, content, finish, model) "
-                       "VALUES (?, ?, ?, ?, ?)", (message_id, count, content, finish, model))
-            db.execute("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ?, model = ? WHERE id = ?",
-                       (content, finish, DONE, count, model, message_id))
+            db.execute("INSERT INTO reply_versions (message_id, position, content, finish, model, reasoning) "
+                       "VALUES (?, ?, ?, ?, ?, ?)", (message_id, count, content, finish, model, reasoning))
+            db.execute("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ?, model = ?, reasoning = ? "
+                       "WHERE id = ?", (content, finish, DONE, count, model, reasoning, message_id))
         return count
 
-    def update_version(self, message_id: int, content: str, finish: str) -> None:
+    def update_version(self, message_id: int, content: str, finish: str, reasoning: str | None = None) -> None:
         """The chosen version grew (a Continue): the message and its version row both."""
-        self._write([("UPDATE reply_versions SET content = ?, finish = ? WHERE message_id = ? AND position = "
-                      "(SELECT chosen FROM messages WHERE id = ?)", (content, finish, message_id, message_id))])
+        statements = [("UPDATE reply_versions SET content = ?, finish = ? WHERE message_id = ? AND position = "
+                       "(SELECT chosen FROM messages WHERE id = ?)", (content, finish, message_id, message_id))]
+        if reasoning is not None and self._has_reasoning:
+            statements.append(("UPDATE reply_versions SET reasoning = ? WHERE message_id = ? AND position = "
+                               "(SELECT chosen FROM messages WHERE id = ?)", (reasoning, message_id, message_id)))
+        self._write(statements)
 
     def choose_version(self, message_id: int, position: int) -> Version:
         """Show version `position` of a regenerated reply from now on (it survives a restart)."""
         model = "model" if self._has_model else "NULL"
-        row = self._db.execute(f"SELECT content, finish, {model} FROM reply_versions WHERE message_id = ? AND "
-                               f"position = ?", (message_id, position)).fetchone()
+        row = self._db.execute(f"SELECT content, finish, {model}, {self._reasoning()} FROM reply_versions WHERE "
+                               f"message_id = ? AND position = ?", (message_id, position)).fetchone()
         if row is None:
             raise HistoryError(QCoreApplication.translate("HistoryStore", "this reply has no version {n}").format(
                 n=position + 1))
-        self._write([("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ?, model = ? WHERE id = ?",
-                      (row[0], row[1], DONE, position, row[2], message_id))])
+        self._write([("UPDATE messages SET content = ?, finish = ?, state = ?, chosen = ?, model = ?, reasoning = ? "
+                      "WHERE id = ?", (row[0], row[1], DONE, position, row[2], row[3], message_id))])
         return Version(*row)
 
     def drop_unanswered(self, conversation_id: int) -> list[str]:
@@ -408,9 +425,13 @@ class HistoryStore:
         state = "state" if self._has_state else f"'{DONE}'"
         finish = "finish" if self._has_finish else "''"
         model = "model" if self._has_model else "NULL"
-        rows = self._db.execute(f"SELECT id, role, content, {state}, {finish}, {model} FROM messages "
-                                f"WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
-        return [Message(int(id_), role, content, st, fin, author) for id_, role, content, st, fin, author in rows]
+        rows = self._db.execute(f"SELECT id, role, content, {state}, {finish}, {model}, {self._reasoning()} FROM "
+                                f"messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
+        return [Message(int(id_), *rest) for id_, *rest in rows]
+
+    def _reasoning(self) -> str:
+        """The reasoning column in a SELECT; '' on a read-only file from before it was added."""
+        return "reasoning" if self._has_reasoning else "''"
 
     def integrity(self) -> str:
         """SQLite's integrity_check verdict: 'ok' or the first problem found."""
@@ -438,8 +459,12 @@ def _add_columns(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE messages ADD COLUMN chosen INTEGER NOT NULL DEFAULT 0")
     if "model" not in messages:         # the model that wrote a reply; NULL on older rows (unknown)
         db.execute("ALTER TABLE messages ADD COLUMN model TEXT")
+    if "reasoning" not in messages:     # a reply's reasoning, apart from its text (gpt-oss's analysis channel)
+        db.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
     if "model" not in {row[1] for row in db.execute("PRAGMA table_info(reply_versions)")}:
         db.execute("ALTER TABLE reply_versions ADD COLUMN model TEXT")
+    if "reasoning" not in {row[1] for row in db.execute("PRAGMA table_info(reply_versions)")}:
+        db.execute("ALTER TABLE reply_versions ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
     if "deleted_at" not in {row[1] for row in db.execute("PRAGMA table_info(conversations)")}:
         db.execute("ALTER TABLE conversations ADD COLUMN deleted_at REAL")
 

@@ -330,9 +330,11 @@ class MainWindow(QMainWindow):
             dropped = []                # read-only: they stay, and the next Send explains why nothing saves
         entries = self.history.entries(conversation.id)
         for entry in entries:
-            if entry.role == "assistant" and not entry.content and not (entry.finish == "stopped" or entry.interrupted):
+            if entry.role == "assistant" and not entry.content and not entry.reasoning and \
+                    not (entry.finish == "stopped" or entry.interrupted):
                 continue                # an empty reply is shown only when it was cut off: marked, to send again
             widget = self.chat.add_message(entry.role, entry.content, entry.model)
+            widget.set_reasoning(entry.reasoning)
             self.actions.show_entry(widget, entry)
             if entry.interrupted:
                 self.chat.mark_interrupted(widget)
@@ -490,9 +492,12 @@ class MainWindow(QMainWindow):
 
     def _on_token(self, event: TokenDelta) -> None:
         if self.turn is not None:
-            self._save(self.turn.delta, event.text)
+            self._save(self.turn.delta, event.text, event.reasoning)
         if self.turn_conversation_id == self.conversation_id:
-            self.chat.append_reply(event.text)
+            if event.reasoning:
+                self.chat.append_reasoning(event.reasoning)
+            if event.text or not event.reasoning:
+                self.chat.append_reply(event.text)
 
     def _save(self, write, *args):
         """A history write; a failure shows in the banner (the chat goes on, unsaved)."""
@@ -517,13 +522,14 @@ class MainWindow(QMainWindow):
                     self.store.set_last_conversation(None)
         reply = None
         if visible:
-            reply = self.chat.end_reply(event.text)
+            reply = self.chat.end_reply(event.text, event.reasoning)
+            came = bool(event.text or event.reasoning)
             if reply is not None and stopped_before_reply(turn, event):
                 reply.set_text("")      # kept, marked: the message stays saved, to regenerate or edit
-            elif reply is not None and not event.text and not isinstance(turn, ReplyRecord):
+            elif reply is not None and not came and not isinstance(turn, ReplyRecord):
                 self.chat.remove_message(reply)
                 reply = None
-            if reply is not None and event.text:    # a reply came through: earlier notices and errors are stale
+            if reply is not None and came:      # a reply came through: earlier notices and errors are stale
                 self.chat.remove_notices()
                 self.dashboard.hide_notice()
             if event.message:

@@ -19,14 +19,15 @@ REFUSED_REASONS = ("context", "budget", "unreachable")    # unreachable: a remot
 
 
 def is_refused(event: TurnFinished) -> bool:
-    """The engine turned the message away: no reply, and a reason that is about size (or no server)."""
-    return not event.text and event.finish_reason in REFUSED_REASONS
+    """The engine turned the message away: no reply (nor reasoning), and a reason that is about size (or no
+    server)."""
+    return not event.text and not event.reasoning and event.finish_reason in REFUSED_REASONS
 
 
 def stopped_before_reply(turn, event: TurnFinished) -> bool:
     """The turn was stopped (by Stop, or by closing the app) before any of its reply came, and an empty reply stands
     saved for it: the chat shows that reply marked, to regenerate or edit (chat_view's NO_REPLY_MARK)."""
-    if event.text or event.finish_reason != "stopped":
+    if event.text or event.reasoning or event.finish_reason != "stopped":
         return False
     if isinstance(turn, TurnRecord):
         return turn.saved
@@ -45,6 +46,7 @@ class TurnRecord:
         self._reply_id: int | None = None
         self.user_id: int | None = None
         self._text = ""
+        self._reasoning = ""                            # the reply's reasoning (a model that reasons apart)
         self._saved_at = 0.0
 
     @property
@@ -55,16 +57,18 @@ class TurnRecord:
     def reply_id(self) -> int | None:
         return self._reply_id
 
-    def delta(self, text: str) -> None:
-        """More reply text: written now if the last save is SAVE_INTERVAL_S old (the first piece at once)."""
+    def delta(self, text: str, reasoning: str = "") -> None:
+        """More reply text (or reasoning): written now if the last save is SAVE_INTERVAL_S old (the first piece at
+        once)."""
         self._text += text
+        self._reasoning += reasoning
         now = self._clock()
         if self._reply_id is None:
             self.user_id, self._reply_id = self.history.add_turn(self.conversation_id, [
-                ("user", self.user_text, DONE), ("assistant", self._text, STREAMING)], self.model)
+                ("user", self.user_text, DONE), ("assistant", self._text, STREAMING)], self.model, self._reasoning)
             self._saved_at = now
         elif now - self._saved_at >= SAVE_INTERVAL_S:
-            self.history.update_message(self._reply_id, self._text, STREAMING)
+            self.history.update_message(self._reply_id, self._text, STREAMING, reasoning=self._reasoning)
             self._saved_at = now
 
     def finish(self, event: TurnFinished) -> bool:
@@ -75,16 +79,17 @@ class TurnRecord:
                     self.history.delete(self.conversation_id)
                 return False
             self.user_id, self._reply_id = self.history.add_turn(self.conversation_id, [
-                ("user", self.user_text, DONE), ("assistant", event.text, DONE)], self.model)
+                ("user", self.user_text, DONE), ("assistant", event.text, DONE)], self.model, event.reasoning)
             self.history.update_message(self._reply_id, event.text, DONE, event.finish_reason)
             return True
-        self.history.update_message(self._reply_id, event.text or self._text, DONE, event.finish_reason)
+        self.history.update_message(self._reply_id, event.text or self._text, DONE, event.finish_reason,
+                                    reasoning=event.reasoning or self._reasoning)
         return True
 
     def fail(self) -> None:
         """The turn ended in an exception: a partial reply stays, marked interrupted."""
         if self._reply_id is not None:
-            self.history.update_message(self._reply_id, self._text, INTERRUPTED)
+            self.history.update_message(self._reply_id, self._text, INTERRUPTED, reasoning=self._reasoning)
         elif self.new_conversation and not self.history.messages(self.conversation_id):
             self.history.delete(self.conversation_id)
 
@@ -99,7 +104,7 @@ class ReplyRecord:
     new_conversation = False
 
     def __init__(self, history: HistoryStore, conversation_id: int, message_id: int, kind: str, before: str,
-                 clock=time.monotonic, model: str | None = None):
+                 clock=time.monotonic, model: str | None = None, before_reasoning: str = ""):
         assert kind in ("regenerate", "continue")
         self.history = history
         self.model = model              # a regenerate's author; a Continue keeps the reply's first author
@@ -108,11 +113,13 @@ class ReplyRecord:
         self.kind = kind
         self.user_text = ""
         self._before = before                   # the reply's text before this turn (kept when nothing comes)
+        self._before_reasoning = before_reasoning
         self._text = before if kind == "continue" else ""
+        self._reasoning = before_reasoning if kind == "continue" else ""
         self._clock = clock
         self._saved_at = clock()
         self._chosen = history.chosen_version(message_id)
-        self._versioned = kind == "regenerate" and bool(before)
+        self._versioned = kind == "regenerate" and bool(before or before_reasoning)
         if self._versioned:
             history.keep_as_version(message_id)     # before the row starts holding the new reply
 
@@ -120,21 +127,24 @@ class ReplyRecord:
     def reply_id(self) -> int:
         return self.message_id
 
-    def delta(self, text: str) -> None:
+    def delta(self, text: str, reasoning: str = "") -> None:
         self._text += text
+        self._reasoning += reasoning
         now = self._clock()
         if now - self._saved_at >= SAVE_INTERVAL_S:
-            self.history.update_message(self.message_id, self._text, STREAMING)
+            self.history.update_message(self.message_id, self._text, STREAMING, reasoning=self._reasoning)
             self._saved_at = now
 
     def finish(self, event: TurnFinished) -> bool:
-        text = event.text if event.text or self.kind == "regenerate" else self._text
+        came = event.text or event.reasoning or self.kind == "regenerate"
+        text = event.text if came else self._text
+        reasoning = event.reasoning if came else self._reasoning
         if self._versioned:
-            self.history.add_version(self.message_id, text, event.finish_reason, self.model)
+            self.history.add_version(self.message_id, text, event.finish_reason, self.model, reasoning)
         else:
             author = self.model if self.kind == "regenerate" else None
-            self.history.update_message(self.message_id, text, DONE, event.finish_reason, author)
-            self.history.update_version(self.message_id, text, event.finish_reason)
+            self.history.update_message(self.message_id, text, DONE, event.finish_reason, author, reasoning)
+            self.history.update_version(self.message_id, text, event.finish_reason, reasoning)
         return True
 
     def fail(self) -> None:
@@ -142,6 +152,6 @@ class ReplyRecord:
         if self._versioned:
             self.history.choose_version(self.message_id, self._chosen)
         elif self.kind == "regenerate":
-            self.history.update_message(self.message_id, self._before, DONE)
+            self.history.update_message(self.message_id, self._before, DONE, reasoning=self._before_reasoning)
         else:
-            self.history.update_message(self.message_id, self._text, DONE)
+            self.history.update_message(self.message_id, self._text, DONE, reasoning=self._reasoning)

@@ -201,7 +201,7 @@ class EngineWorker(QObject):
             turns = [{"role": role, "content": content} for role, content in history or ()]
             kept = self._open.pop(conversation_id, None) if conversation_id is not None else None
             restored = 0
-            if kept is not None and kept.messages == turns and kept.cache_config == cache \
+            if kept is not None and _turns(kept.messages) == turns and kept.cache_config == cache \
                     and kept.system_prompt == (system_prompt or None):
                 self._session = kept    # its blocks are still in the engine's pool: no prefill to go on
             else:
@@ -290,7 +290,7 @@ class EngineWorker(QObject):
         (the engine's prefix cache keeps what the old one shares with it)."""
         wanted = [{"role": role, "content": content} for role, content in pairs]
         session = self._session
-        have = session.messages
+        have = _turns(session.messages)       # a reply's reasoning is the session's own: not what the chat compares
         try:
             if have == wanted:
                 return True
@@ -544,7 +544,8 @@ class EngineWorker(QObject):
     def _emit_tokens(self, pending: list[TokenDelta]) -> None:
         if pending:
             self.token.emit(pending[0] if len(pending) == 1 else
-                            TokenDelta("".join(d.text for d in pending), tuple(i for d in pending for i in d.token_ids)))
+                            TokenDelta("".join(d.text for d in pending), tuple(i for d in pending for i in d.token_ids),
+                                       "".join(d.reasoning for d in pending)))
             pending.clear()
 
     def _emit_stats(self, live_decode_tok_s: float | None = None) -> None:
@@ -580,6 +581,11 @@ class _DecodeRate:
 EVENT_SIGNALS = ("progress", "ready", "session_opened", "token", "turn_finished", "stats", "mode_switched",
                  "reset_done", "error", "quality", "prefix_cleared", "token_counts", "reading", "prefill_set", "saving",
                  "message_counted")
+
+
+def _turns(messages: list[dict]) -> list[dict]:
+    """Messages as {"role", "content"} alone (a session keeps a reply's reasoning beside them)."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _pairs(history: list[dict] | None):

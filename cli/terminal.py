@@ -38,18 +38,78 @@ def _print_stats(session) -> None:
               f"({s.spec.acceptance_rate:.0%}), {s.spec.tokens_per_step:.2f} tokens a step, {gain}")
 
 
-def _stream(session, text: str, params: SamplingParams) -> bool:
-    """Print the reply as it comes, then what ended it when that needs saying; False when generation failed."""
+THINKING = "thinking: "         # marks each line of a reply's reasoning (gpt-oss's analysis channel)
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+class ReplyPrinter:
+    """A reply as it streams: its reasoning in lines marked "thinking: " (dimmed on a terminal), its answer plain."""
+
+    def __init__(self, out, color: bool):
+        self.out = out
+        self.color = color
+        self.thinking = False           # the last text written was reasoning
+        self.line_start = True
+
+    def reasoning(self, text: str) -> None:
+        if not text:
+            return
+        if not self.thinking:
+            if not self.line_start:
+                self.out.write("\n")
+            self.out.write(DIM if self.color else "")
+            self.thinking, self.line_start = True, True
+        for i, line in enumerate(text.split("\n")):
+            if i:
+                self.out.write("\n")
+                self.line_start = True
+            if line:
+                self.out.write((THINKING if self.line_start else "") + line)
+                self.line_start = False
+        self.out.flush()
+
+    def text(self, text: str) -> None:
+        if not text:
+            return
+        self._end_thinking()
+        self.out.write(text)
+        self.line_start = text.endswith("\n")
+        self.out.flush()
+
+    def _end_thinking(self) -> None:
+        if self.thinking:
+            self.out.write((RESET if self.color else "") + ("" if self.line_start else "\n"))
+            self.thinking, self.line_start = False, True
+
+    def end(self) -> None:
+        self._end_thinking()
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _color(out) -> bool:
+    return bool(getattr(out, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR")
+
+
+def _stream(session, text: str, params: SamplingParams, as_json: bool = False) -> bool:
+    """Print the reply as it comes (its reasoning marked apart), then what ended it when that needs saying; with
+    as_json, one JSON object once it ended: text, reasoning, finish_reason, message. False when generation failed."""
     from kvchat.engine.events import FinishReason, TokenDelta, TurnFinished
     ok = True
+    printer = ReplyPrinter(sys.stdout, _color(sys.stdout))
     for event in session.send(text, params):
-        if isinstance(event, TokenDelta):
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+        if isinstance(event, TokenDelta) and not as_json:
+            printer.reasoning(event.reasoning)
+            printer.text(event.text)
         elif isinstance(event, TurnFinished):
-            print()
-            if event.message:
-                print(f"! {event.message}", file=sys.stderr)
+            if as_json:
+                print(json.dumps({"text": event.text, "reasoning": event.reasoning,
+                                  "finish_reason": str(event.finish_reason), "message": event.message},
+                                 ensure_ascii=False))
+            else:
+                printer.end()
+                if event.message:
+                    print(f"! {event.message}", file=sys.stderr)
             ok = event.finish_reason != FinishReason.ERROR
     return ok
 
@@ -100,7 +160,7 @@ def _chat(args) -> int:
     session = engine.new_session(system_prompt=args.system)
     if args.prompt is not None:
         try:
-            return 0 if _stream(session, args.prompt, params) else 1
+            return 0 if _stream(session, args.prompt, params, args.json) else 1
         except KeyboardInterrupt:           # Ctrl+C mid-reply: what came so far stays printed
             print("\n(stopped)", file=sys.stderr)
             return 130
@@ -124,7 +184,7 @@ def _chat(args) -> int:
             continue
         if cmd:
             try:
-                _stream(session, line, params)
+                _stream(session, line, params, args.json)
             except KeyboardInterrupt:
                 print("\n(stopped)")
 
@@ -186,6 +246,8 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
     chat.add_argument("--repetition-penalty", type=float, default=1.1)
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--json", action="store_true", help="print each reply as one JSON object (text, reasoning, "
+                                                          "finish_reason, message) once it ends")
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible server (loopback unless given an API key)")
     add_cache_arguments(serve)

@@ -155,8 +155,13 @@ class StatsSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
-    text: str                           # UTF-8-safe piece of the reply
+    """A piece of the reply as it streams. A model that reasons apart (gpt-oss's analysis channel:
+    engine/text/reasoning.py) sends its reasoning in `reasoning` and its answer in `text`; every other model's
+    pieces are all `text`."""
+
+    text: str                           # UTF-8-safe piece of the reply's answer
     token_ids: tuple[int, ...]
+    reasoning: str = ""                 # UTF-8-safe piece of its reasoning
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +174,8 @@ class PrefillProgress:
 
 @dataclass(frozen=True, slots=True)
 class TurnFinished:
-    text: str                           # the whole reply
+    text: str                           # the whole reply: its answer, without the reasoning
     finish_reason: FinishReason
     message: str                        # for humans; empty unless something needs saying
     stats: StatsSnapshot
+    reasoning: str = ""                 # the reply's whole reasoning ("" for a model that writes none apart)

@@ -13,6 +13,7 @@ from kvchat.engine.config import CacheConfig, ConfigError, EngineConfig, Samplin
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.kv.layout import check_cache_for_model
 from kvchat.engine.events import LayerBytes, MemoryProbe, StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.text.reasoning import assistant_message
 
 NUM_LAYERS = 4
 ELEMENTS_PER_TOKEN = 2 * 32             # kv_heads x head_dim of the fake model
@@ -81,6 +82,10 @@ class FakeSession:
         """The reply: the engine's words from `offset` on, so a regenerate says something else."""
         words = self.engine.reply_words
         pieces, reason, start = [], "length", time.monotonic()
+        thoughts = [] if continues else list(self.engine.reasoning_pieces)
+        for piece in thoughts:          # a model that reasons apart (gpt-oss): its reasoning streams first
+            yield TokenDelta("", (), piece)
+        thought = "".join(thoughts)
         for i in range(sampling.max_new_tokens):
             if should_stop():
                 reason = "stopped"
@@ -95,11 +100,12 @@ class FakeSession:
             yield TokenDelta(piece, (i,))
         if continues:
             reply = self.messages[-1]["content"] + "".join(pieces)
-            self.messages[-1] = {"role": "assistant", "content": reply}
+            thought = self.messages[-1].get("reasoning", "")
+            self.messages[-1] = assistant_message(reply, thought)
         else:
             reply = "".join(pieces).strip()
-            self.messages.append({"role": "assistant", "content": reply})
-        yield TurnFinished(reply, reason, "", self.stats())
+            self.messages.append(assistant_message(reply, thought))
+        yield TurnFinished(reply, reason, "", self.stats(), thought)
 
     def regenerate(self, sampling: SamplingParams, should_stop=lambda: False):
         """A new reply to the last user message; the old one joins `alternatives`. Nothing is read again."""
@@ -208,6 +214,7 @@ class FakeEngine:
         self.step_s = step_s
         self.refuse_fp8 = True
         self.reply_words = ["Hello", "from", "the", "fake", "engine."]
+        self.reasoning_pieces: list[str] = []       # set: each reply streams this reasoning before its words
         self.sessions: list[FakeSession] = []
         self.prefix_cache_bytes = 3 * 1024 * 1024    # what clear_prefix_cache frees the first time
         # the shape the byte rule above describes, so the engine's own cache check applies to the fake too

@@ -12,6 +12,7 @@ from kvchat.kernels import cpu_lib, cpu_quant
 
 from kvchat.engine.api import LOCAL
 from kvchat.engine.text.chat_format import chat_format_notice, check_template, stop_ids
+from kvchat.engine.text.reasoning import reply_format
 from kvchat.engine.config import ACTIVATION_MODES, PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from kvchat.engine.kv.layout import MIB, cache_context
 from kvchat.engine.gguf.file import GGUFFile
@@ -119,8 +120,9 @@ class Engine:
         self.runner = ModelRunner(model, self.dtype_name, config.cache.budget_mb)
         self._identity: dict | None = None
         self._warm_store = None
+        self.reply_format = reply_format(tokenizer)     # how its replies come (a reasoning part apart, or not)
         self.info = ModelInfo(name, tokenizer, self.stop_ids, model.config.max_position_embeddings,
-                              self.weight_bytes, self.weights_label)
+                              self.weight_bytes, self.weights_label, self.reply_format)
         self.draft_engine: "Engine | None" = None     # a draft model loaded for speculative decoding
         if config.speculative.method != "draft":      # a draft model loads in set_speculative (Engine.load calls it)
             self.runner.speculation = config.speculative

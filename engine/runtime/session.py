@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Generator, Iterator
 
 import torch
@@ -23,7 +23,7 @@ from kvchat.engine.runtime import memory, overflow, session_stats, warm
 from kvchat.engine.runtime.warm import RELEASED_NOTICE
 from kvchat.engine.text.chat_format import encode_conversation, held_prefix, tokenize_pieces
 from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams
-from kvchat.engine.text.detok import StreamDecoder
+from kvchat.engine.text.reasoning import PLAIN, REASONING_KEY, assistant_message
 from kvchat.engine.events import FinishReason, PoolStats, PrefillProgress, StatsSnapshot, TokenDelta, TurnFinished
 from kvchat.engine.kv.layout import WindowGeometry
 from kvchat.engine.kv.manager import NoFreeBlocks
@@ -53,6 +53,7 @@ class ModelInfo:
     max_context: int
     weight_bytes: int = 0
     weights_label: str = ""
+    reply: object = PLAIN               # the format its replies come in (engine.text.reasoning.reply_format)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Alternative:
     text: str
     seq: object
     token_ids: list[int] = field(default_factory=list)
+    reasoning: str = ""
 
 
 class Session:
@@ -213,10 +215,24 @@ class Session:
     def _tokenize(self, pieces: list[tuple[str, bool]], skip_chars: int) -> list[int]:
         return tokenize_pieces(self.tokenizer, pieces, skip_chars)
 
+    def _reply_start(self) -> int | None:
+        """Where the last reply's tokens begin, when the last message is a reply and that is known."""
+        if self.messages and self.messages[-1]["role"] == "assistant" and len(self._starts) == len(self.messages):
+            start = self._starts[-1]
+            return start if start is not None and start <= len(self.token_ids) else None
+        return None
+
     def _new_tokens_for(self, messages: list[dict]) -> list[int]:
         """The tokens to add for this turn: the rendered chat past what the session already holds."""
         rendered, pieces = self._encode_conversation(messages)
-        held = held_prefix(self.tokenizer, rendered, self.token_ids, self._cached)
+        held = held_prefix(self.tokenizer, rendered, self.token_ids, self._cached, self._reply_start())
+        if held is not None and held[0] < self._cached:
+            # the format writes the last reply otherwise than the model did (Harmony drops its analysis): the cache
+            # goes back to where the reply began, and the reply is read as the format writes it
+            try:
+                self.runner.truncate(self.seq, self._cached - held[0])
+            except ConfigError:
+                held = None
         if held is None:                        # the text diverged: start the cache over
             self.reset()
             return self._tokenize(pieces, 0)
@@ -228,6 +244,10 @@ class Session:
              should_stop: Callable[[], bool] | None = None) -> Iterator[TurnEvent]:
         """Add a user message and stream the reply: TokenDelta ..., then one TurnFinished (before them, a
         PrefillProgress after each chunk of a prompt longer than one).
+
+        A model that reasons apart (gpt-oss: engine/text/reasoning.py) streams its reasoning in the events'
+        `reasoning` and its answer in their `text`; the reply joins `messages` as its answer, with the reasoning
+        under "reasoning", and a later prompt holds only the answer.
 
         A turn refused (too long, over budget) or stopped while its prompt is read leaves the
         conversation and the cache exactly as they were. While the stream is live the session takes no other
@@ -302,7 +322,9 @@ class Session:
         spec = self._speculator() if params.greedy or params.seed is None else None
         reply: list[int] = []
         chosen: deque[int] = deque()        # tokens a verification chose; all but the last are in the cache already
-        stream = StreamDecoder(self.tokenizer)
+        start = self._reply_start() if continues else None
+        resume = self.token_ids[start:] if start is not None else []
+        parts = self.info.reply.parser(self.tokenizer, resume)
         reason, message = FinishReason.LENGTH, ""
         decode_started = time.perf_counter()
         try:
@@ -326,9 +348,9 @@ class Session:
                     reason = FinishReason.EOS
                     break
                 reply.append(next_id)
-                delta = stream.push(next_id)
-                if delta:
-                    yield TokenDelta(delta, (next_id,))
+                text, reasoning = parts.push(next_id)
+                if text or reasoning:
+                    yield TokenDelta(text, (next_id,), reasoning)
                 if step + 1 == params.max_new_tokens:
                     break
                 if chosen:                  # the next is chosen already
@@ -350,17 +372,18 @@ class Session:
             # the cache as plain decoding leaves it: the last token fed only where the turn went on after it
             fed = reason in (FinishReason.STOPPED, FinishReason.CONTEXT, FinishReason.ERROR)
             self._settle(len(self.token_ids) - (0 if fed else 1))
-            final = stream.text()
+            final, thought = parts.text, parts.reasoning
             if continues:
                 final = self.messages[-1]["content"] + final
-                self.messages[-1] = {"role": "assistant", "content": final}
+                thought = self.messages[-1].get(REASONING_KEY, "") + thought
+                self.messages[-1] = assistant_message(final, thought)
             else:
-                self.messages.append({"role": "assistant", "content": final})
+                self.messages.append(assistant_message(final, thought))
                 self._starts.append(self._prompt_end)
-        rest = stream.flush()
-        if rest:
-            yield TokenDelta(rest, ())
-        yield TurnFinished(final, reason, message, self.stats())
+        text, reasoning = parts.flush()
+        if text or reasoning:
+            yield TokenDelta(text, (), reasoning)
+        yield TurnFinished(final, reason, message, self.stats(), thought)
 
     def _decode_step(self, next_id: int, left: int, spec, params, generator, chosen: deque, logits, reply: list[int]):
         """Feed next_id: one verification where drafts pay (the tokens it chose join `chosen`), else a plain step.
@@ -413,7 +436,8 @@ class Session:
         can_fork = self._prompt_logits is not None and self._cached >= self._prompt_end and not self.seq.evicted
         if not can_fork:       # released, slid or resumed: read the prompt again
             # the old replies keep their text; their caches go, as the prompt they answered is read again
-            kept = [alt.text for alt in self.alternatives] + [old["content"]]
+            kept = [(alt.text, alt.reasoning) for alt in self.alternatives] + \
+                [(old["content"], old.get(REASONING_KEY, ""))]
             self._drop_alternatives()
             last_user = self.messages.pop()
             self._starts.pop()
@@ -422,17 +446,18 @@ class Session:
             for event in self.send(last_user["content"], params, should_stop):
                 if isinstance(event, TurnFinished):
                     self.notice = self.notice or notice
-                    event = TurnFinished(event.text, event.finish_reason, event.message, self.stats())
+                    event = replace(event, stats=self.stats())
                     if self.messages and self.messages[-1]["role"] == "assistant":
-                        self.alternatives = [Alternative(t, None) for t in kept]
+                        self.alternatives = [Alternative(t, None, reasoning=r) for t, r in kept]
                     else:                               # refused or stopped before a reply: the chat stays as it was
                         self.messages += [last_user, old]
                         self._starts += [None, None]
-                        self.alternatives = [Alternative(t, None) for t in kept[:-1]]
+                        self.alternatives = [Alternative(t, None, reasoning=r) for t, r in kept[:-1]]
                 yield event
             return
         child, shared = self.runner.fork(self.seq, self._prompt_end)
-        self.alternatives.append(Alternative(old["content"], self.seq, list(self.token_ids)))
+        self.alternatives.append(Alternative(old["content"], self.seq, list(self.token_ids),
+                                             old.get(REASONING_KEY, "")))
         self.seq = child
         self.token_ids = self.token_ids[:self._prompt_end]
         logits = self._prompt_logits.clone()       # sampling may scale logits in place
@@ -458,8 +483,11 @@ class Session:
         started = time.perf_counter()
         if not self.token_ids:        # released or resumed: the whole chat is read again, the reply included
             rendered, pieces = self._encode_conversation(self.messages[:-1])
-            self.token_ids = self._tokenize(pieces, 0) + self.tokenizer.encode(
-                self.messages[-1]["content"], add_special_tokens=False, split_special_tokens=True)
+            prompt, last = self._tokenize(pieces, 0), self.messages[-1]
+            self.token_ids = prompt + self.info.reply.reply_ids(self.tokenizer, last["content"],
+                                                                last.get(REASONING_KEY, ""))
+            if len(self._starts) == len(self.messages):
+                self._starts[-1] = len(prompt)
         if self.token_ids and self._cached == len(self.token_ids):
             # the last token is in the cache (a reply stopped after a step) and its logits are gone: take it
             # back and read it again, or read the whole chat again when the cache cannot take it back exactly
@@ -502,8 +530,9 @@ class Session:
         """Swap the current last reply with alternative `index` (its cache too, if it is still held)."""
         self._guard.check_idle()
         alt = self.alternatives[index]
-        current = Alternative(self.messages[-1]["content"], self.seq, list(self.token_ids))
-        self.messages[-1] = {"role": "assistant", "content": alt.text}
+        last = self.messages[-1]
+        current = Alternative(last["content"], self.seq, list(self.token_ids), last.get(REASONING_KEY, ""))
+        self.messages[-1] = assistant_message(alt.text, alt.reasoning)
         if alt.seq is not None and not alt.seq.released and alt.seq.num_tokens:
             self.seq, self.token_ids = alt.seq, list(alt.token_ids)
         else:               # its cache is gone: the chat is read again from a new sequence
@@ -516,6 +545,7 @@ class Session:
         self.alternatives[index] = current
 
     def reply(self, text: str, params: SamplingParams | None = None) -> str:
+        """The reply's answer (a reasoning model's reasoning is in messages[-1]["reasoning"])."""
         for event in self.send(text, params):
             if isinstance(event, TurnFinished):
                 return event.text

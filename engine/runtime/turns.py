@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from kvchat.engine.text.chat_format import clean_text
+from kvchat.engine.text.reasoning import REASONING_KEY
 from kvchat.engine.config import ConfigError, SamplingParams
 from kvchat.engine.events import FinishReason, SpecStats, StatsSnapshot, TokenDelta, TurnFinished
 from kvchat.engine.runtime.sampling import check_logit_bias
@@ -59,6 +60,7 @@ class LiveTurn:
     inner: Iterator             # the turn's own generator
     ended: str = ""             # a key of ENDED_BY once something ended it between two of its events
     text: str = ""              # the reply when it was ended
+    reasoning: str = ""         # and its reasoning
     stats: StatsSnapshot | None = None
 
 
@@ -89,7 +91,8 @@ class TurnGuard:
                     self.live = None        # the turn is over: what follows its TurnFinished changes nothing
                 yield event
                 if turn.ended:
-                    yield TurnFinished(turn.text, FinishReason.STOPPED, ENDED_BY[turn.ended], turn.stats)
+                    yield TurnFinished(turn.text, FinishReason.STOPPED, ENDED_BY[turn.ended], turn.stats,
+                                       turn.reasoning)
                     return
         finally:
             inner.close()
@@ -104,7 +107,8 @@ class TurnGuard:
         self.live = None
         turn.inner.close()
         last = session.messages[-1] if session.messages else None
-        turn.text = last["content"] if last is not None and last["role"] == "assistant" else ""
+        reply = last if last is not None and last["role"] == "assistant" else {}
+        turn.text, turn.reasoning = reply.get("content", ""), reply.get(REASONING_KEY, "")
         turn.stats = session.stats()
         turn.ended = why
 
@@ -129,13 +133,16 @@ def checked_text(value, what: str) -> str:
 
 
 def checked_history(history) -> list[dict]:
-    """Copies of the messages a session starts from, each {'role': str, 'content': str}."""
+    """Copies of the messages a session starts from, each {'role': str, 'content': str} (a reply's 'reasoning' too)."""
     messages = []
     for i, m in enumerate(history or ()):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ConfigError(f"history message {i} is not {{'role': 'user' or 'assistant', 'content': text}}: "
                               f"fix or drop it")
-        messages.append(dict(m, content=clean_text(m["content"])))
+        message = dict(m, content=clean_text(m["content"]))
+        if isinstance(m.get(REASONING_KEY), str):       # a reply's reasoning (engine/text/reasoning.py)
+            message[REASONING_KEY] = clean_text(m[REASONING_KEY])
+        messages.append(message)
     return messages
 
 

@@ -18,6 +18,7 @@ import torch
 
 from kvchat.engine.kv import saved
 from kvchat.engine.kv.layout import MIB
+from kvchat.engine.config import ConfigError
 from kvchat.engine.kv.saved import CacheFileError
 from kvchat.engine.text.chat_format import held_prefix
 
@@ -112,14 +113,24 @@ def restore(session, path: Path, identity: dict) -> Restored:
         raise CacheFileError("the saved cache's logits do not fit this model: the file is damaged")
     if logits is not None and not bool(torch.isfinite(logits).all()):
         raise CacheFileError("the saved cache's logits are not finite (NaN or inf): the file is damaged")
-    _check_text(session, ids, held)
+    starts = meta.get("starts")
+    if not (isinstance(starts, list) and len(starts) == len(session.messages)
+            and all(s is None or (isinstance(s, int) and 0 <= s <= len(ids)) for s in starts)):
+        starts = None
+    reply_start = starts[-1] if starts and session.messages[-1]["role"] == "assistant" else None
+    kept = _check_text(session, ids, held, reply_start)
     runner.import_kv(session.seq, groups, tensors, extra={"token_ids", "prompt_logits"})
+    if kept < held:         # the format writes the last reply otherwise (Harmony drops its analysis): cut back to it
+        try:
+            runner.truncate(session.seq, held - kept)
+        except ConfigError:
+            runner.free(session.seq)
+            raise CacheFileError("the saved cache cannot be cut back to where the last reply began") from None
+        ids, held = ids[:kept], kept
     session.token_ids = ids
     end = meta.get("prompt_end")
     session._prompt_end = end if isinstance(end, int) and 0 <= end <= len(ids) else len(ids)
-    starts = meta.get("starts")
-    if (isinstance(starts, list) and len(starts) == len(session.messages)
-            and all(s is None or (isinstance(s, int) and 0 <= s <= len(ids)) for s in starts)):
+    if starts is not None:
         session._starts = list(starts)
     # the logits a regenerate starts from, where the conversation is exactly as saved (its last reply included)
     same = meta.get("messages") == len(session.messages) and logits is not None
@@ -127,13 +138,17 @@ def restore(session, path: Path, identity: dict) -> Restored:
     return Restored(held, time.perf_counter() - started, Path(path).stat().st_size)
 
 
-def _check_text(session, ids: list[int], cached: int) -> None:
-    """The saved tokens must read as the start of the conversation as it is now (an edit in between: read again)."""
+def _check_text(session, ids: list[int], cached: int, reply_start: int | None = None) -> int:
+    """The saved tokens must read as the start of the conversation as it is now (an edit in between: read again);
+    returns how many of the cached ones are kept (those before the last reply where the format writes it otherwise
+    than the model did: chat_format.held_prefix)."""
     if not session.messages:          # tokens fed through append: they are the conversation
-        return
+        return cached
     rendered, _ = session._encode_conversation(session.messages)
-    if held_prefix(session.tokenizer, rendered, ids, cached) is None:
+    held = held_prefix(session.tokenizer, rendered, ids, cached, reply_start)
+    if held is None:
         raise CacheFileError("the conversation changed since its cache was saved")
+    return min(held[0], cached)
 
 
 def read_back(session, ids: list[int], prompt_end: int, starts: list, logits) -> str:

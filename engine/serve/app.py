@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvchat.engine.text.chat_format import ChatTemplateError, encode_conversation, tokenize_pieces
-from kvchat.engine.text.detok import StreamDecoder
+from kvchat.engine.text.reasoning import PLAIN, reply_format
 from kvchat.engine.events import FinishReason
 from kvchat.engine.serve import batch
 from kvchat.engine.serve import guard
@@ -42,13 +42,16 @@ def _context_error(message: str) -> APIError:
 
 
 class Generation:
-    """One request in flight: tokens from the engine thread become text, cut at stop strings."""
+    """One request in flight: tokens from the engine thread become text, cut at stop strings. A chat reply of a model
+    that reasons apart (gpt-oss) comes as two parts: the reasoning, never cut, and the answer, which the stop
+    strings cut; a completion is the model's text as it came."""
 
     def __init__(self, app_state: "ServeState", parsed: protocol.Parsed, prompt_ids: list[int]):
         self.state = app_state
         self.parsed = parsed
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.decoder = StreamDecoder(app_state.tokenizer)
+        fmt = app_state.reply_format if parsed.kind == "chat" else PLAIN
+        self.parts = fmt.parser(app_state.tokenizer)
         self.stops = protocol.StopMatcher(parsed.stop)
         self.num_prompt = len(prompt_ids)
         self.num_completion = 0
@@ -79,27 +82,29 @@ class Generation:
         if self.finish is None:
             self.state.scheduler.abort(self.request.id)
 
-    async def next(self, timeout: float | None = None) -> str | None:
-        """The next piece of text ("" when nothing is safe to show yet), or None once finished."""
+    async def next(self, timeout: float | None = None) -> tuple[str, str] | None:
+        """The next pieces of (answer, reasoning) ("" when nothing is safe to show yet), or None once finished."""
         while self.finish is None:
             event = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
             if isinstance(event, TokenOut):
                 if self.stops.stopped:
                     continue
                 self.num_completion += 1
-                text = self.stops.push(self.decoder.push(event.token_id))
+                text, reasoning = self.parts.push(event.token_id)
+                text = self.stops.push(text)
                 if self.stops.stopped:
                     self.state.scheduler.abort(self.request.id)
                     self.finish = FinishReason.STOP_STRING
-                return text
+                return text, reasoning
             if self.stops.stopped:
                 self.finish = FinishReason.STOP_STRING
-                return ""
+                return "", ""
             self.finish = self._finish_reason(event)
-            text = self.stops.push(self.decoder.flush())     # bytes held back may complete a stop string
+            text, reasoning = self.parts.flush()
+            text = self.stops.push(text)        # bytes held back may complete a stop string
             if self.stops.stopped:
                 self.finish = FinishReason.STOP_STRING
-            return text + self.stops.flush()
+            return text + self.stops.flush(), reasoning
         return None
 
     def _finish_reason(self, event: Finished) -> FinishReason:
@@ -118,6 +123,7 @@ class ServeState:
         self.engine = engine
         self.read_timeout_s = read_timeout_s
         self.tokenizer = engine.tokenizer
+        self.reply_format = reply_format(engine.tokenizer)     # a chat reply's reasoning apart (gpt-oss), or not
         self.scheduler = scheduler
         self.metrics = metrics
         self.model_id = model_id
@@ -243,7 +249,7 @@ def create_app(state: ServeState) -> FastAPI:
         if parsed.stream:
             return StreamingResponse(_stream(gen, rid, kind), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        pieces = []
+        pieces, thoughts = [], []
         try:
             while True:
                 try:
@@ -255,11 +261,12 @@ def create_app(state: ServeState) -> FastAPI:
                     continue
                 if piece is None:
                     break
-                pieces.append(piece)
+                pieces.append(piece[0])
+                thoughts.append(piece[1])
         finally:
             gen.abort()
         return protocol.response(kind, rid, state.model_id, "".join(pieces), gen.finish, gen.num_prompt,
-                                 gen.num_completion)
+                                 gen.num_completion, "".join(thoughts))
 
     async def _prompt_ids(parsed: protocol.Parsed) -> list[int]:
         work = asyncio.get_running_loop().run_in_executor(state.prompt_pool, state.prompt_ids, parsed)
@@ -286,8 +293,8 @@ def create_app(state: ServeState) -> FastAPI:
                         yield _sse(protocol.chunk(kind, rid, model, None,
                                                   usage_=protocol.usage(gen.num_prompt, gen.num_completion)))
                     break
-                if piece:
-                    yield _sse(protocol.chunk(kind, rid, model, piece))
+                if piece[0] or piece[1]:
+                    yield _sse(protocol.chunk(kind, rid, model, piece[0], reasoning=piece[1]))
             yield b"data: [DONE]\n\n"
         finally:
             gen.abort()         # the client went away mid-stream: its blocks go back now

@@ -259,10 +259,14 @@ def from_openai_finish(finish: str) -> FinishReason:
 
 
 def response(kind: str, rid: str, model: str, text: str, reason: FinishReason, num_prompt: int,
-             num_completion: int) -> dict:
+             num_completion: int, reasoning: str = "") -> dict:
+    """A whole answer. A chat reply's reasoning (gpt-oss's analysis channel) is no part of `content`: it goes in
+    `reasoning_content`, as llama.cpp's server and vLLM send it, and only where there is some."""
     finish = openai_finish(reason)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-               "logprobs": None} if kind == "chat" else
+    message = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    choice = ({"index": 0, "message": message, "finish_reason": finish, "logprobs": None} if kind == "chat" else
               {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
     return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice],
@@ -270,7 +274,8 @@ def response(kind: str, rid: str, model: str, text: str, reason: FinishReason, n
 
 
 def chunk(kind: str, rid: str, model: str, text: str | None, reason: FinishReason | None = None, first: bool = False,
-          usage_: dict | None = None) -> dict:
+          usage_: dict | None = None, reasoning: str = "") -> dict:
+    """One event of a stream; a chat reply's reasoning goes in `delta.reasoning_content`, apart from `content`."""
     finish = None if reason is None else openai_finish(reason)
     out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
            "created": int(time.time()), "model": model}
@@ -280,6 +285,8 @@ def chunk(kind: str, rid: str, model: str, text: str | None, reason: FinishReaso
         return out
     if kind == "chat":
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         out["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
     else:
         out["choices"] = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]

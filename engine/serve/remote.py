@@ -19,6 +19,7 @@ from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams
 from kvchat.engine.errors import UserError
 from kvchat.engine.events import FinishReason, ServerStats, StatsSnapshot, TokenDelta, TurnFinished
 from kvchat.engine.serve.protocol import from_openai_finish
+from kvchat.engine.text.reasoning import assistant_message, without_reasoning
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0                  # a long prompt on a busy server may take minutes to start
@@ -195,7 +196,8 @@ class RemoteSession:
 
     def _body(self, text: str, params: SamplingParams) -> dict:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        body = {"model": self.engine.model_name, "messages": system + self.messages + [{"role": "user", "content": text}],
+        history = [without_reasoning(m) for m in self.messages]      # earlier turns' reasoning is no part of a prompt
+        body = {"model": self.engine.model_name, "messages": system + history + [{"role": "user", "content": text}],
                 "stream": True, "stream_options": {"include_usage": True}, "max_tokens": params.max_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p}
         if params.seed is not None:
@@ -220,6 +222,7 @@ class RemoteSession:
         self.engine.refresh_metrics()
         started = time.perf_counter()
         pieces: list[str] = []
+        thoughts: list[str] = []        # the reply's reasoning, where the server sends it apart (reasoning_content)
         reason, message, chunks = FinishReason.LENGTH, "", 0
         first_at, lost = None, None
         try:
@@ -245,7 +248,14 @@ class RemoteSession:
                         self._turn.prompt_tokens = event["usage"].get("prompt_tokens", 0)
                         self._turn.completion_tokens = event["usage"].get("completion_tokens", chunks)
                     for choice in event.get("choices") or ():
-                        piece = (choice.get("delta") or {}).get("content")
+                        delta = choice.get("delta") or {}
+                        piece = delta.get("content")
+                        # llama.cpp's server and vLLM send a reasoning model's thinking apart (vLLM's newer name:
+                        # reasoning); it is shown apart and never sent back in a later prompt
+                        thought = delta.get("reasoning_content") or delta.get("reasoning")
+                        if isinstance(thought, str) and thought:
+                            thoughts.append(thought)
+                            yield TokenDelta("", (), thought)
                         if piece:
                             now = time.perf_counter()
                             if first_at is None:
@@ -263,23 +273,24 @@ class RemoteSession:
             lost = exc
         finally:
             if self.messages and self.messages[-1] == {"role": "user", "content": text}:
-                if pieces or lost is None:
-                    self.messages.append({"role": "assistant", "content": "".join(pieces)})
+                if pieces or thoughts or lost is None:
+                    self.messages.append(assistant_message("".join(pieces), "".join(thoughts)))
                 else:
                     self.messages.pop()     # nothing came back: the turn is refused, as if never sent
         if lost is not None:
             self.engine.mark_unreachable()
-            yield self._lost_turn(lost, "".join(pieces))
+            yield self._lost_turn(lost, "".join(pieces), "".join(thoughts))
             return
-        yield TurnFinished("".join(pieces), reason, message, self.stats())
+        yield TurnFinished("".join(pieces), reason, message, self.stats(), "".join(thoughts))
 
-    def _lost_turn(self, exc: httpx.HTTPError, partial: str) -> TurnFinished:
-        """The server stopped answering: a partial reply is kept ("disconnected"); with none the message is
-        refused ("unreachable"), so the app gives the text back."""
+    def _lost_turn(self, exc: httpx.HTTPError, partial: str, reasoning: str = "") -> TurnFinished:
+        """The server stopped answering: a partial reply (or its reasoning alone) is kept ("disconnected"); with
+        none the message is refused ("unreachable"), so the app gives the text back."""
         cause, url = _cause(exc), self.engine.base_url
-        if partial:
+        if partial or reasoning:
             return TurnFinished(partial, FinishReason.DISCONNECTED,
-                                f"the server went away mid-reply ({cause}); the partial reply is kept", self.stats())
+                                f"the server went away mid-reply ({cause}); the partial reply is kept", self.stats(),
+                                reasoning)
         if isinstance(exc, httpx.ConnectError):
             text = f"the server is unreachable ({cause} at {url}): start it again, or check the URL in Settings"
         else:

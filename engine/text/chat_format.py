@@ -6,6 +6,7 @@ import secrets
 import traceback
 
 from kvchat.engine.config import ConfigError
+from kvchat.engine.text.reasoning import reply_format, without_reasoning
 
 # A message's content goes through the template as a sentinel: private-use brackets around a random number and the
 # message's index. No letters (a template's upper / lower / title leaves it as it is), no whitespace (trim), no
@@ -118,8 +119,11 @@ def encode_conversation(tokenizer, system_prompt: str | None, messages: list[dic
     Each content goes through the template as a sentinel, found wherever the template put it (moved, as Mistral
     v0.3 moves the system prompt into the last user turn, repeated, in any order); the content takes its place.
     A template that leaves a message out, or cuts or rewrites its sentinel, is refused (ChatTemplateError): its
-    text could not be kept apart from the template's own tokens, and the model would not read what was sent."""
-    msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
+    text could not be kept apart from the template's own tokens, and the model would not read what was sent.
+
+    A reply's reasoning (engine.text.reasoning) is left out: earlier turns' reasoning is no part of a prompt."""
+    msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+        [without_reasoning(m) for m in messages]
     nonce = f"{secrets.randbelow(10 ** 18):018d}"
     marked = [dict(m, content=f"{_OPEN}{nonce}:{i}{_CLOSE}") for i, m in enumerate(msgs)]
     # a reply the model began with a space, after PLAIN_TEMPLATE's "Assistant:", is written without another
@@ -171,11 +175,14 @@ def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]], skip_chars: int =
     return ids
 
 
-def held_prefix(tokenizer, rendered: str, ids: list[int], cached: int) -> tuple[int, int] | None:
+def held_prefix(tokenizer, rendered: str, ids: list[int], cached: int,
+                reply_start: int | None = None) -> tuple[int, int] | None:
     """How much of a conversation's tokens `ids` (the first `cached` of them in its cache) the chat rendered again
     starts with, as (tokens, characters): all of them; the cached ones, where the rest is an end-of-text token
-    the format does not write (the plain format's, never fed); or None: the conversation changed."""
-    for n in (len(ids), cached):
+    the format does not write (the plain format's, never fed); those before the last reply (`reply_start`), where
+    the format writes that reply otherwise than the model did (Harmony drops its analysis); or None: the
+    conversation changed."""
+    for n in (len(ids), cached) + ((reply_start,) if reply_start is not None and reply_start <= cached else ()):
         held = tokenizer.decode(ids[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if rendered.startswith(held):
             return n, len(held)
@@ -183,7 +190,8 @@ def held_prefix(tokenizer, rendered: str, ids: list[int], cached: int) -> tuple[
 
 
 def stop_ids(tokenizer) -> frozenset[int]:
-    """The end-of-sequence token and the chat templates' end-of-turn tokens this vocabulary has."""
+    """The end-of-sequence token and the chat templates' end-of-turn tokens this vocabulary has, as its reply format
+    has them (Harmony: <|return|> and <|call|>, never <|end|>, which ends only the analysis message)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -193,4 +201,4 @@ def stop_ids(tokenizer) -> frozenset[int]:
     else:
         vocab = tokenizer.get_vocab()
         ids.update(vocab[t] for t in STOP_TOKENS if t in vocab)
-    return frozenset(ids)
+    return reply_format(tokenizer).stop_ids(frozenset(ids))
