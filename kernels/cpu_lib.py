@@ -340,8 +340,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P]
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
-    lib.moe_rows.argtypes = [I, I, P, P, P, I, P, P, P, P, P, P, I, F, F, P, P]
-    lib.moe_rows.restype = I
+    lib.moe_layer_rows.argtypes = [I, I, P, P, F, P, P, P]
+    lib.moe_layer_rows.restype = I
     lib.qk_norm_rows.restype = None
     lib.split_blocks.argtypes = [P, ctypes.c_int64, I, I, P, P]
     lib.split_blocks.restype = None
@@ -359,4 +359,14 @@ class QLin(ctypes.Structure):
 
 class QLayer(ctypes.Structure):
     _fields_ = [("lin", (QLin * 3) * 4), ("nparts", ctypes.c_int * 4), ("norm_attn", ctypes.c_void_p),
-                ("norm_mlp", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
+                ("norm_mlp", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("moe", ctypes.c_void_p)]
+
+
+class MoE(ctypes.Structure):
+    """A routed MLP as moe_layer_rows and decode_layers read it (moe_t in cpu_moe.h)."""
+    _fields_ = [("E", ctypes.c_int), ("k", ctypes.c_int), ("act", ctypes.c_int), ("normalize", ctypes.c_int),
+                ("alpha", ctypes.c_float), ("limit", ctypes.c_float), ("router", QLin),
+                ("router_bias", ctypes.c_void_p), ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("gb", ctypes.c_void_p), ("ub", ctypes.c_void_p), ("db", ctypes.c_void_p),
+                ("hits", ctypes.c_void_p)]

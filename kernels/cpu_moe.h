@@ -1,64 +1,130 @@
 // A routed MLP's decode rows (mixtures of experts) in one call: included by cpu_quant.c after lin_apply, whose
-// kernels it runs. Each row reads its k routed experts' packed slabs and nothing else.
+// kernels it runs. Each row reads its router and its k routed experts' packed slabs, and no other expert's.
+// The engine's forward calls moe_layer_rows for the decode rows of a step, and decode_layers calls it for a
+// layer that has experts, so both give the same bits.
 
-// For each of M rows: y[m] = resid[m] + the sum, over its k experts in the order given (the caller sorts them
-// ascending, the order the prompt path adds them in), of w[m][j] * (down_e(act(gate_e(x[m]) + gb[e],
-// up_e(x[m]) + ub[e])) + db[e]). act 0: silu(g) * u (SwiGLU); act 1 (gpt-oss): g = min(g, limit),
-// u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1). x [M, K]: the rows already normed (the router
-// reads them too); ids, w [M, k]; gate, up, down: E experts' linears; gb, ub [E, F], db [E, H]: biases or NULL.
-// 0 on success, -1 out of memory, -3 when an id or a width does not chain (nothing written then).
-int moe_rows(int M, int k, const float *x, const int32_t *ids, const float *w, int E, const qlin_t *gate,
-             const qlin_t *up, const qlin_t *down, const float *gb, const float *ub, const float *db, int act,
-             float alpha, float limit, const float *resid, float *y) {
-    if (M < 1 || k < 1 || E < 1) return -3;
-    int K = gate[0].K, F = gate[0].N, H = down[0].N;
-    for (int e = 0; e < E; e++) {
-        const qlin_t *g = gate + e, *u = up + e, *d = down + e;
-        if (g->K != K || u->K != K || g->N != F || u->N != F || d->K != F || d->N != H || K % 32 || F % 32
-            || (g->bits != 4 && g->bits != 8) || (u->bits != 4 && u->bits != 8) || (d->bits != 4 && d->bits != 8))
-            return -3;
+// A layer's routed MLP. Routing: softmax over the E router logits (+ router_bias), the k largest kept (ties to the
+// lower id), renormalized to sum 1 where `normalize`; each token's experts then added in ascending id order.
+// Expert e: down_e(act(gate_e(x) + gb[e], up_e(x) + ub[e])) + db[e]; act 0: silu(g) * u (SwiGLU); act 1 (gpt-oss):
+// g = min(g, limit), u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1). gb, ub [E, F], db [E, H],
+// router_bias [E]: NULL where absent. hits [E]: tokens routed to each expert, counted where not NULL.
+typedef struct moe_s {
+    int E, k, act, normalize;
+    float alpha, limit;
+    qlin_t router;
+    const float *router_bias;
+    const qlin_t *gate, *up, *down;
+    const float *gb, *ub, *db;
+    int64_t *hits;
+} moe_t;
+
+static int moe_bits_ok(const qlin_t *l) {
+    return l->bits == 4 || l->bits == 8;
+}
+
+// Whether a layer's experts chain at hidden width H; 0 for a table built from a damaged file's header.
+static int moe_ok(const moe_t *m, int H) {
+    if (m->E < 1 || m->k < 1 || m->k > m->E || m->k > 64 || m->router.N != m->E || m->router.K != H
+        || !moe_bits_ok(&m->router))
+        return 0;
+    int F = m->gate[0].N;
+    for (int e = 0; e < m->E; e++) {
+        const qlin_t *g = m->gate + e, *u = m->up + e, *d = m->down + e;
+        if (g->K != H || u->K != H || g->N != F || u->N != F || d->K != F || d->N != H || F % 32
+            || !moe_bits_ok(g) || !moe_bits_ok(u) || !moe_bits_ok(d))
+            return 0;
     }
-    for (int i = 0; i < M * k; i++)
-        if (ids[i] < 0 || ids[i] >= E) return -3;
-    int kmax = K > F ? K : F;
+    return 1;
+}
+
+// The k experts of one row's router logits (E of them, overwritten by their softmax): ids ascending, w their
+// weights (in the same order).
+static void moe_route(const moe_t *m, float *logits, int *ids, float *w) {
+    int E = m->E, k = m->k;
+    if (m->router_bias)
+        for (int e = 0; e < E; e++) logits[e] += m->router_bias[e];
+    float mx = logits[0];
+    for (int e = 1; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+    float sum = 0.0f;
+    for (int e = 0; e < E; e++) {
+        logits[e] = expf(logits[e] - mx);
+        sum += logits[e];
+    }
+    for (int e = 0; e < E; e++) logits[e] /= sum;
+    // the k largest, ties to the lower id; then ascending ids
+    int chosen[64];
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= chosen[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        chosen[j] = best;
+    }
+    for (int a = 1; a < k; a++)
+        for (int b = a; b > 0 && chosen[b - 1] > chosen[b]; b--) {
+            int t = chosen[b];
+            chosen[b] = chosen[b - 1];
+            chosen[b - 1] = t;
+        }
+    float total = 0.0f;
+    for (int j = 0; j < k; j++) total += logits[chosen[j]];
+    for (int j = 0; j < k; j++) {
+        ids[j] = chosen[j];
+        w[j] = m->normalize ? logits[chosen[j]] / total : logits[chosen[j]];
+        if (m->hits) m->hits[chosen[j]]++;
+    }
+}
+
+// M decode rows: y [M, H] = resid + the routed MLP of RMSNorm(x) * norm_w (x, resid [M, H]; resid may be y's
+// own memory, or NULL). 0 on success, -1 out of memory, -3 when the experts do not chain at H (nothing written).
+int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps, const moe_t *m, const float *resid,
+                   float *y) {
+    if (M < 1 || H < 1 || !moe_ok(m, H)) return -3;
+    int F = m->gate[0].N, E = m->E, k = m->k;
+    int kmax = H > F ? H : F;
     size_t gemv_bytes = (size_t)kmax * 2 * 7;
-    char *mem = malloc(gemv_bytes + sizeof(float) * (2 * (size_t)F + 2 * (size_t)H) + 64);
+    size_t floats = (size_t)H + (size_t)E + 2 * (size_t)F + 2 * (size_t)H + 64;
+    char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
-    float *gu = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63)), *h = gu + 2 * (size_t)F;
-    float *out = h, *acc = h + H;
-    for (int m = 0; m < M; m++) {
-        const float *xm = x + (size_t)m * K;
+    float *xn = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63));
+    float *logits = xn + H, *gu = logits + E, *out = gu + 2 * (size_t)F, *acc = out + H, *w = acc + H;
+    int ids[64];
+    for (int r = 0; r < M; r++) {
+        prep(x + (size_t)r * H, 1, H, 1, norm_w, eps, xn);
+        lin_apply(&m->router, 1, xn, 1, logits, gs, 0, NULL, 0.0f, NULL);
+        moe_route(m, logits, ids, w);
         for (int c = 0; c < H; c++) acc[c] = 0.0f;
         for (int j = 0; j < k; j++) {
-            int e = ids[m * k + j];
-            lin_apply(gate + e, 1, xm, 1, gu, gs, 0, NULL, 0.0f, NULL);
-            lin_apply(up + e, 1, xm, 1, gu + F, gs, 0, NULL, 0.0f, NULL);
+            int e = ids[j];
+            lin_apply(m->gate + e, 1, xn, 1, gu, gs, 0, NULL, 0.0f, NULL);
+            lin_apply(m->up + e, 1, xn, 1, gu + F, gs, 0, NULL, 0.0f, NULL);
             for (int f = 0; f < F; f++) {
                 float g = gu[f], u = gu[F + f];
-                if (gb) {
-                    g += gb[(size_t)e * F + f];
-                    u += ub[(size_t)e * F + f];
+                if (m->gb) {
+                    g += m->gb[(size_t)e * F + f];
+                    u += m->ub[(size_t)e * F + f];
                 }
-                if (act == 0) {
+                if (m->act == 0) {
                     gu[f] = g / (1.0f + expf(-g)) * u;
                 } else {
-                    g = g < limit ? g : limit;
-                    u = u < -limit ? -limit : (u > limit ? limit : u);
-                    gu[f] = g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+                    g = g < m->limit ? g : m->limit;
+                    u = u < -m->limit ? -m->limit : (u > m->limit ? m->limit : u);
+                    gu[f] = g / (1.0f + expf(-m->alpha * g)) * (u + 1.0f);
                 }
             }
-            lin_apply(down + e, 1, gu, 1, out, gs, 0, NULL, 0.0f, NULL);
-            float we = w[m * k + j];
+            lin_apply(m->down + e, 1, gu, 1, out, gs, 0, NULL, 0.0f, NULL);
             for (int c = 0; c < H; c++) {
                 float v = out[c];
-                if (db) v += db[(size_t)e * H + c];
-                acc[c] += v * we;
+                if (m->db) v += m->db[(size_t)e * H + c];
+                acc[c] += v * w[j];
             }
         }
-        float *ym = y + (size_t)m * H;
-        const float *rm = resid ? resid + (size_t)m * H : NULL;
-        for (int c = 0; c < H; c++) ym[c] = rm ? rm[c] + acc[c] : acc[c];
+        const float *rr = resid ? resid + (size_t)r * H : NULL;
+        float *yr = y + (size_t)r * H;
+        for (int c = 0; c < H; c++) yr[c] = rr ? rr[c] + acc[c] : acc[c];
     }
     free(mem);
     return 0;

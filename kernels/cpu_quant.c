@@ -796,6 +796,7 @@ typedef struct {
     int nparts[4];
     const float *norm_attn, *norm_mlp;
     const float *q_norm, *k_norm;        // Qwen3's RMSNorm of each q and k head before RoPE, [D] each; NULL: none
+    const struct moe_s *moe;             // a routed MLP (cpu_moe.h) in place of gate_up / down; NULL: dense
 } qlayer_t;
 
 // The q and k heads of B rows of qkv [B, ld] (q: Hq heads of D, then k: Hkv heads) RMS-normed over D in place,
@@ -843,6 +844,19 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
 // table built from a damaged file's header must fail here, not read past an activation row
 static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
     int want_n[4] = {(Hq + 2 * Hkv) * D, H, 0, H}, n[4] = {0, 0, 0, 0};
+    if (L->moe) {                                // attention's two linears here, the MLP the experts'
+        if (L->nparts[2] || L->nparts[3] || !moe_ok(L->moe, H)) return 0;
+        for (int s = 0; s < 2; s++) {
+            if (L->nparts[s] < 1 || L->nparts[s] > 3 || (s == 1 && L->nparts[s] != 1)) return 0;
+            for (int p = 0; p < L->nparts[s]; p++) {
+                const qlin_t *l = &L->lin[s][p];
+                if ((l->bits != 4 && l->bits != 8) || l->N < 1 || l->K != (s ? Hq * D : H)) return 0;
+                n[s] += l->N;
+            }
+            if (n[s] != want_n[s]) return 0;
+        }
+        return L->norm_attn && L->norm_mlp && !L->q_norm == !L->k_norm;
+    }
     for (int s = 0; s < 4; s++) {
         if (L->nparts[s] < 1 || L->nparts[s] > 3 || ((s == 1 || s == 3) && L->nparts[s] != 1)) return 0;
         for (int p = 0; p < L->nparts[s]; p++) {
@@ -916,6 +930,14 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
                           n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, att, as);
         }
         lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, x);
+        if (L->moe) {
+            int rc = moe_layer_rows(B, H, x2, L->norm_mlp, eps, L->moe, x2, x);
+            if (rc) {
+                free(mem);
+                return rc;
+            }
+            continue;
+        }
         lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
         lin_apply(L->lin[3], L->nparts[3], gu, B, x, gs, 2, NULL, eps, x2);
     }

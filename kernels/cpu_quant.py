@@ -482,42 +482,54 @@ def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32, act: int = 16) 
 
 
 class ExpertTable:
-    """A routed MLP's experts as moe_rows reads them: E gate, up and down linears (QLin arrays) and their biases."""
+    """A routed MLP as moe_layer_rows reads it (cpu_lib.MoE): the router and E gate, up and down linears (QLin
+    each), their biases, the routing settings; `hits` [E] int64 counts the tokens routed to each expert."""
 
-    def __init__(self, gate: list, up: list, down: list, biases: tuple):
+    def __init__(self, router: QLin, gate: list, up: list, down: list, router_bias, biases: tuple, used: int,
+                 normalize: bool, act: int, alpha: float, limit: float):
         self.count = len(gate)
-        self.gate, self.up, self.down = ((QLin * self.count)(*parts) for parts in (gate, up, down))
-        self.biases = tuple(None if b is None else b.float().contiguous() for b in biases)
+        self._arrays = [(QLin * self.count)(*parts) for parts in (gate, up, down)]
+        self._keep = [None if b is None else b.float().contiguous() for b in (router_bias, *biases)]
+        self.hits = torch.zeros(self.count, dtype=torch.int64)
+        self.struct = cpu_lib.MoE(self.count, used, act, int(normalize), alpha, limit, router, _ptr(self._keep[0]),
+                                  *(ctypes.addressof(a) for a in self._arrays), *(_ptr(b) for b in self._keep[1:]),
+                                  None)
+
+    def counting(self, on: bool) -> None:
+        """Count the tokens routed to each expert (into hits) or not."""
+        self.struct.hits = self.hits.data_ptr() if on else None
 
 
-def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: ExpertTable, act: int, alpha: float,
-             limit: float, residual: torch.Tensor | None) -> torch.Tensor:
-    """The routed MLP of decode rows x [M, K] (normed), each to its experts ids [M, k] (ascending per row) weighted
-    by weights [M, k]: [M, H] (+ residual), every expert through the packed kernels (moe_rows in the C source)."""
-    m, k = ids.shape
-    y = torch.empty(m, table.down[0].N)
-    ids = ids.to(torch.int32).contiguous()
-    weights = weights.float().contiguous()
+def moe_layer(x: torch.Tensor, norm: torch.Tensor, eps: float, table: ExpertTable,
+              residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + the routed MLP of RMSNorm(x) * norm for decode rows x [M, H] fp32: the norm, the router, the
+    routing and each row's k experts in C (moe_layer_rows), as decode_layers computes a layer with experts."""
+    m, h = x.shape
     x = x.contiguous()
+    y = torch.empty(m, h)
     residual = None if residual is None else residual.float().contiguous()
-    gb, ub, db = table.biases
-    rc = _lib.moe_rows(m, k, x.data_ptr(), ids.data_ptr(), weights.data_ptr(), table.count, table.gate, table.up,
-                       table.down, _ptr(gb), _ptr(ub), _ptr(db), act, float(alpha), float(limit), _ptr(residual),
-                       y.data_ptr())
+    rc = _lib.moe_layer_rows(m, h, x.data_ptr(), norm.data_ptr(), float(eps), ctypes.addressof(table.struct),
+                             _ptr(residual), y.data_ptr())
     if rc:
-        raise RuntimeError(f"moe_rows failed ({rc}): {'out of memory' if rc == -1 else 'the experts do not chain'}")
+        raise RuntimeError(f"moe_layer_rows failed ({rc}): {'out of memory' if rc == -1 else 'the experts do not chain'}")
     return y
 
 
 def layer_table(layers: list[tuple]) -> ctypes.Array:
     """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), the two RMSNorm
-    weights (fp32 contiguous), and optionally the q and k norms' weights [head_dim] (Qwen3). The tensors behind
-    the pointers must outlive the table."""
+    weights (fp32 contiguous), optionally the q and k norms' weights [head_dim] (Qwen3, or None), and optionally
+    an ExpertTable: a routed MLP, whose layer has no gate_up and down parts. The tensors and tables behind the
+    pointers must outlive the table."""
     table = (QLayer * len(layers))()
-    for t, (slots, norm_attn, norm_mlp, *qk) in zip(table, layers):
+    for t, (slots, norm_attn, norm_mlp, *rest) in zip(table, layers):
+        qk, moe = rest[:2], rest[2] if len(rest) > 2 else None
         if qk and qk[0] is not None:
             t.q_norm, t.k_norm = qk[0].data_ptr(), qk[1].data_ptr()
-        assert len(slots) == 4 and all(1 <= len(p) <= 3 for p in slots) and len(slots[1]) == len(slots[3]) == 1
+        if moe is not None:
+            t.moe = ctypes.addressof(moe.struct)
+            slots = list(slots[:2]) + [[], []]
+        assert len(slots) == 4 and all(1 <= len(p) <= 3 for p in slots[:2]) and len(slots[1]) == 1
+        assert moe is not None or (all(1 <= len(p) <= 3 for p in slots) and len(slots[3]) == 1)
         for i, parts in enumerate(slots):
             t.nparts[i] = len(parts)
             for j, part in enumerate(parts):

@@ -133,46 +133,64 @@ def test_a_batched_step_equals_solo_steps_bit_for_bit(packed):
         assert torch.equal(x, y)
 
 
-def test_a_decode_token_reads_only_its_routed_experts(packed, monkeypatch):
-    """Each routed layer of a one-token step hands the kernel exactly `used` experts, the ones its router chose
-    (counted in hits), ascending; the kernel reads those experts' slabs and no other's (moe_rows)."""
-    from kvchat.kernels import cpu_quant
+def test_a_decode_token_reads_only_its_routed_experts(packed):
+    """One decode token: each routed layer counts exactly `used` distinct experts, once each (the C kernels read
+    the router and those experts' slabs, nothing else); a prompt counts `used` per token too."""
     model = packed.runner.model
     routed = [L.mlp for L in model.layers if L.mlp is not None]
-    handed: list[list[int]] = []
-    real = cpu_quant.moe_rows
-
-    def noted(x, ids, *args, **kw):
-        handed.append(ids[0].tolist())
-        return real(x, ids, *args, **kw)
     s = packed.new_session(cache=FP32)
     s.append(IDS[:20])
-    monkeypatch.setattr(cpu_quant, "moe_rows", noted)
     for mlp in routed:
-        mlp.hits = torch.zeros(mlp.spec.count, dtype=torch.long)
+        mlp.count(True)
     try:
         s.append(IDS[20:21])
-        assert len(handed) == len(routed)
-        for ids, mlp in zip(handed, routed):
-            assert ids == sorted(ids) == torch.nonzero(mlp.hits).flatten().tolist() and len(ids) == mlp.spec.used
+        for mlp in routed:
+            hits = mlp.counts()
+            assert int(hits.sum()) == mlp.spec.used and int((hits > 0).sum()) == mlp.spec.used and hits.max() == 1
+        s.append(IDS[21:41])
+        for mlp in routed:
+            assert int(mlp.counts().sum()) == 21 * mlp.spec.used
     finally:
         for mlp in routed:
-            mlp.hits = None
+            mlp.count(False)
         s.close()
 
 
-def test_decode_rows_in_the_kernel_equal_the_grouped_path(packed):
-    """moe_rows against the linears one expert at a time (the path of prompt rows and of kinds the kernel does not
-    read): the same experts, the same sums to float rounding."""
+def test_the_one_call_step_covers_packed_experts(moe, packed):
+    """Qwen3-MoE's packed experts run in decode_layers (one C call for the whole step), the same bits as the
+    forward's per-layer path; gpt-oss (biases, sink logits, two KV groups) runs per layer."""
     model = packed.runner.model
-    mlp = next(L.mlp for L in model.layers if L.mlp is not None)
-    norm = next(L.norm_mlp for L in model.layers if L.mlp is not None)
+    table = model.kernel_layers()
+    if moe[0] == "gpt_oss":
+        assert not model.config.fused_kernel_ok
+        return
+    assert table is not None
+    a, b = packed.new_session(cache=FP32), packed.new_session(cache=FP32)
+    a.append(IDS[:30])
+    b.append(IDS[:30])
+    got = a.append(IDS[30:31])                     # the whole step in decode_layers
+    model._kernel_layers, model._kernel_checked = None, True
+    try:
+        want = b.append(IDS[30:31])               # the forward, layer by layer (moe_layer_rows for the experts)
+    finally:
+        model._kernel_checked = False
+    assert torch.equal(got, want)
+    a.close()
+    b.close()
+
+
+def test_decode_rows_in_the_kernel_equal_the_grouped_path(packed):
+    """moe_layer_rows against the linears one expert at a time (the path of prompt rows and of kinds the kernels
+    do not read): the same experts, the same sums to float rounding."""
+    model = packed.runner.model
+    layer = next(L for L in model.layers if L.mlp is not None)
+    mlp = layer.mlp
     x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
-    fast = mlp.fused(x, norm, 1e-5, x, split=3)
-    table = mlp._table
+    fast = mlp.fused(x, layer.norm_mlp, 1e-5, x, split=3)
+    table = mlp.kernel_table()
     mlp._table = None                      # the grouped path, checked already: kept off for this call
     try:
-        slow = mlp.fused(x, norm, 1e-5, x, split=3)
+        slow = mlp.fused(x, layer.norm_mlp, 1e-5, x, split=3)
     finally:
         mlp._table = table
     assert table is not None and close(fast, slow, 1e-5)

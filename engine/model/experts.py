@@ -85,46 +85,60 @@ class RoutedMLP:
         return gate * torch.sigmoid(gate * s.alpha) * (up + 1)
 
     def kernel_table(self) -> cpu_quant.ExpertTable | None:
-        """The experts as moe_rows reads them (built once), or None where a kind is not one the kernel reads."""
+        """The routed MLP as the C kernels read it (built once): moe_layer_rows for a step's decode rows, and
+        decode_layers' layer table; None where the router or an expert is of a kind the kernels do not read."""
         if not self._table_checked:
             self._table_checked = True
-            parts = [[lin.kernel_parts() for lin in group] for group in (self.gate, self.up, self.down)]
-            if cpu_quant.available() and all(p is not None and len(p) == 1 for group in parts for p in group):
-                self._table = cpu_quant.ExpertTable(*([p[0] for p in group] for group in parts),
-                                                    (self.gate_bias, self.up_bias, self.down_bias))
+            groups = [[lin.kernel_parts() for lin in group] for group in ([self.router], self.gate, self.up, self.down)]
+            if cpu_quant.available() and all(p is not None and len(p) == 1 for group in groups for p in group):
+                s = self.spec
+                router, gate, up, down = ([p[0] for p in group] for group in groups)
+                self._table = cpu_quant.ExpertTable(router[0], gate, up, down, self.router_bias,
+                                                    (self.gate_bias, self.up_bias, self.down_bias), s.used,
+                                                    s.normalize, int(s.activation == "swiglu_oai"), s.alpha, s.limit)
+                self._table.counting(self.hits is not None)
         return self._table
 
     def reset_kernel(self) -> None:
         """Build kernel_table again (the linears' activation bits changed)."""
         self._table, self._table_checked = None, False
 
+    def count(self, on: bool) -> None:
+        """Count the tokens routed to each expert from now on (hits, from 0), or stop counting (hits None)."""
+        self.hits = torch.zeros(self.spec.count, dtype=torch.long) if on else None
+        if self._table is not None:
+            self._table.hits = torch.zeros(self.spec.count, dtype=torch.long)
+            self._table.counting(on)
+
+    def counts(self) -> torch.Tensor | None:
+        """Tokens routed to each expert since count(True): both paths' counts, or None when not counting."""
+        if self.hits is None:
+            return None
+        return self.hits + (self._table.hits if self._table is not None else 0)
+
     def fused(self, x: torch.Tensor, norm: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
               split: int | None = None) -> torch.Tensor:
         """residual (where given) + the routed MLP of rms_norm(x) ([T, hidden]). split: how many leading rows are
         decode rows (see linears._Packed.fused); None: all of them up to MAX_ROWS rows, else none. Decode rows run
-        in one moe_rows call where the experts are packed (each row its k experts, ascending); prompt rows, and
-        every row where the kernel does not read the experts, grouped by expert through the linears."""
+        in one moe_layer_rows call where the kernels read the router and experts (the call decode_layers makes for
+        the layer, so the two give the same bits); prompt rows, and every row where the kernels do not read them,
+        grouped by expert through the linears."""
         dtype = x.dtype
-        xn = rms_norm(x, norm, eps).float()
-        T = xn.shape[0]
+        T = x.shape[0]
         if split is None:
             split = T if T <= cpu_quant.MAX_ROWS else 0
-        weights, experts = self.route(xn, split)
-        if self.hits is not None:
-            self.hits += torch.bincount(experts.reshape(-1).cpu(), minlength=self.spec.count)
-        table = None if kernels.gpu_path(xn) else self.kernel_table()
+        table = None if kernels.gpu_path(x) or x.dtype != torch.float32 else self.kernel_table()
         res = None if residual is None else residual.float()
         parts = []
         if table is not None and split:
-            ids, order = experts[:split].sort(-1)
-            s = self.spec
-            parts.append(cpu_quant.moe_rows(xn[:split], ids, weights[:split].gather(1, order), table,
-                                            int(s.activation == "swiglu_oai"), s.alpha, s.limit,
-                                            None if res is None else res[:split]))
+            parts.append(cpu_quant.moe_layer(x[:split], norm, eps, table, None if res is None else res[:split]))
             if split == T:
-                return parts[0].to(dtype)
-            xn, weights, experts, res, split = xn[split:], weights[split:], experts[split:], \
-                None if res is None else res[split:], 0
+                return parts[0]
+            x, res, split = x[split:], None if res is None else res[split:], 0
+        xn = rms_norm(x, norm, eps).float()
+        weights, experts = self.route(xn, split)
+        if self.hits is not None:
+            self.hits += torch.bincount(experts.reshape(-1).cpu(), minlength=self.spec.count)
         parts.append(self._grouped(xn, weights, experts, split, res))
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dtype)
 

@@ -142,11 +142,12 @@ class LayerSpec:
     def fused_kernel_ok(self) -> bool:
         """Whether the one-call C step (kernels/cpu_quant.c: decode_layers) computes this layer: w * RMSNorm
         before attention and MLP only (and Qwen3's q/k norms), SwiGLU, every dimension rotated, full attention (the
-        cache's own window is the caller's rows), no soft-cap, no bias. Its weights must be packed too, which
-        the linears say (kernel_parts)."""
+        cache's own window is the caller's rows), no soft-cap, no bias, no sink logits; a routed MLP (experts) of
+        any kind the description has (kernels/cpu_moe.h). Its weights must be packed too, which the linears say
+        (kernel_parts)."""
         return (self.norm_offset == 0.0 and not self.post_norms and self.activation == "silu"
                 and self.rope.dims is None and self.window is None and self.attn_softcap is None
-                and not self.has_bias and not self.sink_logits and self.experts is None)
+                and not self.has_bias and not self.sink_logits)
 
 
 def _yarn(inv: np.ndarray, d: int, theta: float, factor: float, beta_fast: float, beta_slow: float,

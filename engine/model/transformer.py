@@ -192,12 +192,16 @@ class Transformer:
                     and cpu_quant.available() and self.config.fused_kernel_ok:
                 rows = []
                 for L in self.layers:
-                    slots = [lin.kernel_parts() for lin in (L.qkv, L.o, L.gate_up, L.down)]
+                    moe = None if L.mlp is None else L.mlp.kernel_table()
+                    mlp = (L.gate_up, L.down) if L.mlp is None else ()
+                    slots = [lin.kernel_parts() for lin in (L.qkv, L.o, *mlp)]
                     norms = (L.norm_attn, L.norm_mlp) + ((L.q_norm, L.k_norm) if L.q_norm is not None else ())
-                    if any(p is None for p in slots) or len(slots[1]) != 1 or len(slots[3]) != 1 \
+                    if any(p is None for p in slots) or len(slots[1]) != 1 or (L.mlp is None and len(slots[3]) != 1) \
+                            or (L.mlp is not None and moe is None) \
                             or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
                         break
-                    rows.append((slots, *norms))
+                    qk = (L.q_norm, L.k_norm)
+                    rows.append((slots + [[], []] if moe is not None else slots, *norms[:2], *qk, moe))
                 else:
                     self._kernel_layers = cpu_quant.layer_table(rows)
         return self._kernel_layers

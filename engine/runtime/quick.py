@@ -35,6 +35,7 @@ from kvchat.engine.plan.fit import check_fits
 from kvchat.engine.runtime.sampling import sample_numpy
 from kvchat.engine.text.chat_format import chat_format_notice, clean_text, encode_conversation, stop_ids, tokenize_pieces
 from kvchat.engine.text.detok import StreamDecoder
+from kvchat.engine.text.reasoning import PLAIN, reply_format
 from kvchat.engine.text.tokenizer_cache import gguf_tokenizer
 
 CHUNK = 64                 # prompt tokens a kernel call
@@ -134,6 +135,8 @@ class QuickModel:
         check_fits(c, gf.tensor_bytes, "auto", "cpu", path.name)      # too big: the engine refuses, with the numbers
         if not c.fused_kernel_ok:           # the same rule as the engine's one-call step (ModelConfig.fused_kernel_ok)
             raise NotCovered(f"{c.model_type}: layers decode_layers does not compute")
+        if any(layer.experts is not None for layer in c.layers):
+            raise NotCovered(f"{c.model_type}: a mixture of experts (the engine's path builds its expert tables)")
         if c.head_dim > 256:
             raise NotCovered(f"head_dim {c.head_dim}: decode_attend holds at most 256")
         self.lib = cpu_lib.library()
@@ -229,7 +232,7 @@ class QuickSequence:
 
 def covers(args) -> bool:
     """Whether `kvchat chat --prompt` with these arguments may try this path: a CPU run with the default
-    cache and weights, and no seed (a seeded sample must equal the engine's own stream)."""
+    cache and weights, no seed (a seeded sample must equal the engine's own stream), and no --json."""
     cache = CacheConfig()             # the command line's defaults are these (cli/options.py)
     defaults = dict(dtype=EngineConfig().dtype, k_format=cache.k_format, v_format=cache.v_format,
                     k_scheme=cache.k_scheme, window=cache.window, sinks=cache.sinks, block_size=cache.block_size,
@@ -237,7 +240,7 @@ def covers(args) -> bool:
                     fp_layers=",".join(map(str, cache.full_precision_layers)))
     # the one-shot path decodes plainly (the same tokens greedy); asking for something else takes the engine's
     defaults.update(speculative=SpeculativeConfig().method, spec_tokens=SpeculativeConfig().k, draft_model=None)
-    if os.environ.get("KVCHAT_NO_QUICK") or args.prompt is None:
+    if os.environ.get("KVCHAT_NO_QUICK") or args.prompt is None or getattr(args, "json", False):
         return False
     # this path reads the prompt through the decode kernel, as exact as the fp32 GEMM: asked for bf16, it declines
     if getattr(args, "prefill", "auto") == "bf16" or getattr(args, "activations", "int16") != "int16":
@@ -264,6 +267,8 @@ def one_shot(model: str, prompt: str, system: str | None, params: SamplingParams
         m = QuickModel(files.path)
         tokenizer = gguf_tokenizer(files.path)      # cached after the first start: a tenth of a second
     except (NotCovered, ModelLoadError):
+        return None
+    if reply_format(tokenizer) is not PLAIN:    # reasoning apart (gpt-oss): the engine's path prints it marked
         return None
     _, pieces = encode_conversation(tokenizer, clean_text(system) if system else system,
                                     [{"role": "user", "content": clean_text(prompt)}])
