@@ -145,6 +145,9 @@ class StatsSnapshot:
     pool: PoolStats | None = None
     notice: str = ""                    # something that happened to the cache the user should hear about
     server: ServerStats | None = None   # a remote engine's server-side numbers; None for the local engine
+    experts: tuple = ()                 # a mixture of experts: per layer, the tokens of the last turn (prompt and
+                                        # reply) routed to each expert (a tuple of counts), None for a dense layer;
+                                        # () for a dense model
     spec: SpecStats | None = None       # speculative decoding in the last turn; None when it was off
 
     @property

@@ -284,3 +284,26 @@ def test_descriptions_of_the_moe_families(tmp_path):
     sm = ModelConfig.from_hf(read_config(Path(tiny_family_dir(tmp_path / "s", "smollm3"))))
     assert [s.rope.scaling for s in sm.layers] == [(), (), (), ("nope",)]
     assert not sm.fused_kernel_ok
+
+
+def test_the_stats_say_which_experts_the_last_turn_used(packed):
+    """StatsSnapshot.experts: per routed layer, the last turn's tokens per expert (prompt and reply; each token
+    `used` times), None for the dense layer; a new turn counts from 0."""
+    s = packed.new_session(cache=FP32)
+    events = list(s.send("Tell me about foxes.", SamplingParams(temperature=0.0, max_new_tokens=8)))
+    stats = events[-1].stats
+    spec = packed.runner.config.layers
+    assert len(stats.experts) == len(spec)
+    totals = set()
+    for layer, counts in zip(spec, stats.experts):
+        if layer.experts is None:
+            assert counts is None
+            continue
+        assert len(counts) == layer.experts.count and sum(counts) % layer.experts.used == 0
+        totals.add(sum(counts) // layer.experts.used)
+    (tokens,) = totals                              # every routed layer saw the same tokens
+    assert stats.prefill_tokens + 7 <= tokens <= stats.prefill_tokens + 8
+    second = list(s.send("And owls?", SamplingParams(temperature=0.0, max_new_tokens=4)))[-1].stats
+    counted = sum(next(c for c in second.experts if c is not None)) // next(l.experts for l in spec if l.experts).used
+    assert second.prefill_tokens + 3 <= counted <= second.prefill_tokens + 4 < tokens
+    s.close()

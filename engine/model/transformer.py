@@ -229,6 +229,21 @@ class Transformer:
                                     attend=attend)
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float())
 
+    def count_experts(self, on: bool = True) -> None:
+        """Count, from 0, the tokens each routed layer sends to each expert (expert_counts), or stop counting. Nothing
+        for a dense model."""
+        for L in self.layers:
+            if L.mlp is not None:
+                L.mlp.count(on)
+
+    def expert_counts(self) -> tuple[tuple[int, ...] | None, ...]:
+        """Per layer, the tokens sent to each expert since count_experts() (None for a dense layer, or one not
+        counting); () for a dense model. Every step of the model counts, whichever conversation it serves."""
+        if all(L.mlp is None for L in self.layers):
+            return ()
+        counts = [None if L.mlp is None else L.mlp.counts() for L in self.layers]
+        return tuple(None if c is None else tuple(int(n) for n in c.tolist()) for c in counts)
+
     def weight_bytes(self) -> int:
         """Bytes the weights hold resident: packed codes, scales, norms and the embedding table."""
         linears = [self.table, self.lm_head] + [p for L in self.layers for p in L.linears()]

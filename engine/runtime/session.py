@@ -257,6 +257,7 @@ class Session:
         self.notice = ""                    # a notice is about this turn; _sync may set one
         self._sync()
         self.turn_times = TurnTimes()
+        self.runner.model.count_experts()        # the experts of this turn's tokens (StatsSnapshot.experts)
         started = time.perf_counter()
         new_ids = self._new_tokens_for(self.messages + [{"role": "user", "content": text}])
         kept, seq_before = len(self.token_ids), (self.seq, self.seq.evicted)
@@ -430,6 +431,7 @@ class Session:
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ConfigError("there is no reply to regenerate yet: send a message first")
         self.turn_times = TurnTimes()
+        self.runner.model.count_experts()        # the experts of this turn's tokens (StatsSnapshot.experts)
         started = time.perf_counter()
         old = self.messages.pop()
         self._starts.pop()
@@ -480,6 +482,7 @@ class Session:
         if self.token_ids and self.token_ids[-1] in self.info.stop_ids:
             raise ConfigError("the last reply ended on its own; send a message to go on")
         self.turn_times = TurnTimes()
+        self.runner.model.count_experts()        # the experts of this turn's tokens (StatsSnapshot.experts)
         started = time.perf_counter()
         if not self.token_ids:        # released or resumed: the whole chat is read again, the reply included
             rendered, pieces = self._encode_conversation(self.messages[:-1])

@@ -112,4 +112,5 @@ def snapshot(session) -> StatsSnapshot:
         pool=pool_stats(session),
         notice=session.notice,
         spec=t.spec,
+        experts=runner.model.expert_counts(),
     )
