@@ -3,7 +3,8 @@
 // The engine's forward calls moe_layer_rows for the decode rows of a step, and decode_layers calls it for a
 // layer that has experts, so both give the same bits.
 
-// A layer's routed MLP. Routing: softmax over the E router logits (+ router_bias), the k largest kept (ties to the
+// A layer's routed MLP. router: packed (bits 4 or 8), or bits 32: float32 rows [E, H] at codes (llama.cpp keeps
+// ffn_gate_inp in F32; E dot products a row, a small share of the step). Routing: softmax over the E router logits (+ router_bias), the k largest kept (ties to the
 // lower id), renormalized to sum 1 where `normalize`; each token's experts then added in ascending id order.
 // Expert e: down_e(act(gate_e(x) + gb[e], up_e(x) + ub[e])) + db[e]; act 0: silu(g) * u (SwiGLU); act 1 (gpt-oss):
 // g = min(g, limit), u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1). gb, ub [E, F], db [E, H],
@@ -25,7 +26,7 @@ static int moe_bits_ok(const qlin_t *l) {
 // Whether a layer's experts chain at hidden width H; 0 for a table built from a damaged file's header.
 static int moe_ok(const moe_t *m, int H) {
     if (m->E < 1 || m->k < 1 || m->k > m->E || m->k > 64 || m->router.N != m->E || m->router.K != H
-        || !moe_bits_ok(&m->router))
+        || (!moe_bits_ok(&m->router) && m->router.bits != 32))
         return 0;
     int F = m->gate[0].N;
     for (int e = 0; e < m->E; e++) {
@@ -94,7 +95,17 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
     int ids[64];
     for (int r = 0; r < M; r++) {
         prep(x + (size_t)r * H, 1, H, 1, norm_w, eps, xn);
-        lin_apply(&m->router, 1, xn, 1, logits, gs, 0, NULL, 0.0f, NULL);
+        if (m->router.bits == 32) {
+            const float *rw = (const float *)m->router.codes;
+            for (int e = 0; e < E; e++) {
+                const float *we = rw + (size_t)e * H;
+                float d = 0.0f;
+                for (int c = 0; c < H; c++) d += we[c] * xn[c];
+                logits[e] = d;
+            }
+        } else {
+            lin_apply(&m->router, 1, xn, 1, logits, gs, 0, NULL, 0.0f, NULL);
+        }
         moe_route(m, logits, ids, w);
         for (int c = 0; c < H; c++) acc[c] = 0.0f;
         for (int j = 0; j < k; j++) {

@@ -179,12 +179,19 @@ def test_the_one_call_step_covers_packed_experts(moe, packed):
     b.close()
 
 
-def test_decode_rows_in_the_kernel_equal_the_grouped_path(packed):
+@pytest.mark.parametrize("router", ["packed", "float32"])
+def test_decode_rows_in_the_kernel_equal_the_grouped_path(packed, router):
     """moe_layer_rows against the linears one expert at a time (the path of prompt rows and of kinds the kernels
-    do not read): the same experts, the same sums to float rounding."""
+    do not read): the same experts, the same sums to float rounding; with the router packed, or in float32 rows
+    as a GGUF keeps ffn_gate_inp."""
+    from kvchat.engine.model.experts import RoutedMLP
+    from kvchat.engine.model.linears import DenseLinear
     model = packed.runner.model
     layer = next(L for L in model.layers if L.mlp is not None)
     mlp = layer.mlp
+    if router == "float32":
+        mlp = RoutedMLP(mlp.spec, DenseLinear(mlp.router.dequantize()), mlp.router_bias, mlp.gate, mlp.up, mlp.down,
+                        mlp.gate_bias, mlp.up_bias, mlp.down_bias)
     x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     fast = mlp.fused(x, layer.norm_mlp, 1e-5, x, split=3)
     table = mlp.kernel_table()

@@ -45,6 +45,16 @@ def expert_views(linear, count: int) -> list:
     return views
 
 
+def _router_part(router) -> list | None:
+    """The router as moe_layer_rows reads it: packed, or float32 rows (bits 32), as a GGUF keeps ffn_gate_inp."""
+    if isinstance(router, DenseLinear):
+        w = router.weight
+        if w.dtype != torch.float32 or w.device.type != "cpu" or router.bias is not None:
+            return None
+        return [cpu_quant.QLin(w.data_ptr(), None, None, None, None, 32, 0, 1, 32, w.shape[0], w.shape[1], 16)]
+    return router.kernel_parts()
+
+
 class RoutedMLP:
     """A layer's routed MLP: router [experts, hidden] (+ bias), and per expert gate, up [ffn, hidden] and down
     [hidden, ffn] linears (+ biases [experts, ffn] / [experts, hidden])."""
@@ -89,7 +99,8 @@ class RoutedMLP:
         decode_layers' layer table; None where the router or an expert is of a kind the kernels do not read."""
         if not self._table_checked:
             self._table_checked = True
-            groups = [[lin.kernel_parts() for lin in group] for group in ([self.router], self.gate, self.up, self.down)]
+            groups = [[_router_part(self.router)]] + [[lin.kernel_parts() for lin in group]
+                                                      for group in (self.gate, self.up, self.down)]
             if cpu_quant.available() and all(p is not None and len(p) == 1 for group in groups for p in group):
                 s = self.spec
                 router, gate, up, down = ([p[0] for p in group] for group in groups)
