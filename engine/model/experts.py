@@ -23,6 +23,9 @@ from kvchat.engine.model.linears import DenseLinear, Q4Linear, Q8Linear, rms_nor
 from kvchat.engine.model.spec import Experts
 
 
+KERNEL_GROUP_ROWS = 32      # an expert's prompt rows up to this many go through the packed kernels, not the GEMM
+
+
 def expert_views(linear, count: int) -> list:
     """One linear per expert from a linear over `count` experts' rows stacked [count * out, in]: views of its codes,
     scales or weights (nothing copied). A kind that cannot be cut is a ValueError."""
@@ -169,7 +172,9 @@ class RoutedMLP:
                 continue
             rows, which = tokens[start:start + n], slots[start:start + n]
             start += n
-            part = int((rows < split).sum()) if T > 1 else split
+            # decode rows through the kernel; so are a small group's prompt rows (reading the packed slab a few rows
+            # at a time costs less than dequantizing it for the GEMM); a large group's through the GEMM
+            part = n if n <= KERNEL_GROUP_ROWS else int((rows < split).sum())
             y = self.down[e](self._act(e, xn.index_select(0, rows), part), split=part)
             if self.down_bias is not None:
                 y = y + self.down_bias[e]

@@ -83,9 +83,15 @@ class Packed:
         """Elements per scale: 32, or 16 for the int8 codes of Q6_K."""
         return self.k // self.scale.shape[1] if self.bits == 8 else 32
 
-    def qlin(self) -> cpu_lib.QLin:
-        return cpu_lib.QLin(_ptr(self.codes), _ptr(self.scale), _ptr(self.zero), _ptr(self.scale_sup),
-                            _ptr(self.zero_sup), self.bits, self.kind, self.per, self.group, self.n, self.k)
+    def qlin(self, lo: int = 0, hi: int | None = None) -> cpu_lib.QLin:
+        """Rows lo..hi (all by default) as the kernels' linear: pointers into the same arrays (an expert of a 3-D
+        expert tensor is a run of its rows)."""
+        hi = self.n if hi is None else hi
+
+        def at(a):
+            return None if a is None else a.ctypes.data + lo * a.strides[0]
+        return cpu_lib.QLin(at(self.codes), at(self.scale), at(self.zero), at(self.scale_sup), at(self.zero_sup),
+                            self.bits, self.kind, self.per, self.group, hi - lo, self.k)
 
     def rows(self, lib, ids: list[int]) -> np.ndarray:
         """Dequantized rows [len(ids), K] float32 (the embedding lookup), by the kernels' exact dequantization."""
@@ -135,8 +141,6 @@ class QuickModel:
         check_fits(c, gf.tensor_bytes, "auto", "cpu", path.name)      # too big: the engine refuses, with the numbers
         if not c.fused_kernel_ok:           # the same rule as the engine's one-call step (ModelConfig.fused_kernel_ok)
             raise NotCovered(f"{c.model_type}: layers decode_layers does not compute")
-        if any(layer.experts is not None for layer in c.layers):
-            raise NotCovered(f"{c.model_type}: a mixture of experts (the engine's path builds its expert tables)")
         if c.head_dim > 256:
             raise NotCovered(f"head_dim {c.head_dim}: decode_attend holds at most 256")
         self.lib = cpu_lib.library()
@@ -147,7 +151,8 @@ class QuickModel:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             modules = layer_modules(c, c.layers[i])       # the family's names (Phi-3: qkv and gate | up stored fused)
-            slots = [modules[part] for part in ("qkv", "o", "gate_up", "down")]
+            ex = c.layers[i].experts
+            slots = [modules[part] for part in (("qkv", "o", "gate_up", "down") if ex is None else ("qkv", "o"))]
             for s, names in enumerate(slots):
                 parts = []
                 for m in names:
@@ -158,6 +163,8 @@ class QuickModel:
                 table[i].nparts[s] = len(parts)
                 for j, part in enumerate(parts):
                     table[i].lin[s][j] = part.qlin()
+            if ex is not None:
+                table[i].moe = ctypes.addressof(self._experts(p, ex))
             norms = [self._vector(p + modules[part][0] + ".weight") for part in ("norm_attn", "norm_mlp")]
             self.keep += norms
             table[i].norm_attn, table[i].norm_mlp = norms[0].ctypes.data, norms[1].ctypes.data
@@ -175,6 +182,44 @@ class QuickModel:
 
     def _vector(self, name: str) -> np.ndarray:
         return np.ascontiguousarray(self.gf.dequantize(name), dtype=np.float32).reshape(-1)
+
+    def _experts(self, p: str, ex) -> cpu_lib.MoE:
+        """A routed layer's router and experts as moe_t (kernels/cpu_moe.h): each expert a run of rows of the 3-D
+        tensor's packed form (or its own tensor, in Mixtral's older files); the router packed or float32."""
+        gf = self.gf
+        if ex.router_bias or ex.expert_bias:
+            raise NotCovered("experts with biases")
+        name = p + "mlp.router.weight"
+        kind, _ = gf.raw(name)
+        if kind == "F32":
+            w = self._vector(name).reshape(ex.count, -1)
+            router = cpu_lib.QLin(w.ctypes.data, None, None, None, None, 32, 0, 1, 32, w.shape[0], w.shape[1])
+            self.keep.append(w)
+        else:
+            packed = _pack(gf, name, None)
+            router = packed.qlin()
+            self.keep.append(packed)
+        arrays = []
+        for module in ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"):
+            name = p + module + ".weight"
+            names = gf.expert_names(name)
+            if names is None:
+                packed = _pack(gf, name, None)
+                rows = packed.n // ex.count
+                parts = [packed.qlin(e * rows, (e + 1) * rows) for e in range(ex.count)]
+                self.keep.append(packed)
+            else:
+                each = [_pack(gf, n, None) for n in names]
+                parts = [q.qlin() for q in each]
+                self.keep += each
+            arrays.append((cpu_lib.QLin * ex.count)(*parts))
+            for n in names or [name]:
+                gf.release_pages(n)
+        self.keep += arrays
+        moe = cpu_lib.MoE(ex.count, ex.used, int(ex.activation == "swiglu_oai"), int(ex.normalize), ex.alpha,
+                          ex.limit, router, None, *(ctypes.addressof(a) for a in arrays), None, None, None, None)
+        self.keep.append(moe)
+        return moe
 
     def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin [N, D] float32 (rotate-half layout), angles in float64: the engine's RoPE table."""
