@@ -172,6 +172,9 @@ def _experts(gf, arch: str, base: dict, ffn_key: str) -> dict:
     if not count:
         return {}
     used = gf.fields.get(f"{arch}.expert_used_count")
+    if isinstance(used, int) and isinstance(count, int) and used > count:
+        raise ModelLoadError(f"{gf.path.name} has {arch}.expert_used_count={used} but {arch}.expert_count={count}: a "
+                             f"token cannot use more experts than there are; the file is damaged")
     ffn = gf.fields.get(f"{arch}.expert_feed_forward_length", base.get("intermediate_size"))
     return {"num_local_experts": count, "num_experts_per_tok": used, ffn_key: ffn}
 
