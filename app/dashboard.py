@@ -23,6 +23,7 @@ from kvchat.app.bar_widgets import FORMAT_COLOURS, format_family, format_mib
 from kvchat.app.dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, is_hybrid, layer_hover_text,
                              layer_kinds, nice_ceiling, series_hover_text, time_span_end, token_room)
 from kvchat.app.event_strip import MARKER_COLOURS, EventStrip
+from kvchat.app.experts_view import ExpertsView
 from kvchat.app.gauge import TokenGauge
 from kvchat.app.i18n import label_text, weights_text
 from kvchat.app.lengths_view import LengthsView
@@ -78,7 +79,7 @@ def _scroll(name: str) -> QScrollArea:
 
 
 class Dashboard(QWidget):
-    PANELS = ("layers", "speed", "memory", "markers")   # "layers" also updates the gauge and summary
+    PANELS = ("layers", "speed", "memory", "markers", "experts")   # "layers" also updates the gauge and summary
 
     def __init__(self, data: DashboardData | None = None, parent: QWidget | None = None):
         super().__init__(parent)
@@ -104,10 +105,11 @@ class Dashboard(QWidget):
         self.pages = QStackedWidget(objectName="dashboardPages")
         self.switcher.currentChanged.connect(self._show_index)
         self.remote_url = ""                # set while the engine is a remote server
+        self.title = None                   # the dock's title bar, once title_bar made it
         outer.addWidget(self.switcher)
         outer.addWidget(self.pages, 1)
         self.scroll = _scroll("dashboardScroll")
-        self.pool_view, self.plan, self.lengths = PoolView(), PlanPanel(), LengthsView()
+        self.pool_view, self.plan, self.lengths, self.experts = PoolView(), PlanPanel(), LengthsView(), ExpertsView()
         self._page_keys: list[str] = []     # the pages' names in English: show_page and tests use them
         for name, title, widget, tip in (
                 ("Live", self.tr("Live"), None, self.tr("KV bytes per layer, speed and memory over time")),
@@ -116,13 +118,16 @@ class Dashboard(QWidget):
                 ("Plan", self.tr("Plan"), self.plan,
                  self.tr("KV bytes of each cache format for a context you choose; apply one to this chat")),
                 ("Lengths", self.tr("Lengths"), self.lengths,
-                 self.tr("How long your saved conversations are and which ones hold the memory"))):
+                 self.tr("How long your saved conversations are and which ones hold the memory")),
+                ("Experts", self.tr("Experts"), self.experts,
+                 self.tr("A mixture of experts: which experts each layer's router chose in the last turn"))):
             scroll = self.scroll if widget is None else _scroll(f"{widget.objectName()}Scroll")
             if widget is not None:
                 scroll.setWidget(widget)
             self.pages.addWidget(scroll)
             self._page_keys.append(name)
             self.switcher.setTabToolTip(self.switcher.addTab(title), tip)
+        self.switcher.setTabVisible(self._page_keys.index("Experts"), False)     # until a model routes to experts
         self.unavailable = QLabel("", objectName="remoteUnavailable")   # Pool, Plan, Lengths with a remote server
         self.unavailable.setWordWrap(True)
         self.unavailable.setContentsMargins(10, 10, 10, 10)
@@ -204,8 +209,24 @@ class Dashboard(QWidget):
         self._drawn.clear()
         self._show_index(self.switcher.currentIndex())
 
+    def set_model(self, config) -> None:
+        """The loaded model's description (None: unknown, as for a remote server): a mixture of experts gets the
+        Experts page, a dense model does not."""
+        self.experts.set_model(config)
+        index = self._page_keys.index("Experts")
+        shown = self.experts.applies and not self.remote_url
+        if not shown and self.switcher.currentIndex() == index:
+            self.switcher.setCurrentIndex(0)
+        self.switcher.setTabVisible(index, shown)
+        self.switcher.updateGeometry()      # its width hint changed: the title bar lays it out again
+        if self.title is not None:      # one more tab: the dock's name may give way
+            self.title.fit()
+        self._drawn.pop("experts", None)
+
     def _show_index(self, index: int) -> None:
         name = self._page_keys[index] if 0 <= index < len(self._page_keys) else ""
+        if name == "Experts":           # drawn only while shown
+            self.experts.show_stats(self.data.latest)
         if self.remote_url and name in self.LOCAL_ONLY_PAGES:
             self.unavailable.setText(self.tr("<b>{page}</b>: {unavailable}.<br>{what} needs the KV cache on this "
                                              "computer; the model runs on {url}. What that server reports (KV usage, "
@@ -217,20 +238,22 @@ class Dashboard(QWidget):
             self.pages.setCurrentIndex(index)
 
     def page_names(self) -> list[str]:
-        """The pages by their English names ("Live", "Pool", "Plan", "Lengths"), whatever the interface language."""
-        return list(self._page_keys)
+        """The pages shown, by their English names ("Live", "Pool", "Plan", "Lengths", "Experts" for a mixture of
+        experts), whatever the interface language."""
+        return [name for i, name in enumerate(self._page_keys) if self.switcher.isTabVisible(i)]
 
     def show_page(self, name: str) -> None:
-        self.switcher.setCurrentIndex(self.page_names().index(name))
+        self.switcher.setCurrentIndex(self._page_keys.index(name))
 
     def current_page(self) -> QWidget:
-        """The widget the visible page scrolls: the Live body, or the Pool, Plan or Lengths view."""
+        """The widget the visible page scrolls: the Live body, or the Pool, Plan, Lengths or Experts view."""
         return self.pages.currentWidget().widget()
 
     def title_bar(self, dock) -> QWidget:
         """A title bar for the dock that holds the page switcher, so the pages keep the dock's whole height."""
         from kvchat.app.dock_title import DockTitle
-        return DockTitle(dock, self.switcher)
+        self.title = DockTitle(dock, self.switcher)
+        return self.title
 
     # --- construction: every item is made here, once ---
 
@@ -446,6 +469,9 @@ class Dashboard(QWidget):
             self._draw_markers()
         elif snapshot is None:
             return
+        elif panel == "experts":
+            if self.current_page() is self.experts:     # else drawn when its page is shown
+                self.experts.show_stats(snapshot)
         elif panel == "layers" and self.remote_url:
             self.server_panel.show_stats(snapshot)
             self._draw_remote_summary(snapshot)
@@ -607,6 +633,10 @@ class Dashboard(QWidget):
             entries.append((self.tr("dashed line: budget share"), "#dc2626"))
         self._set_legend("layers", entries)
         self._set_range("layer_x", self.layer_plot.setXRange, -0.6, len(layers) - 0.4)
+        step = max(1, int(nice_ceiling(len(layers) / 8)))   # whole layers: no "0.5" under three bars
+        if self._ranges.get("layer_ticks") != step:
+            self._ranges["layer_ticks"] = step
+            self.layer_plot.getAxis("bottom").setTickSpacing(step, step)
         self._set_range("layer_y", self.layer_plot.setYRange, 0.0, top_bytes / scale)
 
     def _draw_markers(self) -> None:

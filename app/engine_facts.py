@@ -42,7 +42,9 @@ def complete(snapshot: StatsSnapshot | None, facts: dict[str, float]) -> StatsSn
 
 def family_text(config) -> str:
     """"gemma3 · 26 layers (22 sliding 512 + 4 global)" for the status line: the family and, where layers keep
-    different tokens, how many slide over which window and how many hold everything."""
+    different tokens, how many slide over which window and how many hold everything; a mixture of experts adds
+    "128 experts, 8 active per token" (and in how many layers, where some are dense), gpt-oss its learned attention
+    sinks."""
     translate = QCoreApplication.translate
     counts = window_counts(layer.window for layer in config.layers)
     layers = translate("EngineFacts", "{n} layers").format(n=config.num_layers)
@@ -50,4 +52,15 @@ def family_text(config) -> str:
         layers += " (" + " + ".join(translate("EngineFacts", "{n} global").format(n=n) if w is None else
                                     translate("EngineFacts", "{n} sliding {window}").format(n=n, window=f"{w:,}")
                                     for w, n in counts) + ")"
-    return f"{family(config.model_type, 'the loaded model').name} · {layers}"
+    parts = [family(config.model_type, "the loaded model").name, layers]
+    routed = [layer.experts for layer in config.layers if layer.experts is not None]
+    if routed:
+        experts = " / ".join(translate("EngineFacts", "{n} experts, {k} active per token").format(n=f"{n:,}", k=k)
+                             for n, k in sorted({(e.count, e.used) for e in routed}))
+        if len(routed) < config.num_layers:
+            experts += translate("EngineFacts", " in {routed} of {layers} layers").format(routed=len(routed),
+                                                                                       layers=config.num_layers)
+        parts.append(experts)
+    if any(layer.sink_logits for layer in config.layers):
+        parts.append(translate("EngineFacts", "learned attention sinks"))
+    return " · ".join(parts)

@@ -454,6 +454,7 @@ class MainWindow(QMainWindow):
         self._loaded_model = self.settings.model
         self._loaded_remote = self.settings.remote
         self.dashboard.set_remote(event.server_url if event.capabilities.remote else "", event.model_name)
+        self.dashboard.set_model(event.model_config)    # a mixture of experts gets the Experts page
         self.dashboard.set_prompt_precision(event.prefill)
         self.load_bar.setVisible(False)
         self.chat.set_assistant_name(event.model_name)

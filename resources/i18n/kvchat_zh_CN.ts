@@ -383,6 +383,14 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>已保存对话的长度分布，以及哪些对话占用了内存</translation>
     </message>
     <message>
+        <source>Experts</source>
+        <translation>专家</translation>
+    </message>
+    <message>
+        <source>A mixture of experts: which experts each layer&apos;s router chose in the last turn</source>
+        <translation>混合专家模型：上一轮中每层的路由器选择了哪些专家</translation>
+    </message>
+    <message>
         <source>Waiting for the model…</source>
         <translation>正在等待模型…</translation>
     </message>
@@ -706,6 +714,18 @@ prefill {prefill} tok/s</source>
         <source>{n} sliding {window}</source>
         <translation>{n} 滑动 {window}</translation>
     </message>
+    <message>
+        <source>{n} experts, {k} active per token</source>
+        <translation>{n} 个专家，每个 token 激活 {k} 个</translation>
+    </message>
+    <message>
+        <source> in {routed} of {layers} layers</source>
+        <translation>（{layers} 层中的 {routed} 层）</translation>
+    </message>
+    <message>
+        <source>learned attention sinks</source>
+        <translation>学习得到的注意力锚点</translation>
+    </message>
 </context>
 <context>
     <name>EngineProgress</name>
@@ -981,6 +1001,84 @@ prefill {prefill} tok/s</source>
     <message>
         <source>Reset failed</source>
         <translation>重置失败</translation>
+    </message>
+</context>
+<context>
+    <name>ExpertsData</name>
+    <message>
+        <source>{layers} layers × {experts} experts, {used} per token</source>
+        <translation>{layers} 层 × {experts} 个专家，每个 token {used} 个</translation>
+    </message>
+    <message>
+        <source>{routed} of {layers} layers × {experts} experts, {used} per token (the others dense)</source>
+        <translation>{layers} 层中的 {routed} 层 × {experts} 个专家，每个 token {used} 个（其余为稠密层）</translation>
+    </message>
+    <message>
+        <source>; no turn yet</source>
+        <translation>；尚无对话轮次</translation>
+    </message>
+    <message>
+        <source>; last turn: {tokens} tokens, {share} of experts used at least once</source>
+        <translation>；上一轮：{tokens} 个 token，{share} 的专家至少被用到一次</translation>
+    </message>
+    <message>
+        <source>dense layer</source>
+        <translation>稠密层</translation>
+    </message>
+    <message>
+        <source>the rows fill in with the first reply</source>
+        <translation>第一次回复后各行才有数据</translation>
+    </message>
+    <message>
+        <source>no token</source>
+        <translation>无 token</translation>
+    </message>
+    <message>
+        <source>a few</source>
+        <translation>少量</translation>
+    </message>
+    <message>
+        <source>{share} (layer {layer}, expert {expert})</source>
+        <translation>{share}（第 {layer} 层，专家 {expert}）</translation>
+    </message>
+    <message>
+        <source>an even spread gives each {even}</source>
+        <translation>均匀分配时每个专家占 {even}</translation>
+    </message>
+    <message>
+        <source>layer {layer}: dense (no experts)</source>
+        <translation>第 {layer} 层：稠密层（无专家）</translation>
+    </message>
+    <message>
+        <source>layer {layer} · expert {expert}</source>
+        <translation>第 {layer} 层 · 专家 {expert}</translation>
+    </message>
+    <message>
+        <source>no turn yet</source>
+        <translation>尚无对话轮次</translation>
+    </message>
+    <message>
+        <source>{n} of {tokens} tokens ({share})</source>
+        <translation>{tokens} 个 token 中的 {n} 个（{share}）</translation>
+    </message>
+    <message>
+        <source>layer {layer}: {used} of {count} experts took a token</source>
+        <translation>第 {layer} 层：{count} 个专家中有 {used} 个接收过 token</translation>
+    </message>
+</context>
+<context>
+    <name>ExpertsView</name>
+    <message>
+        <source>A dense model: every token goes through every layer&apos;s one feed-forward block, no experts.</source>
+        <translation>稠密模型：每个 token 都经过每层唯一的前馈块，没有专家。</translation>
+    </message>
+    <message>
+        <source>Last turn&apos;s tokens per expert · layers × experts</source>
+        <translation>上一轮每个专家的 token 数 · 层 × 专家</translation>
+    </message>
+    <message>
+        <source>Colour: the share of its layer&apos;s tokens an expert took.</source>
+        <translation>颜色：专家接收的 token 占该层 token 的比例。</translation>
     </message>
 </context>
 <context>
@@ -1870,6 +1968,21 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     <message>
         <source>Measure again</source>
         <translation>重新测量</translation>
+    </message>
+</context>
+<context>
+    <name>ReasoningSection</name>
+    <message>
+        <source>What the model reasoned before it answered: not part of the answer, and not sent back to it with the next message</source>
+        <translation>模型在回答之前的推理：不属于回答，也不会随下一条消息发回给模型</translation>
+    </message>
+    <message>
+        <source>Reasoning…</source>
+        <translation>推理中…</translation>
+    </message>
+    <message>
+        <source>Reasoning</source>
+        <translation>推理</translation>
     </message>
 </context>
 <context>
