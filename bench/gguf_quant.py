@@ -1,4 +1,4 @@
-"""GGML block quantizers that gguf-py lacks: Q4_K and Q6_K, in numpy, into the exact block layouts gguf's
+"""GGML block quantizers that gguf-py lacks: Q4_K, Q5_K and Q6_K, in numpy, into the exact block layouts gguf's
 dequantizer reads; the other types through gguf-py's own quantize.
 
 Their scales are rounded up (not to the nearest level) so that every sub-block's grid covers all its
@@ -42,33 +42,50 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
 
     Block of 256 = 8 sub-blocks of 32; w = d * sc_j * q - dmin * mn_j with q in 0..15 and 6-bit sc, mn.
     """
+    rows, k = _rows(x).shape
+    head, qs, _ = _k_blocks(x, 15)
+    return np.concatenate([head, qs], axis=-1).reshape(rows, k // QK_K * 144)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, K] (K % 256 == 0) -> Q5_K blocks, uint8 [rows, K // 256 * 176]: Q4_K's scales with q in
+    0..31, its low 4 bits packed as Q4_K's and the fifth bit of sub-block j as bit j of qh[32]."""
+    rows, k = _rows(x).shape
+    head, qs, q = _k_blocks(x, 31)
+    qh = np.zeros((q.shape[0], 32), dtype=np.uint8)
+    for j in range(8):
+        qh |= ((q[:, j] >> 4) & 1) << np.uint8(j)
+    return np.concatenate([head, qh, qs], axis=-1).reshape(rows, k // QK_K * 176)
+
+
+def _k_blocks(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's common part: (d, dmin and the packed 6-bit scales [n, 16], the low 4 bits of q packed two a
+    byte [n, 128], q itself [n, 8, 32] in 0..top)."""
     x = _rows(x)
-    rows, k = x.shape
     b = x.reshape(-1, 8, 32)
     n = b.shape[0]
     m = -np.minimum(b.min(axis=-1), 0)                                # [n, 8] >= 0: the sub-block's -min
     dmin = _f16_at_least(m.max(axis=-1) / 63)                         # [n]
     mn = _ceil_ratio(m, dmin[:, None], 63)                            # dmin * mn >= m: the grid starts at or below min
     span = np.maximum(b.max(axis=-1) + dmin[:, None] * mn, 0)         # from the grid's bottom to the max
-    d = _f16_at_least(span.max(axis=-1) / (15 * 63))
-    sc = _ceil_ratio(span / 15, d[:, None], 63)                       # 15 * d * sc >= span: it reaches the max
+    d = _f16_at_least(span.max(axis=-1) / (top * 63))
+    sc = _ceil_ratio(span / top, d[:, None], 63)                      # top * d * sc >= span: it reaches the max
     step = (d[:, None] * sc)[..., None]
     zero = (dmin[:, None] * mn)[..., None]
     q = np.zeros(b.shape, dtype=np.float32)
     np.divide(b + zero, step, out=q, where=step > 0)
-    q = np.clip(np.rint(q), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint(q), 0, top).astype(np.uint8)
 
     sc = sc.astype(np.uint8)
     mn = mn.astype(np.uint8)
     scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
                              mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
                              (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=-1)
-    q = q.reshape(n, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
-    blocks = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(n, 2),
-                             dmin.astype(np.float16).view(np.uint8).reshape(n, 2),
-                             scales, qs], axis=-1)
-    return blocks.reshape(rows, k // QK_K * 144)
+    low = (q & 0x0F).reshape(n, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
+    head = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(n, 2),
+                           dmin.astype(np.float16).view(np.uint8).reshape(n, 2), scales], axis=-1)
+    return head, qs, q
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
@@ -102,6 +119,8 @@ def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
         return np.asarray(x, dtype=np.float32)
     if type_name == "Q4_K":
         return quantize_q4_k(x)
+    if type_name == "Q5_K":
+        return quantize_q5_k(x)
     if type_name == "Q6_K":
         return quantize_q6_k(x)
     return gguf_quantize(np.asarray(x, dtype=np.float32), GGMLQuantizationType[type_name])

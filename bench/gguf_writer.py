@@ -1,29 +1,30 @@
 """Write GGUF files as llama.cpp's converter and quantizer would: random weights with real architectures' shapes
-(benchmarks) or tiny ones (tests), and a Hugging Face folder's own weights (write_gguf_from_hf).
+(benchmarks) or tiny ones (tests), and a Hugging Face folder's own weights (bench/gguf_hf.py: write_gguf_from_hf).
 
-The files carry llama.cpp's metadata keys and tensor names for their architecture (llama, qwen3, gemma2,
-gemma3, phi3: engine/gguf/arch.py names what each stores), q/k rows permuted for llama.cpp's rotary layout
-where its converter permutes them (llama), Gemma's norms stored as 1 + w as its converter stores them, and a
-per-tensor type mix close to llama.cpp's defaults (bench/gguf_quant.py quantizes). A random model's
-tokenizer (every `tokenizer.*` field, chat template included) is copied from the default model's GGUF and
-padded with unused tokens to the preset's vocabulary; a folder's byte-level BPE tokenizer is written as
-its own. llama.cpp and transformers load the results.
+The files carry llama.cpp's metadata keys and tensor names for their architecture (llama, qwen3, gemma2, gemma3,
+phi3, smollm3, and the mixtures of experts qwen3moe, gpt-oss and Mixtral's llama with an expert count:
+engine/gguf/arch.py names what each stores), q/k rows permuted for llama.cpp's rotary layout where its converter
+permutes them (llama), Gemma's norms stored as 1 + w as its converter stores them, experts as 3-D tensors
+[experts, out, in] (or one 2-D tensor per expert, per_expert=True: Mixtral's older files, which kvchat still reads
+and current llama.cpp no longer does), and a per-tensor type mix close to llama.cpp's defaults (bench/gguf_quant.py
+quantizes). A random model's tokenizer (every `tokenizer.*` field, chat template included) is copied from the
+default model's GGUF and padded with unused tokens to the preset's vocabulary (cut to it where the preset's is
+smaller); a folder's byte-level BPE tokenizer is written as its own. llama.cpp and transformers load the results.
 
-    python -m bench.gguf_writer --preset llama-3.2-1b --type Q4_0 [--out PATH]
+    python -m kvchat.bench.gguf_writer --preset gpt-oss-20b --type MXFP4 --layers 4 [--out PATH]
 
-(~490 lines: the random writer and the folder writer share the metadata, type and name rules above them,
-which is what keeps the two kinds of file alike.)
+--layers keeps the first N layers of a preset: benchmarks compare the per-token work of a layer, and a
+mixture of experts' full file does not fit a small machine.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
-import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +40,12 @@ CHUNK_ELEMENTS = 1 << 24          # rows are generated and quantized ~16M values
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A model's shape as its GGUF stores it. arch: the GGUF architecture (llama, qwen3, gemma3); vocab: the
-    real vocabulary, to which the copied default tokenizer is padded (None: the tokenizer's own); window:
-    Gemma 3's sliding window (every sixth layer global, as llama.cpp reads the arch)."""
+    """A model's shape as its GGUF stores it. arch: the GGUF architecture (llama, qwen3, gemma3, qwen3moe, gpt-oss);
+    vocab: the real vocabulary, to which the copied default tokenizer is padded or cut (None: the tokenizer's own);
+    window: the sliding window, on llama.cpp's pattern of the arch (Gemma 3: every sixth layer global; gpt-oss:
+    the even layers slide). experts: routed experts per layer (0: a dense MLP), experts_used of them per token, each
+    of intermediate size expert_ffn (None: intermediate). biases: q, k, v, o, router and expert biases; sinks:
+    learned per-head sink logits; yarn: (factor, original context) of YaRN rope scaling (gpt-oss all three)."""
     name: str
     layers: int
     hidden: int
@@ -56,7 +60,29 @@ class ModelShape:
     vocab: int | None = None
     window: int | None = None
     rms_norm_eps: float = 1e-5
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int | None = None
+    biases: bool = False
+    sinks: bool = False
+    yarn: tuple[float, int] | None = None
 
+    def __post_init__(self):
+        if self.experts and not 0 < self.experts_used <= self.experts:
+            raise ValueError(f"{self.name}: {self.experts_used} experts used of {self.experts}")
+        if self.arch == "llama" and self.experts and self.expert_ffn not in (None, self.intermediate):
+            raise ValueError(f"{self.name}: llama.cpp reads a llama file's experts at feed_forward_length "
+                             f"({self.intermediate}), not {self.expert_ffn}")
+        if self.arch in _ROUTED and not self.experts:
+            raise ValueError(f"{self.name}: llama.cpp reads every {self.arch} layer as a mixture of experts")
+
+    @property
+    def ffn_exp(self) -> int:
+        return self.expert_ffn or self.intermediate
+
+
+# architectures whose every layer llama.cpp reads as routed (llama has experts where its expert_count says)
+_ROUTED = {"qwen3moe", "gpt-oss"}
 
 PRESETS = {
     "tiny": ModelShape("tiny", 2, 256, 4, 2, 512, 64, 2048, 10000.0, True),
@@ -67,6 +93,18 @@ PRESETS = {
                              vocab=151936, rms_norm_eps=1e-6),
     "gemma-3-1b": ModelShape("gemma-3-1b", 26, 1152, 4, 1, 6912, 256, 32768, 1e6, True, arch="gemma3",
                              vocab=262144, window=512, rms_norm_eps=1e-6),
+    # mixtures of experts, as each Hugging Face repository's config.json gives them (engine/plan/presets.py
+    # holds the same fields). Qwen/Qwen3-30B-A3B: 128 experts of 768, 8 used, renormalized (norm_topk_prob);
+    # intermediate_size 6144 is the unused dense size the converter still writes as feed_forward_length
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 128, 40960, 1e6, False, arch="qwen3moe",
+                                vocab=151936, rms_norm_eps=1e-6, experts=128, experts_used=8, expert_ffn=768),
+    # openai/gpt-oss-20b: 32 experts of 2880, 4 used; even layers over a window of 128; YaRN x32 over 4,096
+    "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 2880, 64, 8, 2880, 64, 131072, 150000.0, False, arch="gpt-oss",
+                              vocab=201088, window=128, rms_norm_eps=1e-5, experts=32, experts_used=4,
+                              expert_ffn=2880, biases=True, sinks=True, yarn=(32.0, 4096)),
+    # mistralai/Mixtral-8x7B-v0.1 (and -Instruct-v0.1): written by llama.cpp as arch llama with an expert count
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 14336, 128, 32768, 1e6, False, vocab=32000,
+                               experts=8, experts_used=2),
 }
 
 # mix name -> (type of the 2-D layer weights, token_embd / output type, general.file_type)
@@ -79,12 +117,15 @@ MIXES: dict[str, tuple[str, str, LlamaFileType]] = {
     "Q8_0": ("Q8_0", "Q8_0", LlamaFileType.MOSTLY_Q8_0),
     "Q4_K": ("Q4_K", "Q4_K", LlamaFileType.MOSTLY_Q4_K_S),
     "Q6_K": ("Q6_K", "Q6_K", LlamaFileType.MOSTLY_Q6_K),
+    # llama.cpp's MXFP4_MOE (ggml-org's gpt-oss GGUFs): 3-D expert tensors MXFP4, every other matrix Q8_0
+    "MXFP4": ("Q8_0", "Q8_0", LlamaFileType.MOSTLY_MXFP4_MOE),
     "F16": ("F16", "F16", LlamaFileType.MOSTLY_F16),
     "BF16": ("BF16", "BF16", LlamaFileType.MOSTLY_BF16),
     "F32": ("F32", "F32", LlamaFileType.ALL_F32),
 }
 # llama.cpp's quantizer's type for rows that are not whole 256-value super-blocks (Gemma 3 1B's hidden 1152)
 _SHORT_ROW_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_FLOAT_MIXES = {"F16", "BF16", "F32"}
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -92,32 +133,44 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def tensor_type(mix: str, name: str, layers: int, tied: bool) -> str:
-    """The type llama.cpp's quantizer would give tensor `name` (GGUF name) in this mix.
+def tensor_type(mix: str, name: str, layers: int, tied: bool, experts: int = 0, stacked: bool = False) -> str:
+    """The type llama.cpp's quantizer (llama_tensor_get_type) would give tensor `name` (GGUF name) in this mix.
 
-    1-D norms are F32. Q4_K_M follows llama.cpp: output (and token_embd when tied to it) Q6_K, untied
-    token_embd Q4_K, attn_v and ffn_down Q6_K in the use_more_bits layers, Q4_K elsewhere.
+    F32 where llama.cpp never quantizes: norms, biases and anything else not named .weight, sink logits, the router
+    (ffn_gate_inp). Q4_K_M follows llama.cpp: output (and token_embd when tied to it) Q6_K, untied token_embd Q4_K,
+    attn_v and ffn_down (the experts' too) Q6_K in the use_more_bits layers, Q4_K elsewhere. A model of exactly 8
+    experts (Mixtral) gets attn_k and attn_v in Q8_0 in every quantized mix and attn_output Q5_K in the K mixes.
+    MXFP4: stacked (3-D) expert tensors MXFP4, every other matrix Q8_0.
     """
     if mix not in MIXES:
         raise ValueError(f"unknown type {mix!r}: one of {', '.join(MIXES)}")
     base, edge, _ = MIXES[mix]
-    if name.endswith("_norm.weight"):
+    if (not name.endswith(".weight") or name.endswith("_norm.weight")
+            or name.endswith((".ffn_gate_inp.weight", ".attn_sinks.weight"))):
         return "F32"
     if name == "output.weight" or (name == "token_embd.weight" and tied):
         return edge
+    if mix == "MXFP4":
+        return "MXFP4" if stacked else base
     if name == "token_embd.weight":
         return base if mix == "Q4_K_M" else edge
-    if mix == "Q4_K_M" and name.endswith((".attn_v.weight", ".ffn_down.weight")):
+    if mix in _FLOAT_MIXES:
+        return base
+    if experts == 8 and name.endswith((".attn_k.weight", ".attn_v.weight")):
+        return "Q8_0"
+    if experts == 8 and mix in ("Q4_K_M", "Q4_K") and name.endswith(".attn_output.weight"):
+        return "Q5_K"
+    if mix == "Q4_K_M" and (name.endswith(".attn_v.weight") or ".ffn_down" in name):
         return "Q6_K" if use_more_bits(int(name.split(".")[1]), layers) else base
     return base
 
 
-def file_type(mix: str, name: str, numpy_shape: tuple[int, ...], layers: int, tied: bool) -> str:
+def file_type(mix: str, name: str, numpy_shape: tuple[int, ...], layers: int, tied: bool, experts: int = 0) -> str:
     """tensor_type, with llama.cpp's rules for what it cannot hold: 1-D tensors (norms, biases, rope factors)
     F32, a K-quant of rows that are not whole super-blocks its fallback type."""
     if len(numpy_shape) == 1:
         return "F32"
-    kind = tensor_type(mix, name, layers, tied)
+    kind = tensor_type(mix, name, layers, tied, experts, stacked=len(numpy_shape) == 3)
     if kind in _SHORT_ROW_FALLBACK and numpy_shape[-1] % QK_K:
         kind = _SHORT_ROW_FALLBACK[kind]
     block = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
@@ -125,30 +178,54 @@ def file_type(mix: str, name: str, numpy_shape: tuple[int, ...], layers: int, ti
 
 
 # a layer's extra tensors beyond the Llama ones, per GGUF architecture: qk: q / k norms, post: Gemma's post-norms
-_QK_NORMS = {"qwen3", "gemma3"}
+_QK_NORMS = {"qwen3", "gemma3", "qwen3moe"}
 _POST_NORMS = {"gemma2", "gemma3"}
+# the norm before the MLP, where llama.cpp names it other than ffn_norm
+_MLP_NORM = {"gpt-oss": "post_attention_norm"}
 
 
 def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(GGUF name, numpy shape [out, in]) in the order llama.cpp's converter writes them."""
+    """(GGUF name, numpy shape: [out, in], an expert stack [experts, out, in]) in the order llama.cpp's converter
+    writes them."""
     h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    e, fe = shape.experts, shape.ffn_exp
     out = [("token_embd.weight", (vocab, h))]
     for i in range(shape.layers):
         p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", (h,)), (p + "attn_q.weight", (q, h)), (p + "attn_k.weight", (kv, h)),
-                (p + "attn_v.weight", (kv, h)), (p + "attn_output.weight", (h, q))]
+        out.append((p + "attn_norm.weight", (h,)))
+        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q)):
+            out.append((p + name + ".weight", (rows, cols)))
+            if shape.biases:
+                out.append((p + name + ".bias", (rows,)))
         if shape.arch in _QK_NORMS:
             out += [(p + "attn_q_norm.weight", (shape.head_dim,)), (p + "attn_k_norm.weight", (shape.head_dim,))]
+        if shape.sinks:
+            out.append((p + "attn_sinks.weight", (shape.heads,)))
         if shape.arch in _POST_NORMS:
             out.append((p + "post_attention_norm.weight", (h,)))
-        out += [(p + "ffn_norm.weight", (h,)), (p + "ffn_gate.weight", (f, h)), (p + "ffn_up.weight", (f, h)),
-                (p + "ffn_down.weight", (h, f))]
+        out.append((p + _MLP_NORM.get(shape.arch, "ffn_norm") + ".weight", (h,)))
+        if e:
+            out.append((p + "ffn_gate_inp.weight", (e, h)))
+            if shape.biases:
+                out.append((p + "ffn_gate_inp.bias", (e,)))
+            for kind, rows, cols in (("ffn_gate", fe, h), ("ffn_up", fe, h), ("ffn_down", h, fe)):
+                out.append((f"{p}{kind}_exps.weight", (e, rows, cols)))
+                if shape.biases:
+                    out.append((f"{p}{kind}_exps.bias", (e, rows)))
+        else:
+            out += [(p + "ffn_gate.weight", (f, h)), (p + "ffn_up.weight", (f, h)), (p + "ffn_down.weight", (h, f))]
         if shape.arch in _POST_NORMS:
             out.append((p + "post_ffw_norm.weight", (h,)))
     out.append(("output_norm.weight", (h,)))
     if not shape.tied:
         out.append(("output.weight", (vocab, h)))
     return out
+
+
+def split_experts(name: str, numpy_shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """Mixtral's older layout of one 3-D expert weight: (blk.N.<kind>.<e>.weight, [out, in]) per expert."""
+    p, kind, _ = name.rsplit(".", 2)
+    return [(f"{p}.{kind.removesuffix('_exps')}.{x}.weight", numpy_shape[1:]) for x in range(numpy_shape[0])]
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -165,9 +242,25 @@ def _nbytes(numpy_shape: tuple[int, ...], type_name: str) -> int:
 
 def _weights(name: str, numpy_shape: tuple[int, ...], type_name: str, rng: np.random.Generator,
              shape: ModelShape) -> np.ndarray:
-    """One tensor's random weights in its file type; fp32 is made a chunk of rows at a time (q / k whole)."""
-    if len(numpy_shape) == 1:
+    """One tensor's random weights in its file type: norms around 1, biases and sink logits small, matrices a chunk
+    of rows at a time (q / k whole, to permute them); a stacked expert tensor [experts, out, in] one expert at a
+    time, so no more than one expert's chunk of fp32 values is ever held."""
+    if len(numpy_shape) == 1 and name.endswith("_norm.weight"):
         return rng.uniform(0.9, 1.1, numpy_shape).astype(np.float32)
+    if len(numpy_shape) == 1 or not name.endswith(".weight"):
+        return (rng.standard_normal(numpy_shape, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
+    if len(numpy_shape) == 3:
+        first = _matrix(name, numpy_shape[1:], type_name, rng, shape)
+        out = np.empty((numpy_shape[0], *first.shape), dtype=first.dtype)
+        out[0] = first
+        for e in range(1, numpy_shape[0]):
+            out[e] = _matrix(name, numpy_shape[1:], type_name, rng, shape)
+        return out
+    return _matrix(name, numpy_shape, type_name, rng, shape)
+
+
+def _matrix(name: str, numpy_shape: tuple[int, ...], type_name: str, rng: np.random.Generator,
+            shape: ModelShape) -> np.ndarray:
     rows, cols = numpy_shape
     if shape.arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
         w = rng.standard_normal(numpy_shape, dtype=np.float32)
@@ -205,13 +298,17 @@ def _tokenizer_fields(source: str, mtime_ns: int) -> tuple[tuple[str, object, GG
     return tuple(out)
 
 
-def _copy_tokenizer(writer: GGUFWriter, source: Path, vocab: int | None = None) -> int:
+def _copy_tokenizer(writer: GGUFWriter, source: Path, vocab: int | None = None, cut: bool = False) -> int:
     """Copy every tokenizer.* field of `source` into writer, the vocabulary padded with unused tokens
-    (`<unused{n}>`, type UNUSED, score 0) to `vocab` entries when it is larger; return the vocabulary size."""
+    (`<unused{n}>`, type UNUSED, score 0) to `vocab` entries when it is larger; where it is smaller and `cut`, the
+    first `vocab` tokens kept with the merges among them (a merge of kept parts into a kept token). Return the
+    vocabulary size."""
     fields = _tokenizer_fields(str(source), source.stat().st_mtime_ns)
     tokens = next((value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens"), None)
     if not tokens:
         raise ValueError(f"{source} has no tokenizer.ggml.tokens")
+    if cut and vocab and vocab < len(tokens):
+        return _copy_cut_tokenizer(writer, source, fields, vocab)
     pad = max(0, (vocab or 0) - len(tokens))
     padding = {"tokenizer.ggml.tokens": [f"<unused{n}>" for n in range(pad)],
                "tokenizer.ggml.token_type": [5] * pad, "tokenizer.ggml.scores": [0.0] * pad}
@@ -220,6 +317,21 @@ def _copy_tokenizer(writer: GGUFWriter, source: Path, vocab: int | None = None) 
             value = list(value) + padding[key]
         writer.add_key_value(key, value, vtype, sub)
     return len(tokens) + pad
+
+
+def _copy_cut_tokenizer(writer: GGUFWriter, source: Path, fields, vocab: int) -> int:
+    tokens = next(value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens")
+    kept = set(tokens[:vocab])
+    for key, value, vtype, sub in fields:
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            value = list(value[:vocab])
+        elif key == "tokenizer.ggml.merges":
+            value = [m for m in value
+                     if m.replace(" ", "", 1) in kept and all(part in kept for part in m.split(" ", 1))]
+        elif key.endswith("_token_id") and int(value) >= vocab:
+            raise ValueError(f"{source}: {key} {value} is past a vocabulary of {vocab} tokens")
+        writer.add_key_value(key, value, vtype, sub)
+    return vocab
 
 
 def _add_shape_keys(writer: GGUFWriter, arch: str, *, layers: int, hidden: int, heads: int, kv_heads: int,
@@ -271,16 +383,27 @@ def write_vocab_gguf(path: str | os.PathLike, source: str | os.PathLike | None =
 
 
 def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: str, seed: int = 0,
-                      vocab_from: str | os.PathLike | None = None) -> Path:
+                      vocab_from: str | os.PathLike | None = None, layers: int | None = None,
+                      per_expert: bool = False) -> Path:
     """Write a random-weight GGUF of `shape` (its arch) in mix `qtype` to `path` and return the path.
 
+    layers: keep only the first `layers` layers of the shape. per_expert: experts as one 2-D tensor each
+    (blk.N.ffn_gate.E.weight), as Mixtral's older files store them (kvchat reads them; llama.cpp no longer does);
+    only arch llama (Mixtral) has that layout. The experts of both layouts hold the same values for one seed.
     The file appears complete or not at all (written under a temporary name, then renamed). At most one
     tensor's quantized bytes and one chunk of fp32 values are held at a time.
     """
     if isinstance(shape, str):
         shape = preset(shape)
+    if layers is not None:
+        if not 0 < layers <= shape.layers:
+            raise ValueError(f"layers={layers}: {shape.name} has {shape.layers} layers, keep 1 to {shape.layers}")
+        shape = replace(shape, layers=layers)
     if qtype not in MIXES:
         raise ValueError(f"unknown type {qtype!r}: one of {', '.join(MIXES)}")
+    if per_expert and not (shape.experts and shape.arch == "llama"):
+        raise ValueError(f"{shape.name}: one tensor per expert is Mixtral's older layout (arch llama with experts); "
+                         f"llama.cpp reads {shape.arch} experts only as 3-D tensors")
     if vocab_from is None:       # KVCHAT_VOCAB_GGUF: a GGUF holding the tokenizer, where the default model is not
         from kvchat.engine.model.source import default_gguf_path        # installed (packaging/gpu_check.sh carries one)
         vocab_from = os.environ.get("KVCHAT_VOCAB_GGUF") or default_gguf_path()
@@ -291,188 +414,78 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
                         kv_heads=shape.kv_heads, ffn=shape.intermediate, head_dim=shape.head_dim,
                         context=shape.context, theta=shape.rope_theta, eps=shape.rms_norm_eps,
                         rotary_dims=shape.head_dim)
+        _add_moe_keys(writer, shape.arch, shape.experts, shape.experts_used, shape.ffn_exp)
         if shape.window:
             writer.add_sliding_window(shape.window)
+        if shape.yarn:
+            _add_yarn_keys(writer, *shape.yarn)
         writer.add_file_type(int(MIXES[qtype][2]))
         writer.add_quantization_version(2)
-        vocab = _copy_tokenizer(writer, Path(vocab_from), shape.vocab)
+        vocab = _copy_tokenizer(writer, Path(vocab_from), shape.vocab, cut=True)
         writer.add_vocab_size(vocab)
 
-        plan = [(name, dims, file_type(qtype, name, dims, shape.layers, shape.tied))
-                for name, dims in _tensors(shape, vocab)]
-        for name, dims, kind in plan:
+        plan = tensor_plan(shape, qtype, vocab, per_expert)
+        for _, name, dims, kind, _ in plan:
             # the shape is given in numpy order [out, in]; the writer stores it reversed, ggml's [in, out]
             writer.add_tensor_info(name, dims, np.dtype(np.float32), _nbytes(dims, kind),
                                    raw_dtype=GGMLQuantizationType[kind])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for index, (name, dims, kind) in enumerate(plan):
+        logical = dict(enumerate(_tensors(shape, vocab)))
+        stack = None
+        for index, name, dims, kind, expert in plan:
             rng = np.random.default_rng([seed, index])
-            writer.write_tensor_data(_weights(name, dims, kind, rng, shape))
-    return path
-
-
-# ------------------------------------------------------------------------------ a Hugging Face folder
-
-# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the stored weight)
-_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
-
-
-def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype: str = "F32") -> Path:
-    """Write a Hugging Face folder's model (its weights, config and byte-level BPE tokenizer) as the GGUF
-    llama.cpp's converter and quantizer would make of it, in mix `qtype` (MIXES), and return the path.
-
-    A setting llama.cpp does not store but derives from the architecture (Gemma's query scale and window
-    pattern, Gemma 3's local RoPE base) must be the one it derives: else a ValueError says which, since the
-    file would describe another model.
-    """
-    from kvchat.engine.gguf.arch import GEMMA3_LOCAL_THETA, layer_types, query_pre_attn_scalar
-    from kvchat.engine.model.families import family
-    from kvchat.engine.model.source import load_state_dict, read_config
-
-    folder, path = Path(folder), Path(path)
-    if qtype not in MIXES:
-        raise ValueError(f"unknown type {qtype!r}: one of {', '.join(MIXES)}")
-    cfg = read_config(folder)
-    fam = family(cfg.get("model_type"), str(folder / "config.json"))
-    arch = fam.gguf_arch
-    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    local = rope.get("sliding_attention") if arch == "gemma3" else None
-    if arch == "gemma3":
-        rope = rope.get("full_attention", {})
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rotary = int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
-
-    def derived(what: str, have, llama_cpp) -> None:
-        if have != llama_cpp:
-            raise ValueError(f"{folder.name}: {what} is {have!r}, but llama.cpp derives {llama_cpp!r} for {arch} "
-                             f"(a GGUF does not store it): the file would describe another model")
-
-    state = load_state_dict(folder)
-    tied = bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in state
-    with atomic_writer(path, arch) as writer:
-        writer.add_name(folder.name)
-        _add_shape_keys(writer, arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                        ffn=cfg["intermediate_size"], head_dim=head_dim,
-                        context=cfg.get("max_position_embeddings", 4096), theta=theta,
-                        eps=cfg.get("rms_norm_eps", 1e-6), rotary_dims=rotary)
-        if rtype == "linear":
-            writer.add_rope_scaling_type(RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(float(rope["factor"]))
-        elif rtype == "longrope":
-            original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
-            scale = cfg["max_position_embeddings"] / original
-            # the converter's attention factor where the config gives none (as transformers computes it)
-            factor = rope.get("attention_factor") or (
-                1.0 if scale <= 1.0 else float(np.sqrt(1 + np.log(scale) / np.log(original))))
-            writer.add_rope_scaling_attn_factors(float(factor))
-            writer.add_rope_scaling_orig_ctx_len(original)
-        elif rtype != "default":
-            raise ValueError(f"{folder.name}: rope type {rtype!r} is not written here (default, linear, longrope)")
-        if arch in ("gemma2", "gemma3"):
-            derived("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", head_dim),
-                    query_pre_attn_scalar(arch, layers, hidden, heads, head_dim))
-            window = cfg.get("sliding_window")
-            expected = layer_types(arch, layers, bool(window))
-            derived("layer_types", list(cfg.get("layer_types") or expected), expected)
-            if window:
-                writer.add_sliding_window(int(window))
-        if arch == "gemma2":
-            writer.add_attn_logit_softcapping(float(cfg["attn_logit_softcapping"]))
-            writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
-        if arch == "gemma3":
-            derived("the sliding layers' rope", (local or {}).get("rope_theta", GEMMA3_LOCAL_THETA), GEMMA3_LOCAL_THETA)
-            if cfg.get("final_logit_softcapping"):
-                writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
-        if arch == "phi3" and cfg.get("sliding_window"):
-            writer.add_sliding_window(int(cfg["sliding_window"]))
-        writer.add_file_type(int(MIXES[qtype][2]))
-        writer.add_quantization_version(2)
-        for key, value, vtype, sub in hf_tokenizer_fields(folder):
-            writer.add_key_value(key, value, vtype, sub)
-
-        if rtype == "longrope":     # one divisor per rotated frequency, F32, as the converter writes them
-            for kind in ("long", "short"):
-                writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
-        permuted = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads} if fam.gguf_permuted_qk else {}
-        shift = _NORM_SHIFT.get(arch, 0.0)
-        for name, t in state.items():
-            if name == "lm_head.weight" and tied:
+            if expert is None:
+                writer.write_tensor_data(_weights(name, dims, kind, rng, shape))
                 continue
-            a = t.float().numpy()
-            gname, module = _gguf_name(name, fam.gguf_tensors)
-            if module in permuted:
-                a = permute(a, permuted[module]) if a.ndim == 2 else permute(a[:, None], permuted[module])[:, 0]
-            if shift and name.endswith("norm.weight"):
-                a = a + np.float32(shift)
-            kind = file_type(qtype, gname, a.shape, layers, tied)
-            data = quantize(np.ascontiguousarray(a), kind) if a.ndim == 2 else np.ascontiguousarray(a)
-            writer.add_tensor(gname, data, raw_shape=data.shape if a.ndim == 2 else None,
-                              raw_dtype=GGMLQuantizationType[kind] if a.ndim == 2 else None)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+            if expert == 0:         # the logical 3-D tensor, generated once as a stacked one, written a slice each
+                stack = _weights(logical[index][0], logical[index][1], kind, rng, shape)
+            writer.write_tensor_data(np.ascontiguousarray(stack[expert]))
     return path
 
 
-def _gguf_name(hf_name: str, tensors: dict[str, str]) -> tuple[str, str | None]:
-    """(llama.cpp's name, the layer module or None) of a Hugging Face weight."""
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name], None
-    _, _, i, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    if module not in tensors:
-        raise ValueError(f"weight {hf_name}: llama.cpp has no tensor for {module!r} in this architecture")
-    return f"blk.{i}.{tensors[module]}.{kind}", module
+def tensor_plan(shape: ModelShape, qtype: str, vocab: int, per_expert: bool = False) -> list[tuple]:
+    """Every tensor a random file of `shape` holds, in file order: (index of its logical tensor in _tensors, GGUF
+    name, numpy shape, type, expert or None); per_expert: each 3-D expert tensor as one 2-D tensor per expert."""
+    plan = []
+    for index, (name, dims) in enumerate(_tensors(shape, vocab)):
+        if per_expert and len(dims) == 3:
+            parts = split_experts(name, dims)
+            kind = file_type(qtype, parts[0][0], dims[1:], shape.layers, shape.tied, shape.experts)
+            plan += [(index, part, part_dims, kind, e) for e, (part, part_dims) in enumerate(parts)]
+        else:
+            plan.append((index, name, dims, file_type(qtype, name, dims, shape.layers, shape.tied, shape.experts),
+                         None))
+    return plan
 
 
-def hf_tokenizer_fields(folder: Path) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
-    """A folder's byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json, its chat template) as the
-    tokenizer.* fields llama.cpp's converter writes: model gpt2, pre-tokenizer gpt-2, every token with its
-    type (special added tokens CONTROL, other added ones USER_DEFINED), the merges, the special ids."""
-    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    model = spec["model"]
-    if model.get("type") != "BPE" or (spec.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
-        raise ValueError(f"{folder.name}: only a byte-level BPE tokenizer is written here")
-    vocab = dict(model["vocab"])
-    kinds = {}
-    for added in spec.get("added_tokens", []):
-        vocab[added["content"]] = added["id"]
-        kinds[added["id"]] = 3 if added.get("special") else 4
-    tokens = [None] * (max(vocab.values()) + 1)
-    for text, i in vocab.items():
-        tokens[i] = text
-    if any(t is None for t in tokens):
-        raise ValueError(f"{folder.name}: the vocabulary's ids are not 0..{len(tokens) - 1}")
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    S, A, U32, I32, B = (GGUFValueType.STRING, GGUFValueType.ARRAY, GGUFValueType.UINT32, GGUFValueType.INT32,
-                         GGUFValueType.BOOL)
-    out = [("tokenizer.ggml.model", "gpt2", S, None), ("tokenizer.ggml.pre", "gpt-2", S, None),
-           ("tokenizer.ggml.tokens", tokens, A, S),
-           ("tokenizer.ggml.token_type", [kinds.get(i, 1) for i in range(len(tokens))], A, I32),
-           ("tokenizer.ggml.merges", merges, A, S)]
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        text = config.get(name)
-        text = text.get("content") if isinstance(text, dict) else text
-        if text in vocab:
-            out.append((f"tokenizer.ggml.{key}", vocab[text], U32, None))
-    post = spec.get("post_processor") or {}
-    single = post.get("single", []) if post.get("type") == "TemplateProcessing" else []
-    out.append(("tokenizer.ggml.add_bos_token", bool(single) and "SpecialToken" in single[0], B, None))
-    template = folder / "chat_template.jinja"
-    text = template.read_text(encoding="utf-8") if template.is_file() else config.get("chat_template")
-    if text:
-        out.append(("tokenizer.chat_template", text, S, None))
-    return out
+def planned_bytes(shape: ModelShape | str, qtype: str, layers: int | None = None) -> int:
+    """The tensor bytes a random file of this preset (cut to `layers`) holds, without writing it."""
+    shape = preset(shape) if isinstance(shape, str) else shape
+    shape = replace(shape, layers=layers) if layers else shape
+    vocab = shape.vocab or 49152           # the default tokenizer's own size
+    return sum(_nbytes(dims, kind) for _, _, dims, kind, _ in tensor_plan(shape, qtype, vocab))
+
+
+def _add_moe_keys(writer: GGUFWriter, arch: str, experts: int, used: int, ffn: int) -> None:
+    """The expert counts llama.cpp reads (and the experts' intermediate size, which a llama file does not store:
+    it reads feed_forward_length)."""
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(used)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(ffn)
+
+
+def _add_yarn_keys(writer: GGUFWriter, factor: float, original: int, beta_fast: float = 32.0,
+                   beta_slow: float = 1.0) -> None:
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(factor))
+    writer.add_rope_scaling_orig_ctx_len(int(original))
+    writer.add_rope_scaling_yarn_beta_fast(float(beta_fast))
+    writer.add_rope_scaling_yarn_beta_slow(float(beta_slow))
 
 
 def preset(name: str) -> ModelShape:
@@ -482,31 +495,48 @@ def preset(name: str) -> ModelShape:
     return PRESETS[name]
 
 
-def bench_model_path(name: str, qtype: str) -> Path:
-    """The random preset `name` in mix `qtype`, in the user cache dir: written on the first call, then reused."""
+def bench_model_path(name: str, qtype: str, layers: int | None = None) -> Path:
+    """The random preset `name` in mix `qtype` (its first `layers` layers where given), in the user cache dir:
+    written on the first call, then reused."""
     from kvchat.engine.model.source import cache_root
     shape = preset(name)
-    path = cache_root() / "bench-models" / f"{name}-{qtype}.gguf"
+    cut = f"-{layers}L" if layers is not None and layers != shape.layers else ""
+    path = cache_root() / "bench-models" / f"{name}{cut}-{qtype}.gguf"
     if not path.is_file():
-        write_random_gguf(path, shape, qtype)
+        write_random_gguf(path, shape, qtype, layers=layers)
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gguf_writer",
+    parser = argparse.ArgumentParser(prog="python -m kvchat.bench.gguf_writer",
                                      description="write a random-weight GGUF with a real model's shapes")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b")
     parser.add_argument("--type", dest="qtype", choices=list(MIXES), default="Q4_0")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="keep the first N layers (a layer's per-token work is what benchmarks compare)")
+    parser.add_argument("--per-expert", action="store_true",
+                        help="one 2-D tensor per expert, as Mixtral's older GGUFs (arch llama only)")
     parser.add_argument("--out", help="file to write (default: the bench-models cache, reused if present)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.per_expert and not args.out:
+        parser.error("--per-expert writes a file of its own: give it with --out")
     if args.out:
-        path = write_random_gguf(args.out, args.preset, args.qtype, seed=args.seed)
+        path = write_random_gguf(args.out, args.preset, args.qtype, seed=args.seed, layers=args.layers,
+                                 per_expert=args.per_expert)
     else:
-        path = bench_model_path(args.preset, args.qtype)
+        path = bench_model_path(args.preset, args.qtype, args.layers)
     print(f"{path}  {path.stat().st_size / 2**20:.1f} MiB  ({time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def __getattr__(name: str):
+    # the folder writer lives in bench/gguf_hf.py; imported from here (as the tests and benches always have)
+    if name in ("write_gguf_from_hf", "hf_tokenizer_fields"):
+        from kvchat.bench import gguf_hf
+        return getattr(gguf_hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

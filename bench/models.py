@@ -6,11 +6,12 @@ FALLBACK_TEXT = ("The library was quiet in the early morning, and the reading ro
 
 
 def resolve_model(spec: str) -> str:
-    """A model spec as Engine.load takes it; preset:NAME:TYPE writes (once) and returns that GGUF."""
+    """A model spec as Engine.load takes it; preset:NAME:TYPE[:LAYERS] writes (once) and returns that GGUF (its first
+    LAYERS layers where given: preset:gpt-oss-20b:MXFP4:4)."""
     if spec.startswith("preset:"):
         from kvchat.bench.gguf_writer import bench_model_path
-        _, preset, qtype = spec.split(":")
-        return str(bench_model_path(preset, qtype))
+        _, preset, qtype, *layers = spec.split(":")
+        return str(bench_model_path(preset, qtype, int(layers[0]) if layers else None))
     return spec
 
 

@@ -37,7 +37,7 @@ ONE = SamplingParams(temperature=0, max_new_tokens=1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="default, a .gguf or HF folder, or preset:NAME:TYPE")
+    parser.add_argument("--model", default="default", help="default, a .gguf or HF folder, or preset:NAME:TYPE[:LAYERS]")
     parser.add_argument("--tokens", type=int, default=4000, help="conversation length in tokens")
     parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=["auto", "bf16", "int8"],
                         help=f"comma-separated, from: {', '.join(MODES)}")

@@ -28,8 +28,8 @@ ANSWER_PROMPT = "What is the capital of France?"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="default", help="default, a .gguf or HF folder, or preset:NAME:TYPE "
-                                                      "(e.g. preset:llama-3.2-1b:Q4_0)")
+    p.add_argument("--model", default="default", help="default, a .gguf or HF folder, or preset:NAME:TYPE[:LAYERS] "
+                                                      "(e.g. preset:llama-3.2-1b:Q4_0, preset:gpt-oss-20b:MXFP4:4)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)

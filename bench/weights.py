@@ -42,12 +42,15 @@ def requantize_gguf(src: Path, out: Path, mix: str) -> Path:
             sub = GGUFValueType(field.types[1]) if vtype == GGUFValueType.ARRAY else None
             writer.add_key_value(key, field.contents(), vtype, sub)
         writer.add_file_type(int(MIXES[mix][2]))
+        count = reader.fields.get(f"{arch}.expert_count")
+        experts = int(count.contents()) if count is not None else 0
         for t in reader.tensors:
             x = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-            kind = tensor_type(mix, t.name, layers, tied) if x.ndim == 2 else "F32"
-            if x.ndim == 2 and kind.endswith("_K") and x.shape[1] % 256:
-                kind = "Q8_0" if kind == "Q6_K" else "Q5_0"       # llama.cpp's fallback for short rows
-            data = quantize(x, kind)
+            kind = tensor_type(mix, t.name, layers, tied, experts, stacked=x.ndim == 3) if x.ndim >= 2 else "F32"
+            if x.ndim >= 2 and kind.endswith("_K") and x.shape[-1] % 256:
+                kind = {"Q6_K": "Q8_0", "Q5_K": "Q5_1"}.get(kind, "Q5_0")      # llama.cpp's fallback for short rows
+            data = quantize(x.reshape(-1, x.shape[-1]), kind)               # experts [E, out, in] by their rows
+            data = data.reshape(*x.shape[:-1], data.shape[-1])
             writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType[kind])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -256,7 +256,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("mixtral", ("mixtral",), "llama", True, _mixtral),
     Family("qwen3_moe", ("qwen3_moe",), "qwen3moe", False, _qwen3_moe, gguf_tensors=QWEN3MOE_TENSORS),
     Family("gpt_oss", ("gpt_oss",), "gpt-oss", False, _gpt_oss, gguf_tensors=GPT_OSS_TENSORS),
-    Family("smollm3", ("smollm3",), "smollm3", False, _smollm3),
+    Family("smollm3", ("smollm3",), "smollm3", True, _smollm3),
 )
 # mixture-of-experts families: named in the error as such (their routed MLPs are not a layer kvchat computes yet)
 MOE_ARCHITECTURES = frozenset({"qwen2_moe", "qwen2moe", "deepseek_v2", "deepseek_v3", "deepseek2", "dbrx", "olmoe", "granitemoe", "phimoe",

@@ -4,7 +4,9 @@ Architecture numbers come from a config.json or a GGUF header (or a preset of pu
 the KV bytes from engine.kv.layout (the same arithmetic the cache allocates with), the stored weight
 bytes from the file (a GGUF's tensor bytes, a folder's safetensors sizes, or a preset's parameter count
 times the bytes per weight of a chosen GGUF type), and what they hold once loaded and the reserve beside
-them from engine.plan.fit, the planner the loader refuses with.
+them from engine.plan.fit, the planner the loader refuses with. A mixture of experts holds every expert, so
+what fits is planned with all of them; what one decoded token reads (attention, router, the experts it is
+routed to, the output head) is said beside it, since that, not the file, is what bounds its decode speed.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.config import ModelConfig
-from kvchat.engine.plan.fit import (FREE_SHARE, RUNTIME_BYTES, margin_for, model_dtype_for, parameter_count, resident_bytes,
-                             safetensors_summary)
+from kvchat.engine.plan.fit import (FREE_SHARE, RUNTIME_BYTES, gguf_read_bytes, margin_for, model_dtype_for,
+                                    parameter_count, parameter_counts, resident_bytes, safetensors_read_bytes,
+                                    safetensors_summary)
 from kvchat.engine.plan.presets import PRESET_CONFIGS, preset
 from kvchat.engine.units import GIB, MIB, format_size
 
@@ -47,6 +50,18 @@ class ModelFacts:
     parameters: int
     weight_bytes: int
     weights_label: str              # "Q4_1 (+Q8_0)", "bf16", "F16 (preset: 2 B a weight)"
+    # what one decoded token reads of them (a mixture of experts: attention, router, its used experts, the head);
+    # None: computed from the config as a share of the whole
+    active_parameters: int | None = None
+    active_bytes: int | None = None
+
+    def __post_init__(self):
+        total, active = parameter_counts(self.config)
+        if self.active_parameters is None:
+            object.__setattr__(self, "active_parameters", min(self.parameters, active) if self.parameters else active)
+        if self.active_bytes is None:
+            share = active / total if total else 1.0
+            object.__setattr__(self, "active_bytes", int(self.weight_bytes * share))
 
 
 def model_facts(model: str, weights_type: str = "F16") -> ModelFacts:
@@ -54,10 +69,10 @@ def model_facts(model: str, weights_type: str = "F16") -> ModelFacts:
     key = model.lower()
     if key in PRESET_CONFIGS:
         mc = preset(key)
-        params = parameter_count(mc)
+        params, active = parameter_counts(mc)
         per = bytes_per_weight(weights_type)
         return ModelFacts(key, "preset", mc, params, int(params * per),
-                          f"{weights_type.upper()} (preset: {per:.4g} B a weight)")
+                          f"{weights_type.upper()} (preset: {per:.4g} B a weight)", active, int(active * per))
     from kvchat.engine.model.source import locate
     files = locate(model)
     return model_facts_from(files.path, files.name)
@@ -77,10 +92,23 @@ def model_facts_from(path, name: str | None = None) -> ModelFacts:
         check_architecture(str(cfg.get("model_type")), str(path / "config.json"))
         mc = ModelConfig.from_hf(cfg)
         params, size, dtype = safetensors_summary(path)
-        return ModelFacts(name, "safetensors", mc, params, size, dtype)
+        return ModelFacts(name, "safetensors", mc, params, size, dtype,
+                          active_bytes=safetensors_read_bytes(path, mc) if _routed(mc) else None)
     gf = GGUFFile(path)
     params = sum(math.prod(t.shape) for t in gf.tensors.values())
-    return ModelFacts(name, "gguf", ModelConfig.from_gguf(gf), params, gf.tensor_bytes, gf.quant_summary())
+    mc = ModelConfig.from_gguf(gf)
+    return ModelFacts(name, "gguf", mc, params, gf.tensor_bytes, gf.quant_summary(),
+                      active_bytes=gguf_read_bytes(gf, mc) if _routed(mc) else None)
+
+
+def _routed(mc: ModelConfig) -> bool:
+    return any(layer.experts is not None for layer in mc.layers)
+
+
+def experts_of(mc: ModelConfig) -> tuple[int, int]:
+    """(experts, used per token) of a mixture of experts' routed layers; () for a dense model."""
+    ex = next((layer.experts for layer in mc.layers if layer.experts is not None), None)
+    return (ex.count, ex.used) if ex is not None else ()
 
 
 def resolve_device(device: str) -> str:
@@ -225,6 +253,11 @@ class Estimate:
     rows: tuple[FormatEstimate, ...] = field(default_factory=tuple)
     # (window, layers) of the model's own attention windows: ((512, 22), (None, 4)) for Gemma-3 1B; None: all tokens
     layer_windows: tuple[tuple[int | None, int], ...] = ()
+    # a mixture of experts: (experts, used per token); what fits holds every expert, while one decoded token reads
+    # only active_weight_bytes of weight_bytes (active_parameters of parameters)
+    experts: tuple[int, ...] = ()
+    active_parameters: int = 0
+    active_weight_bytes: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -244,6 +277,8 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
     margin = margin_for(memory_bytes)
     weight_bytes = resident_bytes(facts.config, facts.weight_bytes, weights, device, dtype, facts.source,
                                   facts.weights_label)
+    active_bytes = resident_bytes(facts.config, facts.active_bytes, weights, device, dtype, facts.source,
+                                  facts.weights_label, params=facts.active_parameters)
     room = max(0, memory_bytes - weight_bytes - margin)
     model_dtype = model_dtype_for(dtype, device)
     mc = facts.config
@@ -268,7 +303,8 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
     return Estimate(facts.name, facts.source, mc.model_type, facts.parameters, mc.num_layers, mc.num_kv_heads,
                     mc.head_dim, mc.max_position_embeddings, facts.weights_label, weight_bytes, context, batch,
                     block_size, window, sinks, device, full, memory_bytes, memory_source, margin, room, tuple(rows),
-                    window_counts(layer.window for layer in mc.layers))
+                    window_counts(layer.window for layer in mc.layers), experts_of(mc), facts.active_parameters,
+                    min(active_bytes, weight_bytes))
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -283,11 +319,17 @@ def _tokens(n: int | None, trained: int) -> str:
 def summarize(e: Estimate) -> str:
     window = f", window {e.window} + {e.sinks} sinks" if e.window is not None else ""
     hybrid = describe_windows(w for w, n in e.layer_windows for _ in range(n))
+    moe = ""
+    if e.experts:
+        moe = (f", {e.experts[1]} of {e.experts[0]} experts per token ({e.active_parameters / 1e9:.2f} B parameters "
+               f"read per token)")
     lines = [
-        f"{e.model} ({e.source}): {e.architecture}, {e.parameters / 1e9:.2f} B parameters, {e.num_layers} layers"
+        f"{e.model} ({e.source}): {e.architecture}, {e.parameters / 1e9:.2f} B parameters{moe}, {e.num_layers} layers"
         f"{f' ({hybrid})' if hybrid else ''}, "
         f"{e.num_kv_heads} KV heads x head_dim {e.head_dim}, trained context {e.trained_context:,}",
-        f"weights {format_size(e.weight_bytes)} ({e.weights_label}); context {e.context:,} x batch {e.batch}, "
+        f"weights {format_size(e.weight_bytes)} ({e.weights_label}"
+        f"{f'; every expert held, {format_size(e.active_weight_bytes)} read per token' if e.experts else ''}); "
+        f"context {e.context:,} x batch {e.batch}, "
         f"blocks of {e.block_size}{window}; full-precision blocks in {e.full_dtype}",
         f"memory {format_size(e.memory_bytes)} ({e.memory_source}); margin {format_size(e.margin_bytes)} "
         f"({RUNTIME_BYTES // MIB} MiB runtime + {FREE_SHARE:.0%} kept free); room for KV {format_size(e.kv_room_bytes)}",

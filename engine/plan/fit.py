@@ -26,17 +26,36 @@ def margin_for(memory_bytes: int) -> int:
 
 
 def parameter_count(mc) -> int:
-    """Parameters of a model of this shape: norms and biases included, and per layer its description's extra
-    norms (a q and a k norm of head_dim each; Gemma's norms after attention and after the MLP)."""
-    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    attn = mc.hidden_size * (2 * q + 2 * kv)
-    bias = (q + 2 * kv) * mc.qkv_bias + mc.hidden_size * mc.o_bias
-    mlp = 3 * mc.hidden_size * mc.intermediate_size
-    mlp_bias = (2 * mc.intermediate_size + mc.hidden_size) * mc.mlp_bias
-    layer = attn + bias + mlp + mlp_bias + 2 * mc.hidden_size
-    extra = sum(2 * mc.head_dim * spec.qk_norm + 2 * mc.hidden_size * spec.post_norms for spec in mc.layers)
-    embed = mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2)
-    return mc.num_layers * layer + extra + embed + mc.hidden_size
+    """Parameters of a model of this shape (parameter_counts' first)."""
+    return parameter_counts(mc)[0]
+
+
+def parameter_counts(mc) -> tuple[int, int]:
+    """(every parameter, the parameters one decoded token reads) of a model of this shape: norms and biases included,
+    and per layer its description's extra norms (a q and a k norm of head_dim each; Gemma's norms after attention
+    and after the MLP) and sink logits. A routed layer holds its router and every expert, and a token reads the
+    router and the `used` experts it picks. A token reads one row of the embedding table; a tied table is the output
+    head too, read whole."""
+    h, heads, d = mc.hidden_size, mc.num_heads, mc.head_dim
+    q, kv = heads * d, mc.num_kv_heads * d
+    total = active = 0
+    for spec in mc.layers:
+        shared = (h * (2 * q + 2 * kv) + (q + 2 * kv) * spec.qkv_bias + h * spec.o_bias
+                  + 2 * h + 2 * d * spec.qk_norm + 2 * h * spec.post_norms + heads * spec.sink_logits)
+        ex = spec.experts
+        if ex is None:
+            f = mc.intermediate_size
+            mlp = 3 * h * f + (2 * f + h) * spec.mlp_bias
+            total, active = total + shared + mlp, active + shared + mlp
+            continue
+        router = ex.count * (h + ex.router_bias)
+        expert = 3 * h * ex.ffn + (2 * ex.ffn + h) * ex.expert_bias
+        total += shared + router + ex.count * expert
+        active += shared + router + ex.used * expert
+    table = mc.vocab_size * h
+    if mc.tie_word_embeddings:
+        return total + table + h, active + table + h
+    return total + 2 * table + h, active + table + 2 * h
 
 
 def model_dtype_for(dtype: str, device: str) -> str:
@@ -68,6 +87,55 @@ def safetensors_summary(folder) -> tuple[int, int, str]:
     return params, size, dominant
 
 
+def gguf_read_bytes(gf, mc) -> int:
+    """Of a GGUF's tensor bytes, those one decoded token reads: all but the experts its router leaves out (a routed
+    layer's expert tensors, 3-D or one per expert, times used / count) and all but one row of the embedding table
+    (a tied table is the output head too, read whole)."""
+    read = 0
+    for name, t in gf.tensors.items():
+        parts = name.split(".")
+        if name == "token_embd.weight" and "output.weight" in gf.tensors and len(t.shape) == 2:
+            read += t.n_bytes // max(1, t.shape[1])
+        elif parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < mc.num_layers and _expert_tensor(parts) \
+                and mc.layers[int(parts[1])].experts is not None:
+            ex = mc.layers[int(parts[1])].experts
+            read += t.n_bytes * ex.used // ex.count
+        else:
+            read += t.n_bytes
+    return read
+
+
+def _expert_tensor(parts: list[str]) -> bool:
+    # blk.N.ffn_gate_exps.weight (and .bias); Mixtral's older blk.N.ffn_gate.E.weight
+    return parts[2].endswith("_exps") or (len(parts) == 5 and parts[3].isdigit())
+
+
+def safetensors_read_bytes(folder, mc) -> int:
+    """safetensors' counterpart of gguf_read_bytes, from the files' headers: a layer's tensors under mlp.experts
+    (or block_sparse_moe.experts) times used / count, one row of model.embed_tokens where lm_head is its own."""
+    tensors = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                tensors[name] = (info["shape"], end - start)
+    read = 0
+    for name, (shape, size) in tensors.items():
+        parts = name.split(".")
+        layer = int(parts[2]) if len(parts) > 3 and parts[1] == "layers" and parts[2].isdigit() else None
+        ex = mc.layers[layer].experts if layer is not None and layer < mc.num_layers else None
+        if name == "model.embed_tokens.weight" and "lm_head.weight" in tensors and shape:
+            read += size // max(1, shape[0])
+        elif ex is not None and ".experts." in name:
+            read += size * ex.used // ex.count
+        else:
+            read += size
+    return read
+
+
 def folder_weights(folder) -> tuple[int, str]:
     """(bytes on disk, dominant dtype) of a folder's *.safetensors for the fit check. A header that does not
     read gives no dtype (planned at the model dtype): the loader's own message then says what is wrong."""
@@ -79,12 +147,14 @@ def folder_weights(folder) -> tuple[int, str]:
 
 
 def resident_bytes(mc, stored_bytes: int, weights: str, device: str, dtype: str = "auto", source: str = "gguf",
-                   stored_dtype: str = "") -> int:
+                   stored_dtype: str = "", params: int | None = None) -> int:
     """Bytes the weights hold once loaded on `device`, as engine.model.weights builds them.
 
     source: "gguf" (stored_bytes: its tensor bytes), "safetensors" (its files' bytes, stored_dtype their
-    dominant dtype) or "preset" (a parameter count times a GGUF type's bytes, planned as a GGUF)."""
-    params = parameter_count(mc)
+    dominant dtype) or "preset" (a parameter count times a GGUF type's bytes, planned as a GGUF). params: the
+    parameters stored_bytes hold (default: the model's all; a part of them, such as what one token reads, planned
+    the same way)."""
+    params = parameter_count(mc) if params is None else params
     if weights == "int8":
         return params
     if weights == "int4":

@@ -47,6 +47,7 @@ class ModelEntry:
     trained_context: int = 0
     fits: tuple[tuple[str, int | None], ...] = ()    # (format, largest context; None: unbounded)
     error: str = ""                 # why it cannot load (unsupported architecture, damaged file)
+    active_parameters: int = 0      # a mixture of experts: the parameters one decoded token reads; 0: dense (all)
 
     @property
     def loadable(self) -> bool:
@@ -203,7 +204,8 @@ def describe(name: str, path: Path, source: str, memory_bytes: int, device: str 
     # the family's name ("gemma3"), which a GGUF and a folder (model_type gemma3_text) of one model share
     arch = family(facts.config.model_type, str(path)).name
     return ModelEntry(name, str(path), source, kind, arch, facts.parameters, facts.weights_label,
-                      size, facts.config.max_position_embeddings, fits)
+                      size, facts.config.max_position_embeddings, fits,
+                      active_parameters=facts.active_parameters if e.experts else 0)
 
 
 def scan(folders: list[str | Path] = (), memory_bytes: int | None = None, device: str = "cpu",

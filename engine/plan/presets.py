@@ -104,6 +104,29 @@ PRESET_CONFIGS: dict[str, dict] = {
                    "partial_rotary_factor": 0.75, "sliding_window": 262144, "attention_bias": False,
                    "rope_scaling": {"type": "longrope", "long_factor": list(_PHI4_MINI_LONG),
                                     "short_factor": [1.0] * len(_PHI4_MINI_LONG)}},
+    # mixtures of experts: every expert is held, a token reads only the `num_experts_per_tok` its router picks.
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, 8 used and renormalized, every layer routed (intermediate_size is
+    # the unused dense size)
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "max_position_embeddings": 40960, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+                      "rms_norm_eps": 1e-6, "attention_bias": False, "use_sliding_window": False,
+                      "sliding_window": None},
+    # openai/gpt-oss-20b: 32 experts of 2880, 4 used; sliding (128) and full layers alternate from layer 0; YaRN
+    # x32 over 4,096 positions; biased attention with learned sink logits
+    "gpt-oss-20b": {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 24,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+                    "num_local_experts": 32, "num_experts_per_tok": 4, "max_position_embeddings": 131072,
+                    "tie_word_embeddings": False, "rope_theta": 150000, "rms_norm_eps": 1e-5,
+                    "attention_bias": True, "sliding_window": 128, "swiglu_limit": 7.0,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "original_max_position_embeddings": 4096, "truncate": False}},
+    # mistralai/Mixtral-8x7B-v0.1 (-Instruct-v0.1 the same): 8 experts of 14336, 2 used
+    "mixtral-8x7b": {**_llama(32000, 4096, 32, 32, 8, 14336, 32768, False, 1000000.0, model_type="mixtral"),
+                     "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
 }
 
 
