@@ -126,15 +126,18 @@ static inline float dot_f32(const float *a, const float *b, int n) {
 }
 
 // The spans of one decode attention merged by log-sum-exp: part holds, per span c and query head i,
-// at ((c * Hq + i) * (D + 2)) the span's unnormalized output [D], its max score, its exp-sum. -> out [Hq, D]
-static void merge_spans(const float *part, int S, int Hq, int D, float *out) {
+// at ((c * Hq + i) * (D + 2)) the span's unnormalized output [D], its max score, its exp-sum. -> out [Hq, D].
+// sink_logits [Hq] (NULL: none): one more logit per query head (gpt-oss) that joins the max and the sum but
+// carries no value, folded in here once rather than into a span
+static void merge_spans(const float *part, int S, int Hq, int D, const float *sink_logits, float *out) {
     for (int i = 0; i < Hq; i++) {
-        float mx = -INFINITY, total = 0.f, *dst = out + (size_t)i * D;
+        float mx = sink_logits ? sink_logits[i] : -INFINITY, total = 0.f, *dst = out + (size_t)i * D;
         for (int c = 0; c < S; c++) {
             float m = part[((size_t)c * Hq + i) * (D + 2) + D];
             mx = m > mx ? m : mx;
         }
         for (int d = 0; d < D; d++) dst[d] = 0.f;
+        if (sink_logits) total = expf(sink_logits[i] - mx);
         for (int c = 0; c < S; c++) {
             const float *o = part + ((size_t)c * Hq + i) * (D + 2);
             if (o[D + 1] == 0.f) continue;

@@ -22,7 +22,9 @@ KV_SOURCE = Path(__file__).with_name("cpu_kv_quant.c")     # quantized-KV decode
 PROBE_SOURCE = Path(__file__).with_name("cpu_probe.c")      # which variant the CPU runs (CPUID), built for the baseline
 HEADER = Path(__file__).with_name("cpu_common.h")
 HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"), Path(__file__).with_name("cpu_act8.h"),
-           Path(__file__).with_name("cpu_moe.h"))     # what the libraries include: part of the key
+           Path(__file__).with_name("cpu_moe.h"),
+           Path(__file__).with_name("cpu_q6k.h"),
+           Path(__file__).with_name("cpu_mxfp4.h"))     # what the libraries include: part of the key
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 # decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
 # to stop
@@ -321,7 +323,7 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.kvchat_build_info.argtypes = []
     lib.kvchat_build_info.restype = ctypes.c_char_p
     if source == KV_SOURCE:
-        lib.attn_decode_quant.argtypes = [P, P, P, I, I, I, I, P, I, P, I, P, P, P, P, P, F, I, P, P]
+        lib.attn_decode_quant.argtypes = [P, P, P, I, I, I, I, P, I, P, I, P, P, P, P, P, F, P, I, P, P]
         lib.attn_decode_quant.restype = None
         lib.attend_quant_layer.argtypes = [P, I, P, P]
         lib.attend_quant_layer.restype = I
@@ -332,10 +334,18 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.q8_dequant.argtypes = [P, P, P, I, I, I, P, I, P, P, I]
     lib.q4_dequant_bf16.argtypes = lib.q4_dequant.argtypes
     lib.q8_dequant_bf16.argtypes = lib.q8_dequant.argtypes
+    # Q6_K (cpu_q6k.h): x, M, K, ql, qh, sc, d, N, y, scratch, mode, norm, eps, resid; ql, qh, sc, d, N, K, out
+    lib.q6k_gemv.argtypes = [P, I, I, P, P, P, P, I, P, P, I, P, F, P]
+    lib.q6k_dequant.argtypes = lib.q6k_dequant_bf16.argtypes = [P, P, P, P, I, I, P]
+    # MXFP4 (cpu_mxfp4.h): x, M, K, codes, e8m0, N, y, scratch, mode, norm, eps, resid; codes, e8m0, N, K, out
+    lib.mxfp4_gemv.argtypes = [P, I, I, P, P, I, P, P, I, P, F, P]
+    lib.mxfp4_dequant.argtypes = lib.mxfp4_dequant_bf16.argtypes = [P, P, I, I, P]
     lib.attn_decode_rot.argtypes = [P, P, I, I, I, I, P, P, I, P, I, F, P, P]
-    lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P]
-    lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, P, P]
+    lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P, P]
+    lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, P, P, P]
     for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.q4_dequant_bf16, lib.q8_dequant_bf16,
+              lib.q6k_gemv, lib.q6k_dequant, lib.q6k_dequant_bf16,
+              lib.mxfp4_gemv, lib.mxfp4_dequant, lib.mxfp4_dequant_bf16,
               lib.attn_decode_rot, lib.attn_decode_batch, lib.decode_attend):
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P]

@@ -19,8 +19,9 @@ typedef struct moe_s {
     int64_t *hits;
 } moe_t;
 
+// the packed kinds lin_apply runs: q4, q8, and Q6_K (bits 6, cpu_q6k.h) in whole super-blocks of 256
 static int moe_bits_ok(const qlin_t *l) {
-    return l->bits == 4 || l->bits == 8;
+    return l->bits == 4 || l->bits == 8 || (l->bits == 6 && l->K % 256 == 0);
 }
 
 // Whether a layer's experts chain at hidden width H; 0 for a table built from a damaged file's header.

@@ -642,6 +642,9 @@ void q8_dequant_bf16(const int8_t *codes, const void *scale, const void *zero, i
     q8_dequant_to(codes, scale, zero, G, N, K, NULL, out, kind, ssup, zsup, per);
 }
 
+#include "cpu_q6k.h"        // GGUF Q6_K kept at its own 6.5625 bits a value (bits 6 in lin_apply)
+#include "cpu_mxfp4.h"      // GGUF MXFP4 (gpt-oss's experts) at its own 4.25 bits a value
+
 // Decode attention of one new token over full-precision (fp32) pages, keys stored before RoPE.
 // q: [Hq, D] before RoPE; qcos, qsin: [D] for the new token; pages k, v: [R, Hkv, D]; rows: [L] page
 // rows of the slots attended (the new token's last); cos, sin: [L, D]. sin is sign-folded, so that
@@ -700,10 +703,11 @@ static inline int attn_spans(int L) { return L >= 256 ? 4 : L >= 64 ? 2 : 1; }
 // first n_sink[b] rows (attention sinks, whose positions do not move with the window), its page rows
 // rows[off[b] : off[b + 1]]. Each sequence's rows are cut into 1, 2 or 4 spans by its own length only
 // and merged by log-sum-exp, so a sequence's output is the same bits whatever else is in the batch.
+// sink_logits [Hq] (NULL: none): the layer's learned sink logits, joining each head's softmax at the merge.
 // scratch: sum over b of (Hq * L_b + 4 * Hq * (D + 2)) floats.
 void attn_decode_batch(int B, const float *q, const float *qs, const int *n_sink, int Hq, int Hkv, int D,
                        const void *kp, const void *vp, int bf16, const int64_t *rows, const int64_t *off,
-                       float sm_scale, float *out, float *scratch) {
+                       float sm_scale, const float *sink_logits, float *out, float *scratch) {
     int total = 0;
     for (int b = 0; b < B; b++) total += attn_spans((int)(off[b + 1] - off[b]));
     #pragma omp parallel for schedule(dynamic, 1)
@@ -721,7 +725,7 @@ void attn_decode_batch(int B, const float *q, const float *qs, const int *n_sink
     size_t base = 0;
     for (int b = 0; b < B; b++) {
         int L = (int)(off[b + 1] - off[b]), S = attn_spans(L);
-        merge_spans(scratch + base + (size_t)Hq * L, S, Hq, D, out + (size_t)b * Hq * D);
+        merge_spans(scratch + base + (size_t)Hq * L, S, Hq, D, sink_logits, out + (size_t)b * Hq * D);
         base += (size_t)Hq * L + 4 * (size_t)Hq * (D + 2);
     }
 }
@@ -731,7 +735,7 @@ void attn_decode_rot(const float *q, const float *qs, int n_sink, int Hq, int Hk
                      float sm_scale, float *out, float *scratch) {
     // one sequence: the batch of one
     int64_t off[2] = {0, L};
-    attn_decode_batch(1, q, qs, &n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, out, scratch);
+    attn_decode_batch(1, q, qs, &n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, NULL, out, scratch);
 }
 
 // ---- one decode token per sequence, from the projections to the attention output ----------------------
@@ -746,13 +750,14 @@ static inline void rope_full(const float *x, const float *c, const float *s, int
 // B sequences' new tokens: q, k, v rows (row b at q + b * ldq etc., keys before RoPE) are rotated at their
 // positions (cos, sin [B, D]; scos, ssin the sinks' view of the query, or NULL when no sequence has
 // sinks), the rotated key and the value are written to page rows new_rows[b] (fp32 or bf16 pages), and
-// each sequence attends over its rows rows[off[b] : off[b + 1]] (the new row last). out: [B, Hq, D].
+// each sequence attends over its rows rows[off[b] : off[b + 1]] (the new row last), with the layer's sink
+// logits [Hq] or NULL (attn_decode_batch). out: [B, Hq, D].
 // Everything a sequence gets depends on that sequence only: the same bits alone or in any batch.
 // scratch: 2 * B * Hq * D + (sum of Hq * L_b + 4 * Hq * (D + 2)) floats.
 void decode_attend(int B, const float *q, const float *k, const float *v, int ldq, int ldk, int ldv, int Hq, int Hkv, int D,
                    const float *cos, const float *sin, const float *scos, const float *ssin, const int *n_sink,
                    void *kp, void *vp, int bf16, const int64_t *new_rows, const int64_t *rows, const int64_t *off,
-                   float sm_scale, float *out, float *scratch) {
+                   float sm_scale, const float *sink_logits, float *out, float *scratch) {
     float *qr = scratch, *qs = scratch + (size_t)B * Hq * D;
     float kbuf[256];
     for (int b = 0; b < B; b++) {
@@ -776,7 +781,7 @@ void decode_attend(int B, const float *q, const float *k, const float *v, int ld
             }
         }
     }
-    attn_decode_batch(B, qr, scos ? qs : qr, n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, out,
+    attn_decode_batch(B, qr, scos ? qs : qr, n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, sink_logits, out,
                       scratch + 2 * (size_t)B * Hq * D);
 }
 
@@ -831,6 +836,9 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
             if (l->bits == 4)
                 q4_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->N, ym, ldy, scratch, lm, norm_w, eps,
                            rm, l->kind, l->ssup, l->zsup, l->per);
+            else if (l->bits == 6)         // cpu_q6k.h: codes ql, zero qh, scale sc, ssup d
+                q6k_gemv_ld(xm, rows, l->K, l->codes, l->zero, l->scale, (const half_t *)l->ssup, l->N, ym, ldy,
+                            scratch, lm, norm_w, eps, rm);
             else
                 q8_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->group, l->N, ym, ldy, scratch, lm,
                            norm_w, eps, rm, l->kind, l->ssup, l->zsup, l->per);
@@ -850,7 +858,7 @@ static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
             if (L->nparts[s] < 1 || L->nparts[s] > 3 || (s == 1 && L->nparts[s] != 1)) return 0;
             for (int p = 0; p < L->nparts[s]; p++) {
                 const qlin_t *l = &L->lin[s][p];
-                if ((l->bits != 4 && l->bits != 8) || l->N < 1 || l->K != (s ? Hq * D : H)) return 0;
+                if (!moe_bits_ok(l) || l->N < 1 || l->K != (s ? Hq * D : H)) return 0;
                 n[s] += l->N;
             }
             if (n[s] != want_n[s]) return 0;
@@ -861,7 +869,7 @@ static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
         if (L->nparts[s] < 1 || L->nparts[s] > 3 || ((s == 1 || s == 3) && L->nparts[s] != 1)) return 0;
         for (int p = 0; p < L->nparts[s]; p++) {
             const qlin_t *l = &L->lin[s][p];
-            if ((l->bits != 4 && l->bits != 8) || l->N < 1 || l->K < 1 || l->K % 32 || l->group < 1) return 0;
+            if (!moe_bits_ok(l) || l->N < 1 || l->K < 1 || l->K % 32 || l->group < 1) return 0;
             n[s] += l->N;
         }
     }
@@ -883,7 +891,8 @@ typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
 // layer's output. Each layer runs exactly the calls a step through Python makes (q4_gemv / q8_gemv with
 // RMSNorm, SwiGLU and residual fused, decode_attend), in the same order, so the bits are the same; what
 // goes is the interpreter between them. kp[l], vp[l]: layer l's K and V pages (bf16[l]: 16-bit); the
-// attention arguments are decode_attend's, shared by every layer; or attend, called instead of it (the
+// attention arguments are decode_attend's (no sink logits: a model with them never runs this step, see
+// LayerSpec.fused_kernel_ok), shared by every layer; or attend, called instead of it (the
 // other arguments of attention unused). 0 on success, -1 when out of memory, -2 when attend failed, -3 when a
 // linear's width does not chain with H, Hq, Hkv and D (or D is past decode_attend's 256), before anything runs.
 int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
@@ -927,7 +936,7 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
             }
         } else {
             decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, cos, sin, scos, ssin,
-                          n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, att, as);
+                          n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, NULL, att, as);
         }
         lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, x);
         if (L->moe) {

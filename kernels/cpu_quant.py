@@ -240,6 +240,78 @@ def q8_dequant(codes: torch.Tensor, scale, zero, group: int, out: torch.Tensor |
     return out
 
 
+# ---- GGUF Q6_K at its own 6.5625 bits a value (kernels/cpu_q6k.h) ----------------------------------------
+
+def _q6k_args(codes: torch.Tensor, high: torch.Tensor, scales: Scales) -> tuple[int, int, int, int]:
+    """codes [N, K/2] uint8 (the low 4 bits), high [N, K/4] uint8 (the high 2), scales.scale [N, K/16] int8 and
+    scales.scale_sup [N, K/256] float16 (d), all contiguous (cpu_q6k.h says which bit goes where)."""
+    n, half = codes.shape
+    k = half * 2
+    assert k % 256 == 0 and k // 32 <= MAX_GROUPS and scales.per == 16, (codes.shape, scales.per)
+    assert codes.dtype == high.dtype == torch.uint8 and high.shape == (n, k // 4)
+    assert scales.scale.dtype == torch.int8 and scales.scale.shape == (n, k // 16)
+    assert scales.scale_sup.dtype == torch.float16 and scales.scale_sup.shape == (n, k // 256)
+    assert all(t.is_contiguous() for t in (codes, high, scales.scale, scales.scale_sup))
+    return codes.data_ptr(), high.data_ptr(), scales.scale.data_ptr(), scales.scale_sup.data_ptr()
+
+
+# x: [M, K] fp32 contiguous ([M, 2K] with swiglu), M <= MAX_ROWS; the prep and act as for q4_gemv -> [M, N]
+def q6k_gemv(x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor, scales: Scales, norm=None, eps=0.0,
+             swiglu=False, residual=None, act: int = 16) -> torch.Tensor:
+    parts = _q6k_args(codes, high, scales)
+    n, k = codes.shape[0], codes.shape[1] * 2
+    m = x.shape[0]
+    y = torch.empty(m, n)
+    scratch = _scratch_bytes(m * k * 7)
+    _lib.q6k_gemv(x.data_ptr(), m, k, *parts, n, y.data_ptr(), scratch.data_ptr(),
+                  *_prep_args(x, k, norm, eps, swiglu, residual, act))
+    return y
+
+
+def q6k_dequant(codes: torch.Tensor, high: torch.Tensor, scales: Scales, out: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """-> float32 [N, K], gguf's values bit for bit (into out when given); dtype=bfloat16: those rounded."""
+    parts = _q6k_args(codes, high, scales)
+    n, k = codes.shape[0], codes.shape[1] * 2
+    out = _out(out, n, k, dtype)
+    (_lib.q6k_dequant if dtype == torch.float32 else _lib.q6k_dequant_bf16)(*parts, n, k, out.data_ptr())
+    return out
+
+
+# ---- GGUF MXFP4 at its own 4.25 bits a value (kernels/cpu_mxfp4.h) ---------------------------------------
+
+def _mxfp4_args(codes: torch.Tensor, e8m0: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of codes [N, K/2] uint8 (the q4 nibble order) and e8m0 [N, K/32] uint8, both contiguous."""
+    n, half = codes.shape
+    k = half * 2
+    assert k % 32 == 0 and k // 32 <= MAX_GROUPS, codes.shape
+    assert codes.dtype == e8m0.dtype == torch.uint8 and e8m0.shape == (n, k // 32), (codes.shape, e8m0.shape)
+    assert codes.is_contiguous() and e8m0.is_contiguous()
+    return n, k
+
+
+# x: [M, K] fp32 contiguous ([M, 2K] with swiglu), M <= MAX_ROWS; the prep and act as for q4_gemv -> [M, N]
+def mxfp4_gemv(x: torch.Tensor, codes: torch.Tensor, e8m0: torch.Tensor, norm=None, eps=0.0, swiglu=False,
+               residual=None, act: int = 16) -> torch.Tensor:
+    n, k = _mxfp4_args(codes, e8m0)
+    m = x.shape[0]
+    y = torch.empty(m, n)
+    scratch = _scratch_bytes(m * k * 7)
+    _lib.mxfp4_gemv(x.data_ptr(), m, k, codes.data_ptr(), e8m0.data_ptr(), n, y.data_ptr(), scratch.data_ptr(),
+                    *_prep_args(x, k, norm, eps, swiglu, residual, act))
+    return y
+
+
+def mxfp4_dequant(codes: torch.Tensor, e8m0: torch.Tensor, out: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """-> float32 [N, K], gguf's values bit for bit (into out when given); dtype=bfloat16: those rounded."""
+    n, k = _mxfp4_args(codes, e8m0)
+    out = _out(out, n, k, dtype)
+    (_lib.mxfp4_dequant if dtype == torch.float32 else _lib.mxfp4_dequant_bf16)(codes.data_ptr(), e8m0.data_ptr(),
+                                                                                  n, k, out.data_ptr())
+    return out
+
+
 MAX_HEAD_DIM = 256
 
 
@@ -269,28 +341,39 @@ def attn_decode(q, q_sink, n_sink: int, k_pages, v_pages, rows, sm_scale: float)
     return out
 
 
-def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, offsets, sm_scale: float) -> torch.Tensor:
+def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, offsets, sm_scale: float,
+                      sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """B sequences' decode attention in one call: q, q_sink [B, Hq, D] fp32 rotated; n_sink [B] int32; rows the
-    sequences' page rows one after another, sequence b's at rows[offsets[b]:offsets[b + 1]] (int64) ->
-    [B, Hq, D], each sequence's bits equal to attn_decode on it alone."""
+    sequences' page rows one after another, sequence b's at rows[offsets[b]:offsets[b + 1]] (int64); sink_logits
+    [Hq] the layer's learned sink logits or None -> [B, Hq, D], each sequence's bits equal to attn_decode on it
+    alone."""
     b, hq, d = q.shape
     hkv = k_pages.shape[-2]
     out = torch.empty(b, hq, d)
     scratch = torch.empty(hq * rows.shape[0] + 4 * b * hq * (d + 2))
+    sink_logits = _sink_logits(sink_logits, hq)
     _lib.attn_decode_batch(b, q.data_ptr(), q_sink.data_ptr(), n_sink.data_ptr(), hq, hkv, d, k_pages.data_ptr(),
                            v_pages.data_ptr(), int(k_pages.dtype == torch.bfloat16), rows.data_ptr(),
-                           offsets.data_ptr(), float(sm_scale), out.data_ptr(), scratch.data_ptr())
+                           offsets.data_ptr(), float(sm_scale), _ptr(sink_logits), out.data_ptr(), scratch.data_ptr())
     return out
 
 
+def _sink_logits(sink_logits: torch.Tensor | None, hq: int) -> torch.Tensor | None:
+    """A layer's sink logits as the kernels read them: float32 [Hq], contiguous, on the CPU (None: none)."""
+    if sink_logits is None:
+        return None
+    assert sink_logits.shape == (hq,), f"sink logits {tuple(sink_logits.shape)} for {hq} query heads"
+    return sink_logits.to("cpu", torch.float32).contiguous()
+
+
 def decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, v_pages, new_rows, rows, offsets,
-                  sm_scale: float) -> torch.Tensor:
+                  sm_scale: float, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """B sequences' one new token each, from projections to attention output, in one call.
 
     q [B, Hq, D], k, v [B, Hkv, D] fp32 with contiguous rows (views of one qkv matmul's columns do), keys
     before RoPE; cos, sin [B, D] at the new tokens' positions; sink_cos, sink_sin [B, D] or None; n_sink [B]
-    int32; k_pages, v_pages [R, Hkv, D] fp32 or bf16, written at new_rows [B]; rows / offsets as for
-    attn_decode_batch (each sequence's new row included, last) -> [B, Hq, D]."""
+    int32; k_pages, v_pages [R, Hkv, D] fp32 or bf16, written at new_rows [B]; rows / offsets and sink_logits as
+    for attn_decode_batch (each sequence's new row included, last) -> [B, Hq, D]."""
     b, hq, d = q.shape
     hkv = k_pages.shape[-2]
     for t in (q, k, v):
@@ -298,21 +381,31 @@ def decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, v_page
     assert k_pages.is_contiguous() and v_pages.is_contiguous() and k_pages.dtype == v_pages.dtype
     out = torch.empty(b, hq, d)
     scratch = _scratch_bytes(4 * (2 * b * hq * d + hq * rows.shape[0] + 4 * b * hq * (d + 2)))
+    sink_logits = _sink_logits(sink_logits, hq)
     _lib.decode_attend(b, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), hq, hkv, d,
                        cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
                        int(k_pages.dtype == torch.bfloat16), new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(),
-                       float(sm_scale), out.data_ptr(), scratch.data_ptr())
+                       float(sm_scale), _ptr(sink_logits), out.data_ptr(), scratch.data_ptr())
     return out
 
 
-def attn_decode_ref(q, q_sink, n_sink: int, k_pages, v_pages, rows, sm_scale: float) -> torch.Tensor:
+def attn_decode_ref(q, q_sink, n_sink: int, k_pages, v_pages, rows, sm_scale: float,
+                    sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     hq, d = q.shape
     k, v = k_pages[rows].float(), v_pages[rows].float()           # [L, Hkv, D]
     hkv = k.shape[1]
     scores = torch.cat((torch.einsum("hgd,lhd->hgl", q_sink.view(hkv, -1, d), k[:n_sink]),
                         torch.einsum("hgd,lhd->hgl", q.view(hkv, -1, d), k[n_sink:])), -1)
-    w = torch.softmax(scores * sm_scale, -1)
+    w = _softmax_ref(scores * sm_scale, sink_logits)
     return torch.einsum("hgl,lhd->hgd", w, v).reshape(hq, d)
+
+
+def _softmax_ref(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Tensor:
+    """scores [Hkv, G, L] -> softmax over L; sink logits [Hkv * G]: a column each that joins it and is dropped."""
+    if sink_logits is None:
+        return torch.softmax(scores, -1)
+    sink = sink_logits.to(scores).view(*scores.shape[:2], 1)
+    return torch.softmax(torch.cat((scores, sink), -1), -1)[..., :-1]
 
 
 # ---- torch references (same signatures) ------------------------------------------------------------
@@ -334,6 +427,43 @@ def q8_dequant_ref(codes: torch.Tensor, scale, zero, group: int) -> torch.Tensor
     return w.view(n, k)
 
 
+def q6k_codes_ref(codes: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """The 6-bit codes 0..63 [N, K] uint8 in value order, from the file's bits (kernels/cpu_q6k.h says where)."""
+    n = codes.shape[0]
+    shifts = lambda *s: torch.tensor(s, dtype=torch.uint8, device=codes.device)   # noqa: E731
+    # per half-block of 128 values: ql bytes A [2, 32] (groups c, c + 2 in their low / high nibbles), qh Q [32]
+    low = (codes.view(n, -1, 1, 2, 32) >> shifts(0, 4).view(1, 1, 2, 1, 1)) & 15          # [N, halves, 2, 2, 32]
+    high = (high.view(n, -1, 1, 32) >> shifts(0, 2, 4, 6).view(1, 1, 4, 1)) & 3         # [N, halves, 4, 32]
+    return (low.reshape(n, -1, 4, 32) | high << 4).reshape(n, -1)
+
+
+def q6k_dequant_ref(codes: torch.Tensor, high: torch.Tensor, scales: Scales) -> torch.Tensor:
+    # as gguf: d * sc rounded to float32 once (Scales.dense), then times q - 32
+    dsc, _ = scales.dense()
+    n = codes.shape[0]
+    q = q6k_codes_ref(codes, high).view(n, -1, 16).to(torch.int16) - 32
+    return (dsc[..., None] * q.float()).view(n, -1)
+
+
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)     # E2M1 doubled, as gguf's kvalues
+
+
+def e8m0_ref(e8m0: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents (uint8) -> float32 2^(e - 128), built from the bits as gguf's e8m0_to_fp32_half builds them
+    (e < 2: a subnormal)."""
+    e = e8m0.to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e.clamp(max=1), (e - 1) << 23).view(torch.float32)
+
+
+def mxfp4_dequant_ref(codes: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:
+    # codes [N, K/2] uint8, e8m0 [N, K/32] uint8 -> float32 [N, K]: as gguf, the one product 2^(e - 128) * value
+    n, half = codes.shape
+    b = codes.view(n, half // 16, 16)
+    q = torch.cat((b & 15, b >> 4), -1).long()                   # [N, G, 32]
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=codes.device)[q]
+    return (e8m0_ref(e8m0)[..., None] * values).view(n, half * 2)
+
+
 def prep_ref(x, norm=None, eps=0.0, swiglu=False):
     if norm is not None:
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm, eps)
@@ -350,6 +480,16 @@ def q4_gemv_ref(x, codes, scale, zero, norm=None, eps=0.0, swiglu=False, residua
 
 def q8_gemv_ref(x, codes, scale, zero, group, norm=None, eps=0.0, swiglu=False, residual=None):
     y = prep_ref(x, norm, eps, swiglu) @ q8_dequant_ref(codes, scale, zero, group).t()
+    return y if residual is None else y + residual
+
+
+def q6k_gemv_ref(x, codes, high, scales, norm=None, eps=0.0, swiglu=False, residual=None):
+    y = prep_ref(x, norm, eps, swiglu) @ q6k_dequant_ref(codes, high, scales).t()
+    return y if residual is None else y + residual
+
+
+def mxfp4_gemv_ref(x, codes, e8m0, norm=None, eps=0.0, swiglu=False, residual=None):
+    y = prep_ref(x, norm, eps, swiglu) @ mxfp4_dequant_ref(codes, e8m0).t()
     return y if residual is None else y + residual
 
 
@@ -409,7 +549,8 @@ def _half_rope(cos_h, sin_h, pos):
 # are in the tails); cos_h, sin_h [N, D/2] fp32 half RoPE tables; pos [P + 1] int64 rows of them: each past
 # key's effective position, then the new token's (the query's too) -> [Hq, D]
 def attn_decode_quant(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, table, n_full: int,
-                      block_size: int, cos_h, sin_h, pos, sm_scale: float, check: bool = True) -> torch.Tensor:
+                      block_size: int, cos_h, sin_h, pos, sm_scale: float, check: bool = True,
+                      sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     hq, d = q.shape
     hkv = k_new.shape[0]
     n = slots.shape[0]
@@ -421,10 +562,12 @@ def attn_decode_quant(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, ta
     out = torch.empty(hq, d)
     scratch = torch.empty(hq * (n + 1 + d) + 64 * hq * (d + 2))
     ks, vs = kp.struct(), vp.struct()
+    sink_logits = _sink_logits(sink_logits, hq)
     _kv_lib.attn_decode_quant(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), hq, hkv, d, int(block_size),
                            slots.data_ptr(), n, table.data_ptr(), int(n_full),
                            ctypes.addressof(ks), ctypes.addressof(vs), cos_h.data_ptr(), sin_h.data_ptr(),
-                           pos.data_ptr(), float(sm_scale), torch.get_num_threads(), out.data_ptr(), scratch.data_ptr())
+                           pos.data_ptr(), float(sm_scale), _ptr(sink_logits), torch.get_num_threads(),
+                           out.data_ptr(), scratch.data_ptr())
     return out
 
 
@@ -445,7 +588,8 @@ def _rows_ref(p: QuantPages, slots, table, n_full: int, bs: int) -> torch.Tensor
 
 
 def attn_decode_quant_ref(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, table, n_full: int,
-                          block_size: int, cos_h, sin_h, pos, sm_scale: float) -> torch.Tensor:
+                          block_size: int, cos_h, sin_h, pos, sm_scale: float, check: bool = True,
+                          sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     hq, d = q.shape
     hkv = k_new.shape[0]
     k = torch.cat((_rows_ref(kp, slots, table, n_full, block_size), k_new[None])) if slots.numel() else k_new[None]
@@ -456,7 +600,7 @@ def attn_decode_quant_ref(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots
     k = torch.cat((k[..., :d // 2] * cos[:, None] - k[..., d // 2:] * sin[:, None],
                    k[..., d // 2:] * cos[:, None] + k[..., :d // 2] * sin[:, None]), -1)
     scores = torch.einsum("hgd,lhd->hgl", q.view(hkv, -1, d), k) * sm_scale
-    return torch.einsum("hgl,lhd->hgd", torch.softmax(scores, -1), v).reshape(hq, d)
+    return torch.einsum("hgl,lhd->hgd", _softmax_ref(scores, sink_logits), v).reshape(hq, d)
 
 
 # ---- a decode step of all decoder layers in one call (decode_layers in the C source) ----------------------
@@ -472,11 +616,18 @@ def qk_norm_(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_w: torch.Tensor, k_
     return True
 
 
-def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32, act: int = 16) -> QLin:
-    """codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), contiguous; scale a Scales; act: activation bits."""
+def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32, act: int = 16,
+         high: torch.Tensor | None = None) -> QLin:
+    """codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), contiguous; scale a Scales; act: activation bits.
+    bits 6: GGUF Q6_K, codes its low 4 bits and high its high 2 (q6k_gemv's arguments); the struct carries high
+    in its zero field and d in ssup (kernels/cpu_q6k.h)."""
     s = _scales(scale, None)
     n = codes.shape[0]
-    k = codes.shape[1] * (2 if bits == 4 else 1)
+    k = codes.shape[1] * (1 if bits == 8 else 2)
+    if bits == 6:
+        _q6k_args(codes, high, s)
+        return QLin(codes.data_ptr(), s.scale.data_ptr(), high.data_ptr(), s.scale_sup.data_ptr(), None, 6, s.kind,
+                    16, 16, n, k, act)
     kind, ssup, zsup, per = s.args()
     return QLin(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), ssup, zsup, bits, kind, per, group, n, k, act)
 
@@ -544,7 +695,7 @@ class _QStep(ctypes.Structure):
                 ("comps", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("P", ctypes.c_void_p),
                 ("table", ctypes.c_void_p), ("n_full", ctypes.c_void_p), ("pos", ctypes.c_void_p),
                 ("fill", ctypes.c_void_p), ("cos_h", ctypes.c_void_p), ("sin_h", ctypes.c_void_p),
-                ("scratch", ctypes.c_void_p), ("rows_out", ctypes.c_void_p)]
+                ("scratch", ctypes.c_void_p), ("rows_out", ctypes.c_void_p), ("sink_logits", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -578,11 +729,13 @@ class QuantStep:
 
     comps: per layer, per sequence, K then V: (static, head, tail), static from kv_comp_static, head the
     component's full-precision first block of the sequence's table or None, tail its partly filled last block
-    ([block_size, Hkv, D], contiguous). Every tensor must stay alive and in place until the step ends (this
-    object keeps references to those it is given)."""
+    ([block_size, Hkv, D], contiguous). sink_logits: per layer its learned sink logits [Hq] or None, or None for
+    every layer. Every tensor must stay alive and in place until the step ends (this object keeps references to
+    those it is given)."""
 
     def __init__(self, comps: list[tuple], seqs: list[QuantSeq], block_size: int, hq: int, hkv: int, d: int,
-                 cos_h: torch.Tensor, sin_h: torch.Tensor, sm_scale: float):
+                 cos_h: torch.Tensor, sin_h: torch.Tensor, sm_scale: float,
+                 sink_logits: list[torch.Tensor | None] | None = None):
         B = len(seqs)
         n_layers = len(comps) // (2 * B)
         assert len(comps) == n_layers * 2 * B and d <= MAX_HEAD_DIM
@@ -597,7 +750,12 @@ class QuantStep:
             fields.append((*static[:3], _ptr(head), tail.data_ptr(), *static[3:]))
         structs = (_KVComp * len(fields))(*fields)
         max_p = max(st.slots.shape[0] for st in seqs)
-        self._keep = (comps, seqs, cos_h, sin_h, structs)
+        sinks = None
+        if sink_logits is not None and any(s is not None for s in sink_logits):
+            assert len(sink_logits) == n_layers, f"sink logits for {len(sink_logits)} of {n_layers} layers"
+            sink_logits = [_sink_logits(s, hq) for s in sink_logits]
+            sinks = (ctypes.c_void_p * n_layers)(*[_ptr(s) for s in sink_logits])
+        self._keep = (comps, seqs, cos_h, sin_h, structs, sink_logits, sinks)
         self.scratch = torch.empty(hq * (max_p + 1 + d) + 64 * hq * (d + 2))
         self.rows = torch.empty(n_layers, B, 2, hkv, d)
         ptrs = lambda ts: (ctypes.c_void_p * B)(*[t.data_ptr() for t in ts])
@@ -610,7 +768,7 @@ class QuantStep:
                              ctypes.addressof(structs), ctypes.addressof(slots), ctypes.addressof(P),
                              ctypes.addressof(tables), ctypes.addressof(n_full), ctypes.addressof(pos),
                              ctypes.addressof(fill), cos_h.data_ptr(), sin_h.data_ptr(), self.scratch.data_ptr(),
-                             self.rows.data_ptr())
+                             self.rows.data_ptr(), None if sinks is None else ctypes.addressof(sinks))
 
 
 def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,

@@ -241,31 +241,39 @@ def attention_partials(q_rot: torch.Tensor, k_pages, v_pages, rows: torch.Tensor
     return m, l, acc
 
 
-def merge_partials(*parts) -> torch.Tensor:
-    """States of attention_partials over disjoint rows of the same queries -> float32 [B, Hq, D]."""
+def merge_partials(*parts, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """States of attention_partials over disjoint rows of the same queries -> float32 [B, Hq, D]. sink_logits [Hq]:
+    the layer's learned sink logits (gpt-oss), one more term per head in the max and the sum with no value, folded
+    in here once (not in every split)."""
     m = torch.cat([p[0] for p in parts], -1)
     l = torch.cat([p[1] for p in parts], -1)
     acc = torch.cat([p[2] for p in parts], -2)
-    if m.shape[-1] == 1:
+    if m.shape[-1] == 1 and sink_logits is None:
         return acc[:, :, 0] / l
     top = m.max(-1, keepdim=True).values
+    if sink_logits is not None:
+        sink = sink_logits.to(m).view(1, -1, 1)
+        top = torch.maximum(top, sink)
     w = torch.exp(m - top)
-    return (acc * w[..., None]).sum(2) / (l * w).sum(-1, keepdim=True)
+    total = (l * w).sum(-1, keepdim=True)
+    if sink_logits is not None:
+        total = total + torch.exp(sink - top)
+    return (acc * w[..., None]).sum(2) / total
 
 
 def decode_attention(q_rot: torch.Tensor, k_pages, v_pages, rows: torch.Tensor, offsets: torch.Tensor,
                      lengths: list[int], scale: float, softcap: float | None = None,
                      n_sink: torch.Tensor | None = None, delta_cos: torch.Tensor | None = None,
                      delta_sin: torch.Tensor | None = None, key_cos: torch.Tensor | None = None,
-                     key_sin: torch.Tensor | None = None) -> torch.Tensor:
+                     key_sin: torch.Tensor | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """q_rot [B, Hq, D] (rotated); k_pages, v_pages: [R, Hkv, D] full-precision pages (any float dtype, last dim
     contiguous) or QuantPages read in place; rows the page rows of every sequence one after another, offsets [B + 1]
     where each starts, lengths their B sizes (ints, so the grid needs no copy from the device). Sinks: n_sink [B]
-    int32 and delta_cos/sin [B, D]; or keys stored before RoPE: key_cos/sin [len(rows), D] per row.
-    -> float32 [B, Hq, D]."""
+    int32 and delta_cos/sin [B, D]; or keys stored before RoPE: key_cos/sin [len(rows), D] per row. sink_logits
+    [Hq]: the layer's learned sink logits (merge_partials), or None. -> float32 [B, Hq, D]."""
     assert min(lengths) > 0
     return merge_partials(attention_partials(q_rot, k_pages, v_pages, rows, offsets, lengths, scale, softcap,
-                                             n_sink, delta_cos, delta_sin, key_cos, key_sin))
+                                             n_sink, delta_cos, delta_sin, key_cos, key_sin), sink_logits=sink_logits)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -282,7 +290,7 @@ def _flat(x) -> torch.Tensor:
 
 
 def decode_attention_ref(q_rot, k_pages, v_pages, rows, offsets, lengths, scale, softcap=None, n_sink=None,
-                         delta_cos=None, delta_sin=None, key_cos=None, key_sin=None) -> torch.Tensor:
+                         delta_cos=None, delta_sin=None, key_cos=None, key_sin=None, sink_logits=None) -> torch.Tensor:
     """decode_attention in torch, one sequence at a time (gather, turn, softmax)."""
     outs = []
     k_pages, v_pages = _flat(k_pages), _flat(v_pages)
@@ -301,7 +309,12 @@ def decode_attention_ref(q_rot, k_pages, v_pages, rows, offsets, lengths, scale,
         sc = torch.einsum("hgd,nhd->hgn", q, k) * scale
         if softcap is not None:
             sc = torch.tanh(sc / softcap) * softcap
-        outs.append(torch.einsum("hgn,nhd->hgd", sc.softmax(-1), v).reshape(1, -1, q_rot.shape[-1]))
+        if sink_logits is not None:         # a column per head that joins the softmax and is dropped
+            sc = torch.cat((sc, sink_logits.to(sc).view(*sc.shape[:2], 1)), -1)
+            p = sc.softmax(-1)[..., :-1]
+        else:
+            p = sc.softmax(-1)
+        outs.append(torch.einsum("hgn,nhd->hgd", p, v).reshape(1, -1, q_rot.shape[-1]))
     return torch.cat(outs)
 
 

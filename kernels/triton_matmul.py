@@ -5,7 +5,9 @@ The packed forms are the CPU's (engine/model/linears.py, cpu_quant.Scales):
   element j + 16 in its high one; w = q * scale + zero, or w = scale * (q - 8) (offset8, GGUF Q4_0);
 - int8 codes [N, K] in groups of 16 or 32, w = q * scale (+ zero);
 - scales (and zeros) float32 / float16 per group, or uint8 / int8 codes times a float32 super-scale per `per`
-  groups (the K-quants' two levels, as the file stores them).
+  groups (the K-quants' two levels, as the file stores them);
+- MXFP4 (mxfp4_matmul): 4-bit codes in the same nibble order, each an E2M1 value doubled
+  (cpu_quant.MXFP4_VALUES), and a uint8 E8M0 exponent e per group of 32: w = value * 2^(e - 128), gguf's.
 Every weight element is dequantized in registers from those bytes, tile by tile; no dense copy of a weight
 exists, in VRAM or anywhere else.
 
@@ -43,6 +45,21 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _mxfp4_tile(codes_ptr, e8m0_ptr, n2, k2, mask, K, G):
+    # n2 [BN, 1] output rows, k2 [1, BK] input columns -> the MXFP4 weights [BN, BK] (0 outside the mask): the
+    # code's E2M1 value doubled (magnitudes 0, 1, 2, 3, 4, 6, 8, 12 for c & 7; c >= 8 negative), times 2^(e - 128)
+    # built from the float's bits as gguf builds it (a subnormal for e < 2)
+    byte = tl.load(codes_ptr + n2 * (K // 2) + (k2 // 32) * 16 + (k2 % 16), mask=mask, other=0).to(tl.int32)
+    c = (byte >> (((k2 % 32) // 16) * 4)) & 15
+    m = c & 7
+    mag = tl.where(m < 4, m, tl.where(m < 6, 2 * m - 4, 4 * m - 16))
+    q = tl.where(c >= 8, -mag, mag).to(tl.float32)
+    e = tl.load(e8m0_ptr + n2 * G + k2 // 32, mask=mask, other=0).to(tl.int32)
+    bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
+    return bits.to(tl.float32, bitcast=True) * q
+
+
+@triton.jit
 def _weight_tile(codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, n_idx, k_idx, n_mask, k_mask, K, G, GS,
                  BITS: tl.constexpr, GROUP: tl.constexpr, PER: tl.constexpr, SCALE_SUP: tl.constexpr,
                  ZERO: tl.constexpr):
@@ -73,7 +90,8 @@ def _weight_tile(codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, n_idx, k_id
 @triton.jit
 def _gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, y_ptr, M, N, K, G, GS, K_SPLIT,
                  BITS: tl.constexpr, GROUP: tl.constexpr, PER: tl.constexpr, SCALE_SUP: tl.constexpr,
-                 ZERO: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ZERO: tl.constexpr, FP4: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,8 +104,12 @@ def _gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, y_pt
         k_idx = k_lo + k0 + tl.arange(0, BLOCK_K)
         k_mask = k_idx < K
         x = tl.load(x_ptr + m_idx[:, None] * K + k_idx[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
-        w = _weight_tile(codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, n_idx, k_idx, n_mask, k_mask, K, G, GS,
-                         BITS, GROUP, PER, SCALE_SUP, ZERO)
+        if FP4:         # MXFP4: scale_ptr holds the e8m0 exponents
+            w = _mxfp4_tile(codes_ptr, scale_ptr, n_idx[:, None].to(tl.int64), k_idx[None, :],
+                            n_mask[:, None] & k_mask[None, :], K, G)
+        else:
+            w = _weight_tile(codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, n_idx, k_idx, n_mask, k_mask, K, G,
+                             GS, BITS, GROUP, PER, SCALE_SUP, ZERO)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out = y_ptr + pid_s * M * N + m_idx[:, None] * N + n_idx[None, :]
     tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
@@ -96,8 +118,8 @@ def _gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, y_pt
 @triton.jit
 def _gemm_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, y_ptr, M, N, K, G, GS,
                  BITS: tl.constexpr, GROUP: tl.constexpr, PER: tl.constexpr, SCALE_SUP: tl.constexpr,
-                 ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 ZERO: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -110,8 +132,12 @@ def _gemm_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, y_pt
         k_mask = k_idx < K
         x = tl.load(x_ptr + m_idx[:, None].to(tl.int64) * K + k_idx[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0)
-        w = _weight_tile(codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, n_idx, k_idx, n_mask, k_mask, K, G, GS,
-                         BITS, GROUP, PER, SCALE_SUP, ZERO)
+        if FP4:         # MXFP4: scale_ptr holds the e8m0 exponents
+            w = _mxfp4_tile(codes_ptr, scale_ptr, n_idx[:, None].to(tl.int64), k_idx[None, :],
+                            n_mask[:, None] & k_mask[None, :], K, G)
+        else:
+            w = _weight_tile(codes_ptr, scale_ptr, zero_ptr, ssup_ptr, zsup_ptr, n_idx, k_idx, n_mask, k_mask, K, G,
+                             GS, BITS, GROUP, PER, SCALE_SUP, ZERO)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     out = y_ptr + m_idx[:, None].to(tl.int64) * N + n_idx[None, :]
     tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
@@ -161,6 +187,28 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: cpu_quant.Scales
     x = x.float().contiguous()
     sc, zero, ssup, zsup, G, GS, per, two_level, zero_kind = _scale_args(scales)
     assert G * group == K, (G, group, K)
+    y = _matmul(x, codes, sc, zero, ssup, zsup, G, GS, bits, group, per, two_level, zero_kind, False)
+    return y if bias is None else y + bias.float()
+
+
+def mxfp4_matmul(x: torch.Tensor, codes: torch.Tensor, e8m0: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] (any float dtype) times the MXFP4 weight [N, K] (codes [N, K/2] uint8, e8m0 [N, K/32] uint8)
+    transposed -> float32 [T, N] (+ bias); the same two kernels as packed_matmul, the weights read as MXFP4."""
+    assert x.dim() == 2 and codes.dtype == e8m0.dtype == torch.uint8
+    T, K = x.shape
+    N = codes.shape[0]
+    assert codes.shape[1] * 2 == K and e8m0.shape == (N, K // 32), (codes.shape, e8m0.shape, x.shape)
+    x, codes, e8m0 = x.float().contiguous(), codes.contiguous(), e8m0.contiguous()
+    y = _matmul(x, codes, e8m0, e8m0, e8m0, e8m0, K // 32, K // 32, 4, 32, 1, False, _ZERO_NONE, True)
+    return y if bias is None else y + bias.float()
+
+
+def _matmul(x, codes, sc, zero, ssup, zsup, G, GS, bits, group, per, two_level, zero_kind, fp4) -> torch.Tensor:
+    """x [T, K] float32 contiguous times the packed weight: the GEMV-like kernel for decode rows, else the tiled
+    one -> float32 [T, N]."""
+    T, K = x.shape
+    N = codes.shape[0]
     if T == 0:
         y = x.new_zeros(0, N)
     elif T <= DECODE_ROWS:
@@ -169,7 +217,7 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: cpu_quant.Scales
         part = torch.empty(splits, T, N, dtype=torch.float32, device=x.device)
         _gemv_kernel[(triton.cdiv(N, block_n), splits)](
             x, codes, sc, zero, ssup, zsup, part, T, N, K, G, GS, k_split, BITS=bits, GROUP=group, PER=per,
-            SCALE_SUP=two_level, ZERO=zero_kind, M_PAD=max(2, triton.next_power_of_2(T)), BLOCK_N=block_n,
+            SCALE_SUP=two_level, ZERO=zero_kind, FP4=fp4, M_PAD=max(2, triton.next_power_of_2(T)), BLOCK_N=block_n,
             BLOCK_K=block_k, num_warps=4)
         y = part[0] if splits == 1 else part.sum(0)
     else:
@@ -178,10 +226,10 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: cpu_quant.Scales
         bm, bn, bk = (64, 256, 128) if _interpreting() else (tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"])
         _gemm_kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn))](
             x, codes, sc, zero, ssup, zsup, y, T, N, K, G, GS, BITS=bits, GROUP=group, PER=per,
-            SCALE_SUP=two_level, ZERO=zero_kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            SCALE_SUP=two_level, ZERO=zero_kind, FP4=fp4, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PRECISION="ieee" if _interpreting() or os.environ.get("KVCHAT_MATMUL_IEEE") == "1" else tiles["PRECISION"],
             num_warps=4)
-    return y if bias is None else y + bias.float()
+    return y
 
 
 def packed_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scales: cpu_quant.Scales, bits: int, group: int,
@@ -192,4 +240,11 @@ def packed_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scales: cpu_quant.Sc
     else:
         w = cpu_quant.q8_dequant_ref(codes, scales, None, group)
     y = x.float() @ w.t()
+    return y if bias is None else y + bias.float()
+
+
+def mxfp4_matmul_ref(x: torch.Tensor, codes: torch.Tensor, e8m0: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """mxfp4_matmul in torch: the whole weight dequantized (cpu_quant.mxfp4_dequant_ref), then one matmul."""
+    y = x.float() @ cpu_quant.mxfp4_dequant_ref(codes, e8m0).t()
     return y if bias is None else y + bias.float()

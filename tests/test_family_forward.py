@@ -90,7 +90,8 @@ def test_dense_forward_matches_transformers(tmp_path, case):
     assert err <= 1e-3 * theirs.abs().max().item(), (case, err)
     # the one-call C step computes Phi-3's layer without a window (LongRoPE's short factors are a rope table, its
     # attention factor one query scale for every layer) and Qwen3's (the Llama layer plus qk_norm_rows)
-    assert model.config.fused_kernel_ok == (case in ("phi3", "phi3-longrope", "qwen3"))
+    assert model.config.fused_kernel_ok == (case in ("phi3", "phi3-longrope", "qwen3", "qwen3_moe", "qwen3_moe-normalized",
+                                                     "mixtral"))
 
 
 @pytest.mark.parametrize("case", list(CASES))

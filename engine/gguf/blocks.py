@@ -1,9 +1,10 @@
 """GGML's quantized blocks as the kernels' packed grids: codes kept as the file stores them, never re-rounded.
 
 The 4-bit block types (Q4_0, Q4_1, Q4_K) are unpacked into codes 0..15 with a scale and zero point per group
-of 32, which is exactly their grid; the 5-8 bit types (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) into int8 codes with
-their own scales. No torch here: the engine's linears (engine/model/weights.py) and the one-shot path
-(engine/runtime/quick.py) both pack through packed_matrix.
+of 32, which is exactly their grid; Q6_K keeps its own 6.5625 bits a value, its bits moved into the order its
+kernel reads (q6k_parts), and MXFP4 its own 4.25 (mxfp4_blocks: the codes and the exponents as stored); the other
+5-8 bit types (Q8_0, Q5_0, Q5_1, Q5_K) into int8 codes with their own scales. No torch here: the engine's linears
+(engine/model/weights.py) and the one-shot path (engine/runtime/quick.py) both pack through packed_matrix.
 """
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ INT4_GRID_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # 16 levels per group of 32: kept
 
 @dataclass(frozen=True)
 class PackedMatrix:
-    """One stored [N, K] matrix as the kernels read it: codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8),
-    and its grid, keyword arguments of kernels.cpu_quant.Scales (numpy arrays, or the group count `per`);
-    rows in the Hugging Face order, every array C-contiguous."""
+    """One stored [N, K] matrix as the kernels read it: codes [N, K/2] uint8 (bits 4, and the low nibbles of bits
+    6) or [N, K] int8 (bits 8), and its grid, keyword arguments of kernels.cpu_quant.Scales (numpy arrays, or the
+    group count `per`), plus for bits 6 (kind "Q6_K", see q6k_parts) "high", the high 2 bits [N, K/4] uint8;
+    kind "MXFP4" (bits 4, see mxfp4_blocks): codes [N, K/2] of E2M1 values and grid {"e8m0": [N, K/32] uint8}, no
+    Scales; rows in the Hugging Face order, every array C-contiguous."""
     bits: int
     codes: np.ndarray
     grid: dict
+    kind: str = ""          # the file's type where the packed form is the type's own (Q6_K, MXFP4)
 
 
 def packed_matrix(gf, name: str, heads: int | None) -> PackedMatrix | None:
@@ -30,14 +34,21 @@ def packed_matrix(gf, name: str, heads: int | None) -> PackedMatrix | None:
     grids (16-bit, 2-3 bit, IQ types) or its rows are not whole groups of 32."""
     kind, data = gf.raw(name)
     k = gf.tensors[gf.gguf_name(name)].shape[0]
+    own = ""
     if k % 32 == 0 and kind in INT4_GRID_TYPES:
         bits, (codes, grid) = 4, q4_blocks(kind, data)
+    elif kind == "Q6_K":            # rows of whole super-blocks: the file holds no other kind
+        bits, own, (codes, grid) = 6, kind, q6k_rows(gf, name)
+    elif kind == "MXFP4":           # rows of whole blocks of 32, likewise
+        codes, e8m0 = mxfp4_blocks(data)
+        bits, own, grid = 4, kind, {"e8m0": e8m0}
     elif k % 32 == 0 and kind in INT8_GRID_TYPES:
         bits, (codes, grid) = 8, q8_rows(gf, name)
     else:
         return None
     fix = (lambda a: np.ascontiguousarray(unpermute_rows(a, heads))) if heads else np.ascontiguousarray
-    return PackedMatrix(bits, fix(codes), {key: fix(a) if isinstance(a, np.ndarray) else a for key, a in grid.items()})
+    return PackedMatrix(bits, fix(codes), {key: fix(a) if isinstance(a, np.ndarray) else a for key, a in grid.items()},
+                        own)
 
 
 def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -77,7 +88,41 @@ def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
     raise ValueError(kind)
 
 
-INT8_GRID_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+def mxfp4_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 rows [N, K/32 * 17] -> (codes [N, K/2] uint8, e8m0 [N, K/32] uint8), the bytes as stored: a block is
+    its E8M0 exponent e, then 16 bytes of 4-bit codes in Q4_0's nibble order (byte j: value j low, j + 16 high),
+    code c meaning MXFP4_VALUES[c] * 2^(e - 128) (kernels/cpu_mxfp4.h)."""
+    heads, codes = split_blocks(data, 17, 1)
+    return codes, heads.reshape(data.shape[0], -1)
+
+
+INT8_GRID_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")     # Q6_K: q6k_parts packs it; q8_rows can widen it
+
+
+def q6k_parts(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K rows [N, nb * 210] -> each block's parts, row by row: ql [N, K/2] uint8 (the low 4 bits of the codes),
+    qh [N, K/4] uint8 (the high 2), sc [N, K/16] int8, d [N, K/256] float16; every byte as the file has it
+    (kernels/cpu_q6k.h reads them so)."""
+    n = data.shape[0]
+    b = data.reshape(n, -1, 210)
+    part = lambda lo, hi: np.ascontiguousarray(b[..., lo:hi]).reshape(n, -1)      # noqa: E731
+    return part(0, 128), part(128, 192), part(192, 208).view(np.int8), part(208, 210).view(np.float16)
+
+
+def q6k_rows(gf, name: str, chunk: int = 4096) -> tuple[np.ndarray, dict]:
+    """GGUFFile gf's Q6_K tensor `name` as (ql, grid): grid {"high": qh, "scale": sc, "scale_sup": d, "per": 16}
+    (q6k_parts), a chunk of rows at a time, each chunk's file pages released at once."""
+    _, data = gf.raw(name)
+    t = gf.tensors[gf.gguf_name(name)]
+    n, k = data.shape[0], t.shape[0]
+    ql, qh = np.empty((n, k // 2), np.uint8), np.empty((n, k // 4), np.uint8)
+    sc, d = np.empty((n, k // 16), np.int8), np.empty((n, k // 256), np.float16)
+    row_bytes = data.shape[1]
+    for lo in range(0, n, chunk):
+        rows = data[lo:lo + chunk]
+        ql[lo:lo + chunk], qh[lo:lo + chunk], sc[lo:lo + chunk], d[lo:lo + chunk] = q6k_parts(rows)
+        gf.release_range(t.offset + lo * row_bytes, rows.shape[0] * row_bytes)
+    return ql, {"high": qh, "scale": sc, "scale_sup": d, "per": 16}
 
 
 def q8_grid(kind: str, data: np.ndarray) -> tuple[dict, int]:

@@ -1,13 +1,16 @@
 """Linear layers over packed weights, used by prefill and decode alike.
 
-One interface (`__call__(x [T, K]) -> [T, N]`, `nbytes`, `kind`, `dequantize()`), three kinds:
+One interface (`__call__(x [T, K]) -> [T, N]`, `nbytes`, `kind`, `dequantize()`), these kinds:
 
 - `DenseLinear`: a plain tensor (the fp32 reference path, or 16-bit weights kept 16-bit).
 - `Q4Linear`: 4-bit codes, two per byte, in groups of 32 along K with a scale and a zero per group
   (w = q * scale + zero). Q4_0, Q4_1 and Q4_K blocks are exactly this grid: their codes are kept
   as the file has them, never re-rounded.
-- `Q8Linear`: int8 codes in groups of 16 or 32 with a scale (and a zero) per group: Q8_0, Q6_K,
-  Q5_K, Q5_0 and Q5_1 are exactly this grid.
+- `Q8Linear`: int8 codes in groups of 16 or 32 with a scale (and a zero) per group: Q8_0, Q5_K, Q5_0 and
+  Q5_1 are exactly this grid.
+- `Q6Linear`: GGUF Q6_K at its own 6.5625 bits a weight, the file's bits in its kernel's order.
+- `MXFP4Linear`: GGUF MXFP4 (gpt-oss's experts) at its own 4.25 bits a weight: 4-bit E2M1 codes in the q4 order
+  and a power-of-two (E8M0) scale per group of 32, the file's bytes as they are.
 
 Decode steps (a few rows) run kernels/cpu_quant.c, which reads the packed codes and quantizes the
 activations to int16 per group of 32 (llama.cpp uses int8); prefill dequantizes a slab of rows at a
@@ -293,6 +296,58 @@ class Q4Linear(_Packed):
         return _nbytes(self.codes, self.bias) + self.scales.nbytes
 
 
+class MXFP4Linear(_Packed):
+    """GGUF MXFP4 (gpt-oss's expert weights) as the file holds it, 4.25 bits a weight: 4-bit codes of the E2M1
+    values doubled (cpu_quant.MXFP4_VALUES: 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12), two a byte in the q4 order, and an
+    E8M0 exponent e per group of 32; w = value * 2^(e - 128), exactly gguf's. kernels/cpu_mxfp4.h runs it."""
+    kind = "mxfp4"
+    bits = 4
+
+    def __init__(self, codes: torch.Tensor, e8m0: torch.Tensor, bias: torch.Tensor | None = None):
+        # codes: [N, K/2] uint8 (group g, byte j: element j low nibble, j + 16 high); e8m0: [N, K/32] uint8
+        n, half = codes.shape
+        assert half % 16 == 0 and e8m0.shape == (n, half // 16), (codes.shape, e8m0.shape)
+        assert codes.dtype == e8m0.dtype == torch.uint8, (codes.dtype, e8m0.dtype)
+        self.codes, self.e8m0 = codes.contiguous(), e8m0.contiguous()
+        self.bias = bias
+        self.out_features, self.in_features = n, half * 2
+
+    def _gemv(self, x, **prep):
+        return cpu_quant.mxfp4_gemv(x, self.codes, self.e8m0, act=self.act_bits, **prep)
+
+    def _dequant_rows(self, lo, hi, out=None, dtype=torch.float32):
+        if not cpu_quant.available() or self.codes.device.type != "cpu":
+            return cpu_quant.mxfp4_dequant_ref(self.codes[lo:hi], self.e8m0[lo:hi]).to(dtype)
+        return cpu_quant.mxfp4_dequant(self.codes[lo:hi], self.e8m0[lo:hi], out=out, dtype=dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup from the same bits a tied output head reads: [T, K]."""
+        return cpu_quant.mxfp4_dequant_ref(self.codes[ids], self.e8m0[ids])
+
+    def expert_view(self, lo: int, hi: int) -> "MXFP4Linear":
+        """Rows lo..hi (one expert of a 3-D expert tensor) as views of these arrays: nothing copied."""
+        return MXFP4Linear(self.codes[lo:hi], self.e8m0[lo:hi])
+
+    def _gpu(self, x, norm, eps, swiglu, residual) -> torch.Tensor:
+        """The Triton dequantize-and-multiply kernels (triton_matmul.mxfp4_matmul); the rest as _Packed._gpu."""
+        from kvchat.kernels.triton_matmul import mxfp4_matmul
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
+        elif swiglu:
+            x = gated(x)
+        y = mxfp4_matmul(x, self.codes, self.e8m0, self.bias)
+        return (y if residual is None else residual.float() + y).to(x.dtype)
+
+    def moved(self, device) -> "MXFP4Linear":
+        self.codes, self.e8m0 = self.codes.to(device), self.e8m0.to(device)
+        self.bias = None if self.bias is None else self.bias.to(device)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.e8m0, self.bias)
+
+
 class Q8Linear(_Packed):
     kind = "q8"
     bits = 8
@@ -337,6 +392,75 @@ class Q8Linear(_Packed):
     @property
     def nbytes(self) -> int:
         return _nbytes(self.codes, self.bias) + self.scales.nbytes
+
+
+class Q6Linear(_Packed):
+    """GGUF Q6_K as the file holds it, 210 bytes per 256 weights: the low 4 bits of each 6-bit code (codes [N, K/2],
+    the q4 nibble order), the high 2 bits (high [N, K/4]), an int8 scale per 16 weights and a float16 d per 256
+    (scales: cpu_quant.Scales(sc, scale_sup=d, per=16)); w = (d * sc) * (q - 32), exactly gguf's values.
+    kernels/cpu_q6k.h runs it, with no int8 copy of the codes."""
+    kind = "q6"
+    bits = 6
+    group = 16
+
+    def __init__(self, codes: torch.Tensor, high: torch.Tensor, scales: cpu_quant.Scales,
+                 bias: torch.Tensor | None = None):
+        n, half = codes.shape
+        assert half % 128 == 0 and high.shape == (n, half // 2) and scales.per == 16, (codes.shape, high.shape)
+        assert scales.scale.shape == (n, half // 8) and scales.scale_sup.shape == (n, half // 128)
+        self.codes, self.high, self.scales = codes.contiguous(), high.contiguous(), scales
+        self.bias = bias
+        self.out_features, self.in_features = n, half * 2
+
+    def _gemv(self, x, **prep):
+        return cpu_quant.q6k_gemv(x, self.codes, self.high, self.scales, act=self.act_bits, **prep)
+
+    def kernel_parts(self):
+        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 6, 16, act=self.act_bits,
+                                                                  high=self.high)]
+
+    def _dequant_rows(self, lo, hi, out=None, dtype=torch.float32):
+        if not cpu_quant.available() or self.codes.device.type != "cpu":
+            w = cpu_quant.q6k_dequant_ref(self.codes[lo:hi], self.high[lo:hi], self.scales.rows(lo, hi))
+            return w.to(dtype)
+        return cpu_quant.q6k_dequant(self.codes[lo:hi], self.high[lo:hi], self.scales.rows(lo, hi), out=out,
+                                     dtype=dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup from the same bits a tied output head reads: [T, K]."""
+        return cpu_quant.q6k_dequant_ref(self.codes[ids], self.high[ids], self.scales.index(ids))
+
+    def expert_view(self, lo: int, hi: int) -> "Q6Linear":
+        """Rows lo..hi (one expert of a 3-D expert tensor) as views of these arrays: nothing copied."""
+        return Q6Linear(self.codes[lo:hi], self.high[lo:hi], self.scales.rows(lo, hi))
+
+    def _gpu(self, x, norm, eps, swiglu, residual) -> torch.Tensor:
+        """The GPU path for now: slabs of rows dequantized through torch (q6k_dequant_ref) and multiplied, a
+        slab at a time, so no dense copy persists; no Triton kernel reads the packed bits yet."""
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
+        elif swiglu:
+            x = gated(x)
+        xf = x.float()
+        K = self.in_features
+        y = torch.empty(x.shape[0], self.out_features, device=x.device)
+        step = min(self.out_features, max(16, SLAB_BYTES // (4 * K)))
+        for lo in range(0, self.out_features, step):
+            hi = min(self.out_features, lo + step)
+            y[:, lo:hi] = xf @ self._dequant_rows(lo, hi).t()
+        if self.bias is not None:
+            y += self.bias.float()
+        return (y if residual is None else residual.float() + y).to(x.dtype)
+
+    def moved(self, device) -> "Q6Linear":
+        self.codes, self.high = self.codes.to(device), self.high.to(device)
+        self.scales = self.scales.to(device)
+        self.bias = None if self.bias is None else self.bias.to(device)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.high, self.bias) + self.scales.nbytes
 
 
 class ConcatLinear(_Fused):

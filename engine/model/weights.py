@@ -1,8 +1,8 @@
 """Build the Transformer's weights from a source: a GGUF read in place, or a safetensors state dict.
 
 Weight paths (EngineConfig.weights):
-- "auto": a GGUF keeps its own blocks packed (4-bit types as int4 groups of 32, 5-8 bit types as
-  per-channel int8, 16-bit as 16-bit); a safetensors folder keeps its stored dtype.
+- "auto": a GGUF keeps its own blocks packed (4-bit types as int4 groups of 32, Q6_K as its own 6-bit blocks,
+  the other 5-8 bit types as int8 codes, 16-bit as 16-bit); a safetensors folder keeps its stored dtype.
 - "dense": every weight dequantized to the model dtype (fp32 on the CPU): the exact reference.
 - "int8" / "int4": float weights quantized on load (opt-in, for safetensors folders).
 """
@@ -24,6 +24,7 @@ from kvchat.engine.model.experts import RoutedMLP, expert_views
 from kvchat.engine.model.transformer import Layer, Transformer
 from kvchat.engine.model.config import check_weight_shapes, layer_modules
 from kvchat.engine.model.linears import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
+from kvchat.engine.model.linears import MXFP4Linear, Q6Linear
 
 def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "",
               per_expert=lambda name: None) -> Transformer:
@@ -207,7 +208,7 @@ def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, we
         m = packed_matrix(gf, name, heads_of(name))
         if m is not None:
             grid = {key: (torch.from_numpy(a) if isinstance(a, np.ndarray) else a) for key, a in m.grid.items()}
-            return f"q{m.bits}/{kind}", (torch.from_numpy(m.codes), grid)
+            return ("mxfp4" if m.kind == "MXFP4" else f"q{m.bits}") + f"/{kind}", (torch.from_numpy(m.codes), grid)
         w = dense(name)
         if kind in ("F16", "BF16"):
             return "16", w.to(torch.bfloat16 if kind == "BF16" else torch.float16)
@@ -259,13 +260,19 @@ def _one_thread():
 
 
 def _make(kind: str, payloads: list):
-    if kind.startswith(("q4/", "q8/")):
+    if kind.startswith(("q4/", "q6/", "q8/", "mxfp4/")):
         def join(parts):          # one part stays as it is: no transient copy of a large head
             return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
         codes = join([c for c, _ in payloads])
         grids = [g for _, g in payloads]
-        scales = Scales(**{key: (join([g[key] for g in grids]) if isinstance(grids[0][key], torch.Tensor)
-                                 else grids[0][key]) for key in grids[0]})
+        arrays = {key: (join([g[key] for g in grids]) if isinstance(grids[0][key], torch.Tensor) else grids[0][key])
+                  for key in grids[0]}
+        if kind.startswith("mxfp4/"):         # MXFP4 at its own bits: the E8M0 exponents its only scales
+            return MXFP4Linear(codes, arrays["e8m0"])
+        if kind.startswith("q6/"):            # Q6_K at its own bits: the high 2 bits beside the scales
+            high = arrays.pop("high")
+            return Q6Linear(codes, high, Scales(**arrays))
+        scales = Scales(**arrays)
         return Q4Linear(codes, scales) if kind.startswith("q4/") else Q8Linear(codes, scales)
     w = torch.cat(payloads, 0)
     if kind == "q4f":

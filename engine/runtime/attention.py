@@ -10,13 +10,16 @@ Q_BLOCK = 32        # query rows per block of prompt attention
 
 def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, decode: bool = True,
                       scale: float | None = None, softcap: float | None = None,
-                      outside: torch.Tensor | None = None) -> torch.Tensor:
+                      outside: torch.Tensor | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """The one softmax attention (besides the kernels' references): q [T, Hq, D] rotated, k/v [P + T, Hkv, D]
     with the new tokens last (causal among themselves) -> [T, Hq, D].
 
     scale: what q . k is multiplied by (the layer's query_scale; None: D ** -0.5). softcap: scores become
     cap * tanh(scores / cap) before the softmax (Gemma 2). outside: [T, P + T] bool, True where a key lies outside
     the query's sliding window (a layer's own window over prompt rows; a decode row reads only its window's keys).
+    sink_logits: [Hq] float32, one learned logit per query head (gpt-oss) that joins every row's softmax (after the
+    cap, not capped itself) and takes its share of the mass with no value: the output is then less than a convex
+    combination of the values. None: the plain softmax, bit for bit.
 
     Prompt rows go in blocks of Q_BLOCK queries aligned to multiples of Q_BLOCK positions, each block
     padded to Q_BLOCK rows and reading the keys up to its block's end: a row's result then depends only
@@ -27,7 +30,7 @@ def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     scale = D ** -0.5 if scale is None else scale
     if T == 1 and decode:     # one query: two batched matmuls beat SDPA's GQA expansion on small heads
         scores = _capped(torch.bmm(q_rot[0].view(Hkv, -1, D), k_all.permute(1, 2, 0)) * scale, softcap)
-        return torch.bmm(scores.softmax(-1), v_all.transpose(0, 1)).reshape(1, -1, D)
+        return torch.bmm(_softmax(scores, sink_logits), v_all.transpose(0, 1)).reshape(1, -1, D)
     N, Hq = k_all.shape[0], q_rot.shape[1]
     G, P = Hq // Hkv, N - T
     out = q_rot.new_empty(T, Hq, D)
@@ -47,10 +50,21 @@ def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
             rows = outside[start - P:end - P, :end]
             future[:end - start] |= rows
         scores = scores.view(Hkv, G, Q_BLOCK, end).masked_fill_(future, float("-inf"))
-        o = torch.bmm(scores.softmax(-1).view(Hkv, G * Q_BLOCK, end), v_t[:, :end])
+        o = torch.bmm(_softmax(scores, sink_logits).view(Hkv, G * Q_BLOCK, end), v_t[:, :end])
         out[start - P:end - P] = o.view(Hkv, G, Q_BLOCK, D).permute(2, 0, 1, 3).reshape(Q_BLOCK, Hq, D)[:end - start]
         start = end
     return out
+
+
+def _softmax(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Tensor:
+    """scores [Hkv, G, ..., N] -> probabilities over the last axis. With sink_logits [Hkv * G], transformers' gpt-oss
+    softmax (each head's sink logit a column that joins it and is dropped): the plain softmax times
+    1 / (1 + exp(sink - logsumexp)), which leaves a sink of -inf the plain softmax's bits."""
+    p = scores.softmax(-1)
+    if sink_logits is None:
+        return p
+    sink = sink_logits.to(scores).view(*scores.shape[:2], *(1,) * (scores.dim() - 2))
+    return p.mul_(torch.sigmoid(torch.logsumexp(scores, -1, keepdim=True) - sink))
 
 
 def _capped(scores: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """A one-shot answer in the terminal (`kvchat chat --prompt`) without torch.
 
 `import torch` alone takes about 2 s and 190 MiB here, longer than the rest of a one-shot answer of the
-default model. A GGUF whose every decoder layer the C kernels cover (packed 4- or 8-bit blocks, no
+default model. A GGUF whose every decoder layer the C kernels cover (packed 4-, 6- or 8-bit blocks, no
 biases) is answered here from numpy arrays instead: the same file read in place, the same tokenizer and
 chat template, and every token through the kernel the engine's own decode steps run
 (kernels/cpu_quant.c: decode_layers, then the output head's gemv). The prompt goes through that kernel
@@ -51,7 +51,8 @@ def _ptr(a: np.ndarray | None) -> int | None:
 
 @dataclass
 class Packed:
-    """One stored matrix in the kernels' packed form (as qlinear.Q4Linear / Q8Linear hold it), numpy arrays."""
+    """One stored matrix in the kernels' packed form (as linears.Q4Linear / Q6Linear / Q8Linear hold it), numpy
+    arrays."""
     bits: int
     codes: np.ndarray
     scale: np.ndarray
@@ -60,6 +61,7 @@ class Packed:
     zero_sup: np.ndarray | None
     per: int
     offset8: bool = False            # Q4_0: zero = -8 * scale, not stored (cpu_quant.Scales.offset8)
+    high: np.ndarray | None = None   # bits 6 (Q6_K): the high 2 bits of the codes (kernels/cpu_q6k.h)
 
     @property
     def kind(self) -> int:
@@ -76,12 +78,12 @@ class Packed:
 
     @property
     def k(self) -> int:
-        return self.codes.shape[1] * (2 if self.bits == 4 else 1)
+        return self.codes.shape[1] * (1 if self.bits == 8 else 2)
 
     @property
     def group(self) -> int:
-        """Elements per scale: 32, or 16 for the int8 codes of Q6_K."""
-        return self.k // self.scale.shape[1] if self.bits == 8 else 32
+        """Elements per scale: 32, or 16 for Q6_K (its own bits 6, or int8 codes)."""
+        return self.k // self.scale.shape[1] if self.bits != 4 else 32
 
     def qlin(self, lo: int = 0, hi: int | None = None) -> cpu_lib.QLin:
         """Rows lo..hi (all by default) as the kernels' linear: pointers into the same arrays (an expert of a 3-D
@@ -90,7 +92,8 @@ class Packed:
 
         def at(a):
             return None if a is None else a.ctypes.data + lo * a.strides[0]
-        return cpu_lib.QLin(at(self.codes), at(self.scale), at(self.zero), at(self.scale_sup), at(self.zero_sup),
+        zero = self.high if self.bits == 6 else self.zero      # Q6_K: the high bits ride in the zero field
+        return cpu_lib.QLin(at(self.codes), at(self.scale), at(zero), at(self.scale_sup), at(self.zero_sup),
                             self.bits, self.kind, self.per, self.group, hi - lo, self.k)
 
     def rows(self, lib, ids: list[int]) -> np.ndarray:
@@ -100,9 +103,11 @@ class Packed:
             if not 0 <= r < self.n:
                 raise ValueError(f"token id {r} is past the table's {self.n} rows")
             row = [None if a is None else np.ascontiguousarray(a[r:r + 1])      # held until the call returns
-                   for a in (self.codes, self.scale, self.zero, self.scale_sup, self.zero_sup)]
-            c, s, z, ss, zs = map(_ptr, row)
-            if self.bits == 4:
+                   for a in (self.codes, self.scale, self.zero, self.scale_sup, self.zero_sup, self.high)]
+            c, s, z, ss, zs, h = map(_ptr, row)
+            if self.bits == 6:
+                lib.q6k_dequant(c, h, s, ss, 1, self.k, _ptr(out[i:i + 1]))
+            elif self.bits == 4:
                 lib.q4_dequant(c, s, z, 1, self.k, _ptr(out[i:i + 1]), self.kind, ss, zs, self.per)
             else:
                 lib.q8_dequant(c, s, z, self.group, 1, self.k, _ptr(out[i:i + 1]), self.kind, ss, zs, self.per)
@@ -125,7 +130,8 @@ def _pack(gf: GGUFFile, name: str, heads: int | None) -> Packed:
             zero = None if zero is None else zero.astype(np.float32)
         elif bits == 4 and zero is not None and np.array_equal(zero.astype(np.float32), scale.astype(np.float32) * -8):
             zero, offset8 = None, True          # Q4_0: zero = -8 * scale, not stored
-    return Packed(bits, m.codes, scale, zero, sup, arrays.get("zero_sup"), int(arrays.get("per", 1)), offset8)
+    return Packed(bits, m.codes, scale, zero, sup, arrays.get("zero_sup"), int(arrays.get("per", 1)), offset8,
+                  arrays.get("high"))
 
 
 class QuickModel:
@@ -268,7 +274,10 @@ class QuickSequence:
         args = (_ptr(last), 1, h.k, _ptr(h.codes), _ptr(h.scale), _ptr(h.zero))
         tail = (_ptr(logits), _ptr(scratch), 1, _ptr(m.norm), float(c.rms_norm_eps), None, h.kind,
                 _ptr(h.scale_sup), _ptr(h.zero_sup), h.per)
-        if h.bits == 4:
+        if h.bits == 6:
+            m.lib.q6k_gemv(_ptr(last), 1, h.k, _ptr(h.codes), _ptr(h.high), _ptr(h.scale), _ptr(h.scale_sup), h.n,
+                           *tail[:6])
+        elif h.bits == 4:
             m.lib.q4_gemv(*args, h.n, *tail)
         else:
             m.lib.q8_gemv(*args, h.group, h.n, *tail)

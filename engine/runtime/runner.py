@@ -33,7 +33,8 @@ class ModelRunner:
         self.device = model.device
         self.inv_freq = model.config.inv_freq().to(self.device)
         self.layer_inv_freq = layer_ropes(model.config, self.device)
-        self.scores = tuple(LayerScores(spec.query_scale, spec.attn_softcap) for spec in model.config.layers)
+        self.scores = tuple(LayerScores(spec.query_scale, spec.attn_softcap, getattr(L, "sinks", None))
+                            for spec, L in zip(model.config.layers, model.layers))
         self.store = PageStore(self.device)
         self.manager = KVCacheManager(int(budget_mb * MIB), on_free=self.store.forget_blocks,
                                       on_release=self._releasing)

@@ -24,12 +24,16 @@ from kvchat.engine.kv.pages import Component
 Pages = list[tuple[Component, Component]]          # per layer, the (K, V) components of one layout
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class LayerScores:
-    """How a layer turns q . k into scores: times `scale` (its query_scale), then soft-capped (Gemma 2) or not."""
+    """How a layer turns q . k into scores: times `scale` (its query_scale), then soft-capped (Gemma 2) or not; and
+    its learned sink logits (gpt-oss), float32 [num_heads] or None: one more logit per query head that joins each
+    row's softmax and carries no value (not the cache's StreamingLLM sink tokens). Compared by identity: a tensor
+    field has no equality that answers a bool."""
 
     scale: float
     softcap: float | None = None
+    sink_logits: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):

@@ -29,7 +29,7 @@ def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores 
     v_all = v_pages.index_select(0, st.rows).float()
     if st.n_sink:
         k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
-    return softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside)
+    return softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside, sink_args(scores))
 
 
 class FullPagesTorch(AttentionBackend):
@@ -79,7 +79,8 @@ def kernel_covers(comps: Pages, num_heads: int) -> bool:
 
 class FullPagesC(FullPagesTorch):
     """decode_attend rotates, stores and attends one-token decodes in one call per layer (a sequence's result
-    does not depend on the others in the group); the whole step runs in one decode_layers call."""
+    does not depend on the others in the group); the whole step runs in one decode_layers call (a model without
+    sink logits)."""
     name = "full-pages-c"
 
     def attend(self, layer, q, k, v, st):
@@ -100,9 +101,11 @@ class FullPagesC(FullPagesTorch):
             q, k, v = q.float(), k.float(), v.float()
         cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets = grp.args()
         return cpu_quant.decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, kc.flat_pages(), vc.flat_pages(),
-                                       new_rows, rows, offsets, scores.scale)
+                                       new_rows, rows, offsets, scores.scale, sink_logits=scores.sink_logits)
 
     def decode(self, model, token_ids, steps, grp: DecodeGroup, attention):
+        if any(s.sink_logits is not None for s in self.scores):
+            return None     # decode_layers takes no sink logits (LayerSpec.fused_kernel_ok): the layers one by one
         c = model.config
         pages = [(kc.flat_pages(), vc.flat_pages()) for kc, vc in self.comps]
 
@@ -115,3 +118,8 @@ class FullPagesC(FullPagesTorch):
 def score_args(scores: LayerScores | None) -> tuple[float | None, float | None]:
     """softmax_attention's (scale, softcap) of a layer; None: head_dim ** -0.5, uncapped."""
     return (None, None) if scores is None else (scores.scale, scores.softcap)
+
+
+def sink_args(scores: LayerScores | None) -> torch.Tensor | None:
+    """softmax_attention's sink_logits of a layer (None: none)."""
+    return None if scores is None else scores.sink_logits

@@ -14,7 +14,7 @@ from kvchat.engine.model.rope import rope_table, rotate
 from kvchat.engine.model.transformer import DecodeKernel
 from kvchat.engine.runtime.attention import softmax_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores
-from kvchat.engine.runtime.backends.full_pages import score_args, attend_torch as attend_full
+from kvchat.engine.runtime.backends.full_pages import score_args, sink_args, attend_torch as attend_full
 
 
 def key_rope(st) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +33,8 @@ def attend_quantized(kc: Component, vc: Component, q, k, v, st, kernel: bool,
     past before writing, since a write may quantize the tail away. kernel: through attn_decode_quant (a one-token
     decode of a layer whose K and V the C kernel reads), else through torch."""
     if kernel:
-        out = decode_kernel(q, k, v, st, *kernel_pages(kc, vc, st), None if scores is None else scores.scale)
+        out = decode_kernel(q, k, v, st, *kernel_pages(kc, vc, st), None if scores is None else scores.scale,
+                            sink_args(scores))
     else:
         out = attend_torch(kc, vc, q, k, v, st, scores)
     store(kc, vc, k, v, st)
@@ -52,7 +53,8 @@ def kernel_pages(kc: Component, vc: Component, st) -> list[cpu_quant.QuantPages]
     return out
 
 
-def decode_kernel(q, k, v, st, kp, vp, scale: float | None = None) -> torch.Tensor:
+def decode_kernel(q, k, v, st, kp, vp, scale: float | None = None,
+                  sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     prep = st.kernel_args
     if prep is None:          # once per step, shared by the layers
         seq, bs = st.res.seq, kp.data.shape[1]
@@ -61,7 +63,7 @@ def decode_kernel(q, k, v, st, kp, vp, scale: float | None = None) -> torch.Tens
                                  st.res.first_slot // bs, bs, cos_h, sin_h, st.key_pos.contiguous())
     out = cpu_quant.attn_decode_quant(q[0].float().contiguous(), k[0].float().contiguous(), v[0].float().contiguous(),
                                       kp, vp, *prep, q.shape[-1] ** -0.5 if scale is None else scale,
-                                      check=False)
+                                      check=False, sink_logits=sink_logits)
     return out.view(1, *out.shape)
 
 
@@ -94,7 +96,7 @@ def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores 
     else:
         k_all = rotate(k_all, *key_rope(st))
     return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all, st.decode,
-                             *score_args(scores), st.outside)
+                             *score_args(scores), st.outside, sink_args(scores))
 
 
 class QuantPagesTorch(AttentionBackend):
@@ -108,7 +110,8 @@ class QuantPagesTorch(AttentionBackend):
 
     def _quantized(self, layer, kc, vc, q, k, v, st, kernel: bool) -> torch.Tensor:
         scores = self.scores[layer]
-        if scores.softcap is None and scores.scale == q.shape[-1] ** -0.5:     # the default: as every Llama layer
+        default = scores.softcap is None and scores.scale == q.shape[-1] ** -0.5 and scores.sink_logits is None
+        if default:         # as every Llama layer
             return attend_quantized(kc, vc, q, k, v, st, kernel)
         return attend_quantized(kc, vc, q, k, v, st, kernel, scores)
 
@@ -137,7 +140,8 @@ class QuantPagesC(QuantPagesTorch):
     def decode(self, model, token_ids, steps, prepared, attention):
         if not all(self.kernel_layers):          # the one-call step takes no full-precision layers: call back
             return super().decode(model, token_ids, steps, prepared, attention)
-        quant = quant_step(self.comps, steps, model.config.num_heads, self.scores[0].scale)
+        quant = quant_step(self.comps, steps, model.config.num_heads, self.scores[0].scale,
+                           [s.sink_logits for s in self.scores])
         c = model.config
 
         def run(table, x):
@@ -149,9 +153,11 @@ class QuantPagesC(QuantPagesTorch):
         return logits
 
 
-def quant_step(comps, steps: list, num_heads: int, scale: float) -> cpu_quant.QuantStep:
+def quant_step(comps, steps: list, num_heads: int, scale: float,
+               sink_logits: list[torch.Tensor | None] | None = None) -> cpu_quant.QuantStep:
     """A decode step's attention over quantized pages, every layer and sequence of one layout, for the one-call
-    step to run in C (cpu_quant.QuantStep). After the kernel, finish_quant_step quantizes the blocks it completed."""
+    step to run in C (cpu_quant.QuantStep; sink_logits: per layer, or None). After the kernel, finish_quant_step
+    quantizes the blocks it completed."""
     fields = [[] for _ in comps]
     seqs, key_pos = [], []
     kc = comps[0][0]
@@ -169,7 +175,7 @@ def quant_step(comps, steps: list, num_heads: int, scale: float) -> cpu_quant.Qu
         key_pos.append(int(st.key_pos.max()))
     cos_h, sin_h = rope_table(steps[0].inv_freq, max(key_pos) + 1)
     return cpu_quant.QuantStep([f for layer in fields for f in layer], seqs, bs, num_heads, kc.num_heads,
-                               kc.head_dim, cos_h, sin_h, scale)
+                               kc.head_dim, cos_h, sin_h, scale, sink_logits)
 
 
 def finish_quant_step(comps, steps: list, quant: cpu_quant.QuantStep) -> None:

@@ -60,7 +60,7 @@ def attend_full(kc, vc, q, k, v, grp: TritonGroup, scores: LayerScores) -> torch
     vc.write_rows(v, grp.new_rows)
     return decode_attention(rotate(q.float(), grp.q_cos, grp.q_sin), kc.flat_pages(), vc.flat_pages(), grp.rows,
                             grp.offsets, grp.lengths, scores.scale, scores.softcap, grp.n_sink, grp.delta_cos,
-                            grp.delta_sin)
+                            grp.delta_sin, sink_logits=scores.sink_logits)
 
 
 class _TritonDecodes:
@@ -158,7 +158,7 @@ def attend_in_place(kc, vc, q, k, v, steps: list, grp: TritonGroup, scores: Laye
                                         QuantPages(data_v, scale_v, zero_v, vc.fmt), torch.cat(q_rows).to(device),
                                         offsets(q_len), q_len, scores.scale, scores.softcap, key_cos=torch.cat(q_cos),
                                         key_sin=torch.cat(q_sin)))
-    out = merge_partials(*parts)
+    out = merge_partials(*parts, sink_logits=scores.sink_logits)
     for i, st in enumerate(steps):
         store(kc, vc, k[i:i + 1], v[i:i + 1], st)
     return out
@@ -192,10 +192,10 @@ def attend_quantized(kc, vc, q, k, v, steps: list, grp: TritonGroup, scores: Lay
     q_rot = rotate(q.float(), grp.q_cos, grp.q_sin)
     if kc.fmt.is_quantized:
         out = decode_attention(q_rot, k_all, v_all, rows, offsets, lengths, scores.scale, scores.softcap,
-                               key_cos=torch.cat(cos), key_sin=torch.cat(sin))
+                               key_cos=torch.cat(cos), key_sin=torch.cat(sin), sink_logits=scores.sink_logits)
     else:
         out = decode_attention(q_rot, k_all, v_all, rows, offsets, lengths, scores.scale, scores.softcap,
-                               grp.n_sink, grp.delta_cos, grp.delta_sin)
+                               grp.n_sink, grp.delta_cos, grp.delta_sin, sink_logits=scores.sink_logits)
     for i, st in enumerate(steps):
         store(kc, vc, k[i:i + 1], v[i:i + 1], st)
     return out
