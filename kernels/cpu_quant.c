@@ -644,6 +644,7 @@ void q8_dequant_bf16(const int8_t *codes, const void *scale, const void *zero, i
 
 #include "cpu_q6k.h"        // GGUF Q6_K kept at its own 6.5625 bits a value (bits 6 in lin_apply)
 #include "cpu_mxfp4.h"      // GGUF MXFP4 (gpt-oss's experts) at its own 4.25 bits a value
+#define KIND_MXFP4 8        // a qlin_t of bits 4 and this kind is MXFP4 (lin_apply): scale holds its E8M0 exponents
 
 // Decode attention of one new token over full-precision (fp32) pages, keys stored before RoPE.
 // q: [Hq, D] before RoPE; qcos, qsin: [D] for the new token; pages k, v: [R, Hkv, D]; rows: [L] page
@@ -833,9 +834,11 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
             float *ym = y + (size_t)m0 * ldy + col;
             const float *rm = resid ? resid + (size_t)m0 * l->N : NULL;
             int lm = mode | (l->act == 8 ? ACT8 : 0);
-            if (l->bits == 4)
+            if (l->bits == 4 && l->kind != KIND_MXFP4)
                 q4_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->N, ym, ldy, scratch, lm, norm_w, eps,
                            rm, l->kind, l->ssup, l->zsup, l->per);
+            else if (l->bits == 4 && l->kind == KIND_MXFP4)    // cpu_mxfp4.h: scale holds the E8M0 exponents
+                mxfp4_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->N, ym, ldy, scratch, lm, norm_w, eps, rm);
             else if (l->bits == 6)         // cpu_q6k.h: codes ql, zero qh, scale sc, ssup d
                 q6k_gemv_ld(xm, rows, l->K, l->codes, l->zero, l->scale, (const half_t *)l->ssup, l->N, ym, ldy,
                             scratch, lm, norm_w, eps, rm);

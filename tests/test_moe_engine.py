@@ -323,3 +323,26 @@ def test_the_stats_say_which_experts_the_last_turn_used(packed):
     counted = sum(next(c for c in second.experts if c is not None)) // next(l.experts for l in spec if l.experts).used
     assert second.prefill_tokens + 3 <= counted <= second.prefill_tokens + 4 < tokens
     s.close()
+
+
+def test_gpt_oss_mxfp4_experts_run_in_the_kernels(tmp_path):
+    """A gpt-oss GGUF in ggml-org's MXFP4 mix: its experts stay MXFP4 (4.25 bits a weight) and the decode rows'
+    routed MLP runs in moe_layer_rows over them, equal to the linears one expert at a time."""
+    from kvchat.bench.gguf_writer import write_gguf_from_hf
+    from kvchat.engine.model.linears import MXFP4Linear
+    path = write_gguf_from_hf(tiny_family_dir(tmp_path / "g", "gpt_oss"), tmp_path / "g.gguf", "MXFP4")
+    engine = Engine.load(EngineConfig(model=str(path)))
+    layer = next(L for L in engine.runner.model.layers if L.mlp is not None)
+    mlp = layer.mlp
+    assert isinstance(mlp.gate[0], MXFP4Linear) and mlp.kernel_table() is not None
+    x = torch.randn(3, engine.runner.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    fast = mlp.fused(x, layer.norm_mlp, 1e-5, x, split=3)
+    table, mlp._table = mlp._table, None
+    try:
+        slow = mlp.fused(x, layer.norm_mlp, 1e-5, x, split=3)
+    finally:
+        mlp._table = table
+    assert close(fast, slow, 1e-5)
+    s = engine.new_session(cache=FP32)
+    assert torch.isfinite(s.append(IDS[:40])).all()
+    s.close()

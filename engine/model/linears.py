@@ -328,6 +328,16 @@ class MXFP4Linear(_Packed):
         """Rows lo..hi (one expert of a 3-D expert tensor) as views of these arrays: nothing copied."""
         return MXFP4Linear(self.codes[lo:hi], self.e8m0[lo:hi])
 
+    KERNEL_KIND = 8             # KIND_MXFP4 in cpu_quant.c: lin_apply's bits-4 linears of this kind are MXFP4
+
+    def kernel_parts(self):
+        """As lin_apply reads it (decode_layers, moe_layer_rows): bits 4 of kind KIND_MXFP4, the exponents as its
+        scale; None with a bias (the kernels add none)."""
+        if self.bias is not None or self.codes.device.type != "cpu":
+            return None
+        return [cpu_quant.QLin(self.codes.data_ptr(), self.e8m0.data_ptr(), None, None, None, 4, self.KERNEL_KIND, 1,
+                               32, self.out_features, self.in_features, self.act_bits)]
+
     def _gpu(self, x, norm, eps, swiglu, residual) -> torch.Tensor:
         """The Triton dequantize-and-multiply kernels (triton_matmul.mxfp4_matmul); the rest as _Packed._gpu."""
         from kvchat.kernels.triton_matmul import mxfp4_matmul
