@@ -531,13 +531,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def __getattr__(name: str):
-    # the folder writer lives in bench/gguf_hf.py; imported from here (as the tests and benches always have)
-    if name in ("write_gguf_from_hf", "hf_tokenizer_fields"):
-        from kvchat.bench import gguf_hf
-        return getattr(gguf_hf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 if __name__ == "__main__":
     sys.exit(main())

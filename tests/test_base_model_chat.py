@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.bench.gguf_writer import write_gguf_from_hf
+from kvchat.bench.gguf_hf import write_gguf_from_hf
 from kvchat.engine.config import CacheConfig, EngineConfig, SamplingParams
 from kvchat.engine.events import TurnFinished
 from kvchat.engine.text.chat_format import chat_format_notice, encode_conversation

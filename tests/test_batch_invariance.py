@@ -27,7 +27,7 @@ def packed_engine(request, tmp_path_factory):
         # a float folder: DenseLinear pads CPU calls under GEMM_MIN_ROWS rows, so MKL rounds every row alike
         return Engine.load(EngineConfig(model=request.getfixturevalue("tiny_llama")))
     if request.param == "qwen3":
-        from kvchat.bench.gguf_writer import write_gguf_from_hf
+        from kvchat.bench.gguf_hf import write_gguf_from_hf
         from tiny_models import tiny_family_dir
         tmp = tmp_path_factory.mktemp("qwen3")
         model = str(write_gguf_from_hf(tiny_family_dir(tmp / "hf", "qwen3"), tmp / "qwen3.gguf", "Q8_0"))

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvchat.bench.gguf_writer import permute, write_gguf_from_hf
+from kvchat.bench.gguf_hf import write_gguf_from_hf
+from kvchat.bench.gguf_writer import permute
 from kvchat.engine.config import SamplingParams
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.gguf.file import GGUFFile

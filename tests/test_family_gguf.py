@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvchat.bench.gguf_writer import PRESETS, ModelShape, write_gguf_from_hf, write_random_gguf
+from kvchat.bench.gguf_hf import write_gguf_from_hf
+from kvchat.bench.gguf_writer import PRESETS, ModelShape, write_random_gguf
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.gguf.file import GGUFFile
 from kvchat.engine.model.config import ModelConfig

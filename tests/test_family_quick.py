@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvchat.bench.gguf_writer import write_gguf_from_hf
+from kvchat.bench.gguf_hf import write_gguf_from_hf
 from kvchat.cli.main import main
 from kvchat.engine import Engine, EngineConfig, SamplingParams
 from kvchat.engine.runtime import quick

@@ -17,8 +17,8 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from kvchat.bench.gguf_writer import (PRESETS, bench_model_path, planned_bytes, tensor_type, use_more_bits,
-                                      write_gguf_from_hf, write_random_gguf)
+from kvchat.bench.gguf_hf import write_gguf_from_hf
+from kvchat.bench.gguf_writer import PRESETS, bench_model_path, planned_bytes, tensor_type, use_more_bits, write_random_gguf
 from kvchat.engine.gguf.file import GGUFFile
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.source import read_config

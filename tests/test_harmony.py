@@ -19,7 +19,8 @@ import pytest
 from kvchat.engine.events import FinishReason, TokenDelta, TurnFinished
 from kvchat.engine.text.chat_format import encode_conversation, stop_ids, tokenize_pieces
 from kvchat.engine.text.harmony import HarmonyFormat
-from kvchat.engine.text.reasoning import PLAIN, reply_format
+from kvchat.engine.text.reasoning import PLAIN
+from kvchat.engine.text.reply import reply_format
 
 SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
             "<|constrain|>"]

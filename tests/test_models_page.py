@@ -152,7 +152,7 @@ def test_a_hybrid_folder_is_listed_with_what_fits_in_the_hybrid_arithmetic(tmp_p
     from kvchat.engine.plan import library
     from kvchat.engine.plan.estimate import cache_for, estimate, model_facts_from
     from tiny_models import tiny_family_dir
-    from kvchat.bench.gguf_writer import write_gguf_from_hf
+    from kvchat.bench.gguf_hf import write_gguf_from_hf
     folder = tmp_path / "models"
     tiny_family_dir(folder / "gemma3-tiny", "gemma3", query_pre_attn_scalar=32)     # what llama.cpp derives
     write_gguf_from_hf(folder / "gemma3-tiny", folder / "gemma3-tiny-q8.gguf", "Q8_0")

@@ -328,7 +328,7 @@ def test_the_stats_say_which_experts_the_last_turn_used(packed):
 def test_gpt_oss_mxfp4_experts_run_in_the_kernels(tmp_path):
     """A gpt-oss GGUF in ggml-org's MXFP4 mix: its experts stay MXFP4 (4.25 bits a weight) and the decode rows'
     routed MLP runs in moe_layer_rows over them, equal to the linears one expert at a time."""
-    from kvchat.bench.gguf_writer import write_gguf_from_hf
+    from kvchat.bench.gguf_hf import write_gguf_from_hf
     from kvchat.engine.model.linears import MXFP4Linear
     path = write_gguf_from_hf(tiny_family_dir(tmp_path / "g", "gpt_oss"), tmp_path / "g.gguf", "MXFP4")
     engine = Engine.load(EngineConfig(model=str(path)))

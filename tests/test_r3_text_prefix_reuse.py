@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from kvchat.bench.gguf_writer import write_gguf_from_hf
+from kvchat.bench.gguf_hf import write_gguf_from_hf
 from kvchat.engine import Engine, EngineConfig, SamplingParams
 from kvchat.engine.runtime.warm import WarmStore
 from tiny_models import tiny_model_dir

@@ -12,7 +12,7 @@ from kvchat.kernels import cpu_lib, cpu_quant
 
 from kvchat.engine.api import LOCAL
 from kvchat.engine.text.chat_format import chat_format_notice, check_template, stop_ids
-from kvchat.engine.text.reasoning import reply_format
+from kvchat.engine.text.reply import reply_format
 from kvchat.engine.config import ACTIVATION_MODES, PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from kvchat.engine.kv.layout import MIB, cache_context
 from kvchat.engine.gguf.file import GGUFFile

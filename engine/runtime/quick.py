@@ -35,7 +35,8 @@ from kvchat.engine.plan.fit import check_fits
 from kvchat.engine.runtime.sampling import sample_numpy
 from kvchat.engine.text.chat_format import chat_format_notice, clean_text, encode_conversation, stop_ids, tokenize_pieces
 from kvchat.engine.text.detok import StreamDecoder
-from kvchat.engine.text.reasoning import PLAIN, reply_format
+from kvchat.engine.text.reasoning import PLAIN
+from kvchat.engine.text.reply import reply_format
 from kvchat.engine.text.tokenizer_cache import gguf_tokenizer
 
 CHUNK = 64                 # prompt tokens a kernel call

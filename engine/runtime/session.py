@@ -53,7 +53,7 @@ class ModelInfo:
     max_context: int
     weight_bytes: int = 0
     weights_label: str = ""
-    reply: object = PLAIN               # the format its replies come in (engine.text.reasoning.reply_format)
+    reply: object = PLAIN               # the format its replies come in (engine.text.reply.reply_format)
 
 
 @dataclass

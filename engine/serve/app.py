@@ -17,7 +17,8 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvchat.engine.text.chat_format import ChatTemplateError, encode_conversation, tokenize_pieces
-from kvchat.engine.text.reasoning import PLAIN, reply_format
+from kvchat.engine.text.reasoning import PLAIN
+from kvchat.engine.text.reply import reply_format
 from kvchat.engine.events import FinishReason
 from kvchat.engine.serve import batch
 from kvchat.engine.serve import guard

@@ -6,7 +6,8 @@ import secrets
 import traceback
 
 from kvchat.engine.config import ConfigError
-from kvchat.engine.text.reasoning import reply_format, without_reasoning
+from kvchat.engine.text.reasoning import without_reasoning
+from kvchat.engine.text.reply import reply_format
 
 # A message's content goes through the template as a sentinel: private-use brackets around a random number and the
 # message's index. No letters (a template's upper / lower / title leaves it as it is), no whitespace (trim), no

@@ -89,10 +89,3 @@ class PlainFormat:
 
 
 PLAIN = PlainFormat()
-
-
-def reply_format(tokenizer):
-    """The format a model's replies come in: HarmonyFormat where the vocabulary has Harmony's markers as special
-    tokens (gpt-oss), else PLAIN."""
-    from kvchat.engine.text.harmony import HarmonyFormat
-    return HarmonyFormat.of(tokenizer) or PLAIN
