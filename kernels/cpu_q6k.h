@@ -108,34 +108,52 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *ql, co
 }
 
 #ifdef KVCHAT_AVX512
-// The same, a half-block (four groups) a step: groups 4h, 4h + 1 in one register of 64 bytes (and 4h + 2, 4h + 3 in
-// another), each byte built by two ternary-logic ops; its unpacked halves hold, per 128-bit lane, 8 values of
-// sub-blocks 8h + 0..3 (8h + 4..7). Every int32 lane sums the same four products as AVX2's; the float lanes 0-7 and
-// 8-15 of acc[m][0] are AVX2's chains 0 and 1, those of acc[m][1] chains 2 and 3.
-static inline __attribute__((always_inline)) void q6k_rows_512(const uint8_t *ql, const uint8_t *qh,
-        const int16_t *s64, const float *f, const int16_t *xr, int ng, int K, const int R, float *out) {
+// Half-block h's codes as bytes ((q ^ 32) << 2), two ternary-logic ops each: b01 groups 4h, 4h + 1 (bytes 0-31,
+// 32-63), b23 groups 4h + 2, 4h + 3. (c ? a : b) = 0xE4, then (t & 0xFC) ^ 0x80 = 0x6A: bits 2-5 the low nibble,
+// 6-7 the high bits, the top one flipped.
+static inline void q6k_half_512(const uint8_t *ql, const uint8_t *qh, int h, __m512i *b01, __m512i *b23) {
     const __m512i m3c = _mm512_set1_epi8(0x3C), mfc = _mm512_set1_epi8((char)0xFC), x80 = _mm512_set1_epi8((char)0x80);
     // qh to bits 6-7, per 16-bit lane: group 0 (bytes 0-31 of b01) << 6, group 1 << 4; group 2 << 2, group 3 << 0
     const __m512i sh01 = _mm512_inserti64x4(_mm512_set1_epi16(6), _mm256_set1_epi16(4), 1);
     const __m512i sh23 = _mm512_inserti64x4(_mm512_set1_epi16(2), _mm256_setzero_si256(), 1);
+    __m512i a = _mm512_loadu_si512((const void *)(ql + 64 * h));
+    __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qh + 32 * h)));
+    *b01 = _mm512_ternarylogic_epi32(_mm512_ternarylogic_epi32(_mm512_slli_epi16(a, 2), _mm512_sllv_epi16(q, sh01),
+                                                               m3c, 0xE4), mfc, x80, 0x6A);
+    *b23 = _mm512_ternarylogic_epi32(_mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 2), _mm512_sllv_epi16(q, sh23),
+                                                               m3c, 0xE4), mfc, x80, 0x6A);
+}
+
+// The 8 sub-block scales of a half-block (s: 8 int16) for b01's and b23's 128-bit lanes: [s0 x 8 | s1 | s2 | s3 x 8]
+// and [s4 x 8 | .. | s7 x 8] (a lane holds 16 values of one sub-block; unpacked, 8 of them a register)
+static inline void q6k_scales_512(const int16_t *s, __m512i *s01, __m512i *s23) {
     const __m512i idx01 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i idx23 = _mm512_add_epi16(idx01, _mm512_set1_epi16(4));
+    __m512i s8 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)s));
+    *s01 = _mm512_permutexvar_epi16(idx01, s8);
+    *s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx01, _mm512_set1_epi16(4)), s8);
+}
+
+// The sum of AVX2's four chains (acc[0] lanes 0-7 and 8-15: chains 0, 1; acc[1]: 2, 3), in its order
+static inline float q6k_sum_512(const __m512 acc[2]) {
+    return hsum8(_mm256_add_ps(_mm256_add_ps(low8(acc[0]), low8(acc[1])), _mm256_add_ps(high8(acc[0]), high8(acc[1]))));
+}
+
+// q6k_rows, a half-block (four groups) a step: groups 4h, 4h + 1 in one register of 64 bytes (4h + 2, 4h + 3 in
+// another), whose unpacked halves hold, per 128-bit lane, 8 values of sub-blocks 8h + 0..3 (8h + 4..7). Every int32
+// lane sums the same four products as AVX2's; the float lanes 0-7 and 8-15 of acc[m][0] are AVX2's chains 0 and 1,
+// those of acc[m][1] chains 2 and 3.
+static inline __attribute__((always_inline)) void q6k_rows_512(const uint8_t *ql, const uint8_t *qh,
+        const int16_t *s64, const float *f, const int16_t *xr, int ng, int K, const int R, float *out) {
     const __m512i zero = _mm512_setzero_si512();
     __m512 acc[8][2];
     for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int h = 0; h < ng / 4; h++) {
         _mm_prefetch((const char *)(ql + 64 * h + PREFETCH), _MM_HINT_T0);
         if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h + PREFETCH / 2), _MM_HINT_T0);
-        __m512i a = _mm512_loadu_si512((const void *)(ql + 64 * h));
-        __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qh + 32 * h)));
-        // (c ? a : b) = 0xE4, then (t & 0xFC) ^ 0x80 = 0x6A: bits 2-5 the low nibble, 6-7 the high bits, top one flipped
-        __m512i b01 = _mm512_ternarylogic_epi32(_mm512_ternarylogic_epi32(_mm512_slli_epi16(a, 2),
-                          _mm512_sllv_epi16(q, sh01), m3c, 0xE4), mfc, x80, 0x6A);
-        __m512i b23 = _mm512_ternarylogic_epi32(_mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 2),
-                          _mm512_sllv_epi16(q, sh23), m3c, 0xE4), mfc, x80, 0x6A);
-        __m512i s8 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(s64 + 8 * h)));   // sub-blocks 8h..8h+7
-        __m512i s01 = _mm512_permutexvar_epi16(idx01, s8), s23 = _mm512_permutexvar_epi16(idx23, s8);
+        __m512i b01, b23, s01, s23;
+        q6k_half_512(ql, qh, h, &b01, &b23);
+        q6k_scales_512(s64 + 8 * h, &s01, &s23);
         __m512i p0 = _mm512_mulhi_epi16(_mm512_unpacklo_epi8(zero, b01), s01);
         __m512i p1 = _mm512_mulhi_epi16(_mm512_unpackhi_epi8(zero, b01), s01);
         __m512i p2 = _mm512_mulhi_epi16(_mm512_unpacklo_epi8(zero, b23), s23);
@@ -151,23 +169,54 @@ static inline __attribute__((always_inline)) void q6k_rows_512(const uint8_t *ql
             acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i23), pair_scale(fm + 2), acc[m][1]);
         }
     }
-    for (int m = 0; m < R; m++)
-        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(low8(acc[m][0]), low8(acc[m][1])),
-                                     _mm256_add_ps(high8(acc[m][0]), high8(acc[m][1]))));
+    for (int m = 0; m < R; m++) out[m] = q6k_sum_512(acc[m]);
 }
 
-static __attribute__((noinline)) void q6k_rowsM_512(const uint8_t *ql, const uint8_t *qh, const int16_t *s64,
-        const float *f, const int16_t *xr, int ng, int K, int M, float *out) {
-    switch (M) {        // a constant R per case: the accumulators stay in registers
-        case 1: q6k_rows_512(ql, qh, s64, f, xr, ng, K, 1, out); break;
-        case 2: q6k_rows_512(ql, qh, s64, f, xr, ng, K, 2, out); break;
-        case 3: q6k_rows_512(ql, qh, s64, f, xr, ng, K, 3, out); break;
-        case 4: q6k_rows_512(ql, qh, s64, f, xr, ng, K, 4, out); break;
-        case 5: q6k_rows_512(ql, qh, s64, f, xr, ng, K, 5, out); break;
-        case 6: q6k_rows_512(ql, qh, s64, f, xr, ng, K, 6, out); break;
-        case 7: q6k_rows_512(ql, qh, s64, f, xr, ng, K, 7, out); break;
-        default: q6k_rows_512(ql, qh, s64, f, xr, ng, K, 8, out); break;
+// The int8-activation loop of q6k_gemv8 the same way: xq in value order (64 bytes: groups 4h, 4h + 1), x negated
+// where the code is negative (where it is 0, |code| is 0: the products are sign_epi8's), the same integers per lane
+// and the same chains as the AVX2 loop
+static inline __attribute__((always_inline)) void q6k_rows8_512(const uint8_t *ql, const uint8_t *qh,
+        const int16_t *s16, const float *f, const int8_t *xq, int ng, int K, const int R, float *out) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[8][2];
+    for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int h = 0; h < ng / 4; h++) {
+        _mm_prefetch((const char *)(ql + 64 * h + PREFETCH), _MM_HINT_T0);
+        if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h + PREFETCH / 2), _MM_HINT_T0);
+        __m512i b01, b23, s01, s23;
+        q6k_half_512(ql, qh, h, &b01, &b23);
+        q6k_scales_512(s16 + 8 * h, &s01, &s23);
+        __mmask64 n01 = _mm512_movepi8_mask(b01), n23 = _mm512_movepi8_mask(b23);
+        __m512i u01 = _mm512_abs_epi8(b01), u23 = _mm512_abs_epi8(b23);
+        for (int m = 0; m < R; m++) {
+            const int8_t *v = xq + (size_t)m * K + 128 * h;
+            const float *fm = f + (size_t)m * ng + 4 * h;
+            __m512i x01 = _mm512_loadu_si512((const void *)v), x23 = _mm512_loadu_si512((const void *)(v + 64));
+            __m512i p01 = _mm512_madd_epi16(_mm512_maddubs_epi16(u01, _mm512_mask_sub_epi8(x01, n01, zero, x01)), s01);
+            __m512i p23 = _mm512_madd_epi16(_mm512_maddubs_epi16(u23, _mm512_mask_sub_epi8(x23, n23, zero, x23)), s23);
+            acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(p01, 2)), pair_scale(fm), acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(p23, 2)), pair_scale(fm + 2), acc[m][1]);
+        }
     }
+    for (int m = 0; m < R; m++) out[m] = q6k_sum_512(acc[m]);
+}
+
+// bits 16: int16 activations (q6k_rows_512, x the int16 rows in q6k_order), 8: int8 ones (q6k_rows8_512)
+static __attribute__((noinline)) void q6k_rowsM_512(const uint8_t *ql, const uint8_t *qh, const int16_t *s,
+        const float *f, const void *x, int bits, int ng, int K, int M, float *out) {
+#define Q6K_ROWS(R) (bits == 8 ? q6k_rows8_512(ql, qh, s, f, (const int8_t *)x, ng, K, R, out) \
+                               : q6k_rows_512(ql, qh, s, f, (const int16_t *)x, ng, K, R, out))
+    switch (M) {        // a constant R per case: the accumulators stay in registers
+        case 1: Q6K_ROWS(1); break;
+        case 2: Q6K_ROWS(2); break;
+        case 3: Q6K_ROWS(3); break;
+        case 4: Q6K_ROWS(4); break;
+        case 5: Q6K_ROWS(5); break;
+        case 6: Q6K_ROWS(6); break;
+        case 7: Q6K_ROWS(7); break;
+        default: Q6K_ROWS(8); break;
+    }
+#undef Q6K_ROWS
 }
 #endif
 #endif
@@ -203,7 +252,7 @@ static void q6k_gemv_ld(const float *x, int M, int K, const uint8_t *ql, const u
 #ifdef __AVX2__
         q6k_row_scales(sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xs, M, K, 64, s16, f);
 #ifdef KVCHAT_AVX512
-        q6k_rowsM_512(l, h, s16, f, xr, ng, K, M, out);
+        q6k_rowsM_512(l, h, s16, f, xr, 16, ng, K, M, out);
 #else
         for (int m = 0; m < M; m += 2) {
             if (M - m == 1) q6k_rows(l, h, s16, f + (size_t)m * ng, xr + (size_t)m * K, ng, K, 1, out + m);
@@ -231,8 +280,8 @@ static void q6k_gemv_ld(const float *x, int M, int K, const uint8_t *ql, const u
 
 // int8 activations (EngineConfig(activations="int8"), cpu_act8.h's quantize_x8): per group, the code bytes
 // (q - 32) * 4 as int8, |.| against x with their sign (u8 x s8 pairs, at most 2 * 128 * 127), each pair sum times
-// its sub-block's scale (madd), / 4 (exact), one float multiply-add per group and row by d * xs. One 256-bit loop
-// for AVX2 and AVX-512 builds alike: the same bits in both.
+// its sub-block's scale (madd), / 4 (exact), one float multiply-add per group and row by d * xs; AVX-512 does the
+// same two groups a register (q6k_rows8_512): the same bits.
 static void q6k_gemv8(const float *x, int M, int K, const uint8_t *ql, const uint8_t *qh, const int8_t *sc,
                       const half_t *d, int N, float *y, int ldy, void *scratch, int mode, const float *norm_w,
                       float eps, const float *resid) {
@@ -248,7 +297,9 @@ static void q6k_gemv8(const float *x, int M, int K, const uint8_t *ql, const uin
         int16_t s16[2 * MAXG];
         float f[MAXM * MAXG], out[MAXM];
         q6k_row_scales(sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xs, M, K, 1, s16, f);
-#ifdef __AVX2__
+#ifdef KVCHAT_AVX512
+        q6k_rowsM_512(l, h, s16, f, xq, 8, ng, K, M, out);
+#elif defined(__AVX2__)
         for (int m0 = 0; m0 < M; m0 += 2) {
             int R = M - m0 < 2 ? M - m0 : 2;
             __m256 acc[2][4];

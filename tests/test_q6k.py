@@ -18,6 +18,7 @@ from kvchat.engine.model.experts import RoutedMLP, expert_views
 from kvchat.engine.model.linears import ConcatLinear, Q6Linear, Q8Linear
 from kvchat.engine.model.spec import Experts
 from kvchat.engine.runtime import quick
+from kvchat import kernels
 from kvchat.kernels import cpu_lib
 from kvchat.kernels import cpu_quant as cq
 
@@ -31,7 +32,8 @@ def _blocks(n: int, k: int, seed: int = 0) -> np.ndarray:
     zero and negatives included)."""
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    d = rng.integers(0, 0x7C00, (n, k // 256), dtype=np.uint16) | (rng.integers(0, 2, (n, k // 256)) << 15).astype(np.uint16)
+    sign = (rng.integers(0, 2, (n, k // 256)) << 15).astype(np.uint16)
+    d = rng.integers(0, 0x7C00, (n, k // 256), dtype=np.uint16) | sign
     d[:, ::3] = np.float16(1e-3).view(np.uint16)          # a share of realistic scales
     b[..., 208:210] = d.view(np.uint8).reshape(n, k // 256, 2)
     return b.reshape(n, -1)
@@ -189,14 +191,17 @@ def test_a_q6linear_runs_its_kinds_paths_and_cuts_into_expert_views():
 
 
 def test_the_gpu_paths_slabs_give_the_kernels_numbers():
-    """Q6Linear._gpu (dequantized slabs through torch for now, no Triton kernel reads Q6_K): the norm before, the
-    bias and residual after, as the CPU path computes them (run here on CPU tensors)."""
+    """Q6Linear._gpu (dequantized slabs through torch: no Triton kernel reads Q6_K's bits) gives the CPU path's
+    numbers, norm before, bias and residual after (on CPU tensors here); moved() to the GPU path widens it to the
+    int8 grid the Triton kernels read, the same values."""
     k, n = 256, 40
     ql, qh, s = _parts(_realistic(n, k, seed=13))
     lin = Q6Linear(ql, qh, s, bias=torch.randn(n))
     x, norm, res = _x(5, k, seed=14), torch.rand(k) + 0.5, _x(5, n, seed=15)
     want = lin.fused(x, norm=norm, eps=1e-5, residual=res, split=0)          # prompt rows: the fp32 GEMM
     assert _close(lin._gpu(x, norm, 1e-5, False, res), want, 1e-6)
+    wide = lin.widened()             # what moved() gives the GPU path: the Triton kernels' int8 grid, same values
+    assert isinstance(wide, Q8Linear) and torch.equal(wide.dequantize(), lin.dequantize())
 
 
 def test_routed_experts_in_q6k_run_in_the_kernel_as_in_the_grouped_path():
@@ -243,13 +248,10 @@ def test_a_file_tensor_packs_to_gguf_values(q6_file):
 
 
 def _widened(lin):
-    """The int8 path this file took before: each Q6Linear's codes as int8 with the same scales (kind 3)."""
+    """The int8 path this file took before (Q6Linear.widened): int8 codes beside the same scales."""
     if isinstance(lin, ConcatLinear):
         return ConcatLinear([_widened(p) for p in lin.parts], lin.bias)
-    if not isinstance(lin, Q6Linear):
-        return lin
-    codes = cq.q6k_codes_ref(lin.codes, lin.high).to(torch.int16) - 32
-    return Q8Linear(codes.to(torch.int8), cq.Scales(lin.scales.scale, scale_sup=lin.scales.scale_sup.float(), per=16))
+    return lin.widened() if isinstance(lin, Q6Linear) else lin
 
 
 def test_a_q6k_model_holds_its_files_bytes_and_gives_the_int8_paths_logits(q6_file):
@@ -275,6 +277,21 @@ def test_a_q6k_model_holds_its_files_bytes_and_gives_the_int8_paths_logits(q6_fi
         assert _close(la, lb, 1e-4)
         nxt = int(lb.argmax())
         la, lb = a.append([nxt])[-1], b.append([nxt])[-1]
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="triton is not importable here")
+def test_the_gpu_path_loads_q6k_as_the_triton_kernels_int8_grid(q6_file, monkeypatch):
+    """On the GPU path (here triton's interpreter on CPU tensors) every Q6_K linear is the widened int8 grid the
+    Triton kernels read, holding gguf's values."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        monkeypatch.setenv("KVCHAT_GPU_PATH", "interpret")
+        assert kernels.gpu_path("cpu"), "TRITON_INTERPRET=1 must be set before triton is imported (conftest)"
+    model = Engine.load(EngineConfig(model=str(q6_file), device="cuda" if cuda else "cpu")).model
+    assert model.weights == "gguf" and model.linear_kinds() == {"q8": 9}
+    gf = GGUFFile(q6_file)
+    want = gf.dequantize("model.layers.1.mlp.down_proj.weight")
+    assert np.array_equal(_bits(model.layers[1].down.dequantize().cpu()), _bits(want))
 
 
 def test_the_one_shot_path_reads_q6k_at_its_bits(q6_file):

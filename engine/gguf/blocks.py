@@ -1,9 +1,9 @@
 """GGML's quantized blocks as the kernels' packed grids: codes kept as the file stores them, never re-rounded.
 
 The 4-bit block types (Q4_0, Q4_1, Q4_K) are unpacked into codes 0..15 with a scale and zero point per group
-of 32, which is exactly their grid; Q6_K keeps its own 6.5625 bits a value, its bits moved into the order its
-kernel reads (q6k_parts), and MXFP4 its own 4.25 (mxfp4_blocks: the codes and the exponents as stored); the other
-5-8 bit types (Q8_0, Q5_0, Q5_1, Q5_K) into int8 codes with their own scales. No torch here: the engine's linears
+of 32, which is exactly their grid; Q6_K keeps its own 6.5625 bits a value, each block split into its four parts,
+every byte as stored (q6k_parts), and MXFP4 its own 4.25 (mxfp4_blocks: the codes and the exponents as stored); the
+other 5-8 bit types (Q8_0, Q5_0, Q5_1, Q5_K) into int8 codes with their own scales. No torch here: the engine's linears
 (engine/model/weights.py) and the one-shot path (engine/runtime/quick.py) both pack through packed_matrix.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ INT4_GRID_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # 16 levels per group of 32: kept
 
 @dataclass(frozen=True)
 class PackedMatrix:
-    """One stored [N, K] matrix as the kernels read it: codes [N, K/2] uint8 (bits 4, and the low nibbles of bits
-    6) or [N, K] int8 (bits 8), and its grid, keyword arguments of kernels.cpu_quant.Scales (numpy arrays, or the
-    group count `per`), plus for bits 6 (kind "Q6_K", see q6k_parts) "high", the high 2 bits [N, K/4] uint8;
+    """One stored [N, K] matrix as the kernels read it: codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), and
+    its grid, keyword arguments of kernels.cpu_quant.Scales (numpy arrays, or the group count `per`); kind "Q6_K"
+    (bits 6, see q6k_parts): codes the blocks' low 4 bits [N, K/2], the grid's "high" their high 2 bits [N, K/4];
     kind "MXFP4" (bits 4, see mxfp4_blocks): codes [N, K/2] of E2M1 values and grid {"e8m0": [N, K/32] uint8}, no
     Scales; rows in the Hugging Face order, every array C-contiguous."""
     bits: int
@@ -96,7 +96,7 @@ def mxfp4_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, heads.reshape(data.shape[0], -1)
 
 
-INT8_GRID_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")     # Q6_K: q6k_parts packs it; q8_rows can widen it
+INT8_GRID_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")
 
 
 def q6k_parts(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -140,10 +140,6 @@ def q8_grid(kind: str, data: np.ndarray) -> tuple[dict, int]:
         sc, mn = _k_scale_min(b[..., 4:16])
         return {"scale": sc.astype(np.uint8).reshape(n, -1), "scale_sup": _f16(b[..., 0:2]),
                 "zero": mn.astype(np.uint8).reshape(n, -1), "zero_sup": -_f16(b[..., 2:4]), "per": 8}, 32
-    if kind == "Q6_K":
-        b = data.reshape(n, -1, 210)
-        return {"scale": np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, -1),
-                "scale_sup": _f16(b[..., 208:210]), "per": 16}, 16
     raise ValueError(kind)
 
 

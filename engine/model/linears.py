@@ -405,10 +405,10 @@ class Q8Linear(_Packed):
 
 
 class Q6Linear(_Packed):
-    """GGUF Q6_K as the file holds it, 210 bytes per 256 weights: the low 4 bits of each 6-bit code (codes [N, K/2],
-    the q4 nibble order), the high 2 bits (high [N, K/4]), an int8 scale per 16 weights and a float16 d per 256
-    (scales: cpu_quant.Scales(sc, scale_sup=d, per=16)); w = (d * sc) * (q - 32), exactly gguf's values.
-    kernels/cpu_q6k.h runs it, with no int8 copy of the codes."""
+    """GGUF Q6_K as the file holds it, 210 bytes per 256 weights: the low 4 bits of the 6-bit codes (codes [N, K/2])
+    and their high 2 bits (high [N, K/4]), each byte as the blocks store it (kernels/cpu_q6k.h says where each bit
+    is), an int8 scale per 16 weights and a float16 d per 256 (scales: cpu_quant.Scales(sc, scale_sup=d, per=16));
+    w = (d * sc) * (q - 32), exactly gguf's values. kernels/cpu_q6k.h runs it, with no int8 copy of the codes."""
     kind = "q6"
     bits = 6
     group = 16
@@ -445,8 +445,8 @@ class Q6Linear(_Packed):
         return Q6Linear(self.codes[lo:hi], self.high[lo:hi], self.scales.rows(lo, hi))
 
     def _gpu(self, x, norm, eps, swiglu, residual) -> torch.Tensor:
-        """The GPU path for now: slabs of rows dequantized through torch (q6k_dequant_ref) and multiplied, a
-        slab at a time, so no dense copy persists; no Triton kernel reads the packed bits yet."""
+        """GPU tensors reach a Q6Linear only where it was not moved() there (moved() widens it for the Triton
+        kernels): slabs of rows dequantized through torch and multiplied, no dense copy kept."""
         if norm is not None:
             x = rms_norm(x, norm, eps)
         elif swiglu:
@@ -462,7 +462,18 @@ class Q6Linear(_Packed):
             y += self.bias.float()
         return (y if residual is None else residual.float() + y).to(x.dtype)
 
-    def moved(self, device) -> "Q6Linear":
+    def widened(self) -> Q8Linear:
+        """The same weights as int8 codes q - 32 beside the same scales (8.6 bits a weight): the grid the Triton
+        kernels read, as every Q6_K tensor was held before it kept its own bits."""
+        codes = (cpu_quant.q6k_codes_ref(self.codes, self.high).to(torch.int16) - 32).to(torch.int8)
+        s = self.scales
+        return Q8Linear(codes, cpu_quant.Scales(s.scale, scale_sup=s.scale_sup.float(), per=16), self.bias)
+
+    def moved(self, device) -> "_Packed":
+        """On the GPU path, the widened int8 form (no Triton kernel reads Q6_K's own bits yet; _gpu's torch slabs
+        would dequantize the whole matrix every step); elsewhere these arrays on `device`."""
+        if kernels.gpu_path(device):
+            return self.widened().moved(device)
         self.codes, self.high = self.codes.to(device), self.high.to(device)
         self.scales = self.scales.to(device)
         self.bias = None if self.bias is None else self.bias.to(device)

@@ -83,7 +83,7 @@ class Packed:
 
     @property
     def group(self) -> int:
-        """Elements per scale: 32, or 16 for Q6_K (its own bits 6, or int8 codes)."""
+        """Elements per scale: 32, or 16 for Q6_K."""
         return self.k // self.scale.shape[1] if self.bits != 4 else 32
 
     def qlin(self, lo: int = 0, hi: int | None = None) -> cpu_lib.QLin:
