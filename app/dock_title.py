@@ -13,6 +13,7 @@ class DockTitle(QWidget):
         row.setSpacing(6)
         self.label = QLabel(dock.windowTitle(), objectName="dashboardTitleText")
         row.addWidget(self.label)
+        self.switcher = switcher
         row.addWidget(switcher, 0)
         row.addStretch(1)
         for icon, tip, slot in ((QStyle.StandardPixmap.SP_TitleBarNormalButton, self.tr("Float or dock the panel"),
@@ -26,15 +27,9 @@ class DockTitle(QWidget):
             row.addWidget(button)
 
     def fit(self) -> None:
-        """A narrow dock with every page's tab (a mixture of experts adds one): the tabs keep their room and the
-        name, which the View menu says too, gives way; measured by size hints, so hiding it changes nothing."""
-        row = self.layout()
-        margins = row.contentsMargins()
-        widgets = [row.itemAt(i).widget() for i in range(row.count())]
-        needed = sum(w.sizeHint().width() + row.spacing() for w in widgets if w is not None) \
-            + margins.left() + margins.right()
-        self.label.setVisible(self.width() >= needed)
-
-    def resizeEvent(self, event) -> None:
-        super().resizeEvent(event)
-        self.fit()
+        """The dock's name gives way to a fifth page's tab (a mixture of experts' Experts page), which the View menu
+        names too; by the number of tabs shown, never by the width it is given, so the dock's minimum width, and
+        a restored window's layout, do not depend on what it was last resized to."""
+        tabs = self.switcher
+        shown = sum(tabs.isTabVisible(i) for i in range(tabs.count()))
+        self.label.setVisible(shown <= 4)

@@ -218,7 +218,7 @@ def test_speculation_gives_plain_decodings_tokens(packed, monkeypatch):
     for spec in (OFF, LOOKUP):
         packed.set_speculative(spec)
         s = packed.new_session(cache=FP32, prefix_cache=False)
-        finished = [e for e in s.send("The fox jumps.", REPLY) if isinstance(e, TurnFinished)]
+        finished = [e for e in s.send("The fox jumps. " * 6, REPLY) if isinstance(e, TurnFinished)]
         tokens[spec.method] = s.token_ids
         if spec is LOOKUP:
             st = finished[-1].stats.spec
