@@ -17,8 +17,8 @@ import torch
 
 from kvchat.engine.config import CacheConfig
 from kvchat.engine.kv.layout import conversation_bytes, kv_groups
-from kvchat.engine.kv.manager import KVCacheManager, Sequence
-from kvchat.engine.kv.pages import PageStore
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.manager import Sequence
 
 MODES = {
     "fp32": CacheConfig(k_format="fp32", v_format="fp32"),
@@ -49,42 +49,41 @@ def _model_config(model: str):
     return read_model_config(model)
 
 
-def fill(manager: KVCacheManager, store: PageStore, seq: Sequence, num_tokens: int, seed: int = 0) -> None:
-    """Write num_tokens of random K/V into every layer of seq, through the page store's own write paths."""
+def fill(cache: KVCache, seq: Sequence, num_tokens: int, seed: int = 0) -> None:
+    """Write num_tokens of random K/V into every layer of seq (one group's sequence), through the pages' own write
+    paths."""
     layout = seq.layout
     gen = torch.Generator().manual_seed(seed)
     done = 0
     while done < num_tokens:
         n = min(layout.block_size * 8, num_tokens - done)
-        res = manager.reserve(seq, n)
-        store.reserve(layout, manager.high_water(layout), layout.budget_blocks(manager.budget_bytes))
+        res = cache.reserve(seq, n, set())
         table = torch.tensor(seq.block_table, dtype=torch.long)
         slots = torch.arange(res.first_slot, res.first_slot + n)
         rows = table[slots // layout.block_size] * layout.block_size + slots % layout.block_size
-        for pair in store.components(layout):
+        for pair in cache.components(layout):
             for comp in pair:
                 x = torch.randn(n, layout.num_kv_heads, layout.head_dim, generator=gen)
                 if comp.fmt.is_quantized:
                     comp.write(seq.seq_id, x, res.first_slot, seq.block_table)
                 else:
                     comp.write_rows(x, rows)
-        manager.commit(res)
+        cache.commit(res, None)
         done += n
 
 
 def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = "fp32") -> dict:
-    store = PageStore("cpu")
-    manager = KVCacheManager(1 << 40, on_free=store.forget_blocks)   # a sliding group's head goes with its block
+    cache = KVCache("cpu", 1 << 40)
     groups = kv_groups(model_cfg, config, model_dtype, "cpu")
-    members = [manager.new_sequence(g.layout, g.geometry) for g in groups]
+    members = cache.open(groups).members
     for seq in members:
-        fill(manager, store, seq, num_tokens)
+        fill(cache, seq, num_tokens)
     m = model_cfg
     blocks = len(members[0].block_table)      # the conversation's tokens: its first group keeps the most
     rows: dict[int, dict] = {}
     pages_total, tails_total, meta_total = 0, 0, 0
     for group, seq in zip(groups, members):
-        for layer, pair in zip(group.layers, store.components(seq.layout)):
+        for layer, pair in zip(group.layers, cache.components(seq.layout)):
             row = rows[layer] = {"layer": layer}
             for role, comp in zip(("k", "v"), pair):
                 # bytes of the rows this group's blocks use in each page tensor, read from the tensors
@@ -105,7 +104,7 @@ def measure(model_cfg, config: CacheConfig, num_tokens: int, model_dtype: str = 
         "tokens": num_tokens,
         "blocks": blocks,
         "kv_bytes": held,
-        "storage_bytes": store.layer_bytes(),
+        "storage_bytes": cache.storage_bytes(),
         "page_bytes": pages_total,
         "metadata_bytes": meta_total,
         "tail_bytes": tails_total,

@@ -193,7 +193,7 @@ def test_released_counter_counts_chats_not_the_engines_sequences(qtbot, tiny_dir
     window = real_window(qtbot, tiny_dir, cache=INT4.with_(budget_mb=0.2),
                          sampling=SamplingParams(temperature=1.0, max_new_tokens=96, seed=1))
     send(qtbot, window, "word " * 30)
-    released_log = _engine(window).runner.manager.released_log
+    released_log = _engine(window).runner.cache._blocks.released_log
     for _ in range(6):
         regenerate(qtbot, window)
     assert released_log, "the budget was meant to make the engine release kept replies"

@@ -149,7 +149,7 @@ def test_an_exception_after_the_kernel_wrote_its_pages_leaves_the_cache_as_befor
             finally:
                 del head.fused
             assert a.num_tokens == twin.num_tokens
-            runner.manager.check()
+            runner.cache.check()
             (la,), (lt,) = runner.step([(a, [t])], all_logits=False), runner.step([(twin, [t])], all_logits=False)
             assert torch.equal(la, lt), (cache, t)
         assert len(calls) == 30

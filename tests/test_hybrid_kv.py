@@ -63,7 +63,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family):
     s = engine.new_session(cache=FP32)
     assert len(s.seq.members) == 2
     assert close(read(engine, s.seq, IDS[:TOKENS]), reference_logits(reference, IDS[:TOKENS]))
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     # 32 greedy tokens after a prompt longer than the window, each a one-token decode
     s2 = engine.new_session(cache=FP32)
     logits = s2.append(IDS[:40], all_logits=False)
@@ -92,7 +92,7 @@ def test_bytes_held_follow_the_hybrid_arithmetic(gemma3):
         assert per_layer[0] == per_layer[4] and sum(per_layer[5]) > 4 * sum(per_layer[0])
         assert s.stats().kv_bytes == held
         s.close()
-    engine.runner.manager.check()
+    engine.runner.cache.check()
 
 
 QUANTIZED = [CacheConfig(k_format="int8", v_format="int8"), CacheConfig(k_format="int4", v_format="int4"),
@@ -108,7 +108,7 @@ def test_quantized_formats_run_on_the_groups(family, cache):
     assert torch.isfinite(got).all() and close(got, want, 0.25)
     held = sum(k + v for k, v in engine.runner.layer_bytes(s.seq))
     assert held == conversation_bytes(engine.runner.config, cache, TOKENS, engine.runner.dtype_name, "cpu")
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     s.close()
 
 
@@ -155,7 +155,7 @@ def test_fork_truncate_and_rollback(gemma3):
     finally:
         model.forward = forward
     assert [(len(m.block_table), m.num_tokens, m.evicted) for m in a.seq.members] == state
-    runner.manager.check()
+    runner.cache.check()
     a.close()
 
 
@@ -170,7 +170,7 @@ def test_prefix_hits_take_the_shortest_group(gemma3):
     assert hit == 48 and all(m.num_tokens == hit for m in b.seq.members)
     got = runner.step([(b.seq, IDS[hit:64])], all_logits=True)[0]
     assert close(got, want[hit:], 1e-5)
-    runner.manager.check()
+    runner.cache.check()
     a.close()
     b.close()
 
@@ -209,7 +209,7 @@ def test_live_switch_and_the_users_window_on_top(gemma3):
     held = sum(k + v for k, v in runner.layer_bytes(s.seq))
     assert held == conversation_bytes(config, int8, TOKENS, runner.dtype_name, "cpu")
     assert torch.isfinite(runner.step([(s.seq, IDS[TOKENS:TOKENS + 1])])[0]).all()
-    runner.manager.check()
+    runner.cache.check()
     # a user window larger than the layers' own: the sliding layers keep 16, the global one the user's 32 + sinks
     windowed = CacheConfig(k_format="fp32", v_format="fp32", window=32, sinks=4)
     assert layer_windows(config, windowed) == (16,) * 5 + (32,)
@@ -225,7 +225,7 @@ def test_live_switch_and_the_users_window_on_top(gemma3):
     assert torch.isfinite(runner.step([(s.seq, IDS[TOKENS + 1:TOKENS + 2])])[0]).all()
     s.close()
     w.close()
-    runner.manager.check()
+    runner.cache.check()
 
 
 def test_room_is_made_by_releasing_whole_conversations(gemma3):
@@ -243,7 +243,7 @@ def test_room_is_made_by_releasing_whole_conversations(gemma3):
         a.append(ids[:n])
         assert runner.conversation_bytes(a.seq) == one
         sliding = a.seq.groups[1]
-        lacks = window_peak_bytes(sliding.layout, sliding.geometry) - runner.manager.sequence_bytes(sliding)
+        lacks = window_peak_bytes(sliding.layout, sliding.geometry) - runner.cache._blocks.sequence_bytes(sliding)
         global_block = a.seq.layout.block_bytes          # the first group: the global layer, 16 tokens a block
         in_last = -n % 16                                # the free rows of its last global block
         assert a.tokens_left() == (runner.budget_bytes - one - lacks) // global_block * 16 + in_last
@@ -251,7 +251,7 @@ def test_room_is_made_by_releasing_whole_conversations(gemma3):
         b.append(ids[n:])                                # another prompt: no prefix to share
         assert all(m.released and not m.block_table for m in a.seq.members)
         assert runner.conversation_bytes(b.seq) == one and runner.held_bytes <= runner.budget_bytes
-        runner.manager.check()
+        runner.cache.check()
         a.close()
         b.close()
     finally:
@@ -274,7 +274,7 @@ def test_sliding_pages_stay_at_their_window(tmp_path):
         # the rest is the pages' growth by doubling (at least 4 blocks a layout)
         assert runner.storage_bytes() <= 2.5 * held and runner.storage_bytes() < 0.6 * full, \
             (runner.storage_bytes(), held, full)
-        runner.manager.check()
+        runner.cache.check()
         runner.close(seq)
 
 

@@ -54,7 +54,7 @@ def test_an_exception_inside_a_step_leaves_the_cache_exactly_as_before(engine, c
                 s.append(ids[41:41 + n_new])
         finally:
             model.forward = forward
-        engine.runner.manager.check()
+        engine.runner.cache.check()
         assert s.seq.num_tokens == twin.seq.num_tokens and s.token_ids == twin.token_ids
         nxt = ids[41 + n_new:41 + n_new + 5]
         torch.testing.assert_close(s.append(nxt), twin.append(nxt), atol=0, rtol=0)
@@ -70,7 +70,7 @@ def test_truncate_takes_tokens_back_exactly(engine):
     assert s.seq.num_tokens == 35 and len(s.seq.block_table) == 3
     s.append(ids[35:50])
     torch.testing.assert_close(s.append(ids[50:80]), want, atol=0, rtol=0)
-    engine.runner.manager.check()
+    engine.runner.cache.check()
 
 
 def test_quantized_truncate_within_the_unquantized_block_only(engine):
@@ -99,7 +99,7 @@ def test_prefix_cache_reuses_a_shared_system_prompt_and_changes_nothing(engine):
     list(plain.send("Something else", GREEDY))
     assert plain.stats().prefix_reused_tokens == 0
     torch.testing.assert_close(second._prompt_logits, plain._prompt_logits, atol=1e-5, rtol=1e-5)
-    engine.runner.manager.check()
+    engine.runner.cache.check()
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_regenerate_forks_without_reading_the_history_again(engine):
     assert [a.text for a in s.alternatives] == [old, done.text]
     s.select_alternative(1)                        # back to the sampled reply, its cache still held
     assert s.messages[-1]["content"] == done.text and s.alternatives[1].text == old
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     # the conversation goes on from the chosen alternative's cache (the history is not read again): a whole greedy
     # turn, its reply the last max_new_tokens tokens
     held = len(s.token_ids)
@@ -140,7 +140,7 @@ def test_regenerate_forks_without_reading_the_history_again(engine):
     assert third.finish_reason == "length" and 0 < third.stats.prefill_tokens < held
     assert engine.tokenizer.decode(reply_ids) == third.text != ""
     assert s.messages[-1] == {"role": "assistant", "content": third.text}
-    engine.runner.manager.check()
+    engine.runner.cache.check()
 
 
 @pytest.mark.slow
@@ -158,7 +158,7 @@ def test_switching_back_to_a_conversation_needs_no_prefill(default_engine):
 
 def test_the_least_recently_used_conversation_gives_its_blocks_back_first(engine):
     """When a turn needs room, the LRU idle conversation is released (and says so); the active one stays."""
-    for seq in list(engine.runner.manager.sequences.values()):   # earlier tests' conversations
+    for seq in list(engine.runner.cache.sequences()):   # earlier tests' conversations
         engine.runner.close(seq)
     config = CacheConfig(**FP32)
     layout = engine.runner.layout(config)
@@ -171,13 +171,13 @@ def test_the_least_recently_used_conversation_gives_its_blocks_back_first(engine
     assert not a.seq.released
     c.append(_ids(engine, 60, seed=12))           # 4 + 4 + 4 blocks > 10: a (least recent) gives its blocks back
     assert a.seq.released and not b.seq.released and len(c.seq.block_table) == 4
-    assert engine.runner.manager.held_bytes <= 10 * layout.block_bytes
+    assert engine.runner.cache._blocks.held_bytes <= 10 * layout.block_bytes
     assert c.stats().pool.released >= 1
     # a continues: its history is read again (the notice says so)
     a.token_ids = list(a.token_ids)
     a.append(_ids(engine, 5, seed=13))
     assert a.notice and a.seq.num_tokens == 5
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     engine.new_session()                           # back to the default budget for later tests
 
 
@@ -198,7 +198,7 @@ def test_stop_during_a_long_prompt_leaves_the_chat_as_before(engine):
     # the cache holds the conversation's tokens and nothing of the stopped prompt (the last reply token,
     # read with the first chunk, may stay)
     assert len(s.token_ids) - 1 <= s.seq.num_tokens <= len(s.token_ids)
-    engine.runner.manager.check()
+    engine.runner.cache.check()
 
 
 def test_special_token_strings_in_a_message_are_plain_text(engine):

@@ -93,7 +93,7 @@ def test_every_cache_format_reads_as_transformers(moe, dense, cache):
     else:
         floor = 0.9 if cache in ("bf16", "int8") else 0.8
         assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= floor
-    dense.runner.manager.check()
+    dense.runner.cache.check()
     s.close()
 
 
@@ -105,7 +105,7 @@ def test_the_users_window_and_sinks_run_on_moe(dense):
     assert torch.isfinite(got).all()
     assert max(m.evicted for m in s.seq.members) > 0
     assert all(m.seq_len <= 32 + 8 for m in s.seq.members)
-    dense.runner.manager.check()
+    dense.runner.cache.check()
     s.close()
 
 
@@ -241,7 +241,7 @@ def test_a_saved_cache_restores_to_the_same_logits(packed, tmp_path):
             packed.restore_warm(s2)
             assert s2.seq.num_tokens == s.seq.num_tokens
             assert torch.equal(s.append([7, 8, 9]), s2.append([7, 8, 9]))
-            packed.runner.manager.check()
+            packed.runner.cache.check()
             s.close()
             s2.close()
     finally:

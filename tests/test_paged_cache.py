@@ -49,7 +49,7 @@ def test_reported_bytes_equal_tensors_and_formula(engine, bs):
 
 def test_memory_grows_with_conversation_and_reset_returns_it(engine):
     """KV bytes start at 0, grow block by block (not preallocated), and reset returns every block."""
-    for seq in list(engine.runner.manager.sequences.values()):   # earlier tests' conversations
+    for seq in list(engine.runner.cache.sequences()):   # earlier tests' conversations
         engine.runner.close(seq)
     engine.clear_prefix_cache()                                   # and the blocks they left for reuse
     s = engine.new_session(cache=CacheConfig(block_size=16, budget_mb=64))

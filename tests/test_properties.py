@@ -93,11 +93,11 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.engine = World.engine
         runner = self.engine.runner
-        for seq in list(runner.manager.sequences.values()):      # the previous example's conversations
+        for seq in list(runner.cache.sequences()):      # the previous example's conversations
             runner.close(seq)
         runner.clear_prefix_cache()
         runner.set_budget(World.budget_mb)
-        runner.manager.check()
+        runner.cache.check()
         self.sessions: list = []
         self.exact: dict[int, bool] = {}          # id(session) -> its cache has been exact fp32 throughout
         self.current = 0
@@ -262,7 +262,7 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def books_balance(self):
         runner = self.engine.runner
-        m = runner.manager
+        m = runner.cache._blocks
         m.check()                              # counts match tables, no double free, held <= budget
         assert all(r >= 0 for r in m.pool.ref_cnt)
         assert m.held_bytes <= m.budget_bytes
@@ -271,7 +271,7 @@ class EngineMachine(RuleBasedStateMachine):
             for b in seq.block_table:
                 assert m.block_layout[b] == seq.layout, f"block {b} is held in another layout's pages"
             if seq.block_table:
-                comps = runner.store.layouts.get(seq.layout)
+                comps = runner.cache._pages.layouts.get(seq.layout)
                 assert comps is not None, "a sequence's layout has no page storage"
                 top = max(seq.block_table)
                 for pair in comps:
@@ -285,7 +285,7 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def conversations_report_what_they_hold(self):
         runner = self.engine.runner
-        m = runner.manager
+        m = runner.cache._blocks
         for s in self.sessions:
             seq = s.seq
             assert seq.seq_id in m.sequences
@@ -304,7 +304,7 @@ class EngineMachine(RuleBasedStateMachine):
         s = self.session
         seq = s.seq
         runner = self.engine.runner
-        m = runner.manager
+        m = runner.cache._blocks
         if not self.exact[id(s)] or seq.released or not seq.num_tokens or not _exact_mode(s.cache_config):
             return
         pending = s.token_ids[seq.num_tokens:]
@@ -393,7 +393,7 @@ def test_continue_after_a_reply_stopped_by_the_user(tiny_engine, steps):
     want = whole.reply("Hello! How are you today?", SamplingParams(temperature=0.0, max_new_tokens=steps + 4))
     assert more.text == want and more.text.startswith(first.text)
     assert s.token_ids == whole.token_ids
-    tiny_engine.runner.manager.check()
+    tiny_engine.runner.cache.check()
 
 
 def test_stop_while_a_window_slides_over_the_prompt_leaves_the_chat_as_before(tiny_engine):
@@ -406,9 +406,9 @@ def test_stop_while_a_window_slides_over_the_prompt_leaves_the_chat_as_before(ti
     done = list(s.send("The quick brown fox jumps over the lazy dog. " * 6, SamplingParams(temperature=0.0),
                        should_stop=_stop_after(3)))[-1]
     assert done.finish_reason == "stopped" and s.messages == before
-    tiny_engine.runner.manager.check()
+    tiny_engine.runner.cache.check()
     assert list(s.send("Paris", SamplingParams(temperature=0.0, max_new_tokens=2)))[-1].finish_reason == "length"
-    tiny_engine.runner.manager.check()
+    tiny_engine.runner.cache.check()
 
 
 def test_truncate_past_what_a_window_holds_is_refused_with_a_message(tiny_engine):
@@ -417,7 +417,7 @@ def test_truncate_past_what_a_window_holds_is_refused_with_a_message(tiny_engine
     assert s.seq.evicted
     with pytest.raises(ConfigError, match="cannot take back"):
         s.truncate(s.seq.seq_len - 2)
-    tiny_engine.runner.manager.check()
+    tiny_engine.runner.cache.check()
 
 
 def test_blocks_computed_under_a_window_are_not_shared_with_full_attention(tiny_engine):
@@ -436,7 +436,7 @@ def test_blocks_computed_under_a_window_are_not_shared_with_full_attention(tiny_
     list(plain.send(text, SamplingParams(temperature=0.0, max_new_tokens=2)))
     torch.testing.assert_close(shared._prompt_logits, plain._prompt_logits, atol=1e-4, rtol=0)
     assert 0 < done.stats.prefix_reused_tokens <= 16 + 4
-    tiny_engine.runner.manager.check()
+    tiny_engine.runner.cache.check()
 
 
 def test_a_block_truncated_back_to_partial_leaves_the_prefix_index(tiny_engine):
@@ -450,10 +450,10 @@ def test_a_block_truncated_back_to_partial_leaves_the_prefix_index(tiny_engine):
     first.truncate(10)                            # block 1 holds 14 tokens again
     first.append(other)                           # ...and is written over
     second = tiny_engine.new_session(cache=fp32)
-    adopted = tiny_engine.runner.manager.match_prefix(second.seq, ids)
+    adopted = tiny_engine.runner.cache._blocks.match_prefix(second.seq, ids)
     second.token_ids = ids[:adopted]
     got = second.append(ids[adopted:], all_logits=False)
     fresh = tiny_engine.new_session(cache=fp32, prefix_cache=False)
     torch.testing.assert_close(got, fresh.append(ids, all_logits=False), atol=1e-4, rtol=0)
     assert adopted == 16
-    tiny_engine.runner.manager.check()
+    tiny_engine.runner.cache.check()

@@ -100,7 +100,7 @@ def test_non_finite_values_or_a_depth_bomb_under_a_valid_checksum_are_refused(ti
         with pytest.raises(CacheFileError) as info:
             tiny.restore_warm(s2)
         assert s2.seq.num_tokens == 0 and s2.token_ids == []
-        tiny.runner.manager.check()
+        tiny.runner.cache.check()
         s2.close()
         why = str(info.value)
     else:

@@ -11,7 +11,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
 
 
 def _chat_with_alternatives(engine):
-    for seq in list(engine.runner.manager.sequences.values()):
+    for seq in list(engine.runner.cache.sequences()):
         engine.runner.close(seq)
     engine.clear_prefix_cache()
     s = engine.new_session(cache=CacheConfig(k_format="fp32", v_format="fp32"))
@@ -25,7 +25,7 @@ def _chat_with_alternatives(engine):
 
 def test_reset_returns_the_drop_of_the_pools_held_bytes(tiny_engine):
     """Three replies over one prompt: reset reports the fall of the pool's held bytes, not each sharer's bytes."""
-    runner, manager = tiny_engine.runner, tiny_engine.runner.manager
+    runner, manager = tiny_engine.runner, tiny_engine.runner.cache._blocks
     s = _chat_with_alternatives(tiny_engine)
     held = runner.held_bytes
     per_sharer = sum(manager.sequence_bytes(seq) for seq in [s.seq] + [a.seq for a in s.alternatives])
@@ -42,10 +42,10 @@ def test_reset_and_clearing_the_prefix_cache_return_each_block_once(tiny_engine)
     s = _chat_with_alternatives(tiny_engine)
     held = runner.held_bytes
     freed = s.reset()
-    assert runner.manager.pool.num_evictable > 0
+    assert runner.cache._blocks.pool.num_evictable > 0
     assert freed + tiny_engine.clear_prefix_cache() == held
     assert runner.held_bytes == 0
-    runner.manager.check()
+    runner.cache.check()
 
 
 @pytest.mark.gui

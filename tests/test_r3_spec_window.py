@@ -59,7 +59,7 @@ def assert_plain(engine, cache: CacheConfig) -> None:
     stats = [f.stats.spec for f in finished]
     drafted, accepted = sum(st.drafted for st in stats), sum(st.accepted for st in stats)
     assert 0 < accepted < drafted, stats                            # drafts kept and drafts taken back
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     assert spec.append([5, 6, 7]).equal(plain.append([5, 6, 7]))    # the same cache: the next logits bit for bit
     spec.close()
     plain.close()
@@ -82,7 +82,7 @@ def test_rejected_drafts_are_taken_back_on_every_group_before_the_window_fills(g
     runner.step([(s.seq, [20] + [21] * room)], decode=[True])
     runner.truncate(s.seq, room)
     assert [m.num_tokens for m in s.seq.members] == [11, 11]
-    runner.manager.check()
+    runner.cache.check()
     s.close()
 
 

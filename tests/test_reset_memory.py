@@ -42,15 +42,15 @@ def test_reset_in_the_app_empties_the_page_storage_and_the_dashboard_shows_the_m
 
 def test_clear_prefix_cache_shrinks_the_page_storage(tiny_engine):
     """session.reset keeps full blocks for prefix reuse (the storage stays); clear_prefix_cache lets it go."""
-    for seq in list(tiny_engine.runner.manager.sequences.values()):
+    for seq in list(tiny_engine.runner.cache.sequences()):
         tiny_engine.runner.close(seq)
     s = tiny_engine.new_session(cache=CacheConfig(k_format="fp32", v_format="fp32"))
     s.reply("The quick brown fox jumps over the lazy dog. " * 12, SamplingParams(temperature=0.0, max_new_tokens=4))
     held = tiny_engine.runner.storage_bytes()
     s.reset()
-    assert tiny_engine.runner.manager.pool.num_evictable > 0 and tiny_engine.runner.storage_bytes() == held
+    assert tiny_engine.runner.cache._blocks.pool.num_evictable > 0 and tiny_engine.runner.storage_bytes() == held
     assert tiny_engine.clear_prefix_cache() > 0
-    assert tiny_engine.runner.storage_bytes() == 0 and tiny_engine.runner.manager.held_bytes == 0
+    assert tiny_engine.runner.storage_bytes() == 0 and tiny_engine.runner.cache._blocks.held_bytes == 0
 
 
 def _rss_mib() -> float:

@@ -69,7 +69,7 @@ def test_greedy_speculation_is_plain_decoding_token_for_token(engine, cache):
     assert max(st.tokens_per_step for st in stats) > 1.0
     nxt = [5, 6, 7, 8, 9]
     torch.testing.assert_close(spec.append(nxt), plain.append(nxt), atol=0, rtol=0)
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     spec.close()
     plain.close()
 
@@ -124,7 +124,7 @@ def test_a_hybrid_model_speculates_exactly(tmp_path, family):
         assert spec.token_ids == plain.token_ids
         assert finished.stats.spec.drafted > 0
         torch.testing.assert_close(spec.append([5, 6, 7]), plain.append([5, 6, 7]), atol=0, rtol=0)
-        eng.runner.manager.check()
+        eng.runner.cache.check()
 
 
 def test_a_failure_mid_verification_leaves_the_cache_as_before(engine):
@@ -149,7 +149,7 @@ def test_a_failure_mid_verification_leaves_the_cache_as_before(engine):
             engine.runner.step([(s.seq, [50, 51, 52, 53])], decode=[True])
     finally:
         model.forward, model.forward_decode = forward, decode
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     assert s.seq.num_tokens == twin.seq.num_tokens
     torch.testing.assert_close(s.append([60, 61]), twin.append([60, 61]), atol=0, rtol=0)
 
@@ -162,7 +162,7 @@ def test_a_budget_too_small_for_the_drafts_falls_back_to_plain_steps(engine):
     plain.close()
     spec, finished = turn(engine, LOOKUP, cache, turns=1, params=SamplingParams(temperature=0, max_new_tokens=40))
     assert spec.token_ids == plain_ids
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     spec.close()
     engine.set_speculative(OFF)
     engine.new_session(cache=CacheConfig(**FP32))          # the budget back to the default
@@ -194,8 +194,8 @@ def test_the_default_model_is_its_own_draft():
     st = finished.stats.spec
     assert st.method == "draft" and st.drafted > 0 and st.acceptance_rate > 0.9, st
     spec.close()                 # its draft sequence goes with it
-    assert all(not s.closed for s in eng.runner.manager.sequences.values())
-    eng.runner.manager.check()
+    assert all(not s.closed for s in eng.runner.cache.sequences())
+    eng.runner.cache.check()
 
 
 def test_a_tiny_random_draft_model_sharing_the_tokenizer(engine, tmp_path):
@@ -274,7 +274,7 @@ def test_batched_serving_speculates_and_gives_each_request_its_plain_tokens(engi
     assert value("vllm:spec_decode_num_drafts_total", labels) > 0 and drafted > 0 and 0 < accepted <= drafted
     assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", dict(labels, position="0")) > 0
     engine.set_speculative(OFF)
-    engine.runner.manager.check()
+    engine.runner.cache.check()
 
 
 def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor, n: int) -> bool:
@@ -400,7 +400,7 @@ def test_a_self_draft_never_releases_the_conversation_it_drafts_for(engine):
                           cache, turns=1, params=params)
     assert spec.token_ids == plain_ids and not spec.seq.released and not spec.notice
     assert finished.stats.spec.drafted > 0          # the draft ran while it had room
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     spec.close()
     engine.set_speculative(OFF)
     engine.new_session(cache=CacheConfig(**FP32))          # the budget back to the default

@@ -33,7 +33,7 @@ def first_delta(stream) -> TokenDelta:
 
 
 def blocks_in_use(engine) -> int:
-    return engine.runner.manager.pool.num_in_use
+    return engine.runner.cache._blocks.pool.num_in_use
 
 
 # --- item 8: values ---------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_reset_during_a_stream_ends_it(tiny_engine):
     assert rest[0].finish_reason == "stopped" and "reset" in rest[0].message
     assert s.messages[-1] == {"role": "assistant", "content": rest[0].text} and rest[0].text.startswith(shown)
     assert s.seq.num_tokens == 0 and not s.seq.block_table
-    tiny_engine.runner.manager.check()
+    tiny_engine.runner.cache.check()
     done = list(s.send("Again", GREEDY))[-1]
     assert done.stats.prefill_tokens > len(tiny_engine.tokenizer.encode("Again"))      # the history, read again
     s.close()
@@ -164,28 +164,28 @@ def test_rewind_during_a_stream_ends_it(tiny_engine):
     rest = list(stream)
     assert len(rest) == 1 and rest[0].finish_reason == "stopped" and "rewound" in rest[0].message
     assert s.messages == [] and s.token_ids == []
-    tiny_engine.runner.manager.check()
+    tiny_engine.runner.cache.check()
     s.close()
 
 
 def test_close_during_a_stream_ends_it(tiny_engine):
     """close() mid-reply: the stream ends with one TurnFinished, and the session's sequences are gone."""
-    before = set(tiny_engine.runner.manager.sequences)
+    before = set(tiny_engine.runner.cache._blocks.sequences)
     s = tiny_engine.new_session()
     stream = s.send("Hello!", SamplingParams(temperature=0.0, max_new_tokens=40))
     first_delta(stream)
     s.close()
     rest = list(stream)
     assert len(rest) == 1 and rest[0].finish_reason == "stopped" and "closed" in rest[0].message
-    assert set(tiny_engine.runner.manager.sequences) == before
-    tiny_engine.runner.manager.check()
+    assert set(tiny_engine.runner.cache._blocks.sequences) == before
+    tiny_engine.runner.cache.check()
 
 
 # --- item 12: close gives everything back; a closed session refuses use ----------------------
 
 def test_close_after_regenerates_leaves_no_sequence(tiny_engine):
     """Two regenerates keep two alternatives, each with its own sequence: close gives back every one."""
-    m = tiny_engine.runner.manager
+    m = tiny_engine.runner.cache._blocks
     before, in_use = set(m.sequences), blocks_in_use(tiny_engine)
     s = tiny_engine.new_session(cache=CacheConfig(k_format="fp32", v_format="fp32"))
     s.reply("Hello! How are you today?", GREEDY)
@@ -200,7 +200,7 @@ def test_close_after_regenerates_leaves_no_sequence(tiny_engine):
 
 def test_sequences_of_dropped_replies_are_given_back(tiny_engine):
     """A new message after a regenerate, and a rewind, drop the old replies: their sequences go with them."""
-    m = tiny_engine.runner.manager
+    m = tiny_engine.runner.cache._blocks
     before = set(m.sequences)
     s = tiny_engine.new_session(cache=CacheConfig(k_format="fp32", v_format="fp32"))
     s.reply("Hello!", GREEDY)
@@ -222,7 +222,7 @@ def test_sequences_of_dropped_replies_are_given_back(tiny_engine):
 ], ids=["send", "send-call", "append", "regenerate", "continue", "reset", "rewind", "set_cache", "truncate"])
 def test_a_closed_session_refuses_use_and_holds_nothing(tiny_engine, use):
     """After close, every use is a SessionClosed saying to start a new session; no block is taken, none is lost."""
-    m = tiny_engine.runner.manager
+    m = tiny_engine.runner.cache._blocks
     before, in_use = set(m.sequences), blocks_in_use(tiny_engine)
     s = tiny_engine.new_session()
     s.reply("Hello!", GREEDY)

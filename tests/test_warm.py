@@ -83,7 +83,7 @@ def test_restored_cache_gives_the_same_next_logits_bit_for_bit(tiny, mode):
         assert s3.turn_times.prefill_tokens == stayed.turn_times.prefill_tokens   # 0, or a partial quantized block
         assert torch.equal(stayed.append([9, 10]), s3.append([9, 10]))
     assert same_next(s, s2)
-    tiny.runner.manager.check()
+    tiny.runner.cache.check()
     for x in (s, s2, s3, stayed):
         x.close()
 
@@ -114,7 +114,7 @@ def test_a_hybrid_model_restores_every_group(tmp_path):
         engine.restore_warm(s2)
         assert [m.seq_len for m in s2.seq.members] == [m.seq_len for m in s.seq.members]
         assert torch.equal(s.append([7, 8, 9]), s2.append([7, 8, 9]))
-        engine.runner.manager.check()
+        engine.runner.cache.check()
         s.close()
         s2.close()
 
@@ -148,7 +148,7 @@ def refused(engine, s, key="c1") -> tuple[str, object]:
     with pytest.raises(CacheFileError) as info:
         engine.restore_warm(s2)
     assert s2.seq.num_tokens == 0 and s2.token_ids == []
-    engine.runner.manager.check()
+    engine.runner.cache.check()
     want = engine.new_session(cache=s.cache_config, history=s.messages)
     assert s2.reply("and then?", G) == want.reply("and then?", G)      # read again, same reply
     want.close()
@@ -256,7 +256,7 @@ def test_a_cache_larger_than_the_budget_is_refused_and_nothing_is_held(tiny):
         with pytest.raises(CacheFileError):
             tiny.restore_warm(s2)
         assert s2.seq.num_tokens == 0 and not s2.seq.block_table
-        tiny.runner.manager.check()
+        tiny.runner.cache.check()
         s2.close()
     finally:
         tiny.runner.set_budget(before / 2**20)

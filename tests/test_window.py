@@ -147,7 +147,7 @@ def test_window_without_sinks_drops_the_first_block_and_its_full_precision_copy(
     assert s.seq.evicted > 0 and first not in s.seq.block_table
     assert s.stats().kv_bytes == s.seq.layout.sequence_bytes(120, 32, 0)    # no head counted any more
     # the block stays only as a reusable prefix block; clearing the prefix cache drops its copy too
-    assert first in engine.runner.manager.pool.evictable_ids()
+    assert first in engine.runner.cache._blocks.pool.evictable_ids()
     engine.clear_prefix_cache()
     assert all(first not in c.heads for comps in s.components for c in comps)
     assert s.stats().tokens_held == 32

@@ -58,7 +58,7 @@ def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayo
     new_layout_comps = store.components(layout)
     same_blocks = layout.block_size == seq.layout.block_size
     slots = torch.arange(n)
-    abs_pos = torch.tensor([seq.absolute(j) for j in range(n)], dtype=torch.long)
+    abs_pos = seq.positions(slots)
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}      # cos, sin per RoPE table (by identity)
     # read everything the new layout needs before the old blocks go back
     carried = []

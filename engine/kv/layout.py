@@ -263,12 +263,6 @@ def sinks_at_first_positions(delta: int, first_slot: int, window: int | None, nu
     return min(sink_blocks * block_size, first_slot)
 
 
-def absolute_slot(slot, sink_blocks: int, evicted: int, block_size: int):
-    """The token index of a slot, an int or an int64 tensor of slots: slots after the sink blocks moved down by
-    the `evicted` blocks that left."""
-    return slot + (slot >= sink_blocks * block_size) * (evicted * block_size)
-
-
 # ---- hybrid models: layers with their own windows (Gemma 2 / 3, Phi-3's sliding window) ---------------------------
 
 def layer_geometry(model: ModelConfig, cache: CacheConfig, layer: int) -> WindowGeometry:

@@ -22,7 +22,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from kvchat.engine.kv.block_pool import BlockPool
-from kvchat.engine.kv.layout import KVLayout, WindowGeometry, absolute_slot
+from kvchat.engine.kv.layout import KVLayout, WindowGeometry
 
 
 class NoFreeBlocks(RuntimeError):
@@ -44,9 +44,10 @@ class Sequence:
     geometry: WindowGeometry
     sink_blocks: int                    # blocks at the start that never leave (kept if the window is removed)
     seq_id: int = field(default_factory=lambda: next(_ids))
-    block_table: list[int] = field(default_factory=list)
+    # positioned: entry i holds tokens [i * block_size, (i + 1) * block_size), None where that block left (a window
+    # moved past it, or it was dropped); the table keeps its length, so an entry's index is its position
+    table: list[int | None] = field(default_factory=list)
     num_tokens: int = 0                 # tokens committed since the sequence started (or was reset)
-    evicted: int = 0                    # blocks that left the window
     token_ids: list[int] = field(default_factory=list)   # committed ids, kept while blocks are hashed
     block_keys: list[tuple] = field(default_factory=list)  # prefix keys of the full blocks, in order
     last_used: int = 0
@@ -63,14 +64,29 @@ class Sequence:
         return self.layout.block_size
 
     @property
+    def block_table(self) -> list[int]:
+        """The held blocks in position order: the pages' view, whose slots are these blocks laid end to end."""
+        return [b for b in self.table if b is not None]
+
+    @property
+    def evicted(self) -> int:
+        """Blocks that left (null entries); only whole blocks ever leave."""
+        return self.table.count(None)
+
+    @property
     def seq_len(self) -> int:
-        """Slots in use: tokens committed less those in evicted blocks."""
+        """Slots in use: tokens committed less those in blocks that left."""
         return self.num_tokens - self.evicted * self.block_size
 
     @property
     def has_head(self) -> bool:
         """Quantized components keep the first block in full precision while it is full and held."""
-        return self.seq_len >= self.block_size and (self.sink_blocks > 0 or self.evicted == 0)
+        return self.num_tokens >= self.block_size and bool(self.table) and self.table[0] is not None
+
+    def held_positions(self) -> list[int]:
+        """The first token position of each held block, in slot order."""
+        bs = self.block_size
+        return [i * bs for i, b in enumerate(self.table) if b is not None]
 
     @property
     def side_bytes(self) -> int:
@@ -84,9 +100,17 @@ class Sequence:
         """(window_start slot, num_sinks) now."""
         return self.geometry.start(self.num_tokens, self.evicted)
 
-    def absolute(self, slot: int) -> int:
-        """The token index of a slot (slots after the sink blocks moved down as blocks left)."""
-        return absolute_slot(slot, self.sink_blocks, self.evicted, self.block_size)
+    def positions(self, slots):
+        """The token positions of slots (an int64 tensor, or an int): the one map from where a value sits in the
+        pages to the token it belongs to, read off the positioned table (blocks that left shift later slots)."""
+        import torch
+        bs = self.block_size
+        starts = torch.tensor(self.held_positions(), dtype=torch.long)
+        if isinstance(slots, int):
+            return int(starts[slots // bs]) + slots % bs
+        if not self.evicted:
+            return slots.clone()
+        return starts[slots // bs] + slots % bs
 
     @property
     def members(self) -> list["Sequence"]:
@@ -103,6 +127,7 @@ class Reservation:
     first_slot: int
     new_blocks: list[int]
     copied: tuple[int, int, int] | None = None   # (table index, old id, new id) of a copied-on-write block
+    undo: tuple | None = None           # what the pages need to undo the step (KVCache.reserve: tails, a new head)
 
 
 @dataclass(frozen=True)
@@ -203,8 +228,8 @@ class KVCacheManager:
         of held_bytes): a block another sequence shares, or a hashed one kept for prefix reuse, is still held."""
         held = self._block_bytes_held + seq.side_bytes
         self._free_ids(seq, reversed(seq.block_table))     # the tail of a prefix is evicted before its head
-        seq.block_table.clear()
-        seq.num_tokens = seq.evicted = 0
+        seq.table.clear()
+        seq.num_tokens = 0
         seq.token_ids.clear()
         seq.block_keys.clear()
         return held - self._block_bytes_held - seq.side_bytes
@@ -262,7 +287,7 @@ class KVCacheManager:
                 total += sum(s.layout.block_bytes for b in s.block_table if ref[b] == 1) + s.side_bytes
         return total
 
-    def _make_room(self, need: int, keep: set[int]) -> None:
+    def make_room(self, need: int, keep: set[int]) -> None:
         """Free bytes until `need` more fit: oldest evictable prefix blocks, then least recently used idle sequences."""
         keep = self._whole(keep)
         while self.free_bytes() < need:
@@ -292,7 +317,8 @@ class KVCacheManager:
     def bytes_needed(self, seq: Sequence, num_new: int) -> int:
         """More bytes num_new tokens take: new blocks, a shared partial block's copy, a head/tail that appears."""
         layout, n = seq.layout, seq.seq_len + num_new
-        blocks = max(0, layout.blocks_for(n) - len(seq.block_table)) + int(num_new > 0 and self.shared_partial(seq))
+        blocks = (max(0, layout.blocks_for(seq.num_tokens + num_new) - len(seq.table))
+                  + int(num_new > 0 and self.shared_partial(seq)))
         side_after = layout.side_bytes(n, seq.has_head or n >= layout.block_size)
         return blocks * layout.block_bytes + max(0, side_after - seq.side_bytes)
 
@@ -305,25 +331,25 @@ class KVCacheManager:
         layout = seq.layout
         keep = set(keep) | {seq.seq_id}
         first = seq.seq_len
-        need_blocks = max(0, layout.blocks_for(first + num_new) - len(seq.block_table))
+        need_blocks = max(0, layout.blocks_for(seq.num_tokens + num_new) - len(seq.table))
         partial = num_new > 0 and self.shared_partial(seq)
-        self._make_room(self.bytes_needed(seq, num_new), keep)
+        self.make_room(self.bytes_needed(seq, num_new), keep)
         res = Reservation(seq, num_new, first, self._allocate(layout, need_blocks))
         if partial:
-            i = len(seq.block_table) - 1
-            old, (new,) = seq.block_table[i], self._allocate(layout, 1)
-            seq.block_table[i] = new
+            i = len(seq.table) - 1
+            old, (new,) = seq.table[i], self._allocate(layout, 1)
+            seq.table[i] = new
             res.copied = (i, old, new)
-        seq.block_table.extend(res.new_blocks)
+        seq.table.extend(res.new_blocks)
         return res
 
     def rollback(self, res: Reservation) -> None:
         seq = res.seq
-        del seq.block_table[len(seq.block_table) - len(res.new_blocks):]
+        del seq.table[len(seq.table) - len(res.new_blocks):]
         ids = list(res.new_blocks)
         if res.copied:
             i, old, new = res.copied
-            seq.block_table[i] = old
+            seq.table[i] = old
             ids.append(new)
         self._free_ids(seq, ids)
 
@@ -345,6 +371,17 @@ class KVCacheManager:
             seq.block_keys.clear()
         return self._evict_window(seq)
 
+    def drop(self, seq: Sequence, position: int) -> int:
+        """The block at table index `position` leaves (its entry null, later blocks keep their positions); returns
+        the bytes the pool no longer holds. The blocks computed after it attend without it, so they are not what full
+        attention computes: nothing more of the sequence is indexed for prefix reuse."""
+        held = self._block_bytes_held
+        gone, seq.table[position] = seq.table[position], None
+        seq.token_ids.clear()
+        seq.block_keys.clear()
+        self._free_ids(seq, [gone])
+        return held - self._block_bytes_held
+
     def _index_full_blocks(self, seq: Sequence) -> None:
         bs = seq.block_size
         while (len(seq.block_keys) + 1) * bs <= min(seq.num_tokens, seq.geometry.full_attention_tokens):
@@ -352,7 +389,8 @@ class KVCacheManager:
             parent = hash(seq.block_keys[-1]) if seq.block_keys else 0
             key = (parent, seq.layout, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             seq.block_keys.append(key)
-            self.pool_of(seq).cache(seq.block_table[i - seq.evicted], key)      # a model window has no sink blocks
+            if seq.table[i] is not None:        # a model window's block may have left already: its key stays
+                self.pool_of(seq).cache(seq.table[i], key)
 
     def apply_window(self, seq: Sequence, geometry: WindowGeometry) -> int:
         """A new window on a sequence (live switch): blocks it no longer keeps go back; returns how many."""
@@ -367,16 +405,29 @@ class KVCacheManager:
         return self._evict_window(seq)
 
     def adopt(self, res: Reservation, num_tokens: int, evicted: int) -> None:
-        """A converted sequence takes its tokens without a forward pass (its blocks were written directly)."""
-        res.seq.num_tokens, res.seq.evicted = num_tokens, evicted
+        """A converted sequence takes its tokens without a forward pass (its blocks were written directly): the
+        `evicted` blocks that had left stand as null entries after its sink blocks, where the window let them go."""
+        seq = res.seq
+        seq.num_tokens = num_tokens
+        seq.table[seq.sink_blocks:seq.sink_blocks] = [None] * evicted
 
     def _evict_window(self, seq: Sequence) -> int:
-        n = seq.geometry.num_to_evict(seq.num_tokens, seq.evicted, len(seq.block_table))
+        g, bs = seq.geometry, seq.block_size
+        if g.window is None:
+            return 0
+        # a block after the sinks leaves once every token in it is older than the window; at least one block past
+        # the sinks stays held (the newest), whatever else dropped before
+        start = max(g.sinks, seq.num_tokens - g.window)
+        held = len(seq.table) - seq.evicted
+        gone = []
+        for i in range(seq.sink_blocks, len(seq.table)):
+            if (i + 1) * bs > start or held - len(gone) <= g.sink_blocks + 1:
+                break
+            if seq.table[i] is not None:
+                gone.append(seq.table[i])
+                seq.table[i] = None
+        n = len(gone)
         if n:
-            sb = seq.sink_blocks
-            gone = seq.block_table[sb:sb + n]
-            del seq.block_table[sb:sb + n]
-            seq.evicted += n
             if not seq.geometry.model_window:   # positions past the sinks moved: nothing more is indexed
                 seq.token_ids.clear()
                 seq.block_keys.clear()
@@ -400,10 +451,10 @@ class KVCacheManager:
             if block_id is None:
                 break
             pool.touch(block_id)
-            seq.block_table.append(block_id)
+            seq.table.append(block_id)
             seq.block_keys.append(key)
             parent = hash(key)
-        n = len(seq.block_table) * bs
+        n = len(seq.table) * bs
         seq.num_tokens = n
         seq.token_ids = list(token_ids[:n])
         self.prefix_hits += n
@@ -421,7 +472,7 @@ class KVCacheManager:
         pool = self.pool_of(seq)
         for b in blocks:
             pool.touch(b)
-        child.block_table = list(blocks)
+        child.table = list(blocks)
         child.num_tokens = num_tokens
         if len(seq.token_ids) >= num_tokens:
             child.token_ids = seq.token_ids[:num_tokens]
@@ -431,21 +482,20 @@ class KVCacheManager:
     def truncate(self, seq: Sequence, n: int) -> list[int]:
         """Take back the last n committed tokens (rejected drafts, an edited turn). Returns block ids dropped."""
         assert 0 <= n <= seq.seq_len, f"cannot take back {n} of {seq.seq_len} tokens"
-        if seq.evicted:
-            assert seq.seq_len - n >= seq.sink_blocks * seq.block_size, "cannot truncate into the sinks"
+        keep = seq.layout.blocks_for(seq.num_tokens - n)
+        assert None not in seq.table[(seq.num_tokens - n) // seq.block_size:], "cannot take back into blocks that left"
         seq.num_tokens -= n
-        keep = seq.layout.blocks_for(seq.seq_len)
-        dropped = seq.block_table[keep:]
-        del seq.block_table[keep:]
+        dropped = seq.table[keep:]
+        del seq.table[keep:]
         self._free_ids(seq, reversed(dropped))
         del seq.token_ids[seq.num_tokens:]
         del seq.block_keys[seq.num_tokens // seq.block_size:]
-        if seq.seq_len % seq.block_size:     # a full block is partial again: new tokens will overwrite its rows
-            self.pool_of(seq).uncache(seq.block_table[-1])
+        if seq.num_tokens % seq.block_size:     # a full block is partial again: new tokens will overwrite its rows
+            self.pool_of(seq).uncache(seq.table[-1])
         return dropped
 
     def shared_partial(self, seq: Sequence) -> bool:
-        return bool(seq.seq_len % seq.block_size) and self.pool_of(seq).ref_cnt[seq.block_table[-1]] > 1
+        return bool(seq.num_tokens % seq.block_size) and self.pool_of(seq).ref_cnt[seq.table[-1]] > 1
 
     def clear_prefix_cache(self) -> int:
         """Free every evictable prefix block; returns the bytes freed."""

@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvchat.engine.kv.layout import KVLayout, absolute_slot, sinks_at_first_positions
-from kvchat.engine.kv.manager import KVCacheManager, Reservation, Sequence
-from kvchat.engine.kv.pages import PageStore, page_rows, slot_positions
+from kvchat.engine.kv.layout import KVLayout, sinks_at_first_positions
+from kvchat.engine.kv.cache import KVCache
+from kvchat.engine.kv.manager import Reservation, Sequence
+from kvchat.engine.kv.pages import page_rows, slot_positions
 from kvchat.engine.model.rope import rope_cos_sin
 
 
@@ -84,7 +85,7 @@ def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantize
     if n_sink:
         sink_cos, sink_sin = rope_cos_sin(q_pos - delta, inv_freq)
         d_cos, d_sin = rope_cos_sin(torch.tensor([delta]), inv_freq)
-    abs_pos = absolute_slot(slots, seq.sink_blocks, seq.evicted, bs) if quantized or window else None
+    abs_pos = seq.positions(slots) if quantized or window else None
     if quantized:
         if n_sink:
             abs_pos[:n_sink] += delta
@@ -150,11 +151,10 @@ class StepReservation:
     reads); layer_steps[l] the plans layer l attends with (its group's sequence, its RoPE, its window), one per item,
     or one per row of a verification item (a decode item of several tokens, plan_rows), in batch order."""
 
-    def __init__(self, manager: KVCacheManager, store: PageStore, items: list[tuple[Sequence, list[int]]],
+    def __init__(self, cache: KVCache, items: list[tuple[Sequence, list[int]]],
                  decode: list[bool], layer_rope: list[torch.Tensor], device, keep: frozenset[int] = frozenset()):
-        self.manager, self.store, self.items = manager, store, items
+        self.cache, self.items = cache, items
         self.reservations: list[tuple[Reservation, list[int]]] = []
-        self.saved: list[tuple[list | None, int | None]] = []     # per reservation: tails before, a head it starts
         self.layer_rope = layer_rope
         self.layer_steps: list[list[SeqStep]] = [[] for _ in layer_rope]   # [layer][item]
         self.steps: list[SeqStep] = []
@@ -180,18 +180,9 @@ class StepReservation:
 
     def _reserve(self, seq: Sequence, ids: list[int], decode: bool, keep: set[int], offset: int, device,
                  plans: dict[int, SeqStep]):
-        m, store = self.manager, self.store
-        res = m.reserve(seq, len(ids), keep)
+        res = self.cache.reserve(seq, len(ids), keep)
         self.reservations.append((res, ids))
-        store.reserve(seq.layout, m.high_water(seq.layout), seq.layout.budget_blocks(m.budget_bytes) + 1)
-        if res.copied:
-            store.copy_block(seq.layout, res.copied[1], res.copied[2])
         quantized = seq.layout.quantized_components > 0
-        head_new = quantized and res.first_slot < seq.block_size <= res.first_slot + len(ids)
-        self.saved.append((store.snapshot_tails(seq.layout, seq.seq_id) if quantized else None,
-                           seq.block_table[0] if head_new else None))
-        if quantized:
-            store.open_tails(seq.layout, seq.seq_id)
         g = seq.geometry
         window = g.window + 1 if g.model_window else None        # W - 1 past keys: the layer's own window W
         by_rope: dict[int, SeqStep | list[SeqStep]] = {}
@@ -204,12 +195,9 @@ class StepReservation:
             plans[layer] = by_rope[id(inv)]
 
     def rollback(self) -> None:
-        for i in reversed(range(len(self.reservations))):
-            res = self.reservations[i][0]
-            if i < len(self.saved) and self.saved[i][0] is not None:
-                self.store.restore_tails(res.seq.layout, res.seq.seq_id, *self.saved[i])
-            self.manager.rollback(res)
+        for res, _ in reversed(self.reservations):
+            self.cache.rollback(res)
 
     def commit(self, hash_ids: bool) -> None:
         for res, ids in self.reservations:
-            self.manager.commit(res, ids if hash_ids else None)
+            self.cache.commit(res, ids if hash_ids else None)

@@ -71,7 +71,7 @@ def save(session, path: Path, identity: dict) -> int:
     with runner.lock:
         if not seq.num_tokens:
             return 0
-        groups, tensors = saved.export_groups(runner.store, seq)
+        groups, tensors = runner.export_kv(seq)
         tensors["token_ids"] = torch.tensor(session.token_ids, dtype=torch.int64)
         if session._prompt_logits is not None:
             tensors["prompt_logits"] = session._prompt_logits.detach().float().cpu().reshape(-1).contiguous()
@@ -183,7 +183,7 @@ def to_host(session) -> bool:
     tier = session.runner.host_tier
     if tier is None or not session.seq.num_tokens:
         return False
-    groups, tensors = saved.export_groups(session.runner.store, session.seq)
+    groups, tensors = session.runner.export_kv(session.seq)
     return tier.put(host_key(session), groups, tensors, session.seq.num_tokens)
 
 

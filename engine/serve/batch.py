@@ -143,10 +143,9 @@ def release(engine, handle: Sequence) -> None:
 def export(engine, handle: Sequence) -> tuple[int, list, dict[str, torch.Tensor]]:
     """(tokens held, per KV group its metadata, the tensors) of a sequence's cache, byte for byte as stored, copied
     to host memory (engine/kv/saved.py): what the preemption tier keeps."""
-    from kvchat.engine.kv import saved
     runner = _runner(engine)
     with runner.lock:
-        groups, tensors = saved.export_groups(runner.store, handle.seq)
+        groups, tensors = runner.export_kv(handle.seq)
         return handle.seq.num_tokens, groups, tensors
 
 

@@ -1,0 +1,351 @@
+"""The KV cache's one owner: block ids, the bytes behind them, and the budget they share.
+
+`KVCacheManager` (manager.py) decides which block holds what; `PageStore` (pages.py) holds the bytes. They must move
+together (a block reserved needs its pages grown, a block freed takes its full-precision head along, a step undone
+restores the quantized tails), so only this class touches either. The runner, the session, conversion, saved caches,
+the server's batch and the memory bench all go through it.
+
+Its unit is a positioned block: a conversation's table keeps one entry per block of tokens it has seen, null where a
+block has left (the window moved past it, or `drop` let it go), so an entry's index is its position. The per-type rules
+of which blocks leave stay in the window geometry of each KV group (full attention, the user's window + sinks, a
+model's own sliding window: kv/layout.py); eviction by importance, retrieval and state snapshots plug in here.
+
+A conversation of a hybrid model is one sequence per KV group (kv/layout.kv_groups); the first stands for all and
+every call here takes the conversation and does the same to each group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvchat.engine.config import CacheConfig, ConfigError
+from kvchat.engine.kv import convert, saved
+from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVGroup, KVLayout
+from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView, Reservation, Sequence
+from kvchat.engine.kv.pages import PageStore
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """What taking back the last tokens did: `taken` tokens, or none and `reason` (in the user's words) when the
+    cache cannot take them back exactly (a window let their blocks go, or a quantized block already holds them)."""
+
+    taken: int
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return not self.reason
+
+
+class KVCache:
+    def __init__(self, device, budget_bytes: int, on_release: Callable[[Sequence], None] | None = None):
+        self.device = device
+        self._pages = PageStore(device)
+        self._blocks = KVCacheManager(int(budget_bytes), on_free=self._pages.forget_blocks, on_release=on_release)
+
+    # ---- conversations ---------------------------------------------------------------------------------------
+
+    def open(self, groups: tuple[KVGroup, ...]) -> Sequence:
+        """A conversation holding nothing yet, one sequence per KV group, the first standing for all."""
+        return _joined([self._blocks.new_sequence(g.layout, g.geometry) for g in groups])
+
+    def free(self, seq: Sequence) -> int:
+        """Every block of the conversation goes back; returns the bytes the pool no longer holds."""
+        freed = 0
+        for m in seq.members:
+            freed += self._blocks.free(m)
+            self._pages.drop_tails(m.seq_id)
+        self._pages.shrink(self._blocks.high_water)
+        return freed
+
+    def close(self, seq: Sequence) -> None:
+        self.free(seq)
+        for m in seq.members:
+            self._blocks.close(m)
+        self.drop_unused_layouts()
+
+    def fork(self, seq: Sequence, num_tokens: int) -> tuple[Sequence, int]:
+        """A conversation sharing the first num_tokens tokens of seq; returns (child, tokens shared).
+
+        Quantized partial blocks are shared only while they are still the parent's tail (the values are not
+        re-quantized); otherwise the child shares whole blocks and re-reads the rest. Nothing is shared once a block
+        left (the child's positions would not be the parent's)."""
+        bs = seq.block_size
+        members = seq.members
+        if any(m.evicted for m in members):
+            return _joined([self._blocks.new_sequence(m.layout, m.geometry) for m in members]), 0
+        partial = num_tokens % bs
+        quantized = any(m.layout.quantized_components for m in members)
+        if partial and quantized and seq.seq_len // bs != num_tokens // bs:
+            num_tokens -= partial
+        children, n = [], 0
+        for m in members:
+            child, n = self._blocks.fork(m, num_tokens)
+            if m.layout.quantized_components and n % bs:
+                self._pages.copy_tail(m.layout, m.seq_id, child.seq_id)
+            children.append(child)
+        return _joined(children), n
+
+    def truncate(self, seq: Sequence, n: int) -> Truncation:
+        """Take back the last n tokens where that is exact (nothing changes otherwise: the result says why)."""
+        bs = seq.block_size
+        for m in seq.members:
+            g = m.geometry
+            # a model window reads the W - 1 tokens before the new end (all of them, while fewer): still held?
+            short = g.model_window and max(0, m.num_tokens - n - g.window) < m.evicted * bs
+            if n > m.seq_len or None in m.table[(m.num_tokens - n) // bs:] or short:
+                return Truncation(0, f"the cache holds {m.seq_len} tokens since the window moved: it cannot take "
+                                     f"back {n}")
+            if m.layout.quantized_components and n > m.seq_len % bs:
+                return Truncation(0, "a quantized cache can take back tokens of its last, unquantized block only")
+        for m in seq.members:
+            self._blocks.truncate(m, n)
+        return Truncation(n)
+
+    def drop(self, seq: Sequence, position: int) -> int:
+        """The block at table index `position` of every group leaves (its entry becomes null; later blocks keep their
+        positions); returns the bytes the pool no longer holds. Only a full block that is not the first can go: the
+        first block is the quantized head, the last the one being filled."""
+        freed = 0
+        for m in seq.members:
+            if not 0 < position < len(m.table) - 1 or m.table[position] is None:
+                raise ValueError(f"block {position} of {len(m.table)} cannot be dropped")
+            freed += self._blocks.drop(m, position)
+        self._pages.shrink(self._blocks.high_water)
+        return freed
+
+    def held(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(first token position, block id) of every block the conversation's first group holds, in order."""
+        bs = seq.block_size
+        return [(i * bs, b) for i, b in enumerate(seq.table) if b is not None]
+
+    def match_prefix(self, seq: Sequence, ids: list[int]) -> int:
+        """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass."""
+        m = self._blocks
+        if not seq.groups:
+            return m.match_prefix(seq, ids)
+        # a hit is the shortest hit over the groups (each from the start); the groups holding more give back what the
+        # others could not find, and the pool counts the lookup once
+        queries, hits = m.prefix_queries, m.prefix_hits
+        found = [m.match_prefix(g, ids) for g in seq.groups]
+        n = min(found)
+        for g, got in zip(seq.groups, found):
+            if got > n:
+                m.truncate(g, got - n)
+        usable = min(len(ids) - 1, seq.geometry.full_attention_tokens) // seq.block_size
+        m.prefix_queries, m.prefix_hits = queries + usable * seq.block_size, hits + n
+        return n
+
+    def clear_prefix_cache(self) -> int:
+        freed = self._blocks.clear_prefix_cache()
+        self._pages.shrink(self._blocks.high_water)
+        return freed
+
+    def convert(self, seq: Sequence, old: CacheConfig, new: CacheConfig, groups: tuple[KVGroup, ...],
+                layer_inv_freq: list[torch.Tensor]) -> Sequence:
+        """seq in mode `old` -> a conversation in mode `new` (whose groups are `groups`) holding the same tokens."""
+        members = seq.members
+        if [g.layout.layers for g in groups] != [m.layout.layers for m in members]:
+            raise ConfigError(f"{new.label()} keeps this model's layers in other groups than {old.label()} (a "
+                              f"window against the layers' own windows): reset the session to switch to it")
+        if len(members) == 1:
+            return convert.convert_sequence(self._blocks, self._pages, seq, old, new, groups[0].layout,
+                                            groups[0].geometry, layer_inv_freq, self.close, self.drop_unused_layouts)
+        return _joined([convert.convert_sequence(self._blocks, self._pages, m, old, new, g.layout, g.geometry,
+                                                 [layer_inv_freq[i] for i in g.layers], self._close_member,
+                                                 self.drop_unused_layouts)
+                        for m, g in zip(members, groups)])
+
+    def _close_member(self, seq: Sequence) -> None:
+        """One group's sequence goes (a conversion replaced it)."""
+        self._blocks.close(seq)
+        self._pages.drop_tails(seq.seq_id)
+
+    # ---- saved caches ------------------------------------------------------------------------------------------
+
+    def export(self, seq: Sequence) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        """(per KV group its metadata, the tensors) of the conversation's blocks, byte for byte as stored, on the
+        host (engine/kv/saved.py writes them to a file; the server's preemption tier keeps them in memory)."""
+        return saved.export_groups(self._pages, seq)
+
+    def import_(self, seq: Sequence, groups: list, tensors: dict, extra: set[str] = frozenset(),
+                keep: frozenset[int] = frozenset()) -> None:
+        """Fill an empty conversation with exported blocks under new ids; CacheFileError says why not, and the
+        conversation then still holds nothing. keep: ids of other sequences the budget must not release for room."""
+        members = seq.members
+        if any(m.num_tokens or m.table for m in members):
+            raise saved.CacheFileError("the conversation already holds a cache")
+        saved.check_groups(self._pages, members, groups, tensors, set(extra))
+        try:
+            saved.import_groups(self._blocks, self._pages, members, groups, tensors, keep)
+        except NoFreeBlocks as exc:
+            raise saved.CacheFileError(f"the saved cache needs {exc.need_bytes / MIB:.1f} MiB, more than the KV "
+                                       f"budget has room for now") from None
+        except Exception as exc:     # a file that passed every check and still does not fit the pages
+            self.free(seq)
+            raise saved.CacheFileError(f"the saved cache could not be read into the pages ({exc})") from None
+
+    # ---- one step: reserve, then commit or roll back ---------------------------------------------------------
+
+    def reserve(self, seq: Sequence, num_new: int, keep: set[int]) -> Reservation:
+        """Slots and pages for num_new more tokens of one group's sequence, with what undoing them needs (the
+        quantized tails before, a head block the step would start). Raises NoFreeBlocks when the budget cannot take
+        them even after releasing every idle conversation outside `keep`."""
+        m, pages, layout = self._blocks, self._pages, seq.layout
+        res = m.reserve(seq, num_new, keep)
+        try:
+            self._grow(layout)
+            if res.copied:
+                pages.copy_block(layout, res.copied[1], res.copied[2])
+            if layout.quantized_components:
+                head_new = res.first_slot < seq.block_size <= res.first_slot + num_new
+                res.undo = (pages.snapshot_tails(layout, seq.seq_id), seq.block_table[0] if head_new else None)
+                pages.open_tails(layout, seq.seq_id)
+        except BaseException:
+            self.rollback(res)
+            raise
+        return res
+
+    def _grow(self, layout: KVLayout) -> None:
+        """The layout's pages reach its group's highest block id (never past what the budget could hold)."""
+        self._pages.reserve(layout, self._blocks.high_water(layout), layout.budget_blocks(self._blocks.budget_bytes)
+                            + 1)
+
+    def rollback(self, res: Reservation) -> None:
+        if res.undo is not None:
+            self._pages.restore_tails(res.seq.layout, res.seq.seq_id, *res.undo)
+        self._blocks.rollback(res)
+
+    def commit(self, res: Reservation, token_ids: list[int] | None) -> None:
+        self._blocks.commit(res, token_ids)
+
+    def adopt(self, res: Reservation, num_tokens: int, evicted: int) -> None:
+        """A sequence whose pages were written directly takes its tokens (bench/memory.py fills pages so)."""
+        self._blocks.adopt(res, num_tokens, evicted)
+
+    # ---- the budget --------------------------------------------------------------------------------------------
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new budget; shrinking it releases idle conversations, NoFreeBlocks (and the old budget back) when the
+        rest do not fit."""
+        m = self._blocks
+        old, m.budget_bytes = m.budget_bytes, int(budget_bytes)
+        try:
+            m.make_room(0, keep=set())
+        except NoFreeBlocks:
+            m.budget_bytes = old
+            raise
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._blocks.budget_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the pool's blocks and full-precision sides hold."""
+        return self._blocks.held_bytes
+
+    def free_bytes(self) -> int:
+        return self._blocks.free_bytes()
+
+    def room_bytes(self, keep: set[int]) -> int:
+        """Bytes free once every idle sequence outside `keep` (ids) and every reusable prefix block gave its back."""
+        return self._blocks.free_bytes() + self._blocks.reclaimable_bytes(keep)
+
+    def bytes_needed(self, seq: Sequence, num_new: int) -> int:
+        """More bytes num_new tokens take, every group of the conversation; a windowed group of a hybrid model at
+        most what it lacks of its peak with a prompt chunk in flight (a long prompt is read in chunks, and the
+        window lets blocks go between them)."""
+        if not seq.groups:
+            return self._blocks.bytes_needed(seq, num_new)
+        total = 0
+        for m in seq.members:
+            need = self._blocks.bytes_needed(m, num_new)
+            if m.geometry.window is not None:
+                g, layout = m.geometry, m.layout
+                peak = g.peak_blocks(min(num_new, PREFILL_CHUNK)) * layout.block_bytes + layout.fixed_bytes
+                need = min(need, max(0, peak - self._blocks.sequence_bytes(m)))
+            total += need
+        return total
+
+    def shared_partial(self, seq: Sequence) -> bool:
+        """Whether the sequence's last block is partial and shared (its next token copies it first)."""
+        return self._blocks.shared_partial(seq)
+
+    # ---- read ----------------------------------------------------------------------------------------------------
+
+    def sequences(self) -> list[Sequence]:
+        """Every live conversation (a hybrid model's by its first group)."""
+        return [s for s in self._blocks.sequences.values() if s.conversation is None]
+
+    def view(self) -> PoolView:
+        return self._blocks.view()
+
+    @property
+    def released_log(self) -> list[int]:
+        """Ids of the conversations released for room, newest last."""
+        return self._blocks.released_log
+
+    def prefix_counts(self) -> tuple[int, int]:
+        """(tokens looked up, tokens found) in the prefix cache since load."""
+        return self._blocks.prefix_queries, self._blocks.prefix_hits
+
+    def evictable_ids(self) -> list[int]:
+        """Free blocks kept for prefix reuse, of a model of one KV group."""
+        return list(self._blocks.pool.evictable_ids())
+
+    def blocks_in_use(self) -> int:
+        return sum(p.num_in_use for p in self._blocks.pools.values())
+
+    def components(self, layout: KVLayout):
+        """The layout's page components per layer, (K, V)."""
+        return self._pages.components(layout)
+
+    def layouts(self) -> dict:
+        """The layouts whose pages exist, with their components."""
+        return self._pages.layouts
+
+    def layer_bytes(self, seq: Sequence, num_layers: int) -> list[tuple[int, int]]:
+        """Per model layer (K, V) bytes the conversation holds: each group's blocks at its layout's block bytes plus
+        its full-precision head and tail."""
+        out = [None] * num_layers
+        for m in seq.members:
+            layout = m.layout
+            n = len(m.block_table)
+            side = layout.full_block_bytes * (1 + int(m.has_head)) if m.seq_len else 0
+            for j, (bb, fmts) in enumerate(zip(layout.layer_block_bytes, layout.formats)):
+                out[layout.layers[j] if layout.layers else j] = tuple(b * n + (side if f.is_quantized else 0)
+                                                                      for b, f in zip(bb, fmts))
+        return out
+
+    def conversation_bytes(self, seq: Sequence) -> int:
+        """Bytes the conversation holds, every group."""
+        return sum(self._blocks.sequence_bytes(m) for m in seq.members)
+
+    def layouts_in_use(self) -> set[KVLayout]:
+        return {s.layout for s in self._blocks.sequences.values()} | self._blocks.layouts_held()
+
+    def drop_unused_layouts(self) -> None:
+        """Page storage of layouts no sequence and no cached block uses any more goes back."""
+        self._pages.drop_unused_layouts(self.layouts_in_use())
+
+    def storage_bytes(self) -> int:
+        """Bytes the pages hold (capacity included): what the process really spends on KV."""
+        return self._pages.layer_bytes()
+
+    def check(self) -> None:
+        """The books agree (tests call this): reference counts match the tables, bytes match a recount, every
+        positioned table is as long as its tokens need."""
+        self._blocks.check()
+        for s in self._blocks.sequences.values():
+            assert len(s.table) == s.layout.blocks_for(s.num_tokens), f"sequence {s.seq_id}'s table lost its length"
+
+
+def _joined(members: list[Sequence]) -> Sequence:
+    if len(members) > 1:
+        members[0].groups = members
+        for m in members[1:]:
+            m.conversation = members[0]
+    return members[0]
