@@ -281,12 +281,12 @@ def test_sliding_pages_stay_at_their_window(tmp_path):
 def test_each_group_has_its_own_block_ids():
     """The manager alone: two groups' sequences both count their ids from 0, one budget holds both, and room is
     made from the least recently freed prefix block over the groups' pools."""
-    from kvchat.engine.kv.layout import KVLayout, WindowGeometry
+    from kvchat.engine.kv.layout import FullAttention, KVLayout
     from kvchat.engine.kv.manager import KVCacheManager
     full = kv_layout(SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16),
                      CacheConfig(k_format="fp16", v_format="fp16", block_size=4), "fp32", "cpu")
     glob, slide = (KVLayout(1, 2, 16, 4, full.full_dtype, (full.formats[i],), (i,)) for i in (0, 1))
-    nowin = WindowGeometry(4, None, 0)
+    nowin = FullAttention(4)
     m = KVCacheManager(6 * glob.block_bytes)
     a, b = m.new_sequence(glob, nowin), m.new_sequence(slide, nowin)
     for seq in (a, b):

@@ -2,13 +2,13 @@
 import pytest
 
 from kvchat.engine.config import CacheConfig
-from kvchat.engine.kv.layout import WindowGeometry, kv_layout
+from kvchat.engine.kv.layout import FullAttention, SinkWindow, kv_layout
 from kvchat.engine.kv.manager import BlockPool, KVCacheManager, NoFreeBlocks
 from types import SimpleNamespace
 
 MODEL = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16)      # all a layout reads of a model
 FP = kv_layout(MODEL, CacheConfig(k_format="fp16", v_format="fp16", block_size=4), "fp32", "cpu")
-NOWIN = WindowGeometry(4, None, 0)
+NOWIN = FullAttention(4)
 
 
 def _manager(blocks: int) -> KVCacheManager:
@@ -140,7 +140,7 @@ def test_truncate_takes_tokens_back():
 
 def test_window_evicts_whole_blocks_after_the_sinks():
     m = _manager(16)
-    g = WindowGeometry(4, 8, 2)                       # 2 sinks in one sink block, a window of 8
+    g = SinkWindow(4, 8, 2)                       # 2 sinks in one sink block, a window of 8
     a = m.new_sequence(FP, g)
     for t in range(30):
         _step(m, a, [t])

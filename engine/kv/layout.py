@@ -95,7 +95,7 @@ class KVLayout:
 
     def sequence_bytes(self, num_tokens: int, window: int | None = None, sinks: int = 0) -> int:
         """Bytes a conversation of num_tokens tokens holds in this layout, once its window (if any) slid."""
-        g = WindowGeometry(self.block_size, window, sinks)
+        g = FullAttention(self.block_size) if window is None else SinkWindow(self.block_size, window, sinks)
         blocks, evicted = g.steady_blocks(num_tokens)
         slots = num_tokens - evicted * self.block_size
         head = slots >= self.block_size and (g.sink_blocks > 0 or evicted == 0)
@@ -166,56 +166,51 @@ def check_cache_for_model(cache: CacheConfig, model: ModelConfig, model_dtype: s
 
 @dataclass(frozen=True, slots=True)
 class WindowGeometry:
-    """Sliding window with attention sinks over a block table (StreamingLLM, arXiv 2309.17453).
+    """Which of a KV group's blocks stay, as blocks of a positioned table (kv/manager.Sequence.table): the rule of one
+    kind of layer, as vLLM keeps a manager per kind of KV spec. Three kinds, each a small class below:
 
-    Slots are the table's blocks laid end to end. The first `sink_blocks` blocks hold the sinks
-    and stay; the blocks after them leave, whole, once every token in them is older than the
-    window. `evicted` counts the blocks that left, so slot j >= sink end is absolute token
-    j + evicted * block_size.
-    """
+    - FullAttention: every block stays.
+    - SinkWindow: the user's sliding window with attention sinks (StreamingLLM, arXiv 2309.17453). The first
+      `sink_blocks` blocks hold the sinks and stay; the blocks after them leave, whole, once every token in them is
+      older than the window, so `evicted` blocks after the sinks are null and held slot j >= the sink end is token
+      j + evicted * block_size.
+    - ModelWindow: a layer's own sliding window (Gemma, gpt-oss): no sinks, absolute positions, so every block holds
+      what full attention's model computes and may be indexed for prefix reuse after blocks left.
+
+    Build one with `WindowGeometry.of(cache)` or `layer_geometry`; `window` is None for full attention only."""
 
     block_size: int
-    window: int | None
-    sinks: int
-    # the model's own sliding window (layer_geometry): no sinks, absolute positions, so every block holds what full
-    # attention's model computes and may be indexed for prefix reuse after blocks left
-    model_window: bool = False
+    window: int | None = None
+    sinks: int = 0
+    model_window = False
+
+    def __post_init__(self):
+        if type(self) is WindowGeometry:
+            raise TypeError("a window geometry is one of its kinds: FullAttention, SinkWindow or ModelWindow")
 
     @classmethod
     def of(cls, cache: CacheConfig) -> "WindowGeometry":
-        return cls(cache.block_size, cache.window, cache.sinks)
+        """The user's cache mode: its window and sinks, or full attention."""
+        if cache.window is None:
+            return FullAttention(cache.block_size)
+        return SinkWindow(cache.block_size, cache.window, cache.sinks)
 
     @property
     def sink_blocks(self) -> int:
-        return -(-self.sinks // self.block_size) if self.window is not None else 0
+        return 0
 
     @property
     def full_attention_tokens(self) -> float:
-        """Tokens a sequence computes as full attention does: a window changes the K/V of later tokens (they attend
-        to the sinks and the window only), so only blocks within the first window + sinks tokens are shared by
-        prefix."""
-        return float("inf") if self.window is None or self.model_window else self.window + self.sinks
+        """Tokens a sequence computes as full attention does, which are the only ones prefix reuse may share."""
+        return float("inf")
 
     def start(self, num_tokens: int, evicted: int) -> tuple[int, int]:
         """(window_start slot, num_sinks) of a stream of num_tokens tokens with `evicted` blocks gone."""
-        if self.window is None:
-            return 0, 0
-        bs = self.block_size
-        seq_len = num_tokens - evicted * bs
-        start_abs = max(self.sinks, num_tokens - self.window)
-        start = start_abs if start_abs < self.sink_blocks * bs else start_abs - evicted * bs
-        return min(start, seq_len), min(self.sinks, num_tokens)
+        return 0, 0
 
     def num_to_evict(self, num_tokens: int, evicted: int, table_len: int) -> int:
-        """How many blocks after the sink blocks have left the window and can go back to the pool."""
-        if self.window is None:
-            return 0
-        bs = self.block_size
-        start_abs = max(self.sinks, num_tokens - self.window)
-        n = 0
-        while table_len - n > self.sink_blocks + 1 and (self.sink_blocks + evicted + n + 1) * bs <= start_abs:
-            n += 1
-        return n
+        """How many held blocks after the sink blocks have left the window and can go back to the pool."""
+        return 0
 
     def held(self, num_tokens: int, evicted: int) -> int:
         """Tokens whose K/V the window attends to."""
@@ -233,10 +228,8 @@ class WindowGeometry:
         return -(-num_slots // self.block_size)
 
     def prefill_chunk(self) -> int:
-        """Prompt tokens one step reads: whole blocks, and no more than the window."""
-        if self.window is None:
-            return PREFILL_CHUNK
-        return max(self.block_size, min(PREFILL_CHUNK, self.window) // self.block_size * self.block_size)
+        """Prompt tokens one step reads: whole blocks, and no more than a window."""
+        return PREFILL_CHUNK
 
     def sliding_window_for(self, budget_blocks: int) -> int:
         """The longest window (whole blocks) that fits in budget_blocks beside these sink blocks while a prompt
@@ -247,8 +240,59 @@ class WindowGeometry:
 
     def peak_blocks(self, chunk: int) -> int:
         """Most blocks a windowed conversation holds while a chunk of `chunk` new tokens is in flight."""
-        assert self.window is not None
+        raise ValueError("full attention has no peak: it grows with the conversation")
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttention(WindowGeometry):
+    """Every block stays."""
+
+
+@dataclass(frozen=True, slots=True)
+class SinkWindow(WindowGeometry):
+    """The user's window and sinks (see WindowGeometry)."""
+
+    @property
+    def sink_blocks(self) -> int:
+        return -(-self.sinks // self.block_size)
+
+    @property
+    def full_attention_tokens(self) -> float:
+        # a window changes the K/V of later tokens (they attend to the sinks and the window only), so only blocks
+        # within the first window + sinks tokens are full attention's
+        return self.window + self.sinks
+
+    def start(self, num_tokens: int, evicted: int) -> tuple[int, int]:
+        bs = self.block_size
+        seq_len = num_tokens - evicted * bs
+        start_abs = max(self.sinks, num_tokens - self.window)
+        start = start_abs if start_abs < self.sink_blocks * bs else start_abs - evicted * bs
+        return min(start, seq_len), min(self.sinks, num_tokens)
+
+    def num_to_evict(self, num_tokens: int, evicted: int, table_len: int) -> int:
+        bs = self.block_size
+        start_abs = max(self.sinks, num_tokens - self.window)
+        n = 0
+        while table_len - n > self.sink_blocks + 1 and (self.sink_blocks + evicted + n + 1) * bs <= start_abs:
+            n += 1
+        return n
+
+    def prefill_chunk(self) -> int:
+        return max(self.block_size, min(PREFILL_CHUNK, self.window) // self.block_size * self.block_size)
+
+    def peak_blocks(self, chunk: int) -> int:
         return self.sink_blocks + self.blocks_for(self.window + chunk) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWindow(SinkWindow):
+    """A layer's own window W, kept as W - 1 past tokens (`window`), no sinks, at absolute positions."""
+
+    model_window = True
+
+    @property
+    def full_attention_tokens(self) -> float:
+        return float("inf")
 
 
 def sinks_at_first_positions(delta: int, first_slot: int, window: int | None, num_sinks: int, sink_blocks: int,
@@ -273,7 +317,7 @@ def layer_geometry(model: ModelConfig, cache: CacheConfig, layer: int) -> Window
     instead where it is the smaller one, or where the layer has no window of its own."""
     own = model.layers[layer].window
     if own is not None and (cache.window is None or own <= cache.window):
-        return WindowGeometry(cache.block_size, own - 1, 0, model_window=True)
+        return ModelWindow(cache.block_size, own - 1)
     return WindowGeometry.of(cache)
 
 

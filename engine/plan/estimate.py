@@ -157,7 +157,7 @@ def largest_context(layout, budget_bytes: float, window: int | None = None, sink
                     batch: int = 1) -> int | None:
     """The most tokens each of `batch` conversations can reach with every step fitting in budget_bytes;
     None when a window bounds the memory below the budget (any length fits)."""
-    from kvchat.engine.kv.layout import WindowGeometry
+    from kvchat.engine.kv.layout import SinkWindow
     per = budget_bytes / batch
 
     def fits(n: int) -> bool:
@@ -175,7 +175,7 @@ def largest_context(layout, budget_bytes: float, window: int | None = None, sink
     # bytes grow with the tokens until the first block leaves the window; from then they repeat with a
     # period of one block, so one period past that point holds the peak
     bs = layout.block_size
-    first_eviction = window + (WindowGeometry(bs, window, sinks).sink_blocks + 1) * bs
+    first_eviction = window + (SinkWindow(bs, window, sinks).sink_blocks + 1) * bs
     if not fits(first_eviction - 1):
         return _last_fitting(fits, 1, first_eviction - 1)
     for n in range(first_eviction, first_eviction + bs):
