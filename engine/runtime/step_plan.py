@@ -47,7 +47,9 @@ class SeqStep:
     key_sin: torch.Tensor | None  #   (None until a backend computes them from key_pos)
     key_pos: torch.Tensor | None = None   # [P + T] int64 on the CPU: those effective positions
     inv_freq: torch.Tensor | None = None
-    kernel_args: tuple | None = None      # the quantized decode kernel's per-step arguments, made by its first layer
+    # the backend's per-step kernel arguments, made by its first layer and shared by the rest: a quant_pages.
+    # QuantDecodeArgs on the CPU, a triton_pages.PastSplit on the GPU path (one backend reads a step)
+    kernel_args: object | None = None
     decode: bool = True           # one generated token (False: prompt rows, see softmax_attention)
     outside: torch.Tensor | None = None   # [T, P + T] bool: keys outside a prompt row's own window (or None)
 

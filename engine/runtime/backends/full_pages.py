@@ -78,7 +78,7 @@ def kernel_covers(comps: Pages, num_heads: int) -> bool:
 
 
 class FullPagesC(FullPagesTorch):
-    """decode_attend rotates, stores and attends one-token decodes in one call per layer (a sequence's result
+    """Layers without soft-caps (backend_for). decode_attend rotates, stores and attends one-token decodes in one call per layer (a sequence's result
     does not depend on the others in the group); the whole step runs in one decode_layers call (a model without
     sink logits)."""
     name = "full-pages-c"
@@ -94,9 +94,6 @@ class FullPagesC(FullPagesTorch):
     def attend_decodes(self, layer, q, k, v, steps, grp: DecodeGroup):
         kc, vc = self.comps[layer]
         scores = self.scores[layer]
-        if scores.softcap is not None:      # the C kernel does not cap: torch, one sequence at a time
-            outs = [attend_torch(kc, vc, q[i:i + 1], k[i:i + 1], v[i:i + 1], st, scores) for i, st in enumerate(steps)]
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
         if q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
         cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets = grp.args()

@@ -5,6 +5,8 @@ one-token decode; the whole step, every layer's attention included, in one Quant
 full precision)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvchat.kernels import cpu_quant
@@ -53,16 +55,33 @@ def kernel_pages(kc: Component, vc: Component, st) -> list[cpu_quant.QuantPages]
     return out
 
 
+@dataclass(frozen=True)
+class QuantDecodeArgs:
+    """What attn_decode_quant reads of one sequence's step, the same for every layer: made by the first layer."""
+
+    past_slots: torch.Tensor      # [P] int64, the held past's slots
+    block_table: torch.Tensor     # int64, the held blocks in slot order
+    n_full: int                   # blocks before the tail (quantized, or the head)
+    block_size: int
+    cos: torch.Tensor             # RoPE tables up to the largest effective key position
+    sin: torch.Tensor
+    key_pos: torch.Tensor         # [P + 1] effective key positions
+
+    @classmethod
+    def of(cls, st, block_size: int) -> "QuantDecodeArgs":
+        if st.kernel_args is None:
+            cos_h, sin_h = rope_table(st.inv_freq, int(st.key_pos.max()) + 1)
+            st.kernel_args = cls(st.past_slots.contiguous(), torch.tensor(st.res.seq.block_table, dtype=torch.long),
+                                 st.res.first_slot // block_size, block_size, cos_h, sin_h, st.key_pos.contiguous())
+        return st.kernel_args
+
+
 def decode_kernel(q, k, v, st, kp, vp, scale: float | None = None,
                   sink_logits: torch.Tensor | None = None) -> torch.Tensor:
-    prep = st.kernel_args
-    if prep is None:          # once per step, shared by the layers
-        seq, bs = st.res.seq, kp.data.shape[1]
-        cos_h, sin_h = rope_table(st.inv_freq, int(st.key_pos.max()) + 1)
-        prep = st.kernel_args = (st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
-                                 st.res.first_slot // bs, bs, cos_h, sin_h, st.key_pos.contiguous())
+    a = QuantDecodeArgs.of(st, kp.data.shape[1])
     out = cpu_quant.attn_decode_quant(q[0].float().contiguous(), k[0].float().contiguous(), v[0].float().contiguous(),
-                                      kp, vp, *prep, q.shape[-1] ** -0.5 if scale is None else scale,
+                                      kp, vp, a.past_slots, a.block_table, a.n_full, a.block_size, a.cos, a.sin,
+                                      a.key_pos, q.shape[-1] ** -0.5 if scale is None else scale,
                                       check=False, sink_logits=sink_logits)
     return out.view(1, *out.shape)
 
@@ -128,8 +147,8 @@ class QuantPagesC(QuantPagesTorch):
 
     def __init__(self, layout, comps, num_heads, scores):
         super().__init__(layout, comps, num_heads, scores)
-        # the C kernel takes a layer's scale, not a soft-cap
-        self.kernel_layers = [kernel_reads(kc, vc) and s.softcap is None for (kc, vc), s in zip(comps, scores)]
+        # layers whose formats the C kernel reads (a layer kept in full precision is not one); none is soft-capped
+        self.kernel_layers = [kernel_reads(kc, vc) for kc, vc in comps]
 
     def attend(self, layer, q, k, v, st):
         if not self.kernel_layers[layer]:
