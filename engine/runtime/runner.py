@@ -221,15 +221,7 @@ class ModelRunner:
                 raise
             reserved.commit(hash_ids)
             self.steps += 1
-        result = [None] * len(items)
-        for j, (i, st) in enumerate(zip(order, reserved.steps)):
-            if not per_row:
-                result[i] = logits[j:j + 1]
-            elif all_logits or st.num_new > 1 and st.decode:
-                result[i] = logits[st.offset:st.offset + st.num_new]
-            else:
-                result[i] = logits[st.offset + st.num_new - 1:st.offset + st.num_new]
-        return result
+        return item_logits(order, reserved.steps, logits, per_row, all_logits)
 
     def _forward(self, reserved: StepReservation, all_logits: bool) -> tuple[torch.Tensor, bool]:
         """The step's logits and whether they are one row per token (else one per item): one kernel call where every
@@ -285,6 +277,20 @@ class ModelRunner:
     def storage_bytes(self) -> int:
         """Bytes the pages hold (capacity included): what the process really spends on KV."""
         return self.cache.storage_bytes()
+
+
+def item_logits(order: list[int], steps: list, logits: torch.Tensor, per_row: bool, all_logits: bool) -> list:
+    """Each item's logits in the caller's order: one row per item (per_row False), else its rows, all of them where
+    asked for or for a verification, its last otherwise."""
+    result = [None] * len(order)
+    for j, (i, st) in enumerate(zip(order, steps)):
+        if not per_row:
+            result[i] = logits[j:j + 1]
+        elif all_logits or st.num_new > 1 and st.decode:
+            result[i] = logits[st.offset:st.offset + st.num_new]
+        else:
+            result[i] = logits[st.offset + st.num_new - 1:st.offset + st.num_new]
+    return result
 
 
 def layer_ropes(config, device) -> list[torch.Tensor]:
