@@ -18,7 +18,7 @@ import torch
 from kvchat.engine.config import CacheConfig
 from kvchat.engine.kv.layout import conversation_bytes, kv_groups
 from kvchat.engine.kv.cache import KVCache
-from kvchat.engine.kv.manager import Sequence
+from kvchat.engine.kv.sequence import Sequence
 
 MODES = {
     "fp32": CacheConfig(k_format="fp32", v_format="fp32"),

@@ -23,7 +23,8 @@ import torch
 from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.kv import convert, saved
 from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVGroup, KVLayout
-from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView, Reservation, Sequence
+from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView
+from kvchat.engine.kv.sequence import Reservation, Sequence
 from kvchat.engine.kv.pages import PageStore
 
 

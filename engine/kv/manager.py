@@ -7,22 +7,22 @@ holds the bytes. Names follow vLLM's v1 KV manager where they apply.
   prefix blocks as *evictable*. Each KV group (kv/layout.kv_groups, named by its layout's layers) has a pool
   of its own, so its layouts' pages grow to its own blocks only: a sliding layer's pages stay at its window
   while the global layers' grow. A model of one group (every model without windows of its own) has one pool.
-- A `Sequence` is one conversation's (or request's) view: its block table, its token count, the
-  blocks its window evicted, the hashes of its full blocks.
+- A `Sequence` (engine/kv/sequence.py) is one conversation's (or request's) view in one group: its positioned
+  block table, its token count, the hashes of its full blocks.
 - `KVCacheManager` reserves slots for a step, commits or rolls them back, forks, truncates, frees,
   matches prefixes, and keeps every sequence's bytes inside one byte budget, releasing the least
   recently used idle sequence first when a step needs room.
 
-Past 400 lines on purpose: reserve, commit, the window, prefixes, fork and truncate all keep the same books
-(the pools' counts and the bytes held) and stay beside them.
+Only KVCache (engine/kv/cache.py) calls it, with the page store beside it.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvchat.engine.kv.block_pool import BlockPool
 from kvchat.engine.kv.layout import KVLayout, WindowGeometry
+from kvchat.engine.kv.sequence import Reservation, Sequence
 
 
 class NoFreeBlocks(RuntimeError):
@@ -31,103 +31,6 @@ class NoFreeBlocks(RuntimeError):
     def __init__(self, need_bytes: int, free_bytes: int):
         super().__init__(f"need {need_bytes} bytes, {free_bytes} free")
         self.need_bytes, self.free_bytes = need_bytes, free_bytes
-
-
-_ids = itertools.count(1)
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One conversation's (or request's) blocks. Slots are the table's blocks laid end to end."""
-
-    layout: KVLayout
-    geometry: WindowGeometry
-    sink_blocks: int                    # blocks at the start that never leave (kept if the window is removed)
-    seq_id: int = field(default_factory=lambda: next(_ids))
-    # positioned: entry i holds tokens [i * block_size, (i + 1) * block_size), None where that block left (a window
-    # moved past it, or it was dropped); the table keeps its length, so an entry's index is its position
-    table: list[int | None] = field(default_factory=list)
-    num_tokens: int = 0                 # tokens committed since the sequence started (or was reset)
-    token_ids: list[int] = field(default_factory=list)   # committed ids, kept while blocks are hashed
-    block_keys: list[tuple] = field(default_factory=list)  # prefix keys of the full blocks, in order
-    last_used: int = 0
-    released: bool = False              # its blocks were taken back for another conversation
-    closed: bool = False
-    # a hybrid model's conversation is one sequence per KV group (kv/layout.kv_groups): the first, which keeps the
-    # most, is the conversation everyone holds; `groups` lists all of them (itself first), and each of the others
-    # names it as `conversation`. A one-group conversation is its own only group.
-    groups: list["Sequence"] = field(default_factory=list, repr=False)
-    conversation: "Sequence | None" = field(default=None, repr=False)
-
-    @property
-    def block_size(self) -> int:
-        return self.layout.block_size
-
-    @property
-    def block_table(self) -> list[int]:
-        """The held blocks in position order: the pages' view, whose slots are these blocks laid end to end."""
-        return [b for b in self.table if b is not None]
-
-    @property
-    def evicted(self) -> int:
-        """Blocks that left (null entries); only whole blocks ever leave."""
-        return self.table.count(None)
-
-    @property
-    def seq_len(self) -> int:
-        """Slots in use: tokens committed less those in blocks that left."""
-        return self.num_tokens - self.evicted * self.block_size
-
-    @property
-    def has_head(self) -> bool:
-        """Quantized components keep the first block in full precision while it is full and held."""
-        return self.num_tokens >= self.block_size and bool(self.table) and self.table[0] is not None
-
-    def held_positions(self) -> list[int]:
-        """The first token position of each held block, in slot order."""
-        bs = self.block_size
-        return [i * bs for i, b in enumerate(self.table) if b is not None]
-
-    @property
-    def side_bytes(self) -> int:
-        return self.layout.side_bytes(self.seq_len, self.has_head)
-
-    @property
-    def tokens_held(self) -> int:
-        return self.geometry.held(self.num_tokens, self.evicted)
-
-    def window(self) -> tuple[int, int]:
-        """(window_start slot, num_sinks) now."""
-        return self.geometry.start(self.num_tokens, self.evicted)
-
-    def positions(self, slots):
-        """The token positions of slots (an int64 tensor, or an int): the one map from where a value sits in the
-        pages to the token it belongs to, read off the positioned table (blocks that left shift later slots)."""
-        import torch
-        bs = self.block_size
-        starts = torch.tensor(self.held_positions(), dtype=torch.long)
-        if isinstance(slots, int):
-            return int(starts[slots // bs]) + slots % bs
-        if not self.evicted:
-            return slots.clone()
-        return starts[slots // bs] + slots % bs
-
-    @property
-    def members(self) -> list["Sequence"]:
-        """Every group's sequence of this conversation, this one first (itself alone for one group)."""
-        return self.groups or [self]
-
-
-@dataclass
-class Reservation:
-    """What a step took before its forward pass, so it can be committed or undone."""
-
-    seq: Sequence
-    num_new: int
-    first_slot: int
-    new_blocks: list[int]
-    copied: tuple[int, int, int] | None = None   # (table index, old id, new id) of a copied-on-write block
-    undo: tuple | None = None           # what the pages need to undo the step (KVCache.reserve: tails, a new head)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from kvchat.engine.runtime.step_plan import StepReservation, decode_first
 from kvchat.engine.config import CacheConfig, ConfigError, SpeculativeConfig
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.layout import MIB, KVLayout, check_cache_for_model, kv_groups, kv_layout
-from kvchat.engine.kv.manager import NoFreeBlocks, Sequence
+from kvchat.engine.kv.manager import NoFreeBlocks
+from kvchat.engine.kv.sequence import Sequence
 from kvchat.engine.kv.tier import DEFAULT_TIER_MB as HOST_TIER_MB, PreemptTier
 from kvchat.engine.model.transformer import Transformer
 

@@ -23,7 +23,7 @@ import torch
 
 from kvchat.engine.kv.layout import KVLayout, sinks_at_first_positions
 from kvchat.engine.kv.cache import KVCache
-from kvchat.engine.kv.manager import Reservation, Sequence
+from kvchat.engine.kv.sequence import Reservation, Sequence
 from kvchat.engine.kv.pages import page_rows, slot_positions
 from kvchat.engine.model.rope import rope_cos_sin
 

@@ -14,7 +14,7 @@ import torch
 from kvchat.engine.config import CacheConfig
 from kvchat.engine.kv.layout import MIB
 from kvchat.engine.kv.layout import KVLayout
-from kvchat.engine.kv.manager import Sequence as _Seq
+from kvchat.engine.kv.sequence import Sequence as _Seq
 
 
 @dataclass(eq=False)
