@@ -11,6 +11,8 @@ quantizes). A random model's tokenizer (every `tokenizer.*` field, chat template
 default model's GGUF and padded with unused tokens to the preset's vocabulary (cut to it where the preset's is
 smaller); a folder's byte-level BPE tokenizer is written as its own. llama.cpp and transformers load the results.
 
+Past 450 lines on purpose: one table of presets and one writer per architecture family, read side by side.
+
     python -m kvchat.bench.gguf_writer --preset gpt-oss-20b --type MXFP4 --layers 4 [--out PATH]
 
 --layers keeps the first N layers of a preset: benchmarks compare the per-token work of a layer, and a

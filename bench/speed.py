@@ -8,6 +8,8 @@ without torch where engine/runtime/quick.py covers the file) cold (empty cache d
 warm (torch and the whole engine), llama.cpp's chat completion; peak RSS, wall time, time from launch
 to the first token printed. `--model preset:llama-3.2-1b:Q4_0` benchmarks a
 random-weight GGUF of that shape, written once into the cache dir (bench/gguf_writer.py).
+
+Past 450 lines on purpose: each side's timing loop stays beside the others, so they measure alike.
 """
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ decode attention over full-precision (attn_decode) and quantized (attn_decode_qu
 `available()` says whether the library could be built and loaded; callers fall back to torch's
 packed kernels when it cannot. Each function has a torch reference below with the same signature.
 The library links the OpenMP runtime torch already loaded (libgomp), so both share one thread pool.
+
+Past 450 lines on purpose: it is the ctypes face of one C library, each entry point beside its torch reference;
+splitting it would put a kernel and its reference in different files.
 """
 from __future__ import annotations
 

@@ -18,6 +18,8 @@ time into a scratch buffer and runs the BLAS GEMM, so no dense copy of a weight 
 multiplies bf16 natively (AMX), prefill can take the slabs and the prompt rows in bf16 (`prefill_dtype`,
 EngineConfig.prefill): oneDNN's bf16 GEMM, about 5x the fp32 one there, in calls of a fixed BF16_TILE rows so
 that a row's bits never depend on the rows it is batched with.
+
+Past 450 lines on purpose: the kinds share one interface and one dispatch, and each is short beside the others.
 """
 from __future__ import annotations
 
