@@ -84,7 +84,7 @@ def test_prompt_tail_after_a_prefix_hit_equals_the_prompt_read_whole(packed_engi
     first = runner.new_sequence(FP32)
     whole = runner.step([(first, prompt)])[0]          # hashed: its full blocks enter the prefix index
     second = runner.new_sequence(FP32)
-    reused = runner.cache._blocks.match_prefix(second, prompt)
+    reused = runner.match_prefix(second, prompt)
     assert reused >= FP32.block_size
     tail = runner.step([(second, prompt[reused:])], decode=[False])[0]
     for s in (first, second):

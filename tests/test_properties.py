@@ -450,7 +450,7 @@ def test_a_block_truncated_back_to_partial_leaves_the_prefix_index(tiny_engine):
     first.truncate(10)                            # block 1 holds 14 tokens again
     first.append(other)                           # ...and is written over
     second = tiny_engine.new_session(cache=fp32)
-    adopted = tiny_engine.runner.cache._blocks.match_prefix(second.seq, ids)
+    adopted = tiny_engine.runner.match_prefix(second.seq, ids)
     second.token_ids = ids[:adopted]
     got = second.append(ids[adopted:], all_logits=False)
     fresh = tiny_engine.new_session(cache=fp32, prefix_cache=False)

@@ -10,8 +10,8 @@ block has left (the window moved past it, or `drop` let it go), so an entry's in
 of which blocks leave stay in the window geometry of each KV group (full attention, the user's window + sinks, a
 model's own sliding window: kv/layout.py); eviction by importance, retrieval and state snapshots plug in here.
 
-A conversation of a hybrid model is one sequence per KV group (kv/layout.kv_groups); the first stands for all and
-every call here takes the conversation and does the same to each group.
+A conversation is a `Conversation`: one sequence per KV group of the model (kv/layout.kv_groups); every call here
+takes the conversation and does the same to each of its groups.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.kv import convert, saved
 from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVGroup, KVLayout
 from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView
-from kvchat.engine.kv.sequence import Reservation, Sequence
+from kvchat.engine.kv.sequence import Conversation, Reservation, Sequence
 from kvchat.engine.kv.pages import PageStore
 
 
@@ -41,18 +41,18 @@ class Truncation:
 
 
 class KVCache:
-    def __init__(self, device, budget_bytes: int, on_release: Callable[[Sequence], None] | None = None):
+    def __init__(self, device, budget_bytes: int, on_release: Callable[[Conversation], None] | None = None):
         self.device = device
         self._pages = PageStore(device)
         self._blocks = KVCacheManager(int(budget_bytes), on_free=self._pages.forget_blocks, on_release=on_release)
 
     # ---- conversations ---------------------------------------------------------------------------------------
 
-    def open(self, groups: tuple[KVGroup, ...]) -> Sequence:
-        """A conversation holding nothing yet, one sequence per KV group, the first standing for all."""
-        return _joined([self._blocks.new_sequence(g.layout, g.geometry) for g in groups])
+    def open(self, groups: tuple[KVGroup, ...]) -> Conversation:
+        """A conversation holding nothing yet, one sequence per KV group."""
+        return Conversation([self._blocks.new_sequence(g.layout, g.geometry) for g in groups])
 
-    def free(self, seq: Sequence) -> int:
+    def free(self, seq: Conversation) -> int:
         """Every block of the conversation goes back; returns the bytes the pool no longer holds."""
         freed = 0
         for m in seq.members:
@@ -61,13 +61,13 @@ class KVCache:
         self._pages.shrink(self._blocks.high_water)
         return freed
 
-    def close(self, seq: Sequence) -> None:
+    def close(self, seq: Conversation) -> None:
         self.free(seq)
         for m in seq.members:
             self._blocks.close(m)
         self.drop_unused_layouts()
 
-    def fork(self, seq: Sequence, num_tokens: int) -> tuple[Sequence, int]:
+    def fork(self, seq: Conversation, num_tokens: int) -> tuple[Conversation, int]:
         """A conversation sharing the first num_tokens tokens of seq; returns (child, tokens shared).
 
         Quantized partial blocks are shared only while they are still the parent's tail (the values are not
@@ -76,7 +76,7 @@ class KVCache:
         bs = seq.block_size
         members = seq.members
         if any(m.evicted for m in members):
-            return _joined([self._blocks.new_sequence(m.layout, m.geometry) for m in members]), 0
+            return Conversation([self._blocks.new_sequence(m.layout, m.geometry) for m in members]), 0
         partial = num_tokens % bs
         quantized = any(m.layout.quantized_components for m in members)
         if partial and quantized and seq.seq_len // bs != num_tokens // bs:
@@ -87,9 +87,9 @@ class KVCache:
             if m.layout.quantized_components and n % bs:
                 self._pages.copy_tail(m.layout, m.seq_id, child.seq_id)
             children.append(child)
-        return _joined(children), n
+        return Conversation(children), n
 
-    def truncate(self, seq: Sequence, n: int) -> Truncation:
+    def truncate(self, seq: Conversation, n: int) -> Truncation:
         """Take back the last n tokens where that is exact (nothing changes otherwise: the result says why)."""
         bs = seq.block_size
         for m in seq.members:
@@ -105,7 +105,7 @@ class KVCache:
             self._blocks.truncate(m, n)
         return Truncation(n)
 
-    def drop(self, seq: Sequence, position: int) -> int:
+    def drop(self, seq: Conversation, position: int) -> int:
         """The block at table index `position` of every group leaves (its entry becomes null; later blocks keep their
         positions); returns the bytes the pool no longer holds. Only a full block that is not the first can go: the
         first block is the quantized head, the last the one being filled."""
@@ -117,22 +117,22 @@ class KVCache:
         self._pages.shrink(self._blocks.high_water)
         return freed
 
-    def held(self, seq: Sequence) -> list[tuple[int, int]]:
+    def held(self, seq: Conversation) -> list[tuple[int, int]]:
         """(first token position, block id) of every block the conversation's first group holds, in order."""
         bs = seq.block_size
         return [(i * bs, b) for i, b in enumerate(seq.table) if b is not None]
 
-    def match_prefix(self, seq: Sequence, ids: list[int]) -> int:
+    def match_prefix(self, seq: Conversation, ids: list[int]) -> int:
         """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass."""
         m = self._blocks
-        if not seq.groups:
-            return m.match_prefix(seq, ids)
+        if len(seq.members) == 1:
+            return m.match_prefix(seq.members[0], ids)
         # a hit is the shortest hit over the groups (each from the start); the groups holding more give back what the
         # others could not find, and the pool counts the lookup once
         queries, hits = m.prefix_queries, m.prefix_hits
-        found = [m.match_prefix(g, ids) for g in seq.groups]
+        found = [m.match_prefix(g, ids) for g in seq.members]
         n = min(found)
-        for g, got in zip(seq.groups, found):
+        for g, got in zip(seq.members, found):
             if got > n:
                 m.truncate(g, got - n)
         usable = min(len(ids) - 1, seq.geometry.full_attention_tokens) // seq.block_size
@@ -144,20 +144,27 @@ class KVCache:
         self._pages.shrink(self._blocks.high_water)
         return freed
 
-    def convert(self, seq: Sequence, old: CacheConfig, new: CacheConfig, groups: tuple[KVGroup, ...],
-                layer_inv_freq: list[torch.Tensor]) -> Sequence:
+    def convert(self, seq: Conversation, old: CacheConfig, new: CacheConfig, groups: tuple[KVGroup, ...],
+                layer_inv_freq: list[torch.Tensor]) -> Conversation:
         """seq in mode `old` -> a conversation in mode `new` (whose groups are `groups`) holding the same tokens."""
         members = seq.members
         if [g.layout.layers for g in groups] != [m.layout.layers for m in members]:
             raise ConfigError(f"{new.label()} keeps this model's layers in other groups than {old.label()} (a "
                               f"window against the layers' own windows): reset the session to switch to it")
         if len(members) == 1:
-            return convert.convert_sequence(self._blocks, self._pages, seq, old, new, groups[0].layout,
-                                            groups[0].geometry, layer_inv_freq, self.close, self.drop_unused_layouts)
-        return _joined([convert.convert_sequence(self._blocks, self._pages, m, old, new, g.layout, g.geometry,
+            return Conversation([convert.convert_sequence(self._blocks, self._pages, members[0], old, new,
+                                                          groups[0].layout, groups[0].geometry, layer_inv_freq,
+                                                          self._close_one, self.drop_unused_layouts)])
+        return Conversation([convert.convert_sequence(self._blocks, self._pages, m, old, new, g.layout, g.geometry,
                                                  [layer_inv_freq[i] for i in g.layers], self._close_member,
                                                  self.drop_unused_layouts)
                         for m, g in zip(members, groups)])
+
+    def _close_one(self, seq: Sequence) -> None:
+        """The only group's sequence goes (a conversion replaced it): its pages shrink, their layout may go."""
+        self._close_member(seq)
+        self._pages.shrink(self._blocks.high_water)
+        self.drop_unused_layouts()
 
     def _close_member(self, seq: Sequence) -> None:
         """One group's sequence goes (a conversion replaced it)."""
@@ -166,12 +173,12 @@ class KVCache:
 
     # ---- saved caches ------------------------------------------------------------------------------------------
 
-    def export(self, seq: Sequence) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    def export(self, seq: Conversation) -> tuple[list[dict], dict[str, torch.Tensor]]:
         """(per KV group its metadata, the tensors) of the conversation's blocks, byte for byte as stored, on the
         host (engine/kv/saved.py writes them to a file; the server's preemption tier keeps them in memory)."""
         return saved.export_groups(self._pages, seq)
 
-    def import_(self, seq: Sequence, groups: list, tensors: dict, extra: set[str] = frozenset(),
+    def import_(self, seq: Conversation, groups: list, tensors: dict, extra: set[str] = frozenset(),
                 keep: frozenset[int] = frozenset()) -> None:
         """Fill an empty conversation with exported blocks under new ids; CacheFileError says why not, and the
         conversation then still holds nothing. keep: ids of other sequences the budget must not release for room."""
@@ -255,12 +262,12 @@ class KVCache:
         """Bytes free once every idle sequence outside `keep` (ids) and every reusable prefix block gave its back."""
         return self._blocks.free_bytes() + self._blocks.reclaimable_bytes(keep)
 
-    def bytes_needed(self, seq: Sequence, num_new: int) -> int:
+    def bytes_needed(self, seq: Conversation, num_new: int) -> int:
         """More bytes num_new tokens take, every group of the conversation; a windowed group of a hybrid model at
         most what it lacks of its peak with a prompt chunk in flight (a long prompt is read in chunks, and the
         window lets blocks go between them)."""
-        if not seq.groups:
-            return self._blocks.bytes_needed(seq, num_new)
+        if len(seq.members) == 1:
+            return self._blocks.bytes_needed(seq.members[0], num_new)
         total = 0
         for m in seq.members:
             need = self._blocks.bytes_needed(m, num_new)
@@ -271,15 +278,15 @@ class KVCache:
             total += need
         return total
 
-    def shared_partial(self, seq: Sequence) -> bool:
+    def shared_partial(self, seq: Conversation) -> bool:
         """Whether the sequence's last block is partial and shared (its next token copies it first)."""
         return self._blocks.shared_partial(seq)
 
     # ---- read ----------------------------------------------------------------------------------------------------
 
-    def sequences(self) -> list[Sequence]:
+    def sequences(self) -> list[Conversation]:
         """Every live conversation (a hybrid model's by its first group)."""
-        return [s for s in self._blocks.sequences.values() if s.conversation is None]
+        return [s.conversation or s for s in self._blocks.sequences.values() if s.members[0] is s]
 
     def view(self) -> PoolView:
         return self._blocks.view()
@@ -308,7 +315,7 @@ class KVCache:
         """The layouts whose pages exist, with their components."""
         return self._pages.layouts
 
-    def layer_bytes(self, seq: Sequence, num_layers: int) -> list[tuple[int, int]]:
+    def layer_bytes(self, seq: Conversation, num_layers: int) -> list[tuple[int, int]]:
         """Per model layer (K, V) bytes the conversation holds: each group's blocks at its layout's block bytes plus
         its full-precision head and tail."""
         out = [None] * num_layers
@@ -321,7 +328,7 @@ class KVCache:
                                                                       for b, f in zip(bb, fmts))
         return out
 
-    def conversation_bytes(self, seq: Sequence) -> int:
+    def conversation_bytes(self, seq: Conversation) -> int:
         """Bytes the conversation holds, every group."""
         return sum(self._blocks.sequence_bytes(m) for m in seq.members)
 
@@ -343,10 +350,3 @@ class KVCache:
         for s in self._blocks.sequences.values():
             assert len(s.table) == s.layout.blocks_for(s.num_tokens), f"sequence {s.seq_id}'s table lost its length"
 
-
-def _joined(members: list[Sequence]) -> Sequence:
-    if len(members) > 1:
-        members[0].groups = members
-        for m in members[1:]:
-            m.conversation = members[0]
-    return members[0]

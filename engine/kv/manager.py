@@ -177,7 +177,7 @@ class KVCacheManager:
         for sid in keep:
             seq = self.sequences.get(sid)
             if seq is not None:
-                out.update(m.seq_id for m in (seq.conversation or seq).members)
+                out.update(m.seq_id for m in seq.members)
         return out
 
     def reclaimable_bytes(self, keep: set[int]) -> int:
@@ -200,12 +200,13 @@ class KVCacheManager:
             if not idle:
                 raise NoFreeBlocks(need, self.free_bytes())
             victim = min(idle, key=lambda s: s.last_used)
+            members = victim.members
             victim = victim.conversation or victim
             self._on_release(victim)            # its blocks may go to a second tier first
-            for member in victim.members:       # a conversation goes whole, every group together
+            for member in members:              # a conversation goes whole, every group together
                 self.free(member)
                 member.released = True
-            self.released_log.append(victim.seq_id)
+            self.released_log.append(members[0].seq_id)
 
     def _allocate(self, layout: KVLayout, n: int) -> list[int]:
         pool, held = self.pools[layout.layers], self.block_layouts[layout.layers]
@@ -419,7 +420,7 @@ class KVCacheManager:
         ev = self.evictable_bytes()
         # a conversation of several groups once, by its first group's id
         seqs = tuple((s.seq_id, sum(len(m.block_table) for m in s.members), sum(map(self.sequence_bytes, s.members)),
-                      s.released) for s in self.sequences.values() if s.conversation is None)
+                      s.released) for s in self.sequences.values() if s.members[0] is s)
         pools = self.pools.values()
         return PoolView(self.budget_bytes, held, self.budget_bytes - held, sum(p.num_evictable for p in pools), ev,
                         sum(1 for p in pools for r in p.ref_cnt if r > 1), sum(p.num_in_use for p in pools),

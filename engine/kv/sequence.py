@@ -30,11 +30,7 @@ class Sequence:
     last_used: int = 0
     released: bool = False              # its blocks were taken back for another conversation
     closed: bool = False
-    # a hybrid model's conversation is one sequence per KV group (kv/layout.kv_groups): the first, which keeps the
-    # most, is the conversation everyone holds; `groups` lists all of them (itself first), and each of the others
-    # names it as `conversation`. A one-group conversation is its own only group.
-    groups: list["Sequence"] = field(default_factory=list, repr=False)
-    conversation: "Sequence | None" = field(default=None, repr=False)
+    conversation: "Conversation | None" = field(default=None, repr=False)     # whose group this is
 
     @property
     def block_size(self) -> int:
@@ -91,8 +87,59 @@ class Sequence:
 
     @property
     def members(self) -> list["Sequence"]:
-        """Every group's sequence of this conversation, this one first (itself alone for one group)."""
-        return self.groups or [self]
+        """Every group's sequence of its conversation (itself alone outside one)."""
+        return list(self.conversation.groups) if self.conversation is not None else [self]
+
+
+class Conversation:
+    """A conversation's (or a server request's) cache: one Sequence per KV group of the model (kv/layout.kv_groups),
+    which the cache reserves, forks, truncates, releases and saves together. The first group keeps the most (every
+    token, where any layer attends to all of them) and answers where one number is asked: its reads below."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: list[Sequence]):
+        self.groups = tuple(groups)
+        for g in self.groups:
+            g.conversation = self
+
+    @property
+    def members(self) -> list[Sequence]:
+        return list(self.groups)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether its layers keep different tokens (a model with sliding layers beside global ones)."""
+        return len(self.groups) > 1
+
+    @property
+    def released(self) -> bool:
+        """Its blocks were taken back for another conversation (every group goes together)."""
+        return self.groups[0].released
+
+    @released.setter
+    def released(self, value: bool) -> None:
+        for g in self.groups:
+            g.released = value
+
+    def window(self) -> tuple[int, int]:
+        return self.groups[0].window()
+
+    def positions(self, slots):
+        return self.groups[0].positions(slots)
+
+    def __repr__(self) -> str:
+        return f"Conversation({', '.join(str(g.seq_id) for g in self.groups)}: {self.num_tokens} tokens)"
+
+
+def _first_group(name: str) -> property:
+    return property(lambda self: getattr(self.groups[0], name), doc=f"The first group's `{name}`.")
+
+
+for _name in ("seq_id", "layout", "geometry", "block_size", "sink_blocks", "table", "block_table", "num_tokens",
+              "evicted", "seq_len", "has_head", "side_bytes", "tokens_held", "token_ids", "block_keys", "last_used",
+              "closed"):
+    setattr(Conversation, _name, _first_group(_name))
 
 
 @dataclass

@@ -21,7 +21,7 @@ from kvchat.engine.config import CacheConfig, ConfigError, SpeculativeConfig
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.layout import MIB, KVLayout, check_cache_for_model, kv_groups, kv_layout
 from kvchat.engine.kv.manager import NoFreeBlocks
-from kvchat.engine.kv.sequence import Sequence
+from kvchat.engine.kv.sequence import Conversation
 from kvchat.engine.kv.tier import DEFAULT_TIER_MB as HOST_TIER_MB, PreemptTier
 from kvchat.engine.model.transformer import Transformer
 
@@ -76,32 +76,32 @@ class ModelRunner:
 
     # the conversation's cache, under the step lock (KVCache says what each does)
 
-    def new_sequence(self, cache: CacheConfig) -> Sequence:
+    def new_sequence(self, cache: CacheConfig) -> Conversation:
         self.check(cache)
         with self.lock:
             return self.cache.open(self.groups(cache))
 
-    def free(self, seq: Sequence) -> int:
+    def free(self, seq: Conversation) -> int:
         with self.lock:
             return self.cache.free(seq)
 
-    def close(self, seq: Sequence) -> None:
+    def close(self, seq: Conversation) -> None:
         with self.lock:
             self.cache.close(seq)
             self._backends = {key: b for key, b in self._backends.items() if key[0] in self.cache.layouts_in_use()}
 
-    def fork(self, seq: Sequence, num_tokens: int) -> tuple[Sequence, int]:
+    def fork(self, seq: Conversation, num_tokens: int) -> tuple[Conversation, int]:
         with self.lock:
             return self.cache.fork(seq, num_tokens)
 
-    def truncate(self, seq: Sequence, n: int) -> None:
+    def truncate(self, seq: Conversation, n: int) -> None:
         """Take back the last n tokens; ConfigError where the cache cannot do it exactly (KVCache.truncate)."""
         with self.lock:
             done = self.cache.truncate(seq, n)
         if not done:
             raise ConfigError(done.reason)
 
-    def match_prefix(self, seq: Sequence, ids: list[int]) -> int:
+    def match_prefix(self, seq: Conversation, ids: list[int]) -> int:
         with self.lock:
             return self.cache.match_prefix(seq, ids)
 
@@ -109,20 +109,20 @@ class ModelRunner:
         with self.lock:
             return self.cache.clear_prefix_cache()
 
-    def convert_sequence(self, seq: Sequence, old: CacheConfig, new: CacheConfig) -> Sequence:
+    def convert_sequence(self, seq: Conversation, old: CacheConfig, new: CacheConfig) -> Conversation:
         with self.lock:
             return self.cache.convert(seq, old, new, self.groups(new), self.layer_inv_freq)
 
-    def import_kv(self, seq: Sequence, groups: list, tensors: dict, extra: set[str] = frozenset(),
+    def import_kv(self, seq: Conversation, groups: list, tensors: dict, extra: set[str] = frozenset(),
                   keep: frozenset[int] = frozenset()) -> None:
         with self.lock:
             self.cache.import_(seq, groups, tensors, extra, keep)
 
-    def export_kv(self, seq: Sequence) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    def export_kv(self, seq: Conversation) -> tuple[list[dict], dict[str, torch.Tensor]]:
         with self.lock:
             return self.cache.export(seq)
 
-    def draft_room(self, seq: Sequence, most: int) -> int:
+    def draft_room(self, seq: Conversation, most: int) -> int:
         """How many drafts (at most `most`) can follow the next token in one verification step and still be taken back
         exactly: in a quantized group no draft may complete a block (it would be quantized with the block, and a
         quantized value is never re-quantized), so every row stays in the block the next token goes to; in a
@@ -143,7 +143,7 @@ class ModelRunner:
                 room = min(room, k)
         return max(0, room)
 
-    def _releasing(self, seq: Sequence) -> None:
+    def _releasing(self, seq: Conversation) -> None:
         """The budget releases an idle conversation: a warm one goes to its second tier (the saved file) first; a
         failure there only means it is read again later."""
         for session in list(self.warm_sessions):
@@ -171,13 +171,13 @@ class ModelRunner:
     def room_bytes(self, keep: set[int]) -> int:
         return self.cache.room_bytes(keep)
 
-    def bytes_needed(self, seq: Sequence, num_new: int) -> int:
+    def bytes_needed(self, seq: Conversation, num_new: int) -> int:
         return self.cache.bytes_needed(seq, num_new)
 
-    def shared_partial(self, seq: Sequence) -> bool:
+    def shared_partial(self, seq: Conversation) -> bool:
         return self.cache.shared_partial(seq)
 
-    def sequences(self) -> list[Sequence]:
+    def sequences(self) -> list[Conversation]:
         return self.cache.sequences()
 
     def pool_view(self):
@@ -191,13 +191,13 @@ class ModelRunner:
     def prefix_counts(self) -> tuple[int, int]:
         return self.cache.prefix_counts()
 
-    def components(self, seq: Sequence):
+    def components(self, seq: Conversation):
         """The sequence's page components per layer, (K, V): the pages of its layout."""
         return self.cache.components(seq.layout)
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def step(self, items: list[tuple[Sequence, list[int]]], all_logits: bool = False,
+    def step(self, items: list[tuple[Conversation, list[int]]], all_logits: bool = False,
              hash_ids: bool = True, decode: list[bool] | None = None,
              keep: frozenset[int] = frozenset()) -> list[torch.Tensor]:
         """Feed each sequence its new ids in one forward pass; returns per sequence logits [T, vocab] (all_logits)
@@ -253,11 +253,11 @@ class ModelRunner:
 
     # ---- numbers ----------------------------------------------------------------------------------
 
-    def layer_bytes(self, seq: Sequence) -> list[tuple[int, int]]:
+    def layer_bytes(self, seq: Conversation) -> list[tuple[int, int]]:
         """Per model layer (K, V) bytes the conversation holds (KVCache.layer_bytes)."""
         return self.cache.layer_bytes(seq, self.model.config.num_layers)
 
-    def layer_formats(self, seq: Sequence):
+    def layer_formats(self, seq: Conversation):
         """Per model layer the conversation's (K, V) page formats."""
         out = [None] * self.model.config.num_layers
         for m in seq.members:
@@ -265,7 +265,7 @@ class ModelRunner:
                 out[m.layout.layers[j] if m.layout.layers else j] = fmts
         return out
 
-    def conversation_bytes(self, seq: Sequence) -> int:
+    def conversation_bytes(self, seq: Conversation) -> int:
         """Bytes the conversation holds, every group."""
         return self.cache.conversation_bytes(seq)
 

@@ -98,7 +98,7 @@ def speculator(engine, cache: CacheConfig | None = None):
 def blocks_needed(engine, handle: Sequence, num_new: int) -> int:
     """Blocks the sequence must add to take num_new more tokens (a shared partial block counts: it is copied)."""
     seq = handle.seq
-    if seq.groups:      # a hybrid model's conversation: every group's bytes, counted in its first group's blocks
+    if seq.hybrid:      # a hybrid model's conversation: every group's bytes, counted in its first group's blocks
         return -(-_runner(engine).bytes_needed(seq, num_new) // seq.layout.block_bytes)
     need = max(0, seq.layout.blocks_for(seq.seq_len + num_new) - len(seq.block_table))
     return need + int(num_new > 0 and _runner(engine).shared_partial(seq))
