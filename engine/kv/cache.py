@@ -152,10 +152,10 @@ class KVCache:
             raise ConfigError(f"{new.label()} keeps this model's layers in other groups than {old.label()} (a "
                               f"window against the layers' own windows): reset the session to switch to it")
         if len(members) == 1:
-            return Conversation([convert.convert_sequence(self._blocks, self._pages, members[0], old, new,
+            return Conversation([convert.convert_sequence(self, members[0], old, new,
                                                           groups[0].layout, groups[0].geometry, layer_inv_freq,
                                                           self._close_one, self.drop_unused_layouts)])
-        return Conversation([convert.convert_sequence(self._blocks, self._pages, m, old, new, g.layout, g.geometry,
+        return Conversation([convert.convert_sequence(self, m, old, new, g.layout, g.geometry,
                                                  [layer_inv_freq[i] for i in g.layers], self._close_member,
                                                  self.drop_unused_layouts)
                         for m, g in zip(members, groups)])
@@ -176,7 +176,7 @@ class KVCache:
     def export(self, seq: Conversation) -> tuple[list[dict], dict[str, torch.Tensor]]:
         """(per KV group its metadata, the tensors) of the conversation's blocks, byte for byte as stored, on the
         host (engine/kv/saved.py writes them to a file; the server's preemption tier keeps them in memory)."""
-        return saved.export_groups(self._pages, seq)
+        return saved.export_groups(self, seq)
 
     def import_(self, seq: Conversation, groups: list, tensors: dict, extra: set[str] = frozenset(),
                 keep: frozenset[int] = frozenset()) -> None:
@@ -185,9 +185,9 @@ class KVCache:
         members = seq.members
         if any(m.num_tokens or m.table for m in members):
             raise saved.CacheFileError("the conversation already holds a cache")
-        saved.check_groups(self._pages, members, groups, tensors, set(extra))
+        saved.check_groups(self, members, groups, tensors, set(extra))
         try:
-            saved.import_groups(self._blocks, self._pages, members, groups, tensors, keep)
+            saved.import_groups(self, members, groups, tensors, keep)
         except NoFreeBlocks as exc:
             raise saved.CacheFileError(f"the saved cache needs {exc.need_bytes / MIB:.1f} MiB, more than the KV "
                                        f"budget has room for now") from None
@@ -201,10 +201,9 @@ class KVCache:
         """Slots and pages for num_new more tokens of one group's sequence, with what undoing them needs (the
         quantized tails before, a head block the step would start). Raises NoFreeBlocks when the budget cannot take
         them even after releasing every idle conversation outside `keep`."""
-        m, pages, layout = self._blocks, self._pages, seq.layout
-        res = m.reserve(seq, num_new, keep)
+        pages, layout = self._pages, seq.layout
+        res = self.reserve_blocks(seq, num_new, keep)
         try:
-            self._grow(layout)
             if res.copied:
                 pages.copy_block(layout, res.copied[1], res.copied[2])
             if layout.quantized_components:
@@ -216,10 +215,31 @@ class KVCache:
             raise
         return res
 
-    def _grow(self, layout: KVLayout) -> None:
-        """The layout's pages reach its group's highest block id (never past what the budget could hold)."""
-        self._pages.reserve(layout, self._blocks.high_water(layout), layout.budget_blocks(self._blocks.budget_bytes)
-                            + 1)
+    def reserve_blocks(self, seq: Sequence, num_new: int, keep: set[int]) -> Reservation:
+        """Blocks for num_new more tokens, with the pages grown to hold them; nothing about the tails (a conversion
+        or an import writes every row itself)."""
+        res = self._blocks.reserve(seq, num_new, keep)
+        try:
+            layout = seq.layout     # the pages reach the group's highest block id, never past what the budget holds
+            self._pages.reserve(layout, self._blocks.high_water(layout),
+                                layout.budget_blocks(self._blocks.budget_bytes) + 1)
+        except BaseException:
+            self._blocks.rollback(res)
+            raise
+        return res
+
+    def new_group(self, layout: KVLayout, geometry, sink_blocks: int) -> Sequence:
+        """One KV group's empty sequence whose sinks stay where an earlier one kept them (a conversion)."""
+        return self._blocks.new_sequence(layout, geometry, sink_blocks)
+
+    def apply_window(self, seq: Sequence, geometry) -> int:
+        """A new window on one group's sequence (live switch): blocks it no longer keeps go back; returns how many."""
+        return self._blocks.apply_window(seq, geometry)
+
+    def room_for(self, seq: Sequence) -> int:
+        """Bytes a replacement of one group's sequence could take: free, reclaimable, and its own."""
+        m = self._blocks
+        return m.free_bytes() + m.reclaimable_bytes({seq.seq_id}) + m.sequence_bytes(seq)
 
     def rollback(self, res: Reservation) -> None:
         if res.undo is not None:

@@ -1,7 +1,7 @@
 """Live switch of a conversation's cache mode: convert the blocks held, never run the model again.
 
-The runner calls this with its own manager and page store (ModelRunner.convert_sequence, under its lock).
-Only the manager's public API is used: a new window is applied in place (stored keys carry
+KVCache.convert calls this with itself (under the runner's step lock); only the cache's methods are used: a new
+window is applied in place (stored keys carry
 absolute positions, so a window changes which blocks are kept, not what they hold); a new layout
 reads the held slots, gives the old blocks back, reserves blocks in the new layout and writes
 them there. Components whose format does not change keep their pages byte for byte (a stored
@@ -15,20 +15,21 @@ import torch
 
 from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.kv.layout import MIB, KVLayout, WindowGeometry
-from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
-from kvchat.engine.kv.pages import PageStore, page_rows
+from kvchat.engine.kv.manager import NoFreeBlocks
+from kvchat.engine.kv.pages import page_rows
+from kvchat.engine.kv.sequence import Sequence
 from kvchat.engine.model.rope import rope_cos_sin, rotate
 
 
-def convert_sequence(m: KVCacheManager, store: PageStore, seq: Sequence, old: CacheConfig, new: CacheConfig,
+def convert_sequence(m, seq: Sequence, old: CacheConfig, new: CacheConfig,
                      layout: KVLayout, geometry: WindowGeometry, inv_freq: list[torch.Tensor],
                      close: Callable[[Sequence], None],
                      drop_unused_layouts: Callable[[], None]) -> Sequence:
     """seq (one KV group's sequence) in mode `old` -> a sequence in mode `new` (whose layout and geometry for the
     group are `layout` and `geometry`) holding the same tokens (seq
     itself when the layout stays); inv_freq: the RoPE table of each of the layout's layers. close(seq) gives a
-    sequence back to the runner; drop_unused_layouts lets the runner free the pages of layouts nobody uses any
-    more."""
+    sequence back to the cache; drop_unused_layouts lets the cache free the pages of layouts nobody uses any
+    more. m: the KVCache."""
     if new.block_size != old.block_size and seq.evicted:
         raise ConfigError(f"the window has already dropped {seq.evicted * seq.block_size} tokens, so the block size "
                           f"cannot change now: reset the session first")
@@ -42,20 +43,20 @@ def convert_sequence(m: KVCacheManager, store: PageStore, seq: Sequence, old: Ca
         m.apply_window(seq, geometry)     # first drop what the new window does not keep
     if layout == seq.layout:
         return seq
-    return _relayout(m, store, seq, layout, geometry, new, inv_freq, close, drop_unused_layouts)
+    return _relayout(m, seq, layout, geometry, new, inv_freq, close, drop_unused_layouts)
 
 
-def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayout, geometry: WindowGeometry,
+def _relayout(m, seq: Sequence, layout: KVLayout, geometry: WindowGeometry,
               new: CacheConfig, inv_freq: list[torch.Tensor], close, drop_unused_layouts) -> Sequence:
     n = seq.seq_len
     need = layout.blocks_for(n) * layout.block_bytes + layout.side_bytes(n, n >= layout.block_size)
-    room = m.free_bytes() + m.reclaimable_bytes({seq.seq_id}) + m.sequence_bytes(seq)
+    room = m.room_for(seq)
     if need > room:
         raise ConfigError(f"the conversation holds {seq.tokens_held} tokens, which need {need / MIB:.1f} MiB in "
                           f"{new.label()}, more than the {m.budget_bytes / MIB:g} MiB budget allows: raise the budget, "
                           f"use a window or a smaller format, or reset the session")
-    old_comps = store.components(seq.layout)
-    new_layout_comps = store.components(layout)
+    old_comps = m.components(seq.layout)
+    new_layout_comps = m.components(layout)
     same_blocks = layout.block_size == seq.layout.block_size
     slots = torch.arange(n)
     abs_pos = seq.positions(slots)
@@ -72,22 +73,21 @@ def _relayout(m: KVCacheManager, store: PageStore, seq: Sequence, layout: KVLayo
                 if role == "k" and oc.fmt.is_quantized != nc.fmt.is_quantized:
                     if id(inv_freq[layer]) not in tables:
                         cos, sin = rope_cos_sin(abs_pos, inv_freq[layer].cpu())
-                        tables[id(inv_freq[layer])] = cos.to(store.device), sin.to(store.device)
+                        tables[id(inv_freq[layer])] = cos.to(m.device), sin.to(m.device)
                     cos, sin = tables[id(inv_freq[layer])]
                     # full precision holds keys rotated at their absolute positions, quantized pages before RoPE
                     values = rotate(values, cos, sin) if nc.fmt.is_quantized is False else rotate(values, cos, -sin)
                 pair.append(("write", values))
         carried.append(pair)
     num_tokens, evicted, sink_blocks, keep_head = seq.num_tokens, seq.evicted, seq.sink_blocks, seq.has_head
-    child = m.new_sequence(layout, geometry, sink_blocks)     # registered first, so its layout's pages stay
+    child = m.new_group(layout, geometry, sink_blocks)     # registered first, so its layout's pages stay
     close(seq)
     try:
-        res = m.reserve(child, n)
+        res = m.reserve_blocks(child, n, set())
     except NoFreeBlocks:       # checked above; only a race with another step could get here
         raise ConfigError("the budget filled while converting: reset the session") from None
-    store.reserve(layout, m.high_water(layout), layout.budget_blocks(m.budget_bytes) + 1)
-    new_layout_comps = store.components(layout)
-    rows = page_rows(child.block_table, slots, layout.block_size, store.device)
+    new_layout_comps = m.components(layout)
+    rows = page_rows(child.block_table, slots, layout.block_size, m.device)
     for (nkc, nvc), pair in zip(new_layout_comps, carried):
         for nc, (how, payload) in zip((nkc, nvc), pair):
             if how == "copy":

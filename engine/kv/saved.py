@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from kvchat.engine.kv.layout import KVLayout
-from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, Sequence
-from kvchat.engine.kv.pages import Component, PageStore
+from kvchat.engine.kv.manager import NoFreeBlocks
+from kvchat.engine.kv.pages import Component
+from kvchat.engine.kv.sequence import Sequence
 
 FORMAT_VERSION = 1
 META_KEY = "kvchat"
@@ -54,12 +55,12 @@ def group_meta(seq: Sequence) -> dict:
             "evicted": seq.evicted, "sink_blocks": seq.sink_blocks, "blocks": len(seq.block_table)}
 
 
-def export_groups(store: PageStore, seq: Sequence) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def export_groups(cache, seq: Sequence) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Every KV group of a conversation: (per group its metadata, the tensors), byte for byte as stored."""
     metas, tensors = [], {}
     for g, m in enumerate(seq.members):
         metas.append(group_meta(m))
-        for l, pair in enumerate(store.components(m.layout)):
+        for l, pair in enumerate(cache.components(m.layout)):
             for role, c in zip("kv", pair):
                 prefix = f"g{g}.l{l}.{role}."
                 if m.block_table:
@@ -74,10 +75,10 @@ def export_groups(store: PageStore, seq: Sequence) -> tuple[list[dict], dict[str
     return metas, tensors
 
 
-def _expected(store: PageStore, layout: KVLayout, n_blocks: int, g: int) -> dict[str, tuple]:
+def _expected(cache, layout: KVLayout, n_blocks: int, g: int) -> dict[str, tuple]:
     """name -> (shape, dtype, required) of every tensor a group of n_blocks blocks may have in this layout."""
     out = {}
-    for l, pair in enumerate(store.components(layout)):
+    for l, pair in enumerate(cache.components(layout)):
         for role, c in zip("kv", pair):
             prefix = f"g{g}.l{l}.{role}."
             if n_blocks:
@@ -98,7 +99,7 @@ def _count(meta: dict, key: str) -> int:
     return value
 
 
-def check_groups(store: PageStore, members: list[Sequence], metas, tensors: dict, extra: set[str]) -> None:
+def check_groups(cache, members: list[Sequence], metas, tensors: dict, extra: set[str]) -> None:
     """The saved groups fit these (empty) sequences' layouts exactly, every tensor of the shape they give; raises
     CacheFileError. extra: names the caller's own tensors may take."""
     if not isinstance(metas, list) or len(metas) != len(members):
@@ -120,7 +121,7 @@ def check_groups(store: PageStore, members: list[Sequence], metas, tensors: dict
         if (seq_len < 0 or n_blocks != m.layout.blocks_for(seq_len) or sinks not in (0, m.geometry.sink_blocks)
                 or m.geometry.num_to_evict(num_tokens, evicted, n_blocks)):
             raise CacheFileError("the saved cache's token and block counts do not agree: the file is damaged")
-        allowed.update(_expected(store, m.layout, n_blocks, g))
+        allowed.update(_expected(cache, m.layout, n_blocks, g))
         read.append((g, m.layout, seq_len))
     for name, t in tensors.items():
         if name in extra:
@@ -136,17 +137,17 @@ def check_groups(store: PageStore, members: list[Sequence], metas, tensors: dict
     if missing:
         raise CacheFileError(f"the saved cache lacks {len(missing)} of its page tensors: the file is damaged")
     for g, layout, seq_len in read:
-        for name, t in _values_read(store, layout, g, seq_len, tensors):
+        for name, t in _values_read(cache, layout, g, seq_len, tensors):
             if not _finite(t):
                 raise CacheFileError(f"the saved cache's {name} holds values that are not finite (NaN or inf): the "
                                      f"file is damaged")
 
 
-def _values_read(store: PageStore, layout: KVLayout, g: int, seq_len: int, tensors: dict):
+def _values_read(cache, layout: KVLayout, g: int, seq_len: int, tensors: dict):
     """(name, values) of every floating tensor of one group that attention reads: full-precision pages' first
     seq_len rows; quantized pages' full blocks (block 0 only where no head stands in for it), their head and tail.
     The rest of a block was never written and may hold anything."""
-    for l, pair in enumerate(store.components(layout)):
+    for l, pair in enumerate(cache.components(layout)):
         for role, c in zip("kv", pair):
             prefix = f"g{g}.l{l}.{role}."
             head, tail = tensors.get(prefix + "head"), tensors.get(prefix + "tail")
@@ -168,7 +169,7 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def import_groups(manager: KVCacheManager, store: PageStore, members: list[Sequence], metas: list[dict],
+def import_groups(cache, members: list[Sequence], metas: list[dict],
                   tensors: dict[str, torch.Tensor], keep: frozenset[int] = frozenset()) -> None:
     """Fill empty sequences (checked by check_groups) with the saved blocks under new block ids: the pool's budget
     applies (idle conversations outside `keep` may be released for room; NoFreeBlocks when even that is too
@@ -179,16 +180,15 @@ def import_groups(manager: KVCacheManager, store: PageStore, members: list[Seque
         for m, meta in zip(members, metas):
             m.sink_blocks = meta["sink_blocks"]
             seq_len = meta["num_tokens"] - meta["evicted"] * m.block_size
-            taken.append(manager.reserve(m, seq_len, keep))
+            taken.append(cache.reserve_blocks(m, seq_len, keep))
     except NoFreeBlocks:
         for res in reversed(taken):
-            manager.rollback(res)
+            cache.rollback(res)
         raise
     for g, (m, meta, res) in enumerate(zip(members, metas, taken)):
         layout = m.layout
-        store.reserve(layout, manager.high_water(layout), layout.budget_blocks(manager.budget_bytes) + 1)
-        ids = torch.tensor(m.block_table, dtype=torch.long, device=store.device)
-        for l, pair in enumerate(store.components(layout)):
+        ids = torch.tensor(m.block_table, dtype=torch.long, device=cache.device)
+        for l, pair in enumerate(cache.components(layout)):
             for role, c in zip("kv", pair):
                 prefix = f"g{g}.l{l}.{role}."
                 if m.block_table:
@@ -200,7 +200,7 @@ def import_groups(manager: KVCacheManager, store: PageStore, members: list[Seque
                     c.tails[m.seq_id] = tail.to(c.device).clone()
                 if head is not None and m.block_table:
                     c.heads[m.block_table[0]] = head.to(c.device).clone()
-        manager.adopt(res, meta["num_tokens"], meta["evicted"])
+        cache.adopt(res, meta["num_tokens"], meta["evicted"])
 
 
 # ---- the file ------------------------------------------------------------------------------------------------
