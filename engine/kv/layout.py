@@ -18,11 +18,10 @@ from kvchat.kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, pag
 
 from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.model.config import ModelConfig
-from kvchat.engine.units import MIB
+from kvchat.engine.units import DTYPE_BYTES, MIB
 from kvchat.engine.kv.window import (PREFILL_CHUNK, FullAttention, ModelWindow, SinkWindow, WindowGeometry,  # noqa: F401
                                      sinks_at_first_positions)
 
-ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def full_dtype(model_dtype: str, device: str) -> str:
@@ -64,7 +63,7 @@ class KVLayout:
     @property
     def full_block_bytes(self) -> int:
         """Bytes of one full-precision block of one component (a head or a tail)."""
-        return self.block_size * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.full_dtype]
+        return self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.full_dtype]
 
     @property
     def fixed_bytes(self) -> int:
