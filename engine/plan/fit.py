@@ -10,13 +10,12 @@ from collections import Counter
 from pathlib import Path
 
 from kvchat.engine.errors import ModelLoadError
-from kvchat.engine.units import GIB, MIB
+from kvchat.engine.units import DTYPE_BYTES, GIB, MIB
 
 # What a running kvchat needs beside weights and KV (Python, torch, the tokenizer, a first KV block and
 # work buffers), plus a share of the memory left free for everything else on the machine.
 RUNTIME_BYTES = 600 * MIB
 FREE_SHARE = 0.05
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 SIXTEEN_BIT = ("bf16", "f16")           # safetensors' names of the stored dtypes the CPU keeps as they are
 
 
