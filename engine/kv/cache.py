@@ -25,6 +25,7 @@ from kvchat.engine.kv import convert, saved
 from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVGroup, KVLayout
 from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView
 from kvchat.engine.kv.sequence import Conversation, Reservation, Sequence
+from kvchat.engine.kv.tier import DEFAULT_TIER_MB as HOST_TIER_MB, PreemptTier
 from kvchat.engine.kv.pages import PageStore
 
 
@@ -45,6 +46,9 @@ class KVCache:
         self.device = device
         self._pages = PageStore(device)
         self._blocks = KVCacheManager(int(budget_bytes), on_free=self._pages.forget_blocks, on_release=on_release)
+        # the second tier: a GPU pool's released conversations go to pinned host memory first, then to disk (the
+        # saved-cache file, engine/runtime/warm.py); a CPU pool's go to disk
+        self.host_tier = PreemptTier(HOST_TIER_MB, "host") if torch.device(device).type == "cuda" else None
 
     # ---- conversations ---------------------------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.layout import MIB, KVLayout, check_cache_for_model, kv_groups, kv_layout
 from kvchat.engine.kv.manager import NoFreeBlocks
 from kvchat.engine.kv.sequence import Conversation
-from kvchat.engine.kv.tier import DEFAULT_TIER_MB as HOST_TIER_MB, PreemptTier
 from kvchat.engine.model.transformer import Transformer
 
 
@@ -38,14 +37,17 @@ class ModelRunner:
         self.cache = KVCache(self.device, int(budget_mb * MIB), on_release=self._releasing)
         self.warm_sessions: weakref.WeakSet = weakref.WeakSet()   # sessions whose cache has a second tier
         self.offloaded = 0                         # conversations saved to the second tier when released
-        # a GPU pool's released conversations go to pinned host memory first (engine/kv/tier.py), then to disk
-        self.host_tier = PreemptTier(HOST_TIER_MB, "host") if torch.device(self.device).type == "cuda" else None
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
         self.steps = 0
         self.speculation = SpeculativeConfig("off")   # the engine's setting (Engine.set_speculative), read each turn
         self.draft_runner: "ModelRunner | None" = None   # a draft model's runner when speculation uses one
         self.step_costs = StepCosts()             # what a decode step and a verification row cost here
         self._backends: dict[tuple, AttentionBackend] = {}     # by backends.choice_key
+
+    @property
+    def host_tier(self):
+        """Where a GPU pool's released conversations go first (KVCache.host_tier), or None."""
+        return self.cache.host_tier
 
     @property
     def config(self):
