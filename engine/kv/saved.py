@@ -39,6 +39,10 @@ class CacheFileError(Exception):
     """A saved cache that cannot be restored; the text says why (the conversation is read again instead)."""
 
 
+class NoSavedCache(CacheFileError):
+    """There is no saved cache for the conversation (nothing is wrong: it was never saved, or it was deleted)."""
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A page tensor as rows of bytes where torch cannot index its dtype on the CPU (fp8), else itself."""
     return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
@@ -250,7 +254,7 @@ def _file_bytes(path: Path, max_bytes: int) -> bytes:
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
-        raise CacheFileError("no saved cache") from None
+        raise NoSavedCache("no saved cache") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CacheFileError("the saved cache is a link, not a file kvchat wrote") from None
