@@ -62,7 +62,7 @@ package: $(STAMP)
 # loads; translate new strings (type="unfinished") in the .ts, e.g. with pyside6-linguist, then run this again
 TS := resources/i18n/kvchat_zh_CN.ts
 translations: $(STAMP)
-	$(BIN)/pyside6-lupdate app/*.py -ts $(TS) -locations none -no-obsolete
+	$(BIN)/pyside6-lupdate app/*.py app/*/*.py -ts $(TS) -locations none -no-obsolete
 	$(BIN)/pyside6-lrelease $(TS) -qm $(TS:.ts=.qm)
 
 # what packaging/gpu_check.sh carries to a GPU machine that reaches no registry: the default model's tokenizer as a

@@ -16,13 +16,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv[:1] in (["--version"], ["-V"]):     # answered without importing Qt or torch
-        from kvchat.app.main import version
+        from kvchat.app.shell.main import version
         print(f"kvchat {version()}")
         return 0
     if argv and argv[0] in TERMINAL_COMMANDS:
         from kvchat.cli.terminal import main as engine_main
         return engine_main(argv)
-    from kvchat.app.main import main as gui_main   # Qt is imported only for the app
+    from kvchat.app.shell.main import main as gui_main   # Qt is imported only for the app
     return gui_main(argv)
 
 

@@ -19,9 +19,15 @@ class Capabilities:
     per_layer_stats: bool       # stats().layers holds real per-layer K/V bytes and formats
     live_cache_switch: bool     # session.set_cache converts the cache in place
     remote: bool                # the model runs elsewhere; server numbers come in stats().server
+    edits_history: bool = False     # a session can regenerate, continue_reply, rewind and select_alternative
+    saves_caches: bool = False      # keep_warm / restore_warm / save_warm and warm_store: chats' caches on disk
+    speculative: bool = False       # set_speculative changes how the next turns decode
+    prefill_precision: bool = False     # set_prefill changes the prompt GEMM's precision; .prefill names it
+    prefix_cache: bool = False      # clear_prefix_cache frees blocks kept only for prefix reuse
 
 
-LOCAL = Capabilities(per_layer_stats=True, live_cache_switch=True, remote=False)
+LOCAL = Capabilities(per_layer_stats=True, live_cache_switch=True, remote=False, edits_history=True,
+                     saves_caches=True, speculative=True, prefill_precision=True, prefix_cache=True)
 REMOTE = Capabilities(per_layer_stats=False, live_cache_switch=False, remote=True)
 
 

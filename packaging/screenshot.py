@@ -33,11 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         from PySide6.QtCore import QTimer
         from PySide6.QtWidgets import QApplication
 
-        from kvchat.app.history import HistoryStore
+        from kvchat.app.store.history import HistoryStore
         from kvchat.app.i18n import install
-        from kvchat.app.main import load_style
-        from kvchat.app.main_window import MainWindow
-        from kvchat.app.settings_store import SettingsStore
+        from kvchat.app.shell.main import load_style
+        from kvchat.app.shell.main_window import MainWindow
+        from kvchat.app.store.settings_store import SettingsStore
         from kvchat.engine.config import SamplingParams
 
         app = QApplication([sys.argv[0]])

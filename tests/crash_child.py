@@ -13,9 +13,9 @@ def run_window() -> int:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
-    from kvchat.app.history import HistoryStore
-    from kvchat.app.main_window import MainWindow
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.history import HistoryStore
+    from kvchat.app.shell.main_window import MainWindow
+    from kvchat.app.store.settings_store import SettingsStore
     from kvchat.engine.config import SamplingParams
     from fakes import FakeLoader
 
@@ -42,7 +42,7 @@ def run_window() -> int:
 
 
 def run_writer() -> int:
-    from kvchat.app.history import STREAMING, HistoryStore
+    from kvchat.app.store.history import STREAMING, HistoryStore
     from kvchat.engine.config import CacheConfig
 
     store = HistoryStore()
@@ -67,9 +67,9 @@ def _real_window():
 
     from PySide6.QtWidgets import QApplication
 
-    from kvchat.app.history import HistoryStore
-    from kvchat.app.main_window import MainWindow
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.history import HistoryStore
+    from kvchat.app.shell.main_window import MainWindow
+    from kvchat.app.store.settings_store import SettingsStore
     from kvchat.engine import Engine
 
     def loader(config, progress):
@@ -124,7 +124,7 @@ def run_resume() -> int:
 
     from PySide6.QtCore import QTimer
 
-    from kvchat.app.history import cache_to_json
+    from kvchat.app.store.history import cache_to_json
 
     app, window = _real_window()
     out = {}

@@ -5,7 +5,7 @@ Bytes follow a simple per-format rule so mode switches and resets show up as exa
 from __future__ import annotations
 
 import time
-
+from dataclasses import replace
 from types import SimpleNamespace
 
 from kvchat.engine.api import LOCAL
@@ -202,7 +202,9 @@ class FakeSession:
 
 
 class FakeEngine:
-    capabilities = LOCAL                # it stands in for the local engine: per-layer bytes, live switches
+    # it stands in for the local engine (per-layer bytes, live switches, edits, a prefix cache), without its disk
+    # store, speculative decoding or prompt precision
+    capabilities = replace(LOCAL, saves_caches=False, speculative=False, prefill_precision=False)
 
     def __init__(self, config: EngineConfig, step_s: float = 0.005):
         self.config = config
@@ -272,9 +274,9 @@ def isolate_app(monkeypatch, tmp_path) -> None:
 
 def open_window(qtbot, loader, autoload: bool = True):
     """A MainWindow on the isolated stores, shown, registered with qtbot for closing."""
-    from kvchat.app.history import HistoryStore
-    from kvchat.app.main_window import MainWindow
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.history import HistoryStore
+    from kvchat.app.shell.main_window import MainWindow
+    from kvchat.app.store.settings_store import SettingsStore
 
     window = MainWindow(SettingsStore(), HistoryStore(), loader=loader, autoload=autoload)
     # pytest-qt holds widgets weakly; without a strong reference the window (and its running engine
@@ -287,7 +289,7 @@ def open_window(qtbot, loader, autoload: bool = True):
 
 def real_window(qtbot, model: str, cache=None, sampling=None, timeout: int = 60_000):
     """A window over the real engine (the app's own loader), loaded with `model`; fails on a load error."""
-    from kvchat.app.worker import _default_loader
+    from kvchat.app.bridge.loader import default_loader as _default_loader
     window = open_window(qtbot, _default_loader, autoload=False)
     base = window.settings
     window.apply_settings(type(base)(model, cache or base.cache, sampling or base.sampling, base.system_prompt))
@@ -300,8 +302,8 @@ def remote_window(qtbot, url: str, key: str = "", model: str = "tiny", sampling=
     """A window in Server mode on `url` (a real kvchat server on loopback in the tests)."""
     from dataclasses import replace
 
-    from kvchat.app.settings_store import RemoteSettings
-    from kvchat.app.worker import _default_loader
+    from kvchat.app.store.settings_store import RemoteSettings
+    from kvchat.app.bridge.loader import default_loader as _default_loader
     window = open_window(qtbot, _default_loader, autoload=False)
     window.apply_settings(replace(window.settings, sampling=sampling or window.settings.sampling,
                                   remote=RemoteSettings(url, key, model)))

@@ -167,7 +167,7 @@ def test_copy_and_delete_one_message(qtbot):
 
 def test_export_markdown_and_json(qtbot, tmp_path, monkeypatch):
     """Export writes the chat (with reply versions and marks); the menu action asks for a path first."""
-    from kvchat.app.export import export_conversation
+    from kvchat.app.chat.export import export_conversation
 
     window = ready_window(qtbot)
     finished = send(qtbot, window, "Export *me*")
@@ -266,7 +266,7 @@ def test_clear_prefix_cache_shows_freed_mib(qtbot):
     with qtbot.waitSignal(window.host.prefix_cleared, timeout=5000) as blocker:
         window.actions.clear_prefix_action.trigger()
     assert blocker.args[0].freed_bytes == 3 * 1024 * 1024
-    assert "3.00 MiB" in window.dashboard.notice_label.text()
+    assert "3.00 MiB" in window.dashboard.live.notice_label.text()
     with qtbot.waitSignal(window.host.prefix_cleared, timeout=5000):
         window.actions.clear_prefix_action.trigger()
     assert "already empty" in window.statusBar().currentMessage()
@@ -307,7 +307,7 @@ def test_unfenced_code_keeps_newlines_and_indentation(qtbot):
 def test_real_engine_regenerate_forks_without_prefill_and_arrows_keep_the_cache(qtbot, tiny_llama):
     """On the real (tiny) engine: Regenerate reads 0 prompt tokens; switching back re-uses the old reply's
     cache (the next turn reads only its own message); edit and resend reads only the edited message."""
-    from kvchat.app.worker import _default_loader
+    from kvchat.app.bridge.loader import default_loader as _default_loader
 
     window = open_window(qtbot, _default_loader, autoload=False)
     window.apply_settings(replace(window.settings, model=tiny_llama,

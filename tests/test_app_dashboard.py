@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 
-from kvchat.app.dashboard import Dashboard
-from kvchat.app.dashboard_data import DashboardData, Marker, cluster_markers, stable_top, token_room
+from kvchat.app.dashboard.dock import Dashboard
+from kvchat.app.dashboard.dashboard_data import DashboardData, Marker, cluster_markers, stable_top, token_room
 from kvchat.engine.config import CacheConfig, SamplingParams
 from kvchat.engine.events import LayerBytes, MemoryProbe, StatsSnapshot
 from fakes import CONTEXT_TOKENS, FakeLoader, isolate_app, open_window
@@ -71,17 +71,17 @@ def test_int8_and_int4_shrink_bars_inside_a_fixed_full_precision_outline(qtbot):
     send(qtbot, window)
     window.dashboard.redraw()
     dash = window.dashboard
-    outline = dash.full_bars.opts["height"][0]
-    full_bar = dash.k_bars.opts["height"][0] + dash.v_bars.opts["height"][0]
+    outline = dash.live.full_bars.opts["height"][0]
+    full_bar = dash.live.k_bars.opts["height"][0] + dash.live.v_bars.opts["height"][0]
     assert full_bar == pytest.approx(outline) and outline > 0
-    y_range = dash.layer_plot.getPlotItem().getViewBox().viewRange()[1]
+    y_range = dash.live.layer_plot.getPlotItem().getViewBox().viewRange()[1]
     for fmt, share in (("int8", 1 / 4), ("int4", 1 / 8)):
         switch(qtbot, window, fmt)
-        bar = dash.k_bars.opts["height"][0] + dash.v_bars.opts["height"][0]
-        assert dash.full_bars.opts["height"][0] == pytest.approx(outline)
+        bar = dash.live.k_bars.opts["height"][0] + dash.live.v_bars.opts["height"][0]
+        assert dash.live.full_bars.opts["height"][0] == pytest.approx(outline)
         assert bar / outline == pytest.approx(share)
-        assert dash.layer_plot.getPlotItem().getViewBox().viewRange()[1] == pytest.approx(y_range)
-    assert "full precision" in dash.legends["layers"].text() and "int4" in dash.legends["layers"].text()
+        assert dash.live.layer_plot.getPlotItem().getViewBox().viewRange()[1] == pytest.approx(y_range)
+    assert "full precision" in dash.live.legends["layers"].text() and "int4" in dash.live.legends["layers"].text()
 
 
 def test_layer_scale_grows_only_when_outgrown_and_restarts_on_reset(qtbot):
@@ -107,7 +107,7 @@ def test_stable_top_steps():
 
 def test_full_precision_size_from_full_precision_layers_when_the_field_is_zero():
     """Without the engine's field, layers held in the model dtype still give the outline."""
-    from kvchat.app.dashboard_data import full_precision_bytes_per_token
+    from kvchat.app.dashboard.dashboard_data import full_precision_bytes_per_token
     assert full_precision_bytes_per_token(snapshot(fmt="fp32", layers=3)) == pytest.approx(64.0 * 3)
     assert full_precision_bytes_per_token(snapshot(fmt="int8")) == 0.0
     assert full_precision_bytes_per_token(snapshot(fmt="int8", per_token_full=512.0)) == 512.0
@@ -127,16 +127,16 @@ def test_eviction_burst_collapses_into_one_marker_that_lists_them(qtbot):
         data.add(snapshot(t=10.0 + i * 0.05, evicted=16 * (i + 1)))
     data.mark("mode", "→ int4", 50.0)
     dash.redraw()
-    clusters = dash.event_strip.clusters
+    clusters = dash.live.event_strip.clusters
     assert [c.count for c in clusters] == [20, 1]
     assert "20× evicted" in clusters[0].label() and "evicted 320 tok in 20 steps" in clusters[0].tooltip()
-    x0, x1 = dash.event_strip.placed[0][1:]
-    assert dash.event_strip.cluster_at((x0 + x1) / 2) is clusters[0]
+    x0, x1 = dash.live.event_strip.placed[0][1:]
+    assert dash.live.event_strip.cluster_at((x0 + x1) / 2) is clusters[0]
     # the KV-held line is drawn above every other curve, and marker lines behind all curves
-    kv_z = dash.memory_curves["kv"].zValue()
-    assert kv_z == max(curve.zValue() for curve in dash.memory_curves.values())
-    assert all(line.zValue() < kv_z for _, line in dash._marker_lines)
-    assert all(getattr(line, "label", None) is None for _, line in dash._marker_lines)   # no labels in the plot
+    kv_z = dash.live.memory_curves["kv"].zValue()
+    assert kv_z == max(curve.zValue() for curve in dash.live.memory_curves.values())
+    assert all(line.zValue() < kv_z for _, line in dash.live._marker_lines)
+    assert all(getattr(line, "label", None) is None for _, line in dash.live._marker_lines)   # no labels in the plot
 
 
 def test_marker_labels_never_overlap():
@@ -159,12 +159,12 @@ def test_memory_legend_lists_only_what_this_machine_reports(qtbot):
     qtbot.addWidget(dash)
     data.add(snapshot(t=1.0))
     dash.redraw()
-    legend = dash.legends["memory"].text()
+    legend = dash.live.legends["memory"].text()
     assert "KV held" in legend and "torch" not in legend and "NVML" not in legend
-    assert dash.memory_curves["torch"].getData()[0] is None or len(dash.memory_curves["torch"].getData()[0]) == 0
+    assert dash.live.memory_curves["torch"].getData()[0] is None or len(dash.live.memory_curves["torch"].getData()[0]) == 0
     data.add(snapshot(t=2.0, torch_bytes=50 << 20, gpu_bytes=80 << 20))
     dash.redraw()
-    assert "torch allocator" in dash.legends["memory"].text() and "NVML" in dash.legends["memory"].text()
+    assert "torch allocator" in dash.live.legends["memory"].text() and "NVML" in dash.live.legends["memory"].text()
 
 
 # --- 3. tokens left: budget or context ---
@@ -184,7 +184,7 @@ def test_gauge_says_which_limit_binds_and_shows_the_context(qtbot):
     window = ready_window(qtbot, sampling=SamplingParams(max_new_tokens=8))
     send(qtbot, window)
     window.dashboard.redraw()
-    gauge, latest = window.dashboard.gauge, window.dashboard.data.latest
+    gauge, latest = window.dashboard.live.gauge, window.dashboard.data.latest
     assert gauge.binding == "context" and gauge.room.left == CONTEXT_TOKENS - latest.tokens_in_context
     assert f"context {CONTEXT_TOKENS:,}" in gauge.text() and "context binds" in gauge.text()
     switch(qtbot, window, "auto")
@@ -213,13 +213,13 @@ def test_rate_curves_break_when_nothing_is_generating(qtbot):
     assert decode[:2] == [20.0, 22.0] and math.isnan(decode[2]) and math.isnan(decode[3]) and decode[-1] == 30.0
     assert list(data.series["kv"])[2] == list(data.series["kv"])[1]      # memory holds its value instead
     dash.redraw()
-    assert dash.decode_curve.opts["connect"] == "finite"
-    assert np.isnan(dash.decode_curve.getData()[1]).sum() >= 2
-    assert "idle" in dash.series_hover_text("speed", 5.0)
-    assert "idle" not in dash.summary.text()
+    assert dash.live.decode_curve.opts["connect"] == "finite"
+    assert np.isnan(dash.live.decode_curve.getData()[1]).sum() >= 2
+    assert "idle" in dash.live.series_hover_text("speed", 5.0)
+    assert "idle" not in dash.live.summary.text()
     data.add(snapshot(t=12.0, decode=30.0), generating=False)
     dash.redraw()
-    assert "idle · last reply: decode 30.0 tok/s" in dash.summary.text()
+    assert "idle · last reply: decode 30.0 tok/s" in dash.live.summary.text()
 
 
 # --- 5. what the mode costs ---
@@ -228,7 +228,7 @@ def test_measure_button_measures_in_the_engine_thread_and_caches_on_disk(qtbot, 
     """'not measured yet' until Measure; then top-1 and KL from bench_quality's code, stored in JSON
     and shown again without measuring when the mode comes back."""
     window = ready_window(qtbot, cache=CacheConfig(k_format="int4", v_format="int4"))
-    row = window.dashboard.quality_row
+    row = window.dashboard.live.quality_row
     assert row.state == "not measured" and "not measured yet" in row.label.text() and row.button.isVisible()
     with qtbot.waitSignal(window.host.quality, timeout=20_000) as blocker:
         qtbot.mouseClick(row.button, Qt.MouseButton.LeftButton)
@@ -256,18 +256,18 @@ def test_a_send_cancels_the_measurement_and_the_reply_still_comes(qtbot):
         window.input.submit()
     assert type(blocker.args[0]).__name__ == "QualityCancelled" and not blocker.args[0].error
     qtbot.waitUntil(lambda: not window.generating, timeout=5000)
-    assert window.dashboard.quality_row.state == "not measured"
+    assert window.dashboard.live.quality_row.state == "not measured"
 
 
 def test_measure_on_a_real_tiny_model_uses_bench_quality(tiny_engine):
     """A real engine: int4 agrees with full precision on most tokens and the KL is small but not zero."""
-    from kvchat.app.quality import measure
+    from kvchat.app.bridge.measure import measure
     result = measure(tiny_engine, CacheConfig(k_format="int4", v_format="int4"), num_tokens=64)
     assert result.tokens == 64 and 0.5 < result.top1_agreement <= 1.0 and 0.0 < result.mean_kl < 1.0
 
 
 def test_quality_store_survives_a_damaged_file(tmp_path):
-    from kvchat.app.quality import QualityResult, QualityStore
+    from kvchat.app.store.quality import QualityResult, QualityStore
     path = tmp_path / "q.json"
     path.write_text("{not json")
     store = QualityStore(path)
@@ -285,15 +285,15 @@ def test_reset_result_stays_as_a_notice_in_mib(qtbot):
     with qtbot.waitSignal(window.host.reset_done, timeout=5000):
         window.reset_session()
     dash = window.dashboard
-    assert dash.notice.isVisible() and "MiB of KV memory" in dash.notice_label.text()
+    assert dash.live.notice.isVisible() and "MiB of KV memory" in dash.live.notice_label.text()
     window.statusBar().clearMessage()
-    assert dash.notice.isVisible()
+    assert dash.live.notice.isVisible()
     with qtbot.waitSignal(window.host.reset_done, timeout=5000):
         window.reset_session()
-    assert "already empty" in dash.notice_label.text()
+    assert "already empty" in dash.live.notice_label.text()
     switch(qtbot, window, "int4")
-    assert "Switched the cache to int4" in dash.notice_label.text() and "MiB" in dash.notice_label.text()
-    assert "GiB" not in dash.summary.text() and "1,024 MiB budget" in dash.summary.text()
+    assert "Switched the cache to int4" in dash.live.notice_label.text() and "MiB" in dash.live.notice_label.text()
+    assert "GiB" not in dash.live.summary.text() and "1,024 MiB budget" in dash.live.summary.text()
 
 
 # --- 7. layout ---
@@ -305,17 +305,17 @@ def test_dashboard_fits_without_cutting_anything(qtbot, size):
     window = ready_window(qtbot, size=size, sampling=SamplingParams(max_new_tokens=8))
     send(qtbot, window)
     dash = window.dashboard
-    dash.show_notice("Switched the cache to int4: KV memory 4.22 MiB → 2.13 MiB for the same 96 tokens.")
+    dash.live.show_notice("Switched the cache to int4: KV memory 4.22 MiB → 2.13 MiB for the same 96 tokens.")
     dash.redraw()
     qtbot.wait(50)
-    body = dash.scroll.widget()
-    assert body.height() <= dash.scroll.viewport().height() + 1
-    plots = [dash.layer_plot, dash.speed_plot, dash.memory_plot]
+    body = dash.live.widget()
+    assert body.height() <= dash.live.viewport().height() + 1
+    plots = [dash.live.layer_plot, dash.live.speed_plot, dash.live.memory_plot]
     for plot in plots:
         assert plot.height() >= plot.minimumHeight()
-        for legend in dash.legends.values():
+        for legend in dash.live.legends.values():
             assert not legend.geometry().intersects(plot.geometry())
-    assert not dash.event_strip.geometry().intersects(dash.memory_plot.geometry())
+    assert not dash.live.event_strip.geometry().intersects(dash.live.memory_plot.geometry())
 
 
 def test_sidebar_elides_long_titles_once_and_right_click_keeps_the_open_chat(qtbot):
@@ -339,3 +339,32 @@ def test_sidebar_elides_long_titles_once_and_right_click_keeps_the_open_chat(qtb
     assert sidebar.currentItem().data(Qt.ItemDataRole.UserRole) == second
     assert [item.data(Qt.ItemDataRole.UserRole) for item in sidebar.selectedItems()] == [second]
     assert window.conversation_id == second
+
+
+def test_the_dock_makes_its_tabs_from_the_page_registry(qtbot, monkeypatch):
+    """Tabs come from the registered pages in their order (Live, Pool, Plan, Lengths; Experts hidden until a model
+    routes to experts), and a page registered between two others gets its tab there with its title and tooltip."""
+    from PySide6.QtWidgets import QLabel
+
+    from kvchat.app.dashboard import registry
+    dash = Dashboard()
+    qtbot.addWidget(dash)
+    titles = [dash.switcher.tabText(i) for i in range(dash.switcher.count())]
+    assert titles == ["Live", "Pool", "Plan", "Lengths", "Experts"]
+    assert dash.page_names() == ["Live", "Pool", "Plan", "Lengths"]
+    assert dash.current_page().objectName() == "dashboardBody"
+
+    monkeypatch.setattr(registry, "_PAGES", dict(registry._PAGES))    # the extra page leaves with this test
+    registry.register(registry.Page("Extra", "Extra", "an extra page", lambda _data: QLabel("extra", objectName="extra"),
+                                    order=35))
+    with pytest.raises(ValueError):                 # a second module cannot claim the same tab
+        registry.register(registry.Page("Extra", "Other", "", lambda _data: QLabel(), order=36))
+    with pytest.raises(ValueError):                 # nor the same place in the row
+        registry.register(registry.Page("Another", "Another", "", lambda _data: QLabel(), order=35))
+    grown = Dashboard()
+    qtbot.addWidget(grown)
+    assert grown.page_names() == ["Live", "Pool", "Plan", "Extra", "Lengths"]
+    index = grown.page_names().index("Extra")
+    assert grown.switcher.tabToolTip(index) == "an extra page"
+    grown.show_page("Extra")
+    assert grown.current_page().objectName() == "extra"

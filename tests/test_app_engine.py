@@ -70,7 +70,7 @@ def real_window(qtbot, model: str, cache: CacheConfig | None = None, sampling: S
 
 
 def _real_loader():
-    from kvchat.app.worker import _default_loader
+    from kvchat.app.bridge.loader import default_loader as _default_loader
 
     return _default_loader
 

@@ -9,10 +9,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest
 from PySide6.QtCore import QPointF, Qt
 
-from kvchat.app.history import HistoryStore
-from kvchat.app.lengths_data import histogram, suggest_window
-from kvchat.app.plan_panel import PLAN_FORMATS
-from kvchat.app.pool_view import PoolOwners, pool_rows
+from kvchat.app.store.history import HistoryStore
+from kvchat.app.dashboard.lengths_data import histogram, suggest_window
+from kvchat.app.dashboard.plan_panel import PLAN_FORMATS
+from kvchat.app.dashboard.pool_view import PoolOwners, pool_rows
 from kvchat.engine.config import CacheConfig, SamplingParams
 from kvchat.engine.events import PoolStats
 from kvchat.engine.kv.layout import kv_layout
@@ -35,7 +35,7 @@ def _isolated(monkeypatch, tmp_path):
 
 
 def ready_window(qtbot, loader, model="default", system_prompt="", max_new_tokens=8, cache=None):
-    from kvchat.app.worker import _default_loader
+    from kvchat.app.bridge.loader import default_loader as _default_loader
 
     window = open_window(qtbot, loader or _default_loader, autoload=False)
     base = window.settings
@@ -272,7 +272,7 @@ def test_pool_rows_add_the_chats_whose_cache_is_only_on_disk():
     owners.learn(pool, 41)
     rows = pool_rows(pool, owners, {41: "Colours", 42: "Ships"}.get)
     assert [(r.label, r.where, r.num_bytes) for r in rows] == [("Colours", "pool", 300), ("Ships", "disk", 500)]
-    from kvchat.app.pool_view import conversation_bar_rows
+    from kvchat.app.dashboard.pool_view import conversation_bar_rows
     bars = conversation_bar_rows(rows, 1000)
     assert bars[1].text.endswith("on disk") and "reads it back" in bars[1].tip and bars[1].fraction == 1.0
 
@@ -288,7 +288,7 @@ def test_pool_rows_show_chats_moved_to_host_memory_before_those_on_disk():
     rows = pool_rows(pool, owners, {41: "Colours", 42: "Ships", 43: "Maps"}.get)
     assert [(r.label, r.where, r.num_bytes) for r in rows] == [("Colours", "pool", 300), ("Maps", "host", 250),
                                                               ("Ships", "disk", 500)]
-    from kvchat.app.pool_view import conversation_bar_rows
+    from kvchat.app.dashboard.pool_view import conversation_bar_rows
     bars = conversation_bar_rows(rows, 1000)
     assert bars[1].text.endswith("in host memory") and "copies it back" in bars[1].tip
     assert bars[2].text.endswith("on disk")

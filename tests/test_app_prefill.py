@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QSettings
 
-from kvchat.app.settings_store import SettingsStore
+from kvchat.app.store.settings_store import SettingsStore
 from kvchat.engine.config import SamplingParams
 from fakes import engine_of, isolate_app, real_window
 from kvchat.kernels import cpu_lib
@@ -22,7 +22,7 @@ def _isolated(monkeypatch, tmp_path):
 
 
 def said(window) -> bool:
-    return "prompts in bf16" in window.status_label.text() and not window.dashboard.prompt_note.isHidden()
+    return "prompts in bf16" in window.status_label.text() and not window.dashboard.live.prompt_note.isHidden()
 
 
 def test_the_choice_is_saved_switched_live_and_said(qtbot):

@@ -105,11 +105,11 @@ def test_dashboard_shows_the_servers_numbers_and_marks_local_only_views(qtbot, s
     slow_steps(monkeypatch, server.engine)      # the reply must still stream when the dashboard polls
     window = remote_window(qtbot, server.base_url, sampling=LONG)
     dash = window.dashboard
-    assert dash.server_panel.isVisible() and dash.layers_unavailable.isVisible()
-    assert not dash.layer_plot.isVisible() and not dash.gauge.isVisible()
-    assert "not available for a remote server" in dash.layers_unavailable.text()
-    assert "not available for a remote server" in dash.quality_row.label.text()
-    assert not dash.quality_row.button.isVisible()
+    assert dash.live.server_panel.isVisible() and dash.live.layers_unavailable.isVisible()
+    assert not dash.live.layer_plot.isVisible() and not dash.live.gauge.isVisible()
+    assert "not available for a remote server" in dash.live.layers_unavailable.text()
+    assert "not available for a remote server" in dash.live.quality_row.label.text()
+    assert not dash.live.quality_row.button.isVisible()
 
     # mid-reply the server reports this chat's request as running
     running = []
@@ -122,17 +122,17 @@ def test_dashboard_shows_the_servers_numbers_and_marks_local_only_views(qtbot, s
         with qtbot.waitSignal(window.host.stats, timeout=5000):
             window.host.poll_stats()
         dash.redraw()
-        return dash.server_panel.texts()["running"] == "0"
+        return dash.live.server_panel.texts()["running"] == "0"
     qtbot.waitUntil(idle_on_the_panel, timeout=10_000)
     metrics = _metrics(server)
-    texts = dash.server_panel.texts()
+    texts = dash.live.server_panel.texts()
     assert texts["kv_usage"] == f"{metrics['vllm:kv_cache_usage_perc']:.1%}"
     assert texts["running"] == "0" and texts["waiting"] == "0"
     assert texts["decode"].endswith("tok/s") and texts["ttft"].endswith("ms")
     assert float(texts["ttft"].split()[0]) > 0
     assert "%" in texts["prefix"] or "no prefix lookups" in texts["prefix"]
-    assert server.base_url in dash.summary.text()
-    assert "kv" not in dash.applicable_series() and "budget" not in dash.applicable_series()
+    assert server.base_url in dash.live.summary.text()
+    assert "kv" not in dash.live.applicable_series() and "budget" not in dash.live.applicable_series()
 
     for page in ("Pool", "Plan", "Lengths"):
         dash.show_page(page)
@@ -143,7 +143,7 @@ def test_dashboard_shows_the_servers_numbers_and_marks_local_only_views(qtbot, s
 
 
 def test_wrong_key_or_url_shows_a_banner_and_the_app_keeps_running(qtbot, server):
-    from kvchat.app.settings_store import RemoteSettings
+    from kvchat.app.store.settings_store import RemoteSettings
     window = remote_window(qtbot, server.base_url, key="wrong", wait=False)
     qtbot.waitUntil(lambda: window.last_error is not None, timeout=20_000)
     assert window.banner.isVisible() and "API key" in window.banner.text()
@@ -163,8 +163,8 @@ def test_wrong_key_or_url_shows_a_banner_and_the_app_keeps_running(qtbot, server
 
 
 def test_settings_dialog_fetches_models_and_explains_errors(qtbot, server):
-    from kvchat.app.settings_dialog import SERVER_CHOICE, SettingsDialog
-    from kvchat.app.settings_store import AppSettings
+    from kvchat.app.dialogs.settings_dialog import SERVER_CHOICE, SettingsDialog
+    from kvchat.app.store.settings_store import AppSettings
     dialog = SettingsDialog(AppSettings())
     qtbot.addWidget(dialog)
     ok = dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)
@@ -203,7 +203,7 @@ def test_back_to_this_computer_brings_the_local_views_back(qtbot, server, tiny_l
     assert window.store.load().remote is None and window.store.last_server().base_url == server.base_url
     assert dash.current_page() is dash.pool_view
     dash.show_page("Live")
-    assert not dash.server_panel.isVisible() and dash.layer_plot.isVisible() and not dash.layers_unavailable.isVisible()
-    assert "not available" not in dash.quality_row.label.text()
+    assert not dash.live.server_panel.isVisible() and dash.live.layer_plot.isVisible() and not dash.live.layers_unavailable.isVisible()
+    assert "not available" not in dash.live.quality_row.label.text()
     assert "server" not in window.status_label.text()
     assert window.reset_button.isEnabled()

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from PySide6.QtCore import QSettings
 
-from kvchat.app.settings_store import SettingsStore
+from kvchat.app.store.settings_store import SettingsStore
 from kvchat.engine.config import SamplingParams, SpeculativeConfig
 from kvchat.engine.events import SpecStats
 from fakes import isolate_app, real_window, send as send_message
@@ -99,16 +99,16 @@ def test_the_speed_line_shows_accepted_drafts_and_tokens_per_step_only_with_spec
     qtbot.waitUntil(lambda: engine_of(window).speculative.enabled, timeout=5000)
     spec = send(qtbot, window, REPEATS).stats.spec
     assert spec is not None and spec.drafted > 0 and spec.steps > 0
-    summary = window.dashboard.summary.text()
+    summary = window.dashboard.live.summary.text()
     shown = f"drafts {spec.acceptance_rate:.0%} accepted, {spec.tokens_per_step:.1f} tokens/step"
     assert shown in summary and summary.index("tok/s") < summary.index(shown) < summary.index("prefill"), summary
 
     window._set_speculative("off", 8)
     finished = send(qtbot, window, REPEATS)
     assert finished.stats.spec is None
-    summary = window.dashboard.summary.text()
+    summary = window.dashboard.live.summary.text()
     assert "decode" in summary and "drafts" not in summary and "tokens/step" not in summary, summary
 
     window.dashboard.data.add(replace(finished.stats, spec=SpecStats("lookup", 0, 0, 7, 7)), generating=False)
     window.dashboard.redraw()
-    assert "nothing drafted" in window.dashboard.summary.text()
+    assert "nothing drafted" in window.dashboard.live.summary.text()

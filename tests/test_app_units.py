@@ -7,10 +7,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
 
-from kvchat.app.chat_view import split_segments
-from kvchat.app.dashboard_data import nice_ceiling
-from kvchat.app.history import HistoryStore
-from kvchat.app.messages import format_bytes
+from kvchat.app.chat.message_view import split_segments
+from kvchat.app.dashboard.dashboard_data import nice_ceiling
+from kvchat.app.store.history import HistoryStore
+from kvchat.app.bridge.messages import format_bytes
 from kvchat.engine.config import CacheConfig
 
 
@@ -47,8 +47,8 @@ def test_settings_dialog_explains_invalid_combinations(qtbot):
     """An invalid cache combination is explained inside the dialog and OK is disabled until fixed."""
     from PySide6.QtWidgets import QDialogButtonBox
 
-    from kvchat.app.settings_dialog import SettingsDialog
-    from kvchat.app.settings_store import AppSettings
+    from kvchat.app.dialogs.settings_dialog import SettingsDialog
+    from kvchat.app.store.settings_store import AppSettings
 
     dialog = SettingsDialog(AppSettings(), num_layers=30)
     qtbot.addWidget(dialog)
@@ -81,12 +81,12 @@ def test_nice_ceiling_steps():
 
 
 def test_gui_thread_collector_collects_cycles_on_its_timer(qtbot):
-    """The app's collection policy (app/gc_guard.py): automatic collection off, cyclic garbage still collected, on
+    """The app's collection policy (app/shell/gc_guard.py): automatic collection off, cyclic garbage still collected, on
     the GUI thread's timer; stop() gives collection back."""
     import gc
     import weakref
 
-    from kvchat.app.gc_guard import GuiThreadCollector
+    from kvchat.app.shell.gc_guard import GuiThreadCollector
     gc.enable()
     collector = GuiThreadCollector(interval_ms=10)
     try:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from PySide6.QtWidgets import QDialogButtonBox
 
-from kvchat.app.dashboard_data import MAX_MARKERS, DashboardData
-from kvchat.app.pool_view import pool_summary
+from kvchat.app.dashboard.dashboard_data import MAX_MARKERS, DashboardData
+from kvchat.app.dashboard.pool_view import pool_summary
 from kvchat.engine.config import CacheConfig, SamplingParams
 from kvchat.engine.events import LayerBytes, MemoryProbe, PrefillProgress, StatsSnapshot
 import fakes
@@ -57,9 +57,9 @@ CLOSE_CHILD = textwrap.dedent("""
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
     app = QApplication([sys.argv[0]])
-    from kvchat.app.history import HistoryStore
-    from kvchat.app.main_window import MainWindow
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.history import HistoryStore
+    from kvchat.app.shell.main_window import MainWindow
+    from kvchat.app.store.settings_store import SettingsStore
     window = MainWindow(SettingsStore(), HistoryStore())
     window.show()
     state = {}
@@ -158,7 +158,7 @@ def test_quality_is_not_measured_under_a_budget_that_cannot_hold_it(qtbot, tiny_
     block size, it compared every token, and Measure stays as "Measure again"."""
     windowed = INT4.with_(window=256, sinks=4, budget_mb=0.2)
     window = real_window(qtbot, tiny_dir, cache=windowed)
-    row = window.dashboard.quality_row
+    row = window.dashboard.live.quality_row
     assert row.state == "not measured" and row.button.isVisible()
     with qtbot.waitSignal(window.host.quality, timeout=60_000) as blocker:
         window.quality.measure()
@@ -213,7 +213,7 @@ def test_released_counter_counts_chats_not_the_engines_sequences(qtbot, tiny_dir
 
 def test_a_refused_load_replaces_the_load_step_on_the_live_page(qtbot, tmp_path):
     """A model folder the engine refuses: the Live page says the load failed and why, not "locating model"."""
-    from kvchat.app.worker import _default_loader
+    from kvchat.app.bridge.loader import default_loader as _default_loader
     from tiny_models import write_bad_folder
     bad = write_bad_folder(tmp_path / "bad-model", "llama")
     window = open_window(qtbot, _default_loader, autoload=False)
@@ -223,7 +223,7 @@ def test_a_refused_load_replaces_the_load_step_on_the_live_page(qtbot, tmp_path)
     window.apply_settings(type(base)(bad, base.cache, base.sampling, base.system_prompt))
     qtbot.waitUntil(lambda: window.last_error is not None, timeout=30_000)
     assert window.last_error.kind == "load" and "locating model" in steps
-    summary = window.dashboard.summary.text()
+    summary = window.dashboard.live.summary.text()
     assert "locating model" not in summary
     assert window.last_error.title in summary and window.last_error.message.split(":")[0] in summary
 
@@ -231,8 +231,8 @@ def test_a_refused_load_replaces_the_load_step_on_the_live_page(qtbot, tmp_path)
 def test_a_reopened_chat_says_how_many_tokens_it_reads_before_the_reply(qtbot, tiny_dir):
     """A saved chat opened after a restart holds no cache: its next Send first says, in the reply bubble and on the
     Live page, how many tokens it reads again; the first token (or the end) takes the line away."""
-    from kvchat.app.history import HistoryStore
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.history import HistoryStore
+    from kvchat.app.store.settings_store import SettingsStore
     history = HistoryStore()
     chat = history.create("a long one", INT4)
     history.add_message(chat, "user", "word " * 160)     # 800 tokens in the tiny model's tokenizer
@@ -248,7 +248,7 @@ def test_a_reopened_chat_says_how_many_tokens_it_reads_before_the_reply(qtbot, t
         if isinstance(event, PrefillProgress):      # more than one chunk: how far the reading got, too
             progress.append(window.chat.messages()[-1].text())
             return
-        seen.append((event.tokens, window.chat.messages()[-1].text(), window.dashboard.summary.text()))
+        seen.append((event.tokens, window.chat.messages()[-1].text(), window.dashboard.live.summary.text()))
     window.host.reading.connect(on_reading)
     finished = send(qtbot, window, "and now?")
     assert len(seen) == 2 and seen[-1][0] == 0
@@ -256,7 +256,7 @@ def test_a_reopened_chat_says_how_many_tokens_it_reads_before_the_reply(qtbot, t
     assert tokens > 850 and abs(tokens - finished.stats.prefill_tokens) <= 16
     assert bubble == summary.split("<br>")[1] == f"reading {tokens:,} tokens of this chat…"
     assert progress[0] == f"reading this chat: 512 / {finished.stats.prefill_tokens:,} tokens…", progress
-    assert window.dashboard.reading == "" and "reading" not in window.chat.messages()[-1].text()
+    assert window.dashboard.live.reading == "" and "reading" not in window.chat.messages()[-1].text()
     window.host.reading.disconnect(on_reading)
     send(qtbot, window, "again")                  # the cache holds the chat now: nothing to announce
     assert len(seen) == 2
@@ -266,7 +266,7 @@ def test_a_measurement_that_compared_nothing_is_refused(monkeypatch, tiny_dir):
     """Whatever the reason (here the comparison is made to report it), a result with fewer tokens compared than the
     text has, or an empty cache, raises a one-line error instead of becoming a stored 100 % / KL 0."""
     import kvchat.engine.runtime.fidelity as fidelity
-    from kvchat.app.quality import measure
+    from kvchat.app.bridge.measure import measure
     from kvchat.engine import Engine, EngineConfig
     from kvchat.engine.config import ConfigError
     engine = Engine.load(EngineConfig(model=tiny_dir))

@@ -144,7 +144,7 @@ def test_without_undo_a_deleted_exchange_stays_deleted(qtbot):
 
 def saved_chat(window, turns):
     """A chat written straight into the history database, then opened in the window."""
-    from kvchat.app.history import DONE
+    from kvchat.app.store.history import DONE
     conversation = window.history.create(turns[0], window.settings.cache)
     for question, answer in zip(turns[::2], turns[1::2]):
         window.history.add_turn(conversation, [("user", question, DONE), ("assistant", answer, DONE)])
@@ -157,7 +157,7 @@ def test_export_starts_in_documents_or_home_then_where_the_last_export_went(qtbo
     which a restart keeps."""
     from PySide6.QtCore import QStandardPaths
     from PySide6.QtWidgets import QFileDialog
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.settings_store import SettingsStore
 
     started_in = tmp_path / "started-here"
     started_in.mkdir()
@@ -186,7 +186,7 @@ def test_export_starts_in_documents_or_home_then_where_the_last_export_went(qtbo
 def test_markdown_export_keeps_code_blocks_as_the_chat_showed_them(qtbot, tmp_path):
     """Code the view showed as a block without a fence in the text, and a fence a cut reply left open, are
     fenced code in the Markdown; the open fence does not swallow the messages after it."""
-    from kvchat.app.export import export_conversation
+    from kvchat.app.chat.export import export_conversation
 
     window = ready_window(qtbot)
     unfenced = "Here is how:\n\nimport os\nimport sys\nprint(os.getcwd())\n\nThat prints the folder."
@@ -235,9 +235,9 @@ def test_error_bubbles_go_with_the_next_reply_and_dashboard_notices_with_a_chat_
 
     with qtbot.waitSignal(window.host.prefix_cleared, timeout=5000):
         window.actions.clear_prefix_cache()
-    assert window.dashboard.notice.isVisible()
+    assert window.dashboard.live.notice.isVisible()
     window.new_chat()
-    assert not window.dashboard.notice.isVisible()
+    assert not window.dashboard.live.notice.isVisible()
 
 
 # --- the dock's width ---
@@ -367,7 +367,7 @@ def test_chinese_window_names_formats_schemes_policies_and_weights(qtbot, tiny_d
     from kvchat.app.i18n import weights_text
     from test_i18n import english_in, english_words
 
-    from kvchat.app.worker import _default_loader
+    from kvchat.app.bridge.loader import default_loader as _default_loader
 
     window = open_window(qtbot, _default_loader, autoload=False)
     window.apply_settings(replace(window.settings, model=tiny_dir, sampling=GREEDY, cache=CacheConfig(budget_mb=0.1)))
@@ -397,7 +397,7 @@ def test_chinese_window_names_formats_schemes_policies_and_weights(qtbot, tiny_d
 @pytest.fixture
 def styled(qapp):
     """The app's style sheet, as app.main loads it (button sizes follow it), removed afterwards."""
-    from kvchat.app.main import load_style
+    from kvchat.app.shell.main import load_style
     load_style(qapp)
     yield qapp
     qapp.setStyleSheet("")

@@ -129,7 +129,7 @@ def test_a_server_killed_mid_reply_keeps_the_reply_says_so_and_keeps_the_next_me
     assert window.history.messages(window.conversation_id)[-1] == {"role": "assistant", "content": event.text}
     dash = window.dashboard
     dash.redraw()
-    assert all(v.startswith("server unreachable") for k, v in dash.server_panel.texts().items()
+    assert all(v.startswith("server unreachable") for k, v in dash.live.server_panel.texts().items()
                if k in ("kv_usage", "running", "waiting", "prefix"))
     assert "disconnected" in window.status_label.text()
 
@@ -183,16 +183,16 @@ def test_the_live_page_fits_a_narrow_dock_in_remote_mode(qtbot, server):
     send(qtbot, window, "Hello")                        # the Server section's longest values are shown
     dash.redraw()
     qtbot.wait(50)
-    body, viewport = dash.current_page(), dash.scroll.viewport()
-    assert body.objectName() == "dashboardBody" and dash.server_panel.isVisible()
-    assert body.width() <= viewport.width() and dash.server_panel.width() <= viewport.width()
+    body, viewport = dash.current_page(), dash.live.viewport()
+    assert body.objectName() == "dashboardBody" and dash.live.server_panel.isVisible()
+    assert body.width() <= viewport.width() and dash.live.server_panel.width() <= viewport.width()
 
 
 def test_settings_in_server_mode_fit_the_screen_and_scroll(qtbot, server):
     from PySide6.QtWidgets import QApplication, QDialogButtonBox
 
-    from kvchat.app.settings_dialog import SERVER_CHOICE, SettingsDialog
-    from kvchat.app.settings_store import AppSettings, RemoteSettings
+    from kvchat.app.dialogs.settings_dialog import SERVER_CHOICE, SettingsDialog
+    from kvchat.app.store.settings_store import AppSettings, RemoteSettings
     dialog = SettingsDialog(AppSettings(), last_server=RemoteSettings(server.base_url, "", "tiny"))
     qtbot.addWidget(dialog)
     dialog.engine_choice.setCurrentIndex(dialog.engine_choice.findData(SERVER_CHOICE))
@@ -218,7 +218,7 @@ def _local_window(qtbot, loader):
 
 
 def test_after_a_relaunch_the_plan_marks_the_chats_own_mode(qtbot):
-    from kvchat.app.plan_panel import PLAN_FORMATS
+    from kvchat.app.dashboard.plan_panel import PLAN_FORMATS
     from fakes import FakeLoader
     int4 = next(i for i, (_, k, v) in enumerate(PLAN_FORMATS) if (k, v) == ("int4", "int4"))
     window = _local_window(qtbot, FakeLoader())
@@ -243,7 +243,7 @@ def test_after_a_relaunch_the_plan_marks_the_chats_own_mode(qtbot):
 def test_the_models_page_lists_the_built_in_model_it_runs(qtbot, monkeypatch, tmp_path):
     from pathlib import Path
 
-    from kvchat.app.models_page import BUILT_IN
+    from kvchat.app.dialogs.models_page import BUILT_IN
     from kvchat.engine.model.source import default_gguf_path
     from fakes import FakeLoader
     home = tmp_path / "home"
@@ -275,8 +275,8 @@ def test_full_precision_bars_fill_their_outline_on_a_part_filled_block(qtbot, ti
     assert snap.tokens_held % snap.block_size != 0 and not snap.layers[0].k_format.startswith("int8")
     dash = window.dashboard
     dash.redraw()
-    outline = dash.full_bars.opts["height"]
-    bars = dash.k_bars.opts["height"] + dash.v_bars.opts["height"]
+    outline = dash.live.full_bars.opts["height"]
+    bars = dash.live.k_bars.opts["height"] + dash.live.v_bars.opts["height"]
     assert bars[0] == pytest.approx(outline[0])         # layer 0 is held at full precision
     assert bars[0] * snap.tokens_held < outline[0] * snap.blocks_used * snap.block_size
 
@@ -291,7 +291,7 @@ def _darkest(image, rect) -> int:
 @pytest.fixture
 def styled(qapp):
     """The app's own style sheet, as kvchat runs (sizes and colours depend on it)."""
-    from kvchat.app.main import load_style
+    from kvchat.app.shell.main import load_style
     before = qapp.styleSheet()
     load_style(qapp)
     yield
@@ -321,7 +321,7 @@ def test_a_long_streamed_reply_shows_its_last_line(qtbot, styled):
     wants at its preferred, wider width: the last lines were cut)."""
     from PySide6.QtWidgets import QLabel
 
-    from kvchat.app.chat_view import ChatView
+    from kvchat.app.chat.chat_view import ChatView
     view = ChatView()
     qtbot.addWidget(view)
     view.resize(620, 500)
@@ -344,8 +344,8 @@ def test_engine_errors_name_the_setting_by_its_label(qtbot):
     import re
 
     from kvchat.app.engine_text import engine_text
-    from kvchat.app.settings_dialog import SettingsDialog
-    from kvchat.app.settings_store import AppSettings
+    from kvchat.app.dialogs.settings_dialog import SettingsDialog
+    from kvchat.app.store.settings_store import AppSettings
     from kvchat.engine.config import ConfigError
     dialog = SettingsDialog(AppSettings())
     qtbot.addWidget(dialog)
@@ -412,6 +412,6 @@ def test_the_live_summary_names_full_precision_as_settings_do(qtbot, tiny_llama)
     window = fakes.real_window(qtbot, str(tiny_llama), CacheConfig(), SHORT)
     send(qtbot, window, "Hello")
     window.dashboard.redraw()
-    summary = window.dashboard.summary.text()
+    summary = window.dashboard.live.summary.text()
     mode = summary.partition("</b>")[0]                # the weights' own dtype may follow later in the line
     assert mode == "<b>full precision", summary

@@ -82,11 +82,14 @@ def test_settings_show_the_saved_caches_set_their_budget_and_clear_them(qtbot, t
     window.host.worker._save(window.host.worker._session)
     assert len(saved_files(tmp_path)) == 1
     dialog = window.open_settings()
-    assert dialog.disk_budget.value() == 2048 and dialog.saved_caches.text().startswith("1 saved")
+    assert dialog.disk_budget.value() == 2048
+    # the engine thread counts them and answers (SavedCaches): the dialog opens no store of its own
+    qtbot.waitUntil(lambda: dialog.saved_caches.text().startswith("1 saved"), timeout=5000)
     dialog.disk_budget.setValue(512)
     qtbot.mouseClick(dialog.clear_saved, Qt.MouseButton.LeftButton)
     dialog.clear_confirm.button(QMessageBox.StandardButton.Yes).click()       # it asks first (test_r3_ui_disk.py)
-    assert saved_files(tmp_path) == [] and dialog.saved_caches.text().startswith("0 saved")
+    qtbot.waitUntil(lambda: dialog.saved_caches.text().startswith("0 saved"), timeout=5000)
+    assert saved_files(tmp_path) == []
     assert not dialog.clear_saved.isEnabled()
     dialog.accept()
     assert window.store.kv_disk_budget_mb() == 512

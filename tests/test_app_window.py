@@ -98,7 +98,7 @@ def test_mode_switch_applies_live_and_shrinks_layer_bytes(qtbot):
     for old, new in zip(before.layers, after.layers):
         assert new.k_bytes == old.k_bytes // 8 and new.k_format == "int4"
     window.dashboard.redraw()
-    assert window.dashboard.k_bars.opts["height"][0] == pytest.approx(after.layers[0].k_bytes / 1024)
+    assert window.dashboard.live.k_bars.opts["height"][0] == pytest.approx(after.layers[0].k_bytes / 1024)
     assert [m.kind for m in window.dashboard.data.markers][-1] == "mode"
     assert "int4" in window.status_label.text()
     assert window.history.get(window.conversation_id).cache == int4

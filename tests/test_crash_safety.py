@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app.history import INTERRUPTED, HistoryStore
+from kvchat.app.store.history import INTERRUPTED, HistoryStore
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -99,8 +99,8 @@ def test_sigkill_during_live_cache_switches_loses_nothing(tmp_path, tiny_llama, 
     the last switch reported or the one in flight, and a restarted app resumes it in that mode and chats on."""
     import json
 
-    from kvchat.app.history import cache_from_json
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.history import cache_from_json
+    from kvchat.app.store.settings_store import SettingsStore
     from crash_child import FIRST_QUESTION, SWITCH_MODES
     from kvchat.engine.config import CacheConfig
 

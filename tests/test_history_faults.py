@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import Qt
 
-from kvchat.app.history import INTERRUPTED, STREAMING, HistoryError, HistoryStore
+from kvchat.app.store.history import INTERRUPTED, STREAMING, HistoryError, HistoryStore
 from kvchat.engine.config import CacheConfig, SamplingParams
 from fakes import FakeLoader, isolate_app, open_window
 
@@ -99,7 +99,7 @@ def test_unreadable_database_is_moved_aside(tmp_path):
 
 def _run_as_nobody(code: str, folder: Path) -> subprocess.CompletedProcess:
     """Run code in a child that drops to uid 'nobody' after its imports (root ignores file modes)."""
-    prelude = "import os, sys\nfrom kvchat.app.history import *\nfrom kvchat.engine.config import CacheConfig\n"
+    prelude = "import os, sys\nfrom kvchat.app.store.history import *\nfrom kvchat.engine.config import CacheConfig\n"
     if os.geteuid() == 0:
         prelude += "os.setgid(65534); os.setuid(65534)\n"
     folder.chmod(0o777)
@@ -243,7 +243,7 @@ def test_resumed_chat_drops_trailing_unanswered_messages_with_a_notice(qtbot, tm
     for role, text in (("user", "q1"), ("assistant", "a1"), ("user", "refused 1"), ("user", "refused 2")):
         store.add_message(cid, role, text)
     store.close()
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.settings_store import SettingsStore
     SettingsStore().set_last_conversation(cid)
     loader = FakeLoader()
     window = ready_window(qtbot, loader)
@@ -280,7 +280,7 @@ def test_interrupted_reply_is_kept_and_marked_in_the_chat(qtbot, tmp_path):
     cid = store.create("chat", CacheConfig())
     store.add_turn(cid, [("user", "q", "done"), ("assistant", "half an ans", STREAMING)])
     store.close()
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.settings_store import SettingsStore
     SettingsStore().set_last_conversation(cid)
     window = open_window(qtbot, FakeLoader(), autoload=False)
     assert window.history.entries(cid)[1].state == INTERRUPTED

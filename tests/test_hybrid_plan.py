@@ -42,8 +42,8 @@ CASES = list(itertools.product(("fp16", "int8", "int4", "int4/int8"), (1, 16), (
 
 @pytest.mark.parametrize("fmt, block_size, window, tokens", CASES)
 def test_estimate_plan_and_lengths_size_a_hybrid_conversation_as_the_layout_does(fmt, block_size, window, tokens):
-    from kvchat.app.lengths_data import ConversationBytes
-    from kvchat.app.plan_panel import plan_bars
+    from kvchat.app.dashboard.lengths_data import ConversationBytes
+    from kvchat.app.dashboard.plan_panel import plan_bars
     mc = gemma_shaped()
     cache = cache_for(fmt, block_size, window, sinks=4)
     expected = conversation_bytes(mc, cache, tokens, "fp32", "cpu")
@@ -131,33 +131,33 @@ def hybrid_snapshot(held: int = 300) -> StatsSnapshot:
 @pytest.mark.gui
 def test_dashboard_marks_sliding_layers_and_draws_their_window(qtbot):
     from PySide6.QtCore import Qt
-    from kvchat.app.dashboard import Dashboard
+    from kvchat.app.dashboard.dock import Dashboard
     dash = Dashboard()
     qtbot.addWidget(dash)
     snap = hybrid_snapshot()
     dash.data.add(snap)
-    dash._draw_layers(snap)
-    xs, ys = dash.window_ticks.getData()
+    dash.live._draw_layers(snap)
+    xs, ys = dash.live.window_ticks.getData()
     sliding = [layer for layer in snap.layers if layer.window is not None]
     assert len(xs) == 2 * len(sliding) == 20
     scale = 1024.0 if dash.data.layer_top_bytes < MIB else MIB
     assert sorted(set(ys.round(6))) == sorted({round(layer.window_bytes / scale, 6) for layer in sliding})
-    legend = dash.legends["layers"].text()
+    legend = dash.live.legends["layers"].text()
     assert "10 sliding (window 64)" in legend and "2 global" in legend
-    brushes = dash.k_bars.opts["brushes"]
+    brushes = dash.live.k_bars.opts["brushes"]
     assert brushes[0].style() == Qt.BrushStyle.BDiagPattern and brushes[5].style() == Qt.BrushStyle.SolidPattern
-    assert "sliding: keeps the newest 64 tokens" in dash.layer_hover_text(0)
-    assert "global: holds every token" in dash.layer_hover_text(5)
+    assert "sliding: keeps the newest 64 tokens" in dash.live.layer_hover_text(0)
+    assert "global: holds every token" in dash.live.layer_hover_text(5)
     # a model whose layers all keep the same tokens looks as it always did
     flat = dataclasses.replace(snap, layers=tuple(dataclasses.replace(layer, window=None, window_bytes=None)
                                                   for layer in snap.layers))
-    dash._draw_layers(flat)
-    assert len(dash.window_ticks.getData()[0] or ()) == 0
-    assert "sliding" not in dash.legends["layers"].text()
+    dash.live._draw_layers(flat)
+    assert len(dash.live.window_ticks.getData()[0] or ()) == 0
+    assert "sliding" not in dash.live.legends["layers"].text()
 
 
 def test_status_line_names_the_family_and_its_layers():
-    from kvchat.app.engine_facts import family_text
+    from kvchat.app.bridge.engine_facts import family_text
     assert family_text(gemma_shaped()) == "llama · 12 layers (10 sliding 64 + 2 global)"
     assert family_text(dataclasses.replace(gemma_shaped(), layers=gemma_shaped().layers[5:6] * 12)) == \
         "llama · 12 layers"
@@ -198,7 +198,7 @@ def test_phi_4_mini_preset_counts_its_published_parameters():
 
 @pytest.mark.gui
 def test_plan_page_says_which_layers_slide_and_sizes_them_by_the_hybrid_arithmetic(qtbot):
-    from kvchat.app.plan_panel import PlanPanel
+    from kvchat.app.dashboard.plan_panel import PlanPanel
     panel = PlanPanel()
     qtbot.addWidget(panel)
     mc = gemma_shaped()
@@ -246,8 +246,8 @@ def test_estimate_equals_what_a_hybrid_engine_holds(tiny_gemma3_engine, fmt, blo
 # --- the app with the real engine: the status line names the family; a base model says so -----------------------
 
 def _window_on(qtbot, monkeypatch, tmp_path, model: str):
-    from kvchat.app.settings_store import SettingsStore
-    from kvchat.app.worker import _default_loader
+    from kvchat.app.store.settings_store import SettingsStore
+    from kvchat.app.bridge.loader import default_loader as _default_loader
     from fakes import isolate_app, open_window
     isolate_app(monkeypatch, tmp_path)
     store = SettingsStore()

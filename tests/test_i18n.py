@@ -38,7 +38,7 @@ def messages(ts: Path) -> dict[tuple[str, str], ET.Element]:
 
 
 def app_sources() -> list[str]:
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "app").glob("*.py"))
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "app").rglob("*.py"))
 
 
 def test_every_source_string_is_in_the_ts_and_translated(tmp_path):
@@ -101,8 +101,8 @@ def test_language_choice_resolves_system_locale_and_override(monkeypatch):
 
 def test_language_is_saved_and_offered_in_settings(qtbot, monkeypatch, tmp_path):
     isolate_app(monkeypatch, tmp_path)
-    from kvchat.app.settings_dialog import SettingsDialog
-    from kvchat.app.settings_store import AppSettings, SettingsStore
+    from kvchat.app.dialogs.settings_dialog import SettingsDialog
+    from kvchat.app.store.settings_store import AppSettings, SettingsStore
     store = SettingsStore()
     assert store.language() == "system"
     dialog = SettingsDialog(AppSettings(), language="zh_CN")
@@ -215,8 +215,8 @@ def chinese(qtbot, monkeypatch, tmp_path):
 
 @pytest.mark.gui
 def test_chinese_window_dialogs_and_pages_show_no_english(chinese, qtbot):
-    from kvchat.app.about import AboutDialog
-    from kvchat.app.models_page import ModelsDialog
+    from kvchat.app.dialogs.about import AboutDialog
+    from kvchat.app.dialogs.models_page import ModelsDialog
     from kvchat.engine.plan.library import ModelEntry
 
     window = open_window(qtbot, FakeLoader(), autoload=False)
@@ -233,8 +233,8 @@ def test_chinese_window_dialogs_and_pages_show_no_english(chinese, qtbot):
     problems = english_in(window)
     dashboard = window.dashboard
     t = dashboard.data.times[-1]
-    for text in (dashboard.layer_hover_text(0), dashboard.series_hover_text("speed", t),
-                 dashboard.series_hover_text("memory", t), dashboard.gauge.text()):
+    for text in (dashboard.live.layer_hover_text(0), dashboard.live.series_hover_text("speed", t),
+                 dashboard.live.series_hover_text("memory", t), dashboard.live.gauge.text()):
         assert text
         if words := english_words(text):
             problems.append(f"hover text {text!r} ({', '.join(words)})")
@@ -246,7 +246,7 @@ def test_chinese_window_dialogs_and_pages_show_no_english(chinese, qtbot):
     problems += english_in(settings)
     entry = ModelEntry("llama-q4", "/models/tiny.gguf", "Folder", "gguf", "llama", 135_000_000, "Q4_1",
                        90 * 2**20, 8192, (("fp16", 4096), ("int8", 8192), ("int4", None)))
-    models = ModelsDialog([], scan=lambda folders, memory_bytes: [entry], parent=window)
+    models = ModelsDialog([], scan=lambda folders, memory_bytes, **_: [entry], parent=window)
     qtbot.waitUntil(lambda: not models.scanning, timeout=5000)
     problems += english_in(models)
     about = AboutDialog("fake-model", "Q4_1", "default", window)

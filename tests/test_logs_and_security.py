@@ -14,7 +14,7 @@ import psutil
 import pytest
 from PySide6.QtWidgets import QApplication, QMessageBox
 
-from kvchat.app import logs
+from kvchat.app.shell import logs
 from kvchat.engine.config import SamplingParams
 from fakes import FakeLoader, isolate_app, open_window
 

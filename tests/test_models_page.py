@@ -33,7 +33,7 @@ def _entry(name, params, fits, error=""):
 
 
 def test_table_shows_and_sorts_by_value(qtbot):
-    from kvchat.app.models_page import COLUMNS, SORT_ROLE, ModelTable
+    from kvchat.app.dialogs.models_page import COLUMNS, SORT_ROLE, ModelTable
     table = ModelTable()
     small = _entry("small", 135_000_000, [("fp16", 90_000), ("int8", 170_000), ("int4", None)])
     big = _entry("big", 8_030_000_000, [("fp16", 2048), ("int8", 4000), ("int4", 9000)])
@@ -53,7 +53,7 @@ def test_table_shows_and_sorts_by_value(qtbot):
 
 
 def test_load_from_models_page_reloads_and_is_remembered(qtbot, tiny_llama, tmp_path):
-    from kvchat.app.settings_store import SettingsStore
+    from kvchat.app.store.settings_store import SettingsStore
     mine = tmp_path / "my-models" / "tiny-llama"
     shutil.copytree(tiny_llama, mine)
     loader = FakeLoader()
@@ -92,9 +92,9 @@ def test_load_from_models_page_reloads_and_is_remembered(qtbot, tiny_llama, tmp_
 
 
 def test_unloadable_entry_cannot_be_loaded(qtbot, tmp_path):
-    from kvchat.app.models_page import ModelsDialog
+    from kvchat.app.dialogs.models_page import ModelsDialog
     broken = _entry("broken", 0, [], error="bad file")
-    dialog = ModelsDialog([], scan=lambda folders, memory_bytes: [broken])
+    dialog = ModelsDialog([], scan=lambda folders, memory_bytes, **_: [broken])
     qtbot.addWidget(dialog)
     qtbot.waitUntil(lambda: not dialog.scanning, timeout=10_000)
     dialog.view.selectRow(0)
@@ -123,7 +123,7 @@ def _header_only_gguf(path: Path, arch: str) -> Path:
 
 
 def test_a_family_kvchat_does_not_run_says_so_before_loading(qtbot, tmp_path):
-    from kvchat.app.models_page import ModelsDialog
+    from kvchat.app.dialogs.models_page import ModelsDialog
     from kvchat.engine.plan import library
     folder = tmp_path / "models"
     folder.mkdir()
@@ -135,7 +135,7 @@ def test_a_family_kvchat_does_not_run_says_so_before_loading(qtbot, tmp_path):
         assert not entry.loadable
         assert repr(arch) in entry.error and "llama" in entry.error      # the architecture and what kvchat runs
     assert "mixture-of-experts" in entries["qwen2moe-tiny"].error
-    dialog = ModelsDialog([str(folder)], scan=lambda folders, memory_bytes: list(entries.values()))
+    dialog = ModelsDialog([str(folder)], scan=lambda folders, memory_bytes, **_: list(entries.values()))
     qtbot.addWidget(dialog)
     qtbot.waitUntil(lambda: not dialog.scanning, timeout=10_000)
     row = next(r for r in range(dialog.proxy.rowCount())

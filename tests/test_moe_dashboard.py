@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PySide6.QtCore import QPointF
 
-from kvchat.app.dashboard import Dashboard
-from kvchat.app.engine_facts import family_text
-from kvchat.app.experts_view import DARK_RGB, DENSE_RGB, NONE_RGB, PENDING_RGB
+from kvchat.app.dashboard.dock import Dashboard
+from kvchat.app.bridge.engine_facts import family_text
+from kvchat.app.dashboard.experts_view import DARK_RGB, DENSE_RGB, NONE_RGB, PENDING_RGB
 from kvchat.engine.events import LayerBytes, MemoryProbe, StatsSnapshot
 from kvchat.engine.model.config import ModelConfig
 from fakes import FakeLoader, fake_model_config, isolate_app, open_window, real_window, send
@@ -92,7 +92,7 @@ def test_tooltip_names_layer_expert_and_tokens_where_the_pointer_is(qtbot, monke
     dash = experts_page(qtbot, moe_config(), snapshot())
     view = dash.experts
     shown = []
-    monkeypatch.setattr("kvchat.app.experts_view.QToolTip.showText", lambda pos, text, widget=None: shown.append(text))
+    monkeypatch.setattr("kvchat.app.dashboard.experts_view.QToolTip.showText", lambda pos, text, widget=None: shown.append(text))
     qtbot.waitUntil(lambda: view.plot.getViewBox().sceneBoundingRect().width() > 0)
     box = view.plot.getViewBox()
     for x, y in ((3.5, 0.5), (5.5, 3.5), (7.5, 2.5)):
@@ -181,11 +181,11 @@ def test_gpt_oss_alternate_layers_are_capped_at_their_window_as_gemmas_are(qtbot
     dash = experts_page(qtbot, config, stats)
     dash.show_page("Live")
     dash.redraw()
-    x, y = dash.window_ticks.getData()
+    x, y = dash.live.window_ticks.getData()
     assert sorted(set(np.round(x).astype(int))) == [0, 2]           # one capped line over each sliding layer
-    assert "2 sliding (window 16)" in dash.legends["layers"].text()
-    assert "sliding: keeps the newest 16 tokens" in dash.layer_hover_text(0)
-    assert "global: holds every token" in dash.layer_hover_text(1)
+    assert "2 sliding (window 16)" in dash.live.legends["layers"].text()
+    assert "sliding: keeps the newest 16 tokens" in dash.live.layer_hover_text(0)
+    assert "global: holds every token" in dash.live.layer_hover_text(1)
     dash.show_page("Experts")
     np.testing.assert_allclose(dash.experts.shares * (sum(stats.experts[0]) // 2), np.array(stats.experts, float),
                                rtol=1e-12)

@@ -35,7 +35,7 @@ def test_the_wheel_holds_one_top_level_package(wheel):
     # what the app needs at run time came along: the engine, the C kernels' sources, the style and the texts
     for needed in ("kvchat/__init__.py", "kvchat/engine/__init__.py", "kvchat/engine/runtime/session.py",
                    "kvchat/kernels/cpu_quant.c", "kvchat/kernels/cpu_common.h", "kvchat/resources/style.qss",
-                   "kvchat/resources/i18n/kvchat_zh_CN.qm", "kvchat/cli/main.py", "kvchat/app/main_window.py"):
+                   "kvchat/resources/i18n/kvchat_zh_CN.qm", "kvchat/cli/main.py", "kvchat/app/shell/main_window.py"):
         assert needed in names, needed
     # and nothing that is not the app's: the tests, the packaging scripts, the README pictures
     assert not [n for n in names if n.startswith(("kvchat/tests/", "kvchat/packaging/", "kvchat/docs/"))]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app.history import HistoryStore
+from kvchat.app.store.history import HistoryStore
 from kvchat.engine.config import CacheConfig
 from test_history_faults import _run_as_nobody
 

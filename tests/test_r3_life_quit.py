@@ -28,8 +28,8 @@ CHILD = textwrap.dedent("""
     from PySide6.QtTest import QTest
     from PySide6.QtWidgets import QApplication
     app = QApplication([sys.argv[0]])
-    from kvchat.app.main import main
-    from kvchat.app.main_window import MainWindow
+    from kvchat.app.shell.main import main
+    from kvchat.app.shell.main_window import MainWindow
     from kvchat.engine.config import SamplingParams
     steps = ["send", "new", "send", "new", "send", "quit"]
 
@@ -120,7 +120,7 @@ def test_ctrl_q_with_three_warm_chats_saves_them_and_ends_the_process(wide_model
     assert sorted(p.suffix for p in folder.iterdir()) == [".kvcache"] * 3, "no partial (.tmp) file is left"
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(cache_dir))
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
-    from kvchat.app.history import HistoryStore
+    from kvchat.app.store.history import HistoryStore
     from kvchat.engine import Engine, EngineConfig
     history = HistoryStore()
     engine = Engine.load(EngineConfig(model=wide_model))

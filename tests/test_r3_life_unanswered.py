@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import Qt
 
-from kvchat.app.chat_view import NO_REPLY_MARK
+from kvchat.app.chat.message_view import NO_REPLY_MARK
 from kvchat.engine.config import CacheConfig, SamplingParams
 from fakes import engine_of, isolate_app, real_window, send, slow_steps
 

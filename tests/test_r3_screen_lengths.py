@@ -11,10 +11,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
 
-from kvchat.app.history import HistoryStore
-from kvchat.app.lengths_data import histogram, no_window_text, suggest_window
-from kvchat.app.lengths_view import share_rows
-from kvchat.app.pool_view import PoolOwners, pool_rows
+from kvchat.app.store.history import HistoryStore
+from kvchat.app.dashboard.lengths_data import histogram, no_window_text, suggest_window
+from kvchat.app.dashboard.lengths_view import share_rows
+from kvchat.app.dashboard.pool_view import PoolOwners, pool_rows
 from kvchat.engine.config import CacheConfig, SamplingParams
 from kvchat.engine.events import PoolStats
 from kvchat.engine.kv.layout import kv_layout

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.app.quality import QualityResult, covers, measure
+from kvchat.app.bridge.measure import measure
+from kvchat.app.store.quality import QualityResult, covers
 from kvchat.engine import CacheConfig
 from kvchat.engine.config import ConfigError
 

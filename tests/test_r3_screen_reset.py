@@ -53,7 +53,7 @@ def test_the_apps_reset_notice_states_the_fall_of_the_pools_held_bytes(qtbot, ti
     """The app's Reset (the session's reset, then the prefix cache cleared) reports what the pool held before less
     what it holds after, and its notice shows that figure."""
     from fakes import isolate_app
-    from kvchat.app.dashboard import format_mib
+    from kvchat.app.dashboard.bar_widgets import format_mib
     from test_app_engine import real_window, send
 
     isolate_app(monkeypatch, tmp_path)

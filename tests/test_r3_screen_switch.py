@@ -50,9 +50,9 @@ def test_the_switch_notice_and_quality_line_say_what_the_window_took(qtbot, tiny
     assert evicted > 0
     with qtbot.waitSignal(window.host.mode_switched, timeout=10_000):
         window.host.set_cache(reference)
-    notice = window.dashboard.notice_label.text()
+    notice = window.dashboard.live.notice_label.text()
     held = window.host.worker._session.seq.tokens_held
     assert f"{evicted:,} tokens of this chat are no longer in the cache" in notice
     assert f"holding {held:,} tokens (before: 68)" in notice and "the same" not in notice
-    quality = window.dashboard.quality_row.label.text()
+    quality = window.dashboard.live.quality_row.label.text()
     assert "nothing lost" not in quality and f"{evicted:,} tokens of this chat left an earlier window" in quality

@@ -3,11 +3,13 @@ many bytes would go; a chat whose cache is larger than the disk budget says in t
 and why, and indeed no file is kept for it. Real tiny engine, real files, a real window offscreen."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 from PySide6.QtWidgets import QMessageBox
 
-from kvchat.app.messages import format_bytes
-from kvchat.app.settings_store import SettingsStore
+from kvchat.app.bridge.messages import format_bytes
+from kvchat.app.store.settings_store import SettingsStore
 from kvchat.engine.config import SamplingParams
 from fakes import isolate_app, real_window, saved_files, send
 
@@ -27,17 +29,39 @@ def test_clear_asks_first_with_the_count_and_the_size(qtbot, tiny_llama, tmp_pat
     send(qtbot, window, "Hello there, how are you doing today?")
     window.host.worker._save(window.host.worker._session)
     (path,) = saved_files(tmp_path)
+    store = window.host.worker._engine.warm_store
+    cleared_in = []
+    clear = store.clear
+    store.clear = lambda: (cleared_in.append(threading.current_thread()), clear())[1]
     dialog = window.open_settings()
+    qtbot.waitUntil(lambda: dialog.saved_caches.text().startswith("1 saved"), timeout=5000)   # counted by the engine
     box = dialog._clear_saved_caches()                  # what the Clear button does
     assert box.isVisible() and saved_files(tmp_path) == [path]      # nothing is deleted before the answer
     assert f"Delete the saved chat cache on disk ({format_bytes(path.stat().st_size)})?" in box.text()
     assert box.defaultButton() is box.button(QMessageBox.StandardButton.Cancel)
     box.button(QMessageBox.StandardButton.Cancel).click()
-    assert saved_files(tmp_path) == [path] and dialog.saved_caches.text().startswith("1 saved")
+    qtbot.wait(100)
+    assert saved_files(tmp_path) == [path] and dialog.saved_caches.text().startswith("1 saved") and not cleared_in
     box = dialog._clear_saved_caches()
     box.button(QMessageBox.StandardButton.Yes).click()
-    assert saved_files(tmp_path) == [] and dialog.saved_caches.text().startswith("0 saved")
-    assert not dialog.clear_saved.isEnabled()
+    qtbot.waitUntil(lambda: dialog.saved_caches.text().startswith("0 saved"), timeout=5000)
+    assert saved_files(tmp_path) == [] and not dialog.clear_saved.isEnabled()
+    # deleted by the engine's own store on the engine thread, never beside a save from the GUI thread
+    assert len(cleared_in) == 1 and cleared_in[0] is not threading.main_thread()
+
+
+def test_saved_caches_are_counted_and_deleted_with_no_engine_loaded(tmp_path):
+    """Before a model loads (or with a server) the engine thread still counts and clears the caches folder."""
+    from kvchat.app.bridge import warm_chats
+    folder = tmp_path / "cache" / "kv"
+    folder.mkdir(parents=True)
+    (folder / "7-abc.kvcache").write_bytes(b"x" * 300)
+    (folder / "note.txt").write_bytes(b"not a cache")
+    counted = warm_chats.count_saved(None, None)
+    assert (counted.num_files, counted.total_bytes) == (1, 300)
+    after = warm_chats.delete_saved(None, None)
+    assert (after.num_files, after.total_bytes, after.deleted_bytes) == (0, 0, 300)
+    assert [p.name for p in folder.iterdir()] == ["note.txt"]
 
 
 def test_a_chat_larger_than_the_disk_budget_says_it_is_not_saved(qtbot, tiny_llama, tmp_path):

@@ -9,7 +9,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest
 from PySide6.QtCore import Qt
 
-from kvchat.app.models_page import COLUMNS, SORT_ROLE, ModelTable
+from kvchat.app.dialogs.models_page import COLUMNS, SORT_ROLE, ModelTable
 from kvchat.engine.plan.library import ModelEntry
 
 pytestmark = pytest.mark.gui

@@ -65,5 +65,5 @@ def test_the_window_shows_the_reading_in_the_reply_and_the_dashboard(qtbot, monk
     numbers = [tuple(int(n.replace(",", "")) for n in re.findall(r"[\d,]+", text)) for text in shown]
     assert all(t == total for _, t in numbers) and [d for d, _ in numbers] == sorted(d for d, _ in numbers)
     window.dashboard.redraw()
-    assert window.dashboard.reading == "" and "reading" not in window.dashboard.summary.text()
+    assert window.dashboard.live.reading == "" and "reading" not in window.dashboard.live.summary.text()
     assert window.chat.chat_messages()[-1].text() == finished.text

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from PySide6.QtWidgets import QApplication, QPushButton
 
-from kvchat.app.main import load_style
+from kvchat.app.shell.main import load_style
 from kvchat.engine.config import CacheConfig
 from fakes import FakeLoader, isolate_app, open_window
 
@@ -30,7 +30,7 @@ def _isolated(monkeypatch, tmp_path):
 def sized(qtbot, window, width: int, height: int) -> None:
     window.resize(width, height)
     qtbot.waitUntil(lambda: window.width() == max(width, 640), timeout=2000)
-    qtbot.wait(100)                     # the chat column's minimum follows the window (app/button_row.py)
+    qtbot.wait(100)                     # the chat column's minimum follows the window (app/shell/button_row.py)
 
 
 def readable(window) -> list[str]:
@@ -55,7 +55,7 @@ def test_at_640x480_every_button_keeps_its_text(qtbot):
                                "what to do next.", settings_button=True)
     sized(qtbot, window, 640, 480)
     assert (window.width(), window.height()) == (640, 480)
-    assert window.dashboard.quality_row.button.isVisible()     # the dashboard's Measure is one of those checked
+    assert window.dashboard.live.quality_row.button.isVisible()     # the dashboard's Measure is one of those checked
     assert readable(window) == []
     assert window.send_button.geometry().top() > window.settings_button.geometry().top()     # they wrapped
     assert window.input.geometry().bottom() < window.settings_button.geometry().top()

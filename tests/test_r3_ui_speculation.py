@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from kvchat.app.dashboard import Dashboard
-from kvchat.app.dashboard_data import DashboardData
+from kvchat.app.dashboard.dock import Dashboard
+from kvchat.app.dashboard.live_page import LivePage
+from kvchat.app.dashboard.dashboard_data import DashboardData
 from kvchat.engine.config import SamplingParams
 from kvchat.engine.events import LayerBytes, MemoryProbe, SpecStats, StatsSnapshot
 from fakes import engine_of, isolate_app, real_window, send
@@ -32,12 +33,13 @@ def snapshot(spec: SpecStats) -> StatsSnapshot:
         prefill_tok_s=300.0, decode_tok_s=20.0, ttft_s=0.01, memory=MemoryProbe(200 << 20, 0, 0, 0), spec=spec)
 
 
-def summary_of(qtbot, spec: SpecStats) -> Dashboard:
+def summary_of(qtbot, spec: SpecStats) -> LivePage:
+    """The Live page of a dashboard that drew one snapshot carrying `spec`."""
     dash = Dashboard(DashboardData(start_s=0.0))
     qtbot.addWidget(dash)
     dash.data.add(snapshot(spec))
     dash.redraw()
-    return dash
+    return dash.live
 
 
 def test_the_time_saved_is_plain_steps_for_the_same_tokens_against_the_time_the_steps_took():
@@ -82,5 +84,5 @@ def test_slow_verifications_are_reported_as_a_cost(qtbot, monkeypatch, tiny_llam
     assert spec.drafted > 0 and spec.plain_step_s > 0 and spec.time_saved < -0.05, spec
     assert 0 < spec.steps_s <= spec.tokens / stats.decode_tok_s * 1.001     # the steps' time is part of decoding's
     window.dashboard.redraw()
-    summary = window.dashboard.summary.text()
+    summary = window.dashboard.live.summary.text()
     assert f"cost ~{-spec.time_saved:.0%} more decode time" in summary and "saved" not in summary, summary

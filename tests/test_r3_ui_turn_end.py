@@ -35,7 +35,7 @@ def test_after_a_reply_the_rate_is_the_last_replys_not_a_live_one(qtbot):
     rate = finished.args[0].stats.decode_tok_s
     assert rate > 0 and window.dashboard.data.latest.decode_tok_s == rate
     window.dashboard.redraw()
-    summary = window.dashboard.summary.text()
+    summary = window.dashboard.live.summary.text()
     assert f"idle · last reply: decode {rate:.1f} tok/s" in summary, summary
     assert window.status_label.text().endswith(f"last reply {rate:.1f} tok/s"), window.status_label.text()
     assert any(text.endswith(" tok/s") and "last reply" not in text for text in live)

@@ -123,7 +123,7 @@ def test_on_a_gpu_the_dashboard_shows_nvml_and_the_allocator_and_reset_drops_the
     before = window.dashboard.data.latest
     assert before.memory.gpu_used_bytes > 300 * MIB and before.memory.gpu_total_bytes == 12 * 1024 * MIB
     assert before.memory.torch_allocated_bytes > 50 * MIB
-    assert {"weights", "torch", "gpu", "kv"} <= set(window.dashboard.applicable_series())   # side by side
+    assert {"weights", "torch", "gpu", "kv"} <= set(window.dashboard.live.applicable_series())   # side by side
     with qtbot.waitSignal(window.host.reset_done, timeout=10_000) as blocker:
         window.reset_session()
     after = blocker.args[0].stats

@@ -7,9 +7,10 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QMessageBox
 
-from kvchat.app.chat_view import ChatView, confirm_link
-from kvchat.app.history import HistoryStore
-from kvchat.app.settings_store import SettingsStore
+from kvchat.app.chat.chat_view import ChatView
+from kvchat.app.chat.message_view import confirm_link
+from kvchat.app.store.history import HistoryStore
+from kvchat.app.store.settings_store import SettingsStore
 from kvchat.engine.config import CacheConfig, SamplingParams
 from fakes import FakeLoader, isolate_app, open_window
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app.settings_store import AppSettings, RemoteSettings, SettingsStore
+from kvchat.app.store.settings_store import AppSettings, RemoteSettings, SettingsStore
 
 HOSTILE_NAME = '<a href="file:///etc/passwd">x</a><img src=x>'
 
@@ -82,7 +82,7 @@ def test_about_shows_a_hostile_model_name_as_text(qtbot):
     """A model named like a link and an image shows those characters; the only link is the README's, no image."""
     from PySide6.QtGui import QTextDocument
 
-    from kvchat.app.about import AboutDialog
+    from kvchat.app.dialogs.about import AboutDialog
     dialog = AboutDialog(HOSTILE_NAME, "Q4_1 <b>", "some/model")
     qtbot.addWidget(dialog)
     doc = QTextDocument()
@@ -196,7 +196,7 @@ def test_library_check_refuses_what_others_could_have_written(tmp_path):
 
 def saved_history(folder: Path) -> bytes:
     """A history with one chat, closed cleanly (no -wal or -shm left), in WAL mode; its bytes."""
-    from kvchat.app.history import HistoryStore
+    from kvchat.app.store.history import HistoryStore
     from kvchat.engine.config import CacheConfig
     store = HistoryStore(folder / "history.sqlite3")
     store.add_message(store.create("kept chat", CacheConfig()), "user", "kept message")
@@ -265,7 +265,7 @@ def rename_from_the_menu(window, monkeypatch, title: str) -> list[str]:
     """Rename the first chat through its context menu (the menu and the title dialog answered); warnings shown."""
     from PySide6.QtWidgets import QInputDialog, QMenu, QMessageBox
 
-    from kvchat.app import conversation_list
+    from kvchat.app.chat import conversation_list
 
     class FirstChoice(QMenu):
         def exec(self, *args):
@@ -283,7 +283,7 @@ def rename_from_the_menu(window, monkeypatch, title: str) -> list[str]:
 def test_damaged_or_missing_history_on_a_read_only_file_system_still_starts(tmp_path, read_only_mount):
     """A damaged file that cannot be moved aside stays as it is, and a history that cannot be created is said so:
     both start on an empty history that refuses writes with the reason."""
-    from kvchat.app.history import HistoryError, HistoryStore
+    from kvchat.app.store.history import HistoryError, HistoryStore
     src, ro, mount = read_only_mount
     garbage = os.urandom(8192)
     (src / "history.sqlite3").write_bytes(garbage)
@@ -316,7 +316,7 @@ def test_read_only_folder_opens_read_only_for_a_user_who_cannot_write_it(tmp_pat
         folder.chmod(0o555)
         code = """
             import os, sys
-            from kvchat.app.history import HistoryError, HistoryStore
+            from kvchat.app.store.history import HistoryError, HistoryStore
             if os.geteuid() == 0:
                 os.setgid(65534); os.setuid(65534)
             store = HistoryStore(sys.argv[2])

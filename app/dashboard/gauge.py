@@ -1,0 +1,102 @@
+"""A horizontal gauge: tokens the cache holds now against what still fits, and which limit binds.
+
+Two limits can end a conversation: the KV budget (memory) and the model's context (positions).
+The gauge shows whichever comes first; a sliding window bounds the cache, so it never fills.
+"""
+from __future__ import annotations
+
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QRectF, QSize, Qt
+from PySide6.QtGui import QColor, QPainter, QPainterPath
+from PySide6.QtWidgets import QSizePolicy, QWidget
+
+from kvchat.app.dashboard.dashboard_data import TokenRoom
+
+HELD = QColor("#2563eb")
+LEFT = QColor("#e5e7eb")
+WARN = QColor("#dc2626")
+BINDING_TEXT = {"budget": QT_TRANSLATE_NOOP("TokenGauge", "the KV budget binds"),
+                "context": QT_TRANSLATE_NOOP("TokenGauge", "the model's context binds")}
+
+
+class TokenGauge(QWidget):
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("tokenGauge")
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.room = TokenRoom(0, 0, "budget", 0, 0.0)
+        self.tokens_evicted = 0
+        self._update_tooltip()
+
+    def sizeHint(self) -> QSize:
+        return QSize(320, 42)
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(160, 42)
+
+    @property
+    def windowed(self) -> bool:
+        return self.room.binding == "window"
+
+    @property
+    def binding(self) -> str:
+        return self.room.binding
+
+    @property
+    def fraction(self) -> float:
+        return self.room.fraction
+
+    def left_text(self) -> str:
+        if self.windowed:
+            return self.tr("window: bounded, never fills")
+        if self.binding == "context":
+            return self.tr("{n} left, context binds").format(n=f"{self.room.left:,}")
+        return self.tr("{n} left, budget binds").format(n=f"{self.room.left:,}")
+
+    def text(self) -> str:
+        text = self.tr("{n} tokens in cache · {left}").format(n=f"{self.room.held:,}", left=self.left_text())
+        if self.room.context_limit:
+            text += self.tr(" · context {n}").format(n=f"{self.room.context_limit:,}")
+        if self.tokens_evicted:
+            text += self.tr(" · {n} evicted").format(n=f"{self.tokens_evicted:,}")
+        return text
+
+    def set_room(self, room: TokenRoom, evicted: int = 0) -> None:
+        if (room, int(evicted)) != (self.room, self.tokens_evicted):
+            self.room, self.tokens_evicted = room, int(evicted)
+            self._update_tooltip()
+            self.update()
+
+    def _update_tooltip(self) -> None:
+        room = self.room
+        lines = [self.tr("Tokens in cache: {n}").format(n=f"{room.held:,}")]
+        if self.windowed:
+            lines.append(self.tr("Tokens left: unbounded (a sliding window keeps the cache at a fixed size)"))
+            lines.append(self.tr("Budget blocks in use: {share}").format(share=f"{room.fraction:.1%}"))
+        else:
+            lines.append(self.tr("Tokens left: {n} ({binding})").format(n=f"{room.left:,}",
+                                                                        binding=self.tr(BINDING_TEXT[room.binding])))
+            lines.append((self.tr("Context used: {share}") if room.binding == "context" else
+                          self.tr("Budget used: {share}")).format(share=f"{room.fraction:.1%}"))
+        if room.context_limit:
+            lines.append(self.tr("Model context: {n} tokens").format(n=f"{room.context_limit:,}"))
+        lines.append(self.tr("Tokens evicted from the window: {n}").format(n=f"{self.tokens_evicted:,}"))
+        self.setToolTip("\n".join(lines))
+
+    def paintEvent(self, _event) -> None:
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        bar = QRectF(0.5, 0.5, self.width() - 1.0, 16.0)
+        track = QPainterPath()
+        track.addRoundedRect(bar, 5, 5)
+        painter.fillPath(track, LEFT)
+        if self.fraction > 0:
+            filled = QRectF(bar.x(), bar.y(), max(4.0, bar.width() * self.fraction), bar.height())
+            path = QPainterPath()
+            path.addRoundedRect(filled, 5, 5)
+            painter.fillPath(path, WARN if self.fraction > 0.9 and not self.windowed else HELD)
+        painter.setPen(self.palette().windowText().color())
+        text_rect = QRectF(0, bar.bottom() + 4, self.width(), self.height() - bar.bottom() - 4)
+        metrics = painter.fontMetrics()
+        text = metrics.elidedText(self.text(), Qt.TextElideMode.ElideRight, int(text_rect.width()))
+        painter.drawText(text_rect, Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop, text)
+        painter.end()

@@ -1,0 +1,1 @@
+"""The windows that open over the main one: Settings, Models, About."""
