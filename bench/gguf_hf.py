@@ -159,7 +159,7 @@ def _add(writer, name: str, a: np.ndarray, kind: str) -> None:
 def _check_derived(arch: str, cfg: dict, rope: dict, local, layers: int, hidden: int, heads: int, head_dim: int,
                    derived) -> None:
     """The folder's settings llama.cpp derives for its arch instead of reading them must be the derived ones."""
-    from kvchat.engine.gguf.arch import GEMMA3_LOCAL_THETA, layer_types, query_pre_attn_scalar
+    from kvchat.engine.model.gguf_arch import GEMMA3_LOCAL_THETA, layer_types, query_pre_attn_scalar
     if arch in ("gemma2", "gemma3"):
         derived("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", head_dim),
                 query_pre_attn_scalar(arch, layers, hidden, heads, head_dim))

@@ -500,10 +500,10 @@ def preset(name: str) -> ModelShape:
 def bench_model_path(name: str, qtype: str, layers: int | None = None) -> Path:
     """The random preset `name` in mix `qtype` (its first `layers` layers where given), in the user cache dir:
     written on the first call, then reused."""
-    from kvchat.engine.model.source import cache_root
+    from kvchat.engine.paths import bench_models_dir
     shape = preset(name)
     cut = f"-{layers}L" if layers is not None and layers != shape.layers else ""
-    path = cache_root() / "bench-models" / f"{name}{cut}-{qtype}.gguf"
+    path = bench_models_dir() / f"{name}{cut}-{qtype}.gguf"
     if not path.is_file():
         write_random_gguf(path, shape, qtype, layers=layers)
     return path

@@ -122,11 +122,12 @@ def prefill_paths(path: str, ids: list[int], threads: int | None = None) -> dict
 
 
 def run_types(model: str, types: list[str], tokens: int, threads: int | None = None) -> dict:
-    from kvchat.engine.model.source import cache_root, locate
+    from kvchat.engine.model.source import locate
+    from kvchat.engine.paths import weight_fidelity_dir
     from kvchat.engine.text.tokenizer_cache import gguf_tokenizer
     from kvchat.engine.text.samples import load_tokens
     src = locate(model).path
-    out_dir = cache_root() / "weight-fidelity"
+    out_dir = weight_fidelity_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for kind in types:

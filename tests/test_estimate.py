@@ -181,7 +181,8 @@ def test_fit_check_knows_what_each_weights_choice_holds():
     params, packed = parameter_count(mc), 80 * MIB
     assert resident_bytes(mc, packed, "auto", "cpu") == packed                   # a GGUF kept packed
     assert resident_bytes(mc, packed, "dense", "cpu") == 4 * params              # fp32 reference
-    assert resident_bytes(mc, packed, "auto", "cuda") == 2 * params              # bf16 on a GPU
+    assert resident_bytes(mc, packed, "auto", "cuda", packed=True) == packed     # packed for the Triton kernels
+    assert resident_bytes(mc, packed, "auto", "cuda", packed=False) == 2 * params  # bf16 on a GPU without them
     assert resident_bytes(mc, packed, "int8", "cpu") == params
     assert resident_bytes(mc, 2 * params, "auto", "cpu", source="safetensors", stored_dtype="bf16") == 2 * params
     assert resident_bytes(mc, 4 * params, "auto", "cpu", "bf16", "safetensors", "f32") == 2 * params

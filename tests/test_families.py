@@ -11,7 +11,7 @@ from kvchat.bench.gguf_hf import write_gguf_from_hf
 from kvchat.bench.gguf_writer import permute
 from kvchat.engine.config import SamplingParams
 from kvchat.engine.errors import ModelLoadError
-from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.engine.model import families
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.source import load_state_dict, read_config
@@ -44,7 +44,7 @@ def test_gguf_and_folder_read_as_one_description(tmp_path, arch):
     """The same tiny model as a Hugging Face folder and as a GGUF gives one ModelConfig (shape and every layer's
     spec), and the same weights once the registry's rule for llama.cpp's q / k row order is applied."""
     folder = tiny_model_dir(tmp_path / arch, arch=arch, tie=False, seed=4)
-    gf = GGUFFile(write_gguf_from_hf(folder, tmp_path / f"{arch}.gguf", "F32"))
+    gf = GGUFModel(write_gguf_from_hf(folder, tmp_path / f"{arch}.gguf", "F32"))
     # llama.cpp's converter interleaves q / k rows for llama only: read raw, apart from the registry's flag
     q = load_state_dict(Path(folder))["model.layers.0.self_attn.q_proj.weight"].numpy()
     stored = np.asarray(gf.tensors["blk.0.attn_q.weight"].data)

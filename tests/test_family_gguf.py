@@ -17,7 +17,7 @@ import torch
 from kvchat.bench.gguf_hf import write_gguf_from_hf
 from kvchat.bench.gguf_writer import PRESETS, ModelShape, write_random_gguf
 from kvchat.engine.errors import ModelLoadError
-from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.source import read_config
 from kvchat.engine.model.transformer import Transformer
@@ -40,7 +40,7 @@ def _folder_and_gguf(tmp_path: Path, case: str, qtype: str = "F32", **more) -> t
 
 def load_gguf(path: Path, weights: str = "dense") -> Transformer:
     """Our Transformer on a GGUF, read as the engine reads one (fp32 on the CPU)."""
-    gf = GGUFFile(path)
+    gf = GGUFModel(path)
     return from_gguf(ModelConfig.from_gguf(gf), gf, torch.float32, "cpu", weights)
 
 
@@ -53,7 +53,7 @@ def test_gguf_reads_as_its_folder(tmp_path, case):
     """One description from both sources (eps and LongRoPE's attention factor are float32 in a GGUF), and every
     weight equal: q / k unpermuted where llama.cpp permutes, Gemma's stored 1 + w norms the folder's w + 1."""
     folder, path = _folder_and_gguf(tmp_path, case)
-    gf = GGUFFile(path)
+    gf = GGUFModel(path)
     a, b = ModelConfig.from_gguf(gf), ModelConfig.from_hf(read_config(Path(folder)))
     assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps, rel=1e-6)
     assert [s.query_scale for s in a.layers] == pytest.approx([s.query_scale for s in b.layers], rel=1e-6)
@@ -101,13 +101,13 @@ def test_gemma_norms_are_stored_as_llama_cpp_stores_them(tmp_path):
     folder, path = _folder_and_gguf(tmp_path, "gemma3")
     from kvchat.engine.model.source import load_state_dict
     state = load_state_dict(Path(folder))
-    gf = GGUFFile(path)
+    gf = GGUFModel(path)
     for hf, gguf in (("model.layers.0.self_attn.q_norm.weight", "blk.0.attn_q_norm.weight"),
                      ("model.layers.1.post_feedforward_layernorm.weight", "blk.1.post_ffw_norm.weight"),
                      ("model.norm.weight", "output_norm.weight")):
         assert np.array_equal(np.asarray(gf.tensors[gguf].data), state[hf].numpy() + np.float32(1.0)), hf
     folder, path = _folder_and_gguf(tmp_path, "qwen3")
-    state, gf = load_state_dict(Path(folder)), GGUFFile(path)
+    state, gf = load_state_dict(Path(folder)), GGUFModel(path)
     assert np.array_equal(np.asarray(gf.tensors["blk.0.attn_k_norm.weight"].data),
                           state["model.layers.0.self_attn.k_norm.weight"].numpy())
 
@@ -115,7 +115,7 @@ def test_gemma_norms_are_stored_as_llama_cpp_stores_them(tmp_path):
 def test_header_fields_in_config_words(tmp_path):
     """hf_config gives what a config.json of the model says, under its names; key_names name the header's keys."""
     _, path = _folder_and_gguf(tmp_path, "gemma3")
-    gf = GGUFFile(path)
+    gf = GGUFModel(path)
     cfg = gf.hf_config()
     assert cfg["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"] and cfg["sliding_window"] == 16
     assert cfg["rope_parameters"] == {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -123,11 +123,11 @@ def test_header_fields_in_config_words(tmp_path):
     assert cfg["query_pre_attn_scalar"] == 32 and cfg["final_logit_softcapping"] is None
     assert gf.key_names()["sliding_window"] == "gemma3.attention.sliding_window"
     _, path = _folder_and_gguf(tmp_path, "gemma2")
-    cfg = GGUFFile(path).hf_config()
+    cfg = GGUFModel(path).hf_config()
     assert (cfg["attn_logit_softcapping"], cfg["final_logit_softcapping"]) == (50.0, 30.0)
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
     _, path = _folder_and_gguf(tmp_path, "phi3-longrope")
-    gf = GGUFFile(path)
+    gf = GGUFModel(path)
     assert {"rope_factors_long.weight", "rope_factors_short.weight", "blk.0.attn_qkv.weight"} <= set(gf.tensors)
     assert gf.tensors["blk.0.ffn_up.weight"].shape == (64, 2 * 128)        # gate and up: 2 x intermediate rows
     rope = gf.hf_config()["rope_parameters"]
@@ -160,7 +160,7 @@ def test_mixture_of_experts_refused_before_the_tensors(tmp_path, arch, extra, na
     is looked at: this file's tensor runs past its end, which would be another message."""
     from kvchat.engine.model.families import supported
     with pytest.raises(ModelLoadError) as info:
-        GGUFFile(_header_only(tmp_path / "moe.gguf", arch, extra))
+        GGUFModel(_header_only(tmp_path / "moe.gguf", arch, extra))
     text = str(info.value)
     assert named in text and "mixture-of-experts" in text and text.endswith(supported())
 
@@ -176,7 +176,7 @@ def test_random_presets_of_the_new_families(tmp_path):
     for shape in (replace(q, layers=2, hidden=256, intermediate=512, vocab=None),
                   replace(g, layers=6, hidden=288, intermediate=512, window=8, vocab=None)):
         path = write_random_gguf(tmp_path / f"{shape.arch}.gguf", shape, "Q4_K_M")
-        gf = GGUFFile(path)
+        gf = GGUFModel(path)
         mc = ModelConfig.from_gguf(gf)
         assert (mc.model_type, mc.num_layers, mc.head_dim) == ({"qwen3": "qwen3", "gemma3": "gemma3_text"}[shape.arch],
                                                               shape.layers, shape.head_dim)
@@ -192,7 +192,7 @@ def test_preset_vocabulary_padded_to_the_real_one(tmp_path):
     """A preset's vocabulary is the real model's: the default tokenizer padded with unused tokens, so the output
     head has the real model's rows and llama.cpp's vocabulary check holds."""
     shape = ModelShape("t", 1, 256, 4, 2, 256, 64, 512, 1e6, True, arch="qwen3", vocab=50000)
-    gf = GGUFFile(write_random_gguf(tmp_path / "t.gguf", shape, "Q8_0"))
+    gf = GGUFModel(write_random_gguf(tmp_path / "t.gguf", shape, "Q8_0"))
     tokens = gf.array("tokenizer.ggml.tokens")
     assert len(tokens) == 50000 == gf.tensors["token_embd.weight"].shape[1] and tokens[-1] == f"<unused{50000 - 49152 - 1}>"
     assert len(gf.array("tokenizer.ggml.token_type")) == 50000
@@ -217,7 +217,7 @@ def test_llama_cpp_reads_our_files_as_we_do(tmp_path, case):
     if case == "phi3-longrope":
         # llama.cpp turns every position with the long factors once its context (padded to 256) passes the
         # original 64; we (as transformers) with the short ones until the positions do: compared on its choice
-        long = tuple(GGUFFile(path).hf_config()["rope_parameters"]["long_factor"])
+        long = tuple(GGUFModel(path).hf_config()["rope_parameters"]["long_factor"])
         config = replace(config, layers=tuple(replace(s, rope=Rope(s.rope.theta, ("factors", long), s.rope.dims))
                                               for s in config.layers))
     expect = ours.forward(ids, exact_attention(config), all_logits=True).numpy()
@@ -237,8 +237,8 @@ def test_weight_fidelity_bench_on_family_files(tmp_path, case):
     from kvchat.bench.weights import checks, fidelity, requantize_gguf
     _, path = _folder_and_gguf(tmp_path, case)
     out = requantize_gguf(path, tmp_path / f"{case}-q4.gguf", "Q4_0")
-    gf = GGUFFile(out)
-    assert gf.type_name("blk.0.attn_output.weight") == "Q4_0" and gf.hf_config() == GGUFFile(path).hf_config()
+    gf = GGUFModel(out)
+    assert gf.type_name("blk.0.attn_output.weight") == "Q4_0" and gf.hf_config() == GGUFModel(path).hf_config()
     r = fidelity(str(out), _ids()[:32].tolist())
     assert r["top1_agreement"] >= 0.95 and r["mean_kl"] <= 1e-3 and r["kinds"].get("q4"), (case, r)
     assert all(checks({"Q4_0": r}).values()), r

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvchat.engine import Engine, EngineConfig, ModelLoadError
-from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.bench.gguf_writer import write_random_gguf
 from kvchat.engine.plan.fit import check_fits
 from kvchat.engine.model.config import ModelConfig
@@ -68,7 +68,7 @@ RESIDENT_BOUND = {"Q5_0": 1.6, "Q5_1": 1.6, "Q6_K": 1.05, "Q4_K_M": 1.35}
 def test_resident_bytes_close_to_file(tiny_ggufs, kind):
     """Resident weight bytes stay within 1.3x the file's tensor bytes (no dense copy anywhere)."""
     packed = Engine.load(EngineConfig(model=tiny_ggufs[kind]))
-    file_bytes = GGUFFile(tiny_ggufs[kind]).tensor_bytes
+    file_bytes = GGUFModel(tiny_ggufs[kind]).tensor_bytes
     bound = RESIDENT_BOUND.get(kind, 1.3)
     assert packed.model.weight_bytes() <= bound * file_bytes, (packed.model.weight_bytes(), file_bytes)
 
@@ -116,7 +116,7 @@ def test_model_too_big_refused_before_loading():
 
 def test_gguf_metadata_read_without_gguf_reader(tiny_ggufs):
     """Our header reader gives the architecture numbers (and skips the vocabulary) quickly."""
-    gf = GGUFFile(tiny_ggufs["Q4_K_M"])
+    gf = GGUFModel(tiny_ggufs["Q4_K_M"])
     cfg = gf.hf_config()
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) \
         == (2, 256, 4, 2)
@@ -128,8 +128,8 @@ def test_weight_fidelity_bench_on_requantized_file(tiny_ggufs, tmp_path):
     """bench quality --weight-fidelity: a file requantized by gguf into Q4_0 keeps its metadata, and packed
     decode agrees with dense fp32 on it."""
     from kvchat.bench.weights import fidelity, requantize_gguf
-    out = requantize_gguf(GGUFFile(tiny_ggufs["Q8_0"]).path, tmp_path / "q4.gguf", "Q4_0")
-    gf = GGUFFile(out)
+    out = requantize_gguf(GGUFModel(tiny_ggufs["Q8_0"]).path, tmp_path / "q4.gguf", "Q4_0")
+    gf = GGUFModel(out)
     assert gf.type_name("blk.0.attn_q.weight") == "Q4_0" and gf.hf_config()["num_hidden_layers"] == 2
     r = fidelity(str(out), list(range(200, 232)))
     assert r["top1_agreement"] >= 0.95 and r["mean_kl"] <= 1e-3 and r["kinds"].get("q4")

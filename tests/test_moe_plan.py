@@ -88,11 +88,13 @@ def test_gpt_oss_sliding_layers_stay_at_their_window():
 
 
 def test_resident_bytes_of_what_a_token_reads_follow_the_weights_form():
-    """On a GPU the weights load as bf16: what a token reads is then its parameters times two, as the whole is."""
+    """On a GPU without the Triton kernels the weights load as bf16: what a token reads is then its parameters
+    times two, as the whole is; with them, its stored bytes, as on the CPU."""
     mc = preset("qwen3-30b-a3b")
     total, active = parameter_counts(mc)
-    assert resident_bytes(mc, 1, "auto", "cuda", "auto", "preset") == 2 * total
-    assert resident_bytes(mc, 1, "auto", "cuda", "auto", "preset", params=active) == 2 * active
+    assert resident_bytes(mc, 1, "auto", "cuda", "auto", "preset", packed=False) == 2 * total
+    assert resident_bytes(mc, 1, "auto", "cuda", "auto", "preset", params=active, packed=False) == 2 * active
+    assert resident_bytes(mc, 123, "auto", "cuda", "auto", "preset", params=active, packed=True) == 123
     assert resident_bytes(mc, 123, "auto", "cpu", "auto", "gguf", params=active) == 123
 
 

@@ -13,7 +13,7 @@ from kvchat.bench.gguf_writer import ModelShape, write_random_gguf
 from kvchat.engine import Engine, EngineConfig
 from kvchat.engine.config import CacheConfig
 from kvchat.engine.gguf.blocks import packed_matrix, q6k_parts, unpermute_rows
-from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.engine.model.experts import RoutedMLP, expert_views
 from kvchat.engine.model.linears import ConcatLinear, Q6Linear, Q8Linear
 from kvchat.engine.model.spec import Experts
@@ -234,7 +234,7 @@ def q6_file(tmp_path_factory):
 def test_a_file_tensor_packs_to_gguf_values(q6_file):
     """A real file's Q6_K tensors (bench/gguf_writer.py's Q6_K mix, q/k rows unpermuted as the loader does) pack
     into Q6_K parts that dequantize to gguf's values bit for bit."""
-    gf = GGUFFile(q6_file)
+    gf = GGUFModel(q6_file)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
                  "model.embed_tokens.weight"):
         heads = gf.permuted_heads(name, 4, 2)
@@ -260,7 +260,7 @@ def test_a_q6k_model_holds_its_files_bytes_and_gives_the_int8_paths_logits(q6_fi
     engine = Engine.load(EngineConfig(model=str(q6_file), prefill="fp32"))
     model = engine.model
     assert model.linear_kinds() == {"q6": 9}
-    assert model.weight_bytes() <= 1.02 * GGUFFile(q6_file).tensor_bytes
+    assert model.weight_bytes() <= 1.02 * GGUFModel(q6_file).tensor_bytes
     assert model.kernel_layers() is not None
     wide = Engine.load(EngineConfig(model=str(q6_file), prefill="fp32"))
     m8 = wide.model
@@ -289,7 +289,7 @@ def test_the_gpu_path_loads_q6k_as_the_triton_kernels_int8_grid(q6_file, monkeyp
         assert kernels.gpu_path("cpu"), "TRITON_INTERPRET=1 must be set before triton is imported (conftest)"
     model = Engine.load(EngineConfig(model=str(q6_file), device="cuda" if cuda else "cpu")).model
     assert model.weights == "gguf" and model.linear_kinds() == {"q8": 9}
-    gf = GGUFFile(q6_file)
+    gf = GGUFModel(q6_file)
     want = gf.dequantize("model.layers.1.mlp.down_proj.weight")
     assert np.array_equal(_bits(model.layers[1].down.dequantize().cpu()), _bits(want))
 
@@ -315,7 +315,7 @@ def test_a_mixture_of_q6k_experts_decodes_in_one_call(tmp_path):
     model = engine.model
     mlp = next(L.mlp for L in model.layers if L.mlp is not None)
     assert all(isinstance(x, Q6Linear) for x in mlp.gate + mlp.up + mlp.down)
-    assert model.weight_bytes() <= 1.02 * GGUFFile(path).tensor_bytes
+    assert model.weight_bytes() <= 1.02 * GGUFModel(path).tensor_bytes
     assert model.kernel_layers() is not None
     ids = torch.randint(3, 1000, (9,), generator=torch.Generator().manual_seed(1)).tolist()
     a, b = engine.new_session(cache=FP32), engine.new_session(cache=FP32)

@@ -29,8 +29,9 @@ class PackedMatrix:
 
 
 def packed_matrix(gf, name: str, heads: int | None) -> PackedMatrix | None:
-    """The tensor `name` (a Hugging Face name) of GGUFFile gf in its packed form; heads: undo llama.cpp's
-    interleaving of that many heads' rows (GGUFFile.permuted_heads). None where its type is not one of the
+    """The tensor `name` of gf in its packed form (gf a GGUFFile and name its own, or the model's GGUFModel and a
+    Hugging Face name: both read through gf.gguf_name); heads: undo llama.cpp's interleaving of that many heads'
+    rows (GGUFModel.permuted_heads). None where its type is not one of the
     grids (16-bit, 2-3 bit, IQ types) or its rows are not whole groups of 32."""
     kind, data = gf.raw(name)
     k = gf.tensors[gf.gguf_name(name)].shape[0]

@@ -1,7 +1,9 @@
-"""A GGUF file read in place: metadata, architecture numbers and its tensors as stored.
+"""A GGUF file read in place: its metadata and its tensors as stored, whatever the architecture.
 
 Nothing here converts the file: it is memory-mapped; engine/gguf/blocks.py reads the quantized blocks
-into the kernels' grids, and types without one are dequantized by `gguf` itself.
+into the kernels' grids, and types without one are dequantized by `gguf` itself. The container knows no
+model: an architecture kvchat does not run reads as well as one it does. What the keys and tensors mean for
+a model (its family, config.json's fields, Hugging Face tensor names) is engine/model/gguf_view.py's.
 """
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ from pathlib import Path
 import numpy as np
 
 from kvchat.engine.errors import ModelLoadError
-from kvchat.engine.gguf import arch as arch_fields
-from kvchat.engine.model.families import gguf_family, supported
 
 
 # ggml type id -> (name, values per block, bytes per block) of the types Llama-family files use, so that
@@ -78,9 +78,9 @@ class GGUFFile:
             key, pos = _string(buf, pos)
             (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
             self.fields[key], pos = _value(buf, pos, vtype)
-        # the architecture is known (or refused) before any tensor is looked at
-        self.arch = self.field("general.architecture")
-        self.family = gguf_family(str(self.arch), self.path.name)
+        # named, not judged: whether kvchat runs it is the model's question (engine/model/gguf_view.py)
+        self.arch = str(self.fields.get("general.architecture") or "")
+        self._metadata_read()
         infos = []
         for _ in range(n_tensors):
             name, pos = _string(buf, pos)
@@ -114,6 +114,10 @@ class GGUFFile:
             if len(dims) == 1:
                 data = data.reshape(-1)
             self.tensors[name] = _Tensor(name, type_name, tuple(int(d) for d in dims), data, begin)
+
+    def _metadata_read(self) -> None:
+        """Called once the metadata is read and before any tensor is: the container reads every architecture, a
+        reader that judges one (the model's view) refuses it here, so its message comes before a tensor's."""
 
     def field(self, key: str, default=None):
         value = self.fields.get(key)
@@ -167,136 +171,26 @@ class GGUFFile:
             return "F32"
         return names[0] + (f" (+{', '.join(names[1:])})" if len(names) > 1 else "")
 
-    def hf_config(self) -> dict:
-        """The architecture numbers in config.json's words, as the header holds them: ModelConfig.from_hf checks
-        them, naming each by its key here (key_names)."""
-        a = self.arch
-        embd = self.tensors.get("token_embd.weight")
-        if embd is None:
-            raise ModelLoadError(f"{self.path.name} has no token_embd.weight tensor: the file is incomplete")
-        if len(embd.shape) != 2:
-            raise ModelLoadError(f"{self.path.name}: token_embd.weight has shape {list(embd.shape)}, not [hidden, "
-                                 f"vocabulary]: the file is damaged; re-download or re-convert it")
-        head_dim = self.fields.get(f"{a}.attention.key_length", self.fields.get(f"{a}.rope.dimension_count"))
-        cfg = {
-            "model_type": self.family.model_types[0],
-            "vocab_size": int(embd.shape[1]),
-            "hidden_size": self.field(f"{a}.embedding_length"),
-            "num_hidden_layers": self.field(f"{a}.block_count"),
-            "num_attention_heads": self.field(f"{a}.attention.head_count"),
-            "num_key_value_heads": self.fields.get(f"{a}.attention.head_count_kv"),
-            "head_dim": head_dim,                 # absent: hidden_size // heads, as config.json's default
-            "intermediate_size": self.fields.get(f"{a}.feed_forward_length") or self.field(
-                f"{a}.expert_feed_forward_length" if f"{a}.expert_count" in self.fields else f"{a}.feed_forward_length"),
-            "rms_norm_eps": self.fields.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-            "rope_theta": self.fields.get(f"{a}.rope.freq_base", 10000.0),
-            "max_position_embeddings": self.fields.get(f"{a}.context_length", 4096),
-            "tie_word_embeddings": "output.weight" not in self.tensors,
-        }
-        kind = self.field(f"{a}.rope.scaling.type", "none")
-        if kind == "linear":
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": self.field(f"{a}.rope.scaling.factor")}
-        elif kind == "yarn" and a == "gpt-oss":       # read with the family's fields (arch.py)
-            pass
-        elif kind not in ("none", ""):
-            raise ModelLoadError(f"{self.path.name}: unsupported rope scaling {kind!r}: kvchat supports none and linear")
-        cfg.update(arch_fields.family_config(self, cfg))
-        return cfg
+    def gguf_name(self, name: str) -> str:
+        """The file's own name of tensor `name`: the container speaks llama.cpp's names only (a model's view maps
+        its own names here, and blocks.py reads through whichever it is given)."""
+        return name
 
-    def key_names(self) -> dict[str, str]:
-        """hf_config's keys -> the header's own, for messages."""
-        a = self.arch
-        return {"vocab_size": "token_embd.weight's rows", "hidden_size": f"{a}.embedding_length",
-                "num_hidden_layers": f"{a}.block_count", "num_attention_heads": f"{a}.attention.head_count",
-                "num_key_value_heads": f"{a}.attention.head_count_kv", "head_dim": f"{a}.attention.key_length",
-                "intermediate_size": f"{a}.feed_forward_length", "max_position_embeddings": f"{a}.context_length",
-                "rms_norm_eps": f"{a}.attention.layer_norm_rms_epsilon", "rope_theta": f"{a}.rope.freq_base",
-                "rope_scaling.factor": f"{a}.rope.scaling.factor", **arch_fields.key_names(a)}
+    def has(self, name: str) -> bool:
+        return self.gguf_name(name) in self.tensors
 
-    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor's shape under its Hugging Face name, [out, in] (the reverse of the file's order); a layer's
-        tensors of kinds kvchat does not read keep a name of their own, so that they still count as a layer."""
-        top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}
-        modules = {v: k for k, v in self.family.gguf_tensors.items()}
-        out = {}
-        per_expert: dict[str, list] = {}
-        for name, t in self.tensors.items():
-            parts = name.split(".")
-            if name in top:
-                out[top[name]] = tuple(reversed(t.shape))
-            elif len(parts) == 4 and parts[0] == "blk":
-                out[f"model.layers.{parts[1]}.{modules.get(parts[2], '?' + parts[2])}.{parts[3]}"] = tuple(reversed(t.shape))
-            elif len(parts) == 5 and parts[0] == "blk" and parts[2] in arch_fields.PER_EXPERT_TENSORS \
-                    and parts[3].isdigit():
-                # Mixtral's older files: one 2-D tensor per expert, read as the 3-D module [experts, out, in]
-                key = f"model.layers.{parts[1]}.{arch_fields.PER_EXPERT_TENSORS[parts[2]]}.{parts[4]}"
-                per_expert.setdefault(key, []).append((int(parts[3]), tuple(reversed(t.shape))))
-        for key, experts in per_expert.items():
-            shapes = {shape for _, shape in experts}
-            ids = sorted(e for e, _ in experts)
-            if len(shapes) != 1 or ids != list(range(len(ids))):
-                raise ModelLoadError(f"{self.path.name}: the per-expert tensors of {self.gguf_name(key)} disagree in "
-                                     f"shape or skip an expert: the file is damaged; re-download or re-convert it")
-            out[key] = (len(ids), *shapes.pop())
-        return out
-
-    def expert_names(self, hf_name: str) -> list[str] | None:
-        """The per-expert 2-D tensors (blk.N.ffn_gate.E.weight) that hold the 3-D module `hf_name` in Mixtral's older
-        files, in expert order; None where the file stores it as one 3-D tensor (or not at all)."""
-        if self.has(hf_name):
-            return None
-        _, _, i, rest = hf_name.split(".", 3)
-        module, kind = rest.rsplit(".", 1)
-        short = {v: k for k, v in arch_fields.PER_EXPERT_TENSORS.items()}.get(module)
-        names = []
-        while short is not None and f"blk.{i}.{short}.{len(names)}.{kind}" in self.tensors:
-            names.append(f"blk.{i}.{short}.{len(names)}.{kind}")
-        return names or None
-
-    def rope_factors(self) -> tuple[float, ...] | None:
-        """Llama 3.x GGUFs store their rope scaling as per-frequency divisors (rope_freqs.weight)."""
-        t = self.tensors.get("rope_freqs.weight")
-        return tuple(float(v) for v in np.asarray(t.data, dtype=np.float32)) if t is not None else None
-
-    def gguf_name(self, hf_name: str) -> str:
-        """llama.cpp's name of a tensor kvchat names `hf_name` (a name that is already llama.cpp's passes through)."""
-        if hf_name.startswith("blk."):
-            return hf_name
-        if hf_name == "model.embed_tokens.weight":
-            return "token_embd.weight"
-        if hf_name == "model.norm.weight":
-            return "output_norm.weight"
-        if hf_name == "lm_head.weight":
-            return "output.weight"
-        _, _, i, rest = hf_name.split(".", 3)
-        module, kind = rest.rsplit(".", 1)
-        return f"blk.{i}.{self.family.gguf_tensors[module]}.{kind}"
-
-    def permuted_heads(self, hf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
-        """How many heads' rows llama.cpp's converter interleaved in this tensor (unpermute_rows undoes it):
-        q and k of the families it permutes, None for every other tensor."""
-        if not self.family.gguf_permuted_qk:
-            return None
-        for module, heads in (("self_attn.q_proj", num_heads), ("self_attn.k_proj", num_kv_heads)):
-            if f".{module}." in hf_name:
-                return heads
-        return None
-
-    def has(self, hf_name: str) -> bool:
-        return self.gguf_name(hf_name) in self.tensors
-
-    def raw(self, hf_name: str):
+    def raw(self, name: str):
         """The tensor as stored: (type name, array [rows, bytes or elements per row])."""
-        t = self.tensors.get(self.gguf_name(hf_name))
+        t = self.tensors.get(self.gguf_name(name))
         if t is None:
-            raise ModelLoadError(f"{self.path.name} lacks tensor {self.gguf_name(hf_name)} ({hf_name}): the file is "
-                                 f"incomplete or not a Llama-family model")
+            own = self.gguf_name(name)
+            raise ModelLoadError(f"{self.path.name} lacks tensor {own}{f' ({name})' if own != name else ''}: the file "
+                                 f"is incomplete or not a Llama-family model")
         return t.type_name, t.data
 
-    def dequantize(self, hf_name: str) -> np.ndarray:
+    def dequantize(self, name: str) -> np.ndarray:
         """float32 [rows, cols], by gguf's own dequantize."""
-        kind, data = self.raw(hf_name)
+        kind, data = self.raw(name)
         if kind in ("F32", "F16"):            # norms and the like: no need to import gguf for them
             return np.asarray(data, dtype=np.float32)
         from gguf import GGMLQuantizationType
@@ -309,15 +203,15 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path.name}: tensor type {kind} is not supported: re-quantize the model to "
                                  f"Q4_K_M, Q8_0 or F16") from exc
 
-    def release_pages(self, hf_name: str | None = None) -> None:
+    def release_pages(self, name: str | None = None) -> None:
         """Drop the file's pages (one tensor's, or all) from this process's resident set.
 
         They stay in the page cache, so a later read costs no disk access; a load releases each
         tensor once it is packed, so the file never sits in memory beside its packed copy.
         """
-        if hf_name is None:
+        if name is None:
             return self.release_range(0, len(self._map))
-        t = self.tensors.get(self.gguf_name(hf_name))
+        t = self.tensors.get(self.gguf_name(name))
         if t is not None:
             self.release_range(t.offset, t.n_bytes)
 

@@ -164,7 +164,10 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, gf) -> "ModelConfig":
-        """From a GGUF's header, its numbers checked against every tensor's shape (check_weight_shapes)."""
+        """From a GGUF's header, its numbers checked against every tensor's shape (check_weight_shapes). gf: a
+        GGUFModel, or a container GGUFFile (read as one: an architecture kvchat does not run is refused here)."""
+        from kvchat.engine.model.gguf_view import GGUFModel
+        gf = GGUFModel.of(gf)
         cfg = cls.from_hf(gf.hf_config(), gf.path.name, gf.key_names())
         factors = gf.rope_factors()
         if factors is not None:

@@ -3,7 +3,7 @@
 Each family says which config.json `model_type`s and which GGUF `general.architecture` are its own, how
 llama.cpp's converter stored its weights, and how its config fields become the per-layer description
 (engine/model/spec.py). Everything that asks "is this architecture supported?" or "what does this
-family's layer do?" reads this table: the loaders, the GGUF reader, the estimate and the one-shot path.
+family's layer do?" reads this table: the loaders, the GGUF view (gguf_view.py), the estimate and the one-shot path.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvchat.engine.errors import ModelLoadError
-from kvchat.engine.gguf.arch import EXPERT_TENSORS, GEMMA2_TENSORS, GEMMA3_TENSORS, GPT_OSS_TENSORS, PHI3_TENSORS, QWEN3_TENSORS, \
+from kvchat.engine.model.gguf_arch import EXPERT_TENSORS, GEMMA2_TENSORS, GEMMA3_TENSORS, GPT_OSS_TENSORS, PHI3_TENSORS, QWEN3_TENSORS, \
     QWEN3MOE_TENSORS
 from kvchat.engine.model.spec import Experts, LayerSpec, Rope
 

@@ -18,6 +18,8 @@ from typing import Callable
 
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.families import check_architecture
+# cache_root stays importable from here (the app's settings dialog reads it); the folders live in engine/paths.py
+from kvchat.engine.paths import cache_root, conversion_cache_dir  # noqa: F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -47,14 +49,6 @@ class ModelFiles:
         return self.path
 
 
-def cache_root() -> Path:
-    override = os.environ.get("KVCHAT_CACHE_DIR")
-    if override:
-        return Path(override)
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("kvchat"))
-
-
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)   # locate, never import: its deps are not installed
     if spec is None or not spec.submodule_search_locations:
@@ -68,7 +62,7 @@ def default_gguf_path() -> Path:
 
 def remove_conversion_cache() -> str | None:
     """Earlier versions kept an fp32 safetensors copy of every GGUF; delete them, saying how much came back."""
-    old = cache_root() / "models"
+    old = conversion_cache_dir()
     if not old.is_dir():
         return None
     size = sum(f.stat().st_size for f in old.rglob("*") if f.is_file())

@@ -17,7 +17,7 @@ from kvchat import kernels
 from kvchat.kernels.cpu_quant import Scales
 
 from kvchat.engine.gguf.blocks import packed_matrix, unpermute_rows
-from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.experts import RoutedMLP, expert_views
@@ -182,7 +182,7 @@ def _tied(mc: ModelConfig) -> ModelConfig:
 
 # ---- GGUF ----------------------------------------------------------------------------------------
 
-def from_gguf(mc: ModelConfig, gf: GGUFFile, dtype: torch.dtype, device: str, weights: str) -> Transformer:
+def from_gguf(mc: ModelConfig, gf: GGUFModel, dtype: torch.dtype, device: str, weights: str) -> Transformer:
     check_weight_shapes(mc, gf.hf_shapes(), gf.path.name, gf.key_names(), gf.gguf_name, stored_order=True)
     # packed on the CPU (the C kernels) and on the GPU path (the Triton kernels): a GGUF's blocks stay blocks
     packed = weights == "auto" and (device == "cpu" or kernels.gpu_path(device))

@@ -20,8 +20,8 @@ from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.plan.fit import (FREE_SHARE, RUNTIME_BYTES, gguf_read_bytes, margin_for, model_dtype_for,
-                                    parameter_count, parameter_counts, resident_bytes, safetensors_read_bytes,
-                                    safetensors_summary)
+                                    nvml_free, parameter_count, parameter_counts, resident_bytes,
+                                    safetensors_read_bytes, safetensors_summary)
 from kvchat.engine.plan.presets import PRESET_CONFIGS, preset
 from kvchat.engine.units import GIB, MIB, format_size
 
@@ -82,7 +82,7 @@ def model_facts_from(path, name: str | None = None) -> ModelFacts:
     """Facts of a GGUF file (whatever its name: Ollama's blobs have no suffix) or a Hugging Face folder."""
     from pathlib import Path
 
-    from kvchat.engine.gguf.file import GGUFFile
+    from kvchat.engine.model.gguf_view import GGUFModel
     from kvchat.engine.model.source import read_config
     from kvchat.engine.model.families import check_architecture
     path = Path(path)
@@ -94,7 +94,7 @@ def model_facts_from(path, name: str | None = None) -> ModelFacts:
         params, size, dtype = safetensors_summary(path)
         return ModelFacts(name, "safetensors", mc, params, size, dtype,
                           active_bytes=safetensors_read_bytes(path, mc) if _routed(mc) else None)
-    gf = GGUFFile(path)
+    gf = GGUFModel(path)
     params = sum(math.prod(t.shape) for t in gf.tensors.values())
     mc = ModelConfig.from_gguf(gf)
     return ModelFacts(name, "gguf", mc, params, gf.tensor_bytes, gf.quant_summary(),
@@ -115,25 +115,13 @@ def resolve_device(device: str) -> str:
     """auto: cuda when the NVIDIA driver reports a GPU (pynvml; torch's CUDA is not started), else cpu."""
     if device != "auto":
         return device
-    return "cuda" if _nvml_free() is not None else "cpu"
-
-
-def _nvml_free() -> int | None:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
+    return "cuda" if nvml_free() is not None else "cpu"
 
 
 def available_memory(device: str) -> tuple[int, str]:
     """(bytes, where they were read): free VRAM of GPU 0 via pynvml on cuda, else available RAM via psutil."""
     if device.startswith("cuda"):
-        free = _nvml_free()
+        free = nvml_free()
         if free is not None:
             return free, "free GPU memory (pynvml)"
     import psutil
@@ -266,7 +254,8 @@ class Estimate:
 def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, block_size: int = 16,
              window: int | None = None, sinks: int = 4, k_scheme: str = "channel", fp_layers: tuple[int, ...] = (),
              memory_bytes: int | None = None, memory_source: str = "", device: str = "cpu",
-             dtype: str = "auto", weights: str = "auto") -> Estimate:
+             dtype: str = "auto", weights: str = "auto", packed: bool | None = None) -> Estimate:
+    """packed: whether a GGUF's blocks stay packed on `device` (default: the loader's rule, fit.packs_gguf)."""
     from kvchat.engine.kv.layout import conversation_bytes, kv_groups, kv_layout, max_conversation_tokens
     if context < 1:
         raise ConfigError(f"context={context}: ask for at least 1 token")
@@ -276,9 +265,9 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
         memory_bytes, memory_source = available_memory(device)
     margin = margin_for(memory_bytes)
     weight_bytes = resident_bytes(facts.config, facts.weight_bytes, weights, device, dtype, facts.source,
-                                  facts.weights_label)
+                                  facts.weights_label, packed=packed)
     active_bytes = resident_bytes(facts.config, facts.active_bytes, weights, device, dtype, facts.source,
-                                  facts.weights_label, params=facts.active_parameters)
+                                  facts.weights_label, params=facts.active_parameters, packed=packed)
     room = max(0, memory_bytes - weight_bytes - margin)
     model_dtype = model_dtype_for(dtype, device)
     mc = facts.config

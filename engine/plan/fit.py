@@ -1,12 +1,18 @@
 """The one memory planner: what a model's weights hold once loaded, the reserve kept beside them, and the
 refusal before loading a byte of a model that cannot fit. `kvchat estimate`, the Models page and the loader
-all plan with these numbers, so the three agree."""
+all plan with these numbers, so the three agree.
+
+Each memory is judged with its own arithmetic: a GPU's free memory against what lands on the GPU (the weights
+in the form the loader gives them there, the reserve), the host's RAM against what stays on the host (the
+runtime and the one matrix being read at a time). The memory itself is a DeviceMemory, read from the machine
+or given as numbers, so a GPU plan is testable where there is none."""
 from __future__ import annotations
 
 import json
 import math
 import struct
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat.engine.errors import ModelLoadError
@@ -17,6 +23,10 @@ from kvchat.engine.units import DTYPE_BYTES, GIB, MIB
 RUNTIME_BYTES = 600 * MIB
 FREE_SHARE = 0.05
 SIXTEEN_BIT = ("bf16", "f16")           # safetensors' names of the stored dtypes the CPU keeps as they are
+# a verdict per memory: fits; fits, but leaves under TIGHT_SHARE of that memory for the KV cache and the rest of
+# the machine (a long chat will not fit); does not fit (the loader refuses)
+FITS, TIGHT, TOO_BIG = "fits", "tight", "does not fit"
+TIGHT_SHARE = 0.10
 
 
 def margin_for(memory_bytes: int) -> int:
@@ -145,38 +155,142 @@ def folder_weights(folder) -> tuple[int, str]:
     return size, dtype
 
 
+def packs_gguf(device: str) -> bool:
+    """Whether a GGUF's blocks stay packed on `device`, by the loader's own rule (engine.model.weights.from_gguf):
+    always on the CPU (the C kernels), on a GPU where its Triton kernels run; else dequantized to the model dtype."""
+    if device == "cpu":
+        return True
+    from kvchat import kernels
+    return kernels.gpu_path(device)
+
+
 def resident_bytes(mc, stored_bytes: int, weights: str, device: str, dtype: str = "auto", source: str = "gguf",
-                   stored_dtype: str = "", params: int | None = None) -> int:
+                   stored_dtype: str = "", params: int | None = None, packed: bool | None = None) -> int:
     """Bytes the weights hold once loaded on `device`, as engine.model.weights builds them.
 
     source: "gguf" (stored_bytes: its tensor bytes), "safetensors" (its files' bytes, stored_dtype their
     dominant dtype) or "preset" (a parameter count times a GGUF type's bytes, planned as a GGUF). params: the
     parameters stored_bytes hold (default: the model's all; a part of them, such as what one token reads, planned
-    the same way)."""
+    the same way). packed: whether a GGUF's blocks stay packed on the device (default: packs_gguf(device))."""
     params = parameter_count(mc) if params is None else params
     if weights == "int8":
         return params
     if weights == "int4":
         return params * 5 // 8
     dense = params * DTYPE_BYTES[model_dtype_for(dtype, device)]
-    if weights == "dense" or device != "cpu":
-        return dense            # dequantized (or cast) to the model dtype; only the CPU keeps stored blocks
-    if source == "safetensors" and stored_dtype not in SIXTEEN_BIT:
-        return dense            # a float32 folder is cast to the model dtype
-    return stored_bytes         # a GGUF's blocks kept packed, a 16-bit folder at its stored dtype
+    if weights == "dense":
+        return dense            # dequantized to the model dtype: the reference path
+    if source == "safetensors":
+        # the CPU keeps a 16-bit folder at its stored dtype and casts the rest; a GPU casts all to the model dtype
+        return stored_bytes if device == "cpu" and stored_dtype in SIXTEEN_BIT else dense
+    if packed is None:
+        packed = packs_gguf(device)
+    return stored_bytes if packed else dense      # a GGUF's blocks as the file holds them, on the CPU and the GPU
 
 
 def load_need(mc, stored_bytes: int, weights: str, device: str, memory_bytes: int, dtype: str = "auto",
-              source: str = "gguf", stored_dtype: str = "") -> int:
-    """Bytes a load needs in memory_bytes: the resident weights and the reserve."""
-    return resident_bytes(mc, stored_bytes, weights, device, dtype, source, stored_dtype) + margin_for(memory_bytes)
+              source: str = "gguf", stored_dtype: str = "", packed: bool | None = None) -> int:
+    """Bytes a load needs in memory_bytes (the device's): the resident weights and the reserve."""
+    return resident_bytes(mc, stored_bytes, weights, device, dtype, source, stored_dtype,
+                          packed=packed) + margin_for(memory_bytes)
+
+
+def staging_bytes(mc, stored_bytes: int, weights: str, source: str = "gguf", packed: bool = True) -> int:
+    """Host bytes a load to a GPU holds at once beside the runtime: the largest matrix the loader reads before
+    moving it (a fused q/k/v, gate/up, a layer's experts or the embedding table), packed at the file's bytes a
+    weight, else dequantized to float32."""
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    largest = max([mc.vocab_size * h, h * (q + 2 * kv), 2 * h * mc.intermediate_size]
+                  + [2 * spec.experts.count * h * spec.experts.ffn for spec in mc.layers if spec.experts is not None])
+    if packed and weights == "auto" and source != "safetensors":
+        return math.ceil(largest * stored_bytes / max(1, parameter_count(mc)))
+    return 4 * largest
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """The memory a load lands in: free_bytes of the device (available RAM for "cpu", free GPU memory for "cuda")
+    and host_free_bytes of the host's RAM (the same number on the CPU), read by device_memory or given as numbers.
+    packs_gguf: a GGUF's blocks stay packed there (packs_gguf(device))."""
+    device: str
+    free_bytes: int
+    host_free_bytes: int
+    packs_gguf: bool = True
+    source: str = ""                # where free_bytes was read: "free GPU memory (pynvml)", "available RAM ..."
+
+    def __post_init__(self):
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device={self.device!r}: plan for cpu or cuda")
+        if min(self.free_bytes, self.host_free_bytes) < 0:
+            raise ValueError(f"free_bytes={self.free_bytes}, host_free_bytes={self.host_free_bytes}: memory is never "
+                             f"negative")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device != "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """A plan's verdict (FITS, TIGHT, TOO_BIG): the worse of the device's (need_bytes of free_bytes) and, for a GPU,
+    the host's (host_need_bytes of host_free_bytes; 0 of them on the CPU, where both are one memory)."""
+    verdict: str
+    device: str
+    need_bytes: int
+    free_bytes: int
+    host_need_bytes: int = 0
+    host_free_bytes: int = 0
+    weight_bytes: int = 0           # of need_bytes: the weights as they sit on the device
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict != TOO_BIG
+
+    def message(self, name: str, weights: str) -> str:
+        """Why a load is refused, with the numbers of the memory that does not hold it."""
+        if self.device != "cpu" and self.host_need_bytes > self.host_free_bytes:
+            need, have, where = self.host_need_bytes, self.host_free_bytes, "memory (RAM beside the GPU)"
+        else:
+            need, have, where = self.need_bytes, self.free_bytes, "GPU memory" if self.device != "cpu" else "memory"
+        return (f"{name} needs about {need / GIB:.1f} GiB of {where} with weights={weights!r} and {have / GIB:.1f} "
+                f"GiB is free: close other programs, choose a smaller quantization (Q4_K_M) or a smaller model")
+
+
+def judge(need: int, free: int) -> str:
+    """One memory's verdict: TOO_BIG past it, TIGHT within TIGHT_SHARE of it, else FITS."""
+    if need > free:
+        return TOO_BIG
+    return TIGHT if free - need < TIGHT_SHARE * free else FITS
+
+
+def plan_fit(mc, stored_bytes: int, weights: str, memory: DeviceMemory, dtype: str = "auto", source: str = "gguf",
+             stored_dtype: str = "") -> Fit:
+    """The device-aware verdict on loading a model of stored_bytes into `memory` (check_fits refuses on TOO_BIG;
+    the Models page shows it)."""
+    device = memory.device
+    resident = resident_bytes(mc, stored_bytes, weights, device, dtype, source, stored_dtype, packed=memory.packs_gguf)
+    need = resident + margin_for(memory.free_bytes)
+    verdicts = [judge(need, memory.free_bytes)]
+    host_need = 0
+    if memory.on_gpu:
+        host_need = (margin_for(memory.host_free_bytes)
+                     + staging_bytes(mc, stored_bytes, weights, source, memory.packs_gguf))
+        verdicts.append(judge(host_need, memory.host_free_bytes))
+    worst = max(verdicts, key=(FITS, TIGHT, TOO_BIG).index)
+    return Fit(worst, device, need, memory.free_bytes, host_need, memory.host_free_bytes if memory.on_gpu else 0,
+               resident)
 
 
 def available_bytes(device: str) -> int:
+    """Free memory of `device`: the GPU's (torch's CUDA, already started by a load), else the host's RAM."""
     if device.startswith("cuda"):
         import torch
         free, _ = torch.cuda.mem_get_info()
         return free
+    return host_available_bytes()
+
+
+def host_available_bytes() -> int:
     try:                      # Linux: the kernel's own estimate, as psutil reports it, without importing psutil (40-90 ms)
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -188,15 +302,43 @@ def available_bytes(device: str) -> int:
     return psutil.virtual_memory().available
 
 
+def nvml_free() -> int | None:
+    """Free memory of GPU 0 as the NVIDIA driver reports it (pynvml: torch's CUDA is not started); None without one."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def device_memory(device: str = "auto") -> DeviceMemory:
+    """The memory of this machine where a load on `device` would land ("auto": the GPU the driver reports, else
+    the CPU), read without starting CUDA: what the Models page plans with."""
+    host = host_available_bytes()
+    free = nvml_free() if device != "cpu" else None
+    if free is None:
+        if device.startswith("cuda"):
+            raise ModelLoadError(f"device={device!r}: no NVIDIA GPU answers (pynvml); plan for cpu instead")
+        return DeviceMemory("cpu", host, host, True, "available RAM (psutil)")
+    gpu = "cuda" if device == "auto" else device
+    return DeviceMemory(gpu, free, host, packs_gguf(gpu), "free GPU memory (pynvml)")
+
+
 def check_fits(mc, stored_bytes: int, weights: str, device: str, name: str, dtype: str = "auto",
-               source: str = "gguf", stored_dtype: str = "") -> None:
-    have = available_bytes(device)
-    need = load_need(mc, stored_bytes, weights, device, have, dtype, source, stored_dtype)
-    if need > have:
-        where = "GPU memory" if device.startswith("cuda") else "memory"
-        raise ModelLoadError(f"{name} needs about {need / GIB:.1f} GiB of {where} with weights={weights!r} "
-                             f"and {have / GIB:.1f} GiB is free: close other programs, choose a smaller "
-                             f"quantization (Q4_K_M) or a smaller model")
+               source: str = "gguf", stored_dtype: str = "", memory: DeviceMemory | None = None) -> None:
+    """Refuse, before a byte is read, a load whose device or host memory cannot hold it (plan_fit's TOO_BIG).
+    memory: the numbers to plan with (default: this machine's, the GPU's read by the CUDA a load has started)."""
+    if memory is None:
+        free = available_bytes(device)
+        host = free if device == "cpu" else host_available_bytes()
+        memory = DeviceMemory(device, free, host, packs_gguf(device))
+    fit = plan_fit(mc, stored_bytes, weights, memory, dtype, source, stored_dtype)
+    if not fit.fits:
+        raise ModelLoadError(fit.message(name, weights))
 
 
 def trim_heap() -> None:

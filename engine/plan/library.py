@@ -30,6 +30,7 @@ from pathlib import Path
 from kvchat.engine.config import ConfigError
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.families import family
+from kvchat.engine.plan.fit import DeviceMemory, host_available_bytes, packs_gguf, plan_fit
 FIT_FORMATS = ("fp16", "int8", "fp8", "int4")
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 
@@ -48,6 +49,8 @@ class ModelEntry:
     fits: tuple[tuple[str, int | None], ...] = ()    # (format, largest context; None: unbounded)
     error: str = ""                 # why it cannot load (unsupported architecture, damaged file)
     active_parameters: int = 0      # a mixture of experts: the parameters one decoded token reads; 0: dense (all)
+    verdict: str = ""               # fit.FITS, TIGHT or TOO_BIG on the device planned for; "" with an error
+    device: str = ""                # the device `fits` and `verdict` were planned for
 
     @property
     def loadable(self) -> bool:
@@ -185,9 +188,19 @@ def _folder_problem(path: Path) -> str:
     return "" if isinstance(config, dict) else "config.json is not a JSON object"
 
 
-def describe(name: str, path: Path, source: str, memory_bytes: int, device: str = "cpu") -> ModelEntry:
-    """One entry from headers alone; an unreadable or unsupported model gets its reason in `error`."""
+def planned_memory(memory_bytes: int, device: str = "cpu") -> DeviceMemory:
+    """memory_bytes of `device` as a DeviceMemory: on a GPU the host's RAM is read beside it."""
+    if device == "cpu":
+        return DeviceMemory("cpu", memory_bytes, memory_bytes, True, "given")
+    return DeviceMemory(device, memory_bytes, host_available_bytes(), packs_gguf(device), "given")
+
+
+def describe(name: str, path: Path, source: str, memory_bytes: int = 0, device: str = "cpu",
+             memory: DeviceMemory | None = None) -> ModelEntry:
+    """One entry from headers alone; an unreadable or unsupported model gets its reason in `error`. memory: the
+    device and its numbers to plan for (default: memory_bytes of `device`)."""
     from kvchat.engine.plan.estimate import estimate, model_facts_from
+    memory = memory or planned_memory(memory_bytes, device)
     kind = _kind(path)
     problem = _folder_problem(path) if kind == "safetensors" else ""
     if problem:
@@ -197,7 +210,10 @@ def describe(name: str, path: Path, source: str, memory_bytes: int, device: str 
         size = sum(f.stat().st_size for f in path.glob("*.safetensors")) if kind == "safetensors" else \
             path.stat().st_size
         facts = model_facts_from(path, name)
-        e = estimate(facts, 1, formats=FIT_FORMATS, memory_bytes=memory_bytes, memory_source="library", device=device)
+        e = estimate(facts, 1, formats=FIT_FORMATS, memory_bytes=memory.free_bytes, memory_source="library",
+                     device=memory.device, packed=memory.packs_gguf)
+        fit = plan_fit(facts.config, facts.weight_bytes, "auto", memory, source=facts.source,
+                       stored_dtype=facts.weights_label)
     except (ModelLoadError, ConfigError, OSError, ValueError, KeyError) as exc:
         return ModelEntry(name, str(path), source, kind, file_bytes=size, error=str(exc))
     fits = tuple((r.format, r.max_context) for r in e.rows)
@@ -205,16 +221,21 @@ def describe(name: str, path: Path, source: str, memory_bytes: int, device: str 
     arch = family(facts.config.model_type, str(path)).name
     return ModelEntry(name, str(path), source, kind, arch, facts.parameters, facts.weights_label,
                       size, facts.config.max_position_embeddings, fits,
-                      active_parameters=facts.active_parameters if e.experts else 0)
+                      active_parameters=facts.active_parameters if e.experts else 0, verdict=fit.verdict,
+                      device=memory.device)
 
 
 def scan(folders: list[str | Path] = (), memory_bytes: int | None = None, device: str = "cpu",
-         home: Path | None = None) -> list[ModelEntry]:
+         home: Path | None = None, memory: DeviceMemory | None = None) -> list[ModelEntry]:
     """Every model in the user's folders and the peers' places, each file once (the first place found). Each
-    entry fails alone: one that cannot be read is listed with its reason, and the scan goes on."""
-    from kvchat.engine.plan.estimate import available_memory
-    if memory_bytes is None:
-        memory_bytes, _ = available_memory(device)
+    entry fails alone: one that cannot be read is listed with its reason, and the scan goes on. memory: what to
+    plan for (fit.device_memory(): the GPU's numbers with the GPU's arithmetic); else memory_bytes of `device`,
+    read from this machine where not given."""
+    if memory is None:
+        if memory_bytes is None:
+            from kvchat.engine.plan.estimate import available_memory
+            memory_bytes, _ = available_memory(device)
+        memory = planned_memory(memory_bytes, device)
     places = [("Folder", Path(f).expanduser()) for f in folders] + peer_locations(home)
     seen, entries = set(), []
     for source, folder in places:
@@ -230,13 +251,13 @@ def scan(folders: list[str | Path] = (), memory_bytes: int | None = None, device
                 continue
             seen.add(key)
             entries.append(ModelEntry(name, str(path), source, _kind(path), error=error) if error else
-                           _describe_alone(name, path, source, memory_bytes, device))
+                           _describe_alone(name, path, source, memory))
     return entries
 
 
-def _describe_alone(name: str, path: Path, source: str, memory_bytes: int, device: str) -> ModelEntry:
+def _describe_alone(name: str, path: Path, source: str, memory: DeviceMemory) -> ModelEntry:
     try:
-        return describe(name, path, source, memory_bytes, device)
+        return describe(name, path, source, memory=memory)
     except RecursionError:
         why = "it nests too deep to be a model's header"
     except Exception as exc:  # noqa: BLE001 - another app's file can trip any header parser: it fails alone, listed
@@ -260,8 +281,8 @@ def loadable_path(entry: ModelEntry, link_dir: Path | None = None) -> str:
     path = Path(entry.path)
     if entry.kind != "gguf" or path.suffix == ".gguf":
         return str(path)
-    from kvchat.engine.model.source import cache_root
-    link_dir = link_dir or cache_root() / "ollama-links"
+    from kvchat.engine.paths import ollama_links_dir
+    link_dir = link_dir or ollama_links_dir()
     link_dir.mkdir(parents=True, exist_ok=True)
     link = link_dir / (entry.name.replace("/", "_").replace(":", "-") + ".gguf")
     if link.is_symlink() and link.resolve() != path.resolve():

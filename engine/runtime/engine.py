@@ -15,7 +15,7 @@ from kvchat.engine.text.chat_format import chat_format_notice, check_template, s
 from kvchat.engine.text.reply import reply_format
 from kvchat.engine.config import ACTIVATION_MODES, PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from kvchat.engine.kv.layout import MIB, cache_context
-from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.engine.model.source import (Progress, load_state_dict, locate, read_config, remove_conversion_cache,
                                  transformers_reference)
 from kvchat.engine.text.tokenizer_cache import cached_gguf_tokenizer, gguf_tokenizer, load_tokenizer
@@ -34,7 +34,7 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def read_model_config(model: str) -> ModelConfig:
     """The architecture numbers of a model spec, from config.json or the GGUF header (no weights read)."""
     files = locate(model)
-    return ModelConfig.from_gguf(GGUFFile(files.path)) if files.is_gguf else ModelConfig.from_hf(read_config(files.folder))
+    return ModelConfig.from_gguf(GGUFModel(files.path)) if files.is_gguf else ModelConfig.from_hf(read_config(files.folder))
 
 
 def load_transformers_reference(model: str, dtype=torch.float32):
@@ -174,7 +174,7 @@ class Engine:
             if device == "cpu":
                 pool.submit(cpu_quant.available)
             if files.is_gguf:
-                gf = GGUFFile(files.path)
+                gf = GGUFModel(files.path)
                 mc = ModelConfig.from_gguf(gf)
                 context = cache_context(mc, config.cache, dtype_name, device)
                 mc = mc.for_context(context)
@@ -242,9 +242,9 @@ class Engine:
     def warm_store(self):
         """The folder of saved conversation caches (the user cache dir's kv/) and its disk budget."""
         if self._warm_store is None:
-            from kvchat.engine.model.source import cache_root
+            from kvchat.engine.paths import kv_cache_dir
             from kvchat.engine.runtime.warm import WarmStore
-            self._warm_store = WarmStore(cache_root() / "kv", self.config.kv_disk_budget_mb)
+            self._warm_store = WarmStore(kv_cache_dir(), self.config.kv_disk_budget_mb)
         return self._warm_store
 
     def keep_warm(self, session: Session, key: str) -> None:

@@ -27,7 +27,7 @@ from kvchat.kernels import cpu_lib
 from kvchat.engine.config import CacheConfig, EngineConfig, SamplingParams, SpeculativeConfig
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.gguf.blocks import packed_matrix
-from kvchat.engine.gguf.file import GGUFFile
+from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.engine.model.config import ModelConfig, layer_modules
 from kvchat.engine.model.source import locate
 from kvchat.engine.model.spec import rope_cos_sin_numpy
@@ -115,7 +115,7 @@ class Packed:
         return out
 
 
-def _pack(gf: GGUFFile, name: str, heads: int | None) -> Packed:
+def _pack(gf: GGUFModel, name: str, heads: int | None) -> Packed:
     """The file's blocks as the engine packs them (gguf.blocks.packed_matrix), with cpu_quant.Scales' choice of
     scale storage made over numpy (Q4Linear / Q8Linear make it over torch: linears._compact)."""
     m = packed_matrix(gf, name, heads)
@@ -139,7 +139,7 @@ class QuickModel:
     """A GGUF's decoder layers as decode_layers' table over numpy arrays, its embedding and head."""
 
     def __init__(self, path: Path):
-        self.gf = gf = GGUFFile(path)
+        self.gf = gf = GGUFModel(path)
         c = ModelConfig.from_gguf(gf)
         if c.longrope:      # the factors the engine takes for this path's cache, the default (its arithmetic has torch)
             from kvchat.engine.kv.layout import cache_context

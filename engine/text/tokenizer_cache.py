@@ -9,11 +9,12 @@ import threading
 from pathlib import Path
 
 from kvchat.engine.errors import ModelLoadError
-from kvchat.engine.model.source import Progress, SAFE_PRETRAINED, cache_root, private_model_dir
+from kvchat.engine.model.source import Progress, SAFE_PRETRAINED, private_model_dir
+from kvchat.engine.paths import tokenizer_cache_dir
 def gguf_tokenizer_dir(path: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_root() / "tokenizers" / f"{path.stem}-{key}"
+    return tokenizer_cache_dir() / f"{path.stem}-{key}"
 
 
 def cached_gguf_tokenizer(path: Path):

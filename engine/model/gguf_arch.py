@@ -1,11 +1,12 @@
-"""What each GGUF architecture stores beyond the Llama keys, read back into config.json's words.
+"""A GGUF's architecture keys read back into config.json's words: model knowledge, not the container's.
 
 llama.cpp's converter writes a family's settings as `{arch}.*` metadata keys (named by gguf.constants.Keys)
 and derives some of them at load instead of storing them (Gemma's query scale, its window pattern, Gemma 3's
 local RoPE base): `family_config` returns those fields under the names a Hugging Face config.json of the same
 model gives them (transformers' Qwen3Config, Gemma2Config, Gemma3TextConfig, Phi3Config), so that one family
 `describe` reads both sources. The tensor tables name each layer module's llama.cpp tensor
-(gguf.constants.TENSOR_NAMES of the arch's MODEL_TENSORS).
+(gguf.constants.TENSOR_NAMES of the arch's MODEL_TENSORS). engine/gguf/ reads any file; what its keys and tensors
+mean for a model is decided here and in gguf_view.py.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ QWEN3_TENSORS = {
 # these): the router [experts, hidden] (+ bias) and each expert matrix as one 3-D tensor [experts, out, in], as
 # llama.cpp stores them (a Hugging Face checkpoint's per-expert or fused tensors are read into them; their biases
 # [experts, out]). Mixtral's older GGUFs store one 2-D tensor per expert (blk.N.ffn_gate.E.weight): GGUFFile reads
-# those as the same 3-D names (hf_shapes, expert_slices).
+# those as the same 3-D names (GGUFModel.hf_shapes, expert_names).
 EXPERT_TENSORS = {"mlp.router": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
                   "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
 # llama.cpp's per-expert tensor of Mixtral's older GGUFs: ffn_gate.E -> the 3-D module above
