@@ -48,6 +48,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _quantized_kv_kernels_built():
+    """The quantized-KV kernels build in the background on first use (cpu_quant.kv_kernels_ready), and a layout's
+    backend is chosen again once they have: a test comparing two sessions' bits must not see one before and one
+    after. Built (or found cached) once, before any test."""
+    from kvchat.kernels import cpu_quant
+    if cpu_quant.available():
+        cpu_quant.kv_kernels_ready(wait=True)
+
+
 @pytest.fixture(scope="session")
 def default_engine():
     from kvchat.engine import Engine, EngineConfig
@@ -70,13 +80,13 @@ def tiny_engine(tiny_llama):
 
 @pytest.fixture(autouse=True)
 def _collect_on_the_gui_thread(request):
-    """GUI tests collect garbage as the app does, on the GUI thread only (app/gc_guard.py): an earlier test's Qt
+    """GUI tests collect garbage as the app does, on the GUI thread only (app/shell/gc_guard.py): an earlier test's Qt
     objects collected on an engine thread can deadlock against the GUI thread. Earlier garbage goes now."""
     if "qtbot" not in request.fixturenames:
         yield
         return
     import gc
-    from kvchat.app.gc_guard import GuiThreadCollector
+    from kvchat.app.shell.gc_guard import GuiThreadCollector
     request.getfixturevalue("qapp")
     gc.collect()
     collector = GuiThreadCollector()

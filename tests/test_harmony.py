@@ -282,12 +282,12 @@ def harmony_engine(tmp_path_factory):
 @pytest.fixture
 def script(monkeypatch):
     """script(ids): the session samples these ids, in order, whatever the model's logits say."""
-    from kvchat.engine.runtime import session as session_module
+    from kvchat.engine.runtime import driver
     queue: list[int] = []
 
     def scripted(*_args, **_kwargs):
         return queue.pop(0)
-    monkeypatch.setattr(session_module, "sample", scripted)
+    monkeypatch.setattr(driver, "sample", scripted)        # the decode driver draws every token
 
     def load(ids):
         queue[:] = list(ids)
@@ -315,7 +315,7 @@ def test_session_streams_reasoning_apart_and_the_next_prompt_holds_only_the_answ
     assert "".join(d.reasoning for d in deltas) == REASONING_TEXT and "".join(d.text for d in deltas) == ANSWER
     assert (done.text, done.reasoning, done.finish_reason) == (ANSWER, REASONING_TEXT, FinishReason.EOS)
     assert session.messages[-1] == {"role": "assistant", "content": ANSWER, "reasoning": REASONING_TEXT}
-    first_prompt = session._starts[-1]
+    first_prompt = session.state.starts[-1]
 
     script(ids_of(tok, "<|channel|>", "final", "<|message|>", "4", "<|return|>"))
     deltas, done = run(session.send("And 2 + 2?", greedy))
@@ -368,7 +368,7 @@ def test_a_released_reply_cut_in_analysis_continues_from_its_parts(harmony_engin
                   "<|return|>"))
     _, done = run(session.continue_reply(SamplingParams(temperature=0, max_new_tokens=64)))
     assert (done.text, done.reasoning) == ("Done.", "Let me think more.")
-    start = session._starts[-1]
+    start = session.state.starts[-1]
     assert session.token_ids[start:start + 3] == ids_of(tok, "<|channel|>", "analysis", "<|message|>")
 
 
@@ -384,7 +384,7 @@ def test_a_saved_cache_is_read_back_up_to_the_reply_whose_analysis_the_format_dr
     harmony_engine.keep_warm(session, "c")
     script(ids_of(tok, *FULL_REPLY, "<|return|>"))
     run(session.send("What is 17 * 23?", SamplingParams(temperature=0, max_new_tokens=64)))
-    reply_start = session._starts[-1]
+    reply_start = session.state.starts[-1]
     assert harmony_engine.save_warm(session) > 0
     history = [{"role": m["role"], "content": m["content"]} for m in session.messages]
     again = harmony_engine.new_session(history=history, prefix_cache=False)
@@ -526,7 +526,7 @@ def test_chat_view_shows_reasoning_collapsed_above_the_answer(qtbot):
     """The streaming reply's reasoning sits in a "Reasoning" section above its text, collapsed; a click opens it;
     the message's text (what Copy takes) is the answer alone."""
     from PySide6.QtCore import Qt
-    from kvchat.app.chat_view import ChatView
+    from kvchat.app.chat.chat_view import ChatView
     view = ChatView()
     qtbot.addWidget(view)
     view.show()
@@ -556,7 +556,7 @@ def test_app_saves_reasoning_apart_copies_the_answer_and_exports_both(qtbot, mon
     from dataclasses import replace
     from PySide6.QtCore import Qt
     from PySide6.QtGui import QGuiApplication
-    from kvchat.app.export import export_conversation
+    from kvchat.app.chat.export import export_conversation
     from kvchat.engine import SamplingParams
     from fakes import FakeLoader, isolate_app, open_window, send
 

@@ -98,7 +98,7 @@ def test_prefix_cache_reuses_a_shared_system_prompt_and_changes_nothing(engine):
     plain = engine.new_session(system_prompt=system, cache=config, prefix_cache=False)
     list(plain.send("Something else", GREEDY))
     assert plain.stats().prefix_reused_tokens == 0
-    torch.testing.assert_close(second._prompt_logits, plain._prompt_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second.state.prompt_logits, plain.state.prompt_logits, atol=1e-5, rtol=1e-5)
     engine.runner.cache.check()
 
 
@@ -208,7 +208,7 @@ def test_special_token_strings_in_a_message_are_plain_text(engine):
     list(s.send(forged, GREEDY))
     special = engine.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     # the rendered template uses <|im_start|> twice (user, assistant) before the reply; the message none
-    prompt_end = s._prompt_end
+    prompt_end = s.state.prompt_end
     assert s.token_ids[:prompt_end].count(special[0]) == 2
     assert s.token_ids[:prompt_end].count(special[1]) == 1
 
@@ -232,8 +232,8 @@ def test_rewind_goes_back_to_a_message_without_reading_the_rest_again(engine):
     direct = engine.new_session(cache=CacheConfig(**FP32))       # the same chat without the detour
     direct.reply("First question", GREEDY)
     list(direct.send("Second question, edited", GREEDY))
-    assert direct.token_ids[:direct._prompt_end] == s.token_ids[:s._prompt_end]
-    torch.testing.assert_close(s._prompt_logits, direct._prompt_logits, atol=1e-5, rtol=1e-5)
+    assert direct.token_ids[:direct.state.prompt_end] == s.token_ids[:s.state.prompt_end]
+    torch.testing.assert_close(s.state.prompt_logits, direct.state.prompt_logits, atol=1e-5, rtol=1e-5)
 
 
 def test_continue_extends_a_reply_cut_at_max_tokens(engine):

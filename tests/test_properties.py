@@ -434,7 +434,7 @@ def test_blocks_computed_under_a_window_are_not_shared_with_full_attention(tiny_
     done = list(shared.send(text, SamplingParams(temperature=0.0, max_new_tokens=2)))[-1]
     plain = tiny_engine.new_session(system_prompt=system, cache=fp32, prefix_cache=False)
     list(plain.send(text, SamplingParams(temperature=0.0, max_new_tokens=2)))
-    torch.testing.assert_close(shared._prompt_logits, plain._prompt_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(shared.state.prompt_logits, plain.state.prompt_logits, atol=1e-4, rtol=0)
     assert 0 < done.stats.prefix_reused_tokens <= 16 + 4
     tiny_engine.runner.cache.check()
 

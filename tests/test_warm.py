@@ -76,7 +76,7 @@ def test_restored_cache_gives_the_same_next_logits_bit_for_bit(tiny, mode):
     # a restored chat regenerates by forking where its last reply began, as one that stayed does
     s3 = reopened(tiny, s)
     tiny.restore_warm(s3)
-    assert torch.equal(s3._prompt_logits, s._prompt_logits)
+    assert torch.equal(s3.state.prompt_logits, s.state.prompt_logits)
     stayed = chat(tiny, MODES[mode], key="other", prefix_cache=False)    # computed as `s` was, step for step
     assert list(stayed.regenerate(G))[-1].text == list(s3.regenerate(G))[-1].text
     if MODES[mode].window is None:      # a window that slid reads the prompt again (prefix hits may differ)
@@ -308,7 +308,7 @@ def test_a_gpu_pools_released_conversation_goes_to_host_memory_and_back(tiny_lla
     from kvchat.engine.kv.tier import PreemptTier
     tiny = Engine.load(EngineConfig(model=tiny_llama))
     tiny._warm_store = WarmStore(tmp_path / "kv")
-    tiny.runner.host_tier = PreemptTier(64, "host")
+    tiny.runner.cache.host_tier = PreemptTier(64, "host")
     budget = tiny.runner.budget_bytes
     a, want, small = released_chat(tiny, MODES[mode])
     try:

@@ -1,8 +1,15 @@
-"""What a session does when the KV budget or the model's context runs out: refuse up front what cannot fit
-(overflow="stop"), slide into a window (overflow="slide"), and say in the user's words what to change."""
+"""How a session's tokens go into its cache, and what it does when the KV budget or the model's context runs out:
+read in prefill chunks, refuse up front what cannot fit (overflow="stop"), slide into a window mid-read
+(overflow="slide"), and say in the user's words what to change."""
 from __future__ import annotations
 
+from typing import Callable, Generator
+
+import torch
+
+from kvchat.engine.events import PrefillProgress
 from kvchat.engine.kv.layout import WindowGeometry, window_peak_bytes
+from kvchat.engine.kv.manager import NoFreeBlocks
 from kvchat.engine.units import MIB
 
 
@@ -10,14 +17,54 @@ class BudgetFull(RuntimeError):
     """The next tokens do not fit in the KV budget; the message says what to do."""
 
 
+class Stopped(Exception):
+    """The user stopped the turn while its prompt was being read."""
+
+
+def feed(session, ids: list[int], all_logits: bool) -> torch.Tensor:
+    """Run ids through the model in chunks; each chunk joins the cache or, on any error, leaves it untouched."""
+    reading = read(session, ids, all_logits)
+    while True:
+        try:
+            next(reading)
+        except StopIteration as done:
+            return done.value
+
+
+def read(session, ids: list[int], all_logits: bool,
+         should_stop: Callable[[], bool] | None = None) -> Generator[PrefillProgress, None, torch.Tensor]:
+    """feed for a turn's prompt: after each chunk of a prompt longer than one it says how far it got, so a long paste
+    shows progress instead of seconds of nothing; returns the logits as feed does ([T, vocab] or the last [1, vocab]).
+    A full budget slides into a window where the overflow policy says so, else raises BudgetFull."""
+    outs = []
+    i = 0
+    while i < len(ids):
+        if should_stop is not None and i and should_stop():
+            raise Stopped()
+        part = ids[i:i + WindowGeometry.of(session.cache_config).prefill_chunk()]
+        try:
+            (logits,) = session.runner.step([(session.state.seq, part)], all_logits=all_logits)
+        except NoFreeBlocks:
+            c = session.cache_config
+            if c.overflow == "slide" and c.window is None:
+                slide_to_fit(session)
+                continue
+            raise BudgetFull(budget_message(session, len(ids) - i)) from None
+        i += len(part)
+        outs.append(logits)
+        if len(outs) > 1 or i < len(ids):      # a prompt of more than one chunk
+            yield PrefillProgress(i, len(ids))
+    return torch.cat(outs) if all_logits else outs[-1]
+
+
 def fits(session, num_new: int) -> bool:
     """Could num_new more tokens fit, counting what releasing idle conversations would free?"""
-    seq = session.seq
+    seq = session.state.seq
     return session.runner.bytes_needed(seq, num_new) <= session.runner.room_bytes({seq.seq_id})
 
 
 def cache_words(session) -> str:
-    return session.cache_config.label().replace("auto", session.seq.layout.full_dtype)
+    return session.cache_config.label().replace("auto", session.state.seq.layout.full_dtype)
 
 
 def budget_message(session, num_new: int) -> str:
@@ -32,11 +79,11 @@ def budget_message(session, num_new: int) -> str:
     advice = ["switch to a sliding window"]
     if smaller:
         advice.append(f"choose a smaller format ({smaller})")
-    if session.seq.num_tokens:
+    if session.state.seq.num_tokens:
         advice.insert(0, "reset the session")
     else:                   # nothing held: the message alone is too big
         advice.insert(0, "shorten the message")
-    return (f"The KV budget ({budget:g} MiB, {cache_words(session)}) is full: {session.seq.tokens_held:,} tokens "
+    return (f"The KV budget ({budget:g} MiB, {cache_words(session)}) is full: {session.state.seq.tokens_held:,} tokens "
             f"are held and {num_new:,} more were needed, but only {session.tokens_left():,} fit. To go on: "
             f"{', '.join(advice)}, or raise the budget in Settings.")
 
@@ -44,7 +91,7 @@ def budget_message(session, num_new: int) -> str:
 def slide_to_fit(session) -> None:
     c = session.cache_config
     # the window and one prompt chunk in flight share what the budget holds beside the sink blocks
-    seq = session.seq
+    seq = session.state.seq
     # a hybrid model's windowed groups keep their peak beside it; the first group's blocks share the rest
     others = sum(window_peak_bytes(m.layout, m.geometry) for m in seq.groups[1:])
     budget_blocks = seq.layout.budget_blocks(session.runner.budget_bytes - others)
@@ -53,7 +100,8 @@ def slide_to_fit(session) -> None:
         raise BudgetFull(f"The KV budget ({session.runner.budget_bytes / MIB:g} MiB) is too small even for "
                          f"a sliding window: raise it.")
     session.set_cache(c.with_(window=window))
-    session.notice = f"The budget filled: the cache now slides, keeping the newest {window} tokens and {c.sinks} sinks."
+    session.state.notice = (f"The budget filled: the cache now slides, keeping the newest {window} tokens and "
+                            f"{c.sinks} sinks.")
 
 
 def check_whole_fits(session, num_new: int) -> None:
@@ -63,18 +111,24 @@ def check_whole_fits(session, num_new: int) -> None:
         raise BudgetFull(budget_message(session, num_new))
 
 
+def context_limit(session) -> int | None:
+    """The positions the model's context has for this conversation; None under a window, which re-positions."""
+    return session.info.max_context if session.cache_config.window is None else None
+
+
 def past_context(session, num_new: int) -> bool:
     """Would num_new more tokens pass the model's context? A window re-positions, so it never does."""
-    return session.cache_config.window is None and session.seq.num_tokens + num_new > session.info.max_context
+    limit = context_limit(session)
+    return limit is not None and session.state.num_cached + num_new > limit
 
 
 def context_message(session, num_new: int) -> str:
     limit = session.info.max_context
-    if not session.seq.num_tokens:
+    if not session.state.seq.num_tokens:
         advice = "shorten the message, or set a sliding window in Settings (a window bounds the cache)"
     elif session.cache_config.overflow == "slide":
         advice = "shorten the message, or set a window in Settings (the window then bounds the cache)"
     else:
         advice = "switch the cache to a sliding window with sinks in Settings to keep going, or start a new chat"
     return (f"The conversation would pass {session.info.name}'s context of {limit:,} tokens "
-            f"({session.seq.num_tokens:,} held, {num_new:,} more needed): {advice}.")
+            f"({session.state.seq.num_tokens:,} held, {num_new:,} more needed): {advice}.")

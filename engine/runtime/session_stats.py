@@ -1,5 +1,6 @@
 """What a session reports after a step: its StatsSnapshot, its share of the engine's KV pool, and the
-forecast of the tokens that still fit. Every byte count comes from what the runner holds."""
+forecast of the tokens that still fit. Every byte count comes from what the runner holds; the conversation's own
+counts from its SessionState (engine/runtime/session_state.py)."""
 from __future__ import annotations
 
 import time
@@ -23,7 +24,7 @@ class CacheSwitch:
 def tokens_left(session) -> int | None:
     """More tokens that fit in the budget in this mode (idle conversations released); None when a window bounds
     the cache instead (any length fits)."""
-    seq = session.seq
+    seq = session.state.seq
     if seq.geometry.window is not None:     # the group that keeps the most is windowed: every group is bounded
         return None
     layout = seq.layout
@@ -39,7 +40,7 @@ def tokens_left(session) -> int | None:
 
 def pool_stats(session) -> PoolStats:
     v = session.runner.pool_view()
-    mine = {session.seq.seq_id}            # a conversation by its first group (KVCacheManager.view)
+    mine = {session.state.seq.seq_id}            # a conversation by its first group (KVCacheManager.view)
     return PoolStats(
         budget_bytes=v.budget_bytes, held_bytes=v.held_bytes, free_bytes=v.free_bytes,
         evictable_blocks=v.evictable_blocks, evictable_bytes=v.evictable_bytes, shared_blocks=v.shared_blocks,
@@ -57,7 +58,7 @@ def _in_host(runner) -> tuple:
         return ()
     from kvchat.engine.runtime.warm import host_key
     return tuple((s.warm[1], tier.bytes_of(host_key(s))) for s in list(runner.warm_sessions)
-                 if s.tier == "host" and s.warm is not None)
+                 if s.state.tier == "host" and s.warm is not None)
 
 
 def _saved(session) -> dict:
@@ -73,7 +74,8 @@ def _saved(session) -> dict:
 
 
 def snapshot(session) -> StatsSnapshot:
-    seq = session.seq
+    state = session.state
+    seq = state.seq
     c = session.cache_config
     layout = seq.layout
     runner = session.runner
@@ -81,7 +83,7 @@ def snapshot(session) -> StatsSnapshot:
     caps = layer_window_bytes(runner.config, c, runner.dtype_name, str(runner.device))
     layers = tuple(LayerBytes(i, k, v, kf.label, vf.label, windows[i], caps[i])
                    for i, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), runner.layer_formats(seq))))
-    t = session.turn_times
+    t = state.turn_times
     budget = session.runner.budget_bytes
     free = session.runner.free_bytes()
     return StatsSnapshot(
@@ -94,7 +96,7 @@ def snapshot(session) -> StatsSnapshot:
         blocks_used=sum(len(m.block_table) for m in seq.members),
         blocks_free=max(0, free // layout.block_bytes),
         blocks_budget=layout.budget_blocks(budget),
-        tokens_in_context=len(session.token_ids),
+        tokens_in_context=len(state.token_ids),
         tokens_held=seq.tokens_held,
         tokens_evicted=seq.num_tokens - seq.tokens_held,
         tokens_left=tokens_left(session),
@@ -110,7 +112,7 @@ def snapshot(session) -> StatsSnapshot:
         full_precision_bytes_per_token=runner.layout(c).full_precision_bytes_per_token,   # every layer (all groups)
         prefix_reused_tokens=t.reused,
         pool=pool_stats(session),
-        notice=session.notice,
+        notice=state.notice,
         spec=t.spec,
         experts=runner.model.expert_counts(),
     )

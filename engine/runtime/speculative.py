@@ -13,6 +13,8 @@ the number of drafts is chosen from what a row costs and how often drafts are ac
 - Verification (ModelRunner.step with a decode item of several tokens): each row runs as plain decoding would
   run it, so greedy output is plain decoding's, token for token; ModelRunner.draft_room keeps the drafts where
   taking them back is exact (no quantized block ever holds a rejected token, no window moves for one).
+- The round trip (propose, verify, accept, take back) is the decode driver's (engine/runtime/driver.py), the same
+  for a session and for a served request.
 - Acceptance (accept). Both proposers propose one token per position (a point mass q), so the standard rule
   (Leviathan et al. 2023, Chen et al. 2023) is: accept draft d with probability p(d), where p is what the sampler
   would draw from; at the first rejection draw from p with d removed (the residual max(0, p - q), normalised);
@@ -21,7 +23,6 @@ the number of drafts is chosen from what a row costs and how often drafts are ac
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -268,38 +269,6 @@ class Speculator:
                 self._shadow = (len(ids) - 1, drafts[0])
             return []
         return drafts
-
-    def verify(self, session, next_id: int, params: SamplingParams, generator, room: int,
-               generated: Sequence[int]) -> list[int] | None:
-        """One verification step after next_id (the conversation's last token, not in the cache yet; the last of
-        `generated`, the reply so far): returns the tokens chosen (the accepted drafts, in the cache now, then the
-        token after them), or None when nothing was proposed or the budget cannot take the drafts (nothing changed:
-        a plain step follows)."""
-        entered = time.perf_counter()
-        try:
-            return self._verify(session, next_id, params, generator, room, generated)
-        finally:
-            self.steps_s += time.perf_counter() - entered     # a proposal that came to nothing took time too
-
-    def _verify(self, session, next_id: int, params: SamplingParams, generator, room: int,
-                generated: Sequence[int]) -> list[int] | None:
-        runner, seq = session.runner, session.seq
-        if isinstance(self.proposer, DraftProposer):
-            self.proposer.protect = frozenset(m.seq_id for m in seq.members)
-        drafts = self.propose(session.token_ids, runner.draft_room(seq, min(room, self.config.k)))
-        if not drafts:
-            return None
-        started = time.perf_counter()
-        try:
-            (rows,) = runner.step([(seq, [next_id] + drafts)], decode=[True])
-        except NoFreeBlocks:
-            return None
-        self.costs.verified(1 + len(drafts), time.perf_counter() - started)
-        taken, after = accept(rows.cpu(), drafts, params, session.token_ids, generator, generated)
-        if taken < len(drafts):
-            runner.truncate(seq, len(drafts) - taken)
-        self.record(len(drafts), taken)
-        return drafts[:taken] + [after]
 
     def record(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         """One decode step: `drafted` verified, `accepted` kept (0, 0 for a plain step taking `seconds`)."""

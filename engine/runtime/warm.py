@@ -4,6 +4,8 @@
 session's cache (engine/kv/saved.py: its blocks as stored, its token ids, the identity of the model file, the
 layout, the format version); `restore` reads it back into an empty session whose messages are the same
 conversation, or raises CacheFileError saying why not (the caller reads the text again, losing nothing).
+`offload` and `sync` are the second tier: a conversation the budget releases keeps its cache in host memory or its
+file, and reads it back on its next turn. All of them write the session's SessionState, never its private fields.
 """
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ import torch
 from kvchat.engine.kv import saved
 from kvchat.engine.kv.layout import MIB
 from kvchat.engine.config import ConfigError
-from kvchat.engine.kv.saved import CacheFileError
+from kvchat.engine.kv.saved import CacheFileError, NoSavedCache
 from kvchat.engine.text.chat_format import held_prefix
 
-__all__ = ["CacheFileError", "Restored", "WarmStore", "model_identity", "restore", "save"]
+__all__ = ["CacheFileError", "NoSavedCache", "Restored", "WarmStore", "model_identity", "restore", "save"]
 
 DEFAULT_DISK_BUDGET_MB = 2048
 RELEASED_NOTICE = "This conversation's cache was released to make room for another; its history is read again."
@@ -67,16 +69,16 @@ class Restored:
 def save(session, path: Path, identity: dict) -> int:
     """The session's cache into `path` (atomically); returns the file's bytes, 0 when it holds nothing (a file saved
     before stays: a chat released to it, or reopened and not yet restored, holds nothing in the pool)."""
-    runner, seq = session.runner, session.seq
+    runner, state = session.runner, session.state
     with runner.lock:
-        if not seq.num_tokens:
+        if not state.num_cached:
             return 0
-        groups, tensors = runner.export_kv(seq)
-        tensors["token_ids"] = torch.tensor(session.token_ids, dtype=torch.int64)
-        if session._prompt_logits is not None:
-            tensors["prompt_logits"] = session._prompt_logits.detach().float().cpu().reshape(-1).contiguous()
-        meta = {"model": identity, "groups": groups, "prompt_end": session._prompt_end,
-                "starts": list(session._starts), "messages": len(session.messages),
+        groups, tensors = runner.export_kv(state.seq)
+        tensors["token_ids"] = torch.tensor(state.token_ids, dtype=torch.int64)
+        if state.prompt_logits is not None:
+            tensors["prompt_logits"] = state.prompt_logits.detach().float().cpu().reshape(-1).contiguous()
+        meta = {"model": identity, "groups": groups, "prompt_end": state.prompt_end,
+                "starts": list(state.starts), "messages": len(session.messages),
                 "cache": session.cache_config.label()}
     return saved.write(path, meta, tensors)
 
@@ -85,8 +87,8 @@ def restore(session, path: Path, identity: dict) -> Restored:
     """Read a saved cache into `session` (holding nothing, its messages the saved conversation's or more);
     CacheFileError says why it cannot be, and leaves the session as it was."""
     started = time.perf_counter()
-    runner = session.runner
-    if session.seq.num_tokens or session.token_ids:
+    runner, state = session.runner, session.state
+    if state.num_cached or state.token_ids:
         raise CacheFileError("the conversation already holds a cache")
     meta, tensors = saved.read(path, runner.budget_bytes + _READ_SLACK)
     saved_with = meta.get("model")
@@ -119,22 +121,22 @@ def restore(session, path: Path, identity: dict) -> Restored:
         starts = None
     reply_start = starts[-1] if starts and session.messages[-1]["role"] == "assistant" else None
     kept = _check_text(session, ids, held, reply_start)
-    runner.import_kv(session.seq, groups, tensors, extra={"token_ids", "prompt_logits"})
+    runner.import_kv(state.seq, groups, tensors, extra={"token_ids", "prompt_logits"})
     if kept < held:         # the format writes the last reply otherwise (Harmony drops its analysis): cut back to it
         try:
-            runner.truncate(session.seq, held - kept)
+            runner.truncate(state.seq, held - kept)
         except ConfigError:
-            runner.free(session.seq)
+            runner.free(state.seq)
             raise CacheFileError("the saved cache cannot be cut back to where the last reply began") from None
         ids, held = ids[:kept], kept
-    session.token_ids = ids
+    state.token_ids = ids
     end = meta.get("prompt_end")
-    session._prompt_end = end if isinstance(end, int) and 0 <= end <= len(ids) else len(ids)
+    state.prompt_end = end if isinstance(end, int) and 0 <= end <= len(ids) else len(ids)
     if starts is not None:
-        session._starts = list(starts)
+        state.starts = list(starts)
     # the logits a regenerate starts from, where the conversation is exactly as saved (its last reply included)
     same = meta.get("messages") == len(session.messages) and logits is not None
-    session._prompt_logits = logits.to(runner.device) if same else None
+    state.prompt_logits = logits.to(runner.device) if same else None
     return Restored(held, time.perf_counter() - started, Path(path).stat().st_size)
 
 
@@ -144,31 +146,62 @@ def _check_text(session, ids: list[int], cached: int, reply_start: int | None = 
     than the model did: chat_format.held_prefix)."""
     if not session.messages:          # tokens fed through append: they are the conversation
         return cached
-    rendered, _ = session._encode_conversation(session.messages)
+    rendered, _ = session.encode_conversation(session.messages)
     held = held_prefix(session.tokenizer, rendered, ids, cached, reply_start)
     if held is None:
         raise CacheFileError("the conversation changed since its cache was saved")
     return min(held[0], cached)
 
 
-def read_back(session, ids: list[int], prompt_end: int, starts: list, logits) -> str:
-    """The second tier: a conversation the budget released to its saved file (Session.offload) reads it back on
-    its next turn; returns the notice for the user. Anything but the same tokens leaves it empty (read again)."""
+def sync(session) -> None:
+    """A conversation whose cache was released for another holds nothing: its saved cache is read back where it has
+    one (host memory or its file: the second tier), else its tokens are read again on this turn (the notice says
+    which)."""
+    state = session.state
+    state.seq.released = False
+    ids, kept = list(state.token_ids), state.kept_turn()
+    state.token_ids.clear()
+    state.forget_prompt()
+    if state.tier == "host":
+        state.notice = _from_host(session, ids, kept)
+    elif session.warm is not None and state.tier == "disk":
+        state.notice = _read_back(session, ids, kept)
+    else:
+        state.notice = RELEASED_NOTICE
+
+
+def offload(session) -> bool:
+    """The budget is releasing this idle conversation: its cache goes to the second tier first, host memory when the
+    pool is on a GPU (runner.host_tier), else (or when that is full) its saved file. True when it was kept."""
+    state = session.state
+    if _to_host(session):
+        state.tier = "host"
+        return True
     store, key, identity = session.warm
+    kept = store.save(session, key, identity) > 0
+    state.tier = "disk" if kept else "none"
+    return kept
+
+
+def _read_back(session, ids: list[int], kept: tuple) -> str:
+    """A conversation the budget released to its saved file reads it back; returns the notice for the user.
+    Anything but the same tokens leaves it empty (read again)."""
+    store, key, identity = session.warm
+    state = session.state
     try:
         got = store.restore(session, key, identity)
     except CacheFileError as exc:
-        session.tier = "none"
+        state.tier = "none"
         return (f"This conversation's cache was released to make room for another and could not be read back "
                 f"({exc}); its history is read again.")
-    if session.token_ids != ids:           # saved before its last turn: not what the chat holds now
-        session.runner.free(session.seq)
-        session.token_ids.clear()
-        session._prompt_logits = None
-        session.tier = "none"
+    if state.token_ids != ids:           # saved before its last turn: not what the chat holds now
+        session.runner.free(state.seq)
+        state.token_ids.clear()
+        state.forget_prompt()
+        state.tier = "none"
         return RELEASED_NOTICE
-    session.tier = "pool"
-    session._prompt_end, session._starts, session._prompt_logits = prompt_end, starts, logits
+    state.tier = "pool"
+    state.resume_turn(*kept)
     return (f"This conversation's cache was read back from disk ({got.tokens:,} tokens, {got.seconds:.1f} s) "
             f"after it was released to make room for another.")
 
@@ -177,35 +210,36 @@ def host_key(session) -> str:
     return f"conversation-{id(session)}"
 
 
-def to_host(session) -> bool:
+def _to_host(session) -> bool:
     """The second tier of a GPU pool: a released conversation's cache exported as stored into pinned host memory
     (runner.host_tier, within its budget). False where there is no such tier, or no room in it."""
-    tier = session.runner.host_tier
-    if tier is None or not session.seq.num_tokens:
+    tier, seq = session.runner.host_tier, session.state.seq
+    if tier is None or not seq.num_tokens:
         return False
-    groups, tensors = session.runner.export_kv(session.seq)
-    return tier.put(host_key(session), groups, tensors, session.seq.num_tokens)
+    groups, tensors = session.runner.export_kv(seq)
+    return tier.put(host_key(session), groups, tensors, seq.num_tokens)
 
 
-def from_host(session, ids: list[int], prompt_end: int, starts: list, logits) -> str:
-    """A conversation released to host memory (to_host) reads its cache back on its next turn; returns the notice.
-    A copy that cannot come back (no room in the pool now) leaves it empty: its history is read again."""
+def _from_host(session, ids: list[int], kept: tuple) -> str:
+    """A conversation released to host memory reads its cache back; returns the notice. A copy that cannot come back
+    (no room in the pool now) leaves it empty: its history is read again."""
     t0 = time.perf_counter()
-    kept = session.runner.host_tier.take(host_key(session))
-    session.tier = "none"
-    if kept is None:
+    state = session.state
+    copy = session.runner.host_tier.take(host_key(session))
+    state.tier = "none"
+    if copy is None:
         return RELEASED_NOTICE
-    tokens, groups, tensors = kept
+    tokens, groups, tensors = copy
     if tokens > len(ids):
         return RELEASED_NOTICE
     try:
-        session.runner.import_kv(session.seq, groups, tensors)
+        session.runner.import_kv(state.seq, groups, tensors)
     except CacheFileError as exc:
         return (f"This conversation's cache was released to make room for another and could not be read back from "
                 f"host memory ({exc}); its history is read again.")
-    session.token_ids[:] = ids
-    session.tier = "pool"
-    session._prompt_end, session._starts, session._prompt_logits = prompt_end, starts, logits
+    state.token_ids[:] = ids
+    state.tier = "pool"
+    state.resume_turn(*kept)
     return (f"This conversation's cache was read back from host memory ({tokens:,} tokens, "
             f"{time.perf_counter() - t0:.2f} s) after it was released to make room for another.")
 

@@ -24,8 +24,8 @@ import torch
 
 from kvchat.engine.config import CacheConfig, SamplingParams
 from kvchat.engine.events import FinishReason
-from kvchat.engine.runtime.sampling import RECENT, NonFiniteLogits, sample
-from kvchat.engine.runtime.speculative import accept
+from kvchat.engine.runtime.driver import Decoder, may_speculate, past_context
+from kvchat.engine.runtime.sampling import NonFiniteLogits
 from kvchat.engine.kv.saved import CacheFileError
 from kvchat.engine.serve import batch
 from kvchat.engine.kv.tier import DEFAULT_TIER_MB, PreemptTier
@@ -77,8 +77,7 @@ class Request:
     num_computed: int = 0                           # tokens of all_ids the cache holds
     num_preemptions: int = 0
     first_token_s: float | None = None
-    generator: torch.Generator | None = None
-    spec: object | None = None                      # its speculation (engine/runtime/speculative.py), or None
+    decoder: Decoder | None = None                  # its sampling, finish rules, speculation (engine/runtime/driver.py)
 
     @property
     def all_ids(self) -> list[int]:
@@ -196,8 +195,9 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items], decode)
-                if len(items) == 1 and decode[0] and items[0][0].spec is not None:    # one sequence alone: its costs
-                    costs, rows = items[0][0].spec.costs, len(items[0][1])
+                spec = items[0][0].decoder.spec
+                if len(items) == 1 and decode[0] and spec is not None:    # one sequence alone: its costs
+                    costs, rows = spec.costs, len(items[0][1])
                     seconds = time.perf_counter() - started
                     costs.plain(seconds) if rows == 1 else costs.verified(rows, seconds)
             except Exception as exc:  # noqa: BLE001 - one bad step ends its requests, not the server
@@ -240,17 +240,16 @@ class Scheduler:
             self.running.append(request)
 
     def _open(self, request: Request) -> None:
-        if request.generator is None and request.params.temperature > 0:
-            seed = request.params.seed if request.params.seed is not None else time.time_ns() % 2**63
-            request.generator = torch.Generator(device="cpu").manual_seed(seed)
+        if request.decoder is None:         # its generator lives through preemption: the draws go on where they stopped
+            request.decoder = Decoder(request.params, self._stop_ids, ignore_eos=request.ignore_eos)
         request.handle = batch.new_sequence(self.engine, self.config.cache)
         request.num_computed = self._resume(request)
         if not request.num_computed:
             request.num_computed = batch.match_prefix(self.engine, request.handle, request.all_ids)
-        if request.spec is not None:         # preempted: its draft's cache went with its own
-            request.spec.close()
-        seeded = request.params.seed is not None and request.params.temperature > 0   # must repeat: see Session._decode
-        request.spec = None if seeded else batch.speculator(self.engine, self.config.cache)
+        decoder = request.decoder
+        if decoder.spec is not None:         # preempted: its draft's cache went with its own
+            decoder.spec.close()
+        decoder.spec = batch.speculator(self.engine, self.config.cache) if may_speculate(request.params) else None
         request.status = RUNNING
 
     def _resume(self, request: Request) -> int:
@@ -337,35 +336,31 @@ class Scheduler:
     def _drafts(self, request: Request, decoding: int) -> list[int]:
         """Speculative decoding's guesses after a decoding request's last token (which the step feeds), within what it
         may still generate, its context and what can be taken back exactly."""
-        spec = request.spec
-        if spec is None:
+        decoder = request.decoder
+        if decoder.spec is None:
             return []
         room = min(request.params.max_new_tokens - len(request.output_ids) - 1,
                    self._max_context - len(request.all_ids) - 1)
-        if hasattr(spec.proposer, "protect"):     # a draft model's steps must not release a running request for room
-            spec.proposer.protect = batch.sequence_ids([r.handle for r in self.running if r.handle is not None])
-        return spec.propose(request.all_ids, batch.draft_room(self.engine, request.handle, min(room, spec.config.k)),
-                            decoding)
+        running = batch.sequence_ids([r.handle for r in self.running if r.handle is not None])
+        return decoder.drafts(request.all_ids, batch.draft_room(self.engine, request.handle, decoder.draft_limit(room)),
+                              decoding, protect=running)
 
     def _verified(self, request: Request, drafts: list[int], rows: torch.Tensor) -> None:
         """After a verification step: the accepted drafts stay (the rest are taken back) and go out with the token after
         them, each as a sampled token would."""
-        taken, after = accept(rows.float().cpu(), drafts, request.params, request.all_ids, request.generator,
-                              request.output_ids)
-        batch.truncate(self.engine, request.handle, len(drafts) - taken)
-        request.num_computed -= len(drafts) - taken
-        request.spec.record(len(drafts), taken)
+        chosen, rejected = request.decoder.verified(rows, drafts, request.all_ids, request.output_ids)
+        batch.truncate(self.engine, request.handle, rejected)
+        request.num_computed -= rejected
         if self.metrics:
-            self.metrics.speculated(len(drafts), taken)
-        for token in drafts[:taken] + [after]:
+            self.metrics.speculated(len(drafts), len(drafts) - rejected)
+        for token in chosen:
             if not self._take(request, token):
                 return
 
     def _sample(self, request: Request, logits: torch.Tensor) -> None:
-        token = sample(logits.float().cpu(), request.params, request.all_ids[-RECENT:], request.generator,
-                       request.output_ids)
-        if request.spec is not None and request.output_ids:
-            request.spec.record(0, 0)
+        token = request.decoder.sample(logits, request.all_ids, request.output_ids)
+        if request.output_ids:
+            request.decoder.plain_step()
         self._take(request, token)
 
     def _take(self, request: Request, token: int) -> bool:
@@ -374,16 +369,17 @@ class Scheduler:
             request.first_token_s = time.monotonic() - request.arrival
             if self.metrics:
                 self.metrics.first_token(request.first_token_s, len(request.prompt_ids))
-        if token in self._stop_ids and not request.ignore_eos:
-            self._finish(request, FinishReason.EOS)
+        reason = request.decoder.finish(token, len(request.output_ids))
+        if reason == FinishReason.EOS:
+            self._finish(request, reason)
             return False
         request.output_ids.append(token)
         if self.metrics:
             self.metrics.generated(1)
         request.emit(TokenOut(token))
-        if len(request.output_ids) >= request.params.max_new_tokens:
-            self._finish(request, FinishReason.LENGTH)
-        elif len(request.all_ids) >= self._max_context:
+        if reason is not None:
+            self._finish(request, reason)
+        elif past_context(len(request.all_ids), self._max_context):     # the next token would have no position
             self._finish(request, FinishReason.CONTEXT, "the model's context is full")
         return request.status != FINISHED
 
@@ -397,9 +393,9 @@ class Scheduler:
         if request.handle is not None:
             batch.release(self.engine, request.handle)
             request.handle = None
-        if request.spec is not None:
-            request.spec.close()
-            request.spec = None
+        if request.decoder is not None and request.decoder.spec is not None:
+            request.decoder.spec.close()
+            request.decoder.spec = None
         if request.num_preemptions:
             self.tier.drop(request.id)
         request.status = FINISHED
