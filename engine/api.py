@@ -31,6 +31,22 @@ LOCAL = Capabilities(per_layer_stats=True, live_cache_switch=True, remote=False,
 REMOTE = Capabilities(per_layer_stats=False, live_cache_switch=False, remote=True)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What a loaded engine says about itself (`describe()`): the load event and the dashboard's header read these,
+    so the app asks once instead of probing attributes. Text fields are "" where there is nothing to say."""
+
+    model_name: str
+    device: str
+    num_layers: int                 # 0 where per-layer data is not available (a remote engine)
+    weights_label: str = ""         # how the weights are held: "Q4_K_M GGUF, packed", "remote"...
+    weight_bytes: int = 0           # what they hold in memory here (0 remote)
+    dtype_name: str = "fp32"        # the activations' dtype
+    notice: str = ""                # something the user should hear about the load
+    kernel_status: str = ""         # why the C kernels are missing, if they are
+    chat_format_notice: str = ""    # why replies may read oddly (a template we could not use)
+
+
 @runtime_checkable
 class ChatSession(Protocol):
     messages: list[dict]
@@ -55,6 +71,8 @@ class ChatEngine(Protocol):
 
     def new_session(self, system_prompt: str | None = None, cache: CacheConfig | None = None,
                     history: list[dict] | None = None) -> ChatSession: ...
+
+    def describe(self) -> EngineFacts: ...
 
 
 def capabilities_of(engine) -> Capabilities:

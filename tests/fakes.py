@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from types import SimpleNamespace
 
-from kvchat.engine.api import LOCAL
+from kvchat.engine.api import LOCAL, EngineFacts
 from kvchat.engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.kv.layout import check_cache_for_model
@@ -230,6 +230,9 @@ class FakeEngine:
     def clear_prefix_cache(self) -> int:
         freed, self.prefix_cache_bytes = self.prefix_cache_bytes, 0
         return freed
+
+    def describe(self) -> EngineFacts:
+        return EngineFacts(self.model_name, self.device, self.num_layers, "", 0, self.dtype_name)
 
     def new_session(self, system_prompt=None, cache=None, history=None) -> FakeSession:
         check_cache_for_model(cache or self.config.cache, self.model.config)

@@ -12,6 +12,16 @@ from kvchat.engine.config import ConfigError
 FP32 = CacheConfig(k_format="fp32", v_format="fp32")
 
 
+@pytest.fixture
+def tiny_engine(tiny_engine):
+    """The shared engine with room for a measurement (an earlier test may have left it a budget of 0.5 MiB)."""
+    runner = tiny_engine.runner
+    before = runner.budget_bytes / 2**20
+    runner.set_budget(max(before, 64))
+    yield tiny_engine
+    runner.set_budget(before)
+
+
 def test_a_full_precision_window_measures_what_the_window_drops(tiny_engine):
     """fp32 with a window of 256 + 4 is fp32 until the window slides: the measurement reads past it, and finds a
     cost (read only 256 tokens it would have said 100 % / KL 0, fp32's own figure)."""

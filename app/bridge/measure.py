@@ -16,8 +16,8 @@ from kvchat.app.store.quality import QUALITY_STEP, QUALITY_TEXT, QUALITY_TOKENS,
 
 
 def engine_key(engine) -> str:
-    return model_key(engine.model_name, getattr(engine, "weights_label", ""), getattr(engine, "dtype_name", "fp32"),
-                     str(engine.device))
+    facts = engine.describe()
+    return model_key(facts.model_name, facts.weights_label, facts.dtype_name, facts.device)
 
 
 def measure(engine, cache: CacheConfig, should_stop: Callable[[], bool] | None = None,

@@ -118,13 +118,13 @@ class EngineWorker(QObject, TurnStreaming):
         # a server's model is not here: no shape, dtype or prompt precision of its own to tell
         config, dtype = (None, "fp32") if caps.remote else (engine.model.config, engine.dtype_name)
         self._facts = model_facts(config, dtype, str(engine.device))
-        self.event.emit(EngineReady(engine.model_name, str(engine.device), int(engine.num_layers),
-                                    time.monotonic() - start, getattr(engine, "weights_label", ""),
-                                    int(getattr(engine, "weight_bytes", 0)), getattr(engine, "notice", None) or "",
+        facts = engine.describe()
+        self.event.emit(EngineReady(facts.model_name, facts.device, facts.num_layers, time.monotonic() - start,
+                                    facts.weights_label, facts.weight_bytes, facts.notice,
                                     config, dtype, caps, engine.base_url if caps.remote else "",
-                                    kernel_status=getattr(engine, "kernel_status", None) or "",
+                                    kernel_status=facts.kernel_status,
                                     prefill=engine.prefill if caps.prefill_precision else "",
-                                    chat_format_notice=getattr(engine, "chat_format_notice", None) or "",
+                                    chat_format_notice=facts.chat_format_notice,
                                     saves_caches=warm_chats.supported(engine)))
 
     def open_session(self, conversation_id, system_prompt, cache, history) -> None:

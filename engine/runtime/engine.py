@@ -10,7 +10,7 @@ import torch
 
 from kvchat.kernels import cpu_lib, cpu_quant
 
-from kvchat.engine.api import LOCAL
+from kvchat.engine.api import LOCAL, EngineFacts
 from kvchat.engine.text.chat_format import chat_format_notice, check_template, stop_ids
 from kvchat.engine.text.reply import reply_format
 from kvchat.engine.config import ACTIVATION_MODES, PREFILL_MODES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
@@ -146,6 +146,12 @@ class Engine:
     @property
     def num_layers(self) -> int:
         return self.model.config.num_layers
+
+    def describe(self) -> EngineFacts:
+        """What this engine says about itself (engine/api.py)."""
+        return EngineFacts(self.model_name, str(self.device), self.num_layers, self.weights_label,
+                           int(self.weight_bytes), self.dtype_name, self.notice or "", self.kernel_status or "",
+                           self.chat_format_notice or "")
 
     @property
     def chat_format_notice(self) -> str | None:

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import httpx
 
 from kvchat.engine.runtime import memory
-from kvchat.engine.api import REMOTE
+from kvchat.engine.api import REMOTE, EngineFacts
 from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams
 from kvchat.engine.errors import UserError
 from kvchat.engine.events import FinishReason, ServerStats, StatsSnapshot, TokenDelta, TurnFinished
@@ -98,6 +98,10 @@ class RemoteEngine:
         except httpx.HTTPError as exc:
             raise RemoteError(f"cannot reach {self.base_url}: {exc}. Is the server running, and is the URL "
                               f"right (e.g. http://127.0.0.1:8000/v1)?") from None
+
+    def describe(self) -> EngineFacts:
+        """What this engine says about itself: a model elsewhere, nothing held here."""
+        return EngineFacts(self.model_name, self.device, 0, self.weights_label)
 
     def _list_models(self) -> list[str]:
         r = self._get("/models")
