@@ -2,6 +2,9 @@
 
 The shape is flat fields; what each layer computes is `layers`, one LayerSpec per layer (engine/model/spec.py),
 which the family registry (engine/model/families.py) builds from the same fields.
+
+Past 450 lines on purpose: the two readers (config.json, GGUF metadata) fill the same fields and are checked the
+same way; side by side, a field read one way and not the other shows.
 """
 from __future__ import annotations
 
