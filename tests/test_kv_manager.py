@@ -158,3 +158,23 @@ def test_budget_counts_bytes_across_layouts():
     _step(m, b, list(range(8)))
     assert m.held_bytes == 2 * FP.block_bytes + 2 * int8.block_bytes + b.side_bytes
     m.check()
+
+
+def test_a_block_dropped_inside_a_window_stays_null_as_the_window_moves_past_it():
+    """drop() and the window's rule on one positioned table: the dropped entry stays null (never freed twice), the
+    window still lets the older blocks go and keeps at least one block past the sinks, and every entry's index stays
+    its position."""
+    m = _manager(16)
+    a = m.new_sequence(FP, SinkWindow(4, 12, 2))
+    for t in range(20):
+        _step(m, a, [t])
+    assert a.evicted == 1 and a.table[1] is None           # the window let block 1 go (tokens 4..7)
+    held = m.held_bytes
+    assert m.drop(a, 3) == FP.block_bytes and a.table[3] is None and m.held_bytes == held - FP.block_bytes
+    m.check()
+    for t in range(20, 40):
+        _step(m, a, [t])
+        m.check()
+        assert len(a.table) == -(-a.num_tokens // 4)
+    assert a.table[0] is not None and all(b is None for b in a.table[1:7])
+    assert a.held_positions()[0] == 0 and a.tokens_held <= 2 + 12
