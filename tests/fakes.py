@@ -231,8 +231,12 @@ class FakeEngine:
         freed, self.prefix_cache_bytes = self.prefix_cache_bytes, 0
         return freed
 
+    kernel_status = None            # a test may say the C kernels are missing (tests/test_no_kernels.py)
+    notice = None
+
     def describe(self) -> EngineFacts:
-        return EngineFacts(self.model_name, self.device, self.num_layers, "", 0, self.dtype_name)
+        return EngineFacts(self.model_name, self.device, self.num_layers, "", 0, self.dtype_name, self.notice or "",
+                           self.kernel_status or "")
 
     def new_session(self, system_prompt=None, cache=None, history=None) -> FakeSession:
         check_cache_for_model(cache or self.config.cache, self.model.config)
