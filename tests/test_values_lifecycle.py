@@ -244,7 +244,17 @@ def _free_port() -> int:
 
 def _interrupt_during_load(argv: list[str], tmp_path: Path, timeout: float = 120) -> tuple[int, str, str]:
     """Start kvchat, send SIGINT as soon as the process has mapped the model file (the load is under way), and
-    return (exit code, stdout, stderr)."""
+    return (exit code, stdout, stderr). The default model loads in well under a second: where this process was slow
+    to see the mapping (a busy suite) and the signal came after the load, the attempt says nothing about Ctrl+C
+    during a load and is made again (at most three times)."""
+    for _ in range(3):
+        code, out, err = _one_interrupt(argv, tmp_path, timeout)
+        if "Commands:" not in out and "on http://" not in err:
+            break
+    return code, out, err
+
+
+def _one_interrupt(argv: list[str], tmp_path: Path, timeout: float) -> tuple[int, str, str]:
     model = str(locate("default").path)
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=str(tmp_path / "data"),
                KVCHAT_SETTINGS_FILE=str(tmp_path / "settings.ini"), KVCHAT_LOG_DIR=str(tmp_path / "logs"),
@@ -264,10 +274,12 @@ def _interrupt_during_load(argv: list[str], tmp_path: Path, timeout: float = 120
             time.sleep(0.005)
         else:
             pytest.fail("the model was never mapped")
-        out, err = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        out, err = child.communicate(timeout=min(40.0, max(1.0, deadline - time.monotonic())))
     except subprocess.TimeoutExpired:
         child.kill()
         out, err = child.communicate()
+        if "on http://" in err:         # the server was up before the signal came: not a Ctrl+C during the load
+            return child.returncode, out, err
         pytest.fail(f"kvchat did not exit after Ctrl+C:\n{err[-2000:]}")
     return child.returncode, out, err
 
