@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +15,10 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# a suite started as a background job (`make test &`) inherits SIGINT ignored, and so would every kvchat it starts
+# (a child keeps an ignored signal across exec): the Ctrl+C tests would then test nothing. Take it as a terminal would.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # the tests' tokenizer caches and any kernel build go to a folder of their own, not the user's cache dir
 # (random tiny GGUFs each leave a tokenizer folder there); the kernels built at install are still found
 if "KVCHAT_CACHE_DIR" not in os.environ:
