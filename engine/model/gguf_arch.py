@@ -54,6 +54,23 @@ PHI3_TENSORS = {
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
 
+# Qwen3.5 / 3.6 (llama.cpp's qwen35 / qwen35moe): gated attention layers (attn_q holds each head's query and its
+# output gate, as the Hugging Face q_proj does) beside Gated DeltaNet layers. kvchat's own names for a linear-attention
+# layer's tensors (every loader reads its source into them): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, the
+# depthwise conv1d [channels, kernel], dt.bias (the time-step bias), A.weight (the decay rate A = -exp(A_log)),
+# norm.weight (the gated RMSNorm's multiplier, not zero-centred) and out_proj
+QWEN35_TENSORS = {
+    **QWEN3_TENSORS,
+    "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d", "linear_attn.dt": "ssm_dt", "linear_attn.A": "ssm_a",
+    "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
+}
+# the shared expert of Qwen3.5-MoE (and its sigmoid gate [1, hidden])
+SHARED_EXPERT_TENSORS = {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                         "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+QWEN35MOE_TENSORS = {**QWEN35_TENSORS, **EXPERT_TENSORS, **SHARED_EXPERT_TENSORS}
+
 # llama.cpp's defaults where a Gemma 2 file lacks the key (llama_hparams; Gemma 2's published settings)
 GEMMA2_WINDOW = 4096
 GEMMA2_ATTN_SOFTCAP = 50.0
