@@ -111,6 +111,16 @@ _FAMILY_DEFAULTS = {
                     layer_types=["sliding_attention", "full_attention"] * 2),
     # SmolLM3: layer 3 of 4 without RoPE
     "smollm3": dict(num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=4),
+    # Qwen3.5: Gated DeltaNet and gated full attention alternating; 6 value heads over 2 key heads (6 does not divide
+    # the 4 attention heads), a conv of 4 taps, head_dim 32 rotated over its first 8 dimensions (1/4)
+    "qwen3_5": dict(num_hidden_layers=4, head_dim=32, num_key_value_heads=2, layer_types=["linear_attention",
+                    "full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4),
+    # Qwen3.5-MoE: the same, every MLP 8 experts (3 used) and a shared expert
+    "qwen3_5_moe": dict(num_hidden_layers=4, head_dim=32, num_key_value_heads=2, layer_types=["linear_attention",
+                        "full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=6,
+                        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8,
+                        num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48),
 }
 
 
@@ -128,7 +138,11 @@ def tiny_family_dir(path, family: str, seed: int = 0, longrope: bool = False, **
                               Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
                               SmolLM3ForCausalLM)
 
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
     classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+               "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+               "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
                "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM),
                "gpt_oss": (GptOssConfig, GptOssForCausalLM), "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}
@@ -157,7 +171,8 @@ def tiny_family_dir(path, family: str, seed: int = 0, longrope: bool = False, **
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:    # around 0 for (1 + w) norms, around 1 for w norms: never all ones
-                p.uniform_(-0.3, 0.3) if family.startswith("gemma") else p.uniform_(0.7, 1.3)
+                centred = family.startswith("gemma") or (family.startswith("qwen3_5") and "linear_attn" not in name)
+                p.uniform_(-0.3, 0.3) if centred else p.uniform_(0.7, 1.3)
             else:
                 p.normal_(0, 0.2)
     model.save_pretrained(folder, safe_serialization=True)

@@ -11,7 +11,9 @@ of which blocks leave stay in the window geometry of each KV group (full attenti
 model's own sliding window: kv/layout.py); eviction by importance, retrieval and state snapshots plug in here.
 
 A conversation is a `Conversation`: one sequence per KV group of the model (kv/layout.kv_groups); every call here
-takes the conversation and does the same to each of its groups.
+takes the conversation and does the same to each of its groups. A model with linear-attention layers gives each
+conversation a recurrent state (kv/state.py) beside its groups: its bytes and its snapshots' count in the budget
+(carried by the first group's sequence), a fork starts from a snapshot, a truncation returns to one.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from kvchat.engine.kv import convert, saved
 from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVGroup, KVLayout
 from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView
 from kvchat.engine.kv.sequence import Conversation, Reservation, Sequence
+from kvchat.engine.kv.state import RecurrentState, StateLayout
 from kvchat.engine.kv.tier import DEFAULT_TIER_MB as HOST_TIER_MB, PreemptTier
 from kvchat.engine.kv.pages import PageStore
 
@@ -52,9 +55,49 @@ class KVCache:
 
     # ---- conversations ---------------------------------------------------------------------------------------
 
-    def open(self, groups: tuple[KVGroup, ...]) -> Conversation:
-        """A conversation holding nothing yet, one sequence per KV group."""
-        return Conversation([self._blocks.new_sequence(g.layout, g.geometry) for g in groups])
+    def open(self, groups: tuple[KVGroup, ...], state: StateLayout | None = None) -> Conversation:
+        """A conversation holding nothing yet, one sequence per KV group, and a zero recurrent state of `state`'s
+        shape where the model has linear-attention layers (its bytes held from now on; NoFreeBlocks where the budget
+        cannot make room for them)."""
+        conv = Conversation([self._blocks.new_sequence(g.layout, g.geometry) for g in groups])
+        if state is not None:
+            try:
+                self._blocks.make_room(state.bytes, {m.seq_id for m in conv.members})
+            except NoFreeBlocks:
+                self.close(conv)
+                raise
+            conv.state = RecurrentState(state, self.device)
+            self._count_state(conv)
+        return conv
+
+    def _count_state(self, conv: Conversation) -> None:
+        conv.groups[0].state_bytes = conv.state.bytes if conv.state is not None else 0
+
+    def snapshot(self, conv: Conversation) -> bool:
+        """Keep a copy of the conversation's recurrent state where it is now (kv/state.py), room permitting: idle
+        conversations may be released for it, else its own oldest snapshot goes; False where there is no state or
+        no room."""
+        state = conv.state
+        if state is None or state.position in state.snapshots or state.position != conv.num_tokens:
+            return False
+        need = state.layout.bytes
+        keep = {m.seq_id for m in conv.members}
+        try:
+            self._blocks.make_room(need, keep)
+        except NoFreeBlocks:
+            state.drop_oldest()
+            self._count_state(conv)
+            if self._blocks.free_bytes() < need:
+                return False
+        state.snapshot()
+        self._count_state(conv)
+        return True
+
+    def state_positions(self, conv: Conversation) -> list[int]:
+        """The token counts the conversation's state can return to (its snapshots and where it is), oldest first."""
+        if conv.state is None:
+            return []
+        return sorted({conv.state.position, *conv.state.snapshots})
 
     def free(self, seq: Conversation) -> int:
         """Every block of the conversation goes back; returns the bytes the pool no longer holds."""
@@ -79,8 +122,12 @@ class KVCache:
         left (the child's positions would not be the parent's)."""
         bs = seq.block_size
         members = seq.members
-        if any(m.evicted for m in members):
-            return Conversation([self._blocks.new_sequence(m.layout, m.geometry) for m in members]), 0
+        state = seq.state
+        if state is not None:          # only as far as a state the child can start from
+            num_tokens = state.best_at_most(num_tokens) or 0
+        if any(m.evicted for m in members) or (state is not None and num_tokens == 0):
+            return self._with_state(Conversation([self._blocks.new_sequence(m.layout, m.geometry)
+                                                  for m in members]), seq, 0), 0
         partial = num_tokens % bs
         quantized = any(m.layout.quantized_components for m in members)
         if partial and quantized and seq.seq_len // bs != num_tokens // bs:
@@ -91,7 +138,18 @@ class KVCache:
             if m.layout.quantized_components and n % bs:
                 self._pages.copy_tail(m.layout, m.seq_id, child.seq_id)
             children.append(child)
-        return Conversation(children), n
+        child = Conversation(children)
+        if state is not None and n != num_tokens:      # a quantized block cut the share short of the state's
+            self.free(child)
+            n = 0
+        return self._with_state(child, seq, n), n
+
+    def _with_state(self, child: Conversation, parent: Conversation, n: int) -> Conversation:
+        """The child of a fork gets the parent's state after n tokens (a zero one for n = 0)."""
+        if parent.state is not None:
+            child.state = (parent.state.copy_at(n) if n else RecurrentState(parent.state.layout, self.device))
+            self._count_state(child)
+        return child
 
     def truncate(self, seq: Conversation, n: int) -> Truncation:
         """Take back the last n tokens where that is exact (nothing changes otherwise: the result says why)."""
@@ -105,8 +163,15 @@ class KVCache:
                                      f"back {n}")
             if m.layout.quantized_components and n > m.seq_len % bs:
                 return Truncation(0, "a quantized cache can take back tokens of its last, unquantized block only")
+        state = seq.state
+        if state is not None and n and not state.can_return(seq.num_tokens - n):
+            return Truncation(0, f"the recurrent state holds no snapshot after token {seq.num_tokens - n:,} (it "
+                                 f"keeps {', '.join(f'{p:,}' for p in self.state_positions(seq))})")
         for m in seq.members:
             self._blocks.truncate(m, n)
+        if state is not None and n:
+            state.restore(seq.num_tokens)
+            self._count_state(seq)
         return Truncation(n)
 
     def drop(self, seq: Conversation, position: int) -> int:
@@ -127,8 +192,11 @@ class KVCache:
         return [(i * bs, b) for i, b in enumerate(seq.table) if b is not None]
 
     def match_prefix(self, seq: Conversation, ids: list[int]) -> int:
-        """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass."""
+        """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass. None for a
+        conversation with a recurrent state: blocks without the state after them would be read again anyway."""
         m = self._blocks
+        if seq.state is not None:
+            return 0
         if len(seq.members) == 1:
             return m.match_prefix(seq.members[0], ids)
         # a hit is the shortest hit over the groups (each from the start); the groups holding more give back what the
@@ -155,14 +223,17 @@ class KVCache:
         if [g.layout.layers for g in groups] != [m.layout.layers for m in members]:
             raise ConfigError(f"{new.label()} keeps this model's layers in other groups than {old.label()} (a "
                               f"window against the layers' own windows): reset the session to switch to it")
-        if len(members) == 1:
-            return Conversation([convert.convert_sequence(self, members[0], old, new,
-                                                          groups[0].layout, groups[0].geometry, layer_inv_freq,
-                                                          self._close_one, self.drop_unused_layouts)])
-        return Conversation([convert.convert_sequence(self, m, old, new, g.layout, g.geometry,
-                                                 [layer_inv_freq[i] for i in g.layers], self._close_member,
-                                                 self.drop_unused_layouts)
-                        for m, g in zip(members, groups)])
+        state = seq.state                  # the same under every mode (modes apply to attention layers): it moves over
+        close = self._close_one if len(members) == 1 else self._close_member
+        out = Conversation([convert.convert_sequence(self, m, old, new, g.layout, g.geometry,
+                                                     [layer_inv_freq[i] for i in g.layers], close,
+                                                     self.drop_unused_layouts)
+                            for m, g in zip(members, groups)])
+        if state is not None:
+            seq.state, out.state = None, state
+            seq.groups[0].state_bytes = 0
+            self._count_state(out)
+        return out
 
     def _close_one(self, seq: Sequence) -> None:
         """The only group's sequence goes (a conversion replaced it): its pages shrink, their layout may go."""

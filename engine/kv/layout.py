@@ -121,14 +121,17 @@ def kv_layout(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
                           f"0-{model.num_layers - 1}")
     dtype = full_dtype(model_dtype, device)
     formats = []
-    for layer in range(model.num_layers):
+    attention = model.attention_layers          # a linear-attention layer keeps a state, no KV (kv/state.py)
+    for layer in attention:
         if layer in cache.full_precision_layers:
             formats.append((PageFormat(dtype), PageFormat(dtype)))
         else:
             formats.append(tuple(_fit(page_format(f, role, cache.k_scheme, dtype), model.head_dim)
                                  for f, role in ((cache.k_format, "k"), (cache.v_format, "v"))))
     assert dtype in FULL_DTYPES
-    return KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size, dtype, tuple(formats))
+    subset = () if len(attention) == model.num_layers else attention
+    return KVLayout(len(attention), model.num_kv_heads, model.head_dim, cache.block_size, dtype, tuple(formats),
+                    subset)
 
 
 def check_cache_for_model(cache: CacheConfig, model: ModelConfig, model_dtype: str = "fp32",
@@ -205,16 +208,18 @@ def kv_groups(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
     own)."""
     full = kv_layout(model, cache, model_dtype, device)
     by_geometry: dict[WindowGeometry, list[int]] = {}
-    for i in range(model.num_layers):
+    for i in model.attention_layers:
         by_geometry.setdefault(layer_geometry(model, cache, i), []).append(i)
     if len(by_geometry) == 1:
-        (geometry, _), = by_geometry.items()
-        return (KVGroup(tuple(range(model.num_layers)), geometry, full),)
+        (geometry, ids), = by_geometry.items()
+        return (KVGroup(tuple(ids), geometry, full),)
+    column = {layer: j for j, layer in enumerate(full.layers or range(model.num_layers))}
     # the group that keeps the most first: a conversation's tokens, statistics and limits are read from it
     order = sorted(by_geometry.items(), key=lambda item: (item[0].window is not None, -(item[0].window or 0),
                                                           item[1][0]))
     return tuple(KVGroup(tuple(ids), g, KVLayout(len(ids), full.num_kv_heads, full.head_dim, full.block_size,
-                                                 full.full_dtype, tuple(full.formats[i] for i in ids), tuple(ids)))
+                                                 full.full_dtype, tuple(full.formats[column[i]] for i in ids),
+                                                 tuple(ids)))
                  for g, ids in order)
 
 

@@ -101,7 +101,7 @@ class KVCacheManager:
     @property
     def held_bytes(self) -> int:
         """Bytes of every block in use or kept for reuse, plus the sequences' full-precision sides."""
-        return self._block_bytes_held + sum(s.side_bytes for s in self.sequences.values())
+        return self._block_bytes_held + sum(s.side_bytes + s.state_bytes for s in self.sequences.values())
 
     def recount(self) -> int:
         """held block bytes counted from scratch (check() compares it with the running count)."""
@@ -113,7 +113,7 @@ class KVCacheManager:
                    for b in pool.evictable_ids())
 
     def sequence_bytes(self, seq: Sequence) -> int:
-        return len(seq.block_table) * seq.layout.block_bytes + seq.side_bytes
+        return len(seq.block_table) * seq.layout.block_bytes + seq.side_bytes + seq.state_bytes
 
     # ---- sequences ----------------------------------------------------------------------
 
@@ -129,13 +129,17 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> int:
         """Drop the sequence's reference to each of its blocks; returns the bytes the pool no longer holds (the fall
         of held_bytes): a block another sequence shares, or a hashed one kept for prefix reuse, is still held."""
-        held = self._block_bytes_held + seq.side_bytes
+        held = self._block_bytes_held + seq.side_bytes + seq.state_bytes
         self._free_ids(seq, reversed(seq.block_table))     # the tail of a prefix is evicted before its head
         seq.table.clear()
         seq.num_tokens = 0
         seq.token_ids.clear()
         seq.block_keys.clear()
-        return held - self._block_bytes_held - seq.side_bytes
+        state = getattr(seq.conversation, "state", None)
+        if state is not None and seq.state_bytes:           # back to no token read: no snapshot is of use now
+            state.reset()
+            seq.state_bytes = state.bytes
+        return held - self._block_bytes_held - seq.side_bytes - seq.state_bytes
 
     def close(self, seq: Sequence) -> None:
         self.free(seq)

@@ -31,6 +31,7 @@ class Sequence:
     released: bool = False              # its blocks were taken back for another conversation
     closed: bool = False
     conversation: "Conversation | None" = field(default=None, repr=False)     # whose group this is
+    state_bytes: int = 0                # the conversation's recurrent state and snapshots (its first group carries them)
 
     @property
     def block_size(self) -> int:
@@ -94,12 +95,14 @@ class Sequence:
 class Conversation:
     """A conversation's (or a server request's) cache: one Sequence per KV group of the model (kv/layout.kv_groups),
     which the cache reserves, forks, truncates, releases and saves together. The first group keeps the most (every
-    token, where any layer attends to all of them) and answers where one number is asked: its reads below."""
+    token, where any layer attends to all of them) and answers where one number is asked: its reads below. A model
+    with linear-attention layers gives it a recurrent state too (kv/state.py), which moves with the groups."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "state")
 
-    def __init__(self, groups: list[Sequence]):
+    def __init__(self, groups: list[Sequence], state=None):
         self.groups = tuple(groups)
+        self.state = state                  # kv/state.RecurrentState of its linear-attention layers, or None
         for g in self.groups:
             g.conversation = self
 

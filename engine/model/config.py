@@ -119,7 +119,7 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{source} holds a JSON {type(cfg).__name__}, not an object of model settings: "
                                  f"the model folder is damaged")
-        cfg, names = dict(cfg), names or {}
+        cfg, names = _text_config(dict(cfg)), names or {}
         for key in _REQUIRED_INTS:
             _whole(cfg, key, True, source, names)
         for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
@@ -194,9 +194,37 @@ class ModelConfig:
         return torch.from_numpy(self.rope_frequencies(layer))
 
     def rope_frequencies(self, layer: int | None = None) -> np.ndarray:
-        """inv_freq() as a numpy array (Rope.frequencies: float64, rounded to float32 once)."""
+        """inv_freq() as a numpy array (Rope.table: float64, rounded to float32 once; a partial rotation's
+        passed-through pairs at frequency 0, its dimensions in Rope.permutation's order)."""
         rope = self.rope if layer is None else self.layers[layer].rope
-        return rope.frequencies(self.head_dim)
+        return rope.table(self.head_dim)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent state instead of a KV cache (LayerSpec.linear), in order."""
+        return tuple(i for i, spec in enumerate(self.layers) if spec.linear is not None)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache, in order."""
+        return tuple(i for i, spec in enumerate(self.layers) if spec.linear is None)
+
+    def state_bytes(self) -> int:
+        """One conversation's recurrent state over every linear-attention layer (float32), the same at any length."""
+        return sum(spec.linear.state_bytes for spec in self.layers if spec.linear is not None)
+
+
+def _text_config(cfg: dict) -> dict:
+    """A multimodal folder's language model: Qwen3.5's published folders (model_type qwen3_5 / qwen3_5_moe) hold
+    it under text_config; its own fields win, and a mixture of experts without a dense intermediate_size takes its
+    experts' (the field only sizes a dense MLP, which such a model does not have)."""
+    text = cfg.get("text_config")
+    if cfg.get("model_type") in ("qwen3_5", "qwen3_5_moe") and isinstance(text, dict):
+        cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **text,
+               "model_type": cfg["model_type"] + "_text"}
+    if cfg.get("intermediate_size") is None and cfg.get("moe_intermediate_size") is not None:
+        cfg["intermediate_size"] = cfg["moe_intermediate_size"]
+    return cfg
 
 
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -371,15 +399,20 @@ def layer_modules(mc: ModelConfig, spec: LayerSpec) -> dict[str, tuple[str, ...]
     MLP's pre_feedforward_layernorm. Phi-3 stores q|k|v and gate|up already fused."""
     fam = family_of(mc.model_type)
     fused = fam is not None and fam.fused_projections
+    if spec.linear is not None:         # linear attention: one fused input projection, out_proj, the mixer's vectors
+        modules = {"qkv": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                           "linear_attn.in_proj_a"),
+                   "o": ("linear_attn.out_proj",), "norm_attn": ("input_layernorm",),
+                   "norm_mlp": ("post_attention_layernorm",), "conv": ("linear_attn.conv1d",),
+                   "dt": ("linear_attn.dt",), "A": ("linear_attn.A",), "mixer_norm": ("linear_attn.norm",),
+                   "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+        return _mlp_modules(modules, spec)
     qkv = ("self_attn.qkv_proj",) if fused else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     modules = {"qkv": qkv,
                "o": ("self_attn.o_proj",),
                "gate_up": ("mlp.gate_up_proj",) if fused else ("mlp.gate_proj", "mlp.up_proj"),
                "down": ("mlp.down_proj",), "norm_attn": ("input_layernorm",)}
-    if spec.experts is not None:        # a routed MLP: the router and the experts' 3-D matrices (families.EXPERT_TENSORS)
-        del modules["gate_up"], modules["down"]
-        modules.update(router=("mlp.router",), experts_gate=("mlp.experts.gate_proj",),
-                       experts_up=("mlp.experts.up_proj",), experts_down=("mlp.experts.down_proj",))
+    _mlp_modules(modules, spec)
     if spec.sink_logits:
         modules["sinks"] = ("self_attn.sinks",)
     if spec.post_norms:
@@ -389,6 +422,19 @@ def layer_modules(mc: ModelConfig, spec: LayerSpec) -> dict[str, tuple[str, ...]
         modules["norm_mlp"] = ("post_attention_layernorm",)
     if spec.qk_norm:
         modules.update(q_norm=("self_attn.q_norm",), k_norm=("self_attn.k_norm",))
+    return modules
+
+
+def _mlp_modules(modules: dict, spec: LayerSpec) -> dict:
+    """A routed MLP's modules in place of the dense gate_up / down: the router and the experts' 3-D matrices
+    (families.EXPERT_TENSORS), and a shared expert with its gate where the description has one."""
+    if spec.experts is not None:
+        modules.pop("gate_up", None), modules.pop("down", None)
+        modules.update(router=("mlp.router",), experts_gate=("mlp.experts.gate_proj",),
+                       experts_up=("mlp.experts.up_proj",), experts_down=("mlp.experts.down_proj",))
+        if spec.experts.shared_ffn:
+            modules.update(shared_gate_up=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+                           shared_down=("mlp.shared_expert.down_proj",), shared_gate=("mlp.shared_expert_gate",))
     return modules
 
 
@@ -409,6 +455,17 @@ def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]
            "lm_head.weight": ((v, h), False)}         # absent: tied to the embedding
     for i, spec in enumerate(mc.layers):
         p = f"model.layers.{i}."
+        if spec.linear is not None:
+            out.update(linear_shapes(p, spec, h))
+            if spec.experts is not None:
+                out.update(expert_shapes(p, spec.experts, h))
+            else:
+                out.update({p + "mlp.gate_proj.weight": ((f, h), True), p + "mlp.up_proj.weight": ((f, h), True),
+                            p + "mlp.down_proj.weight": ((h, f), True)})
+            continue
+        if spec.attn_gate:              # q_proj gives each head's query and its output gate
+            rows = {**rows, "self_attn.q_proj": (2 * mc.num_heads * mc.head_dim,
+                                                 ("2", "num_attention_heads", "head_dim"))}
         modules = layer_modules(mc, spec)
         biased = {"qkv": spec.qkv_bias, "o": spec.o_bias, "gate_up": spec.mlp_bias, "down": spec.mlp_bias}
         dense = [part for part in ("qkv", "o", "gate_up", "down") if part in modules]
@@ -416,7 +473,7 @@ def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]
             for name in modules[part]:
                 out[p + name + ".weight"] = ((rows[name], q if part == "o" else f if part == "down" else h), True)
         for part, names in modules.items():
-            if part in biased or part.startswith(("router", "experts", "sinks")):
+            if part in biased or part.startswith(("router", "experts", "sinks", "shared")):
                 continue
             out[p + names[0] + ".weight"] = ((d if part in ("q_norm", "k_norm") else h,), True)
         for part in dense:
@@ -430,6 +487,24 @@ def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]
     return out
 
 
+def linear_shapes(p: str, spec: LayerSpec, h: _Dim) -> dict:
+    """A linear-attention layer's mixer and norms under layer prefix p (layer_modules names them)."""
+    la = spec.linear
+    c = (la.channels, ("2 x linear_num_key_heads x linear_key_head_dim + linear_num_value_heads x "
+                       "linear_value_head_dim",))
+    vd = (la.value_heads * la.value_dim, ("linear_num_value_heads", "linear_value_head_dim"))
+    vh = (la.value_heads, ("linear_num_value_heads",))
+    f = p + "linear_attn."
+    out = {f + "in_proj_qkv.weight": ((c, h), True), f + "in_proj_z.weight": ((vd, h), True),
+           f + "in_proj_b.weight": ((vh, h), True), f + "in_proj_a.weight": ((vh, h), True),
+           f + "out_proj.weight": ((h, vd), True),
+           f + "conv1d.weight": ((c, (la.conv_kernel, ("linear_conv_kernel_dim",))), True),
+           f + "dt.bias": ((vh,), True), f + "A.weight": ((vh,), True),
+           f + "norm.weight": (((la.value_dim, ("linear_value_head_dim",)),), True),
+           p + "input_layernorm.weight": ((h,), True), p + "post_attention_layernorm.weight": ((h,), True)}
+    return out
+
+
 def expert_shapes(p: str, ex, h: _Dim) -> dict:
     """A routed MLP's tensors under layer prefix p: the router [experts, hidden], each expert matrix [experts, out,
     in], and their biases where the description has them."""
@@ -440,6 +515,12 @@ def expert_shapes(p: str, ex, h: _Dim) -> dict:
            p + "mlp.experts.down_proj.weight": ((e, h, fe), True)}
     if ex.router_bias:
         out[p + "mlp.router.bias"] = ((e,), True)
+    if ex.shared_ffn:
+        fs = (ex.shared_ffn, ("shared_expert_intermediate_size",))
+        out.update({p + "mlp.shared_expert.gate_proj.weight": ((fs, h), True),
+                    p + "mlp.shared_expert.up_proj.weight": ((fs, h), True),
+                    p + "mlp.shared_expert.down_proj.weight": ((h, fs), True),
+                    p + "mlp.shared_expert_gate.weight": (((1, ("1",)), h), True)})
     if ex.expert_bias:
         out.update({p + "mlp.experts.gate_proj.bias": ((e, fe), True), p + "mlp.experts.up_proj.bias": ((e, fe), True),
                     p + "mlp.experts.down_proj.bias": ((e, h), True)})

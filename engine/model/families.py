@@ -12,8 +12,8 @@ from typing import Callable
 
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.gguf_arch import EXPERT_TENSORS, GEMMA2_TENSORS, GEMMA3_TENSORS, GPT_OSS_TENSORS, PHI3_TENSORS, QWEN3_TENSORS, \
-    QWEN3MOE_TENSORS
-from kvchat.engine.model.spec import Experts, LayerSpec, Rope
+    QWEN3MOE_TENSORS, QWEN35_TENSORS, QWEN35MOE_TENSORS
+from kvchat.engine.model.spec import Experts, LayerSpec, LinearAttention, Rope
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +233,60 @@ def _smollm3(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Descripti
     return Description(layers)
 
 
+def _linear_attention(cfg: dict) -> LinearAttention:
+    """The Gated DeltaNet a Qwen3.5 config names (linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+    linear_value_head_dim, linear_conv_kernel_dim), each a positive whole number; value heads a multiple of key heads."""
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim")
+    values = [cfg.get(k) for k in keys]
+    for key, value in zip(keys, values):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 4096:
+            raise ModelLoadError(f"{key}={value!r}: a linear-attention layer needs a positive whole number")
+    if values[1] % values[0]:
+        raise ModelLoadError(f"linear_num_value_heads={values[1]} is not a multiple of linear_num_key_heads="
+                             f"{values[0]}: the model's settings are damaged")
+    return LinearAttention(*values)
+
+
+def _layer_kinds(cfg: dict, n_layers: int) -> tuple[bool, ...]:
+    """Which layers are linear attention: layer_types ("linear_attention" / "full_attention") where given, else
+    every full_attention_interval-th layer full (Qwen3.5: three linear, then one full)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        every = cfg.get("full_attention_interval", 4)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ModelLoadError(f"full_attention_interval={every!r}: it must be a positive whole number")
+        return tuple(bool((i + 1) % every) for i in range(n_layers))
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ModelLoadError(f"layer_types has {len(types) if isinstance(types, list) else repr(types)} entries for "
+                             f"{n_layers} layers: the model's settings are damaged")
+    unknown = sorted({t for t in types if t not in ("linear_attention", "full_attention")}, key=str)
+    if unknown:
+        raise ModelLoadError(f"layer_types names {', '.join(map(repr, unknown))}: a Qwen3.5 model has "
+                             f"linear_attention and full_attention layers")
+    return tuple(t == "linear_attention" for t in types)
+
+
+def _qwen3_5(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    # Qwen3_5DecoderLayer: zero-centred (1 + w) RMSNorms; gated DeltaNet layers and gated full attention (q_proj gives
+    # each head's query and its output gate; q / k norms; a partial rotation, 1/4 of each head by default); the text
+    # model's multimodal RoPE is the plain one on text positions. MoE (Qwen3_5MoeSparseMoeBlock): every layer routed,
+    # top-k renormalized, plus a shared expert behind a sigmoid gate
+    linear = _linear_attention(cfg)
+    experts = None
+    if cfg.get("num_experts"):
+        experts = _experts_of(cfg, "moe_intermediate_size", normalize=True)
+        shared = cfg.get("shared_expert_intermediate_size", 0)
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ModelLoadError(f"shared_expert_intermediate_size={shared!r}: it must be a whole number")
+        experts = replace(experts, shared_ffn=shared)
+    attn = bool(cfg.get("attention_bias", False))
+    full = LayerSpec(rope=ropes.full, query_scale=head_dim ** -0.5, norm_offset=1.0, qk_norm=True, qkv_bias=attn,
+                     o_bias=attn, attn_gate=True, experts=experts)
+    state = replace(full, linear=linear, qk_norm=False, attn_gate=False, qkv_bias=False, o_bias=False)
+    return Description(tuple(state if k else full for k in _layer_kinds(cfg, n_layers)))
+
+
 def _phi3(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
     # Phi3Attention: fused qkv_proj / gate_up_proj, no biases; sliding_window, where set, on every layer (one mask
     # for the whole model); LongRoPE's attention factor scales cos and sin, so q . k by its square
@@ -257,11 +311,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", ("qwen3_moe",), "qwen3moe", False, _qwen3_moe, gguf_tensors=QWEN3MOE_TENSORS),
     Family("gpt_oss", ("gpt_oss",), "gpt-oss", False, _gpt_oss, gguf_tensors=GPT_OSS_TENSORS),
     Family("smollm3", ("smollm3",), "smollm3", True, _smollm3),
+    # hybrids of linear attention (a recurrent state) and full attention. A Hugging Face "qwen3_5" folder is the
+    # multimodal model; config.py reads its text_config as the text model's own type
+    Family("qwen3_5", ("qwen3_5_text",), "qwen35", False, _qwen3_5, gguf_tensors=QWEN35_TENSORS),
+    Family("qwen3_5_moe", ("qwen3_5_moe_text",), "qwen35moe", False, _qwen3_5, gguf_tensors=QWEN35MOE_TENSORS),
 )
 # mixture-of-experts families: named in the error as such (their routed MLPs are not a layer kvchat computes yet)
 MOE_ARCHITECTURES = frozenset({"qwen2_moe", "qwen2moe", "deepseek_v2", "deepseek_v3", "deepseek2", "dbrx", "olmoe", "granitemoe", "phimoe",
                                "jamba", "llama4", "llama4_text", "minimax", "glm4_moe", "glm4moe", "ernie4_5_moe",
-                               "hunyuan_v1_moe", "arctic", "grok", "jetmoe", "bailingmoe", "dots1", "qwen3_next"})
+                               "hunyuan_v1_moe", "arctic", "grok", "jetmoe", "bailingmoe", "dots1"})
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 _BY_GGUF_ARCH: dict[str, Family] = {}
 for _f in FAMILIES:          # the first family of an arch reads its GGUFs (llama: Llama and Mixtral alike)

@@ -43,6 +43,31 @@ class Rope:
     scaling: tuple = ()
     dims: int | None = None
 
+    def table(self, head_dim: int) -> np.ndarray:
+        """[head_dim / 2] float32: frequencies() where every dimension turns; for a partial rotation, the rotated
+        pairs' frequencies then zeros (pairs that do not turn: cos 1, sin 0, the identity). Read together with
+        permutation(): every kernel then rotates a whole head in the rotate-half layout, partial or not."""
+        inv = self.frequencies(head_dim)
+        if self.dims is None or self.dims == head_dim:
+            return inv
+        return np.concatenate((inv, np.zeros((head_dim - self.dims) // 2, dtype=np.float32)))
+
+    def permutation(self, head_dim: int) -> np.ndarray | None:
+        """The order of a head's dimensions that makes a partial rotation a whole-head one, or None (all turn).
+
+        A partial rotation turns pairs (i, i + dims/2) of the first `dims` dimensions and passes the rest through;
+        the kernels turn pairs (i, i + head_dim/2). Queries and keys both taken in this order put each rotated pair
+        at (i, i + head_dim/2) and the passed-through dimensions at the zero frequencies of table(): q . k is a sum
+        over dimensions, so the order changes no score, and values are not reordered."""
+        d = self.dims
+        if d is None or d == head_dim:
+            return None
+        r, p, half = d // 2, (head_dim - d) // 2, head_dim // 2
+        order = np.empty(head_dim, dtype=np.int64)
+        order[:r], order[half:half + r] = np.arange(r), np.arange(r, d)
+        order[r:half], order[half + r:] = np.arange(d, d + p), np.arange(d + p, head_dim)
+        return order
+
     def frequencies(self, head_dim: int) -> np.ndarray:
         """[rotated dims / 2] float32 inverse frequencies: computed in float64, rounded to float32 once. The
         table every RoPE (Python, C) turns with: position p rotates pair i (i, i + half) by p * inv[i]."""
@@ -79,6 +104,8 @@ class Experts:
     softmax over the selected logits alone, as gpt-oss writes it, is the same numbers). Each expert is a gated
     MLP of intermediate size `ffn`: down(act(gate(x)) * up(x)), with biases on gate, up and down where
     expert_bias (gpt-oss). activation: one of EXPERT_ACTIVATIONS; alpha, limit: swiglu_oai's constants.
+    shared_ffn: a shared expert of that intermediate size that every token goes through, its output scaled by
+    sigmoid(shared_expert_gate . x) and added (Qwen3.5-MoE); 0: none.
     """
     count: int
     used: int
@@ -89,12 +116,58 @@ class Experts:
     activation: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0
+    shared_ffn: int = 0
 
     def __post_init__(self):
         if self.activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert activation {self.activation!r}: one of {', '.join(EXPERT_ACTIVATIONS)}")
         if not 0 < self.used <= self.count:
             raise ValueError(f"{self.used} experts used per token of {self.count}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """A layer whose token mixer keeps a fixed-size state instead of a KV cache: Gated DeltaNet (Yang et al. 2024,
+    as Qwen3.5 / 3.6 use it, transformers' Qwen3_5GatedDeltaNet).
+
+    Per token: one projection gives q, k (key_heads x key_dim each) and v (value_heads x value_dim) through a causal
+    depthwise convolution of conv_kernel taps and SiLU, the output gate z, and per value head b and a; q and k are
+    L2-normalized, q scaled by key_dim ** -0.5; beta = sigmoid(b) and the decay g = A * softplus(a + dt_bias) (A < 0).
+    Each value head h keeps a key_dim x value_dim matrix S: S <- exp(g) S; S <- S + k (beta (v - k S)); o = q S
+    (the gated delta rule; key head h // (value_heads / key_heads) serves value head h). The output is
+    RMSNorm(o) * w * silu(z) per value head, then out_proj.
+
+    State per sequence: the convolution's last conv_kernel - 1 inputs of every channel and S of every value head,
+    the same size at any length."""
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    def __post_init__(self):
+        if self.value_heads % self.key_heads:
+            raise ValueError(f"{self.value_heads} value heads do not share {self.key_heads} key heads evenly")
+        if self.conv_kernel < 1:
+            raise ValueError(f"a convolution of {self.conv_kernel} taps")
+
+    @property
+    def channels(self) -> int:
+        """The convolution's channels: q, k and v."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def conv_floats(self) -> int:
+        return self.channels * (self.conv_kernel - 1)
+
+    @property
+    def state_floats(self) -> int:
+        return self.value_heads * self.key_dim * self.value_dim
+
+    @property
+    def state_bytes(self) -> int:
+        """One sequence's state in this layer, float32: the convolution's tail and the delta rule's matrices."""
+        return 4 * (self.conv_floats + self.state_floats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +188,10 @@ class LayerSpec:
         the softmax's denominator and takes mass without a value (the weights hold them, [num_heads] float32).
         Not to be confused with the cache's StreamingLLM sinks (CacheConfig.sinks), which are tokens.
     experts: the MLP is a mixture of experts (Experts); None: one dense gated MLP.
+    linear: the layer's token mixer is linear attention with a recurrent state (LinearAttention), not softmax
+        attention over a KV cache: its `kind` is "linear_attention", and the attention fields above do not apply.
+    attn_gate: the attention output is multiplied by sigmoid of a per-head gate before o_proj (Qwen3.5: q_proj
+        gives each head's query and its gate).
     """
     rope: Rope
     query_scale: float
@@ -129,10 +206,17 @@ class LayerSpec:
     mlp_bias: bool = False
     sink_logits: bool = False
     experts: Experts | None = None
+    linear: LinearAttention | None = None
+    attn_gate: bool = False
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r}: one of {', '.join(ACTIVATIONS)}")
+
+    @property
+    def kind(self) -> str:
+        """"attention" (softmax attention over the layer's KV cache) or "linear_attention" (a recurrent state)."""
+        return "attention" if self.linear is None else "linear_attention"
 
     @property
     def has_bias(self) -> bool:
@@ -147,7 +231,8 @@ class LayerSpec:
         (kernel_parts)."""
         return (self.norm_offset == 0.0 and not self.post_norms and self.activation == "silu"
                 and self.rope.dims is None and self.window is None and self.attn_softcap is None
-                and not self.has_bias and not self.sink_logits)
+                and not self.has_bias and not self.sink_logits and self.linear is None and not self.attn_gate
+                and (self.experts is None or not self.experts.shared_ffn))
 
 
 def _yarn(inv: np.ndarray, d: int, theta: float, factor: float, beta_fast: float, beta_slow: float,

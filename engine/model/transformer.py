@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kvchat import kernels
 from kvchat.kernels import cpu_quant
@@ -23,6 +24,7 @@ from kvchat.kernels import cpu_quant
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.experts import RoutedMLP
+from kvchat.engine.model import linear_attention as gdn
 from kvchat.engine.model.linears import rms_norm
 from kvchat.engine.model.spec import LayerSpec
 
@@ -43,7 +45,7 @@ class DecodeKernel:
 def unsupported(spec: LayerSpec, head_dim: int) -> str | None:
     """The first thing in a layer's description the engine's attention does not compute yet, or None (the
     forward itself computes every other field)."""
-    checks = (("rope.dims", spec.rope.dims is None),)
+    checks = (("rope.dims", spec.rope.dims is None or spec.rope.dims <= head_dim),)
     return next((f"{name}={_field(spec, name)!r}" for name, ok in checks if not ok), None)
 
 
@@ -60,30 +62,51 @@ class Layer:
     multiplier each applies (Gemma's 1 + w already added); q_norm / k_norm [head_dim] where the spec has qk_norm,
     post_attn_norm / post_mlp_norm where it has post_norms, else None. A mixture-of-experts layer has `mlp` (an
     experts.RoutedMLP) instead of gate_up / down; sinks: the learned sink logits [num_heads] float32 where the spec
-    has sink_logits (the attention backends read them through runner's LayerScores)."""
+    has sink_logits (the attention backends read them through runner's LayerScores).
+
+    A linear-attention layer (spec.linear) keeps its projections in the same slots: qkv is in_proj_qkv | in_proj_z |
+    in_proj_b | in_proj_a fused, o is out_proj; `mixer` holds its vectors (conv [channels, kernel], dt_bias, A, the
+    gated norm's multiplier). `shared`: a shared expert beside the routed MLP, (gate_up, down, gate [1, hidden])."""
     __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "q_norm", "k_norm", "post_attn_norm",
-                 "post_mlp_norm", "mlp", "sinks")
+                 "post_mlp_norm", "mlp", "sinks", "mixer", "shared")
 
     def __init__(self, qkv, o, gate_up, down, norm_attn: torch.Tensor, norm_mlp: torch.Tensor,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                  post_attn_norm: torch.Tensor | None = None, post_mlp_norm: torch.Tensor | None = None,
-                 mlp: RoutedMLP | None = None, sinks: torch.Tensor | None = None):
+                 mlp: RoutedMLP | None = None, sinks: torch.Tensor | None = None,
+                 mixer: "MixerWeights | None" = None, shared: tuple | None = None):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.norm_attn, self.norm_mlp = norm_attn, norm_mlp
         self.q_norm, self.k_norm = q_norm, k_norm
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
         self.mlp, self.sinks = mlp, sinks
+        self.mixer, self.shared = mixer, shared
 
     def norms(self) -> list[torch.Tensor]:
-        """The layer's vectors: norms, sink logits and the routed MLP's biases."""
+        """The layer's vectors: norms, sink logits, the routed MLP's biases and a linear mixer's vectors."""
         extra = [self.sinks] + (self.mlp.tensors() if self.mlp is not None else [])
+        extra += list(self.mixer.tensors()) if self.mixer is not None else []
         return [t for t in (self.norm_attn, self.norm_mlp, self.q_norm, self.k_norm, self.post_attn_norm,
                             self.post_mlp_norm, *extra) if t is not None]
 
     def linears(self) -> list:
-        """Every linear of the layer (a routed MLP's router and experts included)."""
+        """Every linear of the layer (a routed MLP's router and experts, a shared expert included)."""
         dense = [p for p in (self.qkv, self.o, self.gate_up, self.down) if p is not None]
-        return dense + (self.mlp.linears() if self.mlp is not None else [])
+        shared = list(self.shared) if self.shared is not None else []
+        return dense + (self.mlp.linears() if self.mlp is not None else []) + shared
+
+
+@dataclass(frozen=True)
+class MixerWeights:
+    """A linear-attention layer's vectors (spec.LinearAttention): conv [channels, kernel], dt_bias and A [value
+    heads] (A = -exp(A_log), the decay rate), norm [value_dim] (the gated RMSNorm's multiplier), all float32."""
+    conv: torch.Tensor
+    dt_bias: torch.Tensor
+    A: torch.Tensor
+    norm: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.conv, self.dt_bias, self.A, self.norm
 
 
 class Transformer:
@@ -104,7 +127,9 @@ class Transformer:
             # the weights a spec's fields need (a loader that built a Layer without them is a programming error)
             for name, need in (("q_norm", spec.qk_norm), ("k_norm", spec.qk_norm),
                                ("post_attn_norm", spec.post_norms), ("post_mlp_norm", spec.post_norms),
-                               ("mlp", spec.experts is not None), ("sinks", spec.sink_logits)):
+                               ("mlp", spec.experts is not None), ("sinks", spec.sink_logits),
+                               ("mixer", spec.linear is not None),
+                               ("shared", spec.experts is not None and spec.experts.shared_ffn > 0)):
                 if need and getattr(L, name) is None:
                     raise ValueError(f"layer {i}: its spec asks for {name}, but the layer has no such weight")
         self.config = config
@@ -117,6 +142,9 @@ class Transformer:
         self.weights = weights
         self.quant = quant              # what the file holds, e.g. "Q4_1 (+Q8_0)"; "" for float sources
         self.inv_freq = config.inv_freq().to(device)
+        # a partial rotation's order of each head's dimensions (Rope.permutation), per layer: None where all turn
+        self._order = [None if spec.linear is not None or spec.rope.permutation(config.head_dim) is None else
+                       torch.from_numpy(spec.rope.permutation(config.head_dim)).to(device) for spec in config.layers]
         self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
         self._kernel_checked = False
 
@@ -135,19 +163,21 @@ class Transformer:
         split = num_decode
         for i, (L, spec) in enumerate(zip(self.layers, c.layers)):
             qkv = L.qkv.fused(x, norm=L.norm_attn, eps=eps, split=split)
-            if spec.qk_norm:
-                qkv = qkv.contiguous()
-            q, k, v = self._split_qkv(qkv)
-            if spec.qk_norm:                    # per head, over head_dim, before the callback rotates them
-                # on the CPU in fp32 the one-call step's own norm (in place; q, k are views), so both give one bits
-                if kernels.gpu_path(qkv) or not cpu_quant.qk_norm_(qkv, c.num_heads, c.num_kv_heads, c.head_dim,
-                                                                 L.q_norm, L.k_norm, eps):
-                    q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
-            o = attention(i, q, k, v).reshape(T, q_size).to(self.dtype)
+            if spec.linear is not None:         # a recurrent state instead of a KV cache
+                o = self._linear_mixer(i, L, spec, qkv, attention)
+            else:
+                o = self._attend(i, L, spec, qkv, attention).reshape(T, q_size).to(self.dtype)
             if spec.post_norms:                 # normed after attention, then added (not o_proj's fused residual)
                 x = x + rms_norm(L.o.fused(o, split=split), L.post_attn_norm, eps)
             else:
                 x = L.o.fused(o, residual=x, split=split)
+            if L.shared is not None:            # a routed MLP with a shared expert beside it
+                gu, down, gate = L.shared
+                h = rms_norm(x, L.norm_mlp, eps)
+                y = L.mlp.fused(x, L.norm_mlp, eps, x, split)
+                y = y + down.fused(gu(h, split=split), swiglu=True, split=split) * torch.sigmoid(gate(h, split=split))
+                x = y
+                continue
             if L.mlp is not None:               # a routed MLP: only the experts each row is routed to
                 y = L.mlp.fused(x, L.norm_mlp, eps, None if spec.post_norms else x, split)
                 x = x + rms_norm(y, L.post_mlp_norm, eps) if spec.post_norms else y
@@ -164,6 +194,52 @@ class Transformer:
             x = x[-1:]
             split = None
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=eps, split=split).float())
+
+    def _attend(self, i: int, L: Layer, spec: LayerSpec, qkv: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """Softmax attention of layer i over its KV cache (the callback's): q, k, v from the fused projection (with
+        Qwen3.5's output gate, each head's query then its gate), q / k norms, a partial rotation's order."""
+        c, eps = self.config, self.config.rms_norm_eps
+        T = qkv.shape[0]
+        gate = None
+        if spec.attn_gate:                      # [T, H, (query | gate)], then k and v
+            q_size = c.num_heads * c.head_dim
+            qg = qkv[:, :2 * q_size].view(T, c.num_heads, 2, c.head_dim)
+            gate = qg[:, :, 1]
+            kv = qkv[:, 2 * q_size:]
+            q = qg[:, :, 0]
+            k, v = (kv[:, :kv.shape[1] // 2].view(T, c.num_kv_heads, c.head_dim),
+                    kv[:, kv.shape[1] // 2:].view(T, c.num_kv_heads, c.head_dim))
+            q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
+        else:
+            if spec.qk_norm:
+                qkv = qkv.contiguous()
+            q, k, v = self._split_qkv(qkv)
+            if spec.qk_norm:                    # per head, over head_dim, before the callback rotates them
+                # on the CPU in fp32 the one-call step's own norm (in place; q, k are views), so both give one bits
+                if kernels.gpu_path(qkv) or not cpu_quant.qk_norm_(qkv, c.num_heads, c.num_kv_heads, c.head_dim,
+                                                                 L.q_norm, L.k_norm, eps):
+                    q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
+        order = self._order[i]
+        if order is not None:                   # a partial rotation as a whole-head one (Rope.permutation)
+            q, k = q[..., order], k[..., order]
+        o = attention(i, q, k, v)
+        return o if gate is None else o * torch.sigmoid(gate).to(o.dtype)
+
+    def _linear_mixer(self, i: int, L: Layer, spec: LayerSpec, proj: torch.Tensor, attention) -> torch.Tensor:
+        """Gated DeltaNet (spec.LinearAttention) over the step's rows: the projections (q | k | v, z, b, a) are the
+        rows' own; the convolution and the delta rule run over each sequence's state through the callback's
+        `recurrent`. -> [T, value_heads * value_dim] in the model dtype, for out_proj."""
+        la, W = spec.linear, L.mixer
+        T = proj.shape[0]
+        C, V = la.channels, la.value_heads * la.value_dim
+        mixed = proj[:, :C].float()
+        z = proj[:, C:C + V].view(T, la.value_heads, la.value_dim)
+        b = proj[:, C + V:C + V + la.value_heads].float()
+        a = proj[:, C + V + la.value_heads:].float()
+        beta = torch.sigmoid(b)
+        g = W.A * F.softplus(a + W.dt_bias)
+        o = attention.recurrent(i, mixed, g, beta, W.conv, la)
+        return gdn.gated_norm(o, z, W.norm, self.config.rms_norm_eps).reshape(T, V).to(self.dtype)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] in the model dtype, times the description's embedding scale (Gemma: sqrt(hidden))."""

@@ -21,7 +21,7 @@ from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.experts import RoutedMLP, expert_views
-from kvchat.engine.model.transformer import Layer, Transformer
+from kvchat.engine.model.transformer import Layer, MixerWeights, Transformer
 from kvchat.engine.model.config import check_weight_shapes, layer_modules
 from kvchat.engine.model.linears import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
 from kvchat.engine.model.linears import MXFP4Linear, Q6Linear
@@ -47,9 +47,16 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
             names = modules.get(part)
             return None if names is None else tensor(p + names[0] + ".weight", spec.norm_offset)
 
-        mlp = None
+        mlp = shared = mixer = None
         if spec.experts is not None:
             mlp = _routed(spec.experts, p, linear, tensor, per_expert)
+            if spec.experts.shared_ffn:
+                shared = (lin("shared_gate_up", False), lin("shared_down", False), lin("shared_gate", False))
+        if spec.linear is not None:
+            la = spec.linear
+            vec = lambda part: tensor(p + modules[part][0] + (".bias" if part == "dt" else ".weight")).float()  # noqa: E731
+            mixer = MixerWeights(vec("conv").reshape(la.channels, la.conv_kernel).contiguous(), vec("dt").reshape(-1),
+                                 vec("A").reshape(-1), vec("mixer_norm").reshape(-1))
         layers.append(Layer(
             qkv=lin("qkv", spec.qkv_bias), o=lin("o", spec.o_bias),
             gate_up=lin("gate_up", spec.mlp_bias) if mlp is None else None,
@@ -57,7 +64,8 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
             norm_attn=norm("norm_attn"), norm_mlp=norm("norm_mlp"),
             q_norm=norm("q_norm"), k_norm=norm("k_norm"),
             post_attn_norm=norm("post_attn_norm"), post_mlp_norm=norm("post_mlp_norm"),
-            mlp=mlp, sinks=tensor(p + "self_attn.sinks.weight").float() if spec.sink_logits else None))
+            mlp=mlp, sinks=tensor(p + "self_attn.sinks.weight").float() if spec.sink_logits else None,
+            mixer=mixer, shared=shared))
     table = linear(["model.embed_tokens.weight"], None)
     head = table if mc.tie_word_embeddings else linear(["lm_head.weight"], None)
     # the final norm is the family's kind too (Gemma: 1 + w)
@@ -130,8 +138,23 @@ def expert_state(model_type: str, state: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
+def linear_state(state: dict[str, torch.Tensor]) -> None:
+    """A Hugging Face checkpoint's linear-attention tensors under kvchat's names (config.linear_shapes), in place:
+    A_log becomes A = -exp(A_log) (the decay rate the forward multiplies by), dt_bias the bias dt.bias, the depthwise
+    conv1d [channels, 1, kernel] a [channels, kernel] matrix."""
+    for name in [n for n in state if ".linear_attn." in n]:
+        t = state[name]
+        if name.endswith(".A_log"):
+            state[name[:-len("A_log")] + "A.weight"] = -torch.exp(state.pop(name).float())
+        elif name.endswith(".dt_bias"):
+            state[name[:-len("dt_bias")] + "dt.bias"] = state.pop(name)
+        elif name.endswith(".conv1d.weight") and t.dim() == 3:
+            state[name] = t.reshape(t.shape[0], t.shape[-1])
+
+
 def from_state_dict(mc: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
                     weights: str) -> Transformer:
+    linear_state(state)
     if any(spec.experts is not None or spec.sink_logits for spec in mc.layers):
         if any(name.endswith(("_blocks", "_scales")) for name in state):
             raise ModelLoadError("this checkpoint stores its experts as MXFP4 blocks in safetensors, which kvchat does "

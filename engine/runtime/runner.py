@@ -22,6 +22,7 @@ from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.layout import MIB, KVLayout, check_cache_for_model, kv_groups, kv_layout
 from kvchat.engine.kv.manager import NoFreeBlocks
 from kvchat.engine.kv.sequence import Conversation
+from kvchat.engine.kv.state import StateLayout
 from kvchat.engine.model.transformer import Transformer
 
 
@@ -35,6 +36,7 @@ class ModelRunner:
         self.scores = tuple(LayerScores(spec.query_scale, spec.attn_softcap, getattr(L, "sinks", None))
                             for spec, L in zip(model.config.layers, model.layers))
         self.cache = KVCache(self.device, int(budget_mb * MIB), on_release=self._releasing)
+        self.state_layout = StateLayout.of(model.config)     # linear-attention layers' state, or None
         self.warm_sessions: weakref.WeakSet = weakref.WeakSet()   # sessions whose cache has a second tier
         self.offloaded = 0                         # conversations saved to the second tier when released
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
@@ -81,7 +83,7 @@ class ModelRunner:
     def new_sequence(self, cache: CacheConfig) -> Conversation:
         self.check(cache)
         with self.lock:
-            return self.cache.open(self.groups(cache))
+            return self.cache.open(self.groups(cache), self.state_layout)
 
     def free(self, seq: Conversation) -> int:
         with self.lock:
@@ -218,30 +220,34 @@ class ModelRunner:
             reserved = StepReservation(self.cache, [items[i] for i in order], [decode[i] for i in order],
                                        self.layer_inv_freq, self.device, keep)
             try:
-                logits, per_row = self._forward(reserved, all_logits)
+                logits, per_row, attention = self._forward(reserved, all_logits)
             except BaseException:
                 reserved.rollback()
                 raise
             reserved.commit(hash_ids)
+            attention.commit_states()
             self.steps += 1
         return item_logits(order, reserved.steps, logits, per_row, all_logits)
 
-    def _forward(self, reserved: StepReservation, all_logits: bool) -> tuple[torch.Tensor, bool]:
+    def _forward(self, reserved: StepReservation, all_logits: bool) -> tuple[torch.Tensor, bool, StepAttention]:
         """The step's logits and whether they are one row per token (else one per item): one kernel call where every
         row is a one-token decode (of one layout: its backend's own step), else the forward with each sequence's
         backend attending."""
         steps = reserved.steps
         x = torch.tensor([t for _, ids in reserved.items for t in ids], dtype=torch.long, device=self.device)
-        attention = StepAttention(reserved.layer_steps, lambda st: self.backend(st.res.seq.layout))
+        items = [(seq, st.offset, st.num_new, st.decode) for (seq, _), st in zip(reserved.items, steps)]
+        attention = StepAttention(reserved.layer_steps, lambda st: self.backend(st.res.seq.layout),
+                                  items if self.state_layout is not None else None)
         if all(st.one_token_decode for st in attention.steps):        # rows: every token of the step, in order
             logits = (attention.decode(self.model, x) if attention.one_layout_decode
                       else self.model.forward_decode(x, attention=attention))
             if logits is not None:
-                return logits, True
+                return logits, True, attention
         verifying = any(st.decode and st.num_new > 1 for st in steps)
         rows = None if all_logits or verifying else [st.offset + st.num_new - 1 for st in steps]
         num_decode = sum(st.num_new for st in steps if st.decode)
-        return self.model.forward(x, attention, all_logits=True, rows=rows, num_decode=num_decode), rows is None
+        return (self.model.forward(x, attention, all_logits=True, rows=rows, num_decode=num_decode), rows is None,
+                attention)
 
     def backend(self, layout: KVLayout) -> AttentionBackend:
         """The layout's attention backend on this device, chosen on first use (backends.backend_for)."""

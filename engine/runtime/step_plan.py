@@ -168,6 +168,8 @@ class StepReservation:
                 for member in seq.members:
                     self._reserve(member, ids, dec, keep, offset, device, plans)
                 for layer, steps in enumerate(self.layer_steps):
+                    if layer not in plans:          # a linear-attention layer: no KV, the state's (StepAttention)
+                        continue
                     if isinstance(plans[layer], list):
                         steps.extend(plans[layer])
                     else:

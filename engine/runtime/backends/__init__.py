@@ -49,17 +49,22 @@ class StepAttention:
     backend go to it together (one kernel call per layer); the rest one sequence at a time. Batch rows follow the
     items' order. Layers that share their steps (every layer of a one-group model) share their runs."""
 
-    def __init__(self, layer_steps: list[list], backend_of):
+    def __init__(self, layer_steps: list[list], backend_of, items: list | None = None):
         self.layer_steps = layer_steps
-        self.steps = layer_steps[0]
+        self.steps = next(steps for steps in layer_steps if steps)
         by_steps: dict[tuple, list] = {}
         self.layer_runs = []
         for steps in layer_steps:
+            if not steps:                   # a linear-attention layer: its rows go through recurrent()
+                self.layer_runs.append([])
+                continue
             key = tuple(map(id, steps))
             if key not in by_steps:
                 by_steps[key] = self._runs(steps, [backend_of(st) for st in steps])
             self.layer_runs.append(by_steps[key])
-        self.shared = len(by_steps) == 1
+        self.shared = len(by_steps) == 1 and all(layer_steps)
+        self.items = items or []            # (conversation, offset, rows, decode) per item, for recurrent()
+        self.pending: dict[tuple[int, int], tuple] = {}     # (item, layer) -> the state after this step
 
     @staticmethod
     def _runs(steps: list, backends: list[AttentionBackend]) -> list:
@@ -96,6 +101,39 @@ class StepAttention:
             else:
                 outs.append(backend.attend(local, q[sl], k[sl], v[sl], first))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def recurrent(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  conv_weight: torch.Tensor, la) -> torch.Tensor:
+        """A linear-attention layer over the step's rows (engine/model/linear_attention.py): mixed [T, channels]
+        before the convolution, g and beta [T, value heads] -> outputs [T, value heads, value_dim] float32. Each
+        item starts from its conversation's state; the state after the step waits in `pending` until the step
+        commits (commit_states), so a step that fails changes no state. Generated rows go one token at a time,
+        prompt rows in chunks (a row's numbers depend on its kind, never on its batch)."""
+        from kvchat.engine.model import linear_attention as gdn
+        kd = la.key_heads * la.key_dim
+        outs = []
+        for i, (conv, offset, n, decode) in enumerate(self.items):
+            rows = slice(offset, offset + n)
+            tail, matrices = conv.state.layer(layer)
+            x, tail = gdn.conv(mixed[rows], tail, conv_weight)
+            q = x[:, :kd].view(n, la.key_heads, la.key_dim)
+            k = x[:, kd:2 * kd].view(n, la.key_heads, la.key_dim)
+            v = x[:, 2 * kd:].reshape(n, la.value_heads, la.value_dim)
+            q, k = gdn.prepare(q, k, la.value_heads)
+            run = gdn.step if decode else gdn.chunked
+            o, matrices = run(q, k, v, g[rows], beta[rows], matrices)
+            self.pending[(i, layer)] = (tail, matrices)
+            outs.append(o)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def commit_states(self) -> None:
+        """The step committed: each item's conversation takes the states the step made, at its new token count."""
+        for (i, layer), (tail, matrices) in self.pending.items():
+            self.items[i][0].state.write(layer, tail, matrices)
+        for conv, _, n, _ in self.items:
+            if conv.state is not None:
+                conv.state.position = conv.num_tokens
+        self.pending.clear()
 
     def decode(self, model, token_ids: torch.Tensor) -> torch.Tensor | None:
         """One kernel call through every layer (see one_layout_decode) -> logits [B, vocab], or None."""

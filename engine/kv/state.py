@@ -1,0 +1,156 @@
+"""The recurrent state of a conversation's linear-attention layers (spec.LinearAttention): the cache's other citizen.
+
+A linear-attention layer keeps no KV: per conversation it holds the convolution's last inputs and the delta rule's
+matrices, the same bytes at 10 tokens and at 10,000. The KV cache (kv/cache.py) owns it beside the pages, under the
+same budget (the first group's sequence carries its bytes, see KVCache), and a step changes it as it changes pages:
+the new state is made aside during the forward pass and taken only when the step commits.
+
+A state cannot be rolled back the way KV blocks are (the tokens it has read are folded into it), so the state keeps
+snapshots: copies of itself at chosen positions (where a prompt ended, where a turn began). Regenerate, edit, rewind
+and take-back return to a snapshot instead of reading the conversation again; a fork starts from one. Each snapshot
+costs a whole state, so a conversation keeps at most MAX_SNAPSHOTS (the oldest goes first) and they count against the
+budget like the live state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_SNAPSHOTS = 4           # per conversation: the turn's start, the prompt's end, and two turns back
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """The shape of one conversation's state: the model layers that keep one, and per layer the convolution's tail
+    [channels, kernel - 1] and the matrices [value_heads, key_dim, value_dim], float32."""
+    layers: tuple[int, ...]
+    conv: tuple[int, int]
+    matrices: tuple[int, int, int]
+
+    @classmethod
+    def of(cls, config) -> "StateLayout | None":
+        """The state of a ModelConfig's linear-attention layers, or None for a model without them."""
+        specs = [(i, spec.linear) for i, spec in enumerate(config.layers) if spec.linear is not None]
+        if not specs:
+            return None
+        shapes = {la for _, la in specs}
+        if len(shapes) > 1:
+            raise ValueError("linear-attention layers of different shapes in one model")
+        la = specs[0][1]
+        return cls(tuple(i for i, _ in specs), (la.channels, la.conv_kernel - 1),
+                   (la.value_heads, la.key_dim, la.value_dim))
+
+    @property
+    def layer_bytes(self) -> int:
+        c, k = self.conv
+        h, dk, dv = self.matrices
+        return 4 * (c * k + h * dk * dv)
+
+    @property
+    def bytes(self) -> int:
+        """One state (live, or one snapshot) over every linear layer."""
+        return self.layer_bytes * len(self.layers)
+
+
+class RecurrentState:
+    """One conversation's state: `conv` [layers, channels, kernel - 1] and `matrices` [layers, heads, Dk, Dv] after
+    `position` tokens, and its snapshots by position (oldest first)."""
+
+    def __init__(self, layout: StateLayout, device):
+        self.layout = layout
+        self.device = device
+        n = len(layout.layers)
+        self.conv = torch.zeros(n, *layout.conv, device=device)
+        self.matrices = torch.zeros(n, *layout.matrices, device=device)
+        self.position = 0
+        self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.index = {layer: j for j, layer in enumerate(layout.layers)}
+
+    @property
+    def bytes(self) -> int:
+        """The live state and every snapshot."""
+        return self.layout.bytes * (1 + len(self.snapshots))
+
+    def reset(self) -> None:
+        """Back to the state before any token, no snapshots."""
+        self.conv.zero_()
+        self.matrices.zero_()
+        self.position = 0
+        self.snapshots.clear()
+
+    def snapshot(self, limit: int = MAX_SNAPSHOTS) -> int:
+        """Keep a copy of the state at its position (the oldest snapshots go past `limit`); returns the bytes it
+        added (0 where one is already kept there, or limit is 0)."""
+        if limit <= 0 or self.position in self.snapshots:
+            return 0
+        added = self.layout.bytes
+        self.snapshots[self.position] = (self.conv.clone(), self.matrices.clone())
+        while len(self.snapshots) > limit:
+            del self.snapshots[min(self.snapshots)]
+            added -= self.layout.bytes
+        return added
+
+    def drop_oldest(self) -> int:
+        """One snapshot less to make room; returns its bytes (0 when there is none)."""
+        if not self.snapshots:
+            return 0
+        del self.snapshots[min(self.snapshots)]
+        return self.layout.bytes
+
+    def can_return(self, position: int) -> bool:
+        return position == self.position or position in self.snapshots
+
+    def restore(self, position: int) -> None:
+        """The state after `position` tokens, from its snapshot (kept: it may be returned to again); later snapshots
+        go (they belong to tokens that are taken back)."""
+        if position != self.position:
+            conv, matrices = self.snapshots[position]
+            self.conv.copy_(conv)
+            self.matrices.copy_(matrices)
+            self.position = position
+        for p in [p for p in self.snapshots if p > position]:
+            del self.snapshots[p]
+
+    def best_at_most(self, position: int) -> int | None:
+        """The latest position <= `position` the state can return to, or None."""
+        held = [p for p in (self.position, *self.snapshots) if p <= position]
+        return max(held) if held else None
+
+    def copy_at(self, position: int) -> "RecurrentState":
+        """A new state equal to this one at `position` (which can_return), without snapshots."""
+        child = RecurrentState(self.layout, self.device)
+        conv, matrices = (self.conv, self.matrices) if position == self.position else self.snapshots[position]
+        child.conv.copy_(conv)
+        child.matrices.copy_(matrices)
+        child.position = position
+        return child
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model layer `layer`'s (conv tail, matrices), views of the live state."""
+        j = self.index[layer]
+        return self.conv[j], self.matrices[j]
+
+    def write(self, layer: int, conv: torch.Tensor, matrices: torch.Tensor) -> None:
+        j = self.index[layer]
+        self.conv[j].copy_(conv)
+        self.matrices[j].copy_(matrices)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """The live state as tensors for a saved cache (its position is the conversation's token count)."""
+        return {"state.conv": self.conv.cpu().clone(), "state.matrices": self.matrices.cpu().clone()}
+
+    def load(self, tensors: dict[str, torch.Tensor], position: int) -> None:
+        """The live state from export()'s tensors; a ValueError where they are not this layout's."""
+        conv, matrices = tensors.get("state.conv"), tensors.get("state.matrices")
+        if conv is None or matrices is None:
+            raise ValueError("the saved cache holds no recurrent state")
+        if tuple(conv.shape) != tuple(self.conv.shape) or tuple(matrices.shape) != tuple(self.matrices.shape):
+            raise ValueError(f"the saved state has shapes {list(conv.shape)} / {list(matrices.shape)}, this model's "
+                             f"{list(self.conv.shape)} / {list(self.matrices.shape)}")
+        if not (torch.isfinite(conv).all() and torch.isfinite(matrices).all()):
+            raise ValueError("the saved state holds values that are not finite")
+        self.conv.copy_(conv)
+        self.matrices.copy_(matrices)
+        self.position = position
+        self.snapshots.clear()
