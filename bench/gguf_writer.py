@@ -68,6 +68,15 @@ class ModelShape:
     biases: bool = False
     sinks: bool = False
     yarn: tuple[float, int] | None = None
+    # Qwen3.5 (qwen35, qwen35moe): Gated DeltaNet layers of linear = (key heads, value heads, head width, conv kernel)
+    # (llama.cpp reads one width for key and value heads: ssm.state_size), every full_every-th layer gated full
+    # attention rotating `rotary` of head_dim; shared_ffn: the shared expert's intermediate size; mtp: the
+    # multi-token-prediction blocks llama.cpp's converter appends after the layers
+    linear: tuple[int, int, int, int] | None = None
+    full_every: int = 0
+    rotary: int | None = None
+    shared_ffn: int = 0
+    mtp: int = 0
 
     def __post_init__(self):
         if self.experts and not 0 < self.experts_used <= self.experts:
@@ -77,6 +86,21 @@ class ModelShape:
                              f"({self.intermediate}), not {self.expert_ffn}")
         if self.arch in _ROUTED and not self.experts:
             raise ValueError(f"{self.name}: llama.cpp reads every {self.arch} layer as a mixture of experts")
+        if (self.arch in _HYBRID) != (self.linear is not None and self.full_every > 0):
+            raise ValueError(f"{self.name}: linear-attention layers (linear, full_every) are for arch qwen35 / "
+                             f"qwen35moe, and those need them")
+        if self.linear and self.linear[1] % self.linear[0]:
+            raise ValueError(f"{self.name}: {self.linear[1]} value heads are not a multiple of {self.linear[0]} key "
+                             f"heads")
+
+    @property
+    def blocks(self) -> int:
+        """block_count: the layers and the MTP blocks after them."""
+        return self.layers + self.mtp
+
+    def is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer (llama.cpp's qwen35 pattern: every full_every-th layer full attention)."""
+        return bool(self.linear) and layer < self.layers and (layer + 1) % self.full_every != 0
 
     @property
     def ffn_exp(self) -> int:
@@ -84,7 +108,12 @@ class ModelShape:
 
 
 # architectures whose every layer llama.cpp reads as routed (llama has experts where its expert_count says)
-_ROUTED = {"qwen3moe", "gpt-oss"}
+_ROUTED = {"qwen3moe", "gpt-oss", "qwen35moe"}
+# hybrids of Gated DeltaNet and full attention
+_HYBRID = {"qwen35", "qwen35moe"}
+# the rotary sections llama.cpp's converter writes for Qwen3.5 (transformers' default mrope_section, padded to 4);
+# on text every section turns at the token's position, so they rotate as one plain NeoX rope
+QWEN35_ROPE_SECTIONS = (11, 11, 10, 0)
 
 PRESETS = {
     "tiny": ModelShape("tiny", 2, 256, 4, 2, 512, 64, 2048, 10000.0, True),
@@ -107,6 +136,19 @@ PRESETS = {
     # mistralai/Mixtral-8x7B-v0.1 (and -Instruct-v0.1): written by llama.cpp as arch llama with an expert count
     "mixtral-8x7b": ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 14336, 128, 32768, 1e6, False, vocab=32000,
                                experts=8, experts_used=2),
+    # Qwen/Qwen3.5-9B and Qwen/Qwen3.5-35B-A3B, text_config of each repository's config.json (the 9B's are
+    # transformers' Qwen3_5TextConfig defaults, the 35B's its Qwen3_5MoeTextConfig defaults): 3 Gated DeltaNet layers
+    # (16 key heads, 32 value heads, all 128 wide, conv kernel 4) then one gated attention layer (head_dim 256, a
+    # quarter rotated: partial_rotary_factor 0.25), rope_theta 1e7, 262,144 positions, vocabulary 248,320; one MTP
+    # block (mtp_num_hidden_layers 1), which llama.cpp's converter writes after the layers. The 9B: 32 layers of
+    # 4096, 16 / 4 heads, intermediate 12288, untied head (8.95B parameters, as llama.cpp counts its GGUF). The
+    # 35B-A3B: 40 layers of 2048, 16 / 2 heads, 256 experts of 512 (8 used) and a shared expert of 512; its config
+    # has no dense intermediate_size (no feed_forward_length is written; 512 here sizes nothing)
+    "qwen3.5-9b": ModelShape("qwen3.5-9b", 32, 4096, 16, 4, 12288, 256, 262144, 1e7, False, arch="qwen35",
+                             vocab=248320, rms_norm_eps=1e-6, linear=(16, 32, 128, 4), full_every=4, rotary=64, mtp=1),
+    "qwen3.5-35b-a3b": ModelShape("qwen3.5-35b-a3b", 40, 2048, 16, 2, 512, 256, 262144, 1e7, False, arch="qwen35moe",
+                                  vocab=248320, rms_norm_eps=1e-6, experts=256, experts_used=8, expert_ffn=512,
+                                  linear=(16, 32, 128, 4), full_every=4, rotary=64, shared_ffn=512, mtp=1),
 }
 
 # mix name -> (type of the 2-D layer weights, token_embd / output type, general.file_type)
@@ -138,17 +180,21 @@ def use_more_bits(layer: int, layers: int) -> bool:
 def tensor_type(mix: str, name: str, layers: int, tied: bool, experts: int = 0, stacked: bool = False) -> str:
     """The type llama.cpp's quantizer (llama_tensor_get_type) would give tensor `name` (GGUF name) in this mix.
 
-    F32 where llama.cpp never quantizes: norms, biases and anything else not named .weight, sink logits, the router
-    (ffn_gate_inp). Q4_K_M follows llama.cpp: output (and token_embd when tied to it) Q6_K, untied token_embd Q4_K,
-    attn_v and ffn_down (the experts' too) Q6_K in the use_more_bits layers, Q4_K elsewhere. A model of exactly 8
-    experts (Mixtral) gets attn_k and attn_v in Q8_0 in every quantized mix and attn_output Q5_K in the K mixes.
-    MXFP4: stacked (3-D) expert tensors MXFP4, every other matrix Q8_0.
+    F32 where llama.cpp never quantizes: norms, biases and anything else not named .weight (Qwen3.5's ssm_a), sink
+    logits, the router (ffn_gate_inp), the shared expert's gate (one row: llama.cpp quantizes 2-D tensors only) and
+    a Gated DeltaNet's conv1d. Q4_K_M follows llama.cpp: output (and token_embd when tied to it) Q6_K, untied
+    token_embd Q4_K, attn_v and the fused attn_qkv (llama.cpp's attn_v-like ones: Qwen3.5's linear layers, Phi-3)
+    and ffn_down (the experts' and the shared expert's too) Q6_K in the use_more_bits layers (counted over every
+    block, MTP blocks included), Q4_K elsewhere. A model of exactly 8 experts (Mixtral) gets attn_k and attn_v in
+    Q8_0 in every quantized mix and attn_output Q5_K in the K mixes. MXFP4: stacked (3-D) expert tensors MXFP4,
+    every other matrix Q8_0.
     """
     if mix not in MIXES:
         raise ValueError(f"unknown type {mix!r}: one of {', '.join(MIXES)}")
     base, edge, _ = MIXES[mix]
     if (not name.endswith(".weight") or name.endswith("_norm.weight")
-            or name.endswith((".ffn_gate_inp.weight", ".attn_sinks.weight"))):
+            or name.endswith((".ffn_gate_inp.weight", ".attn_sinks.weight", ".ffn_gate_inp_shexp.weight",
+                              ".ssm_conv1d.weight"))):
         return "F32"
     if name == "output.weight" or (name == "token_embd.weight" and tied):
         return edge
@@ -158,11 +204,11 @@ def tensor_type(mix: str, name: str, layers: int, tied: bool, experts: int = 0, 
         return base if mix == "Q4_K_M" else edge
     if mix in _FLOAT_MIXES:
         return base
-    if experts == 8 and name.endswith((".attn_k.weight", ".attn_v.weight")):
+    if experts == 8 and name.endswith((".attn_k.weight", ".attn_v.weight", ".attn_qkv.weight")):
         return "Q8_0"
     if experts == 8 and mix in ("Q4_K_M", "Q4_K") and name.endswith(".attn_output.weight"):
         return "Q5_K"
-    if mix == "Q4_K_M" and (name.endswith(".attn_v.weight") or ".ffn_down" in name):
+    if mix == "Q4_K_M" and (name.endswith((".attn_v.weight", ".attn_qkv.weight")) or ".ffn_down" in name):
         return "Q6_K" if use_more_bits(int(name.split(".")[1]), layers) else base
     return base
 
@@ -189,6 +235,8 @@ _MLP_NORM = {"gpt-oss": "post_attention_norm"}
 def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, numpy shape: [out, in], an expert stack [experts, out, in]) in the order llama.cpp's converter
     writes them."""
+    if shape.arch in _HYBRID:
+        return _hybrid_tensors(shape, vocab)
     h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
     e, fe = shape.experts, shape.ffn_exp
     out = [("token_embd.weight", (vocab, h))]
@@ -224,6 +272,46 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]
     return out
 
 
+def _hybrid_tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen3.5's tensors (llama.cpp's qwen35 / qwen35moe): per layer a Gated DeltaNet (the fused q|k|v projection
+    attn_qkv, its output gate attn_gate, beta and alpha rows, the depthwise conv [channels, kernel], dt bias, the
+    bare decay ssm_a, the gated norm of one head's width, ssm_out) or gated attention (attn_q: each head's query and
+    gate rows), the MLP's pre-norm post_attention_norm, a dense MLP or the experts with a shared expert; then the MTP
+    blocks: gated attention and the MLP, with the nextn projection [hidden, 2 x hidden] and its norms."""
+    h, d, f = shape.hidden, shape.head_dim, shape.intermediate
+    hk, hv, width, kernel = shape.linear
+    channels, values = 2 * hk * width + hv * width, hv * width
+    out = [("token_embd.weight", (vocab, h))]
+    for i in range(shape.blocks):
+        p = f"blk.{i}."
+        out.append((p + "attn_norm.weight", (h,)))
+        if shape.is_linear(i):
+            out += [(p + "attn_qkv.weight", (channels, h)), (p + "attn_gate.weight", (values, h)),
+                    (p + "ssm_beta.weight", (hv, h)), (p + "ssm_alpha.weight", (hv, h)),
+                    (p + "ssm_conv1d.weight", (channels, kernel)), (p + "ssm_dt.bias", (hv,)), (p + "ssm_a", (hv,)),
+                    (p + "ssm_norm.weight", (width,)), (p + "ssm_out.weight", (h, values))]
+        else:
+            out += [(p + "attn_q.weight", (2 * shape.heads * d, h)), (p + "attn_k.weight", (shape.kv_heads * d, h)),
+                    (p + "attn_v.weight", (shape.kv_heads * d, h)), (p + "attn_output.weight", (h, shape.heads * d)),
+                    (p + "attn_q_norm.weight", (d,)), (p + "attn_k_norm.weight", (d,))]
+        out.append((p + "post_attention_norm.weight", (h,)))
+        if shape.experts:
+            e, fe, fs = shape.experts, shape.ffn_exp, shape.shared_ffn
+            out += [(p + "ffn_gate_inp.weight", (e, h)), (p + "ffn_gate_exps.weight", (e, fe, h)),
+                    (p + "ffn_up_exps.weight", (e, fe, h)), (p + "ffn_down_exps.weight", (e, h, fe)),
+                    (p + "ffn_gate_inp_shexp.weight", (1, h)), (p + "ffn_gate_shexp.weight", (fs, h)),
+                    (p + "ffn_up_shexp.weight", (fs, h)), (p + "ffn_down_shexp.weight", (h, fs))]
+        else:
+            out += [(p + "ffn_gate.weight", (f, h)), (p + "ffn_up.weight", (f, h)), (p + "ffn_down.weight", (h, f))]
+        if i >= shape.layers:
+            out += [(p + "nextn.eh_proj.weight", (h, 2 * h)), (p + "nextn.enorm.weight", (h,)),
+                    (p + "nextn.hnorm.weight", (h,)), (p + "nextn.shared_head_norm.weight", (h,))]
+    out.append(("output_norm.weight", (h,)))
+    if not shape.tied:
+        out.append(("output.weight", (vocab, h)))
+    return out
+
+
 def split_experts(name: str, numpy_shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
     """Mixtral's older layout of one 3-D expert weight: (blk.N.<kind>.<e>.weight, [out, in]) per expert."""
     p, kind, _ = name.rsplit(".", 2)
@@ -247,8 +335,10 @@ def _weights(name: str, numpy_shape: tuple[int, ...], type_name: str, rng: np.ra
     """One tensor's random weights in its file type: norms around 1, biases and sink logits small, matrices a chunk
     of rows at a time (q / k whole, to permute them); a stacked expert tensor [experts, out, in] one expert at a
     time, so no more than one expert's chunk of fp32 values is ever held."""
-    if len(numpy_shape) == 1 and name.endswith("_norm.weight"):
+    if len(numpy_shape) == 1 and name.endswith("norm.weight"):
         return rng.uniform(0.9, 1.1, numpy_shape).astype(np.float32)
+    if name.endswith(".ssm_a"):          # a decay rate A = -exp(A_log): negative, as transformers initializes it
+        return -rng.uniform(0.01, 16.0, numpy_shape).astype(np.float32)
     if len(numpy_shape) == 1 or not name.endswith(".weight"):
         return (rng.standard_normal(numpy_shape, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
     if len(numpy_shape) == 3:

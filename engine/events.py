@@ -32,6 +32,8 @@ class LayerBytes:
     v_format: str
     window: int | None = None           # the tokens the layer keeps (its own window or the user's); None: every one
     window_bytes: int | None = None     # the most it holds once that window is full; None: it grows with every token
+    kind: str = "attention"             # "linear_attention": a recurrent state instead of K and V (spec.LayerSpec.kind)
+    state_bytes: int = 0                # that layer's state, the same at any length (its formats read "state")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,8 @@ class StatsSnapshot:
                                         # reply) routed to each expert (a tuple of counts), None for a dense layer;
                                         # () for a dense model
     spec: SpecStats | None = None       # speculative decoding in the last turn; None when it was off
+    state_bytes: int = 0                # the recurrent state of the linear-attention layers (0: a model without them)
+    snapshots: tuple[int, ...] = ()     # token counts the state keeps a snapshot of (each costs state_bytes)
 
     @property
     def usage(self) -> float:

@@ -97,7 +97,7 @@ class KVCache:
         """The token counts the conversation's state can return to (its snapshots and where it is), oldest first."""
         if conv.state is None:
             return []
-        return sorted({conv.state.position, *conv.state.snapshots})
+        return sorted({0, conv.state.position, *conv.state.snapshots})
 
     def free(self, seq: Conversation) -> int:
         """Every block of the conversation goes back; returns the bytes the pool no longer holds."""
@@ -124,7 +124,7 @@ class KVCache:
         members = seq.members
         state = seq.state
         if state is not None:          # only as far as a state the child can start from
-            num_tokens = state.best_at_most(num_tokens) or 0
+            num_tokens = state.best_at_most(num_tokens)
         if any(m.evicted for m in members) or (state is not None and num_tokens == 0):
             return self._with_state(Conversation([self._blocks.new_sequence(m.layout, m.geometry)
                                                   for m in members]), seq, 0), 0
@@ -250,8 +250,12 @@ class KVCache:
 
     def export(self, seq: Conversation) -> tuple[list[dict], dict[str, torch.Tensor]]:
         """(per KV group its metadata, the tensors) of the conversation's blocks, byte for byte as stored, on the
-        host (engine/kv/saved.py writes them to a file; the server's preemption tier keeps them in memory)."""
-        return saved.export_groups(self, seq)
+        host (engine/kv/saved.py writes them to a file; the server's preemption tier keeps them in memory), with the
+        recurrent state after the conversation's tokens where the model keeps one."""
+        metas, tensors = saved.export_groups(self, seq)
+        if seq.state is not None:
+            tensors.update(seq.state.export())
+        return metas, tensors
 
     def import_(self, seq: Conversation, groups: list, tensors: dict, extra: set[str] = frozenset(),
                 keep: frozenset[int] = frozenset()) -> None:
@@ -260,7 +264,11 @@ class KVCache:
         members = seq.members
         if any(m.num_tokens or m.table for m in members):
             raise saved.CacheFileError("the conversation already holds a cache")
-        saved.check_groups(self, members, groups, tensors, set(extra))
+        state_names = {n for n in tensors if n.startswith("state.")} if seq.state is not None else set()
+        if seq.state is not None and {"state.conv", "state.matrices"} - state_names:
+            raise saved.CacheFileError("the saved cache holds no recurrent state for this model's linear-attention "
+                                       "layers (saved by another model, or damaged)")
+        saved.check_groups(self, members, groups, tensors, set(extra) | state_names)
         try:
             saved.import_groups(self, members, groups, tensors, keep)
         except NoFreeBlocks as exc:
@@ -269,6 +277,13 @@ class KVCache:
         except Exception as exc:     # a file that passed every check and still does not fit the pages
             self.free(seq)
             raise saved.CacheFileError(f"the saved cache could not be read into the pages ({exc})") from None
+        if seq.state is not None:
+            try:
+                seq.state.load(tensors, seq.num_tokens)
+            except ValueError as exc:
+                self.free(seq)
+                raise saved.CacheFileError(f"the saved recurrent state does not fit this model: {exc}") from None
+            self._count_state(seq)
 
     # ---- one step: reserve, then commit or roll back ---------------------------------------------------------
 
@@ -413,7 +428,7 @@ class KVCache:
     def layer_bytes(self, seq: Conversation, num_layers: int) -> list[tuple[int, int]]:
         """Per model layer (K, V) bytes the conversation holds: each group's blocks at its layout's block bytes plus
         its full-precision head and tail."""
-        out = [None] * num_layers
+        out = [(0, 0)] * num_layers            # a linear-attention layer holds no K or V (its state: kv/state.py)
         for m in seq.members:
             layout = m.layout
             n = len(m.block_table)

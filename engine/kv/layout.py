@@ -144,9 +144,12 @@ def check_cache_for_model(cache: CacheConfig, model: ModelConfig, model_dtype: s
                           f"{model.max_position_embeddings:,} tokens: positions would run past what it was trained "
                           f"on; use a window of at most {model.max_position_embeddings - cache.sinks:,}")
     need = layout.block_bytes + layout.fixed_bytes
-    if layout.budget_blocks(cache.budget_mb * MIB) < 1:
+    state = model.state_bytes()             # linear-attention layers' recurrent state, held from the first token
+    if layout.budget_blocks(cache.budget_mb * MIB - state) < 1:
+        held = f" beside the {state / MIB:.1f} MiB recurrent state of its linear-attention layers" if state else ""
         raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB does not hold even one block of {cache.block_size} "
-                          f"tokens in {cache.label()} on this model (that needs {need / MIB:.2f} MiB): raise the budget")
+                          f"tokens in {cache.label()} on this model{held} (that needs {(need + state) / MIB:.2f} MiB): "
+                          f"raise the budget")
     if cache.window is not None:
         # a window holds its sinks, the window and one prompt chunk at once while a prompt is read
         geometry = WindowGeometry.of(cache)

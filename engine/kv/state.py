@@ -82,7 +82,7 @@ class RecurrentState:
     def snapshot(self, limit: int = MAX_SNAPSHOTS) -> int:
         """Keep a copy of the state at its position (the oldest snapshots go past `limit`); returns the bytes it
         added (0 where one is already kept there, or limit is 0)."""
-        if limit <= 0 or self.position in self.snapshots:
+        if limit <= 0 or self.position in self.snapshots or self.position == 0:    # at 0 the state is zeros
             return 0
         added = self.layout.bytes
         self.snapshots[self.position] = (self.conv.clone(), self.matrices.clone())
@@ -99,11 +99,14 @@ class RecurrentState:
         return self.layout.bytes
 
     def can_return(self, position: int) -> bool:
-        return position == self.position or position in self.snapshots
+        return position in (0, self.position) or position in self.snapshots
 
     def restore(self, position: int) -> None:
         """The state after `position` tokens, from its snapshot (kept: it may be returned to again); later snapshots
         go (they belong to tokens that are taken back)."""
+        if position == 0:
+            self.reset()
+            return
         if position != self.position:
             conv, matrices = self.snapshots[position]
             self.conv.copy_(conv)
@@ -114,16 +117,20 @@ class RecurrentState:
 
     def best_at_most(self, position: int) -> int | None:
         """The latest position <= `position` the state can return to, or None."""
-        held = [p for p in (self.position, *self.snapshots) if p <= position]
+        held = [p for p in (0, self.position, *self.snapshots) if p <= position]
         return max(held) if held else None
 
     def copy_at(self, position: int) -> "RecurrentState":
-        """A new state equal to this one at `position` (which can_return), without snapshots."""
+        """A new state equal to this one at `position` (which can_return), with the snapshots up to there: a
+        snapshot is never written once taken, so the two states share them."""
         child = RecurrentState(self.layout, self.device)
+        if position == 0:
+            return child
         conv, matrices = (self.conv, self.matrices) if position == self.position else self.snapshots[position]
         child.conv.copy_(conv)
         child.matrices.copy_(matrices)
         child.position = position
+        child.snapshots = {p: pair for p, pair in self.snapshots.items() if p <= position}
         return child
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,20 +144,47 @@ class RecurrentState:
         self.matrices[j].copy_(matrices)
 
     def export(self) -> dict[str, torch.Tensor]:
-        """The live state as tensors for a saved cache (its position is the conversation's token count)."""
-        return {"state.conv": self.conv.cpu().clone(), "state.matrices": self.matrices.cpu().clone()}
+        """The live state and its snapshots as tensors for a saved cache: state.conv / state.matrices (at the
+        conversation's token count), state.at{P}.conv / .matrices (the snapshot after P tokens)."""
+        out = {"state.conv": self.conv.cpu().clone(), "state.matrices": self.matrices.cpu().clone()}
+        for p, (conv, matrices) in self.snapshots.items():
+            out[f"state.at{p}.conv"], out[f"state.at{p}.matrices"] = conv.cpu().clone(), matrices.cpu().clone()
+        return out
 
     def load(self, tensors: dict[str, torch.Tensor], position: int) -> None:
-        """The live state from export()'s tensors; a ValueError where they are not this layout's."""
-        conv, matrices = tensors.get("state.conv"), tensors.get("state.matrices")
-        if conv is None or matrices is None:
+        """The state from export()'s tensors after `position` tokens; a ValueError where they are not this layout's
+        (nothing changes then)."""
+        pairs: dict[int, list] = {}
+        for name, t in tensors.items():
+            if not name.startswith("state."):
+                continue
+            parts = name.split(".")
+            where = position if len(parts) == 2 else _snapshot_position(parts)
+            if where is None or where > position or parts[-1] not in ("conv", "matrices"):
+                raise ValueError(f"the saved cache holds a state tensor it should not ({name[:40]})")
+            pairs.setdefault(where, [None, None])[parts[-1] == "matrices"] = t
+        for where, (conv, matrices) in pairs.items():
+            if conv is None or matrices is None:
+                raise ValueError("the saved cache holds half a recurrent state")
+            if tuple(conv.shape) != tuple(self.conv.shape) or tuple(matrices.shape) != tuple(self.matrices.shape):
+                raise ValueError(f"the saved state has shapes {list(conv.shape)} / {list(matrices.shape)}, this "
+                                 f"model's {list(self.conv.shape)} / {list(self.matrices.shape)}")
+            if conv.dtype != torch.float32 or matrices.dtype != torch.float32:
+                raise ValueError("the saved state is not float32")
+            if not (torch.isfinite(conv).all() and torch.isfinite(matrices).all()):
+                raise ValueError("the saved state holds values that are not finite")
+        if position not in pairs:
             raise ValueError("the saved cache holds no recurrent state")
-        if tuple(conv.shape) != tuple(self.conv.shape) or tuple(matrices.shape) != tuple(self.matrices.shape):
-            raise ValueError(f"the saved state has shapes {list(conv.shape)} / {list(matrices.shape)}, this model's "
-                             f"{list(self.conv.shape)} / {list(self.matrices.shape)}")
-        if not (torch.isfinite(conv).all() and torch.isfinite(matrices).all()):
-            raise ValueError("the saved state holds values that are not finite")
+        conv, matrices = pairs.pop(position)
         self.conv.copy_(conv)
         self.matrices.copy_(matrices)
         self.position = position
-        self.snapshots.clear()
+        self.snapshots = {p: (c.to(self.device).clone(), m.to(self.device).clone())
+                          for p, (c, m) in sorted(pairs.items())[-MAX_SNAPSHOTS:]}
+
+
+def _snapshot_position(parts: list[str]) -> int | None:
+    """state.at{P}.conv -> P, else None."""
+    if len(parts) != 3 or not parts[1].startswith("at") or not parts[1][2:].isdigit():
+        return None
+    return int(parts[1][2:])

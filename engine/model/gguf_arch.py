@@ -57,10 +57,11 @@ PHI3_TENSORS = {
 # Qwen3.5 / 3.6 (llama.cpp's qwen35 / qwen35moe): gated attention layers (attn_q holds each head's query and its
 # output gate, as the Hugging Face q_proj does) beside Gated DeltaNet layers. kvchat's own names for a linear-attention
 # layer's tensors (every loader reads its source into them): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, the
-# depthwise conv1d [channels, kernel], dt.bias (the time-step bias), A.weight (the decay rate A = -exp(A_log)),
-# norm.weight (the gated RMSNorm's multiplier, not zero-centred) and out_proj
+# depthwise conv1d [channels, kernel], dt.bias (the time-step bias), A.weight (the decay rate A = -exp(A_log), which
+# llama.cpp's converter stores as such), norm.weight (the gated RMSNorm's multiplier, not zero-centred) and out_proj.
+# The MLP's pre-norm is post_attention_norm in llama.cpp's qwen35 (as in gpt-oss), not ffn_norm
 QWEN35_TENSORS = {
-    **QWEN3_TENSORS,
+    **QWEN3_TENSORS, "post_attention_layernorm": "post_attention_norm",
     "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
     "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
     "linear_attn.conv1d": "ssm_conv1d", "linear_attn.dt": "ssm_dt", "linear_attn.A": "ssm_a",
@@ -70,6 +71,14 @@ QWEN35_TENSORS = {
 SHARED_EXPERT_TENSORS = {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
                          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 QWEN35MOE_TENSORS = {**QWEN35_TENSORS, **EXPERT_TENSORS, **SHARED_EXPERT_TENSORS}
+# llama.cpp tensors named without a .weight suffix (its converter maps A_log, a bare parameter, to blk.N.ssm_a)
+BARE_TENSORS = frozenset({"ssm_a"})
+# the linear-attention tensors whose value heads llama.cpp's converter reorders (value_head_order), and the rows (or
+# columns: out_proj) of one head in each: in_proj_qkv's and conv1d's after the 2 x key_dim query / key channels
+_VALUE_HEAD_TENSORS = {"linear_attn.in_proj_qkv.weight": "value", "linear_attn.conv1d.weight": "value",
+                       "linear_attn.in_proj_z.weight": "value", "linear_attn.out_proj.weight": "value",
+                       "linear_attn.in_proj_b.weight": "head", "linear_attn.in_proj_a.weight": "head",
+                       "linear_attn.dt.bias": "head", "linear_attn.A.weight": "head"}
 
 # llama.cpp's defaults where a Gemma 2 file lacks the key (llama_hparams; Gemma 2's published settings)
 GEMMA2_WINDOW = 4096
@@ -111,7 +120,58 @@ def key_names(arch: str) -> dict[str, str]:
             "original_max_position_embeddings": f"{arch}.rope.scaling.original_context_length",
             "rope_parameters.attention_factor": f"{arch}.rope.scaling.attn_factor",
             "num_experts": f"{arch}.expert_count", "num_experts_per_tok": f"{arch}.expert_used_count",
-            "moe_intermediate_size": f"{arch}.expert_feed_forward_length"}
+            "moe_intermediate_size": f"{arch}.expert_feed_forward_length",
+            "shared_expert_intermediate_size": f"{arch}.expert_shared_feed_forward_length",
+            "layer_types": f"{arch}.full_attention_interval", "partial_rotary_factor": f"{arch}.rope.dimension_count",
+            "linear_conv_kernel_dim": f"{arch}.ssm.conv_kernel", "linear_key_head_dim": f"{arch}.ssm.state_size",
+            "linear_num_key_heads": f"{arch}.ssm.group_count", "linear_num_value_heads": f"{arch}.ssm.time_step_rank",
+            "linear_value_head_dim": f"{arch}.ssm.inner_size / {arch}.ssm.time_step_rank"}
+
+
+def gguf_tensor_name(layer: int | str, short: str, kind: str) -> str:
+    """llama.cpp's name of layer `layer`'s tensor `short` (attn_q, ssm_a) of kind weight or bias:
+    blk.N.<short>.<kind>, or blk.N.<short> for the bare ones (BARE_TENSORS)."""
+    return f"blk.{layer}.{short}" if short in BARE_TENSORS and kind == "weight" else f"blk.{layer}.{short}.{kind}"
+
+
+def trunk_layers(gf) -> int:
+    """The layers a model runs: block_count less the multi-token-prediction blocks llama.cpp's converter appends
+    after them (nextn_predict_layers; Qwen3.5's one MTP block), which kvchat does not run."""
+    blocks = gf.field(f"{gf.arch}.block_count")
+    extra = gf.fields.get(f"{gf.arch}.nextn_predict_layers", 0)
+    if not isinstance(extra, int) or not 0 <= extra < blocks:
+        raise ModelLoadError(f"{gf.path.name}: {gf.arch}.nextn_predict_layers={extra!r} of {blocks} blocks: the file "
+                             f"is damaged; re-download or re-convert it")
+    return blocks - extra
+
+
+def value_head_order(gf, hf_name: str) -> tuple[int, np.ndarray] | None:
+    """(axis, index): the stored tensor `hf_name` (kvchat's name) taken at `index` along `axis` is transformers'
+    order of it; None where the file keeps that order.
+
+    Where a Gated DeltaNet has more value heads than key heads (Qwen3.5: 32 over 16), llama.cpp's converter stores
+    the value heads tiled ([v0 of every key head, then v1 of every key head, ...]) instead of grouped by key head as
+    transformers has them (v0, v1 of key head 0 first), so that ggml's broadcast repeats the keys: the rows of
+    in_proj_z, in_proj_b, in_proj_a, dt.bias and A.weight, the value rows of in_proj_qkv and conv1d, and the columns of
+    out_proj. Rows can be taken apart in a packed matrix; out_proj's columns only as whole quantization blocks."""
+    if gf.arch not in ("qwen35", "qwen35moe") or ".linear_attn." not in hf_name:
+        return None
+    unit = _VALUE_HEAD_TENSORS.get("linear_attn." + hf_name.split(".linear_attn.", 1)[1])
+    if unit is None:
+        return None
+    a = gf.arch
+    hk, hv = gf.field(f"{a}.ssm.group_count"), gf.field(f"{a}.ssm.time_step_rank")
+    if hk == hv:
+        return None
+    dv = gf.field(f"{a}.ssm.inner_size") // hv
+    width = 1 if unit == "head" else dv
+    h = np.arange(hv)
+    heads = (h % (hv // hk)) * hk + h // (hv // hk)       # transformers' head h = g * r + i is stored at i * hk + g
+    index = (heads[:, None] * width + np.arange(width)).reshape(-1)
+    if hf_name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+        keys = 2 * hk * gf.field(f"{a}.ssm.state_size")
+        index = np.concatenate([np.arange(keys), keys + index])
+    return (1 if hf_name.endswith(".out_proj.weight") else 0), index
 
 
 def _head_dim(base: dict) -> int:
@@ -233,6 +293,39 @@ def _gpt_oss(gf, arch: str, base: dict) -> dict:
     return cfg
 
 
+def _qwen35(gf, arch: str, base: dict) -> dict:
+    # llama.cpp's qwen35 / qwen35moe: every full_attention_interval-th layer full attention (4 where the key is
+    # absent), the others Gated DeltaNet whose shape the ssm.* keys give (state_size: the key head width, group_count:
+    # the key heads, time_step_rank: the value heads, inner_size: their total width); rope.dimension_count of head_dim
+    # rotated; routing renormalized over the top k (llama.cpp stores no key for it). block_count counts the MTP block
+    cfg = {"num_hidden_layers": trunk_layers(gf)}
+    layers, head_dim = cfg["num_hidden_layers"], _head_dim(base)
+    every = gf.fields.get(f"{arch}.full_attention_interval", 4)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ModelLoadError(f"{gf.path.name}: {arch}.full_attention_interval={every!r} is not a positive whole "
+                             f"number: the file is damaged; re-download or re-convert it")
+    cfg["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    dims = int(gf.field(f"{arch}.rope.dimension_count"))
+    if not 0 < dims <= head_dim or dims % 2:
+        raise ModelLoadError(f"{gf.path.name}: {arch}.rope.dimension_count is {dims}, not an even number of at most "
+                             f"the head's {head_dim} dimensions: the file is damaged; re-download or re-convert it")
+    cfg["partial_rotary_factor"] = dims / head_dim
+    value_heads, inner = int(gf.field(f"{arch}.ssm.time_step_rank")), int(gf.field(f"{arch}.ssm.inner_size"))
+    if value_heads < 1 or inner % value_heads:
+        raise ModelLoadError(f"{gf.path.name}: {arch}.ssm.inner_size={inner} is not a whole number of "
+                             f"{arch}.ssm.time_step_rank={value_heads} value heads: the file is damaged")
+    cfg.update(linear_conv_kernel_dim=int(gf.field(f"{arch}.ssm.conv_kernel")),
+               linear_key_head_dim=int(gf.field(f"{arch}.ssm.state_size")),
+               linear_num_key_heads=int(gf.field(f"{arch}.ssm.group_count")),
+               linear_num_value_heads=value_heads, linear_value_head_dim=inner // value_heads)
+    experts = _experts(gf, arch, base, "moe_intermediate_size")
+    if experts:
+        cfg.update(num_experts=experts["num_local_experts"], num_experts_per_tok=experts["num_experts_per_tok"],
+                   moe_intermediate_size=experts["moe_intermediate_size"],
+                   shared_expert_intermediate_size=int(gf.fields.get(f"{arch}.expert_shared_feed_forward_length", 0)))
+    return cfg
+
+
 def _smollm3(gf, arch: str, base: dict) -> dict:
     # llama.cpp leaves RoPE out of every fourth layer of smollm3 (n_no_rope_layer_step); a file may name another step
     step = int(gf.fields.get(f"{arch}.no_rope_layer_interval", 4))
@@ -240,4 +333,4 @@ def _smollm3(gf, arch: str, base: dict) -> dict:
 
 
 _ARCH_FIELDS = {"gemma2": _gemma, "gemma3": _gemma, "phi3": _phi3, "llama": _llama, "qwen3moe": _qwen3moe,
-                "gpt-oss": _gpt_oss, "smollm3": _smollm3}
+                "gpt-oss": _gpt_oss, "smollm3": _smollm3, "qwen35": _qwen35, "qwen35moe": _qwen35}

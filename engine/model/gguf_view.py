@@ -93,8 +93,15 @@ class GGUFModel(GGUFFile):
         modules = {v: k for k, v in self.family.gguf_tensors.items()}
         out = {}
         per_expert: dict[str, list] = {}
+        # the multi-token-prediction blocks after the trunk (Qwen3.5's) are not layers kvchat runs
+        mtp_from = gguf_arch.trunk_layers(self) if f"{self.arch}.nextn_predict_layers" in self.fields else None
         for name, t in self.tensors.items():
             parts = name.split(".")
+            if mtp_from is not None and parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() \
+                    and int(parts[1]) >= mtp_from:
+                continue
+            if len(parts) == 3 and parts[0] == "blk" and parts[2] in gguf_arch.BARE_TENSORS:
+                parts.append("weight")
             if name in _TOP_TENSORS:
                 out[_TOP_TENSORS[name]] = tuple(reversed(t.shape))
             elif len(parts) == 4 and parts[0] == "blk":
@@ -139,7 +146,14 @@ class GGUFModel(GGUFFile):
             return _TOP_HF[hf_name]
         _, _, i, rest = hf_name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{i}.{self.family.gguf_tensors[module]}.{kind}"
+        return gguf_arch.gguf_tensor_name(i, self.family.gguf_tensors[module], kind)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """float32, in transformers' order where llama.cpp's converter reordered a Gated DeltaNet's value heads
+        (gguf_arch.value_head_order; a packed reader takes the same index)."""
+        w = super().dequantize(name)
+        order = gguf_arch.value_head_order(self, name)
+        return w if order is None else np.take(w, order[1], axis=order[0])
 
     def permuted_heads(self, hf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
         """How many heads' rows llama.cpp's converter interleaved in this tensor (unpermute_rows undoes it):

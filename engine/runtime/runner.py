@@ -41,6 +41,7 @@ class ModelRunner:
         self.offloaded = 0                         # conversations saved to the second tier when released
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
         self.steps = 0
+        self.tokens_read = 0              # tokens through the forward pass, every step (tests count re-reads with it)
         self.speculation = SpeculativeConfig("off")   # the engine's setting (Engine.set_speculative), read each turn
         self.draft_runner: "ModelRunner | None" = None   # a draft model's runner when speculation uses one
         self.step_costs = StepCosts()             # what a decode step and a verification row cost here
@@ -104,6 +105,17 @@ class ModelRunner:
             done = self.cache.truncate(seq, n)
         if not done:
             raise ConfigError(done.reason)
+
+    def snapshot(self, seq: Conversation) -> bool:
+        """Keep the conversation's recurrent state where it is now (KVCache.snapshot); False without one or room."""
+        with self.lock:
+            return self.cache.snapshot(seq)
+
+    def state_return(self, seq: Conversation, target: int) -> int | None:
+        """The latest token count <= target the conversation's recurrent state can return to (a snapshot), or None:
+        no state, or no snapshot before target."""
+        positions = [p for p in self.cache.state_positions(seq) if p <= target]
+        return max(positions) if positions else None
 
     def match_prefix(self, seq: Conversation, ids: list[int]) -> int:
         with self.lock:
@@ -227,6 +239,7 @@ class ModelRunner:
             reserved.commit(hash_ids)
             attention.commit_states()
             self.steps += 1
+            self.tokens_read += sum(len(ids) for _, ids in items)
         return item_logits(order, reserved.steps, logits, per_row, all_logits)
 
     def _forward(self, reserved: StepReservation, all_logits: bool) -> tuple[torch.Tensor, bool, StepAttention]:
@@ -266,7 +279,7 @@ class ModelRunner:
         return self.cache.layer_bytes(seq, self.model.config.num_layers)
 
     def layer_formats(self, seq: Conversation):
-        """Per model layer the conversation's (K, V) page formats."""
+        """Per model layer the conversation's (K, V) page formats; None for a linear-attention layer (no KV)."""
         out = [None] * self.model.config.num_layers
         for m in seq.members:
             for j, fmts in enumerate(m.layout.formats):

@@ -182,6 +182,7 @@ class Session:
             del self.token_ids[kept:]
             yield TurnFinished("", FinishReason.CONTEXT, overflow.context_message(self, len(prompt)), self.stats())
             return
+        self.runner.snapshot(self.seq)          # a recurrent state where the turn began (no-op without one)
         try:
             overflow.check_whole_fits(self, len(prompt))
             logits = (yield from overflow.read(self, prompt, all_logits=False, should_stop=should_stop))[-1]
@@ -199,6 +200,7 @@ class Session:
         self.state.starts.append(kept)
         self._drop_alternatives()
         self.state.prompt_end, self.state.prompt_logits = len(self.token_ids), logits.detach().clone()
+        self.runner.snapshot(self.seq)          # ... and where the reply begins: regenerate forks from it
         self.turn_times.prefill_tokens = len(prompt)
         self.turn_times.prefill_s = time.perf_counter() - started
         yield from self._decode(logits, params, should_stop, started)
@@ -215,9 +217,12 @@ class Session:
                 continues: bool = False):
         """The reply: the decode driver's tokens, each streamed as a TokenDelta, and the TurnFinished that says why it
         ended; the reply joins `messages` (grows the last one when it continues)."""
-        if may_speculate(params):           # this conversation's speculation under the engine's setting now
+        # this conversation's speculation under the engine's setting now; none over a recurrent state, whose rejected
+        # drafts could not be taken back without a snapshot per draft
+        speculate = may_speculate(params) and self.seq.state is None
+        if speculate:
             self._spec = Speculator.following(self._spec, self.runner, self._config)
-        decoder = Decoder(params, self.info.stop_ids, spec=self._spec if may_speculate(params) else None)
+        decoder = Decoder(params, self.info.stop_ids, spec=self._spec if speculate else None)
         start = self._reply_start() if continues else None
         parts = self.info.reply.parser(self.tokenizer, self.token_ids[start:] if start is not None else [])
         tokens = decode_alone(decoder, self.state, self.runner, logits,
@@ -261,12 +266,27 @@ class Session:
             self.runner.free(self.seq)
 
     def _take_back(self, n: int) -> bool:
-        """The cache gives back its last n tokens; False where it cannot exactly (a quantized block, a window)."""
-        if n > 0:
-            try:
-                self.runner.truncate(self.seq, n)
-            except ConfigError:
-                return False
+        """The cache gives back its last n tokens; False where it cannot exactly (a quantized block, a window). A
+        recurrent state without a snapshot exactly there returns to its latest snapshot before it and reads the few
+        tokens between again (the KV of those tokens is taken back with it, so the two stay one)."""
+        if n <= 0:
+            return True
+        try:
+            self.runner.truncate(self.seq, n)
+            return True
+        except ConfigError:
+            pass
+        target = self._cached - n
+        back = self.runner.state_return(self.seq, target)
+        if back is None:
+            return False
+        try:
+            self.runner.truncate(self.seq, self._cached - back)
+            if target > back:
+                overflow.feed(self, self.token_ids[back:target], all_logits=False)
+        except (ConfigError, BudgetFull):
+            return False
+        self.turn_times.state_reread += target - back
         return True
 
     @turn

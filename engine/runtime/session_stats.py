@@ -81,8 +81,7 @@ def snapshot(session) -> StatsSnapshot:
     runner = session.runner
     windows = layer_windows(runner.config, c)
     caps = layer_window_bytes(runner.config, c, runner.dtype_name, str(runner.device))
-    layers = tuple(LayerBytes(i, k, v, kf.label, vf.label, windows[i], caps[i])
-                   for i, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), runner.layer_formats(seq))))
+    layers = tuple(layer_stats(runner, seq, windows, caps))
     t = state.turn_times
     budget = session.runner.budget_bytes
     free = session.runner.free_bytes()
@@ -115,4 +114,18 @@ def snapshot(session) -> StatsSnapshot:
         notice=state.notice,
         spec=t.spec,
         experts=runner.model.expert_counts(),
+        state_bytes=seq.state.layout.bytes if seq.state is not None else 0,
+        snapshots=tuple(sorted(seq.state.snapshots)) if seq.state is not None else (),
     )
+
+
+def layer_stats(runner, seq, windows, caps):
+    """Every layer's bytes: K and V with their formats and window, or a linear-attention layer's state (its formats
+    read "state": cache modes do not apply to it)."""
+    state = seq.state
+    for i, ((k, v), fmts) in enumerate(zip(runner.layer_bytes(seq), runner.layer_formats(seq))):
+        if fmts is None:                    # no KV: a linear-attention layer
+            held = state.layout.layer_bytes if state is not None else 0
+            yield LayerBytes(i, 0, 0, "state", "state", None, held, kind="linear_attention", state_bytes=held)
+        else:
+            yield LayerBytes(i, k, v, fmts[0].label, fmts[1].label, windows[i], caps[i])

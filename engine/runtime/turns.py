@@ -45,6 +45,7 @@ class TurnTimes:
     decode_tokens: int = 0              # tokens decoded after the first
     decode_s: float = 0.0               # time since the first; live while the turn streams
     spec: SpecStats | None = None       # speculative decoding's counts (None: off)
+    state_reread: int = 0               # tokens read again to bring a recurrent state back to a position (Session._take_back)
 
     @property
     def prefill_tok_s(self) -> float:

@@ -186,7 +186,12 @@ def kv_bytes_by_layer(engine) -> list[tuple[int, str, str, int]]:
     runner = _runner(engine)
     totals: dict[tuple[int, str, str], int] = {}
     for seq in runner.sequences():
-        for layer, ((k, v), (kf, vf)) in enumerate(zip(runner.layer_bytes(seq), runner.layer_formats(seq))):
+        for layer, ((k, v), fmts) in enumerate(zip(runner.layer_bytes(seq), runner.layer_formats(seq))):
+            if fmts is None:            # a linear-attention layer: its recurrent state (kv/state.py), float32
+                held = seq.state.layout.layer_bytes if seq.state is not None else 0
+                totals[(layer, "state", "fp32")] = totals.get((layer, "state", "fp32"), 0) + held
+                continue
+            kf, vf = fmts
             for comp, fmt, nbytes in (("k", kf.label, k), ("v", vf.label, v)):
                 totals[(layer, comp, fmt)] = totals.get((layer, comp, fmt), 0) + nbytes
     return [(layer, comp, fmt, b) for (layer, comp, fmt), b in sorted(totals.items())]

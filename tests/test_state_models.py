@@ -1,0 +1,237 @@
+"""Layers that keep a recurrent state instead of a KV cache (issue 40): Qwen3.5's Gated DeltaNet beside gated full
+attention with a partial rotation, and Qwen3.5-MoE's routed MLP with a shared expert, from transformers' own classes
+(tests/tiny_models.py: 6 value heads over 2 key heads, which do not divide the 4 attention heads; a conv of 4 taps;
+head_dim 32 rotated over its first 8 dimensions).
+
+The state is the KV cache's other citizen (engine/kv/state.py): its bytes are in the budget and in the per-layer
+numbers, a failed step leaves it as it was, and its snapshots let regenerate, rewind and a saved cache go back
+without reading the chat again. Each check here fails when the thing it names is broken: a state not carried
+through a fork reads garbage, a snapshot at the wrong place changes the greedy reply, a state left out of a saved
+file is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.engine import CacheConfig, Engine, EngineConfig, SamplingParams
+from kvchat.engine.config import ConfigError
+from kvchat.engine.kv.saved import CacheFileError
+from kvchat.engine.model import linear_attention as gdn
+from kvchat.engine.model.source import locate, transformers_reference
+from kvchat.engine.model.spec import Rope
+from kvchat.engine.runtime.warm import WarmStore
+from tiny_models import tiny_family_dir
+
+FP32 = CacheConfig(k_format="fp32", v_format="fp32")
+IDS = torch.randint(3, 320, (150,), generator=torch.Generator().manual_seed(4)).tolist()
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+CHAT = ["Hello! How are you today? The quick brown fox.", "Paris is the capital of France.",
+        "def add(a, b):\n    return a + b\n"]
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def family(request, tmp_path_factory):
+    folder = tiny_family_dir(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, folder, transformers_reference(locate(folder), torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(family):
+    return Engine.load(EngineConfig(model=family[1], weights="dense"))
+
+
+def read(engine, seq, ids, sizes=(70, 1, 1, 20, 1)) -> torch.Tensor:
+    """All logits of ids in chunks of `sizes` (then the rest): prompt chunks over a state, and one-token steps."""
+    out, pos = [], 0
+    for n in sizes:
+        out.append(engine.runner.step([(seq, ids[pos:pos + n])], all_logits=True)[0])
+        pos += n
+    out.append(engine.runner.step([(seq, ids[pos:])], all_logits=True)[0])
+    return torch.cat(out)
+
+
+def test_logits_equal_transformers_through_chunks_and_steps(family, engine):
+    """fp32 within 1e-3 of transformers' largest logit over prompt chunks (a chunk of 70 spans two of the delta
+    rule's 64-token chunks) and single decode steps; the state after them is what the next token reads."""
+    with torch.no_grad():
+        want = family[2](torch.tensor([IDS])).logits[0].float()
+    s = engine.new_session(cache=FP32)
+    got = read(engine, s.seq, IDS)
+    assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
+    assert s.seq.state.position == len(IDS)
+    engine.runner.cache.check()
+    s.close()
+
+
+def test_cache_modes_apply_to_the_attention_layers_only(family, engine):
+    """int8 pages and a window + sinks change the attention layers' KV; the linear layers' state is the same bytes
+    and still float32 (stats say "state"), and the top token mostly agrees with transformers."""
+    with torch.no_grad():
+        want = family[2](torch.tensor([IDS])).logits[0].float()
+    for cache in (CacheConfig(k_format="int8", v_format="int8"), FP32.with_(window=48, sinks=4, block_size=8)):
+        s = engine.new_session(cache=cache)
+        got = read(engine, s.seq, IDS)
+        assert torch.isfinite(got).all()
+        if cache.window is None:
+            assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
+        st = s.stats()
+        linear = [layer for layer in st.layers if layer.kind == "linear_attention"]
+        assert [layer.layer for layer in linear] == [0, 2]
+        assert all(layer.k_bytes == layer.v_bytes == 0 and layer.k_format == "state" for layer in linear)
+        assert sum(layer.state_bytes for layer in linear) == st.state_bytes == engine.runner.state_layout.bytes
+        s.close()
+
+
+def test_the_chunked_rule_is_the_one_token_rule():
+    """linear_attention.chunked over 150 tokens from a random state equals step() token by token (1e-4), and
+    transformers' own chunked reference on the same inputs."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    g = torch.Generator().manual_seed(0)
+    T, Hk, Hv, Dk, Dv = 150, 2, 6, 16, 8
+    q, k = torch.randn(T, Hk, Dk, generator=g), torch.randn(T, Hk, Dk, generator=g)
+    v = torch.randn(T, Hv, Dv, generator=g)
+    decay = -torch.rand(T, Hv, generator=g)
+    beta = torch.rand(T, Hv, generator=g)
+    state = torch.randn(Hv, Dk, Dv, generator=g) * 0.1
+    qp, kp = gdn.prepare(q, k, Hv)
+    slow, s1 = gdn.step(qp, kp, v, decay, beta, state)
+    fast, s2 = gdn.chunked(qp, kp, v, decay, beta, state)
+    assert float((slow - fast).abs().max()) < 1e-4 and float((s1 - s2).abs().max()) < 1e-4
+    ref, s3 = torch_chunk_gated_delta_rule(q[None], k[None], v[None], decay[None], beta[None], initial_state=state[None],
+                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert float((ref[0] - fast).abs().max()) < 1e-4 and float((s3[0] - s2).abs().max()) < 1e-4
+
+
+def test_a_partial_rotation_is_a_whole_head_one_in_another_order():
+    """Rope.permutation + Rope.table: the rotate-half of the first 8 of 32 dimensions (transformers' partial RoPE)
+    equals the whole-head rotate-half of the permuted head with the passed-through pairs at frequency 0."""
+    from kvchat.engine.model.rope import rope_cos_sin, rotate
+    rope = Rope(10000.0, (), 8)
+    x = torch.randn(5, 3, 32)
+    pos = torch.arange(100, 105)
+    cos, sin = rope_cos_sin(pos, torch.from_numpy(rope.frequencies(32)))
+    part = x[..., :8]
+    turned = torch.cat((part * cos[:, None] + torch.cat((-part[..., 4:], part[..., :4]), -1) * sin[:, None],
+                        x[..., 8:]), -1)
+    order = torch.from_numpy(rope.permutation(32))
+    cos32, sin32 = rope_cos_sin(pos, torch.from_numpy(rope.table(32)))
+    assert torch.allclose(rotate(x[..., order], cos32, sin32), turned[..., order], atol=1e-6)
+
+
+def chat(engine, turns=CHAT, cache=FP32):
+    s = engine.new_session(cache=cache)
+    replies = [s.reply(text, GREEDY) for text in turns]
+    return s, replies
+
+
+def test_regenerate_and_rewind_read_no_prompt_again(engine):
+    """Regenerate forks from the snapshot where the reply began: it reads only the new reply's tokens and gives the
+    same greedy reply; rewind to a message and resend gives the uninterrupted reply, reading only that message."""
+    s, replies = chat(engine)
+    before = engine.runner.tokens_read
+    events = list(s.regenerate(GREEDY))
+    reply_tokens = events[-1].stats.tokens_in_context - s.state.prompt_end
+    assert events[-1].text == replies[-1]
+    assert engine.runner.tokens_read - before <= reply_tokens + 1
+    s.rewind(2)
+    before, held = engine.runner.tokens_read, s.seq.num_tokens
+    assert s.reply(CHAT[1], GREEDY) == replies[1]
+    assert engine.runner.tokens_read - before < 2 * (s.seq.num_tokens - held)    # this message and reply only
+    assert s.stats().snapshots and s.stats().state_bytes > 0
+    engine.runner.cache.check()
+    s.close()
+
+
+def test_snapshots_count_against_the_budget(engine):
+    s, _ = chat(engine, CHAT[:2])
+    state = s.seq.state
+    assert len(state.snapshots) >= 2
+    held = engine.runner.cache.conversation_bytes(s.seq)
+    kv = sum(k + v for k, v in engine.runner.layer_bytes(s.seq))
+    assert held >= kv + state.bytes == kv + state.layout.bytes * (1 + len(state.snapshots))
+    s.reset()
+    assert not state.snapshots and state.position == 0
+    s.close()
+
+
+def test_take_back_without_a_snapshot_returns_to_one_and_reads_the_gap(engine):
+    """A take-back to where no snapshot is: the cache refuses it exactly, and the session returns to the latest
+    snapshot before and reads the few tokens between (counted); the next logits equal an uninterrupted read."""
+    s = engine.new_session(cache=FP32)
+    s.append(IDS[:60])
+    engine.runner.snapshot(s.seq)
+    s.append(IDS[60:80])
+    with pytest.raises(ConfigError, match="snapshot"):
+        engine.runner.truncate(s.seq, 5)
+    assert s._take_back(5)
+    assert s.seq.num_tokens == 75 and s.turn_times.state_reread == 15
+    del s.token_ids[75:]
+    t = engine.new_session(cache=FP32)
+    t.append(IDS[:75])
+    assert torch.allclose(s.append([5]), t.append([5]), atol=1e-5)
+    s.close()
+    t.close()
+
+
+def test_a_failed_step_leaves_the_state_as_it_was(engine):
+    s = engine.new_session(cache=FP32)
+    s.append(IDS[:40])
+    before = (s.seq.state.conv.clone(), s.seq.state.matrices.clone())
+    with pytest.raises(ConfigError):
+        s.append([10 ** 9])                 # refused before any step
+    model = engine.runner.model
+    broken = model.layers[-1].o
+    model.layers[-1].o = None               # the last layer fails after the state layers ran
+    try:
+        with pytest.raises(Exception):
+            engine.runner.step([(s.seq, IDS[40:50])])
+    finally:
+        model.layers[-1].o = broken
+    assert torch.equal(s.seq.state.conv, before[0]) and torch.equal(s.seq.state.matrices, before[1])
+    assert s.seq.state.position == s.seq.num_tokens == 40
+    s.close()
+
+
+def test_a_saved_cache_keeps_the_state_and_its_snapshots(engine, tmp_path):
+    engine._warm_store = WarmStore(tmp_path / "kv")
+    try:
+        s, replies = chat(engine, CHAT[:2])
+        engine.keep_warm(s, "m")
+        assert engine.save_warm(s) > 0
+        s2 = engine.new_session(cache=FP32, history=list(s.messages))
+        engine.keep_warm(s2, "m")
+        engine.restore_warm(s2)
+        assert s2.seq.num_tokens == s.seq.num_tokens
+        assert sorted(s2.seq.state.snapshots) == sorted(s.seq.state.snapshots)
+        before = engine.runner.tokens_read
+        events = list(s2.regenerate(GREEDY))        # from the restored snapshot: no prompt read
+        assert events[-1].text == replies[-1]
+        assert engine.runner.tokens_read - before <= GREEDY.max_new_tokens + 1
+        # a file whose state was damaged is refused whole (the chat is read again)
+        groups, tensors = engine.runner.export_kv(s.seq)
+        tensors["state.matrices"] = tensors["state.matrices"] * float("nan")
+        s3 = engine.new_session(cache=FP32)
+        with pytest.raises(CacheFileError, match="not finite"):
+            engine.runner.import_kv(s3.seq, groups, tensors)
+        del tensors["state.matrices"]
+        with pytest.raises(CacheFileError, match="recurrent state"):
+            engine.runner.import_kv(s3.seq, groups, tensors)
+        assert s3.seq.num_tokens == 0
+        engine.runner.cache.check()
+        for x in (s, s2, s3):
+            x.close()
+    finally:
+        engine._warm_store = None
+
+
+def test_a_budget_too_small_for_the_state_says_so(family):
+    """The state is held from the conversation's first token: a budget that cannot hold it and one block is a
+    clear error, not a crash at the first step."""
+    engine = Engine.load(EngineConfig(model=family[1], weights="dense"))
+    state = engine.runner.state_layout.bytes
+    block = engine.runner.layout(FP32).block_bytes
+    with pytest.raises(ConfigError, match="recurrent state"):
+        engine.new_session(cache=FP32.with_(budget_mb=(state + block // 2) / 2 ** 20))
+    s = engine.new_session(cache=FP32.with_(budget_mb=(state + 2 * block) / 2 ** 20))
+    s.append(IDS[:10])
+    s.close()
