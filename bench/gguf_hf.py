@@ -20,11 +20,13 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, RopeScalingType
 
-from kvchat.bench.gguf_writer import (MIXES, _add_moe_keys, _add_shape_keys, _add_yarn_keys, atomic_writer, file_type,
-                                      permute, quantize, split_experts)
+from kvchat.bench.gguf_writer import (MIXES, QWEN35_ROPE_SECTIONS, _add_hybrid_keys, _add_moe_keys, _add_shape_keys,
+                                      _add_yarn_keys, atomic_writer, file_type, permute, quantize, split_experts)
 
-# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the stored weight)
-_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+# llama.cpp's converter stores Gemma's and Qwen3.5's zero-centred RMSNorm weights as 1 + w (its norm multiplies by
+# the stored weight); Qwen3.5's gated norm of the linear-attention output (linear_attn.norm) is a plain multiplier
+_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0, "qwen35": 1.0, "qwen35moe": 1.0}
+_PLAIN_NORMS = (".linear_attn.norm.weight",)
 # what llama.cpp hard-codes for gpt-oss's clamped SwiGLU (a GGUF stores neither)
 _GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 # llama.cpp's smollm3 leaves RoPE out of every fourth layer (n_no_rope_layer_step; a GGUF does not store it)
@@ -39,17 +41,25 @@ def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype
 
     A setting llama.cpp does not store but derives from the architecture (Gemma's query scale and window
     pattern, Gemma 3's local RoPE base, gpt-oss's window pattern and SwiGLU constants, SmolLM3's layers without
-    RoPE, Qwen3-MoE's renormalized routing over experts in every layer) must be the one it derives: else a
-    ValueError says which, since the file would describe another model.
+    RoPE, Qwen3-MoE's renormalized routing over experts in every layer, Qwen3.5's pattern of full-attention layers
+    and its value heads as wide as its key heads) must be the one it derives: else a ValueError says which, since
+    the file would describe another model. A Qwen3.5 (a text model's folder: Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM) is written as the converter's Qwen3_5 classes write it: A_log as A = -exp(A_log), the
+    conv kernel [channels, kernel], zero-centred norms as 1 + w, value heads tiled (gguf_arch.tiled_value_heads),
+    its MTP block left out (the converter's --no-mtp).
     """
     from kvchat.engine.model.families import family
+    from kvchat.engine.model.gguf_arch import tiled_value_heads
     from kvchat.engine.model.source import load_state_dict, read_config
-    from kvchat.engine.model.weights import expert_state
+    from kvchat.engine.model.weights import expert_state, linear_state
 
     folder, path = Path(folder), Path(path)
     if qtype not in MIXES:
         raise ValueError(f"unknown type {qtype!r}: one of {', '.join(MIXES)}")
     cfg = read_config(folder)
+    linear = ({"key_heads": cfg["linear_num_key_heads"], "value_heads": cfg["linear_num_value_heads"],
+               "key_dim": cfg["linear_key_head_dim"], "value_dim": cfg["linear_value_head_dim"]}
+              if "linear_num_value_heads" in cfg else None)
     fam = family(cfg.get("model_type"), str(folder / "config.json"))
     arch = fam.gguf_arch
     layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
@@ -74,9 +84,11 @@ def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype
                              f"(a GGUF does not store it): the file would describe another model")
 
     _check_derived(arch, cfg, rope, local, layers, hidden, heads, head_dim, derived)
-    state = load_state_dict(folder)
+    # a Qwen3.5's multi-token-prediction block (mtp.*) is left out, as the converter's --no-mtp leaves it
+    state = {k: v for k, v in load_state_dict(folder).items() if not k.startswith("mtp.")}
     if experts or cfg.get("model_type") == "gpt_oss":
         state = expert_state(cfg["model_type"], state)
+    linear_state(state)         # a Gated DeltaNet's A_log, dt_bias and conv1d as kvchat's A, dt.bias, [channels, kernel]
     tied = bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in state
     if tied and arch in _OUTPUT_REQUIRED:
         # llama.cpp reads gpt-oss's output head as its own tensor: a tied folder's embedding is written there too
@@ -84,10 +96,15 @@ def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype
     with atomic_writer(path, arch) as writer:
         writer.add_name(folder.name)
         _add_shape_keys(writer, arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                        ffn=cfg["intermediate_size"], head_dim=head_dim,
+                        ffn=cfg.get("intermediate_size"), head_dim=head_dim,
                         context=cfg.get("max_position_embeddings", 4096), theta=theta,
                         eps=cfg.get("rms_norm_eps", 1e-6), rotary_dims=rotary)
         _add_moe_keys(writer, arch, experts, cfg.get("num_experts_per_tok", 0), expert_ffn)
+        if linear:
+            _add_hybrid_keys(writer, **linear, kernel=cfg["linear_conv_kernel_dim"],
+                             every=cfg.get("full_attention_interval", 4),
+                             sections=tuple(rope.get("mrope_section", QWEN35_ROPE_SECTIONS[:3])),
+                             shared_ffn=cfg.get("shared_expert_intermediate_size", 0))
         if rtype == "linear":
             writer.add_rope_scaling_type(RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope["factor"]))
@@ -131,8 +148,11 @@ def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype
             gname, module = _gguf_name(name, fam.gguf_tensors)
             if module in permuted:
                 a = permute(a, permuted[module]) if a.ndim == 2 else permute(a[:, None], permuted[module])[:, 0]
-            if shift and name.endswith("norm.weight"):
+            if shift and name.endswith("norm.weight") and not name.endswith(_PLAIN_NORMS):
                 a = a + np.float32(shift)
+            order = tiled_value_heads(name, **linear) if linear else None
+            if order is not None:           # transformers' value-head order -> llama.cpp's tiled one
+                a = np.take(a, np.argsort(order[1]), axis=order[0])
             parts = split_experts(gname, a.shape) if per_expert and a.ndim == 3 else [(gname, a.shape)]
             for e, (part, dims) in enumerate(parts):
                 _add(writer, part, a[e] if len(parts) > 1 else a, file_type(qtype, part, dims, layers, tied, experts))
@@ -181,6 +201,13 @@ def _check_derived(arch: str, cfg: dict, rope: dict, local, layers: int, hidden:
             derived(key, float(cfg.get(key, value)), value)
         derived("yarn truncate", rope.get("truncate", True) if rope.get("rope_type") == "yarn" else False, False)
         derived("yarn attention_factor", rope.get("attention_factor"), None)
+    if arch in ("qwen35", "qwen35moe"):
+        # llama.cpp's qwen35: every full_attention_interval-th layer full (the converter writes 4 where the config
+        # names none), one head width for keys and values (ssm.state_size)
+        every = cfg.get("full_attention_interval", 4)
+        expected = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+        derived("layer_types", list(cfg.get("layer_types") or expected), expected)
+        derived("linear_value_head_dim", cfg["linear_value_head_dim"], cfg["linear_key_head_dim"])
     if arch == "smollm3":
         step = _SMOLLM3_NO_ROPE_STEP
         expected = [int((i + 1) % step != 0) for i in range(layers)]
@@ -199,7 +226,8 @@ def _gguf_name(hf_name: str, tensors: dict[str, str]) -> tuple[str, str | None]:
     module, kind = rest.rsplit(".", 1)
     if module not in tensors:
         raise ValueError(f"weight {hf_name}: llama.cpp has no tensor for {module!r} in this architecture")
-    return f"blk.{i}.{tensors[module]}.{kind}", module
+    from kvchat.engine.model.gguf_arch import gguf_tensor_name
+    return gguf_tensor_name(i, tensors[module], kind), module
 
 
 def hf_tokenizer_fields(folder: Path) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:

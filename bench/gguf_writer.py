@@ -2,9 +2,10 @@
 (benchmarks) or tiny ones (tests), and a Hugging Face folder's own weights (bench/gguf_hf.py: write_gguf_from_hf).
 
 The files carry llama.cpp's metadata keys and tensor names for their architecture (llama, qwen3, gemma2, gemma3,
-phi3, smollm3, and the mixtures of experts qwen3moe, gpt-oss and Mixtral's llama with an expert count:
-engine/gguf/arch.py names what each stores), q/k rows permuted for llama.cpp's rotary layout where its converter
-permutes them (llama), Gemma's norms stored as 1 + w as its converter stores them, experts as 3-D tensors
+phi3, smollm3, the mixtures of experts qwen3moe, gpt-oss and Mixtral's llama with an expert count, and Qwen3.5's
+hybrids of Gated DeltaNet and gated attention qwen35 and qwen35moe: engine/model/gguf_arch.py names what each
+stores), q/k rows permuted for llama.cpp's rotary layout where its converter permutes them (llama), Gemma's and
+Qwen3.5's zero-centred norms stored as 1 + w as its converter stores them, experts as 3-D tensors
 [experts, out, in] (or one 2-D tensor per expert, per_expert=True: Mixtral's older files, which kvchat still reads
 and current llama.cpp no longer does), and a per-tensor type mix close to llama.cpp's defaults (bench/gguf_quant.py
 quantizes). A random model's tokenizer (every `tokenizer.*` field, chat template included) is copied from the
@@ -427,12 +428,14 @@ def _copy_cut_tokenizer(writer: GGUFWriter, source: Path, fields, vocab: int) ->
 
 
 def _add_shape_keys(writer: GGUFWriter, arch: str, *, layers: int, hidden: int, heads: int, kv_heads: int,
-                    ffn: int, head_dim: int, context: int, theta: float, eps: float, rotary_dims: int) -> None:
-    """The keys every architecture here stores, in the order llama.cpp's converter writes them."""
+                    ffn: int | None, head_dim: int, context: int, theta: float, eps: float, rotary_dims: int) -> None:
+    """The keys every architecture here stores, in the order llama.cpp's converter writes them (feed_forward_length
+    only where the model has a dense intermediate size: ffn None, as Qwen3.5-MoE's config has none)."""
     writer.add_block_count(layers)
     writer.add_context_length(context)
     writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
+    if ffn is not None:
+        writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(theta)
@@ -476,12 +479,14 @@ def write_vocab_gguf(path: str | os.PathLike, source: str | os.PathLike | None =
 
 def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: str, seed: int = 0,
                       vocab_from: str | os.PathLike | None = None, layers: int | None = None,
-                      per_expert: bool = False) -> Path:
+                      per_expert: bool = False, weights: bool = True) -> Path:
     """Write a random-weight GGUF of `shape` (its arch) in mix `qtype` to `path` and return the path.
 
-    layers: keep only the first `layers` layers of the shape. per_expert: experts as one 2-D tensor each
-    (blk.N.ffn_gate.E.weight), as Mixtral's older files store them (kvchat reads them; llama.cpp no longer does);
-    only arch llama (Mixtral) has that layout. The experts of both layouts hold the same values for one seed.
+    layers: keep only the first `layers` layers of the shape (a Qwen3.5's MTP blocks stay after them). per_expert:
+    experts as one 2-D tensor each (blk.N.ffn_gate.E.weight), as Mixtral's older files store them (kvchat reads
+    them; llama.cpp no longer does); only arch llama (Mixtral) has that layout. The experts of both layouts hold the
+    same values for one seed. weights=False: every tensor's bytes left zero, as a sparse file (no time, no disk
+    space): the header, shapes and types of a model too large to write, for a reader or planner to check.
     The file appears complete or not at all (written under a temporary name, then renamed). At most one
     tensor's quantized bytes and one chunk of fp32 values are held at a time.
     """
@@ -502,11 +507,15 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
     path = Path(path)
     with atomic_writer(path, shape.arch) as writer:
         writer.add_name(f"random {shape.name} {qtype}")
-        _add_shape_keys(writer, shape.arch, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
-                        kv_heads=shape.kv_heads, ffn=shape.intermediate, head_dim=shape.head_dim,
-                        context=shape.context, theta=shape.rope_theta, eps=shape.rms_norm_eps,
-                        rotary_dims=shape.head_dim)
+        _add_shape_keys(writer, shape.arch, layers=shape.blocks, hidden=shape.hidden, heads=shape.heads,
+                        kv_heads=shape.kv_heads, ffn=None if shape.arch == "qwen35moe" else shape.intermediate,
+                        head_dim=shape.head_dim, context=shape.context, theta=shape.rope_theta,
+                        eps=shape.rms_norm_eps, rotary_dims=shape.rotary or shape.head_dim)
         _add_moe_keys(writer, shape.arch, shape.experts, shape.experts_used, shape.ffn_exp)
+        if shape.linear:
+            hk, hv, width, kernel = shape.linear
+            _add_hybrid_keys(writer, key_heads=hk, value_heads=hv, key_dim=width, value_dim=width, kernel=kernel,
+                             every=shape.full_every, shared_ffn=shape.shared_ffn, mtp=shape.mtp)
         if shape.window:
             writer.add_sliding_window(shape.window)
         if shape.yarn:
@@ -524,6 +533,11 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        if not weights:             # the data region as one sparse run of zeros, each tensor at its aligned offset
+            fout, align = writer.fout[0], writer.data_alignment
+            size = sum(writer.ggml_pad(_nbytes(dims, kind), align) for _, _, dims, kind, _ in plan)
+            fout.truncate(writer.ggml_pad(fout.tell(), align) + size)
+            return path
         logical = dict(enumerate(_tensors(shape, vocab)))
         stack = None
         for index, name, dims, kind, expert in plan:
@@ -544,10 +558,10 @@ def tensor_plan(shape: ModelShape, qtype: str, vocab: int, per_expert: bool = Fa
     for index, (name, dims) in enumerate(_tensors(shape, vocab)):
         if per_expert and len(dims) == 3:
             parts = split_experts(name, dims)
-            kind = file_type(qtype, parts[0][0], dims[1:], shape.layers, shape.tied, shape.experts)
+            kind = file_type(qtype, parts[0][0], dims[1:], shape.blocks, shape.tied, shape.experts)
             plan += [(index, part, part_dims, kind, e) for e, (part, part_dims) in enumerate(parts)]
         else:
-            plan.append((index, name, dims, file_type(qtype, name, dims, shape.layers, shape.tied, shape.experts),
+            plan.append((index, name, dims, file_type(qtype, name, dims, shape.blocks, shape.tied, shape.experts),
                          None))
     return plan
 
@@ -569,6 +583,27 @@ def _add_moe_keys(writer: GGUFWriter, arch: str, experts: int, used: int, ffn: i
     writer.add_expert_used_count(used)
     if arch != "llama":
         writer.add_expert_feed_forward_length(ffn)
+
+
+def _add_hybrid_keys(writer: GGUFWriter, *, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
+                     kernel: int, every: int, sections: tuple[int, ...] = QWEN35_ROPE_SECTIONS, shared_ffn: int = 0,
+                     mtp: int = 0) -> None:
+    """Qwen3.5's keys as llama.cpp's converter writes them (its Qwen3-Next ones): the Gated DeltaNet's shape under
+    mamba's ssm.* names (state_size: a key head's width, group_count: the key heads, time_step_rank: the value
+    heads, inner_size: all value heads' width), the full-attention interval, the rotary sections (the config's
+    mrope_section padded to 4; llama.cpp requires them), the shared expert's size and the MTP blocks counted in
+    block_count."""
+    writer.add_ssm_conv_kernel(kernel)
+    writer.add_ssm_state_size(key_dim)
+    writer.add_ssm_group_count(key_heads)
+    writer.add_ssm_time_step_rank(value_heads)
+    writer.add_ssm_inner_size(value_dim * value_heads)
+    writer.add_full_attention_interval(every)
+    writer.add_rope_dimension_sections([int(n) for n in sections] + [0] * (4 - len(sections)))
+    if shared_ffn:
+        writer.add_expert_shared_feed_forward_length(shared_ffn)
+    if mtp:
+        writer.add_nextn_predict_layers(mtp)
 
 
 def _add_yarn_keys(writer: GGUFWriter, factor: float, original: int, beta_fast: float = 32.0,

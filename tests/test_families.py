@@ -109,8 +109,8 @@ def test_numpy_and_torch_samplers_choose_alike():
 
 
 def test_the_forward_reads_the_description(tiny_engine):
-    """The torch forward computes what the description says at the model level (embedding scale, final soft-cap)
-    and refuses, naming the field, a layer it does not compute yet rather than running it as a Llama layer."""
+    """The torch forward computes what the description says at the model level (embedding scale, final soft-cap);
+    a layer the one-call C step does not compute (a partial rotation) keeps the model on the layer-by-layer path."""
     from kvchat.engine.model.transformer import Transformer
     m = tiny_engine.model
     c = m.config
@@ -129,8 +129,7 @@ def test_the_forward_reads_the_description(tiny_engine):
     assert not torch.allclose(scaled, plain)
     assert not model(replace(c, final_softcap=2.0)).config.fused_kernel_ok     # the C step does not cap
     layers = (replace(c.layers[0], rope=Rope(c.rope_theta, dims=c.head_dim // 2)),) + c.layers[1:]
-    with pytest.raises(ModelLoadError, match="layer 0 asks for rope.dims="):
-        model(replace(c, layers=layers))
+    assert not model(replace(c, layers=layers)).config.fused_kernel_ok      # a partial rotation: the torch step
 
 
 def test_the_numpy_rope_twin_gives_the_torch_rope_values():

@@ -168,14 +168,21 @@ def test_descriptions_read_the_config_fields(tmp_path):
     assert ModelConfig.from_hf(old).layers == g3.layers
 
 
-def test_what_the_attention_does_not_compute_is_named(tmp_path):
-    """Loaded as the engine loads it, a layer field the engine does not compute yet (Phi-4-mini's partial rotary
-    factor: rope.dims) is a one-line ModelLoadError naming it, never a Llama layer's numbers."""
+def test_a_partial_rotation_runs_as_transformers_does(tmp_path):
+    """Phi-4-mini's partial rotary factor (rope.dims: the first 8 of 16 dimensions turn), through the engine's
+    paged cache, equals transformers' logits; the engine turns whole heads in another order (Rope.permutation)."""
+    from kvchat.engine import CacheConfig, Engine, EngineConfig
+    from kvchat.engine.model.source import locate, transformers_reference
     folder = Path(tiny_family_dir(tmp_path / "p", "phi3", partial_rotary_factor=0.5))
     assert ModelConfig.from_hf(read_config(folder)).layers[0].rope.dims == 8
-    with pytest.raises(ModelLoadError, match=r"^phi3: layer 0 asks for rope\.dims=8, ") as info:
-        load_dense(str(folder))
-    assert "\n" not in str(info.value)
+    ids = list(range(5, 60))
+    with torch.no_grad():
+        want = transformers_reference(locate(str(folder)), torch.float32).eval()(torch.tensor([ids])).logits[0]
+    engine = Engine.load(EngineConfig(model=str(folder), weights="dense"))
+    s = engine.new_session(cache=CacheConfig(k_format="fp32", v_format="fp32"))
+    got = torch.cat([engine.runner.step([(s.seq, ids[:40])], all_logits=True)[0]] +
+                    [engine.runner.step([(s.seq, [t])], all_logits=True)[0] for t in ids[40:]])
+    assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "dbrx"])
@@ -184,7 +191,8 @@ def test_moe_architectures_not_run_yet_are_named_as_such(arch):
         family(arch, "config.json")
     text = str(info.value)
     assert repr(arch) in text and "mixture-of-experts families other than mixtral, qwen3_moe and gpt_oss" in text
-    assert text.endswith("llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, mixtral, qwen3_moe, gpt_oss, smollm3")
+    assert text.endswith("llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, mixtral, qwen3_moe, gpt_oss, smollm3, "
+                         "qwen3_5, qwen3_5_moe")
 
 
 def test_the_multimodal_gemma3_folder_is_refused_by_name():

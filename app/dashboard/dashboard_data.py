@@ -13,7 +13,7 @@ from typing import Callable
 
 from PySide6.QtCore import QCoreApplication
 
-from kvchat.engine.events import StatsSnapshot
+from kvchat.engine.events import LayerBytes, StatsSnapshot
 from kvchat.engine.plan.estimate import window_counts
 from kvchat.engine.units import DTYPE_BYTES, MIB
 
@@ -22,6 +22,7 @@ from kvchat.app.i18n import value_name
 from kvchat.app.bridge.messages import format_bytes
 
 MAX_POINTS = 3000
+LINEAR_ATTENTION = "linear_attention"   # LayerBytes.kind of a layer that keeps a recurrent state, not K and V
 MAX_MARKERS = 60
 
 
@@ -89,31 +90,58 @@ def token_room(snapshot: StatsSnapshot) -> TokenRoom:
     return TokenRoom(held, budget_left, "budget", limit, held / total if total else 0.0)
 
 
+def is_state_layer(layer: LayerBytes) -> bool:
+    """A linear-attention layer: a recurrent state of fixed size instead of K and V, which no cache mode touches."""
+    return layer.kind == LINEAR_ATTENTION
+
+
+def attention_layers(snapshot: StatsSnapshot) -> tuple[LayerBytes, ...]:
+    """The layers that hold K and V: every layer but a linear-attention one (Qwen3.5 has one in four)."""
+    return tuple(layer for layer in snapshot.layers if not is_state_layer(layer))
+
+
+def state_layers(snapshot: StatsSnapshot) -> tuple[LayerBytes, ...]:
+    return tuple(layer for layer in snapshot.layers if is_state_layer(layer))
+
+
+def state_held_bytes(snapshot: StatsSnapshot) -> int:
+    """What the recurrent state takes from the KV budget: the live state and each snapshot kept of it."""
+    return snapshot.state_bytes * (1 + len(snapshot.snapshots))
+
+
+def layer_budget_share(snapshot: StatsSnapshot) -> float:
+    """One attention layer's share of the KV budget: what the state and its snapshots leave, over the layers that
+    hold K and V (the state layers' bytes do not grow, so they get no share)."""
+    kv_layers = len(attention_layers(snapshot))
+    return max(0, snapshot.budget_bytes - state_held_bytes(snapshot)) / kv_layers if kv_layers else 0.0
+
+
 def full_precision_bytes_per_token(snapshot: StatsSnapshot) -> float:
-    """KV bytes a token takes at the model dtype over all layers; 0.0 when the snapshot cannot say.
+    """KV bytes a token takes at the model dtype over all attention layers; 0.0 when the snapshot cannot say.
 
     The engine thread fills the snapshot field from the model; without it, layers that are held in
-    a full-precision format still tell their own size per token."""
+    a full-precision format still tell their own size per token (a linear-attention layer's state takes none)."""
     if snapshot.full_precision_bytes_per_token > 0:
         return snapshot.full_precision_bytes_per_token
-    full = [layer for layer in snapshot.layers if layer.k_format in DTYPE_BYTES
-            and layer.k_format == layer.v_format]
+    kv_layers = attention_layers(snapshot)
+    full = [layer for layer in kv_layers if layer.k_format in DTYPE_BYTES and layer.k_format == layer.v_format]
     if not full or not snapshot.tokens_held:
         return 0.0
     per_layer = sum(layer.k_bytes + layer.v_bytes for layer in full) / len(full) / snapshot.tokens_held
-    return per_layer * len(snapshot.layers)
+    return per_layer * len(kv_layers)
 
 
 def full_precision_layer_bytes(snapshot: StatsSnapshot) -> float:
-    """What one layer would hold at the model dtype for the blocks it holds now: a part-filled block takes
+    """What one attention layer would hold at the model dtype for the blocks it holds now: a part-filled block takes
     all its bytes, at full precision as in the layer's bar."""
-    if not snapshot.layers:
+    kv_layers = len(attention_layers(snapshot))
+    if not kv_layers:
         return 0.0
     bs = snapshot.block_size
     # a hybrid model's blocks_used counts every group's blocks: its global layers hold tokens_held in whole blocks
     tokens = -(-snapshot.tokens_held // bs) * bs if is_hybrid(snapshot) else \
         max(snapshot.tokens_held, snapshot.blocks_used * bs)
-    return full_precision_bytes_per_token(snapshot) * tokens / len(snapshot.layers)
+    return full_precision_bytes_per_token(snapshot) * tokens / kv_layers
 
 
 def byte_unit(max_bytes: float) -> tuple[str, float]:
@@ -240,28 +268,31 @@ def time_span_end(t: float) -> float:
 
 
 def layer_peak_bytes(snapshot: StatsSnapshot) -> float:
-    """The per-layer plot's highest value: the biggest bar, its full-precision outline, or the line where a sliding
-    layer's window is full (drawn before the chat reaches it)."""
-    caps = [layer.window_bytes for layer in snapshot.layers if layer.window_bytes is not None]
-    return max(max(layer.k_bytes + layer.v_bytes for layer in snapshot.layers), full_precision_layer_bytes(snapshot),
-               *caps)
+    """The per-layer plot's highest value: the biggest bar (a state layer's included), its full-precision outline, or
+    the line where a sliding layer's window is full (drawn before the chat reaches it)."""
+    caps = [layer.window_bytes for layer in attention_layers(snapshot) if layer.window_bytes is not None]
+    return max(max(layer.k_bytes + layer.v_bytes + layer.state_bytes for layer in snapshot.layers),
+               full_precision_layer_bytes(snapshot), *caps)
 
 
 def is_hybrid(snapshot: StatsSnapshot | None) -> bool:
-    """Whether the layers keep different tokens (a Gemma's sliding and global layers): the plot marks which is which."""
-    return snapshot is not None and len({layer.window for layer in snapshot.layers}) > 1
+    """Whether the attention layers keep different tokens (a Gemma's sliding and global layers): the plot marks which
+    is which. A linear-attention layer keeps no tokens, so a window over Qwen3.5's attention layers is not hybrid."""
+    return snapshot is not None and len({layer.window for layer in attention_layers(snapshot)}) > 1
 
 
 def layer_kinds(snapshot: StatsSnapshot) -> tuple[tuple[int | None, int], ...]:
-    """(window, layers) per distinct window, sliding ones first, then the global layers (None)."""
-    return window_counts(layer.window for layer in snapshot.layers)
+    """(window, layers) per distinct window of the attention layers, sliding ones first, then the global ones (None)."""
+    return window_counts(layer.window for layer in attention_layers(snapshot))
 
 
 def layer_hover_text(snapshot: StatsSnapshot | None, layer_index: int) -> str | None:
     if snapshot is None or not 0 <= layer_index < len(snapshot.layers):
         return None
     layer = snapshot.layers[layer_index]
-    share = snapshot.budget_bytes / len(snapshot.layers)
+    if is_state_layer(layer):
+        return state_hover_text(layer)
+    share = layer_budget_share(snapshot)
     total = layer.k_bytes + layer.v_bytes
     text = (QCoreApplication.translate("DashboardData", "layer {n}").format(n=layer.layer)
             + f"\nK {value_name(layer.k_format)}: {layer.k_bytes:,} B ({format_bytes(layer.k_bytes)})\n"
@@ -278,6 +309,13 @@ def layer_hover_text(snapshot: StatsSnapshot | None, layer_index: int) -> str | 
                                                    "it)").format(size=format_bytes(full), share=f"{total / full:.0%}")
     return text + ("\n" + QCoreApplication.translate("DashboardData", "{share} of its budget share ({size})").format(
         share=f"{total / share:.3%}", size=format_bytes(share)) if share else "")
+
+
+def state_hover_text(layer: LayerBytes) -> str:
+    return QCoreApplication.translate(
+        "DashboardData", "layer {n}: linear attention\nkeeps a recurrent state of {bytes} B ({size}), the same at any "
+        "length\nno K or V: cache modes (formats, window) do not apply to it; the state stays float32").format(
+        n=layer.layer, bytes=f"{layer.state_bytes:,}", size=format_bytes(layer.state_bytes))
 
 
 def series_hover_text(data: DashboardData, kind: str, t: float) -> str | None:

@@ -23,8 +23,9 @@ from PySide6.QtWidgets import (QBoxLayout, QFrame, QGraphicsItem, QHBoxLayout, Q
 from kvchat.engine.units import MIB
 
 from kvchat.app.dashboard.bar_widgets import FORMAT_COLOURS, format_family, format_mib
-from kvchat.app.dashboard.dashboard_data import (DashboardData, byte_unit, full_precision_layer_bytes, is_hybrid,
-                                                 layer_hover_text, layer_kinds, nice_ceiling, series_hover_text,
+from kvchat.app.dashboard.dashboard_data import (DashboardData, attention_layers, byte_unit, full_precision_layer_bytes,
+                                                 is_hybrid, is_state_layer, layer_budget_share, layer_hover_text,
+                                                 layer_kinds, nice_ceiling, series_hover_text, state_layers,
                                                  time_span_end, token_room)
 from kvchat.app.dashboard.event_strip import MARKER_COLOURS, EventStrip
 from kvchat.app.dashboard.gauge import TokenGauge
@@ -49,6 +50,7 @@ MEMORY_SERIES = {"budget": (QT_TRANSLATE_NOOP("Dashboard", "budget"), "#dc2626",
 OPTIONAL_SERIES = ("weights", "torch", "gpu")   # shown only when this machine reports them
 DECODE_COLOUR, PREFILL_COLOUR = "#2563eb", "#ea580c"
 WINDOW_COLOUR = "#7c3aed"               # sliding layers: their legend entry and the line where the window is full
+STATE_COLOUR = "#db2777"                # linear-attention layers' recurrent state: no format's colour, it has none
 TITLE_PADDING = 4                       # a section title's room beside its text
 NOISE_SHARE = 0.05                      # a time saved or cost within this share of decode time is not a gain shown
 SPECULATION_TIP = QT_TRANSLATE_NOOP(
@@ -270,7 +272,9 @@ class LivePage(QScrollArea):
                                          pen=pg.mkPen(OUTLINE_COLOUR, width=1, style=Qt.PenStyle.DashLine))
         self.k_bars = pg.BarGraphItem(x=[], height=[], width=0.7, pen=None)
         self.v_bars = pg.BarGraphItem(x=[], height=[], y0=[], width=0.7, pen=None)
-        for item in (self.full_bars, self.k_bars, self.v_bars):
+        # a linear-attention layer's recurrent state: one bar of constant height where K and V would be
+        self.state_bars = pg.BarGraphItem(x=[], height=[], width=0.7, pen=None, brush=QBrush(QColor(STATE_COLOUR)))
+        for item in (self.full_bars, self.k_bars, self.v_bars, self.state_bars):
             self.layer_plot.addItem(item)
         # a sliding layer's bar is hatched, and a line across it marks what it holds once its window is full
         self.window_ticks = pg.PlotDataItem([], [], connect="pairs", pen=pg.mkPen(WINDOW_COLOUR, width=2))
@@ -473,6 +477,7 @@ class LivePage(QScrollArea):
         v = np.array([layer.v_bytes for layer in layers], float) / scale
         full = full_precision_layer_bytes(snapshot) / scale
         hybrid = is_hybrid(snapshot)
+        kv_layers, states = attention_layers(snapshot), state_layers(snapshot)
 
         def brush(colour: str, layer) -> QBrush:
             style = Qt.BrushStyle.BDiagPattern if hybrid and layer.window is not None else Qt.BrushStyle.SolidPattern
@@ -480,27 +485,38 @@ class LivePage(QScrollArea):
 
         k_brushes = [brush(FORMAT_COLOURS[format_family(layer.k_format)][0], layer) for layer in layers]
         v_brushes = [brush(FORMAT_COLOURS[format_family(layer.v_format)][1], layer) for layer in layers]
-        sliding = [layer for layer in layers if hybrid and layer.window_bytes is not None]
+        sliding = [layer for layer in kv_layers if hybrid and layer.window_bytes is not None]
         self.window_ticks.setData(np.repeat([layer.layer for layer in sliding], 2) + np.tile([-0.45, 0.45], len(sliding)),
                                   np.repeat([layer.window_bytes / scale for layer in sliding], 2))
-        self.full_bars.setOpts(x=x, height=np.full(len(layers), full), width=0.9)
+        # the outline is what K and V would take at full precision: a state layer has none to outline
+        self.full_bars.setOpts(x=np.array([layer.layer for layer in kv_layers], float),
+                               height=np.full(len(kv_layers), full), width=0.9)
         self.full_bars.setVisible(full > 0)
         # a hatched bar gets an edge in its own colour, so its height reads as well as a solid bar's
         k_pens = [pg.mkPen(b.color(), width=1) if b.style() != Qt.BrushStyle.SolidPattern else None for b in k_brushes]
         v_pens = [pg.mkPen(b.color(), width=1) if b.style() != Qt.BrushStyle.SolidPattern else None for b in v_brushes]
         self.k_bars.setOpts(x=x, height=k, width=0.7, brushes=k_brushes, pens=k_pens)
         self.v_bars.setOpts(x=x, height=v, y0=k, width=0.7, brushes=v_brushes, pens=v_pens)
-        if self._ranges.get("layer_unit") != unit:
-            self._ranges["layer_unit"] = unit
-            self.sections["layers"].setText(translate("Dashboard", "KV bytes per layer ({unit})").format(unit=unit))
-        budget_share = snapshot.budget_bytes / len(layers) / scale
+        self.state_bars.setOpts(x=np.array([layer.layer for layer in states], float),
+                                height=np.array([layer.state_bytes for layer in states], float) / scale, width=0.7)
+        self.state_bars.setVisible(bool(states))
+        title = (unit, bool(states))
+        if self._ranges.get("layer_unit") != title:
+            self._ranges["layer_unit"] = title
+            self.sections["layers"].setText(
+                translate("Dashboard", "KV and state bytes per layer ({unit})").format(unit=unit) if states else
+                translate("Dashboard", "KV bytes per layer ({unit})").format(unit=unit))
+        budget_share = layer_budget_share(snapshot) / scale
         near = budget_share <= top_bytes / scale
         self.budget_line.setVisible(near)
         self.budget_line.setValue(budget_share)
-        families = sorted({format_family(f) for layer in layers for f in (layer.k_format, layer.v_format)},
+        families = sorted({format_family(f) for layer in kv_layers for f in (layer.k_format, layer.v_format)},
                           key=list(FORMAT_COLOURS).index)
         entries = [(translate("Dashboard", FORMAT_NAMES[family]), FORMAT_COLOURS[family][0]) for family in families]
         entries.append((translate("Dashboard", "K dark, V light"), "#94a3b8"))
+        if states:
+            entries.append((translate("Dashboard", "{n} state (linear attention), constant").format(n=len(states)),
+                            STATE_COLOUR))
         if hybrid:
             for window, count in layer_kinds(snapshot):
                 entries.append((translate("Dashboard", "{n} global").format(n=count) if window is None else

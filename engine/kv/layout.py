@@ -106,6 +106,16 @@ class KVLayout:
         return self.budget_blocks(budget_bytes) * self.block_size
 
 
+def _attention_layers(model) -> tuple[int, ...]:
+    """The layers with a KV cache (ModelConfig.attention_layers; a bare shape, as the benches and tests pass: all)."""
+    return tuple(getattr(model, "attention_layers", range(model.num_layers)))
+
+
+def _state_bytes(model) -> int:
+    """One conversation's recurrent state (ModelConfig.state_bytes; 0 for a bare shape)."""
+    return model.state_bytes() if hasattr(model, "state_bytes") else 0
+
+
 def _fit(fmt: PageFormat, head_dim: int) -> PageFormat:
     # groups of 32 channels need head_dim to split evenly; smaller heads use smaller groups
     if fmt.scale_axis == "group" and head_dim % fmt.group:
@@ -121,7 +131,7 @@ def kv_layout(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
                           f"0-{model.num_layers - 1}")
     dtype = full_dtype(model_dtype, device)
     formats = []
-    attention = model.attention_layers          # a linear-attention layer keeps a state, no KV (kv/state.py)
+    attention = _attention_layers(model)        # a linear-attention layer keeps a state, no KV (kv/state.py)
     for layer in attention:
         if layer in cache.full_precision_layers:
             formats.append((PageFormat(dtype), PageFormat(dtype)))
@@ -144,7 +154,7 @@ def check_cache_for_model(cache: CacheConfig, model: ModelConfig, model_dtype: s
                           f"{model.max_position_embeddings:,} tokens: positions would run past what it was trained "
                           f"on; use a window of at most {model.max_position_embeddings - cache.sinks:,}")
     need = layout.block_bytes + layout.fixed_bytes
-    state = model.state_bytes()             # linear-attention layers' recurrent state, held from the first token
+    state = _state_bytes(model)             # linear-attention layers' recurrent state, held from the first token
     if layout.budget_blocks(cache.budget_mb * MIB - state) < 1:
         held = f" beside the {state / MIB:.1f} MiB recurrent state of its linear-attention layers" if state else ""
         raise ConfigError(f"a KV budget of {cache.budget_mb:g} MiB does not hold even one block of {cache.block_size} "
@@ -211,7 +221,7 @@ def kv_groups(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
     own)."""
     full = kv_layout(model, cache, model_dtype, device)
     by_geometry: dict[WindowGeometry, list[int]] = {}
-    for i in model.attention_layers:
+    for i in _attention_layers(model):
         by_geometry.setdefault(layer_geometry(model, cache, i), []).append(i)
     if len(by_geometry) == 1:
         (geometry, ids), = by_geometry.items()
@@ -234,8 +244,9 @@ def _group_bytes(group: KVGroup, num_tokens: int) -> int:
 def conversation_bytes(model: ModelConfig, cache: CacheConfig, num_tokens: int, model_dtype: str = "fp32",
                        device: str = "cpu") -> int:
     """KV bytes one conversation of num_tokens tokens holds, every group's blocks and full-precision head / tail
-    (KVLayout.sequence_bytes of each group)."""
-    return sum(_group_bytes(g, num_tokens) for g in kv_groups(model, cache, model_dtype, device))
+    (KVLayout.sequence_bytes of each group), and the recurrent state of its linear-attention layers (the same at any
+    length; its snapshots aside)."""
+    return sum(_group_bytes(g, num_tokens) for g in kv_groups(model, cache, model_dtype, device)) + _state_bytes(model)
 
 
 def _peak_bytes(group: KVGroup, num_tokens: int) -> int:
@@ -261,6 +272,9 @@ def max_conversation_tokens(model: ModelConfig, cache: CacheConfig, budget_bytes
     growing = [g for g in groups if g.geometry.window is None]
     if not growing:
         return None
+    budget_bytes -= _state_bytes(model)         # the linear-attention layers' state, held at any length
+    if budget_bytes < 0:
+        return 0
     if len(groups) == 1:
         return groups[0].layout.max_tokens(budget_bytes)
     bs = cache.block_size

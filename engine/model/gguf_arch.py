@@ -146,30 +146,36 @@ def trunk_layers(gf) -> int:
 
 
 def value_head_order(gf, hf_name: str) -> tuple[int, np.ndarray] | None:
-    """(axis, index): the stored tensor `hf_name` (kvchat's name) taken at `index` along `axis` is transformers'
-    order of it; None where the file keeps that order.
-
-    Where a Gated DeltaNet has more value heads than key heads (Qwen3.5: 32 over 16), llama.cpp's converter stores
-    the value heads tiled ([v0 of every key head, then v1 of every key head, ...]) instead of grouped by key head as
-    transformers has them (v0, v1 of key head 0 first), so that ggml's broadcast repeats the keys: the rows of
-    in_proj_z, in_proj_b, in_proj_a, dt.bias and A.weight, the value rows of in_proj_qkv and conv1d, and the columns of
-    out_proj. Rows can be taken apart in a packed matrix; out_proj's columns only as whole quantization blocks."""
-    if gf.arch not in ("qwen35", "qwen35moe") or ".linear_attn." not in hf_name:
-        return None
-    unit = _VALUE_HEAD_TENSORS.get("linear_attn." + hf_name.split(".linear_attn.", 1)[1])
-    if unit is None:
-        return None
+    """(axis, index): the stored tensor `hf_name` (kvchat's name) of the GGUF gf, taken at `index` along `axis`, is
+    in transformers' order (tiled_value_heads, with the file's ssm.* keys); None where the file keeps that order."""
     a = gf.arch
-    hk, hv = gf.field(f"{a}.ssm.group_count"), gf.field(f"{a}.ssm.time_step_rank")
-    if hk == hv:
+    if a not in ("qwen35", "qwen35moe") or ".linear_attn." not in hf_name:
         return None
-    dv = gf.field(f"{a}.ssm.inner_size") // hv
-    width = 1 if unit == "head" else dv
-    h = np.arange(hv)
-    heads = (h % (hv // hk)) * hk + h // (hv // hk)       # transformers' head h = g * r + i is stored at i * hk + g
-    index = (heads[:, None] * width + np.arange(width)).reshape(-1)
+    hv = gf.field(f"{a}.ssm.time_step_rank")
+    return tiled_value_heads(hf_name, gf.field(f"{a}.ssm.group_count"), hv, gf.field(f"{a}.ssm.state_size"),
+                             gf.field(f"{a}.ssm.inner_size") // hv)
+
+
+def tiled_value_heads(hf_name: str, key_heads: int, value_heads: int, key_dim: int,
+                      value_dim: int) -> tuple[int, np.ndarray] | None:
+    """(axis, index) taking llama.cpp's stored order of a Gated DeltaNet tensor back to transformers' (np.take;
+    np.argsort(index) goes the other way); None for a tensor, or a model, whose order the converter keeps.
+
+    Where there are more value heads than key heads (Qwen3.5: 32 over 16), llama.cpp's converter stores the value
+    heads tiled (the first value head of every key head, then the second of every one, ...) instead of grouped by
+    key head as transformers holds them, so that ggml's broadcast repeats the keys: the rows of in_proj_z, in_proj_b,
+    in_proj_a, dt.bias and A.weight, the value rows of in_proj_qkv and conv1d (after the query and key channels) and
+    the columns of out_proj. A packed matrix's rows can be taken so; out_proj's columns only by whole blocks."""
+    unit = _VALUE_HEAD_TENSORS.get("linear_attn." + hf_name.split(".linear_attn.", 1)[-1])
+    if unit is None or key_heads == value_heads:
+        return None
+    group = value_heads // key_heads
+    width = 1 if unit == "head" else value_dim
+    h = np.arange(value_heads)
+    stored = (h % group) * key_heads + h // group      # transformers' head g * group + i is stored at i * key_heads + g
+    index = (stored[:, None] * width + np.arange(width)).reshape(-1)
     if hf_name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
-        keys = 2 * hk * gf.field(f"{a}.ssm.state_size")
+        keys = 2 * key_heads * key_dim
         index = np.concatenate([np.arange(keys), keys + index])
     return (1 if hf_name.endswith(".out_proj.weight") else 0), index
 

@@ -7,8 +7,8 @@ What a layer computes is its LayerSpec (engine/model/spec.py, built by the famil
 computes the norms (w * RMSNorm, the (1 + w) folded into the weights at load), q/k norms per head, post-norms
 (Gemma: a norm after attention and after the MLP, before each residual add), the gated MLP's activation (SwiGLU,
 GELU tanh), the biases, and the model-level embedding scale and final soft-cap. Rotation, query scale, soft-cap
-and window are the attention callback's; what the engine's attention does not compute yet (see unsupported()) is
-refused at construction, naming the field, instead of being computed as a Llama layer.
+and window are the attention callback's (a partial rotation reaches it as a whole-head one: Rope.permutation); a
+linear-attention layer's state is the callback's too (`recurrent`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from kvchat import kernels
 from kvchat.kernels import cpu_quant
 
-from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.experts import RoutedMLP
 from kvchat.engine.model import linear_attention as gdn
@@ -40,21 +39,6 @@ class DecodeKernel:
 
     kind: str
     run: Callable[[object, torch.Tensor], None]
-
-
-def unsupported(spec: LayerSpec, head_dim: int) -> str | None:
-    """The first thing in a layer's description the engine's attention does not compute yet, or None (the
-    forward itself computes every other field)."""
-    checks = (("rope.dims", spec.rope.dims is None or spec.rope.dims <= head_dim),)
-    return next((f"{name}={_field(spec, name)!r}" for name, ok in checks if not ok), None)
-
-
-def _field(spec: LayerSpec, name: str):
-    """spec's field by its dotted name ("rope.dims")."""
-    value = spec
-    for part in name.split("."):
-        value = getattr(value, part)
-    return value
 
 
 class Layer:
@@ -120,10 +104,6 @@ class Transformer:
     def __init__(self, config: ModelConfig, table, layers: list[Layer], norm: torch.Tensor, lm_head,
                  dtype: torch.dtype, device: str, weights: str, quant: str = ""):
         for i, (spec, L) in enumerate(zip(config.layers, layers)):
-            missing = unsupported(spec, config.head_dim)
-            if missing is not None:
-                raise ModelLoadError(f"{config.model_type}: layer {i} asks for {missing}, which kvchat's forward pass "
-                                     f"does not compute yet")
             # the weights a spec's fields need (a loader that built a Layer without them is a programming error)
             for name, need in (("q_norm", spec.qk_norm), ("k_norm", spec.qk_norm),
                                ("post_attn_norm", spec.post_norms), ("post_mlp_norm", spec.post_norms),

@@ -246,6 +246,10 @@ class Estimate:
     experts: tuple[int, ...] = ()
     active_parameters: int = 0
     active_weight_bytes: int = 0
+    # linear-attention layers (a recurrent state instead of KV): how many, and the state one conversation holds in
+    # them (counted in kv_bytes), the same at any length; each snapshot of it (regenerate, rewind) costs as much
+    linear_layers: int = 0
+    state_bytes: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -281,7 +285,8 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
         kinds = {f.label for pair in layout.formats for f in pair}
         if len(groups) == 1:            # every layer keeps the same tokens: to the token, as before
             g = groups[0].geometry
-            per_token, longest = layout.bytes_per_token, largest_context(layout, room, g.window, g.sinks, batch)
+            state_room = max(0, room - batch * mc.state_bytes())     # a linear-attention model's state first
+            per_token, longest = layout.bytes_per_token, largest_context(layout, state_room, g.window, g.sinks, batch)
         else:                           # the engine's own forecast for layers that keep different tokens
             per_token = growth_bytes_per_token(groups)
             longest = max_conversation_tokens(mc, cache, room / batch, model_dtype, device)
@@ -292,8 +297,8 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
     return Estimate(facts.name, facts.source, mc.model_type, facts.parameters, mc.num_layers, mc.num_kv_heads,
                     mc.head_dim, mc.max_position_embeddings, facts.weights_label, weight_bytes, context, batch,
                     block_size, window, sinks, device, full, memory_bytes, memory_source, margin, room, tuple(rows),
-                    window_counts(layer.window for layer in mc.layers), experts_of(mc), facts.active_parameters,
-                    min(active_bytes, weight_bytes))
+                    window_counts(layer.window for layer in mc.layers if layer.linear is None), experts_of(mc),
+                    facts.active_parameters, min(active_bytes, weight_bytes), len(mc.linear_layers), mc.state_bytes())
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -325,6 +330,11 @@ def summarize(e: Estimate) -> str:
         "",
         f"{'format':<10} {'B/token':>12} {'KV':>12} {'total':>12} {'fits':>5}  {'largest context':>22}",
     ]
+    if e.linear_layers:
+        lines.insert(-1, f"{e.linear_layers} of {e.num_layers} layers are linear attention: their recurrent state, "
+                         f"{format_size(e.state_bytes)} a conversation at any length, is in KV (each snapshot kept for "
+                         f"regenerate and rewind adds as much); B/token and the cache formats are the "
+                         f"{e.num_layers - e.linear_layers} attention layers'")
     if hybrid:
         lines.insert(-1, f"B/token: what each token adds once the sliding windows are full (only the "
                          f"{dict(e.layer_windows).get(None, 0)} global layers grow)")
