@@ -45,6 +45,7 @@ class EngineFacts:
     notice: str = ""                # something the user should hear about the load
     kernel_status: str = ""         # why the C kernels are missing, if they are
     chat_format_notice: str = ""    # why replies may read oddly (a template we could not use)
+    linear_layers: int = 0          # layers that keep a recurrent state, not K and V (Qwen3.5's Gated DeltaNet)
 
 
 @runtime_checkable

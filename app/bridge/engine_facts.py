@@ -41,14 +41,20 @@ def family_text(config) -> str:
     """"gemma3 · 26 layers (22 sliding 512 + 4 global)" for the status line: the family and, where layers keep
     different tokens, how many slide over which window and how many hold everything; a mixture of experts adds
     "128 experts, 8 active per token" (and in how many layers, where some are dense), gpt-oss its learned attention
-    sinks."""
+    sinks. Qwen3.5 says how many of its layers are linear attention (a state, not KV): "4 layers (3 linear attention
+    + 1 attention)"."""
     translate = QCoreApplication.translate
-    counts = window_counts(layer.window for layer in config.layers)
+    counts = window_counts(layer.window for layer in config.layers if layer.linear is None)
     layers = translate("EngineFacts", "{n} layers").format(n=config.num_layers)
+    kinds = [translate("EngineFacts", "{n} linear attention").format(n=len(config.linear_layers))] \
+        if config.linear_layers else []
     if len(counts) > 1:
-        layers += " (" + " + ".join(translate("EngineFacts", "{n} global").format(n=n) if w is None else
-                                    translate("EngineFacts", "{n} sliding {window}").format(n=n, window=f"{w:,}")
-                                    for w, n in counts) + ")"
+        kinds += [translate("EngineFacts", "{n} global").format(n=n) if w is None else
+                  translate("EngineFacts", "{n} sliding {window}").format(n=n, window=f"{w:,}") for w, n in counts]
+    elif kinds:
+        kinds.append(translate("EngineFacts", "{n} attention").format(n=config.num_layers - len(config.linear_layers)))
+    if kinds:
+        layers += " (" + " + ".join(kinds) + ")"
     parts = [family(config.model_type, "the loaded model").name, layers]
     routed = [layer.experts for layer in config.layers if layer.experts is not None]
     if routed:

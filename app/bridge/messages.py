@@ -38,6 +38,7 @@ class EngineReady:
     chat_format_notice: str = ""        # the model has no chat template: it chats in plain text (the engine's line)
     prefill: str = ""                   # the prompt GEMM's precision as loaded ("fp32", "bf16"); "" for a server
     saves_caches: bool = False          # it keeps each chat's KV cache on disk (saved when the app closes)
+    linear_layers: int = 0              # of num_layers, those keeping a recurrent state: cache modes skip them
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from kvchat.engine.units import MIB
 
 from kvchat.app.dashboard.bar_widgets import FORMAT_COLOURS, format_family, format_mib
 from kvchat.app.dashboard.dashboard_data import (DashboardData, attention_layers, byte_unit, full_precision_layer_bytes,
-                                                 is_hybrid, is_state_layer, layer_budget_share, layer_hover_text,
+                                                 is_hybrid, layer_budget_share, layer_hover_text,
                                                  layer_kinds, nice_ceiling, series_hover_text, state_layers,
                                                  time_span_end, token_room)
 from kvchat.app.dashboard.event_strip import MARKER_COLOURS, EventStrip
@@ -515,8 +515,8 @@ class LivePage(QScrollArea):
         entries = [(translate("Dashboard", FORMAT_NAMES[family]), FORMAT_COLOURS[family][0]) for family in families]
         entries.append((translate("Dashboard", "K dark, V light"), "#94a3b8"))
         if states:
-            entries.append((translate("Dashboard", "{n} state (linear attention), constant").format(n=len(states)),
-                            STATE_COLOUR))
+            entries.append((translate("Dashboard", "state of {n} linear-attention layers, constant").format(
+                n=len(states)), STATE_COLOUR))
         if hybrid:
             for window, count in layer_kinds(snapshot):
                 entries.append((translate("Dashboard", "{n} global").format(n=count) if window is None else

@@ -113,7 +113,9 @@ class DashboardPanels(QObject):
         key = (self.dashboard.data.version, w.session_cache, w.session_ready, w.conversation_id)
         if page is self.dashboard.pool_view and self._drawn.get("pool") != key:
             self._drawn["pool"] = key
-            self.dashboard.pool_view.set_pool(latest.pool if latest is not None else None, self.rows())
+            self.dashboard.pool_view.set_pool(latest.pool if latest is not None else None, self.rows(),
+                                              latest.state_bytes if latest is not None else 0,
+                                              latest.snapshots if latest is not None else ())
         elif page is self.dashboard.plan and self._drawn.get("plan") != key:
             self._drawn["plan"] = key
             self.dashboard.plan.set_conversation(

@@ -166,6 +166,31 @@ def saved_line(pool: PoolStats) -> str:
         n=f"{pool.saved_files:,}", size=format_mib(pool.saved_bytes), budget=format_mib(pool.saved_budget_bytes))
 
 
+def state_line(state_bytes: int, snapshots: tuple[int, ...]) -> str:
+    """This chat's recurrent state (a model with linear-attention layers) and the snapshots kept of it, each as big as
+    the state and all in the budget; "" for a model without one."""
+    if state_bytes <= 0:
+        return ""
+    state = format_mib(state_bytes)
+    if not snapshots:
+        return QCoreApplication.translate("PoolView", "This chat's recurrent state: <b>{state}</b> (no snapshot kept "
+                                          "yet)").format(state=state)
+    tokens, size = ", ".join(f"{t:,}" for t in snapshots), format_mib(state_bytes * len(snapshots))
+    if len(snapshots) == 1:
+        return QCoreApplication.translate("PoolView", "This chat's recurrent state: <b>{state}</b> (1 snapshot kept "
+                                          "at token {tokens}; {size})").format(state=state, tokens=tokens, size=size)
+    return QCoreApplication.translate("PoolView", "This chat's recurrent state: <b>{state}</b> ({n} snapshots kept at "
+                                      "tokens {tokens}; {size})").format(state=state, n=len(snapshots), tokens=tokens,
+                                                                        size=size)
+
+
+STATE_TIP = QT_TRANSLATE_NOOP(
+    "PoolView", "The model's linear-attention layers keep a recurrent state instead of K and V: the same size at any "
+    "length, always float32.\nA snapshot is a copy of the state at a turn boundary: regenerate, rewind and edit go "
+    "back to one instead of reading the chat again. Each costs as much as the state, and both count against the KV "
+    "budget.")
+
+
 def conversation_bar_rows(rows: list[PoolRow], budget_bytes: int) -> list[Row]:
     """Bars to scale with the largest conversation; the number is the share of the KV budget."""
     largest = max((r.num_bytes for r in rows), default=0) or 1
@@ -209,6 +234,11 @@ class PoolView(QWidget):
         self.summary = QLabel(self.tr("No pool yet: the model is loading."), objectName="dashboardSummary")
         self.summary.setWordWrap(True)
         layout.addWidget(self.summary)
+        self.state = QLabel("", objectName="poolState")     # a model with linear-attention layers only
+        self.state.setWordWrap(True)
+        self.state.setToolTip(QCoreApplication.translate("PoolView", STATE_TIP))
+        self.state.setVisible(False)
+        layout.addWidget(self.state)
         layout.addWidget(QLabel(self.tr("KV budget"), objectName="dashboardSection"))
         self.budget_bar = StackedBar()
         layout.addWidget(self.budget_bar)
@@ -227,8 +257,13 @@ class PoolView(QWidget):
         layout.addWidget(self.note)
         layout.addStretch(1)
 
-    def set_pool(self, pool: PoolStats | None, rows: list[PoolRow]) -> None:
+    def set_pool(self, pool: PoolStats | None, rows: list[PoolRow], state_bytes: int = 0,
+                 snapshots: tuple[int, ...] = ()) -> None:
+        """The pool, its conversations, and the open chat's recurrent state (state_bytes 0: the model has none)."""
         self.pool, self.rows = pool, rows
+        line = state_line(state_bytes, snapshots) if pool is not None else ""
+        self.state.setText(line)
+        self.state.setVisible(bool(line))
         if pool is None:
             self.summary.setText(self.tr("This engine reports no shared pool (a remote server shows its usage in "
                                          "Live)."))

@@ -78,8 +78,9 @@ class SettingsDialog(QDialog):
     def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None,
                  model_config=None, model_dtype: str = "fp32", device: str = "cpu",
                  last_server: RemoteSettings | None = None, language: str = "system", disk_budget_mb: float = 2048.0,
-                 speculative: tuple[str, int] = DEFAULT_SPECULATIVE, prefill: str = "auto"):
+                 speculative: tuple[str, int] = DEFAULT_SPECULATIVE, prefill: str = "auto", linear_layers: int = 0):
         super().__init__(parent)
+        self.linear_layers = linear_layers      # of the loaded model's layers, those keeping a recurrent state
         self._disk_budget_mb = disk_budget_mb
         self._speculative = speculative
         self._prefill = prefill
@@ -316,6 +317,16 @@ class SettingsDialog(QDialog):
         window_row.addWidget(QLabel(self.tr("sinks")))
         window_row.addWidget(self.sinks)
         form.addRow(self.tr("Window (tokens)"), window_row)
+        # a model with linear-attention layers: what the formats and the window above do not reach
+        self.state_note = QLabel(objectName="stateLayersNote")
+        self.state_note.setWordWrap(True)
+        if self.linear_layers and self.num_layers:
+            self.state_note.setText(self.tr(
+                "The formats and the window apply to this model's {n} attention layers only; its {m} linear-attention "
+                "layers keep a float32 state of fixed size.").format(n=self.num_layers - self.linear_layers,
+                                                                     m=self.linear_layers))
+        self.state_note.setVisible(bool(self.state_note.text()))
+        form.addRow(self.state_note)
         self.block_size = _spin(QSpinBox(minimum=1, maximum=256), cache.block_size)
         form.addRow(self.tr("Block size (tokens)"), self.block_size)
         self.budget = QDoubleSpinBox(minimum=0.0, maximum=1_048_576.0, decimals=1, suffix=" MiB", singleStep=64.0)
@@ -419,10 +430,12 @@ class SettingsDialog(QDialog):
                             window=self.window.value() or None, sinks=self.sinks.value(),
                             block_size=self.block_size.value(), budget_mb=self.budget.value(),
                             overflow=choice(self.overflow))
-        same_model = (self.model_edit.text().strip() or "default") == self.loaded_model
-        if self.model_config is not None and same_model:    # another model is checked when it loads
+        if self.model_config is not None and self._same_model():    # another model is checked when it loads
             check_cache_for_model(cache, self.model_config, self.model_dtype, self.device)
         return cache
+
+    def _same_model(self) -> bool:
+        return (self.model_edit.text().strip() or "default") == self.loaded_model
 
     def cache_config_unchecked(self) -> CacheConfig:
         """The cache fields as they are (kept for when the app runs locally again); a server ignores them."""
@@ -455,6 +468,8 @@ class SettingsDialog(QDialog):
                            system_prompt=self.system_prompt.toPlainText().strip())
 
     def validate(self, *_args) -> str | None:
+        # the note is about the loaded model: another one in the Model field may have no such layers
+        self.state_note.setVisible(bool(self.state_note.text()) and self._same_model())
         try:
             self._result = self.settings()
             error = None

@@ -23,7 +23,7 @@ MAX_SNAPSHOTS = 4           # per conversation: the turn's start, the prompt's e
 @dataclass(frozen=True, slots=True)
 class StateLayout:
     """The shape of one conversation's state: the model layers that keep one, and per layer the convolution's tail
-    [channels, kernel - 1] and the matrices [value_heads, key_dim, value_dim], float32."""
+    [kernel - 1, channels] and the matrices [value_heads, key_dim, value_dim], float32."""
     layers: tuple[int, ...]
     conv: tuple[int, int]
     matrices: tuple[int, int, int]
@@ -38,7 +38,7 @@ class StateLayout:
         if len(shapes) > 1:
             raise ValueError("linear-attention layers of different shapes in one model")
         la = specs[0][1]
-        return cls(tuple(i for i, _ in specs), (la.channels, la.conv_kernel - 1),
+        return cls(tuple(i for i, _ in specs), (la.conv_kernel - 1, la.channels),
                    (la.value_heads, la.key_dim, la.value_dim))
 
     @property
@@ -54,7 +54,7 @@ class StateLayout:
 
 
 class RecurrentState:
-    """One conversation's state: `conv` [layers, channels, kernel - 1] and `matrices` [layers, heads, Dk, Dv] after
+    """One conversation's state: `conv` [layers, kernel - 1, channels] and `matrices` [layers, heads, Dk, Dv] after
     `position` tokens, and its snapshots by position (oldest first)."""
 
     def __init__(self, layout: StateLayout, device):

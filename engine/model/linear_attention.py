@@ -16,16 +16,17 @@ CHUNK = 64          # tokens per chunk of a prompt (transformers' default)
 
 
 def conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal depthwise convolution and SiLU over new inputs x [T, C] after a state tail [C, K - 1] (the previous
-    K - 1 inputs of each channel, zeros at the start) -> (outputs [T, C], the new tail [C, K - 1])."""
-    T, C = x.shape
-    K = weight.shape[1]
-    seq = torch.cat((tail, x.t().to(tail.dtype)), dim=1)               # [C, K - 1 + T]
-    if T == 1:
-        out = (seq * weight).sum(1, keepdim=True)                      # [C, 1]
-    else:
-        out = F.conv1d(seq[None], weight[:, None, :], groups=C)[0]     # [C, T]
-    return F.silu(out).t(), seq[:, seq.shape[1] - (K - 1):].clone() if K > 1 else tail
+    """The causal depthwise convolution and SiLU over new inputs x [T, C] after a state tail [K - 1, C] (the previous
+    K - 1 inputs of each channel, zeros at the start), weight [K, C] (tap j of every channel; tap K - 1 meets the
+    newest input) -> (outputs [T, C], the new tail [K - 1, C]). Rows stay rows: K multiply-adds over [T, C], no
+    transposed copies."""
+    T = x.shape[0]
+    K = weight.shape[0]
+    seq = torch.cat((tail, x.to(tail.dtype)))                          # [K - 1 + T, C]
+    out = seq[:T] * weight[0]
+    for j in range(1, K):
+        out.addcmul_(seq[j:j + T], weight[j])
+    return F.silu(out), seq[T:].clone()
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -46,15 +47,15 @@ def prepare(q: torch.Tensor, k: torch.Tensor, value_heads: int) -> tuple[torch.T
 def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per call, T tokens in turn: q, k [T, H, Dk] (prepared), v [T, H, Dv], g, beta [T, H]; state
-    [H, Dk, Dv] -> (outputs [T, H, Dv], the new state)."""
+    [H, Dk, Dv] (not written) -> (outputs [T, H, Dv], the new state)."""
     out = v.new_empty(v.shape, dtype=torch.float32)
     s = state
     for t in range(q.shape[0]):
-        s = s * g[t].exp()[:, None, None]
+        s = s * g[t].exp()[:, None, None]                              # a new buffer: the old state stays as it was
         kt = k[t]
         read = torch.bmm(kt[:, None, :], s)[:, 0]                     # [H, Dv]: k S
         delta = (v[t].float() - read) * beta[t][:, None]
-        s = s + kt[:, :, None] * delta[:, None, :]
+        s.baddbmm_(kt[:, :, None], delta[:, None, :])                  # S + k (beta (v - k S))
         out[t] = torch.bmm(q[t][:, None, :], s)[:, 0]
     return out, s
 
@@ -65,13 +66,12 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     T, H, Dk = k.shape
     Dv = v.shape[-1]
     pad = (-T) % chunk
-    # [H, n, C, .] with the sequence padded by tokens that neither decay nor write (g 0, beta 0, k 0)
-    def chunks(x, width):
-        x = x.float().transpose(0, 1)
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad)) if width else F.pad(x, (0, pad))
-        return x.reshape(H, -1, chunk, width) if width else x.reshape(H, -1, chunk)
-    q, k, v, g, beta = chunks(q, Dk), chunks(k, Dk), chunks(v, Dv), chunks(g, 0), chunks(beta, 0)
+
+    def chunks(x):          # [T, H, ...] -> [H, n, chunk, ...], padded by tokens that neither decay nor write: one copy
+        out = x.new_zeros((H, T + pad, *x.shape[2:]), dtype=torch.float32)
+        out[:, :T] = x.transpose(0, 1)
+        return out.view(H, -1, chunk, *x.shape[2:])
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
     n = q.shape[1]
     cum = g.cumsum(-1)                                                  # [H, n, C] log decay since the chunk began
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()

@@ -49,7 +49,7 @@ class Layer:
     has sink_logits (the attention backends read them through runner's LayerScores).
 
     A linear-attention layer (spec.linear) keeps its projections in the same slots: qkv is in_proj_qkv | in_proj_z |
-    in_proj_b | in_proj_a fused, o is out_proj; `mixer` holds its vectors (conv [channels, kernel], dt_bias, A, the
+    in_proj_b | in_proj_a fused, o is out_proj; `mixer` holds its vectors (conv [kernel, channels], dt_bias, A, the
     gated norm's multiplier). `shared`: a shared expert beside the routed MLP, (gate_up, down, gate [1, hidden])."""
     __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "q_norm", "k_norm", "post_attn_norm",
                  "post_mlp_norm", "mlp", "sinks", "mixer", "shared")
@@ -82,7 +82,7 @@ class Layer:
 
 @dataclass(frozen=True)
 class MixerWeights:
-    """A linear-attention layer's vectors (spec.LinearAttention): conv [channels, kernel], dt_bias and A [value
+    """A linear-attention layer's vectors (spec.LinearAttention): conv [kernel, channels], dt_bias and A [value
     heads] (A = -exp(A_log), the decay rate), norm [value_dim] (the gated RMSNorm's multiplier), all float32."""
     conv: torch.Tensor
     dt_bias: torch.Tensor

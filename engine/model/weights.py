@@ -55,7 +55,7 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
         if spec.linear is not None:
             la = spec.linear
             vec = lambda part: tensor(p + modules[part][0] + (".bias" if part == "dt" else ".weight")).float()  # noqa: E731
-            mixer = MixerWeights(vec("conv").reshape(la.channels, la.conv_kernel).contiguous(), vec("dt").reshape(-1),
+            mixer = MixerWeights(vec("conv").reshape(la.channels, la.conv_kernel).t().contiguous(), vec("dt").reshape(-1),
                                  vec("A").reshape(-1), vec("mixer_norm").reshape(-1))
         layers.append(Layer(
             qkv=lin("qkv", spec.qkv_bias), o=lin("o", spec.o_bias),

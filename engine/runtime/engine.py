@@ -151,7 +151,7 @@ class Engine:
         """What this engine says about itself (engine/api.py)."""
         return EngineFacts(self.model_name, str(self.device), self.num_layers, self.weights_label,
                            int(self.weight_bytes), self.dtype_name, self.notice or "", self.kernel_status or "",
-                           self.chat_format_notice or "")
+                           self.chat_format_notice or "", len(self.model.config.linear_layers))
 
     @property
     def chat_format_notice(self) -> str | None:

@@ -495,8 +495,16 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>&lt;b&gt;{cache}&lt;/b&gt;，位于 {url}&lt;br&gt;{speed}&lt;br&gt;本应用进程 RSS {rss}</translation>
     </message>
     <message>
+        <source>KV and state bytes per layer ({unit})</source>
+        <translation type="unfinished"></translation>
+    </message>
+    <message>
         <source>K dark, V light</source>
         <translation>K 深色，V 浅色</translation>
+    </message>
+    <message>
+        <source>state of {n} linear-attention layers, constant</source>
+        <translation type="unfinished"></translation>
     </message>
     <message>
         <source>{n} global</source>
@@ -590,6 +598,12 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
     <message>
         <source>{share} of its budget share ({size})</source>
         <translation>占该层预算份额的 {share}（{size}）</translation>
+    </message>
+    <message>
+        <source>layer {n}: linear attention
+keeps a recurrent state of {bytes} B ({size}), the same at any length
+no K or V: cache modes (formats, window) do not apply to it; the state stays float32</source>
+        <translation type="unfinished"></translation>
     </message>
     <message>
         <source>idle: no reply was being generated</source>
@@ -1871,6 +1885,23 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
         <translation>磁盘上已保存：&lt;b&gt;{n}&lt;/b&gt; 个对话，{size}，磁盘预算 {budget}（重新打开对话时读回）</translation>
     </message>
     <message>
+        <source>This chat&apos;s recurrent state: &lt;b&gt;{state}&lt;/b&gt; (no snapshot kept yet)</source>
+        <translation type="unfinished"></translation>
+    </message>
+    <message>
+        <source>This chat&apos;s recurrent state: &lt;b&gt;{state}&lt;/b&gt; (1 snapshot kept at token {tokens}; {size})</source>
+        <translation type="unfinished"></translation>
+    </message>
+    <message>
+        <source>This chat&apos;s recurrent state: &lt;b&gt;{state}&lt;/b&gt; ({n} snapshots kept at tokens {tokens}; {size})</source>
+        <translation type="unfinished"></translation>
+    </message>
+    <message>
+        <source>The model&apos;s linear-attention layers keep a recurrent state instead of K and V: the same size at any length, always float32.
+A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edit go back to one instead of reading the chat again. Each costs as much as the state, and both count against the KV budget.</source>
+        <translation type="unfinished"></translation>
+    </message>
+    <message>
         <source> (open now)</source>
         <translation>（当前打开）</translation>
     </message>
@@ -2252,6 +2283,10 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
     <message>
         <source>channel: keys quantized per channel over each block (more accurate); token: per token</source>
         <translation>按通道：键在每个块内按通道量化（更准确）；按 token：逐个 token 量化</translation>
+    </message>
+    <message>
+        <source>The formats and the window apply to this model&apos;s {n} attention layers only; its {m} linear-attention layers keep a float32 state of fixed size.</source>
+        <translation type="unfinished"></translation>
     </message>
     <message>
         <source>Each chat&apos;s KV cache is saved here when you switch away or close the app, so reopening it does not read the whole chat again</source>
