@@ -235,3 +235,30 @@ def test_a_budget_too_small_for_the_state_says_so(family):
     s = engine.new_session(cache=FP32.with_(budget_mb=(state + 2 * block) / 2 ** 20))
     s.append(IDS[:10])
     s.close()
+
+
+def test_the_published_multimodal_folder_reads_as_its_language_model(family, engine, tmp_path):
+    """Qwen3.5's checkpoints are multimodal: config.json holds the text model under text_config and the weights
+    live under model.language_model. beside a vision tower. kvchat reads the language model and its logits are the
+    text model's."""
+    import json
+    import shutil
+    from pathlib import Path
+    from safetensors.torch import load_file, save_file
+    name, folder, _ = family
+    out = tmp_path / "mm"
+    shutil.copytree(folder, out)
+    text = json.loads((Path(folder) / "config.json").read_text())
+    outer = name                                        # qwen3_5 / qwen3_5_moe: the multimodal model_type
+    (out / "config.json").write_text(json.dumps({"model_type": outer, "text_config": text,
+                                                 "vision_config": {"depth": 2}, "tie_word_embeddings": True}))
+    state = load_file(str(Path(folder) / "model.safetensors"))
+    moved = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t for n, t in state.items()}
+    moved["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    (out / "model.safetensors").unlink()
+    save_file(moved, str(out / "model.safetensors"))
+    mm = Engine.load(EngineConfig(model=str(out), weights="dense"))
+    a, b = mm.new_session(cache=FP32), engine.new_session(cache=FP32)
+    assert torch.equal(a.append(IDS[:40]), b.append(IDS[:40]))
+    a.close()
+    b.close()

@@ -313,8 +313,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("smollm3", ("smollm3",), "smollm3", True, _smollm3),
     # hybrids of linear attention (a recurrent state) and full attention. A Hugging Face "qwen3_5" folder is the
     # multimodal model; config.py reads its text_config as the text model's own type
-    Family("qwen3_5", ("qwen3_5_text",), "qwen35", False, _qwen3_5, gguf_tensors=QWEN35_TENSORS),
-    Family("qwen3_5_moe", ("qwen3_5_moe_text",), "qwen35moe", False, _qwen3_5, gguf_tensors=QWEN35MOE_TENSORS),
+    Family("qwen3_5", ("qwen3_5_text", "qwen3_5"), "qwen35", False, _qwen3_5, gguf_tensors=QWEN35_TENSORS),
+    Family("qwen3_5_moe", ("qwen3_5_moe_text", "qwen3_5_moe"), "qwen35moe", False, _qwen3_5, gguf_tensors=QWEN35MOE_TENSORS),
 )
 # mixture-of-experts families: named in the error as such (their routed MLPs are not a layer kvchat computes yet)
 MOE_ARCHITECTURES = frozenset({"qwen2_moe", "qwen2moe", "deepseek_v2", "deepseek_v3", "deepseek2", "dbrx", "olmoe", "granitemoe", "phimoe",

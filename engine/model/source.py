@@ -164,6 +164,21 @@ def load_state_dict(folder: Path) -> dict:
             state.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{f.name} is corrupt or truncated ({exc}): re-download or re-export the model") from exc
-    return state
+    return language_model(state)
+
+
+# a multimodal folder's language model (Qwen3.5's published checkpoints: Qwen3_5ForConditionalGeneration) keeps its
+# layers under model.language_model.; the vision tower and the multi-token-prediction head are not read
+_LANGUAGE_PREFIX = "model.language_model."
+_NOT_LANGUAGE = ("model.visual.", "visual.", "mtp.")
+
+
+def language_model(state: dict) -> dict:
+    """The state dict under the text model's names (model.layers..., model.embed_tokens, model.norm, lm_head): a
+    multimodal checkpoint's language model moved there and its other towers dropped; any other state as it is."""
+    if not any(name.startswith(_LANGUAGE_PREFIX) for name in state):
+        return state
+    return {("model." + name[len(_LANGUAGE_PREFIX):] if name.startswith(_LANGUAGE_PREFIX) else name): t
+            for name, t in state.items() if not name.startswith(_NOT_LANGUAGE)}
 
 
