@@ -262,3 +262,21 @@ def test_the_published_multimodal_folder_reads_as_its_language_model(family, eng
     assert torch.equal(a.append(IDS[:40]), b.append(IDS[:40]))
     a.close()
     b.close()
+
+
+def test_the_server_answers_batched_requests_as_alone(engine):
+    """Requests batched in one step each read their own state: the answers equal those of each request alone."""
+    import httpx
+    from kvchat.engine.serve.server import ServeConfig, Server
+    server = Server(engine, ServeConfig(port=0, model_id="tiny", max_num_seqs=4, prefill_chunk=32), FP32.with_(budget_mb=16))
+    server.start()
+    try:
+        bodies = [{"model": "tiny", "prompt": IDS[i:i + 20], "temperature": 0, "max_tokens": 16} for i in (0, 30, 60)]
+        post = lambda b: httpx.post(server.base_url + "/completions", json=b, timeout=120).json()["choices"][0]["text"]  # noqa: E731
+        alone = [post(b) for b in bodies]
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(post, bodies))
+        assert together == alone
+    finally:
+        server.stop()
