@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
     speculative.add_arguments(p)
     p.add_argument("--long-context", action="store_true",
                    help="also measure decode with 4,096 tokens cached against 256 (kvchat only)")
+    p.add_argument("--regenerate", type=int, default=0, metavar="TOKENS",
+                   help="also time a regenerate on a chat of TOKENS prompt tokens: kvchat forks from its cache (a "
+                        "state model from its snapshot) against llama.cpp reading the prompt again")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: the GPU path against the copy bandwidth and "
                                                   "transformers (bench/gpu.py)")
     p.add_argument("--no-attention", action="store_true", help="with --device cuda: skip the 32k-token KV read")
@@ -312,6 +315,39 @@ def _prefix_ttft(engine, runs: int, system_tokens: int = 1000) -> dict:
             "reused_tokens": reused}
 
 
+def _regenerate(engine, llm, tokens: int, runs: int) -> dict:
+    """The time from asking for another reply to the first token's logits, on a chat whose prompt is `tokens` long
+    and whose reply was 8 tokens; with it, the prompt tokens each side reads again. kvchat's regenerate forks its
+    cache where the reply began (a model with linear-attention layers from the state's snapshot there); llama.cpp
+    cannot take a recurrent state back, so it reads the prompt again (its server says "forcing full prompt
+    re-processing"): reset, then eval of the prompt. Interleaved runs, medians."""
+    from kvchat.engine.config import SamplingParams
+    ids = prompt_ids(engine.tokenizer, tokens)
+    text = engine.tokenizer.decode(ids)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    ours, theirs, reread = [], [], []
+    for _ in range(runs):
+        session = engine.new_session()
+        session.reply(text, params)
+        before = engine.runner.tokens_read
+        for _event in session.regenerate(params):
+            pass
+        ours.append(session.turn_times.ttft_s)          # from the request to the first reply token
+        decoded = session.turn_times.decode_tokens + 1
+        reread.append(max(0, engine.runner.tokens_read - before - decoded))     # what was read besides the reply
+        session.close()
+        if llm is not None:
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(ids)
+            theirs.append(time.perf_counter() - t0)
+    out = {"prompt_tokens": len(ids), "kvchat_s": statistics.median(ours), "kvchat_prompt_tokens_read": max(reread)}
+    if theirs:
+        out.update(llamacpp_s=statistics.median(theirs), llamacpp_prompt_tokens_read=len(ids),
+                   ratio=statistics.median(ours) / statistics.median(theirs))
+    return out
+
+
 def run(args) -> dict:
     from kvchat import kernels
     if getattr(args, "device", "cpu") != "cpu" or kernels.interpreting():
@@ -373,6 +409,9 @@ def run(args) -> dict:
             result[f"ratio_prefill_vs_{peer}"] = k["prefill_tok_s"] / result[peer]["prefill_tok_s"]
     say("time to first token with a shared 1,000-token system prompt")
     result["prefix_ttft"] = _prefix_ttft(engine, args.runs)
+    if getattr(args, "regenerate", 0):
+        say(f"regenerate on a {args.regenerate:,}-token chat")
+        result["regenerate"] = _regenerate(engine, llm, args.regenerate, args.runs)
     if getattr(args, "long_context", False):
         say("decode by context (4,096 cached tokens)")
         result["decode_by_context"] = _decode_by_context(engine, path if llm is not None else None, threads,
@@ -442,6 +481,12 @@ def summarize(r: dict) -> str:
         lines.append(f"  shared {p['system_tokens']}-token system prompt: TTFT {p['ttft_first_s'] * 1000:.0f} ms first, "
                      f"{p['ttft_second_s'] * 1000:.0f} ms for a second conversation ({p['ratio']:.2f}x, "
                      f"{p['reused_tokens']} tokens reused)")
+    if "regenerate" in r:
+        g = r["regenerate"]
+        peer = (f"; llama.cpp reads the prompt again: {g['llamacpp_s'] * 1000:.0f} ms ({g['ratio']:.3f}x)"
+                if "llamacpp_s" in g else "")
+        lines.append(f"  regenerate on a {g['prompt_tokens']:,}-token chat: first token {g['kvchat_s'] * 1000:.0f} ms, "
+                     f"{g['kvchat_prompt_tokens_read']} prompt tokens read again{peer}")
     if "decode_by_context" in r:
         c = r["decode_by_context"]
         lines.append(f"  decode by context (median of {r['runs']}, {c['steps']} steps; bound = copy {c['copy_gbs']:.1f} GB/s "

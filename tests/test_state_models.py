@@ -280,3 +280,14 @@ def test_the_server_answers_batched_requests_as_alone(engine):
         assert together == alone
     finally:
         server.stop()
+
+
+def test_the_planner_counts_every_parameter(family):
+    """plan.fit.parameter_counts of the description equals transformers' parameter count (the DeltaNet's
+    projections, conv taps, dt and A, the gated attention's doubled q_proj, the shared expert and its gate)."""
+    from kvchat.engine.plan.fit import parameter_counts
+    from kvchat.engine.model.config import ModelConfig
+    from kvchat.engine.model.source import read_config
+    from pathlib import Path
+    mc = ModelConfig.from_hf(read_config(Path(family[1])))
+    assert parameter_counts(mc)[0] == sum(p.numel() for p in family[2].parameters())

@@ -50,7 +50,13 @@ def parameter_counts(mc) -> tuple[int, int]:
     total = active = 0
     for spec in mc.layers:
         shared = (h * (2 * q + 2 * kv) + (q + 2 * kv) * spec.qkv_bias + h * spec.o_bias
-                  + 2 * h + 2 * d * spec.qk_norm + 2 * h * spec.post_norms + heads * spec.sink_logits)
+                  + 2 * h + 2 * d * spec.qk_norm + 2 * h * spec.post_norms + heads * spec.sink_logits
+                  + h * q * spec.attn_gate)
+        la = spec.linear
+        if la is not None:              # Gated DeltaNet: q|k|v, z, b, a in; out; conv taps, dt, A, the gated norm
+            v = la.value_heads * la.value_dim
+            shared = (h * (la.channels + v + 2 * la.value_heads) + v * h + la.channels * la.conv_kernel
+                      + 2 * la.value_heads + la.value_dim + 2 * h)
         ex = spec.experts
         if ex is None:
             f = mc.intermediate_size
@@ -59,6 +65,7 @@ def parameter_counts(mc) -> tuple[int, int]:
             continue
         router = ex.count * (h + ex.router_bias)
         expert = 3 * h * ex.ffn + (2 * ex.ffn + h) * ex.expert_bias
+        router += 3 * h * ex.shared_ffn + h * bool(ex.shared_ffn)      # a shared expert (and its gate): every token
         total += shared + router + ex.count * expert
         active += shared + router + ex.used * expert
     table = mc.vocab_size * h
