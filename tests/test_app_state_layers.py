@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
+from kvchat.app.bridge.engine_facts import family_text
+from kvchat.app.bridge.messages import format_bytes
 from kvchat.app.dashboard.dashboard_data import (full_precision_bytes_per_token, full_precision_layer_bytes,
                                                  is_hybrid, layer_budget_share, layer_hover_text, layer_peak_bytes)
-from kvchat.app.bridge.messages import format_bytes
 from kvchat.app.dashboard.dock import Dashboard
 from kvchat.app.dashboard.live_page import STATE_COLOUR
 from kvchat.app.dashboard.pool_view import PoolView, state_line
@@ -86,22 +87,24 @@ def test_state_layers_are_constant_bars_in_their_own_colour_beside_kv_bars(qtbot
 
 
 def test_state_layer_hover_says_what_it_keeps_and_that_cache_modes_skip_it(qtbot):
+    """A state layer's hover names its bytes and what does not apply; an attention layer's budget share is what the
+    state and its snapshot leave of the budget, over the attention layers."""
     snap = snapshot()
     assert layer_hover_text(snap, 2) == ("layer 2: linear attention\nkeeps a recurrent state of 4,416 B (4.31 KiB), "
                                          "the same at any length\nno K or V: cache modes (formats, window) do not "
-                                         "apply to it; the state stays float32")
+                                         "apply to it; the state stays fp32")
     attention = layer_hover_text(snap, 1)
     assert attention.startswith("layer 1\nK bf16: 4,096 B") and "full precision would hold 8.00 KiB (100% of it)" \
         in attention
-    # its budget share: what the live state and one snapshot leave of the budget, over the two attention layers
     share = ((1 << 20) - 2 * 2 * STATE) / 2
     assert layer_budget_share(snap) == share
     assert attention.endswith(f"of its budget share ({format_bytes(share)})")
 
 
 def test_scale_and_outline_count_attention_layers_only():
-    """full precision per token, where the engine does not say it, averages the attention layers (the states are not
-    0-byte layers) and counts only them; an attention layer's outline is its own 8 KiB, not spread over four layers; the peak is the tallest bar."""
+    """Full precision per token, where the engine does not say it, averages the attention layers (the states are not
+    0-byte layers) and counts only them; an attention layer's outline is its own 8 KiB, not spread over four layers;
+    the peak is the tallest bar, a state's included."""
     assert full_precision_bytes_per_token(snapshot(per_token_full=0.0)) == pytest.approx(2 * 2 * KV / HELD)
     engine_side = snapshot()                            # what the engine reports: two attention layers at 256 B
     assert full_precision_layer_bytes(engine_side) == pytest.approx(2 * KV)
@@ -118,10 +121,12 @@ def test_a_window_over_the_attention_layers_is_not_a_hybrid_model(qtbot):
     assert not is_hybrid(snap)
     page = live(qtbot, snap).live
     assert "global" not in page.legends["layers"].text() and "sliding" not in page.legends["layers"].text()
-    assert len(page.window_ticks.getData()[0] or ()) == 0
+    ticks, _ = page.window_ticks.getData()
+    assert ticks is None or len(ticks) == 0
 
 
 def test_pool_page_says_the_state_and_its_snapshots(qtbot):
+    """The state in MiB, each snapshot's token count and their bytes together; nothing without a state."""
     assert state_line(8832, ()) == "This chat's recurrent state: <b>0.01 MiB</b> (no snapshot kept yet)"
     assert state_line(3 << 20, (22,)) == ("This chat's recurrent state: <b>3.00 MiB</b> (1 snapshot kept at token "
                                           "22; 3.00 MiB)")
@@ -139,13 +144,15 @@ def test_pool_page_says_the_state_and_its_snapshots(qtbot):
 
 
 def test_settings_note_names_the_layers_cache_modes_reach(qtbot):
+    """18 of 24 layers linear: the note counts the 6 the formats and window reach; none for another model or a model
+    without linear layers."""
     from kvchat.app.dialogs.settings_dialog import SettingsDialog
     from kvchat.app.store.settings_store import AppSettings
 
     dialog = SettingsDialog(AppSettings(), num_layers=24, linear_layers=18)
     qtbot.addWidget(dialog)
     assert dialog.state_note.text() == ("The formats and the window apply to this model's 6 attention layers only; "
-                                        "its 18 linear-attention layers keep a float32 state of fixed size.")
+                                        "its 18 linear-attention layers keep an fp32 state of fixed size.")
     assert not dialog.state_note.isHidden()
     dialog.model_edit.setText("/somewhere/else.gguf")            # another model: the note is not about it
     assert dialog.state_note.isHidden()
@@ -155,6 +162,7 @@ def test_settings_note_names_the_layers_cache_modes_reach(qtbot):
 
 
 def test_a_model_without_state_layers_shows_none_of_it(qtbot):
+    """Four attention layers: no state bar, legend entry, title word or pool line; the budget share is a quarter."""
     snap = snapshot(with_state=False)
     dash = live(qtbot, snap)
     page = dash.live
@@ -175,12 +183,14 @@ def qwen35(tmp_path_factory) -> str:
 
 
 def test_a_real_qwen35_shows_its_state_through_the_app(qtbot, qwen35):
-    """The real engine's numbers, end to end: two 4,416-byte state bars at layers 0 and 2, the Pool page's state
-    and the snapshot of the first turn, and the settings note from the engine's facts (2 of 4 layers)."""
+    """The real engine's numbers, end to end: the status line's layer kinds, two 4,416-byte state bars at layers 0
+    and 2, the Pool page's state and the snapshot of the first turn, and the settings note from the engine's facts
+    (2 of 4 layers)."""
     window = real_window(qtbot, qwen35, cache=CacheConfig(budget_mb=16),
                          sampling=SamplingParams(temperature=0.0, max_new_tokens=6))
     send(qtbot, window, "hello there")
     assert window.engine_info.linear_layers == 2
+    assert family_text(window.engine_info.model_config) == "qwen3_5 · 4 layers (2 linear attention + 2 attention)"
     dash = window.dashboard
     dash.redraw()
     latest = dash.data.latest

@@ -314,7 +314,7 @@ def layer_hover_text(snapshot: StatsSnapshot | None, layer_index: int) -> str | 
 def state_hover_text(layer: LayerBytes) -> str:
     return QCoreApplication.translate(
         "DashboardData", "layer {n}: linear attention\nkeeps a recurrent state of {bytes} B ({size}), the same at any "
-        "length\nno K or V: cache modes (formats, window) do not apply to it; the state stays float32").format(
+        "length\nno K or V: cache modes (formats, window) do not apply to it; the state stays fp32").format(
         n=layer.layer, bytes=f"{layer.state_bytes:,}", size=format_bytes(layer.state_bytes))
 
 

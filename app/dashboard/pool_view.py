@@ -186,7 +186,7 @@ def state_line(state_bytes: int, snapshots: tuple[int, ...]) -> str:
 
 STATE_TIP = QT_TRANSLATE_NOOP(
     "PoolView", "The model's linear-attention layers keep a recurrent state instead of K and V: the same size at any "
-    "length, always float32.\nA snapshot is a copy of the state at a turn boundary: regenerate, rewind and edit go "
+    "length, always fp32.\nA snapshot is a copy of the state at a turn boundary: regenerate, rewind and edit go "
     "back to one instead of reading the chat again. Each costs as much as the state, and both count against the KV "
     "budget.")
 

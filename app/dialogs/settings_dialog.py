@@ -323,8 +323,8 @@ class SettingsDialog(QDialog):
         if self.linear_layers and self.num_layers:
             self.state_note.setText(self.tr(
                 "The formats and the window apply to this model's {n} attention layers only; its {m} linear-attention "
-                "layers keep a float32 state of fixed size.").format(n=self.num_layers - self.linear_layers,
-                                                                     m=self.linear_layers))
+                "layers keep an fp32 state of fixed size.").format(n=self.num_layers - self.linear_layers,
+                                                                   m=self.linear_layers))
         self.state_note.setVisible(bool(self.state_note.text()))
         form.addRow(self.state_note)
         self.block_size = _spin(QSpinBox(minimum=1, maximum=256), cache.block_size)

@@ -602,10 +602,10 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
     <message>
         <source>layer {n}: linear attention
 keeps a recurrent state of {bytes} B ({size}), the same at any length
-no K or V: cache modes (formats, window) do not apply to it; the state stays float32</source>
+no K or V: cache modes (formats, window) do not apply to it; the state stays fp32</source>
         <translation>第 {n} 层：线性注意力
 保留 {bytes} B（{size}）的循环状态，长度多少都一样
-没有 K 和 V：缓存模式（格式、窗口）对它不适用；状态始终为 float32</translation>
+没有 K 和 V：缓存模式（格式、窗口）对它不适用；状态始终为 fp32</translation>
     </message>
     <message>
         <source>idle: no reply was being generated</source>
@@ -1907,9 +1907,9 @@ Freed blocks kept so a conversation with the same beginning reuses them; given b
         <translation>本对话的循环状态：&lt;b&gt;{state}&lt;/b&gt;（在第 {tokens} 个 token 处保留了 {n} 个快照；{size}）</translation>
     </message>
     <message>
-        <source>The model&apos;s linear-attention layers keep a recurrent state instead of K and V: the same size at any length, always float32.
+        <source>The model&apos;s linear-attention layers keep a recurrent state instead of K and V: the same size at any length, always fp32.
 A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edit go back to one instead of reading the chat again. Each costs as much as the state, and both count against the KV budget.</source>
-        <translation>模型的线性注意力层保留一个循环状态，而不是 K 和 V：长度多少都一样大，始终为 float32。
+        <translation>模型的线性注意力层保留一个循环状态，而不是 K 和 V：长度多少都一样大，始终为 fp32。
 快照是状态在轮次边界处的副本：重新生成、回退和编辑会回到快照，而不必把对话重新读一遍。每个快照与状态一样大，二者都计入 KV 预算。</translation>
     </message>
     <message>
@@ -2296,8 +2296,8 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
         <translation>按通道：键在每个块内按通道量化（更准确）；按 token：逐个 token 量化</translation>
     </message>
     <message>
-        <source>The formats and the window apply to this model&apos;s {n} attention layers only; its {m} linear-attention layers keep a float32 state of fixed size.</source>
-        <translation>格式和窗口只作用于此模型的 {n} 个注意力层；它的 {m} 个线性注意力层保留一个大小固定的 float32 状态。</translation>
+        <source>The formats and the window apply to this model&apos;s {n} attention layers only; its {m} linear-attention layers keep an fp32 state of fixed size.</source>
+        <translation>格式和窗口只作用于此模型的 {n} 个注意力层；它的 {m} 个线性注意力层保留一个大小固定的 fp32 状态。</translation>
     </message>
     <message>
         <source>Each chat&apos;s KV cache is saved here when you switch away or close the app, so reopening it does not read the whole chat again</source>
