@@ -88,7 +88,7 @@ def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype
     state = {k: v for k, v in load_state_dict(folder).items() if not k.startswith("mtp.")}
     if experts or cfg.get("model_type") == "gpt_oss":
         state = expert_state(cfg["model_type"], state)
-    linear_state(state)         # a Gated DeltaNet's A_log, dt_bias and conv1d as kvchat's A, dt.bias, [channels, kernel]
+    linear_state(state)         # a Gated DeltaNet's A_log, dt_bias, conv1d as kvchat's A, dt.bias, [channels, kernel]
     tied = bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in state
     if tied and arch in _OUTPUT_REQUIRED:
         # llama.cpp reads gpt-oss's output head as its own tensor: a tied folder's embedding is written there too

@@ -137,14 +137,15 @@ PRESETS = {
     # mistralai/Mixtral-8x7B-v0.1 (and -Instruct-v0.1): written by llama.cpp as arch llama with an expert count
     "mixtral-8x7b": ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 14336, 128, 32768, 1e6, False, vocab=32000,
                                experts=8, experts_used=2),
-    # Qwen/Qwen3.5-9B and Qwen/Qwen3.5-35B-A3B, text_config of each repository's config.json (the 9B's are
-    # transformers' Qwen3_5TextConfig defaults, the 35B's its Qwen3_5MoeTextConfig defaults): 3 Gated DeltaNet layers
-    # (16 key heads, 32 value heads, all 128 wide, conv kernel 4) then one gated attention layer (head_dim 256, a
-    # quarter rotated: partial_rotary_factor 0.25), rope_theta 1e7, 262,144 positions, vocabulary 248,320; one MTP
-    # block (mtp_num_hidden_layers 1), which llama.cpp's converter writes after the layers. The 9B: 32 layers of
-    # 4096, 16 / 4 heads, intermediate 12288, untied head (8.95B parameters, as llama.cpp counts its GGUF). The
-    # 35B-A3B: 40 layers of 2048, 16 / 2 heads, 256 experts of 512 (8 used) and a shared expert of 512; its config
-    # has no dense intermediate_size (no feed_forward_length is written; 512 here sizes nothing)
+    # Qwen/Qwen3.5-9B and Qwen/Qwen3.5-35B-A3B: the text_config of each repository's config.json (the layer, head
+    # and linear-attention numbers are also transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults; the 9B's
+    # as llama.cpp prints its GGUF: 8.95B parameters, untied). 3 Gated DeltaNet layers (16 key heads, 32 value heads,
+    # all 128 wide, conv kernel 4) then one gated attention layer (head_dim 256, a quarter rotated:
+    # partial_rotary_factor 0.25), rope_theta 1e7, 262,144 positions, vocabulary 248,320; one MTP block
+    # (mtp_num_hidden_layers 1), which llama.cpp's converter writes after the layers. The 9B: 32 layers of 4096,
+    # 16 / 4 heads, intermediate 12288. The 35B-A3B: 40 layers of 2048, 16 / 2 heads, 256 experts of 512 (8 used)
+    # and a shared expert of 512; its config has no dense intermediate_size (no feed_forward_length is written; the
+    # 512 here sizes nothing)
     "qwen3.5-9b": ModelShape("qwen3.5-9b", 32, 4096, 16, 4, 12288, 256, 262144, 1e7, False, arch="qwen35",
                              vocab=248320, rms_norm_eps=1e-6, linear=(16, 32, 128, 4), full_every=4, rotary=64, mtp=1),
     "qwen3.5-35b-a3b": ModelShape("qwen3.5-35b-a3b", 40, 2048, 16, 2, 512, 256, 262144, 1e7, False, arch="qwen35moe",

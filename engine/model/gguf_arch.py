@@ -2,11 +2,12 @@
 
 llama.cpp's converter writes a family's settings as `{arch}.*` metadata keys (named by gguf.constants.Keys)
 and derives some of them at load instead of storing them (Gemma's query scale, its window pattern, Gemma 3's
-local RoPE base): `family_config` returns those fields under the names a Hugging Face config.json of the same
-model gives them (transformers' Qwen3Config, Gemma2Config, Gemma3TextConfig, Phi3Config), so that one family
-`describe` reads both sources. The tensor tables name each layer module's llama.cpp tensor
-(gguf.constants.TENSOR_NAMES of the arch's MODEL_TENSORS). engine/gguf/ reads any file; what its keys and tensors
-mean for a model is decided here and in gguf_view.py.
+local RoPE base, Qwen3.5's layer pattern): `family_config` returns those fields under the names a Hugging Face
+config.json of the same model gives them (transformers' Qwen3Config, Gemma2Config, Gemma3TextConfig, Phi3Config,
+Qwen3_5TextConfig), so that one family `describe` reads both sources. The tensor tables name each layer module's
+llama.cpp tensor (gguf.constants.TENSOR_NAMES of the arch's MODEL_TENSORS), and where the converter stored a tensor
+in another order than transformers (Qwen3.5's tiled value heads) the order back is here too. engine/gguf/ reads any
+file; what its keys and tensors mean for a model is decided here and in gguf_view.py.
 """
 from __future__ import annotations
 

@@ -57,6 +57,21 @@ def _gemma3(vocab, hidden, layers, heads, kv_heads, head_dim, intermediate, wind
 
 _GEMMA3_LONG = {"rope_type": "linear", "factor": 8.0}
 
+
+def _qwen3_5(hidden, layers, kv_heads, tie, mlp: dict) -> dict:
+    # Qwen/Qwen3.5-*: the text_config of the multimodal repository (its own model_type *_text): three Gated DeltaNet
+    # layers (16 key heads, 32 value heads, each 128 wide, a conv of 4) then one gated attention layer of 16 heads
+    # of 256, a quarter of each rotated at rope_theta 1e7; vocabulary 248320, 262,144 positions
+    return {"model_type": "qwen3_5_moe_text" if "num_experts" in mlp else "qwen3_5_text", "vocab_size": 248320,
+            "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 16,
+            "num_key_value_heads": kv_heads, "head_dim": 256, "max_position_embeddings": 262144,
+            "tie_word_embeddings": tie, "rms_norm_eps": 1e-6, "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, **mlp}
+
 # microsoft/Phi-4-mini-instruct's LongRoPE factors (config.json rope_scaling, 48 = 96 rotated dims / 2)
 _PHI4_MINI_LONG = (1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
                    2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845,
@@ -127,6 +142,14 @@ PRESET_CONFIGS: dict[str, dict] = {
     # mistralai/Mixtral-8x7B-v0.1 (-Instruct-v0.1 the same): 8 experts of 14336, 2 used
     "mixtral-8x7b": {**_llama(32000, 4096, 32, 32, 8, 14336, 32768, False, 1000000.0, model_type="mixtral"),
                      "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    # hybrids of linear attention (a recurrent state of the same bytes at any length) and full attention: only
+    # every fourth layer keeps a KV cache. Qwen/Qwen3.5-9B: 32 layers of 4096, 4 KV heads, intermediate 12288
+    "qwen3.5-9b": _qwen3_5(4096, 32, 4, False, {"intermediate_size": 12288}),
+    # Qwen/Qwen3.5-35B-A3B: 40 layers of 2048, 2 KV heads; every layer 256 experts of 512 (8 used, renormalized)
+    # beside a shared expert of 512 behind its sigmoid gate
+    "qwen3.5-35b-a3b": _qwen3_5(2048, 40, 2, False, {"num_experts": 256, "num_experts_per_tok": 8,
+                                                     "moe_intermediate_size": 512,
+                                                     "shared_expert_intermediate_size": 512}),
 }
 
 
