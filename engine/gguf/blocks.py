@@ -28,10 +28,11 @@ class PackedMatrix:
     kind: str = ""          # the file's type where the packed form is the type's own (Q6_K, MXFP4)
 
 
-def packed_matrix(gf, name: str, heads: int | None) -> PackedMatrix | None:
+def packed_matrix(gf, name: str, heads: int | None, rows: np.ndarray | None = None) -> PackedMatrix | None:
     """The tensor `name` of gf in its packed form (gf a GGUFFile and name its own, or the model's GGUFModel and a
     Hugging Face name: both read through gf.gguf_name); heads: undo llama.cpp's interleaving of that many heads'
-    rows (GGUFModel.permuted_heads). None where its type is not one of the
+    rows (GGUFModel.permuted_heads); rows: then take the rows in this order (every packed kind keeps each row's
+    codes and scales on that row, so a row moves whole). None where its type is not one of the
     grids (16-bit, 2-3 bit, IQ types) or its rows are not whole groups of 32."""
     kind, data = gf.raw(name)
     k = gf.tensors[gf.gguf_name(name)].shape[0]
@@ -48,6 +49,9 @@ def packed_matrix(gf, name: str, heads: int | None) -> PackedMatrix | None:
     else:
         return None
     fix = (lambda a: np.ascontiguousarray(unpermute_rows(a, heads))) if heads else np.ascontiguousarray
+    if rows is not None:
+        unpermuted = fix
+        fix = lambda a: np.ascontiguousarray(np.take(unpermuted(a), rows, axis=0))  # noqa: E731
     return PackedMatrix(bits, fix(codes), {key: fix(a) if isinstance(a, np.ndarray) else a for key, a in grid.items()},
                         own)
 

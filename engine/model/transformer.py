@@ -83,11 +83,13 @@ class Layer:
 @dataclass(frozen=True)
 class MixerWeights:
     """A linear-attention layer's vectors (spec.LinearAttention): conv [kernel, channels], dt_bias and A [value
-    heads] (A = -exp(A_log), the decay rate), norm [value_dim] (the gated RMSNorm's multiplier), all float32."""
+    heads] (A = -exp(A_log), the decay rate), norm [value_dim] (the gated RMSNorm's multiplier), all float32;
+    out_order: the order out_proj's input is taken in, where its columns are stored otherwise (weights.from_gguf)."""
     conv: torch.Tensor
     dt_bias: torch.Tensor
     A: torch.Tensor
     norm: torch.Tensor
+    out_order: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.conv, self.dt_bias, self.A, self.norm
@@ -219,7 +221,8 @@ class Transformer:
         beta = torch.sigmoid(b)
         g = W.A * F.softplus(a + W.dt_bias)
         o = attention.recurrent(i, mixed, g, beta, W.conv, la)
-        return gdn.gated_norm(o, z, W.norm, self.config.rms_norm_eps).reshape(T, V).to(self.dtype)
+        o = gdn.gated_norm(o, z, W.norm, self.config.rms_norm_eps).reshape(T, V).to(self.dtype)
+        return o if W.out_order is None else o[:, W.out_order]
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] in the model dtype, times the description's embedding scale (Gemma: sqrt(hidden))."""

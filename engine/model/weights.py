@@ -17,6 +17,7 @@ from kvchat import kernels
 from kvchat.kernels.cpu_quant import Scales
 
 from kvchat.engine.gguf.blocks import packed_matrix, unpermute_rows
+from kvchat.engine.model import gguf_arch
 from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.config import ModelConfig
@@ -27,13 +28,15 @@ from kvchat.engine.model.linears import ConcatLinear, DenseLinear, Q4Linear, Q8L
 from kvchat.engine.model.linears import MXFP4Linear, Q6Linear
 
 def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "",
-              per_expert=lambda name: None) -> Transformer:
+              per_expert=lambda name: None, input_order=lambda name: None) -> Transformer:
     """linear(names, bias_names) -> a linear (several names: concatenated along the output); tensor(name, offset)
     -> a norm vector holding the multiplier the norm applies, offset + w, where the source stores w (LayerSpec's
     norm_offset: Gemma's (1 + w)). Whether the stored vector is w or already offset + w is the source's to know,
     so each loader's tensor() says which it adds. Module names per family: config.layer_modules. per_expert(name)
     -> the names of one tensor per expert where the source stores a 3-D expert matrix that way (Mixtral's older
-    GGUFs), else None: the 3-D tensor is then one linear, cut into its experts without a copy."""
+    GGUFs), else None: the 3-D tensor is then one linear, cut into its experts without a copy. input_order(name) ->
+    the order a linear's input must be taken in, where its columns are stored in another order than the model
+    computes (a packed GGUF's out_proj over tiled value heads: columns move only by whole blocks), else None."""
     layers = []
     for i, spec in enumerate(mc.layers):
         p = f"model.layers.{i}."
@@ -52,13 +55,16 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
             mlp = _routed(spec.experts, p, linear, tensor, per_expert)
             if spec.experts.shared_ffn:
                 shared = (lin("shared_gate_up", False), lin("shared_down", False), lin("shared_gate", False))
+        o = lin("o", spec.o_bias)              # before the mixer: a packed out_proj decides its input's order
         if spec.linear is not None:
             la = spec.linear
             vec = lambda part: tensor(p + modules[part][0] + (".bias" if part == "dt" else ".weight")).float()  # noqa: E731
+            order = input_order(p + "linear_attn.out_proj.weight")
             mixer = MixerWeights(vec("conv").reshape(la.channels, la.conv_kernel).t().contiguous(), vec("dt").reshape(-1),
-                                 vec("A").reshape(-1), vec("mixer_norm").reshape(-1))
+                                 vec("A").reshape(-1), vec("mixer_norm").reshape(-1),
+                                 None if order is None else torch.from_numpy(order).to(device))
         layers.append(Layer(
-            qkv=lin("qkv", spec.qkv_bias), o=lin("o", spec.o_bias),
+            qkv=lin("qkv", spec.qkv_bias), o=o,
             gate_up=lin("gate_up", spec.mlp_bias) if mlp is None else None,
             down=lin("down", spec.mlp_bias) if mlp is None else None,
             norm_attn=norm("norm_attn"), norm_mlp=norm("norm_mlp"),
@@ -228,7 +234,10 @@ def from_gguf(mc: ModelConfig, gf: GGUFModel, dtype: torch.dtype, device: str, w
         """(kind, payload) for one stored matrix, in the closest packed form."""
         kind, _ = gf.raw(name)
         k = gf.tensors[gf.gguf_name(name)].shape[0]
-        m = packed_matrix(gf, name, heads_of(name))
+        order = gguf_arch.value_head_order(gf, name)      # tiled value heads: rows back in transformers' order
+        m = packed_matrix(gf, name, heads_of(name), order[1] if order is not None and order[0] == 0 else None)
+        if m is not None and order is not None and order[0] == 1:
+            packed_columns.add(name)
         if m is not None:
             grid = {key: (torch.from_numpy(a) if isinstance(a, np.ndarray) else a) for key, a in m.grid.items()}
             return ("mxfp4" if m.kind == "MXFP4" else f"q{m.bits}") + f"/{kind}", (torch.from_numpy(m.codes), grid)
@@ -262,11 +271,18 @@ def from_gguf(mc: ModelConfig, gf: GGUFModel, dtype: torch.dtype, device: str, w
             return made[0]
         return ConcatLinear(made, bias)
 
+    def input_order(name: str):
+        """out_proj packed in the file's column order: its input taken so (W_hf y = W_file y[argsort(index)])."""
+        if name not in packed_columns:
+            return None
+        return np.argsort(gguf_arch.value_head_order(gf, name)[1])
+
+    packed_columns: set[str] = set()
     if mc.tie_word_embeddings or not gf.has("lm_head.weight"):
         mc = _tied(mc)
     with _one_thread():
         return _assemble(mc, linear, tensor, dtype, device, "gguf" if packed else weights, gf.quant_summary(),
-                         gf.expert_names)
+                         gf.expert_names, input_order)
 
 
 @contextmanager
