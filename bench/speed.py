@@ -411,7 +411,9 @@ def run(args) -> dict:
     result["prefix_ttft"] = _prefix_ttft(engine, args.runs)
     if getattr(args, "regenerate", 0):
         say(f"regenerate on a {args.regenerate:,}-token chat")
-        result["regenerate"] = _regenerate(engine, llm, args.regenerate, args.runs)
+        long = None if llm is None else _llamacpp(path, threads, args.regenerate + 64)    # room for the chat
+        result["regenerate"] = _regenerate(engine, long, args.regenerate, args.runs)
+        del long
     if getattr(args, "long_context", False):
         say("decode by context (4,096 cached tokens)")
         result["decode_by_context"] = _decode_by_context(engine, path if llm is not None else None, threads,

@@ -352,6 +352,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
     lib.moe_layer_rows.argtypes = [I, I, P, P, F, P, P, P]
     lib.moe_layer_rows.restype = I
+    lib.moe_grouped_rows.argtypes = [I, I, P, P, P, P, P, P]
+    lib.moe_grouped_rows.restype = I
     lib.qk_norm_rows.restype = None
     lib.split_blocks.argtypes = [P, ctypes.c_int64, I, I, P, P]
     lib.split_blocks.restype = None

@@ -141,3 +141,64 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
     free(mem);
     return 0;
 }
+
+// A routed MLP's prompt rows, grouped by expert, in one call (the engine's grouped path, without a Python loop over
+// experts). xn [T, H]: the rows after the norm; rows [n]: row ids expert by expert (counts[e] of them for expert e,
+// e ascending, each group in row order); wts [n]: each one's routing weight. Each group runs its expert's kernels
+// MAXM rows at a time (lin_apply, the call the per-expert path makes) and y [T, H] (zeros or the residual, the
+// caller's) accumulates w * down(act(gate, up)) (+ db) in ascending expert order: the per-expert path's sums, in
+// its order. Returns 0, -1 (out of memory) or -3 (experts that do not chain).
+int moe_grouped_rows(int T, int H, const float *xn, const int *rows, const int *counts, const float *wts,
+                     const moe_t *m, float *y) {
+    if (T < 1 || H < 1 || !moe_ok(m, H)) return -3;
+    int F = m->gate[0].N, E = m->E;
+    int kmax = H > F ? H : F;
+    size_t scratch_bytes = (size_t)kmax * MAXM * 8 + 64;
+    size_t floats = (size_t)MAXM * ((size_t)H + 2 * (size_t)F + (size_t)F + (size_t)H) + 64;
+    char *mem = malloc(scratch_bytes + sizeof(float) * floats + 64);
+    if (!mem) return -1;
+    void *gs = mem;
+    float *xb = (float *)(mem + ((scratch_bytes + 63) & ~(size_t)63));
+    float *g = xb + (size_t)MAXM * H, *u = g + (size_t)MAXM * F, *a = u + (size_t)MAXM * F, *out = a + (size_t)MAXM * F;
+    size_t at = 0;
+    for (int e = 0; e < E; e++) {
+        int n = counts[e];
+        for (int r0 = 0; r0 < n; r0 += MAXM) {
+            int c = n - r0 < MAXM ? n - r0 : MAXM;
+            const int *rr = rows + at + r0;
+            for (int i = 0; i < c; i++) memcpy(xb + (size_t)i * H, xn + (size_t)rr[i] * H, sizeof(float) * H);
+            lin_apply(m->gate + e, 1, xb, c, g, gs, 0, NULL, 0.0f, NULL);
+            lin_apply(m->up + e, 1, xb, c, u, gs, 0, NULL, 0.0f, NULL);
+            for (int i = 0; i < c; i++) {
+                for (int f = 0; f < F; f++) {
+                    float gv = g[(size_t)i * F + f], uv = u[(size_t)i * F + f];
+                    if (m->gb) {
+                        gv += m->gb[(size_t)e * F + f];
+                        uv += m->ub[(size_t)e * F + f];
+                    }
+                    if (m->act == 0) {
+                        a[(size_t)i * F + f] = gv / (1.0f + expf(-gv)) * uv;
+                    } else {
+                        gv = gv < m->limit ? gv : m->limit;
+                        uv = uv < -m->limit ? -m->limit : (uv > m->limit ? m->limit : uv);
+                        a[(size_t)i * F + f] = gv / (1.0f + expf(-m->alpha * gv)) * (uv + 1.0f);
+                    }
+                }
+            }
+            lin_apply(m->down + e, 1, a, c, out, gs, 0, NULL, 0.0f, NULL);
+            for (int i = 0; i < c; i++) {
+                float w = wts[at + r0 + i];
+                float *yr = y + (size_t)rr[i] * H;
+                const float *o = out + (size_t)i * H;
+                for (int h = 0; h < H; h++) {
+                    float v = o[h];
+                    if (m->db) v += m->db[(size_t)e * H + h];
+                    yr[h] += v * w;
+                }
+            }
+        }
+        at += (size_t)n;
+    }
+    free(mem);
+    return 0;
+}

@@ -669,6 +669,18 @@ def moe_layer(x: torch.Tensor, norm: torch.Tensor, eps: float, table: ExpertTabl
     return y
 
 
+def moe_grouped(xn: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, wts: torch.Tensor, table: ExpertTable,
+                out: torch.Tensor) -> None:
+    """out [T, H] fp32 (zeros or the residual) += each row's routed experts over prompt rows grouped by expert, in one
+    C call (moe_grouped_rows): xn [T, H] fp32 normed rows; rows int32 row ids expert by expert, counts int32 [E] the
+    group sizes, wts fp32 each row's weight in its group."""
+    xn, rows, counts, wts = xn.contiguous(), rows.contiguous(), counts.contiguous(), wts.contiguous()
+    rc = _lib.moe_grouped_rows(xn.shape[0], xn.shape[1], xn.data_ptr(), rows.data_ptr(), counts.data_ptr(),
+                               wts.data_ptr(), ctypes.addressof(table.struct), out.data_ptr())
+    if rc:
+        raise RuntimeError(f"moe_grouped_rows failed ({rc}): {'out of memory' if rc == -1 else 'the experts do not chain'}")
+
+
 def layer_table(layers: list[tuple]) -> ctypes.Array:
     """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), the two RMSNorm
     weights (fp32 contiguous), optionally the q and k norms' weights [head_dim] (Qwen3, or None), and optionally

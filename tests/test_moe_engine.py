@@ -346,3 +346,24 @@ def test_gpt_oss_mxfp4_experts_run_in_the_kernels(tmp_path):
     s = engine.new_session(cache=FP32)
     assert torch.isfinite(s.append(IDS[:40])).all()
     s.close()
+
+
+def test_prompt_rows_of_small_expert_groups_go_in_one_call(packed):
+    """The grouped prompt path's one C call (moe_grouped_rows) gives what the loop over experts gives (the same
+    kernels per group; only the activation's rounding differs), and it is the path prompt rows take."""
+    from kvchat.engine.model import experts as ex
+    mlp = next(L.mlp for L in packed.model.layers if L.mlp is not None)
+    torch.manual_seed(0)
+    xn = torch.randn(40, packed.model.config.hidden_size)
+    weights, chosen = mlp.route(xn, 0)
+    table = mlp.kernel_table()
+    assert table is not None
+    one_call = mlp._grouped(xn, weights, chosen, 0, None)
+    original = ex.RoutedMLP.kernel_table
+    ex.RoutedMLP.kernel_table = lambda self: None
+    try:
+        loop = mlp._grouped(xn, weights, chosen, 0, None)
+    finally:
+        ex.RoutedMLP.kernel_table = original
+    assert float((one_call - loop).abs().max()) <= 1e-5 * float(loop.abs().max())
+    assert not torch.equal(one_call, torch.zeros_like(one_call))

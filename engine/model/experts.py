@@ -163,9 +163,22 @@ class RoutedMLP:
         out = torch.zeros_like(xn)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)       # rows grouped by expert, each group in row order
-        counts = torch.bincount(flat, minlength=self.spec.count).tolist()
+        counted = torch.bincount(flat, minlength=self.spec.count)
+        counts = counted.tolist()
         tokens = order // self.spec.used
         slots = order % self.spec.used
+        table = None if split or kernels.gpu_path(xn) else self.kernel_table()
+        if table is not None:
+            # every small group's prompt rows in one C call (the kernels the loop below would call, without a
+            # Python step per expert: 256 experts of a few rows each made the loop the prompt's cost); the large
+            # groups go through the GEMM below
+            small = counted <= KERNEL_GROUP_ROWS
+            pick = small[flat[order]]
+            cpu_quant.moe_grouped(xn, tokens[pick].int(), torch.where(small, counted, 0).int(),
+                                  weights[tokens[pick], slots[pick]].float(), table, out)
+            counts = [n if n > KERNEL_GROUP_ROWS else 0 for n in counts]
+            keep = ~pick
+            tokens, slots = tokens[keep], slots[keep]
         start = 0
         for e, n in enumerate(counts):
             if not n:
