@@ -24,7 +24,8 @@ HEADER = Path(__file__).with_name("cpu_common.h")
 HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"), Path(__file__).with_name("cpu_act8.h"),
            Path(__file__).with_name("cpu_moe.h"),
            Path(__file__).with_name("cpu_q6k.h"),
-           Path(__file__).with_name("cpu_mxfp4.h"))     # what the libraries include: part of the key
+           Path(__file__).with_name("cpu_mxfp4.h"),
+           Path(__file__).with_name("cpu_gdn.h"))       # what the libraries include: part of the key
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 # decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
 # to stop
@@ -354,6 +355,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.moe_layer_rows.restype = I
     lib.moe_grouped_rows.argtypes = [I, I, P, P, P, P, P, P]
     lib.moe_grouped_rows.restype = I
+    lib.gdn_rule.argtypes = [I, I, I, I, I, P, P, P, P, P, P, P]
+    lib.gdn_rule.restype = I
     lib.qk_norm_rows.restype = None
     lib.split_blocks.argtypes = [P, ctypes.c_int64, I, I, P, P]
     lib.split_blocks.restype = None

@@ -850,6 +850,7 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
 }
 
 #include "cpu_moe.h"
+#include "cpu_gdn.h"        // Gated DeltaNet's recurrence (linear-attention layers)
 
 // Whether layer L's linears chain at widths H (the residual), Hq * D (attention) and its own intermediate: a
 // table built from a damaged file's header must fail here, not read past an activation row

@@ -681,6 +681,24 @@ def moe_grouped(xn: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, wts:
         raise RuntimeError(f"moe_grouped_rows failed ({rc}): {'out of memory' if rc == -1 else 'the experts do not chain'}")
 
 
+def gdn_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor) -> torch.Tensor | None:
+    """The gated delta rule over T tokens in C (cpu_gdn.h): q, k [T, Hk, Dk] as the convolution gave them (the
+    kernel normalizes them), v [T, H, Dv], g, beta [T, H], all fp32; state [H, Dk, Dv] fp32 contiguous, updated in
+    place -> outputs [T, H, Dv]. None (nothing done) where the kernels are not loaded or the shapes are not theirs."""
+    if not (available() and state.dtype == torch.float32 and state.is_contiguous() and not state.is_cuda
+            and q.shape[-1] <= 1024 and v.shape[-1] <= 1024):
+        return None
+    T, hk, dk = q.shape
+    h, dv = v.shape[1:]
+    q, k, v = (t.float().contiguous() for t in (q, k, v))
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    out = torch.empty(T, h, dv)
+    rc = _lib.gdn_rule(T, hk, h, dk, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                       state.data_ptr(), out.data_ptr())
+    return None if rc else out
+
+
 def layer_table(layers: list[tuple]) -> ctypes.Array:
     """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), the two RMSNorm
     weights (fp32 contiguous), optionally the q and k norms' weights [head_dim] (Qwen3, or None), and optionally

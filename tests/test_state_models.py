@@ -100,6 +100,15 @@ def test_the_chunked_rule_is_the_one_token_rule():
     ref, s3 = torch_chunk_gated_delta_rule(q[None], k[None], v[None], decay[None], beta[None], initial_state=state[None],
                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert float((ref[0] - fast).abs().max()) < 1e-4 and float((s3[0] - s2).abs().max()) < 1e-4
+    # the C kernel's one pass per token (what the engine runs on the CPU), the same for a prompt cut anywhere
+    from kvchat.kernels import cpu_quant
+    if cpu_quant.available():
+        whole, s4 = gdn.rule(q, k, v, decay, beta, state, decode=False)
+        first, mid = gdn.rule(q[:37], k[:37], v[:37], decay[:37], beta[:37], state, decode=False)
+        rest, s5 = gdn.rule(q[37:], k[37:], v[37:], decay[37:], beta[37:], mid, decode=True)
+        assert torch.equal(torch.cat((first, rest)), whole) and torch.equal(s4, s5)
+        assert float((whole - slow).abs().max()) < 1e-4 and float((s4 - s1).abs().max()) < 1e-4
+        assert not torch.equal(state, s4)           # the state handed in is not written
 
 
 def test_a_partial_rotation_is_a_whole_head_one_in_another_order():

@@ -95,6 +95,22 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     return out.reshape(H, n * chunk, Dv)[:, :T].transpose(0, 1), s
 
 
+def rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+         state: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over rows of one sequence: q, k [T, Hk, Dk] as the convolution gave them, v [T, H, Dv], g,
+    beta [T, H]; state [H, Dk, Dv] (not written) -> (outputs [T, H, Dv], the new state). On the CPU with the C
+    kernels: one pass per token in C (kernels/cpu_gdn.h), prompt and decode rows alike; else torch, one token at a
+    time for decode rows (step) and in chunks for prompts (chunked)."""
+    from kvchat.kernels import cpu_quant
+    new = state.float().clone()
+    if not state.is_cuda:
+        out = cpu_quant.gdn_rule(q, k, v, g, beta, new)
+        if out is not None:
+            return out, new
+    qp, kp = prepare(q, k, v.shape[1])
+    return (step if decode else chunked)(qp, kp, v, g, beta, state)
+
+
 def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each value head's output [T, H, Dv] times weight [Dv] and silu(z) [T, H, Dv] -> float32."""
     o = o.float()

@@ -107,8 +107,8 @@ class StepAttention:
         """A linear-attention layer over the step's rows (engine/model/linear_attention.py): mixed [T, channels]
         before the convolution, g and beta [T, value heads] -> outputs [T, value heads, value_dim] float32. Each
         item starts from its conversation's state; the state after the step waits in `pending` until the step
-        commits (commit_states), so a step that fails changes no state. Generated rows go one token at a time,
-        prompt rows in chunks (a row's numbers depend on its kind, never on its batch)."""
+        commits (commit_states), so a step that fails changes no state (linear_attention.rule: in C, every row
+        one token after another; in torch, generated rows so and prompt rows in chunks)."""
         from kvchat.engine.model import linear_attention as gdn
         kd = la.key_heads * la.key_dim
         outs = []
@@ -119,9 +119,7 @@ class StepAttention:
             q = x[:, :kd].view(n, la.key_heads, la.key_dim)
             k = x[:, kd:2 * kd].view(n, la.key_heads, la.key_dim)
             v = x[:, 2 * kd:].reshape(n, la.value_heads, la.value_dim)
-            q, k = gdn.prepare(q, k, la.value_heads)
-            run = gdn.step if decode else gdn.chunked
-            o, matrices = run(q, k, v, g[rows], beta[rows], matrices)
+            o, matrices = gdn.rule(q, k, v, g[rows], beta[rows], matrices, decode)
             self.pending[(i, layer)] = (tail, matrices)
             outs.append(o)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
