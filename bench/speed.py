@@ -498,7 +498,7 @@ def summarize(r: dict) -> str:
                 peer = (f", llama.cpp {v['llamacpp_tok_s']:.1f} ({v['ratio_vs_llamacpp']:.2f}x)"
                         if "llamacpp_tok_s" in v else "")
                 extra = f", {v['ratio_vs_bf16']:.2f}x kvchat bf16" if "ratio_vs_bf16" in v else ""
-                lines.append(f"    {mode:5s} at {n:5d}: {v['kvchat_tok_s']:6.1f} tok/s, {v['of_bound']:.0%} of its "
+                lines.append(f"    {mode:5s} at {int(n):5d}: {v['kvchat_tok_s']:6.1f} tok/s, {v['of_bound']:.0%} of its "
                              f"bound {v['bound_tok_s']:.0f}{peer}{extra}")
     for key, label in (("kvchat_cold", "kvchat chat, first start"), ("kvchat_warm", "kvchat chat, warm"),
                        ("kvchat_api_warm", "Engine API, warm"), ("llamacpp_oneshot", "llama.cpp")):
