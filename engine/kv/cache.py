@@ -14,6 +14,9 @@ A conversation is a `Conversation`: one sequence per KV group of the model (kv/l
 takes the conversation and does the same to each of its groups. A model with linear-attention layers gives each
 conversation a recurrent state (kv/state.py) beside its groups: its bytes and its snapshots' count in the budget
 (carried by the first group's sequence), a fork starts from a snapshot, a truncation returns to one.
+
+Past 450 lines on purpose: this is the one owner of blocks, pages, state and budget, and every change to any of them
+is a method here; split, the rules of one change would be read across files again.
 """
 from __future__ import annotations
 

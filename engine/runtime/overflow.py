@@ -7,6 +7,7 @@ from typing import Callable, Generator
 
 import torch
 
+from kvchat.engine.config import ConfigError
 from kvchat.engine.events import PrefillProgress
 from kvchat.engine.kv.layout import WindowGeometry, window_peak_bytes
 from kvchat.engine.kv.manager import NoFreeBlocks
@@ -132,3 +133,30 @@ def context_message(session, num_new: int) -> str:
         advice = "switch the cache to a sliding window with sinks in Settings to keep going, or start a new chat"
     return (f"The conversation would pass {session.info.name}'s context of {limit:,} tokens "
             f"({session.state.seq.num_tokens:,} held, {num_new:,} more needed): {advice}.")
+
+
+def take_back(session, n: int) -> bool:
+    """The cache gives back its last n tokens; False where it cannot exactly (a quantized block, a window). A
+    recurrent state without a snapshot exactly there returns to its latest snapshot before it and reads the few
+    tokens between again (the KV of those tokens is taken back with it, so the two stay one)."""
+    if n <= 0:
+        return True
+    runner, seq = session.runner, session.state.seq
+    try:
+        runner.truncate(seq, n)
+        return True
+    except ConfigError:
+        pass
+    cached = session.state.num_cached
+    target = cached - n
+    back = runner.state_return(seq, target)
+    if back is None:
+        return False
+    try:
+        runner.truncate(seq, cached - back)
+        if target > back:
+            feed(session, session.state.token_ids[back:target], all_logits=False)
+    except (ConfigError, BudgetFull):
+        return False
+    session.state.turn_times.state_reread += target - back
+    return True

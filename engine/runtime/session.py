@@ -266,28 +266,8 @@ class Session:
             self.runner.free(self.seq)
 
     def _take_back(self, n: int) -> bool:
-        """The cache gives back its last n tokens; False where it cannot exactly (a quantized block, a window). A
-        recurrent state without a snapshot exactly there returns to its latest snapshot before it and reads the few
-        tokens between again (the KV of those tokens is taken back with it, so the two stay one)."""
-        if n <= 0:
-            return True
-        try:
-            self.runner.truncate(self.seq, n)
-            return True
-        except ConfigError:
-            pass
-        target = self._cached - n
-        back = self.runner.state_return(self.seq, target)
-        if back is None:
-            return False
-        try:
-            self.runner.truncate(self.seq, self._cached - back)
-            if target > back:
-                overflow.feed(self, self.token_ids[back:target], all_logits=False)
-        except (ConfigError, BudgetFull):
-            return False
-        self.turn_times.state_reread += target - back
-        return True
+        """The cache gives back its last n tokens; False where it cannot exactly (overflow.take_back)."""
+        return overflow.take_back(self, n)
 
     @turn
     def regenerate(self, params: SamplingParams | None = None,
