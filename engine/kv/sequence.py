@@ -140,8 +140,8 @@ def _first_group(name: str) -> property:
 
 
 for _name in ("seq_id", "layout", "geometry", "block_size", "sink_blocks", "table", "block_table", "num_tokens",
-              "evicted", "seq_len", "has_head", "side_bytes", "tokens_held", "token_ids", "block_keys", "last_used",
-              "closed"):
+              "evicted", "seq_len", "has_head", "side_bytes", "state_bytes", "tokens_held", "token_ids", "block_keys",
+              "last_used", "closed"):
     setattr(Conversation, _name, _first_group(_name))
 
 
