@@ -329,12 +329,11 @@ def _regenerate(engine, llm, tokens: int, runs: int) -> dict:
     for _ in range(runs):
         session = engine.new_session()
         session.reply(text, params)
-        before = engine.runner.tokens_read
         for _event in session.regenerate(params):
             pass
-        ours.append(session.turn_times.ttft_s)          # from the request to the first reply token
-        decoded = session.turn_times.decode_tokens + 1
-        reread.append(max(0, engine.runner.tokens_read - before - decoded))     # what was read besides the reply
+        t = session.turn_times
+        ours.append(t.ttft_s)                           # from the request to the first reply token
+        reread.append(t.prefill_tokens + t.state_reread)    # prompt tokens read again (a state's gap included)
         session.close()
         if llm is not None:
             llm.reset()

@@ -137,11 +137,9 @@ def test_regenerate_and_rewind_read_no_prompt_again(engine):
     """Regenerate forks from the snapshot where the reply began: it reads only the new reply's tokens and gives the
     same greedy reply; rewind to a message and resend gives the uninterrupted reply, reading only that message."""
     s, replies = chat(engine)
-    before = engine.runner.tokens_read
     events = list(s.regenerate(GREEDY))
-    reply_tokens = events[-1].stats.tokens_in_context - s.state.prompt_end
     assert events[-1].text == replies[-1]
-    assert engine.runner.tokens_read - before <= reply_tokens + 1
+    assert events[-1].stats.prefill_tokens == 0 and s.turn_times.state_reread == 0
     s.rewind(2)
     before, held = engine.runner.tokens_read, s.seq.num_tokens
     assert s.reply(CHAT[1], GREEDY) == replies[1]
@@ -157,7 +155,8 @@ def test_snapshots_count_against_the_budget(engine):
     assert len(state.snapshots) >= 2
     held = engine.runner.cache.conversation_bytes(s.seq)
     kv = sum(k + v for k, v in engine.runner.layer_bytes(s.seq))
-    assert held >= kv + state.bytes == kv + state.layout.bytes * (1 + len(state.snapshots))
+    kept = 1 + len(state.snapshots) + (state.journal is not None)    # live, snapshots, a verification's copy
+    assert held >= kv + state.bytes == kv + state.layout.bytes * kept
     s.reset()
     assert not state.snapshots and state.position == 0
     s.close()
@@ -212,10 +211,9 @@ def test_a_saved_cache_keeps_the_state_and_its_snapshots(engine, tmp_path):
         engine.restore_warm(s2)
         assert s2.seq.num_tokens == s.seq.num_tokens
         assert sorted(s2.seq.state.snapshots) == sorted(s.seq.state.snapshots)
-        before = engine.runner.tokens_read
         events = list(s2.regenerate(GREEDY))        # from the restored snapshot: no prompt read
         assert events[-1].text == replies[-1]
-        assert engine.runner.tokens_read - before <= GREEDY.max_new_tokens + 1
+        assert events[-1].stats.prefill_tokens == 0 and s2.turn_times.state_reread == 0
         # a file whose state was damaged is refused whole (the chat is read again)
         groups, tensors = engine.runner.export_kv(s.seq)
         tensors["state.matrices"] = tensors["state.matrices"] * float("nan")
@@ -300,3 +298,67 @@ def test_the_planner_counts_every_parameter(family):
     from pathlib import Path
     mc = ModelConfig.from_hf(read_config(Path(family[1])))
     assert parameter_counts(mc)[0] == sum(p.numel() for p in family[2].parameters())
+
+
+def test_speculative_decoding_over_a_state_gives_plain_decodings_tokens(engine, monkeypatch):
+    """Drafts verified in one step over the state; rejected ones go back by replaying the accepted rows from the
+    state before the step (kv/state.StepJournal), so greedy tokens equal plain decoding's and the state after the
+    turn equals a plain run's. The proposer knows plain decoding's tokens and spoils the last of each proposal, so
+    every verification accepts some rows and rejects others."""
+    from kvchat.engine import SpeculativeConfig
+    from kvchat.engine.runtime import speculative
+    text = "the cache the cache the cache holds keys and values"
+    params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    engine.set_speculative(SpeculativeConfig("off"))
+    s = engine.new_session(cache=FP32)
+    list(s.send(text, params))
+    plain, plain_state = list(s.token_ids), (s.seq.state.matrices.clone(), s.seq.state.position)
+    s.close()
+
+    class Oracle(speculative.PromptLookup):
+        def propose(self, ids, most):
+            ahead = plain[len(ids):len(ids) + most]
+            return ahead[:-1] + [(ahead[-1] + 1) % 300 + 3] if len(ahead) > 1 else []
+
+    monkeypatch.setattr(speculative, "PromptLookup", Oracle)
+    engine.set_speculative(SpeculativeConfig("lookup", k=4, ngram_max=3, ngram_min=1, adaptive=False))
+    try:
+        s = engine.new_session(cache=FP32)
+        events = list(s.send(text, params))
+        st = events[-1].stats.spec
+        assert st is not None and st.drafted > st.accepted > 0       # drafts both accepted and rejected
+        assert s.token_ids == plain
+        assert s.seq.state.position == plain_state[1]
+        assert torch.allclose(s.seq.state.matrices, plain_state[0], atol=1e-5)
+        s.close()
+    finally:
+        engine.set_speculative(SpeculativeConfig("off"))
+
+
+def test_a_verification_step_goes_back_to_any_of_its_rows(engine):
+    """Truncating inside the last multi-row decode step replays its rows from the state before it: replaying all of
+    them gives the step's own state bit for bit, so the state after a take-back is the one the step had after the
+    kept rows; it is that of a run fed only those rows within rounding (a 6-row step's projections round apart
+    from 1-row steps')."""
+    import copy
+    rows = IDS[60:66]
+    a, b = engine.new_session(cache=FP32), engine.new_session(cache=FP32)
+    a.append(IDS[:60])
+    b.append(IDS[:60])
+    engine.runner.step([(a.seq, rows)], decode=[True])          # a verification: six generated rows at once
+    state = a.seq.state
+    after = (state.conv.clone(), state.matrices.clone())
+    journal = copy.copy(state.journal)
+    state._replay(journal, 6)
+    assert torch.equal(state.conv, after[0]) and torch.equal(state.matrices, after[1])
+    state.journal = journal
+    engine.runner.truncate(a.seq, 4)
+    for t in rows[:2]:
+        engine.runner.step([(b.seq, [t])])
+    assert a.seq.num_tokens == b.seq.num_tokens == 62 == state.position
+    scale = float(b.seq.state.matrices.abs().max())
+    assert float((state.matrices - b.seq.state.matrices).abs().max()) <= 1e-4 * scale
+    with pytest.raises(ConfigError, match="snapshot"):        # once gone back, not further than the step's start
+        engine.runner.truncate(a.seq, 5)
+    a.close()
+    b.close()

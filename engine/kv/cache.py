@@ -76,6 +76,11 @@ class KVCache:
     def _count_state(self, conv: Conversation) -> None:
         conv.groups[0].state_bytes = conv.state.bytes if conv.state is not None else 0
 
+    def state_committed(self, conv: Conversation) -> None:
+        """A step changed the conversation's state (a verification's journal came or went): its bytes recounted."""
+        if conv.state is not None:
+            self._count_state(conv)
+
     def snapshot(self, conv: Conversation) -> bool:
         """Keep a copy of the conversation's recurrent state where it is now (kv/state.py), room permitting: idle
         conversations may be released for it, else its own oldest snapshot goes; False where there is no state or

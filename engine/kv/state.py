@@ -53,6 +53,19 @@ class StateLayout:
         return self.layer_bytes * len(self.layers)
 
 
+@dataclass
+class StepJournal:
+    """What the last verification step (speculative decoding: several generated rows in one step) read, so its state
+    can be taken back to any of its rows: the state before it and, per linear layer, the rows' inputs to the mixer.
+    Replaying r rows from there gives the state the step had after row r, bit for bit (the rule runs token after
+    token, kernels/cpu_gdn.h): rejected drafts are taken back without a snapshot per draft."""
+    start: int                                   # the conversation's tokens before the step
+    rows: int
+    conv: torch.Tensor                           # the state before the step
+    matrices: torch.Tensor
+    layers: dict                                 # layer -> (mixed [rows, C], g, beta, conv weight, LinearAttention)
+
+
 class RecurrentState:
     """One conversation's state: `conv` [layers, kernel - 1, channels] and `matrices` [layers, heads, Dk, Dv] after
     `position` tokens, and its snapshots by position (oldest first)."""
@@ -66,11 +79,12 @@ class RecurrentState:
         self.position = 0
         self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.index = {layer: j for j, layer in enumerate(layout.layers)}
+        self.journal: StepJournal | None = None  # the last step's, where it was a verification
 
     @property
     def bytes(self) -> int:
-        """The live state and every snapshot."""
-        return self.layout.bytes * (1 + len(self.snapshots))
+        """The live state, every snapshot, and the copy a verification's journal keeps."""
+        return self.layout.bytes * (1 + len(self.snapshots) + (self.journal is not None))
 
     def reset(self) -> None:
         """Back to the state before any token, no snapshots."""
@@ -78,6 +92,7 @@ class RecurrentState:
         self.matrices.zero_()
         self.position = 0
         self.snapshots.clear()
+        self.journal = None
 
     def snapshot(self, limit: int = MAX_SNAPSHOTS) -> int:
         """Keep a copy of the state at its position (the oldest snapshots go past `limit`); returns the bytes it
@@ -99,7 +114,9 @@ class RecurrentState:
         return self.layout.bytes
 
     def can_return(self, position: int) -> bool:
-        return position in (0, self.position) or position in self.snapshots
+        j = self.journal
+        return (position in (0, self.position) or position in self.snapshots
+                or (j is not None and j.start <= position <= j.start + j.rows))
 
     def restore(self, position: int) -> None:
         """The state after `position` tokens, from its snapshot (kept: it may be returned to again); later snapshots
@@ -107,13 +124,40 @@ class RecurrentState:
         if position == 0:
             self.reset()
             return
-        if position != self.position:
+        j = self.journal
+        if position == self.position:
+            pass
+        elif position in self.snapshots:
             conv, matrices = self.snapshots[position]
             self.conv.copy_(conv)
             self.matrices.copy_(matrices)
             self.position = position
+        else:
+            self._replay(j, position - j.start)
+        # the journal still covers the rows kept (a stop inside them may take more back), none before its start
+        self.journal = j if j is not None and j.start <= position else None
+        if self.journal is not None:
+            j.rows = min(j.rows, position - j.start)
         for p in [p for p in self.snapshots if p > position]:
             del self.snapshots[p]
+
+    def _replay(self, j: StepJournal, rows: int) -> None:
+        """The state after the first `rows` rows of the journalled step: the state before it, then those rows again
+        through the convolution and the rule (linear_attention.rule, as the step ran them)."""
+        from kvchat.engine.model import linear_attention as gdn
+        self.conv.copy_(j.conv)
+        self.matrices.copy_(j.matrices)
+        for layer, (mixed, g, beta, weight, la) in j.layers.items():
+            tail, matrices = self.layer(layer)
+            if rows:
+                x, new_tail = gdn.conv(mixed[:rows], tail, weight)
+                kd = la.key_heads * la.key_dim
+                q = x[:, :kd].view(rows, la.key_heads, la.key_dim)
+                k = x[:, kd:2 * kd].view(rows, la.key_heads, la.key_dim)
+                v = x[:, 2 * kd:].reshape(rows, la.value_heads, la.value_dim)
+                _, new_matrices = gdn.rule(q, k, v, g[:rows], beta[:rows], matrices, True)
+                self.write(layer, new_tail, new_matrices)
+        self.position = j.start + rows
 
     def best_at_most(self, position: int) -> int | None:
         """The latest position <= `position` the state can return to, or None."""

@@ -238,6 +238,9 @@ class ModelRunner:
                 raise
             reserved.commit(hash_ids)
             attention.commit_states()
+            if self.state_layout is not None:
+                for seq, _ in items:
+                    self.cache.state_committed(seq)
             self.steps += 1
             self.tokens_read += sum(len(ids) for _, ids in items)
         return item_logits(order, reserved.steps, logits, per_row, all_logits)

@@ -217,12 +217,9 @@ class Session:
                 continues: bool = False):
         """The reply: the decode driver's tokens, each streamed as a TokenDelta, and the TurnFinished that says why it
         ended; the reply joins `messages` (grows the last one when it continues)."""
-        # this conversation's speculation under the engine's setting now; none over a recurrent state, whose rejected
-        # drafts could not be taken back without a snapshot per draft
-        speculate = may_speculate(params) and self.seq.state is None
-        if speculate:
+        if may_speculate(params):           # this conversation's speculation under the engine's setting now
             self._spec = Speculator.following(self._spec, self.runner, self._config)
-        decoder = Decoder(params, self.info.stop_ids, spec=self._spec if speculate else None)
+        decoder = Decoder(params, self.info.stop_ids, spec=self._spec if may_speculate(params) else None)
         start = self._reply_start() if continues else None
         parts = self.info.reply.parser(self.tokenizer, self.token_ids[start:] if start is not None else [])
         tokens = decode_alone(decoder, self.state, self.runner, logits,

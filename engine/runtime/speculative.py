@@ -105,9 +105,16 @@ class DraftProposer:
         if common < len(self.ids):
             try:
                 r.truncate(self.seq, len(self.ids) - common)
-            except ConfigError:
-                r.free(self.seq)
-                common = 0
+            except ConfigError:          # a draft model with a recurrent state: back to its snapshot before, if any
+                back = r.state_return(self.seq, common)
+                try:
+                    if back is None:
+                        raise ConfigError("no snapshot")
+                    r.truncate(self.seq, len(self.ids) - back)
+                    common = back
+                except ConfigError:
+                    r.free(self.seq)
+                    common = 0
             self.ids = ids[:common]
         if not self.ids:
             common = r.match_prefix(self.seq, ids)
@@ -124,6 +131,7 @@ class DraftProposer:
             return []
         try:
             logits = self._sync(ids)
+            self.runner.snapshot(self.seq)    # a draft model with a recurrent state comes back here next round
             drafts: list[int] = []
             while True:
                 d = int(logits.argmax())

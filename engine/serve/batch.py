@@ -90,7 +90,7 @@ def speculator(engine, cache: CacheConfig | None = None):
     """A new request's speculation under the engine's setting now, or None when it is off."""
     from kvchat.engine.runtime.speculative import Speculator
     runner = _runner(engine)
-    if not runner.speculation.enabled or runner.state_layout is not None:   # a recurrent state: drafts not undone
+    if not runner.speculation.enabled:
         return None
     return Speculator(runner.speculation, runner.draft_runner, runner.config.vocab_size, runner.step_costs, cache)
 

@@ -65,6 +65,7 @@ class StepAttention:
         self.shared = len(by_steps) == 1 and all(layer_steps)
         self.items = items or []            # (conversation, offset, rows, decode) per item, for recurrent()
         self.pending: dict[tuple[int, int], tuple] = {}     # (item, layer) -> the state after this step
+        self.journal: dict[int, dict] = {}          # item -> layer -> a verification's inputs (kv/state.StepJournal)
 
     @staticmethod
     def _runs(steps: list, backends: list[AttentionBackend]) -> list:
@@ -119,13 +120,25 @@ class StepAttention:
             q = x[:, :kd].view(n, la.key_heads, la.key_dim)
             k = x[:, kd:2 * kd].view(n, la.key_heads, la.key_dim)
             v = x[:, 2 * kd:].reshape(n, la.value_heads, la.value_dim)
+            if decode and n > 1:            # a verification: its rows' inputs, to take rejected drafts back
+                self.journal.setdefault(i, {})[layer] = (mixed[rows].clone(), g[rows].clone(), beta[rows].clone(),
+                                                         conv_weight, la)
             o, matrices = gdn.rule(q, k, v, g[rows], beta[rows], matrices, decode)
             self.pending[(i, layer)] = (tail, matrices)
             outs.append(o)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def commit_states(self) -> None:
-        """The step committed: each item's conversation takes the states the step made, at its new token count."""
+        """The step committed: each item's conversation takes the states the step made, at its new token count; a
+        verification keeps a journal of it (the state before, the rows' inputs) so rejected drafts can go back."""
+        from kvchat.engine.kv.state import StepJournal
+        for i, (conv, _, n, _) in enumerate(self.items):
+            state = conv.state
+            if state is None:
+                continue
+            layers = self.journal.get(i)
+            state.journal = (StepJournal(conv.num_tokens - n, n, state.conv.clone(), state.matrices.clone(), layers)
+                             if layers else None)
         for (i, layer), (tail, matrices) in self.pending.items():
             self.items[i][0].state.write(layer, tail, matrices)
         for conv, _, n, _ in self.items:
