@@ -334,7 +334,8 @@ def summarize(e: Estimate) -> str:
         lines.insert(-1, f"{e.linear_layers} of {e.num_layers} layers are linear attention: their recurrent state, "
                          f"{format_size(e.state_bytes)} a conversation at any length, is in KV (each snapshot kept for "
                          f"regenerate and rewind adds as much); B/token and the cache formats are the "
-                         f"{e.num_layers - e.linear_layers} attention layers'")
+                         f"{e.num_layers - e.linear_layers} attention "
+                         f"{'layer' + chr(39) + 's' if e.num_layers - e.linear_layers == 1 else 'layers' + chr(39)}")
     if hybrid:
         lines.insert(-1, f"B/token: what each token adds once the sliding windows are full (only the "
                          f"{dict(e.layer_windows).get(None, 0)} global layers grow)")
