@@ -70,16 +70,13 @@ class KVCache:
                 self.close(conv)
                 raise
             conv.state = RecurrentState(state, self.device)
-            self._count_state(conv)
+            self.count_state(conv)
         return conv
 
-    def _count_state(self, conv: Conversation) -> None:
+    def count_state(self, conv: Conversation) -> None:
+        """The conversation's state bytes (live, snapshots, a verification's journal) recounted into the budget, as
+        its first group carries them: after anything that changed them (a step, a snapshot, a fork)."""
         conv.groups[0].state_bytes = conv.state.bytes if conv.state is not None else 0
-
-    def state_committed(self, conv: Conversation) -> None:
-        """A step changed the conversation's state (a verification's journal came or went): its bytes recounted."""
-        if conv.state is not None:
-            self._count_state(conv)
 
     def snapshot(self, conv: Conversation) -> bool:
         """Keep a copy of the conversation's recurrent state where it is now (kv/state.py), room permitting: idle
@@ -94,11 +91,11 @@ class KVCache:
             self._blocks.make_room(need, keep)
         except NoFreeBlocks:
             state.drop_oldest()
-            self._count_state(conv)
+            self.count_state(conv)
             if self._blocks.free_bytes() < need:
                 return False
         state.snapshot()
-        self._count_state(conv)
+        self.count_state(conv)
         return True
 
     def state_positions(self, conv: Conversation) -> list[int]:
@@ -156,7 +153,7 @@ class KVCache:
         """The child of a fork gets the parent's state after n tokens (a zero one for n = 0)."""
         if parent.state is not None:
             child.state = (parent.state.copy_at(n) if n else RecurrentState(parent.state.layout, self.device))
-            self._count_state(child)
+            self.count_state(child)
         return child
 
     def truncate(self, seq: Conversation, n: int) -> Truncation:
@@ -179,7 +176,7 @@ class KVCache:
             self._blocks.truncate(m, n)
         if state is not None and n:
             state.restore(seq.num_tokens)
-            self._count_state(seq)
+            self.count_state(seq)
         return Truncation(n)
 
     def drop(self, seq: Conversation, position: int) -> int:
@@ -240,7 +237,7 @@ class KVCache:
         if state is not None:
             seq.state, out.state = None, state
             seq.groups[0].state_bytes = 0
-            self._count_state(out)
+            self.count_state(out)
         return out
 
     def _close_one(self, seq: Sequence) -> None:
@@ -291,7 +288,7 @@ class KVCache:
             except ValueError as exc:
                 self.free(seq)
                 raise saved.CacheFileError(f"the saved recurrent state does not fit this model: {exc}") from None
-            self._count_state(seq)
+            self.count_state(seq)
 
     # ---- one step: reserve, then commit or roll back ---------------------------------------------------------
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvchat.engine.model import linear_attention as gdn
+
 MAX_SNAPSHOTS = 4           # per conversation: the turn's start, the prompt's end, and two turns back
 
 
@@ -144,7 +146,6 @@ class RecurrentState:
     def _replay(self, j: StepJournal, rows: int) -> None:
         """The state after the first `rows` rows of the journalled step: the state before it, then those rows again
         through the convolution and the rule (linear_attention.rule, as the step ran them)."""
-        from kvchat.engine.model import linear_attention as gdn
         self.conv.copy_(j.conv)
         self.matrices.copy_(j.matrices)
         for layer, (mixed, g, beta, weight, la) in j.layers.items():

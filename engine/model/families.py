@@ -86,14 +86,19 @@ def layer_types(cfg: dict, n_layers: int, every: int) -> tuple[bool, ...]:
     if types is None:
         every = int(cfg.get("sliding_window_pattern") or every)
         return tuple(bool((i + 1) % every) for i in range(n_layers))
+    return _typed(types, n_layers, "sliding_attention", "kvchat runs sliding_attention and full_attention layers")
+
+
+def _typed(types, n_layers: int, kind: str, runs: str) -> tuple[bool, ...]:
+    """config.json's layer_types, one entry per layer of `kind` or "full_attention", as whether each is `kind`; a
+    list of another length, or another name, is a one-line ModelLoadError (runs: what the family runs, in words)."""
     if not isinstance(types, list) or len(types) != n_layers:
         raise ModelLoadError(f"layer_types has {len(types) if isinstance(types, list) else repr(types)} entries for "
                              f"{n_layers} layers: the model's settings are damaged")
-    unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
+    unknown = sorted({t for t in types if t not in (kind, "full_attention")}, key=str)
     if unknown:
-        raise ModelLoadError(f"layer_types names {', '.join(map(repr, unknown))}: kvchat runs sliding_attention and "
-                             f"full_attention layers")
-    return tuple(t == "sliding_attention" for t in types)
+        raise ModelLoadError(f"layer_types names {', '.join(map(repr, unknown))}: {runs}")
+    return tuple(t == kind for t in types)
 
 
 def _window(cfg: dict) -> int:
@@ -257,14 +262,7 @@ def _layer_kinds(cfg: dict, n_layers: int) -> tuple[bool, ...]:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ModelLoadError(f"full_attention_interval={every!r}: it must be a positive whole number")
         return tuple(bool((i + 1) % every) for i in range(n_layers))
-    if not isinstance(types, list) or len(types) != n_layers:
-        raise ModelLoadError(f"layer_types has {len(types) if isinstance(types, list) else repr(types)} entries for "
-                             f"{n_layers} layers: the model's settings are damaged")
-    unknown = sorted({t for t in types if t not in ("linear_attention", "full_attention")}, key=str)
-    if unknown:
-        raise ModelLoadError(f"layer_types names {', '.join(map(repr, unknown))}: a Qwen3.5 model has "
-                             f"linear_attention and full_attention layers")
-    return tuple(t == "linear_attention" for t in types)
+    return _typed(types, n_layers, "linear_attention", "a Qwen3.5 model has linear_attention and full_attention layers")
 
 
 def _qwen3_5(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:

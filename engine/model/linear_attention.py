@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvchat.kernels import cpu_quant
+
 CHUNK = 64          # tokens per chunk of a prompt (transformers' default)
 
 
@@ -101,7 +103,6 @@ def rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
     beta [T, H]; state [H, Dk, Dv] (not written) -> (outputs [T, H, Dv], the new state). On the CPU with the C
     kernels: one pass per token in C (kernels/cpu_gdn.h), prompt and decode rows alike; else torch, one token at a
     time for decode rows (step) and in chunks for prompts (chunked)."""
-    from kvchat.kernels import cpu_quant
     new = state.float().clone()
     if not state.is_cuda:
         out = cpu_quant.gdn_rule(q, k, v, g, beta, new)

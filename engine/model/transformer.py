@@ -125,8 +125,8 @@ class Transformer:
         self.quant = quant              # what the file holds, e.g. "Q4_1 (+Q8_0)"; "" for float sources
         self.inv_freq = config.inv_freq().to(device)
         # a partial rotation's order of each head's dimensions (Rope.permutation), per layer: None where all turn
-        self._order = [None if spec.linear is not None or spec.rope.permutation(config.head_dim) is None else
-                       torch.from_numpy(spec.rope.permutation(config.head_dim)).to(device) for spec in config.layers]
+        orders = [None if spec.linear is not None else spec.rope.permutation(config.head_dim) for spec in config.layers]
+        self._order = [None if o is None else torch.from_numpy(o).to(device) for o in orders]
         self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
         self._kernel_checked = False
 

@@ -114,8 +114,7 @@ class ModelRunner:
     def state_return(self, seq: Conversation, target: int) -> int | None:
         """The latest token count <= target the conversation's recurrent state can return to (a snapshot), or None:
         no state, or no snapshot before target."""
-        positions = [p for p in self.cache.state_positions(seq) if p <= target]
-        return max(positions) if positions else None
+        return None if seq.state is None else seq.state.best_at_most(target)
 
     def match_prefix(self, seq: Conversation, ids: list[int]) -> int:
         with self.lock:
@@ -240,7 +239,7 @@ class ModelRunner:
             attention.commit_states()
             if self.state_layout is not None:
                 for seq, _ in items:
-                    self.cache.state_committed(seq)
+                    self.cache.count_state(seq)
             self.steps += 1
             self.tokens_read += sum(len(ids) for _, ids in items)
         return item_logits(order, reserved.steps, logits, per_row, all_logits)

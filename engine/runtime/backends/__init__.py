@@ -8,6 +8,8 @@ from kvchat import kernels
 from kvchat.kernels import cpu_quant
 
 from kvchat.engine.kv.layout import KVLayout
+from kvchat.engine.kv.state import StepJournal
+from kvchat.engine.model import linear_attention as gdn
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
 from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers
 from kvchat.engine.runtime.backends.quant_pages import QuantPagesC, QuantPagesTorch, kernel_reads
@@ -110,7 +112,6 @@ class StepAttention:
         item starts from its conversation's state; the state after the step waits in `pending` until the step
         commits (commit_states), so a step that fails changes no state (linear_attention.rule: in C, every row
         one token after another; in torch, generated rows so and prompt rows in chunks)."""
-        from kvchat.engine.model import linear_attention as gdn
         kd = la.key_heads * la.key_dim
         outs = []
         for i, (conv, offset, n, decode) in enumerate(self.items):
@@ -131,7 +132,6 @@ class StepAttention:
     def commit_states(self) -> None:
         """The step committed: each item's conversation takes the states the step made, at its new token count; a
         verification keeps a journal of it (the state before, the rows' inputs) so rejected drafts can go back."""
-        from kvchat.engine.kv.state import StepJournal
         for i, (conv, _, n, _) in enumerate(self.items):
             state = conv.state
             if state is None:
