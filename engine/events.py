@@ -34,6 +34,7 @@ class LayerBytes:
     window_bytes: int | None = None     # the most it holds once that window is full; None: it grows with every token
     kind: str = "attention"             # "linear_attention": a recurrent state instead of K and V (spec.LayerSpec.kind)
     state_bytes: int = 0                # that layer's state, the same at any length (its formats read "state")
+    kv_source: int | None = None        # the layer whose K and V this one reads (it holds none: Gemma 4); None: own
 
 
 @dataclass(frozen=True, slots=True)

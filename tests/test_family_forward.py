@@ -191,7 +191,7 @@ def test_moe_architectures_not_run_yet_are_named_as_such(arch):
         family(arch, "config.json")
     text = str(info.value)
     assert repr(arch) in text and "mixture-of-experts families other than mixtral, qwen3_moe and gpt_oss" in text
-    assert text.endswith("llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, mixtral, qwen3_moe, gpt_oss, smollm3, "
+    assert text.endswith("llama, mistral, qwen2, qwen3, gemma2, gemma3, gemma4, phi3, mixtral, qwen3_moe, gpt_oss, smollm3, "
                          "qwen3_5, qwen3_5_moe")
 
 

@@ -121,6 +121,12 @@ _FAMILY_DEFAULTS = {
                         "full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=6,
                         linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8,
                         num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    # Gemma 4: sliding (head 16, window 8) and global (head 32, twice) layers, a proportional rope on the global ones,
+    # the last two layers over the KV of layers 3 (sliding, right before) and 2 (global), per-layer input embeddings
+    # of 8 per layer, a final soft-cap
+    "gemma4": dict(num_hidden_layers=6, head_dim=16, global_head_dim=32, num_key_value_heads=2, sliding_window=8,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                   num_kv_shared_layers=2, hidden_size_per_layer_input=8, final_logit_softcapping=30.0),
 }
 
 
@@ -139,13 +145,15 @@ def tiny_family_dir(path, family: str, seed: int = 0, longrope: bool = False, **
                               SmolLM3ForCausalLM)
 
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
                "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
                "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
                "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM),
-               "gpt_oss": (GptOssConfig, GptOssForCausalLM), "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}
+               "gpt_oss": (GptOssConfig, GptOssForCausalLM), "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+               "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM)}
     if family not in classes:
         raise ValueError(f"family {family!r}: one of {', '.join(classes)}")
     config_cls, model_cls = classes[family]
@@ -156,6 +164,8 @@ def tiny_family_dir(path, family: str, seed: int = 0, longrope: bool = False, **
                   tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.2,
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
     fields.update(_FAMILY_DEFAULTS[family])
+    if family == "gemma4":
+        fields["vocab_size_per_layer_input"] = len(tok)
     if longrope:
         rotary_half = 64 // 4 // 2
         g = torch.Generator().manual_seed(seed + 1)
@@ -171,9 +181,13 @@ def tiny_family_dir(path, family: str, seed: int = 0, longrope: bool = False, **
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:    # around 0 for (1 + w) norms, around 1 for w norms: never all ones
-                centred = family.startswith("gemma") or (family.startswith("qwen3_5") and "linear_attn" not in name)
+                centred = (family.startswith("gemma") and family != "gemma4") or (
+                    family.startswith("qwen3_5") and "linear_attn" not in name)
                 p.uniform_(-0.3, 0.3) if centred else p.uniform_(0.7, 1.3)
             else:
                 p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):     # Gemma 4's per-layer output scale: not 1
+                b.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True)
     return str(folder)

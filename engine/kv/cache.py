@@ -437,8 +437,9 @@ class KVCache:
         for m in seq.members:
             layout = m.layout
             n = len(m.block_table)
-            side = layout.full_block_bytes * (1 + int(m.has_head)) if m.seq_len else 0
+            sides = (1 + int(m.has_head)) if m.seq_len else 0
             for j, (bb, fmts) in enumerate(zip(layout.layer_block_bytes, layout.formats)):
+                side = layout.layer_full_block_bytes(j) * sides
                 out[layout.layers[j] if layout.layers else j] = tuple(b * n + (side if f.is_quantized else 0)
                                                                       for b, f in zip(bb, fmts))
         return out

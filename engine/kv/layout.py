@@ -40,6 +40,8 @@ class KVLayout:
     full_dtype: str                                            # what "auto" and the head/tail blocks use
     formats: tuple[tuple[PageFormat, PageFormat], ...]         # per layer: (K, V)
     layers: tuple[int, ...] = ()        # the model layers a KV group's layout holds, in order; (): all of them
+    # per layer (KV heads, head_dim) where the layers differ (Gemma 4's global layers); (): all num_kv_heads x head_dim
+    shapes: tuple[tuple[int, int], ...] = ()
     # computed once: the manager asks for block bytes on every step
     layer_block_bytes: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     block_bytes: int = field(init=False, repr=False, compare=False)   # one block over all layers, K and V
@@ -49,26 +51,41 @@ class KVLayout:
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        per_layer = tuple(tuple(bytes_per_block(f, self.block_size, self.num_kv_heads, self.head_dim) for f in pair)
-                          for pair in self.formats)
+        per_layer = tuple(tuple(bytes_per_block(f, self.block_size, *self.layer_shape(j)) for f in pair)
+                          for j, pair in enumerate(self.formats))
         object.__setattr__(self, "layer_block_bytes", per_layer)
         object.__setattr__(self, "block_bytes", sum(k + v for k, v in per_layer))
         object.__setattr__(self, "quantized_components", sum(f.is_quantized for pair in self.formats for f in pair))
         object.__setattr__(self, "_hash", hash((self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                                                self.full_dtype, self.formats, self.layers)))
+                                                self.full_dtype, self.formats, self.layers, self.shapes)))
 
     def __hash__(self) -> int:
         return self._hash
 
+    def layer_shape(self, j: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of the layout's layer j."""
+        return self.shapes[j] if self.shapes else (self.num_kv_heads, self.head_dim)
+
+    def layer_full_block_bytes(self, j: int) -> int:
+        """Bytes of one full-precision block of one component of layer j (a head or a tail)."""
+        heads, dim = self.layer_shape(j)
+        return self.block_size * heads * dim * DTYPE_BYTES[self.full_dtype]
+
     @property
     def full_block_bytes(self) -> int:
-        """Bytes of one full-precision block of one component (a head or a tail)."""
+        """Bytes of one full-precision block of one component (a head or a tail), of the model's head shape."""
         return self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.full_dtype]
+
+    @property
+    def side_block_bytes(self) -> int:
+        """One full-precision block of every quantized component (one tail, or one head, of each)."""
+        return sum(self.layer_full_block_bytes(j) for j, pair in enumerate(self.formats) for f in pair
+                   if f.is_quantized)
 
     @property
     def fixed_bytes(self) -> int:
         """Most full-precision bytes one conversation keeps beside its blocks (a head and a tail per quantized component)."""
-        return 2 * self.full_block_bytes * self.quantized_components
+        return 2 * self.side_block_bytes
 
     @property
     def bytes_per_token(self) -> float:
@@ -77,7 +94,7 @@ class KVLayout:
     @property
     def full_precision_bytes_per_token(self) -> float:
         """What the same tokens would take with every component at full precision."""
-        return 2 * self.num_layers * self.full_block_bytes / self.block_size
+        return 2 * sum(self.layer_full_block_bytes(j) for j in range(self.num_layers)) / self.block_size
 
     def blocks_for(self, num_slots: int) -> int:
         return -(-num_slots // self.block_size)
@@ -91,7 +108,7 @@ class KVLayout:
         a head while the first block is full and held."""
         if not self.quantized_components or num_slots == 0:
             return 0
-        return self.full_block_bytes * self.quantized_components * (1 + int(head))
+        return self.side_block_bytes * (1 + int(head))
 
     def sequence_bytes(self, num_tokens: int, window: int | None = None, sinks: int = 0) -> int:
         """Bytes a conversation of num_tokens tokens holds in this layout, once its window (if any) slid."""
@@ -136,12 +153,21 @@ def kv_layout(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
         if layer in cache.full_precision_layers:
             formats.append((PageFormat(dtype), PageFormat(dtype)))
         else:
-            formats.append(tuple(_fit(page_format(f, role, cache.k_scheme, dtype), model.head_dim)
+            formats.append(tuple(_fit(page_format(f, role, cache.k_scheme, dtype), _shape(model, layer)[1])
                                  for f, role in ((cache.k_format, "k"), (cache.v_format, "v"))))
     assert dtype in FULL_DTYPES
     subset = () if len(attention) == model.num_layers else attention
+    shapes = tuple(_shape(model, layer) for layer in attention)
+    uniform = all(sh == (model.num_kv_heads, model.head_dim) for sh in shapes)
     return KVLayout(len(attention), model.num_kv_heads, model.head_dim, cache.block_size, dtype, tuple(formats),
-                    subset)
+                    subset, () if uniform else shapes)
+
+
+def _shape(model, layer: int) -> tuple[int, int]:
+    """(KV heads, head_dim) of a model layer (a bare shape, as the benches pass: the model's)."""
+    if hasattr(model, "layer_kv_heads"):
+        return model.layer_kv_heads(layer), model.layer_head_dim(layer)
+    return model.num_kv_heads, model.head_dim
 
 
 def check_cache_for_model(cache: CacheConfig, model: ModelConfig, model_dtype: str = "fp32",
@@ -232,8 +258,14 @@ def kv_groups(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
                                                           item[1][0]))
     return tuple(KVGroup(tuple(ids), g, KVLayout(len(ids), full.num_kv_heads, full.head_dim, full.block_size,
                                                  full.full_dtype, tuple(full.formats[column[i]] for i in ids),
-                                                 tuple(ids)))
+                                                 tuple(ids), _subset_shapes(full, [column[i] for i in ids])))
                  for g, ids in order)
+
+
+def _subset_shapes(full: KVLayout, columns: list[int]) -> tuple[tuple[int, int], ...]:
+    """The per-layer shapes of some of a layout's layers; () where they are all the model's."""
+    shapes = tuple(full.layer_shape(j) for j in columns)
+    return () if all(sh == (full.num_kv_heads, full.head_dim) for sh in shapes) else shapes
 
 
 def _group_bytes(group: KVGroup, num_tokens: int) -> int:
@@ -326,6 +358,7 @@ def layer_window_bytes(model: ModelConfig, cache: CacheConfig, model_dtype: str 
         if g.window is None:
             continue
         for j, layer in enumerate(group.layers):
-            one = KVLayout(1, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.full_dtype, (lay.formats[j],))
+            heads, dim = lay.layer_shape(j)
+            one = KVLayout(1, heads, dim, lay.block_size, lay.full_dtype, (lay.formats[j],))
             out[layer] = _peak_bytes(KVGroup((layer,), g, one), g.window + g.sinks + 2 * lay.block_size)
     return tuple(out)

@@ -195,8 +195,8 @@ class PageStore:
         comps = self.layouts.get(layout)
         if comps is None:
             dtype = FULL_DTYPES[layout.full_dtype]
-            comps = [tuple(Component(f, layout.block_size, layout.num_kv_heads, layout.head_dim, dtype, self.device)
-                           for f in pair) for pair in layout.formats]
+            comps = [tuple(Component(f, layout.block_size, *layout.layer_shape(j), dtype, self.device)
+                           for f in pair) for j, pair in enumerate(layout.formats)]
             self.layouts[layout] = comps
         return comps
 

@@ -46,6 +46,11 @@ class ModelConfig:
     final_softcap: float | None = None      # logits -> cap * tanh(logits / cap) (Gemma 2); None: not capped
     layers: tuple[LayerSpec, ...] = ()
     longrope: tuple = ()                    # LongRoPE: (original context, short factors, long factors); see for_context
+    # per-layer input embeddings (Gemma 4's E2B / E4B): each layer adds a gated projection of its own slice of a
+    # second embedding (per_layer_vocab rows of num_layers x per_layer_input) mixed with a projection of the token's
+    # embedding; 0: none
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
 
     def __post_init__(self):
         _check_numbers({"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -163,6 +168,8 @@ class ModelConfig:
             final_softcap=described.final_softcap,
             layers=layers,
             longrope=_longrope_sets(cfg),
+            per_layer_input=described.per_layer_input,
+            per_layer_vocab=described.per_layer_vocab,
         )
 
     @classmethod
@@ -197,7 +204,20 @@ class ModelConfig:
         """inv_freq() as a numpy array (Rope.table: float64, rounded to float32 once; a partial rotation's
         passed-through pairs at frequency 0, its dimensions in Rope.permutation's order)."""
         rope = self.rope if layer is None else self.layers[layer].rope
-        return rope.table(self.head_dim)
+        return rope.table(self.head_dim if layer is None else self.layer_head_dim(layer))
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s head size (LayerSpec.head_dim, else the model's)."""
+        return self.layers[layer].head_dim or self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """Layer `layer`'s KV head count (LayerSpec.kv_heads, else the model's)."""
+        return self.layers[layer].kv_heads or self.num_kv_heads
+
+    @property
+    def kv_sources(self) -> dict[int, int]:
+        """Layer -> the layer whose K and V it attends over, for the layers that keep none of their own."""
+        return {i: spec.kv_source for i, spec in enumerate(self.layers) if spec.kv_source is not None}
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -206,8 +226,9 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers with a KV cache, in order."""
-        return tuple(i for i, spec in enumerate(self.layers) if spec.linear is None)
+        """The layers with a KV cache of their own, in order (not a linear-attention layer, nor one that reads
+        another layer's KV: LayerSpec.own_kv)."""
+        return tuple(i for i, spec in enumerate(self.layers) if spec.own_kv)
 
     def state_bytes(self) -> int:
         """One conversation's recurrent state over every linear-attention layer (float32), the same at any length."""
@@ -219,7 +240,7 @@ def _text_config(cfg: dict) -> dict:
     it under text_config; its own fields win, and a mixture of experts without a dense intermediate_size takes its
     experts' (the field only sizes a dense MLP, which such a model does not have)."""
     text = cfg.get("text_config")
-    if cfg.get("model_type") in ("qwen3_5", "qwen3_5_moe") and isinstance(text, dict):
+    if cfg.get("model_type") in ("qwen3_5", "qwen3_5_moe", "gemma4") and isinstance(text, dict):
         cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **text,
                "model_type": cfg["model_type"] + "_text"}
     if cfg.get("intermediate_size") is None and cfg.get("moe_intermediate_size") is not None:
@@ -289,9 +310,18 @@ def _rope(params: dict, theta, cfg: dict, dims: int | None, source: str,
         scaling, attention_factor = _longrope(params, cfg, dims, source)
     elif rtype == "yarn":
         scaling, attention_factor = _yarn(params, cfg, source)
+    elif rtype == "proportional":
+        fraction = params.get("partial_rotary_factor", 1.0)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ModelLoadError(f"{source} has proportional rope partial_rotary_factor={fraction!r}: it must be "
+                                 f"from 0 to 1")
+        if params.get("factor", 1.0) != 1.0:
+            raise ModelLoadError(f"{source} has proportional rope with factor={params['factor']!r}: kvchat runs it "
+                                 f"unscaled (factor 1)")
+        scaling = ("proportional", float(fraction))
     else:
-        raise ModelLoadError(f"unsupported rope scaling {rtype!r}: kvchat supports default, linear, llama3, yarn "
-                             f"and longrope")
+        raise ModelLoadError(f"unsupported rope scaling {rtype!r}: kvchat supports default, linear, llama3, yarn, "
+                             f"longrope and proportional")
     return Rope(float(theta), scaling, dims), attention_factor
 
 
@@ -407,7 +437,14 @@ def layer_modules(mc: ModelConfig, spec: LayerSpec) -> dict[str, tuple[str, ...]
                    "dt": ("linear_attn.dt",), "A": ("linear_attn.A",), "mixer_norm": ("linear_attn.norm",),
                    "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
         return _mlp_modules(modules, spec)
-    qkv = ("self_attn.qkv_proj",) if fused else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    if fused:
+        qkv = ("self_attn.qkv_proj",)
+    elif spec.kv_source is not None:            # another layer's K and V: q only
+        qkv = ("self_attn.q_proj",)
+    elif spec.value_from_key:                   # v is k_proj's output
+        qkv = ("self_attn.q_proj", "self_attn.k_proj")
+    else:
+        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     modules = {"qkv": qkv,
                "o": ("self_attn.o_proj",),
                "gate_up": ("mlp.gate_up_proj",) if fused else ("mlp.gate_proj", "mlp.up_proj"),
@@ -421,7 +458,14 @@ def layer_modules(mc: ModelConfig, spec: LayerSpec) -> dict[str, tuple[str, ...]
     else:
         modules["norm_mlp"] = ("post_attention_layernorm",)
     if spec.qk_norm:
-        modules.update(q_norm=("self_attn.q_norm",), k_norm=("self_attn.k_norm",))
+        modules["q_norm"] = ("self_attn.q_norm",)
+        if spec.kv_source is None:
+            modules["k_norm"] = ("self_attn.k_norm",)
+    if mc.per_layer_input:                      # per-layer input embeddings: a gate, a projection and its norm
+        modules.update(ple_gate=("per_layer_input_gate",), ple_proj=("per_layer_projection",),
+                       ple_norm=("post_per_layer_input_norm",))
+    if spec.output_scale:
+        modules["scalar"] = ("layer_scalar",)
     return modules
 
 
@@ -444,7 +488,6 @@ def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]
     v = (mc.vocab_size, ("vocab_size",))
     q = (mc.num_heads * mc.head_dim, ("num_attention_heads", "head_dim"))
     kv = (mc.num_kv_heads * mc.head_dim, ("num_key_value_heads", "head_dim"))
-    d = (mc.head_dim, ("head_dim",))
     rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": h,
             "self_attn.qkv_proj": ((mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim,
                                    ("(num_attention_heads + 2 x num_key_value_heads)", "head_dim")),
@@ -453,6 +496,13 @@ def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]
             "mlp.down_proj": h}
     out = {"model.embed_tokens.weight": ((v, h), True), "model.norm.weight": ((h,), True),
            "lm_head.weight": ((v, h), False)}         # absent: tied to the embedding
+    if mc.per_layer_input:
+        lp = (mc.num_layers * mc.per_layer_input, ("num_hidden_layers", "hidden_size_per_layer_input"))
+        out.update({"model.embed_tokens_per_layer.weight": (((mc.per_layer_vocab, ("vocab_size_per_layer_input",)),
+                                                             lp), True),
+                    "model.per_layer_model_projection.weight": ((lp, h), True),
+                    "model.per_layer_projection_norm.weight": (((mc.per_layer_input,
+                                                                 ("hidden_size_per_layer_input",)),), True)})
     for i, spec in enumerate(mc.layers):
         p = f"model.layers.{i}."
         if spec.linear is not None:
@@ -463,27 +513,54 @@ def expected_shapes(mc: ModelConfig) -> dict[str, tuple[tuple[_Dim, ...], bool]]
                 out.update({p + "mlp.gate_proj.weight": ((f, h), True), p + "mlp.up_proj.weight": ((f, h), True),
                             p + "mlp.down_proj.weight": ((h, f), True)})
             continue
-        if spec.attn_gate:              # q_proj gives each head's query and its output gate
-            rows = {**rows, "self_attn.q_proj": (2 * mc.num_heads * mc.head_dim,
-                                                 ("2", "num_attention_heads", "head_dim"))}
-        modules = layer_modules(mc, spec)
-        biased = {"qkv": spec.qkv_bias, "o": spec.o_bias, "gate_up": spec.mlp_bias, "down": spec.mlp_bias}
-        dense = [part for part in ("qkv", "o", "gate_up", "down") if part in modules]
-        for part in dense:
+        out.update(attention_shapes(mc, i, spec, p, rows, h, f))
+    return out
+
+
+def attention_shapes(mc: ModelConfig, i: int, spec: LayerSpec, p: str, rows: dict, h: _Dim, f: _Dim) -> dict:
+    """A softmax-attention layer's tensors under layer prefix p, at its own head size, KV heads and MLP width."""
+    out = {}
+    if spec.head_dim or spec.kv_heads:
+        hd, kvh = mc.layer_head_dim(i), mc.layer_kv_heads(i)
+        dkey = ("head_dim of the layer",) if spec.head_dim else ("head_dim",)
+        hkey = ("KV heads of the layer",) if spec.kv_heads else ("num_key_value_heads",)
+        q = (mc.num_heads * hd, ("num_attention_heads",) + dkey)
+        kv = (kvh * hd, hkey + dkey)
+        rows = {**rows, "self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv}
+    q, d = rows["self_attn.q_proj"], (mc.layer_head_dim(i), ("head_dim",))
+    if spec.ffn:
+        f = (spec.ffn, ("2", "intermediate_size"))
+        rows = {**rows, "mlp.gate_proj": f, "mlp.up_proj": f}
+    if spec.attn_gate:              # q_proj gives each head's query and its output gate
+        rows = {**rows, "self_attn.q_proj": (2 * mc.num_heads * mc.head_dim,
+                                             ("2", "num_attention_heads", "head_dim"))}
+        q = (mc.num_heads * mc.head_dim, ("num_attention_heads", "head_dim"))
+    modules = layer_modules(mc, spec)
+    biased = {"qkv": spec.qkv_bias, "o": spec.o_bias, "gate_up": spec.mlp_bias, "down": spec.mlp_bias}
+    dense = [part for part in ("qkv", "o", "gate_up", "down") if part in modules]
+    for part in dense:
+        for name in modules[part]:
+            out[p + name + ".weight"] = ((rows[name], q if part == "o" else f if part == "down" else h), True)
+    if mc.per_layer_input:
+        e = (mc.per_layer_input, ("hidden_size_per_layer_input",))
+        out.update({p + "per_layer_input_gate.weight": ((e, h), True),
+                    p + "per_layer_projection.weight": ((h, e), True)})
+    for part, names in modules.items():
+        if part in biased or part.startswith(("router", "experts", "sinks", "shared")) or part in ("ple_gate",
+                                                                                                  "ple_proj"):
+            continue
+        if part == "scalar":
+            out[p + names[0]] = (((1, ("1",)),), True)
+            continue
+        out[p + names[0] + ".weight"] = ((d if part in ("q_norm", "k_norm") else h,), True)
+    for part in dense:
+        if biased[part]:
             for name in modules[part]:
-                out[p + name + ".weight"] = ((rows[name], q if part == "o" else f if part == "down" else h), True)
-        for part, names in modules.items():
-            if part in biased or part.startswith(("router", "experts", "sinks", "shared")):
-                continue
-            out[p + names[0] + ".weight"] = ((d if part in ("q_norm", "k_norm") else h,), True)
-        for part in dense:
-            if biased[part]:
-                for name in modules[part]:
-                    out[p + name + ".bias"] = ((rows[name],), True)
-        if spec.sink_logits:
-            out[p + "self_attn.sinks.weight"] = (((mc.num_heads, ("num_attention_heads",)),), True)
-        if spec.experts is not None:
-            out.update(expert_shapes(p, spec.experts, h))
+                out[p + name + ".bias"] = ((rows[name],), True)
+    if spec.sink_logits:
+        out[p + "self_attn.sinks.weight"] = (((mc.num_heads, ("num_attention_heads",)),), True)
+    if spec.experts is not None:
+        out.update(expert_shapes(p, spec.experts, h))
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Callable
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.gguf_arch import EXPERT_TENSORS, GEMMA2_TENSORS, GEMMA3_TENSORS, GPT_OSS_TENSORS, PHI3_TENSORS, QWEN3_TENSORS, \
     QWEN3MOE_TENSORS, QWEN35_TENSORS, QWEN35MOE_TENSORS
+from kvchat.engine.model import gguf_arch
 from kvchat.engine.model.spec import Experts, LayerSpec, LinearAttention, Rope
 
 
@@ -22,6 +23,8 @@ class Description:
     layers: tuple[LayerSpec, ...]
     embed_scale: float = 1.0                 # the embedding rows are multiplied by this (Gemma: sqrt(hidden))
     final_softcap: float | None = None       # logits become cap * tanh(logits / cap) (Gemma 2); None: not capped
+    per_layer_input: int = 0                 # per-layer input embeddings' width per layer (Gemma 4 E2B / E4B)
+    per_layer_vocab: int = 0                 # their table's rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +288,98 @@ def _qwen3_5(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Descripti
     return Description(tuple(state if k else full for k in _layer_kinds(cfg, n_layers)))
 
 
+def _gemma4(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
+    # Gemma 4 (transformers' Gemma4TextModel): w * RMSNorm (not Gemma 2 / 3's 1 + w) before and after attention and
+    # the MLP, q / k norms, v normed without a multiplier, scores at scale 1, sliding layers at their own rope and
+    # head size, global ones at a proportional partial rope with their own head size (and KV heads where keys are
+    # values), the last num_kv_shared_layers layers reading the KV of the last earlier layer of their kind, per-layer
+    # input embeddings, each layer's output times a learned scalar
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ModelLoadError("use_bidirectional_attention='all': this is an embedding model (bidirectional "
+                             "attention), not a chat model kvchat runs")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"hidden_activation={act!r}: kvchat runs Gemma's gelu_pytorch_tanh")
+    if cfg.get("enable_moe_block"):
+        raise ModelLoadError("enable_moe_block=true: kvchat does not run Gemma 4's mixture-of-experts blocks yet "
+                             "(the dense Gemma 4 models run)")
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                       for i in range(n_layers)]
+    sliding = list(_typed(types, n_layers, "sliding_attention",
+                          "kvchat runs sliding_attention and full_attention layers"))
+    sliding[-1] = False                      # the last layer attends globally (as transformers forces it)
+    kinds = ["sliding_attention" if s else "full_attention" for s in sliding]
+    window = _window(cfg) if any(sliding) else None
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    dims = _per_layer_dims(cfg, kinds, k_eq_v)
+    sources = _kv_sources(cfg, kinds)
+    ffn = int(cfg["intermediate_size"])
+    wide = bool(cfg.get("use_double_wide_mlp", False))
+    layers = []
+    for i, s in enumerate(sliding):
+        hd, kvh = dims[i]
+        layers.append(LayerSpec(
+            rope=ropes.sliding if s else ropes.full, query_scale=1.0, post_norms=True, activation="gelu_tanh",
+            qk_norm=True, window=window if s else None, head_dim=None if hd == head_dim else hd,
+            kv_heads=None if kvh == int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) else kvh,
+            kv_source=sources.get(i), value_norm=True, value_from_key=k_eq_v and not s,
+            ffn=2 * ffn if wide and i in sources else None, output_scale=True,
+            qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False))))
+    ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+    return Description(tuple(layers), embed_scale=float(cfg["hidden_size"]) ** 0.5,
+                       final_softcap=_cap(cfg, "final_logit_softcapping"), per_layer_input=ple,
+                       per_layer_vocab=int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if ple else 0)
+
+
+def _per_layer_dims(cfg: dict, kinds: list[str], k_eq_v: bool) -> list[tuple[int, int]]:
+    """Gemma 4's (head_dim, KV heads) per layer: config.json's per_layer_config (by layer index or kind) where it
+    has one, else global_head_dim (512 by default) for the full-attention layers and num_global_key_value_heads
+    where keys are values, as transformers' Gemma4TextConfig reads them."""
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    per = cfg.get("per_layer_config")
+    if per is None:
+        full = {"head_dim": cfg.get("global_head_dim", 512)}
+        if k_eq_v and cfg.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        per = {i: full for i, kind in enumerate(kinds) if kind == "full_attention"}
+    if not isinstance(per, dict):
+        raise ModelLoadError(f"per_layer_config={per!r}: expected an object of per-layer settings")
+    out = []
+    for i, kind in enumerate(kinds):
+        over = per.get(str(i), per.get(i, per.get(kind))) or {}
+        d, h = over.get("head_dim", head_dim), over.get("num_key_value_heads", kv)
+        for key, value in (("head_dim", d), ("num_key_value_heads", h)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1024 \
+                    or (key == "head_dim" and value % 2):
+                raise ModelLoadError(f"layer {i}'s {key}={value!r}: it must be a positive whole number (even for "
+                                     f"head_dim) of at most 1024")
+        if cfg["num_attention_heads"] % h:
+            raise ModelLoadError(f"layer {i} has {h} KV heads, which do not divide its "
+                                 f"{cfg['num_attention_heads']} query heads")
+        out.append((d, h))
+    return out
+
+
+def _kv_sources(cfg: dict, kinds: list[str]) -> dict[int, int]:
+    """Gemma 4's num_kv_shared_layers: each of the last that many layers attends over the KV of the last earlier
+    layer of its kind (transformers' kv_sharing_modes)."""
+    n = len(kinds)
+    shared = cfg.get("num_kv_shared_layers") or 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared < n:
+        raise ModelLoadError(f"num_kv_shared_layers={shared!r}: it must be a whole number from 0 to "
+                             f"{n - 1} (some layer must keep its own KV)")
+    first = n - shared
+    sources = {}
+    for i in range(first, n):
+        own = [j for j in range(first) if kinds[j] == kinds[i]]
+        if not own:
+            raise ModelLoadError(f"layer {i} ({kinds[i]}) shares the KV of an earlier layer of its kind, but none of "
+                                 f"the first {first} layers is one: num_kv_shared_layers does not fit layer_types")
+        sources[i] = own[-1]
+    return sources
+
+
 def _phi3(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Description:
     # Phi3Attention: fused qkv_proj / gate_up_proj, no biases; sliding_window, where set, on every layer (one mask
     # for the whole model); LongRoPE's attention factor scales cos and sin, so q . k by its square
@@ -302,6 +397,8 @@ FAMILIES: tuple[Family, ...] = (
     # a Hugging Face "gemma3" folder is the multimodal model (its text model under text_config): only the text
     # model's own folders (gemma3_text) are read; a GGUF of either is general.architecture "gemma3"
     Family("gemma3", ("gemma3_text",), "gemma3", False, _gemma3, gguf_tensors=GEMMA3_TENSORS),
+    # Gemma 4's published folders are multimodal (model_type gemma4, the text model under text_config)
+    Family("gemma4", ("gemma4_text", "gemma4"), "gemma4", False, _gemma4, gguf_tensors=getattr(gguf_arch, "GEMMA4_TENSORS", GEMMA3_TENSORS)),
     Family("phi3", ("phi3",), "phi3", False, _phi3, gguf_tensors=PHI3_TENSORS, fused_projections=True),
     # mixtures of experts. Mixtral's GGUF is arch llama (the llama family reads its expert count); a Hugging Face
     # folder names its modules block_sparse_moe.experts.E.w1 / w2 / w3 (the loader reads them as EXPERT_TENSORS)

@@ -170,7 +170,8 @@ def load_state_dict(folder: Path) -> dict:
 # a multimodal folder's language model (Qwen3.5's published checkpoints: Qwen3_5ForConditionalGeneration) keeps its
 # layers under model.language_model.; the vision tower and the multi-token-prediction head are not read
 _LANGUAGE_PREFIX = "model.language_model."
-_NOT_LANGUAGE = ("model.visual.", "visual.", "mtp.")
+_NOT_LANGUAGE = ("model.visual.", "visual.", "mtp.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+                 "model.embed_audio.")
 
 
 def language_model(state: dict) -> dict:

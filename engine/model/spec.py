@@ -31,6 +31,9 @@ class Rope:
     is folded into LayerSpec.query_scale); ("nope",): a layer that does not rotate at all (SmolLM3's every fourth
     layer): every frequency 0, so cos 1 and sin 0 and the rotation is exactly the identity, through the same
     per-layer tables as any other rope.
+    ("proportional", fraction): Gemma 4's global layers: the first fraction * head_dim / 2 pairs turn at
+    theta ** (-2i / head_dim) (the whole head's exponents, not the rotated part's), the rest at frequency 0, in the
+    whole-head rotate-half layout (transformers' _compute_proportional_rope_parameters).
     LongRoPE (Phi-3 / Phi-4-mini) has two sets: the short factors for positions up to
     original_max_position_embeddings, the long ones past it. transformers switches the whole sequence (every key
     already cached included) to the long ones once it passes that length, which a cache of rotated keys cannot
@@ -72,6 +75,11 @@ class Rope:
         """[rotated dims / 2] float32 inverse frequencies: computed in float64, rounded to float32 once. The
         table every RoPE (Python, C) turns with: position p rotates pair i (i, i + half) by p * inv[i]."""
         d = self.dims or head_dim
+        if self.scaling and self.scaling[0] == "proportional":
+            turned = int(self.scaling[1] * head_dim // 2)
+            inv = np.zeros(head_dim // 2, dtype=np.float64)
+            inv[:turned] = 1.0 / (self.theta ** (np.arange(0, 2 * turned, 2, dtype=np.float64) / head_dim))
+            return inv.astype(np.float32)
         inv = 1.0 / (self.theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         if self.scaling == ("nope",):
             return np.zeros(d // 2, dtype=np.float32)
@@ -192,6 +200,15 @@ class LayerSpec:
         attention over a KV cache: its `kind` is "linear_attention", and the attention fields above do not apply.
     attn_gate: the attention output is multiplied by sigmoid of a per-head gate before o_proj (Qwen3.5: q_proj
         gives each head's query and its gate).
+    head_dim / kv_heads: the layer's own head size and KV head count where they differ from the model's (Gemma 4's
+        global layers: heads of 512 beside the sliding layers' 256); None: the model's.
+    kv_source: the layer keeps no K and V of its own and attends over layer `kv_source`'s (an earlier layer of the
+        same kind: Gemma 4's last num_kv_shared_layers layers); its own projection is q only. None: its own KV.
+    value_norm: v is RMS-normalized per head (no multiplier) before it is stored (Gemma 4).
+    value_from_key: the layer has no v_proj; v is k_proj's output before the key norm (Gemma 4's attention_k_eq_v).
+    ffn: the layer's MLP intermediate size where it differs from the model's (Gemma 4's double-wide MLP); None.
+    output_scale: the layer's output (the residual stream after it) is multiplied by a learned scalar (Gemma 4's
+        layer_scalar).
     """
     rope: Rope
     query_scale: float
@@ -208,6 +225,13 @@ class LayerSpec:
     experts: Experts | None = None
     linear: LinearAttention | None = None
     attn_gate: bool = False
+    head_dim: int | None = None
+    kv_heads: int | None = None
+    kv_source: int | None = None
+    value_norm: bool = False
+    value_from_key: bool = False
+    ffn: int | None = None
+    output_scale: bool = False
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -217,6 +241,11 @@ class LayerSpec:
     def kind(self) -> str:
         """"attention" (softmax attention over the layer's KV cache) or "linear_attention" (a recurrent state)."""
         return "attention" if self.linear is None else "linear_attention"
+
+    @property
+    def own_kv(self) -> bool:
+        """Whether the layer keeps K and V in the cache: softmax attention over its own keys, not another layer's."""
+        return self.linear is None and self.kv_source is None
 
     @property
     def has_bias(self) -> bool:
@@ -232,7 +261,9 @@ class LayerSpec:
         return (self.norm_offset == 0.0 and not self.post_norms and self.activation == "silu"
                 and self.rope.dims is None and self.window is None and self.attn_softcap is None
                 and not self.has_bias and not self.sink_logits and self.linear is None and not self.attn_gate
-                and (self.experts is None or not self.experts.shared_ffn))
+                and (self.experts is None or not self.experts.shared_ffn) and self.head_dim is None
+                and self.kv_heads is None and self.kv_source is None and not self.value_norm
+                and not self.value_from_key and self.ffn is None and not self.output_scale and not self.rope.scaling[:1] == ("proportional",))
 
 
 def _yarn(inv: np.ndarray, d: int, theta: float, factor: float, beta_fast: float, beta_slow: float,

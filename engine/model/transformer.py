@@ -50,16 +50,20 @@ class Layer:
 
     A linear-attention layer (spec.linear) keeps its projections in the same slots: qkv is in_proj_qkv | in_proj_z |
     in_proj_b | in_proj_a fused, o is out_proj; `mixer` holds its vectors (conv [kernel, channels], dt_bias, A, the
-    gated norm's multiplier). `shared`: a shared expert beside the routed MLP, (gate_up, down, gate [1, hidden])."""
+    gated norm's multiplier). `shared`: a shared expert beside the routed MLP, (gate_up, down, gate [1, hidden]).
+    `ple`: per-layer input embeddings' (gate [ple, hidden], projection [hidden, ple], norm [hidden]) (Gemma 4);
+    `scalar`: the layer output's multiplier [1] (spec.output_scale)."""
     __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "q_norm", "k_norm", "post_attn_norm",
-                 "post_mlp_norm", "mlp", "sinks", "mixer", "shared")
+                 "post_mlp_norm", "mlp", "sinks", "mixer", "shared", "ple", "scalar")
 
     def __init__(self, qkv, o, gate_up, down, norm_attn: torch.Tensor, norm_mlp: torch.Tensor,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                  post_attn_norm: torch.Tensor | None = None, post_mlp_norm: torch.Tensor | None = None,
                  mlp: RoutedMLP | None = None, sinks: torch.Tensor | None = None,
-                 mixer: "MixerWeights | None" = None, shared: tuple | None = None):
+                 mixer: "MixerWeights | None" = None, shared: tuple | None = None, ple: tuple | None = None,
+                 scalar: torch.Tensor | None = None):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.ple, self.scalar = ple, scalar
         self.norm_attn, self.norm_mlp = norm_attn, norm_mlp
         self.q_norm, self.k_norm = q_norm, k_norm
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
@@ -70,6 +74,7 @@ class Layer:
         """The layer's vectors: norms, sink logits, the routed MLP's biases and a linear mixer's vectors."""
         extra = [self.sinks] + (self.mlp.tensors() if self.mlp is not None else [])
         extra += list(self.mixer.tensors()) if self.mixer is not None else []
+        extra += [self.ple[2], self.scalar] if self.ple is not None else [self.scalar]
         return [t for t in (self.norm_attn, self.norm_mlp, self.q_norm, self.k_norm, self.post_attn_norm,
                             self.post_mlp_norm, *extra) if t is not None]
 
@@ -77,7 +82,8 @@ class Layer:
         """Every linear of the layer (a routed MLP's router and experts, a shared expert included)."""
         dense = [p for p in (self.qkv, self.o, self.gate_up, self.down) if p is not None]
         shared = list(self.shared) if self.shared is not None else []
-        return dense + (self.mlp.linears() if self.mlp is not None else []) + shared
+        ple = list(self.ple[:2]) if self.ple is not None else []
+        return dense + (self.mlp.linears() if self.mlp is not None else []) + shared + ple
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,12 @@ class MixerWeights:
         return self.conv, self.dt_bias, self.A, self.norm
 
 
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension without a multiplier, statistics in fp32 (Gemma 4's v norm)."""
+    xf = x.float()
+    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
+
+
 class Transformer:
     """The forward pass over linears of any kind (see model/linears.py): dense, packed int4 or int8.
 
@@ -104,14 +116,15 @@ class Transformer:
     """
 
     def __init__(self, config: ModelConfig, table, layers: list[Layer], norm: torch.Tensor, lm_head,
-                 dtype: torch.dtype, device: str, weights: str, quant: str = ""):
+                 dtype: torch.dtype, device: str, weights: str, quant: str = "", per_layer: tuple | None = None):
         for i, (spec, L) in enumerate(zip(config.layers, layers)):
             # the weights a spec's fields need (a loader that built a Layer without them is a programming error)
-            for name, need in (("q_norm", spec.qk_norm), ("k_norm", spec.qk_norm),
+            for name, need in (("q_norm", spec.qk_norm), ("k_norm", spec.qk_norm and spec.kv_source is None),
                                ("post_attn_norm", spec.post_norms), ("post_mlp_norm", spec.post_norms),
                                ("mlp", spec.experts is not None), ("sinks", spec.sink_logits),
                                ("mixer", spec.linear is not None),
-                               ("shared", spec.experts is not None and spec.experts.shared_ffn > 0)):
+                               ("shared", spec.experts is not None and spec.experts.shared_ffn > 0),
+                               ("ple", config.per_layer_input > 0), ("scalar", spec.output_scale)):
                 if need and getattr(L, name) is None:
                     raise ValueError(f"layer {i}: its spec asks for {name}, but the layer has no such weight")
         self.config = config
@@ -123,9 +136,13 @@ class Transformer:
         self.device = device
         self.weights = weights
         self.quant = quant              # what the file holds, e.g. "Q4_1 (+Q8_0)"; "" for float sources
+        self.per_layer = per_layer      # per-layer input embeddings' (table, projection, norm), or None
+        if (per_layer is None) != (config.per_layer_input == 0):
+            raise ValueError("per-layer input embeddings: the config and the weights disagree")
         self.inv_freq = config.inv_freq().to(device)
         # a partial rotation's order of each head's dimensions (Rope.permutation), per layer: None where all turn
-        orders = [None if spec.linear is not None else spec.rope.permutation(config.head_dim) for spec in config.layers]
+        orders = [None if spec.linear is not None else spec.rope.permutation(config.layer_head_dim(i))
+                  for i, spec in enumerate(config.layers)]
         self._order = [None if o is None else torch.from_numpy(o).to(device) for o in orders]
         self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
         self._kernel_checked = False
@@ -139,16 +156,17 @@ class Transformer:
         GEMM, so that batching never changes a row's numbers); None lets the row count decide."""
         c = self.config
         T = token_ids.shape[0]
-        q_size = c.num_heads * c.head_dim
         x = self._embed(token_ids)
         eps = c.rms_norm_eps
         split = num_decode
+        per_layer = self._per_layer_inputs(token_ids, x, split)
         for i, (L, spec) in enumerate(zip(self.layers, c.layers)):
             qkv = L.qkv.fused(x, norm=L.norm_attn, eps=eps, split=split)
             if spec.linear is not None:         # a recurrent state instead of a KV cache
                 o = self._linear_mixer(i, L, spec, qkv, attention)
             else:
-                o = self._attend(i, L, spec, qkv, attention).reshape(T, q_size).to(self.dtype)
+                o = self._attend(i, L, spec, qkv, attention)
+                o = o.reshape(T, o.shape[1] * o.shape[2]).to(self.dtype)
             if spec.post_norms:                 # normed after attention, then added (not o_proj's fused residual)
                 x = x + rms_norm(L.o.fused(o, split=split), L.post_attn_norm, eps)
             else:
@@ -169,6 +187,12 @@ class Transformer:
                 x = x + rms_norm(L.down.fused(gu, swiglu=True, split=split, act=spec.activation), L.post_mlp_norm, eps)
             else:
                 x = L.down.fused(gu, swiglu=True, residual=x, split=split, act=spec.activation)
+            if per_layer is not None:           # the layer's own input embedding, gated by its output
+                gate, proj, norm = L.ple
+                h = F.gelu(gate(x, split=split), approximate="tanh") * per_layer[:, i]
+                x = x + rms_norm(proj(h, split=split), norm, eps)
+            if L.scalar is not None:
+                x = x * L.scalar.to(x.dtype)
         if rows is not None:
             x = x[rows]
             split = None if num_decode is None else len(rows)    # one row per sequence: all through the kernel
@@ -178,34 +202,58 @@ class Transformer:
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=eps, split=split).float())
 
     def _attend(self, i: int, L: Layer, spec: LayerSpec, qkv: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """Softmax attention of layer i over its KV cache (the callback's): q, k, v from the fused projection (with
-        Qwen3.5's output gate, each head's query then its gate), q / k norms, a partial rotation's order."""
+        """Softmax attention of layer i over its KV cache (the callback's): q, k, v from the fused projection at the
+        layer's own head size (with Qwen3.5's output gate, each head's query then its gate; Gemma 4's v from k_proj
+        where keys are values, v normed), q / k norms, a partial rotation's order. A layer over another layer's KV
+        (spec.kv_source) has q only: the callback gets k = v = None and reads the source's cache."""
         c, eps = self.config, self.config.rms_norm_eps
         T = qkv.shape[0]
+        hd, kvh, H = c.layer_head_dim(i), c.layer_kv_heads(i), c.num_heads
         gate = None
         if spec.attn_gate:                      # [T, H, (query | gate)], then k and v
-            q_size = c.num_heads * c.head_dim
-            qg = qkv[:, :2 * q_size].view(T, c.num_heads, 2, c.head_dim)
+            q_size = H * hd
+            qg = qkv[:, :2 * q_size].view(T, H, 2, hd)
             gate = qg[:, :, 1]
             kv = qkv[:, 2 * q_size:]
             q = qg[:, :, 0]
-            k, v = (kv[:, :kv.shape[1] // 2].view(T, c.num_kv_heads, c.head_dim),
-                    kv[:, kv.shape[1] // 2:].view(T, c.num_kv_heads, c.head_dim))
+            k, v = (kv[:, :kv.shape[1] // 2].view(T, kvh, hd), kv[:, kv.shape[1] // 2:].view(T, kvh, hd))
             q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
+        elif spec.kv_source is not None or spec.value_from_key or spec.value_norm:
+            q = qkv[:, :H * hd].view(T, H, hd)
+            k = v = None
+            if spec.kv_source is None:
+                k = qkv[:, H * hd:H * hd + kvh * hd].view(T, kvh, hd)
+                v = k if spec.value_from_key else qkv[:, H * hd + kvh * hd:].view(T, kvh, hd)
+                v = _unit_rms(v, eps) if spec.value_norm else v
+            if spec.qk_norm:
+                q = rms_norm(q, L.q_norm, eps)
+                k = None if k is None else rms_norm(k, L.k_norm, eps)
         else:
             if spec.qk_norm:
                 qkv = qkv.contiguous()
-            q, k, v = self._split_qkv(qkv)
+            q, k, v = self._split_qkv(qkv, H, kvh, hd)
             if spec.qk_norm:                    # per head, over head_dim, before the callback rotates them
                 # on the CPU in fp32 the one-call step's own norm (in place; q, k are views), so both give one bits
-                if kernels.gpu_path(qkv) or not cpu_quant.qk_norm_(qkv, c.num_heads, c.num_kv_heads, c.head_dim,
-                                                                 L.q_norm, L.k_norm, eps):
+                if kernels.gpu_path(qkv) or not cpu_quant.qk_norm_(qkv, H, kvh, hd, L.q_norm, L.k_norm, eps):
                     q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
         order = self._order[i]
         if order is not None:                   # a partial rotation as a whole-head one (Rope.permutation)
             q, k = q[..., order], k[..., order]
         o = attention(i, q, k, v)
         return o if gate is None else o * torch.sigmoid(gate).to(o.dtype)
+
+    def _per_layer_inputs(self, token_ids: torch.Tensor, x: torch.Tensor, split) -> torch.Tensor | None:
+        """Gemma 4's per-layer input embeddings [T, layers, width] (None without them): each token's row of the
+        second table times sqrt(width), plus the RMS-normed projection of its scaled embedding x times
+        hidden ** -0.5, the sum times 2 ** -0.5."""
+        if self.per_layer is None:
+            return None
+        c = self.config
+        table, proj, norm = self.per_layer
+        T, n, w = token_ids.shape[0], c.num_layers, c.per_layer_input
+        own = table.rows(token_ids).to(self.dtype).view(T, n, w) * (w ** 0.5)
+        mixed = (proj(x, split=split) * c.hidden_size ** -0.5).view(T, n, w)
+        return (rms_norm(mixed, norm, c.rms_norm_eps) + own) * 2 ** -0.5
 
     def _linear_mixer(self, i: int, L: Layer, spec: LayerSpec, proj: torch.Tensor, attention) -> torch.Tensor:
         """Gated DeltaNet (spec.LinearAttention) over the step's rows: the projections (q | k | v, z, b, a) are the
@@ -234,13 +282,14 @@ class Transformer:
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _split_qkv(self, qkv: torch.Tensor):
-        """[T, (Hq + 2 Hkv) D] -> views q [T, Hq, D], k and v [T, Hkv, D]."""
+    def _split_qkv(self, qkv: torch.Tensor, heads: int | None = None, kv_heads: int | None = None,
+                   head_dim: int | None = None):
+        """[T, (Hq + 2 Hkv) D] -> views q [T, Hq, D], k and v [T, Hkv, D] (the model's heads, or the given)."""
         c = self.config
-        T, q_size, kv_size = qkv.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        return (qkv[:, :q_size].view(T, c.num_heads, c.head_dim),
-                qkv[:, q_size:q_size + kv_size].view(T, c.num_kv_heads, c.head_dim),
-                qkv[:, q_size + kv_size:].view(T, c.num_kv_heads, c.head_dim))
+        H, KV, D = heads or c.num_heads, kv_heads or c.num_kv_heads, head_dim or c.head_dim
+        T, q_size, kv_size = qkv.shape[0], H * D, KV * D
+        return (qkv[:, :q_size].view(T, H, D), qkv[:, q_size:q_size + kv_size].view(T, KV, D),
+                qkv[:, q_size + kv_size:].view(T, KV, D))
 
     def kernel_layers(self):
         """The decoder layers as one table for cpu_quant.decode_layers (built once), or None where that kernel

@@ -63,7 +63,11 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
             mixer = MixerWeights(vec("conv").reshape(la.channels, la.conv_kernel).t().contiguous(), vec("dt").reshape(-1),
                                  vec("A").reshape(-1), vec("mixer_norm").reshape(-1),
                                  None if order is None else torch.from_numpy(order).to(device))
+        ple = None
+        if "ple_gate" in modules:           # per-layer input embeddings (Gemma 4): gate, projection, its norm
+            ple = (lin("ple_gate", False), lin("ple_proj", False), norm("ple_norm"))
         layers.append(Layer(
+            ple=ple, scalar=tensor(p + "layer_scalar").float().reshape(1) if spec.output_scale else None,
             qkv=lin("qkv", spec.qkv_bias), o=o,
             gate_up=lin("gate_up", spec.mlp_bias) if mlp is None else None,
             down=lin("down", spec.mlp_bias) if mlp is None else None,
@@ -76,7 +80,13 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
     head = table if mc.tie_word_embeddings else linear(["lm_head.weight"], None)
     # the final norm is the family's kind too (Gemma: 1 + w)
     offset = mc.layers[0].norm_offset if mc.layers else 0.0
-    return Transformer(mc, table, layers, tensor("model.norm.weight", offset), head, dtype, device, weights, quant)
+    per_layer = None
+    if mc.per_layer_input:                  # Gemma 4's per-layer input embeddings: table, projection, norm
+        per_layer = (linear(["model.embed_tokens_per_layer.weight"], None),
+                     linear(["model.per_layer_model_projection.weight"], None),
+                     tensor("model.per_layer_projection_norm.weight", offset))
+    return Transformer(mc, table, layers, tensor("model.norm.weight", offset), head, dtype, device, weights, quant,
+                       per_layer=per_layer)
 
 
 def _routed(ex, p: str, linear, tensor, per_expert) -> RoutedMLP:

@@ -229,7 +229,7 @@ class ModelRunner:
         order = decode_first(items, decode)
         with self.lock:
             reserved = StepReservation(self.cache, [items[i] for i in order], [decode[i] for i in order],
-                                       self.layer_inv_freq, self.device, keep)
+                                       self.layer_inv_freq, self.device, keep, self.model.config.kv_sources)
             try:
                 logits, per_row, attention = self._forward(reserved, all_logits)
             except BaseException:
@@ -252,7 +252,7 @@ class ModelRunner:
         x = torch.tensor([t for _, ids in reserved.items for t in ids], dtype=torch.long, device=self.device)
         items = [(seq, st.offset, st.num_new, st.decode) for (seq, _), st in zip(reserved.items, steps)]
         attention = StepAttention(reserved.layer_steps, lambda st: self.backend(st.res.seq.layout),
-                                  items if self.state_layout is not None else None)
+                                  items if self.state_layout is not None else None, self.model.config.kv_sources)
         if all(st.one_token_decode for st in attention.steps):        # rows: every token of the step, in order
             logits = (attention.decode(self.model, x) if attention.one_layout_decode
                       else self.model.forward_decode(x, attention=attention))

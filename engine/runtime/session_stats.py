@@ -120,11 +120,16 @@ def snapshot(session) -> StatsSnapshot:
 
 
 def layer_stats(runner, seq, windows, caps):
-    """Every layer's bytes: K and V with their formats and window, or a linear-attention layer's state (its formats
-    read "state": cache modes do not apply to it)."""
+    """Every layer's bytes: K and V with their formats and window, a linear-attention layer's state (its formats
+    read "state": cache modes do not apply to it), or none for a layer reading another layer's K and V."""
     state = seq.state
-    for i, ((k, v), fmts) in enumerate(zip(runner.layer_bytes(seq), runner.layer_formats(seq))):
-        if fmts is None:                    # no KV: a linear-attention layer
+    sources = runner.model.config.kv_sources
+    formats = runner.layer_formats(seq)
+    for i, ((k, v), fmts) in enumerate(zip(runner.layer_bytes(seq), formats)):
+        if i in sources:                    # another layer's K and V, read in its formats: no bytes of its own
+            src = formats[sources[i]]
+            yield LayerBytes(i, 0, 0, src[0].label, src[1].label, windows[i], None, kv_source=sources[i])
+        elif fmts is None:                  # no KV: a linear-attention layer
             held = state.layout.layer_bytes if state is not None else 0
             yield LayerBytes(i, 0, 0, "state", "state", None, held, kind="linear_attention", state_bytes=held)
         else:

@@ -151,10 +151,12 @@ class StepReservation:
 
     steps[i] is item i's plan in its first group with the first layer's RoPE (offsets, rows, logits: what the runner
     reads); layer_steps[l] the plans layer l attends with (its group's sequence, its RoPE, its window), one per item,
-    or one per row of a verification item (a decode item of several tokens, plan_rows), in batch order."""
+    or one per row of a verification item (a decode item of several tokens, plan_rows), in batch order; a layer that
+    reads another layer's KV (sources: layer -> source) shares its source's list."""
 
     def __init__(self, cache: KVCache, items: list[tuple[Sequence, list[int]]],
-                 decode: list[bool], layer_rope: list[torch.Tensor], device, keep: frozenset[int] = frozenset()):
+                 decode: list[bool], layer_rope: list[torch.Tensor], device, keep: frozenset[int] = frozenset(),
+                 sources: dict[int, int] | None = None):
         self.cache, self.items = cache, items
         self.reservations: list[tuple[Reservation, list[int]]] = []
         self.layer_rope = layer_rope
@@ -181,6 +183,8 @@ class StepReservation:
         except BaseException:
             self.rollback()
             raise
+        for layer, source in (sources or {}).items():   # a layer over another's KV attends with the source's plans
+            self.layer_steps[layer] = self.layer_steps[source]
 
     def _reserve(self, seq: Sequence, ids: list[int], decode: bool, keep: set[int], offset: int, device,
                  plans: dict[int, SeqStep]):

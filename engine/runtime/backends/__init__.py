@@ -10,9 +10,11 @@ from kvchat.kernels import cpu_quant
 from kvchat.engine.kv.layout import KVLayout
 from kvchat.engine.kv.state import StepJournal
 from kvchat.engine.model import linear_attention as gdn
+from kvchat.engine.model.rope import rotate
+from kvchat.engine.runtime.attention import softmax_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
-from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers
-from kvchat.engine.runtime.backends.quant_pages import QuantPagesC, QuantPagesTorch, kernel_reads
+from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers, score_args, sink_args
+from kvchat.engine.runtime.backends.quant_pages import QuantPagesC, QuantPagesTorch, kernel_reads, key_rope
 
 __all__ = ["AttentionBackend", "FullPagesC", "FullPagesTorch", "LayerScores", "QuantPagesC", "QuantPagesTorch",
            "StepAttention", "backend_for", "choice_key"]
@@ -45,14 +47,41 @@ def backend_for(layout: KVLayout, comps: Pages, device, num_heads: int,
     return FullPagesTorch(layout, comps, num_heads, scores)
 
 
+def attend_stored(comps: tuple, q: torch.Tensor, steps: list, scores: LayerScores) -> torch.Tensor:
+    """Attention over a layer's K and V as they are stored after this step's writes, without writing: q [T, Hq, D]
+    of the steps' rows in order (one step per sequence, or per row of a verification) -> [T, Hq, D]. The reading
+    half of every backend's attend, for a layer that shares another layer's KV (LayerSpec.kv_source): the source
+    wrote this step's keys and values, so the rows are the held past and the new slots, in any page format."""
+    kc, vc = comps
+    outs, r = [], 0
+    for st in steps:
+        n = st.num_new
+        seq = st.res.seq
+        slots = torch.cat((st.past_slots, torch.arange(st.res.first_slot, st.res.first_slot + n)))
+        written = st.res.first_slot + n
+        k_all = kc.values(seq.seq_id, seq.block_table, written, slots)
+        v_all = vc.values(seq.seq_id, seq.block_table, written, slots)
+        if kc.fmt.is_quantized:             # stored before RoPE: turned at the effective key positions
+            k_all = rotate(k_all, *key_rope(st))
+        elif st.n_sink:                     # stored rotated: only the sinks see the query at its in-cache position
+            k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
+        q_rot = rotate(q[r:r + n].float(), st.q_cos, st.q_sin)
+        outs.append(softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside,
+                                      sink_args(scores)))
+        r += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 class StepAttention:
     """The forward's attention callback for one step: layer_steps[l][i] (a SeqStep: item i's sequence of the KV
     group holding layer l, at the layer's RoPE) attended by backend_of(that step). Runs of one-token decodes of one
     backend go to it together (one kernel call per layer); the rest one sequence at a time. Batch rows follow the
     items' order. Layers that share their steps (every layer of a one-group model) share their runs."""
 
-    def __init__(self, layer_steps: list[list], backend_of, items: list | None = None):
+    def __init__(self, layer_steps: list[list], backend_of, items: list | None = None,
+                 sources: dict[int, int] | None = None):
         self.layer_steps = layer_steps
+        self.sources = sources or {}        # a layer that reads another layer's KV -> that layer
         self.steps = next(steps for steps in layer_steps if steps)
         by_steps: dict[tuple, list] = {}
         self.layer_runs = []
@@ -93,11 +122,16 @@ class StepAttention:
         return self.shared and len(runs) == 1 and runs[0][1] - runs[0][0] == len(self.steps) \
             and self.steps[0].one_token_decode
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        """k = v = None: a layer over another layer's KV (sources), read as its source left it this step."""
         outs = []
         for i, j, backend, prepared, steps in self.layer_runs[layer]:
             first, last = steps[i], steps[j - 1]
             sl = slice(first.offset, last.offset + last.num_new)
+            if k is None:
+                local = backend.local_layer(self.sources[layer])
+                outs.append(attend_stored(backend.comps[local], q[sl], steps[i:j], backend.scores[local]))
+                continue
             local = backend.local_layer(layer)
             if first.one_token_decode:
                 outs.append(backend.attend_decodes(local, q[sl], k[sl], v[sl], steps[i:j], prepared))

@@ -101,6 +101,8 @@ class FullPagesC(FullPagesTorch):
                                        new_rows, rows, offsets, scores.scale, sink_logits=scores.sink_logits)
 
     def decode(self, model, token_ids, steps, grp: DecodeGroup, attention):
+        if model.kernel_layers() is None:       # the one-call step does not cover this model
+            return None
         if any(s.sink_logits is not None for s in self.scores):
             return None     # decode_layers takes no sink logits (LayerSpec.fused_kernel_ok): the layers one by one
         c = model.config

@@ -157,6 +157,8 @@ class QuantPagesC(QuantPagesTorch):
         return self._quantized(layer, kc, vc, q, k, v, st, st.one_token_decode)
 
     def decode(self, model, token_ids, steps, prepared, attention):
+        if model.kernel_layers() is None:       # the one-call step does not cover this model
+            return None
         if not all(self.kernel_layers):          # the one-call step takes no full-precision layers: call back
             return super().decode(model, token_ids, steps, prepared, attention)
         quant = quant_step(self.comps, steps, model.config.num_heads, self.scores[0].scale,
