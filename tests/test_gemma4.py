@@ -1,5 +1,6 @@
 """Gemma 4 (issue 40, part two): layers of two head sizes, a proportional partial rope on the global ones, the last
-layers reading earlier layers' KV, per-layer input embeddings and a learned output scale per layer, from
+layers reading earlier layers' KV, per-layer input embeddings, a learned output scale per layer and (26B-A4B)
+routed experts beside the dense MLP, from
 transformers' own Gemma4TextConfig (tests/tiny_models.py: sliding layers of head 16 over a window of 8, global ones
 of head 32, twice; layer 4 (sliding) reads the KV of layer 3 right before it, layer 5 (global) that of layer 2).
 
@@ -30,12 +31,14 @@ IDS = torch.randint(3, 320, (60,), generator=torch.Generator().manual_seed(4)).t
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 # keys are values on the global layers (one KV head there, at head 32), and the shared layers' MLP twice as wide
 K_EQ_V = dict(attention_k_eq_v=True, num_global_key_value_heads=1, use_double_wide_mlp=True)
+# the 26B-A4B's kind: 4 experts (2 used, GELU) beside every layer's dense MLP, each normed, a scaled router
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+VARIANTS = {"plain": {}, "k_eq_v": K_EQ_V, "moe": MOE}
 
 
-@pytest.fixture(scope="module", params=["plain", "k_eq_v"])
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def model(request, tmp_path_factory):
-    folder = tiny_family_dir(tmp_path_factory.mktemp(request.param), "gemma4",
-                             **(K_EQ_V if request.param == "k_eq_v" else {}))
+    folder = tiny_family_dir(tmp_path_factory.mktemp(request.param), "gemma4", **VARIANTS[request.param])
     return folder, transformers_reference(locate(folder), torch.float32).eval()
 
 
@@ -105,6 +108,8 @@ def test_every_page_format_reads_the_shared_layers(model, engine, cache):
     """The shared layers read their sources' pages in every format (rotated full pages, quantized pages rotated as
     read, a window with sinks): the logits stay near fp32's (transformers', or the same window's in fp32), and a
     shared layer reading zeros instead would not."""
+    if engine.model.config.layers[0].experts is not None:
+        pytest.skip("random routers flip experts on near ties: a format's small error is not bounded through them")
     if cache.window is None:
         ref = want(model)
     else:
@@ -164,6 +169,6 @@ def test_the_published_multimodal_folder_and_bad_settings(model, tmp_path):
                        ({"rope_parameters": {**text["rope_parameters"], "full_attention": {
                            "rope_type": "proportional", "partial_rotary_factor": 2.0, "rope_theta": 1e6}}},
                         "partial_rotary_factor"),
-                       ({"enable_moe_block": True}, "mixture-of-experts")):
+                       ({**MOE, "top_k_experts": 5}, "only 4 experts")):
         with pytest.raises(ModelLoadError, match=match):
             ModelConfig.from_hf({**text, **bad})

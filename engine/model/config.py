@@ -473,7 +473,12 @@ def _mlp_modules(modules: dict, spec: LayerSpec) -> dict:
     """A routed MLP's modules in place of the dense gate_up / down: the router and the experts' 3-D matrices
     (families.EXPERT_TENSORS), and a shared expert with its gate where the description has one."""
     if spec.experts is not None:
-        modules.pop("gate_up", None), modules.pop("down", None)
+        if spec.experts.beside_dense:       # Gemma 4: the dense MLP stays; the experts' own norms and router scales
+            modules.update(post_mlp_norm_1=("post_feedforward_layernorm_1",),
+                           norm_mlp_2=("pre_feedforward_layernorm_2",),
+                           post_mlp_norm_2=("post_feedforward_layernorm_2",))
+        else:
+            modules.pop("gate_up", None), modules.pop("down", None)
         modules.update(router=("mlp.router",), experts_gate=("mlp.experts.gate_proj",),
                        experts_up=("mlp.experts.up_proj",), experts_down=("mlp.experts.down_proj",))
         if spec.experts.shared_ffn:
@@ -592,6 +597,8 @@ def expert_shapes(p: str, ex, h: _Dim) -> dict:
            p + "mlp.experts.down_proj.weight": ((e, h, fe), True)}
     if ex.router_bias:
         out[p + "mlp.router.bias"] = ((e,), True)
+    if ex.beside_dense:                     # the router's input scale [hidden] and each expert's scale
+        out.update({p + "mlp.router.scale": ((h,), True), p + "mlp.router.per_expert_scale": ((e,), True)})
     if ex.shared_ffn:
         fs = (ex.shared_ffn, ("shared_expert_intermediate_size",))
         out.update({p + "mlp.shared_expert.gate_proj.weight": ((fs, h), True),

@@ -71,6 +71,10 @@ class RoutedMLP:
         self.gate, self.up, self.down = gate, up, down
         self.gate_bias, self.up_bias, self.down_bias = gate_bias, up_bias, down_bias
         self.hits: torch.Tensor | None = None      # [experts] int64: tokens routed to each, counted when not None
+        # Experts.beside_dense (Gemma 4): the router reads rms_norm(x) * router_scale (the learned vector times
+        # hidden ** -0.5), and each chosen weight is multiplied by expert_scale [experts]
+        self.router_scale: torch.Tensor | None = None
+        self.expert_scale: torch.Tensor | None = None
         self._table, self._table_checked = None, False
 
     def route(self, x: torch.Tensor, split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +86,8 @@ class RoutedMLP:
         weights, experts = probs.topk(self.spec.used, dim=-1)
         if self.spec.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[experts]
         return weights, experts
 
     def _act(self, e: int, x: torch.Tensor, split: int | None) -> torch.Tensor:
@@ -93,6 +99,8 @@ class RoutedMLP:
             gate, up = gate + self.gate_bias[e], up + self.up_bias[e]
         if s.activation == "silu":
             return F.silu(gate) * up
+        if s.activation == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         gate = gate.clamp(max=s.limit)                 # gpt-oss: clamped, then gate * sigmoid(alpha gate) * (up + 1)
         up = up.clamp(-s.limit, s.limit)
         return gate * torch.sigmoid(gate * s.alpha) * (up + 1)
@@ -104,7 +112,8 @@ class RoutedMLP:
             self._table_checked = True
             groups = [[_router_part(self.router)]] + [[lin.kernel_parts() for lin in group]
                                                       for group in (self.gate, self.up, self.down)]
-            if cpu_quant.available() and all(p is not None and len(p) == 1 for group in groups for p in group):
+            if cpu_quant.available() and self.spec.activation != "gelu_tanh" and self.router_scale is None \
+                    and all(p is not None and len(p) == 1 for group in groups for p in group):
                 s = self.spec
                 router, gate, up, down = ([p[0] for p in group] for group in groups)
                 self._table = cpu_quant.ExpertTable(router[0], gate, up, down, self.router_bias,
@@ -150,7 +159,8 @@ class RoutedMLP:
                 return parts[0]
             x, res, split = x[split:], None if res is None else res[split:], 0
         xn = rms_norm(x, norm, eps).float()
-        weights, experts = self.route(xn, split)
+        weights, experts = self.route(xn if self.router_scale is None else rms_norm(x, self.router_scale, eps).float(),
+                                      split)
         if self.hits is not None:
             self.hits += torch.bincount(experts.reshape(-1).cpu(), minlength=self.spec.count)
         parts.append(self._grouped(xn, weights, experts, split, res))
@@ -198,7 +208,8 @@ class RoutedMLP:
         return [self.router] + self.gate + self.up + self.down
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.router_bias, self.gate_bias, self.up_bias, self.down_bias) if t is not None]
+        return [t for t in (self.router_bias, self.gate_bias, self.up_bias, self.down_bias, self.router_scale,
+                            self.expert_scale) if t is not None]
 
     def moved(self, device) -> "RoutedMLP":
         move = lambda t: None if t is None else t.to(device)     # noqa: E731
@@ -207,5 +218,6 @@ class RoutedMLP:
         self.up = [lin.moved(device) for lin in self.up]
         self.down = [lin.moved(device) for lin in self.down]
         self.router_bias, self.gate_bias = move(self.router_bias), move(self.gate_bias)
+        self.router_scale, self.expert_scale = move(self.router_scale), move(self.expert_scale)
         self.up_bias, self.down_bias = move(self.up_bias), move(self.down_bias)
         return self

@@ -300,9 +300,10 @@ def _gemma4(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Descriptio
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(f"hidden_activation={act!r}: kvchat runs Gemma's gelu_pytorch_tanh")
-    if cfg.get("enable_moe_block"):
-        raise ModelLoadError("enable_moe_block=true: kvchat does not run Gemma 4's mixture-of-experts blocks yet "
-                             "(the dense Gemma 4 models run)")
+    experts = None
+    if cfg.get("enable_moe_block"):         # routed experts beside every layer's dense MLP (26B-A4B)
+        experts = _experts_of({**cfg, "num_experts_per_tok": cfg.get("top_k_experts")}, "moe_intermediate_size",
+                              normalize=True, activation="gelu_tanh", beside_dense=True)
     types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                        for i in range(n_layers)]
     sliding = list(_typed(types, n_layers, "sliding_attention",
@@ -323,7 +324,7 @@ def _gemma4(cfg: dict, n_layers: int, head_dim: int, ropes: Ropes) -> Descriptio
             qk_norm=True, window=window if s else None, head_dim=None if hd == head_dim else hd,
             kv_heads=None if kvh == int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) else kvh,
             kv_source=sources.get(i), value_norm=True, value_from_key=k_eq_v and not s,
-            ffn=2 * ffn if wide and i in sources else None, output_scale=True,
+            ffn=2 * ffn if wide and i in sources else None, output_scale=True, experts=experts,
             qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False))))
     ple = int(cfg.get("hidden_size_per_layer_input") or 0)
     return Description(tuple(layers), embed_scale=float(cfg["hidden_size"]) ** 0.5,

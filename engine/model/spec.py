@@ -17,7 +17,7 @@ import numpy as np
 ACTIVATIONS = ("silu", "gelu_tanh")
 # an expert's activation: SwiGLU, or gpt-oss's clamped one (gate clamped above at `limit`, up to [-limit, limit],
 # gate * sigmoid(alpha * gate) * (up + 1))
-EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +114,9 @@ class Experts:
     expert_bias (gpt-oss). activation: one of EXPERT_ACTIVATIONS; alpha, limit: swiglu_oai's constants.
     shared_ffn: a shared expert of that intermediate size that every token goes through, its output scaled by
     sigmoid(shared_expert_gate . x) and added (Qwen3.5-MoE); 0: none.
+    beside_dense: the experts run beside the layer's dense MLP (Gemma 4): each output normed on its own, their sum
+    normed again; the router reads the layer's input RMS-normed times a learned vector (and hidden ** -0.5), and
+    each chosen expert's renormalized weight is multiplied by that expert's learned scale.
     """
     count: int
     used: int
@@ -125,6 +128,7 @@ class Experts:
     alpha: float = 1.702
     limit: float = 7.0
     shared_ffn: int = 0
+    beside_dense: bool = False
 
     def __post_init__(self):
         if self.activation not in EXPERT_ACTIVATIONS:
@@ -261,7 +265,9 @@ class LayerSpec:
         return (self.norm_offset == 0.0 and not self.post_norms and self.activation == "silu"
                 and self.rope.dims is None and self.window is None and self.attn_softcap is None
                 and not self.has_bias and not self.sink_logits and self.linear is None and not self.attn_gate
-                and (self.experts is None or not self.experts.shared_ffn) and self.head_dim is None
+                and (self.experts is None or not (self.experts.shared_ffn or self.experts.beside_dense
+                                                  or self.experts.activation == "gelu_tanh"))
+                and self.head_dim is None
                 and self.kv_heads is None and self.kv_source is None and not self.value_norm
                 and not self.value_from_key and self.ffn is None and not self.output_scale and not self.rope.scaling[:1] == ("proportional",))
 

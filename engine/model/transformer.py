@@ -52,18 +52,19 @@ class Layer:
     in_proj_b | in_proj_a fused, o is out_proj; `mixer` holds its vectors (conv [kernel, channels], dt_bias, A, the
     gated norm's multiplier). `shared`: a shared expert beside the routed MLP, (gate_up, down, gate [1, hidden]).
     `ple`: per-layer input embeddings' (gate [ple, hidden], projection [hidden, ple], norm [hidden]) (Gemma 4);
-    `scalar`: the layer output's multiplier [1] (spec.output_scale)."""
+    `scalar`: the layer output's multiplier [1] (spec.output_scale). `beside`: a routed MLP beside the dense one
+    (Experts.beside_dense): the norms (after the dense MLP, before the experts, after the experts)."""
     __slots__ = ("qkv", "o", "gate_up", "down", "norm_attn", "norm_mlp", "q_norm", "k_norm", "post_attn_norm",
-                 "post_mlp_norm", "mlp", "sinks", "mixer", "shared", "ple", "scalar")
+                 "post_mlp_norm", "mlp", "sinks", "mixer", "shared", "ple", "scalar", "beside")
 
     def __init__(self, qkv, o, gate_up, down, norm_attn: torch.Tensor, norm_mlp: torch.Tensor,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                  post_attn_norm: torch.Tensor | None = None, post_mlp_norm: torch.Tensor | None = None,
                  mlp: RoutedMLP | None = None, sinks: torch.Tensor | None = None,
                  mixer: "MixerWeights | None" = None, shared: tuple | None = None, ple: tuple | None = None,
-                 scalar: torch.Tensor | None = None):
+                 scalar: torch.Tensor | None = None, beside: tuple | None = None):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
-        self.ple, self.scalar = ple, scalar
+        self.ple, self.scalar, self.beside = ple, scalar, beside
         self.norm_attn, self.norm_mlp = norm_attn, norm_mlp
         self.q_norm, self.k_norm = q_norm, k_norm
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
@@ -75,6 +76,7 @@ class Layer:
         extra = [self.sinks] + (self.mlp.tensors() if self.mlp is not None else [])
         extra += list(self.mixer.tensors()) if self.mixer is not None else []
         extra += [self.ple[2], self.scalar] if self.ple is not None else [self.scalar]
+        extra += list(self.beside) if self.beside is not None else []
         return [t for t in (self.norm_attn, self.norm_mlp, self.q_norm, self.k_norm, self.post_attn_norm,
                             self.post_mlp_norm, *extra) if t is not None]
 
@@ -171,22 +173,7 @@ class Transformer:
                 x = x + rms_norm(L.o.fused(o, split=split), L.post_attn_norm, eps)
             else:
                 x = L.o.fused(o, residual=x, split=split)
-            if L.shared is not None:            # a routed MLP with a shared expert beside it
-                gu, down, gate = L.shared
-                h = rms_norm(x, L.norm_mlp, eps)
-                y = L.mlp.fused(x, L.norm_mlp, eps, x, split)
-                y = y + down.fused(gu(h, split=split), swiglu=True, split=split) * torch.sigmoid(gate(h, split=split))
-                x = y
-                continue
-            if L.mlp is not None:               # a routed MLP: only the experts each row is routed to
-                y = L.mlp.fused(x, L.norm_mlp, eps, None if spec.post_norms else x, split)
-                x = x + rms_norm(y, L.post_mlp_norm, eps) if spec.post_norms else y
-                continue
-            gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps, split=split)
-            if spec.post_norms:
-                x = x + rms_norm(L.down.fused(gu, swiglu=True, split=split, act=spec.activation), L.post_mlp_norm, eps)
-            else:
-                x = L.down.fused(gu, swiglu=True, residual=x, split=split, act=spec.activation)
+            x = self._mlp(L, spec, x, split)
             if per_layer is not None:           # the layer's own input embedding, gated by its output
                 gate, proj, norm = L.ple
                 h = F.gelu(gate(x, split=split), approximate="tanh") * per_layer[:, i]
@@ -200,6 +187,27 @@ class Transformer:
             x = x[-1:]
             split = None
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=eps, split=split).float())
+
+    def _mlp(self, L: Layer, spec: LayerSpec, x: torch.Tensor, split) -> torch.Tensor:
+        """x plus the layer's MLP: dense, routed (with a shared expert, or beside a dense MLP), post-normed or not."""
+        eps = self.config.rms_norm_eps
+        if L.shared is not None:            # a routed MLP with a shared expert beside it
+            gu, down, gate = L.shared
+            h = rms_norm(x, L.norm_mlp, eps)
+            y = L.mlp.fused(x, L.norm_mlp, eps, x, split)
+            return y + down.fused(gu(h, split=split), swiglu=True, split=split) * torch.sigmoid(gate(h, split=split))
+        if L.mlp is not None and L.beside is None:      # a routed MLP: only the experts each row is routed to
+            y = L.mlp.fused(x, L.norm_mlp, eps, None if spec.post_norms else x, split)
+            return x + rms_norm(y, L.post_mlp_norm, eps) if spec.post_norms else y
+        gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps, split=split)
+        if L.beside is not None:            # Gemma 4: the dense MLP and the experts side by side, each normed after
+            post_dense, pre_experts, post_experts = L.beside
+            dense = rms_norm(L.down.fused(gu, swiglu=True, split=split, act=spec.activation), post_dense, eps)
+            routed = rms_norm(L.mlp.fused(x, pre_experts, eps, None, split), post_experts, eps)
+            return x + rms_norm(dense + routed, L.post_mlp_norm, eps)
+        if spec.post_norms:
+            return x + rms_norm(L.down.fused(gu, swiglu=True, split=split, act=spec.activation), L.post_mlp_norm, eps)
+        return L.down.fused(gu, swiglu=True, residual=x, split=split, act=spec.activation)
 
     def _attend(self, i: int, L: Layer, spec: LayerSpec, qkv: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Softmax attention of layer i over its KV cache (the callback's): q, k, v from the fused projection at the

@@ -50,9 +50,13 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
             names = modules.get(part)
             return None if names is None else tensor(p + names[0] + ".weight", spec.norm_offset)
 
-        mlp = shared = mixer = None
+        mlp = shared = mixer = beside = None
         if spec.experts is not None:
             mlp = _routed(spec.experts, p, linear, tensor, per_expert)
+            if spec.experts.beside_dense:
+                mlp.router_scale = tensor(p + "mlp.router.scale").float() * mc.hidden_size ** -0.5
+                mlp.expert_scale = tensor(p + "mlp.router.per_expert_scale").float()
+                beside = (norm("post_mlp_norm_1"), norm("norm_mlp_2"), norm("post_mlp_norm_2"))
             if spec.experts.shared_ffn:
                 shared = (lin("shared_gate_up", False), lin("shared_down", False), lin("shared_gate", False))
         o = lin("o", spec.o_bias)              # before the mixer: a packed out_proj decides its input's order
@@ -69,8 +73,8 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
         layers.append(Layer(
             ple=ple, scalar=tensor(p + "layer_scalar").float().reshape(1) if spec.output_scale else None,
             qkv=lin("qkv", spec.qkv_bias), o=o,
-            gate_up=lin("gate_up", spec.mlp_bias) if mlp is None else None,
-            down=lin("down", spec.mlp_bias) if mlp is None else None,
+            gate_up=lin("gate_up", spec.mlp_bias) if "gate_up" in modules else None,
+            down=lin("down", spec.mlp_bias) if "down" in modules else None, beside=beside,
             norm_attn=norm("norm_attn"), norm_mlp=norm("norm_mlp"),
             q_norm=norm("q_norm"), k_norm=norm("k_norm"),
             post_attn_norm=norm("post_attn_norm"), post_mlp_norm=norm("post_mlp_norm"),
@@ -116,6 +120,8 @@ def expert_state(model_type: str, state: dict[str, torch.Tensor]) -> dict[str, t
     up interleaved taken apart and turned to [experts, out, in]; gpt-oss's sinks named as a weight. Other tensors
     as they are."""
     out, stacks = {}, {}
+    if model_type in ("gemma4_text", "gemma4"):     # router and experts beside the dense MLP, under mlp.
+        state = {_gemma4_moe_name(name): t for name, t in state.items()}
     renames = {"block_sparse_moe.gate.": "mlp.router.", "mlp.gate.": "mlp.router.", "block_sparse_moe.": "mlp."}
     per = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "gate_proj": "gate_proj", "up_proj": "up_proj",
            "down_proj": "down_proj"}
@@ -166,6 +172,15 @@ def linear_state(state: dict[str, torch.Tensor]) -> None:
             state[name[:-len("dt_bias")] + "dt.bias"] = state.pop(name)
         elif name.endswith(".conv1d.weight") and t.dim() == 3:
             state[name] = t.reshape(t.shape[0], t.shape[-1])
+
+
+def _gemma4_moe_name(name: str) -> str:
+    """Gemma 4's layers.N.router.{proj.weight, scale, per_expert_scale} and layers.N.experts.* under mlp."""
+    if ".router.proj." in name:
+        return name.replace(".router.proj.", ".mlp.router.")
+    if ".router." in name or ".experts." in name:
+        return name.replace(".router.", ".mlp.router.").replace(".experts.", ".mlp.experts.")
+    return name
 
 
 def from_state_dict(mc: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
