@@ -82,6 +82,7 @@ class StepAttention:
                  sources: dict[int, int] | None = None):
         self.layer_steps = layer_steps
         self.sources = sources or {}        # a layer that reads another layer's KV -> that layer
+        self.kept: dict[int, tuple] = {}    # a source layer's k, v of this step, for the C decode read (see __call__)
         self.steps = next(steps for steps in layer_steps if steps)
         by_steps: dict[tuple, list] = {}
         self.layer_runs = []
@@ -129,9 +130,18 @@ class StepAttention:
             first, last = steps[i], steps[j - 1]
             sl = slice(first.offset, last.offset + last.num_new)
             if k is None:
-                local = backend.local_layer(self.sources[layer])
-                outs.append(attend_stored(backend.comps[local], q[sl], steps[i:j], backend.scores[local]))
+                source = self.sources[layer]
+                local = backend.local_layer(source)
+                if first.one_token_decode and type(backend) is FullPagesC and source in self.kept:
+                    # the C decode attention stores before it reads: given the source's own k and v it writes the
+                    # bytes already there, and reads what attend_stored reads, at the C kernel's speed
+                    ks, vs = self.kept[source]
+                    outs.append(backend.attend_decodes(local, q[sl], ks[sl], vs[sl], steps[i:j], prepared))
+                else:
+                    outs.append(attend_stored(backend.comps[local], q[sl], steps[i:j], backend.scores[local]))
                 continue
+            if self.sources and layer in self.sources.values():
+                self.kept[layer] = (k, v)
             local = backend.local_layer(layer)
             if first.one_token_decode:
                 outs.append(backend.attend_decodes(local, q[sl], k[sl], v[sl], steps[i:j], prepared))
