@@ -172,3 +172,28 @@ def test_the_published_multimodal_folder_and_bad_settings(model, tmp_path):
                        ({**MOE, "top_k_experts": 5}, "only 4 experts")):
         with pytest.raises(ModelLoadError, match=match):
             ModelConfig.from_hf({**text, **bad})
+
+
+@pytest.mark.parametrize("cache", [FP32, CacheConfig(k_format="int8", v_format="int8")], ids=["fp32", "int8"])
+def test_the_c_decode_read_of_a_shared_layer_is_the_stored_read(model, engine, cache, monkeypatch):
+    """A shared layer's one-token decode goes through the C attention of its source's pages (full pages: given the
+    source's k and v, which it writes again unchanged; quantized pages: read in place, the new row the source's
+    own); each step's logits equal those of the same step with every shared read in torch (attend_stored), across
+    block boundaries."""
+    from kvchat.engine.runtime import backends
+    if engine.model.config.layers[0].experts is not None or engine.model.config.layers[2].value_from_key:
+        pytest.skip("the plain variant covers the read; the others add nothing to it")
+    s, t = engine.new_session(cache=cache), engine.new_session(cache=cache)
+    s.append(IDS[:14])
+    t.append(IDS[:14])
+    kinds = backends.FullPagesC, backends.QuantPagesC
+    for tok in IDS[14:35]:                  # across the block boundary at 16 and 32
+        fast = s.append([tok])
+        monkeypatch.setattr(backends, "FullPagesC", type("Off", (), {}))     # no backend is one: torch reads
+        monkeypatch.setattr(backends, "QuantPagesC", type("Off", (), {}))
+        slow = t.append([tok])
+        monkeypatch.setattr(backends, "FullPagesC", kinds[0])
+        monkeypatch.setattr(backends, "QuantPagesC", kinds[1])
+        assert torch.allclose(fast, slow, atol=1e-4, rtol=0), float((fast - slow).abs().max())
+    s.close()
+    t.close()

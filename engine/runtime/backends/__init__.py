@@ -14,7 +14,8 @@ from kvchat.engine.model.rope import rotate
 from kvchat.engine.runtime.attention import softmax_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
 from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers, score_args, sink_args
-from kvchat.engine.runtime.backends.quant_pages import QuantPagesC, QuantPagesTorch, kernel_reads, key_rope
+from kvchat.engine.runtime.backends.quant_pages import (QuantPagesC, QuantPagesTorch, decode_kernel, kernel_pages,
+                                                        kernel_reads, key_rope)
 
 __all__ = ["AttentionBackend", "FullPagesC", "FullPagesTorch", "LayerScores", "QuantPagesC", "QuantPagesTorch",
            "StepAttention", "backend_for", "choice_key"]
@@ -47,20 +48,32 @@ def backend_for(layout: KVLayout, comps: Pages, device, num_heads: int,
     return FullPagesTorch(layout, comps, num_heads, scores)
 
 
-def attend_stored(comps: tuple, q: torch.Tensor, steps: list, scores: LayerScores) -> torch.Tensor:
+def attend_stored(comps: tuple, q: torch.Tensor, steps: list, scores: LayerScores,
+                  kv: tuple | None = None) -> torch.Tensor:
     """Attention over a layer's K and V as they are stored after this step's writes, without writing: q [T, Hq, D]
     of the steps' rows in order (one step per sequence, or per row of a verification) -> [T, Hq, D]. The reading
     half of every backend's attend, for a layer that shares another layer's KV (LayerSpec.kv_source): the source
-    wrote this step's keys and values, so the rows are the held past and the new slots, in any page format."""
+    wrote this step's keys and values, so the rows are the held past and the new slots, in any page format.
+
+    kv: the source's own k, v of these rows (before RoPE), where kept: a quantized layer then takes its new rows from
+    them, as the source read them (in float32; its tail keeps them at 16 bits)."""
     kc, vc = comps
+    quantized = kc.fmt.is_quantized or vc.fmt.is_quantized
     outs, r = [], 0
     for st in steps:
         n = st.num_new
         seq = st.res.seq
-        slots = torch.cat((st.past_slots, torch.arange(st.res.first_slot, st.res.first_slot + n)))
         written = st.res.first_slot + n
-        k_all = kc.values(seq.seq_id, seq.block_table, written, slots)
-        v_all = vc.values(seq.seq_id, seq.block_table, written, slots)
+        if quantized and kv is not None:
+            k_all = torch.cat((kc.values(seq.seq_id, seq.block_table, written, st.past_slots), kv[0][r:r + n].float()))
+            v_all = torch.cat((vc.values(seq.seq_id, seq.block_table, written, st.past_slots), kv[1][r:r + n].float()))
+            if not kc.fmt.is_quantized:     # keys stored rotated: the new ones turned here
+                P = st.past_slots.numel()
+                k_all[P:] = rotate(k_all[P:], st.q_cos, st.q_sin)
+        else:
+            slots = torch.cat((st.past_slots, torch.arange(st.res.first_slot, written)))
+            k_all = kc.values(seq.seq_id, seq.block_table, written, slots)
+            v_all = vc.values(seq.seq_id, seq.block_table, written, slots)
         if kc.fmt.is_quantized:             # stored before RoPE: turned at the effective key positions
             k_all = rotate(k_all, *key_rope(st))
         elif st.n_sink:                     # stored rotated: only the sinks see the query at its in-cache position
@@ -69,6 +82,22 @@ def attend_stored(comps: tuple, q: torch.Tensor, steps: list, scores: LayerScore
         outs.append(softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside,
                                       sink_args(scores)))
         r += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def read_quantized_decodes(comps: tuple, q, k, v, steps: list, scores: LayerScores) -> torch.Tensor:
+    """attend_stored for one-token decodes over quantized pages the C kernel reads: it reads the held past in place
+    and takes the new row from the source's own k and v (what the source's step stored). Where the source's row
+    completed its block, the block moved from the tail into a quantized page: that row reads the pages as stored."""
+    kc, vc = comps
+    bs = kc.block_size
+    outs = []
+    for r, st in enumerate(steps):
+        if st.res.first_slot % bs == bs - 1:
+            outs.append(attend_stored(comps, q[r:r + 1], [st], scores, (k[r:r + 1], v[r:r + 1])))
+        else:
+            outs.append(decode_kernel(q[r:r + 1], k[r:r + 1], v[r:r + 1], st, *kernel_pages(kc, vc, st),
+                                      scores.scale, scores.sink_logits))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -137,8 +166,15 @@ class StepAttention:
                     # bytes already there, and reads what attend_stored reads, at the C kernel's speed
                     ks, vs = self.kept[source]
                     outs.append(backend.attend_decodes(local, q[sl], ks[sl], vs[sl], steps[i:j], prepared))
+                elif first.one_token_decode and type(backend) is QuantPagesC and source in self.kept \
+                        and backend.kernel_layers[local]:
+                    ks, vs = self.kept[source]
+                    outs.append(read_quantized_decodes(backend.comps[local], q[sl], ks[sl], vs[sl], steps[i:j],
+                                                       backend.scores[local]))
                 else:
-                    outs.append(attend_stored(backend.comps[local], q[sl], steps[i:j], backend.scores[local]))
+                    kept = self.kept.get(source)
+                    outs.append(attend_stored(backend.comps[local], q[sl], steps[i:j], backend.scores[local],
+                                              None if kept is None else (kept[0][sl], kept[1][sl])))
                 continue
             if self.sources and layer in self.sources.values():
                 self.kept[layer] = (k, v)
