@@ -197,3 +197,9 @@ def test_the_c_decode_read_of_a_shared_layer_is_the_stored_read(model, engine, c
         assert torch.allclose(fast, slow, atol=1e-4, rtol=0), float((fast - slow).abs().max())
     s.close()
     t.close()
+
+
+def test_full_precision_for_a_layer_without_kv_names_its_source(engine):
+    from kvchat.engine.config import ConfigError
+    with pytest.raises(ConfigError, match="layer 4 reads layer 3's K and V"):
+        engine.new_session(cache=CacheConfig(k_format="int8", v_format="int8", full_precision_layers=(4,)))

@@ -42,17 +42,22 @@ def family_text(config) -> str:
     different tokens, how many slide over which window and how many hold everything; a mixture of experts adds
     "128 experts, 8 active per token" (and in how many layers, where some are dense), gpt-oss its learned attention
     sinks. Qwen3.5 says how many of its layers are linear attention (a state, not KV): "4 layers (3 linear attention
-    + 1 attention)"."""
+    + 1 attention)"; Gemma 4 how many read an earlier layer's KV, the windows counting the layers that hold their own:
+    "42 layers (20 sliding 512 + 4 global + 18 sharing KV)"."""
     translate = QCoreApplication.translate
-    counts = window_counts(layer.window for layer in config.layers if layer.linear is None)
+    own, linear, shared = len(config.attention_layers), len(config.linear_layers), len(config.kv_sources)
+    counts = window_counts(config.layers[i].window for i in config.attention_layers)
     layers = translate("EngineFacts", "{n} layers").format(n=config.num_layers)
-    kinds = [translate("EngineFacts", "{n} linear attention").format(n=len(config.linear_layers))] \
-        if config.linear_layers else []
+    kinds = [translate("EngineFacts", "{n} linear attention").format(n=linear)] if linear else []
     if len(counts) > 1:
         kinds += [translate("EngineFacts", "{n} global").format(n=n) if w is None else
                   translate("EngineFacts", "{n} sliding {window}").format(n=n, window=f"{w:,}") for w, n in counts]
+    elif shared:
+        kinds.append(translate("EngineFacts", "{n} own KV").format(n=own))
     elif kinds:
-        kinds.append(translate("EngineFacts", "{n} attention").format(n=config.num_layers - len(config.linear_layers)))
+        kinds.append(translate("EngineFacts", "{n} attention").format(n=own))
+    if shared:
+        kinds.append(translate("EngineFacts", "{n} sharing KV").format(n=shared))
     if kinds:
         layers += " (" + " + ".join(kinds) + ")"
     parts = [family(config.model_type, "the loaded model").name, layers]

@@ -39,6 +39,7 @@ class EngineReady:
     prefill: str = ""                   # the prompt GEMM's precision as loaded ("fp32", "bf16"); "" for a server
     saves_caches: bool = False          # it keeps each chat's KV cache on disk (saved when the app closes)
     linear_layers: int = 0              # of num_layers, those keeping a recurrent state: cache modes skip them
+    shared_kv_layers: int = 0           # of num_layers, those reading an earlier layer's K and V (none of their own)
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,7 +125,8 @@ class EngineWorker(QObject, TurnStreaming):
                                     kernel_status=facts.kernel_status,
                                     prefill=engine.prefill if caps.prefill_precision else "",
                                     chat_format_notice=facts.chat_format_notice,
-                                    saves_caches=warm_chats.supported(engine), linear_layers=facts.linear_layers))
+                                    saves_caches=warm_chats.supported(engine), linear_layers=facts.linear_layers,
+                                    shared_kv_layers=len(config.kv_sources) if config is not None else 0))
 
     def open_session(self, conversation_id, system_prompt, cache, history) -> None:
         """Start a conversation; `history` ((role, content) pairs) resumes a saved one."""

@@ -95,13 +95,23 @@ def is_state_layer(layer: LayerBytes) -> bool:
     return layer.kind == LINEAR_ATTENTION
 
 
+def is_shared_layer(layer: LayerBytes) -> bool:
+    """A layer that attends over an earlier layer's K and V and holds none of its own (Gemma 4's last layers)."""
+    return layer.kv_source is not None
+
+
 def attention_layers(snapshot: StatsSnapshot) -> tuple[LayerBytes, ...]:
-    """The layers that hold K and V: every layer but a linear-attention one (Qwen3.5 has one in four)."""
-    return tuple(layer for layer in snapshot.layers if not is_state_layer(layer))
+    """The layers that hold K and V of their own: not a linear-attention layer (Qwen3.5 has three in four), nor one
+    that reads another layer's (Gemma 4's last layers)."""
+    return tuple(layer for layer in snapshot.layers if not is_state_layer(layer) and not is_shared_layer(layer))
 
 
 def state_layers(snapshot: StatsSnapshot) -> tuple[LayerBytes, ...]:
     return tuple(layer for layer in snapshot.layers if is_state_layer(layer))
+
+
+def shared_layers(snapshot: StatsSnapshot) -> tuple[LayerBytes, ...]:
+    return tuple(layer for layer in snapshot.layers if is_shared_layer(layer))
 
 
 def state_held_bytes(snapshot: StatsSnapshot) -> int:
@@ -111,7 +121,7 @@ def state_held_bytes(snapshot: StatsSnapshot) -> int:
 
 def layer_budget_share(snapshot: StatsSnapshot) -> float:
     """One attention layer's share of the KV budget: what the state and its snapshots leave, over the layers that
-    hold K and V (the state layers' bytes do not grow, so they get no share)."""
+    hold K and V of their own (the state layers' bytes do not grow and a sharing layer holds none: no share)."""
     kv_layers = len(attention_layers(snapshot))
     return max(0, snapshot.budget_bytes - state_held_bytes(snapshot)) / kv_layers if kv_layers else 0.0
 
@@ -120,7 +130,8 @@ def full_precision_bytes_per_token(snapshot: StatsSnapshot) -> float:
     """KV bytes a token takes at the model dtype over all attention layers; 0.0 when the snapshot cannot say.
 
     The engine thread fills the snapshot field from the model; without it, layers that are held in
-    a full-precision format still tell their own size per token (a linear-attention layer's state takes none)."""
+    a full-precision format still tell their own size per token (a linear-attention layer's state takes none, nor
+    does a layer that reads another layer's K and V)."""
     if snapshot.full_precision_bytes_per_token > 0:
         return snapshot.full_precision_bytes_per_token
     kv_layers = attention_layers(snapshot)
@@ -292,6 +303,8 @@ def layer_hover_text(snapshot: StatsSnapshot | None, layer_index: int) -> str | 
     layer = snapshot.layers[layer_index]
     if is_state_layer(layer):
         return state_hover_text(layer)
+    if is_shared_layer(layer):
+        return shared_hover_text(layer, is_hybrid(snapshot))
     share = layer_budget_share(snapshot)
     total = layer.k_bytes + layer.v_bytes
     text = (QCoreApplication.translate("DashboardData", "layer {n}").format(n=layer.layer)
@@ -316,6 +329,19 @@ def state_hover_text(layer: LayerBytes) -> str:
         "DashboardData", "layer {n}: linear attention\nkeeps a recurrent state of {bytes} B ({size}), the same at any "
         "length\nno K or V: cache modes (formats, window) do not apply to it; the state stays fp32").format(
         n=layer.layer, bytes=f"{layer.state_bytes:,}", size=format_bytes(layer.state_bytes))
+
+
+def shared_hover_text(layer: LayerBytes, hybrid: bool) -> str:
+    text = QCoreApplication.translate(
+        "DashboardData", "layer {n} reads layer {source}'s K and V: it holds no bytes of its own\nK {k}, V {v}: "
+        "counted in layer {source}'s bar").format(n=layer.layer, source=layer.kv_source,
+                                                  k=value_name(layer.k_format), v=value_name(layer.v_format))
+    if hybrid:
+        text += "\n" + (QCoreApplication.translate("DashboardData", "global: attends over every token")
+                        if layer.window is None else
+                        QCoreApplication.translate("DashboardData", "sliding: attends over the newest {window} "
+                                                   "tokens").format(window=f"{layer.window:,}"))
+    return text
 
 
 def series_hover_text(data: DashboardData, kind: str, t: float) -> str | None:

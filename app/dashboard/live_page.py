@@ -25,8 +25,8 @@ from kvchat.engine.units import MIB
 from kvchat.app.dashboard.bar_widgets import FORMAT_COLOURS, format_family, format_mib
 from kvchat.app.dashboard.dashboard_data import (DashboardData, attention_layers, byte_unit, full_precision_layer_bytes,
                                                  is_hybrid, layer_budget_share, layer_hover_text,
-                                                 layer_kinds, nice_ceiling, series_hover_text, state_layers,
-                                                 time_span_end, token_room)
+                                                 layer_kinds, nice_ceiling, series_hover_text, shared_layers,
+                                                 state_layers, time_span_end, token_room)
 from kvchat.app.dashboard.event_strip import MARKER_COLOURS, EventStrip
 from kvchat.app.dashboard.gauge import TokenGauge
 from kvchat.app.dashboard.quality_view import QualityRow
@@ -51,6 +51,8 @@ OPTIONAL_SERIES = ("weights", "torch", "gpu")   # shown only when this machine r
 DECODE_COLOUR, PREFILL_COLOUR = "#2563eb", "#ea580c"
 WINDOW_COLOUR = "#7c3aed"               # sliding layers: their legend entry and the line where the window is full
 STATE_COLOUR = "#db2777"                # linear-attention layers' recurrent state: no format's colour, it has none
+SHARED_COLOUR = "#0891b2"               # a layer reading an earlier layer's K and V: an empty box, it holds no bytes
+SHARED_MARK = 0.04                      # that box's height, of the y-axis top: seen, but not read as bytes
 TITLE_PADDING = 4                       # a section title's room beside its text
 NOISE_SHARE = 0.05                      # a time saved or cost within this share of decode time is not a gain shown
 SPECULATION_TIP = QT_TRANSLATE_NOOP(
@@ -70,10 +72,20 @@ class _PlotWidget(pg.PlotWidget):
         return QSize(300, PLOT_MIN_HEIGHT)
 
 
-def legend_html(entries: list[tuple[str, str]]) -> str:
-    return "&nbsp;&nbsp; ".join(f'<span style="color:{colour}">■</span>&nbsp;{html.escape(text)}'
-                                for text, colour in entries)
+def legend_html(entries: list[tuple[str, str] | tuple[str, str, str]]) -> str:
+    """(text, colour) entries after a ■ in that colour; a third field is another glyph (□: an empty box)."""
+    return "&nbsp;&nbsp; ".join(f'<span style="color:{entry[1]}">{entry[2] if len(entry) > 2 else "■"}</span>'
+                                f'&nbsp;{html.escape(entry[0])}' for entry in entries)
 
+
+def shared_legend(shared) -> str:
+    """"18 sharing the KV of layers 22, 23: no bytes of their own" (Gemma 4's last layers)."""
+    sources = sorted({layer.kv_source for layer in shared})
+    if len(sources) == 1:
+        return translate("Dashboard", "{n} sharing layer {source}'s KV: no bytes of their own").format(
+            n=len(shared), source=sources[0])
+    return translate("Dashboard", "{n} sharing the KV of layers {sources}: no bytes of their own").format(
+        n=len(shared), sources=", ".join(map(str, sources)))
 
 
 class LivePage(QScrollArea):
@@ -274,7 +286,10 @@ class LivePage(QScrollArea):
         self.v_bars = pg.BarGraphItem(x=[], height=[], y0=[], width=0.7, pen=None)
         # a linear-attention layer's recurrent state: one bar of constant height where K and V would be
         self.state_bars = pg.BarGraphItem(x=[], height=[], width=0.7, pen=None, brush=QBrush(QColor(STATE_COLOUR)))
-        for item in (self.full_bars, self.k_bars, self.v_bars, self.state_bars):
+        # a layer that reads an earlier layer's K and V: an empty box at the foot of its slot, no bar of bytes
+        self.shared_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush=None,
+                                           pen=pg.mkPen(SHARED_COLOUR, width=1.5))
+        for item in (self.full_bars, self.k_bars, self.v_bars, self.state_bars, self.shared_bars):
             self.layer_plot.addItem(item)
         # a sliding layer's bar is hatched, and a line across it marks what it holds once its window is full
         self.window_ticks = pg.PlotDataItem([], [], connect="pairs", pen=pg.mkPen(WINDOW_COLOUR, width=2))
@@ -477,10 +492,11 @@ class LivePage(QScrollArea):
         v = np.array([layer.v_bytes for layer in layers], float) / scale
         full = full_precision_layer_bytes(snapshot) / scale
         hybrid = is_hybrid(snapshot)
-        kv_layers, states = attention_layers(snapshot), state_layers(snapshot)
+        kv_layers, states, shared = attention_layers(snapshot), state_layers(snapshot), shared_layers(snapshot)
 
-        def brush(colour: str, layer) -> QBrush:
-            style = Qt.BrushStyle.BDiagPattern if hybrid and layer.window is not None else Qt.BrushStyle.SolidPattern
+        def brush(colour: str, layer) -> QBrush:     # a sharing layer has no bar to hatch (nor a 0-high edge)
+            hatched = hybrid and layer.window is not None and layer.kv_source is None
+            style = Qt.BrushStyle.BDiagPattern if hatched else Qt.BrushStyle.SolidPattern
             return QBrush(QColor(colour), style)
 
         k_brushes = [brush(FORMAT_COLOURS[format_family(layer.k_format)][0], layer) for layer in layers]
@@ -488,7 +504,7 @@ class LivePage(QScrollArea):
         sliding = [layer for layer in kv_layers if hybrid and layer.window_bytes is not None]
         self.window_ticks.setData(np.repeat([layer.layer for layer in sliding], 2) + np.tile([-0.45, 0.45], len(sliding)),
                                   np.repeat([layer.window_bytes / scale for layer in sliding], 2))
-        # the outline is what K and V would take at full precision: a state layer has none to outline
+        # the outline is what K and V would take at full precision: a state or sharing layer has none to outline
         self.full_bars.setOpts(x=np.array([layer.layer for layer in kv_layers], float),
                                height=np.full(len(kv_layers), full), width=0.9)
         self.full_bars.setVisible(full > 0)
@@ -500,6 +516,9 @@ class LivePage(QScrollArea):
         self.state_bars.setOpts(x=np.array([layer.layer for layer in states], float),
                                 height=np.array([layer.state_bytes for layer in states], float) / scale, width=0.7)
         self.state_bars.setVisible(bool(states))
+        self.shared_bars.setOpts(x=np.array([layer.layer for layer in shared], float),
+                                 height=np.full(len(shared), SHARED_MARK * top_bytes / scale), width=0.7)
+        self.shared_bars.setVisible(bool(shared))
         title = (unit, bool(states))
         if self._ranges.get("layer_unit") != title:
             self._ranges["layer_unit"] = title
@@ -517,6 +536,8 @@ class LivePage(QScrollArea):
         if states:
             entries.append((translate("Dashboard", "state of {n} linear-attention layers, constant").format(
                 n=len(states)), STATE_COLOUR))
+        if shared:
+            entries.append((shared_legend(shared), SHARED_COLOUR, "□"))
         if hybrid:
             for window, count in layer_kinds(snapshot):
                 entries.append((translate("Dashboard", "{n} global").format(n=count) if window is None else

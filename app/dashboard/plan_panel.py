@@ -252,12 +252,17 @@ class PlanPanel(QWidget):
 
     def _window_text(self) -> str:
         text = ""
-        counts = window_counts(layer.window for layer in self.model_config.layers) if self.model_config else ()
+        # the layers that hold K and V: a linear-attention layer or one reading another layer's KV never grows
+        own = self.model_config.attention_layers if self.model_config else ()
+        counts = window_counts(self.model_config.layers[i].window for i in own)
         if len(counts) > 1:             # a hybrid model: say which layers stay flat before the bars do
             sliding = sum(n for w, n in counts if w is not None)
+            fields = dict(sliding=sliding, layers=len(own), rest=len(own) - sliding,
+                          window=", ".join(f"{w:,}" for w, _ in counts if w is not None))
             text = self.tr(" · {sliding} of {layers} layers slide (window {window}): only the other {rest} grow").format(
-                sliding=sliding, layers=self.model_config.num_layers, rest=self.model_config.num_layers - sliding,
-                window=", ".join(f"{w:,}" for w, _ in counts if w is not None))
+                **fields) if len(own) == self.model_config.num_layers else self.tr(
+                " · {sliding} of the {layers} layers holding KV slide (window {window}): only the other {rest} "
+                "grow").format(**fields)
         if self.cache.window is None:
             return text
         return text + self.tr(" · window {window} + {sinks} sinks").format(window=f"{self.cache.window:,}",

@@ -78,9 +78,11 @@ class SettingsDialog(QDialog):
     def __init__(self, settings: AppSettings, num_layers: int | None = None, parent: QWidget | None = None,
                  model_config=None, model_dtype: str = "fp32", device: str = "cpu",
                  last_server: RemoteSettings | None = None, language: str = "system", disk_budget_mb: float = 2048.0,
-                 speculative: tuple[str, int] = DEFAULT_SPECULATIVE, prefill: str = "auto", linear_layers: int = 0):
+                 speculative: tuple[str, int] = DEFAULT_SPECULATIVE, prefill: str = "auto", linear_layers: int = 0,
+                 shared_kv_layers: int = 0):
         super().__init__(parent)
         self.linear_layers = linear_layers      # of the loaded model's layers, those keeping a recurrent state
+        self.shared_kv_layers = shared_kv_layers    # and those reading an earlier layer's K and V
         self._disk_budget_mb = disk_budget_mb
         self._speculative = speculative
         self._prefill = prefill
@@ -317,14 +319,21 @@ class SettingsDialog(QDialog):
         window_row.addWidget(QLabel(self.tr("sinks")))
         window_row.addWidget(self.sinks)
         form.addRow(self.tr("Window (tokens)"), window_row)
-        # a model with linear-attention layers: what the formats and the window above do not reach
+        # a model with linear-attention or KV-sharing layers: what the formats and the window above do not reach
         self.state_note = QLabel(objectName="stateLayersNote")
         self.state_note.setWordWrap(True)
+        own = (self.num_layers or 0) - self.linear_layers - self.shared_kv_layers
+        notes = []
         if self.linear_layers and self.num_layers:
-            self.state_note.setText(self.tr(
+            notes.append(self.tr(
                 "The formats and the window apply to this model's {n} attention layers only; its {m} linear-attention "
-                "layers keep an fp32 state of fixed size.").format(n=self.num_layers - self.linear_layers,
-                                                                   m=self.linear_layers))
+                "layers keep an fp32 state of fixed size.").format(n=own, m=self.linear_layers))
+        if self.shared_kv_layers and self.num_layers:
+            notes.append(self.tr(
+                "The formats and the window apply to the {n} layers that hold K and V of their own; this model's other "
+                "{m} layers read the K and V of an earlier layer, in that layer's format.").format(
+                    n=own, m=self.shared_kv_layers))
+        self.state_note.setText(" ".join(notes))
         self.state_note.setVisible(bool(self.state_note.text()))
         form.addRow(self.state_note)
         self.block_size = _spin(QSpinBox(minimum=1, maximum=256), cache.block_size)

@@ -370,7 +370,8 @@ class MainWindow(QMainWindow):
                                 device=self.engine_info.device if self.engine_info else "cpu",
                                 language=self.store.language(), disk_budget_mb=self.store.kv_disk_budget_mb(),
                                 speculative=self.store.speculative(), prefill=self.store.prefill(),
-                                linear_layers=self.engine_info.linear_layers if self.engine_info else 0)
+                                linear_layers=self.engine_info.linear_layers if self.engine_info else 0,
+                                shared_kv_layers=self.engine_info.shared_kv_layers if self.engine_info else 0)
         dialog.accepted.connect(lambda: self.store.set_language(dialog.language()))     # applies on restart
         dialog.accepted.connect(lambda: self._set_disk_budget(dialog.disk_budget_mb()))
         dialog.accepted.connect(lambda: self._set_speculative(*dialog.speculative()))

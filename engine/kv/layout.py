@@ -149,6 +149,11 @@ def kv_layout(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
     dtype = full_dtype(model_dtype, device)
     formats = []
     attention = _attention_layers(model)        # a linear-attention layer keeps a state, no KV (kv/state.py)
+    for i in sorted(set(cache.full_precision_layers) - set(attention)):
+        source = getattr(model, "kv_sources", {}).get(i)
+        why = (f"layer {i} reads layer {source}'s K and V: keep layer {source} in full precision instead"
+               if source is not None else f"layer {i} keeps a recurrent state, not K and V")
+        raise ConfigError(f"full-precision layer {i} holds no KV of its own: {why}")
     for layer in attention:
         if layer in cache.full_precision_layers:
             formats.append((PageFormat(dtype), PageFormat(dtype)))

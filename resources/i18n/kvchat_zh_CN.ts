@@ -479,6 +479,14 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>空闲 · 上一条回复：{speed}</translation>
     </message>
     <message>
+        <source>{n} sharing layer {source}&apos;s KV: no bytes of their own</source>
+        <translation>{n} 层共享第 {source} 层的 KV：自身不占字节</translation>
+    </message>
+    <message>
+        <source>{n} sharing the KV of layers {sources}: no bytes of their own</source>
+        <translation>{n} 层共享第 {sources} 层的 KV：自身不占字节</translation>
+    </message>
+    <message>
         <source>idle</source>
         <translation>空闲</translation>
     </message>
@@ -608,6 +616,20 @@ no K or V: cache modes (formats, window) do not apply to it; the state stays fp3
 没有 K 和 V：缓存模式（格式、窗口）对它不适用；状态始终为 fp32</translation>
     </message>
     <message>
+        <source>layer {n} reads layer {source}&apos;s K and V: it holds no bytes of its own
+K {k}, V {v}: counted in layer {source}&apos;s bar</source>
+        <translation>第 {n} 层读取第 {source} 层的 K 和 V：自身不保存任何字节
+K {k}，V {v}：计入第 {source} 层的柱</translation>
+    </message>
+    <message>
+        <source>global: attends over every token</source>
+        <translation>全局：对每个 token 做注意力</translation>
+    </message>
+    <message>
+        <source>sliding: attends over the newest {window} tokens</source>
+        <translation>滑动：对最新的 {window} 个 token 做注意力</translation>
+    </message>
+    <message>
         <source>idle: no reply was being generated</source>
         <translation>空闲：当时没有在生成回复</translation>
     </message>
@@ -735,8 +757,16 @@ prefill {prefill} tok/s</source>
         <translation>{n} 滑动 {window}</translation>
     </message>
     <message>
+        <source>{n} own KV</source>
+        <translation>{n} 自有 KV</translation>
+    </message>
+    <message>
         <source>{n} attention</source>
         <translation>{n} 注意力</translation>
+    </message>
+    <message>
+        <source>{n} sharing KV</source>
+        <translation>{n} 共享 KV</translation>
     </message>
     <message>
         <source>{n} experts, {k} active per token</source>
@@ -1772,6 +1802,10 @@ prefill {prefill} tok/s</source>
         <translation> · {layers} 层中有 {sliding} 层滑动（窗口 {window}）：只有另外 {rest} 层增长</translation>
     </message>
     <message>
+        <source> · {sliding} of the {layers} layers holding KV slide (window {window}): only the other {rest} grow</source>
+        <translation> · 保存 KV 的 {layers} 层中有 {sliding} 层滑动（窗口 {window}）：只有另外 {rest} 层增长</translation>
+    </message>
+    <message>
         <source> · window {window} + {sinks} sinks</source>
         <translation> · 窗口 {window} + {sinks} 个锚点</translation>
     </message>
@@ -2298,6 +2332,10 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
     <message>
         <source>The formats and the window apply to this model&apos;s {n} attention layers only; its {m} linear-attention layers keep an fp32 state of fixed size.</source>
         <translation>格式和窗口只作用于此模型的 {n} 个注意力层；它的 {m} 个线性注意力层保留一个大小固定的 fp32 状态。</translation>
+    </message>
+    <message>
+        <source>The formats and the window apply to the {n} layers that hold K and V of their own; this model&apos;s other {m} layers read the K and V of an earlier layer, in that layer&apos;s format.</source>
+        <translation>格式和窗口作用于自己保存 K 和 V 的 {n} 个层；此模型的其余 {m} 个层读取更早某一层的 K 和 V，采用该层的格式。</translation>
     </message>
     <message>
         <source>Each chat&apos;s KV cache is saved here when you switch away or close the app, so reopening it does not read the whole chat again</source>
