@@ -46,7 +46,8 @@ def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype
     the file would describe another model. A Qwen3.5 (a text model's folder: Qwen3_5ForCausalLM,
     Qwen3_5MoeForCausalLM) is written as the converter's Qwen3_5 classes write it: A_log as A = -exp(A_log), the
     conv kernel [channels, kernel], zero-centred norms as 1 + w, value heads tiled (gguf_arch.tiled_value_heads),
-    its MTP block left out (the converter's --no-mtp).
+    its MTP block left out (the converter's --no-mtp). A Gemma 4 text folder (Gemma4ForCausalLM) is written as the
+    converter's Gemma4Model writes it (_write_gemma4).
     """
     from kvchat.engine.model.families import family
     from kvchat.engine.model.gguf_arch import tiled_value_heads
@@ -57,6 +58,8 @@ def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype
     if qtype not in MIXES:
         raise ValueError(f"unknown type {qtype!r}: one of {', '.join(MIXES)}")
     cfg = read_config(folder)
+    if cfg.get("model_type") == "gemma4_text":
+        return _write_gemma4(folder, path, qtype, cfg)
     linear = ({"key_heads": cfg["linear_num_key_heads"], "value_heads": cfg["linear_num_value_heads"],
                "key_dim": cfg["linear_key_head_dim"], "value_dim": cfg["linear_value_head_dim"]}
               if "linear_num_value_heads" in cfg else None)
@@ -160,6 +163,143 @@ def write_gguf_from_hf(folder: str | os.PathLike, path: str | os.PathLike, qtype
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
     return path
+
+
+def _write_gemma4(folder: Path, path: Path, qtype: str, cfg: dict) -> Path:
+    """A Gemma 4 text folder (Gemma4ForCausalLM) as llama.cpp's converter (its Gemma4Model) writes it: every tensor
+    as it is (no norm shifted: Gemma4RMSNorm multiplies by w), under gguf_arch.GEMMA4_* names, the full layers'
+    proportional RoPE as rope_freqs, the per-layer pattern, head widths, KV head counts and MLP widths as the
+    header's arrays; the folder's byte-level BPE tokenizer as the others' (the converter writes Gemma's own)."""
+    from kvchat.engine.model.gguf_arch import GEMMA4_ROPE_FREQS, GEMMA4_UNROTATED
+    from kvchat.engine.model.source import load_state_dict
+
+    g = _gemma4_shape(folder.name, cfg)
+    state = load_state_dict(folder)
+    tied = bool(cfg.get("tie_word_embeddings", True)) or "lm_head.weight" not in state
+    tokenizer = hf_tokenizer_fields(folder)
+    tokens = len(next(value for key, value, _, _ in tokenizer if key == "tokenizer.ggml.tokens"))
+    if tokens != cfg["vocab_size"]:
+        raise ValueError(f"{folder.name}: the tokenizer has {tokens} tokens, the embedding {cfg['vocab_size']} rows "
+                         f"(llama.cpp reads one row a token)")
+    layers, experts = g["layers"], cfg.get("num_experts") or 0
+    with atomic_writer(path, "gemma4") as w:
+        w.add_name(folder.name)
+        w.add_block_count(layers)
+        w.add_context_length(cfg.get("max_position_embeddings", 131072))
+        w.add_embedding_length(cfg["hidden_size"])
+        w.add_feed_forward_length(g["ffn"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(g["kv_heads"])
+        w.add_rope_freq_base(g["theta"])
+        w.add_rope_freq_base_swa(g["theta_swa"])
+        w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
+        if cfg.get("enable_moe_block"):
+            w.add_expert_count(experts)
+            w.add_expert_used_count(cfg["top_k_experts"])
+        w.add_key_length(g["global_head_dim"])
+        w.add_value_length(g["global_head_dim"])
+        w.add_key_length_swa(g["head_dim"])
+        w.add_value_length_swa(g["head_dim"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+        w.add_sliding_window(int(cfg.get("sliding_window", 512)))
+        w.add_shared_kv_layers(g["shared"])
+        w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in g["types"]])
+        if cfg.get("enable_moe_block"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_rope_dimension_count(g["global_head_dim"])
+        w.add_rope_dimension_count_swa(g["head_dim"])
+        w.add_file_type(int(MIXES[qtype][2]))
+        w.add_quantization_version(2)
+        for key, value, vtype, sub in tokenizer:
+            w.add_key_value(key, value, vtype, sub)
+
+        rotated = int(g["global_head_dim"] * g["partial"]) // 2
+        w.add_tensor(GEMMA4_ROPE_FREQS, np.array([1.0] * rotated + [GEMMA4_UNROTATED] * (g["global_head_dim"] // 2
+                                                                                          - rotated), np.float32))
+        for name, t in state.items():
+            if name == "lm_head.weight" and tied:
+                continue
+            gname = gemma4_gguf_name(name)
+            a = t.float().numpy()
+            _add(w, gname, a, file_type(qtype, gname, a.shape, layers, tied, experts))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    return path
+
+
+def gemma4_gguf_name(hf_name: str) -> str:
+    """llama.cpp's name of a Gemma 4 checkpoint's tensor (transformers' names; gguf_arch.GEMMA4_HF_NAMES)."""
+    from kvchat.engine.model.gguf_arch import (GEMMA4_HF_NAMES, GEMMA4_MODEL_TENSORS, GEMMA4_RENAMED, GEMMA4_TENSORS,
+                                               gguf_tensor_name)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight", **GEMMA4_MODEL_TENSORS}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, i, rest = hf_name.split(".", 3)
+    rest = GEMMA4_HF_NAMES.get(rest, rest)
+    if rest in GEMMA4_RENAMED:
+        return f"blk.{i}.{GEMMA4_RENAMED[rest]}"
+    module, kind = rest.rsplit(".", 1)
+    if module not in GEMMA4_TENSORS:
+        raise ValueError(f"weight {hf_name}: llama.cpp's gemma4 has no tensor for {module!r}")
+    return gguf_tensor_name(i, GEMMA4_TENSORS[module], kind)
+
+
+def _gemma4_shape(name: str, cfg: dict) -> dict:
+    """What the converter writes of a Gemma 4 config.json (its published keys global_head_dim and
+    num_global_key_value_heads, or transformers' per_layer_config that replaces them when it saves one), and a
+    ValueError where llama.cpp would run another model than transformers."""
+    from kvchat.engine.model.gguf_arch import GEMMA2_FINAL_SOFTCAP
+    layers = cfg["num_hidden_layers"]
+    types = list(cfg.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                           for i in range(layers)])
+    types[-1] = "full_attention"        # transformers' Gemma4TextConfig forces it
+    full = next((v for k, v in (cfg.get("per_layer_config") or {}).items() if types[int(k)] == "full_attention"), {})
+    kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    named = cfg.get("num_global_key_value_heads")
+    full_kv = full.get("num_key_value_heads") or (named if k_eq_v and named else kv)
+    shared = cfg.get("num_kv_shared_layers", 0)
+    rope = cfg.get("rope_parameters") or {}
+    local, glob = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
+
+    def derived(what: str, have, llama_cpp) -> None:
+        if have != llama_cpp:
+            raise ValueError(f"{name}: {what} is {have!r}, but llama.cpp's gemma4 reads {llama_cpp!r} (a GGUF does "
+                             f"not store it): the file would describe another model")
+
+    if named:       # the converter gives the full layers num_global_key_value_heads; transformers only with k_eq_v
+        derived("the full layers' KV heads", full_kv, named)
+    derived("the sliding layers' rope_type", local.get("rope_type", "default"), "default")
+    derived("the full layers' rope_type", glob.get("rope_type", "proportional"), "proportional")
+    derived("the full layers' rope factor", glob.get("factor", 1.0), 1.0)
+    # the converter writes no cap where the config has none, and llama.cpp then caps at 30 (its Gemma 2 default)
+    derived("final_logit_softcapping", cfg.get("final_logit_softcapping"),
+            cfg.get("final_logit_softcapping") or GEMMA2_FINAL_SOFTCAP)
+    derived("use_bidirectional_attention", cfg.get("use_bidirectional_attention"), None)
+    derived("attention_bias", bool(cfg.get("attention_bias", False)), False)
+    derived("hidden_activation", cfg.get("hidden_activation", "gelu_pytorch_tanh"), "gelu_pytorch_tanh")
+    # llama.cpp's KV-shared layers read the cache of layer first_shared - 1 (full) or - 2 (sliding); transformers' the
+    # last earlier layer of their kind: the same layers where the last two unshared ones are sliding, then full
+    first = layers - shared
+    for kind, back in (("full_attention", 1), ("sliding_attention", 2)):
+        if shared and kind in types[first:]:
+            derived(f"the KV-shared {kind} layers' source layer",
+                    max((i for i in range(first) if types[i] == kind), default=None), first - back)
+    if cfg.get("hidden_size_per_layer_input"):
+        derived("vocab_size_per_layer_input", cfg.get("vocab_size_per_layer_input"), cfg["vocab_size"])
+    ffn = cfg["intermediate_size"]
+    return {"layers": layers, "types": types, "shared": shared, "head_dim": cfg.get("head_dim", 256),
+            "global_head_dim": full.get("head_dim") or cfg.get("global_head_dim") or 512,
+            "kv_heads": ([kv if t == "sliding_attention" else full_kv for t in types] if named or full_kv != kv
+                         else kv),
+            "ffn": ([ffn if i < layers - shared else 2 * ffn for i in range(layers)]
+                    if cfg.get("use_double_wide_mlp") else ffn),
+            "theta": float(glob.get("rope_theta", 1e6)), "theta_swa": float(local.get("rope_theta", 1e4)),
+            "partial": float(glob.get("partial_rotary_factor", 0.25))}
 
 
 # the architectures whose output head llama.cpp requires as a tensor of its own (no fallback to the embedding)

@@ -2,10 +2,10 @@
 (benchmarks) or tiny ones (tests), and a Hugging Face folder's own weights (bench/gguf_hf.py: write_gguf_from_hf).
 
 The files carry llama.cpp's metadata keys and tensor names for their architecture (llama, qwen3, gemma2, gemma3,
-phi3, smollm3, the mixtures of experts qwen3moe, gpt-oss and Mixtral's llama with an expert count, and Qwen3.5's
-hybrids of Gated DeltaNet and gated attention qwen35 and qwen35moe: engine/model/gguf_arch.py names what each
-stores), q/k rows permuted for llama.cpp's rotary layout where its converter permutes them (llama), Gemma's and
-Qwen3.5's zero-centred norms stored as 1 + w as its converter stores them, experts as 3-D tensors
+gemma4, phi3, smollm3, the mixtures of experts qwen3moe, gpt-oss and Mixtral's llama with an expert count, and
+Qwen3.5's hybrids of Gated DeltaNet and gated attention qwen35 and qwen35moe: engine/model/gguf_arch.py names what
+each stores), q/k rows permuted for llama.cpp's rotary layout where its converter permutes them (llama), Gemma 2 / 3's
+and Qwen3.5's zero-centred norms stored as 1 + w as its converter stores them (Gemma 4's as w), experts as 3-D tensors
 [experts, out, in] (or one 2-D tensor per expert, per_expert=True: Mixtral's older files, which kvchat still reads
 and current llama.cpp no longer does), and a per-tensor type mix close to llama.cpp's defaults (bench/gguf_quant.py
 quantizes). A random model's tokenizer (every `tokenizer.*` field, chat template included) is copied from the
@@ -78,6 +78,17 @@ class ModelShape:
     rotary: int | None = None
     shared_ffn: int = 0
     mtp: int = 0
+    # Gemma 4 (gemma4): every full_every-th layer and the last full attention of global_head_dim heads, `rotary` of
+    # its dimensions turned (proportional RoPE, rope_freqs), the others sliding over `window` with head_dim heads at
+    # rope_theta_swa; the last shared_kv layers reuse the KV of the last earlier layer of their kind; ple: the
+    # per-layer embedding width; global_kv_heads: the full layers' KV heads where their keys are their values (no
+    # attn_v; None: kv_heads and values of their own); softcap: the final logit soft-cap
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    ple: int = 0
+    shared_kv: int = 0
+    rope_theta_swa: float | None = None
+    softcap: float | None = None
 
     def __post_init__(self):
         if self.experts and not 0 < self.experts_used <= self.experts:
@@ -93,6 +104,17 @@ class ModelShape:
         if self.linear and self.linear[1] % self.linear[0]:
             raise ValueError(f"{self.name}: {self.linear[1]} value heads are not a multiple of {self.linear[0]} key "
                              f"heads")
+        if self.arch == "gemma4":
+            if self.experts or not (self.global_head_dim and self.full_every and self.window and self.rotary):
+                raise ValueError(f"{self.name}: a random gemma4 is dense, with global_head_dim, full_every, window "
+                                 f"and rotary")
+            types, first = self.layer_types, self.layers - self.shared_kv
+            # llama.cpp's shared layers read layer first - 1 (full) or first - 2 (sliding)
+            sliding_shared = "sliding_attention" in types[first:]
+            if self.shared_kv and (types[first - 1] != "full_attention"
+                                   or (sliding_shared and types[first - 2] != "sliding_attention")):
+                raise ValueError(f"{self.name}: {self.shared_kv} KV-shared layers of {self.layers} do not start "
+                                 f"after a sliding then a full layer, as llama.cpp's gemma4 reads them")
 
     @property
     def blocks(self) -> int:
@@ -106,6 +128,30 @@ class ModelShape:
     @property
     def ffn_exp(self) -> int:
         return self.expert_ffn or self.intermediate
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Gemma 4's layers: every full_every-th and the last full attention, the others sliding."""
+        return ["full_attention" if (i + 1) % self.full_every == 0 or i == self.layers - 1 else "sliding_attention"
+                for i in range(self.layers)]
+
+
+def cut_layers(shape: ModelShape, layers: int) -> ModelShape:
+    """shape's first `layers` layers. A Gemma 4 keeps its layer pattern (the last layer full) and its KV-shared tail
+    about as large a part of the layers, starting after a full layer as llama.cpp reads it, with one shared layer of
+    each kind at least (8 layers at least)."""
+    if not 0 < layers <= shape.layers:
+        raise ValueError(f"layers={layers}: {shape.name} has {shape.layers} layers, keep 1 to {shape.layers}")
+    if shape.arch != "gemma4" or not shape.shared_kv or layers == shape.layers:
+        return replace(shape, layers=layers)
+    cut = replace(shape, layers=layers, shared_kv=0)
+    types = cut.layer_types
+    starts = [i + 1 for i in range(layers - 2) if types[i] == "full_attention"]       # a sliding one shared too
+    if not starts:
+        raise ValueError(f"layers={layers}: {shape.name} cut keeps no KV-shared sliding and full layer; keep "
+                         f"{2 * shape.full_every - 4} layers at least")
+    target = layers - round(layers * shape.shared_kv / shape.layers)
+    return replace(cut, shared_kv=layers - min(starts, key=lambda f: abs(f - target)))
 
 
 # architectures whose every layer llama.cpp reads as routed (llama has experts where its expert_count says)
@@ -151,6 +197,15 @@ PRESETS = {
     "qwen3.5-35b-a3b": ModelShape("qwen3.5-35b-a3b", 40, 2048, 16, 2, 512, 256, 262144, 1e7, False, arch="qwen35moe",
                                   vocab=248320, rms_norm_eps=1e-6, experts=256, experts_used=8, expert_ffn=512,
                                   linear=(16, 32, 128, 4), full_every=4, rotary=64, shared_ffn=512, mtp=1),
+    # google/gemma-4-E4B (its config.json's text_config; transformers' Gemma4TextConfig): 42 layers of 2560, 8 / 2
+    # heads, intermediate 10240, five sliding layers (head_dim 256, window 512, rope_theta 1e4) then a full one
+    # (global_head_dim 512, proportional RoPE over a quarter: partial_rotary_factor 0.25, rope_theta 1e6), keys and
+    # values of their own (attention_k_eq_v false, no num_global_key_value_heads), the last 18 layers on earlier KV
+    # (num_kv_shared_layers), per-layer embeddings of 256 (hidden_size_per_layer_input; vocab_size_per_layer_input
+    # 262,144), vocabulary 262,144, 131,072 positions, final soft-cap 30, tied
+    "gemma-4-e4b": ModelShape("gemma-4-e4b", 42, 2560, 8, 2, 10240, 256, 131072, 1e6, True, arch="gemma4",
+                              vocab=262144, window=512, rms_norm_eps=1e-6, full_every=6, rotary=128,
+                              global_head_dim=512, ple=256, shared_kv=18, rope_theta_swa=10000.0, softcap=30.0),
 }
 
 # mix name -> (type of the 2-D layer weights, token_embd / output type, general.file_type)
@@ -202,7 +257,7 @@ def tensor_type(mix: str, name: str, layers: int, tied: bool, experts: int = 0, 
         return edge
     if mix == "MXFP4":
         return "MXFP4" if stacked else base
-    if name == "token_embd.weight":
+    if name in ("token_embd.weight", "per_layer_token_embd.weight"):     # Gemma 4's PLE table: token_embd's rule
         return base if mix == "Q4_K_M" else edge
     if mix in _FLOAT_MIXES:
         return base
@@ -239,6 +294,8 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]
     writes them."""
     if shape.arch in _HYBRID:
         return _hybrid_tensors(shape, vocab)
+    if shape.arch == "gemma4":
+        return _gemma4_tensors(shape, vocab)
     h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
     e, fe = shape.experts, shape.ffn_exp
     out = [("token_embd.weight", (vocab, h))]
@@ -314,6 +371,62 @@ def _hybrid_tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int,
     return out
 
 
+def _gemma4_tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Gemma 4's tensors (llama.cpp's gemma4; gguf_arch.GEMMA4_*): the per-layer embedding table, its projection and
+    norm, the full layers' rope_freqs; per layer attention of the layer's head width (no k / v / k-norm in a
+    KV-shared layer, no v where keys are values), the MLP between its four norms, the per-layer input gate,
+    projection and norm, and the layer's output scale."""
+    h, f, p, n = shape.hidden, shape.intermediate, shape.ple, shape.layers
+    out = [("token_embd.weight", (vocab, h))]
+    if p:
+        out += [("per_layer_token_embd.weight", (vocab, n * p)), ("per_layer_model_proj.weight", (n * p, h)),
+                ("per_layer_proj_norm.weight", (p,))]
+    out.append(("rope_freqs.weight", (shape.global_head_dim // 2,)))
+    for i, kind in enumerate(shape.layer_types):
+        full, own, b = kind == "full_attention", i < n - shape.shared_kv, f"blk.{i}."
+        d = shape.global_head_dim if full else shape.head_dim
+        kv = (shape.global_kv_heads or shape.kv_heads) if full else shape.kv_heads
+        out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (shape.heads * d, h))]
+        if own:
+            out.append((b + "attn_k.weight", (kv * d, h)))
+            if not (full and shape.global_kv_heads):
+                out.append((b + "attn_v.weight", (kv * d, h)))
+        out += [(b + "attn_output.weight", (h, shape.heads * d)), (b + "attn_q_norm.weight", (d,))]
+        if own:
+            out.append((b + "attn_k_norm.weight", (d,)))
+        out += [(b + "post_attention_norm.weight", (h,)), (b + "ffn_norm.weight", (h,)),
+                (b + "ffn_gate.weight", (f, h)), (b + "ffn_up.weight", (f, h)), (b + "ffn_down.weight", (h, f)),
+                (b + "post_ffw_norm.weight", (h,))]
+        if p:
+            out += [(b + "inp_gate.weight", (p, h)), (b + "proj.weight", (h, p)), (b + "post_norm.weight", (h,))]
+        out.append((b + "layer_output_scale.weight", (1,)))
+    out.append(("output_norm.weight", (h,)))
+    if not shape.tied:
+        out.append(("output.weight", (vocab, h)))
+    return out
+
+
+def gemma4_rope_freqs(shape: ModelShape) -> np.ndarray:
+    """The converter's rope_freqs: 1 for the full layers' `rotary` / 2 turned pairs, 1e30 (no turn) for the rest."""
+    from kvchat.engine.model.gguf_arch import GEMMA4_UNROTATED
+    half = shape.global_head_dim // 2
+    return np.array([1.0] * (shape.rotary // 2) + [GEMMA4_UNROTATED] * (half - shape.rotary // 2), np.float32)
+
+
+def _add_gemma4_keys(writer: GGUFWriter, shape: ModelShape) -> None:
+    """Gemma 4's keys beyond _add_shape_keys' (whose key_length and rope.dimension_count are the full layers')."""
+    types = shape.layer_types
+    writer.add_rope_freq_base_swa(shape.rope_theta_swa or shape.rope_theta)
+    writer.add_key_length_swa(shape.head_dim)
+    writer.add_value_length_swa(shape.head_dim)
+    if shape.softcap:
+        writer.add_final_logit_softcapping(shape.softcap)
+    writer.add_shared_kv_layers(shape.shared_kv)
+    writer.add_embedding_length_per_layer_input(shape.ple)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    writer.add_rope_dimension_count_swa(shape.head_dim)
+
+
 def split_experts(name: str, numpy_shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
     """Mixtral's older layout of one 3-D expert weight: (blk.N.<kind>.<e>.weight, [out, in]) per expert."""
     p, kind, _ = name.rsplit(".", 2)
@@ -339,6 +452,10 @@ def _weights(name: str, numpy_shape: tuple[int, ...], type_name: str, rng: np.ra
     time, so no more than one expert's chunk of fp32 values is ever held."""
     if len(numpy_shape) == 1 and name.endswith("norm.weight"):
         return rng.uniform(0.9, 1.1, numpy_shape).astype(np.float32)
+    if name == "rope_freqs.weight":
+        return gemma4_rope_freqs(shape)
+    if name.endswith(".layer_output_scale.weight"):
+        return rng.uniform(0.5, 1.0, numpy_shape).astype(np.float32)
     if name.endswith(".ssm_a"):          # a decay rate A = -exp(A_log): negative, as transformers initializes it
         return -rng.uniform(0.01, 16.0, numpy_shape).astype(np.float32)
     if len(numpy_shape) == 1 or not name.endswith(".weight"):
@@ -494,9 +611,7 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
     if isinstance(shape, str):
         shape = preset(shape)
     if layers is not None:
-        if not 0 < layers <= shape.layers:
-            raise ValueError(f"layers={layers}: {shape.name} has {shape.layers} layers, keep 1 to {shape.layers}")
-        shape = replace(shape, layers=layers)
+        shape = cut_layers(shape, layers)
     if qtype not in MIXES:
         raise ValueError(f"unknown type {qtype!r}: one of {', '.join(MIXES)}")
     if per_expert and not (shape.experts and shape.arch == "llama"):
@@ -508,10 +623,16 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
     path = Path(path)
     with atomic_writer(path, shape.arch) as writer:
         writer.add_name(f"random {shape.name} {qtype}")
+        gemma4 = shape.arch == "gemma4"
+        kv_heads = ([shape.kv_heads if t == "sliding_attention" else shape.global_kv_heads for t in shape.layer_types]
+                    if gemma4 and shape.global_kv_heads else shape.kv_heads)
+        head_dim = shape.global_head_dim if gemma4 else shape.head_dim
         _add_shape_keys(writer, shape.arch, layers=shape.blocks, hidden=shape.hidden, heads=shape.heads,
-                        kv_heads=shape.kv_heads, ffn=None if shape.arch == "qwen35moe" else shape.intermediate,
-                        head_dim=shape.head_dim, context=shape.context, theta=shape.rope_theta,
-                        eps=shape.rms_norm_eps, rotary_dims=shape.rotary or shape.head_dim)
+                        kv_heads=kv_heads, ffn=None if shape.arch == "qwen35moe" else shape.intermediate,
+                        head_dim=head_dim, context=shape.context, theta=shape.rope_theta,
+                        eps=shape.rms_norm_eps, rotary_dims=head_dim if gemma4 else shape.rotary or shape.head_dim)
+        if gemma4:
+            _add_gemma4_keys(writer, shape)
         _add_moe_keys(writer, shape.arch, shape.experts, shape.experts_used, shape.ffn_exp)
         if shape.linear:
             hk, hv, width, kernel = shape.linear
@@ -537,7 +658,13 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
         if not weights:             # the data region as one sparse run of zeros, each tensor at its aligned offset
             fout, align = writer.fout[0], writer.data_alignment
             size = sum(writer.ggml_pad(_nbytes(dims, kind), align) for _, _, dims, kind, _ in plan)
-            fout.truncate(writer.ggml_pad(fout.tell(), align) + size)
+            start = writer.ggml_pad(fout.tell(), align)
+            fout.truncate(start + size)
+            for _, name, dims, kind, _ in plan:     # a constant table (Gemma 4's rope_freqs) is written all the same
+                if name == "rope_freqs.weight":
+                    fout.seek(start)
+                    fout.write(gemma4_rope_freqs(shape).tobytes())
+                start += writer.ggml_pad(_nbytes(dims, kind), align)
             return path
         logical = dict(enumerate(_tensors(shape, vocab)))
         stack = None
@@ -570,7 +697,7 @@ def tensor_plan(shape: ModelShape, qtype: str, vocab: int, per_expert: bool = Fa
 def planned_bytes(shape: ModelShape | str, qtype: str, layers: int | None = None) -> int:
     """The tensor bytes a random file of this preset (cut to `layers`) holds, without writing it."""
     shape = preset(shape) if isinstance(shape, str) else shape
-    shape = replace(shape, layers=layers) if layers else shape
+    shape = cut_layers(shape, layers) if layers else shape
     vocab = shape.vocab or 49152           # the default tokenizer's own size
     return sum(_nbytes(dims, kind) for _, _, dims, kind, _ in tensor_plan(shape, qtype, vocab))
 

@@ -72,6 +72,51 @@ QWEN35_TENSORS = {
 SHARED_EXPERT_TENSORS = {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
                          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 QWEN35MOE_TENSORS = {**QWEN35_TENSORS, **EXPERT_TENSORS, **SHARED_EXPERT_TENSORS}
+# Gemma 4 (llama.cpp's gemma4; transformers' Gemma4TextDecoderLayer). Its converter stores every tensor as it is:
+# Gemma4RMSNorm multiplies by w (not Gemma 2/3's 1 + w), so no norm is shifted; the PLE tables are the checkpoint's
+# own, their scales (sqrt(per-layer width), hidden ** -0.5, 2 ** -0.5) applied at run time by llama.cpp as by
+# transformers. The pre-MLP norm is ffn_norm, the post-attention one post_attention_norm. A KV-shared layer (the last
+# num_kv_shared_layers) and, under attention_k_eq_v, a full layer's v_proj have no tensors: llama.cpp reads the
+# missing attn_v as "values are the raw keys", a shared layer's missing attn_k / attn_k_norm as "reuse the cache of
+# layer first_shared - 1 (full) or - 2 (sliding)". The MoE block sits beside the dense MLP (which llama.cpp runs as
+# a shared expert), under kvchat's names mlp.router / mlp.experts (weights.expert_state): the router projection
+# ffn_gate_inp with its input multiplier router.scale as ffn_gate_inp.scale, the experts' gate | up fused as
+# llama.cpp stores them (ffn_gate_up_exps [experts, 2 x ffn, hidden]: kvchat's mlp.experts.gate_proj is its first
+# half of rows, up_proj the second), down as ffn_down_exps, and two tensors under names of their own
+# (GEMMA4_RENAMED). Keys: kvchat's layer modules; each keeps its kind (weight, scale): blk.N.<short>.<kind>.
+GEMMA4_TENSORS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "per_layer_input_gate": "inp_gate", "per_layer_projection": "proj", "post_per_layer_input_norm": "post_norm",
+    "mlp.router": "ffn_gate_inp", "mlp.experts.gate_up_proj": "ffn_gate_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps", "pre_feedforward_layernorm_2": "pre_ffw_norm_2",
+    "post_feedforward_layernorm_1": "post_ffw_norm_1", "post_feedforward_layernorm_2": "post_ffw_norm_2",
+}
+# a layer's Gemma 4 tensors whose llama.cpp name is not <module>.<kind>: the bare layer_scalar [1] and the per-expert
+# output scale [experts] (transformers' router.per_expert_scale, which llama.cpp multiplies each expert's down by)
+GEMMA4_RENAMED = {"layer_scalar": "layer_output_scale.weight", "mlp.router.per_expert_scale": "ffn_down_exps.scale"}
+# a Gemma 4 checkpoint's layer tensors -> kvchat's names (as weights.expert_state reads them, the fused experts not
+# yet split); the rest keep theirs
+GEMMA4_HF_NAMES = {"router.proj.weight": "mlp.router.weight", "router.scale": "mlp.router.scale",
+                   "router.per_expert_scale": "mlp.router.per_expert_scale",
+                   "experts.gate_up_proj": "mlp.experts.gate_up_proj.weight",
+                   "experts.down_proj": "mlp.experts.down_proj.weight"}
+# Gemma 4's model-level tensors beyond token_embd / output_norm / output: the per-layer embedding (PLE) table
+# [vocab_size_per_layer_input, layers x per-layer width] (quantized as token_embd is), its projection of the scaled
+# token embedding [layers x width, hidden] and that projection's norm [width]; rope_freqs [global_head_dim / 2] is
+# the converter's own (GEMMA4_ROPE_FREQS)
+GEMMA4_MODEL_TENSORS = {"model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+                        "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+                        "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
+# the full layers' proportional RoPE: llama.cpp rotates all global_head_dim dimensions (rope.dimension_count) as NeoX
+# pairs (i, i + d/2) at freq_base ** (-2i / d) divided by rope_freqs[i]: 1 for the partial_rotary_factor x d / 2
+# rotated pairs, GEMMA4_UNROTATED (an angle of ~0) for the others, which is transformers' proportional inv_freq
+GEMMA4_ROPE_FREQS = "rope_freqs.weight"
+GEMMA4_UNROTATED = 1e30
+
 # llama.cpp tensors named without a .weight suffix (its converter maps A_log, a bare parameter, to blk.N.ssm_a)
 BARE_TENSORS = frozenset({"ssm_a"})
 # the linear-attention tensors whose value heads llama.cpp's converter reorders (value_head_order), and the rows (or
@@ -126,7 +171,24 @@ def key_names(arch: str) -> dict[str, str]:
             "layer_types": f"{arch}.full_attention_interval", "partial_rotary_factor": f"{arch}.rope.dimension_count",
             "linear_conv_kernel_dim": f"{arch}.ssm.conv_kernel", "linear_key_head_dim": f"{arch}.ssm.state_size",
             "linear_num_key_heads": f"{arch}.ssm.group_count", "linear_num_value_heads": f"{arch}.ssm.time_step_rank",
-            "linear_value_head_dim": f"{arch}.ssm.inner_size / {arch}.ssm.time_step_rank"}
+            "linear_value_head_dim": f"{arch}.ssm.inner_size / {arch}.ssm.time_step_rank",
+            **(_gemma4_key_names(arch) if arch == "gemma4" else {})}
+
+
+def _gemma4_key_names(arch: str) -> dict[str, str]:
+    return {"head_dim": f"{arch}.attention.key_length_swa", "global_head_dim": f"{arch}.attention.key_length",
+            "num_key_value_heads": f"{arch}.attention.head_count_kv",
+            "num_global_key_value_heads": f"{arch}.attention.head_count_kv",
+            "layer_types": f"{arch}.attention.sliding_window_pattern",
+            "num_kv_shared_layers": f"{arch}.attention.shared_kv_layers",
+            "hidden_size_per_layer_input": f"{arch}.embedding_length_per_layer_input",
+            "vocab_size_per_layer_input": "per_layer_token_embd.weight's rows",
+            "intermediate_size": f"{arch}.feed_forward_length", "use_double_wide_mlp": f"{arch}.feed_forward_length",
+            "rope_parameters.sliding_attention.rope_theta": f"{arch}.rope.freq_base_swa",
+            "rope_parameters.full_attention.rope_theta": f"{arch}.rope.freq_base",
+            "rope_parameters.full_attention.partial_rotary_factor": GEMMA4_ROPE_FREQS,
+            "attention_k_eq_v": "blk.N.attn_v.weight (absent from the full layers: keys are values)",
+            "top_k_experts": f"{arch}.expert_used_count"}
 
 
 def gguf_tensor_name(layer: int | str, short: str, kind: str) -> str:
@@ -339,5 +401,127 @@ def _smollm3(gf, arch: str, base: dict) -> dict:
     return {"no_rope_layer_interval": step}
 
 
+def _gemma4(gf, arch: str, base: dict) -> dict:
+    """llama.cpp's gemma4 header in Gemma4TextConfig's words. The file stores per layer what the config derives:
+    sliding_window_pattern (one bool a layer) is layer_types, key_length / key_length_swa the full / sliding head
+    widths, head_count_kv (an array where the two kinds differ) both head counts, feed_forward_length (an array under
+    use_double_wide_mlp: the shared layers' twice the others'); values equal to keys (attention_k_eq_v) show as the
+    full layers' missing attn_v, the full layers' proportional RoPE as rope_freqs. What one Gemma4TextConfig cannot
+    say (KV heads or MLP widths that vary otherwise, attn_v in some full layers only, other RoPE) is refused as a
+    damaged file."""
+    def damaged(what: str) -> ModelLoadError:
+        return ModelLoadError(f"{gf.path.name}: {what}: the file is damaged; re-download or re-convert it")
+
+    layers, key = int(base["num_hidden_layers"]), f"{arch}.attention.sliding_window_pattern"
+    pattern = gf.field(key)
+    pattern = [pattern] * layers if isinstance(pattern, bool) else pattern      # a bool array reads as 0 / 1
+    if not isinstance(pattern, list) or len(pattern) != layers or not all(p in (0, 1) for p in pattern):
+        raise damaged(f"{key} is not one true / false per layer of {layers}")
+    if pattern[-1]:
+        raise damaged(f"{key} makes the last layer sliding (Gemma 4's last layer attends to every position)")
+    types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    shared = int(gf.fields.get(f"{arch}.attention.shared_kv_layers", 0))
+    first_shared = layers - shared
+    if not 0 <= shared < layers or not set(types[first_shared:]) <= set(types[:first_shared]):
+        raise damaged(f"{arch}.attention.shared_kv_layers={shared} of {layers} layers leaves a shared layer no "
+                      f"earlier layer of its kind to take its keys and values from")
+    cfg = {"layer_types": types, "num_kv_shared_layers": shared, "hidden_activation": "gelu_pytorch_tanh",
+           "attention_bias": False, "sliding_window": int(gf.field(f"{arch}.attention.sliding_window"))}
+    head_dim, global_head_dim = (int(gf.field(f"{arch}.attention.key_length{s}")) for s in ("_swa", ""))
+    for s, width in (("_swa", head_dim), ("", global_head_dim)):
+        if int(gf.fields.get(f"{arch}.attention.value_length{s}", width)) != width:
+            raise damaged(f"{arch}.attention.value_length{s} differs from key_length{s} (llama.cpp needs them equal)")
+    cfg.update(head_dim=head_dim, global_head_dim=global_head_dim)
+    cfg.update(_gemma4_heads(gf, arch, types, first_shared, damaged))
+    cfg.update(_gemma4_rope(gf, arch, base, head_dim, global_head_dim, "full_attention" in types, damaged))
+    # llama.cpp caps the logits at its Gemma 2 default where the key is absent; 0 turns the cap off
+    final = gf.fields.get(f"{arch}.final_logit_softcapping", GEMMA2_FINAL_SOFTCAP)
+    cfg["final_logit_softcapping"] = float(final) if final else None
+    width = int(gf.field(f"{arch}.embedding_length_per_layer_input"))
+    cfg["hidden_size_per_layer_input"], cfg["vocab_size_per_layer_input"] = width, int(base["vocab_size"])
+    table = gf.tensors.get(GEMMA4_MODEL_TENSORS["model.embed_tokens_per_layer.weight"])
+    if width and (table is None or tuple(table.shape) != (layers * width, int(base["vocab_size"]))):
+        raise damaged(f"per_layer_token_embd.weight is {None if table is None else list(table.shape)}, not "
+                      f"[{layers} layers x {width}, {base['vocab_size']} tokens] (llama.cpp reads one row a token)")
+    ffn = gf.fields.get(f"{arch}.feed_forward_length", base.get("intermediate_size"))
+    ffn = ffn if isinstance(ffn, list) else [ffn] * layers
+    double = [ffn[0] if i < first_shared else 2 * ffn[0] for i in range(layers)]
+    if ffn != [ffn[0]] * layers and (ffn != double or not shared):
+        raise damaged(f"{arch}.feed_forward_length={ffn} is neither one width nor twice it in the "
+                      f"{shared} KV-shared layers (use_double_wide_mlp)")
+    cfg["intermediate_size"], cfg["use_double_wide_mlp"] = ffn[0], ffn != [ffn[0]] * layers
+    cfg.update(_gemma4_experts(gf, arch, base, layers, damaged))
+    return cfg
+
+
+def _gemma4_heads(gf, arch: str, types: list[str], first_shared: int, damaged) -> dict:
+    # one KV head count per kind of layer; keys as values (no attn_v) in all the full layers with a KV of their own
+    key = f"{arch}.attention.head_count_kv"
+    heads = gf.field(key)
+    heads = heads if isinstance(heads, list) else [heads] * len(types)
+    counts = {kind: {h for h, t in zip(heads, types) if t == kind} for kind in set(types)}
+    if len(heads) != len(types) or any(len(c) != 1 for c in counts.values()):
+        raise damaged(f"{key}={heads} is not one count for every sliding layer and one for every full one")
+    full = counts["full_attention"].pop()
+    sliding = counts["sliding_attention"].pop() if "sliding_attention" in counts else full
+    lacks_v = {types[i]: set() for i in range(first_shared)}
+    for i in range(first_shared):
+        lacks_v[types[i]].add(f"blk.{i}.attn_v.weight" not in gf.tensors)
+    if True in lacks_v.get("sliding_attention", ()) or len(lacks_v["full_attention"]) != 1:
+        raise damaged("attn_v.weight is missing from some layers: only all the full layers may lack it "
+                      "(attention_k_eq_v)")
+    k_eq_v = lacks_v["full_attention"] == {True}
+    if full != sliding and not k_eq_v:
+        raise damaged(f"{key} gives the full layers {full} KV heads and the sliding ones {sliding}, but the full "
+                      f"layers have values of their own (Gemma 4 has global KV heads only with keys as values)")
+    return {"num_key_value_heads": sliding, "num_global_key_value_heads": full if k_eq_v else None,
+            "attention_k_eq_v": k_eq_v}
+
+
+def _gemma4_rope(gf, arch: str, base: dict, head_dim: int, global_head_dim: int, has_full: bool, damaged) -> dict:
+    # sliding layers: plain RoPE over all head_dim; full ones: proportional, all global_head_dim dimensions at
+    # freq_base ** (-2i / d), the unrotated pairs' factor GEMMA4_UNROTATED (rope_freqs)
+    if base.get("rope_scaling"):
+        raise damaged(f"{arch}.rope.scaling.type scales Gemma 4's RoPE, which its converter never writes")
+    dims = int(gf.fields.get(f"{arch}.rope.dimension_count", global_head_dim))
+    dims_swa = int(gf.fields.get(f"{arch}.rope.dimension_count_swa", dims))
+    if dims != global_head_dim or dims_swa != head_dim:
+        raise damaged(f"{arch}.rope.dimension_count={dims} / dimension_count_swa={dims_swa} are not the full and "
+                      f"sliding head widths {global_head_dim} / {head_dim}")
+    theta = float(base["rope_theta"])
+    rotated = global_head_dim // 2
+    if has_full:
+        t = gf.tensors.get(GEMMA4_ROPE_FREQS)
+        if t is None:
+            raise ModelLoadError(f"{gf.path.name} lacks {GEMMA4_ROPE_FREQS}, the full layers' proportional RoPE: the "
+                                 f"file is incomplete; re-download or re-convert it")
+        factors = np.asarray(t.data, dtype=np.float32).reshape(-1)
+        rotated = int(np.count_nonzero(factors == 1.0))
+        if len(factors) != global_head_dim // 2 or not np.all(factors[rotated:] >= 1e20) or rotated == 0:
+            raise damaged(f"{GEMMA4_ROPE_FREQS} is not {global_head_dim // 2} factors, ones then "
+                          f"{GEMMA4_UNROTATED:g} (proportional RoPE)")
+    return {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default",
+                              "rope_theta": float(gf.fields.get(f"{arch}.rope.freq_base_swa", theta))},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 2 * rotated / global_head_dim,
+                           "rope_theta": theta}}, "rope_scaling": None}
+
+
+def _gemma4_experts(gf, arch: str, base: dict, layers: int, damaged) -> dict:
+    # the MoE block beside every layer's MLP: llama.cpp runs a layer's experts where it has a router
+    routed = [f"blk.{i}.ffn_gate_inp.weight" in gf.tensors for i in range(layers)]
+    count = gf.fields.get(f"{arch}.expert_count")
+    if not any(routed) and not count:
+        return {"enable_moe_block": False, "num_experts": None, "top_k_experts": None, "moe_intermediate_size": None}
+    if not all(routed) or not count:
+        raise damaged(f"{arch}.expert_count={count!r} with a router in {sum(routed)} of {layers} layers (Gemma 4 "
+                      f"routes every layer or none)")
+    used = gf.field(f"{arch}.expert_used_count")
+    if not 0 < used <= count:
+        raise damaged(f"{arch}.expert_used_count={used} of {count} experts")
+    return {"enable_moe_block": True, "num_experts": int(count), "top_k_experts": int(used),
+            "moe_intermediate_size": int(gf.field(f"{arch}.expert_feed_forward_length"))}
+
+
 _ARCH_FIELDS = {"gemma2": _gemma, "gemma3": _gemma, "phi3": _phi3, "llama": _llama, "qwen3moe": _qwen3moe,
-                "gpt-oss": _gpt_oss, "smollm3": _smollm3, "qwen35": _qwen35, "qwen35moe": _qwen35}
+                "gpt-oss": _gpt_oss, "smollm3": _smollm3, "qwen35": _qwen35, "qwen35moe": _qwen35, "gemma4": _gemma4}
