@@ -179,7 +179,7 @@ class ModelConfig:
         from kvchat.engine.model.gguf_view import GGUFModel
         gf = GGUFModel.of(gf)
         cfg = cls.from_hf(gf.hf_config(), gf.path.name, gf.key_names())
-        factors = gf.rope_factors()
+        factors = gf.rope_factors() if gf.arch != "gemma4" else None    # Gemma 4's: its proportional rope, read
         if factors is not None:
             if len(factors) != cfg.head_dim // 2:
                 raise ModelLoadError(f"{gf.path.name}: rope_freqs has {len(factors)} entries, expected {cfg.head_dim // 2}")

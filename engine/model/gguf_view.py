@@ -19,7 +19,12 @@ from kvchat.engine.model import gguf_arch
 from kvchat.engine.model.families import Family, gguf_family
 
 _TOP_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                "output.weight": "lm_head.weight"}
+                "output.weight": "lm_head.weight",
+                **{own: hf for hf, own in gguf_arch.GEMMA4_MODEL_TENSORS.items()}}
+# llama.cpp's layer tensors whose name is not <module>.<kind> (Gemma 4's): their own name -> kvchat's module.kind
+_RENAMED = {own: hf for hf, own in gguf_arch.GEMMA4_RENAMED.items()}
+# an expert matrix llama.cpp stores with gate and up fused ([experts, 2 x ffn, hidden], gate rows first)
+_FUSED_EXPERTS = "mlp.experts.gate_up_proj"
 _TOP_HF = {hf: own for own, hf in _TOP_TENSORS.items()}
 
 
@@ -104,6 +109,12 @@ class GGUFModel(GGUFFile):
                 parts.append("weight")
             if name in _TOP_TENSORS:
                 out[_TOP_TENSORS[name]] = tuple(reversed(t.shape))
+            elif parts[0] == "blk" and len(parts) > 2 and ".".join(parts[2:]) in _RENAMED:
+                out[f"model.layers.{parts[1]}.{_RENAMED['.'.join(parts[2:])]}"] = tuple(reversed(t.shape))
+            elif len(parts) == 4 and parts[0] == "blk" and modules.get(parts[2]) == _FUSED_EXPERTS:
+                e, rows, cols = reversed(t.shape)       # read as kvchat's gate and up matrices (fused_experts)
+                for half in ("gate_proj", "up_proj"):
+                    out[f"model.layers.{parts[1]}.mlp.experts.{half}.{parts[3]}"] = (e, rows // 2, cols)
             elif len(parts) == 4 and parts[0] == "blk":
                 out[f"model.layers.{parts[1]}.{modules.get(parts[2], '?' + parts[2])}.{parts[3]}"] = tuple(reversed(t.shape))
             elif len(parts) == 5 and parts[0] == "blk" and parts[2] in gguf_arch.PER_EXPERT_TENSORS \
@@ -145,8 +156,22 @@ class GGUFModel(GGUFFile):
         if hf_name in _TOP_HF:
             return _TOP_HF[hf_name]
         _, _, i, rest = hf_name.split(".", 3)
+        if rest in gguf_arch.GEMMA4_RENAMED and self.arch == "gemma4":
+            return f"blk.{i}.{gguf_arch.GEMMA4_RENAMED[rest]}"
         module, kind = rest.rsplit(".", 1)
-        return gguf_arch.gguf_tensor_name(i, self.family.gguf_tensors[module], kind)
+        tensors = self.family.gguf_tensors
+        if module not in tensors and module in ("mlp.experts.gate_proj", "mlp.experts.up_proj") \
+                and _FUSED_EXPERTS in tensors:         # half of the fused expert matrix
+            module = _FUSED_EXPERTS
+        return gguf_arch.gguf_tensor_name(i, tensors[module], kind)
+
+    def fused_experts(self, hf_name: str) -> str | None:
+        """The fused gate | up expert tensor (kvchat's name) holding the expert matrix `hf_name`
+        (model.layers.N.mlp.experts.gate_proj.weight), where the file stores them fused; else None."""
+        if not hf_name.endswith(("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight")):
+            return None
+        fused = hf_name.rsplit(".mlp.experts.", 1)[0] + f".{_FUSED_EXPERTS}.weight"
+        return fused if _FUSED_EXPERTS in self.family.gguf_tensors and self.has(fused) else None
 
     def dequantize(self, name: str) -> np.ndarray:
         """float32, in transformers' order where llama.cpp's converter reordered a Gated DeltaNet's value heads

@@ -28,7 +28,8 @@ from kvchat.engine.model.linears import ConcatLinear, DenseLinear, Q4Linear, Q8L
 from kvchat.engine.model.linears import MXFP4Linear, Q6Linear
 
 def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "",
-              per_expert=lambda name: None, input_order=lambda name: None) -> Transformer:
+              per_expert=lambda name: None, input_order=lambda name: None, fused_experts=lambda name: None
+              ) -> Transformer:
     """linear(names, bias_names) -> a linear (several names: concatenated along the output); tensor(name, offset)
     -> a norm vector holding the multiplier the norm applies, offset + w, where the source stores w (LayerSpec's
     norm_offset: Gemma's (1 + w)). Whether the stored vector is w or already offset + w is the source's to know,
@@ -36,7 +37,9 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
     -> the names of one tensor per expert where the source stores a 3-D expert matrix that way (Mixtral's older
     GGUFs), else None: the 3-D tensor is then one linear, cut into its experts without a copy. input_order(name) ->
     the order a linear's input must be taken in, where its columns are stored in another order than the model
-    computes (a packed GGUF's out_proj over tiled value heads: columns move only by whole blocks), else None."""
+    computes (a packed GGUF's out_proj over tiled value heads: columns move only by whole blocks), else None.
+    fused_experts(name) -> the name of a 3-D tensor holding the experts' gate and up matrices fused (each expert's
+    gate rows, then its up rows: Gemma 4's GGUFs), or None."""
     layers = []
     for i, spec in enumerate(mc.layers):
         p = f"model.layers.{i}."
@@ -52,7 +55,7 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
 
         mlp = shared = mixer = beside = None
         if spec.experts is not None:
-            mlp = _routed(spec.experts, p, linear, tensor, per_expert)
+            mlp = _routed(spec.experts, p, linear, tensor, per_expert, fused_experts)
             if spec.experts.beside_dense:
                 mlp.router_scale = tensor(p + "mlp.router.scale").float() * mc.hidden_size ** -0.5
                 mlp.expert_scale = tensor(p + "mlp.router.per_expert_scale").float()
@@ -93,10 +96,16 @@ def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quan
                        per_layer=per_layer)
 
 
-def _routed(ex, p: str, linear, tensor, per_expert) -> RoutedMLP:
+def _routed(ex, p: str, linear, tensor, per_expert, fused_experts=lambda name: None) -> RoutedMLP:
     """A layer's routed MLP (config.expert_shapes names its tensors): each 3-D expert matrix one linear cut into its
-    experts (or one linear per stored expert), biases [experts, out]."""
+    experts (or one linear per stored expert; gate and up fused: one linear cut into twice as many halves), biases
+    [experts, out]."""
+    fused = fused_experts(p + "mlp.experts.gate_proj.weight")
+    halves = expert_views(linear([fused], None), 2 * ex.count) if fused is not None else None
+
     def experts(module: str) -> list:
+        if halves is not None and module in ("mlp.experts.gate_proj", "mlp.experts.up_proj"):
+            return halves[0::2] if module == "mlp.experts.gate_proj" else halves[1::2]
         name = p + module + ".weight"
         names = per_expert(name)
         if names is not None:
@@ -307,7 +316,7 @@ def from_gguf(mc: ModelConfig, gf: GGUFModel, dtype: torch.dtype, device: str, w
         mc = _tied(mc)
     with _one_thread():
         return _assemble(mc, linear, tensor, dtype, device, "gguf" if packed else weights, gf.quant_summary(),
-                         gf.expert_names, input_order)
+                         gf.expert_names, input_order, gf.fused_experts)
 
 
 @contextmanager
