@@ -203,3 +203,25 @@ def test_full_precision_for_a_layer_without_kv_names_its_source(engine):
     from kvchat.engine.config import ConfigError
     with pytest.raises(ConfigError, match="layer 4 reads layer 3's K and V"):
         engine.new_session(cache=CacheConfig(k_format="int8", v_format="int8", full_precision_layers=(4,)))
+
+
+def test_the_planner_counts_every_parameter(model, engine):
+    """plan.fit counts what transformers holds: both head sizes, no k / v in the shared layers, the per-layer
+    embeddings, each layer's scalar, experts beside the dense MLP."""
+    from kvchat.engine.plan.fit import parameter_counts
+    ref = model[1]
+    held = sum(p.numel() for p in ref.parameters()) + sum(
+        b.numel() for name, b in ref.named_buffers() if name.endswith("layer_scalar"))
+    assert parameter_counts(engine.model.config)[0] == held
+
+
+def test_the_e4b_estimate_counts_only_the_layers_holding_kv():
+    """gemma-4-e4b: 7.46 B parameters (llama.cpp says the same of the file), 24 layers with their own KV of which 4
+    global; a token adds 4 layers x 2 (K, V) x 2 heads x 512 x 2 bytes in bf16 once the windows are full."""
+    from kvchat.engine.plan.estimate import estimate, summarize
+    from kvchat.engine.plan.estimate import model_facts
+    e = estimate(model_facts("gemma-4-e4b"), context=8192, formats=("bf16",), memory_bytes=64 << 30)
+    assert round(e.parameters / 1e9, 2) == 7.46 and e.shared_kv_layers == 18
+    assert dict(e.layer_windows) == {512: 20, None: 4} and e.other_heads == ((2, 512),)
+    assert e.rows[0].bytes_per_token == 4 * 2 * 2 * 512 * 2
+    assert "20 sliding 512 + 4 global + 18 sharing KV" in summarize(e)

@@ -250,6 +250,10 @@ class Estimate:
     # them (counted in kv_bytes), the same at any length; each snapshot of it (regenerate, rewind) costs as much
     linear_layers: int = 0
     state_bytes: int = 0
+    # layers that read another layer's K and V (Gemma 4's last ones): they hold none, and layer_windows leaves them out
+    shared_kv_layers: int = 0
+    # (KV heads, head_dim) of the layers whose heads differ from the model's (Gemma 4's global layers), one per shape
+    other_heads: tuple[tuple[int, int], ...] = ()
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -297,8 +301,10 @@ def estimate(facts: ModelFacts, context: int, batch: int = 1, formats=FORMATS, b
     return Estimate(facts.name, facts.source, mc.model_type, facts.parameters, mc.num_layers, mc.num_kv_heads,
                     mc.head_dim, mc.max_position_embeddings, facts.weights_label, weight_bytes, context, batch,
                     block_size, window, sinks, device, full, memory_bytes, memory_source, margin, room, tuple(rows),
-                    window_counts(layer.window for layer in mc.layers if layer.linear is None), experts_of(mc),
-                    facts.active_parameters, min(active_bytes, weight_bytes), len(mc.linear_layers), mc.state_bytes())
+                    window_counts(layer.window for layer in mc.layers if layer.own_kv), experts_of(mc),
+                    facts.active_parameters, min(active_bytes, weight_bytes), len(mc.linear_layers), mc.state_bytes(),
+                    len(mc.kv_sources), tuple(sorted({(mc.layer_kv_heads(i), mc.layer_head_dim(i))
+                                                      for i in mc.attention_layers} - {(mc.num_kv_heads, mc.head_dim)})))
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -317,10 +323,13 @@ def summarize(e: Estimate) -> str:
     if e.experts:
         moe = (f", {e.experts[1]} of {e.experts[0]} experts per token ({e.active_parameters / 1e9:.2f} B parameters "
                f"read per token)")
+    if e.shared_kv_layers:
+        hybrid = f"{hybrid or f'{e.num_layers - e.shared_kv_layers} own KV'} + {e.shared_kv_layers} sharing KV"
+    heads = "".join(f" (and {h} x {d})" for h, d in e.other_heads)
     lines = [
         f"{e.model} ({e.source}): {e.architecture}, {e.parameters / 1e9:.2f} B parameters{moe}, {e.num_layers} layers"
         f"{f' ({hybrid})' if hybrid else ''}, "
-        f"{e.num_kv_heads} KV heads x head_dim {e.head_dim}, trained context {e.trained_context:,}",
+        f"{e.num_kv_heads} KV heads x head_dim {e.head_dim}{heads}, trained context {e.trained_context:,}",
         f"weights {format_size(e.weight_bytes)} ({e.weights_label}"
         f"{f'; every expert held, {format_size(e.active_weight_bytes)} read per token' if e.experts else ''}); "
         f"context {e.context:,} x batch {e.batch}, "
@@ -336,9 +345,12 @@ def summarize(e: Estimate) -> str:
                          f"regenerate and rewind adds as much); B/token and the cache formats are the "
                          f"{e.num_layers - e.linear_layers} attention "
                          f"{'layer' + chr(39) + 's' if e.num_layers - e.linear_layers == 1 else 'layers' + chr(39)}")
-    if hybrid:
+    if e.shared_kv_layers:
+        lines.insert(-1, f"{e.shared_kv_layers} of {e.num_layers} layers read the K and V of an earlier layer: they "
+                         f"hold none of their own (the formats apply to the layers they read)")
+    if len(e.layer_windows) > 1:
         lines.insert(-1, f"B/token: what each token adds once the sliding windows are full (only the "
-                         f"{dict(e.layer_windows).get(None, 0)} global layers grow)")
+                         f"{dict(e.layer_windows).get(None, 0)} global layers holding KV grow)")
     for r in e.rows:
         lines.append(f"{r.format:<10} {r.bytes_per_token:>12,.1f} {format_size(r.kv_bytes):>12} {format_size(r.total_bytes):>12} "
                      f"{'yes' if r.fits else 'NO':>5}  {_tokens(r.max_context, e.trained_context):>22}")

@@ -42,32 +42,44 @@ def parameter_count(mc) -> int:
 def parameter_counts(mc) -> tuple[int, int]:
     """(every parameter, the parameters one decoded token reads) of a model of this shape: norms and biases included,
     and per layer its description's extra norms (a q and a k norm of head_dim each; Gemma's norms after attention
-    and after the MLP) and sink logits. A routed layer holds its router and every expert, and a token reads the
+    and after the MLP) and sink logits, each layer at its own head size (a layer over another's KV without k and v
+    projections), and per-layer input embeddings. A routed layer holds its router and every expert, and a token reads the
     router and the `used` experts it picks. A token reads one row of the embedding table; a tied table is the output
     head too, read whole."""
-    h, heads, d = mc.hidden_size, mc.num_heads, mc.head_dim
-    q, kv = heads * d, mc.num_kv_heads * d
+    h, heads = mc.hidden_size, mc.num_heads
     total = active = 0
-    for spec in mc.layers:
-        shared = (h * (2 * q + 2 * kv) + (q + 2 * kv) * spec.qkv_bias + h * spec.o_bias
-                  + 2 * h + 2 * d * spec.qk_norm + 2 * h * spec.post_norms + heads * spec.sink_logits
-                  + h * q * spec.attn_gate)
+    for i, spec in enumerate(mc.layers):
+        d = mc.layer_head_dim(i) if hasattr(mc, "layer_head_dim") else mc.head_dim
+        q = heads * d
+        kv = (mc.layer_kv_heads(i) if hasattr(mc, "layer_kv_heads") else mc.num_kv_heads) * d
+        own = (2 - spec.value_from_key) * kv if spec.kv_source is None else 0      # k and v projections
+        shared = (h * (2 * q + own) + (q + own) * spec.qkv_bias + h * spec.o_bias
+                  + 2 * h + (d + d * (spec.kv_source is None)) * spec.qk_norm + 2 * h * spec.post_norms
+                  + heads * spec.sink_logits + h * q * spec.attn_gate + spec.output_scale)
+        if getattr(mc, "per_layer_input", 0):       # the per-layer input's gate, projection and norm
+            shared += 2 * h * mc.per_layer_input + h
         la = spec.linear
         if la is not None:              # Gated DeltaNet: q|k|v, z, b, a in; out; conv taps, dt, A, the gated norm
             v = la.value_heads * la.value_dim
             shared = (h * (la.channels + v + 2 * la.value_heads) + v * h + la.channels * la.conv_kernel
                       + 2 * la.value_heads + la.value_dim + 2 * h)
         ex = spec.experts
+        f = spec.ffn or mc.intermediate_size
+        mlp = 3 * h * f + (2 * f + h) * spec.mlp_bias
         if ex is None:
-            f = mc.intermediate_size
-            mlp = 3 * h * f + (2 * f + h) * spec.mlp_bias
             total, active = total + shared + mlp, active + shared + mlp
             continue
         router = ex.count * (h + ex.router_bias)
         expert = 3 * h * ex.ffn + (2 * ex.ffn + h) * ex.expert_bias
         router += 3 * h * ex.shared_ffn + h * bool(ex.shared_ffn)      # a shared expert (and its gate): every token
+        if ex.beside_dense:             # Gemma 4: the dense MLP too, the router's scales and three more norms
+            router += mlp + h + ex.count + 3 * h
         total += shared + router + ex.count * expert
         active += shared + router + ex.used * expert
+    ple = getattr(mc, "per_layer_input", 0) * mc.num_layers
+    if ple:                             # the per-layer embeddings: a token reads its row; their projection and norm
+        extra = ple * h + mc.per_layer_input
+        total, active = total + mc.per_layer_vocab * ple + extra, active + ple + extra
     table = mc.vocab_size * h
     if mc.tie_word_embeddings:
         return total + table + h, active + table + h

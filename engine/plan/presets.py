@@ -150,6 +150,20 @@ PRESET_CONFIGS: dict[str, dict] = {
     "qwen3.5-35b-a3b": _qwen3_5(2048, 40, 2, False, {"num_experts": 256, "num_experts_per_tok": 8,
                                                      "moe_intermediate_size": 512,
                                                      "shared_expert_intermediate_size": 512}),
+    # google/gemma-4-E4B (its text_config): 42 layers of 2560, five sliding (512, heads of 256, RoPE 10,000) to one
+    # global (heads of 512, a quarter of them turning at 1e6), the last 18 layers reading the KV of layers 22 / 23,
+    # per-layer input embeddings of 256 per layer over the 262,144-token vocabulary, a final soft-cap of 30
+    "gemma-4-e4b": {"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2560, "num_hidden_layers": 42,
+                    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
+                    "intermediate_size": 10240, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                    "rms_norm_eps": 1e-6, "sliding_window": 512, "num_kv_shared_layers": 18,
+                    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(42)],
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                           "rope_theta": 1000000.0}},
+                    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
+                    "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+                    "attention_bias": False, "attention_k_eq_v": False, "enable_moe_block": False},
 }
 
 
