@@ -362,3 +362,52 @@ def test_a_verification_step_goes_back_to_any_of_its_rows(engine):
         engine.runner.truncate(a.seq, 5)
     a.close()
     b.close()
+
+
+SYSTEM = ("You are a careful assistant. Answer briefly and precisely, and say so when you do not know. " * 3).strip()
+
+
+def test_conversations_sharing_a_prefix_share_the_state_after_it(engine):
+    """Prefix sharing over a state: a second conversation with the same system prompt adopts the cached blocks up to
+    the block boundary before its own message and the state kept there (KVCache.publish_state), reads only the rest,
+    and replies as one that read everything; a resent history (an API client's next request) starts from the state
+    the first conversation's reply left at its last block boundary."""
+    engine.clear_prefix_cache()
+    a = engine.new_session(cache=FP32, system_prompt=SYSTEM)
+    first = a.reply(CHAT[0], GREEDY)
+    assert engine.runner.cache.points.points          # kept where the message began and where the reply stands
+    before = engine.runner.tokens_read
+    b = engine.new_session(cache=FP32, system_prompt=SYSTEM)
+    second = b.reply(CHAT[1], GREEDY)
+    reused = b.stats().prefix_reused_tokens
+    assert reused >= 16 and reused % 16 == 0
+    assert engine.runner.tokens_read - before == b.seq.num_tokens - reused      # the rest, and the reply
+    fresh = engine.new_session(cache=FP32, system_prompt=SYSTEM, prefix_cache=False)
+    assert fresh.reply(CHAT[1], GREEDY) == second
+    # the same history sent again with the next message: read from the reply's last block boundary on
+    held = a.seq.num_tokens
+    c = engine.new_session(cache=FP32, system_prompt=SYSTEM, history=list(a.messages))
+    alone = engine.new_session(cache=FP32, system_prompt=SYSTEM, history=list(a.messages), prefix_cache=False)
+    assert c.reply(CHAT[2], GREEDY) == alone.reply(CHAT[2], GREEDY)
+    # (the reply's last block may be written otherwise when sent back: the point a block before it serves then)
+    assert c.stats().prefix_reused_tokens >= held // 16 * 16 - 16, (c.stats().prefix_reused_tokens, held)
+    engine.runner.cache.check()
+    for x in (a, b, c, fresh, alone):
+        x.close()
+
+
+def test_state_points_count_and_give_way(engine):
+    """Each kept point is a whole state in the budget; clearing the prefix cache returns them, and room takes them
+    before it releases any conversation."""
+    engine.clear_prefix_cache()
+    cache = engine.runner.cache
+    held = cache._blocks.held_bytes
+    a = engine.new_session(cache=FP32, system_prompt=SYSTEM)
+    a.reply(CHAT[0], GREEDY)
+    points = len(cache.points.points)
+    assert points and cache._blocks.extra_bytes == points * engine.runner.state_layout.bytes
+    assert cache._blocks.held_bytes >= held + cache._blocks.extra_bytes
+    assert cache._drop_point() and cache._blocks.extra_bytes == (points - 1) * engine.runner.state_layout.bytes
+    engine.clear_prefix_cache()
+    assert not cache.points.points and cache._blocks.extra_bytes == 0
+    a.close()

@@ -30,7 +30,7 @@ from kvchat.engine.kv import convert, saved
 from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVGroup, KVLayout
 from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView
 from kvchat.engine.kv.sequence import Conversation, Reservation, Sequence
-from kvchat.engine.kv.state import RecurrentState, StateLayout
+from kvchat.engine.kv.state import RecurrentState, StateLayout, StatePoints
 from kvchat.engine.kv.tier import DEFAULT_TIER_MB as HOST_TIER_MB, PreemptTier
 from kvchat.engine.kv.pages import PageStore
 
@@ -55,6 +55,9 @@ class KVCache:
         # the second tier: a GPU pool's released conversations go to pinned host memory first, then to disk (the
         # saved-cache file, engine/runtime/warm.py); a CPU pool's go to disk
         self.host_tier = PreemptTier(HOST_TIER_MB, "host") if torch.device(device).type == "cuda" else None
+        self.points = StatePoints()        # states at block boundaries, for prefix sharing over a recurrent state
+        self._replaced: dict[int, list] = {}        # a conversation's first sequence -> its latest points' keys
+        self._blocks.drop_extra = self._drop_point
 
     # ---- conversations ---------------------------------------------------------------------------------------
 
@@ -114,6 +117,7 @@ class KVCache:
         return freed
 
     def close(self, seq: Conversation) -> None:
+        self._replaced.pop(seq.members[0].seq_id, None)     # its latest point stays, for whoever reads the same
         self.free(seq)
         for m in seq.members:
             self._blocks.close(m)
@@ -197,18 +201,19 @@ class KVCache:
         return [(i * bs, b) for i, b in enumerate(seq.table) if b is not None]
 
     def match_prefix(self, seq: Conversation, ids: list[int]) -> int:
-        """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass. None for a
-        conversation with a recurrent state: blocks without the state after them would be read again anyway."""
+        """Adopt cached blocks holding the start of ids; returns the tokens that need no forward pass. A conversation
+        with a recurrent state adopts them only as far as a state point (publish_state) lets it start from the state
+        after them: blocks without that state would be read again anyway."""
         m = self._blocks
-        if seq.state is not None:
-            return 0
-        if len(seq.members) == 1:
+        if len(seq.members) == 1 and seq.state is None:
             return m.match_prefix(seq.members[0], ids)
         # a hit is the shortest hit over the groups (each from the start); the groups holding more give back what the
         # others could not find, and the pool counts the lookup once
         queries, hits = m.prefix_queries, m.prefix_hits
         found = [m.match_prefix(g, ids) for g in seq.members]
         n = min(found)
+        if seq.state is not None:
+            n = self._state_point(seq, n)
         for g, got in zip(seq.members, found):
             if got > n:
                 m.truncate(g, got - n)
@@ -216,8 +221,57 @@ class KVCache:
         m.prefix_queries, m.prefix_hits = queries + usable * seq.block_size, hits + n
         return n
 
+    def _state_point(self, seq: Conversation, n: int) -> int:
+        """The most tokens (at most n, adopted blocks) after which a state point is kept: the conversation's state
+        becomes that point's, counted in the budget; 0 where there is none."""
+        keys = seq.members[0].block_keys
+        for blocks in range(n // seq.block_size, 0, -1):
+            if self.points.take(keys[blocks - 1], seq.state):
+                self.count_state(seq)
+                return blocks * seq.block_size
+        return 0
+
+    def publish_state(self, seq: Conversation, keep: bool = False) -> bool:
+        """Keep the conversation's state as a point others reading the same tokens may start from, where it stands
+        at a block boundary its first group has hashed (its key names every token before it), in free room (older
+        points give theirs; no block or conversation does). A conversation keeps two points of its own besides those
+        kept with `keep` (where its last message began): each step that ends at a block boundary publishes, and the
+        one two before goes (a reply fills a block every few tokens; only its latest are worth a state, the one
+        before the last because a history sent again may write the reply's last tokens otherwise). False where it
+        is not kept."""
+        state, first = seq.state, seq.members[0]
+        bs = seq.block_size
+        if state is None or not seq.num_tokens or seq.num_tokens % bs or state.position != seq.num_tokens \
+                or len(first.block_keys) != seq.num_tokens // bs or first.evicted:
+            return False
+        key = first.block_keys[-1]
+        if key not in self.points.points:
+            while self._blocks.free_bytes() < state.layout.bytes:      # older points make room, nothing else
+                if not self._drop_point():
+                    return False
+        self._blocks.extra_bytes += self.points.publish(key, state)
+        latest = self._replaced.pop(first.seq_id, [])
+        if key in latest:
+            latest.remove(key)
+        if not keep:
+            latest.append(key)
+        while len(latest) > 2:
+            gone = latest.pop(0)
+            if gone in self.points.points:
+                del self.points.points[gone]
+                self._blocks.extra_bytes -= state.layout.bytes
+        self._replaced[first.seq_id] = latest
+        return True
+
+    def _drop_point(self) -> bool:
+        freed = self.points.drop_oldest()
+        self._blocks.extra_bytes -= freed
+        return freed > 0
+
     def clear_prefix_cache(self) -> int:
-        freed = self._blocks.clear_prefix_cache()
+        freed = self.points.clear()
+        self._blocks.extra_bytes -= freed
+        freed += self._blocks.clear_prefix_cache()
         self._pages.shrink(self._blocks.high_water)
         return freed
 

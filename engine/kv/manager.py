@@ -58,6 +58,10 @@ class KVCacheManager:
         self.budget_bytes = int(budget_bytes)
         self.sequences: dict[int, Sequence] = {}
         self._block_bytes_held = 0                          # bytes of the blocks in block_layouts
+        # bytes the cache keeps beside blocks and sequences that room may take (kv/state.StatePoints), and how:
+        # drop_extra() gives one piece back, False when none is left
+        self.extra_bytes = 0
+        self.drop_extra = lambda: False
         self._on_free = on_free or (lambda layers, ids: None)   # page store hook: these ids of a group hold nothing now
         self._on_release = on_release or (lambda seq: None)     # a conversation is about to be released for room
         self._clock = itertools.count(1)
@@ -101,7 +105,8 @@ class KVCacheManager:
     @property
     def held_bytes(self) -> int:
         """Bytes of every block in use or kept for reuse, plus the sequences' full-precision sides."""
-        return self._block_bytes_held + sum(s.side_bytes + s.state_bytes for s in self.sequences.values())
+        return (self._block_bytes_held + self.extra_bytes
+                + sum(s.side_bytes + s.state_bytes for s in self.sequences.values()))
 
     def recount(self) -> int:
         """held block bytes counted from scratch (check() compares it with the running count)."""
@@ -187,7 +192,7 @@ class KVCacheManager:
     def reclaimable_bytes(self, keep: set[int]) -> int:
         """Bytes that could be made free: evictable prefix blocks and idle sequences' own blocks."""
         keep = self._whole(keep)
-        total = self.evictable_bytes()
+        total = self.evictable_bytes() + self.extra_bytes
         for s in self.sequences.values():
             if s.seq_id not in keep and s.block_table:
                 ref = self.pool_of(s).ref_cnt
@@ -198,7 +203,7 @@ class KVCacheManager:
         """Free bytes until `need` more fit: oldest evictable prefix blocks, then least recently used idle sequences."""
         keep = self._whole(keep)
         while self.free_bytes() < need:
-            if self._evict_oldest():
+            if self._evict_oldest() or self.drop_extra():
                 continue
             idle = [s for s in self.sequences.values() if s.seq_id not in keep and s.block_table]
             if not idle:

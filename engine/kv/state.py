@@ -20,6 +20,7 @@ import torch
 from kvchat.engine.model import linear_attention as gdn
 
 MAX_SNAPSHOTS = 4           # per conversation: the turn's start, the prompt's end, and two turns back
+MAX_POINTS = 8              # per cache: states at block boundaries another conversation may start from
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +227,58 @@ class RecurrentState:
         self.position = position
         self.snapshots = {p: (c.to(self.device).clone(), m.to(self.device).clone())
                           for p, (c, m) in sorted(pairs.items())[-MAX_SNAPSHOTS:]}
+
+
+class StatePoints:
+    """States at block boundaries that any conversation reading the same tokens may start from: prefix sharing over
+    a recurrent state. A KV block is shared by its key (its tokens and every token before it, kv/manager.py); a state
+    point is kept under the key of the block it ends with, so a conversation that adopts the cached blocks up to
+    there can take the state after them too, instead of reading them again. Each point costs a whole state: the
+    cache keeps at most MAX_POINTS, the oldest dropped first, and drops them for room before it releases anyone."""
+
+    def __init__(self, layout: StateLayout | None = None):
+        self.layout = layout
+        self.points: dict[object, tuple[int, torch.Tensor, torch.Tensor]] = {}     # key -> (position, conv, matrices)
+
+    @property
+    def bytes(self) -> int:
+        return 0 if self.layout is None else self.layout.bytes * len(self.points)
+
+    def publish(self, key, state: RecurrentState) -> int:
+        """Keep a copy of `state` (at a block boundary) under `key`; returns the bytes added (0 where it is kept)."""
+        if key in self.points:
+            self.points[key] = self.points.pop(key)         # the newest again
+            return 0
+        self.layout = state.layout
+        self.points[key] = (state.position, state.conv.clone(), state.matrices.clone())
+        added = self.layout.bytes
+        while len(self.points) > MAX_POINTS:
+            added -= self.drop_oldest()
+        return added
+
+    def drop_oldest(self) -> int:
+        if not self.points:
+            return 0
+        del self.points[next(iter(self.points))]
+        return self.layout.bytes
+
+    def take(self, key, state: RecurrentState) -> bool:
+        """The state after the point kept under `key` into `state` (nothing else of it kept); False where none."""
+        point = self.points.get(key)
+        if point is None:
+            return False
+        position, conv, matrices = point
+        state.reset()
+        state.conv.copy_(conv)
+        state.matrices.copy_(matrices)
+        state.position = position
+        self.points[key] = self.points.pop(key)
+        return True
+
+    def clear(self) -> int:
+        freed = self.bytes
+        self.points.clear()
+        return freed
 
 
 def _snapshot_position(parts: list[str]) -> int | None:

@@ -7,6 +7,7 @@ from typing import Callable, Generator
 
 import torch
 
+from kvchat.engine.text.chat_format import tokenize_pieces
 from kvchat.engine.config import ConfigError
 from kvchat.engine.events import PrefillProgress
 from kvchat.engine.kv.layout import WindowGeometry, window_peak_bytes
@@ -32,17 +33,22 @@ def feed(session, ids: list[int], all_logits: bool) -> torch.Tensor:
             return done.value
 
 
-def read(session, ids: list[int], all_logits: bool,
-         should_stop: Callable[[], bool] | None = None) -> Generator[PrefillProgress, None, torch.Tensor]:
+def read(session, ids: list[int], all_logits: bool, should_stop: Callable[[], bool] | None = None,
+         cuts: tuple[int, ...] = (), keep_at: int = 0) -> Generator[PrefillProgress, None, torch.Tensor]:
     """feed for a turn's prompt: after each chunk of a prompt longer than one it says how far it got, so a long paste
     shows progress instead of seconds of nothing; returns the logits as feed does ([T, vocab] or the last [1, vocab]).
-    A full budget slides into a window where the overflow policy says so, else raises BudgetFull."""
+    A full budget slides into a window where the overflow policy says so, else raises BudgetFull.
+
+    cuts: positions in ids where a chunk ends (block boundaries where a recurrent state is worth keeping for other
+    conversations: the runner publishes the state where a step ends at one); keep_at: the cut whose state stays
+    kept (KVCache.publish_state's keep: where the last message began)."""
     outs = []
     i = 0
     while i < len(ids):
         if should_stop is not None and i and should_stop():
             raise Stopped()
-        part = ids[i:i + WindowGeometry.of(session.cache_config).prefill_chunk()]
+        end = min([i + WindowGeometry.of(session.cache_config).prefill_chunk()] + [c for c in cuts if c > i])
+        part = ids[i:end]
         try:
             (logits,) = session.runner.step([(session.state.seq, part)], all_logits=all_logits)
         except NoFreeBlocks:
@@ -52,10 +58,35 @@ def read(session, ids: list[int], all_logits: bool,
                 continue
             raise BudgetFull(budget_message(session, len(ids) - i)) from None
         i += len(part)
+        if keep_at and i == keep_at:
+            session.runner.cache.publish_state(session.state.seq, keep=True)
         outs.append(logits)
         if len(outs) > 1 or i < len(ids):      # a prompt of more than one chunk
             yield PrefillProgress(i, len(ids))
     return torch.cat(outs) if all_logits else outs[-1]
+
+
+def message_start(session, pieces: list[tuple[str, bool]], held: tuple[int, int]) -> int | None:
+    """Where the newest message's tokens begin in a model with a recurrent state (state_cuts), pieces being the
+    rendered chat's and held the (tokens, characters) of it the session keeps; None otherwise."""
+    last = max((i for i, (_, content) in enumerate(pieces) if content), default=None)
+    if session.runner.state_layout is None or last is None or sum(len(t) for t, _ in pieces[:last]) <= held[1]:
+        return None
+    return held[0] + len(tokenize_pieces(session.tokenizer, pieces[:last], held[1]))
+
+
+def state_cuts(session, prompt_len: int) -> tuple[tuple[int, ...], int]:
+    """A prompt over a recurrent state is read in steps that end at two block boundaries, where the runner keeps the
+    state for conversations reading the same tokens (KVCache.publish_state): the last one before the newest message
+    begins (a shared system prompt, a resent history; kept), and the last one inside the prompt. -> (cuts, the kept
+    one), relative to the prompt; ((), 0) for other models."""
+    if session.runner.state_layout is None:
+        return (), 0
+    bs, start = session.seq.block_size, session._cached
+    end = start + prompt_len
+    message = (session._message_start or 0) // bs * bs
+    keep = message - start if start < message < end else 0
+    return tuple(sorted({c - start for c in (message, end // bs * bs) if start < c < end})), keep
 
 
 def fits(session, num_new: int) -> bool:

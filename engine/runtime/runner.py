@@ -215,6 +215,12 @@ class ModelRunner:
     def step(self, items: list[tuple[Conversation, list[int]]], all_logits: bool = False,
              hash_ids: bool = True, decode: list[bool] | None = None,
              keep: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """See _step."""
+        return self._step(items, all_logits, hash_ids, decode, keep)
+
+    def _step(self, items: list[tuple[Conversation, list[int]]], all_logits: bool = False,
+              hash_ids: bool = True, decode: list[bool] | None = None,
+              keep: frozenset[int] = frozenset()) -> list[torch.Tensor]:
         """Feed each sequence its new ids in one forward pass; returns per sequence logits [T, vocab] (all_logits)
         or [1, vocab] (its last token). Raises NoFreeBlocks when the budget cannot take the tokens.
 
@@ -240,6 +246,8 @@ class ModelRunner:
             if self.state_layout is not None:
                 for seq, _ in items:
                     self.cache.count_state(seq)
+                    if hash_ids:            # at a block boundary: a point others may start from
+                        self.cache.publish_state(seq)
             self.steps += 1
             self.tokens_read += sum(len(ids) for _, ids in items)
         return item_logits(order, reserved.steps, logits, per_row, all_logits)

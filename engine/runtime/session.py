@@ -44,6 +44,7 @@ class Session:
         self._config = cache
         self.state = SessionState(runner.new_sequence(cache), starts=[None] * len(self.messages))
         self.prefix_cache = prefix_cache
+        self._message_start: int | None = None     # where the last message's tokens begin (state points)
         self.alternatives: list[Alternative] = []   # earlier replies to the last user message
         self._guard = TurnGuard()
         self.warm = None                    # (WarmStore, key, model identity): where this cache is kept (engine.keep_warm)
@@ -141,8 +142,9 @@ class Session:
                 held = None
         if held is None:                        # the text diverged: start the cache over
             self.reset()
-            return tokenize_pieces(self.tokenizer, pieces, 0)
+            held = (0, 0)
         del self.token_ids[held[0]:]            # an end of text the format does not write: never fed, not kept
+        self._message_start = overflow.message_start(self, pieces, held)
         return tokenize_pieces(self.tokenizer, pieces, held[1])
 
     @turn
@@ -185,7 +187,9 @@ class Session:
         self.runner.snapshot(self.seq)          # a recurrent state where the turn began (no-op without one)
         try:
             overflow.check_whole_fits(self, len(prompt))
-            logits = (yield from overflow.read(self, prompt, all_logits=False, should_stop=should_stop))[-1]
+            cuts, keep = overflow.state_cuts(self, len(prompt))
+            logits = (yield from overflow.read(self, prompt, all_logits=False, should_stop=should_stop, cuts=cuts,
+                                               keep_at=keep))[-1]
         except (BudgetFull, Stopped) as exc:
             self._undo_prompt(kept, seq_before)
             if isinstance(exc, Stopped):
