@@ -362,14 +362,17 @@ class Transformer:
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold resident: packed codes, scales, norms and the embedding table."""
-        linears = [self.table, self.lm_head] + [p for L in self.layers for p in L.linears()]
-        norms = [self.norm] + [t for L in self.layers for t in L.norms()]
+        ple = list(self.per_layer[:2]) if self.per_layer is not None else []
+        linears = [self.table, self.lm_head] + ple + [p for L in self.layers for p in L.linears()]
+        norms = [self.norm] + [t for L in self.layers for t in L.norms()] + (
+            [self.per_layer[2]] if self.per_layer is not None else [])
         total = sum(lin.nbytes for lin in {id(x): x for x in linears}.values())
         return total + sum(t.numel() * t.element_size() for t in norms)
 
     def _packed(self) -> list:
         from kvchat.engine.model.linears import _Packed
-        linears = [self.table, self.lm_head] + [p for L in self.layers for p in L.linears()]
+        ple = list(self.per_layer[:2]) if self.per_layer is not None else []
+        linears = [self.table, self.lm_head] + ple + [p for L in self.layers for p in L.linears()]
         return [part for lin in linears for part in getattr(lin, "parts", [lin]) if isinstance(part, _Packed)]
 
     def set_prefill(self, dtype: torch.dtype) -> None:
