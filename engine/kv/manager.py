@@ -1,5 +1,8 @@
 """One KV manager per engine: block ids, sequences and their block tables, the prefix index, the budget.
 
+Past 450 lines on purpose: every rule of the budget (room, release, prefix eviction, forks, truncation) reads the
+same running counts; apart, they would drift.
+
 Plain Python, no torch: it decides which blocks hold what; the page store (engine/kv/pages.py)
 holds the bytes. Names follow vLLM's v1 KV manager where they apply.
 
@@ -58,10 +61,8 @@ class KVCacheManager:
         self.budget_bytes = int(budget_bytes)
         self.sequences: dict[int, Sequence] = {}
         self._block_bytes_held = 0                          # bytes of the blocks in block_layouts
-        # bytes the cache keeps beside blocks and sequences that room may take (kv/state.StatePoints), and how:
-        # drop_extra() gives one piece back, False when none is left
-        self.extra_bytes = 0
-        self.drop_extra = lambda: False
+        self.extra_bytes = 0        # kept beside blocks and sequences, room's to take (kv/state.StatePoints) ...
+        self.drop_extra = lambda: False     # ... one piece at a time; False when none is left
         self._on_free = on_free or (lambda layers, ids: None)   # page store hook: these ids of a group hold nothing now
         self._on_release = on_release or (lambda seq: None)     # a conversation is about to be released for room
         self._clock = itertools.count(1)

@@ -4,6 +4,9 @@ Each family says which config.json `model_type`s and which GGUF `general.archite
 llama.cpp's converter stored its weights, and how its config fields become the per-layer description
 (engine/model/spec.py). Everything that asks "is this architecture supported?" or "what does this
 family's layer do?" reads this table: the loaders, the GGUF view (gguf_view.py), the estimate and the one-shot path.
+
+Past 450 lines on purpose: each family's reading of config.json beside the others', over the same helpers (layer
+types, windows, caps, experts), so that a field read one way in one family and another way in the next shows.
 """
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ Qwen3_5TextConfig), so that one family `describe` reads both sources. The tensor
 llama.cpp tensor (gguf.constants.TENSOR_NAMES of the arch's MODEL_TENSORS), and where the converter stored a tensor
 in another order than transformers (Qwen3.5's tiled value heads) the order back is here too. engine/gguf/ reads any
 file; what its keys and tensors mean for a model is decided here and in gguf_view.py.
+
+Past 450 lines on purpose: every architecture's header and tensor names side by side, read into the same
+config.json words; a family's GGUF reading apart from the others' would hide where llama.cpp stores one differently.
 """
 from __future__ import annotations
 
