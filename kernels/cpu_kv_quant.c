@@ -20,6 +20,9 @@ typedef struct {
     int full;                          // head/tail dtype: 0 fp32, 1 bf16, 2 fp16
 } kv_comp;
 
+// the widest head the decode attention takes (Gemma 4's global layers: 512)
+#define KV_MAX_D 512
+
 static float fp8_lut[256];
 static int fp8_ready = 0;
 
@@ -59,7 +62,7 @@ static inline const float *full_row(const void *base, int full, size_t off, int 
 
 typedef struct {        // a work item's per-channel scales of the block it is in (axis 0)
     int64_t id;
-    float s[256], z[256];
+    float s[KV_MAX_D], z[KV_MAX_D];
 } chan_scales;
 
 // Row `slot` of head h of one component as float32 (before RoPE for keys): a pointer into the pages'
@@ -250,7 +253,7 @@ static inline __attribute__((always_inline)) void k_pass(const qattn *a, int h, 
                                                          int axis, const int G) {
     const kv_comp *c = a->kc;
     int D = a->D, half = D / 2;
-    float buf[256], kr[256];
+    float buf[KV_MAX_D], kr[KV_MAX_D];
     chan_scales cs;
     cs.id = -1;
     qrow r;
@@ -308,7 +311,7 @@ static inline __attribute__((always_inline)) void v_pass(const qattn *a, int h, 
                                                          int kind, int axis, const int G) {
     const kv_comp *c = a->vc;
     int D = a->D, bs = a->bs;
-    float buf[256];
+    float buf[KV_MAX_D];
     chan_scales cs;
     cs.id = -1;
     float *o0 = a->part + ((size_t)span * a->Hq + h * a->g + j0) * (D + 2);
@@ -332,7 +335,7 @@ static inline __attribute__((always_inline)) void v_pass(const qattn *a, int h, 
         if (axis == 0 && cs.id != id) chan_setup(a, c, id, h, &cs);
         int n = end - p, ng = axis == 2 ? D / c->group : 1;
         const uint8_t *rowp[256];
-        float rs[256 * 8], rz[256 * 8];
+        float rs[256 * (KV_MAX_D / 16)], rz[256 * (KV_MAX_D / 16)];   // rows x groups of at least 16
         size_t rowbytes = kind == 2 ? D / 2 : D;
         for (int i = 0; i < n; i++) {
             size_t row = ((size_t)id * bs + (a->slots[p + i] - base)) * a->Hkv + h;
@@ -400,7 +403,7 @@ static void prefetch_rows(const qattn *a, const kv_comp *c, int lo, int hi) { (v
 static void k_pass_any(const qattn *a, int h, int j0, int span, int lo, int hi) {
     (void)span; (void)j0;
     int D = a->D, half = D / 2, g = a->g;
-    float buf[256], kr[256];
+    float buf[KV_MAX_D], kr[KV_MAX_D];
     chan_scales cs;
     cs.id = -1;
     for (int p = lo; p < hi; p++) {
@@ -415,7 +418,7 @@ static void k_pass_any(const qattn *a, int h, int j0, int span, int lo, int hi) 
 static void v_pass_any(const qattn *a, int h, int j0, int span, int lo, int hi) {
     (void)j0;
     int D = a->D, g = a->g;
-    float buf[256];
+    float buf[KV_MAX_D];
     chan_scales cs;
     cs.id = -1;
     for (int p = lo; p < hi; p++) {

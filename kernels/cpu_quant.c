@@ -649,7 +649,7 @@ void q8_dequant_bf16(const int8_t *codes, const void *scale, const void *zero, i
 // Decode attention of one new token over full-precision (fp32) pages, keys stored before RoPE.
 // q: [Hq, D] before RoPE; qcos, qsin: [D] for the new token; pages k, v: [R, Hkv, D]; rows: [L] page
 // rows of the slots attended (the new token's last); cos, sin: [L, D]. sin is sign-folded, so that
-// rope(x) = x * cos + swap_halves(x) * sin. out: [Hq, D]; scratch: Hq * L floats. D <= 256, Hq / Hkv <= 8.
+// rope(x) = x * cos + swap_halves(x) * sin. out: [Hq, D]; scratch: Hq * L floats. D <= 512, Hq / Hkv <= 8.
 // Each key is rotated once in registers and shared by the g query heads of its group: nothing is
 // re-rotated in memory and no [L, Hkv, D] temporaries are made.
 
@@ -667,7 +667,7 @@ static void attn_span(const float *q, const float *qs, int n_sink, int Hq, int H
                       const void *vp, int bf16, const int64_t *rows, int L, float sm_scale, float *scores,
                       float *part, int lo, int hi) {
     int g = Hq / Hkv;
-    float buf[256];
+    float buf[512];
     const float *kr;
     for (int p = lo; p < hi; p++) {
         const float *qq = p < n_sink ? qs : q;
@@ -760,7 +760,7 @@ void decode_attend(int B, const float *q, const float *k, const float *v, int ld
                    void *kp, void *vp, int bf16, const int64_t *new_rows, const int64_t *rows, const int64_t *off,
                    float sm_scale, const float *sink_logits, float *out, float *scratch) {
     float *qr = scratch, *qs = scratch + (size_t)B * Hq * D;
-    float kbuf[256];
+    float kbuf[512];
     for (int b = 0; b < B; b++) {
         const float *c = cos + (size_t)b * D, *s = sin + (size_t)b * D;
         for (int h = 0; h < Hq; h++) {

@@ -315,17 +315,18 @@ def mxfp4_dequant(codes: torch.Tensor, e8m0: torch.Tensor, out: torch.Tensor | N
     return out
 
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256          # the one-call step's (decode_layers, QuantStep)
+MAX_ATTEND_HEAD_DIM = 512   # the decode attention's alone (attn_decode, decode_attend, attn_decode_quant)
 
 
 def can_attend(q: torch.Tensor, pages: torch.Tensor) -> bool:
-    """The C decode attention covers fp32 and bf16 pages on the CPU, head_dim <= 256, heads x head_dim <= 16384."""
+    """The C decode attention covers fp32 and bf16 pages on the CPU, head_dim <= 512, heads x head_dim <= 16384."""
     return can_attend_pages(q.shape[-2], pages)
 
 
 def can_attend_pages(hq: int, pages: torch.Tensor) -> bool:
     hkv, d = pages.shape[-2:]
-    return (pages.dtype in (torch.float32, torch.bfloat16) and not pages.is_cuda and d <= MAX_HEAD_DIM
+    return (pages.dtype in (torch.float32, torch.bfloat16) and not pages.is_cuda and d <= MAX_ATTEND_HEAD_DIM
             and d % 2 == 0 and hq % hkv == 0 and hq * d <= 16384 and pages.is_contiguous() and available())
 
 
@@ -534,10 +535,10 @@ class QuantPages:
 
 
 def can_attend_quantized(q: torch.Tensor, k_fmt: PageFormat, v_fmt: PageFormat, full_dtype, data) -> bool:
-    """The C quantized decode attention: int8, fp8 and int4 K and V on the CPU, head_dim <= 256, even."""
+    """The C quantized decode attention: int8, fp8 and int4 K and V on the CPU, head_dim <= 512, even."""
     d = q.shape[-1]
     return (k_fmt.name in _KINDS and v_fmt.name in _KINDS and full_dtype in _FULL and not data.is_cuda
-            and not q.is_cuda and d <= MAX_HEAD_DIM and d % 2 == 0
+            and not q.is_cuda and d <= MAX_ATTEND_HEAD_DIM and d % 2 == 0
             and all(f.scale_axis != "group" or d % f.group == 0 for f in (k_fmt, v_fmt)) and kv_kernels_ready())
 
 

@@ -122,7 +122,8 @@ def test_zero_point_offset_cancels():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d,n,sinks", [(9, 3, 64, 1, 0), (9, 3, 64, 37, 4), (8, 8, 32, 20, 0),
-                                              (32, 8, 128, 50, 2), (4, 1, 16, 5, 5), (9, 3, 64, 300, 4)])
+                                              (32, 8, 128, 50, 2), (4, 1, 16, 5, 5), (9, 3, 64, 300, 4),
+                                              (8, 2, 512, 40, 2)])
 def test_attn_decode_matches_reference(hq, hkv, d, n, sinks, dtype):
     """Decode attention over rotated fp32/bf16 pages (rows in any order, sinks read with their own query, past
     256 slots split into spans whose softmaxes are merged) equals the torch reference."""

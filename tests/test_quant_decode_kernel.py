@@ -120,10 +120,11 @@ def _pages(fmt, n_blocks, bs, hkv, d, gen):
 @pytest.mark.parametrize("with_head", [True, False])
 @pytest.mark.parametrize("hq, hkv, d, n_full, tail_len, drop", [(8, 2, 64, 5, 7, 0), (3, 3, 32, 3, 0, 9),
                                                                  (6, 1, 128, 9, 15, 30), (4, 2, 64, 0, 5, 0),
-                                                                 (10, 2, 40, 4, 3, 5)])
+                                                                 (10, 2, 40, 4, 3, 5), (8, 2, 512, 3, 4, 0)])
 def test_kernel_matches_its_reference_on_random_pages(fmt_name, full, with_head, hq, hkv, d, n_full, tail_len, drop):
     """Random pages in a shuffled block table, a head block or none, a tail, some slots left out (a window);
-    1 to 6 query heads per kv head (the vector path takes 4 at a time), head_dim 40 on the scalar path."""
+    1 to 6 query heads per kv head (the vector path takes 4 at a time), head_dim 40 on the scalar path, 512 (Gemma 4's
+    global layers) at the widest."""
     if d % 32 and fmt_name == "int4":
         pytest.skip("int4 values come in groups of 32 channels")
     gen = torch.Generator().manual_seed(hq * d + n_full)
