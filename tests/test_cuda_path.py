@@ -83,11 +83,12 @@ def test_the_gpu_path_gives_the_cpu_paths_logits_and_tokens(tiny_gguf, monkeypat
     compare(tiny_gguf, monkeypatch, list(FORMATS), steps=4)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3", "gemma4"])
 def test_the_families_on_the_gpu_path(family, tmp_path, monkeypatch):
     """Gemma 2 (soft-capped scores, sliding and global layers alternating), Gemma 3 (five sliding layers to one
-    global, a KV group each, their own RoPE) and Qwen3 (q/k norms): a prompt past the sliding window, then decodes,
-    through the Triton backends, against the CPU path."""
+    global, a KV group each, their own RoPE), Qwen3 (q/k norms) and Gemma 4 (heads of two sizes, layers reading
+    another layer's pages): a prompt past the sliding window, then decodes, through the Triton backends, against
+    the CPU path."""
     from tiny_models import tiny_family_dir
     folder = tiny_family_dir(tmp_path / family, family)
     prompt = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
