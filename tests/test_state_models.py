@@ -411,3 +411,31 @@ def test_state_points_count_and_give_way(engine):
     engine.clear_prefix_cache()
     assert not cache.points.points and cache._blocks.extra_bytes == 0
     a.close()
+
+
+def test_the_server_keeps_the_state_where_the_newest_message_begins(engine):
+    """A server request's prompt is cut where its newest message begins (Request.message_start), and the state there
+    kept: a second request with the same start adopts the blocks and that state, and its tokens equal a run of it
+    with nothing cached."""
+    from kvchat.engine.serve.scheduler import Request, Scheduler, SchedulerConfig, TokenOut
+
+    def run(sched, prompt, start):
+        """The request's tokens, and the prompt tokens it read (the rest came from the cache)."""
+        out, fin = [], []
+        sched.submit(Request(prompt, SamplingParams(temperature=0.0, max_new_tokens=6),
+                             lambda e: out.append(e.token_id) if isinstance(e, TokenOut) else fin.append(e),
+                             message_start=start))
+        before = engine.runner.tokens_read
+        while not fin:
+            sched.step()
+        return out, engine.runner.tokens_read - before - (len(out) - 1)
+
+    shared = IDS[:54]                           # chunks of 32 end at 32 and 64; the message begins at 54
+    sched = Scheduler(engine, SchedulerConfig(FP32.with_(budget_mb=64), 4, prefill_chunk=32))
+    engine.clear_prefix_cache()
+    run(sched, shared + IDS[100:110], 54)
+    second, read = run(sched, shared + IDS[120:135], 54)
+    assert read == 69 - 48                      # from the block boundary before the message on (not 32's)
+    engine.clear_prefix_cache()
+    alone, read = run(sched, shared + IDS[120:135], 54)
+    assert read == 69 and alone == second

@@ -42,6 +42,11 @@ def _context_error(message: str) -> APIError:
     return bad_request(message, "messages", "context_length_exceeded")
 
 
+class PromptIds(list):
+    """A request's prompt token ids, and where its newest message's tokens begin (0: not known)."""
+    message_start = 0
+
+
 class Generation:
     """One request in flight: tokens from the engine thread become text, cut at stop strings. A chat reply of a model
     that reasons apart (gpt-oss) comes as two parts: the reasoning, never cut, and the answer, which the stop
@@ -68,7 +73,7 @@ class Generation:
         limit = app_state.max_context
         max_new = parsed.params.max_new_tokens if parsed.max_tokens_given else limit - len(prompt_ids)
         self.request = Request(prompt_ids, replace(parsed.params, max_new_tokens=max_new), emit,
-                               ignore_eos=parsed.ignore_eos)
+                               ignore_eos=parsed.ignore_eos, message_start=getattr(prompt_ids, "message_start", 0))
 
     def submit(self) -> None:
         if not self.state.scheduler.is_alive():
@@ -157,7 +162,10 @@ class ServeState:
                 _, pieces = encode_conversation(tok, None, parsed.messages, where=self.engine.model_name)
             except ChatTemplateError as exc:
                 raise bad_request(str(exc), "messages", "chat_template_error") from None
-            ids = tokenize_pieces(tok, pieces)
+            ids = PromptIds(tokenize_pieces(tok, pieces))
+            if self.engine.runner.state_layout is not None:     # a recurrent state is kept where the last message
+                last = max((i for i, (_, content) in enumerate(pieces) if content), default=0)      # begins
+                ids.message_start = len(tokenize_pieces(tok, pieces[:last])) if last else 0
         elif isinstance(parsed.prompt, str):
             ids = tok.encode(parsed.prompt, add_special_tokens=True)
         else:

@@ -75,6 +75,12 @@ def step(engine, items: list[tuple[Sequence, list[int]]], decode: list[bool] | N
     return _runner(engine).step([(h.seq, ids) for h, ids in items], all_logits=False, decode=decode)
 
 
+def keep_state(engine, handle: Sequence) -> bool:
+    """Keep the sequence's recurrent state where it stands (a block boundary where its newest message begins) for
+    requests that start the same (KVCache.publish_state, kept); False for a model without one, or no room."""
+    return _runner(engine).cache.publish_state(handle.seq, keep=True)
+
+
 def truncate(engine, handle: Sequence, n: int) -> None:
     """Take back the last n tokens (the drafts a verification rejected)."""
     if n:

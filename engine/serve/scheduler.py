@@ -78,6 +78,7 @@ class Request:
     num_preemptions: int = 0
     first_token_s: float | None = None
     decoder: Decoder | None = None                  # its sampling, finish rules, speculation (engine/runtime/driver.py)
+    message_start: int = 0                          # where the newest message's tokens begin (0: not known)
 
     @property
     def all_ids(self) -> list[int]:
@@ -206,6 +207,8 @@ class Scheduler:
                 logits = []
             for (request, ids), rows, dec in zip(items, logits, decode):
                 request.num_computed += len(ids)
+                if request.num_computed == self._keep_at(request) and logits:
+                    batch.keep_state(self.engine, request.handle)
                 try:
                     if dec and len(ids) > 1:
                         self._verified(request, ids[1:], rows)
@@ -275,6 +278,15 @@ class Scheduler:
             self.metrics.recomputed()
         return 0
 
+    @staticmethod
+    def _keep_at(request: Request) -> int:
+        """The block boundary before the request's newest message, where a model's recurrent state is kept for
+        requests that start the same (a shared system prompt); 0 where there is none."""
+        if not request.message_start or request.handle is None:
+            return 0
+        bs = request.handle.seq.block_size
+        return request.message_start // bs * bs
+
     def _blocks_to_finish_prompt(self, request: Request) -> int:
         left = len(request.all_ids) - request.num_computed
         return batch.blocks_needed(self.engine, request.handle, left) if left > 1 else 0
@@ -292,6 +304,9 @@ class Scheduler:
             # row's numbers differ from a prompt row's, and the stream must equal the request run alone
             chunk, done, prompt_len = self.config.prefill_chunk, request.num_computed, len(request.prompt_ids)
             end = done + 1 if done >= prompt_len else min(prompt_len, (done // chunk + 1) * chunk)
+            keep = self._keep_at(request)
+            if done < keep < end:           # a chunk ends where the state is worth keeping for others
+                end = keep
             ids = request.all_ids[done:end]
             need = batch.blocks_needed(self.engine, request.handle, len(ids))
             free = batch.num_free_blocks(self.engine)
