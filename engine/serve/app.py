@@ -163,8 +163,9 @@ class ServeState:
             except ChatTemplateError as exc:
                 raise bad_request(str(exc), "messages", "chat_template_error") from None
             ids = PromptIds(tokenize_pieces(tok, pieces))
-            if self.engine.runner.state_layout is not None:     # a recurrent state is kept where the last message
-                last = max((i for i, (_, content) in enumerate(pieces) if content), default=0)      # begins
+            if getattr(self.engine.runner, "state_layout", None) is not None:
+                # a recurrent state is kept where the newest message begins (Request.message_start)
+                last = max((i for i, (_, content) in enumerate(pieces) if content), default=0)
                 ids.message_start = len(tokenize_pieces(tok, pieces[:last])) if last else 0
         elif isinstance(parsed.prompt, str):
             ids = tok.encode(parsed.prompt, add_special_tokens=True)
