@@ -271,6 +271,18 @@ class FakeLoader:
         return engine
 
 
+def live_dashboard(qtbot, snapshot: StatsSnapshot):
+    """A shown Dashboard (520 x 700) that has drawn one snapshot."""
+    from kvchat.app.dashboard.dock import Dashboard
+    dash = Dashboard()
+    qtbot.addWidget(dash)
+    dash.resize(520, 700)
+    dash.show()
+    dash.data.add(snapshot)
+    dash.redraw()
+    return dash
+
+
 def isolate_app(monkeypatch, tmp_path) -> None:
     """Point the history database and QSettings at tmp_path; Qt renders offscreen."""
     monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")

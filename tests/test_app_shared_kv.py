@@ -14,12 +14,11 @@ from kvchat.app.bridge.engine_facts import family_text
 from kvchat.app.dashboard.dashboard_data import (attention_layers, full_precision_bytes_per_token,
                                                  full_precision_layer_bytes, is_hybrid, layer_budget_share,
                                                  layer_hover_text, layer_kinds, layer_peak_bytes, shared_layers)
-from kvchat.app.dashboard.dock import Dashboard
 from kvchat.app.dashboard.live_page import SHARED_COLOUR
 from kvchat.engine.config import CacheConfig, SamplingParams
 from kvchat.engine.events import LayerBytes, MemoryProbe, StatsSnapshot
 from kvchat.engine.model.config import ModelConfig
-from fakes import isolate_app, real_window, send
+from fakes import isolate_app, live_dashboard, real_window, send
 from tiny_models import tiny_family_dir
 
 pytestmark = pytest.mark.gui
@@ -51,14 +50,8 @@ def snapshot(kv: int = KV, held: int = HELD, per_token_full: float = 256.0) -> S
         full_precision_bytes_per_token=per_token_full)
 
 
-def live(qtbot, snap: StatsSnapshot) -> Dashboard:
-    dash = Dashboard()
-    qtbot.addWidget(dash)
-    dash.resize(520, 700)
-    dash.show()
-    dash.data.add(snap)
-    dash.redraw()
-    return dash
+def live(qtbot, snap: StatsSnapshot):
+    return live_dashboard(qtbot, snap)
 
 
 def test_sharing_layers_hold_no_share_of_the_budget_the_outline_or_the_window_counts():

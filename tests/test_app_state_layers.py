@@ -13,12 +13,11 @@ from kvchat.app.bridge.engine_facts import family_text
 from kvchat.app.bridge.messages import format_bytes
 from kvchat.app.dashboard.dashboard_data import (full_precision_bytes_per_token, full_precision_layer_bytes,
                                                  is_hybrid, layer_budget_share, layer_hover_text, layer_peak_bytes)
-from kvchat.app.dashboard.dock import Dashboard
 from kvchat.app.dashboard.live_page import STATE_COLOUR
 from kvchat.app.dashboard.pool_view import PoolView, state_line
 from kvchat.engine.config import CacheConfig, SamplingParams
 from kvchat.engine.events import LayerBytes, MemoryProbe, PoolStats, StatsSnapshot
-from fakes import isolate_app, real_window, send
+from fakes import isolate_app, live_dashboard, real_window, send
 from tiny_models import tiny_family_dir
 
 pytestmark = pytest.mark.gui
@@ -59,14 +58,8 @@ def snapshot(with_state: bool = True, snapshots: tuple[int, ...] = (22,), per_to
         state_bytes=state, snapshots=snapshots if with_state else ())
 
 
-def live(qtbot, snap: StatsSnapshot) -> Dashboard:
-    dash = Dashboard()
-    qtbot.addWidget(dash)
-    dash.resize(520, 700)
-    dash.show()
-    dash.data.add(snap)
-    dash.redraw()
-    return dash
+def live(qtbot, snap: StatsSnapshot):
+    return live_dashboard(qtbot, snap)
 
 
 def test_state_layers_are_constant_bars_in_their_own_colour_beside_kv_bars(qtbot):

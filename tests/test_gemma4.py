@@ -24,7 +24,7 @@ from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.source import locate, transformers_reference
 from kvchat.engine.model.spec import Rope
 from kvchat.engine.runtime.warm import WarmStore
-from tiny_models import tiny_family_dir
+from tiny_models import read_chunks, tiny_family_dir
 
 FP32 = CacheConfig(k_format="fp32", v_format="fp32")
 IDS = torch.randint(3, 320, (60,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -47,14 +47,9 @@ def engine(model):
     return Engine.load(EngineConfig(model=model[0], weights="dense"))
 
 
-def read(engine, seq, ids, sizes=(20, 1, 1, 9, 1)) -> torch.Tensor:
-    """All logits of ids in chunks of `sizes`, then the rest: prompt chunks past the window, and one-token steps."""
-    out, pos = [], 0
-    for n in sizes:
-        out.append(engine.runner.step([(seq, ids[pos:pos + n])], all_logits=True)[0])
-        pos += n
-    out.append(engine.runner.step([(seq, ids[pos:])], all_logits=True)[0])
-    return torch.cat(out)
+def read(engine, seq, ids, sizes=(20, 1, 1, 9, 1)):
+    """tiny_models.read_chunks: prompt chunks past the window, and one-token steps."""
+    return read_chunks(engine, seq, ids, sizes)
 
 
 def want(model) -> torch.Tensor:

@@ -16,7 +16,7 @@ from kvchat.engine import CacheConfig, Engine, EngineConfig
 from kvchat.engine.config import ConfigError
 from kvchat.engine.kv.layout import conversation_bytes, kv_layout, layer_windows, window_peak_bytes
 from kvchat.engine.model.source import locate, transformers_reference
-from tiny_models import tiny_family_dir
+from tiny_models import read_chunks, tiny_family_dir
 
 WINDOW = 16
 TOKENS = 8 * WINDOW
@@ -44,14 +44,9 @@ def reference_logits(reference, ids: list[int]) -> torch.Tensor:
         return reference(torch.tensor([ids])).logits[0].float()
 
 
-def read(engine, seq, ids: list[int], sizes=(40, 1, 1, 30, 1, 1)) -> torch.Tensor:
-    """All logits of ids fed in chunks of `sizes` (then the rest in one chunk), through the runner's steps."""
-    out, pos = [], 0
-    for n in sizes:
-        out.append(engine.runner.step([(seq, ids[pos:pos + n])], all_logits=True)[0])
-        pos += n
-    out.append(engine.runner.step([(seq, ids[pos:])], all_logits=True)[0])
-    return torch.cat(out)
+def read(engine, seq, ids, sizes=(40, 1, 1, 30, 1, 1)):
+    """tiny_models.read_chunks: prompt chunks and one-token steps."""
+    return read_chunks(engine, seq, ids, sizes)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-3) -> bool:

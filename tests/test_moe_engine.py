@@ -26,7 +26,7 @@ from kvchat.engine.runtime import speculative
 from kvchat.engine.runtime.warm import WarmStore
 from kvchat.engine.serve.server import ServeConfig, Server
 from misguided import Misguided
-from tiny_models import tiny_family_dir
+from tiny_models import read_chunks, tiny_family_dir
 
 FP32 = CacheConfig(k_format="fp32", v_format="fp32")
 IDS = torch.randint(3, 320, (120,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -64,14 +64,9 @@ def reference_logits(reference, ids: list[int]) -> torch.Tensor:
         return reference(torch.tensor([ids])).logits[0].float()
 
 
-def read(engine, seq, ids: list[int], sizes=(30, 1, 1, 20, 1)) -> torch.Tensor:
-    """All logits of ids in chunks of `sizes` (then the rest), prompt chunks and one-token decodes alike."""
-    out, pos = [], 0
-    for n in sizes:
-        out.append(engine.runner.step([(seq, ids[pos:pos + n])], all_logits=True)[0])
-        pos += n
-    out.append(engine.runner.step([(seq, ids[pos:])], all_logits=True)[0])
-    return torch.cat(out)
+def read(engine, seq, ids, sizes=(30, 1, 1, 20, 1)):
+    """tiny_models.read_chunks: prompt chunks and one-token steps."""
+    return read_chunks(engine, seq, ids, sizes)
 
 
 CACHES = {"fp32": FP32, "bf16": CacheConfig(), "int8": CacheConfig(k_format="int8", v_format="int8"),

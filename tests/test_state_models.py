@@ -20,7 +20,7 @@ from kvchat.engine.model import linear_attention as gdn
 from kvchat.engine.model.source import locate, transformers_reference
 from kvchat.engine.model.spec import Rope
 from kvchat.engine.runtime.warm import WarmStore
-from tiny_models import tiny_family_dir
+from tiny_models import read_chunks, tiny_family_dir
 
 FP32 = CacheConfig(k_format="fp32", v_format="fp32")
 IDS = torch.randint(3, 320, (150,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -40,14 +40,9 @@ def engine(family):
     return Engine.load(EngineConfig(model=family[1], weights="dense"))
 
 
-def read(engine, seq, ids, sizes=(70, 1, 1, 20, 1)) -> torch.Tensor:
-    """All logits of ids in chunks of `sizes` (then the rest): prompt chunks over a state, and one-token steps."""
-    out, pos = [], 0
-    for n in sizes:
-        out.append(engine.runner.step([(seq, ids[pos:pos + n])], all_logits=True)[0])
-        pos += n
-    out.append(engine.runner.step([(seq, ids[pos:])], all_logits=True)[0])
-    return torch.cat(out)
+def read(engine, seq, ids, sizes=(70, 1, 1, 20, 1)):
+    """tiny_models.read_chunks: prompt chunks over a state, and one-token steps."""
+    return read_chunks(engine, seq, ids, sizes)
 
 
 def test_logits_equal_transformers_through_chunks_and_steps(family, engine):

@@ -191,3 +191,15 @@ def tiny_family_dir(path, family: str, seed: int = 0, longrope: bool = False, **
                 b.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True)
     return str(folder)
+
+
+def read_chunks(engine, seq, ids: list[int], sizes=()):
+    """All logits of ids fed through the engine's runner in chunks of `sizes`, then the rest in one chunk: prompt
+    chunks and one-token steps over the same cache -> [len(ids), vocab]."""
+    import torch
+    out, pos = [], 0
+    for n in sizes:
+        out.append(engine.runner.step([(seq, ids[pos:pos + n])], all_logits=True)[0])
+        pos += n
+    out.append(engine.runner.step([(seq, ids[pos:])], all_logits=True)[0])
+    return torch.cat(out)

@@ -15,8 +15,7 @@ from typing import Callable
 
 from kvchat.engine.errors import ModelLoadError
 from kvchat.engine.model.gguf_arch import EXPERT_TENSORS, GEMMA2_TENSORS, GEMMA3_TENSORS, GPT_OSS_TENSORS, PHI3_TENSORS, QWEN3_TENSORS, \
-    QWEN3MOE_TENSORS, QWEN35_TENSORS, QWEN35MOE_TENSORS
-from kvchat.engine.model import gguf_arch
+    QWEN3MOE_TENSORS, QWEN35_TENSORS, QWEN35MOE_TENSORS, GEMMA4_TENSORS
 from kvchat.engine.model.spec import Experts, LayerSpec, LinearAttention, Rope
 
 
@@ -402,7 +401,7 @@ FAMILIES: tuple[Family, ...] = (
     # model's own folders (gemma3_text) are read; a GGUF of either is general.architecture "gemma3"
     Family("gemma3", ("gemma3_text",), "gemma3", False, _gemma3, gguf_tensors=GEMMA3_TENSORS),
     # Gemma 4's published folders are multimodal (model_type gemma4, the text model under text_config)
-    Family("gemma4", ("gemma4_text", "gemma4"), "gemma4", False, _gemma4, gguf_tensors=getattr(gguf_arch, "GEMMA4_TENSORS", GEMMA3_TENSORS)),
+    Family("gemma4", ("gemma4_text", "gemma4"), "gemma4", False, _gemma4, gguf_tensors=GEMMA4_TENSORS),
     Family("phi3", ("phi3",), "phi3", False, _phi3, gguf_tensors=PHI3_TENSORS, fused_projections=True),
     # mixtures of experts. Mixtral's GGUF is arch llama (the llama family reads its expert count); a Hugging Face
     # folder names its modules block_sparse_moe.experts.E.w1 / w2 / w3 (the loader reads them as EXPERT_TENSORS)

@@ -7,7 +7,6 @@ from typing import Callable, Generator
 
 import torch
 
-from kvchat.engine.text.chat_format import tokenize_pieces
 from kvchat.engine.config import ConfigError
 from kvchat.engine.events import PrefillProgress
 from kvchat.engine.kv.layout import WindowGeometry, window_peak_bytes
@@ -33,15 +32,16 @@ def feed(session, ids: list[int], all_logits: bool) -> torch.Tensor:
             return done.value
 
 
-def read(session, ids: list[int], all_logits: bool, should_stop: Callable[[], bool] | None = None,
-         cuts: tuple[int, ...] = (), keep_at: int = 0) -> Generator[PrefillProgress, None, torch.Tensor]:
+def read(session, ids: list[int], all_logits: bool,
+         should_stop: Callable[[], bool] | None = None) -> Generator[PrefillProgress, None, torch.Tensor]:
     """feed for a turn's prompt: after each chunk of a prompt longer than one it says how far it got, so a long paste
     shows progress instead of seconds of nothing; returns the logits as feed does ([T, vocab] or the last [1, vocab]).
     A full budget slides into a window where the overflow policy says so, else raises BudgetFull.
 
-    cuts: positions in ids where a chunk ends (block boundaries where a recurrent state is worth keeping for other
-    conversations: the runner publishes the state where a step ends at one); keep_at: the cut whose state stays
-    kept (KVCache.publish_state's keep: where the last message began)."""
+    A model with a recurrent state has chunks end at state_cuts' block boundaries too: the runner keeps the state
+    where a step ends at one, for conversations reading the same tokens (KVCache.publish_state), and the one where
+    the newest message begins stays kept."""
+    cuts, keep_at = state_cuts(session, len(ids))
     outs = []
     i = 0
     while i < len(ids):
@@ -64,15 +64,6 @@ def read(session, ids: list[int], all_logits: bool, should_stop: Callable[[], bo
         if len(outs) > 1 or i < len(ids):      # a prompt of more than one chunk
             yield PrefillProgress(i, len(ids))
     return torch.cat(outs) if all_logits else outs[-1]
-
-
-def message_start(session, pieces: list[tuple[str, bool]], held: tuple[int, int]) -> int | None:
-    """Where the newest message's tokens begin in a model with a recurrent state (state_cuts), pieces being the
-    rendered chat's and held the (tokens, characters) of it the session keeps; None otherwise."""
-    last = max((i for i, (_, content) in enumerate(pieces) if content), default=None)
-    if session.runner.state_layout is None or last is None or sum(len(t) for t, _ in pieces[:last]) <= held[1]:
-        return None
-    return held[0] + len(tokenize_pieces(session.tokenizer, pieces[:last], held[1]))
 
 
 def state_cuts(session, prompt_len: int) -> tuple[tuple[int, ...], int]:

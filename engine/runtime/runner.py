@@ -215,12 +215,6 @@ class ModelRunner:
     def step(self, items: list[tuple[Conversation, list[int]]], all_logits: bool = False,
              hash_ids: bool = True, decode: list[bool] | None = None,
              keep: frozenset[int] = frozenset()) -> list[torch.Tensor]:
-        """See _step."""
-        return self._step(items, all_logits, hash_ids, decode, keep)
-
-    def _step(self, items: list[tuple[Conversation, list[int]]], all_logits: bool = False,
-              hash_ids: bool = True, decode: list[bool] | None = None,
-              keep: frozenset[int] = frozenset()) -> list[torch.Tensor]:
         """Feed each sequence its new ids in one forward pass; returns per sequence logits [T, vocab] (all_logits)
         or [1, vocab] (its last token). Raises NoFreeBlocks when the budget cannot take the tokens.
 

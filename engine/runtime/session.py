@@ -27,7 +27,7 @@ from kvchat.engine.runtime.session_state import ModelInfo, SessionState, state_f
 from kvchat.engine.runtime.speculative import Speculator
 from kvchat.engine.runtime.turns import SessionBusy, SessionClosed  # noqa: F401 - raised by a session's methods
 from kvchat.engine.runtime.turns import TurnGuard, TurnTimes, checked_history, checked_params, checked_text, turn
-from kvchat.engine.text.chat_format import encode_conversation, held_prefix, tokenize_pieces
+from kvchat.engine.text.chat_format import encode_conversation, held_prefix, last_message, tokenize_pieces
 from kvchat.engine.text.reasoning import REASONING_KEY, assistant_message
 
 
@@ -144,8 +144,9 @@ class Session:
             self.reset()
             held = (0, 0)
         del self.token_ids[held[0]:]            # an end of text the format does not write: never fed, not kept
-        self._message_start = overflow.message_start(self, pieces, held)
-        return tokenize_pieces(self.tokenizer, pieces, held[1])
+        ids = tokenize_pieces(self.tokenizer, pieces, held[1], starts := [])
+        self._message_start = last_message(pieces, starts, held[0])     # a recurrent state is kept there
+        return ids
 
     @turn
     def send(self, text: str, params: SamplingParams | None = None,
@@ -187,9 +188,7 @@ class Session:
         self.runner.snapshot(self.seq)          # a recurrent state where the turn began (no-op without one)
         try:
             overflow.check_whole_fits(self, len(prompt))
-            cuts, keep = overflow.state_cuts(self, len(prompt))
-            logits = (yield from overflow.read(self, prompt, all_logits=False, should_stop=should_stop, cuts=cuts,
-                                               keep_at=keep))[-1]
+            logits = (yield from overflow.read(self, prompt, all_logits=False, should_stop=should_stop))[-1]
         except (BudgetFull, Stopped) as exc:
             self._undo_prompt(kept, seq_before)
             if isinstance(exc, Stopped):

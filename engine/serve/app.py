@@ -16,7 +16,7 @@ from dataclasses import replace
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvchat.engine.text.chat_format import ChatTemplateError, encode_conversation, tokenize_pieces
+from kvchat.engine.text.chat_format import ChatTemplateError, encode_conversation, last_message, tokenize_pieces
 from kvchat.engine.text.reasoning import PLAIN
 from kvchat.engine.text.reply import reply_format
 from kvchat.engine.events import FinishReason
@@ -162,11 +162,10 @@ class ServeState:
                 _, pieces = encode_conversation(tok, None, parsed.messages, where=self.engine.model_name)
             except ChatTemplateError as exc:
                 raise bad_request(str(exc), "messages", "chat_template_error") from None
-            ids = PromptIds(tokenize_pieces(tok, pieces))
-            if getattr(self.engine.runner, "state_layout", None) is not None:
-                # a recurrent state is kept where the newest message begins (Request.message_start)
-                last = max((i for i, (_, content) in enumerate(pieces) if content), default=0)
-                ids.message_start = len(tokenize_pieces(tok, pieces[:last])) if last else 0
+            starts: list[int | None] = []
+            ids = PromptIds(tokenize_pieces(tok, pieces, starts=starts))
+            if getattr(self.engine.runner, "state_layout", None) is not None:   # a recurrent state is kept where
+                ids.message_start = last_message(pieces, starts) or 0           # the newest message begins
         elif isinstance(parsed.prompt, str):
             ids = tok.encode(parsed.prompt, add_special_tokens=True)
         else:

@@ -158,14 +158,18 @@ def _left_out(role: str, where: str) -> str:
             f"send the conversation; {advice}.")
 
 
-def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]], skip_chars: int = 0) -> list[int]:
+def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]], skip_chars: int = 0,
+                    starts: list[int | None] | None = None) -> list[int]:
     """The pieces' tokens, from character skip_chars of their text on. Every piece but the text's very first is
     encoded as a continuation where the tokenizer knows how (engine.text.tokenizer: no SentencePiece "▁" added
-    before it)."""
+    before it). starts: where given, filled with the index in the result where each piece's tokens begin (None for
+    a piece skipped whole)."""
     ids: list[int] = []
     knows = getattr(tokenizer, "encodes_continuations", False)
     continues = knows and skip_chars > 0
     for text, content in pieces:
+        if starts is not None:
+            starts.append(None if skip_chars >= len(text) else len(ids))
         if skip_chars >= len(text):
             skip_chars -= len(text)
             continue
@@ -174,6 +178,14 @@ def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]], skip_chars: int =
         ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=content, **more)
         continues = knows
     return ids
+
+
+def last_message(pieces: list[tuple[str, bool]], starts: list[int | None], offset: int = 0) -> int | None:
+    """offset + where the newest message's tokens begin in a tokenize_pieces result (its `starts`), or None: the
+    rendered chat's last content piece, where it was tokenized (a recurrent state is kept there:
+    runtime/overflow.state_cuts)."""
+    last = max((i for i, (_, content) in enumerate(pieces) if content), default=None)
+    return None if last is None or starts[last] is None else offset + starts[last]
 
 
 def held_prefix(tokenizer, rendered: str, ids: list[int], cached: int,
