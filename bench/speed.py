@@ -53,10 +53,15 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: the GPU path against the copy bandwidth and "
                                                   "transformers (bench/gpu.py)")
     p.add_argument("--no-attention", action="store_true", help="with --device cuda: skip the 32k-token KV read")
+    p.add_argument("--attention", action="store_true",
+                   help="also time kvchat measuring where attention goes (session.watch_attention), interleaved: "
+                        "its cost against the plain runs")
 
 
-def _time_kvchat(engine, ids: list[int], new_tokens: int) -> dict:
+def _time_kvchat(engine, ids: list[int], new_tokens: int, watch: str | None = None) -> dict:
     session = engine.new_session()
+    if watch:
+        session.watch_attention(watch)
     t0 = time.perf_counter()
     nxt = int(session.append(ids, all_logits=False)[-1].argmax())
     t1 = time.perf_counter()
@@ -373,6 +378,9 @@ def run(args) -> dict:
     sides = {"kvchat": lambda n: _time_kvchat(engine, ids[:n] if n else ids, args.new_tokens if not n else 4)}
     llm = None if args.no_llamacpp or not path.endswith(".gguf") else \
         _llamacpp(path, threads, args.prompt_tokens + args.new_tokens + 16)
+    if getattr(args, "attention", False):
+        sides["kvchat_attention"] = lambda n: _time_kvchat(engine, ids[:n] if n else ids,
+                                                           args.new_tokens if not n else 4, "blocks")
     if llm is not None:
         sides["llamacpp"] = lambda n: _time_llamacpp(llm, ids[:n] if n else ids, args.new_tokens if not n else 4)
     want_hf = args.transformers == "yes" or (args.transformers == "auto" and args.model == "default")
@@ -402,6 +410,9 @@ def run(args) -> dict:
     step_s = 1 / k["decode_tok_s"]
     result["weight_read_gbs"] = engine.model.weight_bytes() / step_s / 1e9
     result["copy_gbs"] = copy_bandwidth_gbs()
+    if "kvchat_attention" in result:
+        result["attention_decode_cost"] = 1 - result["kvchat_attention"]["decode_tok_s"] / k["decode_tok_s"]
+        result["attention_prefill_cost"] = 1 - result["kvchat_attention"]["prefill_tok_s"] / k["prefill_tok_s"]
     for peer in ("llamacpp", "transformers"):
         if peer in result:
             result[f"ratio_decode_vs_{peer}"] = k["decode_tok_s"] / result[peer]["decode_tok_s"]
@@ -467,7 +478,7 @@ def summarize(r: dict) -> str:
              + (f", file {r['file_bytes'] / MIB:.0f} MiB" if r.get("file_bytes") else "") + f") on {r['threads']} "
              f"threads, {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, median of {r['runs']} "
              f"interleaved runs; kernels: {r['kernels']}"]
-    for name in ("kvchat", "llamacpp", "transformers"):
+    for name in ("kvchat", "kvchat_attention", "llamacpp", "transformers"):
         if name in r:
             s = r[name]
             lines.append(f"  {name:12s} prefill {s['prefill_tok_s']:7.1f} tok/s  decode {s['decode_tok_s']:6.1f} tok/s  "
@@ -476,6 +487,9 @@ def summarize(r: dict) -> str:
         if f"ratio_decode_vs_{peer}" in r:
             lines.append(f"  vs {peer}: decode {r[f'ratio_decode_vs_{peer}']:.2f}x, prefill "
                          f"{r[f'ratio_prefill_vs_{peer}']:.2f}x")
+    if "attention_decode_cost" in r:
+        lines.append(f"  measuring attention costs {r['attention_decode_cost']:.1%} of decode, "
+                     f"{r['attention_prefill_cost']:.1%} of prefill (interleaved runs)")
     lines.append(f"  weight reads while decoding {r['weight_read_gbs']:.1f} GB/s; memory copy {r['copy_gbs']:.1f} GB/s")
     if "prefix_ttft" in r:
         p = r["prefix_ttft"]

@@ -149,6 +149,37 @@ static void merge_spans(const float *part, int S, int Hq, int D, const float *si
     }
 }
 
+// Where one sequence's decode row put its attention (the kernels' optional mass output): after the spans (scores
+// [Hq, L] holding exp(s - the span's max) of every row, part [S][Hq][D + 2] each span's max and exp-sum, as
+// merge_spans reads them), row p's softmax probability is added to mass[h][cols[p]] for each head h; mass is
+// [Hq, mcols], its last column the learned sink's share (0 without sink logits). Rows split into spans as the
+// kernels split them: span c holds rows [L * c / S, L * (c + 1) / S).
+static void spans_mass(const float *scores, int L, const float *part, int S, int Hq, int D,
+                       const float *sink_logits, const int *cols, int mcols, float *mass) {
+    float w[64];
+    for (int i = 0; i < Hq; i++) {
+        float mx = sink_logits ? sink_logits[i] : -INFINITY, total = 0.f, *m = mass + (size_t)i * mcols;
+        for (int c = 0; c < S; c++) {
+            float v = part[((size_t)c * Hq + i) * (D + 2) + D];
+            mx = v > mx ? v : mx;
+        }
+        if (sink_logits) total = expf(sink_logits[i] - mx);
+        for (int c = 0; c < S; c++) {
+            const float *o = part + ((size_t)c * Hq + i) * (D + 2);
+            w[c] = o[D + 1] == 0.f ? 0.f : expf(o[D] - mx);
+            total += w[c] * o[D + 1];
+        }
+        for (int j = 0; j < mcols; j++) m[j] = 0.f;
+        const float *si = scores + (size_t)i * L;
+        for (int c = 0; c < S; c++) {
+            int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
+            float f = w[c] / total;
+            for (int p = lo; p < hi; p++) m[cols[p]] += f * si[p];
+        }
+        if (sink_logits) m[mcols - 1] = expf(sink_logits[i] - mx) / total;
+    }
+}
+
 static inline uint16_t to_bf16(float f) {
     // round to nearest even, as torch's float -> bfloat16 conversion (NaN kept a NaN)
     union { float f; uint32_t u; } v = {f};

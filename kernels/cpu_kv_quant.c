@@ -453,11 +453,12 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
                        const int64_t *slots, int P, const int64_t *table, int n_full,
                        const kv_comp *kc, const kv_comp *vc, const float *cos_h, const float *sin_h,
                        const int64_t *pos, float sm_scale, const float *sink_logits, int nthreads, float *out,
-                       float *scratch) {
+                       float *scratch, const int *cols, int mcols, float *mass) {
     // q [Hq, D], knew, vnew [Hkv, D]: the new token's query and key before RoPE, and its value (attended
     // last); slots [P] the held past, ascending; cos_h, sin_h [*, D/2] rows picked by pos [P + 1]: the
     // past's effective key positions, then the new token's (where the query is rotated too). sink_logits
-    // [Hq] or NULL: the layer's learned sink logits (merge_spans).
+    // [Hq] or NULL: the layer's learned sink logits (merge_spans). mass [Hq, mcols] or NULL: where the row put its
+    // attention, its rows' columns cols [P + 1] (spans_mass).
     // scratch: Hq * (P + 1 + D) + S * Hq * (D + 2) floats, S = spans (at most 64).
     fp8_init();
     int g = Hq / Hkv, L = P + 1;
@@ -494,6 +495,7 @@ void attn_decode_quant(const float *q, const float *knew, const float *vnew, int
         span_pass(&a, vc, vpass, v_pass_any, c, lo, hi);
     }
     merge_spans(a.part, S, Hq, D, sink_logits, out);
+    if (mass) spans_mass(a.scores, L, a.part, S, Hq, D, sink_logits, cols, mcols, mass);
 }
 
 // ---- a decode step's attention for every layer, called from decode_layers (cpu_quant.c) -----------------
@@ -517,6 +519,9 @@ typedef struct {
     float *scratch;                // Hq * (max P + 1 + D) + 64 * Hq * (D + 2) floats
     float *rows_out;               // [layers][B][2][Hkv * D]: every layer's new key and value
     const float *const *sink_logits;   // [layers] each [Hq] or NULL (NULL: no layer has sink logits)
+    const int *const *cols;        // [B] each [P[b] + 1]: the rows' mass columns (NULL: mass not measured)
+    int mcols;
+    float *mass;                   // [layers][B][Hq][mcols] or NULL
 } qstep_t;
 
 static void tail_write(const kv_comp *c, int row, const float *x, int H, int D) {
@@ -540,7 +545,8 @@ int attend_quant_layer(void *ctx, int layer, float *qkv, float *out) {
         const float *q = qkv + (size_t)b * s->ldq, *k = q + (size_t)Hq * D, *v = k + (size_t)Hkv * D;
         attn_decode_quant(q, k, v, Hq, Hkv, D, s->bs, s->slots[b], s->P[b], s->table[b], s->n_full[b], kc, vc,
                           s->cos_h, s->sin_h, s->pos[b], s->sm_scale, s->sink_logits ? s->sink_logits[layer] : NULL,
-                          s->nthreads, out + (size_t)b * Hq * D, s->scratch);
+                          s->nthreads, out + (size_t)b * Hq * D, s->scratch, s->mass ? s->cols[b] : NULL, s->mcols,
+                          s->mass ? s->mass + ((size_t)layer * s->B + b) * Hq * s->mcols : NULL);
         tail_write(kc, s->fill[b], k, Hkv, D);
         tail_write(vc, s->fill[b], v, Hkv, D);
         float *ro = s->rows_out + ((size_t)layer * s->B + b) * 2 * Hkv * D;

@@ -324,7 +324,7 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.kvchat_build_info.argtypes = []
     lib.kvchat_build_info.restype = ctypes.c_char_p
     if source == KV_SOURCE:
-        lib.attn_decode_quant.argtypes = [P, P, P, I, I, I, I, P, I, P, I, P, P, P, P, P, F, P, I, P, P]
+        lib.attn_decode_quant.argtypes = [P, P, P, I, I, I, I, P, I, P, I, P, P, P, P, P, F, P, I, P, P, P, I, P]
         lib.attn_decode_quant.restype = None
         lib.attend_quant_layer.argtypes = [P, I, P, P]
         lib.attend_quant_layer.restype = I
@@ -342,14 +342,14 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.mxfp4_gemv.argtypes = [P, I, I, P, P, I, P, P, I, P, F, P]
     lib.mxfp4_dequant.argtypes = lib.mxfp4_dequant_bf16.argtypes = [P, P, I, I, P]
     lib.attn_decode_rot.argtypes = [P, P, I, I, I, I, P, P, I, P, I, F, P, P]
-    lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P, P]
-    lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, P, P, P]
+    lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P, P, P, I, P]
+    lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, P, P, P, P, I, P]
     for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.q4_dequant_bf16, lib.q8_dequant_bf16,
               lib.q6k_gemv, lib.q6k_dequant, lib.q6k_dequant_bf16,
               lib.mxfp4_gemv, lib.mxfp4_dequant, lib.mxfp4_dequant_bf16,
               lib.attn_decode_rot, lib.attn_decode_batch, lib.decode_attend):
         f.restype = None
-    lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P]
+    lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P, P, I, P]
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
     lib.moe_layer_rows.argtypes = [I, I, P, P, F, P, P, P]
     lib.moe_layer_rows.restype = I

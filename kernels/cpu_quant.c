@@ -705,10 +705,13 @@ static inline int attn_spans(int L) { return L >= 256 ? 4 : L >= 64 ? 2 : 1; }
 // rows[off[b] : off[b + 1]]. Each sequence's rows are cut into 1, 2 or 4 spans by its own length only
 // and merged by log-sum-exp, so a sequence's output is the same bits whatever else is in the batch.
 // sink_logits [Hq] (NULL: none): the layer's learned sink logits, joining each head's softmax at the merge.
+// mass (NULL: not measured): [B, Hq, mcols], where each sequence's row put its attention (spans_mass), its rows'
+// columns at cols[off[b] : off[b + 1]].
 // scratch: sum over b of (Hq * L_b + 4 * Hq * (D + 2)) floats.
 void attn_decode_batch(int B, const float *q, const float *qs, const int *n_sink, int Hq, int Hkv, int D,
                        const void *kp, const void *vp, int bf16, const int64_t *rows, const int64_t *off,
-                       float sm_scale, const float *sink_logits, float *out, float *scratch) {
+                       float sm_scale, const float *sink_logits, float *out, float *scratch,
+                       const int *cols, int mcols, float *mass) {
     int total = 0;
     for (int b = 0; b < B; b++) total += attn_spans((int)(off[b + 1] - off[b]));
     #pragma omp parallel for schedule(dynamic, 1)
@@ -727,6 +730,9 @@ void attn_decode_batch(int B, const float *q, const float *qs, const int *n_sink
     for (int b = 0; b < B; b++) {
         int L = (int)(off[b + 1] - off[b]), S = attn_spans(L);
         merge_spans(scratch + base + (size_t)Hq * L, S, Hq, D, sink_logits, out + (size_t)b * Hq * D);
+        if (mass)
+            spans_mass(scratch + base, L, scratch + base + (size_t)Hq * L, S, Hq, D, sink_logits, cols + off[b],
+                       mcols, mass + (size_t)b * Hq * mcols);
         base += (size_t)Hq * L + 4 * (size_t)Hq * (D + 2);
     }
 }
@@ -736,7 +742,8 @@ void attn_decode_rot(const float *q, const float *qs, int n_sink, int Hq, int Hk
                      float sm_scale, float *out, float *scratch) {
     // one sequence: the batch of one
     int64_t off[2] = {0, L};
-    attn_decode_batch(1, q, qs, &n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, NULL, out, scratch);
+    attn_decode_batch(1, q, qs, &n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, NULL, out, scratch, NULL, 0,
+                      NULL);
 }
 
 // ---- one decode token per sequence, from the projections to the attention output ----------------------
@@ -752,13 +759,14 @@ static inline void rope_full(const float *x, const float *c, const float *s, int
 // positions (cos, sin [B, D]; scos, ssin the sinks' view of the query, or NULL when no sequence has
 // sinks), the rotated key and the value are written to page rows new_rows[b] (fp32 or bf16 pages), and
 // each sequence attends over its rows rows[off[b] : off[b + 1]] (the new row last), with the layer's sink
-// logits [Hq] or NULL (attn_decode_batch). out: [B, Hq, D].
+// logits [Hq] or NULL, and mass as attn_decode_batch's (cols, mcols, mass: NULL, 0, NULL not measured). out: [B, Hq, D].
 // Everything a sequence gets depends on that sequence only: the same bits alone or in any batch.
 // scratch: 2 * B * Hq * D + (sum of Hq * L_b + 4 * Hq * (D + 2)) floats.
 void decode_attend(int B, const float *q, const float *k, const float *v, int ldq, int ldk, int ldv, int Hq, int Hkv, int D,
                    const float *cos, const float *sin, const float *scos, const float *ssin, const int *n_sink,
                    void *kp, void *vp, int bf16, const int64_t *new_rows, const int64_t *rows, const int64_t *off,
-                   float sm_scale, const float *sink_logits, float *out, float *scratch) {
+                   float sm_scale, const float *sink_logits, float *out, float *scratch, const int *cols, int mcols,
+                   float *mass) {
     float *qr = scratch, *qs = scratch + (size_t)B * Hq * D;
     float kbuf[512];
     for (int b = 0; b < B; b++) {
@@ -783,7 +791,7 @@ void decode_attend(int B, const float *q, const float *k, const float *v, int ld
         }
     }
     attn_decode_batch(B, qr, scos ? qs : qr, n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, sink_logits, out,
-                      scratch + 2 * (size_t)B * Hq * D);
+                      scratch + 2 * (size_t)B * Hq * D, cols, mcols, mass);
 }
 
 // ---- a whole decode step of the decoder layers in one call -------------------------------------------
@@ -899,10 +907,12 @@ typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
 // LayerSpec.fused_kernel_ok), shared by every layer; or attend, called instead of it (the
 // other arguments of attention unused). 0 on success, -1 when out of memory, -2 when attend failed, -3 when a
 // linear's width does not chain with H, Hq, Hkv and D (or D is past decode_attend's 256), before anything runs.
+// mass (NULL: not measured): [nl, B, Hq, mcols], each layer's decode_attend mass (cols as decode_attend's).
 int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                   void *const *kp, void *const *vp, const int *bf16, const float *cos, const float *sin,
                   const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
-                  const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx) {
+                  const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx,
+                  const int *cols, int mcols, float *mass) {
     if (nl < 1 || B < 1 || H < 1 || Hq < 1 || Hkv < 1 || D < 1 || (!attend && D > 256)) return -3;
     for (int l = 0; l < nl; l++)
         if (!layer_widths_ok(layers + l, H, Hq, Hkv, D)) return -3;
@@ -940,7 +950,8 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
             }
         } else {
             decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, cos, sin, scos, ssin,
-                          n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, NULL, att, as);
+                          n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, NULL, att, as, cols, mcols,
+                          mass ? mass + (size_t)l * B * Hq * mcols : NULL);
         }
         lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, x);
         if (L->moe) {

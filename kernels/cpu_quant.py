@@ -101,6 +101,29 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+@dataclass(frozen=True)
+class Mass:
+    """Where a decode row's attention went, measured by the attention kernels: out [..., B, Hq, mcols] float32
+    receives each head's softmax probability summed per column, the last column the learned sink's share (0
+    without sink logits); cols int32, the column of every attended row, each sequence's rows one after another
+    (in the kernel's row order: the held past, the new token last)."""
+
+    cols: torch.Tensor
+    out: torch.Tensor
+
+    def __post_init__(self):
+        assert self.cols.dtype == torch.int32 and self.cols.is_contiguous() and not self.cols.is_cuda
+        assert self.out.dtype == torch.float32 and self.out.is_contiguous() and not self.out.is_cuda
+
+    @staticmethod
+    def args(mass: "Mass | None", rows: int, b: int, hq: int) -> tuple:
+        """The kernels' (cols, mcols, mass) arguments; (None, 0, None): not measured."""
+        if mass is None:
+            return None, 0, None
+        assert mass.cols.shape[0] == rows and mass.out.shape[-3:-1] == (b, hq), "one column per row, [B, Hq] out"
+        return mass.cols.data_ptr(), mass.out.shape[-1], mass.out.data_ptr()
+
+
 PREP_NONE, PREP_RMSNORM, PREP_SWIGLU = 0, 1, 2
 
 
@@ -346,11 +369,11 @@ def attn_decode(q, q_sink, n_sink: int, k_pages, v_pages, rows, sm_scale: float)
 
 
 def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, offsets, sm_scale: float,
-                      sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+                      sink_logits: torch.Tensor | None = None, mass: Mass | None = None) -> torch.Tensor:
     """B sequences' decode attention in one call: q, q_sink [B, Hq, D] fp32 rotated; n_sink [B] int32; rows the
     sequences' page rows one after another, sequence b's at rows[offsets[b]:offsets[b + 1]] (int64); sink_logits
     [Hq] the layer's learned sink logits or None -> [B, Hq, D], each sequence's bits equal to attn_decode on it
-    alone."""
+    alone. mass: where to measure each row's attention (Mass), or None."""
     b, hq, d = q.shape
     hkv = k_pages.shape[-2]
     out = torch.empty(b, hq, d)
@@ -358,7 +381,8 @@ def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, o
     sink_logits = _sink_logits(sink_logits, hq)
     _lib.attn_decode_batch(b, q.data_ptr(), q_sink.data_ptr(), n_sink.data_ptr(), hq, hkv, d, k_pages.data_ptr(),
                            v_pages.data_ptr(), int(k_pages.dtype == torch.bfloat16), rows.data_ptr(),
-                           offsets.data_ptr(), float(sm_scale), _ptr(sink_logits), out.data_ptr(), scratch.data_ptr())
+                           offsets.data_ptr(), float(sm_scale), _ptr(sink_logits), out.data_ptr(), scratch.data_ptr(),
+                           *Mass.args(mass, rows.shape[0], b, hq))
     return out
 
 
@@ -371,13 +395,13 @@ def _sink_logits(sink_logits: torch.Tensor | None, hq: int) -> torch.Tensor | No
 
 
 def decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, v_pages, new_rows, rows, offsets,
-                  sm_scale: float, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+                  sm_scale: float, sink_logits: torch.Tensor | None = None, mass: Mass | None = None) -> torch.Tensor:
     """B sequences' one new token each, from projections to attention output, in one call.
 
     q [B, Hq, D], k, v [B, Hkv, D] fp32 with contiguous rows (views of one qkv matmul's columns do), keys
     before RoPE; cos, sin [B, D] at the new tokens' positions; sink_cos, sink_sin [B, D] or None; n_sink [B]
     int32; k_pages, v_pages [R, Hkv, D] fp32 or bf16, written at new_rows [B]; rows / offsets and sink_logits as
-    for attn_decode_batch (each sequence's new row included, last) -> [B, Hq, D]."""
+    for attn_decode_batch (each sequence's new row included, last), and mass -> [B, Hq, D]."""
     b, hq, d = q.shape
     hkv = k_pages.shape[-2]
     for t in (q, k, v):
@@ -389,7 +413,8 @@ def decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, v_page
     _lib.decode_attend(b, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), hq, hkv, d,
                        cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
                        int(k_pages.dtype == torch.bfloat16), new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(),
-                       float(sm_scale), _ptr(sink_logits), out.data_ptr(), scratch.data_ptr())
+                       float(sm_scale), _ptr(sink_logits), out.data_ptr(), scratch.data_ptr(),
+                       *Mass.args(mass, rows.shape[0], b, hq))
     return out
 
 
@@ -554,7 +579,8 @@ def _half_rope(cos_h, sin_h, pos):
 # key's effective position, then the new token's (the query's too) -> [Hq, D]
 def attn_decode_quant(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, table, n_full: int,
                       block_size: int, cos_h, sin_h, pos, sm_scale: float, check: bool = True,
-                      sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+                      sink_logits: torch.Tensor | None = None, mass: Mass | None = None) -> torch.Tensor:
+    """mass: where to measure the row's attention (Mass of one sequence, its columns for the P + 1 rows), or None."""
     hq, d = q.shape
     hkv = k_new.shape[0]
     n = slots.shape[0]
@@ -571,7 +597,7 @@ def attn_decode_quant(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, ta
                            slots.data_ptr(), n, table.data_ptr(), int(n_full),
                            ctypes.addressof(ks), ctypes.addressof(vs), cos_h.data_ptr(), sin_h.data_ptr(),
                            pos.data_ptr(), float(sm_scale), _ptr(sink_logits), torch.get_num_threads(),
-                           out.data_ptr(), scratch.data_ptr())
+                           out.data_ptr(), scratch.data_ptr(), *Mass.args(mass, n + 1, 1, hq))
     return out
 
 
@@ -729,7 +755,8 @@ class _QStep(ctypes.Structure):
                 ("comps", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("P", ctypes.c_void_p),
                 ("table", ctypes.c_void_p), ("n_full", ctypes.c_void_p), ("pos", ctypes.c_void_p),
                 ("fill", ctypes.c_void_p), ("cos_h", ctypes.c_void_p), ("sin_h", ctypes.c_void_p),
-                ("scratch", ctypes.c_void_p), ("rows_out", ctypes.c_void_p), ("sink_logits", ctypes.c_void_p)]
+                ("scratch", ctypes.c_void_p), ("rows_out", ctypes.c_void_p), ("sink_logits", ctypes.c_void_p),
+                ("cols", ctypes.c_void_p), ("mcols", ctypes.c_int), ("mass", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -769,7 +796,7 @@ class QuantStep:
 
     def __init__(self, comps: list[tuple], seqs: list[QuantSeq], block_size: int, hq: int, hkv: int, d: int,
                  cos_h: torch.Tensor, sin_h: torch.Tensor, sm_scale: float,
-                 sink_logits: list[torch.Tensor | None] | None = None):
+                 sink_logits: list[torch.Tensor | None] | None = None, mass: Mass | None = None):
         B = len(seqs)
         n_layers = len(comps) // (2 * B)
         assert len(comps) == n_layers * 2 * B and d <= MAX_HEAD_DIM
@@ -803,12 +830,22 @@ class QuantStep:
                              ctypes.addressof(tables), ctypes.addressof(n_full), ctypes.addressof(pos),
                              ctypes.addressof(fill), cos_h.data_ptr(), sin_h.data_ptr(), self.scratch.data_ptr(),
                              self.rows.data_ptr(), None if sinks is None else ctypes.addressof(sinks))
+        if mass is not None:          # mass.out [layers, B, Hq, mcols]; mass.cols each sequence's rows, one after another
+            assert mass.out.shape[:3] == (n_layers, B, hq)
+            starts = [0]
+            for st in seqs:
+                starts.append(starts[-1] + st.slots.shape[0] + 1)
+            assert mass.cols.shape[0] == starts[-1]
+            cols = (ctypes.c_void_p * B)(*[mass.cols.data_ptr() + 4 * s for s in starts[:-1]])
+            self._mass = (mass, cols)
+            self.struct.cols, self.struct.mcols, self.struct.mass = ctypes.addressof(cols), mass.out.shape[-1], \
+                mass.out.data_ptr()
 
 
 def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
                   pages: list[tuple[torch.Tensor, torch.Tensor]] | None, cos=None, sin=None, sink_cos=None,
                   sink_sin=None, n_sink=None, new_rows=None, rows=None, offsets=None, sm_scale: float = 0.0,
-                  attend=None, quant: QuantStep | None = None) -> None:
+                  attend=None, quant: QuantStep | None = None, mass: Mass | None = None) -> None:
     """x [B, H] fp32 contiguous (the embeddings of B sequences' new tokens) becomes the last layer's output, in
     place: each layer's linears (q4_gemv / q8_gemv with RMSNorm, SwiGLU and residual fused) and decode_attend
     (arguments as for decode_attend; pages[l] layer l's K and V pages), the same calls in the same order as a
@@ -817,7 +854,8 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
     quant, when given, does each layer's attention over quantized pages in C (see QuantStep); attend(layer,
     qkv [B, n_qkv]) -> [B, Hq, D], when given, does it in Python instead: the caller's own path for caches no
     kernel reads (pages and the other attention arguments unused either way). An exception attend raises
-    stops the step and is raised here."""
+    stops the step and is raised here. mass: each layer's decode_attend mass (Mass.out [layers, B, Hq, mcols]),
+    with the full-precision pages only (QuantStep takes its own)."""
     b, h = x.shape
     assert x.is_contiguous() and x.dtype == torch.float32
     n = len(table)
@@ -847,7 +885,11 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
                 return 1
         fn = ATTEND_FN(call)                  # kept alive until the call returns
         args = none + (ctypes.cast(fn, ctypes.c_void_p), None)
-    rc = _lib.decode_layers(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, *args)
+    margs = (None, 0, None)
+    if mass is not None:
+        assert pages is not None and attend is None and mass.out.shape[:3] == (n, b, hq)
+        margs = (mass.cols.data_ptr(), mass.out.shape[-1], mass.out.data_ptr())
+    rc = _lib.decode_layers(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, *args, *margs)
     if failure:
         raise failure[0]
     if rc == -3:

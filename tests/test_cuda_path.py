@@ -129,3 +129,21 @@ def test_weights_stay_packed_on_the_gpu_path(tiny_gguf, monkeypatch):
     assert gpu.model.weight_bytes() <= 1.1 * file_bytes, (gpu.model.weight_bytes(), file_bytes)
     kinds = gpu.model.linear_kinds()
     assert kinds and all(k.startswith(("q4", "q8", "int")) for k in kinds), kinds
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_the_gpu_path_measures_attention_as_the_cpu_path(tiny_gguf, fmt, monkeypatch):
+    """The Triton backends' attention mass (read again through torch from the pages the kernel left) against the C
+    kernels' on the same prompt and decodes: per block, within 1e-4."""
+    maps = []
+    for engine in (Engine.load(EngineConfig(model=tiny_gguf)), gpu_engine(tiny_gguf, monkeypatch)):
+        s = engine.new_session(cache=FORMATS[fmt])
+        s.watch_attention()
+        s.append(PROMPT)
+        for t in (3, 4):
+            s.append([t])
+        maps.append(s.attention())
+        s.close()
+    assert maps[0].mass.shape == maps[1].mass.shape and maps[0].mass.shape[-1] == 3
+    assert abs(maps[0].mass - maps[1].mass).max() < 1e-4
+    assert (maps[0].held == maps[1].held).all()

@@ -42,7 +42,7 @@ class Spy:
         self.errors, self.kernel_steps, self.torch_steps = [], 0, 0
         real = quant_pages.attend_quantized
 
-        def spy(kc, vc, q, k, v, st, kernel):
+        def spy(kc, vc, q, k, v, st, kernel, *more):
             if q.shape[0] == 1:
                 if not kernel:
                     self.torch_steps += 1
@@ -51,7 +51,7 @@ class Spy:
                     ref = quant_pages.attend_torch(kc, vc, q, k, v, st)
                     got = quant_pages.decode_kernel(q, k, v, st, *quant_pages.kernel_pages(kc, vc, st))
                     self.errors.append(_relative(got, ref))
-            return real(kc, vc, q, k, v, st, kernel)
+            return real(kc, vc, q, k, v, st, kernel, *more)
 
         monkeypatch.setattr(quant_pages, "attend_quantized", spy)
 

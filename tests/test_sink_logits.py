@@ -482,9 +482,9 @@ def test_the_one_call_quantized_step_gives_the_layer_by_layer_logits(models, mon
     steps = Counter()
     real = quant_pages.quant_step
 
-    def counted(comps, st, num_heads, scale, sink_logits=None):
+    def counted(comps, st, num_heads, scale, sink_logits=None, mass=None):
         steps["with sink logits"] += all(s is not None for s in sink_logits)
-        return real(comps, st, num_heads, scale, sink_logits)
+        return real(comps, st, num_heads, scale, sink_logits, mass)
     monkeypatch.setattr(quant_pages, "quant_step", counted)
     one_call = drive(runner_with(engine, sinks), cache, ids)
     assert steps["with sink logits"] == 4

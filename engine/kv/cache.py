@@ -27,6 +27,7 @@ import torch
 
 from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.kv import convert, saved
+from kvchat.engine.kv.attention_log import AttentionLog
 from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVGroup, KVLayout
 from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView
 from kvchat.engine.kv.sequence import Conversation, Reservation, Sequence
@@ -58,6 +59,7 @@ class KVCache:
         self.points = StatePoints()        # states at block boundaries, for prefix sharing over a recurrent state
         self._replaced: dict[int, list] = {}        # a conversation's first sequence -> its latest points' keys
         self._blocks.drop_extra = self._drop_point
+        self._logs: dict[int, AttentionLog] = {}    # a watched conversation's first sequence -> its attention
 
     # ---- conversations ---------------------------------------------------------------------------------------
 
@@ -110,6 +112,9 @@ class KVCache:
     def free(self, seq: Conversation) -> int:
         """Every block of the conversation goes back; returns the bytes the pool no longer holds."""
         freed = 0
+        log = self._logs.get(seq.members[0].seq_id)
+        if log is not None:                 # nothing is cached: nothing was attended
+            log.clear()
         for m in seq.members:
             freed += self._blocks.free(m)
             self._pages.drop_tails(m.seq_id)
@@ -118,10 +123,23 @@ class KVCache:
 
     def close(self, seq: Conversation) -> None:
         self._replaced.pop(seq.members[0].seq_id, None)     # its latest point stays, for whoever reads the same
+        self._logs.pop(seq.members[0].seq_id, None)
         self.free(seq)
         for m in seq.members:
             self._blocks.close(m)
         self.drop_unused_layouts()
+
+    # ---- attention, measured (kv/attention_log.py) -----------------------------------------------------------
+
+    def watch(self, seq: Conversation, log: AttentionLog | None) -> None:
+        """Measure where the conversation's rows attend from its next step on, into `log` (None: stop)."""
+        if log is None:
+            self._logs.pop(seq.members[0].seq_id, None)
+        else:
+            self._logs[seq.members[0].seq_id] = log
+
+    def attention_log(self, seq: Conversation) -> AttentionLog | None:
+        return self._logs.get(seq.members[0].seq_id)
 
     def fork(self, seq: Conversation, num_tokens: int) -> tuple[Conversation, int]:
         """A conversation sharing the first num_tokens tokens of seq; returns (child, tokens shared).

@@ -2,15 +2,29 @@
 engine/runtime/backends/ gather them from their pages, and the kernels' references check against it)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
 Q_BLOCK = 32        # query rows per block of prompt attention
 
 
+@dataclass(frozen=True)
+class RowMass:
+    """Where the last rows of an attention call put their mass (the torch path's measure; the C kernels take a
+    cpu_quant.Mass): out [W, Hq, mcols] float32 receives, for the call's last W query rows, each head's softmax
+    probability summed per column (cols [N]: the column of each key, in k_all's order), the learned sink's share in
+    the last column."""
+
+    cols: torch.Tensor
+    out: torch.Tensor
+
+
 def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, decode: bool = True,
                       scale: float | None = None, softcap: float | None = None,
-                      outside: torch.Tensor | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+                      outside: torch.Tensor | None = None, sink_logits: torch.Tensor | None = None,
+                      observe: RowMass | None = None) -> torch.Tensor:
     """The one softmax attention (besides the kernels' references): q [T, Hq, D] rotated, k/v [P + T, Hkv, D]
     with the new tokens last (causal among themselves) -> [T, Hq, D].
 
@@ -19,7 +33,8 @@ def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     the query's sliding window (a layer's own window over prompt rows; a decode row reads only its window's keys).
     sink_logits: [Hq] float32, one learned logit per query head (gpt-oss) that joins every row's softmax (after the
     cap, not capped itself) and takes its share of the mass with no value: the output is then less than a convex
-    combination of the values. None: the plain softmax, bit for bit.
+    combination of the values. None: the plain softmax, bit for bit. observe: where the last rows' mass goes
+    (computed apart, after the attention: the output's bits do not change).
 
     Prompt rows go in blocks of Q_BLOCK queries aligned to multiples of Q_BLOCK positions, each block
     padded to Q_BLOCK rows and reading the keys up to its block's end: a row's result then depends only
@@ -28,6 +43,8 @@ def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     T, D = q_rot.shape[0], q_rot.shape[-1]
     Hkv = k_all.shape[1]
     scale = D ** -0.5 if scale is None else scale
+    if observe is not None:
+        observe_rows(q_rot, k_all, scale, softcap, outside, sink_logits, observe)
     if T == 1 and decode:     # one query: two batched matmuls beat SDPA's GQA expansion on small heads
         scores = _capped(torch.bmm(q_rot[0].view(Hkv, -1, D), k_all.permute(1, 2, 0)) * scale, softcap)
         return torch.bmm(_softmax(scores, sink_logits), v_all.transpose(0, 1)).reshape(1, -1, D)
@@ -54,6 +71,26 @@ def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
         out[start - P:end - P] = o.view(Hkv, G, Q_BLOCK, D).permute(2, 0, 1, 3).reshape(Q_BLOCK, Hq, D)[:end - start]
         start = end
     return out
+
+
+def observe_rows(q_rot: torch.Tensor, k_all: torch.Tensor, scale: float, softcap: float | None,
+                 outside: torch.Tensor | None, sink_logits: torch.Tensor | None, observe: RowMass) -> None:
+    """softmax_attention's probabilities of its last W rows (q_rot [T, Hq, D], k_all [N, Hkv, D], the T queries
+    the last T keys), summed per column into observe.out [W, Hq, mcols]."""
+    T, Hq, D = q_rot.shape
+    N, Hkv = k_all.shape[:2]
+    W = observe.out.shape[0]
+    qg = q_rot[T - W:].float().view(W, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3)          # [Hkv, G, W, D]
+    scores = _capped(torch.matmul(qg, k_all.float().permute(1, 2, 0)[:, None]) * scale, softcap)  # [Hkv, G, W, N]
+    hidden = torch.arange(N)[None, :] > torch.arange(N - W, N)[:, None]                 # causal among the new rows
+    if outside is not None:
+        hidden |= outside[T - W:].to(hidden.device)
+    p = _softmax(scores.masked_fill_(hidden.to(scores.device), float("-inf")), sink_logits)
+    p = p.permute(2, 0, 1, 3).reshape(W, Hq, N)
+    out = observe.out
+    out[..., :-1].index_add_(2, observe.cols.to(out.device), p.to(out.device))
+    if sink_logits is not None:
+        out[..., -1] = 1 - p.sum(-1).to(out.device)
 
 
 def _softmax(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Tensor:

@@ -262,7 +262,7 @@ class QuickSequence:
         rc = m.lib.decode_layers(c.num_layers, ctypes.addressof(m.table), b, _ptr(x), c.hidden_size,
                                  float(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim, self._kp, self._vp,
                                  self._bf16, _ptr(cos), _ptr(sin), None, None, _ptr(n_sink), _ptr(pos), _ptr(rows),
-                                 _ptr(off), float(m.query_scale), None, None)
+                                 _ptr(off), float(m.query_scale), None, None, None, 0, None)
         if rc == -3:       # the widths did not chain: check_weight_shapes should have refused the file first
             raise ValueError("decode_layers: the layer table's widths do not match the model's")
         if rc:

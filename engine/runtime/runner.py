@@ -16,6 +16,7 @@ import torch
 
 from kvchat.engine.runtime.backends import AttentionBackend, LayerScores, StepAttention, backend_for, choice_key
 from kvchat.engine.runtime.speculative import StepCosts
+from kvchat.engine.runtime.step_mass import StepMass
 from kvchat.engine.runtime.step_plan import StepReservation, decode_first
 from kvchat.engine.config import CacheConfig, ConfigError, SpeculativeConfig
 from kvchat.engine.kv.cache import KVCache
@@ -230,10 +231,14 @@ class ModelRunner:
         with self.lock:
             reserved = StepReservation(self.cache, [items[i] for i in order], [decode[i] for i in order],
                                        self.layer_inv_freq, self.device, keep, self.model.config.kv_sources)
+            mass = self._watched(reserved)
             try:
-                logits, per_row, attention = self._forward(reserved, all_logits)
+                logits, per_row, attention = self._forward(reserved, all_logits, mass)
             except BaseException:
                 reserved.rollback()
+                for seq, _ in reserved.items:
+                    if (log := self.cache.attention_log(seq)) is not None:
+                        log.drop()
                 raise
             reserved.commit(hash_ids)
             attention.commit_states()
@@ -246,7 +251,14 @@ class ModelRunner:
             self.tokens_read += sum(len(ids) for _, ids in items)
         return item_logits(order, reserved.steps, logits, per_row, all_logits)
 
-    def _forward(self, reserved: StepReservation, all_logits: bool) -> tuple[torch.Tensor, bool, StepAttention]:
+    def _watched(self, reserved: StepReservation) -> StepMass | None:
+        """The step's attention measure, where a conversation of it is watched (KVCache.watch), else None."""
+        logs = {i: log for i, (seq, _) in enumerate(reserved.items)
+                if (log := self.cache.attention_log(seq)) is not None}
+        return StepMass(logs, reserved.items, reserved.steps, reserved.layer_steps) if logs else None
+
+    def _forward(self, reserved: StepReservation, all_logits: bool,
+                 mass: StepMass | None = None) -> tuple[torch.Tensor, bool, StepAttention]:
         """The step's logits and whether they are one row per token (else one per item): one kernel call where every
         row is a one-token decode (of one layout: its backend's own step), else the forward with each sequence's
         backend attending."""
@@ -254,7 +266,7 @@ class ModelRunner:
         x = torch.tensor([t for _, ids in reserved.items for t in ids], dtype=torch.long, device=self.device)
         items = [(seq, st.offset, st.num_new, st.decode) for (seq, _), st in zip(reserved.items, steps)]
         attention = StepAttention(reserved.layer_steps, lambda st: self.backend(st.res.seq.layout),
-                                  items if self.state_layout is not None else None, self.model.config.kv_sources)
+                                  items if self.state_layout is not None else None, self.model.config.kv_sources, mass)
         if all(st.one_token_decode for st in attention.steps):        # rows: every token of the step, in order
             logits = (attention.decode(self.model, x) if attention.one_layout_decode
                       else self.model.forward_decode(x, attention=attention))

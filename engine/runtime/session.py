@@ -16,9 +16,9 @@ from typing import Callable, Iterator
 import torch
 
 from kvchat.engine.config import CacheConfig, ConfigError, SamplingParams
-from kvchat.engine.events import FinishReason, PoolStats, PrefillProgress, StatsSnapshot, TokenDelta, TurnFinished
+from kvchat.engine.events import FinishReason, PrefillProgress, TokenDelta, TurnFinished
 from kvchat.engine.plan.fit import trim_heap
-from kvchat.engine.runtime import alternatives, memory, overflow, session_stats, warm
+from kvchat.engine.runtime import alternatives, memory, overflow, session_attention, session_stats, warm
 from kvchat.engine.runtime.alternatives import Alternative
 from kvchat.engine.runtime.driver import Decoder, decode_alone, may_speculate
 from kvchat.engine.runtime.overflow import BudgetFull, Stopped
@@ -85,6 +85,7 @@ class Session:
     def _sync(self) -> None:
         if self.released:
             warm.sync(self)
+        session_attention.follow(self)
 
     def offload(self) -> bool:
         """The budget is releasing this idle conversation: its cache goes to the second tier (warm.offload). True
@@ -435,15 +436,13 @@ class Session:
         self.runner.truncate(self.seq, n)
         del self.token_ids[self.seq.num_tokens:]
 
-    # ---- statistics (engine/runtime/session_stats.py) ------------------------------------
+    # ---- attention (engine/runtime/session_attention.py): watch_attention("blocks" | "dense" | None), then an
+    # AttentionMap of the newest token, the last reply or the last prompt's rows: attention(over, weights, max_columns)
+    watch_attention = session_attention.watch
+    attention = session_attention.attention_map
 
-    def tokens_left(self) -> int | None:
-        """More tokens that fit in the budget in this mode (idle conversations released); None when a window bounds
-        the cache instead (any length fits)."""
-        return session_stats.tokens_left(self)
-
-    def pool_stats(self) -> PoolStats:
-        return session_stats.pool_stats(self)
-
-    def stats(self) -> StatsSnapshot:
-        return session_stats.snapshot(self)
+    # ---- statistics (engine/runtime/session_stats.py): tokens_left() (None where a window bounds the cache),
+    # pool_stats(), stats() (a StatsSnapshot)
+    tokens_left = session_stats.tokens_left
+    pool_stats = session_stats.pool_stats
+    stats = session_stats.snapshot

@@ -42,6 +42,8 @@ class SessionState:
                                         # saved file) or none
     notice: str = ""                    # what the user should know about this turn (a slide, a cache read back)
     turn_times: TurnTimes = field(default_factory=TurnTimes)
+    attention_log: object | None = None     # where the cache measures this conversation's attention (None: not
+                                        # watched; engine/runtime/session_attention.py)
 
     @property
     def num_cached(self) -> int:

@@ -11,7 +11,7 @@ from kvchat.engine.kv.layout import KVLayout
 from kvchat.engine.kv.state import StepJournal
 from kvchat.engine.model import linear_attention as gdn
 from kvchat.engine.model.rope import rotate
-from kvchat.engine.runtime.attention import softmax_attention
+from kvchat.engine.runtime.attention import RowMass, softmax_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
 from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers, score_args, sink_args
 from kvchat.engine.runtime.backends.quant_pages import (QuantPagesC, QuantPagesTorch, decode_kernel, kernel_pages,
@@ -49,14 +49,15 @@ def backend_for(layout: KVLayout, comps: Pages, device, num_heads: int,
 
 
 def attend_stored(comps: tuple, q: torch.Tensor, steps: list, scores: LayerScores,
-                  kv: tuple | None = None) -> torch.Tensor:
+                  kv: tuple | None = None, watch=None, observe: RowMass | None = None) -> torch.Tensor:
     """Attention over a layer's K and V as they are stored after this step's writes, without writing: q [T, Hq, D]
     of the steps' rows in order (one step per sequence, or per row of a verification) -> [T, Hq, D]. The reading
     half of every backend's attend, for a layer that shares another layer's KV (LayerSpec.kv_source): the source
     wrote this step's keys and values, so the rows are the held past and the new slots, in any page format.
 
     kv: the source's own k, v of these rows (before RoPE), where kept: a quantized layer then takes its new rows from
-    them, as the source read them (in float32; its tail keeps them at 16 bits)."""
+    them, as the source read them (in float32; its tail keeps them at 16 bits). watch: where the rows' mass goes
+    (step_mass.LayerWatch), or observe: one step's (RowMass)."""
     kc, vc = comps
     quantized = kc.fmt.is_quantized or vc.fmt.is_quantized
     outs, r = [], 0
@@ -80,12 +81,12 @@ def attend_stored(comps: tuple, q: torch.Tensor, steps: list, scores: LayerScore
             k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
         q_rot = rotate(q[r:r + n].float(), st.q_cos, st.q_sin)
         outs.append(softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside,
-                                      sink_args(scores)))
+                                      sink_args(scores), observe if watch is None else watch.rows(st)))
         r += n
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def read_quantized_decodes(comps: tuple, q, k, v, steps: list, scores: LayerScores) -> torch.Tensor:
+def read_quantized_decodes(comps: tuple, q, k, v, steps: list, scores: LayerScores, watch=None) -> torch.Tensor:
     """attend_stored for one-token decodes over quantized pages the C kernel reads: it reads the held past in place
     and takes the new row from the source's own k and v (what the source's step stored). Where the source's row
     completed its block, the block moved from the tail into a quantized page: that row reads the pages as stored."""
@@ -94,10 +95,13 @@ def read_quantized_decodes(comps: tuple, q, k, v, steps: list, scores: LayerScor
     outs = []
     for r, st in enumerate(steps):
         if st.res.first_slot % bs == bs - 1:
-            outs.append(attend_stored(comps, q[r:r + 1], [st], scores, (k[r:r + 1], v[r:r + 1])))
+            outs.append(attend_stored(comps, q[r:r + 1], [st], scores, (k[r:r + 1], v[r:r + 1]), watch))
         else:
+            mass, copies = (None, []) if watch is None else watch.kernel([st])
             outs.append(decode_kernel(q[r:r + 1], k[r:r + 1], v[r:r + 1], st, *kernel_pages(kc, vc, st),
-                                      scores.scale, scores.sink_logits))
+                                      scores.scale, scores.sink_logits, mass))
+            if copies:
+                watch.done(mass, copies)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -108,8 +112,9 @@ class StepAttention:
     items' order. Layers that share their steps (every layer of a one-group model) share their runs."""
 
     def __init__(self, layer_steps: list[list], backend_of, items: list | None = None,
-                 sources: dict[int, int] | None = None):
+                 sources: dict[int, int] | None = None, mass=None):
         self.layer_steps = layer_steps
+        self.mass = mass                    # step_mass.StepMass where a conversation is watched, else None
         self.sources = sources or {}        # a layer that reads another layer's KV -> that layer
         self.kept: dict[int, tuple] = {}    # a source layer's k, v of this step, for the C decode read (see __call__)
         self.steps = next(steps for steps in layer_steps if steps)
@@ -152,9 +157,17 @@ class StepAttention:
         return self.shared and len(runs) == 1 and runs[0][1] - runs[0][0] == len(self.steps) \
             and self.steps[0].one_token_decode
 
+    def watch_all(self, steps: list) -> tuple:
+        """The one-call step's measure of every layer (cpu_quant.Mass or None, and what to copy back after it)."""
+        return (None, []) if self.mass is None else self.mass.decodes(None, steps)
+
+    def watch_done(self, mass, copies: list) -> None:
+        self.mass.finish(None, mass, copies)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         """k = v = None: a layer over another layer's KV (sources), read as its source left it this step."""
         outs = []
+        watch = None if self.mass is None else self.mass.layer(layer)
         for i, j, backend, prepared, steps in self.layer_runs[layer]:
             first, last = steps[i], steps[j - 1]
             sl = slice(first.offset, last.offset + last.num_new)
@@ -165,24 +178,24 @@ class StepAttention:
                     # the C decode attention stores before it reads: given the source's own k and v it writes the
                     # bytes already there, and reads what attend_stored reads, at the C kernel's speed
                     ks, vs = self.kept[source]
-                    outs.append(backend.attend_decodes(local, q[sl], ks[sl], vs[sl], steps[i:j], prepared))
+                    outs.append(backend.attend_decodes(local, q[sl], ks[sl], vs[sl], steps[i:j], prepared, watch))
                 elif first.one_token_decode and type(backend) is QuantPagesC and source in self.kept \
                         and backend.kernel_layers[local]:
                     ks, vs = self.kept[source]
                     outs.append(read_quantized_decodes(backend.comps[local], q[sl], ks[sl], vs[sl], steps[i:j],
-                                                       backend.scores[local]))
+                                                       backend.scores[local], watch))
                 else:
                     kept = self.kept.get(source)
                     outs.append(attend_stored(backend.comps[local], q[sl], steps[i:j], backend.scores[local],
-                                              None if kept is None else (kept[0][sl], kept[1][sl])))
+                                              None if kept is None else (kept[0][sl], kept[1][sl]), watch))
                 continue
             if self.sources and layer in self.sources.values():
                 self.kept[layer] = (k, v)
             local = backend.local_layer(layer)
             if first.one_token_decode:
-                outs.append(backend.attend_decodes(local, q[sl], k[sl], v[sl], steps[i:j], prepared))
+                outs.append(backend.attend_decodes(local, q[sl], k[sl], v[sl], steps[i:j], prepared, watch))
             else:
-                outs.append(backend.attend(local, q[sl], k[sl], v[sl], first))
+                outs.append(backend.attend(local, q[sl], k[sl], v[sl], first, watch))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def recurrent(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

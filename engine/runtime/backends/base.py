@@ -9,7 +9,9 @@ The runner asks it for three things:
 - decode: a whole step of one-token decodes of this layout through every layer in one kernel call
   (None where the model has no kernel table: the runner then runs the forward with `attend`).
 Every method stores the new keys and values, and a sequence's result never depends on the others in the
-batch. A GPU backend, a save / restore exporter or importance scores attach here.
+batch. Each takes `watch` (step_mass.LayerWatch, or None): where to measure the attention mass of the rows of
+watched conversations (the C kernels fill a cpu_quant.Mass, the torch path a RowMass); measuring changes no
+output bit. A GPU backend, a save / restore exporter or importance scores attach here.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class AttentionBackend(ABC):
         return self._local[layer] if self._local else layer
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st, watch=None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] before RoPE, one sequence's rows (st: its SeqStep); -> [T, Hq, D]."""
 
     def prepare_decodes(self, steps: list) -> object | None:
@@ -58,14 +60,15 @@ class AttentionBackend(ABC):
         return None
 
     def attend_decodes(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, steps: list,
-                       prepared: object | None) -> torch.Tensor:
+                       prepared: object | None, watch=None) -> torch.Tensor:
         """q [B, Hq, D], k/v [B, Hkv, D], one token for each of B sequences; -> [B, Hq, D]."""
-        outs = [self.attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], st) for i, st in enumerate(steps)]
+        outs = [self.attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], st, watch) for i, st in enumerate(steps)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def decode(self, model, token_ids: torch.Tensor, steps: list, prepared: object | None,
                attention) -> torch.Tensor | None:
         """token_ids [B], one decode token per sequence of this layout -> logits [B, vocab] in one kernel call
-        through every layer; the same bits as the forward with `attention` (the step's callback). Here: the
-        model's kernel calls back for each layer's attention."""
+        through every layer; the same bits as the forward with `attention` (the step's callback, whose
+        `watch_all(steps)` says where to measure every layer's mass). Here: the model's kernel calls back for each
+        layer's attention."""
         return model.forward_decode(token_ids, attention=attention)

@@ -16,7 +16,8 @@ from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, P
 from kvchat.engine.kv.pages import Component
 
 
-def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores | None = None) -> torch.Tensor:
+def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores | None = None,
+                 watch=None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] before RoPE: store the rotated keys, then read every held row once."""
     T = q.shape[0]
     new_rows = st.rows[st.rows.shape[0] - T:]
@@ -29,15 +30,16 @@ def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores 
     v_all = v_pages.index_select(0, st.rows).float()
     if st.n_sink:
         k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
-    return softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside, sink_args(scores))
+    return softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside, sink_args(scores),
+                             None if watch is None else watch.rows(st))
 
 
 class FullPagesTorch(AttentionBackend):
     name = "full-pages-torch"
 
-    def attend(self, layer, q, k, v, st):
+    def attend(self, layer, q, k, v, st, watch=None):
         kc, vc = self.comps[layer]
-        return attend_torch(kc, vc, q, k, v, st, self.scores[layer])
+        return attend_torch(kc, vc, q, k, v, st, self.scores[layer], watch)
 
 
 @dataclass
@@ -83,22 +85,26 @@ class FullPagesC(FullPagesTorch):
     sink logits)."""
     name = "full-pages-c"
 
-    def attend(self, layer, q, k, v, st):
+    def attend(self, layer, q, k, v, st, watch=None):
         if st.one_token_decode:
-            return self.attend_decodes(layer, q, k, v, [st], decode_group([st]))
-        return super().attend(layer, q, k, v, st)
+            return self.attend_decodes(layer, q, k, v, [st], decode_group([st]), watch)
+        return super().attend(layer, q, k, v, st, watch)
 
     def prepare_decodes(self, steps):
         return decode_group(steps)
 
-    def attend_decodes(self, layer, q, k, v, steps, grp: DecodeGroup):
+    def attend_decodes(self, layer, q, k, v, steps, grp: DecodeGroup, watch=None):
         kc, vc = self.comps[layer]
         scores = self.scores[layer]
         if q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
         cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets = grp.args()
-        return cpu_quant.decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, kc.flat_pages(), vc.flat_pages(),
-                                       new_rows, rows, offsets, scores.scale, sink_logits=scores.sink_logits)
+        mass, copies = (None, []) if watch is None else watch.kernel(steps)
+        out = cpu_quant.decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, kc.flat_pages(), vc.flat_pages(),
+                                      new_rows, rows, offsets, scores.scale, sink_logits=scores.sink_logits, mass=mass)
+        if copies:
+            watch.done(mass, copies)
+        return out
 
     def decode(self, model, token_ids, steps, grp: DecodeGroup, attention):
         if model.kernel_layers() is None:       # the one-call step does not cover this model
@@ -107,11 +113,15 @@ class FullPagesC(FullPagesTorch):
             return None     # decode_layers takes no sink logits (LayerSpec.fused_kernel_ok): the layers one by one
         c = model.config
         pages = [(kc.flat_pages(), vc.flat_pages()) for kc, vc in self.comps]
+        mass, copies = attention.watch_all(steps)
 
         def run(table, x):
             cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, pages,
-                                    *grp.args(), self.scores[0].scale)
-        return model.forward_decode(token_ids, kernel=DecodeKernel("full-pages", run))
+                                    *grp.args(), self.scores[0].scale, mass=mass)
+        logits = model.forward_decode(token_ids, kernel=DecodeKernel("full-pages", run))
+        if copies and logits is not None:
+            attention.watch_done(mass, copies)
+        return logits
 
 
 def score_args(scores: LayerScores | None) -> tuple[float | None, float | None]:

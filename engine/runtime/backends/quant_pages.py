@@ -30,15 +30,18 @@ def key_rope(st) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attend_quantized(kc: Component, vc: Component, q, k, v, st, kernel: bool,
-                     scores: LayerScores | None = None) -> torch.Tensor:
+                     scores: LayerScores | None = None, watch=None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] before RoPE, a layer with a quantized K or V; -> [T, Hq, D]. Attends over the
     past before writing, since a write may quantize the tail away. kernel: through attn_decode_quant (a one-token
     decode of a layer whose K and V the C kernel reads), else through torch."""
     if kernel:
+        mass, copies = (None, []) if watch is None else watch.kernel([st])
         out = decode_kernel(q, k, v, st, *kernel_pages(kc, vc, st), None if scores is None else scores.scale,
-                            sink_args(scores))
+                            sink_args(scores), mass)
+        if copies:
+            watch.done(mass, copies)
     else:
-        out = attend_torch(kc, vc, q, k, v, st, scores)
+        out = attend_torch(kc, vc, q, k, v, st, scores, watch)
     store(kc, vc, k, v, st)
     return out
 
@@ -77,12 +80,12 @@ class QuantDecodeArgs:
 
 
 def decode_kernel(q, k, v, st, kp, vp, scale: float | None = None,
-                  sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+                  sink_logits: torch.Tensor | None = None, mass: cpu_quant.Mass | None = None) -> torch.Tensor:
     a = QuantDecodeArgs.of(st, kp.data.shape[1])
     out = cpu_quant.attn_decode_quant(q[0].float().contiguous(), k[0].float().contiguous(), v[0].float().contiguous(),
                                       kp, vp, a.past_slots, a.block_table, a.n_full, a.block_size, a.cos, a.sin,
                                       a.key_pos, q.shape[-1] ** -0.5 if scale is None else scale,
-                                      check=False, sink_logits=sink_logits)
+                                      check=False, sink_logits=sink_logits, mass=mass)
     return out.view(1, *out.shape)
 
 
@@ -99,7 +102,8 @@ def store(kc: Component, vc: Component, k, v, st) -> None:
             comp.write_rows(x, new_rows)
 
 
-def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores | None = None) -> torch.Tensor:
+def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores | None = None,
+                 watch=None) -> torch.Tensor:
     """The torch path (prefill, GPUs, mixed formats; the decode kernel's reference): dequantize the held past."""
     res = st.res
     seq = res.seq
@@ -115,24 +119,24 @@ def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores 
     else:
         k_all = rotate(k_all, *key_rope(st))
     return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all, st.decode,
-                             *score_args(scores), st.outside, sink_args(scores))
+                             *score_args(scores), st.outside, sink_args(scores), None if watch is None else watch.rows(st))
 
 
 class QuantPagesTorch(AttentionBackend):
     name = "quant-pages-torch"
 
-    def attend(self, layer, q, k, v, st):
+    def attend(self, layer, q, k, v, st, watch=None):
         kc, vc = self.comps[layer]
         if not (kc.fmt.is_quantized or vc.fmt.is_quantized):      # a layer kept in full precision
-            return attend_full(kc, vc, q, k, v, st, self.scores[layer])
-        return self._quantized(layer, kc, vc, q, k, v, st, False)
+            return attend_full(kc, vc, q, k, v, st, self.scores[layer], watch)
+        return self._quantized(layer, kc, vc, q, k, v, st, False, watch)
 
-    def _quantized(self, layer, kc, vc, q, k, v, st, kernel: bool) -> torch.Tensor:
+    def _quantized(self, layer, kc, vc, q, k, v, st, kernel: bool, watch=None) -> torch.Tensor:
         scores = self.scores[layer]
         default = scores.softcap is None and scores.scale == q.shape[-1] ** -0.5 and scores.sink_logits is None
         if default:         # as every Llama layer
-            return attend_quantized(kc, vc, q, k, v, st, kernel)
-        return attend_quantized(kc, vc, q, k, v, st, kernel, scores)
+            return attend_quantized(kc, vc, q, k, v, st, kernel, None, watch)
+        return attend_quantized(kc, vc, q, k, v, st, kernel, scores, watch)
 
 
 def kernel_reads(kc: Component, vc: Component) -> bool:
@@ -150,19 +154,20 @@ class QuantPagesC(QuantPagesTorch):
         # layers whose formats the C kernel reads (a layer kept in full precision is not one); none is soft-capped
         self.kernel_layers = [kernel_reads(kc, vc) for kc, vc in comps]
 
-    def attend(self, layer, q, k, v, st):
+    def attend(self, layer, q, k, v, st, watch=None):
         if not self.kernel_layers[layer]:
-            return super().attend(layer, q, k, v, st)
+            return super().attend(layer, q, k, v, st, watch)
         kc, vc = self.comps[layer]
-        return self._quantized(layer, kc, vc, q, k, v, st, st.one_token_decode)
+        return self._quantized(layer, kc, vc, q, k, v, st, st.one_token_decode, watch)
 
     def decode(self, model, token_ids, steps, prepared, attention):
         if model.kernel_layers() is None:       # the one-call step does not cover this model
             return None
         if not all(self.kernel_layers):          # the one-call step takes no full-precision layers: call back
             return super().decode(model, token_ids, steps, prepared, attention)
+        mass, copies = attention.watch_all(steps)
         quant = quant_step(self.comps, steps, model.config.num_heads, self.scores[0].scale,
-                           [s.sink_logits for s in self.scores])
+                           [s.sink_logits for s in self.scores], mass)
         c = model.config
 
         def run(table, x):
@@ -171,11 +176,14 @@ class QuantPagesC(QuantPagesTorch):
         logits = model.forward_decode(token_ids, kernel=DecodeKernel("quant-pages", run))
         if logits is not None:
             finish_quant_step(self.comps, steps, quant)
+            if copies:
+                attention.watch_done(mass, copies)
         return logits
 
 
 def quant_step(comps, steps: list, num_heads: int, scale: float,
-               sink_logits: list[torch.Tensor | None] | None = None) -> cpu_quant.QuantStep:
+               sink_logits: list[torch.Tensor | None] | None = None,
+               mass: cpu_quant.Mass | None = None) -> cpu_quant.QuantStep:
     """A decode step's attention over quantized pages, every layer and sequence of one layout, for the one-call
     step to run in C (cpu_quant.QuantStep; sink_logits: per layer, or None). After the kernel, finish_quant_step
     quantizes the blocks it completed."""
@@ -196,7 +204,7 @@ def quant_step(comps, steps: list, num_heads: int, scale: float,
         key_pos.append(int(st.key_pos.max()))
     cos_h, sin_h = rope_table(steps[0].inv_freq, max(key_pos) + 1)
     return cpu_quant.QuantStep([f for layer in fields for f in layer], seqs, bs, num_heads, kc.num_heads,
-                               kc.head_dim, cos_h, sin_h, scale, sink_logits)
+                               kc.head_dim, cos_h, sin_h, scale, sink_logits, mass)
 
 
 def finish_quant_step(comps, steps: list, quant: cpu_quant.QuantStep) -> None:

@@ -67,10 +67,19 @@ class _TritonDecodes:
     """Every one-token decode through attend_decodes (a run of them: one kernel call a layer), prompt rows through
     the torch backend beside it in the MRO."""
 
-    def attend(self, layer, q, k, v, st):
+    def attend(self, layer, q, k, v, st, watch=None):
         if st.one_token_decode:
-            return self.attend_decodes(layer, q, k, v, [st], triton_group([st]))
-        return super().attend(layer, q, k, v, st)
+            return self.attend_decodes(layer, q, k, v, [st], triton_group([st]), watch)
+        return super().attend(layer, q, k, v, st, watch)
+
+    def measure(self, layer, q, steps, watch) -> None:
+        """A run's mass, where watched: the decode kernel keeps no per-row probabilities, so the rows it attended
+        are read again through torch from the pages it left (attend_stored), their output discarded."""
+        from kvchat.engine.runtime.backends import attend_stored
+        for b, st in enumerate(steps):
+            observe = watch.rows(st)
+            if observe is not None:
+                attend_stored(self.comps[layer], q[b:b + 1], [st], self.scores[layer], observe=observe)
 
     def prepare_decodes(self, steps):
         return triton_group(steps)
@@ -79,9 +88,12 @@ class _TritonDecodes:
 class FullPagesTriton(_TritonDecodes, FullPagesTorch):
     name = "full-pages-triton"
 
-    def attend_decodes(self, layer, q, k, v, steps, grp: TritonGroup):
+    def attend_decodes(self, layer, q, k, v, steps, grp: TritonGroup, watch=None):
         kc, vc = self.comps[layer]
-        return attend_full(kc, vc, q, k, v, grp, self.scores[layer])
+        out = attend_full(kc, vc, q, k, v, grp, self.scores[layer])
+        if watch is not None:
+            self.measure(layer, q, steps, watch)
+        return out
 
 
 @dataclass
@@ -204,10 +216,14 @@ def attend_quantized(kc, vc, q, k, v, steps: list, grp: TritonGroup, scores: Lay
 class QuantPagesTriton(_TritonDecodes, QuantPagesTorch):
     name = "quant-pages-triton"
 
-    def attend_decodes(self, layer, q, k, v, steps, grp: TritonGroup):
+    def attend_decodes(self, layer, q, k, v, steps, grp: TritonGroup, watch=None):
         kc, vc = self.comps[layer]
         if not (kc.fmt.is_quantized or vc.fmt.is_quantized):        # a layer kept in full precision
-            return attend_full(kc, vc, q, k, v, grp, self.scores[layer])
-        if kc.fmt.is_quantized and vc.fmt.is_quantized:
-            return attend_in_place(kc, vc, q, k, v, steps, grp, self.scores[layer])
-        return attend_quantized(kc, vc, q, k, v, steps, grp, self.scores[layer])     # one side quantized: a scratch
+            out = attend_full(kc, vc, q, k, v, grp, self.scores[layer])
+        elif kc.fmt.is_quantized and vc.fmt.is_quantized:
+            out = attend_in_place(kc, vc, q, k, v, steps, grp, self.scores[layer])
+        else:
+            out = attend_quantized(kc, vc, q, k, v, steps, grp, self.scores[layer])     # one side quantized: a scratch
+        if watch is not None:
+            self.measure(layer, q, steps, watch)
+        return out
