@@ -154,9 +154,23 @@ static void merge_spans(const float *part, int S, int Hq, int D, const float *si
 // merge_spans reads them), row p's softmax probability is added to mass[h][cols[p]] for each head h; mass is
 // [Hq, mcols], its last column the learned sink's share (0 without sink logits). Rows split into spans as the
 // kernels split them: span c holds rows [L * c / S, L * (c + 1) / S).
+static inline float sum_run(const float *x, int n) {
+    int p = 0;
+    float sum = 0.f;
+#ifdef __AVX2__
+    if (n >= 8) {
+        __m256 acc = _mm256_loadu_ps(x);
+        for (p = 8; p + 8 <= n; p += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + p));
+        sum = hsum8(acc);
+    }
+#endif
+    for (; p < n; p++) sum += x[p];
+    return sum;
+}
+
 static void spans_mass(const float *scores, int L, const float *part, int S, int Hq, int D,
                        const float *sink_logits, const int *cols, int mcols, float *mass) {
-    float w[64];
+    float fs[128 * 64];         // per head (at most 128) and span (at most 64): from the span's exp to the probability
     for (int i = 0; i < Hq; i++) {
         float mx = sink_logits ? sink_logits[i] : -INFINITY, total = 0.f, *m = mass + (size_t)i * mcols;
         for (int c = 0; c < S; c++) {
@@ -166,17 +180,22 @@ static void spans_mass(const float *scores, int L, const float *part, int S, int
         if (sink_logits) total = expf(sink_logits[i] - mx);
         for (int c = 0; c < S; c++) {
             const float *o = part + ((size_t)c * Hq + i) * (D + 2);
-            w[c] = o[D + 1] == 0.f ? 0.f : expf(o[D] - mx);
-            total += w[c] * o[D + 1];
+            fs[i * S + c] = o[D + 1] == 0.f ? 0.f : expf(o[D] - mx);
+            total += fs[i * S + c] * o[D + 1];
         }
+        for (int c = 0; c < S; c++) fs[i * S + c] /= total;
         for (int j = 0; j < mcols; j++) m[j] = 0.f;
-        const float *si = scores + (size_t)i * L;
-        for (int c = 0; c < S; c++) {
-            int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
-            float f = w[c] / total;
-            for (int p = lo; p < hi; p++) m[cols[p]] += f * si[p];
-        }
         if (sink_logits) m[mcols - 1] = expf(sink_logits[i] - mx) / total;
+    }
+    for (int c = 0; c < S; c++) {
+        int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
+        for (int p = lo; p < hi;) {             // a block's rows are one run of a column: found once, summed per head
+            int e = p + 1, col = cols[p];
+            while (e < hi && cols[e] == col) e++;
+            for (int i = 0; i < Hq; i++)
+                mass[(size_t)i * mcols + col] += fs[i * S + c] * sum_run(scores + (size_t)i * L + p, e - p);
+            p = e;
+        }
     }
 }
 

@@ -121,6 +121,7 @@ class Mass:
         if mass is None:
             return None, 0, None
         assert mass.cols.shape[0] == rows and mass.out.shape[-3:-1] == (b, hq), "one column per row, [B, Hq] out"
+        assert hq <= 128, "the kernels measure mass for at most 128 query heads"
         return mass.cols.data_ptr(), mass.out.shape[-1], mass.out.data_ptr()
 
 

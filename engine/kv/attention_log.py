@@ -4,9 +4,9 @@ Session.attention() reads it as an AttentionMap (engine/runtime/attention_map.py
 
 A step records rows [R, layers, Hq, mcols]: each row's softmax mass per column of the position axis (columns of
 `unit` tokens: the block size, or 1 for dense weights), the learned sink's share in the last column. A decode step's
-rows are its tokens (one, or a verification's drafts); a prompt step's its last rows, at most OBSERVED (SnapKV's
-observation window). Rows of drafts taken back are never read (the newest row is the cache's last token), and a
-step's kept rows join the reply when the next step comes.
+rows are its tokens (one, or a verification's drafts); a prompt step's two: the mean over its last rows, at most
+OBSERVED (SnapKV's observation window), then its last row. Rows of drafts taken back are never read (the newest row
+is the cache's last token), and a step's kept rows join the reply when the next step comes.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ class AttentionLog:
         """Nothing measured (the conversation's cache was freed)."""
         self.rows: torch.Tensor | None = None     # the last step's [R, layers, Hq, mcols]
         self.held: torch.Tensor | None = None     # [layers, mcols - 1] bool: columns each layer attended to
-        self.first = 0                  # the token index of rows[0]
+        self.first = 0                  # the token index of the first row measured
+        self.observed = 0               # rows measured by the last step
         self.decode = True              # the last step's kind
         self.pending = False            # the last step's rows have not joined the reply or the prompt yet
         self.prompt: tuple[torch.Tensor, int, int] | None = None   # (mean [layers, Hq, mcols], rows, tokens)
@@ -40,12 +41,14 @@ class AttentionLog:
 
     def begin(self, first: int, num_rows: int, num_tokens: int, decode: bool, kept: int) -> tuple[torch.Tensor,
                                                                                                    torch.Tensor]:
-        """A step records num_rows rows, the first being token `first`, the conversation num_tokens long after it;
+        """A step measures num_rows rows, the first being token `first`, the conversation num_tokens long after it;
         kept: the tokens the cache holds before it (the previous step's rows past it were taken back). -> (rows
-        [R, layers, Hq, mcols], held [layers, mcols - 1]) zeroed, for the kernels to fill."""
+        [R, layers, Hq, mcols], held [layers, mcols - 1]) zeroed, for the kernels to fill: R = num_rows for a
+        decode, 2 for a prompt (the mean over its num_rows rows, then the last)."""
         self._fold(kept)
         mcols = self.columns(num_tokens)
-        self.rows = torch.zeros(num_rows, self.num_layers, self.num_heads, mcols)
+        self.observed = num_rows
+        self.rows = torch.zeros(num_rows if decode else 2, self.num_layers, self.num_heads, mcols)
         self.held = torch.zeros(self.num_layers, mcols - 1, dtype=torch.bool)
         self.first, self.decode, self.pending = first, decode, True
         if not decode:                  # a new prompt: the reply to come starts after it
@@ -62,21 +65,27 @@ class AttentionLog:
         if self.rows is None or not self.pending:
             return
         self.pending = False
+        if not self.decode:
+            whole = kept >= self.first + self.observed
+            self.prompt = (self.rows[0], self.observed, kept) if whole else None
+            return
         n = max(0, min(self.rows.shape[0], kept - self.first))
         if n == 0:
             return
         rows = self.rows[:n]
-        if not self.decode:
-            self.prompt = (rows.mean(0), n, self.first + n)
-            return
-        total = rows.sum(0)
+        total = rows[0] if n == 1 else rows.sum(0)
         if self.reply is None:
-            self.reply, self.reply_start = total, self.first
-        else:
+            self.reply, self.reply_start = total.clone(), self.first
+            return self._count(n)
+        if self.reply.shape != total.shape:        # the conversation grew a column: the sink's moves last
             grown = torch.zeros_like(total)
             grown[..., :self.reply.shape[-1] - 1] = self.reply[..., :-1]
             grown[..., -1] = self.reply[..., -1]
-            self.reply = grown + total
+            self.reply = grown
+        self.reply += total
+        self._count(n)
+
+    def _count(self, n: int) -> None:
         self.reply_rows += n
 
     def newest(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -84,7 +93,9 @@ class AttentionLog:
         if self.rows is None:
             return None
         r = num_tokens - 1 - self.first
-        if not 0 <= r < self.rows.shape[0] or (not self.decode and r != self.rows.shape[0] - 1):
+        if not self.decode:
+            return (self.rows[1], self.held) if r == self.observed - 1 else None
+        if not 0 <= r < self.rows.shape[0]:
             return None
         return self.rows[r], self.held
 

@@ -15,10 +15,12 @@ class RowMass:
     """Where the last rows of an attention call put their mass (the torch path's measure; the C kernels take a
     cpu_quant.Mass): out [W, Hq, mcols] float32 receives, for the call's last W query rows, each head's softmax
     probability summed per column (cols [N]: the column of each key, in k_all's order), the learned sink's share in
-    the last column."""
+    the last column. mean_of: W rows, their mean into out[0] and the last one into out[1] (out [2, Hq, mcols]: a
+    prompt's observation window, bounded whatever its length); 0: one out row per query row."""
 
     cols: torch.Tensor
     out: torch.Tensor
+    mean_of: int = 0
 
 
 def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, decode: bool = True,
@@ -79,7 +81,7 @@ def observe_rows(q_rot: torch.Tensor, k_all: torch.Tensor, scale: float, softcap
     the last T keys), summed per column into observe.out [W, Hq, mcols]."""
     T, Hq, D = q_rot.shape
     N, Hkv = k_all.shape[:2]
-    W = observe.out.shape[0]
+    W = observe.mean_of or observe.out.shape[0]
     qg = q_rot[T - W:].float().view(W, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3)          # [Hkv, G, W, D]
     scores = _capped(torch.matmul(qg, k_all.float().permute(1, 2, 0)[:, None]) * scale, softcap)  # [Hkv, G, W, N]
     hidden = torch.arange(N)[None, :] > torch.arange(N - W, N)[:, None]                 # causal among the new rows
@@ -87,6 +89,8 @@ def observe_rows(q_rot: torch.Tensor, k_all: torch.Tensor, scale: float, softcap
         hidden |= outside[T - W:].to(hidden.device)
     p = _softmax(scores.masked_fill_(hidden.to(scores.device), float("-inf")), sink_logits)
     p = p.permute(2, 0, 1, 3).reshape(W, Hq, N)
+    if observe.mean_of:                                 # the window's mean, then its last row
+        p = torch.stack((p.mean(0), p[-1]))
     out = observe.out
     out[..., :-1].index_add_(2, observe.cols.to(out.device), p.to(out.device))
     if sink_logits is not None:

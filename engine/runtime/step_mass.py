@@ -27,12 +27,20 @@ class StepMass:
             n0, T = conv.num_tokens, st.num_new
             R = T if st.decode else min(OBSERVED, T)
             rows, held = log.begin(n0 + T - R, R, n0 + T, st.decode, n0)
-            self.targets[i] = (rows, st.offset + T - R, log.unit)
+            self.targets[i] = (rows, st.offset + T - R, log.unit, 0 if st.decode else R)
             last = st.offset + T - 1
-            for layer, plans in enumerate(layer_steps):      # what each layer held for the item's newest row
+            by_plan: dict[int, tuple] = {}          # what each layer held for the item's newest row, once per plan
+            for layer, plans in enumerate(layer_steps):
                 for p in plans:
                     if p.offset <= last < p.offset + p.num_new:
-                        held[layer, self.cols(p, log.unit).unique()] = True
+                        by_plan.setdefault(id(p), (p, []))[1].append(layer)
+            for p, layers in by_plan.values():
+                if whole(p):
+                    held[layers] = True
+                    continue
+                mask = torch.zeros(held.shape[1], dtype=torch.bool)
+                mask[self.cols(p, log.unit).long()] = True
+                held[layers] = mask
 
     def layer(self, layer: int) -> "LayerWatch":
         return LayerWatch(self, layer)
@@ -47,9 +55,13 @@ class StepMass:
         got = self._cols.get(id(st))
         if got is None:
             seq = st.res.seq
-            n = st.res.seq.num_tokens
-            pos = torch.cat((seq.positions(st.past_slots), torch.arange(n, n + st.num_new)))
-            got = self._cols[id(st)] = (pos // unit).to(torch.int32)
+            n = seq.num_tokens
+            if whole(st):                   # every token held, in order: a slice of one table
+                got = column_table(n + st.num_new, unit)
+            else:
+                pos = torch.cat((seq.positions(st.past_slots), torch.arange(n, n + st.num_new)))
+                got = (pos // unit).to(torch.int32)
+            self._cols[id(st)] = got
         return got
 
     def rows_for(self, layer: int, st) -> RowMass | None:
@@ -58,13 +70,14 @@ class StepMass:
         target = self._target(st)
         if target is None:
             return None
-        rows, first, unit = target
+        rows, first, unit, observed = target
+        if observed:                                    # a prompt: its window's mean and its last row
+            return RowMass(self.cols(st, unit).long(), rows[:, layer], observed)
         lo = max(first, st.offset)
         hi = st.offset + st.num_new
         if hi <= lo:
             return None
-        out = rows[lo - first:hi - first, layer]          # [W, Hq, mcols], a view
-        return RowMass(self.cols(st, unit).long(), out)
+        return RowMass(self.cols(st, unit).long(), rows[lo - first:hi - first, layer])     # [W, Hq, mcols], a view
 
     def decodes(self, layer: int | None, steps: list) -> tuple[Mass | None, list]:
         """The C kernels' measure of a run of one-token decodes in `layer` (None: every layer, the one-call step) and
@@ -76,7 +89,7 @@ class StepMass:
         unit = units.pop()
         cols = [self.cols(st, unit) for st in steps]
         if len(steps) == 1:
-            rows, first, _ = targets[0]
+            rows, first = targets[0][:2]
             r = steps[0].offset - first
             out = rows[r].unsqueeze(1) if layer is None else rows[r, layer].unsqueeze(0)
             return Mass(cols[0], out), []
@@ -94,7 +107,7 @@ class StepMass:
     @staticmethod
     def finish(layer: int | None, mass: Mass | None, copies: list) -> None:
         """After a mixed run's kernel: each watched row's mass into its log rows (its own columns, and the sink's)."""
-        for b, (rows, _, _), r in copies:
+        for b, (rows, *_), r in copies:
             m = rows.shape[-1]
             got = mass.out[b] if layer is not None else mass.out[:, b]
             dst = rows[r, layer] if layer is not None else rows[r]
@@ -117,6 +130,23 @@ class LayerWatch:
 
     def done(self, mass: Mass, copies: list) -> None:
         self.step.finish(self.layer, mass, copies)
+
+
+def whole(st) -> bool:
+    """The plan attends every token of its sequence, in position order (no window, nothing evicted)."""
+    return not st.res.seq.evicted and st.past_slots.numel() == st.res.seq.num_tokens
+
+
+_tables: dict[int, torch.Tensor] = {}
+
+
+def column_table(n: int, unit: int) -> torch.Tensor:
+    """int32 [n]: position // unit for positions 0..n-1, a view of a table that grows by doubling."""
+    table = _tables.get(unit)
+    if table is None or table.numel() < n:
+        table = _tables[unit] = (torch.arange(max(n, 2 * (0 if table is None else table.numel()), 4096)) // unit
+                                 ).to(torch.int32)
+    return table[:n]
 
 
 def rows_heads(targets: list) -> int:
