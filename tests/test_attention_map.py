@@ -281,3 +281,21 @@ def test_speculation_measures_what_plain_decoding_does(default_engine):
     (ids, newest, reply, _), (ids2, newest2, reply2, spec) = maps["off"], maps["lookup"]
     assert spec.accepted > 5 and ids == ids2 and reply.rows == reply2.rows
     assert np.abs(newest.mass - newest2.mass).max() < 1e-5 and np.abs(reply.mass - reply2.mass).max() < 1e-5
+
+
+def test_choosing_another_reply_forgets_what_the_last_one_measured(default_engine):
+    """Regenerate, then select the first reply again: the map is not the other branch's; the next step measures."""
+    from kvchat.engine import SamplingParams
+    s = default_engine.new_session()
+    s.watch_attention()
+    params = SamplingParams(temperature=0.0, max_new_tokens=5)
+    s.reply("Hello there", params)
+    for _ in s.regenerate(SamplingParams(temperature=1.0, max_new_tokens=5, seed=4)):
+        pass
+    s.select_alternative(0)
+    assert s.attention() is None
+    s.append([7])
+    m = s.attention()
+    assert m.tokens == tuple(s.token_ids) and m.mass.shape[-1] == -(-len(s.token_ids) // 16)
+    assert default_engine.runner.cache.attention_log(s.alternatives[0].seq) is None      # one log, one conversation
+    s.close()

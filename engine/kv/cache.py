@@ -132,10 +132,10 @@ class KVCache:
     # ---- attention, measured (kv/attention_log.py) -----------------------------------------------------------
 
     def watch(self, seq: Conversation, log: AttentionLog | None) -> None:
-        """Measure where the conversation's rows attend from its next step on, into `log` (None: stop)."""
-        if log is None:
-            self._logs.pop(seq.members[0].seq_id, None)
-        else:
+        """Measure where the conversation's rows attend from its next step on, into `log` (None: stop); a log
+        follows one conversation (the one it was given to last)."""
+        self._logs = {k: v for k, v in self._logs.items() if v is not log and k != seq.members[0].seq_id}
+        if log is not None:
             self._logs[seq.members[0].seq_id] = log
 
     def attention_log(self, seq: Conversation) -> AttentionLog | None:

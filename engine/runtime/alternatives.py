@@ -57,6 +57,8 @@ def swap(runner, state, alternatives: list[Alternative], messages: list[dict], i
         current.seq, current.token_ids = None, []
         state.seq, state.token_ids = runner.new_sequence(cache), []
     alternatives[index] = current
+    if state.attention_log is not None:     # what it measured was the other reply's
+        state.attention_log.clear()
 
 
 def drop_caches(runner, alternatives: list[Alternative], current_seq) -> int:
