@@ -24,10 +24,12 @@ class Capabilities:
     speculative: bool = False       # set_speculative changes how the next turns decode
     prefill_precision: bool = False     # set_prefill changes the prompt GEMM's precision; .prefill names it
     prefix_cache: bool = False      # clear_prefix_cache frees blocks kept only for prefix reuse
+    attention: bool = False         # a session can watch_attention() and give attention() maps (where attention goes)
 
 
 LOCAL = Capabilities(per_layer_stats=True, live_cache_switch=True, remote=False, edits_history=True,
-                     saves_caches=True, speculative=True, prefill_precision=True, prefix_cache=True)
+                     saves_caches=True, speculative=True, prefill_precision=True, prefix_cache=True,
+                     attention=True)
 REMOTE = Capabilities(per_layer_stats=False, live_cache_switch=False, remote=True)
 
 

@@ -23,11 +23,25 @@ VOCAB = 97
 LOGIT_NOISE = {"auto": 0.0, "fp32": 0.0, "fp16": 0.001, "bf16": 0.004, "int8": 0.01, "fp8": 0.05, "int4": 0.4}
 
 
+USER_ID, ASSISTANT_ID, END_ID = VOCAB, VOCAB + 1, VOCAB + 2     # the fake chat format's marks, past the words
+SPECIALS = {USER_ID: "<user>", ASSISTANT_ID: "<assistant>", END_ID: "<end>"}
+
+
 class FakeTokenizer:
-    """Words to ids, enough for engine.text.samples.load_tokens."""
+    """Words to ids, enough for engine.text.samples.load_tokens; decode gives back the last word seen for an id."""
+
+    def __init__(self):
+        self.words: dict[int, str] = {}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [sum(map(ord, word)) % VOCAB for word in text.split()]
+        ids = [sum(map(ord, word)) % VOCAB for word in text.split()]
+        self.words.update(zip(ids, text.split()))
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        words = [SPECIALS[i] if i in SPECIALS else self.words.get(i, f"w{i}") for i in ids
+                 if not (skip_special_tokens and i in SPECIALS)]
+        return " ".join(words)
 
 
 class FakeAlternative(SimpleNamespace):
@@ -47,6 +61,47 @@ class FakeSession:
         self.tokens_evicted = 0
         self.decode_tok_s = 0.0
         self.sent: list[str] = []
+        self.watching: str | None = None    # watch_attention's weights
+        self.turns = 0                  # replies finished; a map needs one since watching began
+        self._watched_at = 0
+
+    # --- the chat as tokens: <user> words <end> <assistant> | words <end>, a reply starting after its mark ---
+
+    @property
+    def tokenizer(self) -> FakeTokenizer:
+        return self.engine.tokenizer
+
+    def _tokens(self) -> tuple[list[int], list[int]]:
+        ids, starts = [], []
+        for message in self.messages:
+            if message["role"] == "assistant":
+                ids.append(ASSISTANT_ID)
+            starts.append(len(ids))
+            ids += ([USER_ID] if message["role"] == "user" else []) + self.tokenizer.encode(message["content"])
+            ids.append(END_ID)
+        return ids, starts
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._tokens()[0]
+
+    @property
+    def state(self) -> SimpleNamespace:
+        ids, starts = self._tokens()
+        return SimpleNamespace(starts=starts, num_cached=len(ids))
+
+    def watch_attention(self, weights: str | None = "blocks") -> None:
+        self.watching, self._watched_at = weights, self.turns
+
+    def attention(self, over: str = "newest", weights: str = "blocks", max_columns: int = 4096):
+        """A plausible map of the chat (fake_attention_map) once a reply finished since watching began."""
+        if self.watching is None or self.turns == self._watched_at:
+            return None
+        from fake_attention import fake_attention_map
+        ids, starts = self._tokens()
+        cache = self.cache_config
+        return fake_attention_map(ids, cache.block_size, window=cache.window, sinks=cache.sinks, over=over,
+                                  message_starts=tuple(starts)).bucketed(max_columns)
 
     def _token_bytes(self, layer: int) -> tuple[float, float]:
         cache = self.cache_config
@@ -105,6 +160,7 @@ class FakeSession:
         else:
             reply = "".join(pieces).strip()
             self.messages.append(assistant_message(reply, thought))
+        self.turns += 1
         yield TurnFinished(reply, reason, "", self.stats(), thought)
 
     def regenerate(self, sampling: SamplingParams, should_stop=lambda: False):
@@ -217,6 +273,7 @@ class FakeEngine:
         self.refuse_fp8 = True
         self.reply_words = ["Hello", "from", "the", "fake", "engine."]
         self.reasoning_pieces: list[str] = []       # set: each reply streams this reasoning before its words
+        self.replay_refusal: str | None = None      # set: check_replay_room refuses with it (fake_replay_module)
         self.sessions: list[FakeSession] = []
         self.prefix_cache_bytes = 3 * 1024 * 1024    # what clear_prefix_cache frees the first time
         # the shape the byte rule above describes, so the engine's own cache check applies to the fake too
@@ -362,3 +419,4 @@ def saved_files(tmp_path):
     """The chat caches an isolated app (KVCHAT_CACHE_DIR under tmp_path) saved on disk."""
     folder = tmp_path / "cache" / "kv"
     return sorted(folder.glob("*.kvcache")) if folder.is_dir() else []
+

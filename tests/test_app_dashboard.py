@@ -342,16 +342,17 @@ def test_sidebar_elides_long_titles_once_and_right_click_keeps_the_open_chat(qtb
 
 
 def test_the_dock_makes_its_tabs_from_the_page_registry(qtbot, monkeypatch):
-    """Tabs come from the registered pages in their order (Live, Pool, Plan, Lengths; Experts hidden until a model
-    routes to experts), and a page registered between two others gets its tab there with its title and tooltip."""
+    """Tabs come from the registered pages in their order (Live, Pool, Plan, Lengths, Attention; Experts hidden until
+    a model routes to experts), and a page registered between two others gets its tab there with its title and
+    tooltip."""
     from PySide6.QtWidgets import QLabel
 
     from kvchat.app.dashboard import registry
     dash = Dashboard()
     qtbot.addWidget(dash)
     titles = [dash.switcher.tabText(i) for i in range(dash.switcher.count())]
-    assert titles == ["Live", "Pool", "Plan", "Lengths", "Experts"]
-    assert dash.page_names() == ["Live", "Pool", "Plan", "Lengths"]
+    assert titles == ["Live", "Pool", "Plan", "Lengths", "Experts", "Attention"]
+    assert dash.page_names() == ["Live", "Pool", "Plan", "Lengths", "Attention"]
     assert dash.current_page().objectName() == "dashboardBody"
 
     monkeypatch.setattr(registry, "_PAGES", dict(registry._PAGES))    # the extra page leaves with this test
@@ -363,7 +364,7 @@ def test_the_dock_makes_its_tabs_from_the_page_registry(qtbot, monkeypatch):
         registry.register(registry.Page("Another", "Another", "", lambda _data: QLabel(), order=35))
     grown = Dashboard()
     qtbot.addWidget(grown)
-    assert grown.page_names() == ["Live", "Pool", "Plan", "Extra", "Lengths"]
+    assert grown.page_names() == ["Live", "Pool", "Plan", "Extra", "Lengths", "Attention"]
     index = grown.page_names().index("Extra")
     assert grown.switcher.tabToolTip(index) == "an extra page"
     grown.show_page("Extra")

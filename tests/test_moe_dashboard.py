@@ -126,7 +126,7 @@ def test_a_model_routed_in_every_layer_is_summed_without_dense_words(qtbot):
 def test_a_dense_model_has_no_experts_page(qtbot):
     """A dense model's dashboard hides the page; its status line names no experts or sinks."""
     dash = experts_page(qtbot, fake_model_config(), snapshot(experts=()))
-    assert dash.page_names() == ["Live", "Pool", "Plan", "Lengths"]
+    assert dash.page_names() == ["Live", "Pool", "Plan", "Lengths", "Attention"]
     assert not dash.switcher.isTabVisible(dash._page_keys.index("Experts"))
     assert dash.experts.use is None and dash.experts.shares.size == 0
     text = family_text(fake_model_config())
@@ -138,10 +138,10 @@ def test_a_dense_model_has_no_experts_page(qtbot):
     assert dash.page_names()[dash.switcher.currentIndex()] == "Live" and "Experts" not in dash.page_names()
 
 
-def test_a_dense_window_lists_four_pages(qtbot):
+def test_a_dense_window_lists_no_experts_page(qtbot):
     window = open_window(qtbot, FakeLoader())
     qtbot.waitUntil(lambda: window.session_ready, timeout=5000)
-    assert window.dashboard.page_names() == ["Live", "Pool", "Plan", "Lengths"]
+    assert window.dashboard.page_names() == ["Live", "Pool", "Plan", "Lengths", "Attention"]
     assert "expert" not in window.status_label.text()
 
 
@@ -195,13 +195,13 @@ def test_gpt_oss_alternate_layers_are_capped_at_their_window_as_gemmas_are(qtbot
 def test_a_real_qwen3_moe_turn_shows_its_snapshots_counts(qtbot, tmp_path):
     """The app on a tiny Qwen3-MoE folder (8 experts, 3 per token, layer 1 dense), 1024 x 700: before the first
     message the page says no turn yet; after one, its image, summary and tooltips are the snapshot's counts, and
-    all five pages' tabs fit in the dock's title."""
+    all six pages' tabs fit in the dock's title."""
     from tiny_models import tiny_family_dir
     folder = tiny_family_dir(tmp_path / "qwen3-moe", "qwen3_moe")
     window = real_window(qtbot, folder)
     window.resize(1024, 700)
     dash = window.dashboard
-    assert dash.page_names() == ["Live", "Pool", "Plan", "Lengths", "Experts"]
+    assert dash.page_names() == ["Live", "Pool", "Plan", "Lengths", "Experts", "Attention"]
     assert "qwen3_moe · 3 layers · 8 experts, 3 active per token in 2 of 3 layers" in window.status_label.text()
     dash.show_page("Experts")
     assert dash.experts.summary.text().endswith("; no turn yet")

@@ -105,6 +105,12 @@ class MeasureQuality(Command):
 
 
 @dataclass(frozen=True, slots=True)
+class ReplayChat(Command):
+    cancel_measure: ClassVar[bool | None] = False    # it runs under the measurement flag: any later command stops it
+    mode: CacheConfig                   # the open chat teacher-forced through this mode beside its own
+
+
+@dataclass(frozen=True, slots=True)
 class CountTokens(Command):
     cancel_measure: ClassVar[bool | None] = None
     requests: tuple                     # ((conversation id, system prompt, Pairs), ...)

@@ -13,9 +13,10 @@ from PySide6.QtCore import QObject, Qt, QThread, Signal
 from kvchat.engine.config import CacheConfig, EngineConfig, SamplingParams
 from kvchat.engine.events import PrefillProgress, StatsSnapshot, TokenDelta, TurnFinished
 
+from kvchat.app.bridge.attention_events import AttentionShown, ReplayFailed, ReplayProgress, ReplayShown
 from kvchat.app.bridge.commands import (Adopt, ClearPrefixCache, Close, Command, ContinueReply, CountMessage,
                                         CountSavedCaches, CountTokens, DeleteSavedCaches, EditResend, ForgetCache, Load, MeasureQuality,
-                                        OpenSession, PollStats, Regenerate, Reset, Send, SetCache, SetDiskBudget,
+                                        OpenSession, PollStats, Regenerate, ReplayChat, Reset, Send, SetCache, SetDiskBudget,
                                         SetPrefill, SetSpeculative, SyncHistory, pairs)
 from kvchat.app.bridge.loader import default_loader
 from kvchat.app.bridge.messages import (EngineReady, ErrorEvent, LoadProgress, MessageCounted, ModeSwitched,
@@ -32,7 +33,8 @@ EVENT_SIGNALS = {LoadProgress: "progress", EngineReady: "ready", SessionOpened: 
                  ResetDone: "reset_done", ErrorEvent: "error", QualityResult: "quality", QualityCancelled: "quality",
                  PrefixCleared: "prefix_cleared", TokenCounts: "token_counts", ReadingHistory: "reading",
                  PrefillProgress: "reading", PrefillSet: "prefill_set", SavingCaches: "saving",
-                 MessageCounted: "message_counted", SavedCaches: "saved_caches"}
+                 MessageCounted: "message_counted", SavedCaches: "saved_caches", AttentionShown: "attention",
+                 ReplayProgress: "replay", ReplayShown: "replay", ReplayFailed: "replay"}
 
 TEMPLATE_TOKENS = 16                # a chat template's tokens around one message (role markers), generously
 TEMPLATE_TEXT_TOKENS = 64           # and its own text (a default system prompt, a date line)
@@ -70,6 +72,8 @@ class EngineHost(QObject):
     saving = Signal(object)             # SavingCaches: the app is closing, these chats' caches go to disk
     message_counted = Signal(object)    # MessageCounted: a long message counted before it is shown as sent
     saved_caches = Signal(object)       # SavedCaches on disk (Settings), after a count or a delete
+    attention = Signal(object)          # AttentionShown: the open chat's attention maps after a turn or a change
+    replay = Signal(object)             # ReplayProgress, then ReplayShown or ReplayFailed
 
     _command = Signal(object)
 
@@ -103,6 +107,14 @@ class EngineHost(QObject):
     def measure_quality(self, cache: CacheConfig) -> None:
         """Measure in the engine thread, behind whatever is queued; any later command cancels it."""
         self.submit(MeasureQuality(cache))
+
+    def replay_chat(self, mode: CacheConfig) -> None:
+        """Replay the open chat under `mode` in the engine thread, behind whatever is queued; Cancel (cancel_replay)
+        or any later command stops it."""
+        self.submit(ReplayChat(mode))
+
+    def cancel_replay(self) -> None:
+        self.worker.cancel_measure()
 
     def open_session(self, conversation_id: int | None, system_prompt: str | None,
                      cache: CacheConfig | None, history: list[dict] | None) -> None:

@@ -12,16 +12,17 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from kvchat.engine.api import capabilities_of
 from kvchat.engine.config import CacheConfig, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 
-from kvchat.app.bridge import warm_chats
+from kvchat.app.bridge import attention_work, warm_chats
 from kvchat.app.bridge.commands import (Adopt, ClearPrefixCache, Close, Command, ContinueReply, CountMessage,
                                         CountSavedCaches, CountTokens, DeleteSavedCaches, EditResend, ForgetCache, Load, MeasureQuality, OpenSession,
-                                        PollStats, Regenerate, Reset, Send, SetCache, SetDiskBudget, SetPrefill,
+                                        PollStats, Regenerate, ReplayChat, Reset, Send, SetCache, SetDiskBudget, SetPrefill,
                                         SetSpeculative, SyncHistory)
 from kvchat.app.bridge.engine_facts import model_facts
 from kvchat.app.bridge.loader import default_loader, error_message, progress_text
@@ -60,6 +61,7 @@ class EngineWorker(QObject, TurnStreaming):
         self._disk_budget_mb: float | None = None   # saved caches' disk budget from Settings (None: the engine's)
         self._speculative: tuple[str, int] | None = None    # (method, k) from Settings (None: the engine's)
         self._prefill: str | None = None                    # the prompt GEMM's precision from Settings
+        self._watched = weakref.WeakSet()   # sessions whose attention is measured (attention_work.watch)
 
     # --- called from the GUI thread (thread-safe, never blocks) ---
 
@@ -161,8 +163,10 @@ class EngineWorker(QObject, TurnStreaming):
             self.event.emit(ErrorEvent("session", self.tr("Could not open the conversation"),
                                        f"{type(exc).__name__}: {exc}"))
             return
+        attention_work.watch(self._engine, self._session, self._watched)
         self.event.emit(SessionOpened(conversation_id, self._session.cache_config,
                                                len(self._session.messages), self._snapshot(), restored))
+        self._report_attention()
 
     def adopt(self, conversation_id) -> None:
         """A new chat got its id with its first message: keep its session warm under that id, so switching
@@ -217,6 +221,7 @@ class EngineWorker(QObject, TurnStreaming):
         """Make the session hold `messages` ((role, content) pairs): after a delete or a switch between replies."""
         if self._session is not None and self._sync_history(messages):
             self._emit_stats()
+            self._report_attention()
 
     def _sync_history(self, pairs) -> bool:
         """The cheapest way to the wanted messages: the same (nothing), a prefix (rewind: the cache goes back),
@@ -247,6 +252,7 @@ class EngineWorker(QObject, TurnStreaming):
         _close(session)
         self._session = replacement
         self._warm(replacement, self._conversation_id)
+        attention_work.watch(self._engine, replacement, self._watched)
         if self._conversation_id is not None:
             self._open[self._conversation_id] = replacement
         return True
@@ -358,6 +364,7 @@ class EngineWorker(QObject, TurnStreaming):
                                        f"{type(exc).__name__}: {exc}"))
             return
         self.event.emit(ModeSwitched(old, self._session.cache_config, self._snapshot()))
+        self._report_attention()
 
     def reset(self) -> None:
         if self._session is None:
@@ -373,6 +380,7 @@ class EngineWorker(QObject, TurnStreaming):
             self.event.emit(ErrorEvent("reset", self.tr("Reset failed"), f"{type(exc).__name__}: {exc}"))
             return
         self.event.emit(ResetDone(freed, self._snapshot()))
+        self._report_attention()
 
     def poll_stats(self) -> None:
         self._emit_stats()
@@ -396,6 +404,22 @@ class EngineWorker(QObject, TurnStreaming):
             return
         self.event.emit(result)
 
+    # --- where attention goes, and replaying the chat (app/bridge/attention_work.py) ---
+
+    def _stream(self, start, failure: str, reading: str | None = None) -> None:
+        """A turn, then the chat's attention maps as it left them."""
+        TurnStreaming._stream(self, start, failure, reading)
+        self._report_attention()
+
+    def _report_attention(self) -> None:
+        if self._engine is not None and self._session is not None:
+            attention_work.report(self._engine, self._session, self._conversation_id, self.event.emit)
+
+    def replay_chat(self, mode: CacheConfig) -> None:
+        """The open chat under `mode` beside its own cache mode; yields to any command sent meanwhile."""
+        attention_work.replay_chat(self._engine, self._session, mode, self._conversation_id,
+                                   should_stop=self._cancel_measure.is_set, emit=self.event.emit)
+
     def count_tokens(self, requests) -> None:
         if self._engine is not None and not capabilities_of(self._engine).remote:   # no tokenizer here
             from kvchat.app.bridge.measure import count_conversations
@@ -413,6 +437,7 @@ HANDLERS = {Load: EngineWorker.load, OpenSession: EngineWorker.open_session, Ado
             EditResend: EngineWorker.edit_resend, SyncHistory: EngineWorker.sync_history,
             SetCache: EngineWorker.set_cache, Reset: EngineWorker.reset, ClearPrefixCache: EngineWorker.clear_prefix_cache,
             PollStats: EngineWorker.poll_stats, MeasureQuality: EngineWorker.measure_quality,
+            ReplayChat: EngineWorker.replay_chat,
             CountTokens: EngineWorker.count_tokens, CountMessage: EngineWorker.count_message,
             ForgetCache: EngineWorker.forget_cache, SetDiskBudget: EngineWorker.set_disk_budget,
             CountSavedCaches: EngineWorker.count_saved_caches, DeleteSavedCaches: EngineWorker.delete_saved_caches,

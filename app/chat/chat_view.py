@@ -97,6 +97,16 @@ class ChatView(QScrollArea):
         """The user's messages and the replies, without notices."""
         return [m for m in self._messages if m.role in ("user", "assistant")]
 
+    def scroll_to_message(self, index: int) -> MessageWidget | None:
+        """Bring the index-th of the user's messages and replies (the session's messages' order) into view; it stays
+        there (the view stops following the newest text until scrolled back down)."""
+        chat = self.chat_messages()
+        if not 0 <= index < len(chat):
+            return None
+        self._follow = False
+        self.ensureWidgetVisible(chat[index], 0, 24)
+        return chat[index]
+
     def refresh_actions(self, busy: bool, can_rewrite: bool = True) -> None:
         """Which actions each message offers now: Regenerate/Continue only on the last reply; none while busy."""
         chat = self.chat_messages()

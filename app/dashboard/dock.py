@@ -12,7 +12,8 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QStackedWidget, QTabBar, QVBoxLayout, QWidget
 
 # each page module registers its page on import (registry.py): the dock needs them imported, not named
-from kvchat.app.dashboard import experts_view, lengths_view, live_page, plan_panel, pool_view  # noqa: F401
+from kvchat.app.dashboard import (attention_view, experts_view, lengths_view, live_page, plan_panel,  # noqa: F401
+                                  pool_view)
 from kvchat.app.dashboard.dashboard_data import DashboardData
 from kvchat.app.dashboard.live_page import LivePage
 from kvchat.app.dashboard.registry import pages
@@ -67,6 +68,7 @@ class Dashboard(QWidget):
         self.live: LivePage = self._widgets["Live"]
         self.pool_view, self.plan = self._widgets["Pool"], self._widgets["Plan"]
         self.lengths, self.experts = self._widgets["Lengths"], self._widgets["Experts"]
+        self.attention = self._widgets["Attention"]
         self.live.markers_stale.connect(lambda: self._drawn.pop("markers", None))
         self._offer_pages()
         self.unavailable = QLabel("", objectName="remoteUnavailable")   # local-only pages with a remote server

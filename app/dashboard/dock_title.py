@@ -4,6 +4,9 @@ from __future__ import annotations
 from PySide6.QtWidgets import QDockWidget, QHBoxLayout, QLabel, QStyle, QTabBar, QToolButton, QWidget
 
 
+COMPACT_TABS = "QTabBar::tab { padding: 3px 5px; }"
+
+
 class DockTitle(QWidget):
     def __init__(self, dock: QDockWidget, switcher: QTabBar):
         super().__init__(dock)
@@ -33,3 +36,5 @@ class DockTitle(QWidget):
         tabs = self.switcher
         shown = sum(tabs.isTabVisible(i) for i in range(tabs.count()))
         self.label.setVisible(shown <= 4)
+        # six tabs (a mixture of experts' Experts page beside Attention) fit a 1024-pixel window with less padding
+        tabs.setStyleSheet(COMPACT_TABS if shown > 5 else "")

@@ -37,6 +37,7 @@ from kvchat.app.i18n import cache_label, weights_text
 from kvchat.app.bridge.messages import (EngineReady, ErrorEvent, LoadProgress, MessageCounted, ModeSwitched, PrefillSet,
                                         ReadingHistory, ResetDone, SavingCaches, SessionOpened, format_bytes)
 from kvchat.app.dashboard.quality_view import QualityController
+from kvchat.app.dashboard.attention_controller import AttentionController
 from kvchat.app.dialogs.models_page import ModelsDialog
 from kvchat.app.dashboard.panels import DashboardPanels
 from kvchat.app.dialogs.settings_dialog import SettingsDialog
@@ -83,6 +84,7 @@ class MainWindow(QMainWindow):
         self.panels = DashboardPanels(self)     # the dashboard's Pool, Plan and Lengths tabs
         self.quality = QualityController(self.host, self.dashboard.live.quality_row,
                                          busy=lambda: self.generating or not self.session_ready, parent=self)
+        self.attention = AttentionController(self)  # the Attention page's maps, clicks and replays
         self.actions = ChatActions(self)    # regenerate, edit, continue, copy/delete, export, search, undo, About
         self._restore_layout()
         self.show_conversation(store.last_conversation(), open_session=False)

@@ -60,6 +60,198 @@
     </message>
 </context>
 <context>
+    <name>AttentionController</name>
+    <message>
+        <source>Replay needs a model kvchat runs itself, not a remote server.</source>
+        <translation>重放需要 kvchat 自己运行的模型，不能用远程服务器。</translation>
+    </message>
+    <message>
+        <source>The chat is busy: replay it once the reply has finished.</source>
+        <translation>对话正忙：请等回复结束后再重放。</translation>
+    </message>
+    <message>
+        <source>Under {mode} the model would have said «{replayed}» here, not «{expected}».</source>
+        <translation>在 {mode} 下，模型在这里会说“{replayed}”，而不是“{expected}”。</translation>
+    </message>
+</context>
+<context>
+    <name>AttentionData</name>
+    <message>
+        <source>newest token</source>
+        <translation>最新的 token</translation>
+    </message>
+    <message>
+        <source>mean over the last reply&apos;s {rows} tokens</source>
+        <translation>上一条回复 {rows} 个 token 的平均</translation>
+    </message>
+    <message>
+        <source>{over} · {layers} layers × {heads} heads · {tokens} tokens in {columns} columns of {per}</source>
+        <translation>{over} · {layers} 层 × {heads} 个头 · {tokens} 个 token，分成 {columns} 列，每列 {per} 个</translation>
+    </message>
+    <message>
+        <source> · {n} linear-attention layers</source>
+        <translation> · {n} 个线性注意力层</translation>
+    </message>
+    <message>
+        <source> · window {window} + {sinks} sinks</source>
+        <translation> · 窗口 {window} + {sinks} 个汇聚 token</translation>
+    </message>
+    <message>
+        <source> · learned sink {share}</source>
+        <translation> · 学习到的汇聚项 {share}</translation>
+    </message>
+    <message>
+        <source>layer {layer}</source>
+        <translation>第 {layer} 层</translation>
+    </message>
+    <message>
+        <source>layer {layer} · head {head}</source>
+        <translation>第 {layer} 层 · 第 {head} 个头</translation>
+    </message>
+    <message>
+        <source>before the first message (system prompt)</source>
+        <translation>第一条消息之前（系统提示词）</translation>
+    </message>
+    <message>
+        <source>message {n} ({role})</source>
+        <translation>第 {n} 条消息（{role}）</translation>
+    </message>
+    <message>
+        <source>{where} · tokens {first}–{last}</source>
+        <translation>{where} · token {first}–{last}</translation>
+    </message>
+    <message>
+        <source>linear attention: this layer keeps a state, it attends to no block</source>
+        <translation>线性注意力：这一层保存一个状态，不关注任何块</translation>
+    </message>
+    <message>
+        <source>no longer held by this layer (outside its window)</source>
+        <translation>这一层已不再保存（在它的窗口之外）</translation>
+    </message>
+    <message>
+        <source>{share} of the attention</source>
+        <translation>占注意力的 {share}</translation>
+    </message>
+    <message>
+        <source>attention sinks: always kept</source>
+        <translation>注意力汇聚 token：始终保留</translation>
+    </message>
+    <message>
+        <source>you</source>
+        <translation>你</translation>
+    </message>
+    <message>
+        <source>reply</source>
+        <translation>回复</translation>
+    </message>
+    <message>
+        <source>system</source>
+        <translation>系统</translation>
+    </message>
+</context>
+<context>
+    <name>AttentionView</name>
+    <message>
+        <source>Not measured: the model runs on a server, which does not say where its attention goes.</source>
+        <translation>未测量：模型运行在服务器上，服务器不报告它的注意力分布。</translation>
+    </message>
+    <message>
+        <source>Not measured: this engine does not measure attention.</source>
+        <translation>未测量：这个引擎不测量注意力。</translation>
+    </message>
+    <message>
+        <source>Not measured yet: the map fills in after the next reply.</source>
+        <translation>尚未测量：下一条回复之后这里会显示注意力图。</translation>
+    </message>
+    <message>
+        <source>Newest token</source>
+        <translation>最新 token</translation>
+    </message>
+    <message>
+        <source>Where the newest token computed put its attention</source>
+        <translation>最新计算的 token 把注意力放在了哪里</translation>
+    </message>
+    <message>
+        <source>Last reply</source>
+        <translation>上一条回复</translation>
+    </message>
+    <message>
+        <source>Where the last reply&apos;s tokens put their attention, on average</source>
+        <translation>上一条回复的各个 token 平均把注意力放在了哪里</translation>
+    </message>
+    <message>
+        <source>Attention per block · layers × conversation (tokens)</source>
+        <translation>每个块的注意力 · 层 × 对话（token）</translation>
+    </message>
+    <message>
+        <source>layer</source>
+        <translation>层</translation>
+    </message>
+    <message>
+        <source>One layer&apos;s heads · heads × conversation</source>
+        <translation>一层的各个头 · 头 × 对话</translation>
+    </message>
+    <message>
+        <source>Layer</source>
+        <translation>层</translation>
+    </message>
+    <message>
+        <source>The layer whose heads are drawn below (or click a row above)</source>
+        <translation>下方画出其各个头的那一层（也可以点击上方的一行）</translation>
+    </message>
+    <message>
+        <source>head</source>
+        <translation>头</translation>
+    </message>
+    <message>
+        <source>window</source>
+        <translation>窗口</translation>
+    </message>
+    <message>
+        <source>linear attention: no cache to attend to</source>
+        <translation>线性注意力：没有可关注的缓存</translation>
+    </message>
+    <message>
+        <source>no mass</source>
+        <translation>无注意力</translation>
+    </message>
+    <message>
+        <source>no longer held (left the window)</source>
+        <translation>已不再保存（离开了窗口）</translation>
+    </message>
+    <message>
+        <source>linear-attention layer</source>
+        <translation>线性注意力层</translation>
+    </message>
+    <message>
+        <source>thin lines: where each message begins</source>
+        <translation>细线：每条消息开始的位置</translation>
+    </message>
+    <message>
+        <source>; blue: the sinks and the window&apos;s edge</source>
+        <translation>；蓝色：汇聚 token 和窗口边缘</translation>
+    </message>
+    <message>
+        <source>Colour: the share of the layer&apos;s attention on a block (log scale).</source>
+        <translation>颜色：该层注意力落在一个块上的比例（对数刻度）。</translation>
+    </message>
+</context>
+<context>
+    <name>AttentionWork</name>
+    <message>
+        <source>Replaying needs a model kvchat runs itself, with a chat open.</source>
+        <translation>重放需要 kvchat 自己运行的模型，并且打开一个对话。</translation>
+    </message>
+    <message>
+        <source>This version of the engine cannot replay a chat.</source>
+        <translation>这个版本的引擎不能重放对话。</translation>
+    </message>
+    <message>
+        <source>This chat has no reply to replay yet.</source>
+        <translation>这个对话还没有可重放的回复。</translation>
+    </message>
+</context>
+<context>
     <name>Banner</name>
     <message>
         <source>Open Settings…</source>
@@ -559,6 +751,14 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
     <message>
         <source>cost ~{share} more decode time</source>
         <translation>多花约 {share} 的解码时间</translation>
+    </message>
+    <message>
+        <source>Attention</source>
+        <translation>注意力</translation>
+    </message>
+    <message>
+        <source>Where the newest token&apos;s attention goes, per layer and head, along the conversation; replay the chat under another cache mode</source>
+        <translation>最新 token 的注意力沿对话落在哪里，按层和头显示；可在另一种缓存模式下重放对话</translation>
     </message>
 </context>
 <context>
@@ -2070,6 +2270,120 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
     <message>
         <source>server model</source>
         <translation>服务器模型</translation>
+    </message>
+</context>
+<context>
+    <name>ReplayDialog</name>
+    <message>
+        <source>Replay this chat</source>
+        <translation>重放这个对话</translation>
+    </message>
+    <message>
+        <source>The chat is read again under its own cache mode (&lt;b&gt;{mode}&lt;/b&gt;) and under the one chosen here, side by side; the chat is not changed.</source>
+        <translation>对话会在它自己的缓存模式（&lt;b&gt;{mode}&lt;/b&gt;）和这里选择的模式下并排重新读取；对话本身不会改变。</translation>
+    </message>
+    <message>
+        <source>Presets…</source>
+        <translation>预设…</translation>
+    </message>
+    <message>
+        <source>Quick choice</source>
+        <translation>快速选择</translation>
+    </message>
+    <message>
+        <source>Formats</source>
+        <translation>格式</translation>
+    </message>
+    <message>
+        <source>no window</source>
+        <translation>无窗口</translation>
+    </message>
+    <message>
+        <source>sinks</source>
+        <translation>汇聚 token</translation>
+    </message>
+    <message>
+        <source>Window (tokens)</source>
+        <translation>窗口（token 数）</translation>
+    </message>
+    <message>
+        <source>Replay</source>
+        <translation>重放</translation>
+    </message>
+    <message>
+        <source>That is this chat&apos;s own mode: choose another to compare.</source>
+        <translation>这就是对话自己的模式：请选择另一种来比较。</translation>
+    </message>
+</context>
+<context>
+    <name>ReplayPanel</name>
+    <message>
+        <source>Replay: how this chat would have gone under another cache mode (the chat is not changed).</source>
+        <translation>重放：看看这个对话在另一种缓存模式下会怎样（对话本身不会改变）。</translation>
+    </message>
+    <message>
+        <source>Replay with…</source>
+        <translation>重放为…</translation>
+    </message>
+    <message>
+        <source>Read this chat again under another cache mode beside its own, and see where the replies would have gone otherwise</source>
+        <translation>在另一种缓存模式下与原模式并排重新读取这个对话，看看回复会在哪里走向不同</translation>
+    </message>
+    <message>
+        <source>Cancel</source>
+        <translation>取消</translation>
+    </message>
+    <message>
+        <source>Replaying this chat under &lt;b&gt;{mode}&lt;/b&gt;…</source>
+        <translation>正在以 &lt;b&gt;{mode}&lt;/b&gt; 重放这个对话…</translation>
+    </message>
+    <message>
+        <source>{done} of {total} tokens</source>
+        <translation>{done} / {total} 个 token</translation>
+    </message>
+    <message>
+        <source>Replay stopped: nothing was measured.</source>
+        <translation>重放已停止：没有测量任何结果。</translation>
+    </message>
+    <message>
+        <source>Replay not run: {error}</source>
+        <translation>未运行重放：{error}</translation>
+    </message>
+    <message>
+        <source>no token chosen otherwise</source>
+        <translation>没有选出不同的 token</translation>
+    </message>
+    <message>
+        <source>first other choice at token {n}</source>
+        <translation>第一个不同的选择在 token {n}</translation>
+    </message>
+    <message>
+        <source>&lt;b&gt;{mode}&lt;/b&gt; against this chat&apos;s &lt;b&gt;{baseline}&lt;/b&gt; over {tokens} tokens: top-1 agreement &lt;b&gt;{top1}&lt;/b&gt; · KL {kl} nats/token · {first} &lt;span style=&apos;color:#6b7280&apos;&gt;({seconds} s)&lt;/span&gt;</source>
+        <translation>&lt;b&gt;{mode}&lt;/b&gt; 对比本对话的 &lt;b&gt;{baseline}&lt;/b&gt;，共 {tokens} 个 token：top-1 一致率 &lt;b&gt;{top1}&lt;/b&gt; · KL {kl} nats/token · {first} &lt;span style=&apos;color:#6b7280&apos;&gt;（{seconds} s）&lt;/span&gt;</translation>
+    </message>
+    <message>
+        <source>Reply</source>
+        <translation>回复</translation>
+    </message>
+    <message>
+        <source>top-1</source>
+        <translation>top-1</translation>
+    </message>
+    <message>
+        <source>First other choice</source>
+        <translation>第一个不同的选择</translation>
+    </message>
+    <message>
+        <source>reply {n}</source>
+        <translation>回复 {n}</translation>
+    </message>
+    <message>
+        <source>none</source>
+        <translation>无</translation>
+    </message>
+    <message>
+        <source>token {n}: «{expected}» → «{replayed}»</source>
+        <translation>token {n}：“{expected}” → “{replayed}”</translation>
     </message>
 </context>
 <context>
