@@ -1,9 +1,9 @@
-"""The `kvchat` command: the desktop app, or a terminal subcommand (chat, serve, bench, estimate, doctor)."""
+"""The `kvchat` command: the desktop app, or a terminal subcommand (chat, serve, bench, estimate, doctor, replay)."""
 from __future__ import annotations
 
 import sys
 
-TERMINAL_COMMANDS = {"chat", "bench", "serve", "estimate", "doctor", "-h", "--help"}
+TERMINAL_COMMANDS = {"chat", "bench", "serve", "estimate", "doctor", "replay", "-h", "--help"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -270,6 +270,10 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
     check = sub.add_parser("doctor", help="which kernels run here and why, the device, what the CPU offers")
     doctor.add_arguments(check)
     check.set_defaults(func=doctor.cmd_doctor)
+    from kvchat.cli import replay
+    again = sub.add_parser("replay", help="a saved chat or a text under another cache mode: where its answers part")
+    replay.add_arguments(again)
+    again.set_defaults(func=replay.cmd_replay)
     bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, serve, resume)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():

@@ -124,3 +124,27 @@ def test_the_dialog_refuses_the_chats_own_mode_and_a_window_below_a_block(qtbot)
     dialog.k_format.setCurrentIndex(dialog.k_format.findData("auto"))
     dialog.v_format.setCurrentIndex(dialog.v_format.findData("auto"))
     assert not ok.isEnabled() and "own mode" in dialog.error.text()
+
+
+def test_the_real_engine_draws_its_map_and_replays_the_chat(qtbot, tmp_path):
+    """A tiny real model in the window: after a reply the Attention page holds the engine's own map (its 3 layers,
+    every column of the chat); Replay with window 16 + 4 sinks runs the real replay and leaves the chat as it was."""
+    from tiny_models import tiny_model_dir
+    from fakes import real_window, send
+    folder = tiny_model_dir(tmp_path / "model", hidden=128, heads=4, kv_heads=2, layers=3)
+    window = real_window(qtbot, folder, sampling=SamplingParams(temperature=0.0, max_new_tokens=24))
+    with qtbot.waitSignal(window.host.attention, timeout=60_000) as shown:
+        send(qtbot, window, "the first message of a longer chat " * 3)
+    m = shown.args[0].newest
+    assert m is not None and m.num_layers == 3 and m.block_positions[-1] < len(m.tokens) <= m.column_end(
+        m.num_columns - 1)
+    qtbot.waitUntil(lambda: window.attention.page.current()[0] is m, timeout=5000)
+    before = [m.text() for m in window.chat.chat_messages()]
+    with qtbot.waitSignal(window.host.replay, timeout=60_000,
+                          check_params_cb=lambda e: isinstance(e, (ReplayShown, ReplayFailed))) as blocker:
+        window.attention.start(CacheConfig(k_format=window.session_cache.k_format,
+                                           v_format=window.session_cache.v_format, window=16, sinks=4))
+    result = blocker.args[0]
+    assert isinstance(result, ReplayShown), result
+    assert [r.index for r in result.replies] == [1] and result.tokens == result.replies[0].tokens > 0
+    assert [m.text() for m in window.chat.chat_messages()] == before

@@ -124,18 +124,13 @@ def replay_chat(engine, session, mode: CacheConfig, conversation_id, should_stop
     ConfigError (nothing started), a stop (a new turn comes first, or Cancel), or any other failure."""
     from kvchat.engine.config import ConfigError
     from kvchat.engine.runtime.fidelity import Cancelled
+    from kvchat.engine.runtime.replay import check_replay_room, replay
 
     from kvchat.app.bridge.loader import error_message
     translate = QCoreApplication.translate
     if session is None or capabilities_of(engine).remote:
         emit(ReplayFailed(conversation_id, translate("AttentionWork", "Replaying needs a model kvchat runs itself, "
                                                                        "with a chat open.")))
-        return
-    try:
-        from kvchat.engine.runtime.replay import check_replay_room, replay
-    except ImportError:
-        emit(ReplayFailed(conversation_id, translate("AttentionWork", "This version of the engine cannot replay a "
-                                                                       "chat.")))
         return
     ids = cached_ids(session)
     baseline = session.cache_config
