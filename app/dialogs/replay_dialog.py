@@ -11,9 +11,9 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFormLayout
 
 from kvchat.engine.config import FORMATS, CacheConfig, ConfigError
 
-from kvchat.app.dialogs.settings_dialog import PRESETS
+from kvchat.app.dialogs.settings_dialog import PRESETS, apply_preset
 from kvchat.app.engine_text import engine_text
-from kvchat.app.i18n import cache_label, choice, choose, fill_choices
+from kvchat.app.i18n import cache_label, choice, fill_choices
 
 
 class ReplayDialog(QDialog):
@@ -71,17 +71,7 @@ class ReplayDialog(QDialog):
         self.validate()
 
     def _apply_preset(self, index: int) -> None:
-        changes = PRESETS.get(self.preset.itemData(index))
-        if not changes:
-            return
-        if "k_format" in changes:
-            choose(self.k_format, changes["k_format"])
-            choose(self.v_format, changes["v_format"])
-        if "window" in changes:
-            self.window.setValue(changes["window"] or 0)
-        if "sinks" in changes:
-            self.sinks.setValue(changes["sinks"])
-        self.preset.setCurrentIndex(0)
+        apply_preset(self, index)
 
     def mode(self) -> CacheConfig:
         """The chat's own cache settings with the formats and window chosen here (ConfigError: not a mode)."""

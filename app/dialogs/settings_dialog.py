@@ -417,17 +417,7 @@ class SettingsDialog(QDialog):
             self.model_edit.setText(path)
 
     def _apply_preset(self, index: int) -> None:
-        changes = PRESETS.get(self.preset.itemData(index))
-        if not changes:
-            return
-        if "k_format" in changes:
-            choose(self.k_format, changes["k_format"])
-            choose(self.v_format, changes["v_format"])
-        if "window" in changes:
-            self.window.setValue(changes["window"] or 0)
-        if "sinks" in changes:
-            self.sinks.setValue(changes["sinks"])
-        self.preset.setCurrentIndex(0)
+        apply_preset(self, index)
 
     def cache_config(self) -> CacheConfig:
         layers = parse_layers(self.full_layers.text())
@@ -536,3 +526,19 @@ class SettingsDialog(QDialog):
 
     def result_settings(self) -> AppSettings | None:
         return self._result
+
+
+def apply_preset(dialog, index: int) -> None:
+    """A preset chosen in `dialog`'s preset box (this dialog's, or Replay with...'s) sets its formats and window;
+    the box goes back to its prompt."""
+    changes = PRESETS.get(dialog.preset.itemData(index))
+    if not changes:
+        return
+    if "k_format" in changes:
+        choose(dialog.k_format, changes["k_format"])
+        choose(dialog.v_format, changes["v_format"])
+    if "window" in changes:
+        dialog.window.setValue(changes["window"] or 0)
+    if "sinks" in changes:
+        dialog.sinks.setValue(changes["sinks"])
+    dialog.preset.setCurrentIndex(0)
