@@ -139,6 +139,7 @@ class Dashboard(QWidget):
         """A title bar for the dock that holds the page switcher, so the pages keep the dock's whole height."""
         from kvchat.app.dashboard.dock_title import DockTitle
         self.title = DockTitle(dock, self.switcher)
+        self.title.fit()                # the tabs' padding and the name as the pages shown now need, from the start
         return self.title
 
     # --- the redraw clock ---

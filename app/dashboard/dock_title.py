@@ -36,5 +36,5 @@ class DockTitle(QWidget):
         tabs = self.switcher
         shown = sum(tabs.isTabVisible(i) for i in range(tabs.count()))
         self.label.setVisible(shown <= 4)
-        # six tabs (a mixture of experts' Experts page beside Attention) fit a 1024-pixel window with less padding
-        tabs.setStyleSheet(COMPACT_TABS if shown > 5 else "")
+        # five or six tabs (Attention, and a mixture of experts' Experts page) fit beside the chat with less padding
+        tabs.setStyleSheet(COMPACT_TABS if shown > 4 else "")
