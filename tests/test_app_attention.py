@@ -221,3 +221,21 @@ def test_the_page_and_its_hover_text_speak_chinese(qtbot, monkeypatch):
         for translator in app._kvchat_translators:
             app.removeTranslator(translator)
         app._kvchat_translators = []
+
+
+def test_the_map_follows_a_streaming_reply(qtbot, monkeypatch):
+    """While a reply streams the maps come at a low rate too (here every token: the interval set to 0), not only
+    when it ends."""
+    from kvchat.app.bridge import turn_stream
+    monkeypatch.setattr(turn_stream, "ATTENTION_LIVE_S", 0.0)
+    window = open_window(qtbot, FakeLoader())
+    qtbot.waitUntil(lambda: window.session_ready, timeout=5000)
+    window.settings = window.settings.__class__(window.settings.model, window.settings.cache,
+                                                SamplingParams(max_new_tokens=5), window.settings.system_prompt)
+    shown = []
+    window.host.attention.connect(shown.append)
+    with qtbot.waitSignal(window.host.turn_finished, timeout=10_000):
+        window.send("what is a key value cache")
+    qtbot.waitUntil(lambda: not window.generating, timeout=5000)
+    qtbot.wait(50)
+    assert len(shown) >= 3          # during the reply, and the one after it

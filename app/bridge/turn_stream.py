@@ -18,6 +18,8 @@ from kvchat.app.bridge.messages import ErrorEvent, ReadingHistory
 
 STATS_INTERVAL_S = 0.1                  # session.stats() is cheap, but no more than ~10 Hz
 TOKEN_BATCH_S = 0.02                    # at most ~50 token signals a second reach the GUI
+ATTENTION_LIVE_S = 2.0                  # the Attention page's maps while a reply streams (a few ms each, 30k tokens
+                                        # ~40 ms): every 2 s, and once more when the turn ends
 
 
 class TurnStreaming:
@@ -28,6 +30,7 @@ class TurnStreaming:
         """Run one turn (send, regenerate, continue), batching its tokens and stats for the GUI. `reading` (the
         new message, "" for none) asks to say first how much history an empty cache must read."""
         last_stats = last_token = 0.0
+        last_map = time.monotonic()
         rate = _DecodeRate()
         pending: list[TokenDelta] = []
         done_reading = self._announce_reading(reading) if reading is not None else (lambda: None)
@@ -47,6 +50,9 @@ class TurnStreaming:
                     if now - last_stats >= STATS_INTERVAL_S:
                         last_stats = now
                         self._emit_stats(rate.tok_s())
+                    if now - last_map >= ATTENTION_LIVE_S:
+                        last_map = now
+                        self._report_attention()
                 elif isinstance(event, TurnFinished):
                     self._emit_tokens(pending)
                     event = replace(event, stats=self._complete(event.stats))
@@ -58,6 +64,9 @@ class TurnStreaming:
         except Exception as exc:  # noqa: BLE001 - the conversation must stay usable after a failed turn
             done_reading()
             self.event.emit(ErrorEvent("send", failure, error_message(exc)))    # a server's words: one line
+
+    def _report_attention(self) -> None:
+        """The open chat's attention maps to the window (EngineWorker: where the engine measures them)."""
 
     def _announce_reading(self, new_text: str) -> Callable[[], None]:
         """A chat reopened or released holds no cache: its first turn reads the whole history before any token
