@@ -99,15 +99,20 @@ def _decode(tokenizer, ids, skip_special: bool = False) -> str:
 
 def reply_spans(session, num_tokens: int) -> list[tuple[int, int, int]]:
     """(message index, start, end) of each assistant reply within the first num_tokens: a reply runs from its start
-    to the next message's (or the end). Replies whose start is not known are left out."""
+    through its end-of-turn token (the model chose it too), or to the next message's start, as `kvchat replay` cuts
+    a saved chat (engine/runtime/replay.conversation_tokens). Replies whose start is not known are left out."""
     starts = list(getattr(session.state, "starts", ()))
+    stops = getattr(getattr(session, "info", None), "stop_ids", frozenset())
+    ids = session.token_ids
     spans = []
     for i, message in enumerate(session.messages):
         start = starts[i] if i < len(starts) else None
         if message.get("role") != "assistant" or start is None or start >= num_tokens:
             continue
         later = [s for s in starts[i + 1:] if s is not None]
-        spans.append((i, start, min(later[0], num_tokens) if later else num_tokens))
+        end = min(later[0], num_tokens) if later else num_tokens
+        end = next((k + 1 for k in range(start, end) if ids[k] in stops), end)
+        spans.append((i, start, end))
     return spans
 
 

@@ -35,6 +35,6 @@ class DockTitle(QWidget):
         a restored window's layout, do not depend on what it was last resized to."""
         tabs = self.switcher
         shown = sum(tabs.isTabVisible(i) for i in range(tabs.count()))
-        self.label.setVisible(shown <= 4)
-        # five or six tabs (Attention, and a mixture of experts' Experts page) fit beside the chat with less padding
-        tabs.setStyleSheet(COMPACT_TABS if shown > 4 else "")
+        self.label.setVisible(shown <= 5)
+        # six tabs (Attention, and a mixture of experts' Experts page) fit a 1024-pixel window with less padding
+        tabs.setStyleSheet(COMPACT_TABS if shown > 5 else "")

@@ -2,9 +2,10 @@
 ran in (the baseline) and one under the other mode, in lockstep, and for each reply the top-1 agreement of the two
 greedy choices, KL(baseline || replay) and the first token where the greedy choice would have differed.
 
-The app replays its open chat in its engine thread (app/bridge/attention_work.py); `kvchat replay` replays a saved
-chat or a text file. Both sessions are the replay's own, closed in the end however it ends: the chat is never touched.
-A text's figures are `kvchat bench quality`'s (engine/runtime/fidelity.py) on the same tokens.
+The lockstep run and its per-position tallies are fidelity.teacher_force's, so a text's figures are
+`kvchat bench quality`'s on the same tokens. The app replays its open chat in its engine thread
+(app/bridge/attention_work.py); `kvchat replay` replays a saved chat or a text file. Both sessions are the replay's
+own, closed however it ends: the chat is never touched, and the room check counts what the open chats hold.
 """
 from __future__ import annotations
 
@@ -12,12 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from kvchat.engine.config import CacheConfig, ConfigError
-from kvchat.engine.kv.layout import MIB, kv_layout
-from kvchat.engine.runtime.fidelity import Cancelled
-from kvchat.engine.text.chat_format import tokenize_pieces
+from kvchat.engine.kv.layout import MIB, check_cache_for_model
+from kvchat.engine.runtime.fidelity import Tally, teacher_force
+from kvchat.engine.text.chat_format import encode_conversation, tokenize_pieces
 
 
 @dataclass(frozen=True)
@@ -35,41 +34,46 @@ class ReplyReplay:
 
 @dataclass(frozen=True)
 class ReplayResult:
-    mode: str
-    baseline: str
-    tokens: int
+    mode: str                   # the replayed mode's label
+    baseline: str               # the baseline's
+    tokens: int                 # positions compared: the replies', or every one of a text
     top1: float
     kl: float
     first_divergence: int | None
-    expected: int | None
-    replayed: int | None
-    replies: tuple[ReplyReplay, ...]
+    replies: tuple[ReplyReplay, ...]    # () for a text
     seconds: float
     kv_bytes: int               # what the replay's session held at the end
     baseline_kv_bytes: int
+    expected: int | None = None     # the greedy tokens at first_divergence (a text has no reply to carry them)
+    replayed: int | None = None
 
 
 def check_replay_room(engine, baseline: CacheConfig, mode: CacheConfig, num_tokens: int) -> None:
     """A ConfigError saying what to change when the model's context or the engine's KV budget cannot take both
-    sessions over num_tokens tokens (before anything runs)."""
+    sessions over num_tokens tokens, beside what the open conversations hold (the replay must not release them)."""
     if num_tokens < 2:
-        raise ConfigError("there is nothing to replay: the conversation has fewer than 2 tokens")
-    config = engine.model.config
-    for name, cache in (("the chat's own mode", baseline), ("the replayed mode", mode)):
-        if cache.window is None and num_tokens > config.max_position_embeddings:
-            raise ConfigError(f"{num_tokens:,} tokens are past the model's {config.max_position_embeddings:,}-token "
-                              f"context under {name} ({cache.label()}): give it a window, or replay a shorter chat")
-    need = sum(_held_bytes(engine, c, num_tokens) for c in (baseline, mode))
-    if need > engine.budget_mb * MIB:
-        raise ConfigError(f"the KV budget ({engine.budget_mb:g} MiB) cannot hold the replay, which keeps the "
-                          f"{num_tokens:,} tokens twice ({need / MIB:.1f} MiB): raise the budget, or replay under a "
+        raise ConfigError("there is nothing to replay: it takes at least 2 tokens")
+    model, budget = engine.model.config, engine.budget_mb
+    need = 0
+    for name, cache in (("the baseline", baseline), ("the replayed mode", mode)):
+        cache = cache.with_(budget_mb=budget)
+        try:        # the engine's own check: a window past the context, a budget without room for one block
+            layout = check_cache_for_model(cache, model, engine.dtype_name, str(engine.device))
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+        if cache.window is None and num_tokens > model.max_position_embeddings:
+            raise ConfigError(f"{num_tokens:,} tokens are past the model's {model.max_position_embeddings:,}-token "
+                              f"context under {name} ({cache.label()}): give it a window, or replay fewer tokens")
+        # a step may take one block more than the steady state, and a quantized layout keeps its sides
+        need += layout.sequence_bytes(num_tokens, cache.window, cache.sinks) + layout.block_bytes + layout.fixed_bytes
+    runner = engine.runner
+    room = runner.room_bytes({c.seq_id for c in runner.sequences()})
+    if need > room:
+        held = runner.budget_bytes - room
+        beside = f" beside the {held / MIB:.1f} MiB the open chats hold" if held > 0 else ""
+        raise ConfigError(f"the KV budget ({budget:g} MiB) cannot hold the replay{beside}: it keeps the "
+                          f"{num_tokens:,} tokens twice ({need / MIB:.1f} MiB); raise the budget, or replay under a "
                           f"window")
-
-
-def _held_bytes(engine, cache: CacheConfig, n: int) -> int:
-    layout = kv_layout(engine.model.config, cache.with_(window=None), engine.dtype_name, str(engine.device))
-    held = n if cache.window is None else min(n, cache.window + cache.sinks + 2 * layout.block_size)
-    return layout.sequence_bytes(held) + layout.block_bytes
 
 
 def replay(engine, ids: list[int], mode: CacheConfig, baseline: CacheConfig,
@@ -77,83 +81,69 @@ def replay(engine, ids: list[int], mode: CacheConfig, baseline: CacheConfig,
            progress: Callable[[int, int], None] | None = None, step: int = 1) -> ReplayResult:
     """ids: the conversation's tokens; replies: (message index, start, end) of its replies (None: every position
     is compared, as for a text). should_stop() is asked between steps and raises fidelity.Cancelled; progress(done,
-    total) follows each step. The logits at position p predict token p + 1."""
+    total) follows each step. The logits at position p predict token p + 1.
+
+    A reply is cut to the tokens given, and a reply left empty is left out; the tokens after the last reply are
+    not read. A ConfigError (check_replay_room) comes before anything runs."""
     ids = [int(t) for t in ids]
+    spans = _spans(replies, len(ids))
+    if not spans:
+        raise ConfigError(f"none of the replies lies within the {len(ids):,} tokens given: there is nothing to compare")
+    if replies is not None:
+        ids = ids[:max(end for _, _, end in spans)]
     check_replay_room(engine, baseline, mode, len(ids))
     started = time.perf_counter()
-    budget = engine.budget_mb
-    base = engine.new_session(cache=baseline.with_(budget_mb=budget))
-    other = None
-    try:
-        other = engine.new_session(cache=mode.with_(budget_mb=budget))
-        agree, kl, greedy = _lockstep(base, other, ids, step, should_stop, progress)
-        result = _result(agree, kl, greedy, len(ids), replies, baseline, mode)
-        return ReplayResult(**result, seconds=time.perf_counter() - started, kv_bytes=other.stats().kv_bytes,
-                            baseline_kv_bytes=base.stats().kv_bytes)
-    finally:
-        for session in (base, other):
-            if session is not None:
-                session.close()
-
-
-def _lockstep(base, other, ids, step, should_stop, progress) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per position: the two greedy choices agree [n] bool, KL [n], the greedy choices [2, n] (baseline, replay)."""
-    agree, kl, greedy = [], [], []
-    n = len(ids)
-    for i in range(0, n, step):
-        if should_stop is not None and should_stop():
-            raise Cancelled
-        chunk = ids[i:i + step]
-        b = torch.log_softmax(base.append(chunk).float(), -1)
-        r = torch.log_softmax(other.append(chunk).float(), -1)
-        gb, gr = b.argmax(-1), r.argmax(-1)
-        agree.append(gb == gr)
-        kl.append((b.exp() * (b - r)).sum(-1))
-        greedy.append(torch.stack((gb, gr)))
-        if progress is not None:
-            progress(i + len(chunk), n)
-    return torch.cat(agree), torch.cat(kl), torch.cat(greedy, 1)
-
-
-def _result(agree, kl, greedy, n: int, replies, baseline: CacheConfig, mode: CacheConfig) -> dict:
-    spans = [(None, 1, n + 1)] if replies is None else [(i, s, e) for i, s, e in replies if 0 < s < e <= n]
-    per = []
-    for index, start, end in spans:          # the predictions of tokens start..end-1 sit at start-1..end-2
-        a, k = agree[start - 1:end - 1], kl[start - 1:end - 1]
-        miss = (~a).nonzero()
-        p = int(miss[0]) + start - 1 if len(miss) else None
-        per.append(ReplyReplay(-1 if index is None else index, start, min(end, n), len(a), float(a.float().mean()),
-                               float(k.mean()), None if p is None else p + 1,
-                               None if p is None else int(greedy[0, p]), None if p is None else int(greedy[1, p])))
-    positions = torch.cat([agree[s - 1:e - 1] for _, s, e in spans]) if spans else agree[:0]
+    run = teacher_force(engine, ids, {"replay": mode}, baseline, step=step, should_stop=should_stop,
+                        progress=progress)
+    tally = run.tallies["replay"]
+    per = [_reply(run.base, tally, *span) for span in spans]
+    positions = [p for _, start, end in spans for p in range(start - 1, end - 1)]
     first = next((r for r in per if r.first_divergence is not None), None)
-    total = sum(r.tokens for r in per)
-    return dict(mode=mode.label(), baseline=baseline.label(), tokens=total,
-                top1=float(positions.float().mean()) if total else 1.0,
-                kl=sum(r.kl * r.tokens for r in per) / total if total else 0.0,
-                first_divergence=None if first is None else first.first_divergence,
-                expected=None if first is None else first.expected,
-                replayed=None if first is None else first.replayed,
-                replies=() if replies is None else tuple(per))
+    return ReplayResult(mode=mode.label(), baseline=baseline.label(), tokens=len(positions),
+                        top1=sum(tally.top1[p] for p in positions) / len(positions),
+                        kl=sum(tally.kl[p] for p in positions) / len(positions),
+                        first_divergence=None if first is None else first.first_divergence,
+                        replies=() if replies is None else tuple(per), seconds=time.perf_counter() - started,
+                        kv_bytes=run.kv_bytes["replay"], baseline_kv_bytes=run.baseline_kv_bytes,
+                        expected=None if first is None else first.expected,
+                        replayed=None if first is None else first.replayed)
 
 
-def conversation_tokens(engine, system_prompt: str | None, messages: list[dict]) -> tuple[list[int],
-                                                                                         list[tuple[int, int, int]]]:
-    """A saved chat as the engine reads it: its tokens (the chat template's rendering) and (message index, start,
-    end) of each assistant reply's content."""
-    session = engine.new_session(system_prompt=system_prompt or None)
-    try:
-        _, pieces = session.encode_conversation(messages)
-    finally:
-        session.close()
+def _spans(replies, n: int) -> list[tuple[int, int, int]]:
+    """The ranges compared: each reply's within the n tokens (token 0 has no prediction), or for a text every
+    position, the last one's prediction (of the token after it) included."""
+    if replies is None:
+        return [(-1, 1, n + 1)] if n else []
+    spans = [(int(i), max(1, int(s)), min(int(e), n)) for i, s, e in replies]
+    return [span for span in spans if span[1] < span[2]]
+
+
+def _reply(base: Tally, tally: Tally, index: int, start: int, end: int) -> ReplyReplay:
+    """One reply's figures: the predictions of its tokens start..end-1 sit at positions start-1..end-2."""
+    agree, kl = tally.top1[start - 1:end - 1], tally.kl[start - 1:end - 1]
+    p = next((start - 1 + k for k, same in enumerate(agree) if not same), None)
+    where = (None, None, None) if p is None else (p + 1, base.greedy[p], tally.greedy[p])
+    return ReplyReplay(index, start, end, len(agree), sum(agree) / len(agree), sum(kl) / len(kl), *where)
+
+
+def conversation_tokens(engine, system_prompt: str | None,
+                        messages: list[dict]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """A saved chat as a session renders it (its chat template, message contents as plain text): its tokens, and
+    (message index, start, end) of each assistant reply: its content, and the end-of-turn token after it, which the
+    model chose too."""
+    info = engine.info
+    _, pieces = encode_conversation(info.tokenizer, system_prompt or None, messages, where=info.name)
     starts: list[int | None] = []
-    ids = tokenize_pieces(engine.tokenizer, pieces, 0, starts)
-    content = [i for i, (_, is_content) in enumerate(pieces) if is_content]
-    content = content[len(content) - len(messages):]        # a system prompt's piece comes first
-    replies = []
-    for index, (message, piece) in enumerate(zip(messages, content)):
-        if message["role"] != "assistant" or starts[piece] is None:
+    ids = tokenize_pieces(info.tokenizer, pieces, 0, starts)
+    ends = starts[1:] + [len(ids)]
+    replies, at = [], 0
+    for index, message in enumerate(messages):
+        # a template may move a content (Mistral's system prompt) and drops an empty one: find each in order
+        piece = next((k for k in range(at, len(pieces)) if pieces[k] == (message["content"], True)), None)
+        if piece is None:
             continue
-        end = next((s for s in starts[piece + 1:] if s is not None), len(ids))
-        replies.append((index, starts[piece], end))
+        at = piece + 1
+        if message["role"] == "assistant":
+            end = ends[piece] + int(ends[piece] < len(ids) and ids[ends[piece]] in info.stop_ids)
+            replies.append((index, starts[piece], end))
     return ids, replies

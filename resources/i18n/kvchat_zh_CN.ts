@@ -243,10 +243,6 @@
         <translation>重放需要 kvchat 自己运行的模型，并且打开一个对话。</translation>
     </message>
     <message>
-        <source>This version of the engine cannot replay a chat.</source>
-        <translation>这个版本的引擎不能重放对话。</translation>
-    </message>
-    <message>
         <source>This chat has no reply to replay yet.</source>
         <translation>这个对话还没有可重放的回复。</translation>
     </message>
