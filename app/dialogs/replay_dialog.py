@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFormLayout
 
 from kvchat.engine.config import FORMATS, CacheConfig, ConfigError
 
-from kvchat.app.dialogs.settings_dialog import PRESETS, apply_preset
+from kvchat.app.dialogs.settings_dialog import PRESETS, apply_preset, formats_row
 from kvchat.app.engine_text import engine_text
 from kvchat.app.i18n import cache_label, choice, fill_choices
 
@@ -39,12 +39,7 @@ class ReplayDialog(QDialog):
         lossy = "int4" if baseline.k_format != "int4" else "int8"
         fill_choices(self.k_format, FORMATS, lossy)
         fill_choices(self.v_format, FORMATS, lossy)
-        formats = QHBoxLayout()
-        formats.addWidget(QLabel("K"))
-        formats.addWidget(self.k_format, 1)
-        formats.addWidget(QLabel("V"))
-        formats.addWidget(self.v_format, 1)
-        form.addRow(self.tr("Formats"), formats)
+        form.addRow(self.tr("Formats"), formats_row(self.k_format, self.v_format))
         self.window = QSpinBox(objectName="replayWindow", minimum=0, maximum=1_000_000, singleStep=64,
                                specialValueText=self.tr("no window"))
         self.window.setValue(baseline.window or 0)

@@ -297,12 +297,7 @@ class SettingsDialog(QDialog):
         self.k_format, self.v_format = QComboBox(), QComboBox()
         for combo, value in ((self.k_format, cache.k_format), (self.v_format, cache.v_format)):
             fill_choices(combo, FORMATS, value)
-        formats = QHBoxLayout()
-        formats.addWidget(QLabel("K"))
-        formats.addWidget(self.k_format, 1)
-        formats.addWidget(QLabel("V"))
-        formats.addWidget(self.v_format, 1)
-        form.addRow(self.tr("Formats"), formats)
+        form.addRow(self.tr("Formats"), formats_row(self.k_format, self.v_format))
         self.k_scheme = QComboBox()
         fill_choices(self.k_scheme, KEY_SCHEMES, cache.k_scheme)
         self.k_scheme.setToolTip(self.tr("channel: keys quantized per channel over each block (more accurate); "
@@ -542,3 +537,12 @@ def apply_preset(dialog, index: int) -> None:
     if "sinks" in changes:
         dialog.sinks.setValue(changes["sinks"])
     dialog.preset.setCurrentIndex(0)
+
+
+def formats_row(k_format, v_format) -> QHBoxLayout:
+    """The K and V format boxes side by side (Settings and Replay with...)."""
+    row = QHBoxLayout()
+    for label, combo in (("K", k_format), ("V", v_format)):
+        row.addWidget(QLabel(label))
+        row.addWidget(combo, 1)
+    return row
