@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 
 import torch
@@ -27,6 +28,9 @@ MODES = {
     "window-int4": CacheConfig(k_format="int4", v_format="int4", window=252, sinks=4),
 }
 DEFAULT_MODES = ("full", "int8", "fp8", "int4", "int4-token", "window-32")
+# the modes of issue 42, per tokens held per layer N: window-N (the oldest go), importance-N (the least attended go),
+# retrieval-K (every block kept, each token reads the sinks, the newest two blocks and K chosen blocks: N = 16 K)
+KEEP_FETCH = ("full", "window-512", "importance-512", "retrieval-32")
 LENGTHS = (256, 512, 1024)
 DEPTHS = (0.1, 0.5, 0.9)
 
@@ -37,6 +41,19 @@ FILLER = ("The morning bus leaves the square at seven. The baker sets out bread 
           "Children walk to school along the path by the field. ")
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
+EXCHANGE = "\nThat was a long text. Did you read all of it?\nYes, I read it to the end.\n"   # --later: between the two
+
+
+def mode_config(name: str) -> CacheConfig:
+    """A named mode: one of MODES, or window-N / importance-N / retrieval-K (see KEEP_FETCH)."""
+    if name in MODES:
+        return MODES[name]
+    kind, _, n = name.rpartition("-")
+    if kind in ("window", "importance", "retrieval") and n.isdigit():
+        if kind == "retrieval":
+            return CacheConfig(retrieval_blocks=int(n))
+        return CacheConfig(window=int(n), sinks=4, eviction="importance" if kind == "importance" else "window")
+    raise SystemExit(f"unknown mode {name!r}: choose from {', '.join(MODES)}, window-N, importance-N or retrieval-K")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="dense", choices=["auto", "dense", "int4"],
                         help="model weights; dense (default) so only the cache differs between modes")
     parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(DEFAULT_MODES),
-                        help=f"comma-separated, from: {', '.join(MODES)}")
+                        help=f"comma-separated, from: {', '.join(MODES)}, window-N, importance-N (N tokens held), "
+                             f"retrieval-K (K blocks read a token); 'keep-fetch' for {', '.join(KEEP_FETCH)}")
+    parser.add_argument("--later", action="store_true",
+                        help="ask in a later turn: the text is read first, then a short exchange, then the question")
     parser.add_argument("--keys", type=int, default=4, help="keys per (length, depth) cell")
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=list(LENGTHS))
     parser.add_argument("--seed", type=int, default=0)
@@ -56,7 +76,7 @@ def build_prompts(tokenizer, lengths=LENGTHS, depths=DEPTHS, keys_per_cell: int 
     rng = random.Random(seed)
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     head, question = enc(HEAD), enc(QUESTION)
-    filler = enc(FILLER * 64)
+    filler = enc(FILLER * (8 + max(lengths) // 40))
     prompts = []
     for length in lengths:
         for depth in depths:
@@ -68,20 +88,30 @@ def build_prompts(tokenizer, lengths=LENGTHS, depths=DEPTHS, keys_per_cell: int 
                 before = int(room * depth)
                 ids = head + filler[:before] + needle + filler[before:room] + question
                 prompts.append({"ids": ids, "key": key, "key_ids": enc(" " + key), "length": length, "depth": depth,
-                                "key_at": len(head) + before})
+                                "key_at": len(head) + before, "question": len(question),
+                                "exchange": enc(EXCHANGE)})
     return prompts
 
 
-def score(engine, config: CacheConfig, prompt: dict) -> tuple[bool, float]:
-    """(greedy answer is the key, mean log-probability of the key's tokens) under one cache mode."""
-    session = engine.new_session(cache=config)
-    logits = session.append(prompt["ids"])[-1]
+def score(engine, config: CacheConfig, prompt: dict, later: bool = False) -> tuple[bool, float]:
+    """(greedy answer is the key, mean log-probability of the key's tokens) under one cache mode; later: the
+    question comes after the text was read and a short exchange followed."""
+    session = engine.new_session(cache=config, prefix_cache=False)
+    ids = prompt["ids"]
+    if later:
+        q = prompt["question"]
+        session.append(ids[:-q], all_logits=False)
+        session.append(prompt["exchange"], all_logits=False)
+        logits = session.append(ids[-q:], all_logits=False)[-1]
+    else:
+        logits = session.append(ids, all_logits=False)[-1]
     found, logps = True, []
     for token in prompt["key_ids"]:
         logp = torch.log_softmax(logits.float(), -1)
         found = found and int(logp.argmax()) == token
         logps.append(float(logp[token]))
         logits = session.append([token])[-1]
+    session.close()
     return found, sum(logps) / len(logps)
 
 
@@ -90,16 +120,19 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.load(EngineConfig(model=args.model, weights=args.weights))
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        raise SystemExit(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
+    names = [n for m in args.modes for n in (KEEP_FETCH if m == "keep-fetch" else (m,))]
+    configs = {name: mode_config(name) for name in names}
     prompts = build_prompts(engine.tokenizer, args.lengths, DEPTHS, args.keys, args.seed)
+    later = getattr(args, "later", False)
     result = {"model": engine.model_name, "prompts": len(prompts), "lengths": list(args.lengths),
-              "depths": list(DEPTHS), "modes": {}}
-    for name in args.modes:
-        config = MODES[name]
+              "depths": list(DEPTHS), "later": later, "modes": {}}
+    for name, config in configs.items():
         started = time.perf_counter()
-        rows = [(p, *score(engine, config, p)) for p in prompts]
+        rows = []
+        for i, p in enumerate(prompts):
+            rows.append((p, *score(engine, config, p, later)))
+            print(f"\r{name}: {i + 1}/{len(prompts)}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
         cells = {}
         for p, found, _ in rows:
             key = f"{p['length']}@{int(p['depth'] * 100)}%"
@@ -116,8 +149,11 @@ def run(args) -> dict:
     if "full" in modes:
         base = modes["full"]["found"]
         for name, r in modes.items():
-            if name != "full" and MODES[name].window is None:
+            config = configs[name]
+            if name != "full" and config.window is None:
                 checks[f"{name} finds >= full - 1 ({base - 1})"] = r["found"] >= base - 1
+            elif config.eviction == "importance" and not later:
+                checks[f"{name} finds >= 80% of full ({0.8 * base:.1f})"] = r["found"] >= 0.8 * base
     if "window-32" in modes:
         checks["window-32 (negative control) finds <= 1"] = modes["window-32"]["found"] <= 1
     result["checks"] = checks

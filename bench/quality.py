@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=1,
                         help="tokens per forward step (1: the decode path; 16: block-aligned chunks, the same "
                              "attention for unwindowed modes, about 7x faster)")
+    parser.add_argument("--keep-fetch", action="store_true",
+                        help="issue 42's comparison: 4,000 tokens of prose, the last 512 scored one at a time, with "
+                             "512 and 1,024 tokens held by window + sinks, importance and retrieval")
     parser.add_argument("--long", action="store_true", help="also stream 10,000 tokens through a window (minutes)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -152,6 +155,8 @@ def run(args) -> dict:
         return {"model": args.model, "modes": {}, "weights": weights, "seconds": time.perf_counter() - started,
                 "checks": bench_weights.checks(weights)}
     engine = _engine(args)
+    if getattr(args, "keep_fetch", False):
+        return keep_fetch(engine, args)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
@@ -179,6 +184,30 @@ def run(args) -> dict:
     result["seconds"] = time.perf_counter() - started
     result["checks"] = check_targets(result)
     return result
+
+
+KEEP_FETCH_TOKENS, KEEP_FETCH_LAST = 4000, 512
+
+
+def keep_fetch(engine, args) -> dict:
+    """Window + sinks, importance eviction and retrieval at 512 and 1,024 tokens held, against the full cache: the
+    text's first 3,488 tokens read as one prompt (in prompt chunks), the last 512 teacher-forced one at a time."""
+    ids = load_tokens(engine.tokenizer, "prose", KEEP_FETCH_TOKENS)
+    modes = {}
+    for held in (512, 1024):
+        modes[f"window-{held}"] = CacheConfig(window=held, sinks=4)
+        modes[f"importance-{held}"] = CacheConfig(window=held, sinks=4, eviction="importance")
+        modes[f"retrieval-{held // 16}"] = CacheConfig(retrieval_blocks=held // 16)
+    started = time.perf_counter()
+    lead = len(ids) - KEEP_FETCH_LAST
+    compared = compare_modes(engine, ids, modes, None, 1, lead=lead)
+    return {"model": engine.model_name, "text": "resources/texts/prose.txt", "tokens": len(ids), "scored": len(ids) - lead,
+            "step": 1, "threads": torch.get_num_threads(), "baseline": compared.pop("baseline"), "modes": compared,
+            "seconds": time.perf_counter() - started,
+            "checks": {f"{kind}-{held} closer to full than window-{held}":
+                       compared[f"{kind}-{held if kind == 'importance' else held // 16}"]["top1_agreement"]
+                       >= compared[f"window-{held}"]["top1_agreement"]
+                       for held in (512, 1024) for kind in ("importance", "retrieval")}}
 
 
 def summarize(result: dict) -> str:

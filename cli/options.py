@@ -23,6 +23,12 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-scheme", default=cache.k_scheme, choices=["channel", "token"])
     p.add_argument("--window", type=int, default=cache.window)
     p.add_argument("--sinks", type=int, default=cache.sinks)
+    p.add_argument("--eviction", default=cache.eviction, choices=["window", "importance"],
+                   help="which blocks leave once --window tokens are held: the oldest (window) or the least attended "
+                        "(importance: keep what matters)")
+    p.add_argument("--retrieval-blocks", type=int, default=cache.retrieval_blocks, metavar="K",
+                   help="fetch what is needed: keep every block and read the sinks, the newest and the K blocks "
+                        "each token's query may need most (Quest), per layer")
     p.add_argument("--block-size", type=int, default=cache.block_size)
     p.add_argument("--budget-mb", type=float, default=cache.budget_mb)
     p.add_argument("--overflow", default=cache.overflow, choices=["stop", "slide"])
@@ -48,7 +54,8 @@ def cache_config(args) -> CacheConfig:
     layers = parse_fp_layers(args.fp_layers)
     return CacheConfig(k_format=args.k_format, v_format=args.v_format, k_scheme=args.k_scheme,
                        full_precision_layers=layers, window=args.window, sinks=args.sinks,
-                       block_size=args.block_size, budget_mb=args.budget_mb, overflow=args.overflow)
+                       block_size=args.block_size, budget_mb=args.budget_mb, overflow=args.overflow,
+                       eviction=args.eviction, retrieval_blocks=args.retrieval_blocks)
 
 
 def speculative_config(args) -> SpeculativeConfig:

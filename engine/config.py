@@ -20,6 +20,8 @@ QUANT_FORMATS = ("int8", "fp8", "int4")
 FORMATS = FULL_FORMATS + QUANT_FORMATS
 KEY_SCHEMES = ("channel", "token")
 OVERFLOW_POLICIES = ("stop", "slide")
+EVICTIONS = ("window", "importance")
+RETRIEVAL_NEWEST = 2        # newest blocks every retrieval step reads besides the sinks and the chosen ones
 
 
 class ConfigError(UserError, ValueError):
@@ -40,6 +42,12 @@ class CacheConfig:
     full_precision_layers: layer indices kept in the model dtype whatever the formats say.
     window / sinks: keep the first `sinks` tokens and the newest `window` tokens (StreamingLLM);
         window=None keeps everything.
+    eviction: which blocks leave once `window` tokens are held: "window" (the oldest after the sinks) or
+        "importance" (the least attended, by the attention the kernels measure: SnapKV's observation window of a
+        prompt, the mass of the reply so far; the sinks and the newest blocks stay, positions never move).
+    retrieval_blocks: K: every block stays, and each generated token reads the sinks, the newest blocks and the K
+        blocks whose keys may score highest against its query (Quest's bound from per-block min/max keys), per
+        layer; None reads every block.
     budget_mb: the most KV memory the session may hold, in MiB.
     overflow: what a turn does when the budget is full: "stop" or "slide" into a window.
     """
@@ -53,6 +61,8 @@ class CacheConfig:
     block_size: int = 16
     budget_mb: float = 1024.0
     overflow: str = "stop"
+    eviction: str = "window"
+    retrieval_blocks: int | None = None
 
     def __post_init__(self):
         for name in ("k_format", "v_format"):
@@ -91,6 +101,31 @@ class CacheConfig:
             raise ConfigError(f"overflow={self.overflow!r}: choose 'stop' (end the turn with a message) or 'slide' (switch to a window)")
         if self.overflow == "slide" and self.window is None and self.budget_mb <= 0:
             raise ConfigError("overflow='slide' needs a positive budget")
+        self._check_choice()
+
+    def _check_choice(self) -> None:
+        """eviction and retrieval_blocks: what may be asked of them beside the window."""
+        bs, sink_blocks = self.block_size, -(-self.sinks // self.block_size)
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction={self.eviction!r}: choose 'window' (the oldest go) or 'importance' (the "
+                              f"least attended go)")
+        if self.eviction == "importance":
+            if self.window is None:
+                raise ConfigError("eviction='importance' keeps `window` tokens: give a window (e.g. 1024)")
+            least = (max(1, sink_blocks) + 2) * bs
+            if self.window < least:
+                raise ConfigError(f"window={self.window} is too small to keep the sinks, the newest block and one "
+                                  f"chosen block ({bs}-token blocks): use at least {least}")
+        if self.retrieval_blocks is not None:
+            if not _is_whole(self.retrieval_blocks) or self.retrieval_blocks < 1:
+                raise ConfigError(f"retrieval_blocks={_shown(self.retrieval_blocks)}: the blocks each token reads "
+                                  f"beside the sinks and the newest, a whole number from 1 (or None to read all)")
+            if self.window is not None:
+                raise ConfigError("retrieval_blocks keeps every block and reads the chosen ones: it takes no window "
+                                  "(use eviction='importance' with a window to keep fewer)")
+            if self.overflow == "slide":
+                raise ConfigError("retrieval_blocks keeps every block: overflow='slide' would drop them; use "
+                                  "overflow='stop'")
 
     @property
     def is_quantized(self) -> bool:
@@ -101,8 +136,12 @@ class CacheConfig:
         kv = self.k_format if self.k_format == self.v_format else f"K {self.k_format} / V {self.v_format}"
         if self.k_format == "int4" and self.k_scheme == "token":
             kv += " (per-token keys)"
-        if self.window is not None:
+        if self.window is not None and self.eviction == "importance":
+            kv += f", keeping {self.window} by attention + {self.sinks} sinks"
+        elif self.window is not None:
             kv += f", window {self.window} + {self.sinks} sinks"
+        if self.retrieval_blocks is not None:
+            kv += f", reading {self.retrieval_blocks} blocks a token"
         return kv
 
     def with_(self, **changes) -> "CacheConfig":

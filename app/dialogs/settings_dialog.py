@@ -13,15 +13,16 @@ import threading
 from pathlib import Path
 
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame,
-                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit, QPushButton,
-                               QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
+                               QFrame, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPlainTextEdit,
+                               QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from kvchat.engine.config import FORMATS, KEY_SCHEMES, MAX_DRAFTS, OVERFLOW_POLICIES, CacheConfig, ConfigError, SamplingParams
-from kvchat.engine.kv.layout import check_cache_for_model
+from kvchat.engine.kv.layout import SUMMARY_BYTES, check_cache_for_model, full_dtype, kv_layout
+from kvchat.engine.units import DTYPE_BYTES
 
 from kvchat.app.engine_text import engine_text
-from kvchat.app.i18n import choice, choose, fill_choices, language_names
+from kvchat.app.i18n import choice, choose, fill_choices, language_names, value_name
 from kvchat.app.bridge.messages import format_bytes
 from kvchat.app.store.settings_store import DEFAULT_SPECULATIVE, AppSettings, RemoteSettings
 
@@ -62,6 +63,28 @@ def parse_layers(text: str) -> tuple[int, ...]:
                 "SettingsDialog", "full-precision layers: {part} is not a layer number or range like 0-3").format(
                 part=repr(part))) from None
     return tuple(layers)
+
+
+MAX_RETRIEVAL_BLOCKS = 4096        # Fetch what is needed: the most blocks a token may read beside the sinks and newest
+QUANT_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}     # per value, scales left out: an estimate before a model loads
+
+
+def key_summary_share(k_format: str, v_format: str, block_size: int, model_dtype: str = "fp32", device: str = "cpu",
+                      model_config=None) -> float:
+    """What the key summary Fetch what is needed keeps adds to each block, as a share of the block: the engine's own
+    layout on the loaded model, else an estimate from the formats (per key channel a bf16 max and min per block,
+    against block_size keys and values)."""
+    if model_config is not None:
+        try:
+            layout = kv_layout(model_config, CacheConfig(k_format=k_format, v_format=v_format, block_size=block_size,
+                                                         retrieval_blocks=1), model_dtype, device)
+            if layout.block_bytes > layout.summary_bytes:
+                return layout.summary_bytes / (layout.block_bytes - layout.summary_bytes)
+        except ConfigError:
+            pass
+    full = DTYPE_BYTES.get(full_dtype(model_dtype, device), 2)
+    k, v = (QUANT_BYTES.get(f, DTYPE_BYTES.get(f, full)) for f in (k_format, v_format))
+    return 2 * SUMMARY_BYTES / (block_size * (k + v))
 
 
 def _spin(box, value):
@@ -314,6 +337,7 @@ class SettingsDialog(QDialog):
         window_row.addWidget(QLabel(self.tr("sinks")))
         window_row.addWidget(self.sinks)
         form.addRow(self.tr("Window (tokens)"), window_row)
+        self._keep_fetch_rows(form, cache)
         # a model with linear-attention or KV-sharing layers: what the formats and the window above do not reach
         self.state_note = QLabel(objectName="stateLayersNote")
         self.state_note.setWordWrap(True)
@@ -358,6 +382,56 @@ class SettingsDialog(QDialog):
                                          "slide: keep going in a window"))
         form.addRow(self.tr("When the budget is full"), self.overflow)
         return box
+
+    def _keep_fetch_rows(self, form: QFormLayout, cache: CacheConfig) -> None:
+        """Keep what matters (eviction="importance", within a window) and Fetch what is needed (retrieval_blocks,
+        without one), each with what it costs; a window and Fetch exclude each other, so each is off while the
+        other is set."""
+        self.keep_important = QCheckBox(self.tr("Keep what matters"), objectName="keepWhatMatters")
+        self.keep_important.setChecked(cache.eviction == "importance")
+        self.keep_cost = QLabel(self.tr("Drops the least-attended blocks instead of the oldest: costs about 2% of "
+                                        "decode speed to measure attention; cannot know a question asked later."),
+                                objectName="keepCost", wordWrap=True)
+        form.addRow("", self.keep_important)
+        form.addRow("", self.keep_cost)
+        self.fetch_blocks = QSpinBox(minimum=0, maximum=MAX_RETRIEVAL_BLOCKS, singleStep=8, objectName="fetchBlocks",
+                                     specialValueText=self.tr("off"), suffix=self.tr(" blocks read per token"))
+        self.fetch_blocks.setValue(cache.retrieval_blocks or 0)
+        self.fetch_cost = QLabel(objectName="fetchCost", wordWrap=True)
+        form.addRow(self.tr("Fetch what is needed"), self.fetch_blocks)
+        form.addRow("", self.fetch_cost)
+        for cost in (self.keep_cost, self.fetch_cost):
+            cost.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
+        self.keep_important.toggled.connect(self.validate)
+        self.window.valueChanged.connect(self._keep_fetch_changed)
+        self.fetch_blocks.valueChanged.connect(self._keep_fetch_changed)
+        self._keep_fetch_changed()
+
+    def _keep_fetch_changed(self, *_args) -> None:
+        """A window set turns Fetch what is needed off and lets Keep what matters be chosen; Fetch set turns the
+        window off. Keep what matters keeps its tick while there is no window, unused."""
+        window, fetch = self.window.value() > 0, self.fetch_blocks.value() > 0
+        if window and fetch:            # set from outside (a preset): the window wins, as Settings shows it
+            self.fetch_blocks.setValue(0)
+            fetch = False
+        self.fetch_blocks.setEnabled(not window)
+        self.window.setEnabled(not fetch)
+        self.keep_important.setEnabled(window)
+        self.keep_cost.setEnabled(window)
+        self.keep_important.setToolTip("" if window else self.tr("Needs a window: set Window (tokens) above."))
+        self.fetch_blocks.setToolTip(self.tr("Needs no window: set Window (tokens) to no window first.")
+                                     if window else "")
+
+    def _show_fetch_cost(self) -> None:
+        """The cost line under Fetch what is needed, with the key summary's share of memory for these formats."""
+        same = self.model_config is not None and self._same_model()
+        share = 100 * key_summary_share(choice(self.k_format), choice(self.v_format), self.block_size.value(),
+                                        self.model_dtype, self.device, self.model_config if same else None)
+        pct = f"{share:.0f}" if share >= 1 else f"{share:.1g}"
+        self.fetch_cost.setText(self.tr("Keeps every block plus a small key summary (about {pct}% more memory) and "
+                                        "reads only the chosen blocks: faster at long context, may miss what a "
+                                        "summary ranks low.").format(pct=pct))
+        self.fetch_cost.setEnabled(self.window.value() == 0)
 
     def _sampling_group(self, sampling: SamplingParams) -> QGroupBox:
         box = QGroupBox(self.tr("Sampling"))
@@ -419,14 +493,45 @@ class SettingsDialog(QDialog):
         if self.model_config is None and self.num_layers is not None and any(i >= self.num_layers for i in layers):
             raise ConfigError(self.tr("full-precision layers: this model has layers 0-{last}").format(
                 last=self.num_layers - 1))
-        cache = CacheConfig(k_format=choice(self.k_format), v_format=choice(self.v_format),
-                            k_scheme=choice(self.k_scheme), full_precision_layers=layers,
-                            window=self.window.value() or None, sinks=self.sinks.value(),
-                            block_size=self.block_size.value(), budget_mb=self.budget.value(),
-                            overflow=choice(self.overflow))
+        fields = dict(k_format=choice(self.k_format), v_format=choice(self.v_format),
+                      k_scheme=choice(self.k_scheme), full_precision_layers=layers,
+                      window=self.window.value() or None, sinks=self.sinks.value(),
+                      block_size=self.block_size.value(), budget_mb=self.budget.value(),
+                      overflow=choice(self.overflow))
+        choices = self.keep_fetch()
+        try:
+            cache = CacheConfig(**fields, **choices)
+        except ConfigError as exc:
+            raise self._keep_fetch_error(fields, choices) or exc from None
         if self.model_config is not None and self._same_model():    # another model is checked when it loads
             check_cache_for_model(cache, self.model_config, self.model_dtype, self.device)
         return cache
+
+    def keep_fetch(self) -> dict:
+        """The CacheConfig fields of Keep what matters and Fetch what is needed: eviction ("importance" only while
+        a window is set) and retrieval_blocks (None when off)."""
+        window = self.window.value() > 0
+        return dict(eviction="importance" if window and self.keep_important.isChecked() else "window",
+                    retrieval_blocks=(self.fetch_blocks.value() or None) if not window else None)
+
+    def _keep_fetch_error(self, fields: dict, choices: dict) -> ConfigError | None:
+        """The engine refused the cache because of Keep what matters or Fetch what is needed (it takes the same
+        cache without them): what to change, said with this dialog's names. None: the refusal is another's."""
+        try:
+            CacheConfig(**fields)
+        except ConfigError:
+            return None
+        if choices["eviction"] == "importance":
+            block = fields["block_size"]
+            least = (max(1, -(-fields["sinks"] // block)) + 2) * block
+            return ConfigError(self.tr("Keep what matters holds the sinks, the newest block and at least one chosen "
+                                       "block: use a window of at least {least} tokens, or untick it").format(
+                least=least))
+        if fields["overflow"] == "slide":
+            return ConfigError(self.tr("Fetch what is needed keeps every block, so the budget cannot slide into a "
+                                       "window: choose \"{stop}\" when the budget is full, or turn Fetch off").format(
+                stop=value_name("stop")))
+        return None
 
     def _same_model(self) -> bool:
         return (self.model_edit.text().strip() or "default") == self.loaded_model
@@ -464,6 +569,7 @@ class SettingsDialog(QDialog):
     def validate(self, *_args) -> str | None:
         # the note is about the loaded model: another one in the Model field may have no such layers
         self.state_note.setVisible(bool(self.state_note.text()) and self._same_model())
+        self._show_fetch_cost()
         try:
             self._result = self.settings()
             error = None
@@ -536,6 +642,11 @@ def apply_preset(dialog, index: int) -> None:
         dialog.window.setValue(changes["window"] or 0)
     if "sinks" in changes:
         dialog.sinks.setValue(changes["sinks"])
+    # Keep what matters and Fetch what is needed (Settings only) go back to their defaults unless the preset sets them
+    if hasattr(dialog, "keep_important"):
+        dialog.keep_important.setChecked(changes.get("eviction", "window") == "importance")
+    if hasattr(dialog, "fetch_blocks"):
+        dialog.fetch_blocks.setValue(changes.get("retrieval_blocks") or 0)
     dialog.preset.setCurrentIndex(0)
 
 

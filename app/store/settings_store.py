@@ -72,7 +72,7 @@ class SettingsStore:
 
     def load(self) -> AppSettings:
         defaults = AppSettings()
-        cache = cache_from_json(str(self._qs.value("engine/cache", ""))) or defaults.cache
+        cache = _cache_from_json(str(self._qs.value("engine/cache", ""))) or defaults.cache
         sampling = _sampling_from_json(str(self._qs.value("engine/sampling", ""))) or defaults.sampling
         return AppSettings(model=str(self._qs.value("engine/model", defaults.model)) or defaults.model,
                            cache=cache, sampling=sampling,
@@ -239,6 +239,32 @@ def _keyring():
         return keyring if getattr(backend, "priority", 0) >= 1 else None
     except Exception:  # noqa: BLE001 - not installed, or a backend that breaks on import
         return None
+
+
+# Keep what matters and Fetch what is needed (CacheConfig.eviction, .retrieval_blocks): a file from before them lacks
+# them (their defaults), and a damaged or impossible value of one falls back to its default, not the whole cache
+CHOICE_FIELDS = ("retrieval_blocks", "eviction")
+
+
+def _cache_from_json(text: str) -> CacheConfig | None:
+    """The stored cache config; when only eviction or retrieval_blocks keep it from forming, the rest of it with
+    that one (else both) at its default. None when it does not parse either way."""
+    try:
+        cache = cache_from_json(text)
+        if cache is not None:
+            return cache
+        fields = json.loads(text)
+    except (ValueError, RecursionError):        # not JSON, or JSON nested past Python's stack
+        return None
+    if not isinstance(fields, dict) or not any(name in fields for name in CHOICE_FIELDS):
+        return None
+    for dropped in (("retrieval_blocks",), ("eviction",), CHOICE_FIELDS):
+        cache = cache_from_json(json.dumps({k: v for k, v in fields.items() if k not in dropped}))
+        if cache is not None:
+            log.warning("the stored cache settings %.200r cannot be used: their defaults instead",
+                        {k: fields.get(k) for k in dropped})
+            return cache
+    return None
 
 
 def _sampling_from_json(text: str) -> SamplingParams | None:

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from kvchat.engine.config import CacheConfig, ConfigError
-from kvchat.engine.kv import convert, saved
+from kvchat.engine.kv import convert, importance, saved
 from kvchat.engine.kv.attention_log import AttentionLog
 from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVGroup, KVLayout
 from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView
@@ -212,6 +212,28 @@ class KVCache:
             freed += self._blocks.drop(m, position)
         self._pages.shrink(self._blocks.high_water)
         return freed
+
+    def evict_unimportant(self, seq: Conversation) -> int:
+        """Groups kept by attention (KeepImportant) let their least attended blocks go until they hold their window
+        (kv/importance.py, scored from the conversation's attention log); returns the blocks that went. Called after
+        each committed step, before anything reads the log's rows as kept (a verification's drafts stay inside a
+        block that needs no eviction: ModelRunner.draft_room)."""
+        gone = 0
+        for m in seq.members:
+            g = m.geometry
+            if not g.by_importance:
+                continue
+            n = g.num_to_evict(m.num_tokens, m.evicted, len(m.block_table))
+            if not n:
+                continue
+            scores = importance.block_scores(self._logs.get(seq.members[0].seq_id), m.layout.layers, len(m.table),
+                                             m.num_tokens)
+            for i in importance.choose(m.table, g.sink_blocks, g.newest_blocks, n, scores):
+                self._blocks.drop(m, i)
+                gone += 1
+        if gone:
+            self._pages.shrink(self._blocks.high_water)
+        return gone
 
     def held(self, seq: Conversation) -> list[tuple[int, int]]:
         """(first token position, block id) of every block the conversation's first group holds, in order."""
@@ -416,9 +438,10 @@ class KVCache:
     def commit(self, res: Reservation, token_ids: list[int] | None) -> None:
         self._blocks.commit(res, token_ids)
 
-    def adopt(self, res: Reservation, num_tokens: int, evicted: int) -> None:
-        """A sequence whose pages were written directly takes its tokens (bench/memory.py fills pages so)."""
-        self._blocks.adopt(res, num_tokens, evicted)
+    def adopt(self, res: Reservation, num_tokens: int, evicted: int, holes: list[int] | None = None) -> None:
+        """A sequence whose pages were written directly takes its tokens (bench/memory.py fills pages so); holes:
+        the table positions that left, where they are not one run after the sinks (kept by attention)."""
+        self._blocks.adopt(res, num_tokens, evicted, holes)
 
     # ---- the budget --------------------------------------------------------------------------------------------
 
@@ -497,6 +520,10 @@ class KVCache:
     def components(self, layout: KVLayout):
         """The layout's page components per layer, (K, V)."""
         return self._pages.components(layout)
+
+    def key_summaries(self, layout: KVLayout):
+        """A retrieval layout's key summaries (pages.KeySummaries), by block id like its pages."""
+        return self._pages.key_summaries(layout)
 
     def layouts(self) -> dict:
         """The layouts whose pages exist, with their components."""

@@ -33,6 +33,9 @@ def convert_sequence(m, seq: Sequence, old: CacheConfig, new: CacheConfig,
     if new.block_size != old.block_size and seq.evicted:
         raise ConfigError(f"the window has already dropped {seq.evicted * seq.block_size} tokens, so the block size "
                           f"cannot change now: reset the session first")
+    if seq.evicted and geometry.window is not None and not geometry.by_importance and _scattered(seq):
+        raise ConfigError("attention chose which blocks left this conversation, so a sliding window cannot take it "
+                          "over: keep 'Keep what matters' on, remove the window, or reset the session")
     if seq.evicted and new.window is not None and geometry.sink_blocks != seq.sink_blocks:
         raise ConfigError(f"the window has already evicted tokens around {old.sinks} sinks; changing the number "
                           f"of sinks now needs a reset")
@@ -44,6 +47,12 @@ def convert_sequence(m, seq: Sequence, old: CacheConfig, new: CacheConfig,
     if layout == seq.layout:
         return seq
     return _relayout(m, seq, layout, geometry, new, inv_freq, close, drop_unused_layouts)
+
+
+def _scattered(seq: Sequence) -> bool:
+    """Whether the blocks that left are other than one run right after the sink blocks (as a window lets go)."""
+    holes = [i for i, b in enumerate(seq.table) if b is None]
+    return holes != list(range(seq.sink_blocks, seq.sink_blocks + len(holes)))
 
 
 def _relayout(m, seq: Sequence, layout: KVLayout, geometry: WindowGeometry,
@@ -80,6 +89,7 @@ def _relayout(m, seq: Sequence, layout: KVLayout, geometry: WindowGeometry,
                 pair.append(("write", values))
         carried.append(pair)
     num_tokens, evicted, sink_blocks, keep_head = seq.num_tokens, seq.evicted, seq.sink_blocks, seq.has_head
+    holes = [i for i, b in enumerate(seq.table) if b is None]
     child = m.new_group(layout, geometry, sink_blocks)     # registered first, so its layout's pages stay
     close(seq)
     try:
@@ -97,7 +107,7 @@ def _relayout(m, seq: Sequence, layout: KVLayout, geometry: WindowGeometry,
                     nc.write(child.seq_id, payload, 0, child.block_table, keep_head=keep_head or evicted == 0)
             else:
                 nc.write_rows(payload, rows)
-    m.adopt(res, num_tokens, evicted)
+    m.adopt(res, num_tokens, evicted, holes)
     drop_unused_layouts()
     return child
 

@@ -19,9 +19,12 @@ from kvchat.kernels.formats import FULL_DTYPES, PageFormat, bytes_per_block, pag
 from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.units import DTYPE_BYTES, MIB
-from kvchat.engine.kv.window import (PREFILL_CHUNK, FullAttention, ModelWindow, SinkWindow, WindowGeometry,  # noqa: F401
-                                     sinks_at_first_positions)
+from kvchat.engine.kv.window import (PREFILL_CHUNK, FullAttention, KeepImportant, ModelWindow,  # noqa: F401
+                                     ReadChosen, SinkWindow, WindowGeometry, sinks_at_first_positions)
 
+
+
+SUMMARY_BYTES = 2          # a key summary's max and min are bf16
 
 
 def full_dtype(model_dtype: str, device: str) -> str:
@@ -42,6 +45,9 @@ class KVLayout:
     layers: tuple[int, ...] = ()        # the model layers a KV group's layout holds, in order; (): all of them
     # per layer (KV heads, head_dim) where the layers differ (Gemma 4's global layers); (): all num_kv_heads x head_dim
     shapes: tuple[tuple[int, int], ...] = ()
+    # a key summary per block and layer (query-aware retrieval, ReadChosen): per KV head the max and min of every
+    # key channel, in bf16, counted in the block's bytes
+    summary: bool = False
     # computed once: the manager asks for block bytes on every step
     layer_block_bytes: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     block_bytes: int = field(init=False, repr=False, compare=False)   # one block over all layers, K and V
@@ -54,10 +60,11 @@ class KVLayout:
         per_layer = tuple(tuple(bytes_per_block(f, self.block_size, *self.layer_shape(j)) for f in pair)
                           for j, pair in enumerate(self.formats))
         object.__setattr__(self, "layer_block_bytes", per_layer)
-        object.__setattr__(self, "block_bytes", sum(k + v for k, v in per_layer))
+        object.__setattr__(self, "block_bytes", sum(k + v for k, v in per_layer) + self.summary_bytes)
         object.__setattr__(self, "quantized_components", sum(f.is_quantized for pair in self.formats for f in pair))
         object.__setattr__(self, "_hash", hash((self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                                                self.full_dtype, self.formats, self.layers, self.shapes)))
+                                                self.full_dtype, self.formats, self.layers, self.shapes,
+                                                self.summary)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -65,6 +72,13 @@ class KVLayout:
     def layer_shape(self, j: int) -> tuple[int, int]:
         """(KV heads, head_dim) of the layout's layer j."""
         return self.shapes[j] if self.shapes else (self.num_kv_heads, self.head_dim)
+
+    @property
+    def summary_bytes(self) -> int:
+        """Bytes of one block's key summaries, every layer (0 without retrieval)."""
+        if not self.summary:
+            return 0
+        return sum(2 * heads * dim * SUMMARY_BYTES for heads, dim in map(self.layer_shape, range(self.num_layers)))
 
     def layer_full_block_bytes(self, j: int) -> int:
         """Bytes of one full-precision block of one component of layer j (a head or a tail)."""
@@ -165,7 +179,7 @@ def kv_layout(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
     shapes = tuple(_shape(model, layer) for layer in attention)
     uniform = all(sh == (model.num_kv_heads, model.head_dim) for sh in shapes)
     return KVLayout(len(attention), model.num_kv_heads, model.head_dim, cache.block_size, dtype, tuple(formats),
-                    subset, () if uniform else shapes)
+                    subset, () if uniform else shapes, cache.retrieval_blocks is not None)
 
 
 def _shape(model, layer: int) -> tuple[int, int]:
@@ -263,7 +277,8 @@ def kv_groups(model: ModelConfig, cache: CacheConfig, model_dtype: str = "fp32",
                                                           item[1][0]))
     return tuple(KVGroup(tuple(ids), g, KVLayout(len(ids), full.num_kv_heads, full.head_dim, full.block_size,
                                                  full.full_dtype, tuple(full.formats[column[i]] for i in ids),
-                                                 tuple(ids), _subset_shapes(full, [column[i] for i in ids])))
+                                                 tuple(ids), _subset_shapes(full, [column[i] for i in ids]),
+                                                 full.summary and isinstance(g, ReadChosen)))
                  for g, ids in order)
 
 

@@ -318,16 +318,20 @@ class KVCacheManager:
             seq.sink_blocks = geometry.sink_blocks
         return self._evict_window(seq)
 
-    def adopt(self, res: Reservation, num_tokens: int, evicted: int) -> None:
+    def adopt(self, res: Reservation, num_tokens: int, evicted: int, holes: list[int] | None = None) -> None:
         """A converted sequence takes its tokens without a forward pass (its blocks were written directly): the
         `evicted` blocks that had left stand as null entries after its sink blocks, where the window let them go."""
         seq = res.seq
         seq.num_tokens = num_tokens
+        if holes:                           # null entries where the old table had them (kept by attention)
+            held, gone = iter(seq.table), set(holes)
+            seq.table[:] = [None if i in gone else next(held) for i in range(len(seq.table) + len(holes))]
+            return
         seq.table[seq.sink_blocks:seq.sink_blocks] = [None] * evicted
 
     def _evict_window(self, seq: Sequence) -> int:
         g, bs = seq.geometry, seq.block_size
-        if g.window is None:
+        if g.window is None or g.by_importance:     # importance: the cache chooses (KVCache.evict_unimportant)
             return 0
         # a block after the sinks leaves once every token in it is older than the window; at least one block past
         # the sinks stays held (the newest), whatever else dropped before

@@ -184,12 +184,63 @@ class Component:
         return torch.cat(parts).index_select(0, slots.to(self.device))
 
 
+class KeySummaries:
+    """A retrieval layout's key summaries (KVLayout.summary), by block id like its pages: per layer [blocks, KV heads,
+    2 * head_dim] bf16, each channel's max over the block's (rotated) keys, then its min (Quest's page metadata), and
+    which (block, layer) pairs are made: a block is summarized from its pages the first time it is ranked
+    (engine/runtime/retrieval.py), and forgotten when its id is freed."""
+
+    def __init__(self, layout: KVLayout, device):
+        self.data = [torch.empty((0, h, 2 * d), dtype=torch.bfloat16, device=device)
+                     for h, d in map(layout.layer_shape, range(layout.num_layers))]
+        self.made = torch.zeros((0, layout.num_layers), dtype=torch.bool)
+
+    @property
+    def capacity(self) -> int:
+        return self.made.shape[0]
+
+    def reserve(self, num_blocks: int, limit: int) -> None:
+        cap = self.capacity
+        if num_blocks > cap:
+            self._realloc(min(max(num_blocks, 2 * cap, 4), max(limit, num_blocks)))
+
+    def shrink(self, num_blocks: int) -> None:
+        if num_blocks <= self.capacity // 4 or num_blocks == 0:
+            self._realloc(num_blocks)
+
+    def _realloc(self, cap: int) -> None:
+        n = min(cap, self.capacity)
+        for j, t in enumerate(self.data):
+            new = torch.empty((cap, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            new[:n] = t[:n]
+            self.data[j] = new
+        made = torch.zeros((cap, self.made.shape[1]), dtype=torch.bool)
+        made[:n] = self.made[:n]
+        self.made = made
+
+    def forget(self, ids: list[int]) -> None:
+        ids = [b for b in ids if b < self.capacity]
+        if ids:
+            self.made[ids] = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.data)
+
+
 class PageStore:
     """Every layout's components, created on first use; the engine holds one."""
 
     def __init__(self, device):
         self.device = device
         self.layouts: dict[KVLayout, list[tuple[Component, Component]]] = {}
+        self.summaries: dict[KVLayout, KeySummaries] = {}      # retrieval layouts' key summaries
+
+    def key_summaries(self, layout: KVLayout) -> KeySummaries:
+        got = self.summaries.get(layout)
+        if got is None:
+            got = self.summaries[layout] = KeySummaries(layout, self.device)
+        return got
 
     def components(self, layout: KVLayout) -> list[tuple[Component, Component]]:
         comps = self.layouts.get(layout)
@@ -204,6 +255,8 @@ class PageStore:
         for pair in self.components(layout):
             for c in pair:
                 c.reserve(high_water, limit)
+        if layout.summary:
+            self.key_summaries(layout).reserve(high_water, limit)
 
     def shrink(self, high_water: Callable[[KVLayout], int]) -> None:
         """high_water(layout): one past the highest block id of the layout's KV group (each group has its ids)."""
@@ -212,12 +265,16 @@ class PageStore:
             for pair in comps:
                 for c in pair:
                     c.shrink(top)
+            if layout in self.summaries:
+                self.summaries[layout].shrink(top)
 
     def forget_blocks(self, layers: tuple[int, ...], ids: list[int]) -> None:
         """ids of the KV group of these layers (KVLayout.layers) hold nothing now: their heads go."""
         for layout, comps in self.layouts.items():
             if layout.layers != layers:
                 continue
+            if layout in self.summaries:
+                self.summaries[layout].forget(ids)
             for pair in comps:
                 for c in pair:
                     if c.heads:
@@ -266,8 +323,10 @@ class PageStore:
                     c.tails[dst_seq] = c.tails[src_seq].clone()
 
     def layer_bytes(self) -> int:
-        return sum(c.nbytes for comps in self.layouts.values() for pair in comps for c in pair)
+        return (sum(c.nbytes for comps in self.layouts.values() for pair in comps for c in pair)
+                + sum(s.nbytes for s in self.summaries.values()))
 
     def drop_unused_layouts(self, in_use: set[KVLayout]) -> None:
         for layout in [l for l in self.layouts if l not in in_use]:
             del self.layouts[layout]
+            self.summaries.pop(layout, None)

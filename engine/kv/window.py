@@ -32,6 +32,7 @@ class WindowGeometry:
     window: int | None = None
     sinks: int = 0
     model_window = False
+    by_importance = False       # the cache chooses which blocks leave (KeepImportant), not the window's order
 
     def __post_init__(self):
         if type(self) is WindowGeometry:
@@ -41,7 +42,11 @@ class WindowGeometry:
     def of(cls, cache: CacheConfig) -> "WindowGeometry":
         """The user's cache mode: its window and sinks, or full attention."""
         if cache.window is None:
+            if cache.retrieval_blocks is not None:
+                return ReadChosen(cache.block_size, None, cache.sinks, cache.retrieval_blocks)
             return FullAttention(cache.block_size)
+        if cache.eviction == "importance":
+            return KeepImportant(cache.block_size, cache.window, cache.sinks)
         return SinkWindow(cache.block_size, cache.window, cache.sinks)
 
     @property
@@ -98,6 +103,18 @@ class FullAttention(WindowGeometry):
 
 
 @dataclass(frozen=True, slots=True)
+class ReadChosen(FullAttention):
+    """Every block stays; each generated token reads the sink blocks, the newest blocks and `blocks` chosen ones per
+    layer (query-aware retrieval, Quest: engine/runtime/retrieval.py). Its layout keeps a key summary per block."""
+
+    blocks: int = 0
+
+    @property
+    def read_sink_blocks(self) -> int:
+        return -(-self.sinks // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
 class SinkWindow(WindowGeometry):
     """The user's window and sinks (see WindowGeometry)."""
 
@@ -142,6 +159,36 @@ class ModelWindow(SinkWindow):
     @property
     def full_attention_tokens(self) -> float:
         return float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class KeepImportant(SinkWindow):
+    """The user's window kept by attention (CacheConfig.eviction="importance"): the sink blocks (at least the first),
+    the newest block and the most attended of the rest, `window` tokens in all; which blocks go is the cache's choice
+    (KVCache.evict_unimportant), by the mass the kernels measured. Every held token keeps its position: nothing is
+    re-rotated, so start() is (0, 0) and the held slots are all read."""
+
+    by_importance = True
+
+    @property
+    def sink_blocks(self) -> int:
+        return max(1, -(-self.sinks // self.block_size))
+
+    @property
+    def newest_blocks(self) -> int:
+        """Blocks at the end that always stay: the one being filled and the one before it."""
+        return 2
+
+    @property
+    def limit_blocks(self) -> int:
+        """Most blocks held once a step is done: the sinks', the window's, and the one being filled."""
+        return self.sink_blocks + -(-self.window // self.block_size) + 1
+
+    def start(self, num_tokens: int, evicted: int) -> tuple[int, int]:
+        return 0, 0
+
+    def num_to_evict(self, num_tokens: int, evicted: int, table_len: int) -> int:
+        return max(0, table_len - self.limit_blocks)
 
 
 def sinks_at_first_positions(delta: int, first_slot: int, window: int | None, num_sinks: int, sink_blocks: int,

@@ -79,12 +79,12 @@ class Lockstep:
 
 def compare_modes(engine, ids: list[int], modes: dict[str, CacheConfig], limits: dict[str, int] | None = None,
                   step: int = 1, should_stop: Callable[[], bool] | None = None,
-                  baseline: CacheConfig | None = None) -> dict:
+                  baseline: CacheConfig | None = None, lead: int = 0) -> dict:
     """Teacher-force ids through a baseline session (full precision by default) and one session per mode, in
     lockstep (teacher_force). Returns {"baseline": {...}, mode: {...}}: per mode its top-1 agreement, mean KL and
     perplexity ratios against the baseline, the bytes it held and its forward time."""
-    run = teacher_force(engine, ids, modes, baseline, limits, step, should_stop)
-    out = {"baseline": {"label": run.baseline.label(), "tokens": len(ids), "ppl": perplexity(run.base.nll),
+    run = teacher_force(engine, ids, modes, baseline, limits, step, should_stop, lead=lead)
+    out = {"baseline": {"label": run.baseline.label(), "tokens": len(ids) - lead, "ppl": perplexity(run.base.nll),
                         "kv_bytes": run.baseline_kv_bytes}}
     for name, config in modes.items():
         out[name] = _report(run.tallies[name], run.base, config)
@@ -94,13 +94,14 @@ def compare_modes(engine, ids: list[int], modes: dict[str, CacheConfig], limits:
 
 def teacher_force(engine, ids: list[int], modes: dict[str, CacheConfig], baseline: CacheConfig | None = None,
                   limits: dict[str, int] | None = None, step: int = 1, should_stop: Callable[[], bool] | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> Lockstep:
+                  progress: Callable[[int, int], None] | None = None, lead: int = 0) -> Lockstep:
     """Feed ids `step` tokens at a time to a baseline session and one session per mode, and tally each mode's
     logits against the baseline's at every position (the logits at p predict token p + 1).
 
     limits: tokens per mode (default all). should_stop is asked before every step; when it answers True, Cancelled
     is raised (the app measures in its engine thread and must yield to a new turn). progress(done, total) follows
-    each step. Every session opened here is closed however it ends: nothing is left held but blocks kept for prefix
+    each step. lead: the first `lead` tokens are read first as one prompt by every session (in its prompt chunks,
+    as a conversation reads a pasted text) and not tallied. Every session opened here is closed however it ends: nothing is left held but blocks kept for prefix
     reuse, which the pool gives back first."""
     budget = engine.budget_mb           # the engine's budget is everyone's: measuring must not change it
     dtype = engine.dtype_name
@@ -110,7 +111,11 @@ def teacher_force(engine, ids: list[int], modes: dict[str, CacheConfig], baselin
         for config in (baseline, *modes.values()):
             opened.append(engine.new_session(cache=config.with_(budget_mb=budget)))
         base_session, sessions = opened[0], dict(zip(modes, opened[1:]))
-        base, tallies, seconds = _lockstep(ids, base_session, sessions, limits or {}, step, should_stop, progress)
+        if lead:
+            for session in opened:
+                session.append(ids[:lead], all_logits=False)
+        base, tallies, seconds = _lockstep(ids[lead:], base_session, sessions, limits or {}, step, should_stop,
+                                           progress)
         stats = {name: session.stats() for name, session in sessions.items()}
         return Lockstep(baseline, base, tallies, seconds, {name: s.kv_bytes for name, s in stats.items()},
                         {name: s.tokens_held for name, s in stats.items()}, base_session.stats().kv_bytes)

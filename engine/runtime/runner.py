@@ -15,14 +15,17 @@ import weakref
 import torch
 
 from kvchat.engine.runtime.backends import AttentionBackend, LayerScores, StepAttention, backend_for, choice_key
+from kvchat.engine.runtime.retrieval import BlockChooser
 from kvchat.engine.runtime.speculative import StepCosts
 from kvchat.engine.runtime.step_mass import StepMass
 from kvchat.engine.runtime.step_plan import StepReservation, decode_first
 from kvchat.engine.config import CacheConfig, ConfigError, SpeculativeConfig
+from kvchat.engine.kv.attention_log import AttentionLog
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.layout import MIB, KVLayout, check_cache_for_model, kv_groups, kv_layout
 from kvchat.engine.kv.manager import NoFreeBlocks
 from kvchat.engine.kv.sequence import Conversation
+from kvchat.engine.kv.window import ReadChosen
 from kvchat.engine.kv.state import StateLayout
 from kvchat.engine.model.transformer import Transformer
 
@@ -42,6 +45,7 @@ class ModelRunner:
         self.offloaded = 0                         # conversations saved to the second tier when released
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
         self.steps = 0
+        self.last_chooser = None          # the last step's retrieval.BlockChooser (blocks read), or None
         self.tokens_read = 0              # tokens through the forward pass, every step (tests count re-reads with it)
         self.speculation = SpeculativeConfig("off")   # the engine's setting (Engine.set_speculative), read each turn
         self.draft_runner: "ModelRunner | None" = None   # a draft model's runner when speculation uses one
@@ -149,6 +153,8 @@ class ModelRunner:
             if m.layout.quantized_components:
                 room = min(room, bs - 2 - slot % bs)
             g = m.geometry
+            if isinstance(g, ReadChosen):       # rows span two blocks at most: each row's newest two blocks hold
+                room = min(room, bs - 1)        # the rest of the step's rows, so every summary it reads is plain's
             if g.window is not None:
                 k = 0
                 while k < room and not g.num_to_evict(m.num_tokens + k + 2, m.evicted,
@@ -242,6 +248,9 @@ class ModelRunner:
                 raise
             reserved.commit(hash_ids)
             attention.commit_states()
+            for seq, _ in reserved.items:       # a window kept by attention lets the least attended go
+                if any(m.geometry.by_importance for m in seq.members):
+                    self.cache.evict_unimportant(seq)
             if self.state_layout is not None:
                 for seq, _ in items:
                     self.cache.count_state(seq)
@@ -253,6 +262,10 @@ class ModelRunner:
 
     def _watched(self, reserved: StepReservation) -> StepMass | None:
         """The step's attention measure, where a conversation of it is watched (KVCache.watch), else None."""
+        c = self.model.config
+        for seq, _ in reserved.items:       # a window kept by attention needs the measure: its own log if unwatched
+            if self.cache.attention_log(seq) is None and any(m.geometry.by_importance for m in seq.members):
+                self.cache.watch(seq, AttentionLog(c.num_layers, c.num_heads, seq.block_size))
         logs = {i: log for i, (seq, _) in enumerate(reserved.items)
                 if (log := self.cache.attention_log(seq)) is not None}
         return StepMass(logs, reserved.items, reserved.steps, reserved.layer_steps) if logs else None
@@ -265,8 +278,12 @@ class ModelRunner:
         steps = reserved.steps
         x = torch.tensor([t for _, ids in reserved.items for t in ids], dtype=torch.long, device=self.device)
         items = [(seq, st.offset, st.num_new, st.decode) for (seq, _), st in zip(reserved.items, steps)]
+        chooser = (BlockChooser(self.cache) if any(BlockChooser.applies(st) for steps in reserved.layer_steps
+                                                   for st in steps) else None)
         attention = StepAttention(reserved.layer_steps, lambda st: self.backend(st.res.seq.layout),
-                                  items if self.state_layout is not None else None, self.model.config.kv_sources, mass)
+                                  items if self.state_layout is not None else None, self.model.config.kv_sources, mass,
+                                  chooser)
+        self.last_chooser = chooser
         if all(st.one_token_decode for st in attention.steps):        # rows: every token of the step, in order
             logits = (attention.decode(self.model, x) if attention.one_layout_decode
                       else self.model.forward_decode(x, attention=attention))

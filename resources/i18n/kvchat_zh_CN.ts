@@ -2660,6 +2660,34 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
         <translation>磁盘上保存的缓存</translation>
     </message>
     <message>
+        <source>Keep what matters</source>
+        <translation>保留重要内容</translation>
+    </message>
+    <message>
+        <source>Drops the least-attended blocks instead of the oldest: costs about 2% of decode speed to measure attention; cannot know a question asked later.</source>
+        <translation>丢弃最少被关注的块，而不是最旧的块：测量注意力约占 2% 的解码速度；无法预知之后才会提出的问题。</translation>
+    </message>
+    <message>
+        <source> blocks read per token</source>
+        <translation> 个块（每个 token 读取）</translation>
+    </message>
+    <message>
+        <source>Fetch what is needed</source>
+        <translation>按需读取</translation>
+    </message>
+    <message>
+        <source>Needs a window: set Window (tokens) above.</source>
+        <translation>需要窗口：请先在上方设置“窗口（token 数）”。</translation>
+    </message>
+    <message>
+        <source>Needs no window: set Window (tokens) to no window first.</source>
+        <translation>不能与窗口同用：请先把“窗口（token 数）”设为无窗口。</translation>
+    </message>
+    <message>
+        <source>Keeps every block plus a small key summary (about {pct}% more memory) and reads only the chosen blocks: faster at long context, may miss what a summary ranks low.</source>
+        <translation>保留所有块，外加一份小的键摘要（约多占 {pct}% 内存），每个 token 只读取选中的块：长上下文时更快，但可能漏掉摘要评分低的内容。</translation>
+    </message>
+    <message>
         <source>Speculative decoding</source>
         <translation>推测解码</translation>
     </message>
@@ -2682,6 +2710,14 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
     <message>
         <source>up to</source>
         <translation>每步最多</translation>
+    </message>
+    <message>
+        <source>Keep what matters holds the sinks, the newest block and at least one chosen block: use a window of at least {least} tokens, or untick it</source>
+        <translation>“保留重要内容”要容纳汇聚 token、最新的块和至少一个选中的块：请使用至少 {least} 个 token 的窗口，或取消勾选</translation>
+    </message>
+    <message>
+        <source>Fetch what is needed keeps every block, so the budget cannot slide into a window: choose &quot;{stop}&quot; when the budget is full, or turn Fetch off</source>
+        <translation>“按需读取”保留所有块，预算用满时无法改为滑动窗口：请在“预算用满时”中选择“{stop}”，或关闭“按需读取”</translation>
     </message>
     <message>
         <source>{n} saved, {mib:.0f} MiB</source>

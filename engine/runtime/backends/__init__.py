@@ -112,8 +112,9 @@ class StepAttention:
     items' order. Layers that share their steps (every layer of a one-group model) share their runs."""
 
     def __init__(self, layer_steps: list[list], backend_of, items: list | None = None,
-                 sources: dict[int, int] | None = None, mass=None):
+                 sources: dict[int, int] | None = None, mass=None, chooser=None):
         self.layer_steps = layer_steps
+        self.chooser = chooser              # retrieval.BlockChooser where a decode row reads chosen blocks, else None
         self.mass = mass                    # step_mass.StepMass where a conversation is watched, else None
         self.sources = sources or {}        # a layer that reads another layer's KV -> that layer
         self.kept: dict[int, tuple] = {}    # a source layer's k, v of this step, for the C decode read (see __call__)
@@ -154,7 +155,7 @@ class StepAttention:
         """Every item a one-token decode of one layout, every layer on the same steps: the step may run in its
         backend's one kernel call."""
         runs = self.layer_runs[0]
-        return self.shared and len(runs) == 1 and runs[0][1] - runs[0][0] == len(self.steps) \
+        return self.chooser is None and self.shared and len(runs) == 1 and runs[0][1] - runs[0][0] == len(self.steps) \
             and self.steps[0].one_token_decode
 
     def watch_all(self, steps: list) -> tuple:
@@ -192,6 +193,11 @@ class StepAttention:
             if self.sources and layer in self.sources.values():
                 self.kept[layer] = (k, v)
             local = backend.local_layer(layer)
+            if first.one_token_decode and self.chooser is not None:
+                run = [self.chooser.narrow(st, local, q[st.offset:st.offset + 1], backend.comps[local][0])
+                       if self.chooser.applies(st) else st for st in steps[i:j]]
+                if any(a is not b for a, b in zip(run, steps[i:j])):
+                    prepared, (i, j, steps) = backend.prepare_decodes(run), (0, len(run), run)
             if first.one_token_decode:
                 outs.append(backend.attend_decodes(local, q[sl], k[sl], v[sl], steps[i:j], prepared, watch))
             else:

@@ -1,0 +1,228 @@
+"""Keep what matters, fetch what is needed (issue 42): importance eviction (CacheConfig.eviction="importance") and
+query-aware retrieval (CacheConfig.retrieval_blocks), on tiny random-weight models through the real engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.engine import CacheConfig, Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from kvchat.engine.config import ConfigError
+from kvchat.engine.kv import importance
+from kvchat.engine.kv.attention_log import AttentionLog
+from kvchat.engine.kv.layout import kv_layout
+from kvchat.engine.runtime import speculative
+from kvchat.engine.runtime.retrieval import BlockChooser
+from misguided import Misguided
+from tiny_models import tiny_family_dir
+
+FP32 = dict(k_format="fp32", v_format="fp32")
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
+
+
+def ids_of(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 200, (n,), generator=g).tolist()
+
+
+def feed(session, ids: list[int]) -> torch.Tensor:
+    """The prompt, then its last 24 tokens one at a time (decode steps); the last logits."""
+    session.append(ids[:-24])
+    for t in ids[-24:]:
+        out = session.append([t])
+    return out[-1]
+
+
+# ---- settings ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(eviction="importance"), "give a window"),
+    (dict(eviction="importance", window=32), "too small"),
+    (dict(eviction="oldest", window=64), "choose 'window'"),
+    (dict(retrieval_blocks=0), "whole number from 1"),
+    (dict(retrieval_blocks=2.5), "whole number from 1"),
+    (dict(retrieval_blocks=8, window=256), "takes no window"),
+    (dict(retrieval_blocks=8, overflow="slide"), "overflow='stop'"),
+])
+def test_impossible_settings_are_refused_in_one_line(kwargs, words):
+    with pytest.raises(ConfigError) as err:
+        CacheConfig(**kwargs)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_labels_and_summary_bytes_are_counted(tiny_engine):
+    assert "by attention" in CacheConfig(window=64, eviction="importance").label()
+    assert "reading 8 blocks" in CacheConfig(retrieval_blocks=8).label()
+    model = tiny_engine.runner.model.config
+    plain, fetched = kv_layout(model, CacheConfig()), kv_layout(model, CacheConfig(retrieval_blocks=8))
+    # bf16 max and min per KV head and channel, every layer, in every block's bytes
+    assert fetched.block_bytes - plain.block_bytes == model.num_layers * 2 * model.num_kv_heads * model.head_dim * 2
+    s = tiny_engine.new_session(cache=CacheConfig(retrieval_blocks=2))
+    s.append(ids_of(100))
+    assert tiny_engine.runner.cache.held_bytes >= 7 * fetched.block_bytes
+    tiny_engine.runner.cache.check()
+    s.close()
+
+
+# ---- importance ----------------------------------------------------------------------------------------------------
+
+def test_choose_keeps_sinks_newest_and_the_most_attended():
+    table = list(range(10))
+    scores = torch.tensor([9, 0.5, 0.1, 0.9, 0.2, 0.3, 0.0, 0.8, 0.0, 0.0])
+    assert importance.choose(table, 1, 2, 3, scores) == [2, 4, 6]
+    assert importance.choose(table, 1, 2, 3, None) == [1, 2, 3]           # nothing measured: the oldest
+    table[2] = None
+    assert importance.choose(table, 1, 2, 2, scores) == [4, 6]            # a block already gone is not chosen
+
+
+def test_block_scores_take_the_best_head_of_the_groups_layers():
+    log = AttentionLog(num_layers=2, num_heads=2, block_size=4, weights="dense")
+    rows, _ = log.begin(0, 1, 12, True, 0)             # one decode row over 12 tokens: 3 blocks, then the sink
+    rows[0, 0, 0, :12] = torch.tensor([.1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, .0])
+    rows[0, 1, 1, 5] = 0.7                             # layer 1, head 1 needs block 1
+    scores = importance.block_scores(log, (), 3, 12)
+    assert torch.allclose(scores, torch.tensor([.1, .7, 0]))
+    assert torch.allclose(importance.block_scores(log, (0,), 3, 12), torch.tensor([.1, 0, 0]))
+
+
+def test_importance_holds_its_window_and_keeps_positions(tiny_engine):
+    """Blocks leave by attention and the held tokens keep their positions: every logit equals a full cache from which
+    the same blocks are dropped by hand after the same steps."""
+    cfg = CacheConfig(window=64, sinks=4, eviction="importance", **FP32)
+    s = tiny_engine.new_session(cache=cfg)
+    ref = tiny_engine.new_session(cache=CacheConfig(**FP32))
+    cache, ids = tiny_engine.runner.cache, ids_of(300)
+    steps = [ids[i:i + 64] for i in range(0, 256, 64)] + [[t] for t in ids[256:]]
+    for chunk in steps:
+        got, want = s.append(chunk)[-1], ref.append(chunk)[-1]
+        assert torch.allclose(got, want, atol=1e-5)
+        for i, b in enumerate(s.seq.table):
+            if b is None and ref.seq.table[i] is not None:
+                cache.drop(ref.seq, i)
+    seq = s.seq
+    holes = [i for i, b in enumerate(seq.table) if b is None]
+    assert seq.table[0] is not None and seq.table[-1] is not None and seq.table[-2] is not None
+    assert len(seq.block_table) <= cfg.window // 16 + 2 and holes
+    assert holes != list(range(1, 1 + len(holes))), "attention chose other blocks than the oldest"
+    cache.check()
+    for x in (s, ref):
+        x.close()
+
+
+def test_importance_runs_every_format_and_survives_a_switch(tiny_engine):
+    ids = ids_of(260, seed=1)
+    for fmt in ("int8", "int4", "fp8"):
+        s = tiny_engine.new_session(cache=CacheConfig(window=64, eviction="importance", k_format=fmt, v_format=fmt))
+        assert torch.isfinite(feed(s, ids)).all()
+        assert s.seq.evicted
+        s.close()
+    s = tiny_engine.new_session(cache=CacheConfig(window=64, eviction="importance", **FP32))
+    feed(s, ids)
+    held = [b is None for b in s.seq.table]
+    with pytest.raises(ConfigError, match="sliding window cannot take it over"):
+        s.set_cache(CacheConfig(window=64, **FP32))
+    s.set_cache(CacheConfig(window=64, eviction="importance", k_format="int8", v_format="int8"))
+    assert [b is None for b in s.seq.table] == held            # the blocks that left stay where they were
+    s.set_cache(CacheConfig(**FP32))                            # no window: the held ones stay, nothing more goes
+    assert torch.isfinite(s.append([7])[-1]).all()
+    tiny_engine.runner.cache.check()
+    s.close()
+
+
+def test_importance_without_a_watch_measures_on_its_own(tiny_engine):
+    s = tiny_engine.new_session(cache=CacheConfig(window=64, eviction="importance", **FP32))
+    s.watch_attention(None)
+    feed(s, ids_of(200, seed=2))
+    assert s.seq.evicted and tiny_engine.runner.cache.attention_log(s.seq) is not None
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return Engine.load(EngineConfig(model=tiny_family_dir(tmp_path_factory.mktemp("gemma3"), "gemma3",
+                                                          sliding_window=32)))
+
+
+def test_a_hybrid_models_sliding_layers_keep_their_rule(gemma3):
+    s = gemma3.new_session(cache=CacheConfig(window=64, eviction="importance", **FP32))
+    assert torch.isfinite(feed(s, ids_of(260, seed=3))).all()
+    full, sliding = s.seq.members
+    assert full.geometry.by_importance and not sliding.geometry.by_importance
+    holes = [i for i, b in enumerate(sliding.table) if b is None]
+    assert holes == list(range(len(holes))) and holes          # its own window: the oldest go
+    gemma3.runner.cache.check()
+    s.close()
+
+
+@pytest.mark.parametrize("cache", [CacheConfig(window=64, eviction="importance", **FP32),
+                                   CacheConfig(retrieval_blocks=2, **FP32)], ids=["importance", "retrieval"])
+def test_speculation_equals_plain_decoding(tiny_engine, monkeypatch, cache):
+    monkeypatch.setattr(speculative, "PromptLookup", Misguided)
+    out = {}
+    for name, spec in (("plain", SpeculativeConfig("off")),
+                       ("spec", SpeculativeConfig("lookup", k=6, ngram_max=3, ngram_min=1, adaptive=False))):
+        tiny_engine.set_speculative(spec)
+        s = tiny_engine.new_session(cache=cache, prefix_cache=False)
+        s.reply(tiny_engine.tokenizer.decode(ids_of(150, seed=4)), SamplingParams(temperature=0.0,
+                                                                                  max_new_tokens=120))
+        out[name] = (list(s.token_ids), [b is None for b in s.seq.table])
+        s.close()
+    tiny_engine.set_speculative(SpeculativeConfig("off"))
+    assert out["spec"] == out["plain"]
+
+
+# ---- retrieval -----------------------------------------------------------------------------------------------------
+
+def test_quest_bound_is_an_upper_bound():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(20, 16, 2, 8, generator=g)             # 20 blocks of 16 keys, 2 KV heads, dim 8
+    summary = torch.cat((keys.amax(1), keys.amin(1)), -1)     # [20, 2, 16]
+    q = torch.randn(4, 8, generator=g)                        # 4 query heads: 2 per KV head
+    signed = torch.cat((q.clamp(min=0), q.clamp(max=0)), -1).view(2, 2, 16)
+    bound = torch.einsum("hgd,nhd->hgn", signed, summary)
+    true = torch.einsum("hgd,nkhd->hgnk", q.view(2, 2, 8), keys).amax(-1)
+    assert (bound >= true - 1e-5).all()
+    rel = BlockChooser._bounds(summary, q)
+    assert rel.shape == (20,) and float(rel.max()) == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_retrieval_reading_every_block_is_exact_and_fewer_read_close(tiny_engine, fmt):
+    ids = ids_of(300, seed=5)
+    kv = dict(k_format=fmt, v_format=fmt)
+    want = feed(tiny_engine.new_session(cache=CacheConfig(**kv)), ids)
+    all_read = feed(tiny_engine.new_session(cache=CacheConfig(retrieval_blocks=64, **kv)), ids)
+    assert torch.equal(all_read, want)
+    s = tiny_engine.new_session(cache=CacheConfig(retrieval_blocks=4, **kv))
+    few = feed(s, ids)
+    chooser = tiny_engine.runner.last_chooser
+    layers = tiny_engine.runner.model.config.num_layers
+    assert chooser.held_blocks == 19 * layers and chooser.read_blocks == (1 + 4 + 2) * layers
+    assert not torch.equal(few, want) and torch.isfinite(few).all()
+    assert s.seq.evicted == 0                                   # every block stays
+    tiny_engine.runner.cache.check()
+
+
+def test_retrieval_reads_the_blocks_a_query_matches(tiny_engine):
+    """Rows whose keys match the query best are the ones read: the chosen rows' attention mass is most of the full
+    cache's (the mass the kernels measure)."""
+    ids = ids_of(400, seed=6)
+    s = tiny_engine.new_session(cache=CacheConfig(retrieval_blocks=6, **FP32))
+    s.watch_attention("blocks")
+    feed(s, ids)
+    m = s.attention(over="newest")
+    assert m is not None
+    per_layer = m.mass[..., :-1].sum(-1)       # the mass on the blocks read, per layer and head: the rest is 0
+    assert torch.all(torch.as_tensor(per_layer) > 0.5)
+    s.close()
+
+
+def test_cli_takes_the_options():
+    import argparse
+
+    from kvchat.cli.options import add_cache_arguments, cache_config
+    p = argparse.ArgumentParser()
+    add_cache_arguments(p)
+    assert cache_config(p.parse_args(["--window", "512", "--eviction", "importance"])).eviction == "importance"
+    assert cache_config(p.parse_args(["--retrieval-blocks", "64"])).retrieval_blocks == 64
+    with pytest.raises(ConfigError, match="takes no window"):
+        cache_config(p.parse_args(["--retrieval-blocks", "64", "--window", "512"]))
