@@ -23,7 +23,8 @@ VALUE_NAMES = {"auto": QT_TRANSLATE_NOOP("EngineValue", "full precision"),
                "token": QT_TRANSLATE_NOOP("EngineValue", "token"), "stop": QT_TRANSLATE_NOOP("EngineValue", "stop"),
                "slide": QT_TRANSLATE_NOOP("EngineValue", "slide")}
 PACKED_SUFFIX = ", packed"                  # engine.weights_label: "Q4_1 (+Q8_0), packed"
-_WINDOW = re.compile(r", window ([\d,]+) \+ (\d+) sinks")     # the parts of CacheConfig.label()
+_WINDOW = re.compile(r", (?:window|keeping) ([\d,]+) (by attention )?\+ (\d+) sinks")  # the parts of CacheConfig.label()
+_READING = re.compile(r", reading (\d+) blocks a token")
 PER_TOKEN = " (per-token keys)"
 
 
@@ -86,24 +87,37 @@ def cache_label(cache) -> str:
     kv = k if cache.k_format == cache.v_format else f"K {k} / V {v}"
     if cache.k_format == "int4" and cache.k_scheme == "token":
         kv += QCoreApplication.translate("CacheLabel", " (per-token keys)")
-    if cache.window is not None:
+    if cache.window is not None and cache.eviction == "importance":
+        kv += QCoreApplication.translate("CacheLabel", ", keeping {window} by attention + {sinks} sinks").format(
+            window=cache.window, sinks=cache.sinks)
+    elif cache.window is not None:
         kv += QCoreApplication.translate("CacheLabel", ", window {window} + {sinks} sinks").format(
             window=cache.window, sinks=cache.sinks)
+    if cache.retrieval_blocks is not None:
+        kv += QCoreApplication.translate("CacheLabel", ", reading {blocks} blocks a token").format(
+            blocks=cache.retrieval_blocks)
     return kv
 
 
 def label_text(label: str) -> str:
     """A cache label the engine wrote ("K int8 / V auto, window 256 + 4 sinks") in the interface language."""
-    window = _WINDOW.search(label)
-    head = label[:window.start()] if window else label
+    window, reading = _WINDOW.search(label), _READING.search(label)
+    found = [m for m in (window, reading) if m]
+    head = label[:min(m.start() for m in found)] if found else label
     per_token = head.endswith(PER_TOKEN)
     head = " ".join(value_name(word) for word in head.removesuffix(PER_TOKEN).split(" "))
     if per_token:
         head += QCoreApplication.translate("CacheLabel", " (per-token keys)")
-    if window:
+    if window and window.group(2):
+        head += QCoreApplication.translate("CacheLabel", ", keeping {window} by attention + {sinks} sinks").format(
+            window=window.group(1), sinks=window.group(3))
+    elif window:
         head += QCoreApplication.translate("CacheLabel", ", window {window} + {sinks} sinks").format(
-            window=window.group(1), sinks=window.group(2))
-    return head + (label[window.end():] if window else "")
+            window=window.group(1), sinks=window.group(3))
+    if reading:
+        head += QCoreApplication.translate("CacheLabel", ", reading {blocks} blocks a token").format(
+            blocks=reading.group(1))
+    return head + (label[max(m.end() for m in found):] if found else "")
 
 
 def fill_choices(combo, values, current: str) -> None:

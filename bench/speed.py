@@ -53,13 +53,17 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: the GPU path against the copy bandwidth and "
                                                   "transformers (bench/gpu.py)")
     p.add_argument("--no-attention", action="store_true", help="with --device cuda: skip the 32k-token KV read")
+    p.add_argument("--retrieval", type=int, default=None, metavar="K",
+                   help="also decode reading K blocks a token (retrieval_blocks=K) beside the full cache, e.g. "
+                        "--prompt-tokens 7000 --retrieval 64")
     p.add_argument("--attention", action="store_true",
                    help="also time kvchat measuring where attention goes (session.watch_attention), interleaved: "
                         "its cost against the plain runs")
 
 
-def _time_kvchat(engine, ids: list[int], new_tokens: int, watch: str | None = None) -> dict:
-    session = engine.new_session()
+def _time_kvchat(engine, ids: list[int], new_tokens: int, watch: str | None = None,
+                 cache: CacheConfig | None = None) -> dict:
+    session = engine.new_session(cache=cache)
     if watch:
         session.watch_attention(watch)
     t0 = time.perf_counter()
@@ -381,6 +385,10 @@ def run(args) -> dict:
     if getattr(args, "attention", False):
         sides["kvchat_attention"] = lambda n: _time_kvchat(engine, ids[:n] if n else ids,
                                                            args.new_tokens if not n else 4, "blocks")
+    if getattr(args, "retrieval", None):
+        fetch = CacheConfig(budget_mb=4096, retrieval_blocks=args.retrieval)
+        sides["kvchat_retrieval"] = lambda n: _time_kvchat(engine, ids[:n] if n else ids,
+                                                           args.new_tokens if not n else 4, cache=fetch)
     if llm is not None:
         sides["llamacpp"] = lambda n: _time_llamacpp(llm, ids[:n] if n else ids, args.new_tokens if not n else 4)
     want_hf = args.transformers == "yes" or (args.transformers == "auto" and args.model == "default")
@@ -413,6 +421,9 @@ def run(args) -> dict:
     if "kvchat_attention" in result:
         result["attention_decode_cost"] = 1 - result["kvchat_attention"]["decode_tok_s"] / k["decode_tok_s"]
         result["attention_prefill_cost"] = 1 - result["kvchat_attention"]["prefill_tok_s"] / k["prefill_tok_s"]
+    if "kvchat_retrieval" in result:      # issue 42: reading K blocks a token against reading them all
+        result["retrieval_blocks"] = args.retrieval
+        result["retrieval_decode_speedup"] = result["kvchat_retrieval"]["decode_tok_s"] / k["decode_tok_s"]
     for peer in ("llamacpp", "transformers"):
         if peer in result:
             result[f"ratio_decode_vs_{peer}"] = k["decode_tok_s"] / result[peer]["decode_tok_s"]

@@ -154,6 +154,8 @@ class StatsSnapshot:
     spec: SpecStats | None = None       # speculative decoding in the last turn; None when it was off
     state_bytes: int = 0                # the recurrent state of the linear-attention layers (0: a model without them)
     snapshots: tuple[int, ...] = ()     # token counts the state keeps a snapshot of (each costs state_bytes)
+    summary_bytes: int = 0              # retrieval's key summaries of the blocks held (in the budget, beside kv_bytes)
+    blocks_read: tuple[int, int] = (0, 0)   # retrieval: blocks the last generated token read, and held, per layer
 
     @property
     def usage(self) -> float:

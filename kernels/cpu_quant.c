@@ -985,3 +985,88 @@ void split_blocks(const uint8_t *src, int64_t n, int size, int head, uint8_t *he
         }
     }
 }
+
+// ---- query-aware choice of blocks (Quest) ---------------------------------------------------------------
+//
+// q [Hq, D] before RoPE and cos / sin [D] at its position (rotate-half layout); summ: bf16 [*, Hkv, 2D] per block
+// id, each channel's max over the block's rotated keys, then its min; ids [n] the candidate blocks' ids. A block's
+// bound for a query head is the largest score a key of it can reach, relu(q).max + min(q, 0).min; its score is its
+// best head's bound less that head's best over the candidates. Writes the K best candidates' indices (0..n-1) in
+// ascending order to out, and each candidate's score to scratch [n]. K < n.
+static inline float bf16f(uint16_t b) { union { uint32_t u; float f; } v; v.u = (uint32_t)b << 16; return v.f; }
+
+typedef struct { float score; int index; } scored_t;
+
+static int cmp_scored(const void *a, const void *b) {        // the best first; the older of equals first
+    const scored_t *x = a, *y = b;
+    if (x->score != y->score) return x->score < y->score ? 1 : -1;
+    return x->index - y->index;
+}
+static int cmp_int(const void *a, const void *b) { return *(const int *)a - *(const int *)b; }
+
+// the K best of a[0..n) moved to a[0..K) in any order (quickselect, cmp_scored's order)
+static void select_best(scored_t *a, int n, int K) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        scored_t pivot = a[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (cmp_scored(&a[i], &pivot) < 0) i++;
+            while (cmp_scored(&a[j], &pivot) > 0) j--;
+            if (i <= j) { scored_t t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+        }
+        if (K - 1 <= j) hi = j;
+        else if (K - 1 >= i) lo = i;
+        else break;
+    }
+}
+
+void choose_blocks(const float *q, const float *cos, const float *sin, int Hq, int Hkv, int D,
+                   const uint16_t *summ, const int64_t *ids, int n, int K, int *out, float *scratch) {
+    int g = Hq / Hkv, half = D / 2;
+    float *pos = malloc(sizeof(float) * 2 * Hq * D), *best = malloc(sizeof(float) * Hq);
+    float *bound = malloc(sizeof(float) * (size_t)Hq * n), *row = malloc(sizeof(float) * 2 * D);
+    scored_t *order = malloc(sizeof(scored_t) * n);
+    for (int h = 0; h < Hq; h++) {            // rotate, then split into the positive and negative parts
+        const float *x = q + (size_t)h * D;
+        float *p = pos + (size_t)h * 2 * D;
+        for (int d = 0; d < D; d++) {
+            float r = x[d] * cos[d] + (d < half ? -x[d + half] : x[d - half]) * sin[d];
+            p[d] = r > 0 ? r : 0;
+            p[D + d] = r < 0 ? r : 0;
+        }
+        best[h] = -INFINITY;
+    }
+    for (int i = 0; i < n; i++) {
+        for (int kv = 0; kv < Hkv; kv++) {
+            const uint16_t *s = summ + ((size_t)ids[i] * Hkv + kv) * 2 * D;
+            for (int d = 0; d < 2 * D; d++) row[d] = bf16f(s[d]);
+            for (int j = 0; j < g; j++) {
+                int h = kv * g + j;
+                const float *p = pos + (size_t)h * 2 * D;
+                float lanes[16] = {0}, acc = 0;     // 16 partial sums: vectorized without reassociating
+                int d = 0;
+                for (; d + 16 <= 2 * D; d += 16)
+                    for (int t = 0; t < 16; t++) lanes[t] += p[d + t] * row[d + t];
+                for (; d < 2 * D; d++) acc += p[d] * row[d];
+                for (int t = 0; t < 16; t++) acc += lanes[t];
+                bound[(size_t)h * n + i] = acc;
+                if (acc > best[h]) best[h] = acc;
+            }
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        float m = -INFINITY;
+        for (int h = 0; h < Hq; h++) {
+            float r = bound[(size_t)h * n + i] - best[h];
+            if (r > m) m = r;
+        }
+        scratch[i] = m;
+        order[i].score = m;
+        order[i].index = i;
+    }
+    select_best(order, n, K);
+    for (int k = 0; k < K; k++) out[k] = order[k].index;
+    qsort(out, K, sizeof(int), cmp_int);
+    free(pos); free(best); free(bound); free(row); free(order);
+}

@@ -917,3 +917,31 @@ def prebuild() -> list[Path]:
 if __name__ == "__main__":
     for path in prebuild():
         print(path)
+
+
+def choose_blocks(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, summary: torch.Tensor, ids: torch.Tensor,
+                  k: int, out: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Quest's choice (engine/runtime/retrieval.py): q [Hq, D] float32 before RoPE, cos / sin [D] float32 at its
+    position, summary bf16 [blocks, Hkv, 2D] (max, min), ids int64 [n] the candidates' block ids -> out int32 [k], the
+    k best candidates' indices ascending; scores float32 [n] gets every candidate's score (0 for the best)."""
+    n = ids.shape[0]
+    hq, d = q.shape
+    assert q.dtype == cos.dtype == sin.dtype == scores.dtype == torch.float32 and summary.dtype == torch.bfloat16
+    assert ids.dtype == torch.int64 and out.dtype == torch.int32 and 0 < k < n <= scores.shape[0]
+    assert q.is_contiguous() and summary.is_contiguous() and ids.is_contiguous() and cos.numel() == sin.numel() == d
+    _lib.choose_blocks(q.data_ptr(), cos.data_ptr(), sin.data_ptr(), hq, summary.shape[1], d, summary.data_ptr(),
+                       ids.data_ptr(), n, k, out.data_ptr(), scores.data_ptr())
+    return out[:k]
+
+
+def choose_blocks_ref(q, cos, sin, summary, ids, k):
+    """The torch reference of choose_blocks: (indices ascending, scores)."""
+    from kvchat.engine.model.rope import rotate
+    hq, d = q.shape
+    hkv = summary.shape[1]
+    r = rotate(q.float()[None], cos[None].float(), sin[None].float())[0].view(hkv, hq // hkv, d)
+    signed = torch.cat((r.clamp(min=0), r.clamp(max=0)), -1)
+    bound = torch.bmm(signed, summary[ids].float().permute(1, 2, 0))
+    scores = (bound - bound.amax(-1, keepdim=True)).flatten(0, 1).amax(0)
+    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))[:k]
+    return torch.tensor(sorted(order)), scores

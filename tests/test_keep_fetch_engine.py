@@ -226,3 +226,34 @@ def test_cli_takes_the_options():
     assert cache_config(p.parse_args(["--retrieval-blocks", "64"])).retrieval_blocks == 64
     with pytest.raises(ConfigError, match="takes no window"):
         cache_config(p.parse_args(["--retrieval-blocks", "64", "--window", "512"]))
+
+
+def test_the_c_choice_equals_its_torch_reference():
+    from kvchat.kernels import cpu_quant
+    from kvchat.engine.model.rope import rope_cos_sin
+    if not cpu_quant.available():
+        pytest.skip("no C kernels here")
+    g = torch.Generator().manual_seed(1)
+    for hq, hkv, d, n, k in ((9, 3, 64, 437, 64), (6, 2, 16, 20, 4), (8, 8, 128, 100, 99), (4, 1, 32, 3, 1)):
+        q = torch.randn(hq, d, generator=g)
+        cos, sin = rope_cos_sin(torch.tensor([1234]), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+        summary = torch.randn(n + 9, hkv, 2 * d, generator=g).bfloat16()
+        ids = torch.randperm(n + 9, generator=g)[:n]
+        out, scores = torch.empty(k, dtype=torch.int32), torch.empty(n)
+        got = cpu_quant.choose_blocks(q, cos[0], sin[0], summary, ids, k, out, scores)
+        want, want_scores = cpu_quant.choose_blocks_ref(q, cos[0], sin[0], summary, ids, k)
+        assert torch.equal(got.long(), want)
+        assert torch.allclose(scores, want_scores, atol=1e-4)
+
+
+def test_the_stats_show_what_a_token_read_and_the_summaries(tiny_engine):
+    s = tiny_engine.new_session(cache=CacheConfig(retrieval_blocks=4, **FP32))
+    feed(s, ids_of(300, seed=7))
+    snap = s.stats()
+    assert snap.blocks_read == (7, 19)
+    assert snap.summary_bytes == tiny_engine.runner.layout(s.cache_config).summary_bytes * 19
+    s.close()
+    s = tiny_engine.new_session(cache=CacheConfig(**FP32))
+    feed(s, ids_of(100, seed=7))
+    assert s.stats().blocks_read == (0, 0) and s.stats().summary_bytes == 0
+    s.close()

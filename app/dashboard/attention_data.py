@@ -193,6 +193,10 @@ def cell_text(m: AttentionMap, texts: tuple[str, ...], roles: tuple[str, ...], l
         lines.append(f"«{words}»")
     if not m.attends[layer]:
         lines.append(translate("AttentionData", "linear attention: this layer keeps a state, it attends to no block"))
+    elif not m.held[layer, column] and m.kept_by == "importance":
+        lines.append(translate("AttentionData", "dropped by this layer's group: it drew the least attention"))
+    elif not m.held[layer, column] and m.kept_by == "retrieval":
+        lines.append(translate("AttentionData", "kept, but this layer did not read it for the newest token"))
     elif not m.held[layer, column]:
         lines.append(translate("AttentionData", "no longer held by this layer (outside its window)"))
     else:

@@ -209,7 +209,10 @@ class AttentionView(QWidget):
     def _legend_html(self, m, linear: bool) -> str:
         entries = [_swatch(ZERO_RGB, self.tr("no mass"))]
         if (~m.held & m.attends[:, None]).any():
-            entries.append(_swatch(LEFT_RGB, self.tr("no longer held (left the window)")))
+            entries.append(_swatch(LEFT_RGB, {
+                "importance": self.tr("dropped (the least attended went)"),
+                "retrieval": self.tr("kept, not read for this token")}.get(
+                    m.kept_by, self.tr("no longer held (left the window)"))))
         if linear:
             entries.append(_swatch(LINEAR_RGB, self.tr("linear-attention layer")))
         lines = self.tr("thin lines: where each message begins")

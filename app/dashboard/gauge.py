@@ -9,6 +9,7 @@ from PySide6.QtCore import QT_TRANSLATE_NOOP, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPainterPath
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
+from kvchat.app.bridge.messages import format_bytes
 from kvchat.app.dashboard.dashboard_data import TokenRoom
 
 HELD = QColor("#2563eb")
@@ -25,6 +26,7 @@ class TokenGauge(QWidget):
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.room = TokenRoom(0, 0, "budget", 0, 0.0)
         self.tokens_evicted = 0
+        self.reading = (0, 0, 0)            # retrieval: (blocks read, held) a token per layer, summary bytes
         self._update_tooltip()
 
     def sizeHint(self) -> QSize:
@@ -58,11 +60,16 @@ class TokenGauge(QWidget):
             text += self.tr(" · context {n}").format(n=f"{self.room.context_limit:,}")
         if self.tokens_evicted:
             text += self.tr(" · {n} evicted").format(n=f"{self.tokens_evicted:,}")
+        read, held, summaries = self.reading
+        if held:
+            text += self.tr(" · reads {read} of {held} blocks a token").format(read=f"{read:,}", held=f"{held:,}")
+        if summaries:
+            text += self.tr(" · summaries {size}").format(size=format_bytes(summaries))
         return text
 
-    def set_room(self, room: TokenRoom, evicted: int = 0) -> None:
-        if (room, int(evicted)) != (self.room, self.tokens_evicted):
-            self.room, self.tokens_evicted = room, int(evicted)
+    def set_room(self, room: TokenRoom, evicted: int = 0, reading: tuple[int, int, int] = (0, 0, 0)) -> None:
+        if (room, int(evicted), tuple(reading)) != (self.room, self.tokens_evicted, self.reading):
+            self.room, self.tokens_evicted, self.reading = room, int(evicted), tuple(reading)
             self._update_tooltip()
             self.update()
 

@@ -401,7 +401,8 @@ class LivePage(QScrollArea):
             and not math.isnan(self.data.series["decode"][-1])
 
     def _draw_summary(self, snapshot) -> None:
-        self.gauge.set_room(token_room(snapshot), snapshot.tokens_evicted)
+        self.gauge.set_room(token_room(snapshot), snapshot.tokens_evicted,
+                            (*snapshot.blocks_read, snapshot.summary_bytes))
         generating = self._generating()
         speed = translate("Dashboard", "decode {decode} tok/s{drafts} · prefill {prefill} tok/s · TTFT {ttft} ms").format(
             decode=f"{snapshot.decode_tok_s:.1f}", drafts=self._drafts_text(snapshot.spec),

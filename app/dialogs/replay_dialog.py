@@ -70,8 +70,12 @@ class ReplayDialog(QDialog):
 
     def mode(self) -> CacheConfig:
         """The chat's own cache settings with the formats and window chosen here (ConfigError: not a mode)."""
+        window = self.window.value() or None
+        # a window replaces retrieval (which reads every block it keeps); without one nothing is kept by attention
         return self.baseline.with_(k_format=choice(self.k_format), v_format=choice(self.v_format),
-                                   window=self.window.value() or None, sinks=self.sinks.value())
+                                   window=window, sinks=self.sinks.value(),
+                                   eviction=self.baseline.eviction if window else "window",
+                                   retrieval_blocks=None if window else self.baseline.retrieval_blocks)
 
     def validate(self, *_args) -> str | None:
         """Why the choice is not a mode (OK is off), or None."""

@@ -37,6 +37,9 @@ class AttentionMap:
     layer_windows: tuple[int | None, ...] = ()  # each layer's own sliding window (hybrid models), None: global
     message_starts: tuple[int | None, ...] = ()     # where each of session.messages begins (token index; None:
                                 # not known), the system prompt (if any) before the first
+    # what a column outside `held` means: "window" (it left the window), "importance" (it was dropped as the least
+    # attended), "retrieval" (it is kept, but the newest row did not read it)
+    kept_by: str = "window"
 
     def __post_init__(self):
         L, H, C = self.mass.shape

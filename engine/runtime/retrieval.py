@@ -19,6 +19,8 @@ from dataclasses import replace
 
 import torch
 
+from kvchat.kernels import cpu_quant
+
 from kvchat.engine.kv.pages import KeySummaries
 from kvchat.engine.kv.window import ReadChosen
 from kvchat.engine.model.rope import rope_cos_sin, rotate
@@ -31,8 +33,10 @@ class BlockChooser:
         self.cache = cache
         self.read_blocks = 0            # blocks the step's decode rows read, over layers
         self.held_blocks = 0            # blocks they could have read
+        self.per_conversation: dict[int, list[int]] = {}   # first group's seq id -> [read, held, layer rows]
         self._plans: dict[int, tuple] = {}  # id(step plan) -> what its layers share (_plan)
         self._arange = torch.arange(0)
+        self._scores, self._out = torch.empty(0), torch.empty(0, dtype=torch.int32)   # choose_blocks' buffers
 
     @staticmethod
     def applies(st) -> bool:
@@ -46,22 +50,38 @@ class BlockChooser:
             plan = self._plans[id(st)] = self._plan(st)
         held, sinks, newest, ids, made, summ = plan
         self.held_blocks += held
+        counts = self.per_conversation.setdefault(st.res.seq.members[0].seq_id, [0, 0, 0])
+        counts[1] += held
+        counts[2] += 1
         if ids is None:
             self.read_blocks += held
+            counts[0] += held
             return st
         seq, g, bs, S = st.res.seq, st.res.seq.geometry, st.res.seq.block_size, st.res.first_slot
         if not made[layer]:
             self._summarize(summ, layer, kc, seq, ids, sinks, st.inv_freq)
             made[layer] = True
-        bounds = self._bounds(summ.data[layer].index_select(0, ids), rotate(q.float(), st.q_cos, st.q_sin)[0])
-        best = torch.topk(bounds, g.blocks, sorted=False).indices.sort().values + sinks
+        best = self._best(q, st, summ.data[layer], ids, g.blocks) + sinks
         slots = torch.cat((self._range(sinks * bs), (best[:, None] * bs + self._range(bs)).flatten(),
                            self._range(S)[newest * bs:]))
         self.read_blocks += sinks + g.blocks + held - newest
+        counts[0] += sinks + g.blocks + held - newest
         rows = torch.cat((st.rows[slots.to(st.rows.device)], st.rows[-1:]))
         key_pos = None if st.key_pos is None else torch.cat((st.key_pos[slots], st.key_pos[-1:]))
         return replace(st, rows=rows, past_slots=slots, key_pos=key_pos, key_cos=None, key_sin=None,
                        kernel_args=None)
+
+    def _best(self, q: torch.Tensor, st, summary: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices (ascending) of the k best candidates: the C kernel on the CPU, torch elsewhere."""
+        if summary.device.type == "cpu" and cpu_quant.available():
+            n = ids.numel()
+            if self._scores.numel() < n:
+                self._scores = torch.empty(2 * n)
+                self._out = torch.empty(2 * n, dtype=torch.int32)
+            return cpu_quant.choose_blocks(q[0].float().contiguous(), st.q_cos[0], st.q_sin[0], summary, ids, k,
+                                           self._out, self._scores).long()
+        bounds = self._bounds(summary.index_select(0, ids), rotate(q.float(), st.q_cos, st.q_sin)[0])
+        return torch.topk(bounds, k, sorted=False).indices.sort().values
 
     def _plan(self, st) -> tuple:
         """What every layer's choice for st shares: (blocks held, sink blocks, first newest block, the candidate

@@ -46,6 +46,7 @@ class ModelRunner:
         self.lock = threading.RLock()     # one step at a time; the app and a server may share an engine
         self.steps = 0
         self.last_chooser = None          # the last step's retrieval.BlockChooser (blocks read), or None
+        self.blocks_read: dict[int, list[int]] = {}   # a conversation's first seq id -> its last token's reads
         self.tokens_read = 0              # tokens through the forward pass, every step (tests count re-reads with it)
         self.speculation = SpeculativeConfig("off")   # the engine's setting (Engine.set_speculative), read each turn
         self.draft_runner: "ModelRunner | None" = None   # a draft model's runner when speculation uses one
@@ -97,6 +98,7 @@ class ModelRunner:
 
     def close(self, seq: Conversation) -> None:
         with self.lock:
+            self.blocks_read.pop(seq.members[0].seq_id, None)
             self.cache.close(seq)
             self._backends = {key: b for key, b in self._backends.items() if key[0] in self.cache.layouts_in_use()}
 
@@ -248,6 +250,8 @@ class ModelRunner:
                 raise
             reserved.commit(hash_ids)
             attention.commit_states()
+            if attention.chooser is not None:       # what each retrieval conversation's token read
+                self.blocks_read.update(attention.chooser.per_conversation)
             for seq, _ in reserved.items:       # a window kept by attention lets the least attended go
                 if any(m.geometry.by_importance for m in seq.members):
                     self.cache.evict_unimportant(seq)

@@ -78,8 +78,10 @@ def attention_map(session, over: str = "newest", weights: str = "blocks",
         mass=out, block_positions=np.arange(out.shape[-1], dtype=np.int64) * unit, sink_mass=sink,
         tokens=tuple(session.token_ids[:n]), block_size=unit, over=over, rows=int(rows),
         attends=np.array([spec.linear is None for spec in layers]), held=held,
-        sinks=config.sinks if config.window is not None else 0, window=config.window,
-        layer_windows=tuple(spec.window for spec in layers), message_starts=tuple(session.state.starts))
+        sinks=config.sinks if config.window is not None else 0,
+        window=config.window if config.eviction == "window" else None,
+        layer_windows=tuple(spec.window for spec in layers), message_starts=tuple(session.state.starts),
+        kept_by="retrieval" if config.retrieval_blocks is not None else config.eviction)
     return result.bucketed(max_columns)
 
 

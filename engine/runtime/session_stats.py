@@ -116,7 +116,15 @@ def snapshot(session) -> StatsSnapshot:
         experts=runner.model.expert_counts(),
         state_bytes=seq.state.layout.bytes if seq.state is not None else 0,
         snapshots=tuple(sorted(seq.state.snapshots)) if seq.state is not None else (),
+        summary_bytes=sum(m.layout.summary_bytes * len(m.block_table) for m in seq.members),
+        blocks_read=blocks_read(runner, seq),
     )
+
+
+def blocks_read(runner, seq) -> tuple[int, int]:
+    """Retrieval: (blocks read, blocks held) by the conversation's last generated token, per layer (rounded)."""
+    read, held, rows = runner.blocks_read.get(seq.members[0].seq_id, (0, 0, 0))
+    return (round(read / rows), round(held / rows)) if rows else (0, 0)
 
 
 def layer_stats(runner, seq, windows, caps):

@@ -125,6 +125,14 @@
         <translation>线性注意力：这一层保存一个状态，不关注任何块</translation>
     </message>
     <message>
+        <source>dropped by this layer&apos;s group: it drew the least attention</source>
+        <translation>已被该层所在组丢弃：它得到的注意力最少</translation>
+    </message>
+    <message>
+        <source>kept, but this layer did not read it for the newest token</source>
+        <translation>仍保留，但该层在最新 token 中没有读取它</translation>
+    </message>
+    <message>
         <source>no longer held by this layer (outside its window)</source>
         <translation>这一层已不再保存（在它的窗口之外）</translation>
     </message>
@@ -216,6 +224,14 @@
         <translation>无注意力</translation>
     </message>
     <message>
+        <source>dropped (the least attended went)</source>
+        <translation>已丢弃（注意力最少的块被移出）</translation>
+    </message>
+    <message>
+        <source>kept, not read for this token</source>
+        <translation>仍保留，此 token 未读取</translation>
+    </message>
+    <message>
         <source>no longer held (left the window)</source>
         <translation>已不再保存（离开了窗口）</translation>
     </message>
@@ -265,8 +281,16 @@
         <translation>（按 token 量化的键）</translation>
     </message>
     <message>
+        <source>, keeping {window} by attention + {sinks} sinks</source>
+        <translation>，按注意力保留 {window} + {sinks} 个锚点</translation>
+    </message>
+    <message>
         <source>, window {window} + {sinks} sinks</source>
         <translation>，窗口 {window} + {sinks} 个锚点</translation>
+    </message>
+    <message>
+        <source>, reading {blocks} blocks a token</source>
+        <translation>，每个 token 读取 {blocks} 个块</translation>
     </message>
 </context>
 <context>
@@ -2877,6 +2901,14 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
     <message>
         <source> · {n} evicted</source>
         <translation> · 已逐出 {n}</translation>
+    </message>
+    <message>
+        <source> · reads {read} of {held} blocks a token</source>
+        <translation> · 每个 token 读取 {held} 个块中的 {read} 个</translation>
+    </message>
+    <message>
+        <source> · summaries {size}</source>
+        <translation> · 键摘要 {size}</translation>
     </message>
     <message>
         <source>Tokens in cache: {n}</source>
