@@ -257,3 +257,29 @@ def test_the_stats_show_what_a_token_read_and_the_summaries(tiny_engine):
     feed(s, ids_of(100, seed=7))
     assert s.stats().blocks_read == (0, 0) and s.stats().summary_bytes == 0
     s.close()
+
+
+@pytest.mark.parametrize("cache", [CacheConfig(window=64, eviction="importance", **FP32),
+                                   CacheConfig(window=64, eviction="importance", k_format="int8", v_format="int8"),
+                                   CacheConfig(retrieval_blocks=3, **FP32)], ids=["importance", "importance-int8",
+                                                                                 "retrieval"])
+def test_a_saved_cache_reads_back_the_same(tiny_engine, tmp_path, cache):
+    from kvchat.engine.runtime.warm import WarmStore
+    tiny_engine._warm_store = WarmStore(tmp_path / "kv")
+    try:
+        s = tiny_engine.new_session(cache=cache)
+        s.reply(tiny_engine.tokenizer.decode(ids_of(200, seed=8)), GREEDY)
+        holes = [b is None for b in s.seq.table]
+        assert any(holes) == (cache.window is not None)
+        tiny_engine.keep_warm(s, "m")
+        assert tiny_engine.save_warm(s) > 0
+        s2 = tiny_engine.new_session(cache=cache, history=list(s.messages))
+        tiny_engine.keep_warm(s2, "m")
+        tiny_engine.restore_warm(s2)
+        assert [b is None for b in s2.seq.table] == holes and s2.seq.num_tokens == s.seq.num_tokens
+        assert s2.reply("And then?", GREEDY) == s.reply("And then?", GREEDY)
+        tiny_engine.runner.cache.check()
+        for x in (s, s2):
+            x.close()
+    finally:
+        tiny_engine._warm_store = None

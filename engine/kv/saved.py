@@ -55,8 +55,24 @@ def _blocks_of(c: Component, name: str, table: list[int]) -> torch.Tensor:
 
 
 def group_meta(seq: Sequence) -> dict:
-    return {"layout": repr(seq.layout), "geometry": repr(seq.geometry), "num_tokens": seq.num_tokens,
+    meta = {"layout": repr(seq.layout), "geometry": repr(seq.geometry), "num_tokens": seq.num_tokens,
             "evicted": seq.evicted, "sink_blocks": seq.sink_blocks, "blocks": len(seq.block_table)}
+    if seq.geometry.by_importance:      # the blocks attention let go, wherever they were
+        meta["holes"] = [i for i, b in enumerate(seq.table) if b is None]
+    return meta
+
+
+def _holes(meta: dict, num_tokens: int, evicted: int, sink_blocks: int, bs: int) -> list[int] | None:
+    """The table positions a group kept by attention let go (checked), or None for one kept by a window."""
+    holes = meta.get("holes")
+    if holes is None:
+        return None
+    blocks = -(-num_tokens // bs)
+    if (not isinstance(holes, list) or len(holes) != evicted or holes != sorted(set(holes))
+            or not all(isinstance(i, int) and not isinstance(i, bool) and sink_blocks <= i < blocks - 2
+                       for i in holes)):
+        raise CacheFileError("the saved cache's list of dropped blocks is damaged")
+    return holes
 
 
 def export_groups(cache, seq: Sequence) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -125,6 +141,8 @@ def check_groups(cache, members: list[Sequence], metas, tensors: dict, extra: se
         if (seq_len < 0 or n_blocks != m.layout.blocks_for(seq_len) or sinks not in (0, m.geometry.sink_blocks)
                 or m.geometry.num_to_evict(num_tokens, evicted, n_blocks)):
             raise CacheFileError("the saved cache's token and block counts do not agree: the file is damaged")
+        if m.geometry.by_importance:
+            _holes(meta, num_tokens, evicted, sinks, bs)
         allowed.update(_expected(cache, m.layout, n_blocks, g))
         read.append((g, m.layout, seq_len))
     for name, t in tensors.items():
@@ -204,7 +222,8 @@ def import_groups(cache, members: list[Sequence], metas: list[dict],
                     c.tails[m.seq_id] = tail.to(c.device).clone()
                 if head is not None and m.block_table:
                     c.heads[m.block_table[0]] = head.to(c.device).clone()
-        cache.adopt(res, meta["num_tokens"], meta["evicted"])
+        cache.adopt(res, meta["num_tokens"], meta["evicted"],
+                    _holes(meta, meta["num_tokens"], meta["evicted"], meta["sink_blocks"], m.block_size))
 
 
 # ---- the file ------------------------------------------------------------------------------------------------
