@@ -156,6 +156,8 @@ class StatsSnapshot:
     snapshots: tuple[int, ...] = ()     # token counts the state keeps a snapshot of (each costs state_bytes)
     summary_bytes: int = 0              # retrieval's key summaries of the blocks held (in the budget, beside kv_bytes)
     blocks_read: tuple[int, int] = (0, 0)   # retrieval: blocks the last generated token read, and held, per layer
+    blocks_on_disk: int = 0             # retrieval: blocks past the budget in the conversation's tier (kv/block_tier.py)
+    tier_fetches: tuple[int, int] = (0, 0)  # retrieval: (layer blocks read back from disk, found in the fetch cache)
 
     @property
     def usage(self) -> float:

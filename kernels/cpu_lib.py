@@ -351,7 +351,7 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P, P, I, P]
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
-    lib.choose_blocks.argtypes = [P, P, P, I, I, I, P, P, I, I, P, P]
+    lib.choose_blocks.argtypes = [P, P, P, I, I, I, P, P, I, P, P, I, I, P, P]
     lib.choose_blocks.restype = None
     lib.moe_layer_rows.argtypes = [I, I, P, P, F, P, P, P]
     lib.moe_layer_rows.restype = I

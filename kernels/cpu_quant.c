@@ -989,7 +989,8 @@ void split_blocks(const uint8_t *src, int64_t n, int size, int head, uint8_t *he
 // ---- query-aware choice of blocks (Quest) ---------------------------------------------------------------
 //
 // q [Hq, D] before RoPE and cos / sin [D] at its position (rotate-half layout); summ: bf16 [*, Hkv, 2D] per block
-// id, each channel's max over the block's rotated keys, then its min; ids [n] the candidate blocks' ids. A block's
+// id, each channel's max over the block's rotated keys, then its min; ids [n] the candidate blocks' ids, then n2
+// more candidates at rows ids2 of summ2 (blocks on disk; NULL, 0 for none): candidate n + i is ids2[i]. A block's
 // bound for a query head is the largest score a key of it can reach, relu(q).max + min(q, 0).min; its score is its
 // best head's bound less that head's best over the candidates. Writes the K best candidates' indices (0..n-1) in
 // ascending order to out, and each candidate's score to scratch [n]. K < n.
@@ -1022,9 +1023,12 @@ static void select_best(scored_t *a, int n, int K) {
 }
 
 void choose_blocks(const float *q, const float *cos, const float *sin, int Hq, int Hkv, int D,
-                   const uint16_t *summ, const int64_t *ids, int n, int K, int *out, float *scratch) {
+                   const uint16_t *summ, const int64_t *ids, int n, const uint16_t *summ2, const int64_t *ids2,
+                   int n2, int K, int *out, float *scratch) {
     int g = Hq / Hkv, half = D / 2;
     float *pos = malloc(sizeof(float) * 2 * Hq * D), *best = malloc(sizeof(float) * Hq);
+    int n1 = n;
+    n += n2;
     float *bound = malloc(sizeof(float) * (size_t)Hq * n), *row = malloc(sizeof(float) * 2 * D);
     scored_t *order = malloc(sizeof(scored_t) * n);
     for (int h = 0; h < Hq; h++) {            // rotate, then split into the positive and negative parts
@@ -1039,7 +1043,8 @@ void choose_blocks(const float *q, const float *cos, const float *sin, int Hq, i
     }
     for (int i = 0; i < n; i++) {
         for (int kv = 0; kv < Hkv; kv++) {
-            const uint16_t *s = summ + ((size_t)ids[i] * Hkv + kv) * 2 * D;
+            const uint16_t *s = i < n1 ? summ + ((size_t)ids[i] * Hkv + kv) * 2 * D
+                                       : summ2 + ((size_t)ids2[i - n1] * Hkv + kv) * 2 * D;
             for (int d = 0; d < 2 * D; d++) row[d] = bf16f(s[d]);
             for (int j = 0; j < g; j++) {
                 int h = kv * g + j;

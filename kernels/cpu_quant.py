@@ -920,17 +920,24 @@ if __name__ == "__main__":
 
 
 def choose_blocks(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, summary: torch.Tensor, ids: torch.Tensor,
-                  k: int, out: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                  k: int, out: torch.Tensor, scores: torch.Tensor, disk: torch.Tensor | None = None,
+                  disk_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Quest's choice (engine/runtime/retrieval.py): q [Hq, D] float32 before RoPE, cos / sin [D] float32 at its
     position, summary bf16 [blocks, Hkv, 2D] (max, min), ids int64 [n] the candidates' block ids -> out int32 [k], the
-    k best candidates' indices ascending; scores float32 [n] gets every candidate's score (0 for the best)."""
-    n = ids.shape[0]
+    k best candidates' indices ascending; scores float32 [n] gets every candidate's score (0 for the best). disk,
+    disk_rows: more candidates (after the n), rows disk_rows of disk (bf16 [*, Hkv, 2D]): blocks on disk."""
+    n = ids.shape[0] + (0 if disk is None else disk_rows.shape[0])
     hq, d = q.shape
     assert q.dtype == cos.dtype == sin.dtype == scores.dtype == torch.float32 and summary.dtype == torch.bfloat16
     assert ids.dtype == torch.int64 and out.dtype == torch.int32 and 0 < k < n <= scores.shape[0]
     assert q.is_contiguous() and summary.is_contiguous() and ids.is_contiguous() and cos.numel() == sin.numel() == d
+    if disk is not None:
+        assert disk.dtype == torch.bfloat16 and disk.is_contiguous() and disk_rows.dtype == torch.int64
+        disk_rows = disk_rows.contiguous()
     _lib.choose_blocks(q.data_ptr(), cos.data_ptr(), sin.data_ptr(), hq, summary.shape[1], d, summary.data_ptr(),
-                       ids.data_ptr(), n, k, out.data_ptr(), scores.data_ptr())
+                       ids.data_ptr(), ids.shape[0], None if disk is None else disk.data_ptr(),
+                       None if disk is None else disk_rows.data_ptr(), 0 if disk is None else disk_rows.shape[0], k,
+                       out.data_ptr(), scores.data_ptr())
     return out[:k]
 
 

@@ -283,3 +283,80 @@ def test_a_saved_cache_reads_back_the_same(tiny_engine, tmp_path, cache):
             x.close()
     finally:
         tiny_engine._warm_store = None
+
+
+# ---- the second tier: blocks past the budget on disk ---------------------------------------------------------------
+
+TIER_BUDGET_MB = 0.25           # 20 blocks of the tiny model: its 200-token prompt fits, its 250-token reply spills
+
+
+@pytest.fixture
+def small_pool(tiny_engine):
+    yield tiny_engine
+    tiny_engine.runner.set_budget(CacheConfig().budget_mb)
+
+
+def spilled(engine, k: int, prompt: list[int], reply: int, budget_mb: float = TIER_BUDGET_MB):
+    """A retrieval session: the prompt read, then `reply` tokens fed one at a time; (session, the logits of each)."""
+    s = engine.new_session(cache=CacheConfig(retrieval_blocks=k, budget_mb=budget_mb, **FP32), prefix_cache=False)
+    s.append(prompt)
+    return s, [s.append([t])[-1] for t in ids_of(reply, seed=11)]
+
+
+def test_past_the_budget_blocks_go_to_disk_and_come_back(small_pool):
+    """The tier is out of sight: a reply past the budget reads what the same mode reads with the whole cache in
+    memory (the same blocks chosen, those on disk read back), token for token."""
+    engine, prompt = small_pool, ids_of(200, seed=10)
+    s, got = spilled(engine, 6, prompt, 250)
+    cache = engine.runner.cache
+    tier = cache.tier_of(s.seq)
+    assert tier is not None and len(tier.records) > 5 and tier.path.exists()
+    assert cache.held_bytes <= cache.budget_bytes
+    cache.check()
+    snap = s.stats()
+    assert snap.blocks_on_disk == len(tier.records) and snap.tier_fetches[0] > 0
+    assert snap.blocks_read == (1 + 6 + 2, 450 // 16 + 1)
+    s2, want = spilled(engine, 6, prompt, 250, budget_mb=64)
+    assert cache.tier_of(s2.seq) is None
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(ConfigError, match="on disk"):
+        s.set_cache(CacheConfig(**FP32))
+    from kvchat.engine.kv.saved import CacheFileError
+    with pytest.raises(CacheFileError, match="on disk"):
+        engine.runner.export_kv(s.seq)
+    folder = tier.path.parent
+    s.close()
+    s2.close()
+    assert not folder.exists() and cache.tier_of(s.seq) is None
+    cache.check()
+
+
+@pytest.mark.parametrize("fault", ["gone", "damaged"])
+def test_a_tier_file_gone_or_damaged_falls_back_to_memory(small_pool, fault):
+    s, _ = spilled(small_pool, 4, ids_of(200, seed=12), 250)
+    tier = small_pool.runner.cache.tier_of(s.seq)
+    tier.forget_cached()
+    if fault == "gone":
+        tier._file.close()
+        tier.path.unlink()
+    else:
+        with open(tier.path, "r+b") as f:
+            f.write(b"\xff" * 4096)
+    out = s.append([9])[-1]
+    assert torch.isfinite(out).all() and tier.failed
+    assert "blocks in memory" in s.stats().notice
+    assert torch.isfinite(s.append([10])[-1]).all()            # and it goes on
+    s.close()
+
+
+def test_quantized_retrieval_past_the_budget_stops_as_before(small_pool):
+    from kvchat.engine.kv.manager import NoFreeBlocks
+    from kvchat.engine.runtime.overflow import BudgetFull
+    s = small_pool.new_session(cache=CacheConfig(retrieval_blocks=4, budget_mb=0.2, k_format="int8",
+                                                 v_format="int8"), prefix_cache=False)
+    with pytest.raises((BudgetFull, NoFreeBlocks)):
+        for t in ids_of(900, seed=13):
+            s.append([t])
+    assert small_pool.runner.cache.tier_of(s.seq) is None
+    s.close()

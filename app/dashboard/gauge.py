@@ -27,6 +27,7 @@ class TokenGauge(QWidget):
         self.room = TokenRoom(0, 0, "budget", 0, 0.0)
         self.tokens_evicted = 0
         self.reading = (0, 0, 0)            # retrieval: (blocks read, held) a token per layer, summary bytes
+        self.on_disk = ()                   # retrieval past the budget: (blocks on disk, fetched, cache hits)
         self._update_tooltip()
 
     def sizeHint(self) -> QSize:
@@ -65,11 +66,17 @@ class TokenGauge(QWidget):
             text += self.tr(" · reads {read} of {held} blocks a token").format(read=f"{read:,}", held=f"{held:,}")
         if summaries:
             text += self.tr(" · summaries {size}").format(size=format_bytes(summaries))
+        if self.on_disk:
+            text += self.tr(" · {n} blocks on disk, {f} fetched, {h} from the fetch cache").format(
+                n=f"{self.on_disk[0]:,}", f=f"{self.on_disk[1]:,}", h=f"{self.on_disk[2]:,}")
         return text
 
-    def set_room(self, room: TokenRoom, evicted: int = 0, reading: tuple[int, int, int] = (0, 0, 0)) -> None:
-        if (room, int(evicted), tuple(reading)) != (self.room, self.tokens_evicted, self.reading):
-            self.room, self.tokens_evicted, self.reading = room, int(evicted), tuple(reading)
+    def set_room(self, room: TokenRoom, evicted: int = 0, reading: tuple[int, int, int] = (0, 0, 0),
+                 on_disk: tuple = ()) -> None:
+        if (room, int(evicted), tuple(reading), tuple(on_disk)) != (self.room, self.tokens_evicted, self.reading,
+                                                                    self.on_disk):
+            self.room, self.tokens_evicted, self.reading, self.on_disk = room, int(evicted), tuple(reading), \
+                tuple(on_disk)
             self._update_tooltip()
             self.update()
 

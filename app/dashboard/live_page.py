@@ -402,7 +402,8 @@ class LivePage(QScrollArea):
 
     def _draw_summary(self, snapshot) -> None:
         self.gauge.set_room(token_room(snapshot), snapshot.tokens_evicted,
-                            (*snapshot.blocks_read, snapshot.summary_bytes))
+                            (*snapshot.blocks_read, snapshot.summary_bytes),
+                            (snapshot.blocks_on_disk, *snapshot.tier_fetches) if snapshot.blocks_on_disk else ())
         generating = self._generating()
         speed = translate("Dashboard", "decode {decode} tok/s{drafts} · prefill {prefill} tok/s · TTFT {ttft} ms").format(
             decode=f"{snapshot.decode_tok_s:.1f}", drafts=self._drafts_text(snapshot.spec),

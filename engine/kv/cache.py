@@ -28,7 +28,8 @@ import torch
 from kvchat.engine.config import CacheConfig, ConfigError
 from kvchat.engine.kv import convert, importance, saved
 from kvchat.engine.kv.attention_log import AttentionLog
-from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, KVGroup, KVLayout
+from kvchat.engine.kv.block_tier import BlockTier
+from kvchat.engine.kv.layout import MIB, PREFILL_CHUNK, FullAttention, KVGroup, KVLayout, ReadChosen
 from kvchat.engine.kv.manager import KVCacheManager, NoFreeBlocks, PoolView
 from kvchat.engine.kv.sequence import Conversation, Reservation, Sequence
 from kvchat.engine.kv.state import RecurrentState, StateLayout, StatePoints
@@ -52,7 +53,9 @@ class KVCache:
     def __init__(self, device, budget_bytes: int, on_release: Callable[[Conversation], None] | None = None):
         self.device = device
         self._pages = PageStore(device)
-        self._blocks = KVCacheManager(int(budget_bytes), on_free=self._pages.forget_blocks, on_release=on_release)
+        self._on_release = on_release or (lambda conv: None)
+        self._blocks = KVCacheManager(int(budget_bytes), on_free=self._pages.forget_blocks, on_release=self._released)
+        self._tiers: dict[int, BlockTier] = {}      # a retrieval conversation's first sequence -> its blocks on disk
         # the second tier: a GPU pool's released conversations go to pinned host memory first, then to disk (the
         # saved-cache file, engine/runtime/warm.py); a CPU pool's go to disk
         self.host_tier = PreemptTier(HOST_TIER_MB, "host") if torch.device(device).type == "cuda" else None
@@ -111,7 +114,7 @@ class KVCache:
 
     def free(self, seq: Conversation) -> int:
         """Every block of the conversation goes back; returns the bytes the pool no longer holds."""
-        freed = 0
+        freed = self._drop_tier(seq)
         log = self._logs.get(seq.members[0].seq_id)
         if log is not None:                 # nothing is cached: nothing was attended
             log.clear()
@@ -128,6 +131,80 @@ class KVCache:
         for m in seq.members:
             self._blocks.close(m)
         self.drop_unused_layouts()
+
+    # ---- the second tier of a retrieval conversation (kv/block_tier.py) ----------------------------------------
+
+    def tier_of(self, seq) -> BlockTier | None:
+        """The conversation's blocks on disk, or None."""
+        return self._tiers.get(seq.members[0].seq_id)
+
+    def _released(self, conv) -> None:
+        """The budget releases an idle conversation: its blocks on disk go with it."""
+        self._drop_tier(conv)
+        self._on_release(conv)
+
+    def _drop_tier(self, seq) -> int:
+        tier = self._tiers.pop(seq.members[0].seq_id, None)
+        if tier is None:
+            return 0
+        held = self._blocks.held_bytes
+        if tier.staging is not None:
+            self._blocks.close(tier.staging)
+        tier.close()
+        return held - self._blocks.held_bytes
+
+    def can_spill(self, seq) -> bool:
+        """Whether the conversation moves blocks to disk when the budget is full (retrieval, full-precision pages,
+        one KV group, a CPU pool), rather than stopping."""
+        m = seq.members[0]
+        return isinstance(m.geometry, ReadChosen) and not m.layout.quantized_components and len(seq.members) == 1 \
+            and torch.device(self.device).type == "cpu"
+
+    def _spill(self, seq: Sequence, short: int, keep: set[int]) -> bool:
+        """Room for a retrieval conversation past its budget: its oldest blocks (not the sinks', not the two newest)
+        move to its tier until `short` more bytes are free, with the fetch cache's blocks the first time. False
+        (nothing moved) where it cannot: another kind of conversation, quantized pages, too few blocks, a full disk."""
+        g, layout = seq.geometry, seq.layout
+        if not self.can_spill(seq):
+            return False
+        tier = self._tiers.get(seq.seq_id)
+        fresh = tier is None
+        if fresh:
+            tier = BlockTier(layout, self._pages.components(layout), g.blocks, self.device)
+            short += tier.num_slots * layout.block_bytes
+        count = -(-short // layout.block_bytes)
+        bs = seq.block_size
+        held = [p for p, b in enumerate(seq.table) if b is not None]
+        slot_of = {p: i for i, p in enumerate(held)}
+        chosen = [p for p in held if g.read_sink_blocks <= p < len(seq.table) - 2][:count]
+        if len(chosen) < count:
+            if fresh:
+                tier.close()
+            return False
+        summ = self._pages.key_summaries(layout)
+        ids = torch.tensor([seq.table[p] for p in chosen], dtype=torch.long)
+        slots = torch.tensor([slot_of[p] for p in chosen])[:, None] * bs + torch.arange(bs)
+        positions = torch.tensor(chosen)[:, None] * bs + torch.arange(bs)
+        for j, (kc, _) in enumerate(self._pages.components(layout)):
+            summ.make(j, kc, seq.seq_id, seq.block_table, seq.seq_len, ids, slots, positions, None)
+        try:
+            for p, b in zip(chosen, ids.tolist()):
+                tier.put(p, b, [d[b] for d in summ.data])
+        except OSError:
+            if fresh:
+                tier.close()
+            return False
+        for p in chosen:
+            self._blocks.drop(seq, p)
+        if fresh:
+            staging = self._blocks.new_sequence(layout, FullAttention(bs))
+            staging.pinned = True
+            res = self._blocks.reserve(staging, tier.num_slots * bs, set(keep) | {seq.seq_id})
+            self._blocks.commit(res)
+            self._pages.reserve(layout, self._blocks.high_water(layout), layout.budget_blocks(self.budget_bytes) + 1)
+            tier.staging = staging
+            self._tiers[seq.seq_id] = tier
+        return True
 
     # ---- attention, measured (kv/attention_log.py) -----------------------------------------------------------
 
@@ -319,6 +396,10 @@ class KVCache:
                 layer_inv_freq: list[torch.Tensor]) -> Conversation:
         """seq in mode `old` -> a conversation in mode `new` (whose groups are `groups`) holding the same tokens."""
         members = seq.members
+        tier = self.tier_of(seq)
+        if tier is not None and tier.records:
+            raise ConfigError(f"{len(tier.records)} blocks of this conversation are on disk past the KV budget and "
+                              f"only {old.label()} reads them: reset the session to switch the cache mode")
         if [g.layout.layers for g in groups] != [m.layout.layers for m in members]:
             raise ConfigError(f"{new.label()} keeps this model's layers in other groups than {old.label()} (a "
                               f"window against the layers' own windows): reset the session to switch to it")
@@ -351,6 +432,10 @@ class KVCache:
         """(per KV group its metadata, the tensors) of the conversation's blocks, byte for byte as stored, on the
         host (engine/kv/saved.py writes them to a file; the server's preemption tier keeps them in memory), with the
         recurrent state after the conversation's tokens where the model keeps one."""
+        tier = self.tier_of(seq)
+        if tier is not None and tier.records:
+            raise saved.CacheFileError(f"{len(tier.records)} blocks of this conversation are on disk past the KV "
+                                       f"budget: it is not saved (it is read again when reopened)")
         metas, tensors = saved.export_groups(self, seq)
         if seq.state is not None:
             tensors.update(seq.state.export())
@@ -407,7 +492,12 @@ class KVCache:
     def reserve_blocks(self, seq: Sequence, num_new: int, keep: set[int]) -> Reservation:
         """Blocks for num_new more tokens, with the pages grown to hold them; nothing about the tails (a conversion
         or an import writes every row itself)."""
-        res = self._blocks.reserve(seq, num_new, keep)
+        try:
+            res = self._blocks.reserve(seq, num_new, keep)
+        except NoFreeBlocks as exc:         # a retrieval conversation moves its oldest blocks to disk instead
+            if not self._spill(seq, exc.need_bytes - exc.free_bytes, keep):
+                raise
+            res = self._blocks.reserve(seq, num_new, keep)
         try:
             layout = seq.layout     # the pages reach the group's highest block id, never past what the budget holds
             self._pages.reserve(layout, self._blocks.high_water(layout),
@@ -496,7 +586,7 @@ class KVCache:
 
     def sequences(self) -> list[Conversation]:
         """Every live conversation (a hybrid model's by its first group)."""
-        return [s.conversation or s for s in self._blocks.sequences.values() if s.members[0] is s]
+        return [s.conversation or s for s in self._blocks.sequences.values() if s.members[0] is s and not s.pinned]
 
     def view(self) -> PoolView:
         return self._blocks.view()

@@ -195,7 +195,7 @@ class KVCacheManager:
         keep = self._whole(keep)
         total = self.evictable_bytes() + self.extra_bytes
         for s in self.sequences.values():
-            if s.seq_id not in keep and s.block_table:
+            if s.seq_id not in keep and s.block_table and not s.pinned:
                 ref = self.pool_of(s).ref_cnt
                 total += sum(s.layout.block_bytes for b in s.block_table if ref[b] == 1) + s.side_bytes
         return total
@@ -206,7 +206,7 @@ class KVCacheManager:
         while self.free_bytes() < need:
             if self._evict_oldest() or self.drop_extra():
                 continue
-            idle = [s for s in self.sequences.values() if s.seq_id not in keep and s.block_table]
+            idle = [s for s in self.sequences.values() if s.seq_id not in keep and s.block_table and not s.pinned]
             if not idle:
                 raise NoFreeBlocks(need, self.free_bytes())
             victim = min(idle, key=lambda s: s.last_used)

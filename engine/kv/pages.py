@@ -218,6 +218,25 @@ class KeySummaries:
         made[:n] = self.made[:n]
         self.made = made
 
+    def make(self, layer: int, kc: "Component", seq_id: int, block_table: list[int], seq_len: int,
+             ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, inv_freq) -> None:
+        """Summarize blocks `ids` of layer `layer` where not made yet: slots [m, bs] and positions [m, bs] of their
+        rows in the sequence's held order and in the stream (quantized keys are rotated at those positions, as
+        attention reads them; full-precision ones are stored rotated)."""
+        missing = (~self.made[ids, layer]).nonzero().flatten()
+        if not missing.numel():
+            return
+        m, bs = missing.numel(), slots.shape[1]
+        keys = kc.values(seq_id, block_table, seq_len, slots[missing].flatten())        # [m * bs, H, D] float32
+        if kc.fmt.is_quantized:
+            from kvchat.engine.model.rope import rope_cos_sin, rotate
+            cos, sin = rope_cos_sin(positions[missing].flatten(), inv_freq.cpu())
+            keys = rotate(keys, cos.to(keys.device), sin.to(keys.device))
+        keys = keys.view(m, bs, *keys.shape[1:])
+        block_ids = ids[missing]
+        self.data[layer][block_ids] = torch.cat((keys.amax(1), keys.amin(1)), -1).to(torch.bfloat16)
+        self.made[block_ids, layer] = True
+
     def forget(self, ids: list[int]) -> None:
         ids = [b for b in ids if b < self.capacity]
         if ids:

@@ -32,6 +32,7 @@ class Sequence:
     closed: bool = False
     conversation: "Conversation | None" = field(default=None, repr=False)     # whose group this is
     state_bytes: int = 0                # the conversation's recurrent state and snapshots (its first group carries them)
+    pinned: bool = False                # never released for room (a retrieval tier's fetch cache: kv/block_tier.py)
 
     @property
     def block_size(self) -> int:

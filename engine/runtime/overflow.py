@@ -130,7 +130,8 @@ def slide_to_fit(session) -> None:
 def check_whole_fits(session, num_new: int) -> None:
     """With overflow="stop" and no window, refuse up front what cannot fit, so nothing is half-read."""
     c = session.cache_config
-    if c.window is None and c.overflow == "stop" and not fits(session, num_new):
+    if c.window is None and c.overflow == "stop" and not fits(session, num_new) \
+            and not session.runner.cache.can_spill(session.state.seq):      # retrieval moves blocks to disk
         raise BudgetFull(budget_message(session, num_new))
 
 

@@ -83,6 +83,7 @@ def snapshot(session) -> StatsSnapshot:
     caps = layer_window_bytes(runner.config, c, runner.dtype_name, str(runner.device))
     layers = tuple(layer_stats(runner, seq, windows, caps))
     t = state.turn_times
+    tier = runner.cache.tier_of(seq)
     budget = session.runner.budget_bytes
     free = session.runner.free_bytes()
     return StatsSnapshot(
@@ -111,14 +112,22 @@ def snapshot(session) -> StatsSnapshot:
         full_precision_bytes_per_token=runner.layout(c).full_precision_bytes_per_token,   # every layer (all groups)
         prefix_reused_tokens=t.reused,
         pool=pool_stats(session),
-        notice=state.notice,
+        notice=state.notice or tier_notice(tier),
         spec=t.spec,
         experts=runner.model.expert_counts(),
         state_bytes=seq.state.layout.bytes if seq.state is not None else 0,
         snapshots=tuple(sorted(seq.state.snapshots)) if seq.state is not None else (),
         summary_bytes=sum(m.layout.summary_bytes * len(m.block_table) for m in seq.members),
         blocks_read=blocks_read(runner, seq),
+        blocks_on_disk=len(tier.records) if tier is not None else 0,
+        tier_fetches=(tier.fetches, tier.hits) if tier is not None else (0, 0),
     )
+
+
+def tier_notice(tier) -> str:
+    if tier is None or not tier.failed:
+        return ""
+    return f"{tier.failed}: the conversation goes on with the blocks in memory (answers may differ)"
 
 
 def blocks_read(runner, seq) -> tuple[int, int]:

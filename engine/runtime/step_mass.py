@@ -59,7 +59,8 @@ class StepMass:
             if whole(st):                   # every token held, in order: a slice of one table
                 got = column_table(n + st.num_new, unit)
             else:
-                pos = torch.cat((seq.positions(st.past_slots), torch.arange(n, n + st.num_new)))
+                past = st.past_positions if st.past_positions is not None else seq.positions(st.past_slots)
+                pos = torch.cat((past, torch.arange(n, n + st.num_new)))
                 got = (pos // unit).to(torch.int32)
             self._cols[id(st)] = got
         return got

@@ -52,6 +52,7 @@ class SeqStep:
     kernel_args: object | None = None
     decode: bool = True           # one generated token (False: prompt rows, see softmax_attention)
     outside: torch.Tensor | None = None   # [T, P + T] bool: keys outside a prompt row's own window (or None)
+    past_positions: torch.Tensor | None = None  # [P] the past rows' token positions where not past_slots' (retrieval)
 
     @property
     def num_new(self) -> int:

@@ -2911,6 +2911,10 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
         <translation> · 键摘要 {size}</translation>
     </message>
     <message>
+        <source> · {n} blocks on disk, {f} fetched, {h} from the fetch cache</source>
+        <translation> · 磁盘上 {n} 块，已取回 {f} 块，{h} 块来自取回缓存</translation>
+    </message>
+    <message>
         <source>Tokens in cache: {n}</source>
         <translation>缓存中的 token：{n}</translation>
     </message>
