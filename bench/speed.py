@@ -72,8 +72,10 @@ def _time_kvchat(engine, ids: list[int], new_tokens: int, watch: str | None = No
     for _ in range(new_tokens - 1):
         nxt = int(session.append([nxt], all_logits=False)[-1].argmax())
     t2 = time.perf_counter()
+    held = session.stats()
     session.reset()
-    return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": (new_tokens - 1) / (t2 - t1), "ttft_s": t1 - t0}
+    return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": (new_tokens - 1) / (t2 - t1), "ttft_s": t1 - t0,
+            "kv_bytes": held.kv_bytes + held.summary_bytes}
 
 
 def _time_llamacpp(llm, ids: list[int], new_tokens: int) -> dict:
@@ -424,6 +426,7 @@ def run(args) -> dict:
     if "kvchat_retrieval" in result:      # issue 42: reading K blocks a token against reading them all
         result["retrieval_blocks"] = args.retrieval
         result["retrieval_decode_speedup"] = result["kvchat_retrieval"]["decode_tok_s"] / k["decode_tok_s"]
+        result["retrieval_memory_ratio"] = result["kvchat_retrieval"]["kv_bytes"] / k["kv_bytes"]
     for peer in ("llamacpp", "transformers"):
         if peer in result:
             result[f"ratio_decode_vs_{peer}"] = k["decode_tok_s"] / result[peer]["decode_tok_s"]

@@ -84,6 +84,23 @@ def test_block_scores_take_the_best_head_of_the_groups_layers():
     assert torch.allclose(importance.block_scores(log, (0,), 3, 12), torch.tensor([.1, 0, 0]))
 
 
+def test_a_block_the_reply_wrote_is_judged_by_the_rows_that_saw_it():
+    """Reply rows for tokens 2..5 over blocks of 4: block 0 is seen by all four rows, block 1 (opened at token 4) by
+    the last two. A block's score is its mean over the rows that could see it; a mean over all rows would halve
+    block 1's and let the reply's own newest text go first."""
+    log = AttentionLog(num_layers=1, num_heads=1, block_size=4, weights="blocks")
+    for t in range(2, 6):
+        rows, _ = log.begin(t, 1, t + 1, True, t)
+        rows[0, 0, 0, 0] = 1.0 if t < 4 else 0.5
+        if t >= 4:
+            rows[0, 0, 0, 1] = 0.5
+    fair = importance.block_scores(log, (), 2, 6)
+    assert fair[0] == pytest.approx(3.0 / 4)
+    assert fair[1] == pytest.approx(1.0 / 2)
+    plain, rows = log.over_reply(6)                    # the Attention page's mean row stays over all rows
+    assert rows == 4 and plain[0, 0, 1] == pytest.approx(1.0 / 4)
+
+
 def test_importance_holds_its_window_and_keeps_positions(tiny_engine):
     """Blocks leave by attention and the held tokens keep their positions: every logit equals a full cache from which
     the same blocks are dropped by hand after the same steps."""

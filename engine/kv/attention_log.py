@@ -104,9 +104,17 @@ class AttentionLog:
         self._fold(num_tokens)
         return None if self.prompt is None else self.prompt[:2]
 
-    def over_reply(self, num_tokens: int) -> tuple[torch.Tensor, int] | None:
-        """(mean mass [layers, Hq, mcols], rows) over the current reply's rows up to the cache's last token."""
+    def over_reply(self, num_tokens: int, since_made: bool = False) -> tuple[torch.Tensor, int] | None:
+        """(mean mass [layers, Hq, mcols], rows) over the current reply's rows up to the cache's last token. With
+        since_made, each column's mean is over the rows that could see it (a block the reply wrote is not judged by
+        the rows read before it existed); the sink's column over all."""
         self._fold(num_tokens)          # the rows stay readable as the newest
         if self.reply is None or not self.reply_rows:
             return None
-        return self.reply / self.reply_rows, self.reply_rows
+        if not since_made:
+            return self.reply / self.reply_rows, self.reply_rows
+        end = self.reply_start + self.reply_rows
+        first = torch.arange(self.reply.shape[-1] - 1, dtype=torch.float64) * self.unit
+        seen = (end - first.clamp(min=self.reply_start)).clamp(1, self.reply_rows)
+        seen = torch.cat([seen, torch.tensor([float(self.reply_rows)], dtype=torch.float64)]).to(self.reply.dtype)
+        return self.reply / seen, self.reply_rows

@@ -2,7 +2,8 @@
 
 A block's score is the most attention any query head of the group's layers gave it, over the last prompt's observed
 rows (SnapKV's observation window: a prompt's last 32 rows, kv/attention_log.OBSERVED) plus the reply's mean row so
-far (the mass H2O accumulates, as a mean so a long reply does not outweigh the prompt). The maximum over heads keeps
+far (the mass H2O accumulates, as a mean so a long reply does not outweigh the prompt; each block's mean over the rows
+that could see it, so a block the reply wrote is not starved by the rows read before it). The maximum over heads keeps
 a block that one head needs (a retrieval head finding a fact) where a mean would drown it in the others. The sink
 blocks and the newest blocks always stay (KeepImportant); ties go oldest first, and a conversation nothing was
 measured for yet loses its oldest blocks, as a window would.
@@ -19,7 +20,7 @@ def block_scores(log: AttentionLog | None, layers: tuple[int, ...], num_blocks: 
     """[num_blocks] float: each table position's score (0 where nothing attended it), or None: nothing measured."""
     if log is None:
         return None
-    parts = [got[0] for got in (log.over_prompt(num_tokens), log.over_reply(num_tokens)) if got is not None]
+    parts = [got[0] for got in (log.over_prompt(num_tokens), log.over_reply(num_tokens, since_made=True)) if got is not None]
     if not parts:
         return None
     cols = max(p.shape[-1] for p in parts) - 1          # the last column is the learned sink's share
