@@ -183,3 +183,22 @@ def test_key_summary_share_estimate():
     assert key_summary_share("fp32", "fp32", 16) == pytest.approx(1 / 32)
     assert key_summary_share("int8", "int8", 32) == pytest.approx(1 / 16)
     assert key_summary_share("auto", "auto", 16, "fp32", "cuda") == pytest.approx(1 / 32)
+
+
+def test_the_gauge_gives_retrieval_a_line_of_its_own(qtbot):
+    """What a token read, the summaries and the blocks on disk go on a second line (the first would cut them off in a
+    narrow dock), and the gauge grows by that line only while there is one; the tooltip says what each means."""
+    from kvchat.app.dashboard.dashboard_data import TokenRoom
+    from kvchat.app.dashboard.gauge import TokenGauge
+    gauge = TokenGauge()
+    qtbot.addWidget(gauge)
+    room = TokenRoom(450, 7742, "context", 8192, 0.06)
+    gauge.set_room(room)
+    one = gauge.sizeHint().height()
+    assert gauge.lines()[1] == ""
+    gauge.set_room(room, 0, (9, 29, 5760), (12, 40, 7))
+    main, detail = gauge.lines()
+    assert "450 tokens in cache" in main and "context binds" in main and "evicted" not in main
+    assert "reads 9 of 29 blocks" in detail and "12 on disk, 40 fetched, 7 hits" in detail
+    assert gauge.sizeHint().height() == one + gauge.fontMetrics().height()
+    assert "Blocks on disk past the budget: 12" in gauge.toolTip() and "min and max keys" in gauge.toolTip()

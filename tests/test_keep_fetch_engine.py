@@ -332,6 +332,9 @@ def test_past_the_budget_blocks_go_to_disk_and_come_back(small_pool):
     cache.check()
     snap = s.stats()
     assert snap.blocks_on_disk == len(tier.records) and snap.tier_fetches[0] > 0
+    assert snap.tokens_evicted == 0             # on disk is not gone: the held tokens and those on disk are all of it
+    assert snap.tokens_held + 16 * snap.blocks_on_disk == 450
+    assert snap.tokens_left == s.info.max_context - 450      # past the budget is the disk's: the context binds
     assert snap.blocks_read == (1 + 6 + 2, 450 // 16 + 1)
     s2, want = spilled(engine, 6, prompt, 250, budget_mb=64)
     assert cache.tier_of(s2.seq) is None
@@ -362,8 +365,30 @@ def test_a_tier_file_gone_or_damaged_falls_back_to_memory(small_pool, fault):
             f.write(b"\xff" * 4096)
     out = s.append([9])[-1]
     assert torch.isfinite(out).all() and tier.failed
-    assert "blocks in memory" in s.stats().notice
+    snap = s.stats()
+    assert "blocks in memory" in snap.notice
+    assert snap.blocks_on_disk == 0 and snap.tokens_evicted == 16 * len(tier.records)   # now they are gone
     assert torch.isfinite(s.append([10])[-1]).all()            # and it goes on
+    s.close()
+
+
+def test_a_first_prompt_past_the_budget_spills_from_an_empty_pool(small_pool):
+    """A fresh session whose first prompt alone is past the budget: the first spill comes while the pool may hold no
+    pages (the tier sizes a block from the page shape), the prompt is read in smaller steps with the blocks read
+    moving to disk between them, and the reply goes on from the tier. (A prompt step reads the blocks in memory
+    only: docs/limits.md.)"""
+    prompt = ids_of(420, seed=14)
+    s = small_pool.new_session(cache=CacheConfig(retrieval_blocks=6, budget_mb=TIER_BUDGET_MB, **FP32),
+                               prefix_cache=False)
+    assert torch.isfinite(s.append(prompt)[-1]).all()
+    for t in ids_of(20, seed=15):
+        assert torch.isfinite(s.append([t])[-1]).all()
+    cache = small_pool.runner.cache
+    tier = cache.tier_of(s.seq)
+    assert tier is not None and len(tier.records) > 0 and cache.held_bytes <= cache.budget_bytes
+    snap = s.stats()
+    assert snap.tokens_held + 16 * snap.blocks_on_disk == 440 and snap.tokens_evicted == 0
+    cache.check()
     s.close()
 
 

@@ -56,8 +56,11 @@ def restore(engine, session) -> int:
 def save(engine, session) -> None:
     if session is None or getattr(session, "warm", None) is None or getattr(session, "is_closed", False):
         return
+    from kvchat.engine.runtime.warm import CacheFileError
     try:
         engine.save_warm(session)
+    except CacheFileError as exc:    # refused on purpose (blocks on disk past the budget): read again next time
+        log.info("a conversation's cache is not saved: %s", exc)
     except Exception:  # noqa: BLE001 - a cache that could not be saved is read again next time
         log.exception("could not save a conversation's cache")
 

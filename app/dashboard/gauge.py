@@ -31,10 +31,14 @@ class TokenGauge(QWidget):
         self._update_tooltip()
 
     def sizeHint(self) -> QSize:
-        return QSize(320, 42)
+        return QSize(320, self._height())
 
     def minimumSizeHint(self) -> QSize:
-        return QSize(160, 42)
+        return QSize(160, self._height())
+
+    def _height(self) -> int:
+        """The bar and one line of text, or two while retrieval has a line of its own."""
+        return 42 if not (self.reading[1] or self.reading[2] or self.on_disk) else 42 + self.fontMetrics().height()
 
     @property
     def windowed(self) -> bool:
@@ -56,28 +60,36 @@ class TokenGauge(QWidget):
         return self.tr("{n} left, budget binds").format(n=f"{self.room.left:,}")
 
     def text(self) -> str:
+        return "".join(self.lines())
+
+    def lines(self) -> tuple[str, str]:
+        """The gauge's two lines: what the cache holds, then what retrieval reads and fetches (empty without it)."""
         text = self.tr("{n} tokens in cache · {left}").format(n=f"{self.room.held:,}", left=self.left_text())
         if self.room.context_limit:
             text += self.tr(" · context {n}").format(n=f"{self.room.context_limit:,}")
         if self.tokens_evicted:
             text += self.tr(" · {n} evicted").format(n=f"{self.tokens_evicted:,}")
+        detail = ""
         read, held, summaries = self.reading
         if held:
-            text += self.tr(" · reads {read} of {held} blocks a token").format(read=f"{read:,}", held=f"{held:,}")
+            detail += self.tr(" · reads {read} of {held} blocks a token").format(read=f"{read:,}", held=f"{held:,}")
         if summaries:
-            text += self.tr(" · summaries {size}").format(size=format_bytes(summaries))
+            detail += self.tr(" · summaries {size}").format(size=format_bytes(summaries))
         if self.on_disk:
-            text += self.tr(" · {n} blocks on disk, {f} fetched, {h} from the fetch cache").format(
+            detail += self.tr(" · {n} on disk, {f} fetched, {h} hits").format(
                 n=f"{self.on_disk[0]:,}", f=f"{self.on_disk[1]:,}", h=f"{self.on_disk[2]:,}")
-        return text
+        return text, detail
 
     def set_room(self, room: TokenRoom, evicted: int = 0, reading: tuple[int, int, int] = (0, 0, 0),
                  on_disk: tuple = ()) -> None:
         if (room, int(evicted), tuple(reading), tuple(on_disk)) != (self.room, self.tokens_evicted, self.reading,
                                                                     self.on_disk):
+            two = self._height()
             self.room, self.tokens_evicted, self.reading, self.on_disk = room, int(evicted), tuple(reading), \
                 tuple(on_disk)
             self._update_tooltip()
+            if self._height() != two:
+                self.updateGeometry()
             self.update()
 
     def _update_tooltip(self) -> None:
@@ -94,6 +106,18 @@ class TokenGauge(QWidget):
         if room.context_limit:
             lines.append(self.tr("Model context: {n} tokens").format(n=f"{room.context_limit:,}"))
         lines.append(self.tr("Tokens evicted from the window: {n}").format(n=f"{self.tokens_evicted:,}"))
+        read, held, summaries = self.reading
+        if held:
+            lines.append(self.tr("Blocks each new token read, per layer: {read} of {held} (the sinks, the newest, "
+                                 "and those whose key summaries bound the highest score)").format(
+                read=f"{read:,}", held=f"{held:,}"))
+        if summaries:
+            lines.append(self.tr("Key summaries (each block's per-channel min and max keys): {size}, in the "
+                                 "budget").format(size=format_bytes(summaries)))
+        if self.on_disk:
+            lines.append(self.tr("Blocks on disk past the budget: {n}; read back from disk: {f}; found in the "
+                                 "fetch cache: {h}").format(n=f"{self.on_disk[0]:,}", f=f"{self.on_disk[1]:,}",
+                                                            h=f"{self.on_disk[2]:,}"))
         self.setToolTip("\n".join(lines))
 
     def paintEvent(self, _event) -> None:
@@ -111,6 +135,10 @@ class TokenGauge(QWidget):
         painter.setPen(self.palette().windowText().color())
         text_rect = QRectF(0, bar.bottom() + 4, self.width(), self.height() - bar.bottom() - 4)
         metrics = painter.fontMetrics()
-        text = metrics.elidedText(self.text(), Qt.TextElideMode.ElideRight, int(text_rect.width()))
-        painter.drawText(text_rect, Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop, text)
+        for line in self.lines():
+            if line:
+                text = metrics.elidedText(line.removeprefix(" · "), Qt.TextElideMode.ElideRight,
+                                          int(text_rect.width()))
+                painter.drawText(text_rect, Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop, text)
+                text_rect.adjust(0, metrics.height(), 0, 0)
         painter.end()

@@ -14,6 +14,7 @@ Full-precision pages only (fp32, fp16, bf16): a quantized conversation past its 
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -50,7 +51,8 @@ class BlockTier:
         self.path = self._folder / "blocks.bin"
         self._file = open(self.path, "w+b")
         weakref.finalize(self, self._file.close)
-        self._layer_bytes = [sum(c.pages["data"][0].numel() * c.pages["data"].element_size() for c in pair)
+        # a block's bytes per layer from the page shape: the pool may hold no pages at all when the first spill comes
+        self._layer_bytes = [sum(math.prod(c.pages["data"].shape[1:]) * c.pages["data"].element_size() for c in pair)
                              for pair in comps]
 
     @property

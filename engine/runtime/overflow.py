@@ -44,10 +44,11 @@ def read(session, ids: list[int], all_logits: bool,
     cuts, keep_at = state_cuts(session, len(ids))
     outs = []
     i = 0
+    chunk = WindowGeometry.of(session.cache_config).prefill_chunk()
     while i < len(ids):
         if should_stop is not None and i and should_stop():
             raise Stopped()
-        end = min([i + WindowGeometry.of(session.cache_config).prefill_chunk()] + [c for c in cuts if c > i])
+        end = min([i + chunk] + [c for c in cuts if c > i])
         part = ids[i:end]
         try:
             (logits,) = session.runner.step([(session.state.seq, part)], all_logits=all_logits)
@@ -55,6 +56,10 @@ def read(session, ids: list[int], all_logits: bool,
             c = session.cache_config
             if c.overflow == "slide" and c.window is None:
                 slide_to_fit(session)
+                continue
+            bs = session.seq.block_size
+            if len(part) > bs and session.runner.cache.can_spill(session.seq):
+                chunk = max(bs, len(part) // 2 // bs * bs)   # smaller steps: the blocks read move to disk between
                 continue
             raise BudgetFull(budget_message(session, len(ids) - i)) from None
         i += len(part)

@@ -27,6 +27,8 @@ def tokens_left(session) -> int | None:
     seq = session.state.seq
     if seq.geometry.window is not None:     # the group that keeps the most is windowed: every group is bounded
         return None
+    if session.runner.cache.can_spill(seq) and session.info.max_context:    # past the budget, blocks go to disk:
+        return max(0, session.info.max_context - seq.num_tokens)            # the model's context binds
     layout = seq.layout
     room = session.runner.room_bytes({seq.seq_id}) - (layout.fixed_bytes - seq.side_bytes)
     if seq.groups:
@@ -84,6 +86,7 @@ def snapshot(session) -> StatsSnapshot:
     layers = tuple(layer_stats(runner, seq, windows, caps))
     t = state.turn_times
     tier = runner.cache.tier_of(seq)
+    on_disk = len(tier.records) if tier is not None and not tier.failed else 0   # a failed file's blocks are gone
     budget = session.runner.budget_bytes
     free = session.runner.free_bytes()
     return StatsSnapshot(
@@ -98,7 +101,7 @@ def snapshot(session) -> StatsSnapshot:
         blocks_budget=layout.budget_blocks(budget),
         tokens_in_context=len(state.token_ids),
         tokens_held=seq.tokens_held,
-        tokens_evicted=seq.num_tokens - seq.tokens_held,
+        tokens_evicted=seq.num_tokens - seq.tokens_held - on_disk * c.block_size,   # on disk is not gone
         tokens_left=tokens_left(session),
         bytes_per_token=layout.bytes_per_token,
         prefill_tokens=t.prefill_tokens,
@@ -119,7 +122,7 @@ def snapshot(session) -> StatsSnapshot:
         snapshots=tuple(sorted(seq.state.snapshots)) if seq.state is not None else (),
         summary_bytes=sum(m.layout.summary_bytes * len(m.block_table) for m in seq.members),
         blocks_read=blocks_read(runner, seq),
-        blocks_on_disk=len(tier.records) if tier is not None else 0,
+        blocks_on_disk=on_disk,
         tier_fetches=(tier.fetches, tier.hits) if tier is not None else (0, 0),
     )
 

@@ -2911,8 +2911,20 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
         <translation> · 键摘要 {size}</translation>
     </message>
     <message>
-        <source> · {n} blocks on disk, {f} fetched, {h} from the fetch cache</source>
-        <translation> · 磁盘上 {n} 块，已取回 {f} 块，{h} 块来自取回缓存</translation>
+        <source> · {n} on disk, {f} fetched, {h} hits</source>
+        <translation> · 磁盘上 {n} 块，已取回 {f} 块，命中 {h} 次</translation>
+    </message>
+    <message>
+        <source>Blocks each new token read, per layer: {read} of {held} (the sinks, the newest, and those whose key summaries bound the highest score)</source>
+        <translation>每个新词元每层读取的块：{held} 块中的 {read} 块（锚点、最新的块，以及键摘要给出最高得分上界的块）</translation>
+    </message>
+    <message>
+        <source>Key summaries (each block&apos;s per-channel min and max keys): {size}, in the budget</source>
+        <translation>键摘要（每块各通道键的最小值与最大值）：{size}，计入预算</translation>
+    </message>
+    <message>
+        <source>Blocks on disk past the budget: {n}; read back from disk: {f}; found in the fetch cache: {h}</source>
+        <translation>超出预算存于磁盘的块：{n}；从磁盘读回：{f}；在取回缓存中找到：{h}</translation>
     </message>
     <message>
         <source>Tokens in cache: {n}</source>
