@@ -352,6 +352,35 @@ def test_past_the_budget_blocks_go_to_disk_and_come_back(small_pool):
     cache.check()
 
 
+def test_the_attention_map_marks_the_blocks_on_disk(small_pool):
+    """The Attention page's map says which columns are on disk: exactly the tier's blocks; a layer's column there is
+    held only where that layer fetched it back for the newest token, and coloured apart from a block in memory not
+    read."""
+    import numpy as np
+
+    from kvchat.app.dashboard.attention_data import DISK_RGB, LEFT_RGB, Scale, colours
+    s = small_pool.new_session(cache=CacheConfig(retrieval_blocks=6, budget_mb=TIER_BUDGET_MB, **FP32),
+                               prefix_cache=False)
+    s.watch_attention("blocks")
+    s.append(ids_of(200, seed=10))
+    for t in ids_of(250, seed=11):
+        s.append([t])
+    tier = small_pool.runner.cache.tier_of(s.seq)
+    m = s.attention(over="newest")
+    read = s.stats().blocks_read[0]
+    assert all(int(m.held[layer].sum()) <= read for layer in range(m.num_layers))    # held: the blocks it read
+    assert m.on_disk is not None and set(np.flatnonzero(m.on_disk)) == set(tier.records)
+    fetched = m.held[:, m.on_disk]
+    assert fetched.any() and not fetched.all()         # some layers read some disk blocks back, not all of them
+    rgb = colours(m.layer_mass(), m.held, m.attends, Scale(-4, 0), m.on_disk)[..., :3]
+    layer, col = [int(x) for x in np.argwhere(~m.held & m.on_disk[None, :])[0]]
+    assert tuple(rgb[layer, col]) == DISK_RGB
+    spots = np.argwhere(~m.held & ~m.on_disk[None, :])
+    if len(spots):
+        assert tuple(rgb[spots[0][0], spots[0][1]]) == LEFT_RGB
+    s.close()
+
+
 @pytest.mark.parametrize("fault", ["gone", "damaged"])
 def test_a_tier_file_gone_or_damaged_falls_back_to_memory(small_pool, fault):
     s, _ = spilled(small_pool, 4, ids_of(200, seed=12), 250)

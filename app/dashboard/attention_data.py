@@ -21,6 +21,7 @@ STOPS = ((0.0, (255, 247, 214)), (0.3, (253, 186, 116)), (0.6, (234, 88, 12)), (
 ZERO_RGB = (255, 255, 255)              # held, and no mass measured there
 LEFT_RGB = (148, 163, 184)              # the layer no longer holds the block: not "no mass", nothing to attend
 LINEAR_RGB = (226, 232, 240)            # a linear-attention layer: it attends to no cached block
+DISK_RGB = (125, 211, 252)              # retrieval past the budget: the block is on disk, not read back for this row
 MAX_DRAWN_COLUMNS = 1024                # columns past this are pooled for drawing (the largest mass kept)
 
 
@@ -69,13 +70,17 @@ def percent(mass: float) -> str:
     return f"{100 * mass:.3g}%"
 
 
-def colours(mass: np.ndarray, held: np.ndarray, attends: np.ndarray, scale: Scale) -> np.ndarray:
+def colours(mass: np.ndarray, held: np.ndarray, attends: np.ndarray, scale: Scale,
+            on_disk: np.ndarray | None = None) -> np.ndarray:
     """[rows, columns] mass, held and [rows] attends -> [rows, columns, 4] RGBA bytes: the scale where held, white for
-    no mass, LEFT_RGB where the row no longer holds the column, LINEAR_RGB for a row that attends to nothing."""
+    no mass, LEFT_RGB where the row no longer holds the column (DISK_RGB where its block is on disk, [columns]
+    on_disk), LINEAR_RGB for a row that attends to nothing. A block read back from disk is held: the scale."""
     index = (scale.position(mass) * (len(LUT) - 1)).round().astype(np.intp)
     rgb = LUT[index]
     rgb = np.where((mass <= 0)[..., None], np.array(ZERO_RGB, np.uint8), rgb)
     rgb = np.where((~held)[..., None], np.array(LEFT_RGB, np.uint8), rgb)
+    if on_disk is not None:
+        rgb = np.where((~held & on_disk[None, :])[..., None], np.array(DISK_RGB, np.uint8), rgb)
     rgb = np.where((~attends)[:, None, None], np.array(LINEAR_RGB, np.uint8), rgb)
     alpha = np.full(mass.shape + (1,), 255, np.uint8)
     return np.concatenate([rgb, alpha], axis=-1)
@@ -91,6 +96,13 @@ def pooled(mass: np.ndarray, held: np.ndarray, max_columns: int = MAX_DRAWN_COLU
         return mass, held, 1
     starts = np.arange(0, columns, per)
     return np.maximum.reduceat(mass, starts, axis=-1), np.logical_or.reduceat(held, starts, axis=-1), per
+
+
+def pooled_flags(flags: np.ndarray | None, per: int) -> np.ndarray | None:
+    """[columns] flags pooled as pooled() pools held: a drawn column is flagged where any of its run is."""
+    if flags is None or per == 1:
+        return flags
+    return np.logical_or.reduceat(flags, np.arange(0, flags.shape[-1], per))
 
 
 # --- where things are along the columns ---
@@ -195,6 +207,9 @@ def cell_text(m: AttentionMap, texts: tuple[str, ...], roles: tuple[str, ...], l
         lines.append(translate("AttentionData", "linear attention: this layer keeps a state, it attends to no block"))
     elif not m.held[layer, column] and m.kept_by == "importance":
         lines.append(translate("AttentionData", "dropped by this layer's group: it drew the least attention"))
+    elif not m.held[layer, column] and m.on_disk is not None and m.on_disk[column]:
+        lines.append(translate("AttentionData", "on disk past the budget: this layer did not fetch it for the "
+                                                "newest token"))
     elif not m.held[layer, column] and m.kept_by == "retrieval":
         lines.append(translate("AttentionData", "kept, but this layer did not read it for the newest token"))
     elif not m.held[layer, column]:
@@ -202,6 +217,8 @@ def cell_text(m: AttentionMap, texts: tuple[str, ...], roles: tuple[str, ...], l
     else:
         mass = float(m.mass[layer, :, column].mean() if head is None else m.mass[layer, head, column])
         lines.append(translate("AttentionData", "{share} of the attention").format(share=percent(mass)))
+        if m.on_disk is not None and m.on_disk[column]:
+            lines.append(translate("AttentionData", "on disk past the budget, fetched back for the newest token"))
     if m.window is not None and start < m.sinks:
         lines.append(translate("AttentionData", "attention sinks: always kept"))
     return "\n".join(lines)

@@ -14,9 +14,10 @@ from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QPushButton, Q
                                QVBoxLayout, QWidget)
 
 from kvchat.app.bridge.attention_events import EMPTY, REMOTE, UNSUPPORTED, AttentionShown
-from kvchat.app.dashboard.attention_data import (LEFT_RGB, LINEAR_RGB, LUT, ZERO_RGB, Scale, boundary_columns,
-                                                 cell_text, colours, column_message, pooled, scale_for, sinks_x,
-                                                 summary_text, token_ticks, window_x)
+from kvchat.app.dashboard.attention_data import (DISK_RGB, LEFT_RGB, LINEAR_RGB, LUT, ZERO_RGB, Scale,
+                                                 boundary_columns, cell_text, colours, column_message, pooled,
+                                                 pooled_flags, scale_for, sinks_x, summary_text, token_ticks,
+                                                 window_x)
 from kvchat.app.dashboard.attention_plot import HeatMap
 from kvchat.app.dashboard.registry import Page, register
 from kvchat.app.dashboard.replay_panel import ReplayPanel
@@ -184,8 +185,8 @@ class AttentionView(QWidget):
         self.scale = scale_for(m)
         mass, held, per = pooled(m.layer_mass(), m.held)
         linear = [i for i in range(m.num_layers) if not m.attends[i]]
-        self.layers_map.show_map(colours(mass, held, m.attends, self.scale), per, m.num_columns,
-                                 boundary_columns(m), sinks_x(m), window_x(m), self.tr("window"), linear,
+        self.layers_map.show_map(colours(mass, held, m.attends, self.scale, pooled_flags(m.on_disk, per)), per,
+                                 m.num_columns, boundary_columns(m), sinks_x(m), window_x(m), self.tr("window"), linear,
                                  self.tr("linear attention: no cache to attend to"), token_ticks(m))
         self.colour_bar.set_scale(self.scale)
         self.legend.setText(self._legend_html(m, bool(linear)))
@@ -201,18 +202,22 @@ class AttentionView(QWidget):
         held = np.repeat(m.held[layer][None], heads, axis=0)
         attends = np.repeat(m.attends[layer], heads)
         mass, held, per = pooled(m.mass[layer], held)
-        self.heads_map.show_map(colours(mass, held, attends, self.scale), per, m.num_columns, boundary_columns(m),
+        self.heads_map.show_map(colours(mass, held, attends, self.scale, pooled_flags(m.on_disk, per)), per,
+                                m.num_columns, boundary_columns(m),
                                 sinks_x(m), window_x(m), self.tr("window"), [] if m.attends[layer] else [0],
                                 self.tr("linear attention: no cache to attend to"), token_ticks(m))
         self._hovered = ()
 
     def _legend_html(self, m, linear: bool) -> str:
         entries = [_swatch(ZERO_RGB, self.tr("no mass"))]
-        if (~m.held & m.attends[:, None]).any():
+        disk = np.zeros(m.num_columns, bool) if m.on_disk is None else m.on_disk
+        if (~m.held & m.attends[:, None] & ~disk[None, :]).any():
             entries.append(_swatch(LEFT_RGB, {
                 "importance": self.tr("dropped (the least attended went)"),
                 "retrieval": self.tr("kept, not read for this token")}.get(
                     m.kept_by, self.tr("no longer held (left the window)"))))
+        if (~m.held & m.attends[:, None] & disk[None, :]).any():
+            entries.append(_swatch(DISK_RGB, self.tr("on disk, not fetched for this token")))
         if linear:
             entries.append(_swatch(LINEAR_RGB, self.tr("linear-attention layer")))
         lines = self.tr("thin lines: where each message begins")

@@ -40,12 +40,15 @@ class AttentionMap:
     # what a column outside `held` means: "window" (it left the window), "importance" (it was dropped as the least
     # attended), "retrieval" (it is kept, but the newest row did not read it)
     kept_by: str = "window"
+    on_disk: np.ndarray | None = None   # bool [columns]: retrieval past the budget, the column's block is on disk
+                                # (read back when a layer's choice takes it: held there for that layer)
 
     def __post_init__(self):
         L, H, C = self.mass.shape
         assert self.block_positions.shape == (C,), "one position per column"
         assert self.sink_mass.shape == (L, H) and self.held.shape == (L, C) and self.attends.shape == (L,)
         assert self.over in OVER, self.over
+        assert self.on_disk is None or self.on_disk.shape == (C,), "one on-disk flag per column"
 
     @property
     def num_layers(self) -> int:
@@ -81,4 +84,6 @@ class AttentionMap:
         starts = np.arange(0, C, per)
         mass = np.add.reduceat(self.mass, starts, axis=2).astype(np.float32)
         held = np.logical_or.reduceat(self.held, starts, axis=1)
-        return replace(self, mass=mass, held=held, block_positions=self.block_positions[starts].copy())
+        on_disk = None if self.on_disk is None else np.logical_or.reduceat(self.on_disk, starts)
+        return replace(self, mass=mass, held=held, block_positions=self.block_positions[starts].copy(),
+                       on_disk=on_disk)

@@ -81,8 +81,21 @@ def attention_map(session, over: str = "newest", weights: str = "blocks",
         sinks=config.sinks if config.window is not None else 0,
         window=config.window if config.eviction == "window" else None,
         layer_windows=tuple(spec.window for spec in layers), message_starts=tuple(session.state.starts),
-        kept_by="retrieval" if config.retrieval_blocks is not None else config.eviction)
+        kept_by="retrieval" if config.retrieval_blocks is not None else config.eviction,
+        on_disk=_on_disk(session, out.shape[-1], unit))
     return result.bucketed(max_columns)
+
+
+def _on_disk(session, columns: int, unit: int) -> np.ndarray | None:
+    """bool [columns]: the columns whose block retrieval moved to disk past the budget; None without a usable tier."""
+    tier = session.runner.cache.tier_of(session.state.seq)
+    if tier is None or tier.failed or not tier.records:
+        return None
+    flags = np.zeros(columns, dtype=bool)
+    bs = session.state.seq.block_size
+    for p in tier.records:                      # table positions: block p holds tokens p*bs .. p*bs + bs - 1
+        flags[p * bs // unit:min(columns, -(-(p + 1) * bs // unit))] = True
+    return flags
 
 
 def _per_block(mass: np.ndarray, held: np.ndarray, bs: int) -> tuple[np.ndarray, np.ndarray, int]:

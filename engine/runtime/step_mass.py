@@ -22,12 +22,14 @@ class StepMass:
         self.targets: dict[int, tuple] = {}         # item -> (rows [R, layers, Hq, mcols], first row's offset)
         self.offsets = [st.offset for st in steps]
         self._cols: dict[int, torch.Tensor] = {}
+        self._held: dict[int, torch.Tensor] = {}    # item -> its log's held [layers, mcols - 1]
         for i, log in logs.items():
             (conv, _), st = items[i], steps[i]
             n0, T = conv.num_tokens, st.num_new
             R = T if st.decode else min(OBSERVED, T)
             rows, held = log.begin(n0 + T - R, R, n0 + T, st.decode, n0)
             self.targets[i] = (rows, st.offset + T - R, log.unit, 0 if st.decode else R)
+            self._held[i] = held
             last = st.offset + T - 1
             by_plan: dict[int, tuple] = {}          # what each layer held for the item's newest row, once per plan
             for layer, plans in enumerate(layer_steps):
@@ -44,6 +46,18 @@ class StepMass:
 
     def layer(self, layer: int) -> "LayerWatch":
         return LayerWatch(self, layer)
+
+    def narrowed(self, layer: int, st) -> None:
+        """Retrieval narrowed a one-token decode's plan for `layer` (engine/runtime/retrieval.py): the layer held,
+        for that newest row, the columns it read (blocks fetched from disk among them), not the whole table."""
+        i = max(j for j, off in enumerate(self.offsets) if off <= st.offset)
+        held = self._held.get(i)
+        if held is None:
+            return
+        target = self.targets[i]
+        mask = torch.zeros(held.shape[1], dtype=torch.bool)
+        mask[self.cols(st, target[2]).long()] = True
+        held[layer] = mask
 
     def _target(self, st) -> tuple | None:
         """(rows, first row's offset, unit) of the item plan st belongs to, or None: not watched."""
@@ -125,6 +139,9 @@ class LayerWatch:
 
     def rows(self, st) -> RowMass | None:
         return self.step.rows_for(self.layer, st)
+
+    def narrowed(self, st) -> None:
+        self.step.narrowed(self.layer, st)
 
     def kernel(self, steps: list) -> tuple[Mass | None, list]:
         return self.step.decodes(self.layer, steps)

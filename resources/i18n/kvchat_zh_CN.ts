@@ -129,6 +129,10 @@
         <translation>已被该层所在组丢弃：它得到的注意力最少</translation>
     </message>
     <message>
+        <source>on disk past the budget: this layer did not fetch it for the newest token</source>
+        <translation>超出预算存于磁盘：此层没有为最新词元取回它</translation>
+    </message>
+    <message>
         <source>kept, but this layer did not read it for the newest token</source>
         <translation>仍保留，但该层在最新 token 中没有读取它</translation>
     </message>
@@ -139,6 +143,10 @@
     <message>
         <source>{share} of the attention</source>
         <translation>占注意力的 {share}</translation>
+    </message>
+    <message>
+        <source>on disk past the budget, fetched back for the newest token</source>
+        <translation>超出预算存于磁盘，已为最新词元取回</translation>
     </message>
     <message>
         <source>attention sinks: always kept</source>
@@ -234,6 +242,10 @@
     <message>
         <source>no longer held (left the window)</source>
         <translation>已不再保存（离开了窗口）</translation>
+    </message>
+    <message>
+        <source>on disk, not fetched for this token</source>
+        <translation>在磁盘上，此词元未取回</translation>
     </message>
     <message>
         <source>linear-attention layer</source>

@@ -197,6 +197,10 @@ class StepAttention:
                 run = [self.chooser.narrow(st, local, q[st.offset:st.offset + 1], backend.comps[local][0])
                        if self.chooser.applies(st) else st for st in steps[i:j]]
                 if any(a is not b for a, b in zip(run, steps[i:j])):
+                    if watch is not None:
+                        for a, b in zip(run, steps[i:j]):
+                            if a is not b:
+                                watch.narrowed(a)
                     prepared, (i, j, steps) = backend.prepare_decodes(run), (0, len(run), run)
             if first.one_token_decode:
                 outs.append(backend.attend_decodes(local, q[sl], k[sl], v[sl], steps[i:j], prepared, watch))
