@@ -900,25 +900,6 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
         raise MemoryError("decode_layers: out of memory for the step's buffers")
 
 
-def prebuild() -> list[Path]:
-    """Compile every variant of both libraries (and the CPU probe) into the package: make's install step and the
-    bundle run this, so that a first start on any x86-64 CPU (or this architecture's) loads a build made for its
-    instructions instead of compiling. A variant the compiler cannot build (AVX-512 on an old one) is skipped."""
-    cpu_lib._build(cpu_lib.PROBE_SOURCE, into=BUILT, variant=list(cpu_lib.variants())[-1])
-    for variant in cpu_lib.variants():
-        for source in (SOURCE, KV_SOURCE):
-            try:
-                _build(source=source, into=BUILT, variant=variant)
-            except (OSError, RuntimeError) as exc:
-                print(f"skipped the {variant} build of {source.name}: {exc}")
-    return sorted(BUILT.glob("*.so"))
-
-
-if __name__ == "__main__":
-    for path in prebuild():
-        print(path)
-
-
 def choose_blocks(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, summary: torch.Tensor, ids: torch.Tensor,
                   k: int, out: torch.Tensor, scores: torch.Tensor, disk: torch.Tensor | None = None,
                   disk_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -941,14 +922,20 @@ def choose_blocks(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, summary
     return out[:k]
 
 
-def choose_blocks_ref(q, cos, sin, summary, ids, k):
-    """The torch reference of choose_blocks: (indices ascending, scores)."""
-    from kvchat.engine.model.rope import rotate
-    hq, d = q.shape
-    hkv = summary.shape[1]
-    r = rotate(q.float()[None], cos[None].float(), sin[None].float())[0].view(hkv, hq // hkv, d)
-    signed = torch.cat((r.clamp(min=0), r.clamp(max=0)), -1)
-    bound = torch.bmm(signed, summary[ids].float().permute(1, 2, 0))
-    scores = (bound - bound.amax(-1, keepdim=True)).flatten(0, 1).amax(0)
-    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))[:k]
-    return torch.tensor(sorted(order)), scores
+def prebuild() -> list[Path]:
+    """Compile every variant of both libraries (and the CPU probe) into the package: make's install step and the
+    bundle run this, so that a first start on any x86-64 CPU (or this architecture's) loads a build made for its
+    instructions instead of compiling. A variant the compiler cannot build (AVX-512 on an old one) is skipped."""
+    cpu_lib._build(cpu_lib.PROBE_SOURCE, into=BUILT, variant=list(cpu_lib.variants())[-1])
+    for variant in cpu_lib.variants():
+        for source in (SOURCE, KV_SOURCE):
+            try:
+                _build(source=source, into=BUILT, variant=variant)
+            except (OSError, RuntimeError) as exc:
+                print(f"skipped the {variant} build of {source.name}: {exc}")
+    return sorted(BUILT.glob("*.so"))
+
+
+if __name__ == "__main__":
+    for path in prebuild():
+        print(path)
