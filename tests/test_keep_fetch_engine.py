@@ -244,6 +244,13 @@ def test_cli_takes_the_options():
     assert cache_config(p.parse_args(["--retrieval-blocks", "64"])).retrieval_blocks == 64
     with pytest.raises(ConfigError, match="takes no window"):
         cache_config(p.parse_args(["--retrieval-blocks", "64", "--window", "512"]))
+    # `kvchat chat --prompt` with either option takes the engine's path, which checks them (the torch-free one-shot
+    # path has neither: it once answered --retrieval-blocks 0 and a window-less --eviction importance as if unasked)
+    from kvchat.cli.terminal import build_parser
+    from kvchat.engine.runtime import quick
+    for extra in (["--retrieval-blocks", "0"], ["--eviction", "importance"], ["--retrieval-blocks", "8"]):
+        assert not quick.covers(build_parser().parse_args(["chat", "--prompt", "hi", "--device", "cpu", *extra]))
+    assert quick.covers(build_parser().parse_args(["chat", "--prompt", "hi", "--device", "cpu"]))
 
 
 def choose_blocks_ref(q, cos, sin, summary, ids, k):

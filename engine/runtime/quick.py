@@ -291,8 +291,8 @@ def covers(args) -> bool:
     cache = CacheConfig()             # the command line's defaults are these (cli/options.py)
     defaults = dict(dtype=EngineConfig().dtype, k_format=cache.k_format, v_format=cache.v_format,
                     k_scheme=cache.k_scheme, window=cache.window, sinks=cache.sinks, block_size=cache.block_size,
-                    budget_mb=cache.budget_mb, overflow=cache.overflow,
-                    fp_layers=",".join(map(str, cache.full_precision_layers)))
+                    budget_mb=cache.budget_mb, overflow=cache.overflow, eviction=cache.eviction,
+                    retrieval_blocks=cache.retrieval_blocks, fp_layers=",".join(map(str, cache.full_precision_layers)))
     # the one-shot path decodes plainly (the same tokens greedy); asking for something else takes the engine's
     defaults.update(speculative=SpeculativeConfig().method, spec_tokens=SpeculativeConfig().k, draft_model=None)
     if os.environ.get("KVCHAT_NO_QUICK") or args.prompt is None or getattr(args, "json", False):
