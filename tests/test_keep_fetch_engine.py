@@ -126,6 +126,39 @@ def test_importance_holds_its_window_and_keeps_positions(tiny_engine):
         x.close()
 
 
+def test_a_prompt_is_judged_once_it_is_read_whole(tiny_engine):
+    """A prompt longer than the window is read in window-sized steps, and blocks leave only after its last one, by
+    its last 32 rows (SnapKV: the question at the end chooses what the text keeps): the blocks dropped are exactly
+    those the choice names over the whole prompt's table, scored from a full cache's window over the same prompt."""
+    ids = ids_of(300, seed=21)
+    s = tiny_engine.new_session(cache=CacheConfig(window=64, sinks=4, eviction="importance", **FP32),
+                                prefix_cache=False)
+    s.append(ids)
+    ref = tiny_engine.new_session(cache=CacheConfig(**FP32), prefix_cache=False)
+    ref.watch_attention("blocks")
+    ref.append(ids)
+    log = tiny_engine.runner.cache.attention_log(ref.seq)
+    table = list(ref.seq.table)
+    g = s.seq.geometry
+    n = g.num_to_evict(300, 0, len(table))
+    scores = importance.block_scores(log, (), len(table), 300)
+    want = importance.choose(table, g.sink_blocks, g.newest_blocks, n, scores)
+    assert [i for i, b in enumerate(s.seq.table) if b is None] == want
+    s.close()
+    ref.close()
+
+
+def test_a_budget_short_of_the_whole_prompt_lets_blocks_go_as_it_reads(small_pool):
+    """Where the budget cannot hold the prompt whole, blocks go by the scores so far as the prompt is read (the
+    answer is as good as those scores), rather than the prompt being refused."""
+    cfg = CacheConfig(window=64, sinks=4, eviction="importance", budget_mb=TIER_BUDGET_MB, **FP32)
+    s = small_pool.new_session(cache=cfg, prefix_cache=False)
+    assert torch.isfinite(s.append(ids_of(600, seed=22))[-1]).all()
+    assert len(s.seq.block_table) <= s.seq.geometry.limit_blocks
+    small_pool.runner.cache.check()
+    s.close()
+
+
 def test_importance_runs_every_format_and_survives_a_switch(tiny_engine):
     ids = ids_of(260, seed=1)
     for fmt in ("int8", "int4", "fp8"):

@@ -50,12 +50,16 @@ def read(session, ids: list[int], all_logits: bool,
             raise Stopped()
         end = min([i + chunk] + [c for c in cuts if c > i])
         part = ids[i:end]
+        seq = session.state.seq
         try:
-            (logits,) = session.runner.step([(session.state.seq, part)], all_logits=all_logits)
+            (logits,) = session.runner.step([(seq, part)], all_logits=all_logits,
+                                            reading=frozenset({seq.seq_id}) if end < len(ids) else frozenset())
         except NoFreeBlocks:
             c = session.cache_config
             if c.overflow == "slide" and c.window is None:
                 slide_to_fit(session)
+                continue
+            if session.runner.settle(seq):      # kept by attention: the budget cannot hold the prompt whole
                 continue
             bs = session.seq.block_size
             if len(part) > bs and session.runner.cache.can_spill(session.seq):

@@ -223,7 +223,7 @@ class ModelRunner:
 
     def step(self, items: list[tuple[Conversation, list[int]]], all_logits: bool = False,
              hash_ids: bool = True, decode: list[bool] | None = None,
-             keep: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+             keep: frozenset[int] = frozenset(), reading: frozenset[int] = frozenset()) -> list[torch.Tensor]:
         """Feed each sequence its new ids in one forward pass; returns per sequence logits [T, vocab] (all_logits)
         or [1, vocab] (its last token). Raises NoFreeBlocks when the budget cannot take the tokens.
 
@@ -233,7 +233,10 @@ class ModelRunner:
         several tokens is a verification (speculative decoding): each of its rows runs as plain decoding would
         run it (step_plan.plan_rows) and it always gets every row's logits [T, vocab]; keep its drafts within
         draft_room, and take the rejected ones back with truncate. keep: ids of other sequences the budget must not
-        release for this step's room (a draft model's step beside the conversation it drafts for)."""
+        release for this step's room (a draft model's step beside the conversation it drafts for). reading: ids of
+        conversations whose prompt goes on after this step: one kept by attention lets blocks go only once its prompt
+        is read whole (SnapKV scores from the prompt's last rows, the question among them; settle() when the budget
+        cannot wait)."""
         decode = [len(ids) == 1 for _, ids in items] if decode is None else decode
         order = decode_first(items, decode)
         with self.lock:
@@ -253,7 +256,7 @@ class ModelRunner:
             if attention.chooser is not None:       # what each retrieval conversation's token read
                 self.blocks_read.update(attention.chooser.per_conversation)
             for seq, _ in reserved.items:       # a window kept by attention lets the least attended go
-                if any(m.geometry.by_importance for m in seq.members):
+                if seq.seq_id not in reading and any(m.geometry.by_importance for m in seq.members):
                     self.cache.evict_unimportant(seq)
             if self.state_layout is not None:
                 for seq, _ in items:
@@ -263,6 +266,14 @@ class ModelRunner:
             self.steps += 1
             self.tokens_read += sum(len(ids) for _, ids in items)
         return item_logits(order, reserved.steps, logits, per_row, all_logits)
+
+    def settle(self, seq: Conversation) -> int:
+        """A conversation kept by attention lets its least attended blocks go now, mid-prompt (the budget cannot
+        hold the prompt whole); returns the blocks that went (0: nothing to let go)."""
+        with self.lock:
+            if not any(m.geometry.by_importance for m in seq.members):
+                return 0
+            return self.cache.evict_unimportant(seq)
 
     def _watched(self, reserved: StepReservation) -> StepMass | None:
         """The step's attention measure, where a conversation of it is watched (KVCache.watch), else None."""

@@ -67,12 +67,15 @@ def match_prefix(engine, handle: Sequence, ids: list[int]) -> int:
     return _runner(engine).match_prefix(handle.seq, ids)
 
 
-def step(engine, items: list[tuple[Sequence, list[int]]], decode: list[bool] | None = None) -> list[torch.Tensor]:
+def step(engine, items: list[tuple[Sequence, list[int]]], decode: list[bool] | None = None,
+         reading: frozenset = frozenset()) -> list[torch.Tensor]:
     """Feed each sequence its new token ids in one forward pass; returns each item's last-token logits [1, vocab], or
     every row's [T, vocab] for a verification (a decode item of several tokens: speculative decoding).
     decode[i]: item i is generated tokens (not prompt): the runner keeps each kind's numbers independent of
-    the batch, so a request gives the same tokens alone or among others."""
-    return _runner(engine).step([(h.seq, ids) for h, ids in items], all_logits=False, decode=decode)
+    the batch, so a request gives the same tokens alone or among others. reading: the handles whose prompt goes on
+    after this step (a cache kept by attention chooses once it is read whole)."""
+    return _runner(engine).step([(h.seq, ids) for h, ids in items], all_logits=False, decode=decode,
+                                reading=frozenset(h.seq.seq_id for h in reading))
 
 
 def keep_state(engine, handle: Sequence) -> bool:

@@ -195,7 +195,8 @@ class Scheduler:
             decode = [r.num_computed >= len(r.prompt_ids) for r, _ in items]
             started = time.perf_counter()
             try:
-                logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items], decode)
+                reading = [r.handle for r, ids in items if r.num_computed + len(ids) < len(r.prompt_ids)]
+                logits = batch.step(self.engine, [(r.handle, ids) for r, ids in items], decode, reading)
                 spec = items[0][0].decoder.spec
                 if len(items) == 1 and decode[0] and spec is not None:    # one sequence alone: its costs
                     costs, rows = spec.costs, len(items[0][1])
