@@ -204,10 +204,23 @@ def keep_fetch(engine, args) -> dict:
     return {"model": engine.model_name, "text": "resources/texts/prose.txt", "tokens": len(ids), "scored": len(ids) - lead,
             "step": 1, "threads": torch.get_num_threads(), "baseline": compared.pop("baseline"), "modes": compared,
             "seconds": time.perf_counter() - started,
-            "checks": {f"{kind}-{held} closer to full than window-{held}":
-                       compared[f"{kind}-{held if kind == 'importance' else held // 16}"]["top1_agreement"]
-                       >= compared[f"window-{held}"]["top1_agreement"]
-                       for held in (512, 1024) for kind in ("importance", "retrieval")}}
+            "checks": _closer_checks(compared)}
+
+
+def _closer_checks(compared: dict) -> dict:
+    """Each mode against window + sinks at the same memory, by each measure apart (top-1 and KL may agree where the
+    perplexity does not): higher top-1, lower mean KL, perplexity ratio nearer 1."""
+    checks = {}
+    for held in (512, 1024):
+        window = compared[f"window-{held}"]
+        for kind in ("importance", "retrieval"):
+            name = f"{kind}-{held if kind == 'importance' else held // 16}"
+            m = compared[name]
+            checks[f"{name} top-1 closer to full than window-{held}"] = m["top1_agreement"] >= window["top1_agreement"]
+            checks[f"{name} KL closer to full than window-{held}"] = m["mean_kl"] <= window["mean_kl"]
+            checks[f"{name} perplexity closer to full than window-{held}"] = \
+                abs(m["ppl_ratio"] - 1) <= abs(window["ppl_ratio"] - 1)
+    return checks
 
 
 def summarize(result: dict) -> str:
