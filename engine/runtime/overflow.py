@@ -44,10 +44,11 @@ def read(session, ids: list[int], all_logits: bool,
     cuts, keep_at = state_cuts(session, len(ids))
     outs = []
     i = 0
-    chunk = WindowGeometry.of(session.cache_config).prefill_chunk()
+    smaller = len(ids)             # retrieval past the budget: steps shrunk so blocks can move to disk between them
     while i < len(ids):
         if should_stop is not None and i and should_stop():
             raise Stopped()
+        chunk = min(smaller, WindowGeometry.of(session.cache_config).prefill_chunk())   # a slide changes it
         end = min([i + chunk] + [c for c in cuts if c > i])
         part = ids[i:end]
         seq = session.state.seq
@@ -63,7 +64,7 @@ def read(session, ids: list[int], all_logits: bool,
                 continue
             bs = session.seq.block_size
             if len(part) > bs and session.runner.cache.can_spill(session.seq):
-                chunk = max(bs, len(part) // 2 // bs * bs)   # smaller steps: the blocks read move to disk between
+                smaller = max(bs, len(part) // 2 // bs * bs)
                 continue
             raise BudgetFull(budget_message(session, len(ids) - i)) from None
         i += len(part)
