@@ -63,23 +63,27 @@ class BlockTier:
     def nbytes(self) -> int:
         return len(self.records) * sum(self._layer_bytes)
 
-    def put(self, position: int, block: int, summaries: list[torch.Tensor]) -> None:
-        """Write block `block`'s bytes (every layer's K and V) as table position `position`, with its summaries
-        [layers] of [Hkv, 2D]; OSError (a full disk) leaves the tier as it was."""
-        parts, crcs = [], []
-        for pair in self.comps:
-            raw = b"".join(c.pages["data"][block].contiguous().view(torch.uint8).numpy().tobytes() for c in pair)
-            parts.append(raw)
-            crcs.append(zlib.crc32(raw))
+    def put(self, positions: list[int], blocks: list[int], summaries: list[torch.Tensor]) -> None:
+        """Write blocks `blocks` (every layer's K and V) as table positions `positions`, with their summaries
+        [layers] of [n, Hkv, 2D], in one write; OSError (a full disk) leaves the tier as it was."""
+        parts, records = [], {}
         offset = self._file.seek(0, os.SEEK_END)
+        for position, block in zip(positions, blocks):
+            crcs = []
+            for pair in self.comps:
+                raw = b"".join(c.pages["data"][block].contiguous().view(torch.uint8).numpy().tobytes() for c in pair)
+                parts.append(raw)
+                crcs.append(zlib.crc32(raw))
+            records[position] = (offset, crcs)
+            offset += sum(self._layer_bytes)
         self._file.write(b"".join(parts))
         self._file.flush()
-        self.records[position] = (offset, crcs)
+        self.records.update(records)
         if not self.summaries:
-            self.summaries = [torch.empty((0, *s.shape), dtype=torch.bfloat16) for s in summaries]
+            self.summaries = [torch.empty((0, *s.shape[1:]), dtype=torch.bfloat16) for s in summaries]
         row = self.summaries[0].shape[0]
-        self.summaries = [torch.cat((t, s[None].to(torch.bfloat16))) for t, s in zip(self.summaries, summaries)]
-        self.summary_row[position] = row
+        self.summaries = [torch.cat((t, s.to(torch.bfloat16))) for t, s in zip(self.summaries, summaries)]
+        self.summary_row.update((p, row + i) for i, p in enumerate(positions))
 
     def summary_rows(self, positions: list[int]) -> torch.Tensor:
         return torch.tensor([self.summary_row[p] for p in positions], dtype=torch.long)

@@ -188,8 +188,7 @@ class KVCache:
         for j, (kc, _) in enumerate(self._pages.components(layout)):
             summ.make(j, kc, seq.seq_id, seq.block_table, seq.seq_len, ids, slots, positions, None)
         try:
-            for p, b in zip(chosen, ids.tolist()):
-                tier.put(p, b, [d[b] for d in summ.data])
+            tier.put(chosen, ids.tolist(), [d[ids] for d in summ.data])
         except OSError:
             if fresh:
                 tier.close()

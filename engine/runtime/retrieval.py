@@ -77,7 +77,7 @@ class BlockChooser:
         where = [torch.cat((plan["sink_slots"], (positions[mem][:, None] * bs + bs_range).flatten(), plan["new_pos"]))]
         fetched = 0
         disk_picks = best[best >= n_mem]
-        if disk_picks.numel() > tier.most if on_disk else False:       # the best-scored of them, as many as may come
+        if on_disk and disk_picks.numel() > tier.most:      # the best-scored of them, as many as may come
             keep = scores[disk_picks].argsort(descending=True, stable=True)[:tier.most] if scores is not None \
                 else torch.arange(tier.most)
             disk_picks = disk_picks[keep.sort().values]
@@ -137,10 +137,9 @@ class BlockChooser:
         sinks = min(g.read_sink_blocks, newest)
         counts = self.per_conversation.setdefault(seq.members[0].seq_id, [0, 0, 0])
         held = seq.num_tokens // bs + 1
-        plan = {"held": held, "counts": counts, "tier": tier, "all": False, "n": 0}
         mem = [p for p in range(sinks, newest) if table[p] is not None]
         disk = [p for p in tier.positions if sinks <= p < newest] if tier is not None else []
-        plan["n"] = len(mem) + len(disk)
+        plan = {"held": held, "counts": counts, "tier": tier, "all": False, "n": len(mem) + len(disk)}
         if not disk and plan["n"] <= g.blocks and not seq.evicted:
             plan["all"] = True
             return plan
@@ -149,7 +148,7 @@ class BlockChooser:
         for p, b in enumerate(table):
             if b is not None:
                 slot_of[p] = len(slot_of)
-        first_newest = slot_of.get(newest, S) * bs if newest in slot_of else S
+        first_newest = slot_of[newest] * bs if newest in slot_of else S
         summ = self.cache.key_summaries(seq.layout)
         ids = torch.tensor([table[p] for p in mem], dtype=torch.long)
         mem_slots = torch.tensor([slot_of[p] for p in mem], dtype=torch.long)
