@@ -25,7 +25,8 @@ HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"), Path(__file__).with
            Path(__file__).with_name("cpu_moe.h"),
            Path(__file__).with_name("cpu_q6k.h"),
            Path(__file__).with_name("cpu_mxfp4.h"),
-           Path(__file__).with_name("cpu_gdn.h"))       # what the libraries include: part of the key
+           Path(__file__).with_name("cpu_gdn.h"),
+           Path(__file__).with_name("cpu_prompt_attn.h"))       # what the libraries include: part of the key
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 # decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
 # to stop
@@ -351,6 +352,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P, P, I, P]
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
+    lib.attn_prompt.argtypes = [P]
+    lib.attn_prompt.restype = I
     lib.choose_blocks.argtypes = [P, P, P, I, I, I, P, P, I, P, P, I, I, P, P]
     lib.choose_blocks.restype = None
     lib.moe_layer_rows.argtypes = [I, I, P, P, F, P, P, P]
@@ -378,6 +381,13 @@ class QLayer(ctypes.Structure):
     _fields_ = [("lin", (QLin * 3) * 4), ("nparts", ctypes.c_int * 4), ("norm_attn", ctypes.c_void_p),
                 ("norm_mlp", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("moe", ctypes.c_void_p)]
+
+
+class PromptArgs(ctypes.Structure):
+    """attn_prompt's arguments (pa_args_t in cpu_prompt_attn.h)."""
+    _fields_ = [(n, ctypes.c_int) for n in ("T", "P", "Hq", "Hkv", "D", "bf16", "n_sink")] + [
+        (n, ctypes.c_void_p) for n in ("q", "sink_k", "sink_logits", "kp", "vp", "rows", "outside")] + [
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("out", ctypes.c_void_p)]
 
 
 class MoE(ctypes.Structure):

@@ -746,6 +746,8 @@ void attn_decode_rot(const float *q, const float *qs, int n_sink, int Hq, int Hk
                       NULL);
 }
 
+#include "cpu_prompt_attn.h"  // prompt rows over full-precision pages (attn_prompt)
+
 // ---- one decode token per sequence, from the projections to the attention output ----------------------
 
 static inline void rope_full(const float *x, const float *c, const float *s, int D, float *o) {

@@ -387,6 +387,46 @@ def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, o
     return out
 
 
+def can_attend_prompt(hq: int, pages: torch.Tensor) -> bool:
+    """attn_prompt covers fp32 and bf16 pages on the CPU, head_dim a multiple of 16 up to 512."""
+    hkv, d = pages.shape[-2:]
+    return can_attend_pages(hq, pages) and d % 16 == 0 and hq // hkv <= 64
+
+
+def attn_prompt(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, rows: torch.Tensor, sm_scale: float,
+                softcap: float | None = None, sink_keys: torch.Tensor | None = None,
+                outside: torch.Tensor | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Prompt (or verification) rows' attention over fp32 or bf16 pages read in place (kernels/cpu_prompt_attn.h):
+    q [T, Hq, D] fp32 rotated; rows [P + T] int64 the keys' page rows, the T new ones last (already written), row t
+    reading keys 0 .. P + t; sink_keys [n_sink, Hkv, D] fp32: the first keys as this step sees them (turned sinks),
+    or None; outside [T, P + T] bool (keys outside a row's own window) or None; softcap and sink_logits as
+    softmax_attention's -> [T, Hq, D]. A row's bits do not depend on the other rows of the call."""
+    t, hq, d = q.shape
+    hkv = k_pages.shape[-2]
+    assert k_pages.dtype == v_pages.dtype and k_pages.is_contiguous() and v_pages.is_contiguous()
+    q = q.float().contiguous()
+    rows = rows.to(torch.int64).contiguous()
+    keep = [q, rows]
+    if sink_keys is not None:
+        sink_keys = sink_keys.float().contiguous()
+        keep.append(sink_keys)
+    if outside is not None:
+        outside = outside.to(torch.uint8).contiguous()
+        assert outside.shape == (t, rows.shape[0])
+    sink_logits = _sink_logits(sink_logits, hq)
+    out = torch.empty(t, hq, d)
+    args = cpu_lib.PromptArgs(t, rows.shape[0] - t, hq, hkv, d, int(k_pages.dtype == torch.bfloat16),
+                              0 if sink_keys is None else sink_keys.shape[0], q.data_ptr(), _ptr(sink_keys),
+                              _ptr(sink_logits), k_pages.data_ptr(), v_pages.data_ptr(), rows.data_ptr(),
+                              _ptr(outside), float(sm_scale), float(softcap or 0.0), out.data_ptr())
+    rc = _lib.attn_prompt(ctypes.byref(args))
+    if rc == -1:
+        raise MemoryError("attn_prompt: out of memory for its buffers")
+    if rc:
+        raise ValueError(f"attn_prompt: shapes it does not take (head_dim {d}, {hq} / {hkv} heads)")
+    return out
+
+
 def _sink_logits(sink_logits: torch.Tensor | None, hq: int) -> torch.Tensor | None:
     """A layer's sink logits as the kernels read them: float32 [Hq], contiguous, on the CPU (None: none)."""
     if sink_logits is None:

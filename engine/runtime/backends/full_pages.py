@@ -1,6 +1,7 @@
 """Full-precision pages (fp32, fp16, bf16): keys stored rotated at their absolute positions, so a step reads
 every held row once and turns only the sinks. Two backends: torch, and C on the CPU (decode_attend for runs of
-one-token decodes, the whole step in one decode_layers call; prompt rows take the torch path)."""
+one-token decodes, the whole step in one decode_layers call; attn_prompt for prompt and verification rows, the
+pages read in place)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from kvchat.kernels import cpu_quant
 
 from kvchat.engine.model.rope import rotate
 from kvchat.engine.model.transformer import DecodeKernel
-from kvchat.engine.runtime.attention import softmax_attention
+from kvchat.engine.runtime.attention import observe_rows, softmax_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
 from kvchat.engine.kv.pages import Component
 
@@ -32,6 +33,30 @@ def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores 
         k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
     return softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside, sink_args(scores),
                              None if watch is None else watch.rows(st))
+
+
+def attend_c(kc: Component, vc: Component, q, k, v, st, scores: LayerScores, watch=None) -> torch.Tensor:
+    """attend_torch's result through attn_prompt: the rotated keys stored, then every row over the pages in place
+    (no gathered copy of the held keys and values); the sinks' keys turned here, a handful of rows. Where the rows'
+    mass is watched, it is measured apart over a gathered copy, as softmax_attention measures it."""
+    T = q.shape[0]
+    new_rows = st.rows[st.rows.shape[0] - T:]
+    kc.write_rows(rotate(k.float(), st.q_cos, st.q_sin), new_rows)
+    vc.write_rows(v, new_rows)
+    k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
+    q_rot = rotate(q.float(), st.q_cos, st.q_sin)
+    sink_keys = None
+    if st.n_sink:
+        sink_keys = rotate(k_pages.index_select(0, st.rows[:st.n_sink]).float(), st.delta_cos, st.delta_sin)
+    out = cpu_quant.attn_prompt(q_rot, k_pages, v_pages, st.rows, scores.scale, scores.softcap, sink_keys,
+                                st.outside, scores.sink_logits)
+    observe = None if watch is None else watch.rows(st)
+    if observe is not None:
+        k_all = k_pages.index_select(0, st.rows).float()
+        if st.n_sink:
+            k_all[:st.n_sink] = sink_keys
+        observe_rows(q_rot, k_all, scores.scale, scores.softcap, st.outside, scores.sink_logits, observe)
+    return out
 
 
 class FullPagesTorch(AttentionBackend):
@@ -88,6 +113,9 @@ class FullPagesC(FullPagesTorch):
     def attend(self, layer, q, k, v, st, watch=None):
         if st.one_token_decode:
             return self.attend_decodes(layer, q, k, v, [st], decode_group([st]), watch)
+        kc, vc = self.comps[layer]
+        if cpu_quant.can_attend_prompt(q.shape[1], kc.flat_pages()):
+            return attend_c(kc, vc, q, k, v, st, self.scores[layer], watch)
         return super().attend(layer, q, k, v, st, watch)
 
     def prepare_decodes(self, steps):
