@@ -545,6 +545,17 @@ void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scal
 // n floats to bf16, rounded to nearest even as torch rounds (NaN kept a NaN): to_bf16, eight at a time
 static inline void store_bf16(const float *x, uint16_t *o, int n) {
     int j = 0;
+#ifdef __AVX512BF16__
+    // one instruction rounds 16 to nearest even, as below; it reads subnormal inputs as 0, so a vector holding one
+    // (no weight of a real file: the smallest is a code times a float16 scale) takes the exact loop
+    const __m512 tiny = _mm512_set1_ps(1.17549435e-38f);
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_loadu_ps(x + j), a = _mm512_abs_ps(v);
+        if (_mm512_cmp_ps_mask(a, tiny, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ)) break;
+        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) break;          // NaN: the exact loop's quiet NaN
+        _mm256_storeu_si256((__m256i *)(o + j), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+#endif
 #ifdef __AVX2__
     const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
     for (; j + 16 <= n; j += 16) {
@@ -620,6 +631,12 @@ static void q8_dequant_to(const int8_t *codes, const void *scale, const void *ze
             float tmp[32];
             float *o = out16 ? tmp : out + (size_t)n * K + g * G;
             int j = 0;
+#ifdef __AVX512F__
+            __m512 sw = _mm512_set1_ps(s), zw = _mm512_set1_ps(z);
+            for (; j + 16 <= G; j += 16)
+                _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + j)))), sw), zw));
+#endif
 #ifdef __AVX2__
             __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
             for (; j + 8 <= G; j += 8)

@@ -172,9 +172,11 @@ class _Packed(_Fused):
         for lo in range(0, self.out_features, step):
             hi = min(self.out_features, lo + step)
             out = None if buf is None else buf[:(hi - lo) * K].view(hi - lo, K)
-            wt = self._dequant_rows(lo, hi, out, self.prefill_dtype).t()
+            w = self._dequant_rows(lo, hi, out, self.prefill_dtype)
             for r in range(0, rows, tile):
-                y[r:r + tile, lo:hi] = x[r:r + tile] @ wt
+                # bf16: the slab times the rows' transpose, 1.6-3x faster in oneDNN than the rows times the slab's
+                # transpose (it packs the small operand, not the slab), the same tile of rows a call
+                y[r:r + tile, lo:hi] = (w @ x[r:r + tile].t()).t() if bf16 else x[r:r + tile] @ w.t()
         return y[:T]
 
     def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None, act="silu"):
