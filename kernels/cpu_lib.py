@@ -352,6 +352,12 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P, P, I, P]
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
+    lib.norm_add_rows.argtypes = [P, P, I, I, P, F]
+    lib.norm_add_rows.restype = None
+    lib.gelu_gate_rows.argtypes = [P, I, I, P]
+    lib.gelu_gate_rows.restype = None
+    lib.all_finite.argtypes = [P, ctypes.c_int64, I]
+    lib.all_finite.restype = I
     lib.attn_prompt.argtypes = [P]
     lib.attn_prompt.restype = I
     lib.choose_blocks.argtypes = [P, P, P, I, I, I, P, P, I, P, P, I, I, P, P]
@@ -380,7 +386,8 @@ class QLin(ctypes.Structure):
 class QLayer(ctypes.Structure):
     _fields_ = [("lin", (QLin * 3) * 4), ("nparts", ctypes.c_int * 4), ("norm_attn", ctypes.c_void_p),
                 ("norm_mlp", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                ("moe", ctypes.c_void_p)]
+                ("moe", ctypes.c_void_p), ("post_attn", ctypes.c_void_p), ("post_mlp", ctypes.c_void_p),
+                ("act", ctypes.c_int)]
 
 
 class PromptArgs(ctypes.Structure):

@@ -830,7 +830,49 @@ typedef struct {
     const float *norm_attn, *norm_mlp;
     const float *q_norm, *k_norm;        // Qwen3's RMSNorm of each q and k head before RoPE, [D] each; NULL: none
     const struct moe_s *moe;             // a routed MLP (cpu_moe.h) in place of gate_up / down; NULL: dense
+    const float *post_attn, *post_mlp;   // Gemma's RMSNorms of the attention's and the MLP's outputs; NULL: none
+    int act;                             // the gate's activation: 0 SiLU (SwiGLU), 1 GELU with tanh (Gemma)
 } qlayer_t;
+
+// y [B, H] = x + RMSNorm(y) * w, in place: a post-norm and its residual (Gemma), the one both paths call (the
+// Python forward for every fp32 row on the CPU: norm_add), so they give the same bits
+void norm_add_rows(float *y, const float *x, int B, int H, const float *w, float eps) {
+    for (int b = 0; b < B; b++) {
+        float *r = y + (size_t)b * H, ss = 0.0f;
+        const float *xr = x + (size_t)b * H;
+        for (int d = 0; d < H; d++) ss += r[d] * r[d];
+        float k = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int d = 0; d < H; d++) r[d] = xr[d] + r[d] * k * w[d];
+    }
+}
+
+// out [B, F] = gelu_tanh(gate) * up of gu [B, 2F] (gate | up): 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715
+// g^3), tanh(u) = 1 - 2 / (exp(2u) + 1); the one GELU of both paths (gelu_gate: the Python forward on the CPU)
+void gelu_gate_rows(const float *gu, int B, int F, float *out) {
+    const float c = 0.7978845608028654f, k = 0.044715f;
+    for (int b = 0; b < B; b++) {
+        const float *g = gu + (size_t)b * 2 * F, *u = g + F;
+        float *o = out + (size_t)b * F;
+        int i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(.5f);
+        for (; i + 8 <= F; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 t = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(k),
+                                     _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
+            __m256 e = exp8(_mm256_mul_ps(two, t));
+            __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th)),
+                                                  _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < F; i++) {
+            float x = g[i], t = c * (x + k * (x * (x * x)));
+            float th = 1.f - 2.f / (expf(2.f * t) + 1.f);
+            o[i] = 0.5f * x * (1.f + th) * u[i];
+        }
+    }
+}
 
 // The q and k heads of B rows of qkv [B, ld] (q: Hq heads of D, then k: Hkv heads) RMS-normed over D in place,
 // times q_w / k_w [D]: the one q/k norm of both paths (the Python forward calls it for every row on the CPU in
@@ -949,13 +991,14 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
     size_t nrows = attend ? 0 : (size_t)off[B];
     size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
     size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
-    size_t floats = (size_t)B * nqkv + (size_t)B * Hq * D + (size_t)B * H + (size_t)B * ngu + attn_floats;
+    size_t floats = (size_t)B * nqkv + (size_t)B * Hq * D + (size_t)B * H + (size_t)B * ngu + attn_floats
+                    + (size_t)B * ngu / 2;      // the GELU's output
     char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
     float *qkv = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63));
     float *att = qkv + (size_t)B * nqkv, *x2 = att + (size_t)B * Hq * D, *gu = x2 + (size_t)B * H;
-    float *as = gu + (size_t)B * ngu;
+    float *as = gu + (size_t)B * ngu, *gl = as + attn_floats;
     for (int l = 0; l < nl; l++) {
         const qlayer_t *L = layers + l;
         int n0 = 0;
@@ -972,7 +1015,12 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
                           n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, NULL, att, as, cols, mcols,
                           mass ? mass + (size_t)l * B * Hq * mcols : NULL);
         }
-        lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, x);
+        if (L->post_attn) {                  // Gemma: o normed, then added
+            lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, NULL);
+            norm_add_rows(x2, x, B, H, L->post_attn, eps);
+        } else {
+            lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, x);
+        }
         if (L->moe) {
             int rc = moe_layer_rows(B, H, x2, L->norm_mlp, eps, L->moe, x2, x);
             if (rc) {
@@ -982,7 +1030,20 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
             continue;
         }
         lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
-        lin_apply(L->lin[3], L->nparts[3], gu, B, x, gs, 2, NULL, eps, x2);
+        const float *hin = gu;
+        int mode = 2;                        // SwiGLU inside the down projection's kernel
+        if (L->act == 1) {                   // GELU: the activation first, then a plain GEMV
+            int F = L->lin[3][0].K;
+            gelu_gate_rows(gu, B, F, gl);
+            hin = gl;
+            mode = 0;
+        }
+        if (L->post_mlp) {
+            lin_apply(L->lin[3], L->nparts[3], hin, B, x, gs, mode, NULL, eps, NULL);
+            norm_add_rows(x, x2, B, H, L->post_mlp, eps);
+        } else {
+            lin_apply(L->lin[3], L->nparts[3], hin, B, x, gs, mode, NULL, eps, x2);
+        }
     }
     free(mem);
     return 0;
@@ -1093,4 +1154,20 @@ void choose_blocks(const float *q, const float *cos, const float *sin, int Hq, i
     for (int k = 0; k < K; k++) out[k] = order[k].index;
     qsort(out, K, sizeof(int), cmp_int);
     free(pos); free(best); free(bound); free(row); free(order);
+}
+
+// ---- saved caches: whether every value of a tensor is finite -------------------------------------------------
+
+// n values of 4 (float32) or 2 (bfloat16: exp 0x7F80, float16: 0x7C00) bytes: 1 when none is NaN or infinite
+int all_finite(const void *p, int64_t n, int kind) {
+    int bad = 0;
+    if (kind == 0) {
+        const uint32_t *x = p;
+        for (int64_t i = 0; i < n; i++) bad |= (x[i] & 0x7F800000u) == 0x7F800000u;
+    } else {
+        const uint16_t *x = p;
+        uint16_t m = kind == 1 ? 0x7F80 : 0x7C00;
+        for (int64_t i = 0; i < n; i++) bad |= (x[i] & m) == m;
+    }
+    return !bad;
 }

@@ -387,6 +387,15 @@ def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, o
     return out
 
 
+def all_finite(t: torch.Tensor) -> bool | None:
+    """Whether every value of a contiguous float32, bfloat16 or float16 CPU tensor is finite, at memory speed;
+    None where the kernels cannot tell (another dtype or layout, no kernels)."""
+    kinds = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    if not available() or t.dtype not in kinds or not t.is_contiguous() or t.is_cuda:
+        return None
+    return bool(_lib.all_finite(t.data_ptr(), t.numel(), kinds[t.dtype]))
+
+
 def can_attend_prompt(hq: int, pages: torch.Tensor) -> bool:
     """attn_prompt covers fp32 and bf16 pages on the CPU, head_dim a multiple of 16 up to 512."""
     hkv, d = pages.shape[-2:]
@@ -687,6 +696,26 @@ def qk_norm_(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_w: torch.Tensor, k_
     return True
 
 
+def norm_add_(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> bool:
+    """y [T, H] = x + RMSNorm(y) * w in place (norm_add_rows: a post-norm and its residual, the one-call step's own
+    arithmetic). False (nothing done) where the kernel cannot: not fp32 contiguous CPU tensors, no kernels."""
+    if not (available() and y.dtype == x.dtype == w.dtype == torch.float32 and y.is_contiguous()
+            and x.is_contiguous() and w.is_contiguous() and not y.is_cuda and y.dim() == 2 and x.shape == y.shape):
+        return False
+    _lib.norm_add_rows(y.data_ptr(), x.data_ptr(), y.shape[0], y.shape[1], w.data_ptr(), float(eps))
+    return True
+
+
+def gelu_gate(gu: torch.Tensor) -> torch.Tensor | None:
+    """gelu_tanh(gate) * up of gu [T, 2F] fp32 (gate | up) -> [T, F], as the one-call step computes it
+    (gelu_gate_rows); None where the kernel cannot."""
+    if not (available() and gu.dtype == torch.float32 and gu.is_contiguous() and not gu.is_cuda and gu.dim() == 2):
+        return None
+    out = torch.empty(gu.shape[0], gu.shape[1] // 2)
+    _lib.gelu_gate_rows(gu.data_ptr(), gu.shape[0], gu.shape[1] // 2, out.data_ptr())
+    return out
+
+
 def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32, act: int = 16,
          high: torch.Tensor | None = None) -> QLin:
     """codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), contiguous; scale a Scales; act: activation bits.
@@ -769,12 +798,18 @@ def gdn_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 def layer_table(layers: list[tuple]) -> ctypes.Array:
     """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), the two RMSNorm
-    weights (fp32 contiguous), optionally the q and k norms' weights [head_dim] (Qwen3, or None), and optionally
-    an ExpertTable: a routed MLP, whose layer has no gate_up and down parts. The tensors and tables behind the
+    weights (fp32 contiguous), optionally the q and k norms' weights [head_dim] (Qwen3, or None), optionally
+    an ExpertTable: a routed MLP, whose layer has no gate_up and down parts (or None), and optionally Gemma's
+    (post-attention norm, post-MLP norm, activation): the norms or None, the gate's activation 0 SiLU, 1 GELU-tanh. The tensors and tables behind the
     pointers must outlive the table."""
     table = (QLayer * len(layers))()
     for t, (slots, norm_attn, norm_mlp, *rest) in zip(table, layers):
         qk, moe = rest[:2], rest[2] if len(rest) > 2 else None
+        post = rest[3] if len(rest) > 3 else None       # (post_attn, post_mlp, act) or None
+        if post is not None:
+            if post[0] is not None:
+                t.post_attn, t.post_mlp = post[0].data_ptr(), post[1].data_ptr()
+            t.act = post[2]
         if qk and qk[0] is not None:
             t.q_norm, t.k_norm = qk[0].data_ptr(), qk[1].data_ptr()
         if moe is not None:

@@ -154,3 +154,24 @@ def test_an_exception_after_the_kernel_wrote_its_pages_leaves_the_cache_as_befor
             assert torch.equal(la, lt), (cache, t)
         assert len(calls) == 30
         runner.close(a), runner.close(twin)
+
+
+def test_gemma3_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
+    """Gemma 3's (1 + w) norms, q/k norms, post-norms, GELU-tanh gate and sliding layers: the one-call step (its
+    attention called back per layer: sliding and global layers are two layouts) gives the layer path's bits, one
+    sequence or three, full-precision and int8 caches."""
+    from kvchat.bench.gguf_writer import ModelShape
+    shape = ModelShape("tiny-gemma3", 7, 256, 4, 2, 512, 64, 2048, 1e6, True, arch="gemma3", window=16)
+    engine = Engine.load(EngineConfig(model=str(write_random_gguf(tmp_path / "g3.gguf", shape, "Q4_K_M", seed=3))))
+    assert engine.model.kernel_layers() is not None
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (21, 5, 40)]
+    cpu_quant.kv_kernels_ready(wait=True)
+    for cache in (CacheConfig(k_format="bf16", v_format="bf16"), CacheConfig(k_format="int8", v_format="int8",
+                                                                                block_size=16)):
+        for group in (prompts[:1], prompts):
+            paths = []
+            a = _decode(engine, cache, group, 20, fused=True, paths=paths)
+            b = _decode(engine, cache, group, 20, fused=False)
+            assert torch.equal(a, b), (cache, len(group), (a - b).abs().max().item())
+            assert set(paths) == {"callback"}, paths

@@ -68,8 +68,9 @@ def test_layer_spec_says_what_the_fused_step_covers():
     """The C step's rule is the description's: each way a layer leaves the Llama layer takes it out."""
     base = LayerSpec(rope=Rope(10000.0), query_scale=0.125)
     assert base.fused_kernel_ok and replace(base, qk_norm=True).fused_kernel_ok    # Qwen3's: qk_norm_rows
-    for change in (dict(norm_offset=1.0), dict(post_norms=True), dict(activation="gelu_tanh"),
-                   dict(window=512), dict(attn_softcap=50.0), dict(qkv_bias=True), dict(o_bias=True),
+    gemma3 = replace(base, qk_norm=True, norm_offset=1.0, post_norms=True, activation="gelu_tanh", window=512)
+    assert gemma3.fused_kernel_ok       # norm_add_rows, gelu_gate_rows; the window is the attention's
+    for change in (dict(attn_softcap=50.0), dict(qkv_bias=True), dict(o_bias=True),
                    dict(mlp_bias=True), dict(rope=Rope(10000.0, dims=32))):
         assert not replace(base, **change).fused_kernel_ok, change
     with pytest.raises(ValueError):
@@ -127,7 +128,8 @@ def test_the_forward_reads_the_description(tiny_engine):
     assert torch.allclose(capped, 2.0 * torch.tanh(plain / 2.0), atol=1e-6) and capped.abs().max() < 2.0
     scaled = model(replace(c, embed_scale=3.0)).forward(ids, zero_attention, all_logits=True)
     assert not torch.allclose(scaled, plain)
-    assert not model(replace(c, final_softcap=2.0)).config.fused_kernel_ok     # the C step does not cap
+    capped_c = model(replace(c, final_softcap=2.0)).config     # the forward caps around the C step; the one-shot
+    assert capped_c.fused_kernel_ok and not capped_c.one_table_ok      # path's own table does not
     layers = (replace(c.layers[0], rope=Rope(c.rope_theta, dims=c.head_dim // 2)),) + c.layers[1:]
     assert not model(replace(c, layers=layers)).config.fused_kernel_ok      # a partial rotation: the torch step
 

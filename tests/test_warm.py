@@ -369,3 +369,46 @@ def test_keys_cannot_escape_the_folder_or_collide(tiny):
     tiny.save_warm(s)
     assert store.delete("1") == 0 and len(store.files()) == 1
     s.close()
+
+
+def _raw(header: dict, body: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + body
+
+
+@pytest.mark.parametrize("craft", ["past_end", "size_mismatch", "negative_dim", "unknown_dtype", "header_too_long",
+                                   "not_a_dict", "offsets_not_numbers"])
+def test_crafted_headers_are_refused_before_any_tensor_is_made(tmp_path, craft):
+    """saved.read parses the file's header itself (its tensors are views of the bytes read, no copy): every entry's
+    type, shape and byte range is checked, and a crafted one is a CacheFileError, never a crash or a read past the
+    end."""
+    entry = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+    headers = {
+        "past_end": {"t": {**entry, "data_offsets": [0, 64]}},
+        "size_mismatch": {"t": {**entry, "shape": [3]}},
+        "negative_dim": {"t": {**entry, "shape": [-4]}},
+        "unknown_dtype": {"t": {**entry, "dtype": "Q4"}},
+        "header_too_long": None,
+        "not_a_dict": [1, 2],
+        "offsets_not_numbers": {"t": {**entry, "data_offsets": ["a", 16]}},
+    }
+    path = tmp_path / "crafted.kv"
+    if craft == "header_too_long":
+        path.write_bytes((10**9).to_bytes(8, "little") + b"{}" + bytes(16))
+    else:
+        path.write_bytes(_raw(headers[craft], bytes(16)))
+    with pytest.raises(saved.CacheFileError):
+        saved.read(path, 1 << 30)
+
+
+def test_a_tensor_at_an_odd_offset_is_read_as_a_copy(tmp_path):
+    """A valid file whose tensor does not start at a multiple of its type's size (safetensors never writes one) is
+    still read, value for value."""
+    header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+              "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - (8 + len(text)) % 8) % 8)
+    body = bytes([1, 2, 3]) + torch.tensor([1.5, -2.0]).numpy().tobytes()
+    data = bytearray(len(text).to_bytes(8, "little") + text + body)
+    got_header, tensors = saved._tensors(data)
+    assert tensors["a"].tolist() == [1, 2, 3] and tensors["b"].tolist() == [1.5, -2.0]

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvchat.engine.kv.layout import KVLayout
+from kvchat.kernels import cpu_quant
 from kvchat.engine.kv.manager import NoFreeBlocks
 from kvchat.engine.kv.pages import Component
 from kvchat.engine.kv.sequence import Sequence
@@ -188,7 +189,8 @@ def _finite(t: torch.Tensor) -> bool:
         return True
     if t.element_size() == 1:          # fp8: isfinite has no CPU kernel for every kind; fp16 holds each exactly
         t = t.to(torch.float16)
-    return bool(torch.isfinite(t).all())
+    fast = cpu_quant.all_finite(t)     # the exponent bits alone, without a mask the tensor's size
+    return fast if fast is not None else bool(torch.isfinite(t).all())
 
 
 def import_groups(cache, members: list[Sequence], metas: list[dict],
@@ -265,7 +267,7 @@ def write(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
     return len(data)
 
 
-def _file_bytes(path: Path, max_bytes: int) -> bytes:
+def _file_bytes(path: Path, max_bytes: int) -> bytearray:
     """The bytes of a regular file at path, at most max_bytes. Opened without following a link and without
     blocking (a FIFO in its place would otherwise hang the whole process in open()), then checked and read on that
     one descriptor, so what was checked is what is read."""
@@ -287,12 +289,57 @@ def _file_bytes(path: Path, max_bytes: int) -> bytes:
             if st.st_size > max_bytes:
                 raise CacheFileError(f"the saved cache is {st.st_size / 2**20:.0f} MiB, more than this budget "
                                      f"could restore")
-            data = f.read(st.st_size + 1)
+            data = bytearray(st.st_size + 1)          # writable: the tensors are views of it (_tensors)
+            got = f.readinto(data)
     except OSError as exc:
         raise CacheFileError(f"the saved cache cannot be read ({exc.strerror or exc})") from None
-    if len(data) != st.st_size:
+    if got != st.st_size:
         raise CacheFileError("the saved cache changed while it was read")
+    del data[got:]
     return data
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _tensors(data: bytearray) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(header, tensors) of a safetensors file's bytes, the tensors views of `data` (no copy): every entry's type,
+    shape and byte range checked, as safetensors' own reader checks them; CacheFileError otherwise."""
+    bad = CacheFileError("the saved cache is damaged or truncated")
+    if len(data) < 8:
+        raise bad
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8 or n > 100 * 2**20:
+        raise bad
+    header = _json(bytes(data[8:8 + n]).decode("utf-8", "replace"), "header")
+    if not isinstance(header, dict):
+        raise bad
+    body, size, tensors = 8 + n, len(data) - 8 - n, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            lo, hi = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad from None
+        count = 1
+        for d in shape:
+            if d < 0:
+                raise bad
+            count *= d
+        if not 0 <= lo <= hi <= size or hi - lo != count * dtype.itemsize:
+            raise bad
+        if count == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        elif (body + lo) % dtype.itemsize:      # not aligned to its type: a copy (safetensors never writes one)
+            tensors[name] = torch.frombuffer(bytes(data[body + lo:body + hi]), dtype=dtype).clone().view(shape)
+        else:
+            tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=body + lo).view(shape)
+    return header, tensors
 
 
 def _json(text: str, what: str):
@@ -305,14 +352,8 @@ def _json(text: str, what: str):
 
 def read(path: Path, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """(metadata, tensors) of a file written by `write`, checked against its checksum; CacheFileError otherwise."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
     data = _file_bytes(Path(path), max_bytes)
-    try:
-        tensors = load(data)
-    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as exc:
-        raise CacheFileError(f"the saved cache is damaged or truncated ({str(exc)[:80]})") from None
-    header = _json(data[8:8 + int.from_bytes(data[:8], "little")].decode("utf-8", "replace"), "header")
+    header, tensors = _tensors(data)
     with_meta = header.get("__metadata__") if isinstance(header, dict) else None
     with_meta = with_meta if isinstance(with_meta, dict) else {}
     del data

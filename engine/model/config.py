@@ -83,11 +83,24 @@ class ModelConfig:
     @property
     def fused_kernel_ok(self) -> bool:
         """Whether the one-call C step covers the model's arithmetic: every layer (LayerSpec.fused_kernel_ok) with
-        the model's rope and one query scale (the step takes one cos / sin table and one scale for all layers),
-        unscaled embeddings and uncapped logits. The weights' packing is the linears' to say."""
+        one query scale, and the model's rope without a window of its own (a step attending inside the kernel takes
+        one cos / sin table and one scale for all layers), or, beside layers without one, a sliding window with its
+        own rope (Gemma 3's local layers: two KV layouts, so every step's attention calls back, layer by layer).
+        The embeddings' scale and the logits' cap are the forward's, around the call. The weights' packing is the
+        linears' to say."""
         first = self.layers[0]
-        return (self.embed_scale == 1.0 and self.final_softcap is None
-                and all(layer.fused_kernel_ok and layer.rope == self.rope and layer.query_scale == first.query_scale
+        windows = {layer.window is None for layer in self.layers}
+        return all(layer.fused_kernel_ok and layer.query_scale == first.query_scale
+                   and (layer.window is None and layer.rope == self.rope or layer.window is not None and len(windows) == 2)
+                   for layer in self.layers)
+
+    @property
+    def one_table_ok(self) -> bool:
+        """Whether the torch-free one-shot path (runtime/quick.py) computes the model: the one-call step's rule with
+        one rope and no window for every layer, no post-norms, SwiGLU, unscaled embeddings and uncapped logits (its
+        table and its attention are the Llama layer's)."""
+        return (self.fused_kernel_ok and self.embed_scale == 1.0 and self.final_softcap is None
+                and all(layer.window is None and not layer.post_norms and layer.activation == "silu"
                         for layer in self.layers))
 
     def with_rope_scaling(self, scaling: tuple) -> "ModelConfig":

@@ -52,6 +52,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def gated(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """The gated MLP's activation: x [T, 2K] (gate | up) -> act(gate) * up [T, K]; act one of spec.ACTIVATIONS
     (silu: SwiGLU; gelu_tanh: GELU with the tanh approximation, Gemma's gelu_pytorch_tanh)."""
+    if act == "gelu_tanh" and x.dim() == 2 and not kernels.gpu_path(x):
+        got = cpu_quant.gelu_gate(x)        # the one-call step's GELU, so both paths give the same bits
+        if got is not None:
+            return got
     gate, up = x.chunk(2, dim=-1)
     return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
 

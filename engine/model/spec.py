@@ -257,13 +257,15 @@ class LayerSpec:
 
     @property
     def fused_kernel_ok(self) -> bool:
-        """Whether the one-call C step (kernels/cpu_quant.c: decode_layers) computes this layer: w * RMSNorm
-        before attention and MLP only (and Qwen3's q/k norms), SwiGLU, every dimension rotated, full attention (the
-        cache's own window is the caller's rows), no soft-cap, no bias, no sink logits; a routed MLP (experts) of
-        any kind the description has (kernels/cpu_moe.h). Its weights must be packed too, which the linears say
-        (kernel_parts)."""
-        return (self.norm_offset == 0.0 and not self.post_norms and self.activation == "silu"
-                and self.rope.dims is None and self.window is None and self.attn_softcap is None
+        """Whether the one-call C step (kernels/cpu_quant.c: decode_layers) computes this layer: RMSNorm before
+        attention and MLP (Gemma's (1 + w) is in the loaded weights), Qwen3's and Gemma's q/k norms, Gemma's post-norms
+        and GELU-tanh gate with a dense MLP, SwiGLU, every dimension rotated, no soft-cap, no bias, no sink logits; a
+        sliding window is the attention's (the callback's, or the caller's rows of a one-layout step); a routed MLP
+        (experts) of any kind the description has (kernels/cpu_moe.h). Its weights must be packed too, which the
+        linears say (kernel_parts)."""
+        return (self.activation in ("silu", "gelu_tanh") and (self.experts is None or self.activation == "silu")
+                and (not self.post_norms or self.experts is None)
+                and self.rope.dims is None and self.attn_softcap is None
                 and not self.has_bias and not self.sink_logits and self.linear is None and not self.attn_gate
                 and (self.experts is None or not (self.experts.shared_ffn or self.experts.beside_dense
                                                   or self.experts.activation == "gelu_tanh"))

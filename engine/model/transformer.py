@@ -170,7 +170,7 @@ class Transformer:
                 o = self._attend(i, L, spec, qkv, attention)
                 o = o.reshape(T, o.shape[1] * o.shape[2]).to(self.dtype)
             if spec.post_norms:                 # normed after attention, then added (not o_proj's fused residual)
-                x = x + rms_norm(L.o.fused(o, split=split), L.post_attn_norm, eps)
+                x = _post_add(x, L.o.fused(o, split=split), L.post_attn_norm, eps)
             else:
                 x = L.o.fused(o, residual=x, split=split)
             x = self._mlp(L, spec, x, split)
@@ -206,7 +206,7 @@ class Transformer:
             routed = rms_norm(L.mlp.fused(x, pre_experts, eps, None, split), post_experts, eps)
             return x + rms_norm(dense + routed, L.post_mlp_norm, eps)
         if spec.post_norms:
-            return x + rms_norm(L.down.fused(gu, swiglu=True, split=split, act=spec.activation), L.post_mlp_norm, eps)
+            return _post_add(x, L.down.fused(gu, swiglu=True, split=split, act=spec.activation), L.post_mlp_norm, eps)
         return L.down.fused(gu, swiglu=True, residual=x, split=split, act=spec.activation)
 
     def _attend(self, i: int, L: Layer, spec: LayerSpec, qkv: torch.Tensor, attention: Attention) -> torch.Tensor:
@@ -317,7 +317,14 @@ class Transformer:
                             or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
                         break
                     qk = (L.q_norm, L.k_norm)
-                    rows.append((slots + [[], []] if moe is not None else slots, *norms[:2], *qk, moe))
+                    spec = self.config.layers[len(rows)]
+                    post = (L.post_attn_norm, L.post_mlp_norm) if spec.post_norms else (None, None)
+                    if spec.post_norms and any(n is None or n.dtype != torch.float32 or not n.is_contiguous()
+                                               for n in post):
+                        break
+                    act = 1 if spec.activation == "gelu_tanh" else 0
+                    rows.append((slots + [[], []] if moe is not None else slots, *norms[:2], *qk, moe,
+                                 (*post, act)))
                 else:
                     self._kernel_layers = cpu_quant.layer_table(rows)
         return self._kernel_layers
@@ -395,3 +402,11 @@ class Transformer:
         """Packed kind -> number of linears, e.g. {"int4": 120, "int8": 1}."""
         from collections import Counter
         return dict(Counter(p.kind for L in self.layers for p in L.linears()) + Counter([self.lm_head.kind]))
+
+
+def _post_add(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x + RMSNorm(y) * w (a post-norm and its residual): in C on the CPU in fp32 (the one-call step's own
+    norm_add_rows, in place on y, a fresh output), so the two paths give the same bits; torch elsewhere."""
+    if not kernels.gpu_path(y) and cpu_quant.norm_add_(y, x.contiguous(), w, eps):
+        return y
+    return x + rms_norm(y, w, eps)

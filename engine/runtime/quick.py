@@ -146,7 +146,7 @@ class QuickModel:
             c = c.for_context(cache_context(c, CacheConfig(), "fp32", "cpu"))
         self.config = c
         check_fits(c, gf.tensor_bytes, "auto", "cpu", path.name)      # too big: the engine refuses, with the numbers
-        if not c.fused_kernel_ok:           # the same rule as the engine's one-call step (ModelConfig.fused_kernel_ok)
+        if not c.one_table_ok:              # the engine's one-call step's rule, the Llama layer's (ModelConfig.one_table_ok)
             raise NotCovered(f"{c.model_type}: layers decode_layers does not compute")
         if c.head_dim > 256:
             raise NotCovered(f"head_dim {c.head_dim}: decode_attend holds at most 256")
@@ -184,7 +184,7 @@ class QuickModel:
         tied = c.tie_word_embeddings or not gf.has("lm_head.weight")
         self.head = self.embed if tied else _pack(gf, "lm_head.weight", None)
         self.norm = self._vector("model.norm.weight")
-        self.inv_freq = c.rope_frequencies()           # every layer's (fused_kernel_ok)
+        self.inv_freq = c.rope_frequencies()           # every layer's (one_table_ok)
         self.query_scale = c.layers[0].query_scale
 
     def _vector(self, name: str) -> np.ndarray:
