@@ -104,10 +104,59 @@ def choose_variant() -> tuple[str, str]:
 
 def auto_prefill() -> tuple[str, str]:
     """(precision, why) that EngineConfig(prefill="auto") gives prompt rows on this CPU: bf16 where it has AMX
-    (oneDNN's bf16 GEMM there ran 5-6x the fp32 one), else fp32. Torch-free: quick.covers asks it too."""
-    if "amx_bf16" in cpu_features():
+    (oneDNN's bf16 GEMM there ran 5-6x the fp32 one); on AVX-512 BF16 without AMX (Zen 4) what this machine
+    measured (prefill_record: the engine times both GEMMs once, on its first load, and keeps the answer, so every
+    later start makes the same choice); else fp32. Torch-free: quick.covers asks it too."""
+    have = cpu_features()
+    if "amx_bf16" in have:
         return "bf16", "the CPU's AMX multiplies bf16"
-    return "fp32", "no AMX on this CPU"
+    if "avx512bf16" in have:
+        got = prefill_record()
+        if got is not None:
+            return got
+        return "fp32", "AVX-512 BF16 without AMX: not measured yet (the engine measures it on its first load)"
+    return "fp32", "no AMX or AVX-512 BF16 on this CPU"
+
+
+def _prefill_path() -> Path:
+    return _cache_dir() / "prefill-choice.json"
+
+
+def _machine_key() -> str:
+    """What a prefill measurement holds for: this CPU's model and features, the Python build of torch's kernels."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model or platform.processor()}|{','.join(sorted(cpu_features()))}"
+
+
+def prefill_record() -> tuple[str, str] | None:
+    """(precision, why) this machine measured for prompts (save_prefill_record), or None: none, another machine's,
+    or a damaged file."""
+    import json
+    try:
+        got = json.loads(_prefill_path().read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(got, dict) or got.get("key") != _machine_key() or got.get("choice") not in ("fp32", "bf16") \
+            or not isinstance(got.get("why"), str):
+        return None
+    return got["choice"], got["why"]
+
+
+def save_prefill_record(choice: str, why: str) -> None:
+    """Keep a prefill measurement for this machine (atomically; a folder that cannot be written keeps nothing)."""
+    import json
+    path = _prefill_path()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": _machine_key(), "choice": choice, "why": why}, f)
+        os.replace(tmp, path)
 
 
 def runnable_variants() -> list[str]:

@@ -115,3 +115,21 @@ def test_the_c_backend_reads_prompts_through_it_and_answers_as_torch_does(tiny_e
     with_torch = logits()
     assert not calls
     assert (with_c - with_torch).abs().max() <= 1e-4 * with_torch.abs().max()
+
+
+def test_gathering_backends_take_the_kernel_for_prompt_rows_and_torch_for_a_decode():
+    """prompt_attention (quantized pages, layers reading another layer's KV): prompt rows through attn_prompt over the
+    gathered keys, within float rounding of softmax_attention; a one-token decode is softmax_attention's, bit for
+    bit; the observed mass is softmax_attention's either way."""
+    from kvchat.engine.runtime.attention import RowMass, prompt_attention
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(12, 8, 64, generator=g), torch.randn(40, 2, 64, generator=g), torch.randn(40, 2, 64, generator=g)
+    outside = torch.arange(40)[None, :] <= (torch.arange(28, 40) - 10)[:, None]
+    cols = torch.arange(40)
+    seen, want_seen = (RowMass(cols, torch.zeros(2, 8, 41), mean_of=4) for _ in range(2))
+    got = prompt_attention(q, k, v, False, 0.125, None, outside, None, seen)
+    want = softmax_attention(q, k, v, False, 0.125, None, outside, None, want_seen)
+    assert (got - want).abs().max() <= 2e-5 * want.abs().max() and not torch.equal(got, want)
+    assert torch.equal(seen.out, want_seen.out)
+    one = prompt_attention(q[-1:], k, v, True, 0.125)
+    assert torch.equal(one, softmax_attention(q[-1:], k, v, True, 0.125))

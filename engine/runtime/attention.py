@@ -75,6 +75,27 @@ def softmax_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     return out
 
 
+def prompt_attention(q_rot: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, decode: bool = True,
+                     scale: float | None = None, softcap: float | None = None,
+                     outside: torch.Tensor | None = None, sink_logits: torch.Tensor | None = None,
+                     observe: RowMass | None = None) -> torch.Tensor:
+    """softmax_attention's result (same arguments) with prompt rows through the C kernel on the CPU (attn_prompt over
+    the gathered keys and values, read in place: no padded blocks of queries); a one-token decode, and what the
+    kernel does not take, through softmax_attention. The backends that gather (quantized pages, layers reading
+    another layer's KV) call this; softmax_attention stays the kernels' reference."""
+    T, D = q_rot.shape[0], q_rot.shape[-1]
+    if not (T == 1 and decode) and not q_rot.is_cuda and k_all.dtype == v_all.dtype == torch.float32:
+        from kvchat.kernels import cpu_quant
+        if cpu_quant.available() and cpu_quant.can_attend_prompt(q_rot.shape[1], k_all):
+            scale = D ** -0.5 if scale is None else scale
+            if observe is not None:
+                observe_rows(q_rot, k_all, scale, softcap, outside, sink_logits, observe)
+            rows = torch.arange(k_all.shape[0])
+            return cpu_quant.attn_prompt(q_rot, k_all.contiguous(), v_all.contiguous(), rows, scale, softcap, None,
+                                         outside, sink_logits)
+    return softmax_attention(q_rot, k_all, v_all, decode, scale, softcap, outside, sink_logits, observe)
+
+
 def observe_rows(q_rot: torch.Tensor, k_all: torch.Tensor, scale: float, softcap: float | None,
                  outside: torch.Tensor | None, sink_logits: torch.Tensor | None, observe: RowMass) -> None:
     """softmax_attention's probabilities of its last W rows (q_rot [T, Hq, D], k_all [N, Hkv, D], the T queries

@@ -75,13 +75,42 @@ def auto_prefill() -> tuple[str, str]:
 
 def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
     """(fp32 | bf16, why): the GEMM the packed linears give prompt rows. auto takes bf16 where the CPU has AMX,
-    whose bf16 GEMM (oneDNN, through torch) ran 5-6x the fp32 one on a 2-core Xeon with AMX; elsewhere (AVX2, or
-    AVX-512 BF16 without AMX) fp32, which is exact over the dequantized weights and was not measured slower."""
+    whose bf16 GEMM (oneDNN, through torch) ran 5-6x the fp32 one on a 2-core Xeon with AMX; on AVX-512 BF16
+    without AMX (Zen 4: vdpbf16ps) what this machine measured (measure_prefill, once, then kept); elsewhere (AVX2)
+    fp32, which is exact over the dequantized weights."""
     if not str(model.device).startswith("cpu") or model.weights not in ("gguf", "int8", "int4"):
         return "fp32", "dense weights: the model's own dtype"
     if asked != "auto":
         return asked, "asked for"
+    have = cpu_lib.cpu_features()
+    if "avx512bf16" in have and "amx_bf16" not in have and cpu_lib.prefill_record() is None:
+        cpu_lib.save_prefill_record(*measure_prefill())
     return auto_prefill()
+
+
+def measure_prefill(rows: int = 64, n: int = 2048, k: int = 2048, tries: int = 5) -> tuple[str, str]:
+    """(fp32 | bf16, why): which GEMM a prompt tile runs faster here, as the packed linears call it (a weight slab of
+    n x k times a tile of `rows` rows; bf16 as W @ x.T), the two timed alternately `tries` times, medians compared.
+    bf16 must win by 10%: it rounds the weights, so a tie keeps the exact fp32."""
+    import statistics
+    import time
+    gen = torch.Generator().manual_seed(0)
+    w32, x32 = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+    w16, x16 = w32.bfloat16(), x32.bfloat16()
+    runs = {"fp32": lambda: x32 @ w32.t(), "bf16": lambda: (w16 @ x16.t()).t()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for f in runs.values():
+        f()                                     # oneDNN and MKL pick and warm their kernels
+    for _ in range(tries):
+        for name, f in runs.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    fp32, bf16 = (statistics.median(times[name]) for name in ("fp32", "bf16"))
+    speed = fp32 / bf16
+    if speed >= 1.1:
+        return "bf16", f"measured here: the bf16 GEMM (vdpbf16ps) ran {speed:.2f}x the fp32 one"
+    return "fp32", f"measured here: the bf16 GEMM ran {speed:.2f}x the fp32 one, not enough to round the weights"
 
 
 def _done(value) -> Future:

@@ -11,7 +11,7 @@ from kvchat.engine.kv.layout import KVLayout
 from kvchat.engine.kv.state import StepJournal
 from kvchat.engine.model import linear_attention as gdn
 from kvchat.engine.model.rope import rotate
-from kvchat.engine.runtime.attention import RowMass, softmax_attention
+from kvchat.engine.runtime.attention import RowMass, prompt_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
 from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers, score_args, sink_args
 from kvchat.engine.runtime.backends.quant_pages import (QuantPagesC, QuantPagesTorch, decode_kernel, kernel_pages,
@@ -80,7 +80,7 @@ def attend_stored(comps: tuple, q: torch.Tensor, steps: list, scores: LayerScore
         elif st.n_sink:                     # stored rotated: only the sinks see the query at its in-cache position
             k_all[:st.n_sink] = rotate(k_all[:st.n_sink], st.delta_cos, st.delta_sin)
         q_rot = rotate(q[r:r + n].float(), st.q_cos, st.q_sin)
-        outs.append(softmax_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside,
+        outs.append(prompt_attention(q_rot, k_all, v_all, st.decode, *score_args(scores), st.outside,
                                       sink_args(scores), observe if watch is None else watch.rows(st)))
         r += n
     return outs[0] if len(outs) == 1 else torch.cat(outs)

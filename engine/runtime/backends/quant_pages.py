@@ -14,7 +14,7 @@ from kvchat.kernels import cpu_quant
 from kvchat.engine.kv.pages import Component
 from kvchat.engine.model.rope import rope_table, rotate
 from kvchat.engine.model.transformer import DecodeKernel
-from kvchat.engine.runtime.attention import softmax_attention
+from kvchat.engine.runtime.attention import prompt_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores
 from kvchat.engine.runtime.backends.full_pages import score_args, sink_args, attend_torch as attend_full
 
@@ -118,7 +118,7 @@ def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores 
         k_all[P:] = rotate(k_all[P:], st.q_cos, st.q_sin)
     else:
         k_all = rotate(k_all, *key_rope(st))
-    return softmax_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all, st.decode,
+    return prompt_attention(rotate(q.float(), st.q_cos, st.q_sin), k_all, v_all, st.decode,
                              *score_args(scores), st.outside, sink_args(scores), None if watch is None else watch.rows(st))
 
 

@@ -1,0 +1,64 @@
+"""--prefill auto on a CPU with AVX-512 BF16 but no AMX (Zen 4): decided by measuring both GEMMs once, kept per machine
+so every later start (the engine's, the one-shot path's, doctor's) makes the same choice, and said with its numbers."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kvchat.engine.runtime import engine as engine_mod
+from kvchat.kernels import cpu_lib
+
+ZEN4 = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512bf16"}
+PACKED = SimpleNamespace(device="cpu", weights="gguf")      # what choose_prefill reads of a model
+
+
+@pytest.fixture
+def zen4(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_lib, "cpu_features", lambda: set(ZEN4))
+    calls = []
+    real = engine_mod.measure_prefill
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(rows=16, n=256, k=256, tries=3)
+    monkeypatch.setattr(engine_mod, "measure_prefill", counted)
+    return calls, tmp_path
+
+
+def test_measured_once_then_kept(zen4):
+    calls, folder = zen4
+    assert cpu_lib.auto_prefill() == ("fp32", "AVX-512 BF16 without AMX: not measured yet (the engine measures it "
+                                               "on its first load)")
+    first = engine_mod.choose_prefill("auto", PACKED)
+    assert first[0] in ("fp32", "bf16") and first[1].startswith("measured here: the bf16 GEMM")
+    assert calls == [1]
+    assert engine_mod.choose_prefill("auto", PACKED) == first == cpu_lib.auto_prefill()
+    assert calls == [1]                                     # kept: the next start decides the same
+    assert engine_mod.choose_prefill("fp32", PACKED) == ("fp32", "asked for")
+
+
+@pytest.mark.parametrize("record", ["{not json", json.dumps({"key": "another machine", "choice": "bf16", "why": "x"}),
+                                    json.dumps({"key": None, "choice": "fp64", "why": "x"})])
+def test_a_damaged_or_foreign_record_is_measured_again(zen4, record):
+    calls, folder = zen4
+    path = folder / "kernels" / "prefill-choice.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(record.replace('"key": null', json.dumps({"key": cpu_lib._machine_key()})[1:-1]))
+    assert cpu_lib.prefill_record() is None
+    engine_mod.choose_prefill("auto", PACKED)
+    assert calls == [1] and cpu_lib.prefill_record() is not None
+
+
+def test_amx_and_avx2_are_not_measured(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(engine_mod, "measure_prefill", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(cpu_lib, "cpu_features", lambda: ZEN4 | {"amx_bf16"})
+    assert engine_mod.choose_prefill("auto", PACKED) == ("bf16", "the CPU's AMX multiplies bf16")
+    monkeypatch.setattr(cpu_lib, "cpu_features", lambda: {"avx", "avx2", "fma", "f16c"})
+    assert engine_mod.choose_prefill("auto", PACKED) == ("fp32", "no AMX or AVX-512 BF16 on this CPU")
+
+
+def test_the_measurement_itself_times_both_gemms():
+    choice, why = engine_mod.measure_prefill(rows=16, n=256, k=256, tries=3)
+    assert choice in ("fp32", "bf16") and "x the fp32 one" in why
