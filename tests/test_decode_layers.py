@@ -169,9 +169,9 @@ def test_gemma3_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
     cpu_quant.kv_kernels_ready(wait=True)
     for cache in (CacheConfig(k_format="bf16", v_format="bf16"), CacheConfig(k_format="int8", v_format="int8",
                                                                                 block_size=16)):
-        for group in (prompts[:1], prompts):
+        for group in ((prompts[:1], prompts) if cache.k_format == "bf16" else (prompts,)):
             paths = []
-            a = _decode(engine, cache, group, 20, fused=True, paths=paths)
-            b = _decode(engine, cache, group, 20, fused=False)
+            a = _decode(engine, cache, group, 12, fused=True, paths=paths)
+            b = _decode(engine, cache, group, 12, fused=False)
             assert torch.equal(a, b), (cache, len(group), (a - b).abs().max().item())
             assert set(paths) == {"callback"}, paths
