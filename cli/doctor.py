@@ -47,10 +47,9 @@ def report() -> dict:
         torch_info = {"version": torch.__version__, "cuda": cuda, "threads": torch.get_num_threads()}
     except ImportError:
         cuda, torch_info = False, None
-    have = kernels["cpu_features"]
-    if torch_info and "avx512bf16" in have and "amx_bf16" not in have and cpu_lib.prefill_record() is None:
-        from kvchat.engine.runtime.engine import measure_prefill     # Zen 4: measured once here, kept for the engine
-        cpu_lib.save_prefill_record(*measure_prefill())
+    if torch_info:                  # Zen 4: the prompts' precision measured once (here or by the engine), kept
+        from kvchat.engine.runtime.engine import measure_prefill_once
+        measure_prefill_once()
     return {
         "kernels": {**kernels, "kv_kernels": kv, "kv_error": None if kv else cpu_quant._kv_error,
                     "fallback": None if kernels["loaded"] else "torch's kernels (correct, several times slower)"},

@@ -10,13 +10,14 @@
 // become cap * tanh(s / cap); sink_logits [Hq] or NULL: one more logit per head that joins the softmax and carries
 // no value (gpt-oss). out [T, Hq, D]. D a multiple of 16, at most 512.
 //
-// Work. Tasks are (KV head, block of rows): the block's g * rows query vectors share each tile of 16 keys, read
-// from the pages and turned into fp32 columns once per task (kt [D][16]), so a score is 16 lanes of multiply-adds
-// with no horizontal sum; then each query's exact softmax over its own keys (max, exp, sum in key order), then
-// the values of every tile weighted by the probabilities. Each query's arithmetic is the same whatever its block,
-// the chunk's length and the threads (keys past its own carry a weight of exactly 0), so a row gives the same
-// bits read in any chunk, as the torch path's blocks of 32 do. Not the torch path's bits: its GEMMs sum in
-// another order (tests hold the two within float rounding).
+// Work. Rows go in blocks of at most PA_QUERIES query vectors; in a block, tasks are (KV head, chunk of 256 keys,
+// chunks starting at multiples of 256 whatever the call). A task turns each tile of 16 keys into fp32 columns once
+// (kt [D][16]) for all the block's queries of its head, so a score is 16 lanes of multiply-adds with no horizontal
+// sum; then each query's max, exp and sum over the chunk's keys it sees (in key order), then the chunk's values
+// weighted by them. The chunks of a query are merged by log-sum-exp in chunk order. Each query's arithmetic is the
+// same whatever its block, the chunk's length and the threads (keys past its own carry a weight of exactly 0, chunks
+// it does not see are skipped), so a row gives the same bits read in any chunk, as the torch path's blocks of 32
+// do. Not the torch path's bits: its GEMMs sum in another order (tests hold the two within float rounding).
 #pragma once
 #ifdef _OPENMP
 #include <omp.h>
@@ -84,7 +85,7 @@ static inline void pa_transpose16(const float *src, int ld, float *dst) {
         for (int j = 0; j < 16; j++) dst[16 * j + i] = src[(size_t)i * ld + j];
 #endif
 }
-#define PA_MAX_QUERIES 64         // query vectors a task holds (rows of the block times the group's heads)
+#define PA_QUERIES 128            // query vectors a block of rows holds (its rows times the group's heads)
 
 typedef struct {
     int T, P, Hq, Hkv, D, bf16, n_sink;
@@ -125,7 +126,7 @@ static void pa_task(const pa_args_t *a, int h, int t0, int t1, int c, int nch, f
     int D = a->D, Hq = a->Hq, g = Hq / a->Hkv, R = (t1 - t0) * g;
     int lo = c * PA_CHUNK, hi = lo + PA_CHUNK < a->P + t1 ? lo + PA_CHUNK : a->P + t1;
     float *kt = mem, *vt = kt + (size_t)D * PA_TILE, *row = vt + (size_t)D * PA_TILE, *S = row + (size_t)D * PA_TILE;
-    const float *qv[PA_MAX_QUERIES * 2];
+    const float *qv[PA_QUERIES];
     float *qs = S + (size_t)R * PA_CHUNK, scale = a->scale, cap = a->softcap;
     for (int r = 0; r < R; r++) {          // the queries times the scale, once
         const float *x = a->q + ((size_t)(t0 + r / g) * Hq + h * g + r % g) * D;
@@ -257,15 +258,15 @@ static void pa_merge(const float *part, int nch, int D, const float *sink, float
 // 0 done, -1 out of memory, -3 shapes the kernel does not take (D not a multiple of 16 or past 512, heads)
 int attn_prompt(const pa_args_t *a) {
     int g = a->Hkv > 0 ? a->Hq / a->Hkv : 0;
-    if (a->T < 1 || a->P < 0 || a->Hkv < 1 || g < 1 || g * a->Hkv != a->Hq || g > PA_MAX_QUERIES || a->D < 16
+    if (a->T < 1 || a->P < 0 || a->Hkv < 1 || g < 1 || g * a->Hkv != a->Hq || g > PA_QUERIES / 2 || a->D < 16
         || a->D % 16 || a->D > 512 || a->n_sink < 0 || a->n_sink > a->P + a->T)
         return -3;
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    // rows in blocks of at most 2 * PA_MAX_QUERIES query vectors; in a block, tasks (KV head, chunk of keys)
-    int rb = 2 * PA_MAX_QUERIES / g, nch_all = (a->P + a->T + PA_CHUNK - 1) / PA_CHUNK;
+    // rows in blocks of at most PA_QUERIES query vectors; in a block, tasks (KV head, chunk of keys)
+    int rb = PA_QUERIES / g, nch_all = (a->P + a->T + PA_CHUNK - 1) / PA_CHUNK;
     if (rb > a->T) rb = a->T;
     size_t each = (pa_task_floats(a->D, rb * g) + 15) / 16 * 16;
     float *mem = aligned_alloc(64, sizeof(float) * (each * threads + (size_t)a->Hkv * rb * g * nch_all * (a->D + 2)));

@@ -82,10 +82,15 @@ def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
         return "fp32", "dense weights: the model's own dtype"
     if asked != "auto":
         return asked, "asked for"
+    measure_prefill_once()
+    return auto_prefill()
+
+
+def measure_prefill_once() -> None:
+    """On AVX-512 BF16 without AMX, with nothing kept for this machine yet: measure_prefill, kept (cpu_lib)."""
     have = cpu_lib.cpu_features()
     if "avx512bf16" in have and "amx_bf16" not in have and cpu_lib.prefill_record() is None:
         cpu_lib.save_prefill_record(*measure_prefill())
-    return auto_prefill()
 
 
 def measure_prefill(rows: int = 64, n: int = 2048, k: int = 2048, tries: int = 5) -> tuple[str, str]:

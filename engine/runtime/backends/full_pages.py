@@ -17,16 +17,19 @@ from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, P
 from kvchat.engine.kv.pages import Component
 
 
+def _store(kc: Component, vc: Component, q, k, v, st) -> tuple:
+    """The step's new keys (rotated at their positions) and values written to their page rows -> (K pages, V pages,
+    the queries rotated), what both attends read."""
+    new_rows = st.rows[st.rows.shape[0] - q.shape[0]:]
+    kc.write_rows(rotate(k.float(), st.q_cos, st.q_sin), new_rows)
+    vc.write_rows(v, new_rows)
+    return kc.flat_pages(), vc.flat_pages(), rotate(q.float(), st.q_cos, st.q_sin)
+
+
 def attend_torch(kc: Component, vc: Component, q, k, v, st, scores: LayerScores | None = None,
                  watch=None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] before RoPE: store the rotated keys, then read every held row once."""
-    T = q.shape[0]
-    new_rows = st.rows[st.rows.shape[0] - T:]
-    q32 = q.float()
-    kc.write_rows(rotate(k.float(), st.q_cos, st.q_sin), new_rows)
-    vc.write_rows(v, new_rows)
-    k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
-    q_rot = rotate(q32, st.q_cos, st.q_sin)
+    k_pages, v_pages, q_rot = _store(kc, vc, q, k, v, st)
     k_all = k_pages.index_select(0, st.rows).float()
     v_all = v_pages.index_select(0, st.rows).float()
     if st.n_sink:
@@ -39,12 +42,7 @@ def attend_c(kc: Component, vc: Component, q, k, v, st, scores: LayerScores, wat
     """attend_torch's result through attn_prompt: the rotated keys stored, then every row over the pages in place
     (no gathered copy of the held keys and values); the sinks' keys turned here, a handful of rows. Where the rows'
     mass is watched, it is measured apart over a gathered copy, as softmax_attention measures it."""
-    T = q.shape[0]
-    new_rows = st.rows[st.rows.shape[0] - T:]
-    kc.write_rows(rotate(k.float(), st.q_cos, st.q_sin), new_rows)
-    vc.write_rows(v, new_rows)
-    k_pages, v_pages = kc.flat_pages(), vc.flat_pages()
-    q_rot = rotate(q.float(), st.q_cos, st.q_sin)
+    k_pages, v_pages, q_rot = _store(kc, vc, q, k, v, st)
     sink_keys = None
     if st.n_sink:
         sink_keys = rotate(k_pages.index_select(0, st.rows[:st.n_sink]).float(), st.delta_cos, st.delta_sin)
