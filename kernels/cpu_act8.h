@@ -68,9 +68,21 @@ static inline __m256i q4_bytes(const uint8_t *b) {
                                    _mm_and_si128(_mm_srli_epi16(x, 4), m), 1);
 }
 
-// group g's dot product: q4 codes (bits 4) or int8 codes (bits 8: |w| against x with w's sign, llama.cpp's way)
-static inline __m256i dot8(const void *row, int bits, int g, const int8_t *v) {
+// 32 fifth bits (q5_bits) as 16 or 0 in 32 bytes, element order
+static inline __m256i q5_high8(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread), sel);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, sel), _mm256_set1_epi8(16));
+}
+
+// group g's dot product: q4 codes (bits 4; with high, q5's 5-bit ones) or int8 codes (bits 8: |w| against x with
+// w's sign, llama.cpp's way)
+static inline __m256i dot8(const void *row, const uint8_t *high, int bits, int g, const int8_t *v) {
     __m256i x = _mm256_loadu_si256((const __m256i *)v);
+    if (bits == 4 && high)         // codes up to 31: pairs at most 7874, within maddubs' int16
+        return dot_u8s8(_mm256_or_si256(q4_bytes((const uint8_t *)row + g * 16), q5_high8(q5_bits(high, g))), x);
     if (bits == 4) return dot_u8s8(q4_bytes((const uint8_t *)row + g * 16), x);
     __m256i w = _mm256_loadu_si256((const __m256i *)((const int8_t *)row + g * 32));
     return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
@@ -78,14 +90,18 @@ static inline __m256i dot8(const void *row, int bits, int g, const int8_t *v) {
 
 #ifdef KVCHAT_AVX512
 // groups g and g + 1 at once: lanes 0-7 are dot8 of g, 8-15 of g + 1
-static inline __m512i dot8_pair(const void *row, int bits, int g, const int8_t *v) {
+static inline __m512i dot8_pair(const void *row, const uint8_t *high, int bits, int g, const int8_t *v) {
     __m512i x = _mm512_loadu_si512((const void *)v);
     if (bits == 4) {
         __m256i b = _mm256_loadu_si256((const __m256i *)((const uint8_t *)row + g * 16)), m = _mm256_set1_epi8(15);
         __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, m)),
                                        _mm256_and_si256(_mm256_srli_epi16(b, 4), m), 1);
         // [g low | g+1 low | g high | g+1 high] -> [g low | g high | g+1 low | g+1 high]
-        return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), x);
+        z = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+        if (high)       // q5: bit 4 of the 64 codes, now in element order
+            z = _mm512_mask_add_epi8(z, (__mmask64)q5_bits(high, g) | (__mmask64)q5_bits(high, g + 1) << 32, z,
+                                     _mm512_set1_epi8(16));
+        return _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, x);
     }
     __m512i w = _mm512_loadu_si512((const void *)((const int8_t *)row + g * 32));
     __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);    // x with w's sign
@@ -94,8 +110,8 @@ static inline __m512i dot8_pair(const void *row, int bits, int g, const int8_t *
 #endif
 
 // R rows (a constant) of int8 activations against one weight row of ng groups of 32; f [R, ng] = sc[g] * xs[m][g]
-static inline __attribute__((always_inline)) void rows8(const void *row, int bits, const float *f, const float *zr,
-        const int8_t *xq, const float *sums, int ng, int K, const int R, float *out) {
+static inline __attribute__((always_inline)) void rows8(const void *row, const uint8_t *high, int bits,
+        const float *f, const float *zr, const int8_t *xq, const float *sums, int ng, int K, const int R, float *out) {
     __m256 c[4][4];
     int g = 0;
 #ifdef KVCHAT_AVX512
@@ -105,8 +121,8 @@ static inline __attribute__((always_inline)) void rows8(const void *row, int bit
         _mm_prefetch((const char *)row + (size_t)g * bits * 4 + PREFETCH, _MM_HINT_T0);
         for (int m = 0; m < R; m++) {
             const int8_t *v = xq + (size_t)m * K + g * 32;
-            c01[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot8_pair(row, bits, g, v)), pair_scale(f + m * ng + g), c01[m]);
-            c23[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot8_pair(row, bits, g + 2, v + 64)),
+            c01[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot8_pair(row, high, bits, g, v)), pair_scale(f + m * ng + g), c01[m]);
+            c23[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot8_pair(row, high, bits, g + 2, v + 64)),
                                      pair_scale(f + m * ng + g + 2), c23[m]);
         }
     }
@@ -118,13 +134,13 @@ static inline __attribute__((always_inline)) void rows8(const void *row, int bit
         _mm_prefetch((const char *)row + (size_t)g * bits * 4 + PREFETCH, _MM_HINT_T0);
         for (int j = 0; j < 4; j++)
             for (int m = 0; m < R; m++)
-                c[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot8(row, bits, g + j, xq + (size_t)m * K + (g + j) * 32)),
+                c[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot8(row, high, bits, g + j, xq + (size_t)m * K + (g + j) * 32)),
                                           _mm256_broadcast_ss(f + m * ng + g + j), c[m][j]);
     }
 #endif
     for (; g < ng; g++)         // the last groups, each to its chain
         for (int m = 0; m < R; m++)
-            c[m][g & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot8(row, bits, g, xq + (size_t)m * K + g * 32)),
+            c[m][g & 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot8(row, high, bits, g, xq + (size_t)m * K + g * 32)),
                                           _mm256_broadcast_ss(f + m * ng + g), c[m][g & 3]);
     for (int m = 0; m < R; m++) {
         float tail;
@@ -139,7 +155,7 @@ static inline __attribute__((always_inline)) void rows8(const void *row, int bit
 // as q4_gemv_ld. mode: the prep (RMSNorm, SwiGLU) without the ACT8 bit.
 static void gemv8(const float *x, int M, int K, const void *codes, int bits, const void *scale, const void *zero,
                   int N, float *y, int ldy, void *scratch, int mode, const float *norm_w, float eps,
-                  const float *resid, int kind, const float *ssup, const float *zsup, int per) {
+                  const float *resid, int kind, const float *ssup, const float *zsup, int per, const uint8_t *high) {
     int ng = K / 32;
     float *buf = (float *)scratch;
     const float *xp = prep(x, M, K, mode, norm_w, eps, buf);
@@ -150,9 +166,10 @@ static void gemv8(const float *x, int M, int K, const void *codes, int bits, con
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = (const uint8_t *)codes + (size_t)n * row_bytes;
+        const uint8_t *hrow = high ? high + (size_t)n * (K / 8) : NULL;
         float sbuf[MAXG], zbuf[MAXG], out[MAXM];
         const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf);
-        const float *zr = bits == 4 ? row_zero(zero, zsup, per, n, ng, kind, sc, zbuf)
+        const float *zr = bits == 4 ? row_zero(zero, zsup, per, n, ng, kind, sc, zbuf, high)
                                     : row_f32(zero, zsup, per, n, ng, kind, zbuf);
 #ifdef __AVX2__
         float f[4 * MAXG];
@@ -162,10 +179,10 @@ static void gemv8(const float *x, int M, int K, const void *codes, int bits, con
             const int8_t *xm = xq + (size_t)m0 * K;
             const float *sm = sums + (size_t)m0 * ng;
             switch (R) {
-                case 1: rows8(row, bits, f, zr, xm, sm, ng, K, 1, out + m0); break;
-                case 2: rows8(row, bits, f, zr, xm, sm, ng, K, 2, out + m0); break;
-                case 3: rows8(row, bits, f, zr, xm, sm, ng, K, 3, out + m0); break;
-                default: rows8(row, bits, f, zr, xm, sm, ng, K, 4, out + m0); break;
+                case 1: rows8(row, hrow, bits, f, zr, xm, sm, ng, K, 1, out + m0); break;
+                case 2: rows8(row, hrow, bits, f, zr, xm, sm, ng, K, 2, out + m0); break;
+                case 3: rows8(row, hrow, bits, f, zr, xm, sm, ng, K, 3, out + m0); break;
+                default: rows8(row, hrow, bits, f, zr, xm, sm, ng, K, 4, out + m0); break;
             }
         }
 #else
@@ -177,6 +194,7 @@ static void gemv8(const float *x, int M, int K, const void *codes, int bits, con
                 for (int j = 0; j < 32; j++) {
                     int w = bits == 4 ? (j < 16 ? row[g * 16 + j] & 15 : row[g * 16 + j - 16] >> 4)
                                       : (int)((const int8_t *)row)[g * 32 + j];
+                    if (hrow) w |= (int)(q5_bits(hrow, g) >> j & 1) << 4;
                     d += w * v[g * 32 + j];
                 }
                 acc += sc[g] * xs[(size_t)m * ng + g] * (float)d;

@@ -22,11 +22,19 @@ static inline __m512 pair_scale(const float *f) {
 static inline __m256 low8(__m512 a) { return _mm512_castps512_ps256(a); }
 static inline __m256 high8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
 
-// the codes of groups g and g + 1 (32 bytes), unpacked: elements 0-15 of each (low nibbles) and 16-31 (high)
-static inline void q4_unpack_pair(const uint8_t *b, __m512i *lo, __m512i *hi) {
+// the codes of groups g and g + 1 (32 bytes), unpacked: elements 0-15 of each (low nibbles) and 16-31 (high);
+// q5 (high: NULL or the row's fifth bits) adds 16 where bit 4 is set
+static inline __attribute__((always_inline)) void q4_unpack_pair(const uint8_t *b, const uint8_t *high, int g,
+                                                               __m512i *lo, __m512i *hi) {
     __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b));
     *lo = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
     *hi = _mm512_srli_epi16(w, 4);
+    if (high) {
+        uint32_t h0 = q5_bits(high, g), h1 = q5_bits(high, g + 1);
+        const __m512i sixteen = _mm512_set1_epi16(16);
+        *lo = _mm512_mask_add_epi16(*lo, (__mmask32)((h0 & 0xFFFF) | h1 << 16), *lo, sixteen);
+        *hi = _mm512_mask_add_epi16(*hi, (__mmask32)((h0 >> 16) | (h1 & 0xFFFF0000u)), *hi, sixteen);
+    }
 }
 
 // q4_group of groups g (lanes 0-7) and g + 1 (lanes 8-15); v: group g's activations
@@ -36,15 +44,15 @@ static inline __m512i q4_pair_dot(__m512i lo, __m512i hi, const int16_t *v) {
 
 // q4_rows for R rows (up to 8: 32 registers hold their accumulators), the codes unpacked once for all of them.
 // One row keeps q4_row1: alone, a row is bound by its chain of multiply-adds, which is as long here.
-static inline __attribute__((always_inline)) void q4_rows_512(const uint8_t *row, const float *f, const float *zr,
-        const int16_t *xq, const float *sums, int ng, int K, const int R, float *out) {
+static inline __attribute__((always_inline)) void q4_rows_512(const uint8_t *row, const uint8_t *high, const float *f,
+        const float *zr, const int16_t *xq, const float *sums, int ng, int K, const int R, float *out) {
     __m512 acc[8];
     for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
         if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
         __m512i lo, hi;
-        q4_unpack_pair(row + g * 16, &lo, &hi);
+        q4_unpack_pair(row + g * 16, high, g, &lo, &hi);
         for (int m = 0; m < R; m++)
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_pair_dot(lo, hi, xq + (size_t)m * K + g * 32)),
                                      pair_scale(f + m * ng + g), acc[m]);
@@ -52,7 +60,7 @@ static inline __attribute__((always_inline)) void q4_rows_512(const uint8_t *row
     for (int m = 0; m < R; m++) {
         __m256 a0 = low8(acc[m]), a1 = high8(acc[m]);
         if (g < ng)
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + (size_t)m * K + g * 32)),
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, high, g, xq + (size_t)m * K + g * 32)),
                                  _mm256_broadcast_ss(f + m * ng + g), a0);
         float tail;
         __m256 z = zero_terms(zr, sums + (size_t)m * ng, ng, &tail);
@@ -60,20 +68,23 @@ static inline __attribute__((always_inline)) void q4_rows_512(const uint8_t *row
     }
 }
 
-static __attribute__((noinline)) void q4_rowsM_512(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
-                         const float *sums, int ng, int K, int M, float *out) {
-    if (M == 1) { out[0] = q4_row1(row, sc, zr, xq, xs, sums, ng); return; }     // AVX2's: faster alone
+static __attribute__((noinline)) void q4_rowsM_512(const uint8_t *row, const uint8_t *high, const float *sc,
+        const float *zr, const int16_t *xq, const float *xs, const float *sums, int ng, int K, int M, float *out) {
+    if (M == 1) { out[0] = q4_row1(row, high, sc, zr, xq, xs, sums, ng); return; }     // AVX2's: faster alone
     float f[MAXM * MAXG];
     scale_products(sc, xs, ng, M, f);
+#define Q4_ROWS(R) (high ? q4_rows_512(row, high, f, zr, xq, sums, ng, K, R, out) \
+                         : q4_rows_512(row, NULL, f, zr, xq, sums, ng, K, R, out))
     switch (M) {        // a constant R per case: the accumulators stay in registers
-        case 2: q4_rows_512(row, f, zr, xq, sums, ng, K, 2, out); break;
-        case 3: q4_rows_512(row, f, zr, xq, sums, ng, K, 3, out); break;
-        case 4: q4_rows_512(row, f, zr, xq, sums, ng, K, 4, out); break;
-        case 5: q4_rows_512(row, f, zr, xq, sums, ng, K, 5, out); break;
-        case 6: q4_rows_512(row, f, zr, xq, sums, ng, K, 6, out); break;
-        case 7: q4_rows_512(row, f, zr, xq, sums, ng, K, 7, out); break;
-        default: q4_rows_512(row, f, zr, xq, sums, ng, K, 8, out); break;
+        case 2: Q4_ROWS(2); break;
+        case 3: Q4_ROWS(3); break;
+        case 4: Q4_ROWS(4); break;
+        case 5: Q4_ROWS(5); break;
+        case 6: Q4_ROWS(6); break;
+        case 7: Q4_ROWS(7); break;
+        default: Q4_ROWS(8); break;
     }
+#undef Q4_ROWS
 }
 
 // int8 codes of groups g and g + 1 as [g's 16 codes from j | g + 1's 16 codes from j], widened to 16 bits

@@ -379,9 +379,9 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         lib.attend_quant_layer.argtypes = [P, I, P, P]
         lib.attend_quant_layer.restype = I
         return lib
-    lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P, I, P, P, I]
+    lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P, I, P, P, I, P]     # the last: q5's fifth bits
     lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P, I, P, P, I]
-    lib.q4_dequant.argtypes = [P, P, P, I, I, P, I, P, P, I]
+    lib.q4_dequant.argtypes = [P, P, P, I, I, P, I, P, P, I, P]
     lib.q8_dequant.argtypes = [P, P, P, I, I, I, P, I, P, P, I]
     lib.q4_dequant_bf16.argtypes = lib.q4_dequant.argtypes
     lib.q8_dequant_bf16.argtypes = lib.q8_dequant.argtypes
@@ -429,7 +429,8 @@ class QLin(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("ssup", ctypes.c_void_p), ("zsup", ctypes.c_void_p), ("bits", ctypes.c_int), ("kind", ctypes.c_int),
                 ("per", ctypes.c_int), ("group", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int),
-                ("act", ctypes.c_int)]      # activation bits: 8 for int8, 0 (or 16) for int16
+                ("act", ctypes.c_int),      # activation bits: 8 for int8, 0 (or 16) for int16
+                ("high", ctypes.c_void_p)]  # bits 4: q5's fifth bits, or None
 
 
 class QLayer(ctypes.Structure):

@@ -4,6 +4,9 @@
 //   q4: codes packed two per byte, groups of 32 along K; byte j of a group holds element j in its
 //       low nibble and element j + 16 in its high nibble (the layout of GGUF Q4_0 / Q4_1).
 //       w = code * scale + zero, one scale and zero per group.
+//   q5: q4's nibbles and a fifth bit per code beside them (GGUF Q5_0, Q5_1, Q5_K at their own 5.5 bits):
+//       `high` [N, K/8], a little-endian uint32 per group whose bit j is element j's bit 4; the q4 functions
+//       take it as their last argument (NULL: 4-bit codes) and OR it into the unpacked codes, 0..31.
 //   q8: int8 codes, groups of G (16 or 32) along K; w = code * scale (+ zero when given).
 // x: [M, K] float32 with K a multiple of 32, y: [M, N] float32. Output rows are split across
 // OpenMP threads.
@@ -21,7 +24,8 @@
 //   2: uint8 codes times a float32 per super-block of `per` groups (Q4_K, Q5_K: d * sc, -dmin * m);
 //   3: int8 codes times a float32 per super-block (Q6_K). Kinds 2 and 3 rebuild the products in
 //   float32 exactly as gguf computes them, at 0.25-0.5 bit per weight instead of 2.
-//   4: float16 scales as kind 1 and no zeros stored: zero = -8 * scale (Q4_0), exact in float32.
+//   4: float16 scales as kind 1 and no zeros stored: zero = -8 * scale (Q4_0), or -16 * scale for 5-bit codes
+//   (Q5_0), exact in float32.
 static inline const float *row_f32(const void *p, const float *sup, int per, size_t row, int n, int kind,
                                    float *buf) {
     if (!p) return NULL;
@@ -55,12 +59,20 @@ static inline const float *row_f32(const void *p, const float *sup, int per, siz
     return buf;
 }
 
-// A row's zeros: as row_f32, or for kind 4 made from the row's scales sc
+// A row's zeros: as row_f32, or for kind 4 made from the row's scales sc: -8 * sc, -16 * sc for 5-bit codes (high)
 static inline const float *row_zero(const void *p, const float *sup, int per, size_t row, int n, int kind,
-                                    const float *sc, float *buf) {
+                                    const float *sc, float *buf, const uint8_t *high) {
     if (kind != 4) return row_f32(p, sup, per, row, n, kind, buf);
-    for (int i = 0; i < n; i++) buf[i] = -8.f * sc[i];
+    float c = high ? -16.f : -8.f;
+    for (int i = 0; i < n; i++) buf[i] = c * sc[i];
     return buf;
+}
+
+// group g's fifth bits (q5): bit j is element j's bit 4
+static inline uint32_t q5_bits(const uint8_t *high, int g) {
+    uint32_t b;
+    memcpy(&b, high + 4 * (size_t)g, 4);
+    return b;
 }
 
 
@@ -175,12 +187,27 @@ static inline __m256 zero_terms(const float *zr, const float *sums, int ng, floa
     return z;
 }
 
-static inline __m256i q4_group(const uint8_t *b, const int16_t *v) {
+// 16 of a group's fifth bits (the low or the high half of q5_bits) as 16 or 0 in 16 int16 lanes
+static inline __m256i q5_high16(uint32_t bits) {
+    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          (short)-32768);
+    __m256i b = _mm256_and_si256(_mm256_set1_epi16((short)(bits & 0xFFFF)), sel);
+    return _mm256_and_si256(_mm256_cmpeq_epi16(b, sel), _mm256_set1_epi16(16));
+}
+
+static inline __attribute__((always_inline)) __m256i q4_group(const uint8_t *b, const uint8_t *high, int g,
+                                                             const int16_t *v) {
     // 32 codes (16 bytes) against 32 int16 activations -> 8 int32 partial sums. Each byte widened to
-    // 16 bits holds element j in bits 0-3 and element j + 16 in bits 4-7: one mask and one shift split them.
+    // 16 bits holds element j in bits 0-3 and element j + 16 in bits 4-7: one mask and one shift split them;
+    // 5-bit codes (high: NULL or group g's fifth bits) take bit 4 from there.
     __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b));
     __m256i q0 = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
     __m256i q1 = _mm256_srli_epi16(w, 4);
+    if (high) {
+        uint32_t h = q5_bits(high, g);
+        q0 = _mm256_or_si256(q0, q5_high16(h));
+        q1 = _mm256_or_si256(q1, q5_high16(h >> 16));
+    }
     return _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
                             _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
 }
@@ -196,24 +223,30 @@ static inline void scale_products(const float *sc, const float *xs, int ng, int 
     }
 }
 
-// one row of x (decode): two independent accumulators, everything in registers
-static float q4_row1(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
-                     const float *sums, int ng) {
+// one row of x (decode): two independent accumulators, everything in registers; high: q5's fifth bits or NULL
+static inline __attribute__((always_inline)) float q4_row1_h(const uint8_t *row, const uint8_t *high,
+        const float *sc, const float *zr, const int16_t *xq, const float *xs, const float *sums, int ng) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     float f[MAXG];
     scale_products(sc, xs, ng, 1, f);
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
         if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + g * 32)), _mm256_broadcast_ss(f + g), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16 + 16, xq + g * 32 + 32)),
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, high, g, xq + g * 32)),
+                             _mm256_broadcast_ss(f + g), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16 + 16, high, g + 1, xq + g * 32 + 32)),
                              _mm256_broadcast_ss(f + g + 1), a1);
     }
     if (g < ng)
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, xq + g * 32)), _mm256_set1_ps(f[g]), a0);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, high, g, xq + g * 32)), _mm256_set1_ps(f[g]), a0);
     float tail;
     __m256 z = zero_terms(zr, sums, ng, &tail);
     return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
+}
+
+static float q4_row1(const uint8_t *row, const uint8_t *high, const float *sc, const float *zr, const int16_t *xq,
+                     const float *xs, const float *sums, int ng) {
+    return high ? q4_row1_h(row, high, sc, zr, xq, xs, sums, ng) : q4_row1_h(row, NULL, sc, zr, xq, xs, sums, ng);
 }
 
 static inline __m256i q8_half(const int8_t *w, const int16_t *v) {
@@ -247,8 +280,8 @@ static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G,
 // many rows share the call (batch invariance: a stream served beside others equals the same stream run
 // alone). The codes are unpacked once for the R rows. f: [R, ng] the products sc[g] * xs[m][g], as
 // q4_row1 forms them.
-static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, const float *f, const float *zr,
-        const int16_t *xq, const float *sums, int ng, int K, const int R, float *out) {
+static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, const uint8_t *high, const float *f,
+        const float *zr, const int16_t *xq, const float *sums, int ng, int K, const int R, float *out) {
     __m256 a0[4], a1[4];
     for (int m = 0; m < R; m++) a0[m] = a1[m] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi16(0x0F);
@@ -260,6 +293,11 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, co
         __m256i wb = _mm256_cvtepu8_epi16(b), wc = _mm256_cvtepu8_epi16(c);    // as in q4_group
         __m256i q0 = _mm256_and_si256(wb, mask), q1 = _mm256_srli_epi16(wb, 4);
         __m256i r0 = _mm256_and_si256(wc, mask), r1 = _mm256_srli_epi16(wc, 4);
+        if (high) {
+            uint32_t h0 = q5_bits(high, g), h1 = q5_bits(high, g + 1);
+            q0 = _mm256_or_si256(q0, q5_high16(h0)), q1 = _mm256_or_si256(q1, q5_high16(h0 >> 16));
+            r0 = _mm256_or_si256(r0, q5_high16(h1)), r1 = _mm256_or_si256(r1, q5_high16(h1 >> 16));
+        }
         for (int m = 0; m < R; m++) {
             const int16_t *v = xq + (size_t)m * K + g * 32;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
@@ -274,6 +312,10 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, co
         __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
         __m256i wb = _mm256_cvtepu8_epi16(b);
         __m256i q0 = _mm256_and_si256(wb, mask), q1 = _mm256_srli_epi16(wb, 4);
+        if (high) {
+            uint32_t h0 = q5_bits(high, g);
+            q0 = _mm256_or_si256(q0, q5_high16(h0)), q1 = _mm256_or_si256(q1, q5_high16(h0 >> 16));
+        }
         for (int m = 0; m < R; m++) {
             const int16_t *v = xq + (size_t)m * K + g * 32;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
@@ -288,20 +330,23 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, co
     }
 }
 
-static void q4_rowsM(const uint8_t *row, const float *sc, const float *zr, const int16_t *xq, const float *xs,
-                     const float *sums, int ng, int K, int M, float *out) {
+static void q4_rowsM(const uint8_t *row, const uint8_t *high, const float *sc, const float *zr, const int16_t *xq,
+                     const float *xs, const float *sums, int ng, int K, int M, float *out) {
     float f[4 * MAXG];
     for (int m = 0; m < M; m += 4) {
         const int16_t *x = xq + (size_t)m * K;
         const float *z = sums + (size_t)m * ng;
         int R = M - m < 4 ? M - m : 4;
-        if (R == 1) { out[m] = q4_row1(row, sc, zr, x, xs + (size_t)m * ng, z, ng); break; }
+        if (R == 1) { out[m] = q4_row1(row, high, sc, zr, x, xs + (size_t)m * ng, z, ng); break; }
         scale_products(sc, xs + (size_t)m * ng, ng, R, f);
+#define Q4_ROWS(R) (high ? q4_rows(row, high, f, zr, x, z, ng, K, R, out + m) \
+                         : q4_rows(row, NULL, f, zr, x, z, ng, K, R, out + m))
         switch (R) {
-            case 2: q4_rows(row, f, zr, x, z, ng, K, 2, out + m); break;
-            case 3: q4_rows(row, f, zr, x, z, ng, K, 3, out + m); break;
-            default: q4_rows(row, f, zr, x, z, ng, K, 4, out + m); break;
+            case 2: Q4_ROWS(2); break;
+            case 3: Q4_ROWS(3); break;
+            default: Q4_ROWS(4); break;
         }
+#undef Q4_ROWS
     }
 }
 
@@ -376,6 +421,13 @@ static inline int q4_dot32(const uint8_t *b, const int16_t *v) {
 #endif
 }
 
+// q5: the fifth bits' part of a group's dot product, 16 * the activations where the bit is set (exact)
+static inline int q5_dot_high(uint32_t bits, const int16_t *v) {
+    int d = 0;
+    for (; bits; bits &= bits - 1) d += v[__builtin_ctz(bits)];
+    return 16 * d;
+}
+
 static inline int q8_dot(const int8_t *w, const int16_t *v, int n) {
     int j = 0, d = 0;
 #ifdef __SSE2__
@@ -400,9 +452,11 @@ static inline int q8_dot(const int8_t *w, const int16_t *v, int n) {
 // activations (gemv8)
 static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const void *scale, const void *zero,
                        int N, float *y, int ldy, void *scratch, int mode, const float *norm_w, float eps,
-                       const float *resid, int kind, const float *ssup, const float *zsup, int per) {
+                       const float *resid, int kind, const float *ssup, const float *zsup, int per,
+                       const uint8_t *high) {
     if (mode & ACT8) {
-        gemv8(x, M, K, codes, 4, scale, zero, N, y, ldy, scratch, mode & ~ACT8, norm_w, eps, resid, kind, ssup, zsup, per);
+        gemv8(x, M, K, codes, 4, scale, zero, N, y, ldy, scratch, mode & ~ACT8, norm_w, eps, resid, kind, ssup, zsup, per,
+              high);
         return;
     }
     int ng = K / 32;
@@ -411,15 +465,16 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
     activations(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
-        const uint8_t *row = codes + (size_t)n * (K / 2);
+        const uint8_t *row = codes + (size_t)n * (K / 2), *hrow = high ? high + (size_t)n * (K / 8) : NULL;
         float sbuf[MAXG], zbuf[MAXG];
-        const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zr = row_zero(zero, zsup, per, n, ng, kind, sc, zbuf);
+        const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf);
+        const float *zr = row_zero(zero, zsup, per, n, ng, kind, sc, zbuf, high);
         float out[MAXM];
 #ifdef __AVX2__
 #ifdef KVCHAT_AVX512
-        q4_rowsM_512(row, sc, zr, xq, xs, sums, ng, K, M, out);
+        q4_rowsM_512(row, hrow, sc, zr, xq, xs, sums, ng, K, M, out);
 #else
-        q4_rowsM(row, sc, zr, xq, xs, sums, ng, K, M, out);
+        q4_rowsM(row, hrow, sc, zr, xq, xs, sums, ng, K, M, out);
 #endif
         for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
         continue;
@@ -428,7 +483,8 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         for (int g = 0; g < ng; g++) {
             const uint8_t *b = row + g * 16;
             for (int m = 0; m < M; m++) {
-                int d = q4_dot32(b, xq + (size_t)m * K + g * 32);
+                const int16_t *v = xq + (size_t)m * K + g * 32;
+                int d = q4_dot32(b, v) + (hrow ? q5_dot_high(q5_bits(hrow, g), v) : 0);
                 out[m] += sc[g] * xs[m * ng + g] * (float)d;
             }
         }
@@ -449,7 +505,7 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
     if (mode & ACT8) {
         if (G == 32) {
             gemv8(x, M, K, codes, 8, scale, zero, N, y, ldy, scratch, mode & ~ACT8, norm_w, eps, resid, kind, ssup,
-                  zsup, per);
+                  zsup, per, NULL);
             return;
         }
         mode &= ~ACT8;
@@ -532,8 +588,8 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
 
 void q4_gemv(const float *x, int M, int K, const uint8_t *codes, const void *scale, const void *zero,
              int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid, int kind,
-             const float *ssup, const float *zsup, int per) {
-    q4_gemv_ld(x, M, K, codes, scale, zero, N, y, N, scratch, mode, norm_w, eps, resid, kind, ssup, zsup, per);
+             const float *ssup, const float *zsup, int per, const uint8_t *high) {
+    q4_gemv_ld(x, M, K, codes, scale, zero, N, y, N, scratch, mode, norm_w, eps, resid, kind, ssup, zsup, per, high);
 }
 
 void q8_gemv(const float *x, int M, int K, const int8_t *codes, const void *scale, const void *zero, int G,
@@ -578,20 +634,32 @@ static inline void store_bf16(const float *x, uint16_t *o, int n) {
 // Dequantization into float32 (out) or, for bf16 prefill, bf16 (out16: each value as torch's .bfloat16() of the
 // float32 one)
 static void q4_dequant_to(const uint8_t *codes, const void *scale, const void *zero, int N, int K, float *out,
-                          uint16_t *out16, int kind, const float *ssup, const float *zsup, int per) {
+                          uint16_t *out16, int kind, const float *ssup, const float *zsup, int per,
+                          const uint8_t *high) {
     int ng = K / 32;
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         float sbuf[MAXG], zbuf[MAXG];
-        const float *sr = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zrr = row_zero(zero, zsup, per, n, ng, kind, sr, zbuf);
+        const float *sr = row_f32(scale, ssup, per, n, ng, kind, sbuf);
+        const float *zrr = row_zero(zero, zsup, per, n, ng, kind, sr, zbuf, high);
+        const uint8_t *hrow = high ? high + (size_t)n * (K / 8) : NULL;
         for (int g = 0; g < ng; g++) {
             const uint8_t *b = codes + (size_t)n * (K / 2) + g * 16;
+            uint32_t hb = hrow ? q5_bits(hrow, g) : 0;
             float s = sr[g], z = zrr[g], tmp[32];
             float *o = out16 ? tmp : out + (size_t)n * K + g * 32;
 #ifdef __AVX2__
-            // code * scale, then + zero: two roundings, as the scalar loop (and torch) does
+            // code * scale, then + zero: two roundings, as the scalar loop (and torch) does; a fifth bit as 16
             __m128i x = _mm_loadu_si128((const __m128i *)b), m = _mm_set1_epi8(15);
             __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+            if (hb) {
+                const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+                const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+                __m128i bl = _mm_and_si128(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)(hb & 0xFFFF)), spread), sel);
+                __m128i bh = _mm_and_si128(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)(hb >> 16)), spread), sel);
+                lo = _mm_or_si128(lo, _mm_and_si128(_mm_cmpeq_epi8(bl, sel), _mm_set1_epi8(16)));
+                hi = _mm_or_si128(hi, _mm_and_si128(_mm_cmpeq_epi8(bh, sel), _mm_set1_epi8(16)));
+            }
             __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
             __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
             for (int i = 0; i < 4; i++)
@@ -599,8 +667,8 @@ static void q4_dequant_to(const uint8_t *codes, const void *scale, const void *z
                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), sv), zv));
 #else
             for (int j = 0; j < 16; j++) {
-                o[j] = (b[j] & 15) * s + z;
-                o[j + 16] = (b[j] >> 4) * s + z;
+                o[j] = (float)((b[j] & 15) | ((hb >> j) & 1) << 4) * s + z;
+                o[j + 16] = (float)((b[j] >> 4) | ((hb >> (j + 16)) & 1) << 4) * s + z;
             }
 #endif
             if (out16) store_bf16(tmp, out16 + (size_t)n * K + g * 32, 32);
@@ -609,13 +677,13 @@ static void q4_dequant_to(const uint8_t *codes, const void *scale, const void *z
 }
 
 void q4_dequant(const uint8_t *codes, const void *scale, const void *zero, int N, int K, float *out, int kind,
-                const float *ssup, const float *zsup, int per) {
-    q4_dequant_to(codes, scale, zero, N, K, out, NULL, kind, ssup, zsup, per);
+                const float *ssup, const float *zsup, int per, const uint8_t *high) {
+    q4_dequant_to(codes, scale, zero, N, K, out, NULL, kind, ssup, zsup, per, high);
 }
 
 void q4_dequant_bf16(const uint8_t *codes, const void *scale, const void *zero, int N, int K, uint16_t *out,
-                     int kind, const float *ssup, const float *zsup, int per) {
-    q4_dequant_to(codes, scale, zero, N, K, NULL, out, kind, ssup, zsup, per);
+                     int kind, const float *ssup, const float *zsup, int per, const uint8_t *high) {
+    q4_dequant_to(codes, scale, zero, N, K, NULL, out, kind, ssup, zsup, per, high);
 }
 
 static void q8_dequant_to(const int8_t *codes, const void *scale, const void *zero, int G, int N, int K, float *out,
@@ -821,6 +889,7 @@ typedef struct {
     const float *ssup, *zsup;
     int bits, kind, per, group, N, K;
     int act;                    // activation bits: 8 for int8 (gemv8), anything else int16
+    const uint8_t *high;        // bits 4: q5's fifth bits [N, K/8], or NULL
 } qlin_t;
 
 // One decoder layer: the four linears (qkv, o, gate_up, down), each up to 3 parts side by side.
@@ -905,7 +974,7 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
             int lm = mode | (l->act == 8 ? ACT8 : 0);
             if (l->bits == 4 && l->kind != KIND_MXFP4)
                 q4_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->N, ym, ldy, scratch, lm, norm_w, eps,
-                           rm, l->kind, l->ssup, l->zsup, l->per);
+                           rm, l->kind, l->ssup, l->zsup, l->per, l->high);
             else if (l->bits == 4 && l->kind == KIND_MXFP4)    // cpu_mxfp4.h: scale holds the E8M0 exponents
                 mxfp4_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->N, ym, ldy, scratch, lm, norm_w, eps, rm);
             else if (l->bits == 6)         // cpu_q6k.h: codes ql, zero qh, scale sc, ssup d

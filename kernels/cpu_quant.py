@@ -138,7 +138,9 @@ class Scales:
     scale, zero: [N, G] float32 or float16; or uint8 / int8 codes that multiply scale_sup / zero_sup
     [N, G / per] float32 (the K-quants' two-level scales, kept as the file has them). offset8: 4-bit codes
     centred on 8 (GGUF Q4_0: w = scale * (q - 8)), float16 scales and no zero stored; the kernels take
-    zero = -8 * scale, exact in float32. Not storing it saves a tenth of the bytes a decode step reads.
+    zero = -8 * scale, exact in float32. Not storing it saves a tenth of the bytes a decode step reads. 5-bit codes
+    (q5: GGUF Q5_0, w = scale * (q - 16)) the same with centre 16; the C kernels take the centre from the codes'
+    width (a fifth-bit plane given: 16).
     """
     scale: torch.Tensor
     zero: torch.Tensor | None = None
@@ -146,9 +148,11 @@ class Scales:
     zero_sup: torch.Tensor | None = None
     per: int = 1
     offset8: bool = False
+    centre: int = 8
 
     def __post_init__(self):
         assert not self.offset8 or (self.zero is None and self.scale.dtype == torch.float16)
+        assert self.centre in (8, 16)
 
     @property
     def kind(self) -> int:
@@ -163,27 +167,27 @@ class Scales:
         assert self.zero is None or (self.zero.is_contiguous() and self.zero.dtype == self.scale.dtype)
         return self.kind, _ptr(self.scale_sup), _ptr(self.zero_sup), self.per
 
-    def implicit_zero(self) -> "Scales":
-        """These scales with the zero left out where it is exactly -8 * scale (Q4_0): the offset8 form."""
+    def implicit_zero(self, centre: int = 8) -> "Scales":
+        """These scales with the zero left out where it is exactly -centre * scale (Q4_0: 8, Q5_0: 16): the offset8
+        form."""
         if self.offset8 or self.zero is None or self.scale_sup is not None or self.scale.dtype != torch.float16 \
-                or self.zero.dtype != torch.float16 or not torch.equal(self.zero.float(), self.scale.float() * -8):
+                or self.zero.dtype != torch.float16 or not torch.equal(self.zero.float(), self.scale.float() * -centre):
             return self
-        return Scales(self.scale, offset8=True)
+        return Scales(self.scale, offset8=True, centre=centre)
+
+    def _map(self, fn) -> "Scales":
+        some = lambda t: None if t is None else fn(t)            # noqa: E731
+        return Scales(fn(self.scale), some(self.zero), some(self.scale_sup), some(self.zero_sup), self.per,
+                      self.offset8, self.centre)
 
     def rows(self, lo: int, hi: int) -> "Scales":
-        cut = lambda t: None if t is None else t[lo:hi]          # noqa: E731
-        return Scales(self.scale[lo:hi], cut(self.zero), cut(self.scale_sup), cut(self.zero_sup), self.per,
-                      self.offset8)
+        return self._map(lambda t: t[lo:hi])
 
     def index(self, ids: torch.Tensor) -> "Scales":
-        pick = lambda t: None if t is None else t[ids]           # noqa: E731
-        return Scales(self.scale[ids], pick(self.zero), pick(self.scale_sup), pick(self.zero_sup), self.per,
-                      self.offset8)
+        return self._map(lambda t: t[ids])
 
     def to(self, device) -> "Scales":
-        move = lambda t: None if t is None else t.to(device)     # noqa: E731
-        return Scales(move(self.scale), move(self.zero), move(self.scale_sup), move(self.zero_sup), self.per,
-                      self.offset8)
+        return self._map(lambda t: t.to(device))
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """float32 [N, G] scales and zeros (or None)."""
@@ -194,7 +198,7 @@ class Scales:
                 return t.float()
             return sup.repeat_interleave(self.per, -1) * t.float()
         scale = widen(self.scale, self.scale_sup)
-        return scale, scale * -8 if self.offset8 else widen(self.zero, self.zero_sup)
+        return scale, scale * -self.centre if self.offset8 else widen(self.zero, self.zero_sup)
 
     @property
     def nbytes(self) -> int:
@@ -220,16 +224,24 @@ def _prep_args(x, k, norm, eps, swiglu, residual, act=16):
 # x: [M, K] fp32 contiguous ([M, 2K] with swiglu), M <= MAX_ROWS; codes: [N, K/2] uint8; scale, zero: [N, K/32]
 # fp32. Optional: norm [K] applies RMSNorm to x first, swiglu applies silu(x[:, :K]) * x[:, K:], residual
 # [M, N] is added to the output. -> [M, N]
+# high: q5's fifth bits [N, K/8] uint8 (a little-endian uint32 per group, bit j element j's bit 4), or None
 def q4_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, norm=None, eps=0.0,
-            swiglu=False, residual=None, act: int = 16) -> torch.Tensor:
+            swiglu=False, residual=None, act: int = 16, high: torch.Tensor | None = None) -> torch.Tensor:
     s = _scales(scale, zero)
     n, k = codes.shape[0], codes.shape[1] * 2
+    _check_high(codes, high, s)
     m = x.shape[0]
     y = torch.empty(m, n)
     scratch = _scratch_bytes(m * k * 7)
     _lib.q4_gemv(x.data_ptr(), m, k, codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), n, y.data_ptr(),
-                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual, act), *s.args())
+                 scratch.data_ptr(), *_prep_args(x, k, norm, eps, swiglu, residual, act), *s.args(), _ptr(high))
     return y
+
+
+def _check_high(codes: torch.Tensor, high: torch.Tensor | None, s: Scales) -> None:
+    assert s.centre == (16 if high is not None else 8) or not s.offset8, "Q5_0's implicit zero needs its fifth bits"
+    assert high is None or (high.dtype == torch.uint8 and high.is_contiguous()
+                            and high.shape == (codes.shape[0], codes.shape[1] // 4)), (codes.shape, high)
 
 
 # codes: [N, K] int8; scale (zero or None): [N, K/G] fp32; the rest as q4_gemv -> [M, N]
@@ -246,14 +258,15 @@ def q8_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero, group: int,
 
 
 def q4_dequant(codes: torch.Tensor, scale, zero=None, out: torch.Tensor | None = None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """codes [N, K/2] -> float32 [N, K] (into out, contiguous, when given); dtype=bfloat16: the float32 values
-    rounded as .bfloat16() rounds them, in the same pass."""
+               dtype: torch.dtype = torch.float32, high: torch.Tensor | None = None) -> torch.Tensor:
+    """codes [N, K/2] (and q5's fifth bits high) -> float32 [N, K] (into out, contiguous, when given);
+    dtype=bfloat16: the float32 values rounded as .bfloat16() rounds them, in the same pass."""
     s = _scales(scale, zero)
     n, half = codes.shape
+    _check_high(codes, high, s)
     out = _out(out, n, half * 2, dtype)
     fn = _lib.q4_dequant if dtype == torch.float32 else _lib.q4_dequant_bf16
-    fn(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), n, half * 2, out.data_ptr(), *s.args())
+    fn(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), n, half * 2, out.data_ptr(), *s.args(), _ptr(high))
     return out
 
 
@@ -489,11 +502,17 @@ def _softmax_ref(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torc
 
 # ---- torch references (same signatures) ------------------------------------------------------------
 
-def q4_dequant_ref(codes: torch.Tensor, scale, zero=None) -> torch.Tensor:
+def q4_dequant_ref(codes: torch.Tensor, scale, zero=None, high: torch.Tensor | None = None) -> torch.Tensor:
     scale, zero = _scales(scale, zero).dense()
     n, half = codes.shape
     b = codes.view(n, half // 16, 16)
-    q = torch.cat((b & 15, b >> 4), -1).float()                  # [N, G, 32]
+    q = torch.cat((b & 15, b >> 4), -1)                          # [N, G, 32]
+    if high is not None:                                         # q5: bit j of a group's uint32 is element j's bit 4
+        bits = high.view(n, half // 16, 4).to(torch.int32)
+        word = bits[..., 0] | bits[..., 1] << 8 | bits[..., 2] << 16 | bits[..., 3] << 24
+        q = q | (((word[..., None] >> torch.arange(32, device=high.device)) & 1) << 4).to(torch.uint8)
+    q = q.float()
+    zero = torch.zeros_like(scale) if zero is None else zero
     return (q * scale[..., None] + zero[..., None]).view(n, half * 2)
 
 
@@ -552,8 +571,8 @@ def prep_ref(x, norm=None, eps=0.0, swiglu=False):
     return x
 
 
-def q4_gemv_ref(x, codes, scale, zero, norm=None, eps=0.0, swiglu=False, residual=None):
-    y = prep_ref(x, norm, eps, swiglu) @ q4_dequant_ref(codes, scale, zero).t()
+def q4_gemv_ref(x, codes, scale, zero, norm=None, eps=0.0, swiglu=False, residual=None, high=None):
+    y = prep_ref(x, norm, eps, swiglu) @ q4_dequant_ref(codes, scale, zero, high).t()
     return y if residual is None else y + residual
 
 
@@ -720,7 +739,7 @@ def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32, act: int = 16,
          high: torch.Tensor | None = None) -> QLin:
     """codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), contiguous; scale a Scales; act: activation bits.
     bits 6: GGUF Q6_K, codes its low 4 bits and high its high 2 (q6k_gemv's arguments); the struct carries high
-    in its zero field and d in ssup (kernels/cpu_q6k.h)."""
+    in its zero field and d in ssup (kernels/cpu_q6k.h). bits 4 with high: q5, its fifth bits (q4_gemv's)."""
     s = _scales(scale, None)
     n = codes.shape[0]
     k = codes.shape[1] * (1 if bits == 8 else 2)
@@ -729,7 +748,10 @@ def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32, act: int = 16,
         return QLin(codes.data_ptr(), s.scale.data_ptr(), high.data_ptr(), s.scale_sup.data_ptr(), None, 6, s.kind,
                     16, 16, n, k, act)
     kind, ssup, zsup, per = s.args()
-    return QLin(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), ssup, zsup, bits, kind, per, group, n, k, act)
+    if bits == 4:
+        _check_high(codes, high, s)
+    return QLin(codes.data_ptr(), s.scale.data_ptr(), _ptr(s.zero), ssup, zsup, bits, kind, per, group, n, k, act,
+                _ptr(high) if bits == 4 else None)
 
 
 class ExpertTable:

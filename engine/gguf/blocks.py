@@ -1,9 +1,10 @@
 """GGML's quantized blocks as the kernels' packed grids: codes kept as the file stores them, never re-rounded.
 
 The 4-bit block types (Q4_0, Q4_1, Q4_K) are unpacked into codes 0..15 with a scale and zero point per group
-of 32, which is exactly their grid; Q6_K keeps its own 6.5625 bits a value, each block split into its four parts,
-every byte as stored (q6k_parts), and MXFP4 its own 4.25 (mxfp4_blocks: the codes and the exponents as stored); the
-other 5-8 bit types (Q8_0, Q5_0, Q5_1, Q5_K) into int8 codes with their own scales. No torch here: the engine's linears
+of 32, which is exactly their grid; the 5-bit ones (Q5_0, Q5_1, Q5_K) the same with a plane of fifth bits beside
+(q5_blocks: 5.5 bits a value, as the file); Q6_K keeps its own 6.5625 bits a value, each block split into its four
+parts, every byte as stored (q6k_parts), and MXFP4 its own 4.25 (mxfp4_blocks: the codes and the exponents as
+stored); Q8_0 is int8 codes with their scales. No torch here: the engine's linears
 (engine/model/weights.py) and the one-shot path (engine/runtime/quick.py) both pack through packed_matrix.
 """
 from __future__ import annotations
@@ -13,13 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 
 INT4_GRID_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # 16 levels per group of 32: kept as they are
+INT5_GRID_TYPES = ("Q5_0", "Q5_1", "Q5_K")     # 32 levels per group of 32: the same, and a fifth bit each
 
 
 @dataclass(frozen=True)
 class PackedMatrix:
     """One stored [N, K] matrix as the kernels read it: codes [N, K/2] uint8 (bits 4) or [N, K] int8 (bits 8), and
-    its grid, keyword arguments of kernels.cpu_quant.Scales (numpy arrays, or the group count `per`); kind "Q6_K"
-    (bits 6, see q6k_parts): codes the blocks' low 4 bits [N, K/2], the grid's "high" their high 2 bits [N, K/4];
+    its grid, keyword arguments of kernels.cpu_quant.Scales (numpy arrays, or the group count `per`); bits 5
+    (see q5_blocks): codes as bits 4, the grid's "high" their fifth bits [N, K/8]; kind "Q6_K" (bits 6, see q6k_parts): codes the blocks' low 4 bits [N, K/2], the grid's "high" their high 2 bits [N, K/4];
     kind "MXFP4" (bits 4, see mxfp4_blocks): codes [N, K/2] of E2M1 values and grid {"e8m0": [N, K/32] uint8}, no
     Scales; rows in the Hugging Face order, every array C-contiguous."""
     bits: int
@@ -39,6 +41,8 @@ def packed_matrix(gf, name: str, heads: int | None, rows: np.ndarray | None = No
     own = ""
     if k % 32 == 0 and kind in INT4_GRID_TYPES:
         bits, (codes, grid) = 4, q4_blocks(kind, data)
+    elif k % 32 == 0 and kind in INT5_GRID_TYPES:
+        bits, (codes, grid) = 5, q5_blocks(kind, data)
     elif kind == "Q6_K":            # rows of whole super-blocks: the file holds no other kind
         bits, own, (codes, grid) = 6, kind, q6k_rows(gf, name)
     elif kind == "MXFP4":           # rows of whole blocks of 32, likewise
@@ -93,6 +97,42 @@ def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
     raise ValueError(kind)
 
 
+def q5_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
+    """5-bit blocks as q4_blocks' codes (the low 4 bits, Q4_0's nibble order) and a grid with "high" [N, K/8]
+    uint8: per group of 32 a little-endian uint32 whose bit j is element j's fifth bit (kernels/cpu_quant.c: q5).
+    Q5_0 and Q5_1 store exactly this (their qh word beside their nibbles), so both are the file's bytes; Q5_K's
+    super-blocks are repacked into it, nothing re-rounded. Values: Q5_0 d * (q - 16) (scale d, zero -16 d), Q5_1
+    d * q + m, Q5_K (d * sc) * q - dmin * m (two-level, as q4_blocks' Q4_K)."""
+    n = data.shape[0]
+    if kind in ("Q5_0", "Q5_1"):
+        size = 22 if kind == "Q5_0" else 24
+        heads, codes = split_blocks(data, size, size - 16)
+        high = np.ascontiguousarray(heads[..., size - 20:]).reshape(n, -1)          # the qh words as stored
+        d = _f16(heads[..., 0:2], np.float16)
+        if kind == "Q5_1":
+            return codes, {"scale": d, "zero": _f16(heads[..., 2:4], np.float16), "high": high}
+        wide = d.astype(np.float32)
+        zero = wide * -16                          # exact: a power of two
+        if np.abs(zero).max(initial=0) <= 65504:
+            zero = zero.astype(np.float16)         # within float16's range: exact there too
+        else:
+            d = wide
+        return codes, {"scale": d, "zero": zero, "high": high}
+    if kind == "Q5_K":
+        blocks = data.reshape(n, -1, 176)                                     # super-blocks of 256
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, mn = _k_scale_min(blocks[..., 4:16])                              # [N, S, 8] each
+        qh = blocks[..., 16:48]                                               # bit i of byte l: value 32 i + l
+        qs = blocks[..., 48:].reshape(n, -1, 4, 32)                           # 4 chunks of 64 values
+        g = np.stack((qs & 0x0F, qs >> 4), 3).reshape(n, -1, 2, 16)           # groups of 32, repacked as Q4_K's
+        codes = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, -1)
+        bits = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1   # [N, S, 8 groups, 32]
+        high = np.packbits(bits, axis=-1, bitorder="little").reshape(n, -1)
+        return codes, {"scale": sc.astype(np.uint8).reshape(n, -1), "scale_sup": d,
+                       "zero": mn.astype(np.uint8).reshape(n, -1), "zero_sup": -dmin, "per": 8, "high": high}
+    raise ValueError(kind)
+
+
 def mxfp4_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """MXFP4 rows [N, K/32 * 17] -> (codes [N, K/2] uint8, e8m0 [N, K/32] uint8), the bytes as stored: a block is
     its E8M0 exponent e, then 16 bytes of 4-bit codes in Q4_0's nibble order (byte j: value j low, j + 16 high),
@@ -101,7 +141,7 @@ def mxfp4_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, heads.reshape(data.shape[0], -1)
 
 
-INT8_GRID_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")
+INT8_GRID_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")     # as int8 codes (q8_rows): Q8_0, and the others widened
 
 
 def q6k_parts(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -6,8 +6,9 @@ One interface (`__call__(x [T, K]) -> [T, N]`, `nbytes`, `kind`, `dequantize()`)
 - `Q4Linear`: 4-bit codes, two per byte, in groups of 32 along K with a scale and a zero per group
   (w = q * scale + zero). Q4_0, Q4_1 and Q4_K blocks are exactly this grid: their codes are kept
   as the file has them, never re-rounded.
-- `Q8Linear`: int8 codes in groups of 16 or 32 with a scale (and a zero) per group: Q8_0, Q5_K, Q5_0 and
-  Q5_1 are exactly this grid.
+- `Q5Linear`: Q4Linear's codes and a plane of fifth bits beside them, codes 0..31: GGUF Q5_0, Q5_1 and Q5_K at
+  their own 5.5 bits a weight (the q4 kernels read the plane, kernels/cpu_quant.c).
+- `Q8Linear`: int8 codes in groups of 16 or 32 with a scale (and a zero) per group: Q8_0 is exactly this grid.
 - `Q6Linear`: GGUF Q6_K at its own 6.5625 bits a weight, the file's bits in its kernel's order.
 - `MXFP4Linear`: GGUF MXFP4 (gpt-oss's experts) at its own 4.25 bits a weight: 4-bit E2M1 codes in the q4 order
   and a power-of-two (E8M0) scale per group of 32, the file's bytes as they are.
@@ -453,22 +454,7 @@ class Q6Linear(_Packed):
         return Q6Linear(self.codes[lo:hi], self.high[lo:hi], self.scales.rows(lo, hi))
 
     def _gpu(self, x, norm, eps, swiglu, residual) -> torch.Tensor:
-        """GPU tensors reach a Q6Linear only where it was not moved() there (moved() widens it for the Triton
-        kernels): slabs of rows dequantized through torch and multiplied, no dense copy kept."""
-        if norm is not None:
-            x = rms_norm(x, norm, eps)
-        elif swiglu:
-            x = gated(x)
-        xf = x.float()
-        K = self.in_features
-        y = torch.empty(x.shape[0], self.out_features, device=x.device)
-        step = min(self.out_features, max(16, SLAB_BYTES // (4 * K)))
-        for lo in range(0, self.out_features, step):
-            hi = min(self.out_features, lo + step)
-            y[:, lo:hi] = xf @ self._dequant_rows(lo, hi).t()
-        if self.bias is not None:
-            y += self.bias.float()
-        return (y if residual is None else residual.float() + y).to(x.dtype)
+        return _slabs_gpu(self, x, norm, eps, swiglu, residual)
 
     def widened(self) -> Q8Linear:
         """The same weights as int8 codes q - 32 beside the same scales (8.6 bits a weight): the grid the Triton
@@ -480,6 +466,94 @@ class Q6Linear(_Packed):
     def moved(self, device) -> "_Packed":
         """On the GPU path, the widened int8 form (no Triton kernel reads Q6_K's own bits yet; _gpu's torch slabs
         would dequantize the whole matrix every step); elsewhere these arrays on `device`."""
+        if kernels.gpu_path(device):
+            return self.widened().moved(device)
+        self.codes, self.high = self.codes.to(device), self.high.to(device)
+        self.scales = self.scales.to(device)
+        self.bias = None if self.bias is None else self.bias.to(device)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.high, self.bias) + self.scales.nbytes
+
+
+def _slabs_gpu(lin: _Packed, x, norm, eps, swiglu, residual) -> torch.Tensor:
+    """GPU tensors reach a kind the Triton kernels do not read (Q5Linear, Q6Linear) only where it was not moved()
+    there (moved() widens it): slabs of rows dequantized through torch and multiplied, no dense copy kept."""
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    elif swiglu:
+        x = gated(x)
+    xf = x.float()
+    K = lin.in_features
+    y = torch.empty(x.shape[0], lin.out_features, device=x.device)
+    step = min(lin.out_features, max(16, SLAB_BYTES // (4 * K)))
+    for lo in range(0, lin.out_features, step):
+        hi = min(lin.out_features, lo + step)
+        y[:, lo:hi] = xf @ lin._dequant_rows(lo, hi).t()
+    if lin.bias is not None:
+        y += lin.bias.float()
+    return (y if residual is None else residual.float() + y).to(x.dtype)
+
+
+class Q5Linear(_Packed):
+    """GGUF Q5_0, Q5_1 and Q5_K at their own 5.5 bits a weight: Q4Linear's codes (the low 4 bits, [N, K/2]) and
+    high [N, K/8] uint8, per group of 32 a little-endian uint32 whose bit j is element j's fifth bit
+    (engine/gguf/blocks.py: q5_blocks); w = q * scale + zero, q in 0..31, the scales as Q4Linear's (Q5_0's zero
+    -16 * scale left implicit, Q5_K's two-level). The q4 kernels run it, reading the plane beside the nibbles."""
+    kind = "q5"
+    bits = 5
+
+    def __init__(self, codes: torch.Tensor, high: torch.Tensor, scales, bias: torch.Tensor | None = None):
+        n, half = codes.shape
+        self.scales = _compact(scales, None).implicit_zero(16)      # Q5_0: no zeros stored
+        assert half % 16 == 0 and high.shape == (n, half // 4) and high.dtype == torch.uint8, (codes.shape, high.shape)
+        assert self.scales.scale.shape == (n, half // 16) and (self.scales.zero is not None or self.scales.offset8)
+        self.codes, self.high = codes.contiguous(), high.contiguous()
+        self.bias = bias
+        self.out_features, self.in_features = n, half * 2
+
+    def _gemv(self, x, **prep):
+        return cpu_quant.q4_gemv(x, self.codes, self.scales, act=self.act_bits, high=self.high, **prep)
+
+    def kernel_parts(self):
+        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 4, act=self.act_bits,
+                                                                  high=self.high)]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_quant.q4_dequant_ref(self.codes[ids], self.scales.index(ids), high=self.high[ids])
+
+    def _dequant_rows(self, lo, hi, out=None, dtype=torch.float32):
+        if not cpu_quant.available() or self.codes.device.type != "cpu":
+            return cpu_quant.q4_dequant_ref(self.codes[lo:hi], self.scales.rows(lo, hi), high=self.high[lo:hi]).to(dtype)
+        return cpu_quant.q4_dequant(self.codes[lo:hi], self.scales.rows(lo, hi), out=out, dtype=dtype,
+                                    high=self.high[lo:hi])
+
+    def expert_view(self, lo: int, hi: int) -> "Q5Linear":
+        """Rows lo..hi (one expert of a 3-D expert tensor) as views of these arrays: nothing copied."""
+        return Q5Linear(self.codes[lo:hi], self.high[lo:hi], self.scales.rows(lo, hi))
+
+    def _gpu(self, x, norm, eps, swiglu, residual) -> torch.Tensor:
+        return _slabs_gpu(self, x, norm, eps, swiglu, residual)
+
+    def widened(self) -> Q8Linear:
+        """The same weights as int8 codes beside the same scales, the grid the Triton kernels read (and every
+        5-bit tensor's before it kept its own bits): Q5_0 as q - 16 with no zero, the others as q."""
+        n, half = self.codes.shape
+        b = self.codes.view(n, half // 16, 16)
+        q = torch.cat((b & 15, b >> 4), -1).view(n, half * 2).to(torch.int16)
+        word = self.high.view(n, half // 16, 4).to(torch.int32)
+        word = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16 | word[..., 3] << 24
+        q = q | ((((word[..., None] >> torch.arange(32)) & 1) << 4).view(n, half * 2)).to(torch.int16)
+        s = self.scales
+        if s.offset8:
+            return Q8Linear((q - 16).to(torch.int8), cpu_quant.Scales(s.scale), self.bias)
+        return Q8Linear(q.to(torch.int8), s, self.bias)
+
+    def moved(self, device) -> "_Packed":
+        """On the GPU path, the widened int8 form (no Triton kernel reads the fifth bits yet); elsewhere these
+        arrays on `device`."""
         if kernels.gpu_path(device):
             return self.widened().moved(device)
         self.codes, self.high = self.codes.to(device), self.high.to(device)

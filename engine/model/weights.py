@@ -25,7 +25,7 @@ from kvchat.engine.model.experts import RoutedMLP, expert_views
 from kvchat.engine.model.transformer import Layer, MixerWeights, Transformer
 from kvchat.engine.model.config import check_weight_shapes, layer_modules
 from kvchat.engine.model.linears import ConcatLinear, DenseLinear, Q4Linear, Q8Linear, cat_bias, quantize_float
-from kvchat.engine.model.linears import MXFP4Linear, Q6Linear
+from kvchat.engine.model.linears import MXFP4Linear, Q5Linear, Q6Linear
 
 def _assemble(mc: ModelConfig, linear, tensor, dtype, device, weights: str, quant: str = "",
               per_expert=lambda name: None, input_order=lambda name: None, fused_experts=lambda name: None
@@ -333,7 +333,7 @@ def _one_thread():
 
 
 def _make(kind: str, payloads: list):
-    if kind.startswith(("q4/", "q6/", "q8/", "mxfp4/")):
+    if kind.startswith(("q4/", "q5/", "q6/", "q8/", "mxfp4/")):
         def join(parts):          # one part stays as it is: no transient copy of a large head
             return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
         codes = join([c for c, _ in payloads])
@@ -345,6 +345,9 @@ def _make(kind: str, payloads: list):
         if kind.startswith("q6/"):            # Q6_K at its own bits: the high 2 bits beside the scales
             high = arrays.pop("high")
             return Q6Linear(codes, high, Scales(**arrays))
+        if kind.startswith("q5/"):            # Q5_0 / Q5_1 / Q5_K at their own bits: the fifth bits beside
+            high = arrays.pop("high")
+            return Q5Linear(codes, high, Scales(**arrays))
         scales = Scales(**arrays)
         return Q4Linear(codes, scales) if kind.startswith("q4/") else Q8Linear(codes, scales)
     w = torch.cat(payloads, 0)

@@ -52,8 +52,8 @@ def _ptr(a: np.ndarray | None) -> int | None:
 
 @dataclass
 class Packed:
-    """One stored matrix in the kernels' packed form (as linears.Q4Linear / Q6Linear / Q8Linear hold it), numpy
-    arrays."""
+    """One stored matrix in the kernels' packed form (as linears.Q4Linear / Q5Linear / Q6Linear / Q8Linear hold it),
+    numpy arrays."""
     bits: int
     codes: np.ndarray
     scale: np.ndarray
@@ -61,8 +61,9 @@ class Packed:
     scale_sup: np.ndarray | None
     zero_sup: np.ndarray | None
     per: int
-    offset8: bool = False            # Q4_0: zero = -8 * scale, not stored (cpu_quant.Scales.offset8)
-    high: np.ndarray | None = None   # bits 6 (Q6_K): the high 2 bits of the codes (kernels/cpu_q6k.h)
+    offset8: bool = False            # Q4_0 (Q5_0): zero = -8 (-16) * scale, not stored (cpu_quant.Scales.offset8)
+    high: np.ndarray | None = None   # bits 6 (Q6_K): the high 2 bits of the codes (kernels/cpu_q6k.h); bits 5: the
+                                     # fifth bits (the q4 kernels' high)
 
     @property
     def kind(self) -> int:
@@ -70,7 +71,7 @@ class Packed:
         if self.scale_sup is not None:
             return 2 if self.scale.dtype == np.uint8 else 3
         if self.scale.dtype == np.float16:
-            return 4 if self.zero is None and self.bits == 4 and self.offset8 else 1
+            return 4 if self.zero is None and self.bits in (4, 5) and self.offset8 else 1
         return 0
 
     @property
@@ -84,7 +85,7 @@ class Packed:
     @property
     def group(self) -> int:
         """Elements per scale: 32, or 16 for Q6_K."""
-        return self.k // self.scale.shape[1] if self.bits != 4 else 32
+        return self.k // self.scale.shape[1] if self.bits not in (4, 5) else 32
 
     def qlin(self, lo: int = 0, hi: int | None = None) -> cpu_lib.QLin:
         """Rows lo..hi (all by default) as the kernels' linear: pointers into the same arrays (an expert of a 3-D
@@ -94,8 +95,10 @@ class Packed:
         def at(a):
             return None if a is None else a.ctypes.data + lo * a.strides[0]
         zero = self.high if self.bits == 6 else self.zero      # Q6_K: the high bits ride in the zero field
+        five = self.bits == 5                                   # q5: the q4 kernels with the fifth bits
         return cpu_lib.QLin(at(self.codes), at(self.scale), at(zero), at(self.scale_sup), at(self.zero_sup),
-                            self.bits, self.kind, self.per, self.group, hi - lo, self.k)
+                            4 if five else self.bits, self.kind, self.per, self.group, hi - lo, self.k, 0,
+                            at(self.high) if five else None)
 
     def rows(self, lib, ids: list[int]) -> np.ndarray:
         """Dequantized rows [len(ids), K] float32 (the embedding lookup), by the kernels' exact dequantization."""
@@ -108,8 +111,9 @@ class Packed:
             c, s, z, ss, zs, h = map(_ptr, row)
             if self.bits == 6:
                 lib.q6k_dequant(c, h, s, ss, 1, self.k, _ptr(out[i:i + 1]))
-            elif self.bits == 4:
-                lib.q4_dequant(c, s, z, 1, self.k, _ptr(out[i:i + 1]), self.kind, ss, zs, self.per)
+            elif self.bits in (4, 5):
+                lib.q4_dequant(c, s, z, 1, self.k, _ptr(out[i:i + 1]), self.kind, ss, zs, self.per,
+                               h if self.bits == 5 else None)
             else:
                 lib.q8_dequant(c, s, z, self.group, 1, self.k, _ptr(out[i:i + 1]), self.kind, ss, zs, self.per)
         return out
@@ -129,8 +133,9 @@ def _pack(gf: GGUFModel, name: str, heads: int | None) -> Packed:
         if scale.dtype != np.float16 or (zero is not None and zero.dtype != np.float16):
             scale = scale.astype(np.float32)
             zero = None if zero is None else zero.astype(np.float32)
-        elif bits == 4 and zero is not None and np.array_equal(zero.astype(np.float32), scale.astype(np.float32) * -8):
-            zero, offset8 = None, True          # Q4_0: zero = -8 * scale, not stored
+        elif bits in (4, 5) and zero is not None and np.array_equal(zero.astype(np.float32),
+                                                                    scale.astype(np.float32) * (-8 if bits == 4 else -16)):
+            zero, offset8 = None, True          # Q4_0 (Q5_0): zero = -8 (-16) * scale, not stored
     return Packed(bits, m.codes, scale, zero, sup, arrays.get("zero_sup"), int(arrays.get("per", 1)), offset8,
                   arrays.get("high"))
 
@@ -278,8 +283,8 @@ class QuickSequence:
         if h.bits == 6:
             m.lib.q6k_gemv(_ptr(last), 1, h.k, _ptr(h.codes), _ptr(h.high), _ptr(h.scale), _ptr(h.scale_sup), h.n,
                            *tail[:6])
-        elif h.bits == 4:
-            m.lib.q4_gemv(*args, h.n, *tail)
+        elif h.bits in (4, 5):
+            m.lib.q4_gemv(*args, h.n, *tail, _ptr(h.high) if h.bits == 5 else None)
         else:
             m.lib.q8_gemv(*args, h.group, h.n, *tail)
         return logits[0]
