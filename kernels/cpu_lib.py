@@ -407,6 +407,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.gelu_gate_rows.restype = None
     lib.all_finite.argtypes = [P, ctypes.c_int64, I]
     lib.all_finite.restype = I
+    lib.checksum64.argtypes = [P, ctypes.c_int64, P]
+    lib.checksum64.restype = None
     lib.attn_prompt.argtypes = [P]
     lib.attn_prompt.restype = I
     lib.choose_blocks.argtypes = [P, P, P, I, I, I, P, P, I, P, P, I, I, P, P]

@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .formats import PageFormat
@@ -407,6 +408,44 @@ def all_finite(t: torch.Tensor) -> bool | None:
     if not available() or t.dtype not in kinds or not t.is_contiguous() or t.is_cuda:
         return None
     return bool(_lib.all_finite(t.data_ptr(), t.numel(), kinds[t.dtype]))
+
+
+CHECK_P = 0x9E3779B97F4A7C15
+CHECK_KEY = np.array([0xB8FE6C3923A44BBE, 0x7C01812CF721AD1C, 0xDED46DE9839097DB, 0x7240A4A4B7B3671F,
+                      0xCB79E64EB85F0A27, 0xC2B1C6F0E59D4E97, 0x165BFA39CA1D7B5C, 0x3AA3C14C0A5E87E9], dtype=np.uint64)
+
+
+def checksum(data) -> bytes:
+    """64 bytes, the eight lanes of kernels/cpu_quant.c's checksum64 over the bytes of `data` (a buffer or a
+    contiguous CPU tensor): at memory speed in C, else checksum_ref's numpy loops (the same lanes)."""
+    if isinstance(data, torch.Tensor):
+        assert data.is_contiguous() and not data.is_cuda
+        view = data.view(-1).view(torch.uint8).numpy() if data.numel() else np.empty(0, np.uint8)
+    else:
+        view = np.frombuffer(data, dtype=np.uint8)
+    if not available():
+        return checksum_ref(view)
+    out = np.zeros(8, dtype=np.uint64)
+    _lib.checksum64(view.ctypes.data, view.size, out.ctypes.data)
+    return out.tobytes()
+
+
+def checksum_ref(view: np.ndarray, chunk: int = 1 << 18) -> bytes:
+    """checksum64 in numpy: a chunk of stripes at a time, lanes summed modulo 2^64 (uint64 arithmetic wraps)."""
+    n, acc = view.size, np.zeros(8, dtype=np.uint64)
+    stripes = n // 64
+    tail = np.zeros(64, np.uint8)
+    tail[:n - 64 * stripes] = view[64 * stripes:]
+    parts = [(lo, view[64 * lo:64 * min(stripes, lo + chunk)]) for lo in range(0, stripes, chunk)]
+    if n % 64:
+        parts.append((stripes, tail))
+    with np.errstate(over="ignore"):
+        for lo, part in parts:
+            v = part.view(np.uint64).reshape(-1, 8)
+            s = (np.arange(lo, lo + v.shape[0], dtype=np.uint64) * np.uint64(CHECK_P))[:, None]
+            k = v ^ CHECK_KEY ^ s
+            acc += ((k & np.uint64(0xFFFFFFFF)) * (k >> np.uint64(32)) + v).sum(0, dtype=np.uint64)
+    return acc.tobytes()
 
 
 def can_attend_prompt(hq: int, pages: torch.Tensor) -> bool:

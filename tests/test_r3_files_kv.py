@@ -57,7 +57,7 @@ def _deep_description(path):
     body = json.dumps({**meta}, sort_keys=True)
     body = '{"deep": ' + "[" * 100_000 + "]" * 100_000 + ", " + body[1:]
     from safetensors.torch import save
-    path.write_bytes(save(tensors, {"kvchat": body, "sha256": saved._digest(body, tensors)}))
+    path.write_bytes(save(tensors, {"kvchat": body, "checksum": "c64:" + saved._digest(body, tensors)}))
 
 
 def _set(name, value, rows=slice(None)):

@@ -191,6 +191,27 @@ def _rewrite(path, edit_meta=None, edit_tensors=None):
     saved.write(path, meta, tensors)
 
 
+def test_a_file_saved_with_the_older_sha256_checksum_still_opens(tiny):
+    """Files saved before the c64 checksum carry SHA-256 over every byte: read as they are. And the c64 lanes (C,
+    AVX-512 / AVX2 / plain loops) are numpy's reference lanes, for any length."""
+    from kvchat.kernels import cpu_quant
+    s = chat(tiny, MODES["int8"])
+    tiny.save_warm(s)
+    path = tiny.warm_store.path("c1", tiny.model_identity)
+    meta, tensors = saved.read(path, 1 << 40)
+    from safetensors.torch import save
+    body = json.dumps(meta, sort_keys=True)
+    path.write_bytes(save(tensors, {"kvchat": body, "sha256": saved._digest(body, tensors, "sha256")}))
+    s2 = reopened(tiny, s)
+    assert tiny.restore_warm(s2).tokens == s.seq.num_tokens and same_next(s, s2)
+    for n in (0, 5, 64, 1000, 4099):
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+        assert cpu_quant.checksum(raw) == cpu_quant.checksum_ref(raw.numpy())
+    flipped = raw.clone()
+    flipped[77] ^= 1
+    assert cpu_quant.checksum(flipped) != cpu_quant.checksum(raw)
+
+
 @pytest.mark.parametrize("craft", ["huge_counts", "blocks_mismatch", "wrong_shape", "extra_tensor", "bad_tokens",
                                    "version", "not_a_count", "missing_pages"])
 def test_crafted_files_with_a_valid_checksum_are_refused(tiny, craft):
@@ -211,7 +232,7 @@ def test_crafted_files_with_a_valid_checksum_are_refused(tiny, craft):
         meta, tensors = saved.read(path, 1 << 40)
         from safetensors.torch import save
         body = json.dumps({**meta, "version": 99}, sort_keys=True)
-        path.write_bytes(save(tensors, {"kvchat": body, "sha256": saved._digest(body, tensors)}))
+        path.write_bytes(save(tensors, {"kvchat": body, "checksum": "c64:" + saved._digest(body, tensors)}))
     else:
         _rewrite(path, **edits[craft])
     why = refused(tiny, s)[0]

@@ -4,7 +4,9 @@ The file is safetensors (no pickle). Its tensors: per KV group and layer, the K 
 blocks in table order (data, and scales and zero points where the format has them), the full-precision tail and
 head of quantized components, and whatever the caller adds (token ids, logits). Its metadata, JSON under
 "kvchat", names the format version, the identity of the model, each group's layout, window geometry and counts,
-and the SHA-256 of the rest of the file's contents.
+and a checksum of the rest of the file's contents (SHA-256 over the description, the tensors' names and shapes and
+each tensor's checksum64 lanes, kernels/cpu_quant.py; a file saved before that holds SHA-256 of every byte, and
+still opens).
 
 Written atomically: a temp file in the same folder, fsync, rename, fsync of the folder. Read without trust: only a
 regular file, opened without following a link or blocking, its size capped before a byte is read; the checksum is
@@ -24,6 +26,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvchat.engine.kv.layout import KVLayout
@@ -230,12 +233,18 @@ def import_groups(cache, members: list[Sequence], metas: list[dict],
 
 # ---- the file ------------------------------------------------------------------------------------------------
 
-def _digest(meta_json: str, tensors: dict[str, torch.Tensor]) -> str:
+CHECKSUM = "c64"         # the "checksum" entry's kind: SHA-256 over the description, names and shapes and each
+                         # tensor's checksum64 lanes (kernels/cpu_quant.py: checksum, 10x SHA-256's speed)
+
+
+def _digest(meta_json: str, tensors: dict[str, torch.Tensor], kind: str = CHECKSUM) -> str:
+    """The file's checksum: kind "c64", or "sha256" (SHA-256 of every byte, as files saved before c64 hold)."""
     h = hashlib.sha256(meta_json.encode())
     for name in sorted(tensors):
         t = tensors[name]
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(_rows(t.contiguous()).view(torch.uint8).reshape(-1).numpy().data)
+        raw = _rows(t.contiguous()).view(torch.uint8).reshape(-1)
+        h.update(cpu_quant.checksum(raw) if kind == CHECKSUM else raw.numpy().data)
     return h.hexdigest()
 
 
@@ -243,7 +252,7 @@ def write(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
     """The file at path, replaced atomically; returns its size."""
     from safetensors.torch import save
     meta_json = json.dumps({**meta, "version": FORMAT_VERSION}, sort_keys=True)
-    data = save(tensors, {META_KEY: meta_json, "sha256": _digest(meta_json, tensors)})
+    data = save(tensors, {META_KEY: meta_json, "checksum": f"{CHECKSUM}:{_digest(meta_json, tensors)}"})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
@@ -267,7 +276,7 @@ def write(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
     return len(data)
 
 
-def _file_bytes(path: Path, max_bytes: int) -> bytearray:
+def _file_bytes(path: Path, max_bytes: int) -> np.ndarray:
     """The bytes of a regular file at path, at most max_bytes. Opened without following a link and without
     blocking (a FIFO in its place would otherwise hang the whole process in open()), then checked and read on that
     one descriptor, so what was checked is what is read."""
@@ -289,14 +298,15 @@ def _file_bytes(path: Path, max_bytes: int) -> bytearray:
             if st.st_size > max_bytes:
                 raise CacheFileError(f"the saved cache is {st.st_size / 2**20:.0f} MiB, more than this budget "
                                      f"could restore")
-            data = bytearray(st.st_size + 1)          # writable: the tensors are views of it (_tensors)
-            got = f.readinto(data)
+            # writable, and not zero-filled first (a bytearray's 96 MB of zeros cost 35 ms): the tensors are views
+            # of it (_tensors); one byte more than the file, to see it grow
+            data = np.empty(st.st_size + 1, dtype=np.uint8)
+            got = f.readinto(memoryview(data))
     except OSError as exc:
         raise CacheFileError(f"the saved cache cannot be read ({exc.strerror or exc})") from None
     if got != st.st_size:
         raise CacheFileError("the saved cache changed while it was read")
-    del data[got:]
-    return data
+    return data[:got]
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -304,16 +314,18 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _tensors(data: bytearray) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(header, tensors) of a safetensors file's bytes, the tensors views of `data` (no copy): every entry's type,
-    shape and byte range checked, as safetensors' own reader checks them; CacheFileError otherwise."""
+def _tensors(data) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(header, tensors) of a safetensors file's bytes (a writable buffer), the tensors views of `data` (no copy):
+    every entry's type, shape and byte range checked, as safetensors' own reader checks them; CacheFileError
+    otherwise."""
     bad = CacheFileError("the saved cache is damaged or truncated")
+    data = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     if len(data) < 8:
         raise bad
-    n = int.from_bytes(data[:8], "little")
+    n = int.from_bytes(data[:8].tobytes(), "little")
     if n > len(data) - 8 or n > 100 * 2**20:
         raise bad
-    header = _json(bytes(data[8:8 + n]).decode("utf-8", "replace"), "header")
+    header = _json(data[8:8 + n].tobytes().decode("utf-8", "replace"), "header")
     if not isinstance(header, dict):
         raise bad
     body, size, tensors = 8 + n, len(data) - 8 - n, {}
@@ -336,7 +348,7 @@ def _tensors(data: bytearray) -> tuple[dict, dict[str, torch.Tensor]]:
         if count == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
         elif (body + lo) % dtype.itemsize:      # not aligned to its type: a copy (safetensors never writes one)
-            tensors[name] = torch.frombuffer(bytes(data[body + lo:body + hi]), dtype=dtype).clone().view(shape)
+            tensors[name] = torch.frombuffer(bytearray(data[body + lo:body + hi]), dtype=dtype).clone().view(shape)
         else:
             tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=body + lo).view(shape)
     return header, tensors
@@ -357,10 +369,13 @@ def read(path: Path, max_bytes: int) -> tuple[dict, dict[str, torch.Tensor]]:
     with_meta = header.get("__metadata__") if isinstance(header, dict) else None
     with_meta = with_meta if isinstance(with_meta, dict) else {}
     del data
-    meta_json, digest = with_meta.get(META_KEY), with_meta.get("sha256")
+    meta_json, checksum, digest = with_meta.get(META_KEY), with_meta.get("checksum"), with_meta.get("sha256")
+    kind = "sha256"                 # a file saved before the c64 checksum: SHA-256 over every byte
+    if isinstance(checksum, str) and checksum.startswith(CHECKSUM + ":"):
+        kind, digest = CHECKSUM, checksum[len(CHECKSUM) + 1:]
     if not isinstance(meta_json, str) or not isinstance(digest, str):
         raise CacheFileError("the file is not a kvchat cache")
-    if _digest(meta_json, tensors) != digest:
+    if _digest(meta_json, tensors, kind) != digest:
         raise CacheFileError("the saved cache does not match its checksum: the file is damaged")
     meta = _json(meta_json, "description")
     if not isinstance(meta, dict):
