@@ -171,6 +171,11 @@ PRESETS = {
                              vocab=151936, rms_norm_eps=1e-6),
     "gemma-3-1b": ModelShape("gemma-3-1b", 26, 1152, 4, 1, 6912, 256, 32768, 1e6, True, arch="gemma3",
                              vocab=262144, window=512, rms_norm_eps=1e-6),
+    # microsoft/Phi-4-mini-instruct's config.json: 32 layers of 3072, 24 / 8 heads of 128, three quarters rotated
+    # (partial_rotary_factor 0.75), intermediate 8192, vocabulary 200,064, tied; written at its original context of
+    # 4,096 without the LongRoPE factors (they change the angles, not the work a token costs)
+    "phi-4-mini": ModelShape("phi-4-mini", 32, 3072, 24, 8, 8192, 128, 4096, 10000.0, True, arch="phi3",
+                             vocab=200064, rotary=96),
     # mixtures of experts, as each Hugging Face repository's config.json gives them (engine/plan/presets.py
     # holds the same fields). Qwen/Qwen3-30B-A3B: 128 experts of 768, 8 used, renormalized (norm_topk_prob);
     # intermediate_size 6144 is the unused dense size the converter still writes as feed_forward_length
@@ -297,6 +302,15 @@ def _tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]
     if shape.arch == "gemma4":
         return _gemma4_tensors(shape, vocab)
     h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    if shape.arch == "phi3":            # Phi-3's fused q|k|v and gate|up, as llama.cpp's converter writes them
+        out = [("token_embd.weight", (vocab, h))]
+        for i in range(shape.layers):
+            p = f"blk.{i}."
+            out += [(p + "attn_norm.weight", (h,)), (p + "attn_qkv.weight", (q + 2 * kv, h)),
+                    (p + "attn_output.weight", (h, q)), (p + "ffn_norm.weight", (h,)),
+                    (p + "ffn_up.weight", (2 * f, h)), (p + "ffn_down.weight", (h, f))]
+        out.append(("output_norm.weight", (h,)))
+        return out + ([] if shape.tied else [("output.weight", (vocab, h))])
     e, fe = shape.experts, shape.ffn_exp
     out = [("token_embd.weight", (vocab, h))]
     for i in range(shape.layers):

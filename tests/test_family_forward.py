@@ -213,3 +213,29 @@ def test_a_gemma_folder_missing_a_post_norm_names_it(tmp_path):
         load_dense(str(folder))
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "gemma2"
+
+
+def test_a_partial_rotation_runs_in_the_one_call_step(tmp_path):
+    """A Phi-4-mini-shaped GGUF (bench/gguf_writer.py's phi3: fused q|k|v and gate|up, 48 of 64 dimensions turn):
+    its q and k rows are taken in the rotation's order at load (no step gathers them), so the one-call C step covers
+    it, and its decode logits equal the layer-by-layer path's bit for bit, fp32 and int8 caches."""
+    from kvchat.bench.gguf_writer import ModelShape, write_random_gguf
+    from kvchat.engine import CacheConfig, Engine, EngineConfig
+    shape = ModelShape("tiny-phi", 2, 256, 4, 2, 512, 64, 2048, 10000.0, True, arch="phi3", rotary=48)
+    path = write_random_gguf(tmp_path / "phi.gguf", shape, "Q4_K_M", seed=1)
+    engine = Engine.load(EngineConfig(model=str(path)))
+    model = engine.model
+    assert model.config.layers[0].rope.dims == 48 and model._order == [None, None]
+    assert model.config.fused_kernel_ok and model.kernel_layers() is not None
+    ids = list(range(10, 30))
+    for cache in (CacheConfig(k_format="fp32", v_format="fp32"), CacheConfig(k_format="int8", v_format="int8")):
+        a, b = engine.new_session(cache=cache), engine.new_session(cache=cache)
+        a.append(ids)
+        b.append(ids)
+        got = torch.cat([a.append([7]), a.append([9])])
+        model._kernel_layers, model._kernel_checked = None, True
+        try:
+            want = torch.cat([b.append([7]), b.append([9])])
+        finally:
+            model._kernel_checked = False
+        assert torch.equal(got, want), cache.label()

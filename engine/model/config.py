@@ -83,25 +83,26 @@ class ModelConfig:
     @property
     def fused_kernel_ok(self) -> bool:
         """Whether the one-call C step covers the model's arithmetic: every layer (LayerSpec.fused_kernel_ok) with
-        one query scale, and the model's rope without a window of its own (a step attending inside the kernel takes
-        one cos / sin table and one scale for all layers), or, beside layers without one, a sliding window with its
+        one query scale, and one rope without a window of its own for all of them (a step attending inside the
+        kernel takes one cos / sin table and one scale for all layers), or, beside layers without one, a sliding window with its
         own rope (Gemma 3's local layers: two KV layouts, so every step's attention calls back, layer by layer).
         The embeddings' scale and the logits' cap are the forward's, around the call. The weights' packing is the
         linears' to say."""
         first = self.layers[0]
         windows = {layer.window is None for layer in self.layers}
+        full = {layer.rope for layer in self.layers if layer.window is None}     # one table: Phi-4-mini's partial too
         return all(layer.fused_kernel_ok and layer.query_scale == first.query_scale
-                   and (layer.window is None and layer.rope == self.rope or layer.window is not None and len(windows) == 2)
+                   and (layer.window is None and len(full) == 1 or layer.window is not None and len(windows) == 2)
                    for layer in self.layers)
 
     @property
     def one_table_ok(self) -> bool:
         """Whether the torch-free one-shot path (runtime/quick.py) computes the model: the one-call step's rule with
-        one rope and no window for every layer, no post-norms, SwiGLU, unscaled embeddings and uncapped logits (its
-        table and its attention are the Llama layer's)."""
+        one rope turning whole heads and no window for every layer, no post-norms, SwiGLU, unscaled embeddings and
+        uncapped logits (its table and its attention are the Llama layer's)."""
         return (self.fused_kernel_ok and self.embed_scale == 1.0 and self.final_softcap is None
                 and all(layer.window is None and not layer.post_norms and layer.activation == "silu"
-                        for layer in self.layers))
+                        and layer.rope.dims is None for layer in self.layers))
 
     def with_rope_scaling(self, scaling: tuple) -> "ModelConfig":
         """This config with the model's rope scaling replaced, in every layer that used the model's rope."""

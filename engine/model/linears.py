@@ -37,6 +37,10 @@ BF16_TILE = 64               # oneDNN's bf16 GEMM: a row's bits depend on the ca
                              # place in it or its neighbours; so every call has this many rows (zeros pad the last)
 
 
+def _cut(t: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t[ids].contiguous()
+
+
 def _nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -109,6 +113,10 @@ class DenseLinear(_Fused):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+    def take_rows(self, ids: torch.Tensor) -> "DenseLinear":
+        """This linear with its output rows in the order ids (a new linear; see _Packed.take_rows)."""
+        return DenseLinear(self.weight[ids], _cut(self.bias, ids))
 
     def moved(self, device) -> "DenseLinear":
         self.weight = self.weight.to(device)
@@ -289,6 +297,11 @@ class Q4Linear(_Packed):
     def _gemv(self, x, **prep):
         return cpu_quant.q4_gemv(x, self.codes, self.scales, act=self.act_bits, **prep)
 
+    def take_rows(self, ids: torch.Tensor) -> "Q4Linear":
+        """This linear with its output rows in the order ids: each row's codes and scales move whole, so every
+        output is the same number in its new place (a partial rotation's head order, Transformer)."""
+        return Q4Linear(self.codes[ids], self.scales.index(ids), bias=_cut(self.bias, ids))
+
     def kernel_parts(self):
         return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 4, act=self.act_bits)]
 
@@ -332,6 +345,9 @@ class MXFP4Linear(_Packed):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup from the same bits a tied output head reads: [T, K]."""
         return cpu_quant.mxfp4_dequant_ref(self.codes[ids], self.e8m0[ids])
+
+    def take_rows(self, ids: torch.Tensor) -> "MXFP4Linear":
+        return MXFP4Linear(self.codes[ids], self.e8m0[ids], _cut(self.bias, ids))
 
     def expert_view(self, lo: int, hi: int) -> "MXFP4Linear":
         """Rows lo..hi (one expert of a 3-D expert tensor) as views of these arrays: nothing copied."""
@@ -394,6 +410,9 @@ class Q8Linear(_Packed):
     def _gemv(self, x, **prep):
         return cpu_quant.q8_gemv(x, self.codes, self.scales, None, self.group, act=self.act_bits, **prep)
 
+    def take_rows(self, ids: torch.Tensor) -> "Q8Linear":
+        return Q8Linear(self.codes[ids], self.scales.index(ids), bias=_cut(self.bias, ids))
+
     def kernel_parts(self):
         return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 8, self.group,
                                                                   act=self.act_bits)]
@@ -433,6 +452,9 @@ class Q6Linear(_Packed):
 
     def _gemv(self, x, **prep):
         return cpu_quant.q6k_gemv(x, self.codes, self.high, self.scales, act=self.act_bits, **prep)
+
+    def take_rows(self, ids: torch.Tensor) -> "Q6Linear":
+        return Q6Linear(self.codes[ids], self.high[ids], self.scales.index(ids), _cut(self.bias, ids))
 
     def kernel_parts(self):
         return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 6, 16, act=self.act_bits,
@@ -517,6 +539,9 @@ class Q5Linear(_Packed):
     def _gemv(self, x, **prep):
         return cpu_quant.q4_gemv(x, self.codes, self.scales, act=self.act_bits, high=self.high, **prep)
 
+    def take_rows(self, ids: torch.Tensor) -> "Q5Linear":
+        return Q5Linear(self.codes[ids], self.high[ids], self.scales.index(ids), _cut(self.bias, ids))
+
     def kernel_parts(self):
         return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 4, act=self.act_bits,
                                                                   high=self.high)]
@@ -595,6 +620,18 @@ class ConcatLinear(_Fused):
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts], 0)
+
+    def take_rows(self, ids: torch.Tensor) -> "ConcatLinear":
+        """Each part's rows reordered within the part (ids may not move a row across parts: a ValueError)."""
+        parts, lo = [], 0
+        for p in self.parts:
+            hi = lo + p.out_features
+            local = ids[lo:hi] - lo
+            if local.numel() != hi - lo or bool(((local < 0) | (local >= hi - lo)).any()):
+                raise ValueError("take_rows would move rows between the parts of a concatenation")
+            parts.append(p.take_rows(local))
+            lo = hi
+        return ConcatLinear(parts, _cut(self.bias, ids))
 
     def moved(self, device) -> "ConcatLinear":
         self.parts = [p.moved(device) for p in self.parts]

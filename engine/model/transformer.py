@@ -142,9 +142,22 @@ class Transformer:
         if (per_layer is None) != (config.per_layer_input == 0):
             raise ValueError("per-layer input embeddings: the config and the weights disagree")
         self.inv_freq = config.inv_freq().to(device)
-        # a partial rotation's order of each head's dimensions (Rope.permutation), per layer: None where all turn
+        # a partial rotation's order of each head's dimensions (Rope.permutation), per layer: None where all turn.
+        # Where q and k are plain rows of the projection (Phi-3), the order is the weights' own (their rows taken in
+        # it, the q / k norms too): no step gathers, and the one-call C step runs the layer; else each step takes q
+        # and k in it (Qwen3.5's gated queries, a layer over another's KV)
         orders = [None if spec.linear is not None else spec.rope.permutation(config.layer_head_dim(i))
                   for i, spec in enumerate(config.layers)]
+        for i, (spec, L) in enumerate(zip(config.layers, layers)):
+            if orders[i] is not None and spec.plain_qk_rows:
+                hd, kvh, H = config.layer_head_dim(i), config.layer_kv_heads(i), config.num_heads
+                o = torch.from_numpy(orders[i])
+                heads = lambda n, base: (base + torch.arange(n)[:, None] * hd + o).reshape(-1)   # noqa: E731
+                ids = torch.cat((heads(H, 0), heads(kvh, H * hd), torch.arange((H + kvh) * hd, L.qkv.out_features)))
+                L.qkv = L.qkv.take_rows(ids.to(device))
+                if L.q_norm is not None:
+                    L.q_norm, L.k_norm = L.q_norm[o.to(L.q_norm.device)], L.k_norm[o.to(L.k_norm.device)]
+                orders[i] = None
         self._order = [None if o is None else torch.from_numpy(o).to(device) for o in orders]
         self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
         self._kernel_checked = False
