@@ -26,11 +26,36 @@
 //   float32 exactly as gguf computes them, at 0.25-0.5 bit per weight instead of 2.
 //   4: float16 scales as kind 1 and no zeros stored: zero = -8 * scale (Q4_0), or -16 * scale for 5-bit codes
 //   (Q5_0), exact in float32.
+//   5: the K-quants' own 12 bytes a super-block of 8 groups (eight 6-bit scales and eight 6-bit mins, packed as
+//   the file packs them; scale and zero point at the same bytes) with float16 d and dmin per super-block (ssup,
+//   zsup): Q4_K and Q5_K at exactly the file's bytes, the products d * sc and -(dmin * m) as kind 2 forms them.
+
+// super-block b's 6-bit scale (mins = 0) or min (1) of group j, from its 12 bytes s (llama.cpp's get_scale_min_k4)
+static inline int kpack_code(const uint8_t *s, int j, int mins) {
+    if (j < 4) return s[j + 4 * mins] & 63;
+    return mins ? (s[j + 4] >> 4) | ((s[j] >> 6) << 4) : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+}
+
+// kind 5: a row's n scales (mins = 0: d * sc) or zeros (mins = 1: -(dmin * m)) into buf
+static inline const float *kpack_row(const uint8_t *p, const half_t *sup, size_t row, int n, int mins, float *buf) {
+    const uint8_t *s = p + row * (size_t)(n / 8) * 12;
+    const half_t *d = sup + row * (size_t)(n / 8);
+    for (int b = 0; b < n / 8; b++) {
+        float db = f16_to_f32(d[b]);
+        for (int j = 0; j < 8; j++) {
+            float v = db * (float)kpack_code(s + 12 * b, j, mins);
+            buf[8 * b + j] = mins ? -v : v;
+        }
+    }
+    return buf;
+}
+
 static inline const float *row_f32(const void *p, const float *sup, int per, size_t row, int n, int kind,
                                    float *buf) {
     if (!p) return NULL;
     size_t off = row * n;
     if (kind == 0) return (const float *)p + off;
+    if (kind == 5) return kpack_row((const uint8_t *)p, (const half_t *)sup, row, n, 0, buf);
     if (kind == 1 || kind == 4) {
         const half_t *h = (const half_t *)p + off;
         int i = 0;
@@ -62,6 +87,7 @@ static inline const float *row_f32(const void *p, const float *sup, int per, siz
 // A row's zeros: as row_f32, or for kind 4 made from the row's scales sc: -8 * sc, -16 * sc for 5-bit codes (high)
 static inline const float *row_zero(const void *p, const float *sup, int per, size_t row, int n, int kind,
                                     const float *sc, float *buf, const uint8_t *high) {
+    if (kind == 5) return p ? kpack_row((const uint8_t *)p, (const half_t *)sup, row, n, 1, buf) : NULL;
     if (kind != 4) return row_f32(p, sup, per, row, n, kind, buf);
     float c = high ? -16.f : -8.f;
     for (int i = 0; i < n; i++) buf[i] = c * sc[i];

@@ -141,7 +141,10 @@ class Scales:
     centred on 8 (GGUF Q4_0: w = scale * (q - 8)), float16 scales and no zero stored; the kernels take
     zero = -8 * scale, exact in float32. Not storing it saves a tenth of the bytes a decode step reads. 5-bit codes
     (q5: GGUF Q5_0, w = scale * (q - 16)) the same with centre 16; the C kernels take the centre from the codes'
-    width (a fifth-bit plane given: 16).
+    width (a fifth-bit plane given: 16). kpacked: the K-quants' own scale bytes (Q4_K, Q5_K): scale [N, G / 8 * 12]
+    uint8, eight 6-bit scales and eight 6-bit mins a super-block as the file packs them, scale_sup d and zero_sup
+    dmin [N, G / 8] float16; zero is the same tensor as scale (the kernels read the mins there): exactly the
+    file's bytes (kind 5 in the C source).
     """
     scale: torch.Tensor
     zero: torch.Tensor | None = None
@@ -150,21 +153,33 @@ class Scales:
     per: int = 1
     offset8: bool = False
     centre: int = 8
+    kpacked: bool = False
 
     def __post_init__(self):
         assert not self.offset8 or (self.zero is None and self.scale.dtype == torch.float16)
         assert self.centre in (8, 16)
+        if self.kpacked:
+            assert self.scale.dtype == torch.uint8 and self.per == 8 and self.scale.shape[-1] % 12 == 0
+            assert self.scale_sup.dtype == self.zero_sup.dtype == torch.float16
+            object.__setattr__(self, "zero", self.scale)        # the mins are in the same bytes
 
     @property
     def kind(self) -> int:
+        if self.kpacked:
+            return 5
         if self.offset8:
             return 4
         if self.scale_sup is not None:
             return 2 if self.scale.dtype == torch.uint8 else 3
         return 1 if self.scale.dtype == torch.float16 else 0
 
+    @property
+    def groups(self) -> int:
+        """Scales per row (groups of the row's codes)."""
+        return self.scale.shape[-1] // 12 * 8 if self.kpacked else self.scale.shape[-1]
+
     def args(self) -> tuple:
-        assert self.scale.shape[-1] <= MAX_GROUPS and self.scale.is_contiguous()
+        assert self.groups <= MAX_GROUPS and self.scale.is_contiguous()
         assert self.zero is None or (self.zero.is_contiguous() and self.zero.dtype == self.scale.dtype)
         return self.kind, _ptr(self.scale_sup), _ptr(self.zero_sup), self.per
 
@@ -178,8 +193,16 @@ class Scales:
 
     def _map(self, fn) -> "Scales":
         some = lambda t: None if t is None else fn(t)            # noqa: E731
-        return Scales(fn(self.scale), some(self.zero), some(self.scale_sup), some(self.zero_sup), self.per,
-                      self.offset8, self.centre)
+        return Scales(fn(self.scale), None if self.kpacked else some(self.zero), some(self.scale_sup),
+                      some(self.zero_sup), self.per, self.offset8, self.centre, self.kpacked)
+
+    def unpacked(self) -> "Scales":
+        """kpacked scales as kind 2 (a byte per 6-bit scale and min, float32 d and -dmin: the Triton kernels' and
+        the int8 grid's form), the same values; other kinds as they are."""
+        if not self.kpacked:
+            return self
+        sc, mn = _kpack_codes(self.scale)
+        return Scales(sc, mn, self.scale_sup.float(), -self.zero_sup.float(), per=8)
 
     def rows(self, lo: int, hi: int) -> "Scales":
         return self._map(lambda t: t[lo:hi])
@@ -197,14 +220,28 @@ class Scales:
                 return None
             if sup is None:
                 return t.float()
-            return sup.repeat_interleave(self.per, -1) * t.float()
+            return sup.float().repeat_interleave(self.per, -1) * t.float()
+        if self.kpacked:
+            return self.unpacked().dense()
         scale = widen(self.scale, self.scale_sup)
         return scale, scale * -self.centre if self.offset8 else widen(self.zero, self.zero_sup)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.scale, self.zero, self.scale_sup, self.zero_sup)
+        zero = None if self.kpacked else self.zero                # kpacked: the same bytes as scale
+        return sum(t.numel() * t.element_size() for t in (self.scale, zero, self.scale_sup, self.zero_sup)
                    if t is not None)
+
+
+def _kpack_codes(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K-quant scale bytes [N, S * 12] -> the 6-bit scales and mins [N, S * 8] uint8 (engine/gguf/blocks.py's
+    _k_scale_min over torch)."""
+    b = p.reshape(*p.shape[:-1], -1, 12).to(torch.int32)
+    a, m, c = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = torch.cat((a & 63, (c & 15) | ((a >> 2) & 48)), -1)
+    mn = torch.cat((m & 63, (c >> 4) | ((m >> 2) & 48)), -1)
+    flat = lambda t: t.reshape(*p.shape[:-1], -1).to(torch.uint8).contiguous()     # noqa: E731
+    return flat(sc), flat(mn)
 
 
 def _scales(scale, zero) -> Scales:

@@ -119,14 +119,12 @@ def test_dequantized_rows_are_gguf_values_bit_for_bit(variant, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_packed_form_holds_the_files_bits(kind):
-    """Q5_0 and Q5_1 keep their blocks' bytes (nibbles, qh words, float16 scales; Q5_0's zero implicit): exactly
-    the file's size; Q5_K its bits with its scales unpacked to bytes (1.05x)."""
+    """Every kind keeps its blocks' bytes (nibbles, qh words, float16 scales; Q5_0's zero implicit; Q5_K's 12 scale
+    bytes and d, dmin as packed): exactly the file's size."""
     data = _blocks(kind, 6, 1024, seed=2, realistic=True)
     lin = _lin(kind, data)
-    if kind == "Q5_K":
-        assert data.nbytes < lin.nbytes <= 1.05 * data.nbytes
-    else:
-        assert lin.nbytes == data.nbytes and lin.scales.offset8 == (kind == "Q5_0")
+    assert lin.nbytes == data.nbytes and lin.scales.offset8 == (kind == "Q5_0")
+    assert lin.scales.kpacked == (kind == "Q5_K")
 
 
 @pytest.mark.parametrize("kind", KINDS)

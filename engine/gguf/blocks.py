@@ -86,14 +86,11 @@ def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
         return codes.reshape(n, -1), {"scale": d, "zero": zero}
     if kind == "Q4_K":
         blocks = data.reshape(n, -1, 144)                                     # super-blocks of 256
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        sc, mn = _k_scale_min(blocks[..., 4:16])                              # [N, S, 8] each
         qs = blocks[..., 16:].reshape(n, -1, 4, 32)                           # 4 chunks of 64 values
         codes = np.stack((qs & 0x0F, qs >> 4), 3)                             # [N, S, 4, 2, 32]: groups of 32
         g = codes.reshape(n, -1, 2, 16)                                       # repack: j low, j + 16 high
         packed = g[:, :, 0] | (g[:, :, 1] << 4)
-        return packed.reshape(n, -1), {"scale": sc.astype(np.uint8).reshape(n, -1), "scale_sup": d,
-                                       "zero": mn.astype(np.uint8).reshape(n, -1), "zero_sup": -dmin, "per": 8}
+        return packed.reshape(n, -1), k_scales(blocks)
     raise ValueError(kind)
 
 
@@ -120,17 +117,23 @@ def q5_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
         return codes, {"scale": d, "zero": zero, "high": high}
     if kind == "Q5_K":
         blocks = data.reshape(n, -1, 176)                                     # super-blocks of 256
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        sc, mn = _k_scale_min(blocks[..., 4:16])                              # [N, S, 8] each
         qh = blocks[..., 16:48]                                               # bit i of byte l: value 32 i + l
         qs = blocks[..., 48:].reshape(n, -1, 4, 32)                           # 4 chunks of 64 values
         g = np.stack((qs & 0x0F, qs >> 4), 3).reshape(n, -1, 2, 16)           # groups of 32, repacked as Q4_K's
         codes = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, -1)
         bits = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1   # [N, S, 8 groups, 32]
         high = np.packbits(bits, axis=-1, bitorder="little").reshape(n, -1)
-        return codes, {"scale": sc.astype(np.uint8).reshape(n, -1), "scale_sup": d,
-                       "zero": mn.astype(np.uint8).reshape(n, -1), "zero_sup": -dmin, "per": 8, "high": high}
+        return codes, {**k_scales(blocks), "high": high}
     raise ValueError(kind)
+
+
+def k_scales(blocks: np.ndarray) -> dict:
+    """Q4_K / Q5_K super-blocks [N, S, size] -> their scales as Scales(kpacked=True) keywords: the 12 scale bytes
+    [N, S * 12] and d, dmin [N, S] float16, as stored."""
+    n = blocks.shape[0]
+    part = lambda lo, hi: np.ascontiguousarray(blocks[..., lo:hi])      # noqa: E731
+    return {"scale": part(4, 16).reshape(n, -1), "scale_sup": part(0, 2).view(np.float16)[..., 0],
+            "zero_sup": part(2, 4).view(np.float16)[..., 0], "per": 8, "kpacked": True}
 
 
 def mxfp4_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -256,9 +256,10 @@ class _Packed(_Fused):
         return (y if residual is None else residual.float() + y).to(x.dtype)
 
     def moved(self, device) -> "_Packed":
-        """This linear's codes, scales and bias on `device` (the packed forms stay packed)."""
+        """This linear's codes, scales and bias on `device` (the packed forms stay packed; the K-quants' own scale
+        bytes as a byte per scale on the GPU path, the form its Triton kernels read)."""
         self.codes = self.codes.to(device)
-        self.scales = self.scales.to(device)
+        self.scales = (self.scales.unpacked() if kernels.gpu_path(device) else self.scales).to(device)
         self.bias = None if self.bias is None else self.bias.to(device)
         return self
 
@@ -272,7 +273,8 @@ class Q4Linear(_Packed):
         # or a cpu_quant.Scales
         n, half = codes.shape
         self.scales = _compact(scale, zero).implicit_zero()       # Q4_0: no zeros stored
-        assert half % 16 == 0 and self.scales.scale.shape == (n, half // 16), (codes.shape, self.scales.scale.shape)
+        assert half % 16 == 0 and self.scales.scale.shape[0] == n and self.scales.groups == half // 16, \
+            (codes.shape, self.scales.scale.shape)
         self.codes = codes.contiguous()
         self.bias = bias
         self.out_features, self.in_features = n, half * 2
@@ -531,7 +533,8 @@ class Q5Linear(_Packed):
         n, half = codes.shape
         self.scales = _compact(scales, None).implicit_zero(16)      # Q5_0: no zeros stored
         assert half % 16 == 0 and high.shape == (n, half // 4) and high.dtype == torch.uint8, (codes.shape, high.shape)
-        assert self.scales.scale.shape == (n, half // 16) and (self.scales.zero is not None or self.scales.offset8)
+        assert self.scales.scale.shape[0] == n and self.scales.groups == half // 16
+        assert self.scales.zero is not None or self.scales.offset8
         self.codes, self.high = codes.contiguous(), high.contiguous()
         self.bias = bias
         self.out_features, self.in_features = n, half * 2
@@ -571,7 +574,7 @@ class Q5Linear(_Packed):
         word = self.high.view(n, half // 16, 4).to(torch.int32)
         word = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16 | word[..., 3] << 24
         q = q | ((((word[..., None] >> torch.arange(32)) & 1) << 4).view(n, half * 2)).to(torch.int16)
-        s = self.scales
+        s = self.scales.unpacked()
         if s.offset8:
             return Q8Linear((q - 16).to(torch.int8), cpu_quant.Scales(s.scale), self.bias)
         return Q8Linear(q.to(torch.int8), s, self.bias)

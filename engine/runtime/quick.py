@@ -64,10 +64,13 @@ class Packed:
     offset8: bool = False            # Q4_0 (Q5_0): zero = -8 (-16) * scale, not stored (cpu_quant.Scales.offset8)
     high: np.ndarray | None = None   # bits 6 (Q6_K): the high 2 bits of the codes (kernels/cpu_q6k.h); bits 5: the
                                      # fifth bits (the q4 kernels' high)
+    kpacked: bool = False            # Q4_K / Q5_K's own scale bytes (cpu_quant.Scales.kpacked): zero is scale
 
     @property
     def kind(self) -> int:
         # cpu_quant.Scales.kind, with Q4_0's zero left implicit as Scales.implicit_zero does
+        if self.kpacked:
+            return 5
         if self.scale_sup is not None:
             return 2 if self.scale.dtype == np.uint8 else 3
         if self.scale.dtype == np.float16:
@@ -136,8 +139,9 @@ def _pack(gf: GGUFModel, name: str, heads: int | None) -> Packed:
         elif bits in (4, 5) and zero is not None and np.array_equal(zero.astype(np.float32),
                                                                     scale.astype(np.float32) * (-8 if bits == 4 else -16)):
             zero, offset8 = None, True          # Q4_0 (Q5_0): zero = -8 (-16) * scale, not stored
-    return Packed(bits, m.codes, scale, zero, sup, arrays.get("zero_sup"), int(arrays.get("per", 1)), offset8,
-                  arrays.get("high"))
+    kpacked = bool(arrays.get("kpacked"))
+    return Packed(bits, m.codes, scale, scale if kpacked else zero, sup, arrays.get("zero_sup"),
+                  int(arrays.get("per", 1)), offset8, arrays.get("high"), kpacked)
 
 
 class QuickModel:
