@@ -30,22 +30,34 @@
 //   the file packs them; scale and zero point at the same bytes) with float16 d and dmin per super-block (ssup,
 //   zsup): Q4_K and Q5_K at exactly the file's bytes, the products d * sc and -(dmin * m) as kind 2 forms them.
 
-// super-block b's 6-bit scale (mins = 0) or min (1) of group j, from its 12 bytes s (llama.cpp's get_scale_min_k4)
-static inline int kpack_code(const uint8_t *s, int j, int mins) {
-    if (j < 4) return s[j + 4 * mins] & 63;
-    return mins ? (s[j + 4] >> 4) | ((s[j] >> 6) << 4) : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-}
-
-// kind 5: a row's n scales (mins = 0: d * sc) or zeros (mins = 1: -(dmin * m)) into buf
+// kind 5: a row's n scales (mins = 0: d * sc) or zeros (mins = 1: (-dmin) * m, as kind 2 forms them) into buf.
+// A super-block's 12 bytes hold scales 0-3 and mins 0-3 in the low 6 bits of bytes 0-3 and 4-7, and scales / mins
+// 4-7 as the nibbles of bytes 8-11 with their top 2 bits in the top bits of bytes 0-3 / 4-7 (llama.cpp's
+// get_scale_min_k4): four bytes at a time in a 32-bit word.
 static inline const float *kpack_row(const uint8_t *p, const half_t *sup, size_t row, int n, int mins, float *buf) {
     const uint8_t *s = p + row * (size_t)(n / 8) * 12;
     const half_t *d = sup + row * (size_t)(n / 8);
     for (int b = 0; b < n / 8; b++) {
-        float db = f16_to_f32(d[b]);
-        for (int j = 0; j < 8; j++) {
-            float v = db * (float)kpack_code(s + 12 * b, j, mins);
-            buf[8 * b + j] = mins ? -v : v;
+        uint32_t a, m, c, lo, hi;
+        memcpy(&a, s + 12 * b, 4);
+        memcpy(&m, s + 12 * b + 4, 4);
+        memcpy(&c, s + 12 * b + 8, 4);
+        if (mins) {
+            lo = m & 0x3F3F3F3Fu;
+            hi = ((c >> 4) & 0x0F0F0F0Fu) | ((m >> 2) & 0x30303030u);
+        } else {
+            lo = a & 0x3F3F3F3Fu;
+            hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
         }
+        float db = f16_to_f32(d[b]);
+        db = mins ? -db : db;
+        uint64_t codes = lo | (uint64_t)hi << 32;
+#ifdef __AVX2__
+        __m256i w = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)codes));
+        _mm256_storeu_ps(buf + 8 * b, _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(w)));
+#else
+        for (int j = 0; j < 8; j++) buf[8 * b + j] = db * (float)(int)((codes >> (8 * j)) & 0xFF);
+#endif
     }
     return buf;
 }
