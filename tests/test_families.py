@@ -71,8 +71,10 @@ def test_layer_spec_says_what_the_fused_step_covers():
     gemma3 = replace(base, qk_norm=True, norm_offset=1.0, post_norms=True, activation="gelu_tanh", window=512)
     assert gemma3.fused_kernel_ok       # norm_add_rows, gelu_gate_rows; the window is the attention's
     for change in (dict(attn_softcap=50.0), dict(qkv_bias=True), dict(o_bias=True),
-                   dict(mlp_bias=True), dict(rope=Rope(10000.0, dims=32))):
+                   dict(mlp_bias=True), dict(rope=Rope(10000.0, dims=32), attn_gate=True, qk_norm=True)):
         assert not replace(base, **change).fused_kernel_ok, change
+    # a partial rotation over plain q / k rows (Phi-3): the loader takes the rows in its order, the C step runs it
+    assert replace(base, rope=Rope(10000.0, dims=32)).fused_kernel_ok
     with pytest.raises(ValueError):
         LayerSpec(rope=Rope(1e4), query_scale=0.125, activation="relu")
 
@@ -111,7 +113,8 @@ def test_numpy_and_torch_samplers_choose_alike():
 
 def test_the_forward_reads_the_description(tiny_engine):
     """The torch forward computes what the description says at the model level (embedding scale, final soft-cap);
-    a layer the one-call C step does not compute (a partial rotation) keeps the model on the layer-by-layer path."""
+    a layer the one-call C step does not compute (a soft-capped one) keeps the model on the layer-by-layer path; a
+    model built over another's layers with a partial rotation leaves those layers as they were."""
     from kvchat.engine.model.transformer import Transformer
     m = tiny_engine.model
     c = m.config
@@ -130,8 +133,12 @@ def test_the_forward_reads_the_description(tiny_engine):
     assert not torch.allclose(scaled, plain)
     capped_c = model(replace(c, final_softcap=2.0)).config     # the forward caps around the C step; the one-shot
     assert capped_c.fused_kernel_ok and not capped_c.one_table_ok      # path's own table does not
+    layers = (replace(c.layers[0], attn_softcap=50.0),) + c.layers[1:]
+    assert not model(replace(c, layers=layers)).config.fused_kernel_ok      # a soft-cap: the torch step
+    qkv = m.layers[0].qkv
     layers = (replace(c.layers[0], rope=Rope(c.rope_theta, dims=c.head_dim // 2)),) + c.layers[1:]
-    assert not model(replace(c, layers=layers)).config.fused_kernel_ok      # a partial rotation: the torch step
+    turned = model(replace(c, layers=layers))
+    assert turned.layers[0].qkv is not qkv and m.layers[0].qkv is qkv     # its own copy's rows, in the new order
 
 
 def test_the_numpy_rope_twin_gives_the_torch_rope_values():

@@ -12,6 +12,7 @@ linear-attention layer's state is the callback's too (`recurrent`).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -103,6 +104,31 @@ class MixerWeights:
         return self.conv, self.dt_bias, self.A, self.norm
 
 
+def _rotation_order(config: ModelConfig, layers: list, device) -> tuple[list, list]:
+    """(layers, orders): a partial rotation's order of each head's dimensions (Rope.permutation) per layer, None
+    where every dimension turns. Where q and k are plain rows of the projection (LayerSpec.plain_qk_rows: Phi-3),
+    the order becomes the weights' own: a copy of the layer whose q and k rows (and q / k norms) are taken in it, so
+    no step gathers and the one-call C step runs the layer; its order is then None. Elsewhere (Qwen3.5's gated
+    queries, a layer over another's KV) each step takes q and k in the order. The caller's layers stay as they
+    are (another model may share them)."""
+    orders = [None if spec.linear is not None else spec.rope.permutation(config.layer_head_dim(i))
+              for i, spec in enumerate(config.layers)]
+    layers = list(layers)
+    for i, (spec, L) in enumerate(zip(config.layers, layers)):
+        if orders[i] is None or not spec.plain_qk_rows:
+            continue
+        L = layers[i] = copy.copy(L)
+        hd, kvh, H = config.layer_head_dim(i), config.layer_kv_heads(i), config.num_heads
+        o = torch.from_numpy(orders[i])
+        heads = lambda n, base: (base + torch.arange(n)[:, None] * hd + o).reshape(-1)   # noqa: E731
+        ids = torch.cat((heads(H, 0), heads(kvh, H * hd), torch.arange((H + kvh) * hd, L.qkv.out_features)))
+        L.qkv = L.qkv.take_rows(ids.to(device))
+        if L.q_norm is not None:
+            L.q_norm, L.k_norm = L.q_norm[o.to(L.q_norm.device)], L.k_norm[o.to(L.k_norm.device)]
+        orders[i] = None
+    return layers, orders
+
+
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension without a multiplier, statistics in fp32 (Gemma 4's v norm)."""
     xf = x.float()
@@ -131,7 +157,6 @@ class Transformer:
                     raise ValueError(f"layer {i}: its spec asks for {name}, but the layer has no such weight")
         self.config = config
         self.table = table
-        self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
         self.dtype = dtype
@@ -142,22 +167,9 @@ class Transformer:
         if (per_layer is None) != (config.per_layer_input == 0):
             raise ValueError("per-layer input embeddings: the config and the weights disagree")
         self.inv_freq = config.inv_freq().to(device)
-        # a partial rotation's order of each head's dimensions (Rope.permutation), per layer: None where all turn.
-        # Where q and k are plain rows of the projection (Phi-3), the order is the weights' own (their rows taken in
-        # it, the q / k norms too): no step gathers, and the one-call C step runs the layer; else each step takes q
-        # and k in it (Qwen3.5's gated queries, a layer over another's KV)
-        orders = [None if spec.linear is not None else spec.rope.permutation(config.layer_head_dim(i))
-                  for i, spec in enumerate(config.layers)]
-        for i, (spec, L) in enumerate(zip(config.layers, layers)):
-            if orders[i] is not None and spec.plain_qk_rows:
-                hd, kvh, H = config.layer_head_dim(i), config.layer_kv_heads(i), config.num_heads
-                o = torch.from_numpy(orders[i])
-                heads = lambda n, base: (base + torch.arange(n)[:, None] * hd + o).reshape(-1)   # noqa: E731
-                ids = torch.cat((heads(H, 0), heads(kvh, H * hd), torch.arange((H + kvh) * hd, L.qkv.out_features)))
-                L.qkv = L.qkv.take_rows(ids.to(device))
-                if L.q_norm is not None:
-                    L.q_norm, L.k_norm = L.q_norm[o.to(L.q_norm.device)], L.k_norm[o.to(L.k_norm.device)]
-                orders[i] = None
+        # a partial rotation's order of each head's dimensions (Rope.permutation), per layer: None where all turn or
+        # where the layer's own rows are in it already (_rotation_order)
+        self.layers, orders = _rotation_order(config, layers, device)
         self._order = [None if o is None else torch.from_numpy(o).to(device) for o in orders]
         self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
         self._kernel_checked = False
