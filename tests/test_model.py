@@ -54,11 +54,10 @@ def test_default_model_logits_match_transformers(default_engine, hf_default):
 
 @pytest.mark.slow
 def test_greedy_matches_transformers_generate(default_engine, hf_default):
-    """Greedy output equals transformers generate() for 64 new tokens on 5 prompts."""
+    """Greedy output equals transformers generate() for 64 new tokens on 3 prompts (5 took 32 s of the suite)."""
     ref = hf_default
     tok = default_engine.tokenizer
-    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a KV cache is.",
-               "List three prime numbers.", "How do I reverse a list in Python?"]
+    prompts = ["What is the capital of France?", "Explain what a KV cache is.", "How do I reverse a list in Python?"]
     for p in prompts:
         rendered = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         ids = tok.encode(rendered, add_special_tokens=False)
