@@ -75,12 +75,7 @@ def q4_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
         d = _f16(heads[..., 0:2], np.float16)
         # Q4_0: w = d * (q - 8); Q4_1: w = d * q + m
         if kind == "Q4_0":
-            wide = d.astype(np.float32)
-            zero = wide * -8                       # exact: a power of two
-            if np.abs(zero).max(initial=0) <= 65504:
-                zero = zero.astype(np.float16)     # within float16's range: exact there too
-            else:
-                d = wide
+            d, zero = _centred(d, 8)
         else:
             zero = _f16(heads[..., 2:4], np.float16)
         return codes.reshape(n, -1), {"scale": d, "zero": zero}
@@ -108,12 +103,7 @@ def q5_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, dict]:
         d = _f16(heads[..., 0:2], np.float16)
         if kind == "Q5_1":
             return codes, {"scale": d, "zero": _f16(heads[..., 2:4], np.float16), "high": high}
-        wide = d.astype(np.float32)
-        zero = wide * -16                          # exact: a power of two
-        if np.abs(zero).max(initial=0) <= 65504:
-            zero = zero.astype(np.float16)         # within float16's range: exact there too
-        else:
-            d = wide
+        d, zero = _centred(d, 16)
         return codes, {"scale": d, "zero": zero, "high": high}
     if kind == "Q5_K":
         blocks = data.reshape(n, -1, 176)                                     # super-blocks of 256
@@ -219,6 +209,16 @@ def split_blocks(data: np.ndarray, size: int, head: int, heads: np.ndarray | Non
         heads[...] = blocks[..., :head]
         body[...] = blocks[..., head:].reshape(n, -1)
     return heads, body
+
+
+def _centred(d: np.ndarray, centre: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, zero) of codes centred on `centre` (Q4_0: 8, Q5_0: 16), w = d * (q - centre): zero = -centre * d,
+    exact (a power of two); both float16 as stored, or float32 where the zero leaves float16's range."""
+    wide = d.astype(np.float32)
+    zero = wide * -centre
+    if np.abs(zero).max(initial=0) <= 65504:
+        return d, zero.astype(np.float16)
+    return wide, zero
 
 
 def _f16(b: np.ndarray, dtype=np.float32) -> np.ndarray:

@@ -488,18 +488,23 @@ class Q6Linear(_Packed):
         return Q8Linear(codes, cpu_quant.Scales(s.scale, scale_sup=s.scale_sup.float(), per=16), self.bias)
 
     def moved(self, device) -> "_Packed":
-        """On the GPU path, the widened int8 form (no Triton kernel reads Q6_K's own bits yet; _gpu's torch slabs
-        would dequantize the whole matrix every step); elsewhere these arrays on `device`."""
-        if kernels.gpu_path(device):
-            return self.widened().moved(device)
-        self.codes, self.high = self.codes.to(device), self.high.to(device)
-        self.scales = self.scales.to(device)
-        self.bias = None if self.bias is None else self.bias.to(device)
-        return self
+        return _moved_own_bits(self, device)
 
     @property
     def nbytes(self) -> int:
         return _nbytes(self.codes, self.high, self.bias) + self.scales.nbytes
+
+
+def _moved_own_bits(lin, device) -> _Packed:
+    """A kind with a plane of high bits (Q5Linear, Q6Linear) on `device`: on the GPU path its widened int8 form (no
+    Triton kernel reads those bits yet; _slabs_gpu would dequantize the whole matrix every step), elsewhere its
+    arrays moved."""
+    if kernels.gpu_path(device):
+        return lin.widened().moved(device)
+    lin.codes, lin.high = lin.codes.to(device), lin.high.to(device)
+    lin.scales = lin.scales.to(device)
+    lin.bias = None if lin.bias is None else lin.bias.to(device)
+    return lin
 
 
 def _slabs_gpu(lin: _Packed, x, norm, eps, swiglu, residual) -> torch.Tensor:
@@ -580,14 +585,7 @@ class Q5Linear(_Packed):
         return Q8Linear(q.to(torch.int8), s, self.bias)
 
     def moved(self, device) -> "_Packed":
-        """On the GPU path, the widened int8 form (no Triton kernel reads the fifth bits yet); elsewhere these
-        arrays on `device`."""
-        if kernels.gpu_path(device):
-            return self.widened().moved(device)
-        self.codes, self.high = self.codes.to(device), self.high.to(device)
-        self.scales = self.scales.to(device)
-        self.bias = None if self.bias is None else self.bias.to(device)
-        return self
+        return _moved_own_bits(self, device)
 
     @property
     def nbytes(self) -> int:
