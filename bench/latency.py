@@ -4,9 +4,9 @@ A conversation of N cached tokens (prose, read untimed), then a message of --mes
 handing the message over to its last row's logits (the first answer token is chosen from them), kvchat beside
 llama.cpp on the same GGUF and the same token ids. Each run starts a fresh conversation (kvchat's prefix cache off,
 llama.cpp reset), so neither side finds the message already read. Per cache mode, kvchat's format beside llama.cpp's
-(bf16 / f16, int8 / q8_0, int4 / q4_0, llama.cpp with flash attention as its quantized V needs), per N, interleaved
-runs; reported as medians with min and max, and `ratio_vs_llamacpp` = kvchat's time over llama.cpp's (at most 1.0:
-kvchat answers no later).
+(bf16 / f16, int8 / q8_0, int4 / q4_0; llama.cpp's f16 with and without flash attention, the faster counted, its
+quantized V with flash attention as it requires: bench/llamacpp.py), per N, interleaved runs; reported as medians with
+min and max, and `ratio_vs_llamacpp` = kvchat's time over llama.cpp's (at most 1.0: kvchat answers no later).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 
+from kvchat.bench import llamacpp
 from kvchat.engine.config import CacheConfig, EngineConfig
 
 MODES = {"bf16": ("bf16", 1), "int8": ("int8", 8), "int4": ("int4", 2)}    # kvchat format, llama.cpp ggml type
@@ -56,15 +57,6 @@ def _tokens(engine, n: int) -> list[int]:
     except Exception:      # noqa: BLE001 - the shipped text is missing: the benchmark's own filler
         from kvchat.bench.models import prompt_ids
         return prompt_ids(engine.tokenizer, n)
-
-
-def _llamacpp(path: str, threads: int, n_ctx: int, ggml_type: int):
-    try:
-        from llama_cpp import Llama
-        return Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                     flash_attn=True, type_k=ggml_type, type_v=ggml_type, verbose=False)
-    except Exception:      # noqa: BLE001 - not installed, or this cache type not built in
-        return None
 
 
 def _kvchat_once(engine, fmt: str, history: list[int], message: list[int]) -> float:
@@ -109,15 +101,15 @@ def run(args) -> dict:
     peers = {}
     if not args.no_llamacpp and path and str(path).endswith(".gguf"):
         for mode in args.modes:
-            llm = _llamacpp(str(path), threads, longest + args.message_tokens + 16, MODES[mode][1])
-            if llm is not None:
-                peers[mode] = llm
-    times: dict[tuple[str, str, int], list[float]] = {}
+            got = llamacpp.open_peers(str(path), threads, longest + args.message_tokens + 16, MODES[mode][1])
+            if got:
+                peers[mode] = got
+    times: dict = {}
     say("warming")
     for mode in args.modes:
         _kvchat_once(engine, MODES[mode][0], ids[:64], ids[64:64 + args.message_tokens])
-        if mode in peers:
-            _llamacpp_once(peers[mode], ids[:64], ids[64:64 + args.message_tokens])
+        for llm in peers.get(mode, {}).values():
+            _llamacpp_once(llm, ids[:64], ids[64:64 + args.message_tokens])
     total = args.runs * len(args.modes) * len(args.contexts)
     done = 0
     for _ in range(args.runs):                       # interleaved: each run visits every mode and length
@@ -127,9 +119,9 @@ def run(args) -> dict:
                 say(f"{mode}, {n:,} cached + {args.message_tokens}", done, total)
                 times.setdefault(("kvchat", mode, n), []).append(
                     _kvchat_once(engine, MODES[mode][0], ids[:n], message_at[n]))
-                if mode in peers:
-                    times.setdefault(("llamacpp", mode, n), []).append(
-                        _llamacpp_once(peers[mode], ids[:n], message_at[n]))
+                for fa, llm in peers.get(mode, {}).items():
+                    times.setdefault(("llamacpp", mode, n), {}).setdefault(fa, []).append(
+                        _llamacpp_once(llm, ids[:n], message_at[n]))
     from kvchat.bench.speed import _kernels_label
     result = {"model": engine.model_name, "weights": engine.weights_label, "path": str(path), "threads": threads,
               "kernels": _kernels_label(), "message_tokens": args.message_tokens, "runs": args.runs,
@@ -139,7 +131,11 @@ def run(args) -> dict:
         for n in args.contexts:
             row = {"kvchat_s": _spread(times[("kvchat", mode, n)])}
             if ("llamacpp", mode, n) in times:
-                row["llamacpp_s"] = _spread(times[("llamacpp", mode, n)])
+                by_config = times[("llamacpp", mode, n)]
+                fa, best = llamacpp.fastest(by_config)
+                row["llamacpp_s"] = _spread(best)
+                row["llamacpp_config"] = llamacpp.label(fa)
+                row["llamacpp_by_config"] = {llamacpp.label(k): _spread(v) for k, v in by_config.items()}
                 row["ratio_vs_llamacpp"] = row["kvchat_s"]["median"] / row["llamacpp_s"]["median"]
             rows[str(n)] = row
         result["modes"][mode] = rows
@@ -155,7 +151,7 @@ def summarize(r: dict) -> str:
             line = f"  {mode:<5} {int(n):>6,} cached: kvchat {k['median']:.3f} s ({k['min']:.3f}-{k['max']:.3f})"
             if "llamacpp_s" in row:
                 p = row["llamacpp_s"]
-                line += (f", llama.cpp {p['median']:.3f} s ({p['min']:.3f}-{p['max']:.3f}) = "
+                line += (f", llama.cpp {p['median']:.3f} s ({p['min']:.3f}-{p['max']:.3f}, {row['llamacpp_config']}) = "
                          f"{row['ratio_vs_llamacpp']:.2f}x")
             lines.append(line)
     return "\n".join(lines)

@@ -7,7 +7,9 @@ does after a restart, and times the first new token of the next message two ways
 - `restore`: the saved file is read back into the pool, then only the new message is read.
 Beside them, where llama-cpp-python is importable: llama.cpp's own state file on the same GGUF and the same
 token ids (`llama_state_save_file` / `llama_state_load_file`, what its server's slot save / restore uses), timed
-the same way: load the file, read the new message, one token. The file sits in the OS page cache for both
+the same way: load the file, read the same new message's token ids (the chat template's around it, as kvchat reads
+them), one token; with and without flash attention, the faster counted (bench/llamacpp.py). The file sits in the OS
+page cache for both
 (a restart on the same machine); a cold disk adds its read time to both.
 
 Reported per mode: medians with min/max, `ratio_restore_vs_reprefill` (bar <= 0.1) and
@@ -23,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvchat.bench import llamacpp
 from kvchat.engine.config import CacheConfig, EngineConfig, SamplingParams
 
 MODES = {
@@ -71,7 +74,7 @@ def _first_token_s(session, text: str) -> float:
     return time.perf_counter() - started
 
 
-def _measure_mode(engine, name: str, cache: CacheConfig, history: list[dict], runs: int, llm) -> dict:
+def _measure_mode(engine, name: str, cache: CacheConfig, history: list[dict], runs: int, llms: dict) -> dict:
     # the conversation as the app leaves it: history read, one more turn answered, then saved
     base = engine.new_session(cache=cache, history=history, prefix_cache=False)
     engine.keep_warm(base, f"bench-{name}")
@@ -80,7 +83,7 @@ def _measure_mode(engine, name: str, cache: CacheConfig, history: list[dict], ru
     saved_bytes = engine.save_warm(base)
     ids, messages, held = list(base.token_ids), list(base.messages), base.seq.num_tokens
     base.close()
-    reread, restore, restore_only, peer = [], [], [], []
+    reread, restore, restore_only, peer = [], [], [], {}
     question = "And what did the sailor say next?"
     for _ in range(runs):
         engine.clear_prefix_cache()
@@ -97,27 +100,32 @@ def _measure_mode(engine, name: str, cache: CacheConfig, history: list[dict], ru
             pass
         restore.append(time.perf_counter() - started)
         assert got.tokens == held
+        message = s.token_ids[held:held + s.turn_times.prefill_tokens]
         s.close()
-        if llm is not None:
-            peer.append(llm.resume_s(ids[:held], engine.tokenizer.encode(question, add_special_tokens=False)))
+        for fa, llm in (llms or {}).items():
+            peer.setdefault(fa, []).append(llm.resume_s(ids[:held], message))
     out = {"tokens": held, "file_bytes": saved_bytes, "file_bytes_per_token": saved_bytes / held,
            "reread_s": _spread(reread), "restore_s": _spread(restore), "restore_read_s": _spread(restore_only),
            "ratio_restore_vs_reprefill": statistics.median(restore) / statistics.median(reread)}
     if peer:
-        out["llamacpp_restore_s"] = _spread(peer)
-        out["llamacpp_state_bytes_per_token"] = llm.state_bytes / held
-        out["ratio_restore_vs_llamacpp"] = statistics.median(restore) / statistics.median(peer)
+        fa, best = llamacpp.fastest(peer)
+        out["message_tokens"] = len(message)
+        out["llamacpp_restore_s"] = _spread(best)
+        out["llamacpp_config"] = llamacpp.label(fa)
+        out["llamacpp_by_config"] = {llamacpp.label(k): _spread(v) for k, v in peer.items()}
+        out["llamacpp_state_bytes_per_token"] = llms[fa].state_bytes / held
+        out["ratio_restore_vs_llamacpp"] = statistics.median(restore) / statistics.median(best)
     return out
 
 
 class LlamaCppState:
     """llama.cpp's state file on the same GGUF: save once, then load + the new message + one token, timed."""
 
-    def __init__(self, path: str, threads: int, n_ctx: int):
+    def __init__(self, path: str, threads: int, n_ctx: int, flash_attn: bool):
         import llama_cpp
         self.lib = llama_cpp
         self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   n_batch=512, verbose=False)
+                                   n_batch=512, flash_attn=flash_attn, verbose=False)
         self.file = Path(tempfile.mkdtemp(prefix="kvchat-llamacpp-")) / "state.bin"
         self.saved_for: tuple | None = None
         self.state_bytes = 0
@@ -161,16 +169,17 @@ def run(args) -> dict:
     engine.runner.set_budget(max(engine.budget_mb, 4096))
     history = conversation(engine.tokenizer, args.tokens)
     files = locate(spec)
-    llm = None
+    llms = {}
     if args.llamacpp == "auto" and files.is_gguf:
         try:
-            llm = LlamaCppState(str(files.path), threads, args.tokens + 512)
+            llms = {fa: LlamaCppState(str(files.path), threads, args.tokens + 512, fa)
+                    for fa in llamacpp.configurations(llamacpp.F16)}
         except ImportError:
-            llm = None
+            llms = {}
     result = {"model": engine.model_name, "weights": engine.weights_label, "threads": threads,
-              "llamacpp": llm is not None, "modes": {}}
+              "llamacpp": bool(llms), "modes": {}}
     for name in args.modes:
-        result["modes"][name] = _measure_mode(engine, name, MODES[name], history, args.runs, llm)
+        result["modes"][name] = _measure_mode(engine, name, MODES[name], history, args.runs, llms)
         result["modes"][name]["cache"] = MODES[name].label()
     engine.warm_store.clear()
     return result
@@ -183,7 +192,7 @@ def summarize(r: dict) -> str:
                 f"(file {m['restore_read_s']['median']:.2f} s) vs read again {m['reread_s']['median']:.2f} s = "
                 f"{m['ratio_restore_vs_reprefill']:.3f}x; file {m['file_bytes_per_token'] / 1024:.1f} KiB/token")
         if "ratio_restore_vs_llamacpp" in m:
-            line += (f"; llama.cpp state {m['llamacpp_restore_s']['median']:.2f} s, "
+            line += (f"; llama.cpp state {m['llamacpp_restore_s']['median']:.2f} s ({m['llamacpp_config']}), "
                      f"{m['llamacpp_state_bytes_per_token'] / 1024:.1f} KiB/token = "
                      f"{m['ratio_restore_vs_llamacpp']:.2f}x")
         lines.append(line)

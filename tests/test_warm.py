@@ -433,3 +433,21 @@ def test_a_tensor_at_an_odd_offset_is_read_as_a_copy(tmp_path):
     data = bytearray(len(text).to_bytes(8, "little") + text + body)
     got_header, tensors = saved._tensors(data)
     assert tensors["a"].tolist() == [1, 2, 3] and tensors["b"].tolist() == [1.5, -2.0]
+
+
+def test_a_restore_into_scattered_blocks_is_the_same_as_into_consecutive_ones(tiny):
+    """A fresh pool gives a restored conversation consecutive block ids (one plain copy a tensor); a pool with holes
+    between other conversations' blocks scatters them (the indexed copy). Both give the same next logits."""
+    s = chat(tiny, MODES["bf16"])
+    tiny.save_warm(s)
+    fillers = [chat(tiny, MODES["bf16"], key=f"f{i}", turns=("word " * 40,)) for i in range(4)]
+    for f in fillers[::2]:
+        f.close()                   # holes between the fillers that stay
+    s2 = reopened(tiny, s)
+    tiny.restore_warm(s2)
+    assert saved._run_of(s2.seq.block_table) is None, "the test meant to scatter the restored blocks"
+    assert saved._run_of([3, 4, 5]) == slice(3, 6) and saved._run_of([3, 5, 6]) is None
+    assert same_next(s, s2)
+    tiny.runner.cache.check()
+    for x in (s, s2, *fillers[1::2]):
+        x.close()
