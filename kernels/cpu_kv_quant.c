@@ -555,3 +555,66 @@ int attend_quant_layer(void *ctx, int layer, float *qkv, float *out) {
     }
     return 0;
 }
+
+// ---- prompt rows over quantized pages, read in place -----------------------------------------------------
+// attn_prompt (cpu_prompt_attn.h) with its keys and values loaded from quantized pages: the held past's rows
+// dequantized by kv_row and the keys rotated at their effective positions (pq_rope), the same values as the torch
+// path's gathered, rotated copy (kernels/reference.py, engine/model/rope.py), so the two give the same bits; then
+// the chunk's own rows, given as float32 (they are stored after the attention, which may quantize the tail away).
+#include "cpu_prompt_attn.h"
+
+typedef struct {
+    const kv_comp *kc, *vc;
+    const float *knew, *vnew;            // [T, Hkv, D]: the chunk's own keys (before RoPE) and values, attended last
+    const float *cos_h, *sin_h;          // [N, D/2] half RoPE tables
+    const int64_t *slots, *table, *pos;  // slots [P] the held past, ascending; pos [P + T] each key's effective position
+    int bs, n_full;
+} pq_ctx_t;
+
+typedef struct {        // what a task keeps between rows: the per-channel scales of the block it is in, K's and V's
+    chan_scales k, v;
+    float buf[KV_MAX_D];
+} pq_scratch_t;
+
+static inline void pq_rope(const float *x, const float *cs, const float *sn, int D, float *out) {
+    // engine/model/rope.py's rotate to the bit: x * cos, then rotate_half(x) * sin added in one rounding (torch's
+    // addcmul_ fuses it)
+    int h = D / 2;
+    for (int d = 0; d < h; d++) {
+        out[d] = fmaf(x[d + h], -sn[d], x[d] * cs[d]);
+        out[d + h] = fmaf(x[d], sn[d], x[d + h] * cs[d]);
+    }
+}
+
+static void pq_load(const pa_args_t *a, int value, int h, int j, float *dst, void *scratch) {
+    const pq_ctx_t *c = (const pq_ctx_t *)a->ctx;
+    pq_scratch_t *s = (pq_scratch_t *)scratch;
+    int D = a->D, H = a->Hkv;
+    if (value < 0) {                    // a task begins (another head): nothing cached is its own
+        s->k.id = s->v.id = -1;
+        return;
+    }
+    const float *x;
+    if (j >= a->P)
+        x = (value ? c->vnew : c->knew) + ((size_t)(j - a->P) * H + h) * D;
+    else
+        x = kv_row(value ? c->vc : c->kc, H, D, c->bs, c->n_full, c->table, c->slots[j], h, value ? dst : s->buf,
+                   value ? &s->v : &s->k);
+    if (value) {
+        if (x != dst) memcpy(dst, x, sizeof(float) * D);
+        return;
+    }
+    size_t o = (size_t)c->pos[j] * (D / 2);
+    pq_rope(x, c->cos_h + o, c->sin_h + o, D, dst);
+}
+
+// a: attn_prompt's arguments (rows, kp, vp, sink_k unused: n_sink 0); c: the pages. 0 done, as attn_prompt.
+int attn_prompt_quant(const pa_args_t *a, const pq_ctx_t *c) {
+    if (a->D > KV_MAX_D || a->n_sink) return -3;
+    fp8_init();
+    pa_args_t b = *a;
+    b.load = pq_load;
+    b.ctx = c;
+    b.load_floats = (int)((sizeof(pq_scratch_t) + sizeof(float) - 1) / sizeof(float));
+    return attn_prompt(&b);
+}

@@ -378,6 +378,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         lib.attn_decode_quant.restype = None
         lib.attend_quant_layer.argtypes = [P, I, P, P]
         lib.attend_quant_layer.restype = I
+        lib.attn_prompt_quant.argtypes = [P, P]
+        lib.attn_prompt_quant.restype = I
         return lib
     lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P, I, P, P, I, P]     # the last: q5's fifth bits
     lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P, I, P, P, I]
@@ -446,7 +448,14 @@ class PromptArgs(ctypes.Structure):
     """attn_prompt's arguments (pa_args_t in cpu_prompt_attn.h)."""
     _fields_ = [(n, ctypes.c_int) for n in ("T", "P", "Hq", "Hkv", "D", "bf16", "n_sink")] + [
         (n, ctypes.c_void_p) for n in ("q", "sink_k", "sink_logits", "kp", "vp", "rows", "outside")] + [
-        ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("out", ctypes.c_void_p)]
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("out", ctypes.c_void_p),
+        ("load", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("load_floats", ctypes.c_int)]
+
+
+class PromptQuantPages(ctypes.Structure):
+    """attn_prompt_quant's pages (pq_ctx_t in cpu_kv_quant.c)."""
+    _fields_ = [(n, ctypes.c_void_p) for n in ("kc", "vc", "knew", "vnew", "cos_h", "sin_h", "slots", "table", "pos")] + [
+        ("bs", ctypes.c_int), ("n_full", ctypes.c_int)]
 
 
 class MoE(ctypes.Structure):

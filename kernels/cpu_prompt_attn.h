@@ -87,7 +87,7 @@ static inline void pa_transpose16(const float *src, int ld, float *dst) {
 }
 #define PA_QUERIES 128            // query vectors a block of rows holds (its rows times the group's heads)
 
-typedef struct {
+typedef struct pa_args {
     int T, P, Hq, Hkv, D, bf16, n_sink;
     const float *q, *sink_k, *sink_logits;
     const void *kp, *vp;
@@ -95,6 +95,13 @@ typedef struct {
     const uint8_t *outside;
     float scale, softcap;
     float *out;
+    // Keys and values read another way (quantized pages: attn_prompt_quant in cpu_kv_quant.c), or NULL: the pages
+    // above. load(a, value, h, j, dst, scratch) puts key (value 0) or value (1) j of KV head h, as fp32 and as
+    // attention reads it (a key rotated), into dst [D]; load(a, -1, h, 0, NULL, scratch) first, once a task, where
+    // scratch is load_floats floats the task keeps (64-byte aligned) for whatever the loader caches.
+    void (*load)(const struct pa_args *a, int value, int h, int j, float *dst, void *scratch);
+    const void *ctx;
+    int load_floats;
 } pa_args_t;
 
 // key or value j of KV head h as fp32 into dst (sink keys from sink_k when given)
@@ -113,10 +120,22 @@ static inline void pa_row(const pa_args_t *a, const void *pages, const float *si
     for (int d = 0; d < D; d++) { union { uint32_t u; float f; } v; v.u = (uint32_t)s[d] << 16; dst[d] = v.f; }
 }
 
+static inline void pa_key(const pa_args_t *a, int h, int j, float *dst, void *ls) {
+    if (a->load) a->load(a, 0, h, j, dst, ls);
+    else pa_row(a, a->kp, a->sink_k, h, j, dst);
+}
+
+static inline void pa_value(const pa_args_t *a, int h, int j, float *dst, void *ls) {
+    if (a->load) a->load(a, 1, h, j, dst, ls);
+    else pa_row(a, a->vp, NULL, h, j, dst);
+}
+
 #define PA_CHUNK 256              // keys a task reads: chunks start at multiples of it, whatever the call
 
-static size_t pa_task_floats(int D, int R) {
-    return 3 * (size_t)D * PA_TILE + (size_t)R * PA_CHUNK + (size_t)R * D + 16;   // kt, vt, the tile's rows, scores, queries
+static size_t pa_task_floats(const pa_args_t *a, int R) {
+    // kt, vt, the tile's rows, scores, queries, the loader's scratch
+    size_t D = a->D, ls = a->load ? ((size_t)a->load_floats + 15) / 16 * 16 : 0;
+    return 3 * D * PA_TILE + (size_t)R * PA_CHUNK + (size_t)R * D + 16 + ls;
 }
 
 // One task: KV head h, the rows t0 .. t1 - 1 (R = their query vectors), keys of chunk c: each query's max, exp-sum
@@ -128,6 +147,8 @@ static void pa_task(const pa_args_t *a, int h, int t0, int t1, int c, int nch, f
     float *kt = mem, *vt = kt + (size_t)D * PA_TILE, *row = vt + (size_t)D * PA_TILE, *S = row + (size_t)D * PA_TILE;
     const float *qv[PA_QUERIES];
     float *qs = S + (size_t)R * PA_CHUNK, scale = a->scale, cap = a->softcap;
+    void *ls = qs + ((size_t)R * D + 15) / 16 * 16;             // the loader's scratch
+    if (a->load) a->load(a, -1, h, 0, NULL, ls);
     for (int r = 0; r < R; r++) {          // the queries times the scale, once
         const float *x = a->q + ((size_t)(t0 + r / g) * Hq + h * g + r % g) * D;
         float *y = qs + (size_t)r * D;
@@ -138,7 +159,7 @@ static void pa_task(const pa_args_t *a, int h, int t0, int t1, int c, int nch, f
     for (int j0 = lo; j0 < hi; j0 += PA_TILE) {
         int n = hi - j0 < PA_TILE ? hi - j0 : PA_TILE;
         for (int jj = 0; jj < PA_TILE; jj++) {         // the tile's keys as rows, then as columns
-            if (jj < n) pa_row(a, a->kp, a->sink_k, h, j0 + jj, row + (size_t)jj * D);
+            if (jj < n) pa_key(a, h, j0 + jj, row + (size_t)jj * D, ls);
             else memset(row + (size_t)jj * D, 0, sizeof(float) * D);
         }
         for (int d0 = 0; d0 < D; d0 += 16) pa_transpose16(row + d0, D, kt + (size_t)d0 * PA_TILE);
@@ -191,7 +212,7 @@ static void pa_task(const pa_args_t *a, int h, int t0, int t1, int c, int nch, f
     for (int r = 0; r < R; r++) memset(part + ((size_t)r * nch + c) * (D + 2), 0, sizeof(float) * D);
     for (int j0 = lo; j0 < hi; j0 += PA_TILE) {
         int n = hi - j0 < PA_TILE ? hi - j0 : PA_TILE;
-        for (int jj = 0; jj < n; jj++) pa_row(a, a->vp, NULL, h, j0 + jj, vt + (size_t)jj * D);
+        for (int jj = 0; jj < n; jj++) pa_value(a, h, j0 + jj, vt + (size_t)jj * D, ls);
         int r = 0;
         for (; r + 4 <= R; r += 4) {            // four queries a pass: each value row loaded once for the four
             const float *p0 = S + (size_t)r * PA_CHUNK + (j0 - lo), *p1 = p0 + PA_CHUNK, *p2 = p1 + PA_CHUNK,
@@ -268,7 +289,7 @@ int attn_prompt(const pa_args_t *a) {
     // rows in blocks of at most PA_QUERIES query vectors; in a block, tasks (KV head, chunk of keys)
     int rb = PA_QUERIES / g, nch_all = (a->P + a->T + PA_CHUNK - 1) / PA_CHUNK;
     if (rb > a->T) rb = a->T;
-    size_t each = (pa_task_floats(a->D, rb * g) + 15) / 16 * 16;
+    size_t each = (pa_task_floats(a, rb * g) + 15) / 16 * 16;
     float *mem = aligned_alloc(64, sizeof(float) * (each * threads + (size_t)a->Hkv * rb * g * nch_all * (a->D + 2)));
     if (!mem) return -1;
     float *part = mem + each * threads;

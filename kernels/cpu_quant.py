@@ -746,6 +746,44 @@ def attn_decode_quant(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, ta
     return out
 
 
+def can_attend_prompt_quantized(hq: int, hkv: int, d: int) -> bool:
+    """attn_prompt_quant's shapes (the pages' kinds as can_attend_quantized): head_dim a multiple of 16 up to 512."""
+    return d % 16 == 0 and d <= MAX_ATTEND_HEAD_DIM and hq % hkv == 0 and hq // hkv <= 64
+
+
+# q [T, Hq, D] fp32 rotated at the rows' positions; k_new, v_new [T, Hkv, D] the rows' own keys before RoPE and
+# values, attended after the held past (slots, table, n_full, block_size, cos_h, sin_h as attn_decode_quant's; pos
+# [P + T] every key's effective position); outside, softcap and sink_logits as attn_prompt's -> [T, Hq, D]
+def attn_prompt_quant(q, k_new, v_new, kp: QuantPages, vp: QuantPages, slots, table, n_full: int, block_size: int,
+                      cos_h, sin_h, pos, sm_scale: float, softcap: float | None = None,
+                      outside: torch.Tensor | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Prompt (or verification) rows' attention over quantized pages read in place (attn_prompt's arithmetic, each
+    held row dequantized and its key rotated as the torch path's gathered copy is, so the two give the same bits)."""
+    t, hq, d = q.shape
+    hkv, n = k_new.shape[1], slots.shape[0]
+    assert pos.shape[0] == n + t and slots.dtype == table.dtype == torch.int64
+    assert slots.is_contiguous() and table.is_contiguous()
+    _half_rope(cos_h, sin_h, pos)
+    q, k_new, v_new = (x.float().contiguous() for x in (q, k_new, v_new))
+    if outside is not None:
+        outside = outside.to(torch.uint8).contiguous()
+        assert outside.shape == (t, n + t)
+    sink_logits = _sink_logits(sink_logits, hq)
+    out = torch.empty(t, hq, d)
+    ks, vs = kp.struct(), vp.struct()
+    pages = cpu_lib.PromptQuantPages(ctypes.addressof(ks), ctypes.addressof(vs), k_new.data_ptr(), v_new.data_ptr(),
+                                     cos_h.data_ptr(), sin_h.data_ptr(), slots.data_ptr(), table.data_ptr(),
+                                     pos.data_ptr(), int(block_size), int(n_full))
+    args = cpu_lib.PromptArgs(t, n, hq, hkv, d, 0, 0, q.data_ptr(), None, _ptr(sink_logits), None, None, None,
+                              _ptr(outside), float(sm_scale), float(softcap or 0.0), out.data_ptr())
+    rc = _kv_lib.attn_prompt_quant(ctypes.byref(args), ctypes.byref(pages))
+    if rc == -1:
+        raise MemoryError("attn_prompt_quant: out of memory for its buffers")
+    if rc:
+        raise ValueError(f"attn_prompt_quant: shapes it does not take (head_dim {d}, {hq} / {hkv} heads)")
+    return out
+
+
 def _rows_ref(p: QuantPages, slots, table, n_full: int, bs: int) -> torch.Tensor:
     from .reference import dequantize
     parts = []

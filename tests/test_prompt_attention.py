@@ -133,3 +133,40 @@ def test_gathering_backends_take_the_kernel_for_prompt_rows_and_torch_for_a_deco
     assert torch.equal(seen.out, want_seen.out)
     one = prompt_attention(q[-1:], k, v, True, 0.125)
     assert torch.equal(one, softmax_attention(q[-1:], k, v, True, 0.125))
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8", "int4", "int8-int4-window"])
+def test_quantized_pages_are_read_in_place_with_the_torch_paths_bits(tiny_engine, monkeypatch, mode):
+    """Prompt rows over int8 / fp8 / int4 pages (and a window with sinks) through attn_prompt_quant, the held rows
+    dequantized and rotated in the kernel, against the torch path's gathered copy through attn_prompt: the same
+    logits bit for bit, a prompt's chunks and a follow-up's; the kernel was the one called."""
+    from kvchat.engine.config import CacheConfig
+    from kvchat.engine.runtime.backends import quant_pages
+    if not cpu_quant.kv_kernels_ready(wait=True):
+        pytest.skip("the quantized-KV kernels did not build")
+    k, v = mode.split("-")[:2] if "-" in mode else (mode, mode)
+    cache = CacheConfig(k_format=k, v_format=v, **({"window": 48, "sinks": 4} if "window" in mode else {}))
+    calls = []
+    real = cpu_quant.attn_prompt_quant
+
+    def counted(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    def logits():
+        s = tiny_engine.new_session(cache=cache, prefix_cache=False)
+        try:
+            first = s.append(list(range(5, 140)), all_logits=True)          # chunks over their own pages
+            return torch.cat([first, s.append(list(range(40, 64)), all_logits=True), s.append([9], True)])
+        finally:
+            s.close()
+    monkeypatch.setattr(cpu_quant, "attn_prompt_quant", counted)
+    in_place = logits()
+    assert 24 in calls
+    monkeypatch.setattr(quant_pages, "prompt_kernel_attend",
+                        lambda q, k, v, st, kc, vc, scores: quant_pages.attend_torch(kc, vc, q, k, v, st, scores))
+    calls.clear()
+    gathered = logits()
+    assert not calls
+    d = (in_place - gathered).abs().amax(-1)
+    assert torch.equal(in_place, gathered), (d.nonzero().flatten().tolist()[:20], d.max().item())

@@ -30,16 +30,19 @@ def key_rope(st) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attend_quantized(kc: Component, vc: Component, q, k, v, st, kernel: bool,
-                     scores: LayerScores | None = None, watch=None) -> torch.Tensor:
+                     scores: LayerScores | None = None, watch=None, prompt_kernel: bool = False) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] before RoPE, a layer with a quantized K or V; -> [T, Hq, D]. Attends over the
     past before writing, since a write may quantize the tail away. kernel: through attn_decode_quant (a one-token
-    decode of a layer whose K and V the C kernel reads), else through torch."""
+    decode of a layer whose K and V the C kernel reads); prompt_kernel: prompt rows through attn_prompt_quant (the
+    pages read in place) where no watch measures them; else through torch."""
     if kernel:
         mass, copies = (None, []) if watch is None else watch.kernel([st])
         out = decode_kernel(q, k, v, st, *kernel_pages(kc, vc, st), None if scores is None else scores.scale,
                             sink_args(scores), mass)
         if copies:
             watch.done(mass, copies)
+    elif prompt_kernel and (watch is None or watch.rows(st) is None):
+        out = prompt_kernel_attend(q, k, v, st, kc, vc, scores)
     else:
         out = attend_torch(kc, vc, q, k, v, st, scores, watch)
     store(kc, vc, k, v, st)
@@ -89,6 +92,17 @@ def decode_kernel(q, k, v, st, kp, vp, scale: float | None = None,
     return out.view(1, *out.shape)
 
 
+def prompt_kernel_attend(q, k, v, st, kc: Component, vc: Component, scores: LayerScores | None) -> torch.Tensor:
+    """attend_torch's result through attn_prompt_quant: the held past read from the pages in place, no gathered
+    copy (the same bits: tests/test_prompt_attention.py)."""
+    a = QuantDecodeArgs.of(st, kc.block_size)
+    kp, vp = kernel_pages(kc, vc, st)
+    scale = q.shape[-1] ** -0.5 if scores is None else scores.scale
+    return cpu_quant.attn_prompt_quant(rotate(q.float(), st.q_cos, st.q_sin), k, v, kp, vp, a.past_slots,
+                                       a.block_table, a.n_full, a.block_size, a.cos, a.sin, a.key_pos, scale,
+                                       None if scores is None else scores.softcap, st.outside, sink_args(scores))
+
+
 def store(kc: Component, vc: Component, k, v, st) -> None:
     res, T = st.res, k.shape[0]
     seq = res.seq
@@ -131,12 +145,13 @@ class QuantPagesTorch(AttentionBackend):
             return attend_full(kc, vc, q, k, v, st, self.scores[layer], watch)
         return self._quantized(layer, kc, vc, q, k, v, st, False, watch)
 
-    def _quantized(self, layer, kc, vc, q, k, v, st, kernel: bool, watch=None) -> torch.Tensor:
+    def _quantized(self, layer, kc, vc, q, k, v, st, kernel: bool, watch=None,
+                   prompt_kernel: bool = False) -> torch.Tensor:
         scores = self.scores[layer]
         default = scores.softcap is None and scores.scale == q.shape[-1] ** -0.5 and scores.sink_logits is None
         if default:         # as every Llama layer
-            return attend_quantized(kc, vc, q, k, v, st, kernel, None, watch)
-        return attend_quantized(kc, vc, q, k, v, st, kernel, scores, watch)
+            return attend_quantized(kc, vc, q, k, v, st, kernel, None, watch, prompt_kernel)
+        return attend_quantized(kc, vc, q, k, v, st, kernel, scores, watch, prompt_kernel)
 
 
 def kernel_reads(kc: Component, vc: Component) -> bool:
@@ -153,12 +168,15 @@ class QuantPagesC(QuantPagesTorch):
         super().__init__(layout, comps, num_heads, scores)
         # layers whose formats the C kernel reads (a layer kept in full precision is not one); none is soft-capped
         self.kernel_layers = [kernel_reads(kc, vc) for kc, vc in comps]
+        self.prompt_layers = [ok and cpu_quant.can_attend_prompt_quantized(num_heads, kc.num_heads, kc.head_dim)
+                              for ok, (kc, vc) in zip(self.kernel_layers, comps)]
 
     def attend(self, layer, q, k, v, st, watch=None):
         if not self.kernel_layers[layer]:
             return super().attend(layer, q, k, v, st, watch)
         kc, vc = self.comps[layer]
-        return self._quantized(layer, kc, vc, q, k, v, st, st.one_token_decode, watch)
+        return self._quantized(layer, kc, vc, q, k, v, st, st.one_token_decode, watch,
+                               not st.one_token_decode and self.prompt_layers[layer])
 
     def decode(self, model, token_ids, steps, prepared, attention):
         if model.kernel_layers() is None:       # the one-call step does not cover this model
