@@ -1277,16 +1277,32 @@ void choose_blocks(const float *q, const float *cos, const float *sin, int Hq, i
 // ---- saved caches: whether every value of a tensor is finite -------------------------------------------------
 
 // n values of 4 (float32) or 2 (bfloat16: exp 0x7F80, float16: 0x7C00) bytes: 1 when none is NaN or infinite
-int all_finite(const void *p, int64_t n, int kind) {
+#define CHECK_PART (1 << 18)    // bytes a thread takes at least (all_finite, checksum64): larger is read in parts side by side
+
+static int some_not_finite(const void *p, int64_t lo, int64_t hi, int kind) {
     int bad = 0;
     if (kind == 0) {
         const uint32_t *x = p;
-        for (int64_t i = 0; i < n; i++) bad |= (x[i] & 0x7F800000u) == 0x7F800000u;
+        for (int64_t i = lo; i < hi; i++) bad |= (x[i] & 0x7F800000u) == 0x7F800000u;
     } else {
         const uint16_t *x = p;
         uint16_t m = kind == 1 ? 0x7F80 : 0x7C00;
-        for (int64_t i = 0; i < n; i++) bad |= (x[i] & m) == m;
+        for (int64_t i = lo; i < hi; i++) bad |= (x[i] & m) == m;
     }
+    return bad;
+}
+
+int all_finite(const void *p, int64_t n, int kind) {
+    int parts = 1, bad = 0;
+#ifdef _OPENMP
+    parts = omp_get_max_threads();
+    int64_t bytes = n * (kind == 0 ? 4 : 2);
+    if (parts > bytes / CHECK_PART) parts = (int)(bytes / CHECK_PART);
+    if (parts < 1) parts = 1;
+#endif
+    if (parts == 1) return !some_not_finite(p, 0, n, kind);
+    #pragma omp parallel for num_threads(parts) schedule(static) reduction(|:bad)
+    for (int t = 0; t < parts; t++) bad |= some_not_finite(p, n * t / parts, n * (t + 1) / parts, kind);
     return !bad;
 }
 
@@ -1309,14 +1325,13 @@ static inline void check_stripe_scalar(const uint64_t *v, uint64_t sp, uint64_t 
     }
 }
 
-void checksum64(const void *p, int64_t n, uint64_t *out) {
-    const uint8_t *b = p;
-    int64_t stripes = n / 64, s = 0;
-    uint64_t acc[8] = {0};
+// the lanes of stripes s0 .. s1 of b, added to acc
+static void check_stripes(const uint8_t *b, int64_t s0, int64_t s1, uint64_t acc[8]) {
+    int64_t s = s0;
 #if defined(KVCHAT_AVX512)
-    __m512i a = _mm512_setzero_si512(), key = _mm512_loadu_si512((const void *)CHECK_KEY);
-    __m512i sp = _mm512_setzero_si512(), step = _mm512_set1_epi64((long long)CHECK_P);
-    for (; s < stripes; s++) {
+    __m512i a = _mm512_loadu_si512((const void *)acc), key = _mm512_loadu_si512((const void *)CHECK_KEY);
+    __m512i sp = _mm512_set1_epi64((long long)((uint64_t)s0 * CHECK_P)), step = _mm512_set1_epi64((long long)CHECK_P);
+    for (; s < s1; s++) {
         __m512i v = _mm512_loadu_si512((const void *)(b + 64 * s));
         __m512i k = _mm512_xor_si512(_mm512_xor_si512(v, key), sp);
         a = _mm512_add_epi64(a, _mm512_add_epi64(_mm512_mul_epu32(k, _mm512_srli_epi64(k, 32)), v));
@@ -1324,10 +1339,10 @@ void checksum64(const void *p, int64_t n, uint64_t *out) {
     }
     _mm512_storeu_si512((void *)acc, a);
 #elif defined(__AVX2__)
-    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)acc), a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
     __m256i k0 = _mm256_loadu_si256((const __m256i *)CHECK_KEY), k1 = _mm256_loadu_si256((const __m256i *)(CHECK_KEY + 4));
-    __m256i sp = _mm256_setzero_si256(), step = _mm256_set1_epi64x((long long)CHECK_P);
-    for (; s < stripes; s++) {
+    __m256i sp = _mm256_set1_epi64x((long long)((uint64_t)s0 * CHECK_P)), step = _mm256_set1_epi64x((long long)CHECK_P);
+    for (; s < s1; s++) {
         __m256i v0 = _mm256_loadu_si256((const __m256i *)(b + 64 * s));
         __m256i v1 = _mm256_loadu_si256((const __m256i *)(b + 64 * s + 32));
         __m256i x0 = _mm256_xor_si256(_mm256_xor_si256(v0, k0), sp), x1 = _mm256_xor_si256(_mm256_xor_si256(v1, k1), sp);
@@ -1338,12 +1353,35 @@ void checksum64(const void *p, int64_t n, uint64_t *out) {
     _mm256_storeu_si256((__m256i *)acc, a0);
     _mm256_storeu_si256((__m256i *)(acc + 4), a1);
 #else
-    for (; s < stripes; s++) {
+    for (; s < s1; s++) {
         uint64_t v[8];
         memcpy(v, b + 64 * s, 64);
         check_stripe_scalar(v, (uint64_t)s * CHECK_P, acc);
     }
 #endif
+}
+
+void checksum64(const void *p, int64_t n, uint64_t *out) {
+    const uint8_t *b = p;
+    int64_t stripes = n / 64;
+    uint64_t acc[8] = {0};
+    int parts = 1;
+#ifdef _OPENMP
+    parts = omp_get_max_threads();
+    if (parts > n / CHECK_PART) parts = (int)(n / CHECK_PART);
+    if (parts < 1) parts = 1;
+#endif
+    if (parts == 1) {
+        check_stripes(b, 0, stripes, acc);
+    } else {                            // the lanes are sums: parts add up to the whole, in any order
+        #pragma omp parallel for num_threads(parts) schedule(static)
+        for (int t = 0; t < parts; t++) {
+            uint64_t mine[8] = {0};
+            check_stripes(b, stripes * t / parts, stripes * (t + 1) / parts, mine);
+            #pragma omp critical
+            for (int i = 0; i < 8; i++) acc[i] += mine[i];
+        }
+    }
     if (n % 64) {
         uint64_t v[8] = {0};
         memcpy(v, b + 64 * stripes, (size_t)(n % 64));

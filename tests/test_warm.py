@@ -204,12 +204,20 @@ def test_a_file_saved_with_the_older_sha256_checksum_still_opens(tiny):
     path.write_bytes(save(tensors, {"kvchat": body, "sha256": saved._digest(body, tensors, "sha256")}))
     s2 = reopened(tiny, s)
     assert tiny.restore_warm(s2).tokens == s.seq.num_tokens and same_next(s, s2)
-    for n in (0, 5, 64, 1000, 4099):
+    for n in (0, 5, 64, 1000, 4099, (3 << 18) + 37):      # the last read in parts by two threads
         raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
         assert cpu_quant.checksum(raw) == cpu_quant.checksum_ref(raw.numpy())
     flipped = raw.clone()
-    flipped[77] ^= 1
+    flipped[(3 << 18) - 7] ^= 1                                 # in the second part
     assert cpu_quant.checksum(flipped) != cpu_quant.checksum(raw)
+    # finiteness the same way: a NaN or an infinity in any part of a large tensor
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(1 << 20).to(dtype)
+        assert cpu_quant.all_finite(x)
+        for at, bad in ((5, float("nan")), ((1 << 20) - 3, float("inf")), (1 << 19, float("-inf"))):
+            y = x.clone()
+            y[at] = bad
+            assert cpu_quant.all_finite(y) is False, (dtype, at)
 
 
 @pytest.mark.parametrize("craft", ["huge_counts", "blocks_mismatch", "wrong_shape", "extra_tensor", "bad_tokens",

@@ -321,12 +321,65 @@ def _file_bytes(path: Path, max_bytes: int) -> np.ndarray:
                 except OSError:
                     pass
             data = np.frombuffer(buf, dtype=np.uint8)
-            got = f.readinto(buf)
+            got = _read_parts(f.fileno(), memoryview(buf), st.st_size)
     except OSError as exc:
         raise CacheFileError(f"the saved cache cannot be read ({exc.strerror or exc})") from None
     if got != st.st_size:
         raise CacheFileError("the saved cache changed while it was read")
     return data[:got]
+
+
+_PART = 16 << 20        # a file past twice this is read in parts, one a thread
+
+
+def _read_parts(fd: int, buf: memoryview, size: int) -> int:
+    """Bytes 0 .. size of fd into buf (one byte longer), in parts read side by side where the file is large (the
+    copy out of the page cache is the read's cost: 96 MB in 40 ms on one core, 25 on two); -> bytes read, size + 1
+    where the file grew, less where it shrank."""
+    if not hasattr(os, "preadv"):          # Windows: one read
+        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+            f.seek(0)
+            total = 0
+            while total <= size:
+                n = f.readinto(buf[total:size + 1])
+                if not n:
+                    break
+                total += n
+            return total
+    threads = max(1, min(4, torch.get_num_threads(), size // _PART))
+    cuts = [size * i // threads // 4096 * 4096 for i in range(threads)] + [size]
+    got = [0] * threads
+
+    def part(i: int) -> None:
+        lo, hi = cuts[i], cuts[i + 1]
+        while lo < hi:
+            n = os.preadv(fd, [buf[lo:hi]], lo)
+            if n <= 0:
+                return
+            got[i] += n
+            lo += n
+    if threads == 1:
+        part(0)
+    else:
+        import threading
+        errors: list[OSError] = []
+
+        def guarded(i: int) -> None:
+            try:
+                part(i)
+            except OSError as exc:
+                errors.append(exc)
+        workers = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if errors:
+            raise errors[0]
+    total = sum(got)
+    if total == size and os.preadv(fd, [buf[size:size + 1]], size) > 0:     # grew since it was measured
+        total += 1
+    return total
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
