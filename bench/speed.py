@@ -229,7 +229,7 @@ LONG_MODES = {"bf16": ("bf16", 1), "int8": ("int8", 8), "int4": ("int4", 2)}   #
 
 def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps: int = 32) -> dict:
     """Decode tok/s with 256 and 4,096 tokens cached, per cache format, kvchat beside llama.cpp on the same
-    file (f16 / q8_0 / q4_0 caches), interleaved; each rate beside its bandwidth bound: (weight bytes + KV
+    file (f16 / q8_0 / q4_0 caches; f16 with and without flash attention, the faster counted), interleaved; each rate beside its bandwidth bound: (weight bytes + KV
     bytes read per token) over the copy bandwidth measured in the same run."""
     from kvchat.engine.config import CacheConfig
     try:
@@ -238,19 +238,14 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
     except Exception:
         ids = prompt_ids(engine.tokenizer, 4096 + steps)
     contexts = (256, 4096)
+    from kvchat.bench import llamacpp
     peers = {}
     if path and path.endswith(".gguf"):
         for mode, (_, ggml_type) in LONG_MODES.items():
-            llm = None
-            try:
-                from llama_cpp import Llama
-                llm = Llama(model_path=path, n_ctx=4096 + steps + 8, n_threads=threads, n_threads_batch=threads,
-                            n_batch=512, flash_attn=True, type_k=ggml_type, type_v=ggml_type, verbose=False)
-            except Exception:       # llama.cpp not installed, or this cache type not built in
-                llm = None
-            if llm is not None:
-                peers[mode] = llm
-    speeds: dict[tuple[str, str, int], list[float]] = {}
+            got = llamacpp.open_peers(path, threads, 4096 + steps + 8, ggml_type)   # f16 with and without flash attention
+            if got:
+                peers[mode] = got
+    speeds: dict = {}
     for _ in range(runs):
         for mode, (fmt, _) in LONG_MODES.items():
             for n in contexts:
@@ -261,14 +256,14 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
                     session.append([ids[n + i]], all_logits=False)
                 speeds.setdefault(("kvchat", mode, n), []).append(steps / (time.perf_counter() - t0))
                 session.close()
-                llm = peers.get(mode)
-                if llm is not None:
+                for fa, llm in peers.get(mode, {}).items():
                     llm.reset()
                     llm.eval(ids[:n])
                     t0 = time.perf_counter()
                     for i in range(steps):
                         llm.eval([ids[n + i]])
-                    speeds.setdefault(("llamacpp", mode, n), []).append(steps / (time.perf_counter() - t0))
+                    speeds.setdefault(("llamacpp", mode, n), {}).setdefault(fa, []).append(
+                        steps / (time.perf_counter() - t0))
     copy = copy_bandwidth_gbs() * 1e9
     out: dict = {"steps": steps, "copy_gbs": copy / 1e9, "modes": {}}
     from kvchat.engine.kv.layout import conversation_bytes
@@ -282,8 +277,9 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
             bound = copy / (engine.weight_bytes + kv_read)
             row[n] = {"kvchat_tok_s": k, "bound_tok_s": bound, "of_bound": k / bound, "kv_bytes_read": kv_read}
             if ("llamacpp", mode, n) in speeds:
-                peer = statistics.median(speeds[("llamacpp", mode, n)])
-                row[n].update(llamacpp_tok_s=peer, ratio_vs_llamacpp=k / peer)
+                fa, best = llamacpp.fastest(speeds[("llamacpp", mode, n)], lower_is_better=False)
+                peer = statistics.median(best)
+                row[n].update(llamacpp_tok_s=peer, llamacpp_config=llamacpp.label(fa), ratio_vs_llamacpp=k / peer)
         out["modes"][mode] = row
     bf16_4096 = out["modes"]["bf16"][4096]["kvchat_tok_s"]
     for mode in ("int8", "int4"):
