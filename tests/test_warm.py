@@ -459,3 +459,20 @@ def test_a_restore_into_scattered_blocks_is_the_same_as_into_consecutive_ones(ti
     tiny.runner.cache.check()
     for x in (s, s2, *fillers[1::2]):
         x.close()
+
+
+def test_the_file_is_read_in_parts_and_a_file_that_grew_or_shrank_is_seen(tmp_path, monkeypatch):
+    """_read_parts: threads reading side by side give the file's bytes; one byte more than measured, or fewer, shows
+    in the count (the caller refuses the file: 'changed while it was read')."""
+    monkeypatch.setattr(saved, "_PART", 4096)
+    data = os.urandom(50_000)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for size, want in ((50_000, 50_000), (49_000, 49_001), (60_000, 50_000)):
+            buf = bytearray(size + 1)
+            assert saved._read_parts(fd, memoryview(buf), size) == want, size
+            assert bytes(buf[:min(size, 50_000)]) == data[:min(size, 50_000)]
+    finally:
+        os.close(fd)
