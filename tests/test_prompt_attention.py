@@ -89,16 +89,21 @@ def test_shapes_the_kernel_does_not_take_are_said_and_left_to_torch():
         cpu_quant.attn_prompt(q, pages, pages, torch.arange(5), 0.1)
 
 
+def _count_rows(monkeypatch, kernel: str) -> list[int]:
+    """cpu_quant.<kernel> wrapped to note each call's query rows (its first argument's length); -> the notes."""
+    calls, real = [], getattr(cpu_quant, kernel)
+
+    def counted(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+    monkeypatch.setattr(cpu_quant, kernel, counted)
+    return calls
+
+
 def test_the_c_backend_reads_prompts_through_it_and_answers_as_torch_does(tiny_engine, monkeypatch):
     """A prompt and a follow-up through FullPagesC (attn_prompt), then the same with the kernel refused (the torch
     path): logits within float rounding, and the kernel was the one called."""
     from kvchat.engine.config import CacheConfig
-    calls = []
-    real = cpu_quant.attn_prompt
-
-    def counted(*a, **k):
-        calls.append(a[0].shape[0])
-        return real(*a, **k)
 
     def logits():
         s = tiny_engine.new_session(cache=CacheConfig(k_format="bf16", v_format="bf16"), prefix_cache=False)
@@ -107,7 +112,7 @@ def test_the_c_backend_reads_prompts_through_it_and_answers_as_torch_does(tiny_e
             return torch.cat([first, s.append(list(range(40, 64)), all_logits=False)])
         finally:
             s.close()
-    monkeypatch.setattr(cpu_quant, "attn_prompt", counted)
+    calls = _count_rows(monkeypatch, "attn_prompt")
     with_c = logits()
     assert calls and 24 in calls
     monkeypatch.setattr(cpu_quant, "can_attend_prompt", lambda *a: False)
@@ -146,13 +151,6 @@ def test_quantized_pages_are_read_in_place_with_the_torch_paths_bits(tiny_engine
         pytest.skip("the quantized-KV kernels did not build")
     k, v = mode.split("-")[:2] if "-" in mode else (mode, mode)
     cache = CacheConfig(k_format=k, v_format=v, **({"window": 48, "sinks": 4} if "window" in mode else {}))
-    calls = []
-    real = cpu_quant.attn_prompt_quant
-
-    def counted(*a, **kw):
-        calls.append(a[0].shape[0])
-        return real(*a, **kw)
-
     def logits():
         s = tiny_engine.new_session(cache=cache, prefix_cache=False)
         try:
@@ -160,7 +158,7 @@ def test_quantized_pages_are_read_in_place_with_the_torch_paths_bits(tiny_engine
             return torch.cat([first, s.append(list(range(40, 64)), all_logits=True), s.append([9], True)])
         finally:
             s.close()
-    monkeypatch.setattr(cpu_quant, "attn_prompt_quant", counted)
+    calls = _count_rows(monkeypatch, "attn_prompt_quant")
     in_place = logits()
     assert 24 in calls
     monkeypatch.setattr(quant_pages, "prompt_kernel_attend",

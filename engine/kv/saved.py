@@ -25,6 +25,7 @@ import mmap
 import os
 import stat
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -360,22 +361,9 @@ def _read_parts(fd: int, buf: memoryview, size: int) -> int:
             lo += n
     if threads == 1:
         part(0)
-    else:
-        import threading
-        errors: list[OSError] = []
-
-        def guarded(i: int) -> None:
-            try:
-                part(i)
-            except OSError as exc:
-                errors.append(exc)
-        workers = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        if errors:
-            raise errors[0]
+    else:                                   # an error in a part is raised here
+        with ThreadPoolExecutor(threads, thread_name_prefix="kvchat-read") as pool:
+            list(pool.map(part, range(threads)))
     total = sum(got)
     if total == size and os.preadv(fd, [buf[size:size + 1]], size) > 0:     # grew since it was measured
         total += 1
