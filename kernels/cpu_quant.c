@@ -501,6 +501,35 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
     int16_t *xq;
     float *xs, *sums;
     activations(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
+#ifdef KVCHAT_AVX512
+    if (M == 1) {           // decode: two weight rows a step (q4_row2_512), the activations laid out once
+        int16_t xp[K] __attribute__((aligned(64)));
+        q4_pair_layout(xq, ng, xp);
+        #pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n += 2) {
+            int b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
+            const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
+            float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
+            const float *za, *zb;
+            if (kind == 1 || kind == 4) {       // float16 scales (and zeros): widened and multiplied in one pass
+                za = f16_row_terms(scale, zero, kind, high, xs, n, ng, fa, zba);
+                zb = f16_row_terms(scale, zero, kind, high, xs, b, ng, fb, zbb);
+            } else {
+                float sa[MAXG], sb[MAXG];
+                const float *sca = row_f32(scale, ssup, per, n, ng, kind, sa), *scb = row_f32(scale, ssup, per, b, ng, kind, sb);
+                za = row_zero(zero, zsup, per, n, ng, kind, sca, zba, high);
+                zb = row_zero(zero, zsup, per, b, ng, kind, scb, zbb, high);
+                scale_products(sca, xs, ng, 1, fa);
+                scale_products(scb, xs, ng, 1, fb);
+            }
+            q4_row2_512(codes + (size_t)n * (K / 2), codes + (size_t)b * (K / 2), ha, hb, fa, fb, za, zb, xp, sums,
+                        ng, out);
+            y[n] = out[0] + (resid ? resid[n] : 0.f);
+            if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
+        }
+        return;
+    }
+#endif
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + (size_t)n * (K / 2), *hrow = high ? high + (size_t)n * (K / 8) : NULL;
@@ -552,6 +581,33 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
     int16_t *xq;
     float *xs, *sums32;
     activations(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums32);
+#ifdef KVCHAT_AVX512
+    if (M == 1 && G == 32) {        // decode: two weight rows a step (q8_row2_512), as q4_gemv_ld
+        int16_t xp[K] __attribute__((aligned(64)));
+        q4_pair_layout(xq, nx, xp);
+        #pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n += 2) {
+            int b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
+            float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
+            const float *za, *zb;
+            if (kind == 1) {
+                za = f16_row_terms(scale, zero, kind, NULL, xs, n, nx, fa, zba);
+                zb = f16_row_terms(scale, zero, kind, NULL, xs, b, nx, fb, zbb);
+            } else {
+                float sa[MAXG], sb[MAXG];
+                const float *sca = row_f32(scale, ssup, per, n, nx, kind, sa), *scb = row_f32(scale, ssup, per, b, nx, kind, sb);
+                za = row_f32(zero, zsup, per, n, nx, kind, zba);
+                zb = row_f32(zero, zsup, per, b, nx, kind, zbb);
+                scale_products(sca, xs, nx, 1, fa);
+                scale_products(scb, xs, nx, 1, fb);
+            }
+            q8_row2_512(codes + (size_t)n * K, codes + (size_t)b * K, fa, fb, za, zb, xp, sums32, nx, out);
+            y[n] = out[0] + (resid ? resid[n] : 0.f);
+            if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
+        }
+        return;
+    }
+#endif
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const int8_t *row = codes + (size_t)n * K;

@@ -125,20 +125,28 @@ def _with_lib(lib, fn):
 def test_the_simd_variants_give_the_same_bits_for_every_row_count_and_format(variant_lib, k):
     """AVX-512 runs two groups per register (cpu_avx512.h) and AVX2 one: the same integer sums and the same float
     operations in the same order, so every SIMD variant gives the chosen one's bits, for 1 to 8 rows, q4 with
-    zeros, q8 in groups of 32 and 16, with and without zeros; and a row's result is the same alone as in a call
-    of several rows (what batch invariance in serving rests on)."""
+    zeros, float16 scales with and without zeros, q5, q8 in groups of 32 and 16, with and without zeros; and a row's
+    result is the same alone as in a call of several rows (what batch invariance in serving rests on)."""
     import torch
     from kvchat.kernels import cpu_quant
     from test_cpu_quant import _q4, _q8
     name, lib = variant_lib
     if name == "baseline":
         pytest.skip("the baseline sums in another order: held to the torch reference above")
-    q4 = _q4(40, k, seed=1)
-    cases = [("q4", lambda x: cpu_quant.q4_gemv(x, *q4))]
-    for group, with_zero in ((32, False), (32, True), (16, False)):
-        codes, scale, zero = _q8(40, k, group, with_zero, seed=2)
-        cases.append((f"q8/{group}/{with_zero}",
-                      lambda x, c=codes, s=scale, z=zero, g=group: cpu_quant.q8_gemv(x, c, s, z, g)))
+    q4 = _q4(41, k, seed=1)         # an odd number of weight rows: decode takes them two at a time
+    codes, scale, zero = q4
+    half = scale.half()
+    high = torch.randint(0, 256, (41, k // 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    cases = [("q4", lambda x: cpu_quant.q4_gemv(x, *q4)),      # and the files' own scales: float16 with zeros (Q4_1),
+             ("q4/f16", lambda x: cpu_quant.q4_gemv(x, codes, half, zero.half())),   # the implicit -8 (Q4_0), and
+             ("q4_0", lambda x: cpu_quant.q4_gemv(x, codes, cpu_quant.Scales(half, offset8=True))),    # Q5_0
+             ("q5_0", lambda x: cpu_quant.q4_gemv(x, codes, cpu_quant.Scales(half, offset8=True, centre=16),
+                                                  high=high))]
+    for group, with_zero, f16 in ((32, False, False), (32, True, False), (16, False, False), (32, False, True)):
+        codes8, scale8, zero8 = _q8(41, k, group, with_zero, seed=2)
+        cases.append((f"q8/{group}/{with_zero}/{f16}",
+                      lambda x, c=codes8, s=scale8.half() if f16 else scale8, z=zero8, g=group:
+                      cpu_quant.q8_gemv(x, c, s, z, g)))
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
     for label, fn in cases:
         for m in range(1, 9):
