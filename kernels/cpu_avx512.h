@@ -87,10 +87,6 @@ static __attribute__((noinline)) void q4_rowsM_512(const uint8_t *row, const uin
 #undef Q4_ROWS
 }
 
-// How far ahead the two-row kernels prefetch: the same place PF_ROWS weight rows on (two steps of two rows). A fixed
-// distance in bytes (PREFETCH) lands in the row being read beside once rows are read in pairs: Llama-3.2-3B's
-// decode 11.0 -> 12.3 tok/s with this (2 rows: 12.1, 8: 12.0)
-#define PF_ROWS 4
 // One row of x laid out for q4_row2_512: each pair of groups g, g + 1 as [g's 0-15 | g + 1's 0-15] then
 // [g's 16-31 | g + 1's 16-31], so a step loads its activations whole (pair16's two halves, put in place once a
 // call instead of once a weight row); an odd last group stays as it is (q4_group reads it).
@@ -101,30 +97,6 @@ static inline void q4_pair_layout(const int16_t *xq, int ng, int16_t *xp) {
         _mm512_storeu_si512((void *)(xp + g * 32 + 32), pair16(xq + g * 32 + 16));
     }
     if (g < ng) memcpy(xp + g * 32, xq + g * 32, 32 * sizeof(int16_t));
-}
-
-// Kinds 1 and 4 (float16 scales, and zeros or none) for q4_row2_512: row n's scale products f = sc * xs and zeros
-// zr (kind 4: -8 or -16 * sc) in one pass, sixteen at a time (the products and roundings row_f32, row_zero and
-// scale_products make). Returns zr, or NULL where the row has no zeros.
-static inline const float *f16_row_terms(const void *scale, const void *zero, int kind, const uint8_t *high,
-        const float *xs, size_t n, int ng, float *f, float *zr) {
-    const half_t *s = (const half_t *)scale + n * ng, *z = zero ? (const half_t *)zero + n * ng : NULL;
-    if (kind == 1 && !z) zr = NULL;
-    const float c = high ? -16.f : -8.f;
-    int g = 0;
-    for (; g + 16 <= ng; g += 16) {
-        __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g)));
-        _mm512_storeu_ps(f + g, _mm512_mul_ps(sc, _mm512_loadu_ps(xs + g)));
-        if (kind == 4) _mm512_storeu_ps(zr + g, _mm512_mul_ps(_mm512_set1_ps(c), sc));
-        else if (zr) _mm512_storeu_ps(zr + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(z + g))));
-    }
-    for (; g < ng; g++) {
-        float sc = f16_to_f32(s[g]);
-        f[g] = sc * xs[g];
-        if (kind == 4) zr[g] = c * sc;
-        else if (zr) zr[g] = f16_to_f32(z[g]);
-    }
-    return zr;
 }
 
 // q4_row1 for one row of x against two weight rows at once (a and b): each row's sums are q4_row1's operations in
