@@ -37,13 +37,14 @@ static inline __attribute__((always_inline)) void q4_unpack_pair(const uint8_t *
     }
 }
 
-// q4_group of groups g (lanes 0-7) and g + 1 (lanes 8-15); v: group g's activations
+// q4_group of groups g (lanes 0-7) and g + 1 (lanes 8-15); v: the two groups' activations in q4_pair_layout
 static inline __m512i q4_pair_dot(__m512i lo, __m512i hi, const int16_t *v) {
-    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, pair16(v)), hi, pair16(v + 16));
+    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)v)),
+                               hi, _mm512_loadu_si512((const void *)(v + 32)));
 }
 
 // q4_rows for R rows (up to 8: 32 registers hold their accumulators), the codes unpacked once for all of them.
-// One row keeps q4_row1: alone, a row is bound by its chain of multiply-adds, which is as long here.
+// xq: the rows in q4_pair_layout.
 static inline __attribute__((always_inline)) void q4_rows_512(const uint8_t *row, const uint8_t *high, const float *f,
         const float *zr, const int16_t *xq, const float *sums, int ng, int K, const int R, float *out) {
     __m512 acc[8];
@@ -70,12 +71,12 @@ static inline __attribute__((always_inline)) void q4_rows_512(const uint8_t *row
 
 static __attribute__((noinline)) void q4_rowsM_512(const uint8_t *row, const uint8_t *high, const float *sc,
         const float *zr, const int16_t *xq, const float *xs, const float *sums, int ng, int K, int M, float *out) {
-    if (M == 1) { out[0] = q4_row1(row, high, sc, zr, xq, xs, sums, ng); return; }     // AVX2's: faster alone
     float f[MAXM * MAXG];
     scale_products(sc, xs, ng, M, f);
 #define Q4_ROWS(R) (high ? q4_rows_512(row, high, f, zr, xq, sums, ng, K, R, out) \
                          : q4_rows_512(row, NULL, f, zr, xq, sums, ng, K, R, out))
     switch (M) {        // a constant R per case: the accumulators stay in registers
+        case 1: Q4_ROWS(1); break;
         case 2: Q4_ROWS(2); break;
         case 3: Q4_ROWS(3); break;
         case 4: Q4_ROWS(4); break;
@@ -90,13 +91,23 @@ static __attribute__((noinline)) void q4_rowsM_512(const uint8_t *row, const uin
 // One row of x laid out for q4_row2_512: each pair of groups g, g + 1 as [g's 0-15 | g + 1's 0-15] then
 // [g's 16-31 | g + 1's 16-31], so a step loads its activations whole (pair16's two halves, put in place once a
 // call instead of once a weight row); an odd last group stays as it is (q4_group reads it).
-static inline void q4_pair_layout(const int16_t *xq, int ng, int16_t *xp) {
+static inline void q4_pair_layout1(const int16_t *xq, int ng, int16_t *xp) {
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
         _mm512_storeu_si512((void *)(xp + g * 32), pair16(xq + g * 32));
         _mm512_storeu_si512((void *)(xp + g * 32 + 32), pair16(xq + g * 32 + 16));
     }
     if (g < ng) memcpy(xp + g * 32, xq + g * 32, 32 * sizeof(int16_t));
+}
+
+// M rows of xq [M, K] in q4_pair_layout1, in scratch where activations() left room (as q6k_order's rows: mode 0
+// after its pieces, else where the prepared float rows were, quantized by then)
+static inline const int16_t *q4_pair_layout(const int16_t *xq, int M, int K, int mode, void *scratch,
+                                           const float *sums) {
+    int16_t *xp = mode ? (int16_t *)scratch
+                       : (int16_t *)(((uintptr_t)(sums + (size_t)M * (K / 32)) + 63) & ~(uintptr_t)63);
+    for (int m = 0; m < M; m++) q4_pair_layout1(xq + (size_t)m * K, K / 32, xp + (size_t)m * K);
+    return xp;
 }
 
 // q4_row1 for one row of x against two weight rows at once (a and b): each row's sums are q4_row1's operations in
@@ -149,8 +160,8 @@ static inline __m512 pair_of(float s0, float s1) {
     return pair_scale(f);
 }
 
-// q8_row1 (G == 32, or G == 16 without zeros) for M rows: groups of 32 two at a time (G == 32), or one group of
-// 32 a step whose halves have their own scales (G == 16)
+// q8_row1 (G == 32, or G == 16 without zeros) for M rows: groups of 32 two at a time (G == 32, xq the rows in
+// q4_pair_layout), or one group of 32 a step whose halves have their own scales (G == 16, xq as it is)
 static __attribute__((noinline)) void q8_rowsM_512(const int8_t *row, const float *sc, const float *zr, int G, const int16_t *xq,
                          const float *xs, const float *sums32, int nx, int K, int M, float *out) {
     __m512 acc[MAXM];
@@ -162,8 +173,8 @@ static __attribute__((noinline)) void q8_rowsM_512(const int8_t *row, const floa
             __m512i a = q8_pair16(row + g * 32), b = q8_pair16(row + g * 32 + 16);
             for (int m = 0; m < M; m++) {
                 const int16_t *v = xq + (size_t)m * K + g * 32;
-                __m512i p = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), a, pair16(v)), b,
-                                                pair16(v + 16));
+                __m512i p = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), a,
+                                                _mm512_loadu_si512((const void *)v)), b, _mm512_loadu_si512((const void *)(v + 32)));
                 const float *sx = xs + (size_t)m * nx + g;
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_of(sc[g] * sx[0], sc[g + 1] * sx[1]), acc[m]);
             }

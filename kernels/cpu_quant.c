@@ -611,8 +611,7 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
 #ifdef __AVX2__
     if (M == 1) {           // decode: two weight rows a step (q4_row2, AVX-512: q4_row2_512 over the activations
 #ifdef KVCHAT_AVX512        // laid out in pairs once)
-        int16_t xp[K] __attribute__((aligned(64)));
-        q4_pair_layout(xq, ng, xp);
+        const int16_t *xp = q4_pair_layout(xq, 1, K, mode, scratch, sums);
 #else
         const int16_t *xp = xq;
 #endif
@@ -646,6 +645,9 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         return;
     }
 #endif
+#ifdef KVCHAT_AVX512
+    const int16_t *xp = q4_pair_layout(xq, M, K, mode, scratch, sums);       // q4_rowsM_512 reads pairs
+#endif
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + (size_t)n * (K / 2), *hrow = high ? high + (size_t)n * (K / 8) : NULL;
@@ -655,7 +657,7 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         float out[MAXM];
 #ifdef __AVX2__
 #ifdef KVCHAT_AVX512
-        q4_rowsM_512(row, hrow, sc, zr, xq, xs, sums, ng, K, M, out);
+        q4_rowsM_512(row, hrow, sc, zr, xp, xs, sums, ng, K, M, out);
 #else
         q4_rowsM(row, hrow, sc, zr, xq, xs, sums, ng, K, M, out);
 #endif
@@ -700,8 +702,7 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
 #ifdef __AVX2__
     if (M == 1 && G == 32) {        // decode: two weight rows a step (q8_row2, q8_row2_512), as q4_gemv_ld
 #ifdef KVCHAT_AVX512
-        int16_t xp[K] __attribute__((aligned(64)));
-        q4_pair_layout(xq, nx, xp);
+        const int16_t *xp = q4_pair_layout(xq, 1, K, mode, scratch, sums32);
 #else
         const int16_t *xp = xq;
 #endif
@@ -732,6 +733,9 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
         return;
     }
 #endif
+#ifdef KVCHAT_AVX512
+    const int16_t *xp = G == 32 ? q4_pair_layout(xq, M, K, mode, scratch, sums32) : xq;      // as q8_rowsM_512 reads
+#endif
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const int8_t *row = codes + (size_t)n * K;
@@ -742,7 +746,7 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
 #ifdef __AVX2__
 #ifdef KVCHAT_AVX512
         if (M > 1 && (!zero || G == 32)) {      // one row: the AVX2 loop below is faster (one chain either way)
-            q8_rowsM_512(row, sc, zrow, G, xq, xs, sums32, nx, K, M, out);
+            q8_rowsM_512(row, sc, zrow, G, xp, xs, sums32, nx, K, M, out);
             for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
             continue;
         }
