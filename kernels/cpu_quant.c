@@ -979,6 +979,87 @@ static inline void load_row(const void *base, int64_t row, int bf16, int D, floa
     *src = dst;
 }
 
+// The weighted V sum of attn_span for NJ query heads (j0 .. j0 + NJ - 1 of kv head h) and dimensions [d0, d0 + 4
+// vectors): o[d] = o[d] + w[p] * v[p][d] for p in [lo, hi) in order, a multiply and an add per element as the plain
+// loop makes them (no contraction), with the sums held in registers across the span instead of stored every row.
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vf_t;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VSET1(x) _mm512_set1_ps(x)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VBF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define VJ 4
+#elif defined(__AVX2__)
+#define VW 8
+typedef __m256 vf_t;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VSET1(x) _mm256_set1_ps(x)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VBF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VJ 2
+#endif
+#ifdef VW
+static inline __attribute__((always_inline)) void span_values_nj(const float *scores, int L, const void *vp, int bf16,
+        const int64_t *rows, int Hkv, int h, int D, int d0, float *const *o, const int NJ, int lo, int hi) {
+    vf_t acc[VJ][4];
+    for (int j = 0; j < NJ; j++)
+        for (int k = 0; k < 4; k++) acc[j][k] = VLOAD(o[j] + d0 + k * VW);
+    for (int p = lo; p < hi; p++) {
+        size_t at = ((size_t)rows[p] * Hkv + h) * D + d0;
+        vf_t v[4];
+        for (int k = 0; k < 4; k++)
+            v[k] = bf16 ? VBF16((const uint16_t *)vp + at + k * VW) : VLOAD((const float *)vp + at + k * VW);
+        for (int j = 0; j < NJ; j++) {
+            vf_t w = VSET1(scores[(size_t)j * L + p]);
+            for (int k = 0; k < 4; k++) acc[j][k] = VADD(acc[j][k], VMUL(w, v[k]));
+        }
+    }
+    for (int j = 0; j < NJ; j++)
+        for (int k = 0; k < 4; k++) VSTORE(o[j] + d0 + k * VW, acc[j][k]);
+}
+#endif
+
+// part[h * g + j][d] += the span's weighted values (the (D + 2)-float rows of attn_span), for every query head
+static void span_values(const float *scores, int L, int Hkv, int g, int D, const void *vp, int bf16,
+                        const int64_t *rows, float *part, int lo, int hi) {
+    int dv = 0;
+#ifdef VW
+    dv = D - D % (4 * VW);          // whole chunks of four vectors here, the rest in the plain loop below
+    for (int h = 0; h < Hkv; h++)
+        for (int j0 = 0; j0 < g; j0 += VJ) {
+            float *o[VJ];
+            int nj = g - j0 < VJ ? g - j0 : VJ;
+            for (int j = 0; j < nj; j++) o[j] = part + (size_t)(h * g + j0 + j) * (D + 2);
+            const float *sc = scores + (size_t)(h * g + j0) * L;
+            for (int d0 = 0; d0 < dv; d0 += 4 * VW)
+                switch (nj) {       // a constant count per case: the sums stay in registers
+                    case 1: span_values_nj(sc, L, vp, bf16, rows, Hkv, h, D, d0, o, 1, lo, hi); break;
+#if VJ > 2
+                    case 2: span_values_nj(sc, L, vp, bf16, rows, Hkv, h, D, d0, o, 2, lo, hi); break;
+                    case 3: span_values_nj(sc, L, vp, bf16, rows, Hkv, h, D, d0, o, 3, lo, hi); break;
+#endif
+                    default: span_values_nj(sc, L, vp, bf16, rows, Hkv, h, D, d0, o, VJ, lo, hi); break;
+                }
+        }
+#endif
+    if (dv == D) return;
+    float buf[512];
+    const float *vr;
+    for (int p = lo; p < hi; p++)
+        for (int h = 0; h < Hkv; h++) {
+            load_row(vp, rows[p] * Hkv + h, bf16, D, buf, &vr);
+            for (int j = 0; j < g; j++) {
+                float w = scores[(size_t)(h * g + j) * L + p], *o = part + (size_t)(h * g + j) * (D + 2);
+                for (int d = dv; d < D; d++) o[d] += w * vr[d];
+            }
+        }
+}
+
 // One span [lo, hi) of one sequence's rows: scores, their exp (sum and max kept), and the weighted V sum,
 // into part (Hq x (D + 2): the sum over the span, then its max and its exp-sum).
 static void attn_span(const float *q, const float *qs, int n_sink, int Hq, int Hkv, int D, const void *kp,
@@ -1004,15 +1085,7 @@ static void attn_span(const float *q, const float *qs, int n_sink, int Hq, int H
         o[D + 1] = sum;
         for (int d = 0; d < D; d++) o[d] = 0.f;
     }
-    const float *vr;
-    for (int p = lo; p < hi; p++)
-        for (int h = 0; h < Hkv; h++) {
-            load_row(vp, rows[p] * Hkv + h, bf16, D, buf, &vr);
-            for (int j = 0; j < g; j++) {
-                float w = scores[(size_t)(h * g + j) * L + p], *o = part + (size_t)(h * g + j) * (D + 2);
-                for (int d = 0; d < D; d++) o[d] += w * vr[d];
-            }
-        }
+    span_values(scores, L, Hkv, g, D, vp, bf16, rows, part, lo, hi);
 }
 
 static inline int attn_spans(int L) { return L >= 256 ? 4 : L >= 64 ? 2 : 1; }
