@@ -1003,14 +1003,20 @@ typedef __m256 vf_t;
 #define VBF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define VJ 2
 #endif
+#define ROW_AHEAD 8         // page rows the decode attention prefetches ahead
 #ifdef VW
 static inline __attribute__((always_inline)) void span_values_nj(const float *scores, int L, const void *vp, int bf16,
         const int64_t *rows, int Hkv, int h, int D, int d0, float *const *o, const int NJ, int lo, int hi) {
     vf_t acc[VJ][4];
     for (int j = 0; j < NJ; j++)
         for (int k = 0; k < 4; k++) acc[j][k] = VLOAD(o[j] + d0 + k * VW);
+    const int es = bf16 ? 2 : 4;
     for (int p = lo; p < hi; p++) {
         size_t at = ((size_t)rows[p] * Hkv + h) * D + d0;
+        if (p + ROW_AHEAD < hi) {       // the row ROW_AHEAD on: page rows need not follow one another
+            const char *next = (const char *)vp + (((size_t)rows[p + ROW_AHEAD] * Hkv + h) * D + d0) * es;
+            for (int c = 0; c < 4 * VW * es; c += 64) _mm_prefetch(next + c, _MM_HINT_T0);
+        }
         vf_t v[4];
         for (int k = 0; k < 4; k++)
             v[k] = bf16 ? VBF16((const uint16_t *)vp + at + k * VW) : VLOAD((const float *)vp + at + k * VW);
@@ -1068,8 +1074,15 @@ static void attn_span(const float *q, const float *qs, int n_sink, int Hq, int H
     int g = Hq / Hkv;
     float buf[512];
     const float *kr;
+    const int es = bf16 ? 2 : 4;
     for (int p = lo; p < hi; p++) {
         const float *qq = p < n_sink ? qs : q;
+#ifdef __SSE__
+        if (p + ROW_AHEAD < hi) {       // the keys ROW_AHEAD rows on, all heads (one page row)
+            const char *next = (const char *)kp + (size_t)rows[p + ROW_AHEAD] * Hkv * D * es;
+            for (int c = 0; c < Hkv * D * es; c += 64) _mm_prefetch(next + c, _MM_HINT_T0);
+        }
+#endif
         for (int h = 0; h < Hkv; h++) {
             load_row(kp, rows[p] * Hkv + h, bf16, D, buf, &kr);
             for (int j = 0; j < g; j++)
