@@ -156,6 +156,26 @@ def test_the_simd_variants_give_the_same_bits_for_every_row_count_and_format(var
             assert torch.equal(got, alone), (name, label, m)
 
 
+def test_decode_attention_gives_the_same_bits_in_every_simd_variant(variant_lib):
+    """The decode attention's value pass holds its sums in registers, 16 lanes on AVX-512 and 8 on AVX2, four vectors
+    of dimensions at a time and the rest in a plain loop: the same multiply and add per element in either, so the
+    variants agree bit for bit (head dims a multiple of the chunk and not, GQA groups past the four a pass holds,
+    bf16 and fp32 pages, rows out of order, sinks)."""
+    import torch
+    from kvchat.kernels import cpu_quant
+    name, lib = variant_lib
+    if name == "baseline":
+        pytest.skip("the baseline's dot products sum in another order")
+    g = torch.Generator().manual_seed(5)
+    for d, hq, hkv, dtype in ((64, 9, 3, torch.bfloat16), (80, 6, 1, torch.float32), (128, 16, 2, torch.bfloat16)):
+        kp, vp = (torch.randn(310, hkv, d, generator=g).to(dtype) for _ in range(2))
+        rows = torch.randperm(310, generator=g)[:300]
+        q, qs = torch.randn(hq, d, generator=g), torch.randn(hq, d, generator=g)
+        want = cpu_quant.attn_decode(q, qs, 2, kp, vp, rows, d ** -0.5)
+        got = _with_lib(lib, lambda: cpu_quant.attn_decode(q, qs, 2, kp, vp, rows, d ** -0.5))
+        assert torch.equal(got, want), (name, d, hq, hkv, dtype)
+
+
 @pytest.mark.slow
 def test_the_kernel_checks_pass_on_the_baseline_variant():
     """What a CPU without AVX2 (and an ARM build's scalar loops) runs: the kernels' own test files, again, with
