@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void mxfp4_rows(const uint8_t *row,
 
 #ifdef KVCHAT_AVX512
 // The same, two groups a register: int16 lanes 0-15 values 0-15 of group g, lanes 16-31 those of group g + 1 (the
-// next register their values 16-31), against pair16's activations, as q4_rows_512 does: every int32 lane sums the
+// next register their values 16-31), against the activations in q4_pair_layout, as q4_rows_512 does: every int32 lane sums the
 // same products as AVX2's, float lanes 0-7 are its chain a0 and 8-15 its a1.
 static inline __attribute__((always_inline)) void mxfp4_rows_512(const uint8_t *row, const float *f,
         const int16_t *xq, int ng, int K, const int R, float *out) {
@@ -280,6 +280,9 @@ static void mxfp4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, co
     int16_t *xq;
     float *xs, *sums;
     activations(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
+#ifdef KVCHAT_AVX512
+    const int16_t *xp = q4_pair_layout(xq, M, K, mode, scratch, sums);       // q4_pair_dot reads pairs
+#endif
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + (size_t)n * (K / 2);
@@ -287,14 +290,14 @@ static void mxfp4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, co
         mxfp4_row_scales(e8m0 + (size_t)n * ng, xs, M, ng, f);
 #ifdef KVCHAT_AVX512
         switch (M) {        // a constant R per case: the accumulators stay in registers
-            case 1: mxfp4_rows_512(row, f, xq, ng, K, 1, out); break;
-            case 2: mxfp4_rows_512(row, f, xq, ng, K, 2, out); break;
-            case 3: mxfp4_rows_512(row, f, xq, ng, K, 3, out); break;
-            case 4: mxfp4_rows_512(row, f, xq, ng, K, 4, out); break;
-            case 5: mxfp4_rows_512(row, f, xq, ng, K, 5, out); break;
-            case 6: mxfp4_rows_512(row, f, xq, ng, K, 6, out); break;
-            case 7: mxfp4_rows_512(row, f, xq, ng, K, 7, out); break;
-            default: mxfp4_rows_512(row, f, xq, ng, K, 8, out); break;
+            case 1: mxfp4_rows_512(row, f, xp, ng, K, 1, out); break;
+            case 2: mxfp4_rows_512(row, f, xp, ng, K, 2, out); break;
+            case 3: mxfp4_rows_512(row, f, xp, ng, K, 3, out); break;
+            case 4: mxfp4_rows_512(row, f, xp, ng, K, 4, out); break;
+            case 5: mxfp4_rows_512(row, f, xp, ng, K, 5, out); break;
+            case 6: mxfp4_rows_512(row, f, xp, ng, K, 6, out); break;
+            case 7: mxfp4_rows_512(row, f, xp, ng, K, 7, out); break;
+            default: mxfp4_rows_512(row, f, xp, ng, K, 8, out); break;
         }
 #elif defined(__AVX2__)
         for (int m0 = 0; m0 < M; m0 += 4) {
