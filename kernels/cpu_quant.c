@@ -608,13 +608,13 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
     int16_t *xq;
     float *xs, *sums;
     activations(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
-#ifdef __AVX2__
-    if (M == 1) {           // decode: two weight rows a step (q4_row2, AVX-512: q4_row2_512 over the activations
-#ifdef KVCHAT_AVX512        // laid out in pairs once)
-        const int16_t *xp = q4_pair_layout(xq, 1, K, mode, scratch, sums);
-#else
-        const int16_t *xp = xq;
+#ifdef KVCHAT_AVX512
+    const int16_t *xp = q4_pair_layout(xq, M, K, mode, scratch, sums);       // the AVX-512 rows read pairs
+#elif defined(__AVX2__)
+    const int16_t *xp = xq;
 #endif
+#ifdef __AVX2__
+    if (M == 1) {           // decode: two weight rows a step (q4_row2, AVX-512: q4_row2_512)
         #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n += 2) {
             int b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
@@ -644,9 +644,6 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         }
         return;
     }
-#endif
-#ifdef KVCHAT_AVX512
-    const int16_t *xp = q4_pair_layout(xq, M, K, mode, scratch, sums);       // q4_rowsM_512 reads pairs
 #endif
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
@@ -699,13 +696,13 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
     int16_t *xq;
     float *xs, *sums32;
     activations(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums32);
+#ifdef KVCHAT_AVX512
+    const int16_t *xp = G == 32 ? q4_pair_layout(xq, M, K, mode, scratch, sums32) : xq;      // as the rows read
+#elif defined(__AVX2__)
+    const int16_t *xp = xq;
+#endif
 #ifdef __AVX2__
     if (M == 1 && G == 32) {        // decode: two weight rows a step (q8_row2, q8_row2_512), as q4_gemv_ld
-#ifdef KVCHAT_AVX512
-        const int16_t *xp = q4_pair_layout(xq, 1, K, mode, scratch, sums32);
-#else
-        const int16_t *xp = xq;
-#endif
         #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n += 2) {
             int b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
@@ -732,9 +729,6 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
         }
         return;
     }
-#endif
-#ifdef KVCHAT_AVX512
-    const int16_t *xp = G == 32 ? q4_pair_layout(xq, M, K, mode, scratch, sums32) : xq;      // as q8_rowsM_512 reads
 #endif
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
