@@ -408,9 +408,13 @@ class Transformer:
         return [part for lin in linears for part in getattr(lin, "parts", [lin]) if isinstance(part, _Packed)]
 
     def set_prefill(self, dtype: torch.dtype) -> None:
-        """The packed linears' prompt-row GEMM: float32 (exact over the dequantized weights) or bfloat16."""
+        """The packed linears' prompt-row GEMM: float32 (exact over the dequantized weights) or bfloat16. The output
+        head keeps float32: the bf16 GEMM rounds each output to bf16, and logits near 25 rounded to steps of 0.125
+        tie (the default model's first answer token on a Zen 4: 'The' and 'L' 0.11 apart, equal in bf16, so the
+        torch path's greedy reply began with the other)."""
+        head = {id(part) for part in getattr(self.lm_head, "parts", [self.lm_head])}
         for part in self._packed():
-            part.prefill_dtype = dtype
+            part.prefill_dtype = torch.float32 if id(part) in head else dtype
 
     def set_activations(self, bits: int) -> None:
         """The packed linears' decode activations in the C kernels: 16 (int16 per group of 32, exact to about
