@@ -285,7 +285,7 @@ class SpeculativeConfig:
         return f"draft {self.draft_model}, k={self.k}"
 
 
-PREFILL_MODES = ("auto", "fp32", "bf16")
+PREFILL_MODES = ("auto", "fp32", "bf16", "int8")
 ACTIVATION_MODES = ("int16", "int8")
 
 
@@ -301,7 +301,8 @@ class EngineConfig:
     kv_disk_budget_mb: float = 2048.0  # saved conversation caches (warm conversations) in the user cache dir
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     prefill: str = "auto"             # prompt rows over packed weights on the CPU: fp32 (exact over the dequantized
-                                      # weights), bf16 (oneDNN's bf16 GEMM), or auto (bf16 where the CPU has AMX)
+                                      # weights), bf16 (oneDNN's bf16 GEMM), int8 (activations rounded as
+                                      # llama.cpp's Q8_0, AVX-512 VNNI), or auto (measured: engine.choose_prefill)
     activations: str = "int16"        # decode rows over packed weights in the C kernels: int16 per group of 32 (exact
                                       # to ~1e-5), or int8 (llama.cpp's Q8_0 rounding: opt-in, see the README)
 

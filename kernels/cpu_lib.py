@@ -26,7 +26,8 @@ HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"), Path(__file__).with
            Path(__file__).with_name("cpu_q6k.h"),
            Path(__file__).with_name("cpu_mxfp4.h"),
            Path(__file__).with_name("cpu_gdn.h"),
-           Path(__file__).with_name("cpu_prompt_attn.h"))       # what the libraries include: part of the key
+           Path(__file__).with_name("cpu_prompt_attn.h"),
+           Path(__file__).with_name("cpu_gemm8.h"))       # what the libraries include: part of the key
 MAX_ROWS = 8          # rows of x per gemv call (MAXM in the C source)
 # decode_layers' attention callback: (ctx, layer, qkv [B, n_qkv] float*, out [B, Hq * D] float*) -> 0, or nonzero
 # to stop
@@ -110,12 +111,22 @@ def auto_prefill() -> tuple[str, str]:
     have = cpu_features()
     if "amx_bf16" in have:
         return "bf16", "the CPU's AMX multiplies bf16"
-    if "avx512bf16" in have:
+    if prefill_measured_here():
         got = prefill_record()
         if got is not None:
             return got
-        return "fp32", "AVX-512 BF16 without AMX: not measured yet (the engine measures it on its first load)"
-    return "fp32", "no AMX or AVX-512 BF16 on this CPU"
+        return "fp32", "AVX-512 without AMX: not measured yet (the engine measures it on its first load)"
+    return "fp32", "no AMX or AVX-512 BF16 / VNNI on this CPU"
+
+
+def prefill_measured_here() -> bool:
+    """Whether prefill="auto" is decided by measurement on this CPU: AVX-512 with BF16 (vdpbf16ps) or VNNI (the
+    int8 prompt rows, cpu_gemm8.h) and no AMX."""
+    have = cpu_features()
+    return "amx_bf16" not in have and bool(have & {"avx512bf16", "avx512vnni"})
+
+
+PREFILL_RECORD = 2          # what a record was measured among: 1 fp32 and bf16, 2 with int8 (older ones: measured again)
 
 
 def _prefill_path() -> Path:
@@ -130,7 +141,7 @@ def _machine_key() -> str:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return f"{model or platform.processor()}|{','.join(sorted(cpu_features()))}"
+    return f"{PREFILL_RECORD}|{model or platform.processor()}|{','.join(sorted(cpu_features()))}"
 
 
 def prefill_record() -> tuple[str, str] | None:
@@ -141,7 +152,7 @@ def prefill_record() -> tuple[str, str] | None:
         got = json.loads(_prefill_path().read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(got, dict) or got.get("key") != _machine_key() or got.get("choice") not in ("fp32", "bf16") \
+    if not isinstance(got, dict) or got.get("key") != _machine_key() or got.get("choice") not in ("fp32", "bf16", "int8") \
             or not isinstance(got.get("why"), str):
         return None
     return got["choice"], got["why"]
@@ -383,6 +394,10 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         return lib
     lib.q4_gemv.argtypes = [P, I, I, P, P, P, I, P, P, I, P, F, P, I, P, P, I, P]     # the last: q5's fifth bits
     lib.q8_gemv.argtypes = [P, I, I, P, P, P, I, I, P, P, I, P, F, P, I, P, P, I]
+    # prompt rows with int8 activations (cpu_gemm8.h): x, T, K, codes, bits, high, scale, zero, N, y, kind, ssup,
+    # zsup, per -> 0, 1 (not in this build) or 2 (out of memory)
+    lib.gemm8_rows.argtypes = [P, I, I, P, I, P, P, P, I, P, I, P, P, I]
+    lib.gemm8_rows.restype = I
     lib.q4_dequant.argtypes = [P, P, P, I, I, P, I, P, P, I, P]
     lib.q8_dequant.argtypes = [P, P, P, I, I, I, P, I, P, P, I]
     lib.q4_dequant_bf16.argtypes = lib.q4_dequant.argtypes

@@ -954,6 +954,23 @@ void q8_dequant_bf16(const int8_t *codes, const void *scale, const void *zero, i
     q8_dequant_to(codes, scale, zero, G, N, K, NULL, out, kind, ssup, zsup, per);
 }
 
+#ifdef KVCHAT_AVX512
+#include "cpu_gemm8.h"      // prompt rows with int8 activations, sixteen weight rows a lane each (prefill="int8")
+#endif
+
+// Prompt rows x [T, K] against q4 / q5 (bits 4, high) or q8 (bits 8, groups of 32) codes with int8 activations
+// -> y [T, N]. 0 done; 1 this build has no such kernel (it needs AVX-512 VNNI); 2 out of memory.
+int gemm8_rows(const float *x, int T, int K, const void *codes, int bits, const uint8_t *high, const void *scale,
+               const void *zero, int N, float *y, int kind, const float *ssup, const float *zsup, int per) {
+#ifdef KVCHAT_AVX512
+    return gemm8(x, T, K, codes, bits, high, scale, zero, kind, ssup, zsup, per, N, y);
+#else
+    (void)x; (void)T; (void)K; (void)codes; (void)bits; (void)high; (void)scale; (void)zero; (void)N; (void)y;
+    (void)kind; (void)ssup; (void)zsup; (void)per;
+    return 1;
+#endif
+}
+
 #include "cpu_q6k.h"        // GGUF Q6_K kept at its own 6.5625 bits a value (bits 6 in lin_apply)
 #include "cpu_mxfp4.h"      // GGUF MXFP4 (gpt-oss's experts) at its own 4.25 bits a value
 #define KIND_MXFP4 8        // a qlin_t of bits 4 and this kind is MXFP4 (lin_apply): scale holds its E8M0 exponents

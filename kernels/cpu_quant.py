@@ -276,6 +276,38 @@ def q4_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, norm=None, e
     return y
 
 
+def gemm8_available() -> bool:
+    """Whether this build multiplies prompt rows with int8 activations (gemm8_rows: AVX-512 VNNI)."""
+    if not available():
+        return False
+    if id(_lib) not in _gemm8_builds:         # asked once a library (the tests swap variants in)
+        _gemm8_builds[id(_lib)] = _lib.gemm8_rows(None, 0, 32, None, 4, None, None, None, 0, None, 0, None, None, 1) == 0
+    return _gemm8_builds[id(_lib)]
+
+
+_gemm8_builds: dict[int, bool] = {}
+
+
+# Prompt rows x [T, K] fp32 against packed codes with int8 activations (llama.cpp's Q8_0 rounding of x per group of
+# 32), sixteen weight rows a step: q4 codes [N, K/2] (bits 4, high: q5's fifth bits) or q8 codes [N, K] in groups
+# of 32 (bits 8) -> [T, N]. A row's result depends only on the row (not on T).
+def gemm8(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, bits: int = 4,
+          high: torch.Tensor | None = None) -> torch.Tensor:
+    s = _scales(scale, zero)
+    assert x.dtype == torch.float32 and x.is_contiguous() and bits in (4, 8)
+    n, k = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
+    assert x.shape[1] == k and s.groups == k // 32, (x.shape, codes.shape, s.groups)
+    if bits == 4:
+        _check_high(codes, high, s)
+    y = torch.empty(x.shape[0], n)
+    got = _lib.gemm8_rows(x.data_ptr(), x.shape[0], k, codes.data_ptr(), bits, _ptr(high), s.scale.data_ptr(),
+                          _ptr(s.zero), n, y.data_ptr(), *s.args())
+    if got == 2:
+        raise MemoryError(f"int8 prompt rows: no memory for {x.shape[0]} x {k} activations")
+    assert got == 0, "gemm8 is not in this build (gemm8_available)"
+    return y
+
+
 def _check_high(codes: torch.Tensor, high: torch.Tensor | None, s: Scales) -> None:
     assert s.centre == (16 if high is not None else 8) or not s.offset8, "Q5_0's implicit zero needs its fifth bits"
     assert high is None or (high.dtype == torch.uint8 and high.is_contiguous()

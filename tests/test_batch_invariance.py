@@ -10,18 +10,22 @@ pytestmark = pytest.mark.slow
 FP32 = CacheConfig(k_format="fp32", v_format="fp32", budget_mb=64)
 
 
-@pytest.fixture(scope="module", params=["default", "default-bf16", "qwen3", "dense"])
+@pytest.fixture(scope="module", params=["default", "default-bf16", "default-int8", "qwen3", "dense"])
 def packed_engine(request, tmp_path_factory):
     """The default GGUF as the app runs it (weights kept packed), its prompts read by the fp32 GEMM and by the bf16
     one (whose rounding of a row depends on the call's row count: calls of BF16_TILE rows); a tiny Qwen3 as a Q8_0
     GGUF, whose q/k norms run in the one-call step and in the forward's decode and prompt rows alike; and a tiny
     float folder (dense weights through MKL, whose rounding of a row depends on the row count below about 12 rows
-    unless padded)."""
+    unless padded); and the int8 prompt rows (cpu_gemm8.h) where the build has them."""
     from kvchat.engine import Engine, EngineConfig
+    from kvchat.kernels import cpu_quant
     model = "default"
     if request.param.startswith("default"):
-        engine = Engine.load(EngineConfig(prefill="bf16" if request.param.endswith("bf16") else "fp32"))
-        assert engine.prefill == ("bf16" if request.param.endswith("bf16") else "fp32")
+        prefill = request.param.partition("-")[2] or "fp32"
+        if prefill == "int8" and not cpu_quant.gemm8_available():
+            pytest.skip("int8 prompt rows need the AVX-512 VNNI build")
+        engine = Engine.load(EngineConfig(prefill=prefill))
+        assert engine.prefill == prefill
         return engine
     if request.param == "dense":
         # a float folder: DenseLinear pads CPU calls under GEMM_MIN_ROWS rows, so MKL rounds every row alike

@@ -1,5 +1,6 @@
-"""--prefill auto on a CPU with AVX-512 BF16 but no AMX (Zen 4): decided by measuring both GEMMs once, kept per machine
-so every later start (the engine's, the one-shot path's, doctor's) makes the same choice, and said with its numbers."""
+"""--prefill auto on a CPU with AVX-512 BF16 or VNNI but no AMX (Zen 4, Ice Lake): decided by measuring the fp32 and
+bf16 GEMMs and the int8 rows once, kept per machine so every later start (the engine's, the one-shot path's,
+doctor's) makes the same choice, and said with its numbers."""
 import json
 from types import SimpleNamespace
 
@@ -28,14 +29,30 @@ def zen4(monkeypatch, tmp_path):
 
 def test_measured_once_then_kept(zen4):
     calls, folder = zen4
-    assert cpu_lib.auto_prefill() == ("fp32", "AVX-512 BF16 without AMX: not measured yet (the engine measures it "
+    assert cpu_lib.auto_prefill() == ("fp32", "AVX-512 without AMX: not measured yet (the engine measures it "
                                                "on its first load)")
     first = engine_mod.choose_prefill("auto", PACKED)
-    assert first[0] in ("fp32", "bf16") and first[1].startswith("measured here: the bf16 GEMM")
+    assert first[0] in ("fp32", "bf16", "int8") and first[1].startswith("measured here: bf16 ")
     assert calls == [1]
     assert engine_mod.choose_prefill("auto", PACKED) == first == cpu_lib.auto_prefill()
     assert calls == [1]                                     # kept: the next start decides the same
     assert engine_mod.choose_prefill("fp32", PACKED) == ("fp32", "asked for")
+
+
+def test_a_record_measured_before_int8_is_measured_again(zen4):
+    calls, folder = zen4
+    path = folder / "kernels" / "prefill-choice.json"
+    path.parent.mkdir(parents=True)
+    key = cpu_lib._machine_key().replace(f"{cpu_lib.PREFILL_RECORD}|", "", 1)      # the first records' key
+    path.write_text(json.dumps({"key": key, "choice": "bf16", "why": "measured here: the bf16 GEMM ran 3x"}))
+    assert cpu_lib.prefill_record() is None
+    engine_mod.choose_prefill("auto", PACKED)
+    assert calls == [1] and "int8" in cpu_lib.prefill_record()[1] or not _gemm8()
+
+
+def _gemm8() -> bool:
+    from kvchat.kernels import cpu_quant
+    return cpu_quant.gemm8_available()
 
 
 @pytest.mark.parametrize("record", ["{not json", json.dumps({"key": "another machine", "choice": "bf16", "why": "x"}),
@@ -56,9 +73,18 @@ def test_amx_and_avx2_are_not_measured(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_lib, "cpu_features", lambda: ZEN4 | {"amx_bf16"})
     assert engine_mod.choose_prefill("auto", PACKED) == ("bf16", "the CPU's AMX multiplies bf16")
     monkeypatch.setattr(cpu_lib, "cpu_features", lambda: {"avx", "avx2", "fma", "f16c"})
-    assert engine_mod.choose_prefill("auto", PACKED) == ("fp32", "no AMX or AVX-512 BF16 on this CPU")
+    assert engine_mod.choose_prefill("auto", PACKED) == ("fp32", "no AMX or AVX-512 BF16 / VNNI on this CPU")
 
 
-def test_the_measurement_itself_times_both_gemms():
+def test_the_measurement_itself_times_every_path(monkeypatch):
+    monkeypatch.setattr(cpu_lib, "cpu_features", lambda: set(ZEN4))
     choice, why = engine_mod.measure_prefill(rows=16, n=256, k=256, tries=3)
-    assert choice in ("fp32", "bf16") and "x the fp32 one" in why
+    assert choice in ("fp32", "bf16", "int8") and why.startswith("measured here: bf16 ") and "the exact fp32 GEMM" in why
+    assert ("int8 " in why) == _gemm8()
+
+
+def test_int8_where_the_build_cannot_is_the_exact_gemm_said(monkeypatch):
+    from kvchat.kernels import cpu_quant
+    monkeypatch.setattr(cpu_quant, "gemm8_available", lambda: False)
+    choice, why = engine_mod.choose_prefill("int8", PACKED)
+    assert choice == "fp32" and "AVX-512 VNNI" in why

@@ -64,7 +64,7 @@ def test_the_choice_is_said_and_switches_live(engine):
         engine.set_prefill("bf16")
         assert (engine.prefill, engine.prefill_why) == ("bf16", "asked for")
         fast = engine.new_session(prefix_cache=False).append(ids)
-        with pytest.raises(ConfigError, match="prefill='fp16': choose auto, fp32, bf16"):
+        with pytest.raises(ConfigError, match="prefill='fp16': choose auto, fp32, bf16, int8"):
             engine.set_prefill("fp16")
         assert engine.prefill == "bf16"             # a refused value changes nothing
     finally:
@@ -77,8 +77,8 @@ def test_the_choice_is_said_and_switches_live(engine):
 
 
 def test_a_bad_prefill_setting_is_refused_in_one_line(tiny_llama):
-    with pytest.raises(ConfigError, match="prefill='int8': choose auto, fp32, bf16"):
-        EngineConfig(prefill="int8")
+    with pytest.raises(ConfigError, match="prefill='int4': choose auto, fp32, bf16, int8"):
+        EngineConfig(prefill="int4")
     from kvchat.engine import Engine
     dense = Engine.load(EngineConfig(model=tiny_llama, prefill="bf16"))
     assert dense.prefill == "fp32" and "dense" in dense.prefill_why     # float weights keep their own dtype

@@ -18,7 +18,9 @@ activations to int16 per group of 32 (llama.cpp uses int8); prefill dequantizes 
 time into a scratch buffer and runs the BLAS GEMM, so no dense copy of a weight ever persists. Where the CPU
 multiplies bf16 natively (AMX), prefill can take the slabs and the prompt rows in bf16 (`prefill_dtype`,
 EngineConfig.prefill): oneDNN's bf16 GEMM, about 5x the fp32 one there, in calls of a fixed BF16_TILE rows so
-that a row's bits never depend on the rows it is batched with.
+that a row's bits never depend on the rows it is batched with. Where the CPU has AVX-512 VNNI, prompt rows can
+instead be rounded to int8 per group of 32 (llama.cpp's Q8_0) and multiplied by the codes themselves, sixteen weight
+rows at a time (prefill int8: cpu_quant.gemm8), with no slab at all.
 
 Past 450 lines on purpose: the kinds share one interface and one dispatch, and each is short beside the others.
 """
@@ -153,6 +155,9 @@ class _Packed(_Fused):
     def _gemv(self, x: torch.Tensor, **prep) -> torch.Tensor:
         raise NotImplementedError
 
+    def _gemm8(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def _dequant_rows(self, lo: int, hi: int, out: torch.Tensor | None = None,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows lo..hi as float32 [hi - lo, K] (into out, when given and the C kernels are available); dtype=
@@ -163,7 +168,8 @@ class _Packed(_Fused):
         # x: [T, K] -> [T, N] in x.dtype
         return self.fused(x, split=split)
 
-    prefill_dtype = torch.float32       # the GEMM's: float32, or bfloat16 (Transformer.set_prefill)
+    prefill_dtype = torch.float32       # the GEMM's: float32, bfloat16, or int8 (gemm8: Transformer.set_prefill)
+    int8_rows = False                   # whether prompt rows can take gemm8 (int8 activations against the codes)
     act_bits = 16                       # decode rows' activations in the C kernel: 16, or 8 (set_activations)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,20 +178,25 @@ class _Packed(_Fused):
         slabs and rows rounded to bf16 (to nearest even, as torch rounds), products summed in fp32 and each output
         rounded to bf16 by oneDNN, in calls of exactly BF16_TILE rows."""
         T, K = x.shape
-        bf16 = self.prefill_dtype == torch.bfloat16
+        dtype = self.prefill_dtype
+        if dtype == torch.int8:     # a kind gemm8 reads, where the build has it; else the exact GEMM
+            if self.int8_rows and cpu_quant.gemm8_available():
+                return self._gemm8(x.contiguous())
+            dtype = torch.float32
+        bf16 = dtype == torch.bfloat16
         rows = -(-T // BF16_TILE) * BF16_TILE if bf16 else max(T, GEMM_MIN_ROWS)
         tile = BF16_TILE if bf16 else rows
-        if rows > T or x.dtype != self.prefill_dtype:
-            padded = torch.zeros(rows, K, dtype=self.prefill_dtype)
+        if rows > T or x.dtype != dtype:
+            padded = torch.zeros(rows, K, dtype=dtype)
             padded[:T] = x
             x = padded
         y = torch.empty(rows, self.out_features)
         step = min(self.out_features, max(16, SLAB_BYTES // (4 * K)))
-        buf = cpu_quant.slab(step * K, self.prefill_dtype) if cpu_quant.available() else None
+        buf = cpu_quant.slab(step * K, dtype) if cpu_quant.available() else None
         for lo in range(0, self.out_features, step):
             hi = min(self.out_features, lo + step)
             out = None if buf is None else buf[:(hi - lo) * K].view(hi - lo, K)
-            w = self._dequant_rows(lo, hi, out, self.prefill_dtype)
+            w = self._dequant_rows(lo, hi, out, dtype)
             for r in range(0, rows, tile):
                 # bf16: the slab times the rows' transpose, 1.6-3x faster in oneDNN than the rows times the slab's
                 # transpose (it packs the small operand, not the slab), the same tile of rows a call
@@ -296,8 +307,13 @@ class Q4Linear(_Packed):
         q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).view(n, k)
         return cls.from_codes(q, scale, lo, bias)
 
+    int8_rows = True
+
     def _gemv(self, x, **prep):
         return cpu_quant.q4_gemv(x, self.codes, self.scales, act=self.act_bits, **prep)
+
+    def _gemm8(self, x):
+        return cpu_quant.gemm8(x, self.codes, self.scales, bits=4)
 
     def take_rows(self, ids: torch.Tensor) -> "Q4Linear":
         """This linear with its output rows in the order ids: each row's codes and scales move whole, so every
@@ -411,6 +427,13 @@ class Q8Linear(_Packed):
 
     def _gemv(self, x, **prep):
         return cpu_quant.q8_gemv(x, self.codes, self.scales, None, self.group, act=self.act_bits, **prep)
+
+    @property
+    def int8_rows(self) -> bool:
+        return self.group == 32
+
+    def _gemm8(self, x):
+        return cpu_quant.gemm8(x, self.codes, self.scales, bits=8)
 
     def take_rows(self, ids: torch.Tensor) -> "Q8Linear":
         return Q8Linear(self.codes[ids], self.scales.index(ids), bias=_cut(self.bias, ids))
@@ -544,8 +567,13 @@ class Q5Linear(_Packed):
         self.bias = bias
         self.out_features, self.in_features = n, half * 2
 
+    int8_rows = True
+
     def _gemv(self, x, **prep):
         return cpu_quant.q4_gemv(x, self.codes, self.scales, act=self.act_bits, high=self.high, **prep)
+
+    def _gemm8(self, x):
+        return cpu_quant.gemm8(x, self.codes, self.scales, bits=4, high=self.high)
 
     def take_rows(self, ids: torch.Tensor) -> "Q5Linear":
         return Q5Linear(self.codes[ids], self.high[ids], self.scales.index(ids), _cut(self.bias, ids))

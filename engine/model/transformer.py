@@ -407,14 +407,16 @@ class Transformer:
         linears = [self.table, self.lm_head] + ple + [p for L in self.layers for p in L.linears()]
         return [part for lin in linears for part in getattr(lin, "parts", [lin]) if isinstance(part, _Packed)]
 
-    def set_prefill(self, dtype: torch.dtype) -> None:
-        """The packed linears' prompt-row GEMM: float32 (exact over the dequantized weights) or bfloat16. The output
+    def set_prefill(self, dtype: torch.dtype, fallback: torch.dtype = torch.float32) -> None:
+        """The packed linears' prompt-row GEMM: float32 (exact over the dequantized weights), bfloat16, or int8 (the
+        kinds gemm8 reads: 4-, 5-bit and Q8_0 codes; the others, Q6_K and MXFP4, take `fallback`). The output
         head keeps float32: the bf16 GEMM rounds each output to bf16, and logits near 25 rounded to steps of 0.125
         tie (the default model's first answer token on a Zen 4: 'The' and 'L' 0.11 apart, equal in bf16, so the
         torch path's greedy reply began with the other)."""
         head = {id(part) for part in getattr(self.lm_head, "parts", [self.lm_head])}
         for part in self._packed():
-            part.prefill_dtype = torch.float32 if id(part) in head else dtype
+            part.prefill_dtype = torch.float32 if id(part) in head else \
+                fallback if dtype == torch.int8 and not part.int8_rows else dtype
 
     def set_activations(self, bits: int) -> None:
         """The packed linears' decode activations in the C kernels: 16 (int16 per group of 32, exact to about

@@ -74,48 +74,69 @@ def auto_prefill() -> tuple[str, str]:
 
 
 def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
-    """(fp32 | bf16, why): the GEMM the packed linears give prompt rows. auto takes bf16 where the CPU has AMX,
-    whose bf16 GEMM (oneDNN, through torch) ran 5-6x the fp32 one on a 2-core Xeon with AMX; on AVX-512 BF16
-    without AMX (Zen 4: vdpbf16ps) what this machine measured (measure_prefill, once, then kept); elsewhere (AVX2)
-    fp32, which is exact over the dequantized weights."""
+    """(fp32 | bf16 | int8, why): what the packed linears give prompt rows. auto takes bf16 where the CPU has AMX,
+    whose bf16 GEMM (oneDNN, through torch) ran 5-6x the fp32 one on a 2-core Xeon with AMX; on AVX-512 without AMX
+    (Zen 4, Ice Lake) what this machine measured (measure_prefill, once, then kept); elsewhere (AVX2) fp32, which is
+    exact over the dequantized weights. int8 asked for where the build has no gemm8 reads as fp32, said."""
     if not str(model.device).startswith("cpu") or model.weights not in ("gguf", "int8", "int4"):
         return "fp32", "dense weights: the model's own dtype"
+    if asked == "int8" and not cpu_quant.gemm8_available():
+        return "fp32", "int8 asked for, but it needs the C kernels' AVX-512 VNNI build: the exact fp32 GEMM"
     if asked != "auto":
         return asked, "asked for"
     measure_prefill_once()
     return auto_prefill()
 
 
-def measure_prefill_once() -> None:
-    """On AVX-512 BF16 without AMX, with nothing kept for this machine yet: measure_prefill, kept (cpu_lib)."""
+def prefill_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype]:
+    """(dtype, fallback) for Transformer.set_prefill: int8 leaves the kinds gemm8 does not read (Q6_K, MXFP4) on the
+    bf16 GEMM where the CPU multiplies bf16 (AVX-512 BF16 or AMX), else on fp32."""
     have = cpu_lib.cpu_features()
-    if "avx512bf16" in have and "amx_bf16" not in have and cpu_lib.prefill_record() is None:
+    fallback = torch.bfloat16 if have & {"avx512bf16", "amx_bf16"} else torch.float32
+    return {"bf16": torch.bfloat16, "int8": torch.int8}.get(choice, torch.float32), fallback
+
+
+def measure_prefill_once() -> None:
+    """On AVX-512 (BF16 or VNNI) without AMX, with nothing kept for this machine yet: measure_prefill, kept."""
+    if cpu_lib.prefill_measured_here() and cpu_lib.prefill_record() is None:
         cpu_lib.save_prefill_record(*measure_prefill())
 
 
 def measure_prefill(rows: int = 64, n: int = 2048, k: int = 2048, tries: int = 5) -> tuple[str, str]:
-    """(fp32 | bf16, why): which GEMM a prompt tile runs faster here, as the packed linears call it (a weight slab of
-    n x k times a tile of `rows` rows; bf16 as W @ x.T), the two timed alternately `tries` times, medians compared.
-    bf16 must win by 10%: it rounds the weights, so a tie keeps the exact fp32."""
+    """(fp32 | bf16 | int8, why): which path a tile of `rows` prompt rows runs fastest here through a packed n x k
+    4-bit linear, as the engine calls it (the fp32 and bf16 GEMMs with their slabs dequantized; int8 where the build
+    has gemm8), timed alternately `tries` times, medians compared. Each step away from the exact fp32 must win by
+    10% over the one before (bf16 rounds the weights, int8 the activations), so a tie keeps the more exact."""
     import statistics
     import time
+    from kvchat.engine.model.linears import Q4Linear
     gen = torch.Generator().manual_seed(0)
-    w32, x32 = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
-    w16, x16 = w32.bfloat16(), x32.bfloat16()
-    runs = {"fp32": lambda: x32 @ w32.t(), "bf16": lambda: (w16 @ x16.t()).t()}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for f in runs.values():
-        f()                                     # oneDNN and MKL pick and warm their kernels
+    lin = Q4Linear.from_float(torch.randn(n, k, generator=gen))
+    x = torch.randn(rows, k, generator=gen)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if cpu_lib.cpu_features() & {"avx512bf16", "amx_bf16"} == set():
+        del dtypes["bf16"]                      # no bf16 multiply: oneDNN would emulate it
+    if cpu_quant.gemm8_available():
+        dtypes["int8"] = torch.int8
+    times: dict[str, list[float]] = {name: [] for name in dtypes}
+
+    def run(dtype):
+        lin.prefill_dtype = dtype
+        lin._gemm(x)
+    for dtype in dtypes.values():
+        run(dtype)                              # oneDNN and MKL pick and warm their kernels
     for _ in range(tries):
-        for name, f in runs.items():
+        for name, dtype in dtypes.items():
             t0 = time.perf_counter()
-            f()
+            run(dtype)
             times[name].append(time.perf_counter() - t0)
-    fp32, bf16 = (statistics.median(times[name]) for name in ("fp32", "bf16"))
-    speed = fp32 / bf16
-    if speed >= 1.1:
-        return "bf16", f"measured here: the bf16 GEMM (vdpbf16ps) ran {speed:.2f}x the fp32 one"
-    return "fp32", f"measured here: the bf16 GEMM ran {speed:.2f}x the fp32 one, not enough to round the weights"
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    choice = "fp32"
+    for name in ("bf16", "int8"):
+        if name in median and median[choice] / median[name] >= 1.1:
+            choice = name
+    ran = ", ".join(f"{name} {median['fp32'] / median[name]:.2f}x" for name in median if name != "fp32")
+    return choice, f"measured here: {ran} the exact fp32 GEMM ({rows} prompt rows, a 4-bit {n} x {k} linear)"
 
 
 def _done(value) -> Future:
@@ -167,7 +188,7 @@ class Engine:
         if mode not in PREFILL_MODES:
             raise ConfigError(f"prefill={mode!r}: choose {', '.join(PREFILL_MODES)}")
         self.prefill, self.prefill_why = choose_prefill(mode, self.model)
-        self.model.set_prefill(torch.bfloat16 if self.prefill == "bf16" else torch.float32)
+        self.model.set_prefill(*prefill_dtypes(self.prefill))
 
     def set_activations(self, mode: str) -> None:
         """Decode rows' activations in the C kernels, now: "int16" or "int8" (EngineConfig.activations). Only

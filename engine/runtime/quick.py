@@ -307,7 +307,7 @@ def covers(args) -> bool:
     if os.environ.get("KVCHAT_NO_QUICK") or args.prompt is None or getattr(args, "json", False):
         return False
     # this path reads the prompt through the decode kernel, as exact as the fp32 GEMM: asked for bf16, it declines
-    if getattr(args, "prefill", "auto") == "bf16" or getattr(args, "activations", "int16") != "int16":
+    if getattr(args, "prefill", "auto") in ("bf16", "int8") or getattr(args, "activations", "int16") != "int16":
         return False
     if any(getattr(args, k, v) != v for k, v in defaults.items()):
         return False

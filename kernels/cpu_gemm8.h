@@ -1,0 +1,134 @@
+// Prompt rows against packed 4-, 5- and 8-bit weights with int8 activations (EngineConfig(prefill="int8")),
+// included by cpu_quant.c in the AVX-512 VNNI build.
+//
+// A prompt's rows are many, so the weights are read once a call, not once a row: sixteen weight rows at a time
+// are laid out with one row per 32-bit lane (group g, element 4c..4c+3 of each row in one register), and every
+// prompt row's four int8 activations broadcast against them (VNNI's vpdpbusd: unsigned codes times signed
+// activations, 64 products an instruction). The activations are rounded per group of 32 as llama.cpp's Q8_0 rounds
+// them (quantize_x8), the per-group float work is one multiply-add of the scales and one of the zeros for sixteen
+// outputs, and each output's sums run over the groups in order: a row's result depends only on the row, never on
+// how many rows share the call (a prompt read whole or after a restored prefix gives the same bits).
+#pragma once
+
+#define GB 16           // weight rows a block: one a lane
+#define GR 8            // prompt rows a tile: their sums stay in registers
+
+// Block n0.. (nr <= GB rows) laid out: wb [ng][8][GB] the codes as unsigned bytes (q8's int8 codes + 128), sb / zb
+// [ng][GB] the scales and zeros (q8: its zeros less 128 scales; rows past nr: zeros). Returns whether any zero is
+// non-zero.
+static int gemm8_block(const void *codes, int bits, const uint8_t *high, const void *scale, const void *zero,
+                       int kind, const float *ssup, const float *zsup, int per, int n0, int nr, int K,
+                       uint32_t *wb, float *sb, float *zb) {
+    int ng = K / 32, any_zero = 0;
+    for (int r = 0; r < GB; r++) {
+        if (r >= nr) {
+            for (int g = 0; g < ng; g++) {
+                sb[g * GB + r] = 0.f;
+                zb[g * GB + r] = 0.f;
+                for (int c = 0; c < 8; c++) wb[(g * 8 + c) * GB + r] = 0;
+            }
+            continue;
+        }
+        size_t row = (size_t)(n0 + r);
+        float sbuf[MAXG], zbuf[MAXG];
+        const uint8_t *hrow = high ? high + row * (K / 8) : NULL;
+        const float *sc = row_f32(scale, ssup, per, row, ng, kind, sbuf);
+        const float *zr = row_zero(zero, zsup, per, row, ng, kind, sc, zbuf, hrow);
+        for (int g = 0; g < ng; g++) {
+            float z = zr ? zr[g] : 0.f;
+            if (bits == 8) z -= 128.f * sc[g];
+            sb[g * GB + r] = sc[g];
+            zb[g * GB + r] = z;
+            any_zero |= z != 0.f;
+            uint32_t d[8];
+            if (bits == 8) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)((const int8_t *)codes + row * K + g * 32));
+                _mm256_storeu_si256((__m256i *)d, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)));
+            } else {
+                __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)codes + row * (K / 2) + g * 16));
+                __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+                if (hrow) {
+                    uint32_t h = q5_bits(hrow, g);
+                    lo = _mm_mask_add_epi8(lo, (__mmask16)(h & 0xFFFF), lo, _mm_set1_epi8(16));
+                    hi = _mm_mask_add_epi8(hi, (__mmask16)(h >> 16), hi, _mm_set1_epi8(16));
+                }
+                _mm_storeu_si128((__m128i *)d, lo);
+                _mm_storeu_si128((__m128i *)(d + 4), hi);
+            }
+            for (int c = 0; c < 8; c++) wb[(g * 8 + c) * GB + r] = d[c];
+        }
+    }
+    return any_zero;
+}
+
+// R prompt rows (xq [R, K] int8, xs / sums [R, ng]) against a laid-out block -> y [R, ldy] at the block's columns
+static inline __attribute__((always_inline)) void gemm8_tile(const uint32_t *wb, const float *sb, const float *zb,
+        int zeros, const int8_t *xq, const float *xs, const float *sums, int K, int ng, const int R, float *y,
+        size_t ldy, int nr) {
+    __m512 acc[GR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        __m512i d[GR];
+        for (int r = 0; r < R; r++) d[r] = _mm512_setzero_si512();
+        const __m512i *w = (const __m512i *)(wb + (size_t)g * 8 * GB);
+        for (int c = 0; c < 8; c++) {
+            __m512i wc = _mm512_load_si512(w + c);
+            for (int r = 0; r < R; r++)
+                d[r] = _mm512_dpbusd_epi32(d[r], wc, _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * K + g * 32 + 4 * c)));
+        }
+        __m512 s = _mm512_load_ps(sb + g * GB);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r]), _mm512_mul_ps(s, _mm512_set1_ps(xs[r * ng + g])), acc[r]);
+        if (zeros) {
+            __m512 z = _mm512_load_ps(zb + g * GB);
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(sums[r * ng + g]), acc[r]);
+        }
+    }
+    __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+// x [T, K] fp32 -> y [T, N]: codes q4 ([N, K/2], high: q5's fifth bits or NULL) or q8 ([N, K] int8, groups of 32)
+static int gemm8(const float *x, int T, int K, const void *codes, int bits, const uint8_t *high, const void *scale,
+                 const void *zero, int kind, const float *ssup, const float *zsup, int per, int N, float *y) {
+    int ng = K / 32;
+    int8_t *xq = (int8_t *)aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)T * ng * 2), *sums = xs + (size_t)T * ng;
+    if (!xq || !xs) { free(xq); free(xs); return 2; }
+    int failed = 0;
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) quantize_x8(x + (size_t)t * K, 1, K, xq + (size_t)t * K, xs + (size_t)t * ng,
+                                            sums + (size_t)t * ng);
+    int nb = (N + GB - 1) / GB;
+    #pragma omp parallel
+    {
+        uint32_t *wb = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)ng * 8 * GB);
+        float *sb = (float *)aligned_alloc(64, sizeof(float) * (size_t)ng * GB * 2), *zb = sb + (size_t)ng * GB;
+        #pragma omp for schedule(static)
+        for (int b = 0; b < nb; b++) {
+            if (!wb || !sb) { failed = 1; continue; }
+            int n0 = b * GB, nr = N - n0 < GB ? N - n0 : GB;
+            int zeros = gemm8_block(codes, bits, high, scale, zero, kind, ssup, zsup, per, n0, nr, K, wb, sb, zb);
+            int t = 0;
+            for (; t + GR <= T; t += GR)
+                gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K,
+                           ng, GR, y + (size_t)t * N + n0, N, nr);
+            switch (T - t) {        // a constant R per case: the sums stay in registers
+                case 1: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 1, y + (size_t)t * N + n0, N, nr); break;
+                case 2: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 2, y + (size_t)t * N + n0, N, nr); break;
+                case 3: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 3, y + (size_t)t * N + n0, N, nr); break;
+                case 4: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 4, y + (size_t)t * N + n0, N, nr); break;
+                case 5: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 5, y + (size_t)t * N + n0, N, nr); break;
+                case 6: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 6, y + (size_t)t * N + n0, N, nr); break;
+                case 7: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 7, y + (size_t)t * N + n0, N, nr); break;
+                default: break;
+            }
+        }
+        free(wb);
+        free(sb);
+    }
+    free(xq);
+    free(xs);
+    return failed ? 2 : 0;
+}
