@@ -102,8 +102,9 @@ def text(r: dict) -> str:
         lines.append(f"kernels    {k['variant']} build: {k['why']} (variants here: {', '.join(k['variants'])})")
         lines.append(f"           {k['build']}")
         lines.append(f"KV kernels {'loaded' if k['kv_kernels'] else 'not loaded'}")
-        lines.append(f"prompts    {r['prefill']['auto']} GEMM over packed weights by default: {r['prefill']['why']} "
-                     "(--prefill fp32 | bf16)")
+        path = "int8 rows" if r["prefill"]["auto"] == "int8" else f"{r['prefill']['auto']} GEMM"
+        lines.append(f"prompts    {path} over packed weights by default: {r['prefill']['why']} "
+                     "(--prefill fp32 | bf16 | int8)")
     else:
         lines.append(f"kernels    none: {k['error']}; running {k['fallback']}")
     lines += [f"skipped    {s}" for s in k["skipped"]]

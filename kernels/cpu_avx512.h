@@ -121,8 +121,8 @@ static __attribute__((noinline)) void q4_row2_512(const uint8_t *ra, const uint8
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
         if (!(g & 3)) {
-            _mm_prefetch((const char *)(ra + g * 16 + pf), _MM_HINT_T0);
-            _mm_prefetch((const char *)(rb + g * 16 + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
+            _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
         }
         __m512i x0 = _mm512_loadu_si512((const void *)(xp + g * 32));
         __m512i x1 = _mm512_loadu_si512((const void *)(xp + g * 32 + 32));
@@ -213,8 +213,8 @@ static __attribute__((noinline)) void q8_row2_512(const int8_t *ra, const int8_t
     const long pf = PF_ROWS * 32L * nx;
     int g = 0;
     for (; g + 2 <= nx; g += 2) {
-        _mm_prefetch((const char *)(ra + g * 32 + pf), _MM_HINT_T0);
-        _mm_prefetch((const char *)(rb + g * 32 + pf), _MM_HINT_T0);
+        _mm_prefetch((const char *)(ra + g * 32 + pf), PF_HINT);
+        _mm_prefetch((const char *)(rb + g * 32 + pf), PF_HINT);
         __m512i x0 = _mm512_loadu_si512((const void *)(xp + g * 32));
         __m512i x1 = _mm512_loadu_si512((const void *)(xp + g * 32 + 32));
         __m512i pa = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), q8_pair16(ra + g * 32), x0),
