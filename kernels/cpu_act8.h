@@ -119,6 +119,7 @@ static inline __attribute__((always_inline)) void rows8(const void *row, const u
     for (int m = 0; m < R; m++) c01[m] = c23[m] = _mm512_setzero_ps();
     for (; g + 4 <= ng; g += 4) {
         _mm_prefetch((const char *)row + (size_t)g * bits * 4 + PREFETCH, _MM_HINT_T0);
+        FAR_PREFETCH((const char *)row + (size_t)g * bits * 4);
         for (int m = 0; m < R; m++) {
             const int8_t *v = xq + (size_t)m * K + g * 32;
             c01[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot8_pair(row, high, bits, g, v)), pair_scale(f + m * ng + g), c01[m]);
@@ -132,6 +133,7 @@ static inline __attribute__((always_inline)) void rows8(const void *row, const u
     for (int m = 0; m < R; m++) c[m][0] = c[m][1] = c[m][2] = c[m][3] = _mm256_setzero_ps();
     for (; g + 4 <= ng; g += 4) {
         _mm_prefetch((const char *)row + (size_t)g * bits * 4 + PREFETCH, _MM_HINT_T0);
+        FAR_PREFETCH((const char *)row + (size_t)g * bits * 4);
         for (int j = 0; j < 4; j++)
             for (int m = 0; m < R; m++)
                 c[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot8(row, high, bits, g + j, xq + (size_t)m * K + (g + j) * 32)),

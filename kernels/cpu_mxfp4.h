@@ -82,6 +82,7 @@ static inline __attribute__((always_inline)) void mxfp4_rows(const uint8_t *row,
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
         if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
+        if (!(g & 3)) FAR_PREFETCH(row + g * 16);
         __m256i lo, hi;
         mxfp4_values32(row + g * 16, &lo, &hi);
         __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo));
@@ -111,6 +112,7 @@ static inline __attribute__((always_inline)) void mxfp4_rows_512(const uint8_t *
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
         if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
+        if (!(g & 3)) FAR_PREFETCH(row + g * 16);
         __m256i lo, hi;
         mxfp4_values32(row + g * 16, &lo, &hi);
         __m512i wl = _mm512_cvtepi8_epi16(lo), wh = _mm512_cvtepi8_epi16(hi);
@@ -134,6 +136,7 @@ static inline __attribute__((always_inline)) void mxfp4_rows8(const uint8_t *row
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
         if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
+        if (!(g & 3)) FAR_PREFETCH(row + g * 16);
         __m256i lo, hi;
         mxfp4_values32(row + g * 16, &lo, &hi);
         __m256i w0 = _mm256_permute2x128_si256(lo, hi, 0x20), w1 = _mm256_permute2x128_si256(lo, hi, 0x31);  // in order

@@ -82,7 +82,9 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *ql, co
     const __m256i zero = _mm256_setzero_si256();
     for (int h = 0; h < ng / 4; h++) {
         _mm_prefetch((const char *)(ql + 64 * h + PREFETCH), _MM_HINT_T0);
+        FAR_PREFETCH(ql + 64 * h);
         if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h + PREFETCH / 2), _MM_HINT_T0);
+        if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h) + PF_FAR / 2, _MM_HINT_T1);
         __m256i a0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
         __m256i a1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
         __m256i qx = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qh + 32 * h)), _mm256_set1_epi8((char)0xAA));
@@ -150,7 +152,9 @@ static inline __attribute__((always_inline)) void q6k_rows_512(const uint8_t *ql
     for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int h = 0; h < ng / 4; h++) {
         _mm_prefetch((const char *)(ql + 64 * h + PREFETCH), _MM_HINT_T0);
+        FAR_PREFETCH(ql + 64 * h);
         if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h + PREFETCH / 2), _MM_HINT_T0);
+        if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h) + PF_FAR / 2, _MM_HINT_T1);
         __m512i b01, b23, s01, s23;
         q6k_half_512(ql, qh, h, &b01, &b23);
         q6k_scales_512(s64 + 8 * h, &s01, &s23);
@@ -182,7 +186,9 @@ static inline __attribute__((always_inline)) void q6k_rows8_512(const uint8_t *q
     for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int h = 0; h < ng / 4; h++) {
         _mm_prefetch((const char *)(ql + 64 * h + PREFETCH), _MM_HINT_T0);
+        FAR_PREFETCH(ql + 64 * h);
         if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h + PREFETCH / 2), _MM_HINT_T0);
+        if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h) + PF_FAR / 2, _MM_HINT_T1);
         __m512i b01, b23, s01, s23;
         q6k_half_512(ql, qh, h, &b01, &b23);
         q6k_scales_512(s16 + 8 * h, &s01, &s23);
@@ -306,7 +312,9 @@ static void q6k_gemv8(const float *x, int M, int K, const uint8_t *ql, const uin
             for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();
             for (int hb = 0; hb < ng / 4; hb++) {
                 _mm_prefetch((const char *)(l + 64 * hb + PREFETCH), _MM_HINT_T0);
+                FAR_PREFETCH(l + 64 * hb);
                 if (!(hb & 1)) _mm_prefetch((const char *)(h + 32 * hb + PREFETCH / 2), _MM_HINT_T0);
+                if (!(hb & 1)) _mm_prefetch((const char *)(h + 32 * hb) + PF_FAR / 2, _MM_HINT_T1);
                 __m256i a0 = _mm256_loadu_si256((const __m256i *)(l + 64 * hb));
                 __m256i a1 = _mm256_loadu_si256((const __m256i *)(l + 64 * hb + 32));
                 __m256i qx = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(h + 32 * hb)),

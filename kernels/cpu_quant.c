@@ -26,6 +26,9 @@
 // preset decodes 28 -> 41.6 tok/s.
 #define PF_ROWS 64
 #define PF_HINT _MM_HINT_T1
+// The one-row kernels (Q6_K, MXFP4, int8 activations) stream as far ahead into L2 beside their near PREFETCH
+#define PF_FAR 65536
+#define FAR_PREFETCH(p) _mm_prefetch((const char *)(p) + PF_FAR, _MM_HINT_T1)
 
 // How scales and zeros are stored (`kind`), each widened into a stack buffer once per row:
 //   0: float32; 1: float16, where the file's values are exactly float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0);
