@@ -364,6 +364,34 @@ static inline const float *f16_row_terms(const void *scale, const void *zero, in
     return zr;
 }
 
+#ifdef __AVX2__
+// Kind 5 (the K-quants' packed scales) for the two-row kernels: row n's scale products f = (d * sc) * xs and zeros
+// zr = (-dmin) * m (NULL: none) in one pass over its super-blocks, the products and roundings kpack_row and
+// scale_products make (it took two passes and a reload: as long as the row's own multiply-adds on a Q4_K row).
+static inline const float *k_row_terms(const void *scale, const void *ssup, const void *zero, const void *zsup,
+        const float *xs, size_t n, int ng, float *f, float *zr) {
+    const uint8_t *s = (const uint8_t *)scale + n * (size_t)(ng / 8) * 12;
+    const half_t *d = (const half_t *)ssup + n * (size_t)(ng / 8);
+    const half_t *dm = zero ? (const half_t *)zsup + n * (size_t)(ng / 8) : NULL;
+    for (int b = 0; b < ng / 8; b++) {
+        uint32_t a, m, c;
+        memcpy(&a, s + 12 * b, 4);
+        memcpy(&m, s + 12 * b + 4, 4);
+        memcpy(&c, s + 12 * b + 8, 4);
+        uint64_t sc8 = (a & 0x3F3F3F3Fu) | (uint64_t)((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+        __m256 sc = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(d[b])),
+                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
+        _mm256_storeu_ps(f + 8 * b, _mm256_mul_ps(sc, _mm256_loadu_ps(xs + 8 * b)));
+        if (dm) {
+            uint64_t m8 = (m & 0x3F3F3F3Fu) | (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((m >> 2) & 0x30303030u)) << 32;
+            _mm256_storeu_ps(zr + 8 * b, _mm256_mul_ps(_mm256_set1_ps(-f16_to_f32(dm[b])),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)))));
+        }
+    }
+    return dm ? zr : NULL;
+}
+#endif
+
 static inline __m256i q8_half(const int8_t *w, const int16_t *v) {
     // 16 int8 codes against 16 int16 activations -> 8 int32 partial sums
     return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
@@ -631,6 +659,9 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
             if (kind == 1 || kind == 4) {       // float16 scales (and zeros): widened and multiplied in one pass
                 za = f16_row_terms(scale, zero, kind, high, xs, n, ng, fa, zba);
                 zb = f16_row_terms(scale, zero, kind, high, xs, b, ng, fb, zbb);
+            } else if (kind == 5) {             // the K-quants' packed scales: likewise
+                za = k_row_terms(scale, ssup, zero, zsup, xs, n, ng, fa, zba);
+                zb = k_row_terms(scale, ssup, zero, zsup, xs, b, ng, fb, zbb);
             } else {
                 float sa[MAXG], sb[MAXG];
                 const float *sca = row_f32(scale, ssup, per, n, ng, kind, sa), *scb = row_f32(scale, ssup, per, b, ng, kind, sb);

@@ -156,6 +156,31 @@ def test_the_simd_variants_give_the_same_bits_for_every_row_count_and_format(var
             assert torch.equal(got, alone), (name, label, m)
 
 
+def test_k_quant_scales_give_the_same_bits_in_every_variant_and_row_count(variant_lib):
+    """Q4_K / Q5_K's packed scale bytes (kind 5), which a decode row widens in one pass with its scale products
+    (k_row_terms) and several rows widen apart: the same bits either way and in every SIMD variant."""
+    import torch
+    from kvchat.kernels import cpu_quant
+    from test_cpu_quant import _q4
+    name, lib = variant_lib
+    if name == "baseline":
+        pytest.skip("the baseline sums in another order: held to the torch reference above")
+    k, gen = 768, torch.Generator().manual_seed(6)
+    codes = _q4(41, k, seed=7)[0]
+    high = torch.randint(0, 256, (41, k // 8), dtype=torch.uint8, generator=gen)
+    sup = lambda: (torch.rand(41, k // 256, generator=gen) * 0.01).half()     # noqa: E731
+    kp = cpu_quant.Scales(torch.randint(0, 256, (41, k // 256 * 12), dtype=torch.uint8, generator=gen),
+                          scale_sup=sup(), zero_sup=sup(), per=8, kpacked=True)
+    x = torch.randn(8, k, generator=gen)
+    for label, fn in (("q4_k", lambda x: cpu_quant.q4_gemv(x, codes, kp)),
+                      ("q5_k", lambda x: cpu_quant.q4_gemv(x, codes, kp, high=high))):
+        for m in (1, 2, 5):
+            got = _with_lib(lib, lambda: fn(x[:m]))
+            assert torch.equal(got, fn(x[:m])), (name, label, m)
+            alone = torch.cat([_with_lib(lib, lambda i=i: fn(x[i:i + 1])) for i in range(m)])
+            assert torch.equal(got, alone), (name, label, m)
+
+
 def test_decode_attention_gives_the_same_bits_in_every_simd_variant(variant_lib):
     """The decode attention's value pass holds its sums in registers, 16 lanes on AVX-512 and 8 on AVX2, four vectors
     of dimensions at a time and the rest in a plain loop: the same multiply and add per element in either, so the
