@@ -54,7 +54,8 @@ def test_default_model_logits_match_transformers(default_engine, hf_default):
 
 @pytest.mark.slow
 def test_greedy_matches_transformers_generate(default_engine, hf_default):
-    """Greedy output equals transformers generate() for 64 new tokens on 3 prompts (5 took 32 s of the suite)."""
+    """Greedy output equals transformers generate() for 40 new tokens on 3 prompts (64 tokens took 34 s of the suite
+    on a Zen 4)."""
     ref = hf_default
     tok = default_engine.tokenizer
     prompts = ["What is the capital of France?", "Explain what a KV cache is.", "How do I reverse a list in Python?"]
@@ -63,12 +64,12 @@ def test_greedy_matches_transformers_generate(default_engine, hf_default):
         ids = tok.encode(rendered, add_special_tokens=False)
         with torch.no_grad():
             x = torch.tensor([ids])   # explicit mask: the prompt holds <|im_end|>, which is also the pad token
-            out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False,
+            out = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False,
                                eos_token_id=None, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
         session = default_engine.new_session(cache=FP32_CACHE)
         logits = session.append(ids)[-1]
         ours = []
-        for _ in range(64):
+        for _ in range(40):
             nxt = int(logits.argmax())
             ours.append(nxt)
             logits = session.append([nxt])[-1]
