@@ -392,6 +392,24 @@ static inline const float *k_row_terms(const void *scale, const void *ssup, cons
 }
 #endif
 
+// The scales (and zeros, and super-block scales) of rows n and n + 1 fetched PF_ROWS rows ahead into L2, as the
+// two-row kernels fetch the codes: they are streams of their own (a Q4_K row's 144 bytes of packed scales).
+static inline void prefetch_scales(const void *scale, const void *zero, const void *ssup, const void *zsup, int kind,
+                                   int per, size_t n, int ng) {
+    size_t row = n + PF_ROWS;
+    size_t bytes = kind == 5 ? (size_t)ng / 8 * 12 : kind == 1 || kind == 4 ? (size_t)ng * 2
+                 : kind == 0 ? (size_t)ng * 4 : (size_t)ng;
+    for (size_t o = row * bytes; o < (row + 2) * bytes; o += 64) {
+        _mm_prefetch((const char *)scale + o, _MM_HINT_T1);
+        if (zero && zero != scale) _mm_prefetch((const char *)zero + o, _MM_HINT_T1);
+    }
+    if (kind == 2 || kind == 3 || kind == 5) {      // the super-blocks' floats (2, 3) or halves (5)
+        size_t sb = (size_t)ng / per * (kind == 5 ? 2 : 4);
+        _mm_prefetch((const char *)ssup + row * sb, _MM_HINT_T1);
+        if (zsup) _mm_prefetch((const char *)zsup + row * sb, _MM_HINT_T1);
+    }
+}
+
 static inline __m256i q8_half(const int8_t *w, const int16_t *v) {
     // 16 int8 codes against 16 int16 activations -> 8 int32 partial sums
     return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
@@ -656,6 +674,7 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
             const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
             float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
             const float *za, *zb;
+            prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
             if (kind == 1 || kind == 4) {       // float16 scales (and zeros): widened and multiplied in one pass
                 za = f16_row_terms(scale, zero, kind, high, xs, n, ng, fa, zba);
                 zb = f16_row_terms(scale, zero, kind, high, xs, b, ng, fb, zbb);
@@ -746,6 +765,7 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
             int b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
             float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
             const float *za, *zb;
+            prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, nx);
             if (kind == 1) {
                 za = f16_row_terms(scale, zero, kind, NULL, xs, n, nx, fa, zba);
                 zb = f16_row_terms(scale, zero, kind, NULL, xs, b, nx, fb, zbb);
