@@ -42,6 +42,17 @@ def test_the_choice_is_saved_switched_live_and_said(qtbot):
     dialog.accept()
     qtbot.waitUntil(lambda: engine_of(window).prefill == "fp32" and not said(window), timeout=5000)
     assert SettingsStore().prefill() == "fp32"
+    from kvchat.kernels import cpu_quant
+    dialog = window.open_settings()
+    dialog.prefill_combo.setCurrentIndex(dialog.prefill_combo.findData("int8"))
+    dialog.accept()
+    if cpu_quant.gemm8_available():     # int8 prompt rows: named as bf16's are
+        qtbot.waitUntil(lambda: engine_of(window).prefill == "int8" and "prompts in int8" in window.status_label.text()
+                        and "int8" in window.dashboard.live.prompt_note.text()
+                        and not window.dashboard.live.prompt_note.isHidden(), timeout=5000)
+    else:                               # where the build has none, the exact GEMM, said in the engine's reason
+        qtbot.waitUntil(lambda: engine_of(window).prefill == "fp32", timeout=5000)
+        assert "AVX-512 VNNI" in engine_of(window).prefill_why
 
 
 def test_a_saved_choice_reaches_a_newly_loaded_engine_and_a_damaged_one_reads_as_auto(qtbot, tmp_path):

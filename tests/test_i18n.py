@@ -128,7 +128,7 @@ ALLOWED = {
     "llm", "vllm", "sglang", "llama", "cpp", "serve", "openai", "config", "safetensors", "default",
     "nats", "kl", "psutil", "pynvml", "metrics", "http", "models", "english", "cpu", "fake",
     "model", "common", "licenses", "usr", "share", "texts", "resources", "gguf", "q", "ctrl", "shift", "esc",
-    "return", "v", "k", "s", "ms", "b", "ok", "chmod", "w", "get", "file", "nbsp", "amx",
+    "return", "v", "k", "s", "ms", "b", "ok", "chmod", "w", "get", "file", "nbsp", "amx", "avx", "vnni",
 }
 WORD = re.compile(r"[A-Za-z]+")
 

@@ -36,7 +36,7 @@ class EngineReady:
     server_url: str = ""                # a remote engine's base URL
     kernel_status: str = ""             # why the C kernels are missing (the engine's English line); "" when loaded
     chat_format_notice: str = ""        # the model has no chat template: it chats in plain text (the engine's line)
-    prefill: str = ""                   # the prompt GEMM's precision as loaded ("fp32", "bf16"); "" for a server
+    prefill: str = ""                   # the prompt GEMM's precision as loaded ("fp32", "bf16", "int8"); "" for a server
     saves_caches: bool = False          # it keeps each chat's KV cache on disk (saved when the app closes)
     linear_layers: int = 0              # of num_layers, those keeping a recurrent state: cache modes skip them
     shared_kv_layers: int = 0           # of num_layers, those reading an earlier layer's K and V (none of their own)

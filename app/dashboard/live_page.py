@@ -424,10 +424,10 @@ class LivePage(QScrollArea):
                if snapshot.weight_bytes else ""))
 
     def set_prompt_precision(self, precision: str) -> None:
-        """The quality line's companion: prompts read in bf16 are named, with where to change it."""
-        self.prompt_note.setText(translate("Dashboard", "Prompts are read in bf16: faster on this CPU, close to exact but not "
-                                         "exact (Settings › Model › Read prompts in)"))
-        self.prompt_note.setVisible(precision == "bf16")
+        """The quality line's companion: prompts read in bf16 or int8 are named, with where to change it."""
+        self.prompt_note.setText(translate("Dashboard", "Prompts are read in {precision}: faster on this CPU, close to exact "
+                                         "but not exact (Settings › Model › Read prompts in)").format(precision=precision))
+        self.prompt_note.setVisible(precision in ("bf16", "int8"))
 
     def _drafts_text(self, spec) -> str:
         """What speculative decoding did in the last turn, to follow the decode rate; "" when it was off. Tokens per

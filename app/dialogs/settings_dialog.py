@@ -301,6 +301,7 @@ class SettingsDialog(QDialog):
         self.prefill_combo.addItem(self.tr("Automatic ({precision} on this CPU)").format(precision=auto), "auto")
         self.prefill_combo.addItem(self.tr("fp32 (exact)"), "fp32")
         self.prefill_combo.addItem(self.tr("bf16 (about 5x faster on a CPU with AMX)"), "bf16")
+        self.prefill_combo.addItem(self.tr("int8 (rows rounded as llama.cpp does; CPUs with AVX-512 VNNI)"), "int8")
         self.prefill_combo.setCurrentIndex(max(0, self.prefill_combo.findData(self._prefill)))
         self.prefill_combo.setToolTip(self.tr(
             "How the model reads a prompt over packed weights. fp32 is exact; bf16 agreed with it on 97.7% of next-token "
@@ -618,7 +619,7 @@ class SettingsDialog(QDialog):
         self.spec_tokens.setEnabled(self.speculative()[0] != "off")
 
     def prefill(self) -> str:
-        """The prompt precision chosen: auto, fp32 or bf16."""
+        """The prompt precision chosen: auto, fp32, bf16 or int8."""
         return str(self.prefill_combo.currentData())
 
     def speculative(self) -> tuple[str, int]:

@@ -656,6 +656,8 @@ class MainWindow(QMainWindow):
                 parts.append(self.tr("plain-text chat (no template)"))
             if self.engine_info.prefill == "bf16":  # the prompt path that is not exact is named
                 parts.append(self.tr("prompts in bf16"))
+            elif self.engine_info.prefill == "int8":
+                parts.append(self.tr("prompts in int8"))
             if self.engine_info.kernel_status:      # the slow torch fallback is said, not silent
                 parts.append(engine_text(self.engine_info.kernel_status))
         remote = self.engine_info is not None and self.engine_info.capabilities.remote

@@ -687,10 +687,6 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
         <translation>解码 {decode} tok/s{drafts} · 预填充 {prefill} tok/s · TTFT {ttft} ms</translation>
     </message>
     <message>
-        <source>Prompts are read in bf16: faster on this CPU, close to exact but not exact (Settings › Model › Read prompts in)</source>
-        <translation>提示词以 bf16 读取：在此 CPU 上更快，接近精确但并非精确（设置 › 模型 › 提示词读取精度）</translation>
-    </message>
-    <message>
         <source>nothing drafted</source>
         <translation>没有草稿 token</translation>
     </message>
@@ -721,6 +717,10 @@ kvchat 仍在运行，但上一个操作可能没有完成。详细信息见日�
     <message>
         <source> · weights {size} ({label})</source>
         <translation> · 权重 {size}（{label}）</translation>
+    </message>
+    <message>
+        <source>Prompts are read in {precision}: faster on this CPU, close to exact but not exact (Settings › Model › Read prompts in)</source>
+        <translation>提示词以 {precision} 读取：在此 CPU 上更快，接近精确但并非精确（设置 › 模型 › 提示词读取精度）</translation>
     </message>
     <message>
         <source>&lt;b&gt;{cache}&lt;/b&gt; on {url}&lt;br&gt;{speed}&lt;br&gt;this app&apos;s process RSS {rss}</source>
@@ -1684,6 +1684,10 @@ prefill {prefill} tok/s</source>
     <message>
         <source>prompts in bf16</source>
         <translation>提示词 bf16</translation>
+    </message>
+    <message>
+        <source>prompts in int8</source>
+        <translation>提示词 int8</translation>
     </message>
     <message>
         <source>disconnected: the server does not answer</source>
@@ -2654,6 +2658,10 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
     <message>
         <source>bf16 (about 5x faster on a CPU with AMX)</source>
         <translation>bf16（在支持 AMX 的 CPU 上约快 5 倍）</translation>
+    </message>
+    <message>
+        <source>int8 (rows rounded as llama.cpp does; CPUs with AVX-512 VNNI)</source>
+        <translation>int8（按 llama.cpp 的方式取整各行；需支持 AVX-512 VNNI 的 CPU）</translation>
     </message>
     <message>
         <source>How the model reads a prompt over packed weights. fp32 is exact; bf16 agreed with it on 97.7% of next-token choices over 512 tokens of prose (llama.cpp&apos;s own prompt path: 95.9%). Replies are decoded the same way either way.</source>
