@@ -93,6 +93,7 @@ static inline __attribute__((always_inline)) void gemm8_tile(const uint32_t *wb,
 static int gemm8(const float *x, int T, int K, const void *codes, int bits, const uint8_t *high, const void *scale,
                  const void *zero, int kind, const float *ssup, const float *zsup, int per, int N, float *y) {
     int ng = K / 32;
+    if (T <= 0 || N <= 0) return 0;
     int8_t *xq = (int8_t *)aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
     float *xs = (float *)malloc(sizeof(float) * (size_t)T * ng * 2), *sums = xs + (size_t)T * ng;
     if (!xq || !xs) { free(xq); free(xs); return 2; }

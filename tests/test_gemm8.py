@@ -44,6 +44,12 @@ def test_every_kind_is_q8_0_activations_times_the_weights(n, k):
         assert torch.equal(got[5], torch.zeros(n)), label
 
 
+def test_no_rows_give_no_rows():
+    from test_cpu_quant import _q4
+    codes, scale, zero = _q4(41, 96, seed=1)
+    assert cpu_quant.gemm8(torch.empty(0, 96), codes, scale, zero).shape == (0, 41)
+
+
 def test_a_rows_bits_do_not_depend_on_the_call():
     """Alone, first or last of 1 to 19 rows (tiles of 8 and every remainder): the same bits."""
     x = torch.randn(19, 96, generator=torch.Generator().manual_seed(5))
