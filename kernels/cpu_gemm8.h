@@ -112,19 +112,20 @@ static int gemm8(const float *x, int T, int K, const void *codes, int bits, cons
             int n0 = b * GB, nr = N - n0 < GB ? N - n0 : GB;
             int zeros = gemm8_block(codes, bits, high, scale, zero, kind, ssup, zsup, per, n0, nr, K, wb, sb, zb);
             int t = 0;
-            for (; t + GR <= T; t += GR)
-                gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K,
-                           ng, GR, y + (size_t)t * N + n0, N, nr);
+#define GEMM8_TILE(R) gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, \
+                                K, ng, R, y + (size_t)t * N + n0, N, nr)
+            for (; t + GR <= T; t += GR) GEMM8_TILE(GR);
             switch (T - t) {        // a constant R per case: the sums stay in registers
-                case 1: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 1, y + (size_t)t * N + n0, N, nr); break;
-                case 2: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 2, y + (size_t)t * N + n0, N, nr); break;
-                case 3: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 3, y + (size_t)t * N + n0, N, nr); break;
-                case 4: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 4, y + (size_t)t * N + n0, N, nr); break;
-                case 5: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 5, y + (size_t)t * N + n0, N, nr); break;
-                case 6: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 6, y + (size_t)t * N + n0, N, nr); break;
-                case 7: gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, K, ng, 7, y + (size_t)t * N + n0, N, nr); break;
+                case 1: GEMM8_TILE(1); break;
+                case 2: GEMM8_TILE(2); break;
+                case 3: GEMM8_TILE(3); break;
+                case 4: GEMM8_TILE(4); break;
+                case 5: GEMM8_TILE(5); break;
+                case 6: GEMM8_TILE(6); break;
+                case 7: GEMM8_TILE(7); break;
                 default: break;
             }
+#undef GEMM8_TILE
         }
         free(wb);
         free(sb);

@@ -91,9 +91,13 @@ def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
 def prefill_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype]:
     """(dtype, fallback) for Transformer.set_prefill: int8 leaves the kinds gemm8 does not read (Q6_K, MXFP4) on the
     bf16 GEMM where the CPU multiplies bf16 (AVX-512 BF16 or AMX), else on fp32."""
-    have = cpu_lib.cpu_features()
-    fallback = torch.bfloat16 if have & {"avx512bf16", "amx_bf16"} else torch.float32
+    fallback = torch.bfloat16 if _multiplies_bf16() else torch.float32
     return {"bf16": torch.bfloat16, "int8": torch.int8}.get(choice, torch.float32), fallback
+
+
+def _multiplies_bf16() -> bool:
+    """Whether the CPU multiplies bf16 itself (AVX-512 BF16 or AMX)."""
+    return bool(cpu_lib.cpu_features() & {"avx512bf16", "amx_bf16"})
 
 
 def measure_prefill_once() -> None:
@@ -114,7 +118,7 @@ def measure_prefill(rows: int = 64, n: int = 2048, k: int = 2048, tries: int = 5
     lin = Q4Linear.from_float(torch.randn(n, k, generator=gen))
     x = torch.randn(rows, k, generator=gen)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if cpu_lib.cpu_features() & {"avx512bf16", "amx_bf16"} == set():
+    if not _multiplies_bf16():
         del dtypes["bf16"]                      # no bf16 multiply: oneDNN would emulate it
     if cpu_quant.gemm8_available():
         dtypes["int8"] = torch.int8
