@@ -56,6 +56,9 @@ def add_arguments(p) -> None:
     p.add_argument("--retrieval", type=int, default=None, metavar="K",
                    help="also decode reading K blocks a token (retrieval_blocks=K) beside the full cache, e.g. "
                         "--prompt-tokens 7000 --retrieval 64")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="also decode with int8 activations (llama.cpp's own rounding, --activations int8) beside the "
+                        "default int16, interleaved in the same process")
     p.add_argument("--attention", action="store_true",
                    help="also time kvchat measuring where attention goes (session.watch_attention), interleaved: "
                         "its cost against the plain runs")
@@ -76,6 +79,16 @@ def _time_kvchat(engine, ids: list[int], new_tokens: int, watch: str | None = No
     session.reset()
     return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": (new_tokens - 1) / (t2 - t1), "ttft_s": t1 - t0,
             "kv_bytes": held.kv_bytes + held.summary_bytes}
+
+
+def _with_activations(engine, mode: str, run):
+    """run() with the engine's decode activations switched to mode, and back."""
+    before = engine.activations
+    engine.set_activations(mode)
+    try:
+        return run()
+    finally:
+        engine.set_activations(before)
 
 
 def _time_llamacpp(llm, ids: list[int], new_tokens: int) -> dict:
@@ -387,6 +400,9 @@ def run(args) -> dict:
         fetch = CacheConfig(budget_mb=4096, retrieval_blocks=args.retrieval)
         sides["kvchat_retrieval"] = lambda n: _time_kvchat(engine, ids[:n] if n else ids,
                                                            args.new_tokens if not n else 4, cache=fetch)
+    if getattr(args, "int8_activations", False):
+        sides["kvchat_int8"] = lambda n: _with_activations(engine, "int8", lambda: _time_kvchat(
+            engine, ids[:n] if n else ids, args.new_tokens if not n else 4))
     if llm is not None:
         sides["llamacpp"] = lambda n: _time_llamacpp(llm, ids[:n] if n else ids, args.new_tokens if not n else 4)
     want_hf = args.transformers == "yes" or (args.transformers == "auto" and args.model == "default")
@@ -423,6 +439,9 @@ def run(args) -> dict:
         result["retrieval_blocks"] = args.retrieval
         result["retrieval_decode_speedup"] = result["kvchat_retrieval"]["decode_tok_s"] / k["decode_tok_s"]
         result["retrieval_memory_ratio"] = result["kvchat_retrieval"]["kv_bytes"] / k["kv_bytes"]
+    if "kvchat_int8" in result and "llamacpp" in result:     # the same rounding of activations on both sides
+        result["ratio_decode_int8_vs_llamacpp"] = (result["kvchat_int8"]["decode_tok_s"]
+                                                   / result["llamacpp"]["decode_tok_s"])
     for peer in ("llamacpp", "transformers"):
         if peer in result:
             result[f"ratio_decode_vs_{peer}"] = k["decode_tok_s"] / result[peer]["decode_tok_s"]
@@ -488,7 +507,7 @@ def summarize(r: dict) -> str:
              + (f", file {r['file_bytes'] / MIB:.0f} MiB" if r.get("file_bytes") else "") + f") on {r['threads']} "
              f"threads, {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, median of {r['runs']} "
              f"interleaved runs; kernels: {r['kernels']}"]
-    for name in ("kvchat", "kvchat_attention", "llamacpp", "transformers"):
+    for name in ("kvchat", "kvchat_int8", "kvchat_attention", "llamacpp", "transformers"):
         if name in r:
             s = r[name]
             lines.append(f"  {name:12s} prefill {s['prefill_tok_s']:7.1f} tok/s  decode {s['decode_tok_s']:6.1f} tok/s  "
@@ -497,6 +516,9 @@ def summarize(r: dict) -> str:
         if f"ratio_decode_vs_{peer}" in r:
             lines.append(f"  vs {peer}: decode {r[f'ratio_decode_vs_{peer}']:.2f}x, prefill "
                          f"{r[f'ratio_prefill_vs_{peer}']:.2f}x")
+    if "ratio_decode_int8_vs_llamacpp" in r:
+        lines.append(f"  int8 activations (llama.cpp's rounding) vs llamacpp: decode "
+                     f"{r['ratio_decode_int8_vs_llamacpp']:.2f}x")
     if "attention_decode_cost" in r:
         lines.append(f"  measuring attention costs {r['attention_decode_cost']:.1%} of decode, "
                      f"{r['attention_prefill_cost']:.1%} of prefill (interleaved runs)")

@@ -109,6 +109,319 @@ static inline __m512i dot8_pair(const void *row, const uint8_t *high, int bits, 
 }
 #endif
 
+// ---- q4 codes against int8 activations, four lanes a group ------------------------------------------------------
+// A group's 32 products go to four 32-bit lanes (lane i: its code bytes 4i..4i+3, low nibbles against x[4i..4i+3] and
+// high nibbles against x[16 + 4i..]), so a 512-bit register holds four groups and one float multiply-add covers 128
+// weights: half the multiplier work a weight of the eight-lane layout above costs, which left a Zen 4 core's matvec at
+// 20 GB/s from L2, slower than memory. Group g's float sums run in chain g mod 4 (lanes 4 (g mod 4) .. + 4), the chains
+// joined as [0 | 1] + [2 | 3]; AVX2 keeps chains 0-1 and 2-3 in two registers and does the same operations.
+
+#ifdef __AVX2__
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT2_256(lo, x0, hi, x1) _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1)
+#define DOT2_128(lo, x0, hi, x1) _mm_dpbusd_epi32(_mm_dpbusd_epi32(_mm_setzero_si128(), lo, x0), hi, x1)
+#else       // pairs at most 2 * 31 * 127, two pairs' sum within int16: the same integers
+#define DOT2_256(lo, x0, hi, x1) _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), \
+                                                   _mm256_maddubs_epi16(hi, x1)), _mm256_set1_epi16(1))
+#define DOT2_128(lo, x0, hi, x1) _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(lo, x0), _mm_maddubs_epi16(hi, x1)), \
+                                                _mm_set1_epi16(1))
+#endif
+
+// x [M, K] int8 -> xl: each block of four groups as [x0-15 of g .. g + 3][x16-31 of g .. g + 3] (128 bytes), the code
+// bytes' order; the last ng mod 4 groups as they are
+static void quad_layout8(const int8_t *xq, int M, int K, int8_t *xl) {
+    int ng = K / 32;
+    for (int m = 0; m < M; m++) {
+        const int8_t *x = xq + (size_t)m * K;
+        int8_t *o = xl + (size_t)m * K;
+        int g = 0;
+        for (; g + 4 <= ng; g += 4)
+            for (int q = 0; q < 4; q++) {
+                memcpy(o + g * 32 + q * 16, x + (g + q) * 32, 16);
+                memcpy(o + g * 32 + 64 + q * 16, x + (g + q) * 32 + 16, 16);
+            }
+        memcpy(o + g * 32, x + g * 32, (size_t)(ng - g) * 32);
+    }
+}
+
+// groups g and g + 1 (32 code bytes c) -> [g's four lanes | g + 1's]; xl: their low halves' activations, xh: high
+static inline __m256i q4x8_pair(const uint8_t *c, const uint8_t *high, int g, const int8_t *xl, const int8_t *xh) {
+    const __m256i m = _mm256_set1_epi8(15);
+    __m256i b = _mm256_loadu_si256((const __m256i *)c);
+    __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    if (high) {
+        uint32_t h0 = q5_bits(high, g), h1 = q5_bits(high, g + 1);
+        lo = _mm256_or_si256(lo, q5_high8((h0 & 0xFFFFu) | h1 << 16));
+        hi = _mm256_or_si256(hi, q5_high8((h0 >> 16) | (h1 & 0xFFFF0000u)));
+    }
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)xl), x1 = _mm256_loadu_si256((const __m256i *)xh);
+    return DOT2_256(lo, x0, hi, x1);
+}
+
+// one group (of the last ng mod 4) -> its four lanes; x: its 32 activations in element order
+static inline __m128i q4x8_one(const uint8_t *c, const uint8_t *high, int g, const int8_t *x) {
+    const __m128i m = _mm_set1_epi8(15);
+    __m128i b = _mm_loadu_si128((const __m128i *)c);
+    __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    if (high) {
+        __m256i e = q5_high8(q5_bits(high, g));
+        lo = _mm_or_si128(lo, _mm256_castsi256_si128(e));
+        hi = _mm_or_si128(hi, _mm256_extracti128_si256(e, 1));
+    }
+    __m128i x0 = _mm_loadu_si128((const __m128i *)x), x1 = _mm_loadu_si128((const __m128i *)(x + 16));
+    return DOT2_128(lo, x0, hi, x1);
+}
+
+// [f[0] x 4 | f[1] x 4]
+static inline __m256 pair4(const float *f) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)f))),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// [sc[0] * xs[0] x 4 | sc[1] * xs[1] x 4] straight from float16 scales: pair4 of f16_row_terms' products
+static inline __m256 pair4h(const half_t *sc, const float *xs) {
+    uint32_t two;
+    memcpy(&two, sc, 4);
+    __m128 f = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two)), _mm_castpd_ps(_mm_load_sd((const double *)xs)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+#ifdef KVCHAT_AVX512
+// groups g .. g + 3 (64 code bytes) -> four lanes each; x: the block's 128 activations in quad_layout8
+static inline __m512i q4x8_quad(const uint8_t *c, const uint8_t *high, int g, const int8_t *x) {
+    const __m512i m = _mm512_set1_epi8(15);
+    __m512i b = _mm512_loadu_si512((const void *)c);
+    __m512i lo = _mm512_and_si512(b, m), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
+    if (high) {
+        uint64_t h[4], kl = 0, kh = 0;
+        for (int q = 0; q < 4; q++) {
+            h[q] = q5_bits(high, g + q);
+            kl |= (h[q] & 0xFFFFu) << 16 * q;
+            kh |= (h[q] >> 16) << 16 * q;
+        }
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        lo = _mm512_mask_add_epi8(lo, (__mmask64)kl, lo, sixteen);
+        hi = _mm512_mask_add_epi8(hi, (__mmask64)kh, hi, sixteen);
+    }
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)x)),
+                               hi, _mm512_loadu_si512((const void *)(x + 64)));
+}
+
+// [f[0] x 4 | f[1] x 4 | f[2] x 4 | f[3] x 4]
+static inline __m512 quad4(const float *f) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps128_ps512(_mm_loadu_ps(f)));
+}
+
+// quad4 of sc[0..4) * xs[0..4) straight from float16 scales
+static inline __m512 quad4h(const half_t *sc, const float *xs) {
+    __m128 f = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)sc)), _mm_loadu_ps(xs));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps128_ps512(f));
+}
+#endif
+
+// One block of four groups (g) into the chains: c01 holds chains 0-1, c23 chains 2-3 (AVX-512: acc all four).
+// The scale products: f [ng] formed before, or (sh not NULL) formed here from float16 scales sh and xs, the same
+// products (f16_row_terms'), with no pass over the row to write them.
+#ifdef KVCHAT_AVX512
+#define Q4X8_BLOCK(acc, c01, c23, row, high, g, x, f, sh, xs) \
+    (acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_quad((row) + (g) * 16, high, g, x)), \
+                           (sh) ? quad4h((sh) + (g), (xs) + (g)) : quad4((f) + (g)), acc))
+#else
+#define Q4X8_BLOCK(acc, c01, c23, row, high, g, x, f, sh, xs) do { \
+        c01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4x8_pair((row) + (g) * 16, high, g, x, (x) + 64)), \
+                              (sh) ? pair4h((sh) + (g), (xs) + (g)) : pair4((f) + (g)), c01); \
+        c23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4x8_pair((row) + (g) * 16 + 32, high, (g) + 2, (x) + 32, (x) + 96)), \
+                              (sh) ? pair4h((sh) + (g) + 2, (xs) + (g) + 2) : pair4((f) + (g) + 2), c23); \
+    } while (0)
+#endif
+
+// group g of the last ng mod 4 into chain g mod 4: lanes 0-3 or 4-7 of c01 or c23
+static inline void q4x8_last(__m256 *c01, __m256 *c23, int g, const uint8_t *row, const uint8_t *high,
+                             const int8_t *x, float f) {
+    __m256 *c = (g & 2) ? c23 : c01;
+    __m128 d = _mm_cvtepi32_ps(q4x8_one(row + g * 16, high, g, x)), s = _mm_set1_ps(f);
+    if (g & 1) *c = _mm256_insertf128_ps(*c, _mm_fmadd_ps(d, s, _mm256_extractf128_ps(*c, 1)), 1);
+    else *c = _mm256_insertf128_ps(*c, _mm_fmadd_ps(d, s, _mm256_castps256_ps128(*c)), 0);
+}
+
+// the chains and the zero terms joined into a row's result
+static inline float q4x8_join(__m256 c01, __m256 c23, const float *zr, const float *sums, int ng) {
+    float tail;
+    __m256 z = zero_terms(zr, sums, ng, &tail);
+    return hsum8(_mm256_add_ps(_mm256_add_ps(c01, c23), z)) + tail;
+}
+
+// R rows of x (quad_layout8) against one weight row of q4 codes; f [R, ng]: sc[g] * xs[m][g]
+static inline __attribute__((always_inline)) void q4x8_rows(const uint8_t *row, const uint8_t *high, const float *f,
+        const float *zr, const int8_t *xl, const float *sums, int ng, int K, const int R, float *out) {
+    __m256 c01[4], c23[4];
+    int g = 0;
+#ifdef KVCHAT_AVX512
+    __m512 acc[4];
+    for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
+#else
+    for (int m = 0; m < R; m++) c01[m] = c23[m] = _mm256_setzero_ps();
+#endif
+    for (; g + 4 <= ng; g += 4) {
+        _mm_prefetch((const char *)row + (size_t)g * 16 + PREFETCH, _MM_HINT_T0);
+        FAR_PREFETCH((const char *)row + (size_t)g * 16);
+        for (int m = 0; m < R; m++) Q4X8_BLOCK(acc[m], c01[m], c23[m], row, high, g, xl + (size_t)m * K + g * 32,
+                                               f + (size_t)m * ng, (const half_t *)NULL, (const float *)NULL);
+    }
+#ifdef KVCHAT_AVX512
+    for (int m = 0; m < R; m++) c01[m] = low8(acc[m]), c23[m] = high8(acc[m]);
+#endif
+    for (; g < ng; g++)
+        for (int m = 0; m < R; m++) q4x8_last(&c01[m], &c23[m], g, row, high, xl + (size_t)m * K + g * 32, f[m * ng + g]);
+    for (int m = 0; m < R; m++) out[m] = q4x8_join(c01[m], c23[m], zr, sums + (size_t)m * ng, ng);
+}
+
+// One row of x against weight rows a and b (decode): q4x8_rows' operations for each, side by side, the rows
+// fetched PF_ROWS rows ahead as the int16 two-row kernels fetch theirs. Scale products from fa, fb or (sa not NULL)
+// from float16 scales sa, sb and xs. Zeros (zk): 0 none, 1 floats za, zb; formed here as zero_terms forms their
+// sums, 2: c * the scales sa, sb (Q4_0, Q5_0), 3: float16 zeros zha, zhb (Q4_1, Q5_1).
+static inline __attribute__((always_inline)) void q4x8_row2_h(const uint8_t *ra, const uint8_t *rb,
+        const uint8_t *ha, const uint8_t *hb, const float *fa, const float *fb, const half_t *sa, const half_t *sb,
+        const float *xs, const int zk, const float *za, const float *zb, const half_t *zha, const half_t *zhb,
+        float c, const int8_t *xl, const float *sums, int ng, float *out) {
+    __m256 a01 = _mm256_setzero_ps(), a23 = a01, b01 = a01, b23 = a01, za8 = a01, zb8 = a01;
+#ifdef KVCHAT_AVX512
+    __m512 A = _mm512_setzero_ps(), B = A;
+#endif
+    const long pf = PF_ROWS * 16L * ng;
+    int g = 0;
+    for (; g + 4 <= ng; g += 4) {
+        _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
+        _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
+        Q4X8_BLOCK(A, a01, a23, ra, ha, g, xl + g * 32, fa, sa, xs);
+        Q4X8_BLOCK(B, b01, b23, rb, hb, g, xl + g * 32, fb, sb, xs);
+        if (zk >= 2 && (g & 4)) {       // groups g - 4 .. g + 4: zero_terms' eight lanes
+            const half_t *pa = zk == 2 ? sa : zha, *pb = zk == 2 ? sb : zhb;
+            __m256 va = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pa + g - 4)));
+            __m256 vb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + g - 4)));
+            if (zk == 2) va = _mm256_mul_ps(_mm256_set1_ps(c), va), vb = _mm256_mul_ps(_mm256_set1_ps(c), vb);
+            za8 = _mm256_fmadd_ps(va, _mm256_loadu_ps(sums + g - 4), za8);
+            zb8 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(sums + g - 4), zb8);
+        }
+    }
+#ifdef KVCHAT_AVX512
+    a01 = low8(A), a23 = high8(A), b01 = low8(B), b23 = high8(B);
+#endif
+    for (; g < ng; g++) {
+        q4x8_last(&a01, &a23, g, ra, ha, xl + g * 32, sa ? f16_to_f32(sa[g]) * xs[g] : fa[g]);
+        q4x8_last(&b01, &b23, g, rb, hb, xl + g * 32, sb ? f16_to_f32(sb[g]) * xs[g] : fb[g]);
+    }
+    if (zk >= 2) {
+        float ta = 0.f, tb = 0.f;
+        for (int h = ng / 8 * 8; h < ng; h++) {
+            float wa = zk == 2 ? c * f16_to_f32(sa[h]) : f16_to_f32(zha[h]);
+            float wb = zk == 2 ? c * f16_to_f32(sb[h]) : f16_to_f32(zhb[h]);
+            ta += wa * sums[h];
+            tb += wb * sums[h];
+        }
+        out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a01, a23), za8)) + ta;
+        out[1] = hsum8(_mm256_add_ps(_mm256_add_ps(b01, b23), zb8)) + tb;
+    } else {
+        out[0] = q4x8_join(a01, a23, zk ? za : NULL, sums, ng);
+        out[1] = q4x8_join(b01, b23, zk ? zb : NULL, sums, ng);
+    }
+}
+
+static __attribute__((noinline)) void q4x8_row2(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
+        const uint8_t *hb, const float *fa, const float *fb, const float *za, const float *zb, const int8_t *xl,
+        const float *sums, int ng, float *out) {
+    if (ha) q4x8_row2_h(ra, rb, ha, hb, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xl, sums, ng, out);
+    else q4x8_row2_h(ra, rb, NULL, NULL, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xl, sums, ng, out);
+}
+
+// The same from float16 scales (kinds 1 and 4): sa, sb the two rows' scales; zha, zhb their float16 zeros (kind 1)
+static __attribute__((noinline)) void q4x8_row2_f16(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
+        const uint8_t *hb, const half_t *sa, const half_t *sb, const float *xs, int kind, const half_t *zha,
+        const half_t *zhb, const int8_t *xl, const float *sums, int ng, float *out) {
+#define Q4X8_F16(H, ZK) q4x8_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, NULL, NULL, sa, sb, xs, ZK, NULL, NULL, \
+                                    zha, zhb, H ? -16.f : -8.f, xl, sums, ng, out)
+    if (kind == 4) {
+        if (ha) Q4X8_F16(1, 2);
+        else Q4X8_F16(0, 2);
+    } else if (zha) {
+        if (ha) Q4X8_F16(1, 3);
+        else Q4X8_F16(0, 3);
+    } else {
+        if (ha) Q4X8_F16(1, 0);
+        else Q4X8_F16(0, 0);
+    }
+#undef Q4X8_F16
+}
+
+// q4 codes (bits 4) against int8 rows xq [M, K]: gemv8's loops for them. xl: room for xq in quad_layout8.
+static void gemv8_q4(const int8_t *xq, int8_t *xl, const float *xs, const float *sums, int M, int K,
+                     const uint8_t *codes, const void *scale, const void *zero, int N, float *y, int ldy,
+                     const float *resid, int kind, const float *ssup, const float *zsup, int per,
+                     const uint8_t *high) {
+    int ng = K / 32;
+    quad_layout8(xq, M, K, xl);
+    if (M == 1) {           // decode: two weight rows a step, their scale terms formed as q4_gemv_ld's
+        #pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n += 2) {
+            int b = n + 1 < N ? n + 1 : n;
+            const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
+            float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
+            const float *za, *zb;
+            prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
+            if (kind == 1 || kind == 4) {       // the scale products and zeros formed in the loop
+                const half_t *z16 = (const half_t *)zero;
+                q4x8_row2_f16(codes + (size_t)n * (K / 2), codes + (size_t)b * (K / 2), ha, hb,
+                              (const half_t *)scale + (size_t)n * ng, (const half_t *)scale + (size_t)b * ng, xs, kind,
+                              z16 ? z16 + (size_t)n * ng : NULL, z16 ? z16 + (size_t)b * ng : NULL, xl, sums, ng, out);
+                y[n] = out[0] + (resid ? resid[n] : 0.f);
+                if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
+                continue;
+            } else if (kind == 5) {
+                za = k_row_terms(scale, ssup, zero, zsup, xs, n, ng, fa, zba);
+                zb = k_row_terms(scale, ssup, zero, zsup, xs, b, ng, fb, zbb);
+            } else {
+                float sa[MAXG], sb[MAXG];
+                const float *sca = row_f32(scale, ssup, per, n, ng, kind, sa), *scb = row_f32(scale, ssup, per, b, ng, kind, sb);
+                za = row_zero(zero, zsup, per, n, ng, kind, sca, zba, high);
+                zb = row_zero(zero, zsup, per, b, ng, kind, scb, zbb, high);
+                scale_products(sca, xs, ng, 1, fa);
+                scale_products(scb, xs, ng, 1, fb);
+            }
+            q4x8_row2(codes + (size_t)n * (K / 2), codes + (size_t)b * (K / 2), ha, hb, fa, fb, za, zb, xl, sums, ng,
+                      out);
+            y[n] = out[0] + (resid ? resid[n] : 0.f);
+            if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
+        }
+        return;
+    }
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *row = codes + (size_t)n * (K / 2), *hrow = high ? high + (size_t)n * (K / 8) : NULL;
+        float sbuf[MAXG], zbuf[MAXG], out[MAXM], f[4 * MAXG];
+        const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf);
+        const float *zr = row_zero(zero, zsup, per, n, ng, kind, sc, zbuf, high);
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int R = M - m0 < 4 ? M - m0 : 4;
+            scale_products(sc, xs + (size_t)m0 * ng, ng, R, f);
+            const int8_t *xm = xl + (size_t)m0 * K;
+            const float *sm = sums + (size_t)m0 * ng;
+#define Q4X8_ROWS(R) (hrow ? q4x8_rows(row, hrow, f, zr, xm, sm, ng, K, R, out + m0) \
+                           : q4x8_rows(row, NULL, f, zr, xm, sm, ng, K, R, out + m0))
+            switch (R) {
+                case 1: Q4X8_ROWS(1); break;
+                case 2: Q4X8_ROWS(2); break;
+                case 3: Q4X8_ROWS(3); break;
+                default: Q4X8_ROWS(4); break;
+            }
+#undef Q4X8_ROWS
+        }
+        for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
+    }
+}
+#endif
+
 // R rows (a constant) of int8 activations against one weight row of ng groups of 32; f [R, ng] = sc[g] * xs[m][g]
 static inline __attribute__((always_inline)) void rows8(const void *row, const uint8_t *high, int bits,
         const float *f, const float *zr, const int8_t *xq, const float *sums, int ng, int K, const int R, float *out) {
@@ -164,6 +477,13 @@ static void gemv8(const float *x, int M, int K, const void *codes, int bits, con
     int8_t *xq = (int8_t *)(mode ? buf + (size_t)M * K : buf);
     float *xs = (float *)(xq + (size_t)M * K), *sums = xs + (size_t)M * ng;
     quantize_x8(xp, M, K, xq, xs, sums);
+#ifdef __AVX2__
+    if (bits == 4) {        // four lanes a group (above); room for the laid-out rows after the sums
+        gemv8_q4(xq, (int8_t *)(sums + (size_t)M * ng), xs, sums, M, K, (const uint8_t *)codes, scale, zero, N, y, ldy,
+                 resid, kind, ssup, zsup, per, high);
+        return;
+    }
+#endif
     size_t row_bytes = (size_t)K * bits / 8;
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {

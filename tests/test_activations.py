@@ -14,22 +14,43 @@ pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="C kernels una
 
 
 def _cases(k):
-    cases = [("q4", _q4(40, k, seed=1), lambda x, c, act: cpu_quant.q4_gemv(x, *c, act=act))]
+    """Every scale kind the q4 loop reads (float32 with zeros; float16 with Q4_0's implicit -8, with float16 zeros
+    as Q4_1's, with none; the fifth bits of Q5_0 / Q5_1; the K-quants' packed bytes with and without the fifth
+    bits) and int8 codes with and without zeros."""
+    codes, scale, zero = q4 = _q4(40, k, seed=1)
+    gen = torch.Generator().manual_seed(5)
+    high = torch.randint(0, 256, (40, k // 8), dtype=torch.uint8, generator=gen)
+    q4_0 = cpu_quant.Scales(scale.half(), offset8=True)
+    q5_0 = cpu_quant.Scales(scale.half(), offset8=True, centre=16)
+    sup = lambda: (torch.rand(40, k // 256, generator=gen) * 0.01).half()     # noqa: E731 (k % 256 == 0 only)
+    kp = cpu_quant.Scales(torch.randint(0, 256, (40, k // 256 * 12), dtype=torch.uint8, generator=gen),
+                          scale_sup=sup(), zero_sup=sup(), per=8, kpacked=True) if k % 256 == 0 else None
+    ref4 = lambda x, c: cpu_quant.q4_gemv_ref(x, *c)       # noqa: E731
+    cases = [("q4", q4, lambda x, c, act: cpu_quant.q4_gemv(x, *c, act=act), ref4),
+             ("q4_0", q4, lambda x, c, act: cpu_quant.q4_gemv(x, codes, q4_0, act=act), None),
+             ("q5_0", q4, lambda x, c, act: cpu_quant.q4_gemv(x, codes, q5_0, high=high, act=act), None),
+             ("q4_1", q4, lambda x, c, act: cpu_quant.q4_gemv(x, codes, scale.half(), zero.half(), act=act), None),
+             ("q5_1", q4, lambda x, c, act: cpu_quant.q4_gemv(x, codes, scale.half(), zero.half(), high=high,
+                                                              act=act), None),
+             ("f16", q4, lambda x, c, act: cpu_quant.q4_gemv(x, codes, scale.half(), act=act), None)]
+    if k % 256 == 0:
+        cases += [("q4_k", q4, lambda x, c, act: cpu_quant.q4_gemv(x, codes, kp, act=act), None),
+                  ("q5_k", q4, lambda x, c, act: cpu_quant.q4_gemv(x, codes, kp, high=high, act=act), None)]
     for group, with_zero in ((32, False), (32, True)):
         cases.append((f"q8/{with_zero}", _q8(40, k, group, with_zero, seed=2),
-                      lambda x, c, act, g=group: cpu_quant.q8_gemv(x, c[0], c[1], c[2], g, act=act)))
+                      lambda x, c, act, g=group: cpu_quant.q8_gemv(x, c[0], c[1], c[2], g, act=act),
+                      lambda x, c: cpu_quant.q8_gemv_ref(x, c[0], c[1], c[2], 32)))
     return cases
 
 
 @pytest.mark.parametrize("variant", cpu_lib.runnable_variants())
-@pytest.mark.parametrize("k", [576, 544, 608])          # groups: a multiple of 4, one over, two over
+@pytest.mark.parametrize("k", [576, 544, 608, 768])     # groups: a multiple of 4, one over, two over; K-quants
 def test_int8_rows_are_the_same_in_every_simd_variant_and_alone(variant, k):
     lib = cpu_lib._build(variant=variant)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
     old = cpu_quant._lib
-    for label, codes, fn in _cases(k):
-        ref = (cpu_quant.q4_gemv_ref(x, *codes) if label == "q4" else
-               cpu_quant.q8_gemv_ref(x, codes[0], codes[1], codes[2], 32))
+    for label, codes, fn, ref_fn in _cases(k):
+        ref = ref_fn(x, codes) if ref_fn else fn(x, codes, 16)      # else the int16 kernel (exact to ~1e-5)
         for m in (1, 2, 3, 5, 8):
             try:
                 cpu_quant._lib = lib
