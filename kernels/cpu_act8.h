@@ -290,6 +290,7 @@ static inline __attribute__((always_inline)) void q4x8_row2_h(const uint8_t *ra,
 #ifdef KVCHAT_AVX512
     __m512 A = _mm512_setzero_ps(), B = A;
 #endif
+    const half_t *pa = zk == 2 ? sa : zha, *pb = zk == 2 ? sb : zhb;
     const long pf = PF_ROWS * 16L * ng;
     int g = 0;
     for (; g + 4 <= ng; g += 4) {
@@ -297,14 +298,7 @@ static inline __attribute__((always_inline)) void q4x8_row2_h(const uint8_t *ra,
         _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
         Q4X8_BLOCK(A, a01, a23, ra, ha, g, xl + g * 32, fa, sa, xs);
         Q4X8_BLOCK(B, b01, b23, rb, hb, g, xl + g * 32, fb, sb, xs);
-        if (zk >= 2 && (g & 4)) {       // groups g - 4 .. g + 4: zero_terms' eight lanes
-            const half_t *pa = zk == 2 ? sa : zha, *pb = zk == 2 ? sb : zhb;
-            __m256 va = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pa + g - 4)));
-            __m256 vb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + g - 4)));
-            if (zk == 2) va = _mm256_mul_ps(_mm256_set1_ps(c), va), vb = _mm256_mul_ps(_mm256_set1_ps(c), vb);
-            za8 = _mm256_fmadd_ps(va, _mm256_loadu_ps(sums + g - 4), za8);
-            zb8 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(sums + g - 4), zb8);
-        }
+        if (zk >= 2 && (g & 4)) za8 = zero8_h(pa, zk, c, sums, g - 4, za8), zb8 = zero8_h(pb, zk, c, sums, g - 4, zb8);
     }
 #ifdef KVCHAT_AVX512
     a01 = low8(A), a23 = high8(A), b01 = low8(B), b23 = high8(B);
@@ -314,15 +308,8 @@ static inline __attribute__((always_inline)) void q4x8_row2_h(const uint8_t *ra,
         q4x8_last(&b01, &b23, g, rb, hb, xl + g * 32, sb ? f16_to_f32(sb[g]) * xs[g] : fb[g]);
     }
     if (zk >= 2) {
-        float ta = 0.f, tb = 0.f;
-        for (int h = ng / 8 * 8; h < ng; h++) {
-            float wa = zk == 2 ? c * f16_to_f32(sa[h]) : f16_to_f32(zha[h]);
-            float wb = zk == 2 ? c * f16_to_f32(sb[h]) : f16_to_f32(zhb[h]);
-            ta += wa * sums[h];
-            tb += wb * sums[h];
-        }
-        out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a01, a23), za8)) + ta;
-        out[1] = hsum8(_mm256_add_ps(_mm256_add_ps(b01, b23), zb8)) + tb;
+        out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a01, a23), za8)) + zero_tail_h(pa, zk, c, sums, ng);
+        out[1] = hsum8(_mm256_add_ps(_mm256_add_ps(b01, b23), zb8)) + zero_tail_h(pb, zk, c, sums, ng);
     } else {
         out[0] = q4x8_join(a01, a23, zk ? za : NULL, sums, ng);
         out[1] = q4x8_join(b01, b23, zk ? zb : NULL, sums, ng);
@@ -340,19 +327,10 @@ static __attribute__((noinline)) void q4x8_row2(const uint8_t *ra, const uint8_t
 static __attribute__((noinline)) void q4x8_row2_f16(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
         const uint8_t *hb, const half_t *sa, const half_t *sb, const float *xs, int kind, const half_t *zha,
         const half_t *zhb, const int8_t *xl, const float *sums, int ng, float *out) {
-#define Q4X8_F16(H, ZK) q4x8_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, NULL, NULL, sa, sb, xs, ZK, NULL, NULL, \
-                                    zha, zhb, H ? -16.f : -8.f, xl, sums, ng, out)
-    if (kind == 4) {
-        if (ha) Q4X8_F16(1, 2);
-        else Q4X8_F16(0, 2);
-    } else if (zha) {
-        if (ha) Q4X8_F16(1, 3);
-        else Q4X8_F16(0, 3);
-    } else {
-        if (ha) Q4X8_F16(1, 0);
-        else Q4X8_F16(0, 0);
-    }
-#undef Q4X8_F16
+#define ROW2(H, ZK) q4x8_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, NULL, NULL, sa, sb, xs, ZK, NULL, NULL, zha, \
+                                zhb, H ? -16.f : -8.f, xl, sums, ng, out)
+    F16_ROW2_CASES(ROW2);
+#undef ROW2
 }
 
 // q4 codes (bits 4) against int8 rows xq [M, K]: gemv8's loops for them. xl: room for xq in quad_layout8.

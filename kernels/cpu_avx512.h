@@ -19,6 +19,15 @@ static inline __m512 pair_scale(const float *f) {
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)f))));
 }
 
+// pair_scale of sc[0] * xs[0] and sc[1] * xs[1] straight from float16 scales (f16_row_terms' products)
+static inline __m512 pair_scale_h(const half_t *sc, const float *xs) {
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    uint32_t two;
+    memcpy(&two, sc, 4);
+    __m128 f = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two)), _mm_castpd_ps(_mm_load_sd((const double *)xs)));
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f));
+}
+
 static inline __m256 low8(__m512 a) { return _mm512_castps512_ps256(a); }
 static inline __m256 high8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
 
@@ -112,11 +121,14 @@ static inline const int16_t *q4_pair_layout(const int16_t *xq, int M, int K, int
 
 // q4_row1 for one row of x against two weight rows at once (a and b): each row's sums are q4_row1's operations in
 // its order (lanes 0-7 the even groups' chain a0, 8-15 the odd groups' a1), the two chains side by side so neither
-// waits on its own multiply-add. xp: the row in q4_pair_layout; fa, fb: the scale products sc[g] * xs[g].
-static __attribute__((noinline)) void q4_row2_512(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
-        const uint8_t *hb, const float *fa, const float *fb, const float *za, const float *zb, const int16_t *xp,
-        const float *sums, int ng, float *out) {
+// waits on its own multiply-add. xp: the row in q4_pair_layout. Scale products and zeros as q4_row2_h takes them.
+static inline __attribute__((always_inline)) void q4_row2_512_h(const uint8_t *ra, const uint8_t *rb,
+        const uint8_t *ha, const uint8_t *hb, const float *fa, const float *fb, const half_t *sa, const half_t *sb,
+        const float *xs, const int zk, const float *za, const float *zb, const half_t *zha, const half_t *zhb,
+        float c, const int16_t *xp, const float *sums, int ng, float *out) {
     __m512 A = _mm512_setzero_ps(), B = _mm512_setzero_ps();
+    __m256 za8 = _mm256_setzero_ps(), zb8 = za8;
+    const half_t *pa = zk == 2 ? sa : zha, *pb = zk == 2 ? sb : zhb;
     const long pf = PF_ROWS * 16L * ng;
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
@@ -128,24 +140,45 @@ static __attribute__((noinline)) void q4_row2_512(const uint8_t *ra, const uint8
         __m512i x1 = _mm512_loadu_si512((const void *)(xp + g * 32 + 32));
         __m512i lo, hi;
         q4_unpack_pair(ra + g * 16, ha, g, &lo, &hi);
-        __m512i pa = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, x0), hi, x1);
+        __m512i pa2 = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
         q4_unpack_pair(rb + g * 16, hb, g, &lo, &hi);
-        __m512i pb = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, x0), hi, x1);
-        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), pair_scale(fa + g), A);
-        B = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb), pair_scale(fb + g), B);
+        __m512i pb2 = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
+        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa2), sa ? pair_scale_h(sa + g, xs + g) : pair_scale(fa + g), A);
+        B = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb2), sb ? pair_scale_h(sb + g, xs + g) : pair_scale(fb + g), B);
+        if (zk >= 2 && (g & 6) == 6) za8 = zero8_h(pa, zk, c, sums, g - 6, za8), zb8 = zero8_h(pb, zk, c, sums, g - 6, zb8);
     }
     const uint8_t *r[2] = {ra, rb}, *h[2] = {ha, hb};
     const float *f[2] = {fa, fb}, *z[2] = {za, zb};
+    const half_t *sh[2] = {sa, sb}, *ph[2] = {pa, pb};
     __m512 acc[2] = {A, B};
+    __m256 z8[2] = {za8, zb8};
     for (int i = 0; i < 2; i++) {
         __m256 a0 = low8(acc[i]), a1 = high8(acc[i]);
         if (g < ng)
             a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(r[i] + g * 16, h[i], g, xp + g * 32)),
-                                 _mm256_broadcast_ss(f[i] + g), a0);
+                                 _mm256_set1_ps(sh[i] ? f16_to_f32(sh[i][g]) * xs[g] : f[i][g]), a0);
         float tail;
-        __m256 zt = zero_terms(z[i], sums, ng, &tail);
+        __m256 zt = z8[i];
+        if (zk >= 2) tail = zero_tail_h(ph[i], zk, c, sums, ng);
+        else zt = zero_terms(zk ? z[i] : NULL, sums, ng, &tail);
         out[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), zt)) + tail;
     }
+}
+
+static __attribute__((noinline)) void q4_row2_512(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
+        const uint8_t *hb, const float *fa, const float *fb, const float *za, const float *zb, const int16_t *xp,
+        const float *sums, int ng, float *out) {
+    if (ha) q4_row2_512_h(ra, rb, ha, hb, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xp, sums, ng, out);
+    else q4_row2_512_h(ra, rb, NULL, NULL, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xp, sums, ng, out);
+}
+
+static __attribute__((noinline)) void q4_row2_512_f16(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
+        const uint8_t *hb, const half_t *sa, const half_t *sb, const float *xs, int kind, const half_t *zha,
+        const half_t *zhb, const int16_t *xp, const float *sums, int ng, float *out) {
+#define ROW2(H, ZK) q4_row2_512_h(ra, rb, H ? ha : NULL, H ? hb : NULL, NULL, NULL, sa, sb, xs, ZK, NULL, NULL, zha, \
+                                  zhb, H ? -16.f : -8.f, xp, sums, ng, out)
+    F16_ROW2_CASES(ROW2);
+#undef ROW2
 }
 
 // int8 codes of groups g and g + 1 as [g's 16 codes from j | g + 1's 16 codes from j], widened to 16 bits

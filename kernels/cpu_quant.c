@@ -236,6 +236,21 @@ static inline __m256 zero_terms(const float *zr, const float *sums, int ng, floa
     return z;
 }
 
+// The two-row kernels' zeros formed in their loops from float16, as zero_terms sums them: zk 2, c * the row's
+// scales p (Q4_0, Q5_0: c = -8 or -16); zk 3, the file's float16 zeros p (Q4_1, Q5_1). zero8_h: groups h .. h + 8
+// into the eight lanes; zero_tail_h: the groups past the last eight, in zero_terms' scalar order.
+static inline __m256 zero8_h(const half_t *p, int zk, float c, const float *sums, int h, __m256 z) {
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + h)));
+    if (zk == 2) v = _mm256_mul_ps(_mm256_set1_ps(c), v);
+    return _mm256_fmadd_ps(v, _mm256_loadu_ps(sums + h), z);
+}
+
+static inline float zero_tail_h(const half_t *p, int zk, float c, const float *sums, int ng) {
+    float t = 0.f;
+    for (int h = ng / 8 * 8; h < ng; h++) t += (zk == 2 ? c * f16_to_f32(p[h]) : f16_to_f32(p[h])) * sums[h];
+    return t;
+}
+
 // 16 of a group's fifth bits (the low or the high half of q5_bits) as 16 or 0 in 16 int16 lanes
 static inline __m256i q5_high16(uint32_t bits) {
     const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
@@ -300,12 +315,16 @@ static float q4_row1(const uint8_t *row, const uint8_t *high, const float *sc, c
 
 // q4_row1 for one row of x against two weight rows at once (a and b), each row's sums q4_row1's operations in its
 // order, the four chains side by side so none waits on its own multiply-add. fa, fb: the scale products
-// sc[g] * xs[g] (q4_row1 forms them the same way).
+// sc[g] * xs[g] (q4_row1 forms them the same way), or (sa not NULL) formed here from float16 scales sa, sb and xs.
+// Zeros (zk): 0 none, 1 floats za, zb, 2 or 3 formed here (zero8_h) from sa, sb or float16 zeros zha, zhb.
 static inline __attribute__((always_inline)) void q4_row2_h(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
-        const uint8_t *hb, const float *fa, const float *fb, const float *za, const float *zb, const int16_t *xq,
-        const float *sums, int ng, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+        const uint8_t *hb, const float *fa, const float *fb, const half_t *sa, const half_t *sb, const float *xs,
+        const int zk, const float *za, const float *zb, const half_t *zha, const half_t *zhb, float c,
+        const int16_t *xq, const float *sums, int ng, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, za8 = a0, zb8 = a0;
+    const half_t *pa = zk == 2 ? sa : zha, *pb = zk == 2 ? sb : zhb;
     const long pf = PF_ROWS * 16L * ng;
+#define F_OF(f, s, g) ((s) ? _mm256_set1_ps(f16_to_f32((s)[g]) * xs[g]) : _mm256_broadcast_ss((f) + (g)))
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
         if (!(g & 3)) {
@@ -313,29 +332,50 @@ static inline __attribute__((always_inline)) void q4_row2_h(const uint8_t *ra, c
             _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
         }
         const int16_t *v = xq + g * 32;
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, v)), _mm256_broadcast_ss(fa + g), a0);
-        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, v)), _mm256_broadcast_ss(fb + g), b0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16 + 16, ha, g + 1, v + 32)),
-                             _mm256_broadcast_ss(fa + g + 1), a1);
-        b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16 + 16, hb, g + 1, v + 32)),
-                             _mm256_broadcast_ss(fb + g + 1), b1);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, v)), F_OF(fa, sa, g), a0);
+        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, v)), F_OF(fb, sb, g), b0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16 + 16, ha, g + 1, v + 32)), F_OF(fa, sa, g + 1), a1);
+        b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16 + 16, hb, g + 1, v + 32)), F_OF(fb, sb, g + 1), b1);
+        if (zk >= 2 && (g & 6) == 6) za8 = zero8_h(pa, zk, c, sums, g - 6, za8), zb8 = zero8_h(pb, zk, c, sums, g - 6, zb8);
     }
     if (g < ng) {
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, xq + g * 32)), _mm256_set1_ps(fa[g]), a0);
-        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, xq + g * 32)), _mm256_set1_ps(fb[g]), b0);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, xq + g * 32)), F_OF(fa, sa, g), a0);
+        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, xq + g * 32)), F_OF(fb, sb, g), b0);
     }
-    float tail;
-    __m256 z = zero_terms(za, sums, ng, &tail);
-    out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
-    z = zero_terms(zb, sums, ng, &tail);
-    out[1] = hsum8(_mm256_add_ps(_mm256_add_ps(b0, b1), z)) + tail;
+#undef F_OF
+    float ta, tb;
+    if (zk >= 2) {
+        ta = zero_tail_h(pa, zk, c, sums, ng), tb = zero_tail_h(pb, zk, c, sums, ng);
+    } else {
+        za8 = zero_terms(zk ? za : NULL, sums, ng, &ta);
+        zb8 = zero_terms(zk ? zb : NULL, sums, ng, &tb);
+    }
+    out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), za8)) + ta;
+    out[1] = hsum8(_mm256_add_ps(_mm256_add_ps(b0, b1), zb8)) + tb;
 }
 
 static __attribute__((noinline)) void q4_row2(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha, const uint8_t *hb,
         const float *fa, const float *fb, const float *za, const float *zb, const int16_t *xq, const float *sums,
         int ng, float *out) {
-    if (ha) q4_row2_h(ra, rb, ha, hb, fa, fb, za, zb, xq, sums, ng, out);
-    else q4_row2_h(ra, rb, NULL, NULL, fa, fb, za, zb, xq, sums, ng, out);
+    if (ha) q4_row2_h(ra, rb, ha, hb, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xq, sums, ng, out);
+    else q4_row2_h(ra, rb, NULL, NULL, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xq, sums, ng, out);
+}
+
+// Float16 scales (kinds 1 and 4) without a pass to widen them: ROW2(H, ZK) calls a two-row kernel's body with the
+// fifth bits (H) or not and the zeros ZK (2: c * the scales, kind 4; 3: float16 zeros; 0: none), constants each
+#define F16_ROW2_CASES(ROW2) do { \
+        if (kind == 4) { if (ha) ROW2(1, 2); else ROW2(0, 2); } \
+        else if (zha) { if (ha) ROW2(1, 3); else ROW2(0, 3); } \
+        else { if (ha) ROW2(1, 0); else ROW2(0, 0); } \
+    } while (0)
+
+static __attribute__((noinline)) void q4_row2_f16(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
+        const uint8_t *hb, const half_t *sa, const half_t *sb, const float *xs, int kind, const half_t *zha,
+        const half_t *zhb, const int16_t *xq, const float *sums, int ng, float *out) {
+#define ROW2(H, ZK) q4_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, NULL, NULL, sa, sb, xs, ZK, NULL, NULL, zha, zhb, \
+                              H ? -16.f : -8.f, xq, sums, ng, out)
+    F16_ROW2_CASES(ROW2);
+#undef ROW2
 }
 
 // Kinds 1 and 4 (float16 scales, and zeros or none) for the two-row kernels: row n's scale products f = sc * xs and
@@ -675,9 +715,19 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
             float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
             const float *za, *zb;
             prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
-            if (kind == 1 || kind == 4) {       // float16 scales (and zeros): widened and multiplied in one pass
-                za = f16_row_terms(scale, zero, kind, high, xs, n, ng, fa, zba);
-                zb = f16_row_terms(scale, zero, kind, high, xs, b, ng, fb, zbb);
+            if (kind == 1 || kind == 4) {       // float16 scales (and zeros): their products formed in the loop
+                const half_t *s16 = (const half_t *)scale, *z16 = (const half_t *)zero;
+#ifdef KVCHAT_AVX512
+                q4_row2_512_f16(
+#else
+                q4_row2_f16(
+#endif
+                    codes + (size_t)n * (K / 2), codes + (size_t)b * (K / 2), ha, hb, s16 + (size_t)n * ng,
+                    s16 + (size_t)b * ng, xs, kind, z16 ? z16 + (size_t)n * ng : NULL, z16 ? z16 + (size_t)b * ng : NULL,
+                    xp, sums, ng, out);
+                y[n] = out[0] + (resid ? resid[n] : 0.f);
+                if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
+                continue;
             } else if (kind == 5) {             // the K-quants' packed scales: likewise
                 za = k_row_terms(scale, ssup, zero, zsup, xs, n, ng, fa, zba);
                 zb = k_row_terms(scale, ssup, zero, zsup, xs, b, ng, fb, zbb);

@@ -141,7 +141,9 @@ def test_the_simd_variants_give_the_same_bits_for_every_row_count_and_format(var
              ("q4/f16", lambda x: cpu_quant.q4_gemv(x, codes, half, zero.half())),   # the implicit -8 (Q4_0), and
              ("q4_0", lambda x: cpu_quant.q4_gemv(x, codes, cpu_quant.Scales(half, offset8=True))),    # Q5_0
              ("q5_0", lambda x: cpu_quant.q4_gemv(x, codes, cpu_quant.Scales(half, offset8=True, centre=16),
-                                                  high=high))]
+                                                  high=high)),
+             ("q5_1", lambda x: cpu_quant.q4_gemv(x, codes, half, zero.half(), high=high)),   # and float16 scales
+             ("q4/f16/none", lambda x: cpu_quant.q4_gemv(x, codes, half))]                   # without zeros
     for group, with_zero, f16 in ((32, False, False), (32, True, False), (16, False, False), (32, False, True)):
         codes8, scale8, zero8 = _q8(41, k, group, with_zero, seed=2)
         cases.append((f"q8/{group}/{with_zero}/{f16}",
