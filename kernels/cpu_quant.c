@@ -405,28 +405,35 @@ static inline const float *f16_row_terms(const void *scale, const void *zero, in
 }
 
 #ifdef __AVX2__
+// One K-quant super-block's terms (12 packed bytes s, float16 d and dmin dm): the scale products (d * sc) * xs
+// returned, the zeros (-dmin) * m into *zr where dm is not NULL; kpack_row's and scale_products' roundings.
+static inline __m256 k_terms8(const uint8_t *s, half_t d, const half_t *dm, const float *xs, __m256 *zr) {
+    uint32_t a, m, c;
+    memcpy(&a, s, 4);
+    memcpy(&m, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    uint64_t sc8 = (a & 0x3F3F3F3Fu) | (uint64_t)((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    __m256 sc = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(d)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
+    if (dm) {
+        uint64_t m8 = (m & 0x3F3F3F3Fu) | (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((m >> 2) & 0x30303030u)) << 32;
+        *zr = _mm256_mul_ps(_mm256_set1_ps(-f16_to_f32(*dm)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8))));
+    }
+    return _mm256_mul_ps(sc, _mm256_loadu_ps(xs));
+}
+
 // Kind 5 (the K-quants' packed scales) for the two-row kernels: row n's scale products f = (d * sc) * xs and zeros
-// zr = (-dmin) * m (NULL: none) in one pass over its super-blocks, the products and roundings kpack_row and
-// scale_products make (it took two passes and a reload: as long as the row's own multiply-adds on a Q4_K row).
+// zr = (-dmin) * m (NULL: none) in one pass over its super-blocks (k_terms8)
 static inline const float *k_row_terms(const void *scale, const void *ssup, const void *zero, const void *zsup,
         const float *xs, size_t n, int ng, float *f, float *zr) {
     const uint8_t *s = (const uint8_t *)scale + n * (size_t)(ng / 8) * 12;
     const half_t *d = (const half_t *)ssup + n * (size_t)(ng / 8);
     const half_t *dm = zero ? (const half_t *)zsup + n * (size_t)(ng / 8) : NULL;
     for (int b = 0; b < ng / 8; b++) {
-        uint32_t a, m, c;
-        memcpy(&a, s + 12 * b, 4);
-        memcpy(&m, s + 12 * b + 4, 4);
-        memcpy(&c, s + 12 * b + 8, 4);
-        uint64_t sc8 = (a & 0x3F3F3F3Fu) | (uint64_t)((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
-        __m256 sc = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(d[b])),
-                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
-        _mm256_storeu_ps(f + 8 * b, _mm256_mul_ps(sc, _mm256_loadu_ps(xs + 8 * b)));
-        if (dm) {
-            uint64_t m8 = (m & 0x3F3F3F3Fu) | (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((m >> 2) & 0x30303030u)) << 32;
-            _mm256_storeu_ps(zr + 8 * b, _mm256_mul_ps(_mm256_set1_ps(-f16_to_f32(dm[b])),
-                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)))));
-        }
+        __m256 z;
+        _mm256_storeu_ps(f + 8 * b, k_terms8(s + 12 * b, d[b], dm ? dm + b : NULL, xs + 8 * b, &z));
+        if (dm) _mm256_storeu_ps(zr + 8 * b, z);
     }
     return dm ? zr : NULL;
 }
