@@ -278,97 +278,63 @@ static inline __attribute__((always_inline)) void q4x8_rows(const uint8_t *row, 
     for (int m = 0; m < R; m++) out[m] = q4x8_join(c01[m], c23[m], zr, sums + (size_t)m * ng, ng);
 }
 
-// Where a two-row kernel's scale products and zeros come from (one per weight row)
-typedef struct {
-    const float *f, *z;         // formed before: products f [ng] and zeros z (zero_terms' floats; NULL: none)
-    const half_t *s, *zh;       // float16 scales s [ng] and zeros zh (Q4_1, Q5_1)
-    float c;                    // the implicit zero's factor (Q4_0: -8, Q5_0: -16) times s
-    const uint8_t *kp;          // the K-quants' packed bytes [ng / 8][12] with d, dm [ng / 8] (dm NULL: no mins)
-    const half_t *d, *dm;
-} rowterms_t;
-
 // One row of x against weight rows a and b (decode): q4x8_rows' operations for each, side by side, the rows
-// fetched PF_ROWS rows ahead as the int16 two-row kernels fetch theirs. SK, where the scale products come from:
-// 0 formed before (t.f), 1 float16 scales, 2 K-quant super-blocks (k_terms8, at each eighth group); ZK, the zeros:
-// 0 none, 1 formed before (t.z), 2 c * the scales, 3 float16 zeros, 4 the K-quants' mins: all but 1 summed here as
-// zero_terms sums them.
+// fetched PF_ROWS rows ahead as the int16 two-row kernels fetch theirs; the scale products and zeros as rowterms_t's
+// SK and ZK say (terms_step, terms_join)
 static inline __attribute__((always_inline)) void q4x8_row2_h(const uint8_t *ra, const uint8_t *rb,
         const uint8_t *ha, const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const int SK,
         const int ZK, const int8_t *xl, const float *sums, int ng, float *out) {
-    __m256 a01 = _mm256_setzero_ps(), a23 = a01, b01 = a01, b23 = a01, za8 = a01, zb8 = a01, ka = a01, kb = a01;
+    __m256 a01 = _mm256_setzero_ps(), a23 = a01, b01 = a01, b23 = a01, za8 = a01, zb8 = a01, ka8 = a01, kb8 = a01;
+    float ka[8], kb[8];
 #ifdef KVCHAT_AVX512
     __m512 A = _mm512_setzero_ps(), B = A;
     const __m512i lo4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512i hi4 = _mm512_add_epi32(lo4, _mm512_set1_epi32(4));
 #endif
-    const half_t *pa = ZK == 2 ? ta.s : ta.zh, *pb = ZK == 2 ? tb.s : tb.zh;
     const long pf = PF_ROWS * 16L * ng;
     int g = 0;
     for (; g + 4 <= ng; g += 4) {
         _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
         _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
-        if (SK == 2 && !(g & 7)) {              // a super-block begins: its eight products (and mins)
-            __m256 zra, zrb;
-            ka = k_terms8(ta.kp + 12 * (g / 8), ta.d[g / 8], ZK == 4 ? ta.dm + g / 8 : NULL, xs + g, &zra);
-            kb = k_terms8(tb.kp + 12 * (g / 8), tb.d[g / 8], ZK == 4 ? tb.dm + g / 8 : NULL, xs + g, &zrb);
-            if (ZK == 4) {
-                za8 = _mm256_fmadd_ps(zra, _mm256_loadu_ps(sums + g), za8);
-                zb8 = _mm256_fmadd_ps(zrb, _mm256_loadu_ps(sums + g), zb8);
-            }
-        }
+        int h = (g & 4) ? g - 4 : -1;
+        terms_step(ta, xs, sums, SK, ZK, g, h, ka, &za8);
+        terms_step(tb, xs, sums, SK, ZK, g, h, kb, &zb8);
+        if (SK == 2 && !(g & 7)) ka8 = _mm256_loadu_ps(ka), kb8 = _mm256_loadu_ps(kb);
 #ifdef KVCHAT_AVX512
         __m512 sa = SK == 1 ? quad4h(ta.s + g, xs + g)
-                  : SK == 2 ? _mm512_permutexvar_ps((g & 4) ? hi4 : lo4, _mm512_castps256_ps512(ka)) : quad4(ta.f + g);
+                  : SK == 2 ? _mm512_permutexvar_ps((g & 4) ? hi4 : lo4, _mm512_castps256_ps512(ka8)) : quad4(ta.f + g);
         __m512 sb = SK == 1 ? quad4h(tb.s + g, xs + g)
-                  : SK == 2 ? _mm512_permutexvar_ps((g & 4) ? hi4 : lo4, _mm512_castps256_ps512(kb)) : quad4(tb.f + g);
+                  : SK == 2 ? _mm512_permutexvar_ps((g & 4) ? hi4 : lo4, _mm512_castps256_ps512(kb8)) : quad4(tb.f + g);
         A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_quad(ra + g * 16, ha, g, xl + g * 32)), sa, A);
         B = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_quad(rb + g * 16, hb, g, xl + g * 32)), sb, B);
 #else
         for (int p = 0; p < 2; p++) {           // groups g + 2p, g + 2p + 1: chains 2p, 2p + 1
             int j = g + 2 * p;
             const int8_t *x = xl + g * 32 + 32 * p;
-            __m256i sel = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-            sel = _mm256_add_epi32(sel, _mm256_set1_epi32(j & 7));
-            __m256 sa = SK == 1 ? pair4h(ta.s + j, xs + j) : SK == 2 ? _mm256_permutevar8x32_ps(ka, sel) : pair4(ta.f + j);
-            __m256 sb = SK == 1 ? pair4h(tb.s + j, xs + j) : SK == 2 ? _mm256_permutevar8x32_ps(kb, sel) : pair4(tb.f + j);
+            __m256i sel = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(j & 7));
+            __m256 sa = SK == 1 ? pair4h(ta.s + j, xs + j) : SK == 2 ? _mm256_permutevar8x32_ps(ka8, sel) : pair4(ta.f + j);
+            __m256 sb = SK == 1 ? pair4h(tb.s + j, xs + j) : SK == 2 ? _mm256_permutevar8x32_ps(kb8, sel) : pair4(tb.f + j);
             __m256 da = _mm256_cvtepi32_ps(q4x8_pair(ra + j * 16, ha, j, x, x + 64));
             __m256 db = _mm256_cvtepi32_ps(q4x8_pair(rb + j * 16, hb, j, x, x + 64));
             if (p) a23 = _mm256_fmadd_ps(da, sa, a23), b23 = _mm256_fmadd_ps(db, sb, b23);
             else a01 = _mm256_fmadd_ps(da, sa, a01), b01 = _mm256_fmadd_ps(db, sb, b01);
         }
 #endif
-        if ((ZK == 2 || ZK == 3) && (g & 4))
-            za8 = zero8_h(pa, ZK, ta.c, sums, g - 4, za8), zb8 = zero8_h(pb, ZK, tb.c, sums, g - 4, zb8);
     }
 #ifdef KVCHAT_AVX512
     a01 = low8(A), a23 = high8(A), b01 = low8(B), b23 = high8(B);
 #endif
     for (; g < ng; g++) {       // K-quants never come here: their rows are whole super-blocks of eight groups
-        q4x8_last(&a01, &a23, g, ra, ha, xl + g * 32, SK == 1 ? f16_to_f32(ta.s[g]) * xs[g] : ta.f[g]);
-        q4x8_last(&b01, &b23, g, rb, hb, xl + g * 32, SK == 1 ? f16_to_f32(tb.s[g]) * xs[g] : tb.f[g]);
+        q4x8_last(&a01, &a23, g, ra, ha, xl + g * 32, TERMS_SCALE(ta, SK, g, ka));
+        q4x8_last(&b01, &b23, g, rb, hb, xl + g * 32, TERMS_SCALE(tb, SK, g, kb));
     }
-    float tla = 0.f, tlb = 0.f;
-    if (ZK == 2 || ZK == 3) tla = zero_tail_h(pa, ZK, ta.c, sums, ng), tlb = zero_tail_h(pb, ZK, tb.c, sums, ng);
-    else if (ZK != 4) za8 = zero_terms(ZK ? ta.z : NULL, sums, ng, &tla), zb8 = zero_terms(ZK ? tb.z : NULL, sums, ng, &tlb);
-    out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a01, a23), za8)) + tla;
-    out[1] = hsum8(_mm256_add_ps(_mm256_add_ps(b01, b23), zb8)) + tlb;
+    out[0] = terms_join(_mm256_add_ps(a01, a23), ta, sums, ZK, ng, za8);
+    out[1] = terms_join(_mm256_add_ps(b01, b23), tb, sums, ZK, ng, zb8);
 }
 
-// The kernel for each source of terms, the fifth bits' branch out of the loop (H: constant)
-#define Q4X8_ROW2(H, SK, ZK) q4x8_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, ta, tb, xs, SK, ZK, xl, sums, ng, out)
-#define Q4X8_ROW2_FN(name, SK, ZK) \
-    static __attribute__((noinline)) void name(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha, \
-            const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const int8_t *xl, const float *sums, \
-            int ng, float *out) { \
-        if (ha) Q4X8_ROW2(1, SK, ZK); \
-        else Q4X8_ROW2(0, SK, ZK); \
-    }
-Q4X8_ROW2_FN(q4x8_row2, 0, 1)             // products and zeros formed before (float32 scales and the rest)
-Q4X8_ROW2_FN(q4x8_row2_q4_0, 1, 2)        // Q4_0, Q5_0
-Q4X8_ROW2_FN(q4x8_row2_q4_1, 1, 3)        // Q4_1, Q5_1
-Q4X8_ROW2_FN(q4x8_row2_f16, 1, 0)         // float16 scales, no zeros
-Q4X8_ROW2_FN(q4x8_row2_k, 2, 4)           // Q4_K, Q5_K
-#undef Q4X8_ROW2_FN
+#define Q4X8_ROW2(H, SK, ZK) q4x8_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, ta, tb, xs, SK, ZK, \
+                                         (const int8_t *)x, sums, ng, out)
+ROW2_FNS(q4x8_row2, Q4X8_ROW2)
 #undef Q4X8_ROW2
 
 // q4 codes (bits 4) against int8 rows xq [M, K]: gemv8's loops for them. xl: room for xq in quad_layout8.
@@ -383,35 +349,10 @@ static void gemv8_q4(const int8_t *xq, int8_t *xl, const float *xs, const float 
         for (int n = 0; n < N; n += 2) {
             int b = n + 1 < N ? n + 1 : n;
             const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
-            float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
             const uint8_t *ra = codes + (size_t)n * (K / 2), *rb = codes + (size_t)b * (K / 2);
-            rowterms_t ta = {0}, tb = {0};
+            float fa[MAXG], fb[MAXG], za[MAXG], zb[MAXG], out[2];
             prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
-            if (kind == 1 || kind == 4) {       // float16 scales (and zeros): the terms formed in the loop
-                const half_t *s16 = (const half_t *)scale, *z16 = (const half_t *)zero;
-                ta.s = s16 + (size_t)n * ng, tb.s = s16 + (size_t)b * ng;
-                ta.c = tb.c = high ? -16.f : -8.f;
-                if (kind == 4) q4x8_row2_q4_0(ra, rb, ha, hb, ta, tb, xs, xl, sums, ng, out);
-                else if (z16) {
-                    ta.zh = z16 + (size_t)n * ng, tb.zh = z16 + (size_t)b * ng;
-                    q4x8_row2_q4_1(ra, rb, ha, hb, ta, tb, xs, xl, sums, ng, out);
-                } else q4x8_row2_f16(ra, rb, ha, hb, ta, tb, xs, xl, sums, ng, out);
-            } else if (kind == 5 && zero) {     // the K-quants' super-blocks (Q4_K, Q5_K: with mins): likewise
-                size_t nb = (size_t)ng / 8;
-                ta.kp = (const uint8_t *)scale + n * nb * 12, tb.kp = (const uint8_t *)scale + b * nb * 12;
-                ta.d = (const half_t *)ssup + n * nb, tb.d = (const half_t *)ssup + b * nb;
-                ta.dm = (const half_t *)zsup + n * nb, tb.dm = (const half_t *)zsup + b * nb;
-                q4x8_row2_k(ra, rb, ha, hb, ta, tb, xs, xl, sums, ng, out);
-            } else {
-                float sa[MAXG], sb[MAXG];
-                const float *sca = row_f32(scale, ssup, per, n, ng, kind, sa), *scb = row_f32(scale, ssup, per, b, ng, kind, sb);
-                ta.z = row_zero(zero, zsup, per, n, ng, kind, sca, zba, high);
-                tb.z = row_zero(zero, zsup, per, b, ng, kind, scb, zbb, high);
-                scale_products(sca, xs, ng, 1, fa);
-                scale_products(scb, xs, ng, 1, fb);
-                ta.f = fa, tb.f = fb;
-                q4x8_row2(ra, rb, ha, hb, ta, tb, xs, xl, sums, ng, out);
-            }
+            ROW2_CALL(q4x8_row2, ra, rb, ha, hb, xl);
             y[n] = out[0] + (resid ? resid[n] : 0.f);
             if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
         }

@@ -123,12 +123,12 @@ static inline const int16_t *q4_pair_layout(const int16_t *xq, int M, int K, int
 // its order (lanes 0-7 the even groups' chain a0, 8-15 the odd groups' a1), the two chains side by side so neither
 // waits on its own multiply-add. xp: the row in q4_pair_layout. Scale products and zeros as q4_row2_h takes them.
 static inline __attribute__((always_inline)) void q4_row2_512_h(const uint8_t *ra, const uint8_t *rb,
-        const uint8_t *ha, const uint8_t *hb, const float *fa, const float *fb, const half_t *sa, const half_t *sb,
-        const float *xs, const int zk, const float *za, const float *zb, const half_t *zha, const half_t *zhb,
-        float c, const int16_t *xp, const float *sums, int ng, float *out) {
+        const uint8_t *ha, const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const int SK,
+        const int ZK, const int16_t *xp, const float *sums, int ng, float *out) {
     __m512 A = _mm512_setzero_ps(), B = _mm512_setzero_ps();
-    __m256 za8 = _mm256_setzero_ps(), zb8 = za8;
-    const half_t *pa = zk == 2 ? sa : zha, *pb = zk == 2 ? sb : zhb;
+    __m256 za8 = _mm256_setzero_ps(), zb8 = za8, ka8 = za8, kb8 = za8;
+    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    float ka[8], kb[8];
     const long pf = PF_ROWS * 16L * ng;
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
@@ -136,50 +136,43 @@ static inline __attribute__((always_inline)) void q4_row2_512_h(const uint8_t *r
             _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
             _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
         }
+        int h = (g & 6) == 6 ? g - 6 : -1;
+        terms_step(ta, xs, sums, SK, ZK, g, h, ka, &za8);
+        terms_step(tb, xs, sums, SK, ZK, g, h, kb, &zb8);
+        if (SK == 2 && !(g & 7)) ka8 = _mm256_loadu_ps(ka), kb8 = _mm256_loadu_ps(kb);
         __m512i x0 = _mm512_loadu_si512((const void *)(xp + g * 32));
         __m512i x1 = _mm512_loadu_si512((const void *)(xp + g * 32 + 32));
         __m512i lo, hi;
         q4_unpack_pair(ra + g * 16, ha, g, &lo, &hi);
-        __m512i pa2 = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
+        __m512i pa = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
         q4_unpack_pair(rb + g * 16, hb, g, &lo, &hi);
-        __m512i pb2 = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
-        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa2), sa ? pair_scale_h(sa + g, xs + g) : pair_scale(fa + g), A);
-        B = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb2), sb ? pair_scale_h(sb + g, xs + g) : pair_scale(fb + g), B);
-        if (zk >= 2 && (g & 6) == 6) za8 = zero8_h(pa, zk, c, sums, g - 6, za8), zb8 = zero8_h(pb, zk, c, sums, g - 6, zb8);
+        __m512i pb = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
+        __m512i sel = _mm512_add_epi32(pair, _mm512_set1_epi32(g & 7));
+        __m512 sa = SK == 1 ? pair_scale_h(ta.s + g, xs + g)
+                  : SK == 2 ? _mm512_permutexvar_ps(sel, _mm512_castps256_ps512(ka8)) : pair_scale(ta.f + g);
+        __m512 sb = SK == 1 ? pair_scale_h(tb.s + g, xs + g)
+                  : SK == 2 ? _mm512_permutexvar_ps(sel, _mm512_castps256_ps512(kb8)) : pair_scale(tb.f + g);
+        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), sa, A);
+        B = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb), sb, B);
     }
     const uint8_t *r[2] = {ra, rb}, *h[2] = {ha, hb};
-    const float *f[2] = {fa, fb}, *z[2] = {za, zb};
-    const half_t *sh[2] = {sa, sb}, *ph[2] = {pa, pb};
+    const rowterms_t t[2] = {ta, tb};
+    const float *k[2] = {ka, kb};
     __m512 acc[2] = {A, B};
     __m256 z8[2] = {za8, zb8};
     for (int i = 0; i < 2; i++) {
         __m256 a0 = low8(acc[i]), a1 = high8(acc[i]);
-        if (g < ng)
+        if (g < ng)         // an odd number of groups (never the K-quants')
             a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(r[i] + g * 16, h[i], g, xp + g * 32)),
-                                 _mm256_set1_ps(sh[i] ? f16_to_f32(sh[i][g]) * xs[g] : f[i][g]), a0);
-        float tail;
-        __m256 zt = z8[i];
-        if (zk >= 2) tail = zero_tail_h(ph[i], zk, c, sums, ng);
-        else zt = zero_terms(zk ? z[i] : NULL, sums, ng, &tail);
-        out[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), zt)) + tail;
+                                 _mm256_set1_ps(TERMS_SCALE(t[i], SK, g, k[i])), a0);
+        out[i] = terms_join(_mm256_add_ps(a0, a1), t[i], sums, ZK, ng, z8[i]);
     }
 }
 
-static __attribute__((noinline)) void q4_row2_512(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
-        const uint8_t *hb, const float *fa, const float *fb, const float *za, const float *zb, const int16_t *xp,
-        const float *sums, int ng, float *out) {
-    if (ha) q4_row2_512_h(ra, rb, ha, hb, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xp, sums, ng, out);
-    else q4_row2_512_h(ra, rb, NULL, NULL, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xp, sums, ng, out);
-}
-
-static __attribute__((noinline)) void q4_row2_512_f16(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
-        const uint8_t *hb, const half_t *sa, const half_t *sb, const float *xs, int kind, const half_t *zha,
-        const half_t *zhb, const int16_t *xp, const float *sums, int ng, float *out) {
-#define ROW2(H, ZK) q4_row2_512_h(ra, rb, H ? ha : NULL, H ? hb : NULL, NULL, NULL, sa, sb, xs, ZK, NULL, NULL, zha, \
-                                  zhb, H ? -16.f : -8.f, xp, sums, ng, out)
-    F16_ROW2_CASES(ROW2);
-#undef ROW2
-}
+#define Q4_ROW2_512(H, SK, ZK) q4_row2_512_h(ra, rb, H ? ha : NULL, H ? hb : NULL, ta, tb, xs, SK, ZK, \
+                                             (const int16_t *)x, sums, ng, out)
+ROW2_FNS(q4_row2_512, Q4_ROW2_512)
+#undef Q4_ROW2_512
 
 // int8 codes of groups g and g + 1 as [g's 16 codes from j | g + 1's 16 codes from j], widened to 16 bits
 static inline __m512i q8_pair16(const int8_t *w) {

@@ -313,71 +313,6 @@ static float q4_row1(const uint8_t *row, const uint8_t *high, const float *sc, c
     return high ? q4_row1_h(row, high, sc, zr, xq, xs, sums, ng) : q4_row1_h(row, NULL, sc, zr, xq, xs, sums, ng);
 }
 
-// q4_row1 for one row of x against two weight rows at once (a and b), each row's sums q4_row1's operations in its
-// order, the four chains side by side so none waits on its own multiply-add. fa, fb: the scale products
-// sc[g] * xs[g] (q4_row1 forms them the same way), or (sa not NULL) formed here from float16 scales sa, sb and xs.
-// Zeros (zk): 0 none, 1 floats za, zb, 2 or 3 formed here (zero8_h) from sa, sb or float16 zeros zha, zhb.
-static inline __attribute__((always_inline)) void q4_row2_h(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
-        const uint8_t *hb, const float *fa, const float *fb, const half_t *sa, const half_t *sb, const float *xs,
-        const int zk, const float *za, const float *zb, const half_t *zha, const half_t *zhb, float c,
-        const int16_t *xq, const float *sums, int ng, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, za8 = a0, zb8 = a0;
-    const half_t *pa = zk == 2 ? sa : zha, *pb = zk == 2 ? sb : zhb;
-    const long pf = PF_ROWS * 16L * ng;
-#define F_OF(f, s, g) ((s) ? _mm256_set1_ps(f16_to_f32((s)[g]) * xs[g]) : _mm256_broadcast_ss((f) + (g)))
-    int g = 0;
-    for (; g + 2 <= ng; g += 2) {
-        if (!(g & 3)) {
-            _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
-            _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
-        }
-        const int16_t *v = xq + g * 32;
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, v)), F_OF(fa, sa, g), a0);
-        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, v)), F_OF(fb, sb, g), b0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16 + 16, ha, g + 1, v + 32)), F_OF(fa, sa, g + 1), a1);
-        b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16 + 16, hb, g + 1, v + 32)), F_OF(fb, sb, g + 1), b1);
-        if (zk >= 2 && (g & 6) == 6) za8 = zero8_h(pa, zk, c, sums, g - 6, za8), zb8 = zero8_h(pb, zk, c, sums, g - 6, zb8);
-    }
-    if (g < ng) {
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, xq + g * 32)), F_OF(fa, sa, g), a0);
-        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, xq + g * 32)), F_OF(fb, sb, g), b0);
-    }
-#undef F_OF
-    float ta, tb;
-    if (zk >= 2) {
-        ta = zero_tail_h(pa, zk, c, sums, ng), tb = zero_tail_h(pb, zk, c, sums, ng);
-    } else {
-        za8 = zero_terms(zk ? za : NULL, sums, ng, &ta);
-        zb8 = zero_terms(zk ? zb : NULL, sums, ng, &tb);
-    }
-    out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), za8)) + ta;
-    out[1] = hsum8(_mm256_add_ps(_mm256_add_ps(b0, b1), zb8)) + tb;
-}
-
-static __attribute__((noinline)) void q4_row2(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha, const uint8_t *hb,
-        const float *fa, const float *fb, const float *za, const float *zb, const int16_t *xq, const float *sums,
-        int ng, float *out) {
-    if (ha) q4_row2_h(ra, rb, ha, hb, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xq, sums, ng, out);
-    else q4_row2_h(ra, rb, NULL, NULL, fa, fb, NULL, NULL, NULL, 1, za, zb, NULL, NULL, 0.f, xq, sums, ng, out);
-}
-
-// Float16 scales (kinds 1 and 4) without a pass to widen them: ROW2(H, ZK) calls a two-row kernel's body with the
-// fifth bits (H) or not and the zeros ZK (2: c * the scales, kind 4; 3: float16 zeros; 0: none), constants each
-#define F16_ROW2_CASES(ROW2) do { \
-        if (kind == 4) { if (ha) ROW2(1, 2); else ROW2(0, 2); } \
-        else if (zha) { if (ha) ROW2(1, 3); else ROW2(0, 3); } \
-        else { if (ha) ROW2(1, 0); else ROW2(0, 0); } \
-    } while (0)
-
-static __attribute__((noinline)) void q4_row2_f16(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
-        const uint8_t *hb, const half_t *sa, const half_t *sb, const float *xs, int kind, const half_t *zha,
-        const half_t *zhb, const int16_t *xq, const float *sums, int ng, float *out) {
-#define ROW2(H, ZK) q4_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, NULL, NULL, sa, sb, xs, ZK, NULL, NULL, zha, zhb, \
-                              H ? -16.f : -8.f, xq, sums, ng, out)
-    F16_ROW2_CASES(ROW2);
-#undef ROW2
-}
-
 // Kinds 1 and 4 (float16 scales, and zeros or none) for the two-row kernels: row n's scale products f = sc * xs and
 // zeros zr (kind 4: -8 or -16 * sc) in one pass (the products and roundings row_f32, row_zero and scale_products
 // make). Returns zr, or NULL where the row has no zeros.
@@ -437,6 +372,130 @@ static inline const float *k_row_terms(const void *scale, const void *ssup, cons
     }
     return dm ? zr : NULL;
 }
+#endif
+
+// Where a two-row kernel's scale products and zeros come from (one per weight row)
+typedef struct {
+    const float *f, *z;         // formed before: products f [ng] and zeros z (zero_terms' floats; NULL: none)
+    const half_t *s, *zh;       // float16 scales s [ng] and zeros zh (Q4_1, Q5_1)
+    float c;                    // the implicit zero's factor (Q4_0: -8, Q5_0: -16) times s
+    const uint8_t *kp;          // the K-quants' packed bytes [ng / 8][12] with d, dm [ng / 8] (dm NULL: no mins)
+    const half_t *d, *dm;
+} rowterms_t;
+
+#ifdef __AVX2__
+// The terms' sources (SK, ZK) of the two-row kernels, formed in their loops as they go (q4x8_row2_h says which):
+// group g's scale product
+#define TERMS_SCALE(t, SK, g, k8) ((SK) == 1 ? f16_to_f32((t).s[g]) * xs[g] : (SK) == 2 ? (k8)[(g) & 7] : (t).f[g])
+
+// At group g of a two-row loop: a K-quant super-block's products into k8 (and its mins into z8) where one begins;
+// float16 zeros into z8 once eight groups are done (h: the first of them, or -1)
+static inline void terms_step(rowterms_t t, const float *xs, const float *sums, int SK, int ZK, int g, int h,
+                              float *k8, __m256 *z8) {
+    if (SK == 2 && !(g & 7)) {
+        __m256 zr;
+        _mm256_storeu_ps(k8, k_terms8(t.kp + 12 * (g / 8), t.d[g / 8], ZK == 4 ? t.dm + g / 8 : NULL, xs + g, &zr));
+        if (ZK == 4) *z8 = _mm256_fmadd_ps(zr, _mm256_loadu_ps(sums + g), *z8);
+    }
+    if ((ZK == 2 || ZK == 3) && h >= 0) *z8 = zero8_h(ZK == 2 ? t.s : t.zh, ZK, t.c, sums, h, *z8);
+}
+
+// A two-row kernel's end: the chains' sum and the zeros (ZK 1: zero_terms of t.z; 2, 3: z8 and zero_tail_h; 4: z8)
+static inline float terms_join(__m256 sum, rowterms_t t, const float *sums, int ZK, int ng, __m256 z8) {
+    float tail = 0.f;
+    if (ZK == 2 || ZK == 3) tail = zero_tail_h(ZK == 2 ? t.s : t.zh, ZK, t.c, sums, ng);
+    else if (ZK != 4) z8 = zero_terms(ZK ? t.z : NULL, sums, ng, &tail);
+    return hsum8(_mm256_add_ps(sum, z8)) + tail;
+}
+
+// q4_row1 for one row of x against two weight rows at once (a and b), each row's sums q4_row1's operations in its
+// order, the four chains side by side so none waits on its own multiply-add. The scale products and zeros as
+// rowterms_t's SK and ZK say, the products q4_row1 forms with the same roundings.
+static inline __attribute__((always_inline)) void q4_row2_h(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
+        const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const int SK, const int ZK,
+        const int16_t *xq, const float *sums, int ng, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, za8 = a0, zb8 = a0;
+    float ka[8], kb[8];
+    const long pf = PF_ROWS * 16L * ng;
+    int g = 0;
+    for (; g + 2 <= ng; g += 2) {
+        if (!(g & 3)) {
+            _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
+            _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
+        }
+        int h = (g & 6) == 6 ? g - 6 : -1;
+        terms_step(ta, xs, sums, SK, ZK, g, h, ka, &za8);
+        terms_step(tb, xs, sums, SK, ZK, g, h, kb, &zb8);
+        const int16_t *v = xq + g * 32;
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, v)),
+                             _mm256_set1_ps(TERMS_SCALE(ta, SK, g, ka)), a0);
+        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, v)),
+                             _mm256_set1_ps(TERMS_SCALE(tb, SK, g, kb)), b0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16 + 16, ha, g + 1, v + 32)),
+                             _mm256_set1_ps(TERMS_SCALE(ta, SK, g + 1, ka)), a1);
+        b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16 + 16, hb, g + 1, v + 32)),
+                             _mm256_set1_ps(TERMS_SCALE(tb, SK, g + 1, kb)), b1);
+    }
+    if (g < ng) {           // an odd number of groups (never the K-quants': whole super-blocks of eight)
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, xq + g * 32)),
+                             _mm256_set1_ps(TERMS_SCALE(ta, SK, g, ka)), a0);
+        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, xq + g * 32)),
+                             _mm256_set1_ps(TERMS_SCALE(tb, SK, g, kb)), b0);
+    }
+    out[0] = terms_join(_mm256_add_ps(a0, a1), ta, sums, ZK, ng, za8);
+    out[1] = terms_join(_mm256_add_ps(b0, b1), tb, sums, ZK, ng, zb8);
+}
+
+// The two-row kernels for each source of terms, the fifth bits' branch out of the loop: ROW2_FNS(prefix, body)
+// defines prefix (terms formed before), prefix_q4_0 (Q4_0, Q5_0), prefix_q4_1 (Q4_1, Q5_1), prefix_f16 (float16
+// scales alone) and prefix_k (Q4_K, Q5_K), each calling body(H, SK, ZK) with constants.
+#define ROW2_FN(name, body, SK, ZK) \
+    static __attribute__((noinline)) void name(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha, \
+            const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const void *x, const float *sums, \
+            int ng, float *out) { \
+        if (ha) body(1, SK, ZK); \
+        else body(0, SK, ZK); \
+    }
+#define ROW2_FNS(prefix, body) \
+    ROW2_FN(prefix, body, 0, 1) ROW2_FN(prefix##_q4_0, body, 1, 2) ROW2_FN(prefix##_q4_1, body, 1, 3) \
+    ROW2_FN(prefix##_f16, body, 1, 0) ROW2_FN(prefix##_k, body, 2, 4)
+
+#define Q4_ROW2(H, SK, ZK) q4_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, ta, tb, xs, SK, ZK, (const int16_t *)x, \
+                                     sums, ng, out)
+ROW2_FNS(q4_row2, Q4_ROW2)
+#undef Q4_ROW2
+
+// One step of a decode matvec's loop over weight rows n and b (n + 1, or n for an odd last row): their terms set out
+// for the two-row kernels `prefix` (ROW2_FNS) and the kernel called; fa, fb, za, zb: room for terms formed before
+#define ROW2_CALL(prefix, ra, rb, ha, hb, x) do { \
+        rowterms_t ta = {0}, tb = {0}; \
+        if (kind == 1 || kind == 4) { \
+            const half_t *s16 = (const half_t *)scale, *z16 = (const half_t *)zero; \
+            ta.s = s16 + (size_t)n * ng, tb.s = s16 + (size_t)b * ng; \
+            ta.c = tb.c = high ? -16.f : -8.f; \
+            if (kind == 4) prefix##_q4_0(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
+            else if (z16) { \
+                ta.zh = z16 + (size_t)n * ng, tb.zh = z16 + (size_t)b * ng; \
+                prefix##_q4_1(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
+            } else prefix##_f16(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
+        } else if (kind == 5 && zero) { \
+            size_t nb = (size_t)ng / 8; \
+            ta.kp = (const uint8_t *)scale + n * nb * 12, tb.kp = (const uint8_t *)scale + b * nb * 12; \
+            ta.d = (const half_t *)ssup + n * nb, tb.d = (const half_t *)ssup + b * nb; \
+            ta.dm = (const half_t *)zsup + n * nb, tb.dm = (const half_t *)zsup + b * nb; \
+            prefix##_k(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
+        } else { \
+            float sa_[MAXG], sb_[MAXG]; \
+            const float *sca = row_f32(scale, ssup, per, n, ng, kind, sa_); \
+            const float *scb = row_f32(scale, ssup, per, b, ng, kind, sb_); \
+            ta.z = row_zero(zero, zsup, per, n, ng, kind, sca, za, high); \
+            tb.z = row_zero(zero, zsup, per, b, ng, kind, scb, zb, high); \
+            scale_products(sca, xs, ng, 1, fa); \
+            scale_products(scb, xs, ng, 1, fb); \
+            ta.f = fa, tb.f = fb; \
+            prefix(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
+        } \
+    } while (0)
 #endif
 
 // The scales (and zeros, and super-block scales) of rows n and n + 1 fetched PF_ROWS rows ahead into L2, as the
@@ -719,39 +778,13 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         for (int n = 0; n < N; n += 2) {
             int b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
             const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
-            float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
-            const float *za, *zb;
+            const uint8_t *ra = codes + (size_t)n * (K / 2), *rb = codes + (size_t)b * (K / 2);
+            float fa[MAXG], fb[MAXG], za[MAXG], zb[MAXG], out[2];
             prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
-            if (kind == 1 || kind == 4) {       // float16 scales (and zeros): their products formed in the loop
-                const half_t *s16 = (const half_t *)scale, *z16 = (const half_t *)zero;
 #ifdef KVCHAT_AVX512
-                q4_row2_512_f16(
+            ROW2_CALL(q4_row2_512, ra, rb, ha, hb, xp);
 #else
-                q4_row2_f16(
-#endif
-                    codes + (size_t)n * (K / 2), codes + (size_t)b * (K / 2), ha, hb, s16 + (size_t)n * ng,
-                    s16 + (size_t)b * ng, xs, kind, z16 ? z16 + (size_t)n * ng : NULL, z16 ? z16 + (size_t)b * ng : NULL,
-                    xp, sums, ng, out);
-                y[n] = out[0] + (resid ? resid[n] : 0.f);
-                if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
-                continue;
-            } else if (kind == 5) {             // the K-quants' packed scales: likewise
-                za = k_row_terms(scale, ssup, zero, zsup, xs, n, ng, fa, zba);
-                zb = k_row_terms(scale, ssup, zero, zsup, xs, b, ng, fb, zbb);
-            } else {
-                float sa[MAXG], sb[MAXG];
-                const float *sca = row_f32(scale, ssup, per, n, ng, kind, sa), *scb = row_f32(scale, ssup, per, b, ng, kind, sb);
-                za = row_zero(zero, zsup, per, n, ng, kind, sca, zba, high);
-                zb = row_zero(zero, zsup, per, b, ng, kind, scb, zbb, high);
-                scale_products(sca, xs, ng, 1, fa);
-                scale_products(scb, xs, ng, 1, fb);
-            }
-#ifdef KVCHAT_AVX512
-            q4_row2_512(codes + (size_t)n * (K / 2), codes + (size_t)b * (K / 2), ha, hb, fa, fb, za, zb, xp, sums,
-                        ng, out);
-#else
-            q4_row2(codes + (size_t)n * (K / 2), codes + (size_t)b * (K / 2), ha, hb, fa, fb, za, zb, xp, sums,
-                    ng, out);
+            ROW2_CALL(q4_row2, ra, rb, ha, hb, xp);
 #endif
             y[n] = out[0] + (resid ? resid[n] : 0.f);
             if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
