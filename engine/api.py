@@ -23,13 +23,14 @@ class Capabilities:
     saves_caches: bool = False      # keep_warm / restore_warm / save_warm and warm_store: chats' caches on disk
     speculative: bool = False       # set_speculative changes how the next turns decode
     prefill_precision: bool = False     # set_prefill changes the prompt GEMM's precision; .prefill names it
+    decode_precision: bool = False      # set_activations changes decode rows' activations; .activations names them
     prefix_cache: bool = False      # clear_prefix_cache frees blocks kept only for prefix reuse
     attention: bool = False         # a session can watch_attention() and give attention() maps (where attention goes)
 
 
 LOCAL = Capabilities(per_layer_stats=True, live_cache_switch=True, remote=False, edits_history=True,
-                     saves_caches=True, speculative=True, prefill_precision=True, prefix_cache=True,
-                     attention=True)
+                     saves_caches=True, speculative=True, prefill_precision=True, decode_precision=True,
+                     prefix_cache=True, attention=True)
 REMOTE = Capabilities(per_layer_stats=False, live_cache_switch=False, remote=True)
 
 

@@ -260,7 +260,8 @@ class FakeSession:
 class FakeEngine:
     # it stands in for the local engine (per-layer bytes, live switches, edits, a prefix cache), without its disk
     # store, speculative decoding or prompt precision
-    capabilities = replace(LOCAL, saves_caches=False, speculative=False, prefill_precision=False)
+    capabilities = replace(LOCAL, saves_caches=False, speculative=False, prefill_precision=False,
+                           decode_precision=False)
 
     def __init__(self, config: EngineConfig, step_s: float = 0.005):
         self.config = config

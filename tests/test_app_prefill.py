@@ -1,6 +1,7 @@
 """The prompt precision in the app (Settings › Model › Read prompts in): saved, applied to the engine live and to
-each engine loaded later, and named in the status line and the dashboard while prompts are read in bf16. The
-real default model (packed weights: the choice applies to them), a real window offscreen."""
+each engine loaded later, and named in the status line and the dashboard while prompts are read in bf16; and decode
+rows' activations (Settings › Model › Decode with) the same way. The real default model (packed weights: the
+choices apply to them), a real window offscreen."""
 from __future__ import annotations
 
 import pytest
@@ -63,3 +64,32 @@ def test_a_saved_choice_reaches_a_newly_loaded_engine_and_a_damaged_one_reads_as
     raw.setValue("engine/prefill", "int3")
     raw.sync()
     assert SettingsStore().prefill() == "auto"
+
+
+def test_int8_decode_activations_are_saved_switched_live_and_said(qtbot, tmp_path):
+    """Settings › Model › Decode with: int16 by default; int8 reaches the engine's kernels at once and is named in the
+    status line; a later engine gets the saved choice; a damaged value reads as int16."""
+    window = real_window(qtbot, "default", sampling=SHORT)
+    assert window.store.activations() == "int16" and engine_of(window).activations == "int16"
+    assert "int8 activations" not in window.status_label.text()
+    dialog = window.open_settings()
+    assert dialog.activations() == "int16"
+    dialog.activations_combo.setCurrentIndex(dialog.activations_combo.findData("int8"))
+    dialog.accept()
+    assert SettingsStore().activations() == "int8"
+    qtbot.waitUntil(lambda: engine_of(window).activations == "int8"
+                    and "decoding with int8 activations" in window.status_label.text(), timeout=5000)
+    assert engine_of(window).model.kernel_layers() is not None      # the one-call step took the switch too
+    window.send("Hello")                # a reply decoded with int8 activations
+    qtbot.waitUntil(lambda: not window.generating and len(window.chat.chat_messages()) == 2, timeout=60000)
+    assert window.chat.chat_messages()[-1].text()
+    dialog = window.open_settings()
+    assert dialog.activations() == "int8"
+    dialog.activations_combo.setCurrentIndex(dialog.activations_combo.findData("int16"))
+    dialog.accept()
+    qtbot.waitUntil(lambda: engine_of(window).activations == "int16"
+                    and "int8 activations" not in window.status_label.text(), timeout=5000)
+    raw = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    raw.setValue("engine/activations", "int4")
+    raw.sync()
+    assert SettingsStore().activations() == "int16"

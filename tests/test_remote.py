@@ -90,7 +90,8 @@ def test_remote_errors_say_what_to_check(server, remote):
 def test_local_remote_and_fake_engines_share_one_protocol(remote, tiny_engine):
     fake = FakeEngine(EngineConfig())
     # the fake runs locally but keeps no caches on disk, does not speculate and has no prompt precision to set
-    fake_caps = replace(LOCAL, saves_caches=False, speculative=False, prefill_precision=False)
+    fake_caps = replace(LOCAL, saves_caches=False, speculative=False, prefill_precision=False,
+                        decode_precision=False)
     for engine, caps in ((tiny_engine, LOCAL), (remote, REMOTE), (fake, fake_caps)):
         assert isinstance(engine, ChatEngine)
         assert isinstance(engine.new_session(), ChatSession)

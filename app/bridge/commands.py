@@ -158,6 +158,12 @@ class SetPrefill(Command):
 
 
 @dataclass(frozen=True, slots=True)
+class SetActivations(Command):
+    cancel_measure: ClassVar[bool | None] = None
+    mode: str                           # one of engine.config.ACTIVATION_MODES
+
+
+@dataclass(frozen=True, slots=True)
 class Close(Command):
     deadline: float                     # time.monotonic(): no chat's cache starts saving after it
 

@@ -16,11 +16,11 @@ from kvchat.engine.events import PrefillProgress, StatsSnapshot, TokenDelta, Tur
 from kvchat.app.bridge.attention_events import AttentionShown, ReplayFailed, ReplayProgress, ReplayShown
 from kvchat.app.bridge.commands import (Adopt, ClearPrefixCache, Close, Command, ContinueReply, CountMessage,
                                         CountSavedCaches, CountTokens, DeleteSavedCaches, EditResend, ForgetCache, Load, MeasureQuality,
-                                        OpenSession, PollStats, Regenerate, ReplayChat, Reset, Send, SetCache, SetDiskBudget,
-                                        SetPrefill, SetSpeculative, SyncHistory, pairs)
+                                        OpenSession, PollStats, Regenerate, ReplayChat, Reset, Send, SetActivations, SetCache,
+                                        SetDiskBudget, SetPrefill, SetSpeculative, SyncHistory, pairs)
 from kvchat.app.bridge.loader import default_loader
-from kvchat.app.bridge.messages import (EngineReady, ErrorEvent, LoadProgress, MessageCounted, ModeSwitched,
-                                        PrefillSet, PrefixCleared, ReadingHistory, ResetDone, SavedCaches,
+from kvchat.app.bridge.messages import (ActivationsSet, EngineReady, ErrorEvent, LoadProgress, MessageCounted,
+                                        ModeSwitched, PrefillSet, PrefixCleared, ReadingHistory, ResetDone, SavedCaches,
                                         SavingCaches, SessionOpened, TokenCounts)
 from kvchat.app.bridge.worker import EngineWorker
 from kvchat.app.store.quality import QualityCancelled, QualityResult
@@ -32,7 +32,8 @@ EVENT_SIGNALS = {LoadProgress: "progress", EngineReady: "ready", SessionOpened: 
                  TurnFinished: "turn_finished", StatsSnapshot: "stats", ModeSwitched: "mode_switched",
                  ResetDone: "reset_done", ErrorEvent: "error", QualityResult: "quality", QualityCancelled: "quality",
                  PrefixCleared: "prefix_cleared", TokenCounts: "token_counts", ReadingHistory: "reading",
-                 PrefillProgress: "reading", PrefillSet: "prefill_set", SavingCaches: "saving",
+                 PrefillProgress: "reading", PrefillSet: "prefill_set", ActivationsSet: "prefill_set",
+                 SavingCaches: "saving",
                  MessageCounted: "message_counted", SavedCaches: "saved_caches", AttentionShown: "attention",
                  ReplayProgress: "replay", ReplayShown: "replay", ReplayFailed: "replay"}
 
@@ -68,7 +69,7 @@ class EngineHost(QObject):
     prefix_cleared = Signal(object)     # PrefixCleared
     token_counts = Signal(object)       # TokenCounts of saved conversations (the Lengths tab)
     reading = Signal(object)            # ReadingHistory (a chat read into an empty cache), PrefillProgress
-    prefill_set = Signal(object)        # PrefillSet
+    prefill_set = Signal(object)        # PrefillSet, ActivationsSet: the engine's arithmetic, after Settings
     saving = Signal(object)             # SavingCaches: the app is closing, these chats' caches go to disk
     message_counted = Signal(object)    # MessageCounted: a long message counted before it is shown as sent
     saved_caches = Signal(object)       # SavedCaches on disk (Settings), after a count or a delete
@@ -186,6 +187,10 @@ class EngineHost(QObject):
     def set_prefill(self, mode: str) -> None:
         """The prompt GEMM's precision (auto, fp32, bf16); queued before any load, it applies to each engine."""
         self.submit(SetPrefill(mode))
+
+    def set_activations(self, mode: str) -> None:
+        """Decode rows' activations (int16, int8); queued before any load, they apply to each engine."""
+        self.submit(SetActivations(mode))
 
     def shutdown(self, timeout_ms: int = 120_000, save_limit_s: float = SAVE_LIMIT_S) -> bool:
         """Stop any reply; once the running command ends, the engine thread saves the open chats' caches (starting

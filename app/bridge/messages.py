@@ -37,6 +37,7 @@ class EngineReady:
     kernel_status: str = ""             # why the C kernels are missing (the engine's English line); "" when loaded
     chat_format_notice: str = ""        # the model has no chat template: it chats in plain text (the engine's line)
     prefill: str = ""                   # the prompt GEMM's precision as loaded ("fp32", "bf16", "int8"); "" for a server
+    activations: str = ""               # decode rows' activations as loaded ("int16", "int8"); "" for a server
     saves_caches: bool = False          # it keeps each chat's KV cache on disk (saved when the app closes)
     linear_layers: int = 0              # of num_layers, those keeping a recurrent state: cache modes skip them
     shared_kv_layers: int = 0           # of num_layers, those reading an earlier layer's K and V (none of their own)
@@ -115,6 +116,13 @@ class PrefillSet:
     """The prompt GEMM's precision the engine now uses, after a change from Settings."""
 
     precision: str                      # "fp32", "bf16"
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationsSet:
+    """Decode rows' activations the engine now uses, after a change from Settings."""
+
+    precision: str                      # "int16", "int8"
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,12 @@ from kvchat.engine.config import CacheConfig, ConfigError, EngineConfig, Samplin
 from kvchat.app.bridge import attention_work, warm_chats
 from kvchat.app.bridge.commands import (Adopt, ClearPrefixCache, Close, Command, ContinueReply, CountMessage,
                                         CountSavedCaches, CountTokens, DeleteSavedCaches, EditResend, ForgetCache, Load, MeasureQuality, OpenSession,
-                                        PollStats, Regenerate, ReplayChat, Reset, Send, SetCache, SetDiskBudget, SetPrefill,
-                                        SetSpeculative, SyncHistory)
+                                        PollStats, Regenerate, ReplayChat, Reset, Send, SetActivations, SetCache,
+                                        SetDiskBudget, SetPrefill, SetSpeculative, SyncHistory)
 from kvchat.app.bridge.engine_facts import model_facts
 from kvchat.app.bridge.loader import default_loader, error_message, progress_text
-from kvchat.app.bridge.messages import (EngineReady, ErrorEvent, LoadProgress, MessageCounted, ModeSwitched,
-                                        PrefillSet, PrefixCleared, ResetDone, SavingCaches, SessionOpened)
+from kvchat.app.bridge.messages import (ActivationsSet, EngineReady, ErrorEvent, LoadProgress, MessageCounted,
+                                        ModeSwitched, PrefillSet, PrefixCleared, ResetDone, SavingCaches, SessionOpened)
 from kvchat.app.bridge.turn_stream import TurnStreaming
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class EngineWorker(QObject, TurnStreaming):
         self._disk_budget_mb: float | None = None   # saved caches' disk budget from Settings (None: the engine's)
         self._speculative: tuple[str, int] | None = None    # (method, k) from Settings (None: the engine's)
         self._prefill: str | None = None                    # the prompt GEMM's precision from Settings
+        self._activations: str | None = None                # decode rows' activations from Settings
         self._watched = weakref.WeakSet()   # sessions whose attention is measured (attention_work.watch)
 
     # --- called from the GUI thread (thread-safe, never blocks) ---
@@ -115,6 +116,8 @@ class EngineWorker(QObject, TurnStreaming):
             self.set_speculative(*self._speculative)
         if self._prefill is not None:
             self.set_prefill(self._prefill)
+        if self._activations is not None:
+            self.set_activations(self._activations)
         self._released_chats = set()
         caps = capabilities_of(engine)
         # a server's model is not here: no shape, dtype or prompt precision of its own to tell
@@ -126,6 +129,7 @@ class EngineWorker(QObject, TurnStreaming):
                                     config, dtype, caps, engine.base_url if caps.remote else "",
                                     kernel_status=facts.kernel_status,
                                     prefill=engine.prefill if caps.prefill_precision else "",
+                                    activations=engine.activations if caps.decode_precision else "",
                                     chat_format_notice=facts.chat_format_notice,
                                     saves_caches=warm_chats.supported(engine), linear_layers=facts.linear_layers,
                                     shared_kv_layers=len(config.kv_sources) if config is not None else 0))
@@ -323,6 +327,13 @@ class EngineWorker(QObject, TurnStreaming):
             self._engine.set_prefill(mode)      # one of PREFILL_MODES: Settings offers no other
             self.event.emit(PrefillSet(self._engine.prefill))
 
+    def set_activations(self, mode: str) -> None:
+        """Decode rows' activations from Settings, live: the next token uses them. A server decodes its own way."""
+        self._activations = mode
+        if self._engine is not None and capabilities_of(self._engine).decode_precision:
+            self._engine.set_activations(mode)     # one of ACTIVATION_MODES: Settings offers no other
+            self.event.emit(ActivationsSet(self._engine.activations))
+
     def forget_cache(self, conversation_id) -> None:
         warm_chats.forget(self._engine, conversation_id)
 
@@ -442,4 +453,5 @@ HANDLERS = {Load: EngineWorker.load, OpenSession: EngineWorker.open_session, Ado
             ForgetCache: EngineWorker.forget_cache, SetDiskBudget: EngineWorker.set_disk_budget,
             CountSavedCaches: EngineWorker.count_saved_caches, DeleteSavedCaches: EngineWorker.delete_saved_caches,
             SetSpeculative: EngineWorker.set_speculative, SetPrefill: EngineWorker.set_prefill,
+            SetActivations: EngineWorker.set_activations,
             Close: EngineWorker.close}

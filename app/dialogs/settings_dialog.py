@@ -102,13 +102,14 @@ class SettingsDialog(QDialog):
                  model_config=None, model_dtype: str = "fp32", device: str = "cpu",
                  last_server: RemoteSettings | None = None, language: str = "system", disk_budget_mb: float = 2048.0,
                  speculative: tuple[str, int] = DEFAULT_SPECULATIVE, prefill: str = "auto", linear_layers: int = 0,
-                 shared_kv_layers: int = 0):
+                 shared_kv_layers: int = 0, activations: str = "int16"):
         super().__init__(parent)
         self.linear_layers = linear_layers      # of the loaded model's layers, those keeping a recurrent state
         self.shared_kv_layers = shared_kv_layers    # and those reading an earlier layer's K and V
         self._disk_budget_mb = disk_budget_mb
         self._speculative = speculative
         self._prefill = prefill
+        self._activations = activations
         self.setWindowTitle(self.tr("kvchat settings"))
         self.setObjectName("settingsDialog")
         self.num_layers = num_layers
@@ -291,6 +292,7 @@ class SettingsDialog(QDialog):
         form = QFormLayout()
         column.addLayout(form)
         form.addRow(self.tr("Read prompts in"), self._prefill_combo())
+        form.addRow(self.tr("Decode with"), self._activations_combo())
         return box
 
     def _prefill_combo(self) -> QComboBox:
@@ -308,6 +310,19 @@ class SettingsDialog(QDialog):
             "choices over 512 tokens of prose (llama.cpp's own prompt path: 95.9%). Replies are decoded the same way "
             "either way."))
         return self.prefill_combo
+
+    def _activations_combo(self) -> QComboBox:
+        """Decode rows' activations (EngineConfig.activations), applied live to the next token."""
+        self.activations_combo = QComboBox(objectName="activationsMode")
+        self.activations_combo.addItem(self.tr("int16 activations (exact to about 1e-5)"), "int16")
+        self.activations_combo.addItem(self.tr("int8 activations (rounded as llama.cpp does; faster from memory)"),
+                                       "int8")
+        self.activations_combo.setCurrentIndex(max(0, self.activations_combo.findData(self._activations)))
+        self.activations_combo.setToolTip(self.tr(
+            "How a reply's tokens are computed over packed weights. int16 follows the exact product; int8 rounds each "
+            "group of 32 activations as llama.cpp does and reads a large model's weights faster (its next-token "
+            "choices agreed with the exact path on 96% of 512 tokens of prose, llama.cpp's on 96%)."))
+        return self.activations_combo
 
     def _cache_group(self, cache: CacheConfig) -> QGroupBox:
         box = self.cache_box = QGroupBox(self.tr("KV cache (applies to the open chat live)"))
@@ -621,6 +636,10 @@ class SettingsDialog(QDialog):
     def prefill(self) -> str:
         """The prompt precision chosen: auto, fp32, bf16 or int8."""
         return str(self.prefill_combo.currentData())
+
+    def activations(self) -> str:
+        """Decode rows' activations chosen: int16 or int8."""
+        return str(self.activations_combo.currentData())
 
     def speculative(self) -> tuple[str, int]:
         """(method, most draft tokens per step): "off" or "lookup", 1 to 32."""

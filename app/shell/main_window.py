@@ -34,8 +34,9 @@ from kvchat.app.store.history import HistoryError, HistoryStore
 from kvchat.app.bridge.engine_facts import family_text
 from kvchat.app.engine_text import engine_text
 from kvchat.app.i18n import cache_label, weights_text
-from kvchat.app.bridge.messages import (EngineReady, ErrorEvent, LoadProgress, MessageCounted, ModeSwitched, PrefillSet,
-                                        ReadingHistory, ResetDone, SavingCaches, SessionOpened, format_bytes)
+from kvchat.app.bridge.messages import (ActivationsSet, EngineReady, ErrorEvent, LoadProgress, MessageCounted,
+                                        ModeSwitched, PrefillSet, ReadingHistory, ResetDone, SavingCaches, SessionOpened,
+                                        format_bytes)
 from kvchat.app.dashboard.quality_view import QualityController
 from kvchat.app.dashboard.attention_controller import AttentionController
 from kvchat.app.dialogs.models_page import ModelsDialog
@@ -198,6 +199,7 @@ class MainWindow(QMainWindow):
         host.set_disk_budget(self.store.kv_disk_budget_mb())     # queued before any load: applied to each engine
         host.set_speculative(*self.store.speculative())
         host.set_prefill(self.store.prefill())
+        host.set_activations(self.store.activations())
         worker = host                   # its signals arrive in the GUI thread
         worker.progress.connect(self._on_progress)
         worker.ready.connect(self._on_ready)
@@ -372,12 +374,14 @@ class MainWindow(QMainWindow):
                                 device=self.engine_info.device if self.engine_info else "cpu",
                                 language=self.store.language(), disk_budget_mb=self.store.kv_disk_budget_mb(),
                                 speculative=self.store.speculative(), prefill=self.store.prefill(),
+                                activations=self.store.activations(),
                                 linear_layers=self.engine_info.linear_layers if self.engine_info else 0,
                                 shared_kv_layers=self.engine_info.shared_kv_layers if self.engine_info else 0)
         dialog.accepted.connect(lambda: self.store.set_language(dialog.language()))     # applies on restart
         dialog.accepted.connect(lambda: self._set_disk_budget(dialog.disk_budget_mb()))
         dialog.accepted.connect(lambda: self._set_speculative(*dialog.speculative()))
         dialog.accepted.connect(lambda: self._set_prefill(dialog.prefill()))
+        dialog.accepted.connect(lambda: self._set_activations(dialog.activations()))
         dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
         dialog.delete_saved.connect(self.host.delete_saved_caches)
         self.host.saved_caches.connect(dialog.show_saved_caches)
@@ -399,8 +403,17 @@ class MainWindow(QMainWindow):
         self.store.set_prefill(mode)
         self.host.set_prefill(mode)
 
-    def _on_prefill_set(self, event: PrefillSet) -> None:
+    def _set_activations(self, mode: str) -> None:
+        self.store.set_activations(mode)
+        self.host.set_activations(mode)
+
+    def _on_prefill_set(self, event: PrefillSet | ActivationsSet) -> None:
         precision = event.precision
+        if isinstance(event, ActivationsSet):   # decode rows' activations: the status line names int8
+            if self.engine_info is not None:
+                self.engine_info = replace(self.engine_info, activations=precision)
+                self._update_status()
+            return
         if self.engine_info is not None:        # the status line names what the engine now reads prompts in
             self.engine_info = replace(self.engine_info, prefill=precision)
             self._update_status()
@@ -658,6 +671,8 @@ class MainWindow(QMainWindow):
                 parts.append(self.tr("prompts in bf16"))
             elif self.engine_info.prefill == "int8":
                 parts.append(self.tr("prompts in int8"))
+            if self.engine_info.activations == "int8":     # decoding with llama.cpp's rounding, not the exact path
+                parts.append(self.tr("decoding with int8 activations"))
             if self.engine_info.kernel_status:      # the slow torch fallback is said, not silent
                 parts.append(engine_text(self.engine_info.kernel_status))
         remote = self.engine_info is not None and self.engine_info.capabilities.remote

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from kvchat.engine.config import MAX_DRAFTS, PREFILL_MODES, CacheConfig, ConfigError, SamplingParams
+from kvchat.engine.config import ACTIVATION_MODES, MAX_DRAFTS, PREFILL_MODES, CacheConfig, ConfigError, SamplingParams
 
 from kvchat.app.store.history import cache_from_json, cache_to_json
 
@@ -206,6 +206,15 @@ class SettingsStore:
 
     def set_prefill(self, mode: str) -> None:
         self._qs.setValue("engine/prefill", mode)
+        self._qs.sync()
+
+    def activations(self) -> str:
+        """Decode rows' activations (EngineConfig.activations): int16 unless changed; an unknown value reads as int16."""
+        value = str(self._qs.value("engine/activations", "int16") or "")
+        return value if value in ACTIVATION_MODES else "int16"
+
+    def set_activations(self, mode: str) -> None:
+        self._qs.setValue("engine/activations", mode)
         self._qs.sync()
 
     def sync(self) -> None:
