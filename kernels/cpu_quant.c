@@ -451,8 +451,9 @@ static inline __attribute__((always_inline)) void q4_row2_h(const uint8_t *ra, c
 // scales alone) and prefix_k (Q4_K, Q5_K), each calling body(H, SK, ZK) with constants.
 #define ROW2_FN(name, body, SK, ZK) \
     static __attribute__((noinline)) void name(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha, \
-            const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const void *x, const float *sums, \
-            int ng, float *out) { \
+            const uint8_t *hb, const rowterms_t *pta, const rowterms_t *ptb, const float *xs, const void *x, \
+            const float *sums, int ng, float *out) { \
+        const rowterms_t ta = *pta, tb = *ptb;      /* by address: no 128 bytes copied onto the stack a call */ \
         if (ha) body(1, SK, ZK); \
         else body(0, SK, ZK); \
     }
@@ -473,17 +474,17 @@ ROW2_FNS(q4_row2, Q4_ROW2)
             const half_t *s16 = (const half_t *)scale, *z16 = (const half_t *)zero; \
             ta.s = s16 + (size_t)n * ng, tb.s = s16 + (size_t)b * ng; \
             ta.c = tb.c = high ? -16.f : -8.f; \
-            if (kind == 4) prefix##_q4_0(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
+            if (kind == 4) prefix##_q4_0(ra, rb, ha, hb, &ta, &tb, xs, x, sums, ng, out); \
             else if (z16) { \
                 ta.zh = z16 + (size_t)n * ng, tb.zh = z16 + (size_t)b * ng; \
-                prefix##_q4_1(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
-            } else prefix##_f16(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
+                prefix##_q4_1(ra, rb, ha, hb, &ta, &tb, xs, x, sums, ng, out); \
+            } else prefix##_f16(ra, rb, ha, hb, &ta, &tb, xs, x, sums, ng, out); \
         } else if (kind == 5 && zero) { \
             size_t nb = (size_t)ng / 8; \
             ta.kp = (const uint8_t *)scale + n * nb * 12, tb.kp = (const uint8_t *)scale + b * nb * 12; \
             ta.d = (const half_t *)ssup + n * nb, tb.d = (const half_t *)ssup + b * nb; \
             ta.dm = (const half_t *)zsup + n * nb, tb.dm = (const half_t *)zsup + b * nb; \
-            prefix##_k(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
+            prefix##_k(ra, rb, ha, hb, &ta, &tb, xs, x, sums, ng, out); \
         } else { \
             float sa_[MAXG], sb_[MAXG]; \
             const float *sca = row_f32(scale, ssup, per, n, ng, kind, sa_); \
@@ -493,7 +494,7 @@ ROW2_FNS(q4_row2, Q4_ROW2)
             scale_products(sca, xs, ng, 1, fa); \
             scale_products(scb, xs, ng, 1, fb); \
             ta.f = fa, tb.f = fb; \
-            prefix(ra, rb, ha, hb, ta, tb, xs, x, sums, ng, out); \
+            prefix(ra, rb, ha, hb, &ta, &tb, xs, x, sums, ng, out); \
         } \
     } while (0)
 #endif
