@@ -232,9 +232,9 @@ static __attribute__((noinline)) void q8_rowsM_512(const int8_t *row, const floa
 
 // q8_row1 (G == 32) for one row of x against two weight rows at once, as q4_row2_512: each row's sums in its own
 // order, the chains side by side. xp: the row in q4_pair_layout; fa, fb: the scale products sc[g] * xs[g].
-static __attribute__((noinline)) void q8_row2_512(const int8_t *ra, const int8_t *rb, const float *fa,
-        const float *fb, const float *za, const float *zb, const int16_t *xp, const float *sums32, int nx,
-        float *out) {
+static inline __attribute__((always_inline)) void q8_row2_512_h(const int8_t *ra, const int8_t *rb,
+        const float *fa, const float *fb, const half_t *sa, const half_t *sb, const float *xs, const float *za,
+        const float *zb, const int16_t *xp, const float *sums32, int nx, float *out) {
     __m512 A = _mm512_setzero_ps(), B = _mm512_setzero_ps();
     const long pf = PF_ROWS * 32L * nx;
     int g = 0;
@@ -247,20 +247,33 @@ static __attribute__((noinline)) void q8_row2_512(const int8_t *ra, const int8_t
                                          q8_pair16(ra + g * 32 + 16), x1);
         __m512i pb = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), q8_pair16(rb + g * 32), x0),
                                          q8_pair16(rb + g * 32 + 16), x1);
-        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), pair_scale(fa + g), A);
-        B = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb), pair_scale(fb + g), B);
+        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), sa ? pair_scale_h(sa + g, xs + g) : pair_scale(fa + g), A);
+        B = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb), sb ? pair_scale_h(sb + g, xs + g) : pair_scale(fb + g), B);
     }
     const int8_t *r[2] = {ra, rb};
     const float *f[2] = {fa, fb}, *z[2] = {za, zb};
+    const half_t *sh[2] = {sa, sb};
     __m512 acc[2] = {A, B};
     for (int i = 0; i < 2; i++) {
         __m256 a0 = low8(acc[i]), a1 = high8(acc[i]);
         if (g < nx) {       // an odd number of groups: the last one is even, a0's
             __m256i p0 = q8_half(r[i] + g * 32, xp + g * 32), p1 = q8_half(r[i] + g * 32 + 16, xp + g * 32 + 16);
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(f[i][g]), a0);
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(sh[i] ? f16_to_f32(sh[i][g]) * xs[g] : f[i][g]), a0);
         }
         float tail = 0.f;
         __m256 zt = z[i] ? zero_terms(z[i], sums32, nx, &tail) : _mm256_setzero_ps();
         out[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), zt)) + tail;
     }
+}
+
+static __attribute__((noinline)) void q8_row2_512(const int8_t *ra, const int8_t *rb, const float *fa,
+        const float *fb, const float *za, const float *zb, const int16_t *xp, const float *sums32, int nx,
+        float *out) {
+    q8_row2_512_h(ra, rb, fa, fb, NULL, NULL, NULL, za, zb, xp, sums32, nx, out);
+}
+
+// Q8_0 (float16 scales, no zeros): the scale products formed in the loop
+static __attribute__((noinline)) void q8_row2_512_f16(const int8_t *ra, const int8_t *rb, const half_t *sa,
+        const half_t *sb, const float *xs, const int16_t *xp, const float *sums32, int nx, float *out) {
+    q8_row2_512_h(ra, rb, NULL, NULL, sa, sb, xs, NULL, NULL, xp, sums32, nx, out);
 }

@@ -545,8 +545,11 @@ static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G,
 
 // q8_row1 (G == 32) for one row of x against two weight rows at once, as q4_row2: each row's sums in its own order
 // (even groups in a0, odd in a1), the four chains side by side. fa, fb: the scale products sc[g] * xs[g].
-static __attribute__((noinline)) void q8_row2(const int8_t *ra, const int8_t *rb, const float *fa, const float *fb,
-        const float *za, const float *zb, const int16_t *xq, const float *sums32, int nx, float *out) {
+static inline __attribute__((always_inline)) void q8_row2_h(const int8_t *ra, const int8_t *rb, const float *fa,
+        const float *fb, const half_t *sa, const half_t *sb, const float *xs, const float *za, const float *zb,
+        const int16_t *xq, const float *sums32, int nx, float *out) {
+#define FA(g) (sa ? f16_to_f32(sa[g]) * xs[g] : fa[g])
+#define FB(g) (sb ? f16_to_f32(sb[g]) * xs[g] : fb[g])
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     const long pf = PF_ROWS * 32L * nx;
     int g = 0;
@@ -555,22 +558,22 @@ static __attribute__((noinline)) void q8_row2(const int8_t *ra, const int8_t *rb
         _mm_prefetch((const char *)(rb + g * 32 + pf), PF_HINT);
         const int16_t *v = xq + g * 32;
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(q8_half(ra + g * 32, v), q8_half(ra + g * 32 + 16, v + 16))),
-                             _mm256_set1_ps(fa[g]), a0);
+                             _mm256_set1_ps(FA(g)), a0);
         b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(q8_half(rb + g * 32, v), q8_half(rb + g * 32 + 16, v + 16))),
-                             _mm256_set1_ps(fb[g]), b0);
+                             _mm256_set1_ps(FB(g)), b0);
         a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(q8_half(ra + g * 32 + 32, v + 32),
                                                                  q8_half(ra + g * 32 + 48, v + 48))),
-                             _mm256_set1_ps(fa[g + 1]), a1);
+                             _mm256_set1_ps(FA(g + 1)), a1);
         b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(q8_half(rb + g * 32 + 32, v + 32),
                                                                  q8_half(rb + g * 32 + 48, v + 48))),
-                             _mm256_set1_ps(fb[g + 1]), b1);
+                             _mm256_set1_ps(FB(g + 1)), b1);
     }
     if (g < nx) {       // an odd number of groups: the last one is even, a0's
         const int16_t *v = xq + g * 32;
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(q8_half(ra + g * 32, v), q8_half(ra + g * 32 + 16, v + 16))),
-                             _mm256_set1_ps(fa[g]), a0);
+                             _mm256_set1_ps(FA(g)), a0);
         b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(q8_half(rb + g * 32, v), q8_half(rb + g * 32 + 16, v + 16))),
-                             _mm256_set1_ps(fb[g]), b0);
+                             _mm256_set1_ps(FB(g)), b0);
     }
     float tail = 0.f;
     __m256 z = za ? zero_terms(za, sums32, nx, &tail) : _mm256_setzero_ps();
@@ -578,6 +581,19 @@ static __attribute__((noinline)) void q8_row2(const int8_t *ra, const int8_t *rb
     tail = 0.f;
     z = zb ? zero_terms(zb, sums32, nx, &tail) : _mm256_setzero_ps();
     out[1] = hsum8(_mm256_add_ps(_mm256_add_ps(b0, b1), z)) + tail;
+#undef FA
+#undef FB
+}
+
+static __attribute__((noinline)) void q8_row2(const int8_t *ra, const int8_t *rb, const float *fa, const float *fb,
+        const float *za, const float *zb, const int16_t *xq, const float *sums32, int nx, float *out) {
+    q8_row2_h(ra, rb, fa, fb, NULL, NULL, NULL, za, zb, xq, sums32, nx, out);
+}
+
+// Q8_0 (float16 scales, no zeros): the scale products formed in the loop
+static __attribute__((noinline)) void q8_row2_f16(const int8_t *ra, const int8_t *rb, const half_t *sa,
+        const half_t *sb, const float *xs, const int16_t *xq, const float *sums32, int nx, float *out) {
+    q8_row2_h(ra, rb, NULL, NULL, sa, sb, xs, NULL, NULL, xq, sums32, nx, out);
 }
 
 // R (a constant, so the accumulators live in registers) rows of x against one weight row, each row
@@ -857,7 +873,19 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
             float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
             const float *za, *zb;
             prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, nx);
-            if (kind == 1) {
+            if (kind == 1 && !zero) {           // Q8_0: the scale products formed in the loop
+                const half_t *s16 = (const half_t *)scale;
+#ifdef KVCHAT_AVX512
+                q8_row2_512_f16(
+#else
+                q8_row2_f16(
+#endif
+                    codes + (size_t)n * K, codes + (size_t)b * K, s16 + (size_t)n * nx, s16 + (size_t)b * nx, xs, xp,
+                    sums32, nx, out);
+                y[n] = out[0] + (resid ? resid[n] : 0.f);
+                if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
+                continue;
+            } else if (kind == 1) {
                 za = f16_row_terms(scale, zero, kind, NULL, xs, n, nx, fa, zba);
                 zb = f16_row_terms(scale, zero, kind, NULL, xs, b, nx, fb, zbb);
             } else {
