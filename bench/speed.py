@@ -421,7 +421,7 @@ def run(args) -> dict:
     result = {
         "model": engine.model_name, "path": path, "quant": engine.model.quant, "weights": engine.model.weights,
         "device": "cpu", "threads": threads, "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
-        "runs": args.runs, "kernels": _kernels_label(),
+        "runs": args.runs, "kernels": _kernels_label(), "cpu": _cpu_label(),
         "weight_bytes": engine.model.weight_bytes(), "file_bytes": os.path.getsize(path) if os.path.isfile(path) else None,
     }
     for name, r in runs.items():
@@ -461,6 +461,12 @@ def run(args) -> dict:
     if not args.no_load:
         result.update(_fresh_process_runs(spec, path, threads, args.runs, "llamacpp" in sides, say))
     return result
+
+
+def _cpu_label() -> str:
+    """The CPU the run measured, named as the issue asks: its model and the vector features the kernels use."""
+    from kvchat.kernels import cpu_lib
+    return f"{cpu_lib.cpu_name()} ({', '.join(sorted(cpu_lib.cpu_features())) or 'no SIMD features read'})"
 
 
 def _kernels_label() -> str:
@@ -506,7 +512,7 @@ def summarize(r: dict) -> str:
     lines = [f"{r['model']} ({r['quant']}, weights {r['weights']}, {r['weight_bytes'] / MIB:.0f} MiB resident"
              + (f", file {r['file_bytes'] / MIB:.0f} MiB" if r.get("file_bytes") else "") + f") on {r['threads']} "
              f"threads, {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, median of {r['runs']} "
-             f"interleaved runs; kernels: {r['kernels']}"]
+             f"interleaved runs; kernels: {r['kernels']}" + (f"; CPU {r['cpu']}" if r.get("cpu") else "")]
     for name in ("kvchat", "kvchat_int8", "kvchat_attention", "llamacpp", "transformers"):
         if name in r:
             s = r[name]

@@ -5,17 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-from pathlib import Path
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.split(":")[0].strip() in ("model name", "Hardware", "Model"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _gpus() -> list[str]:
@@ -54,7 +43,7 @@ def report() -> dict:
         "kernels": {**kernels, "kv_kernels": kv, "kv_error": None if kv else cpu_quant._kv_error,
                     "fallback": None if kernels["loaded"] else "torch's kernels (correct, several times slower)"},
         "device": "cuda" if cuda else "cpu",
-        "cpu": {"name": _cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(),
+        "cpu": {"name": cpu_lib.cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(),
                 "features": kernels["cpu_features"]},
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpus": _gpus(),

@@ -133,15 +133,18 @@ def _prefill_path() -> Path:
     return _cache_dir() / "prefill-choice.json"
 
 
-def _machine_key() -> str:
-    """What a prefill measurement holds for: this CPU's model and features, the Python build of torch's kernels."""
-    model = ""
+def cpu_name() -> str:
+    """The CPU's model as the kernel names it (/proc/cpuinfo), else what platform knows."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{PREFILL_RECORD}|{model or platform.processor()}|{','.join(sorted(cpu_features()))}"
+            if line.split(":")[0].strip() in ("model name", "Hardware", "Model"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _machine_key() -> str:
+    """What a prefill measurement holds for: this CPU's model and features, the Python build of torch's kernels."""
+    return f"{PREFILL_RECORD}|{cpu_name()}|{','.join(sorted(cpu_features()))}"
 
 
 def prefill_record() -> tuple[str, str] | None:
