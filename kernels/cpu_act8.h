@@ -221,21 +221,43 @@ static inline __m512 quad4h(const half_t *sc, const float *xs) {
 }
 #endif
 
-// One block of four groups (g) into the chains: c01 holds chains 0-1, c23 chains 2-3 (AVX-512: acc all four).
-// The scale products: f [ng] formed before, or (sh not NULL) formed here from float16 scales sh and xs, the same
-// products (f16_row_terms'), with no pass over the row to write them.
+// A row's four chains: AVX-512 keeps them in one register, AVX2 chains 0-1 in c01 and 2-3 in c23
 #ifdef KVCHAT_AVX512
-#define Q4X8_BLOCK(acc, c01, c23, row, high, g, x, f, sh, xs) \
-    (acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_quad((row) + (g) * 16, high, g, x)), \
-                           (sh) ? quad4h((sh) + (g), (xs) + (g)) : quad4((f) + (g)), acc))
+typedef struct { __m512 v; } chains_t;
 #else
-#define Q4X8_BLOCK(acc, c01, c23, row, high, g, x, f, sh, xs) do { \
-        c01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4x8_pair((row) + (g) * 16, high, g, x, (x) + 64)), \
-                              (sh) ? pair4h((sh) + (g), (xs) + (g)) : pair4((f) + (g)), c01); \
-        c23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4x8_pair((row) + (g) * 16 + 32, high, (g) + 2, (x) + 32, (x) + 96)), \
-                              (sh) ? pair4h((sh) + (g) + 2, (xs) + (g) + 2) : pair4((f) + (g) + 2), c23); \
-    } while (0)
+typedef struct { __m256 c01, c23; } chains_t;
 #endif
+
+static inline chains_t chains_zero(void) {
+#ifdef KVCHAT_AVX512
+    return (chains_t){_mm512_setzero_ps()};
+#else
+    return (chains_t){_mm256_setzero_ps(), _mm256_setzero_ps()};
+#endif
+}
+
+// Block g (four groups) of a weight row into its chains, times the blocks' scale products as rowterms_t's SK says:
+// t.f (0), t.s times xs (1: the products f16_row_terms forms), or the current super-block's k8 (2)
+static inline __attribute__((always_inline)) void q4x8_block(chains_t *c, const uint8_t *row, const uint8_t *high,
+        int g, const int8_t *x, rowterms_t t, const int SK, const float *xs, __m256 k8) {
+#ifdef KVCHAT_AVX512
+    const __m512i four = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 s = SK == 1 ? quad4h(t.s + g, xs + g)
+             : SK == 2 ? _mm512_permutexvar_ps(_mm512_add_epi32(four, _mm512_set1_epi32(g & 4)),
+                                               _mm512_castps256_ps512(k8))
+             : quad4(t.f + g);
+    c->v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_quad(row + g * 16, high, g, x)), s, c->v);
+#else
+    for (int p = 0; p < 2; p++) {           // groups g + 2p, g + 2p + 1: chains 2p, 2p + 1
+        int j = g + 2 * p;
+        __m256i sel = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(j & 7));
+        __m256 s = SK == 1 ? pair4h(t.s + j, xs + j) : SK == 2 ? _mm256_permutevar8x32_ps(k8, sel) : pair4(t.f + j);
+        __m256 d = _mm256_cvtepi32_ps(q4x8_pair(row + j * 16, high, j, x + 32 * p, x + 32 * p + 64));
+        if (p) c->c23 = _mm256_fmadd_ps(d, s, c->c23);
+        else c->c01 = _mm256_fmadd_ps(d, s, c->c01);
+    }
+#endif
+}
 
 // group g of the last ng mod 4 into chain g mod 4: lanes 0-3 or 4-7 of c01 or c23
 static inline void q4x8_last(__m256 *c01, __m256 *c23, int g, const uint8_t *row, const uint8_t *high,
@@ -246,36 +268,37 @@ static inline void q4x8_last(__m256 *c01, __m256 *c23, int g, const uint8_t *row
     else *c = _mm256_insertf128_ps(*c, _mm_fmadd_ps(d, s, _mm256_castps256_ps128(*c)), 0);
 }
 
-// the chains and the zero terms joined into a row's result
-static inline float q4x8_join(__m256 c01, __m256 c23, const float *zr, const float *sums, int ng) {
-    float tail;
-    __m256 z = zero_terms(zr, sums, ng, &tail);
-    return hsum8(_mm256_add_ps(_mm256_add_ps(c01, c23), z)) + tail;
+// A row's chains after its full blocks, the last ng mod 4 groups added (ng from g), summed to eight lanes
+static inline __m256 q4x8_finish(chains_t c, int g, int ng, const uint8_t *row, const uint8_t *high,
+                                 const int8_t *xl, rowterms_t t, const int SK, const float *xs, const float *k8) {
+#ifdef KVCHAT_AVX512
+    __m256 c01 = low8(c.v), c23 = high8(c.v);
+#else
+    __m256 c01 = c.c01, c23 = c.c23;
+#endif
+    for (; g < ng; g++)         // K-quants never come here: their rows are whole super-blocks of eight groups
+        q4x8_last(&c01, &c23, g, row, high, xl + g * 32, TERMS_SCALE(t, SK, g, k8));
+    return _mm256_add_ps(c01, c23);
 }
 
-// R rows of x (quad_layout8) against one weight row of q4 codes; f [R, ng]: sc[g] * xs[m][g]
+// R rows of x (quad_layout8) against one weight row of q4 codes; f [R, ng]: sc[g] * xs[m][g]; zr: its zeros
 static inline __attribute__((always_inline)) void q4x8_rows(const uint8_t *row, const uint8_t *high, const float *f,
         const float *zr, const int8_t *xl, const float *sums, int ng, int K, const int R, float *out) {
-    __m256 c01[4], c23[4];
+    chains_t c[4];
+    rowterms_t t[4] = {{0}};
+    for (int m = 0; m < R; m++) c[m] = chains_zero(), t[m].f = f + (size_t)m * ng, t[m].z = zr;
     int g = 0;
-#ifdef KVCHAT_AVX512
-    __m512 acc[4];
-    for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
-#else
-    for (int m = 0; m < R; m++) c01[m] = c23[m] = _mm256_setzero_ps();
-#endif
     for (; g + 4 <= ng; g += 4) {
         _mm_prefetch((const char *)row + (size_t)g * 16 + PREFETCH, _MM_HINT_T0);
         FAR_PREFETCH((const char *)row + (size_t)g * 16);
-        for (int m = 0; m < R; m++) Q4X8_BLOCK(acc[m], c01[m], c23[m], row, high, g, xl + (size_t)m * K + g * 32,
-                                               f + (size_t)m * ng, (const half_t *)NULL, (const float *)NULL);
+        for (int m = 0; m < R; m++)
+            q4x8_block(&c[m], row, high, g, xl + (size_t)m * K + g * 32, t[m], 0, NULL, _mm256_setzero_ps());
     }
-#ifdef KVCHAT_AVX512
-    for (int m = 0; m < R; m++) c01[m] = low8(acc[m]), c23[m] = high8(acc[m]);
-#endif
-    for (; g < ng; g++)
-        for (int m = 0; m < R; m++) q4x8_last(&c01[m], &c23[m], g, row, high, xl + (size_t)m * K + g * 32, f[m * ng + g]);
-    for (int m = 0; m < R; m++) out[m] = q4x8_join(c01[m], c23[m], zr, sums + (size_t)m * ng, ng);
+    for (int m = 0; m < R; m++) {
+        const int8_t *x = xl + (size_t)m * K;
+        out[m] = terms_join(q4x8_finish(c[m], g, ng, row, high, x, t[m], 0, NULL, NULL), t[m], sums + (size_t)m * ng,
+                            1, ng, _mm256_setzero_ps());
+    }
 }
 
 // One row of x against weight rows a and b (decode): q4x8_rows' operations for each, side by side, the rows
@@ -284,52 +307,22 @@ static inline __attribute__((always_inline)) void q4x8_rows(const uint8_t *row, 
 static inline __attribute__((always_inline)) void q4x8_row2_h(const uint8_t *ra, const uint8_t *rb,
         const uint8_t *ha, const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const int SK,
         const int ZK, const int8_t *xl, const float *sums, int ng, float *out) {
-    __m256 a01 = _mm256_setzero_ps(), a23 = a01, b01 = a01, b23 = a01, za8 = a01, zb8 = a01, ka8 = a01, kb8 = a01;
+    chains_t A = chains_zero(), B = chains_zero();
+    __m256 za8 = _mm256_setzero_ps(), zb8 = za8, ka8 = za8, kb8 = za8;
     float ka[8], kb[8];
-#ifdef KVCHAT_AVX512
-    __m512 A = _mm512_setzero_ps(), B = A;
-    const __m512i lo4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i hi4 = _mm512_add_epi32(lo4, _mm512_set1_epi32(4));
-#endif
     const long pf = PF_ROWS * 16L * ng;
     int g = 0;
     for (; g + 4 <= ng; g += 4) {
         _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
         _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
-        int h = (g & 4) ? g - 4 : -1;
-        terms_step(ta, xs, sums, SK, ZK, g, h, ka, &za8);
-        terms_step(tb, xs, sums, SK, ZK, g, h, kb, &zb8);
+        terms_step(ta, xs, sums, SK, ZK, g, ng, ka, &za8);
+        terms_step(tb, xs, sums, SK, ZK, g, ng, kb, &zb8);
         if (SK == 2 && !(g & 7)) ka8 = _mm256_loadu_ps(ka), kb8 = _mm256_loadu_ps(kb);
-#ifdef KVCHAT_AVX512
-        __m512 sa = SK == 1 ? quad4h(ta.s + g, xs + g)
-                  : SK == 2 ? _mm512_permutexvar_ps((g & 4) ? hi4 : lo4, _mm512_castps256_ps512(ka8)) : quad4(ta.f + g);
-        __m512 sb = SK == 1 ? quad4h(tb.s + g, xs + g)
-                  : SK == 2 ? _mm512_permutexvar_ps((g & 4) ? hi4 : lo4, _mm512_castps256_ps512(kb8)) : quad4(tb.f + g);
-        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_quad(ra + g * 16, ha, g, xl + g * 32)), sa, A);
-        B = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_quad(rb + g * 16, hb, g, xl + g * 32)), sb, B);
-#else
-        for (int p = 0; p < 2; p++) {           // groups g + 2p, g + 2p + 1: chains 2p, 2p + 1
-            int j = g + 2 * p;
-            const int8_t *x = xl + g * 32 + 32 * p;
-            __m256i sel = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(j & 7));
-            __m256 sa = SK == 1 ? pair4h(ta.s + j, xs + j) : SK == 2 ? _mm256_permutevar8x32_ps(ka8, sel) : pair4(ta.f + j);
-            __m256 sb = SK == 1 ? pair4h(tb.s + j, xs + j) : SK == 2 ? _mm256_permutevar8x32_ps(kb8, sel) : pair4(tb.f + j);
-            __m256 da = _mm256_cvtepi32_ps(q4x8_pair(ra + j * 16, ha, j, x, x + 64));
-            __m256 db = _mm256_cvtepi32_ps(q4x8_pair(rb + j * 16, hb, j, x, x + 64));
-            if (p) a23 = _mm256_fmadd_ps(da, sa, a23), b23 = _mm256_fmadd_ps(db, sb, b23);
-            else a01 = _mm256_fmadd_ps(da, sa, a01), b01 = _mm256_fmadd_ps(db, sb, b01);
-        }
-#endif
+        q4x8_block(&A, ra, ha, g, xl + g * 32, ta, SK, xs, ka8);
+        q4x8_block(&B, rb, hb, g, xl + g * 32, tb, SK, xs, kb8);
     }
-#ifdef KVCHAT_AVX512
-    a01 = low8(A), a23 = high8(A), b01 = low8(B), b23 = high8(B);
-#endif
-    for (; g < ng; g++) {       // K-quants never come here: their rows are whole super-blocks of eight groups
-        q4x8_last(&a01, &a23, g, ra, ha, xl + g * 32, TERMS_SCALE(ta, SK, g, ka));
-        q4x8_last(&b01, &b23, g, rb, hb, xl + g * 32, TERMS_SCALE(tb, SK, g, kb));
-    }
-    out[0] = terms_join(_mm256_add_ps(a01, a23), ta, sums, ZK, ng, za8);
-    out[1] = terms_join(_mm256_add_ps(b01, b23), tb, sums, ZK, ng, zb8);
+    out[0] = terms_join(q4x8_finish(A, g, ng, ra, ha, xl, ta, SK, xs, ka), ta, sums, ZK, ng, za8);
+    out[1] = terms_join(q4x8_finish(B, g, ng, rb, hb, xl, tb, SK, xs, kb), tb, sums, ZK, ng, zb8);
 }
 
 #define Q4X8_ROW2(H, SK, ZK) q4x8_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, ta, tb, xs, SK, ZK, \

@@ -136,9 +136,8 @@ static inline __attribute__((always_inline)) void q4_row2_512_h(const uint8_t *r
             _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
             _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
         }
-        int h = (g & 6) == 6 ? g - 6 : -1;
-        terms_step(ta, xs, sums, SK, ZK, g, h, ka, &za8);
-        terms_step(tb, xs, sums, SK, ZK, g, h, kb, &zb8);
+        terms_step(ta, xs, sums, SK, ZK, g, ng, ka, &za8);
+        terms_step(tb, xs, sums, SK, ZK, g, ng, kb, &zb8);
         if (SK == 2 && !(g & 7)) ka8 = _mm256_loadu_ps(ka), kb8 = _mm256_loadu_ps(kb);
         __m512i x0 = _mm512_loadu_si512((const void *)(xp + g * 32));
         __m512i x1 = _mm512_loadu_si512((const void *)(xp + g * 32 + 32));

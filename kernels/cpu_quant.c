@@ -358,20 +358,6 @@ static inline __m256 k_terms8(const uint8_t *s, half_t d, const half_t *dm, cons
     return _mm256_mul_ps(sc, _mm256_loadu_ps(xs));
 }
 
-// Kind 5 (the K-quants' packed scales) for the two-row kernels: row n's scale products f = (d * sc) * xs and zeros
-// zr = (-dmin) * m (NULL: none) in one pass over its super-blocks (k_terms8)
-static inline const float *k_row_terms(const void *scale, const void *ssup, const void *zero, const void *zsup,
-        const float *xs, size_t n, int ng, float *f, float *zr) {
-    const uint8_t *s = (const uint8_t *)scale + n * (size_t)(ng / 8) * 12;
-    const half_t *d = (const half_t *)ssup + n * (size_t)(ng / 8);
-    const half_t *dm = zero ? (const half_t *)zsup + n * (size_t)(ng / 8) : NULL;
-    for (int b = 0; b < ng / 8; b++) {
-        __m256 z;
-        _mm256_storeu_ps(f + 8 * b, k_terms8(s + 12 * b, d[b], dm ? dm + b : NULL, xs + 8 * b, &z));
-        if (dm) _mm256_storeu_ps(zr + 8 * b, z);
-    }
-    return dm ? zr : NULL;
-}
 #endif
 
 // Where a two-row kernel's scale products and zeros come from (one per weight row)
@@ -388,16 +374,18 @@ typedef struct {
 // group g's scale product
 #define TERMS_SCALE(t, SK, g, k8) ((SK) == 1 ? f16_to_f32((t).s[g]) * xs[g] : (SK) == 2 ? (k8)[(g) & 7] : (t).f[g])
 
-// At group g of a two-row loop: a K-quant super-block's products into k8 (and its mins into z8) where one begins;
-// float16 zeros into z8 once eight groups are done (h: the first of them, or -1)
-static inline void terms_step(rowterms_t t, const float *xs, const float *sums, int SK, int ZK, int g, int h,
+// At group g of a two-row loop (g a multiple of its step, 2 or 4): where eight groups begin, a K-quant super-block's
+// products into k8 (and its mins into z8), or the float16 zeros of the eight into z8 (zero_terms' order: the groups
+// past the last eight are zero_tail_h's)
+static inline void terms_step(rowterms_t t, const float *xs, const float *sums, int SK, int ZK, int g, int ng,
                               float *k8, __m256 *z8) {
-    if (SK == 2 && !(g & 7)) {
+    if (g & 7) return;
+    if (SK == 2) {
         __m256 zr;
         _mm256_storeu_ps(k8, k_terms8(t.kp + 12 * (g / 8), t.d[g / 8], ZK == 4 ? t.dm + g / 8 : NULL, xs + g, &zr));
         if (ZK == 4) *z8 = _mm256_fmadd_ps(zr, _mm256_loadu_ps(sums + g), *z8);
     }
-    if ((ZK == 2 || ZK == 3) && h >= 0) *z8 = zero8_h(ZK == 2 ? t.s : t.zh, ZK, t.c, sums, h, *z8);
+    if ((ZK == 2 || ZK == 3) && g + 8 <= ng) *z8 = zero8_h(ZK == 2 ? t.s : t.zh, ZK, t.c, sums, g, *z8);
 }
 
 // A two-row kernel's end: the chains' sum and the zeros (ZK 1: zero_terms of t.z; 2, 3: z8 and zero_tail_h; 4: z8)
@@ -423,9 +411,8 @@ static inline __attribute__((always_inline)) void q4_row2_h(const uint8_t *ra, c
             _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
             _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
         }
-        int h = (g & 6) == 6 ? g - 6 : -1;
-        terms_step(ta, xs, sums, SK, ZK, g, h, ka, &za8);
-        terms_step(tb, xs, sums, SK, ZK, g, h, kb, &zb8);
+        terms_step(ta, xs, sums, SK, ZK, g, ng, ka, &za8);
+        terms_step(tb, xs, sums, SK, ZK, g, ng, kb, &zb8);
         const int16_t *v = xq + g * 32;
         a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, v)),
                              _mm256_set1_ps(TERMS_SCALE(ta, SK, g, ka)), a0);

@@ -159,8 +159,8 @@ def test_the_simd_variants_give_the_same_bits_for_every_row_count_and_format(var
 
 
 def test_k_quant_scales_give_the_same_bits_in_every_variant_and_row_count(variant_lib):
-    """Q4_K / Q5_K's packed scale bytes (kind 5), which a decode row widens in one pass with its scale products
-    (k_row_terms) and several rows widen apart: the same bits either way and in every SIMD variant."""
+    """Q4_K / Q5_K's packed scale bytes (kind 5), which a decode row widens with its scale products inside the
+    two-row loop (k_terms8) and several rows widen apart: the same bits either way and in every SIMD variant."""
     import torch
     from kvchat.kernels import cpu_quant
     from test_cpu_quant import _q4

@@ -299,13 +299,11 @@ class SettingsDialog(QDialog):
         """The prompt GEMM's precision (EngineConfig.prefill), applied live to the next prompt."""
         from kvchat.engine.runtime.engine import auto_prefill   # the engine's answer; the app does not ask kernels/
         auto, _why = auto_prefill()
-        self.prefill_combo = QComboBox(objectName="prefillMode")
-        self.prefill_combo.addItem(self.tr("Automatic ({precision} on this CPU)").format(precision=auto), "auto")
-        self.prefill_combo.addItem(self.tr("fp32 (exact)"), "fp32")
-        self.prefill_combo.addItem(self.tr("bf16 (about 5x faster on a CPU with AMX)"), "bf16")
-        self.prefill_combo.addItem(self.tr("int8 (rows rounded as llama.cpp does; CPUs with AVX-512 VNNI)"), "int8")
-        self.prefill_combo.setCurrentIndex(max(0, self.prefill_combo.findData(self._prefill)))
-        self.prefill_combo.setToolTip(self.tr(
+        self.prefill_combo = _choices("prefillMode", [
+            (self.tr("Automatic ({precision} on this CPU)").format(precision=auto), "auto"),
+            (self.tr("fp32 (exact)"), "fp32"),
+            (self.tr("bf16 (about 5x faster on a CPU with AMX)"), "bf16"),
+            (self.tr("int8 (rows rounded as llama.cpp does; CPUs with AVX-512 VNNI)"), "int8")], self._prefill, self.tr(
             "How the model reads a prompt over packed weights. fp32 is exact; bf16 agreed with it on 97.7% of next-token "
             "choices over 512 tokens of prose (llama.cpp's own prompt path: 95.9%). Replies are decoded the same way "
             "either way."))
@@ -313,15 +311,13 @@ class SettingsDialog(QDialog):
 
     def _activations_combo(self) -> QComboBox:
         """Decode rows' activations (EngineConfig.activations), applied live to the next token."""
-        self.activations_combo = QComboBox(objectName="activationsMode")
-        self.activations_combo.addItem(self.tr("int16 activations (exact to about 1e-5)"), "int16")
-        self.activations_combo.addItem(self.tr("int8 activations (rounded as llama.cpp does; faster from memory)"),
-                                       "int8")
-        self.activations_combo.setCurrentIndex(max(0, self.activations_combo.findData(self._activations)))
-        self.activations_combo.setToolTip(self.tr(
-            "How a reply's tokens are computed over packed weights. int16 follows the exact product; int8 rounds each "
-            "group of 32 activations as llama.cpp does and reads a large model's weights faster (its next-token "
-            "choices agreed with the exact path on 95.5% of 512 tokens of prose, llama.cpp's on 95.9%)."))
+        self.activations_combo = _choices("activationsMode", [
+            (self.tr("int16 activations (exact to about 1e-5)"), "int16"),
+            (self.tr("int8 activations (rounded as llama.cpp does; faster from memory)"), "int8")], self._activations,
+            self.tr("How a reply's tokens are computed over packed weights. int16 follows the exact product; int8 rounds "
+                    "each group of 32 activations as llama.cpp does and reads a large model's weights faster (its "
+                    "next-token choices agreed with the exact path on 95.5% of 512 tokens of prose, llama.cpp's on "
+                    "95.9%)."))
         return self.activations_combo
 
     def _cache_group(self, cache: CacheConfig) -> QGroupBox:
@@ -677,3 +673,13 @@ def formats_row(k_format, v_format) -> QHBoxLayout:
         row.addWidget(QLabel(label))
         row.addWidget(combo, 1)
     return row
+
+
+def _choices(name: str, items: list[tuple[str, str]], current: str, tooltip: str) -> QComboBox:
+    """A combo of (label, value) items with `current` chosen (the first where it is not among them)."""
+    combo = QComboBox(objectName=name)
+    for label, value in items:
+        combo.addItem(label, value)
+    combo.setCurrentIndex(max(0, combo.findData(current)))
+    combo.setToolTip(tooltip)
+    return combo

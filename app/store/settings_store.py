@@ -199,23 +199,27 @@ class SettingsStore:
         self._qs.setValue("engine/spec_tokens", int(k))
         self._qs.sync()
 
+    def _choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        value = str(self._qs.value(key, default) or "")
+        return value if value in choices else default       # an unknown (damaged) value reads as the default
+
+    def _set(self, key: str, value) -> None:
+        self._qs.setValue(key, value)
+        self._qs.sync()
+
     def prefill(self) -> str:
-        """The prompt GEMM's precision (EngineConfig.prefill): auto unless changed; an unknown value reads as auto."""
-        value = str(self._qs.value("engine/prefill", "auto") or "")
-        return value if value in PREFILL_MODES else "auto"
+        """The prompt GEMM's precision (EngineConfig.prefill): auto unless changed."""
+        return self._choice("engine/prefill", PREFILL_MODES, "auto")
 
     def set_prefill(self, mode: str) -> None:
-        self._qs.setValue("engine/prefill", mode)
-        self._qs.sync()
+        self._set("engine/prefill", mode)
 
     def activations(self) -> str:
-        """Decode rows' activations (EngineConfig.activations): int16 unless changed; an unknown value reads as int16."""
-        value = str(self._qs.value("engine/activations", "int16") or "")
-        return value if value in ACTIVATION_MODES else "int16"
+        """Decode rows' activations (EngineConfig.activations): int16 unless changed."""
+        return self._choice("engine/activations", ACTIVATION_MODES, "int16")
 
     def set_activations(self, mode: str) -> None:
-        self._qs.setValue("engine/activations", mode)
-        self._qs.sync()
+        self._set("engine/activations", mode)
 
     def sync(self) -> None:
         self._qs.sync()
