@@ -23,7 +23,7 @@ PROBE_SOURCE = Path(__file__).with_name("cpu_probe.c")      # which variant the 
 HEADER = Path(__file__).with_name("cpu_common.h")
 HEADERS = (HEADER, Path(__file__).with_name("cpu_avx512.h"), Path(__file__).with_name("cpu_act8.h"),
            Path(__file__).with_name("cpu_moe.h"),
-           Path(__file__).with_name("cpu_q6k.h"),
+           Path(__file__).with_name("cpu_q6k.h"), Path(__file__).with_name("cpu_q6k_act8.h"),
            Path(__file__).with_name("cpu_mxfp4.h"),
            Path(__file__).with_name("cpu_gdn.h"),
            Path(__file__).with_name("cpu_prompt_attn.h"),

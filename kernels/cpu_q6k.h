@@ -176,42 +176,10 @@ static inline __attribute__((always_inline)) void q6k_rows_512(const uint8_t *ql
     for (int m = 0; m < R; m++) out[m] = q6k_sum_512(acc[m]);
 }
 
-// The int8-activation loop of q6k_gemv8 the same way: xq in value order (64 bytes: groups 4h, 4h + 1), x negated
-// where the code is negative (where it is 0, |code| is 0: the products are sign_epi8's), the same integers per lane
-// and the same chains as the AVX2 loop
-static inline __attribute__((always_inline)) void q6k_rows8_512(const uint8_t *ql, const uint8_t *qh,
-        const int16_t *s16, const float *f, const int8_t *xq, int ng, int K, const int R, float *out) {
-    const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[8][2];
-    for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    for (int h = 0; h < ng / 4; h++) {
-        _mm_prefetch((const char *)(ql + 64 * h + PREFETCH), _MM_HINT_T0);
-        FAR_PREFETCH(ql + 64 * h);
-        if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h + PREFETCH / 2), _MM_HINT_T0);
-        if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h) + PF_FAR / 2, _MM_HINT_T1);
-        __m512i b01, b23, s01, s23;
-        q6k_half_512(ql, qh, h, &b01, &b23);
-        q6k_scales_512(s16 + 8 * h, &s01, &s23);
-        __mmask64 n01 = _mm512_movepi8_mask(b01), n23 = _mm512_movepi8_mask(b23);
-        __m512i u01 = _mm512_abs_epi8(b01), u23 = _mm512_abs_epi8(b23);
-        for (int m = 0; m < R; m++) {
-            const int8_t *v = xq + (size_t)m * K + 128 * h;
-            const float *fm = f + (size_t)m * ng + 4 * h;
-            __m512i x01 = _mm512_loadu_si512((const void *)v), x23 = _mm512_loadu_si512((const void *)(v + 64));
-            __m512i p01 = _mm512_madd_epi16(_mm512_maddubs_epi16(u01, _mm512_mask_sub_epi8(x01, n01, zero, x01)), s01);
-            __m512i p23 = _mm512_madd_epi16(_mm512_maddubs_epi16(u23, _mm512_mask_sub_epi8(x23, n23, zero, x23)), s23);
-            acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(p01, 2)), pair_scale(fm), acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(p23, 2)), pair_scale(fm + 2), acc[m][1]);
-        }
-    }
-    for (int m = 0; m < R; m++) out[m] = q6k_sum_512(acc[m]);
-}
-
-// bits 16: int16 activations (q6k_rows_512, x the int16 rows in q6k_order), 8: int8 ones (q6k_rows8_512)
+// M rows of int16 activations (xr: q6k_order) against one weight row
 static __attribute__((noinline)) void q6k_rowsM_512(const uint8_t *ql, const uint8_t *qh, const int16_t *s,
-        const float *f, const void *x, int bits, int ng, int K, int M, float *out) {
-#define Q6K_ROWS(R) (bits == 8 ? q6k_rows8_512(ql, qh, s, f, (const int8_t *)x, ng, K, R, out) \
-                               : q6k_rows_512(ql, qh, s, f, (const int16_t *)x, ng, K, R, out))
+        const float *f, const int16_t *x, int ng, int K, int M, float *out) {
+#define Q6K_ROWS(R) q6k_rows_512(ql, qh, s, f, x, ng, K, R, out)
     switch (M) {        // a constant R per case: the accumulators stay in registers
         case 1: Q6K_ROWS(1); break;
         case 2: Q6K_ROWS(2); break;
@@ -258,7 +226,7 @@ static void q6k_gemv_ld(const float *x, int M, int K, const uint8_t *ql, const u
 #ifdef __AVX2__
         q6k_row_scales(sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xs, M, K, 64, s16, f);
 #ifdef KVCHAT_AVX512
-        q6k_rowsM_512(l, h, s16, f, xr, 16, ng, K, M, out);
+        q6k_rowsM_512(l, h, s16, f, xr, ng, K, M, out);
 #else
         for (int m = 0; m < M; m += 2) {
             if (M - m == 1) q6k_rows(l, h, s16, f + (size_t)m * ng, xr + (size_t)m * K, ng, K, 1, out + m);
@@ -284,74 +252,7 @@ static void q6k_gemv_ld(const float *x, int M, int K, const uint8_t *ql, const u
     }
 }
 
-// int8 activations (EngineConfig(activations="int8"), cpu_act8.h's quantize_x8): per group, the code bytes
-// (q - 32) * 4 as int8, |.| against x with their sign (u8 x s8 pairs, at most 2 * 128 * 127), each pair sum times
-// its sub-block's scale (madd), / 4 (exact), one float multiply-add per group and row by d * xs; AVX-512 does the
-// same two groups a register (q6k_rows8_512): the same bits.
-static void q6k_gemv8(const float *x, int M, int K, const uint8_t *ql, const uint8_t *qh, const int8_t *sc,
-                      const half_t *d, int N, float *y, int ldy, void *scratch, int mode, const float *norm_w,
-                      float eps, const float *resid) {
-    int ng = K / 32;
-    float *buf = (float *)scratch;
-    const float *xp = prep(x, M, K, mode, norm_w, eps, buf);
-    int8_t *xq = (int8_t *)(mode ? buf + (size_t)M * K : buf);
-    float *xs = (float *)(xq + (size_t)M * K), *sums = xs + (size_t)M * ng;
-    quantize_x8(xp, M, K, xq, xs, sums);
-    #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *l = ql + (size_t)n * (K / 2), *h = qh + (size_t)n * (K / 4);
-        int16_t s16[2 * MAXG];
-        float f[MAXM * MAXG], out[MAXM];
-        q6k_row_scales(sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xs, M, K, 1, s16, f);
-#ifdef KVCHAT_AVX512
-        q6k_rowsM_512(l, h, s16, f, xq, 8, ng, K, M, out);
-#elif defined(__AVX2__)
-        for (int m0 = 0; m0 < M; m0 += 2) {
-            int R = M - m0 < 2 ? M - m0 : 2;
-            __m256 acc[2][4];
-            for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();
-            for (int hb = 0; hb < ng / 4; hb++) {
-                _mm_prefetch((const char *)(l + 64 * hb + PREFETCH), _MM_HINT_T0);
-                FAR_PREFETCH(l + 64 * hb);
-                if (!(hb & 1)) _mm_prefetch((const char *)(h + 32 * hb + PREFETCH / 2), _MM_HINT_T0);
-                if (!(hb & 1)) _mm_prefetch((const char *)(h + 32 * hb) + PF_FAR / 2, _MM_HINT_T1);
-                __m256i a0 = _mm256_loadu_si256((const __m256i *)(l + 64 * hb));
-                __m256i a1 = _mm256_loadu_si256((const __m256i *)(l + 64 * hb + 32));
-                __m256i qx = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(h + 32 * hb)),
-                                              _mm256_set1_epi8((char)0xAA));
-                __m256i s8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(s16 + 8 * hb)));
-                for (int c = 0; c < 4; c++) {
-                    int g = 4 * hb + c;
-                    __m256i w = q6k_group(a0, a1, qx, c), u = _mm256_abs_epi8(w);
-                    __m256i s = q6k_scales(s8, c);
-                    for (int m = 0; m < R; m++) {
-                        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)(m0 + m) * K + g * 32));
-                        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(xv, w)), s);
-                        acc[m][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(p, 2)),
-                                                    _mm256_broadcast_ss(f + (size_t)(m0 + m) * ng + g), acc[m][c]);
-                    }
-                }
-            }
-            for (int m = 0; m < R; m++)
-                out[m0 + m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][2]),
-                                                  _mm256_add_ps(acc[m][1], acc[m][3])));
-        }
-#else
-        for (int m = 0; m < M; m++) out[m] = 0.f;
-        for (int g = 0; g < ng; g++) {
-            int c[32];
-            for (int j = 0; j < 32; j++) c[j] = (q6k_code(l, h, g * 32 + j) - 32) * s16[2 * g + j / 16];
-            for (int m = 0; m < M; m++) {
-                const int8_t *v = xq + (size_t)m * K + g * 32;
-                int dot = 0;            // at most 32 * 4096 * 127: int32 holds it
-                for (int j = 0; j < 32; j++) dot += c[j] * v[j];
-                out[m] += f[m * ng + g] * (float)dot;
-            }
-        }
-#endif
-        for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
-    }
-}
+#include "cpu_q6k_act8.h"
 
 void q6k_gemv(const float *x, int M, int K, const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const half_t *d,
               int N, float *y, void *scratch, int mode, const float *norm_w, float eps, const float *resid) {
