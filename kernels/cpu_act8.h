@@ -144,8 +144,10 @@ static void quad_layout8(const int8_t *xq, int M, int K, int8_t *xl) {
     }
 }
 
-// groups g and g + 1 (32 code bytes c) -> [g's four lanes | g + 1's]; xl: their low halves' activations, xh: high
-static inline __m256i q4x8_pair(const uint8_t *c, const uint8_t *high, int g, const int8_t *xl, const int8_t *xh) {
+// groups g and g + 1 (32 code bytes c) -> [g's four lanes | g + 1's]; xl: their low halves' activations, xh: high;
+// W 16: int16 activations as two byte planes, the signed top bytes at xl, xh and the unsigned bottom ones 128 on
+static inline __m256i q4x8_pair(const uint8_t *c, const uint8_t *high, int g, const int8_t *xl, const int8_t *xh,
+                                const int W) {
     const __m256i m = _mm256_set1_epi8(15);
     __m256i b = _mm256_loadu_si256((const __m256i *)c);
     __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
@@ -155,11 +157,14 @@ static inline __m256i q4x8_pair(const uint8_t *c, const uint8_t *high, int g, co
         hi = _mm256_or_si256(hi, q5_high8((h0 >> 16) | (h1 & 0xFFFF0000u)));
     }
     __m256i x0 = _mm256_loadu_si256((const __m256i *)xl), x1 = _mm256_loadu_si256((const __m256i *)xh);
-    return DOT2_256(lo, x0, hi, x1);
+    if (W == 8) return DOT2_256(lo, x0, hi, x1);
+    __m256i b0 = _mm256_loadu_si256((const __m256i *)(xl + 128)), b1 = _mm256_loadu_si256((const __m256i *)(xh + 128));
+    return _mm256_add_epi32(_mm256_slli_epi32(DOT2_256(lo, x0, hi, x1), 8), DOT2_256(b0, lo, b1, hi));
 }
 
-// one group (of the last ng mod 4) -> its four lanes; x: its 32 activations in element order
-static inline __m128i q4x8_one(const uint8_t *c, const uint8_t *high, int g, const int8_t *x) {
+// one group (of the last ng mod 4) -> its four lanes; x: its 32 activations in element order (W 16: the top bytes,
+// then the bottom ones)
+static inline __m128i q4x8_one(const uint8_t *c, const uint8_t *high, int g, const int8_t *x, const int W) {
     const __m128i m = _mm_set1_epi8(15);
     __m128i b = _mm_loadu_si128((const __m128i *)c);
     __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
@@ -169,7 +174,9 @@ static inline __m128i q4x8_one(const uint8_t *c, const uint8_t *high, int g, con
         hi = _mm_or_si128(hi, _mm256_extracti128_si256(e, 1));
     }
     __m128i x0 = _mm_loadu_si128((const __m128i *)x), x1 = _mm_loadu_si128((const __m128i *)(x + 16));
-    return DOT2_128(lo, x0, hi, x1);
+    if (W == 8) return DOT2_128(lo, x0, hi, x1);
+    __m128i b0 = _mm_loadu_si128((const __m128i *)(x + 32)), b1 = _mm_loadu_si128((const __m128i *)(x + 48));
+    return _mm_add_epi32(_mm_slli_epi32(DOT2_128(lo, x0, hi, x1), 8), DOT2_128(b0, lo, b1, hi));
 }
 
 // [f[0] x 4 | f[1] x 4]
@@ -187,8 +194,9 @@ static inline __m256 pair4h(const half_t *sc, const float *xs) {
 }
 
 #ifdef KVCHAT_AVX512
-// groups g .. g + 3 (64 code bytes) -> four lanes each; x: the block's 128 activations in quad_layout8
-static inline __m512i q4x8_quad(const uint8_t *c, const uint8_t *high, int g, const int8_t *x) {
+// groups g .. g + 3 (64 code bytes) -> four lanes each; x: the block's 128 activations in quad_layout8 (W 16: the
+// top bytes, then the bottom ones: the top products shifted 8 bits start the bottom ones' sums)
+static inline __m512i q4x8_quad(const uint8_t *c, const uint8_t *high, int g, const int8_t *x, const int W) {
     const __m512i m = _mm512_set1_epi8(15);
     __m512i b = _mm512_loadu_si512((const void *)c);
     __m512i lo = _mm512_and_si512(b, m), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m);
@@ -203,8 +211,11 @@ static inline __m512i q4x8_quad(const uint8_t *c, const uint8_t *high, int g, co
         lo = _mm512_mask_add_epi8(lo, (__mmask64)kl, lo, sixteen);
         hi = _mm512_mask_add_epi8(hi, (__mmask64)kh, hi, sixteen);
     }
-    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)x)),
-                               hi, _mm512_loadu_si512((const void *)(x + 64)));
+    __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)x)),
+                                    hi, _mm512_loadu_si512((const void *)(x + 64)));
+    if (W == 8) return t;
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), _mm512_loadu_si512((const void *)(x + 128)),
+                                                   lo), _mm512_loadu_si512((const void *)(x + 192)), hi);
 }
 
 // [f[0] x 4 | f[1] x 4 | f[2] x 4 | f[3] x 4]
@@ -239,20 +250,20 @@ static inline chains_t chains_zero(void) {
 // Block g (four groups) of a weight row into its chains, times the blocks' scale products as rowterms_t's SK says:
 // t.f (0), t.s times xs (1: the products f16_row_terms forms), or the current super-block's k8 (2)
 static inline __attribute__((always_inline)) void q4x8_block(chains_t *c, const uint8_t *row, const uint8_t *high,
-        int g, const int8_t *x, rowterms_t t, const int SK, const float *xs, __m256 k8) {
+        int g, const int8_t *x, rowterms_t t, const int SK, const float *xs, __m256 k8, const int W) {
 #ifdef KVCHAT_AVX512
     const __m512i four = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512 s = SK == 1 ? quad4h(t.s + g, xs + g)
              : SK == 2 ? _mm512_permutexvar_ps(_mm512_add_epi32(four, _mm512_set1_epi32(g & 4)),
                                                _mm512_castps256_ps512(k8))
              : quad4(t.f + g);
-    c->v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_quad(row + g * 16, high, g, x)), s, c->v);
+    c->v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4x8_quad(row + g * 16, high, g, x, W)), s, c->v);
 #else
     for (int p = 0; p < 2; p++) {           // groups g + 2p, g + 2p + 1: chains 2p, 2p + 1
         int j = g + 2 * p;
         __m256i sel = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(j & 7));
         __m256 s = SK == 1 ? pair4h(t.s + j, xs + j) : SK == 2 ? _mm256_permutevar8x32_ps(k8, sel) : pair4(t.f + j);
-        __m256 d = _mm256_cvtepi32_ps(q4x8_pair(row + j * 16, high, j, x + 32 * p, x + 32 * p + 64));
+        __m256 d = _mm256_cvtepi32_ps(q4x8_pair(row + j * 16, high, j, x + 32 * p, x + 32 * p + 64, W));
         if (p) c->c23 = _mm256_fmadd_ps(d, s, c->c23);
         else c->c01 = _mm256_fmadd_ps(d, s, c->c01);
     }
@@ -261,29 +272,30 @@ static inline __attribute__((always_inline)) void q4x8_block(chains_t *c, const 
 
 // group g of the last ng mod 4 into chain g mod 4: lanes 0-3 or 4-7 of c01 or c23
 static inline void q4x8_last(__m256 *c01, __m256 *c23, int g, const uint8_t *row, const uint8_t *high,
-                             const int8_t *x, float f) {
+                             const int8_t *x, float f, const int W) {
     __m256 *c = (g & 2) ? c23 : c01;
-    __m128 d = _mm_cvtepi32_ps(q4x8_one(row + g * 16, high, g, x)), s = _mm_set1_ps(f);
+    __m128 d = _mm_cvtepi32_ps(q4x8_one(row + g * 16, high, g, x, W)), s = _mm_set1_ps(f);
     if (g & 1) *c = _mm256_insertf128_ps(*c, _mm_fmadd_ps(d, s, _mm256_extractf128_ps(*c, 1)), 1);
     else *c = _mm256_insertf128_ps(*c, _mm_fmadd_ps(d, s, _mm256_castps256_ps128(*c)), 0);
 }
 
 // A row's chains after its full blocks, the last ng mod 4 groups added (ng from g), summed to eight lanes
 static inline __m256 q4x8_finish(chains_t c, int g, int ng, const uint8_t *row, const uint8_t *high,
-                                 const int8_t *xl, rowterms_t t, const int SK, const float *xs, const float *k8) {
+                                 const int8_t *xl, rowterms_t t, const int SK, const float *xs, const float *k8,
+                                 const int W) {
 #ifdef KVCHAT_AVX512
     __m256 c01 = low8(c.v), c23 = high8(c.v);
 #else
     __m256 c01 = c.c01, c23 = c.c23;
 #endif
     for (; g < ng; g++)         // K-quants never come here: their rows are whole super-blocks of eight groups
-        q4x8_last(&c01, &c23, g, row, high, xl + g * 32, TERMS_SCALE(t, SK, g, k8));
+        q4x8_last(&c01, &c23, g, row, high, xl + g * 4 * W, TERMS_SCALE(t, SK, g, k8), W);
     return _mm256_add_ps(c01, c23);
 }
 
 // R rows of x (quad_layout8) against one weight row of q4 codes; f [R, ng]: sc[g] * xs[m][g]; zr: its zeros
 static inline __attribute__((always_inline)) void q4x8_rows(const uint8_t *row, const uint8_t *high, const float *f,
-        const float *zr, const int8_t *xl, const float *sums, int ng, int K, const int R, float *out) {
+        const float *zr, const int8_t *xl, const float *sums, int ng, int K, const int R, const int W, float *out) {
     chains_t c[4];
     rowterms_t t[4] = {{0}};
     for (int m = 0; m < R; m++) c[m] = chains_zero(), t[m].f = f + (size_t)m * ng, t[m].z = zr;
@@ -292,12 +304,13 @@ static inline __attribute__((always_inline)) void q4x8_rows(const uint8_t *row, 
         _mm_prefetch((const char *)row + (size_t)g * 16 + PREFETCH, _MM_HINT_T0);
         FAR_PREFETCH((const char *)row + (size_t)g * 16);
         for (int m = 0; m < R; m++)
-            q4x8_block(&c[m], row, high, g, xl + (size_t)m * K + g * 32, t[m], 0, NULL, _mm256_setzero_ps());
+            q4x8_block(&c[m], row, high, g, xl + ((size_t)m * K + g * 32) * (W / 8), t[m], 0, NULL,
+                       _mm256_setzero_ps(), W);
     }
     for (int m = 0; m < R; m++) {
-        const int8_t *x = xl + (size_t)m * K;
-        out[m] = terms_join(q4x8_finish(c[m], g, ng, row, high, x, t[m], 0, NULL, NULL), t[m], sums + (size_t)m * ng,
-                            1, ng, _mm256_setzero_ps());
+        const int8_t *x = xl + (size_t)m * K * (W / 8);
+        out[m] = terms_join(q4x8_finish(c[m], g, ng, row, high, x, t[m], 0, NULL, NULL, W), t[m],
+                            sums + (size_t)m * ng, 1, ng, _mm256_setzero_ps());
     }
 }
 
@@ -306,7 +319,7 @@ static inline __attribute__((always_inline)) void q4x8_rows(const uint8_t *row, 
 // SK and ZK say (terms_step, terms_join)
 static inline __attribute__((always_inline)) void q4x8_row2_h(const uint8_t *ra, const uint8_t *rb,
         const uint8_t *ha, const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const int SK,
-        const int ZK, const int8_t *xl, const float *sums, int ng, float *out) {
+        const int ZK, const int8_t *xl, const float *sums, int ng, const int W, float *out) {
     chains_t A = chains_zero(), B = chains_zero();
     __m256 za8 = _mm256_setzero_ps(), zb8 = za8, ka8 = za8, kb8 = za8;
     float ka[8], kb[8];
@@ -318,34 +331,62 @@ static inline __attribute__((always_inline)) void q4x8_row2_h(const uint8_t *ra,
         terms_step(ta, xs, sums, SK, ZK, g, ng, ka, &za8);
         terms_step(tb, xs, sums, SK, ZK, g, ng, kb, &zb8);
         if (SK == 2 && !(g & 7)) ka8 = _mm256_loadu_ps(ka), kb8 = _mm256_loadu_ps(kb);
-        q4x8_block(&A, ra, ha, g, xl + g * 32, ta, SK, xs, ka8);
-        q4x8_block(&B, rb, hb, g, xl + g * 32, tb, SK, xs, kb8);
+        q4x8_block(&A, ra, ha, g, xl + g * 4 * W, ta, SK, xs, ka8, W);
+        q4x8_block(&B, rb, hb, g, xl + g * 4 * W, tb, SK, xs, kb8, W);
     }
-    out[0] = terms_join(q4x8_finish(A, g, ng, ra, ha, xl, ta, SK, xs, ka), ta, sums, ZK, ng, za8);
-    out[1] = terms_join(q4x8_finish(B, g, ng, rb, hb, xl, tb, SK, xs, kb), tb, sums, ZK, ng, zb8);
+    out[0] = terms_join(q4x8_finish(A, g, ng, ra, ha, xl, ta, SK, xs, ka, W), ta, sums, ZK, ng, za8);
+    out[1] = terms_join(q4x8_finish(B, g, ng, rb, hb, xl, tb, SK, xs, kb, W), tb, sums, ZK, ng, zb8);
 }
 
 #define Q4X8_ROW2(H, SK, ZK) q4x8_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, ta, tb, xs, SK, ZK, \
-                                         (const int8_t *)x, sums, ng, out)
+                                         (const int8_t *)x, sums, ng, 8, out)
+#define Q4X16_ROW2(H, SK, ZK) q4x8_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, ta, tb, xs, SK, ZK, \
+                                          (const int8_t *)x, sums, ng, 16, out)
 ROW2_FNS(q4x8_row2, Q4X8_ROW2)
+ROW2_FNS(q4x16_row2, Q4X16_ROW2)
 #undef Q4X8_ROW2
+#undef Q4X16_ROW2
 
-// q4 codes (bits 4) against int8 rows xq [M, K]: gemv8's loops for them. xl: room for xq in quad_layout8.
-static void gemv8_q4(const int8_t *xq, int8_t *xl, const float *xs, const float *sums, int M, int K,
+// x [M, K] int16 -> xl [M, 2K]: each value as a signed top byte and an unsigned bottom one (x = 256 top + bottom),
+// each block of four groups as quad_layout8 of its top bytes, then of its bottom bytes (256 bytes), the last ng mod
+// 4 groups as their 32 top bytes then 32 bottom ones: q4x8_quad's and q4x8_one's W 16 operands
+static void quad_layout16(const int16_t *xq, int M, int K, int8_t *xl) {
+    int ng = K / 32;
+    for (int m = 0; m < M; m++) {
+        const int16_t *x = xq + (size_t)m * K;
+        int8_t *o = xl + (size_t)m * 2 * K;
+        int g = 0;
+        for (; g + 4 <= ng; g += 4)
+            for (int q = 0; q < 4; q++)
+                for (int j = 0; j < 16; j++) {
+                    int lo = x[(g + q) * 32 + j], hi = x[(g + q) * 32 + 16 + j];
+                    o[g * 64 + q * 16 + j] = (int8_t)(lo >> 8), o[g * 64 + 128 + q * 16 + j] = (int8_t)(lo & 255);
+                    o[g * 64 + 64 + q * 16 + j] = (int8_t)(hi >> 8), o[g * 64 + 192 + q * 16 + j] = (int8_t)(hi & 255);
+                }
+        for (; g < ng; g++)
+            for (int j = 0; j < 32; j++)
+                o[g * 64 + j] = (int8_t)(x[g * 32 + j] >> 8), o[g * 64 + 32 + j] = (int8_t)(x[g * 32 + j] & 255);
+    }
+}
+
+// q4 codes (bits 4) against rows of activations laid out for the four-lane loops: int8 ones (W 8, quad_layout8) or
+// int16 ones as two byte planes (W 16, quad_layout16: the same integers as a 16-bit dot product, exactly); xs, sums
+// as quantize_x8 or quantize_x give them. gemv8's loops for q4 codes, and q4_gemv_ld's.
+static void gemv_q4x(const int8_t *xl, const int W, const float *xs, const float *sums, int M, int K,
                      const uint8_t *codes, const void *scale, const void *zero, int N, float *y, int ldy,
                      const float *resid, int kind, const float *ssup, const float *zsup, int per,
                      const uint8_t *high) {
     int ng = K / 32;
-    quad_layout8(xq, M, K, xl);
-    if (M == 1) {           // decode: two weight rows a step, their scale terms formed as q4_gemv_ld's
+    if (M == 1) {           // decode: two weight rows a step, their scale terms formed in the loop
         #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n += 2) {
-            int b = n + 1 < N ? n + 1 : n;
+            int b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
             const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
             const uint8_t *ra = codes + (size_t)n * (K / 2), *rb = codes + (size_t)b * (K / 2);
             float fa[MAXG], fb[MAXG], za[MAXG], zb[MAXG], out[2];
             prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
-            ROW2_CALL(q4x8_row2, ra, rb, ha, hb, xl);
+            if (W == 8) ROW2_CALL(q4x8_row2, ra, rb, ha, hb, xl);
+            else ROW2_CALL(q4x16_row2, ra, rb, ha, hb, xl);
             y[n] = out[0] + (resid ? resid[n] : 0.f);
             if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
         }
@@ -360,17 +401,19 @@ static void gemv8_q4(const int8_t *xq, int8_t *xl, const float *xs, const float 
         for (int m0 = 0; m0 < M; m0 += 4) {
             int R = M - m0 < 4 ? M - m0 : 4;
             scale_products(sc, xs + (size_t)m0 * ng, ng, R, f);
-            const int8_t *xm = xl + (size_t)m0 * K;
+            const int8_t *xm = xl + (size_t)m0 * K * (W / 8);
             const float *sm = sums + (size_t)m0 * ng;
-#define Q4X8_ROWS(R) (hrow ? q4x8_rows(row, hrow, f, zr, xm, sm, ng, K, R, out + m0) \
-                           : q4x8_rows(row, NULL, f, zr, xm, sm, ng, K, R, out + m0))
+#define Q4X_ROWS(R) (W == 8 ? (hrow ? q4x8_rows(row, hrow, f, zr, xm, sm, ng, K, R, 8, out + m0) \
+                                    : q4x8_rows(row, NULL, f, zr, xm, sm, ng, K, R, 8, out + m0)) \
+                            : (hrow ? q4x8_rows(row, hrow, f, zr, xm, sm, ng, K, R, 16, out + m0) \
+                                    : q4x8_rows(row, NULL, f, zr, xm, sm, ng, K, R, 16, out + m0)))
             switch (R) {
-                case 1: Q4X8_ROWS(1); break;
-                case 2: Q4X8_ROWS(2); break;
-                case 3: Q4X8_ROWS(3); break;
-                default: Q4X8_ROWS(4); break;
+                case 1: Q4X_ROWS(1); break;
+                case 2: Q4X_ROWS(2); break;
+                case 3: Q4X_ROWS(3); break;
+                default: Q4X_ROWS(4); break;
             }
-#undef Q4X8_ROWS
+#undef Q4X_ROWS
         }
         for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
     }
@@ -386,8 +429,10 @@ static inline __attribute__((always_inline)) void rows8(const void *row, const u
     __m512 c01[4], c23[4];
     for (int m = 0; m < R; m++) c01[m] = c23[m] = _mm512_setzero_ps();
     for (; g + 4 <= ng; g += 4) {
-        _mm_prefetch((const char *)row + (size_t)g * bits * 4 + PREFETCH, _MM_HINT_T0);
-        FAR_PREFETCH((const char *)row + (size_t)g * bits * 4);
+        for (int o = 0; o < 16 * bits; o += 64) {          // the block's 64 (bits 4) or 128 bytes, a line each
+            _mm_prefetch((const char *)row + (size_t)g * bits * 4 + o + PREFETCH, _MM_HINT_T0);
+            FAR_PREFETCH((const char *)row + (size_t)g * bits * 4 + o);
+        }
         for (int m = 0; m < R; m++) {
             const int8_t *v = xq + (size_t)m * K + g * 32;
             c01[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot8_pair(row, high, bits, g, v)), pair_scale(f + m * ng + g), c01[m]);
@@ -400,8 +445,10 @@ static inline __attribute__((always_inline)) void rows8(const void *row, const u
 #else
     for (int m = 0; m < R; m++) c[m][0] = c[m][1] = c[m][2] = c[m][3] = _mm256_setzero_ps();
     for (; g + 4 <= ng; g += 4) {
-        _mm_prefetch((const char *)row + (size_t)g * bits * 4 + PREFETCH, _MM_HINT_T0);
-        FAR_PREFETCH((const char *)row + (size_t)g * bits * 4);
+        for (int o = 0; o < 16 * bits; o += 64) {          // the block's 64 (bits 4) or 128 bytes, a line each
+            _mm_prefetch((const char *)row + (size_t)g * bits * 4 + o + PREFETCH, _MM_HINT_T0);
+            FAR_PREFETCH((const char *)row + (size_t)g * bits * 4 + o);
+        }
         for (int j = 0; j < 4; j++)
             for (int m = 0; m < R; m++)
                 c[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot8(row, high, bits, g + j, xq + (size_t)m * K + (g + j) * 32)),
@@ -434,8 +481,10 @@ static void gemv8(const float *x, int M, int K, const void *codes, int bits, con
     quantize_x8(xp, M, K, xq, xs, sums);
 #ifdef __AVX2__
     if (bits == 4) {        // four lanes a group (above); room for the laid-out rows after the sums
-        gemv8_q4(xq, (int8_t *)(sums + (size_t)M * ng), xs, sums, M, K, (const uint8_t *)codes, scale, zero, N, y, ldy,
-                 resid, kind, ssup, zsup, per, high);
+        int8_t *xl = (int8_t *)(sums + (size_t)M * ng);
+        quad_layout8(xq, M, K, xl);
+        gemv_q4x(xl, 8, xs, sums, M, K, (const uint8_t *)codes, scale, zero, N, y, ldy, resid, kind, ssup, zsup, per,
+                 high);
         return;
     }
 #endif
@@ -445,6 +494,9 @@ static void gemv8(const float *x, int M, int K, const void *codes, int bits, con
         const uint8_t *row = (const uint8_t *)codes + (size_t)n * row_bytes;
         const uint8_t *hrow = high ? high + (size_t)n * (K / 8) : NULL;
         float sbuf[MAXG], zbuf[MAXG], out[MAXM];
+#ifdef __AVX2__
+        if (!(n & 1)) prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);   // PF_ROWS rows on
+#endif
         const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf);
         const float *zr = bits == 4 ? row_zero(zero, zsup, per, n, ng, kind, sc, zbuf, high)
                                     : row_f32(zero, zsup, per, n, ng, kind, zbuf);

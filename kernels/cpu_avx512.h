@@ -46,60 +46,15 @@ static inline __attribute__((always_inline)) void q4_unpack_pair(const uint8_t *
     }
 }
 
-// q4_group of groups g (lanes 0-7) and g + 1 (lanes 8-15); v: the two groups' activations in q4_pair_layout
+// 16-bit codes of groups g (lanes 0-7) and g + 1 (lanes 8-15) against their activations v in q4_pair_layout
 static inline __m512i q4_pair_dot(__m512i lo, __m512i hi, const int16_t *v) {
     return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)v)),
                                hi, _mm512_loadu_si512((const void *)(v + 32)));
 }
 
-// q4_rows for R rows (up to 8: 32 registers hold their accumulators), the codes unpacked once for all of them.
-// xq: the rows in q4_pair_layout.
-static inline __attribute__((always_inline)) void q4_rows_512(const uint8_t *row, const uint8_t *high, const float *f,
-        const float *zr, const int16_t *xq, const float *sums, int ng, int K, const int R, float *out) {
-    __m512 acc[8];
-    for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
-    int g = 0;
-    for (; g + 2 <= ng; g += 2) {
-        if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
-        __m512i lo, hi;
-        q4_unpack_pair(row + g * 16, high, g, &lo, &hi);
-        for (int m = 0; m < R; m++)
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_pair_dot(lo, hi, xq + (size_t)m * K + g * 32)),
-                                     pair_scale(f + m * ng + g), acc[m]);
-    }
-    for (int m = 0; m < R; m++) {
-        __m256 a0 = low8(acc[m]), a1 = high8(acc[m]);
-        if (g < ng)
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, high, g, xq + (size_t)m * K + g * 32)),
-                                 _mm256_broadcast_ss(f + m * ng + g), a0);
-        float tail;
-        __m256 z = zero_terms(zr, sums + (size_t)m * ng, ng, &tail);
-        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
-    }
-}
-
-static __attribute__((noinline)) void q4_rowsM_512(const uint8_t *row, const uint8_t *high, const float *sc,
-        const float *zr, const int16_t *xq, const float *xs, const float *sums, int ng, int K, int M, float *out) {
-    float f[MAXM * MAXG];
-    scale_products(sc, xs, ng, M, f);
-#define Q4_ROWS(R) (high ? q4_rows_512(row, high, f, zr, xq, sums, ng, K, R, out) \
-                         : q4_rows_512(row, NULL, f, zr, xq, sums, ng, K, R, out))
-    switch (M) {        // a constant R per case: the accumulators stay in registers
-        case 1: Q4_ROWS(1); break;
-        case 2: Q4_ROWS(2); break;
-        case 3: Q4_ROWS(3); break;
-        case 4: Q4_ROWS(4); break;
-        case 5: Q4_ROWS(5); break;
-        case 6: Q4_ROWS(6); break;
-        case 7: Q4_ROWS(7); break;
-        default: Q4_ROWS(8); break;
-    }
-#undef Q4_ROWS
-}
-
-// One row of x laid out for q4_row2_512: each pair of groups g, g + 1 as [g's 0-15 | g + 1's 0-15] then
+// One row of x laid out for q8_row2_512 and the MXFP4 rows: each pair of groups g, g + 1 as [g's 0-15 | g + 1's 0-15] then
 // [g's 16-31 | g + 1's 16-31], so a step loads its activations whole (pair16's two halves, put in place once a
-// call instead of once a weight row); an odd last group stays as it is (q4_group reads it).
+// call instead of once a weight row); an odd last group stays as it is.
 static inline void q4_pair_layout1(const int16_t *xq, int ng, int16_t *xp) {
     int g = 0;
     for (; g + 2 <= ng; g += 2) {
@@ -119,59 +74,6 @@ static inline const int16_t *q4_pair_layout(const int16_t *xq, int M, int K, int
     return xp;
 }
 
-// q4_row1 for one row of x against two weight rows at once (a and b): each row's sums are q4_row1's operations in
-// its order (lanes 0-7 the even groups' chain a0, 8-15 the odd groups' a1), the two chains side by side so neither
-// waits on its own multiply-add. xp: the row in q4_pair_layout. Scale products and zeros as q4_row2_h takes them.
-static inline __attribute__((always_inline)) void q4_row2_512_h(const uint8_t *ra, const uint8_t *rb,
-        const uint8_t *ha, const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const int SK,
-        const int ZK, const int16_t *xp, const float *sums, int ng, float *out) {
-    __m512 A = _mm512_setzero_ps(), B = _mm512_setzero_ps();
-    __m256 za8 = _mm256_setzero_ps(), zb8 = za8, ka8 = za8, kb8 = za8;
-    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    float ka[8], kb[8];
-    const long pf = PF_ROWS * 16L * ng;
-    int g = 0;
-    for (; g + 2 <= ng; g += 2) {
-        if (!(g & 3)) {
-            _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
-            _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
-        }
-        terms_step(ta, xs, sums, SK, ZK, g, ng, ka, &za8);
-        terms_step(tb, xs, sums, SK, ZK, g, ng, kb, &zb8);
-        if (SK == 2 && !(g & 7)) ka8 = _mm256_loadu_ps(ka), kb8 = _mm256_loadu_ps(kb);
-        __m512i x0 = _mm512_loadu_si512((const void *)(xp + g * 32));
-        __m512i x1 = _mm512_loadu_si512((const void *)(xp + g * 32 + 32));
-        __m512i lo, hi;
-        q4_unpack_pair(ra + g * 16, ha, g, &lo, &hi);
-        __m512i pa = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
-        q4_unpack_pair(rb + g * 16, hb, g, &lo, &hi);
-        __m512i pb = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
-        __m512i sel = _mm512_add_epi32(pair, _mm512_set1_epi32(g & 7));
-        __m512 sa = SK == 1 ? pair_scale_h(ta.s + g, xs + g)
-                  : SK == 2 ? _mm512_permutexvar_ps(sel, _mm512_castps256_ps512(ka8)) : pair_scale(ta.f + g);
-        __m512 sb = SK == 1 ? pair_scale_h(tb.s + g, xs + g)
-                  : SK == 2 ? _mm512_permutexvar_ps(sel, _mm512_castps256_ps512(kb8)) : pair_scale(tb.f + g);
-        A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), sa, A);
-        B = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb), sb, B);
-    }
-    const uint8_t *r[2] = {ra, rb}, *h[2] = {ha, hb};
-    const rowterms_t t[2] = {ta, tb};
-    const float *k[2] = {ka, kb};
-    __m512 acc[2] = {A, B};
-    __m256 z8[2] = {za8, zb8};
-    for (int i = 0; i < 2; i++) {
-        __m256 a0 = low8(acc[i]), a1 = high8(acc[i]);
-        if (g < ng)         // an odd number of groups (never the K-quants')
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(r[i] + g * 16, h[i], g, xp + g * 32)),
-                                 _mm256_set1_ps(TERMS_SCALE(t[i], SK, g, k[i])), a0);
-        out[i] = terms_join(_mm256_add_ps(a0, a1), t[i], sums, ZK, ng, z8[i]);
-    }
-}
-
-#define Q4_ROW2_512(H, SK, ZK) q4_row2_512_h(ra, rb, H ? ha : NULL, H ? hb : NULL, ta, tb, xs, SK, ZK, \
-                                             (const int16_t *)x, sums, ng, out)
-ROW2_FNS(q4_row2_512, Q4_ROW2_512)
-#undef Q4_ROW2_512
 
 // int8 codes of groups g and g + 1 as [g's 16 codes from j | g + 1's 16 codes from j], widened to 16 bits
 static inline __m512i q8_pair16(const int8_t *w) {
@@ -229,7 +131,7 @@ static __attribute__((noinline)) void q8_rowsM_512(const int8_t *row, const floa
     }
 }
 
-// q8_row1 (G == 32) for one row of x against two weight rows at once, as q4_row2_512: each row's sums in its own
+// q8_row1 (G == 32) for one row of x against two weight rows at once: each row's sums in its own
 // order, the chains side by side. xp: the row in q4_pair_layout; fa, fb: the scale products sc[g] * xs[g].
 static inline __attribute__((always_inline)) void q8_row2_512_h(const int8_t *ra, const int8_t *rb,
         const float *fa, const float *fb, const half_t *sa, const half_t *sb, const float *xs, const float *za,

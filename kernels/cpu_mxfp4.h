@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void mxfp4_tail16(const uint8_t *b,
 }
 
 // R rows (a constant: the accumulators stay in registers) of int16 activations against one weight row: group g
-// into chain a0 (even g) or a1 (odd g), as q4_rows keeps them; the values looked up once for the R rows
+// into chain a0 (even g) or a1 (odd g); the values looked up once for the R rows
 static inline __attribute__((always_inline)) void mxfp4_rows(const uint8_t *row, const float *f, const int16_t *xq,
         int ng, int K, const int R, float *out) {
     __m256 a0[4], a1[4];
@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) void mxfp4_rows(const uint8_t *row,
 
 #ifdef KVCHAT_AVX512
 // The same, two groups a register: int16 lanes 0-15 values 0-15 of group g, lanes 16-31 those of group g + 1 (the
-// next register their values 16-31), against the activations in q4_pair_layout, as q4_rows_512 does: every int32 lane sums the
+// next register their values 16-31), against the activations in q4_pair_layout: every int32 lane sums the
 // same products as AVX2's, float lanes 0-7 are its chain a0 and 8-15 its a1.
 static inline __attribute__((always_inline)) void mxfp4_rows_512(const uint8_t *row, const float *f,
         const int16_t *xq, int ng, int K, const int R, float *out) {

@@ -251,31 +251,6 @@ static inline float zero_tail_h(const half_t *p, int zk, float c, const float *s
     return t;
 }
 
-// 16 of a group's fifth bits (the low or the high half of q5_bits) as 16 or 0 in 16 int16 lanes
-static inline __m256i q5_high16(uint32_t bits) {
-    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                          (short)-32768);
-    __m256i b = _mm256_and_si256(_mm256_set1_epi16((short)(bits & 0xFFFF)), sel);
-    return _mm256_and_si256(_mm256_cmpeq_epi16(b, sel), _mm256_set1_epi16(16));
-}
-
-static inline __attribute__((always_inline)) __m256i q4_group(const uint8_t *b, const uint8_t *high, int g,
-                                                             const int16_t *v) {
-    // 32 codes (16 bytes) against 32 int16 activations -> 8 int32 partial sums. Each byte widened to
-    // 16 bits holds element j in bits 0-3 and element j + 16 in bits 4-7: one mask and one shift split them;
-    // 5-bit codes (high: NULL or group g's fifth bits) take bit 4 from there.
-    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b));
-    __m256i q0 = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
-    __m256i q1 = _mm256_srli_epi16(w, 4);
-    if (high) {
-        uint32_t h = q5_bits(high, g);
-        q0 = _mm256_or_si256(q0, q5_high16(h));
-        q1 = _mm256_or_si256(q1, q5_high16(h >> 16));
-    }
-    return _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
-                            _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
-}
-
 // f [R, ng] = sc[g] * xs[m][g]
 static inline void scale_products(const float *sc, const float *xs, int ng, int R, float *f) {
     for (int m = 0; m < R; m++) {
@@ -285,32 +260,6 @@ static inline void scale_products(const float *sc, const float *xs, int ng, int 
         for (; g + 8 <= ng; g += 8) _mm256_storeu_ps(o + g, _mm256_mul_ps(_mm256_loadu_ps(sc + g), _mm256_loadu_ps(x + g)));
         for (; g < ng; g++) o[g] = sc[g] * x[g];
     }
-}
-
-// one row of x (decode): two independent accumulators, everything in registers; high: q5's fifth bits or NULL
-static inline __attribute__((always_inline)) float q4_row1_h(const uint8_t *row, const uint8_t *high,
-        const float *sc, const float *zr, const int16_t *xq, const float *xs, const float *sums, int ng) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    float f[MAXG];
-    scale_products(sc, xs, ng, 1, f);
-    int g = 0;
-    for (; g + 2 <= ng; g += 2) {
-        if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, high, g, xq + g * 32)),
-                             _mm256_broadcast_ss(f + g), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16 + 16, high, g + 1, xq + g * 32 + 32)),
-                             _mm256_broadcast_ss(f + g + 1), a1);
-    }
-    if (g < ng)
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(row + g * 16, high, g, xq + g * 32)), _mm256_set1_ps(f[g]), a0);
-    float tail;
-    __m256 z = zero_terms(zr, sums, ng, &tail);
-    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
-}
-
-static float q4_row1(const uint8_t *row, const uint8_t *high, const float *sc, const float *zr, const int16_t *xq,
-                     const float *xs, const float *sums, int ng) {
-    return high ? q4_row1_h(row, high, sc, zr, xq, xs, sums, ng) : q4_row1_h(row, NULL, sc, zr, xq, xs, sums, ng);
 }
 
 // Kinds 1 and 4 (float16 scales, and zeros or none) for the two-row kernels: row n's scale products f = sc * xs and
@@ -396,43 +345,6 @@ static inline float terms_join(__m256 sum, rowterms_t t, const float *sums, int 
     return hsum8(_mm256_add_ps(sum, z8)) + tail;
 }
 
-// q4_row1 for one row of x against two weight rows at once (a and b), each row's sums q4_row1's operations in its
-// order, the four chains side by side so none waits on its own multiply-add. The scale products and zeros as
-// rowterms_t's SK and ZK say, the products q4_row1 forms with the same roundings.
-static inline __attribute__((always_inline)) void q4_row2_h(const uint8_t *ra, const uint8_t *rb, const uint8_t *ha,
-        const uint8_t *hb, rowterms_t ta, rowterms_t tb, const float *xs, const int SK, const int ZK,
-        const int16_t *xq, const float *sums, int ng, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, za8 = a0, zb8 = a0;
-    float ka[8], kb[8];
-    const long pf = PF_ROWS * 16L * ng;
-    int g = 0;
-    for (; g + 2 <= ng; g += 2) {
-        if (!(g & 3)) {
-            _mm_prefetch((const char *)(ra + g * 16 + pf), PF_HINT);
-            _mm_prefetch((const char *)(rb + g * 16 + pf), PF_HINT);
-        }
-        terms_step(ta, xs, sums, SK, ZK, g, ng, ka, &za8);
-        terms_step(tb, xs, sums, SK, ZK, g, ng, kb, &zb8);
-        const int16_t *v = xq + g * 32;
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, v)),
-                             _mm256_set1_ps(TERMS_SCALE(ta, SK, g, ka)), a0);
-        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, v)),
-                             _mm256_set1_ps(TERMS_SCALE(tb, SK, g, kb)), b0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16 + 16, ha, g + 1, v + 32)),
-                             _mm256_set1_ps(TERMS_SCALE(ta, SK, g + 1, ka)), a1);
-        b1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16 + 16, hb, g + 1, v + 32)),
-                             _mm256_set1_ps(TERMS_SCALE(tb, SK, g + 1, kb)), b1);
-    }
-    if (g < ng) {           // an odd number of groups (never the K-quants': whole super-blocks of eight)
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(ra + g * 16, ha, g, xq + g * 32)),
-                             _mm256_set1_ps(TERMS_SCALE(ta, SK, g, ka)), a0);
-        b0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group(rb + g * 16, hb, g, xq + g * 32)),
-                             _mm256_set1_ps(TERMS_SCALE(tb, SK, g, kb)), b0);
-    }
-    out[0] = terms_join(_mm256_add_ps(a0, a1), ta, sums, ZK, ng, za8);
-    out[1] = terms_join(_mm256_add_ps(b0, b1), tb, sums, ZK, ng, zb8);
-}
-
 // The two-row kernels for each source of terms, the fifth bits' branch out of the loop: ROW2_FNS(prefix, body)
 // defines prefix (terms formed before), prefix_q4_0 (Q4_0, Q5_0), prefix_q4_1 (Q4_1, Q5_1), prefix_f16 (float16
 // scales alone) and prefix_k (Q4_K, Q5_K), each calling body(H, SK, ZK) with constants.
@@ -448,10 +360,6 @@ static inline __attribute__((always_inline)) void q4_row2_h(const uint8_t *ra, c
     ROW2_FN(prefix, body, 0, 1) ROW2_FN(prefix##_q4_0, body, 1, 2) ROW2_FN(prefix##_q4_1, body, 1, 3) \
     ROW2_FN(prefix##_f16, body, 1, 0) ROW2_FN(prefix##_k, body, 2, 4)
 
-#define Q4_ROW2(H, SK, ZK) q4_row2_h(ra, rb, H ? ha : NULL, H ? hb : NULL, ta, tb, xs, SK, ZK, (const int16_t *)x, \
-                                     sums, ng, out)
-ROW2_FNS(q4_row2, Q4_ROW2)
-#undef Q4_ROW2
 
 // One step of a decode matvec's loop over weight rows n and b (n + 1, or n for an odd last row): their terms set out
 // for the two-row kernels `prefix` (ROW2_FNS) and the kernel called; fa, fb, za, zb: room for terms formed before
@@ -530,7 +438,7 @@ static float q8_row1(const int8_t *row, const float *sc, const float *zr, int G,
     return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), z)) + tail;
 }
 
-// q8_row1 (G == 32) for one row of x against two weight rows at once, as q4_row2: each row's sums in its own order
+// q8_row1 (G == 32) for one row of x against two weight rows at once: each row's sums in its own order
 // (even groups in a0, odd in a1), the four chains side by side. fa, fb: the scale products sc[g] * xs[g].
 static inline __attribute__((always_inline)) void q8_row2_h(const int8_t *ra, const int8_t *rb, const float *fa,
         const float *fb, const half_t *sa, const half_t *sb, const float *xs, const float *za, const float *zb,
@@ -583,80 +491,6 @@ static __attribute__((noinline)) void q8_row2_f16(const int8_t *ra, const int8_t
     q8_row2_h(ra, rb, NULL, NULL, sa, sb, xs, NULL, NULL, xq, sums32, nx, out);
 }
 
-// R (a constant, so the accumulators live in registers) rows of x against one weight row, each row
-// computed with exactly q4_row1's operations in the same order: a row's result does not depend on how
-// many rows share the call (batch invariance: a stream served beside others equals the same stream run
-// alone). The codes are unpacked once for the R rows. f: [R, ng] the products sc[g] * xs[m][g], as
-// q4_row1 forms them.
-static inline __attribute__((always_inline)) void q4_rows(const uint8_t *row, const uint8_t *high, const float *f,
-        const float *zr, const int16_t *xq, const float *sums, int ng, int K, const int R, float *out) {
-    __m256 a0[4], a1[4];
-    for (int m = 0; m < R; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi16(0x0F);
-    int g = 0;
-    for (; g + 2 <= ng; g += 2) {
-        if (!(g & 3)) _mm_prefetch((const char *)(row + g * 16 + PREFETCH), _MM_HINT_T0);
-        __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(row + g * 16 + 16));
-        __m256i wb = _mm256_cvtepu8_epi16(b), wc = _mm256_cvtepu8_epi16(c);    // as in q4_group
-        __m256i q0 = _mm256_and_si256(wb, mask), q1 = _mm256_srli_epi16(wb, 4);
-        __m256i r0 = _mm256_and_si256(wc, mask), r1 = _mm256_srli_epi16(wc, 4);
-        if (high) {
-            uint32_t h0 = q5_bits(high, g), h1 = q5_bits(high, g + 1);
-            q0 = _mm256_or_si256(q0, q5_high16(h0)), q1 = _mm256_or_si256(q1, q5_high16(h0 >> 16));
-            r0 = _mm256_or_si256(r0, q5_high16(h1)), r1 = _mm256_or_si256(r1, q5_high16(h1 >> 16));
-        }
-        for (int m = 0; m < R; m++) {
-            const int16_t *v = xq + (size_t)m * K + g * 32;
-            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
-                                         _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
-            __m256i t = _mm256_add_epi32(_mm256_madd_epi16(r0, _mm256_loadu_si256((const __m256i *)(v + 32))),
-                                         _mm256_madd_epi16(r1, _mm256_loadu_si256((const __m256i *)(v + 48))));
-            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(f + m * ng + g), a0[m]);
-            a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(f + m * ng + g + 1), a1[m]);
-        }
-    }
-    if (g < ng) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
-        __m256i wb = _mm256_cvtepu8_epi16(b);
-        __m256i q0 = _mm256_and_si256(wb, mask), q1 = _mm256_srli_epi16(wb, 4);
-        if (high) {
-            uint32_t h0 = q5_bits(high, g);
-            q0 = _mm256_or_si256(q0, q5_high16(h0)), q1 = _mm256_or_si256(q1, q5_high16(h0 >> 16));
-        }
-        for (int m = 0; m < R; m++) {
-            const int16_t *v = xq + (size_t)m * K + g * 32;
-            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)v)),
-                                         _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(v + 16))));
-            a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(f + m * ng + g), a0[m]);
-        }
-    }
-    for (int m = 0; m < R; m++) {
-        float tail;
-        __m256 z = zero_terms(zr, sums + (size_t)m * ng, ng, &tail);
-        out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a0[m], a1[m]), z)) + tail;
-    }
-}
-
-static void q4_rowsM(const uint8_t *row, const uint8_t *high, const float *sc, const float *zr, const int16_t *xq,
-                     const float *xs, const float *sums, int ng, int K, int M, float *out) {
-    float f[4 * MAXG];
-    for (int m = 0; m < M; m += 4) {
-        const int16_t *x = xq + (size_t)m * K;
-        const float *z = sums + (size_t)m * ng;
-        int R = M - m < 4 ? M - m : 4;
-        if (R == 1) { out[m] = q4_row1(row, high, sc, zr, x, xs + (size_t)m * ng, z, ng); break; }
-        scale_products(sc, xs + (size_t)m * ng, ng, R, f);
-#define Q4_ROWS(R) (high ? q4_rows(row, high, f, zr, x, z, ng, K, R, out + m) \
-                         : q4_rows(row, NULL, f, zr, x, z, ng, K, R, out + m))
-        switch (R) {
-            case 2: Q4_ROWS(2); break;
-            case 3: Q4_ROWS(3); break;
-            default: Q4_ROWS(4); break;
-        }
-#undef Q4_ROWS
-    }
-}
 
 // The same for int8 codes, mirroring q8_row1 (which serves G == 32, or G == 16 without zeros).
 static void q8_rowsM(const int8_t *row, const float *sc, const float *zr, int G, const int16_t *xq, const float *xs,
@@ -771,31 +605,13 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
     int16_t *xq;
     float *xs, *sums;
     activations(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
-#ifdef KVCHAT_AVX512
-    const int16_t *xp = q4_pair_layout(xq, M, K, mode, scratch, sums);       // the AVX-512 rows read pairs
-#elif defined(__AVX2__)
-    const int16_t *xp = xq;
-#endif
 #ifdef __AVX2__
-    if (M == 1) {           // decode: two weight rows a step (q4_row2, AVX-512: q4_row2_512)
-        #pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n += 2) {
-            int b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
-            const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
-            const uint8_t *ra = codes + (size_t)n * (K / 2), *rb = codes + (size_t)b * (K / 2);
-            float fa[MAXG], fb[MAXG], za[MAXG], zb[MAXG], out[2];
-            prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
-#ifdef KVCHAT_AVX512
-            ROW2_CALL(q4_row2_512, ra, rb, ha, hb, xp);
+    // the four-lane loops of the int8 rows (cpu_act8.h) over two byte planes: the laid-out rows (2 M K bytes) where
+    // the prepared float rows were (mode), or after activations()'s pieces
+    int8_t *xl = mode ? (int8_t *)scratch : (int8_t *)(sums + (size_t)M * ng);
+    quad_layout16(xq, M, K, xl);
+    gemv_q4x(xl, 16, xs, sums, M, K, codes, scale, zero, N, y, ldy, resid, kind, ssup, zsup, per, high);
 #else
-            ROW2_CALL(q4_row2, ra, rb, ha, hb, xp);
-#endif
-            y[n] = out[0] + (resid ? resid[n] : 0.f);
-            if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
-        }
-        return;
-    }
-#endif
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + (size_t)n * (K / 2), *hrow = high ? high + (size_t)n * (K / 8) : NULL;
@@ -803,15 +619,6 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
         const float *sc = row_f32(scale, ssup, per, n, ng, kind, sbuf);
         const float *zr = row_zero(zero, zsup, per, n, ng, kind, sc, zbuf, high);
         float out[MAXM];
-#ifdef __AVX2__
-#ifdef KVCHAT_AVX512
-        q4_rowsM_512(row, hrow, sc, zr, xp, xs, sums, ng, K, M, out);
-#else
-        q4_rowsM(row, hrow, sc, zr, xq, xs, sums, ng, K, M, out);
-#endif
-        for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = out[m] + (resid ? resid[(size_t)m * N + n] : 0.f);
-        continue;
-#else
         for (int m = 0; m < M; m++) out[m] = 0.f;
         for (int g = 0; g < ng; g++) {
             const uint8_t *b = row + g * 16;
@@ -821,7 +628,6 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
                 out[m] += sc[g] * xs[m * ng + g] * (float)d;
             }
         }
-#endif
         for (int m = 0; m < M; m++) {
             float z = 0.f;
             const float *sm = sums + (size_t)m * ng;
@@ -829,6 +635,7 @@ static void q4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, const
             y[(size_t)m * ldy + n] = out[m] + z + (resid ? resid[(size_t)m * N + n] : 0.f);
         }
     }
+#endif
 }
 
 static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const void *scale, const void *zero, int G,
