@@ -1,4 +1,5 @@
-// The opt-in int8-activation matvecs (EngineConfig(activations="int8")), included by cpu_quant.c.
+// The opt-in int8-activation matvecs (EngineConfig(activations="int8")), and the four-lane loops the q4 codes' int16
+// rows share with them (gemv_q4x), included by cpu_quant.c.
 //
 // The activations are rounded to int8 per group of 32 (s = max|x| / 127, as llama.cpp's Q8_0 does) instead of
 // int16, so a group's 32 products are one u8 x s8 dot product (VNNI's vpdpbusd, or AVX2's maddubs + madd: the same
@@ -109,12 +110,16 @@ static inline __m512i dot8_pair(const void *row, const uint8_t *high, int bits, 
 }
 #endif
 
-// ---- q4 codes against int8 activations, four lanes a group ------------------------------------------------------
+// ---- q4 codes against int8 (and int16) activations, four lanes a group ----------------------------------------
 // A group's 32 products go to four 32-bit lanes (lane i: its code bytes 4i..4i+3, low nibbles against x[4i..4i+3] and
 // high nibbles against x[16 + 4i..]), so a 512-bit register holds four groups and one float multiply-add covers 128
 // weights: half the multiplier work a weight of the eight-lane layout above costs, which left a Zen 4 core's matvec at
 // 20 GB/s from L2, slower than memory. Group g's float sums run in chain g mod 4 (lanes 4 (g mod 4) .. + 4), the chains
 // joined as [0 | 1] + [2 | 3]; AVX2 keeps chains 0-1 and 2-3 in two registers and does the same operations.
+// The default int16 activations take the same loops (W 16): x = 256 t + b with t the signed top byte and b the
+// unsigned bottom one, a lane's integer is (codes . t) << 8 plus (b . codes), two more u8 x s8 dot products a block
+// (the codes, at most 31, are the signed operand of the second): the 16-bit dot product's integer, exactly, without
+// widening the codes to 16 bits (which held a Zen 4 core to 15 GB/s).
 
 #ifdef __AVX2__
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -347,6 +352,14 @@ ROW2_FNS(q4x16_row2, Q4X16_ROW2)
 #undef Q4X8_ROW2
 #undef Q4X16_ROW2
 
+// 16 int16 values -> their top bytes at o, their bottom ones at o + gap
+static inline void planes16(const int16_t *x, int8_t *o, int gap) {
+    __m128i a = _mm_loadu_si128((const __m128i *)x), b = _mm_loadu_si128((const __m128i *)(x + 8));
+    const __m128i low = _mm_set1_epi16(255);
+    _mm_storeu_si128((__m128i *)o, _mm_packs_epi16(_mm_srai_epi16(a, 8), _mm_srai_epi16(b, 8)));
+    _mm_storeu_si128((__m128i *)(o + gap), _mm_packus_epi16(_mm_and_si128(a, low), _mm_and_si128(b, low)));
+}
+
 // x [M, K] int16 -> xl [M, 2K]: each value as a signed top byte and an unsigned bottom one (x = 256 top + bottom),
 // each block of four groups as quad_layout8 of its top bytes, then of its bottom bytes (256 bytes), the last ng mod
 // 4 groups as their 32 top bytes then 32 bottom ones: q4x8_quad's and q4x8_one's W 16 operands
@@ -357,15 +370,10 @@ static void quad_layout16(const int16_t *xq, int M, int K, int8_t *xl) {
         int8_t *o = xl + (size_t)m * 2 * K;
         int g = 0;
         for (; g + 4 <= ng; g += 4)
-            for (int q = 0; q < 4; q++)
-                for (int j = 0; j < 16; j++) {
-                    int lo = x[(g + q) * 32 + j], hi = x[(g + q) * 32 + 16 + j];
-                    o[g * 64 + q * 16 + j] = (int8_t)(lo >> 8), o[g * 64 + 128 + q * 16 + j] = (int8_t)(lo & 255);
-                    o[g * 64 + 64 + q * 16 + j] = (int8_t)(hi >> 8), o[g * 64 + 192 + q * 16 + j] = (int8_t)(hi & 255);
-                }
+            for (int q = 0; q < 8; q++)         // values 0-15 (q even) or 16-31 of group g + q / 2
+                planes16(x + (g + q / 2) * 32 + (q & 1) * 16, o + g * 64 + (q & 1) * 64 + (q / 2) * 16, 128);
         for (; g < ng; g++)
-            for (int j = 0; j < 32; j++)
-                o[g * 64 + j] = (int8_t)(x[g * 32 + j] >> 8), o[g * 64 + 32 + j] = (int8_t)(x[g * 32 + j] & 255);
+            for (int h = 0; h < 2; h++) planes16(x + g * 32 + h * 16, o + g * 64 + h * 16, 32);
     }
 }
 
