@@ -255,6 +255,7 @@ def _prep_args(x, k, norm, eps, swiglu, residual, act=16):
     mode = PREP_RMSNORM if norm is not None else PREP_SWIGLU if swiglu else PREP_NONE
     mode |= ACT8 if act == 8 else 0
     assert x.shape[1] == (2 * k if swiglu else k) and x.is_contiguous() and x.dtype == torch.float32
+    assert x.shape[0] <= MAX_ROWS, f"{x.shape[0]} rows: the matvecs take at most {MAX_ROWS} a call (fused() splits)"
     assert residual is None or residual.is_contiguous()
     return mode, _ptr(norm), float(eps), _ptr(residual)
 

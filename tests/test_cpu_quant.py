@@ -222,3 +222,15 @@ def test_split_blocks_equals_numpy(monkeypatch):
         assert np.array_equal(slow[0], blocks[..., :head]) and np.array_equal(slow[1], blocks[..., head:].reshape(37, -1))
         for h, b in (fast, (heads, body)):
             assert np.array_equal(h, slow[0]) and np.array_equal(b, slow[1])
+
+
+def test_more_rows_than_a_matvec_takes_are_refused_not_overrun():
+    """The matvecs keep MAX_ROWS rows' sums on the stack: a call with more is refused before the kernel runs (the
+    model's fused() splits them), and MAX_ROWS rows still run."""
+    if not cq.available():
+        pytest.skip("C kernels unavailable")
+    codes, scale, zero = _q4(16, 64)
+    x = torch.randn(cq.MAX_ROWS + 1, 64)
+    with pytest.raises(AssertionError, match="at most"):
+        cq.q4_gemv(x, codes, scale, zero)
+    assert cq.q4_gemv(x[:cq.MAX_ROWS].contiguous(), codes, scale, zero).shape == (cq.MAX_ROWS, 16)
