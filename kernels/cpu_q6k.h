@@ -126,12 +126,13 @@ static inline void q6k_half_512(const uint8_t *ql, const uint8_t *qh, int h, __m
                                                                m3c, 0xE4), mfc, x80, 0x6A);
 }
 
-// The 8 sub-block scales of a half-block (s: 8 int16) for b01's and b23's 128-bit lanes: [s0 x 8 | s1 | s2 | s3 x 8]
-// and [s4 x 8 | .. | s7 x 8] (a lane holds 16 values of one sub-block; unpacked, 8 of them a register)
-static inline void q6k_scales_512(const int16_t *s, __m512i *s01, __m512i *s23) {
+// The 8 sub-block scales of a half-block (s: their int8 bytes, taken times 64) for b01's and b23's 128-bit lanes:
+// [s0 x 8 | s1 | s2 | s3 x 8] and [s4 x 8 | .. | s7 x 8] (a lane holds 16 values of one sub-block; unpacked, 8 of
+// them a register)
+static inline void q6k_scales_512(const int8_t *s, __m512i *s01, __m512i *s23) {
     const __m512i idx01 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512i s8 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)s));
+    __m512i s8 = _mm512_castsi128_si512(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)s)), 6));
     *s01 = _mm512_permutexvar_epi16(idx01, s8);
     *s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx01, _mm512_set1_epi16(4)), s8);
 }
@@ -144,9 +145,14 @@ static inline float q6k_sum_512(const __m512 acc[2]) {
 // q6k_rows, a half-block (four groups) a step: groups 4h, 4h + 1 in one register of 64 bytes (4h + 2, 4h + 3 in
 // another), whose unpacked halves hold, per 128-bit lane, 8 values of sub-blocks 8h + 0..3 (8h + 4..7). Every int32
 // lane sums the same four products as AVX2's; the float lanes 0-7 and 8-15 of acc[m][0] are AVX2's chains 0 and 1,
-// those of acc[m][1] chains 2 and 3.
+// those of acc[m][1] chains 2 and 3. The scales (sc, d) are read in the loop: each group's d * xs the product
+// q6k_row_scales forms, the same bits.
 static inline __attribute__((always_inline)) void q6k_rows_512(const uint8_t *ql, const uint8_t *qh,
-        const int16_t *s64, const float *f, const int16_t *xr, int ng, int K, const int R, float *out) {
+        const int8_t *sc, const half_t *d, const float *xs, const int16_t *xr, int ng, int K, const int R,
+        float *out) {
+    const __m512i lo2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i hi2 = _mm512_add_epi32(lo2, _mm512_set1_epi32(2));
+    float db = 0.f;
     const __m512i zero = _mm512_setzero_si512();
     __m512 acc[8][2];
     for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -155,31 +161,32 @@ static inline __attribute__((always_inline)) void q6k_rows_512(const uint8_t *ql
         FAR_PREFETCH(ql + 64 * h);
         if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h + PREFETCH / 2), _MM_HINT_T0);
         if (!(h & 1)) _mm_prefetch((const char *)(qh + 32 * h) + PF_FAR / 2, _MM_HINT_T1);
+        if (!(h & 1)) db = f16_to_f32(d[h >> 1]);
         __m512i b01, b23, s01, s23;
         q6k_half_512(ql, qh, h, &b01, &b23);
-        q6k_scales_512(s64 + 8 * h, &s01, &s23);
+        q6k_scales_512(sc + 8 * h, &s01, &s23);
         __m512i p0 = _mm512_mulhi_epi16(_mm512_unpacklo_epi8(zero, b01), s01);
         __m512i p1 = _mm512_mulhi_epi16(_mm512_unpackhi_epi8(zero, b01), s01);
         __m512i p2 = _mm512_mulhi_epi16(_mm512_unpacklo_epi8(zero, b23), s23);
         __m512i p3 = _mm512_mulhi_epi16(_mm512_unpackhi_epi8(zero, b23), s23);
         for (int m = 0; m < R; m++) {
             const int16_t *v = xr + (size_t)m * K + 128 * h;
-            const float *fm = f + (size_t)m * ng + 4 * h;
+            __m512 fm = _mm512_castps128_ps512(_mm_mul_ps(_mm_set1_ps(db), _mm_loadu_ps(xs + (size_t)m * ng + 4 * h)));
             __m512i i01 = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, p0, _mm512_loadu_si512((const void *)v)),
                                               p1, _mm512_loadu_si512((const void *)(v + 32)));
             __m512i i23 = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, p2, _mm512_loadu_si512((const void *)(v + 64))),
                                               p3, _mm512_loadu_si512((const void *)(v + 96)));
-            acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i01), pair_scale(fm), acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i23), pair_scale(fm + 2), acc[m][1]);
+            acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i01), _mm512_permutexvar_ps(lo2, fm), acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i23), _mm512_permutexvar_ps(hi2, fm), acc[m][1]);
         }
     }
     for (int m = 0; m < R; m++) out[m] = q6k_sum_512(acc[m]);
 }
 
 // M rows of int16 activations (xr: q6k_order) against one weight row
-static __attribute__((noinline)) void q6k_rowsM_512(const uint8_t *ql, const uint8_t *qh, const int16_t *s,
-        const float *f, const int16_t *x, int ng, int K, int M, float *out) {
-#define Q6K_ROWS(R) q6k_rows_512(ql, qh, s, f, x, ng, K, R, out)
+static __attribute__((noinline)) void q6k_rowsM_512(const uint8_t *ql, const uint8_t *qh, const int8_t *sc,
+        const half_t *d, const float *xs, const int16_t *x, int ng, int K, int M, float *out) {
+#define Q6K_ROWS(R) q6k_rows_512(ql, qh, sc, d, xs, x, ng, K, R, out)
     switch (M) {        // a constant R per case: the accumulators stay in registers
         case 1: Q6K_ROWS(1); break;
         case 2: Q6K_ROWS(2); break;
@@ -221,18 +228,19 @@ static void q6k_gemv_ld(const float *x, int M, int K, const uint8_t *ql, const u
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *l = ql + (size_t)n * (K / 2), *h = qh + (size_t)n * (K / 4);
+        float out[MAXM];
+#ifndef KVCHAT_AVX512
         int16_t s16[2 * MAXG];
-        float f[MAXM * MAXG], out[MAXM];
-#ifdef __AVX2__
-        q6k_row_scales(sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xs, M, K, 64, s16, f);
+        float f[MAXM * MAXG];
+#endif
 #ifdef KVCHAT_AVX512
-        q6k_rowsM_512(l, h, s16, f, xr, ng, K, M, out);
-#else
+        q6k_rowsM_512(l, h, sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xs, xr, ng, K, M, out);
+#elif defined(__AVX2__)
+        q6k_row_scales(sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xs, M, K, 64, s16, f);
         for (int m = 0; m < M; m += 2) {
             if (M - m == 1) q6k_rows(l, h, s16, f + (size_t)m * ng, xr + (size_t)m * K, ng, K, 1, out + m);
             else q6k_rows(l, h, s16, f + (size_t)m * ng, xr + (size_t)m * K, ng, K, 2, out + m);
         }
-#endif
 #else
         // plain loops: the integer sum of a group can pass 2^31 (32 products of up to 4096 * 32767): 64 bits
         q6k_row_scales(sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xs, M, K, 1, s16, f);
