@@ -17,7 +17,7 @@
 // 32 and row remains, by d * xs. The unpacking interleaves 8-value blocks, so the activations are reordered to
 // match once per call (q6k_order). Each row of x is computed with the same operations in the same order whatever
 // the number of rows in the call and whatever the SIMD variant (AVX-512's two groups a register are AVX2's chains
-// of groups 4h + 0..3), as the q4 and q8 matvecs are.
+// of groups 4h + 0..3), as the q4 and q8 matvecs are. The int8-activation rows are cpu_q6k_act8.h's.
 #pragma once
 
 // the code (0..63) of value i of a row
