@@ -4,8 +4,8 @@
 // The codes go in unsigned, q (0..63) as the file stores them, so maddubs takes them with no sign trick, and the
 // -32 comes back per int16 lane from the activations alone (x32: 32 times the sum of the four activations the lane
 // covers, formed once a call). Half-block h (four groups c, values 32c + l) unpacks to P = [group 0 | group 1]
-// from ql's low nibbles and Q = [group 2 | group 3] from its high ones; their 64-bit halves are then interleaved so
-// that both registers hold, at every position, values of one sub-block of 16 (128-bit lane j: groups j >> 1 and
+// from ql's low nibbles and Q = [group 2 | group 3] from its high ones; their 64-bit pieces are then interleaved so
+// that P' and Q' hold, at each position, values of the same sub-block of 16 (128-bit lane j: groups j >> 1 and
 // (j >> 1) + 2, values 16 (j & 1) + 0..7 in P', + 8..15 in Q'). Two maddubs added lane by lane give four products
 // an int16 lane (|.| <= 4 * 63 * 127, no saturation), minus x32 exactly (q - 32) times x, and one madd by the
 // sub-block scales gives eight products an int32 lane: four lanes a group, one float multiply-add per 128 weights
