@@ -52,6 +52,17 @@ static void quantize_x8(const float *x, int M, int K, int8_t *xq, float *xs, flo
         }
 }
 
+// activations() for int8 rows: prep (RMSNorm, SwiGLU) into scratch where mode asks, then xq [M, K] int8 after the
+// float rows (or at scratch's start), its scales xs and sums [M, K / 32] after it
+static void activations8(const float *x, int M, int K, int mode, const float *norm_w, float eps, void *scratch,
+                         int8_t **xq, float **xs, float **sums) {
+    float *buf = (float *)scratch;
+    *xq = (int8_t *)(mode ? buf + (size_t)M * K : buf);
+    *xs = (float *)(*xq + (size_t)M * K);
+    *sums = *xs + (size_t)M * (K / 32);
+    quantize_x8(prep(x, M, K, mode, norm_w, eps, buf), M, K, *xq, *xs, *sums);
+}
+
 #ifdef __AVX2__
 // 32 unsigned bytes against 32 signed ones -> 8 int32 sums of 4 products each (exact either way)
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -482,11 +493,9 @@ static void gemv8(const float *x, int M, int K, const void *codes, int bits, con
                   int N, float *y, int ldy, void *scratch, int mode, const float *norm_w, float eps,
                   const float *resid, int kind, const float *ssup, const float *zsup, int per, const uint8_t *high) {
     int ng = K / 32;
-    float *buf = (float *)scratch;
-    const float *xp = prep(x, M, K, mode, norm_w, eps, buf);
-    int8_t *xq = (int8_t *)(mode ? buf + (size_t)M * K : buf);
-    float *xs = (float *)(xq + (size_t)M * K), *sums = xs + (size_t)M * ng;
-    quantize_x8(xp, M, K, xq, xs, sums);
+    int8_t *xq;
+    float *xs, *sums;
+    activations8(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
 #ifdef __AVX2__
     if (bits == 4) {        // four lanes a group (above); room for the laid-out rows after the sums
         int8_t *xl = (int8_t *)(sums + (size_t)M * ng);

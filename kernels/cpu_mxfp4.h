@@ -236,11 +236,9 @@ static inline int mxfp4_dot_x8(const int16_t *w, const int8_t *v) {
 static void mxfp4_gemv8(const float *x, int M, int K, const uint8_t *codes, const uint8_t *e8m0, int N, float *y,
                         int ldy, void *scratch, int mode, const float *norm_w, float eps, const float *resid) {
     int ng = K / 32;
-    float *buf = (float *)scratch;
-    const float *xp = prep(x, M, K, mode, norm_w, eps, buf);
-    int8_t *xq = (int8_t *)(mode ? buf + (size_t)M * K : buf);
-    float *xs = (float *)(xq + (size_t)M * K), *sums = xs + (size_t)M * ng;
-    quantize_x8(xp, M, K, xq, xs, sums);
+    int8_t *xq;
+    float *xs, *sums;
+    activations8(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *row = codes + (size_t)n * (K / 2);

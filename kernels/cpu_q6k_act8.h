@@ -133,11 +133,9 @@ static void q6k_gemv8(const float *x, int M, int K, const uint8_t *ql, const uin
                       const half_t *d, int N, float *y, int ldy, void *scratch, int mode, const float *norm_w,
                       float eps, const float *resid) {
     int ng = K / 32;
-    float *buf = (float *)scratch;
-    const float *xp = prep(x, M, K, mode, norm_w, eps, buf);
-    int8_t *xq = (int8_t *)(mode ? buf + (size_t)M * K : buf);
-    float *xs = (float *)(xq + (size_t)M * K), *sums = xs + (size_t)M * ng;
-    quantize_x8(xp, M, K, xq, xs, sums);
+    int8_t *xq;
+    float *xs, *sums;
+    activations8(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
 #ifdef __AVX2__
     int8_t *xl = (int8_t *)(sums + (size_t)M * ng);
     int16_t *x32 = (int16_t *)(xl + (size_t)M * K);
