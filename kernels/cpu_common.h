@@ -206,6 +206,83 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+// ---- a decode matvec's rows shared out among the team ------------------------------------------------------
+// A static split leaves the first thread done waiting for the last: on a shared machine two threads streaming the
+// same bytes finish 6-12% of a matvec apart (the Zen 4 of issue 43, part eight). Each thread starts on its static
+// share of `steps` (row pairs) and takes it `batch` steps a claim from the front, so its rows stream in order and its
+// prefetch ahead stays in its share; a thread whose share is done takes the back half of the largest share left
+// and streams that. A row's bits do not depend on which thread reads it.
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#define MAXT 64
+
+typedef struct { _Alignas(64) unsigned long long w; } share_t;     // steps left: lo | hi << 32
+
+static inline unsigned long long share_w(unsigned long long lo, unsigned long long hi) { return lo | hi << 32; }
+
+// The team for `steps` steps (at most MAXT threads, at most one a step) with its shares set out
+static inline int shares_init(share_t *s, int steps) {
+#ifdef _OPENMP
+    int nt = omp_get_max_threads();
+#else
+    int nt = 1;
+#endif
+    if (nt > MAXT) nt = MAXT;
+    if (nt > steps) nt = steps > 1 ? steps : 1;
+    for (int t = 0; t < nt; t++)
+        s[t].w = share_w((unsigned long long)steps * t / nt, (unsigned long long)steps * (t + 1) / nt);
+    return nt;
+}
+
+// Thread `me` of a team of `team` over nt shares: its next steps [*lo, *hi), from its own shares (me, me + team,
+// ... when the team came smaller than asked) or the back half of the largest other; 0 when nothing is left
+static inline int share_next(share_t *s, int nt, int me, int team, int batch, int *lo, int *hi) {
+    for (int t = me; t < nt; t += team)
+        for (;;) {
+            unsigned long long w = __atomic_load_n(&s[t].w, __ATOMIC_ACQUIRE);
+            unsigned a = (unsigned)w, b = (unsigned)(w >> 32);
+            if (a >= b) break;
+            unsigned e = b - a > (unsigned)batch ? a + batch : b;
+            if (__atomic_compare_exchange_n(&s[t].w, &w, share_w(e, b), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                *lo = (int)a, *hi = (int)e;
+                return 1;
+            }
+        }
+    for (;;) {                       // own shares done: split the largest left
+        int best = -1;
+        unsigned most = 0;
+        unsigned long long bw = 0;
+        for (int t = 0; t < nt; t++) {
+            unsigned long long w = __atomic_load_n(&s[t].w, __ATOMIC_ACQUIRE);
+            unsigned a = (unsigned)w, b = (unsigned)(w >> 32);
+            if (a < b && b - a > most) most = b - a, best = t, bw = w;
+        }
+        if (best < 0) return 0;
+        unsigned a = (unsigned)bw, b = (unsigned)(bw >> 32);
+        unsigned mid = most >= 2u * batch ? a + most / 2 : a;     // too little to split: all of it
+        if (!__atomic_compare_exchange_n(&s[best].w, &bw, share_w(a, mid), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        // the taken half becomes this thread's share (others may split it in turn), its first batch claimed here
+        unsigned e = b - mid > (unsigned)batch ? mid + batch : b;
+        __atomic_store_n(&s[me].w, share_w(e, b), __ATOMIC_RELEASE);
+        *lo = (int)mid, *hi = (int)e;
+        return 1;
+    }
+}
+
+#ifdef _OPENMP
+#define TEAM_ME() omp_get_thread_num()
+#define TEAM_SIZE() omp_get_num_threads()
+#else
+#define TEAM_ME() 0
+#define TEAM_SIZE() 1
+#endif
+// The body of a shared loop: for (int V = ...) over this thread's claims of steps, as share_next gives them
+#define SHARED_STEPS(s, nt, batch, V) \
+    for (int me_ = TEAM_ME(), team_ = TEAM_SIZE(), lo_, hi_; share_next(s, nt, me_, team_, batch, &lo_, &hi_);) \
+        for (int V = lo_; V < hi_; V++)
+
 // Exported by both libraries (each includes this header once): the half conversions as this build has them (the
 // tests hold every variant's to numpy's), and what the library was compiled with.
 void kvchat_f16_to_f32(const half_t *h, float *out, int64_t n) {

@@ -25,6 +25,7 @@
 // activations streamed 31: 64 rows into L2 reads it at 29-31 GB/s (16: 25, 32: 23-29, 96: 31), and the Llama-3.2-1B
 // preset decodes 28 -> 41.6 tok/s.
 #define PF_ROWS 64
+#define SHARE_ROWS 16      // weight rows a claim of a decode matvec's shared rows (SHARED_STEPS)
 #define PF_HINT _MM_HINT_T1
 // The one-row kernels (Q6_K, MXFP4, int8 activations) stream as far ahead into L2 beside their near PREFETCH
 #define PF_FAR 65536
@@ -216,7 +217,17 @@ static const float *prep(const float *x, int M, int K, int mode, const float *no
             for (int j = 0; j < K; j++) o[j] = v[j] * r * norm_w[j];
         } else {
             const float *a = x + (size_t)m * 2 * K, *b = a + K;
-            for (int j = 0; j < K; j++) o[j] = a[j] / (1.f + expf(-a[j])) * b[j];
+            int j = 0;
+#ifdef __AVX2__
+            // eight at a time through exp8 (a serial piece of every decode layer: the other threads wait on it)
+            const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+            for (; j + 8 <= K; j += 8) {
+                __m256 v = _mm256_loadu_ps(a + j);
+                __m256 e = exp8(_mm256_sub_ps(zero, v));
+                _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), _mm256_loadu_ps(b + j)));
+            }
+#endif
+            for (; j < K; j++) o[j] = a[j] / (1.f + expf(-a[j])) * b[j];
         }
     }
     return buf;
@@ -661,9 +672,11 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
 #endif
 #ifdef __AVX2__
     if (M == 1 && G == 32) {        // decode: two weight rows a step (q8_row2, q8_row2_512), as q4_gemv_ld
-        #pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n += 2) {
-            int b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
+        share_t sh[MAXT];
+        int nt = shares_init(sh, (N + 1) / 2);
+        #pragma omp parallel num_threads(nt)
+        SHARED_STEPS(sh, nt, SHARE_ROWS / 2, p) {
+            int n = 2 * p, b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
             float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
             const float *za, *zb;
             prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, nx);
