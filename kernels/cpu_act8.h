@@ -397,10 +397,7 @@ static void gemv_q4x(const int8_t *xl, const int W, const float *xs, const float
                      const uint8_t *high) {
     int ng = K / 32;
     if (M == 1) {           // decode: two weight rows a step, their scale terms formed in the loop
-        share_t sh[MAXT];
-        int nt = shares_init(sh, (N + 1) / 2);
-        #pragma omp parallel num_threads(nt)
-        SHARED_STEPS(sh, nt, SHARE_ROWS / 2, p) {
+        SHARED_STEPS((N + 1) / 2, SHARE_ROWS / 2, p) {
             int n = 2 * p, b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
             const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
             const uint8_t *ra = codes + (size_t)n * (K / 2), *rb = codes + (size_t)b * (K / 2);
@@ -508,10 +505,7 @@ static void gemv8(const float *x, int M, int K, const void *codes, int bits, con
     }
 #endif
     size_t row_bytes = (size_t)K * bits / 8;
-    share_t sh[MAXT];
-    int nt = shares_init(sh, N);
-    #pragma omp parallel num_threads(nt)
-    SHARED_STEPS(sh, nt, SHARE_ROWS, n) {
+    SHARED_STEPS(N, SHARE_ROWS, n) {
         const uint8_t *row = (const uint8_t *)codes + (size_t)n * row_bytes;
         const uint8_t *hrow = high ? high + (size_t)n * (K / 8) : NULL;
         float sbuf[MAXG], zbuf[MAXG], out[MAXM];

@@ -278,9 +278,14 @@ static inline int share_next(share_t *s, int nt, int me, int team, int batch, in
 #define TEAM_ME() 0
 #define TEAM_SIZE() 1
 #endif
-// The body of a shared loop: for (int V = ...) over this thread's claims of steps, as share_next gives them
-#define SHARED_STEPS(s, nt, batch, V) \
-    for (int me_ = TEAM_ME(), team_ = TEAM_SIZE(), lo_, hi_; share_next(s, nt, me_, team_, batch, &lo_, &hi_);) \
+// A decode matvec's loop over `steps` steps shared among the team: `SHARED_STEPS(n, batch, V) { body }` runs the body
+// in a parallel region for each step V this thread claims (share_next). Declares its shares in the enclosing scope:
+// one use a scope.
+#define SHARED_STEPS(steps, batch, V) \
+    share_t shares_[MAXT]; \
+    int nt_ = shares_init(shares_, (steps)); \
+    _Pragma("omp parallel num_threads(nt_)") \
+    for (int me_ = TEAM_ME(), team_ = TEAM_SIZE(), lo_, hi_; share_next(shares_, nt_, me_, team_, batch, &lo_, &hi_);) \
         for (int V = lo_; V < hi_; V++)
 
 // Exported by both libraries (each includes this header once): the half conversions as this build has them (the

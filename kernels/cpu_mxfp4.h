@@ -239,10 +239,7 @@ static void mxfp4_gemv8(const float *x, int M, int K, const uint8_t *codes, cons
     int8_t *xq;
     float *xs, *sums;
     activations8(x, M, K, mode, norm_w, eps, scratch, &xq, &xs, &sums);
-    share_t sh[MAXT];
-    int nt = shares_init(sh, N);
-    #pragma omp parallel num_threads(nt)
-    SHARED_STEPS(sh, nt, SHARE_ROWS, n) {
+    SHARED_STEPS(N, SHARE_ROWS, n) {
         const uint8_t *row = codes + (size_t)n * (K / 2);
         float f[MAXM * MAXG], out[MAXM];
         mxfp4_row_scales(e8m0 + (size_t)n * ng, xs, M, ng, f);
@@ -286,10 +283,7 @@ static void mxfp4_gemv_ld(const float *x, int M, int K, const uint8_t *codes, co
 #ifdef KVCHAT_AVX512
     const int16_t *xp = q4_pair_layout(xq, M, K, mode, scratch, sums);       // q4_pair_dot reads pairs
 #endif
-    share_t sh[MAXT];
-    int nt = shares_init(sh, N);
-    #pragma omp parallel num_threads(nt)
-    SHARED_STEPS(sh, nt, SHARE_ROWS, n) {
+    SHARED_STEPS(N, SHARE_ROWS, n) {
         const uint8_t *row = codes + (size_t)n * (K / 2);
         float f[MAXM * MAXG], out[MAXM];
         mxfp4_row_scales(e8m0 + (size_t)n * ng, xs, M, ng, f);

@@ -225,10 +225,7 @@ static void q6k_gemv_ld(const float *x, int M, int K, const uint8_t *ql, const u
                        : (int16_t *)(((uintptr_t)(sums + (size_t)M * ng) + 63) & ~(uintptr_t)63);
     q6k_order(xq, M, K, xr);
 #endif
-    share_t sh[MAXT];
-    int nt = shares_init(sh, N);
-    #pragma omp parallel num_threads(nt)
-    SHARED_STEPS(sh, nt, SHARE_ROWS, n) {
+    SHARED_STEPS(N, SHARE_ROWS, n) {
         const uint8_t *l = ql + (size_t)n * (K / 2), *h = qh + (size_t)n * (K / 4);
         float out[MAXM];
 #ifndef KVCHAT_AVX512

@@ -141,10 +141,7 @@ static void q6k_gemv8(const float *x, int M, int K, const uint8_t *ql, const uin
     int16_t *x32 = (int16_t *)(xl + (size_t)M * K);
     q6x8_layout(xq, M, K, xl, x32);
 #endif
-    share_t sh[MAXT];
-    int nt = shares_init(sh, N);
-    #pragma omp parallel num_threads(nt)
-    SHARED_STEPS(sh, nt, SHARE_ROWS, n) {
+    SHARED_STEPS(N, SHARE_ROWS, n) {
         const uint8_t *l = ql + (size_t)n * (K / 2), *h = qh + (size_t)n * (K / 4);
         const int8_t *s = sc + (size_t)n * (K / 16);
         const half_t *dn = d + (size_t)n * (K / 256);

@@ -672,10 +672,7 @@ static void q8_gemv_ld(const float *x, int M, int K, const int8_t *codes, const 
 #endif
 #ifdef __AVX2__
     if (M == 1 && G == 32) {        // decode: two weight rows a step (q8_row2, q8_row2_512), as q4_gemv_ld
-        share_t sh[MAXT];
-        int nt = shares_init(sh, (N + 1) / 2);
-        #pragma omp parallel num_threads(nt)
-        SHARED_STEPS(sh, nt, SHARE_ROWS / 2, p) {
+        SHARED_STEPS((N + 1) / 2, SHARE_ROWS / 2, p) {
             int n = 2 * p, b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
             float fa[MAXG], fb[MAXG], zba[MAXG], zbb[MAXG], out[2];
             const float *za, *zb;

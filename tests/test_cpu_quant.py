@@ -231,8 +231,6 @@ def test_split_blocks_equals_numpy(monkeypatch):
 def test_more_rows_than_a_matvec_takes_are_refused_not_overrun():
     """The matvecs keep MAX_ROWS rows' sums on the stack: a call with more is refused before the kernel runs (the
     model's fused() splits them), and MAX_ROWS rows still run."""
-    if not cq.available():
-        pytest.skip("C kernels unavailable")
     codes, scale, zero = _q4(16, 64)
     x = torch.randn(cq.MAX_ROWS + 1, 64)
     with pytest.raises(AssertionError, match="at most"):
