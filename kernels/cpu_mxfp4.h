@@ -330,7 +330,7 @@ void mxfp4_gemv(const float *x, int M, int K, const uint8_t *codes, const uint8_
 // Rows as float32 (out) or bf16 (out16: each value as torch's .bfloat16() of the float32 one), a group a step
 static void mxfp4_dequant_to(const uint8_t *codes, const uint8_t *e8m0, int N, int K, float *out, uint16_t *out16) {
     int ng = K / 32;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (N > 1)
     for (int n = 0; n < N; n++)
         for (int g = 0; g < ng; g++) {
             const uint8_t *b = codes + (size_t)n * (K / 2) + g * 16;

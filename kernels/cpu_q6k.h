@@ -269,7 +269,7 @@ void q6k_gemv(const float *x, int M, int K, const uint8_t *ql, const uint8_t *qh
 // Rows as float32 (out) or bf16 (out16: each value as torch's .bfloat16() of the float32 one), a half-block a step
 static void q6k_dequant_to(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const half_t *d, int N, int K,
                            float *out, uint16_t *out16) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (N > 1)
     for (int n = 0; n < N; n++) {
         const uint8_t *l = ql + (size_t)n * (K / 2), *h = qh + (size_t)n * (K / 4);
         const int8_t *s = sc + (size_t)n * (K / 16);

@@ -834,7 +834,7 @@ static void q4_dequant_to(const uint8_t *codes, const void *scale, const void *z
                           uint16_t *out16, int kind, const float *ssup, const float *zsup, int per,
                           const uint8_t *high) {
     int ng = K / 32;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (N > 1)     // one row (an embedding lookup): no team
     for (int n = 0; n < N; n++) {
         float sbuf[MAXG], zbuf[MAXG];
         const float *sr = row_f32(scale, ssup, per, n, ng, kind, sbuf);
@@ -897,7 +897,7 @@ void q4_dequant_bf16(const uint8_t *codes, const void *scale, const void *zero, 
 static void q8_dequant_to(const int8_t *codes, const void *scale, const void *zero, int G, int N, int K, float *out,
                           uint16_t *out16, int kind, const float *ssup, const float *zsup, int per) {
     int ng = K / G;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (N > 1)
     for (int n = 0; n < N; n++) {
         float sbuf[MAXG], zbuf[MAXG];
         const float *sr = row_f32(scale, ssup, per, n, ng, kind, sbuf), *zrr = row_f32(zero, zsup, per, n, ng, kind, zbuf);

@@ -1087,8 +1087,23 @@ class QuantStep:
                 mass.out.data_ptr()
 
 
+class PageArrays:
+    """decode_layers' page arguments: every layer's K and V page addresses and whether they are bf16, built once for
+    as long as the pages stay where they are (a caller keeps them across steps: 0.1 ms of every step otherwise)."""
+
+    def __init__(self, pages: list[tuple[torch.Tensor, torch.Tensor]]):
+        n = len(pages)
+        self.pages = pages                  # kept: the addresses are theirs
+        self.kp = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in pages])
+        self.vp = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in pages])
+        self.bf = (ctypes.c_int * n)(*[int(k.dtype == torch.bfloat16) for k, _ in pages])
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
 def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
-                  pages: list[tuple[torch.Tensor, torch.Tensor]] | None, cos=None, sin=None, sink_cos=None,
+                  pages: list[tuple[torch.Tensor, torch.Tensor]] | PageArrays | None, cos=None, sin=None, sink_cos=None,
                   sink_sin=None, n_sink=None, new_rows=None, rows=None, offsets=None, sm_scale: float = 0.0,
                   attend=None, quant: QuantStep | None = None, mass: Mass | None = None) -> None:
     """x [B, H] fp32 contiguous (the embeddings of B sequences' new tokens) becomes the last layer's output, in
@@ -1111,10 +1126,8 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
         args = none + (ctypes.cast(_kv_lib.attend_quant_layer, ctypes.c_void_p), ctypes.addressof(quant.struct))
     elif attend is None:
         assert len(pages) == n
-        kp = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in pages])
-        vp = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in pages])
-        bf = (ctypes.c_int * n)(*[int(k.dtype == torch.bfloat16) for k, _ in pages])
-        args = (kp, vp, bf, cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(),
+        arrays = pages if isinstance(pages, PageArrays) else PageArrays(pages)
+        args = (arrays.kp, arrays.vp, arrays.bf, cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(),
                 new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(), float(sm_scale), None, None)
     else:
         n_qkv = sum(table[0].lin[0][j].N for j in range(table[0].nparts[0]))

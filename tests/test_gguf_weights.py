@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvchat.engine import Engine, EngineConfig, ModelLoadError
+from kvchat.engine.model.linears import ROWS_IN_C, _Packed
 from kvchat.engine.model.gguf_view import GGUFModel
 from kvchat.bench.gguf_writer import write_random_gguf
 from kvchat.engine.plan.fit import check_fits
@@ -40,6 +41,26 @@ def test_packed_weights_equal_gguf_dequantize(tiny_ggufs, kind):
     for (name, a), (_, b) in zip(_linears(packed.model), _linears(dense.model)):
         wa, wb = a.dequantize(), b.dequantize()
         assert torch.allclose(wa, wb, rtol=1e-6, atol=1e-7), (kind, name, (wa - wb).abs().max().item())
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_embedding_rows_in_c_are_the_references_bits(tiny_ggufs, kind):
+    """A decode step's embedding lookup (a few ids: the C dequantizer row by row) gives the torch reference's bits,
+    for every packed kind the file holds, the first and the last row among them."""
+    model = Engine.load(EngineConfig(model=tiny_ggufs[kind])).model
+    tables = [lin for _, lin in _linears(model) if isinstance(lin, _Packed)] + \
+        ([model.table] if isinstance(model.table, _Packed) else [])
+    if kind in ("F16", "BF16"):
+        assert not tables
+        return
+    assert tables
+    for lin in tables:
+        n = lin.out_features
+        for ids in ([0], [n - 1], [5, n - 1, 5], list(range(ROWS_IN_C))):
+            t = torch.tensor(ids)
+            got, ref = lin.rows(t), lin._rows_ref(t)
+            assert got.dtype == ref.dtype == torch.float32 and got.shape == ref.shape == (len(ids), lin.in_features)
+            assert torch.equal(got, ref), (kind, type(lin).__name__, ids)
 
 
 @pytest.mark.parametrize("kind", TYPES)

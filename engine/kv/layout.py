@@ -52,6 +52,9 @@ class KVLayout:
     layer_block_bytes: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     block_bytes: int = field(init=False, repr=False, compare=False)   # one block over all layers, K and V
     quantized_components: int = field(init=False, repr=False, compare=False)
+    # one full-precision block of every quantized component (one tail, or one head, of each): the budget's
+    # fixed bytes, asked on every step
+    side_block_bytes: int = field(init=False, repr=False, compare=False)
     # a layout is part of every prefix-cache key: hashing its per-layer formats anew each time a block fills
     # took thousands of calls
     _hash: int = field(init=False, repr=False, compare=False)
@@ -62,6 +65,8 @@ class KVLayout:
         object.__setattr__(self, "layer_block_bytes", per_layer)
         object.__setattr__(self, "block_bytes", sum(k + v for k, v in per_layer) + self.summary_bytes)
         object.__setattr__(self, "quantized_components", sum(f.is_quantized for pair in self.formats for f in pair))
+        object.__setattr__(self, "side_block_bytes", sum(self.layer_full_block_bytes(j) for j, pair
+                                                         in enumerate(self.formats) for f in pair if f.is_quantized))
         object.__setattr__(self, "_hash", hash((self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
                                                 self.full_dtype, self.formats, self.layers, self.shapes,
                                                 self.summary)))
@@ -89,12 +94,6 @@ class KVLayout:
     def full_block_bytes(self) -> int:
         """Bytes of one full-precision block of one component (a head or a tail), of the model's head shape."""
         return self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.full_dtype]
-
-    @property
-    def side_block_bytes(self) -> int:
-        """One full-precision block of every quantized component (one tail, or one head, of each)."""
-        return sum(self.layer_full_block_bytes(j) for j, pair in enumerate(self.formats) for f in pair
-                   if f.is_quantized)
 
     @property
     def fixed_bytes(self) -> int:

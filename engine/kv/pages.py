@@ -39,8 +39,17 @@ def page_rows(block_table: list[int], slots: torch.Tensor, block_size: int, devi
     return (table[slots // block_size] * block_size + slots % block_size).to(device)
 
 
+def first_rows(block_table: list[int], n: int, block_size: int, device) -> torch.Tensor:
+    """page_rows of slots 0 .. n - 1 (a sequence read whole) in four tensor ops instead of eight."""
+    assert len(block_table) * block_size >= n, (len(block_table), n)
+    table = torch.tensor(block_table, dtype=torch.long)
+    return (table[:, None] * block_size + torch.arange(block_size)).view(-1)[:n].to(device)
+
+
 class Component:
     """One layer's K or V pages in one format."""
+
+    moves = 0       # pages reallocated anywhere so far: a caller keeping page addresses across steps checks it
 
     def __init__(self, fmt: PageFormat, block_size: int, num_heads: int, head_dim: int, full_dtype, device):
         self.fmt = fmt
@@ -51,6 +60,7 @@ class Component:
         self.tails: dict[int, torch.Tensor] = {}       # seq id -> [bs, H, D], quantized formats only
         self.heads: dict[int, torch.Tensor] = {}       # block id -> [bs, H, D], quantized formats only
         self._kernel_static = None                     # cpu_quant.kv_comp_static, until the pages move
+        self._flat: tuple[torch.Tensor, torch.Tensor] | None = None     # (pages["data"], its flat_pages view)
 
     @property
     def capacity(self) -> int:
@@ -73,6 +83,7 @@ class Component:
 
     def _realloc(self, cap: int) -> None:
         self._kernel_static = None
+        Component.moves += 1
         for name, t in self.pages.items():
             new = torch.empty((cap, *t.shape[1:]), dtype=t.dtype, device=t.device)
             n = min(cap, t.shape[0])
@@ -87,8 +98,12 @@ class Component:
         return total + sum(t.numel() * t.element_size() for t in (*self.tails.values(), *self.heads.values()))
 
     def flat_pages(self) -> torch.Tensor:
-        """Full-precision pages as rows of [H, D]: row = block id * block_size + offset."""
-        return self.pages["data"].view(-1, self.num_heads, self.head_dim)
+        """Full-precision pages as rows of [H, D]: row = block id * block_size + offset (one view while the pages
+        stay where they are: every decode step asks every layer)."""
+        data = self.pages["data"]
+        if self._flat is None or self._flat[0] is not data:
+            self._flat = (data, data.view(-1, self.num_heads, self.head_dim))
+        return self._flat[1]
 
     def tensors(self):
         return self.pages["data"], self.pages.get("scale"), self.pages.get("zero")
@@ -256,6 +271,7 @@ class PageStore:
         self.device = device
         self.layouts: dict[KVLayout, list[tuple[Component, Component]]] = {}
         self.summaries: dict[KVLayout, KeySummaries] = {}      # retrieval layouts' key summaries
+        self._room: dict[KVLayout, int] = {}        # block ids every page of the layout holds now (reserve's)
 
     def key_summaries(self, layout: KVLayout) -> KeySummaries:
         got = self.summaries.get(layout)
@@ -273,14 +289,22 @@ class PageStore:
         return comps
 
     def reserve(self, layout: KVLayout, high_water: int, limit: int) -> None:
-        for pair in self.components(layout):
+        """Room in every page of the layout for block ids below high_water (a step's, mostly there already: one
+        comparison then instead of one per component, 56 on a 28-layer model)."""
+        if high_water <= self._room.get(layout, 0):
+            return
+        comps = self.components(layout)
+        for pair in comps:
             for c in pair:
                 c.reserve(high_water, limit)
         if layout.summary:
             self.key_summaries(layout).reserve(high_water, limit)
+        caps = [c.capacity for pair in comps for c in pair]
+        self._room[layout] = min(caps + ([self.key_summaries(layout).capacity] if layout.summary else []))
 
     def shrink(self, high_water: Callable[[KVLayout], int]) -> None:
         """high_water(layout): one past the highest block id of the layout's KV group (each group has its ids)."""
+        self._room.clear()
         for layout, comps in self.layouts.items():
             top = high_water(layout)
             for pair in comps:
@@ -351,3 +375,4 @@ class PageStore:
         for layout in [l for l in self.layouts if l not in in_use]:
             del self.layouts[layout]
             self.summaries.pop(layout, None)
+            self._room.pop(layout, None)

@@ -24,8 +24,8 @@ import torch
 from kvchat.engine.kv.layout import KVLayout, sinks_at_first_positions
 from kvchat.engine.kv.cache import KVCache
 from kvchat.engine.kv.sequence import Reservation, Sequence
-from kvchat.engine.kv.pages import page_rows, slot_positions
-from kvchat.engine.model.rope import rope_cos_sin
+from kvchat.engine.kv.pages import first_rows, page_rows, slot_positions
+from kvchat.engine.model.rope import rope_rows
 
 
 @dataclass
@@ -70,24 +70,30 @@ def plan(res: Reservation, offset: int, inv_freq: torch.Tensor, device, quantize
     seq = res.seq
     bs = seq.block_size
     S, N = res.first_slot, seq.num_tokens
+    rows = None
     if window is None:
         ws, ns = seq.window()
-        slots, _ = slot_positions(S, ws, ns)
+        if ws == ns == 0:       # held whole: slots 0 .. S - 1 (what slot_positions gives, in fewer ops)
+            slots = torch.arange(S)
+            rows = first_rows(seq.block_table, S + res.num_new, bs, device)
+        else:
+            slots, _ = slot_positions(S, ws, ns)
     else:       # the W - 1 newest past tokens, at their absolute positions
         start_abs = max(0, N - (window - 1))
         moved = seq.evicted and start_abs >= (seq.sink_blocks + seq.evicted) * bs
         slots, ns = torch.arange(start_abs - seq.evicted * bs if moved else start_abs, S), 0
     P, T = slots.numel(), res.num_new
-    rows = page_rows(seq.block_table, torch.cat((slots, torch.arange(S, S + T))), bs, device)
+    if rows is None:
+        rows = page_rows(seq.block_table, torch.cat((slots, torch.arange(S, S + T))), bs, device)
     delta = N - P                                   # absolute minus in-cache position, for every new token
     n_sink = 0 if window is not None else sinks_at_first_positions(delta, S, seq.geometry.window, ns,
                                                                     seq.sink_blocks, bs)
     q_pos = torch.arange(N, N + T)
-    q_cos, q_sin = rope_cos_sin(q_pos, inv_freq)
+    q_cos, q_sin = rope_rows(N, T, inv_freq)
     sink_cos = sink_sin = d_cos = d_sin = key_cos = key_sin = None
     if n_sink:
-        sink_cos, sink_sin = rope_cos_sin(q_pos - delta, inv_freq)
-        d_cos, d_sin = rope_cos_sin(torch.tensor([delta]), inv_freq)
+        sink_cos, sink_sin = rope_rows(N - delta, T, inv_freq)
+        d_cos, d_sin = rope_rows(delta, 1, inv_freq)
     abs_pos = seq.positions(slots) if quantized or window else None
     if quantized:
         if n_sink:
