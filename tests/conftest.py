@@ -24,6 +24,8 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 if "KVCHAT_CACHE_DIR" not in os.environ:
     os.environ["KVCHAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvchat-test-cache-")
     atexit.register(shutil.rmtree, os.environ["KVCHAT_CACHE_DIR"], True)
+import kernel_cache  # noqa: E402,F401  (records the session's cache folder, where the kernels are built or found)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # without a GPU, Triton kernels run under triton's interpreter on CPU tensors; it must be chosen before triton is
@@ -68,6 +70,24 @@ def default_engine():
     from kvchat.engine import Engine, EngineConfig
     # dense fp32 weights: the path whose logits must match transformers exactly
     return Engine.load(EngineConfig(model="default", weights="dense"))
+
+
+@pytest.fixture(scope="session")
+def _hf_default_model():
+    """transformers' own model on the default model's GGUF (dequantized by transformers + gguf: about 15 s), read once
+    for the suite (tests/test_model.py and tests/test_attention_map.py both compare with it)."""
+    from kvchat.engine.runtime.engine import load_transformers_reference
+    return load_transformers_reference("default").eval()
+
+
+@pytest.fixture
+def hf_default(_hf_default_model):
+    """The shared reference as each test first sees it: a test may switch its attention implementation (eager, for
+    the attention probabilities); the one it was loaded with comes back after the test."""
+    impl = _hf_default_model.config._attn_implementation
+    yield _hf_default_model
+    if _hf_default_model.config._attn_implementation != impl:
+        _hf_default_model.set_attn_implementation(impl)
 
 
 @pytest.fixture(scope="session")

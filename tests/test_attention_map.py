@@ -62,12 +62,6 @@ def check_rows_sum_to_one(m) -> None:
     assert not m.mass[~m.attends].any()
 
 
-@pytest.fixture(scope="module")
-def hf_default():
-    from kvchat.engine.runtime.engine import load_transformers_reference
-    return load_transformers_reference("default").eval()
-
-
 @pytest.mark.parametrize("window", [None, 48])
 def test_dense_mass_is_transformers_eager_attention_on_the_default_model(default_engine, hf_default, window):
     """SmolLM2, fp32 cache: the newest token's per-token mass equals transformers' eager probabilities within 1e-4,

@@ -6,9 +6,12 @@ import sys
 
 import pytest
 
+from kernel_cache import seeded
+
 
 def test_latency_json_has_every_mode_and_length_and_stdout_clean(tmp_path):
-    env = dict(os.environ, KVCHAT_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    # a cache of its own, holding the kernels the session built (not compiled again in the child)
+    env = dict(os.environ, KVCHAT_CACHE_DIR=str(seeded(tmp_path / "cache")), OMP_NUM_THREADS="1")
     env.pop("KVCHAT_BENCH_QUIET", None)
     run = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "bench", "latency", "--json", "--model",
                           "preset:tiny:Q4_0", "--contexts", "32,64", "--message-tokens", "8", "--modes", "bf16,int8",

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from kernel_cache import seeded
 from kvchat.bench.progress import Progress
 
 
@@ -33,7 +34,8 @@ def test_quiet_says_nothing(monkeypatch):
 
 
 def test_bench_speed_json_keeps_stdout_clean_and_shows_progress_on_stderr(tmp_path):
-    env = dict(os.environ, KVCHAT_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    # a cache of its own, holding the kernels the session built (not compiled again in the child)
+    env = dict(os.environ, KVCHAT_CACHE_DIR=str(seeded(tmp_path / "cache")), OMP_NUM_THREADS="1")
     env.pop("KVCHAT_BENCH_QUIET", None)
     run = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "bench", "speed", "--json", "--model",
                           "preset:tiny:Q4_0", "--runs", "2", "--prompt-tokens", "16", "--new-tokens", "4",

@@ -6,12 +6,13 @@ import json
 import shutil
 import struct
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from kvchat.engine import Engine, EngineConfig, ModelLoadError, SamplingParams
-from kvchat.bench.gguf_writer import write_random_gguf
+from kvchat.bench.gguf_writer import preset, write_random_gguf
 from kvchat.engine.model.source import locate, transformers_reference
 from kvchat.engine.text.tokenizer_cache import load_tokenizer
 EVIL = """
@@ -36,7 +37,11 @@ def edit_config(folder: Path, change) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    return write_random_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "tiny", "Q8_0", seed=1)
+    # the default tokenizer cut to its first 2,048 tokens (merges among them): transformers' GGUF loaders parse the
+    # whole file once for the tokenizer, the config and the weights, about 3 s each with all 49,152 tokens; what
+    # these tests check (metadata against tensors, no code run, nothing left behind) is the same for any vocabulary
+    shape = replace(preset("tiny"), vocab=2048)
+    return write_random_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", shape, "Q8_0", seed=1)
 
 
 def patch_gguf_uint32(src: Path, dst: Path, key: str, value: int) -> None:

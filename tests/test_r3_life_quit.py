@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kernel_cache import seeded
 from tiny_models import tiny_model_dir
 
 pytestmark = pytest.mark.gui
@@ -104,7 +105,7 @@ def run_until_exit(args: list[str], env: dict) -> tuple[subprocess.Popen, list[s
 
 
 def test_ctrl_q_with_three_warm_chats_saves_them_and_ends_the_process(wide_model, tmp_path, monkeypatch):
-    cache_dir = tmp_path / "cache"
+    cache_dir = seeded(tmp_path / "cache")          # the kernels the session built: not compiled again in the child
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=str(tmp_path / "data"),
                KVCHAT_SETTINGS_FILE=str(tmp_path / "settings.ini"), KVCHAT_QUALITY_FILE=str(tmp_path / "q.json"),
                KVCHAT_LOG_DIR=str(tmp_path / "log"), KVCHAT_CACHE_DIR=str(cache_dir), KVCHAT_THREADS="1")
