@@ -1349,11 +1349,45 @@ typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
 // other arguments of attention unused). 0 on success, -1 when out of memory, -2 when attend failed, -3 when a
 // linear's width does not chain with H, Hq, Hkv and D (or D is past decode_attend's 256), before anything runs.
 // mass (NULL: not measured): [nl, B, Hq, mcols], each layer's decode_attend mass (cols as decode_attend's).
+// One KV group's decode_attend arguments for a step (its sequences' rows, positions and RoPE rows): a model whose
+// layers read different groups (Gemma's sliding and global layers) passes one per group and each layer's index.
+typedef struct {
+    const float *cos, *sin, *scos, *ssin;
+    const int *n_sink;
+    const int64_t *new_rows, *rows, *off;
+} attn_args_t;
+
+static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
+                      void *const *kp, void *const *vp, const int *bf16, int ng, const attn_args_t *groups,
+                      const int *lgrp, float sm_scale, attend_fn attend, void *ctx, const int *cols, int mcols,
+                      float *mass);
+
 int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                   void *const *kp, void *const *vp, const int *bf16, const float *cos, const float *sin,
                   const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
                   const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx,
                   const int *cols, int mcols, float *mass) {
+    attn_args_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off};
+    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, kp, vp, bf16, 1, &one, NULL, sm_scale, attend, ctx, cols,
+                      mcols, mass);
+}
+
+// decode_layers with layer l attending with groups[lgrp[l]] (0 <= lgrp[l] < ng), the pages its own; no callback and
+// no mass. The same calls in the same order as the layer-by-layer path, so the same bits.
+int decode_layers_grouped(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
+                          void *const *kp, void *const *vp, const int *bf16, int ng, const attn_args_t *groups,
+                          const int *lgrp, float sm_scale) {
+    if (ng < 1) return -3;
+    for (int l = 0; l < nl; l++)
+        if (lgrp[l] < 0 || lgrp[l] >= ng) return -3;
+    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, kp, vp, bf16, ng, groups, lgrp, sm_scale, NULL, NULL,
+                      NULL, 0, NULL);
+}
+
+static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
+                      void *const *kp, void *const *vp, const int *bf16, int ng, const attn_args_t *groups,
+                      const int *lgrp, float sm_scale, attend_fn attend, void *ctx, const int *cols, int mcols,
+                      float *mass) {
     if (nl < 1 || B < 1 || H < 1 || Hq < 1 || Hkv < 1 || D < 1 || (!attend && D > 256)) return -3;
     for (int l = 0; l < nl; l++)
         if (!layer_widths_ok(layers + l, H, Hq, Hkv, D)) return -3;
@@ -1368,7 +1402,9 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
             if (s == 0 && n > nqkv) nqkv = n;
             if (s == 2 && n > ngu) ngu = n;
         }
-    size_t nrows = attend ? 0 : (size_t)off[B];
+    size_t nrows = 0;
+    for (int g = 0; g < ng && !attend; g++)
+        if ((size_t)groups[g].off[B] > nrows) nrows = (size_t)groups[g].off[B];
     size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
     size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
     size_t floats = (size_t)B * nqkv + (size_t)B * Hq * D + (size_t)B * H + (size_t)B * ngu + attn_floats
@@ -1391,9 +1427,10 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
                 return -2;
             }
         } else {
-            decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, cos, sin, scos, ssin,
-                          n_sink, kp[l], vp[l], bf16[l], new_rows, rows, off, sm_scale, NULL, att, as, cols, mcols,
-                          mass ? mass + (size_t)l * B * Hq * mcols : NULL);
+            const attn_args_t *g = groups + (lgrp ? lgrp[l] : 0);
+            decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, g->cos, g->sin, g->scos,
+                          g->ssin, g->n_sink, kp[l], vp[l], bf16[l], g->new_rows, g->rows, g->off, sm_scale, NULL, att,
+                          as, cols, mcols, mass ? mass + (size_t)l * B * Hq * mcols : NULL);
         }
         if (L->post_attn) {                  // Gemma: o normed, then added
             lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, NULL);

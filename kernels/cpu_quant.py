@@ -1157,6 +1157,37 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
         raise MemoryError("decode_layers: out of memory for the step's buffers")
 
 
+class _AttnArgs(ctypes.Structure):
+    """attn_args_t (cpu_quant.c): one KV group's decode_attend arguments for a step."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("cos", "sin", "scos", "ssin", "n_sink", "new_rows", "rows",
+                                                     "off")]
+
+
+def decode_layers_grouped(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
+                          pages: PageArrays, groups: list[tuple], layer_group: list[int], sm_scale: float) -> None:
+    """decode_layers for a model whose layers read different KV groups (Gemma's sliding and global layers): groups[g]
+    one group's (cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets) as decode_attend takes them, layer l
+    attending with groups[layer_group[l]] over pages[l]; full-precision pages only, nothing measured. The same calls
+    in the same order as the layers one by one, so the same bits."""
+    b, h = x.shape
+    n = len(table)
+    assert x.is_contiguous() and x.dtype == torch.float32 and len(pages) == n == len(layer_group)
+    assert groups and all(0 <= g < len(groups) for g in layer_group)
+    for cos, sin, scos, ssin, n_sink, new_rows, rows, offsets in groups:
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[0] == b and offsets.shape[0] == b + 1
+        assert n_sink.dtype == torch.int32 and rows.dtype == offsets.dtype == new_rows.dtype == torch.int64
+        assert rows.is_contiguous() and offsets.is_contiguous() and new_rows.is_contiguous()
+    args = (_AttnArgs * len(groups))(*[_AttnArgs(*[_ptr(t) for t in g]) for g in groups])
+    lgrp = (ctypes.c_int * n)(*layer_group)
+    rc = _lib.decode_layers_grouped(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, pages.kp,
+                                    pages.vp, pages.bf, len(groups), args, lgrp, float(sm_scale))
+    if rc == -3:
+        raise ValueError("decode_layers_grouped: a linear's width does not match the model's, head_dim is past 256 "
+                         "or a layer's group is out of range")
+    if rc:
+        raise MemoryError("decode_layers_grouped: out of memory for the step's buffers")
+
+
 def choose_blocks(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, summary: torch.Tensor, ids: torch.Tensor,
                   k: int, out: torch.Tensor, scores: torch.Tensor, disk: torch.Tensor | None = None,
                   disk_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from kvchat.engine import Engine, EngineConfig
 from kvchat.engine.config import CacheConfig
 from kvchat.bench.gguf_writer import write_random_gguf
+from kvchat.engine.kv.pages import Component
 from kvchat.engine.model.transformer import Transformer
 from kvchat.engine.runtime.backends.full_pages import kernel_covers
 from kvchat.kernels import cpu_quant
@@ -157,9 +158,10 @@ def test_an_exception_after_the_kernel_wrote_its_pages_leaves_the_cache_as_befor
 
 
 def test_gemma3_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
-    """Gemma 3's (1 + w) norms, q/k norms, post-norms, GELU-tanh gate and sliding layers: the one-call step (its
-    attention called back per layer: sliding and global layers are two layouts) gives the layer path's bits, one
-    sequence or three, full-precision and int8 caches."""
+    """Gemma 3's (1 + w) norms, q/k norms, post-norms, GELU-tanh gate and sliding layers: the one-call step gives the
+    layer path's bits, one sequence or three, past the window and while the pages grow. Sliding and global layers are
+    two KV groups with two RoPE tables: over full-precision pages every layer attends inside the call, each with its
+    group's rows (decode_layers_grouped); over int8 pages each layer's attention is called back."""
     from kvchat.bench.gguf_writer import ModelShape
     shape = ModelShape("tiny-gemma3", 7, 256, 4, 2, 512, 64, 2048, 1e6, True, arch="gemma3", window=16)
     engine = Engine.load(EngineConfig(model=str(write_random_gguf(tmp_path / "g3.gguf", shape, "Q4_K_M", seed=3))))
@@ -167,11 +169,40 @@ def test_gemma3_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (21, 5, 40)]
     cpu_quant.kv_kernels_ready(wait=True)
-    for cache in (CacheConfig(k_format="bf16", v_format="bf16"), CacheConfig(k_format="int8", v_format="int8",
-                                                                                block_size=16)):
-        for group in ((prompts[:1], prompts) if cache.k_format == "bf16" else (prompts,)):
+    for cache in (CacheConfig(k_format="bf16", v_format="bf16"), CacheConfig(k_format="fp32", v_format="fp32",
+                                                                                block_size=16),
+                  CacheConfig(k_format="int8", v_format="int8", block_size=16)):
+        for group in ((prompts,) if cache.k_format == "int8" else (prompts[:1], prompts)):
             paths = []
-            a = _decode(engine, cache, group, 12, fused=True, paths=paths)
-            b = _decode(engine, cache, group, 12, fused=False)
+            a = _decode(engine, cache, group, 30 if cache.k_format == "fp32" else 12, fused=True, paths=paths)
+            b = _decode(engine, cache, group, 30 if cache.k_format == "fp32" else 12, fused=False)
             assert torch.equal(a, b), (cache, len(group), (a - b).abs().max().item())
-            assert set(paths) == {"callback"}, paths
+            assert set(paths) == ({"callback"} if cache.k_format == "int8" else {"kernel"}), paths
+
+
+def test_the_one_call_step_follows_the_pages_when_they_move(ggufs):
+    """One-call decode steps while the pages grow (a growth moves every layer's pages; the step keeps their addresses
+    until then), then prompt rows, which read the pages themselves: the same logits as the layer-by-layer path, which
+    looks the pages up at every layer. A step that kept the old addresses would write its keys where no one reads."""
+    engine = Engine.load(EngineConfig(model=ggufs["Q4_0"]))
+    runner = engine.runner
+    cache = CacheConfig(k_format="fp32", v_format="fp32", block_size=16)
+    results, moved = [], []
+    for fused in (True, False):
+        orig = Transformer.forward_decode
+        if not fused:
+            Transformer.forward_decode = lambda self, *a, **k: None
+        try:
+            before = Component.moves
+            seq = runner.new_sequence(cache)
+            last = runner.step([(seq, [5, 77, 901, 33, 8])], hash_ids=False)[0]
+            for _ in range(60):
+                last = runner.step([(seq, [int(last[-1].argmax())])])[0]
+            moved.append(Component.moves - before)
+            results.append(runner.step([(seq, [11, 12, 13])], all_logits=True)[0])
+            runner.close(seq)
+        finally:
+            Transformer.forward_decode = orig
+    assert moved[0] > 0, "the pages never moved during the one-call steps"
+    assert torch.equal(results[0], results[1]), (results[0] - results[1]).abs().max().item()
+

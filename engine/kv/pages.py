@@ -83,13 +83,13 @@ class Component:
 
     def _realloc(self, cap: int) -> None:
         self._kernel_static = None
-        Component.moves += 1
         for name, t in self.pages.items():
             new = torch.empty((cap, *t.shape[1:]), dtype=t.dtype, device=t.device)
             n = min(cap, t.shape[0])
             if n:
                 new[:n] = t[:n]
             self.pages[name] = new
+        Component.moves += 1        # after the new pages are in place: whoever sees the count sees them
 
     @property
     def nbytes(self) -> int:

@@ -301,7 +301,9 @@ class ModelRunner:
         self.last_chooser = chooser
         if all(st.one_token_decode for st in attention.steps):        # rows: every token of the step, in order
             logits = (attention.decode(self.model, x) if attention.one_layout_decode
-                      else self.model.forward_decode(x, attention=attention))
+                      else attention.decode_grouped(self.model, x))
+            if logits is None and not attention.one_layout_decode:     # the layers' attention through Python
+                logits = self.model.forward_decode(x, attention=attention)
             if logits is not None:
                 return logits, True, attention
         verifying = any(st.decode and st.num_new > 1 for st in steps)

@@ -11,6 +11,7 @@ from kvchat.engine.kv.layout import KVLayout
 from kvchat.engine.kv.state import StepJournal
 from kvchat.engine.model import linear_attention as gdn
 from kvchat.engine.model.rope import rotate
+from kvchat.engine.model.transformer import DecodeKernel
 from kvchat.engine.runtime.attention import RowMass, prompt_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
 from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch, kernel_covers, score_args, sink_args
@@ -253,3 +254,39 @@ class StepAttention:
         """One kernel call through every layer (see one_layout_decode) -> logits [B, vocab], or None."""
         i, j, backend, prepared, steps = self.layer_runs[0][0]
         return backend.decode(model, token_ids, steps, prepared, self)
+
+    def decode_grouped(self, model, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """One kernel call through every layer where the layers read different KV groups, each over full-precision
+        pages in C (Gemma's sliding and global layers: two groups, two RoPE tables): every layer one run of one-token
+        decodes of a FullPagesC backend, one attention scale, no measure, no chosen blocks, no shared KV. The same
+        calls as the callback path (cpu_quant.decode_layers_grouped), without coming back to Python for each layer.
+        -> logits [B, vocab], or None where it does not apply."""
+        if self.chooser is not None or self.mass is not None or self.sources:
+            return None
+        groups: dict[int, int] = {}         # id(prepared DecodeGroup) -> its index
+        args, layer_group, pages, scale = [], [], [], None
+        for layer, runs in enumerate(self.layer_runs):
+            if len(runs) != 1:
+                return None
+            i, j, backend, prepared, steps = runs[0]
+            if type(backend) is not FullPagesC or prepared is None or i != 0 or j != len(steps) \
+                    or not steps[0].one_token_decode:
+                return None
+            local = backend.local_layer(layer)
+            sc = backend.scores[local]
+            if sc.sink_logits is not None or sc.softcap is not None or (scale is not None and sc.scale != scale):
+                return None
+            scale = sc.scale
+            if id(prepared) not in groups:
+                groups[id(prepared)] = len(args)
+                args.append(prepared.args())
+            layer_group.append(groups[id(prepared)])
+            kc, vc = backend.comps[local]
+            pages.append((kc.flat_pages(), vc.flat_pages()))
+        c = model.config
+        arrays = cpu_quant.PageArrays(pages)
+
+        def run(table, x):
+            cpu_quant.decode_layers_grouped(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, arrays,
+                                            args, layer_group, scale)
+        return model.forward_decode(token_ids, kernel=DecodeKernel("full-pages", run))
