@@ -1089,17 +1089,18 @@ class QuantStep:
 
 class PageArrays:
     """decode_layers' page arguments: every layer's K and V page addresses and whether they are bf16, built once for
-    as long as the pages stay where they are (a caller keeps them across steps: 0.1 ms of every step otherwise)."""
+    as long as the pages stay where they are (a caller keeps them across steps: 0.1 ms of every step otherwise). The
+    pages themselves are not kept (a reset must give them back): whoever keeps these checks that they did not move
+    (pages.Component.moves) and holds the components."""
 
     def __init__(self, pages: list[tuple[torch.Tensor, torch.Tensor]]):
-        n = len(pages)
-        self.pages = pages                  # kept: the addresses are theirs
+        n = self.n = len(pages)
         self.kp = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in pages])
         self.vp = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in pages])
         self.bf = (ctypes.c_int * n)(*[int(k.dtype == torch.bfloat16) for k, _ in pages])
 
     def __len__(self) -> int:
-        return len(self.pages)
+        return self.n
 
 
 def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,

@@ -82,7 +82,7 @@ class Component:
             self._realloc(num_blocks)
 
     def _realloc(self, cap: int) -> None:
-        self._kernel_static = None
+        self._kernel_static = self._flat = None        # nothing may keep the old pages alive (a reset gives them back)
         for name, t in self.pages.items():
             new = torch.empty((cap, *t.shape[1:]), dtype=t.dtype, device=t.device)
             n = min(cap, t.shape[0])
