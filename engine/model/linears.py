@@ -172,7 +172,7 @@ class _Packed(_Fused):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup from the same bits a tied output head reads: [T, K] float32. A decode step's few ids go
         through the C dequantizer a row at a time (the torch reference, a dozen ops, took 0.3 ms of every step: 2% of
-        a Qwen3-0.6B token); the same values bit for bit (tests/test_cpu_quant.py)."""
+        a Qwen3-0.6B token); the same values bit for bit (tests/test_gguf_weights.py)."""
         if ids.numel() <= ROWS_IN_C and self.codes.device.type == "cpu" and cpu_quant.available():
             out = [self._dequant_rows(i, i + 1) for i in ids.view(-1).tolist()]
             return out[0] if len(out) == 1 else torch.cat(out)
