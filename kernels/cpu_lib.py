@@ -420,7 +420,7 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
               lib.attn_decode_rot, lib.attn_decode_batch, lib.decode_attend):
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P, P, I, P]
-    lib.decode_layers_grouped.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, I, P, P, F]
+    lib.decode_layers_grouped.argtypes = [I, P, I, P, I, F, I, I, I, I, P, P, P, F, P, I, P]
     lib.decode_layers_grouped.restype = I
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
     lib.norm_add_rows.argtypes = [P, P, I, I, P, F]

@@ -1343,52 +1343,55 @@ typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
 // B sequences' decode tokens through all layers: x [B, H] (the embeddings) becomes the last
 // layer's output. Each layer runs exactly the calls a step through Python makes (q4_gemv / q8_gemv with
 // RMSNorm, SwiGLU and residual fused, decode_attend), in the same order, so the bits are the same; what
-// goes is the interpreter between them. kp[l], vp[l]: layer l's K and V pages (bf16[l]: 16-bit); the
-// attention arguments are decode_attend's (no sink logits: a model with them never runs this step, see
-// LayerSpec.fused_kernel_ok), shared by every layer; or attend, called instead of it (the
-// other arguments of attention unused). 0 on success, -1 when out of memory, -2 when attend failed, -3 when a
-// linear's width does not chain with H, Hq, Hkv and D (or D is past decode_attend's 256), before anything runs.
-// mass (NULL: not measured): [nl, B, Hq, mcols], each layer's decode_attend mass (cols as decode_attend's).
-// One KV group's decode_attend arguments for a step (its sequences' rows, positions and RoPE rows): a model whose
-// layers read different groups (Gemma's sliding and global layers) passes one per group and each layer's index.
+// goes is the interpreter between them. Each layer attends through one group (a KV layout of the step): a group
+// either holds decode_attend's arguments for its sequences (rows, positions, RoPE rows; no sink logits: a model
+// with them never attends this way, see LayerSpec.fused_kernel_ok) and its layers' pages (kp[i], vp[i]; bf16[i]:
+// 16-bit), or an attend function called instead (the quantized-KV library's attend_quant_layer, or the caller's
+// own through a callback) with the layer's index in the group. Gemma's sliding and global layers are two groups.
+// 0 on success, -1 when out of memory, -2 when an attend function failed, -3 when a linear's width does not chain
+// with H, Hq, Hkv and D (or D is past decode_attend's 256) or a layer's group is out of range, before anything runs.
+// mass (NULL: not measured): [nl, B, Hq, mcols], each layer's decode_attend mass (cols as decode_attend's; the
+// groups with pages only).
 typedef struct {
     const float *cos, *sin, *scos, *ssin;
     const int *n_sink;
     const int64_t *new_rows, *rows, *off;
-} attn_args_t;
+    void *const *kp, *const *vp;
+    const int *bf16;
+    attend_fn attend;       // not NULL: called for the group's layers instead of decode_attend
+    void *ctx;
+} attn_group_t;
 
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
-                      void *const *kp, void *const *vp, const int *bf16, int ng, const attn_args_t *groups,
-                      const int *lgrp, float sm_scale, attend_fn attend, void *ctx, const int *cols, int mcols,
-                      float *mass);
+                      int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
+                      const int *cols, int mcols, float *mass);
 
+// every layer through one group: the pages and arguments given, or attend(ctx, layer, ...) where attend is not NULL
 int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                   void *const *kp, void *const *vp, const int *bf16, const float *cos, const float *sin,
                   const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
                   const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx,
                   const int *cols, int mcols, float *mass) {
-    attn_args_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off};
-    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, kp, vp, bf16, 1, &one, NULL, sm_scale, attend, ctx, cols,
-                      mcols, mass);
+    attn_group_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off, kp, vp, bf16, attend, ctx};
+    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, 1, &one, NULL, NULL, sm_scale, cols, mcols, mass);
 }
 
-// decode_layers with layer l attending with groups[lgrp[l]] (0 <= lgrp[l] < ng), the pages its own; no callback and
-// no mass. The same calls in the same order as the layer-by-layer path, so the same bits.
+// layer l through groups[lgrp[l]] (0 <= lgrp[l] < ng; NULL: group 0) as its lidx[l]-th layer there (NULL: l)
 int decode_layers_grouped(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
-                          void *const *kp, void *const *vp, const int *bf16, int ng, const attn_args_t *groups,
-                          const int *lgrp, float sm_scale) {
+                          int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
+                          const int *cols, int mcols, float *mass) {
     if (ng < 1) return -3;
     for (int l = 0; l < nl; l++)
-        if (lgrp[l] < 0 || lgrp[l] >= ng) return -3;
-    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, kp, vp, bf16, ng, groups, lgrp, sm_scale, NULL, NULL,
-                      NULL, 0, NULL);
+        if ((lgrp && (lgrp[l] < 0 || lgrp[l] >= ng)) || (lidx && lidx[l] < 0)) return -3;
+    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, ng, groups, lgrp, lidx, sm_scale, cols, mcols, mass);
 }
 
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
-                      void *const *kp, void *const *vp, const int *bf16, int ng, const attn_args_t *groups,
-                      const int *lgrp, float sm_scale, attend_fn attend, void *ctx, const int *cols, int mcols,
-                      float *mass) {
-    if (nl < 1 || B < 1 || H < 1 || Hq < 1 || Hkv < 1 || D < 1 || (!attend && D > 256)) return -3;
+                      int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
+                      const int *cols, int mcols, float *mass) {
+    if (nl < 1 || B < 1 || H < 1 || Hq < 1 || Hkv < 1 || D < 1) return -3;
+    for (int g = 0; g < ng; g++)
+        if (!groups[g].attend && D > 256) return -3;
     for (int l = 0; l < nl; l++)
         if (!layer_widths_ok(layers + l, H, Hq, Hkv, D)) return -3;
     int kmax = H, nqkv = 0, ngu = 0;
@@ -1403,8 +1406,8 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
             if (s == 2 && n > ngu) ngu = n;
         }
     size_t nrows = 0;
-    for (int g = 0; g < ng && !attend; g++)
-        if ((size_t)groups[g].off[B] > nrows) nrows = (size_t)groups[g].off[B];
+    for (int g = 0; g < ng; g++)
+        if (!groups[g].attend && (size_t)groups[g].off[B] > nrows) nrows = (size_t)groups[g].off[B];
     size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
     size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
     size_t floats = (size_t)B * nqkv + (size_t)B * Hq * D + (size_t)B * H + (size_t)B * ngu + attn_floats
@@ -1421,16 +1424,17 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         for (int p = 0; p < L->nparts[0]; p++) n0 += L->lin[0][p].N;
         lin_apply(L->lin[0], L->nparts[0], x, B, qkv, gs, 1, L->norm_attn, eps, NULL);
         if (L->q_norm) qk_norm_rows(qkv, B, n0, Hq, Hkv, D, L->q_norm, L->k_norm, eps);
-        if (attend) {
-            if (attend(ctx, l, qkv, att)) {
+        const attn_group_t *g = groups + (lgrp ? lgrp[l] : 0);
+        int i = lidx ? lidx[l] : l;          // the layer's index in its group
+        if (g->attend) {
+            if (g->attend(g->ctx, i, qkv, att)) {
                 free(mem);
                 return -2;
             }
         } else {
-            const attn_args_t *g = groups + (lgrp ? lgrp[l] : 0);
             decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, g->cos, g->sin, g->scos,
-                          g->ssin, g->n_sink, kp[l], vp[l], bf16[l], g->new_rows, g->rows, g->off, sm_scale, NULL, att,
-                          as, cols, mcols, mass ? mass + (size_t)l * B * Hq * mcols : NULL);
+                          g->ssin, g->n_sink, g->kp[i], g->vp[i], g->bf16[i], g->new_rows, g->rows, g->off, sm_scale,
+                          NULL, att, as, cols, mcols, mass ? mass + (size_t)l * B * Hq * mcols : NULL);
         }
         if (L->post_attn) {                  // Gemma: o normed, then added
             lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, NULL);

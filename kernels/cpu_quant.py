@@ -1103,90 +1103,95 @@ class PageArrays:
         return self.n
 
 
-def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
-                  pages: list[tuple[torch.Tensor, torch.Tensor]] | PageArrays | None, cos=None, sin=None, sink_cos=None,
-                  sink_sin=None, n_sink=None, new_rows=None, rows=None, offsets=None, sm_scale: float = 0.0,
-                  attend=None, quant: QuantStep | None = None, mass: Mass | None = None) -> None:
+def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int, groups: list,
+                  layer_group: list[int] | None = None, layer_index: list[int] | None = None, sm_scale: float = 0.0,
+                  mass: Mass | None = None) -> None:
     """x [B, H] fp32 contiguous (the embeddings of B sequences' new tokens) becomes the last layer's output, in
-    place: each layer's linears (q4_gemv / q8_gemv with RMSNorm, SwiGLU and residual fused) and decode_attend
-    (arguments as for decode_attend; pages[l] layer l's K and V pages), the same calls in the same order as a
-    step through Python makes, so the same bits.
+    place: each layer's linears (q4_gemv / q8_gemv with RMSNorm, SwiGLU and residual fused) and its attention, the
+    same calls in the same order as a step through Python makes, so the same bits.
 
-    quant, when given, does each layer's attention over quantized pages in C (see QuantStep); attend(layer,
-    qkv [B, n_qkv]) -> [B, Hq, D], when given, does it in Python instead: the caller's own path for caches no
-    kernel reads (pages and the other attention arguments unused either way). An exception attend raises
-    stops the step and is raised here. mass: each layer's decode_attend mass (Mass.out [layers, B, Hq, mcols]),
-    with the full-precision pages only (QuantStep takes its own)."""
+    Layer l attends through groups[layer_group[l]] (every layer through groups[0] when None) as the group's layer
+    layer_index[l] (l when None). A group is one of
+      - (pages, args): full-precision pages attended in C, as decode_attend does it: pages a PageArrays of the group's
+        layers, args its (cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets) for the step's sequences;
+        sm_scale the scores' scale, the same for every such group;
+      - a QuantStep: quantized pages, attended in C by the quantized-KV library;
+      - attend(index, qkv [B, n_qkv]) -> [B, Hq, D]: the caller's own path, in Python, for caches no kernel reads. An
+        exception it raises stops the step and is raised here.
+    mass: each layer's decode_attend mass (Mass.out [layers, B, Hq, mcols]), for the layers over full-precision pages
+    (a QuantStep takes its own)."""
     b, h = x.shape
     assert x.is_contiguous() and x.dtype == torch.float32
     n = len(table)
+    assert groups and (layer_group is None or (len(layer_group) == n and all(0 <= g < len(groups) for g in layer_group)))
+    assert layer_index is None or len(layer_index) == n
     failure: list[BaseException] = []
-    none = (None,) * 11 + (0.0,)
-    if quant is not None:
-        assert kv_kernels_ready() and quant.struct.B == b
-        args = none + (ctypes.cast(_kv_lib.attend_quant_layer, ctypes.c_void_p), ctypes.addressof(quant.struct))
-    elif attend is None:
-        assert len(pages) == n
-        arrays = pages if isinstance(pages, PageArrays) else PageArrays(pages)
-        args = (arrays.kp, arrays.vp, arrays.bf, cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(),
-                new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(), float(sm_scale), None, None)
-    else:
-        n_qkv = sum(table[0].lin[0][j].N for j in range(table[0].nparts[0]))
-
-        def call(ctx, layer, qkv_ptr, out_ptr):
-            try:
-                qkv = torch.frombuffer((ctypes.c_float * (b * n_qkv)).from_address(qkv_ptr), dtype=torch.float32)
-                out = torch.frombuffer((ctypes.c_float * (b * hq * d)).from_address(out_ptr), dtype=torch.float32)
-                out.view(b, hq * d).copy_(attend(layer, qkv.view(b, n_qkv)).reshape(b, hq * d))
-                return 0
-            except BaseException as exc:      # an exception cannot cross C: kept, the step stops, raised below
-                failure.append(exc)
-                return 1
-        fn = ATTEND_FN(call)                  # kept alive until the call returns
-        args = none + (ctypes.cast(fn, ctypes.c_void_p), None)
+    keep = []                                 # the callbacks, alive until the call returns
+    structs = []
+    top = [n - 1] * len(groups)                 # the last layer index each group is asked for
+    if layer_index is not None:
+        top = [-1] * len(groups)
+        for g, i in zip(layer_group or [0] * n, layer_index):
+            top[g] = max(top[g], i)
+    for g, group in enumerate(groups):
+        if isinstance(group, QuantStep):
+            assert kv_kernels_ready() and group.struct.B == b
+            structs.append(_AttnGroup(*(None,) * 11, ctypes.cast(_kv_lib.attend_quant_layer, ctypes.c_void_p),
+                                      ctypes.addressof(group.struct)))
+        elif callable(group):
+            structs.append(_AttnGroup(*(None,) * 11, ctypes.cast(_callback(group, b, hq, d, table, failure, keep),
+                                                                 ctypes.c_void_p), None))
+        else:
+            pages, args = group
+            assert isinstance(pages, PageArrays) and top[g] < len(pages)        # C checks for negative ones
+            cos, sin, scos, ssin, n_sink, new_rows, rows, offsets = args
+            assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[0] == b and offsets.shape[0] == b + 1
+            assert n_sink.dtype == torch.int32 and rows.dtype == offsets.dtype == new_rows.dtype == torch.int64
+            assert rows.is_contiguous() and offsets.is_contiguous() and new_rows.is_contiguous()
+            structs.append(_AttnGroup(*[_ptr(t) for t in args], ctypes.addressof(pages.kp), ctypes.addressof(pages.vp),
+                                      ctypes.addressof(pages.bf), None, None))
     margs = (None, 0, None)
     if mass is not None:
-        assert pages is not None and attend is None and mass.out.shape[:3] == (n, b, hq)
+        assert mass.out.shape[:3] == (n, b, hq)
         margs = (mass.cols.data_ptr(), mass.out.shape[-1], mass.out.data_ptr())
-    rc = _lib.decode_layers(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, *args, *margs)
+    arr = (_AttnGroup * len(structs))(*structs)
+    lgrp = None if layer_group is None else (ctypes.c_int * n)(*layer_group)
+    lidx = None if layer_index is None else (ctypes.c_int * n)(*layer_index)
+    rc = _lib.decode_layers_grouped(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, len(structs),
+                                    arr, lgrp, lidx, float(sm_scale), *margs)
     if failure:
         raise failure[0]
     if rc == -3:
         raise ValueError("decode_layers: a linear's width does not match the model's (hidden, heads x head_dim or "
-                         "intermediate), or head_dim is past 256: the layer table was built from wrong shapes")
+                         "intermediate), head_dim is past 256 or a layer's group is out of range: the layer table was "
+                         "built from wrong shapes")
     if rc:
         raise MemoryError("decode_layers: out of memory for the step's buffers")
 
 
-class _AttnArgs(ctypes.Structure):
-    """attn_args_t (cpu_quant.c): one KV group's decode_attend arguments for a step."""
+class _AttnGroup(ctypes.Structure):
+    """attn_group_t (cpu_quant.c): one group's way of attending in a step (decode_layers)."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("cos", "sin", "scos", "ssin", "n_sink", "new_rows", "rows",
-                                                     "off")]
+                                                     "off", "kp", "vp", "bf16", "attend", "ctx")]
 
 
-def decode_layers_grouped(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
-                          pages: PageArrays, groups: list[tuple], layer_group: list[int], sm_scale: float) -> None:
-    """decode_layers for a model whose layers read different KV groups (Gemma's sliding and global layers): groups[g]
-    one group's (cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets) as decode_attend takes them, layer l
-    attending with groups[layer_group[l]] over pages[l]; full-precision pages only, nothing measured. The same calls
-    in the same order as the layers one by one, so the same bits."""
-    b, h = x.shape
-    n = len(table)
-    assert x.is_contiguous() and x.dtype == torch.float32 and len(pages) == n == len(layer_group)
-    assert groups and all(0 <= g < len(groups) for g in layer_group)
-    for cos, sin, scos, ssin, n_sink, new_rows, rows, offsets in groups:
-        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[0] == b and offsets.shape[0] == b + 1
-        assert n_sink.dtype == torch.int32 and rows.dtype == offsets.dtype == new_rows.dtype == torch.int64
-        assert rows.is_contiguous() and offsets.is_contiguous() and new_rows.is_contiguous()
-    args = (_AttnArgs * len(groups))(*[_AttnArgs(*[_ptr(t) for t in g]) for g in groups])
-    lgrp = (ctypes.c_int * n)(*layer_group)
-    rc = _lib.decode_layers_grouped(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, pages.kp,
-                                    pages.vp, pages.bf, len(groups), args, lgrp, float(sm_scale))
-    if rc == -3:
-        raise ValueError("decode_layers_grouped: a linear's width does not match the model's, head_dim is past 256 "
-                         "or a layer's group is out of range")
-    if rc:
-        raise MemoryError("decode_layers_grouped: out of memory for the step's buffers")
+def _callback(attend, b: int, hq: int, d: int, table: ctypes.Array, failure: list, keep: list):
+    """attend(index, qkv) as attend_fn for decode_layers: its result copied into the kernel's buffer; an exception
+    cannot cross C: kept in failure, the step stops."""
+    n_qkv = sum(table[0].lin[0][j].N for j in range(table[0].nparts[0]))
+
+    def call(ctx, layer, qkv_ptr, out_ptr):
+        try:
+            qkv = torch.frombuffer((ctypes.c_float * (b * n_qkv)).from_address(qkv_ptr), dtype=torch.float32)
+            out = torch.frombuffer((ctypes.c_float * (b * hq * d)).from_address(out_ptr), dtype=torch.float32)
+            out.view(b, hq * d).copy_(attend(layer, qkv.view(b, n_qkv)).reshape(b, hq * d))
+            return 0
+        except BaseException as exc:
+            failure.append(exc)
+            return 1
+    fn = ATTEND_FN(call)
+    keep.append(fn)
+    return fn
 
 
 def choose_blocks(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, summary: torch.Tensor, ids: torch.Tensor,

@@ -160,8 +160,8 @@ def test_an_exception_after_the_kernel_wrote_its_pages_leaves_the_cache_as_befor
 def test_gemma3_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
     """Gemma 3's (1 + w) norms, q/k norms, post-norms, GELU-tanh gate and sliding layers: the one-call step gives the
     layer path's bits, one sequence or three, past the window and while the pages grow. Sliding and global layers are
-    two KV groups with two RoPE tables: over full-precision pages every layer attends inside the call, each with its
-    group's rows (decode_layers_grouped); over int8 pages each layer's attention is called back."""
+    two KV groups with two RoPE tables, two groups of the call: over full-precision pages each layer attends with its
+    group's rows, over int8 pages through its group's QuantStep, as the group's own layer."""
     from kvchat.bench.gguf_writer import ModelShape
     shape = ModelShape("tiny-gemma3", 7, 256, 4, 2, 512, 64, 2048, 1e6, True, arch="gemma3", window=16)
     engine = Engine.load(EngineConfig(model=str(write_random_gguf(tmp_path / "g3.gguf", shape, "Q4_K_M", seed=3))))
@@ -177,7 +177,7 @@ def test_gemma3_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
             a = _decode(engine, cache, group, 30 if cache.k_format == "fp32" else 12, fused=True, paths=paths)
             b = _decode(engine, cache, group, 30 if cache.k_format == "fp32" else 12, fused=False)
             assert torch.equal(a, b), (cache, len(group), (a - b).abs().max().item())
-            assert set(paths) == ({"callback"} if cache.k_format == "int8" else {"kernel"}), paths
+            assert set(paths) == ({"quant"} if cache.k_format == "int8" else {"kernel"}), paths
 
 
 def test_the_one_call_step_follows_the_pages_when_they_move(ggufs):

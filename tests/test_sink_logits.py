@@ -456,8 +456,8 @@ def test_vanishing_sink_logits_give_todays_logits(models, monkeypatch, backend, 
 
 @needs_c
 def test_the_one_call_step_is_refused_with_sink_logits_and_the_layers_run_it(models, monkeypatch):
-    """Packed weights (the one-call C step covers the model): with sink logits FullPagesC.decode refuses, and each
-    layer attends through decode_attend with them (checked against the reference)."""
+    """Packed weights (the one-call C step covers the model): with sink logits FullPagesC gives the one-call step no
+    group, and each layer attends through decode_attend with them (checked against the reference)."""
     engine = engine_of(models, "llama", "int8")
     assert engine.model.kernel_layers() is not None
     g = torch.Generator().manual_seed(9)
@@ -468,7 +468,7 @@ def test_the_one_call_step_is_refused_with_sink_logits_and_the_layers_run_it(mod
     assert max(check.errors) < 1e-4 and check.backends == {"FullPagesC"}
     assert check.calls["decode_attend"] >= 4 * len(sinks)
     backend = next(iter(runner._backends.values()))
-    assert backend.decode(engine.model, None, [], None, None) is None
+    assert backend.one_call_group([], None, HQ, None) is None
 
 
 @needs_kv
@@ -488,7 +488,7 @@ def test_the_one_call_quantized_step_gives_the_layer_by_layer_logits(models, mon
     monkeypatch.setattr(quant_pages, "quant_step", counted)
     one_call = drive(runner_with(engine, sinks), cache, ids)
     assert steps["with sink logits"] == 4
-    monkeypatch.setattr(QuantPagesC, "decode", AttentionBackend.decode)
+    monkeypatch.setattr(QuantPagesC, "one_call_group", AttentionBackend.one_call_group)
     check = Checked(monkeypatch, sinks)
     by_layer = drive(runner_with(engine, sinks), cache, ids)
     assert max(check.errors) < 1e-4 and check.calls["attn_decode_quant"] >= 4 * len(sinks)

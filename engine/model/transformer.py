@@ -373,8 +373,7 @@ class Transformer:
             def attend(layer, qkv):
                 # a copy: the kernel's buffer outlives no call, so nothing may keep a view of it
                 return attention(layer, *self._split_qkv(qkv.clone())).to(self.dtype)
-            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None,
-                                    attend=attend)
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float())
 
     def count_experts(self, on: bool = True) -> None:

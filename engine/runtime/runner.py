@@ -300,9 +300,8 @@ class ModelRunner:
                                   chooser)
         self.last_chooser = chooser
         if all(st.one_token_decode for st in attention.steps):        # rows: every token of the step, in order
-            logits = (attention.decode(self.model, x) if attention.one_layout_decode
-                      else attention.decode_grouped(self.model, x))
-            if logits is None and not attention.one_layout_decode:     # the layers' attention through Python
+            logits = attention.decode(self.model, x)
+            if logits is None:                          # the layers' attention through Python
                 logits = self.model.forward_decode(x, attention=attention)
             if logits is not None:
                 return logits, True, attention

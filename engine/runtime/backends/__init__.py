@@ -151,14 +151,6 @@ class StepAttention:
             i = j
         return runs
 
-    @property
-    def one_layout_decode(self) -> bool:
-        """Every item a one-token decode of one layout, every layer on the same steps: the step may run in its
-        backend's one kernel call."""
-        runs = self.layer_runs[0]
-        return self.chooser is None and self.shared and len(runs) == 1 and runs[0][1] - runs[0][0] == len(self.steps) \
-            and self.steps[0].one_token_decode
-
     def watch_all(self, steps: list) -> tuple:
         """The one-call step's measure of every layer (cpu_quant.Mass or None, and what to copy back after it)."""
         return (None, []) if self.mass is None else self.mass.decodes(None, steps)
@@ -251,42 +243,57 @@ class StepAttention:
         self.pending.clear()
 
     def decode(self, model, token_ids: torch.Tensor) -> torch.Tensor | None:
-        """One kernel call through every layer (see one_layout_decode) -> logits [B, vocab], or None."""
-        i, j, backend, prepared, steps = self.layer_runs[0][0]
-        return backend.decode(model, token_ids, steps, prepared, self)
-
-    def decode_grouped(self, model, token_ids: torch.Tensor) -> torch.Tensor | None:
-        """One kernel call through every layer where the layers read different KV groups, each over full-precision
-        pages in C (Gemma's sliding and global layers: two groups, two RoPE tables): every layer one run of one-token
-        decodes of a FullPagesC backend, one attention scale, no measure, no chosen blocks, no shared KV. The same
-        calls as the callback path (cpu_quant.decode_layers_grouped), without coming back to Python for each layer.
-        -> logits [B, vocab], or None where it does not apply."""
-        if self.chooser is not None or self.mass is not None or self.sources:
+        """The step in one kernel call through every layer, each layer attending inside it (cpu_quant.decode_layers):
+        every item a one-token decode and each layer one run of one backend over all of them, a group of the call
+        per backend (Gemma's sliding and global layers: two). -> logits [B, vocab], or None where some layer's
+        attention needs Python (a backend without a one-call group, chosen blocks, shared KV, a measure over more
+        than one group): the runner then calls back for each layer."""
+        if self.chooser is not None or self.sources or model.kernel_layers() is None:
             return None
-        groups: dict[int, int] = {}         # id(prepared DecodeGroup) -> its index
-        args, layer_group, pages, scale = [], [], [], None
-        for layer, runs in enumerate(self.layer_runs):
+        if self.shared:         # every layer on the same runs: one backend, holding every layer
+            runs, layer_group, layer_index = self.layer_runs[0], None, None
             if len(runs) != 1:
                 return None
-            i, j, backend, prepared, steps = runs[0]
-            if type(backend) is not FullPagesC or prepared is None or i != 0 or j != len(steps) \
-                    or not steps[0].one_token_decode:
+        else:
+            owners: dict[int, int] = {}         # id(backend) -> its group
+            runs, layer_group, layer_index = [], [], []
+            for layer, layer_runs in enumerate(self.layer_runs):
+                if len(layer_runs) != 1:
+                    return None
+                backend = layer_runs[0][2]
+                if id(backend) not in owners:
+                    owners[id(backend)] = len(runs)
+                    runs.append(layer_runs[0])
+                layer_group.append(owners[id(backend)])
+                layer_index.append(backend.local_layer(layer))
+        for i, j, _, _, steps in runs:
+            if i != 0 or j != len(steps) or not steps[0].one_token_decode:
                 return None
-            local = backend.local_layer(layer)
-            sc = backend.scores[local]
-            if sc.sink_logits is not None or sc.softcap is not None or (scale is not None and sc.scale != scale):
+        if len(runs) > 1 and self.mass is not None:
+            return None
+        mass, copies = self.watch_all(runs[0][4]) if len(runs) == 1 else (None, [])
+        groups, scales = [], set()
+        for _, _, backend, prepared, steps in runs:
+            group = backend.one_call_group(steps, prepared, model.config.num_heads, mass)
+            if group is None:
                 return None
-            scale = sc.scale
-            if id(prepared) not in groups:
-                groups[id(prepared)] = len(args)
-                args.append(prepared.args())
-            layer_group.append(groups[id(prepared)])
-            kc, vc = backend.comps[local]
-            pages.append((kc.flat_pages(), vc.flat_pages()))
+            groups.append(group)
+            if isinstance(group, tuple):        # full-precision pages: one scale for all of them
+                scales |= {sc.scale for sc in backend.scores}
+        if len(scales) > 1:
+            return None
         c = model.config
-        arrays = cpu_quant.PageArrays(pages)
+        scale = scales.pop() if scales else 0.0
 
-        def run(table, x):
-            cpu_quant.decode_layers_grouped(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, arrays,
-                                            args, layer_group, scale)
-        return model.forward_decode(token_ids, kernel=DecodeKernel("full-pages", run))
+        def run_layers(table, x):
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, groups,
+                                    layer_group, layer_index, scale, mass=mass)
+        kinds = {"quant-pages" if isinstance(g, cpu_quant.QuantStep) else "full-pages" for g in groups}
+        logits = model.forward_decode(token_ids, kernel=DecodeKernel(kinds.pop() if len(kinds) == 1 else "mixed-pages",
+                                                                     run_layers))
+        if logits is not None:
+            for (_, _, backend, _, steps), group in zip(runs, groups):
+                backend.one_call_done(steps, group)
+            if copies:
+                self.watch_done(mass, copies)
+        return logits

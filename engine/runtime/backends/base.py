@@ -65,10 +65,12 @@ class AttentionBackend(ABC):
         outs = [self.attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], st, watch) for i, st in enumerate(steps)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def decode(self, model, token_ids: torch.Tensor, steps: list, prepared: object | None,
-               attention) -> torch.Tensor | None:
-        """token_ids [B], one decode token per sequence of this layout -> logits [B, vocab] in one kernel call
-        through every layer; the same bits as the forward with `attention` (the step's callback, whose
-        `watch_all(steps)` says where to measure every layer's mass). Here: the model's kernel calls back for each
-        layer's attention."""
-        return model.forward_decode(token_ids, attention=attention)
+    def one_call_group(self, steps: list, prepared: object | None, num_heads: int, mass) -> object | None:
+        """This layout's part of a decode step run in one kernel call (StepAttention.decode): a group as
+        cpu_quant.decode_layers takes it, attending every layer of the layout inside the call for the run of one-token
+        decodes `steps` (prepared: prepare_decodes'; mass: the call's measure, a cpu_quant.Mass, or None), the same
+        bits as attend_decodes. None (here): the layers' attention needs Python, and the kernel calls back for it."""
+        return None
+
+    def one_call_done(self, steps: list, group: object) -> None:
+        """After the one-call step with `group` committed: what is left of the layout's step (nothing here)."""

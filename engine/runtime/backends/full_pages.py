@@ -11,7 +11,6 @@ import torch
 from kvchat.kernels import cpu_quant
 
 from kvchat.engine.model.rope import rotate
-from kvchat.engine.model.transformer import DecodeKernel
 from kvchat.engine.runtime.attention import observe_rows, softmax_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores, Pages
 from kvchat.engine.kv.pages import Component
@@ -109,9 +108,9 @@ def kernel_covers(comps: Pages, num_heads: int) -> bool:
 
 
 class FullPagesC(FullPagesTorch):
-    """Layers without soft-caps (backend_for). decode_attend rotates, stores and attends one-token decodes in one call per layer (a sequence's result
-    does not depend on the others in the group); the whole step runs in one decode_layers call (a model without
-    sink logits)."""
+    """Layers without soft-caps (backend_for). decode_attend rotates, stores and attends one-token decodes in one call
+    per layer (a sequence's result does not depend on the others in the group); the layers attend inside the
+    one-call step (decode_layers) where they have no sink logits."""
     name = "full-pages-c"
     _page_arrays: tuple[int, cpu_quant.PageArrays] | None = None    # (Component.moves when built, decode_layers' pages)
 
@@ -139,26 +138,14 @@ class FullPagesC(FullPagesTorch):
             watch.done(mass, copies)
         return out
 
-    def decode(self, model, token_ids, steps, grp: DecodeGroup, attention):
-        if model.kernel_layers() is None:       # the one-call step does not cover this model
-            return None
+    def one_call_group(self, steps, grp: DecodeGroup, num_heads, mass):
         if any(s.sink_logits is not None for s in self.scores):
-            return None     # decode_layers takes no sink logits (LayerSpec.fused_kernel_ok): the layers one by one
-        c = model.config
+            return None     # decode_layers takes no sink logits (LayerSpec.fused_kernel_ok): the layers call back
         kept = self._page_arrays
         if kept is None or kept[0] != Component.moves:      # built again only once any pages moved
             kept = self._page_arrays = (Component.moves, cpu_quant.PageArrays(
                 [(kc.flat_pages(), vc.flat_pages()) for kc, vc in self.comps]))
-        pages = kept[1]
-        mass, copies = attention.watch_all(steps)
-
-        def run(table, x):
-            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, pages,
-                                    *grp.args(), self.scores[0].scale, mass=mass)
-        logits = model.forward_decode(token_ids, kernel=DecodeKernel("full-pages", run))
-        if copies and logits is not None:
-            attention.watch_done(mass, copies)
-        return logits
+        return kept[1], grp.args()
 
 
 def score_args(scores: LayerScores | None) -> tuple[float | None, float | None]:

@@ -13,7 +13,6 @@ from kvchat.kernels import cpu_quant
 
 from kvchat.engine.kv.pages import Component
 from kvchat.engine.model.rope import rope_table, rotate
-from kvchat.engine.model.transformer import DecodeKernel
 from kvchat.engine.runtime.attention import prompt_attention
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores
 from kvchat.engine.runtime.backends.full_pages import score_args, sink_args, attend_torch as attend_full
@@ -178,25 +177,14 @@ class QuantPagesC(QuantPagesTorch):
         return self._quantized(layer, kc, vc, q, k, v, st, st.one_token_decode, watch,
                                not st.one_token_decode and self.prompt_layers[layer])
 
-    def decode(self, model, token_ids, steps, prepared, attention):
-        if model.kernel_layers() is None:       # the one-call step does not cover this model
+    def one_call_group(self, steps, prepared, num_heads, mass):
+        if not all(self.kernel_layers):          # QuantStep takes no full-precision layers: they call back
             return None
-        if not all(self.kernel_layers):          # the one-call step takes no full-precision layers: call back
-            return super().decode(model, token_ids, steps, prepared, attention)
-        mass, copies = attention.watch_all(steps)
-        quant = quant_step(self.comps, steps, model.config.num_heads, self.scores[0].scale,
-                           [s.sink_logits for s in self.scores], mass)
-        c = model.config
+        return quant_step(self.comps, steps, num_heads, self.scores[0].scale, [s.sink_logits for s in self.scores],
+                          mass)
 
-        def run(table, x):
-            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, None,
-                                    quant=quant)
-        logits = model.forward_decode(token_ids, kernel=DecodeKernel("quant-pages", run))
-        if logits is not None:
-            finish_quant_step(self.comps, steps, quant)
-            if copies:
-                attention.watch_done(mass, copies)
-        return logits
+    def one_call_done(self, steps, group):
+        finish_quant_step(self.comps, steps, group)
 
 
 def quant_step(comps, steps: list, num_heads: int, scale: float,
