@@ -1,5 +1,5 @@
-// Q6_K rows against int8 activations (EngineConfig(activations="int8"), cpu_act8.h's quantize_x8). Included by
-// cpu_q6k.h, whose block layout it reads.
+// Q6_K rows against int8 activations (EngineConfig(activations="int8"), cpu_act8.h's quantize_x8), and against int16
+// ones as two byte planes through the same loop. Included by cpu_q6k.h, whose block layout it reads.
 //
 // The codes go in unsigned, q (0..63) as the file stores them, so maddubs takes them with no sign trick, and the
 // -32 comes back per int16 lane from the activations alone (x32: 32 times the sum of the four activations the lane
@@ -12,25 +12,45 @@
 // by d * xs, the scales and d read inside the loop. Lanes 0-7 come from ql bytes 0-31 (groups 0 and 2), 8-15 from
 // bytes 32-63; AVX2 keeps them in two registers, AVX-512 in one, summed as (lanes 0-7) + (lanes 8-15) at the end:
 // the same bits in every variant and for every number of rows. The baseline sums in plain loops.
+//
+// int16 activations x = 256 t + b (t = x >> 8 signed, b = x & 255 unsigned) take two planes laid out alike. The top
+// plane is the int8 one (|4 (q - 32) t| <= 16384). The bottom plane's bytes go in as maddubs' unsigned operand and
+// the codes (<= 63) as its signed one: a pair is at most 2 * 255 * 63 = 32130, so no saturation; the two maddubs'
+// sum may wrap but the lane after x32 is (q - 32) b summed over four, |.| <= 32640, exact in 16-bit arithmetic.
+// An int32 lane is then 256 madd(top) + madd(bottom), |.| <= 2^30 + 2^23: the exact integer of its eight values.
 #pragma once
 
 #ifdef __AVX2__
-// xq [M, K] -> xl [M, K], each half-block's 128 activations in P' then Q' order, and x32 [M, K / 4]: per int16
-// lane i of a half-block (128-bit lane i / 8, pair i % 8), 32 times its four activations' sum
-static void q6x8_layout(const int8_t *xq, int M, int K, int8_t *xl, int16_t *x32) {
-    for (size_t h = 0; h < (size_t)M * K / 128; h++) {
-        const int8_t *x = xq + 128 * h;
-        int8_t *o = xl + 128 * h;
-        for (int j = 0; j < 4; j++) {
-            const int8_t *a = x + 32 * (j >> 1) + 16 * (j & 1), *b = a + 64;      // groups j >> 1 and + 2
-            memcpy(o + 16 * j, a, 8), memcpy(o + 16 * j + 8, b, 8);
-            memcpy(o + 64 + 16 * j, a + 8, 8), memcpy(o + 64 + 16 * j + 8, b + 8, 8);
-        }
-        for (int i = 0; i < 32; i++) {
-            const int8_t *p = o + 16 * (i / 8) + 2 * (i % 8), *q = p + 64;
-            x32[32 * h + i] = (int16_t)(32 * (p[0] + p[1] + q[0] + q[1]));
-        }
+// One half-block's 128 activations x -> o in P' then Q' order, and x32 [32]: per int16 lane i (128-bit lane i / 8,
+// pair i % 8), 32 times its four activations' sum (U: the bytes read unsigned)
+static inline void q6x8_half(const int8_t *x, int8_t *o, int16_t *x32, const int U) {
+    for (int j = 0; j < 4; j++) {
+        const int8_t *a = x + 32 * (j >> 1) + 16 * (j & 1), *b = a + 64;          // groups j >> 1 and + 2
+        memcpy(o + 16 * j, a, 8), memcpy(o + 16 * j + 8, b, 8);
+        memcpy(o + 64 + 16 * j, a + 8, 8), memcpy(o + 64 + 16 * j + 8, b + 8, 8);
     }
+    for (int i = 0; i < 32; i++) {
+        const int8_t *p = o + 16 * (i / 8) + 2 * (i % 8), *q = p + 64;
+        x32[i] = (int16_t)(32 * (U ? (uint8_t)p[0] + (uint8_t)p[1] + (uint8_t)q[0] + (uint8_t)q[1]
+                                   : p[0] + p[1] + q[0] + q[1]));
+    }
+}
+
+// xq [M, K] int8 -> xl [M, K] and x32 [M, K / 4] (q6x8_half)
+static void q6x8_layout(const int8_t *xq, int M, int K, int8_t *xl, int16_t *x32) {
+    for (size_t h = 0; h < (size_t)M * K / 128; h++) q6x8_half(xq + 128 * h, xl + 128 * h, x32 + 32 * h, 0);
+}
+
+// xq [M, K] int16 -> xl [M, 2, K]: row m's top bytes laid out (q6x8_half), then its bottom ones; x32 [M, 2, K / 4]
+static void q6x16_layout(const int16_t *xq, int M, int K, int8_t *xl, int16_t *x32) {
+    for (int m = 0; m < M; m++)
+        for (int h = 0; h < K / 128; h++) {
+            int8_t t[128], b[128];
+            const int16_t *x = xq + (size_t)m * K + 128 * h;
+            for (int i = 0; i < 128; i++) t[i] = (int8_t)(x[i] >> 8), b[i] = (int8_t)(x[i] & 255);
+            q6x8_half(t, xl + 2 * (size_t)m * K + 128 * h, x32 + 2 * (size_t)m * (K / 4) + 32 * h, 0);
+            q6x8_half(b, xl + (2 * (size_t)m + 1) * K + 128 * h, x32 + (2 * (size_t)m + 1) * (K / 4) + 32 * h, 1);
+        }
 }
 
 // Lanes 0-7 (c = 0: groups 0, 2 from ql bytes a = 0-31) or 8-15 (c = 1: groups 1, 3, bytes 32-63) of half-block
@@ -44,25 +64,41 @@ static inline void q6x8_codes(__m256i a, __m256i hb, int c, __m256i *p, __m256i 
     *p = _mm256_unpacklo_epi64(lo, hi), *q = _mm256_unpackhi_epi64(lo, hi);
 }
 
-// the int32 lanes of one row: (P' x xp + Q' x xq - x32) by the sub-block scales
-static inline __m256i q6x8_dot(__m256i p, __m256i q, __m256i s, const int8_t *x, const int16_t *x32) {
+// the int32 lanes of one row: (P' x xp + Q' x xq - x32) by the sub-block scales; W 16: the planes (q6x16_layout),
+// the bottom one K bytes (K / 4 sums) after the top
+static inline __m256i q6x8_dot(__m256i p, __m256i q, __m256i s, const int8_t *x, const int16_t *x32, int K,
+                               const int W) {
     __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(p, _mm256_loadu_si256((const __m256i *)x)),
                                  _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x + 64))));
-    return _mm256_madd_epi16(_mm256_sub_epi16(d, _mm256_loadu_si256((const __m256i *)x32)), s);
+    __m256i t = _mm256_madd_epi16(_mm256_sub_epi16(d, _mm256_loadu_si256((const __m256i *)x32)), s);
+    if (W == 8) return t;
+    const int8_t *y = x + K;
+    __m256i e = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)y), p),
+                                 _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(y + 64)), q));
+    __m256i b = _mm256_madd_epi16(_mm256_sub_epi16(e, _mm256_loadu_si256((const __m256i *)(x32 + K / 4))), s);
+    return _mm256_add_epi32(_mm256_slli_epi32(t, 8), b);
 }
 
 #ifdef KVCHAT_AVX512
-static inline __m512i q6x8_dot_512(__m512i p, __m512i q, __m512i s, const int8_t *x, const int16_t *x32) {
+static inline __m512i q6x8_dot_512(__m512i p, __m512i q, __m512i s, const int8_t *x, const int16_t *x32, int K,
+                                   const int W) {
     __m512i d = _mm512_add_epi16(_mm512_maddubs_epi16(p, _mm512_loadu_si512((const void *)x)),
                                  _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(x + 64))));
-    return _mm512_madd_epi16(_mm512_sub_epi16(d, _mm512_loadu_si512((const void *)x32)), s);
+    __m512i t = _mm512_madd_epi16(_mm512_sub_epi16(d, _mm512_loadu_si512((const void *)x32)), s);
+    if (W == 8) return t;
+    const int8_t *y = x + K;
+    __m512i e = _mm512_add_epi16(_mm512_maddubs_epi16(_mm512_loadu_si512((const void *)y), p),
+                                 _mm512_maddubs_epi16(_mm512_loadu_si512((const void *)(y + 64)), q));
+    __m512i b = _mm512_sub_epi16(e, _mm512_loadu_si512((const void *)(x32 + K / 4)));
+    return _mm512_dpwssd_epi32(_mm512_slli_epi32(t, 8), b, s);
 }
 #endif
 
-// R rows (a constant) of xl / x32 (q6x8_layout) against one weight row; xs [R, ng] the rows' group scales
+// R rows (a constant) of xl / x32 (q6x8_layout; W 16: q6x16_layout) against one weight row; xs [R, ng] the rows'
+// group scales
 static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, const uint8_t *qh,
         const int8_t *sc, const half_t *d, const int8_t *xl, const int16_t *x32, const float *xs, int ng, int K,
-        const int R, float *out) {
+        const int R, const int W, float *out) {
 #ifdef KVCHAT_AVX512
     const __m512i pick = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
                                           5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);     // lanes 31 .. 0
@@ -99,10 +135,10 @@ static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, c
         __m512i p = _mm512_unpacklo_epi64(lo, hi), q = _mm512_unpackhi_epi64(lo, hi);
         __m512i s = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(s8));
         for (int m = 0; m < R; m++) {
-            size_t o = (size_t)m * K + 128 * h;
+            size_t o = (size_t)m * K * (W / 8) + 128 * h;
             __m512 f = _mm512_permutexvar_ps(fpick, _mm512_castps128_ps512(
                 _mm_mul_ps(_mm_set1_ps(db), _mm_loadu_ps(xs + (size_t)m * ng + 4 * h))));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q6x8_dot_512(p, q, s, xl + o, x32 + o / 4)), f, acc[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q6x8_dot_512(p, q, s, xl + o, x32 + o / 4, K, W)), f, acc[m]);
         }
 #else
         __m256i s2 = _mm256_broadcastsi128_si256(s8), p0, q0, p1, q1;
@@ -110,10 +146,10 @@ static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, c
         q6x8_codes(_mm256_loadu_si256((const __m256i *)(ql + 64 * h)), hb, 0, &p0, &q0);
         q6x8_codes(_mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32)), hb, 1, &p1, &q1);
         for (int m = 0; m < R; m++) {
-            size_t o = (size_t)m * K + 128 * h;
+            size_t o = (size_t)m * K * (W / 8) + 128 * h;
             __m256 f4 = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(db), _mm_loadu_ps(xs + (size_t)m * ng + 4 * h)));
-            __m256i d0 = q6x8_dot(p0, q0, s0, xl + o, x32 + o / 4);
-            __m256i d1 = q6x8_dot(p1, q1, s1, xl + o + 32, x32 + o / 4 + 16);
+            __m256i d0 = q6x8_dot(p0, q0, s0, xl + o, x32 + o / 4, K, W);
+            __m256i d1 = q6x8_dot(p1, q1, s1, xl + o + 32, x32 + o / 4 + 16, K, W);
             acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_permutevar8x32_ps(f4, fpick0), acc[m][0]);
             acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_permutevar8x32_ps(f4, fpick1), acc[m][1]);
         }
@@ -124,6 +160,23 @@ static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, c
 #else
     for (int m = 0; m < R; m++) out[m] = hsum8(_mm256_add_ps(acc[m][0], acc[m][1]));
 #endif
+}
+
+// M rows against one weight row, four at a time (W: q6x8_rows')
+static inline __attribute__((always_inline)) void q6x8_rowsM(const uint8_t *ql, const uint8_t *qh,
+        const int8_t *sc, const half_t *d, const int8_t *xl, const int16_t *x32, const float *xs, int ng, int K,
+        int M, const int W, float *out) {
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        const int8_t *xm = xl + (size_t)m0 * K * (W / 8);
+        const int16_t *x32m = x32 + (size_t)m0 * (K / 4) * (W / 8);
+        const float *xsm = xs + (size_t)m0 * ng;
+        switch (M - m0) {   // a constant R per case: the accumulators stay in registers
+            case 1: q6x8_rows(ql, qh, sc, d, xm, x32m, xsm, ng, K, 1, W, out + m0); break;
+            case 2: q6x8_rows(ql, qh, sc, d, xm, x32m, xsm, ng, K, 2, W, out + m0); break;
+            case 3: q6x8_rows(ql, qh, sc, d, xm, x32m, xsm, ng, K, 3, W, out + m0); break;
+            default: q6x8_rows(ql, qh, sc, d, xm, x32m, xsm, ng, K, 4, W, out + m0); break;
+        }
+    }
 }
 #endif
 
@@ -147,17 +200,7 @@ static void q6k_gemv8(const float *x, int M, int K, const uint8_t *ql, const uin
         const half_t *dn = d + (size_t)n * (K / 256);
         float out[MAXM];
 #ifdef __AVX2__
-        for (int m0 = 0; m0 < M; m0 += 4) {
-            const int8_t *xm = xl + (size_t)m0 * K;
-            const int16_t *x32m = x32 + (size_t)m0 * K / 4;
-            const float *xsm = xs + (size_t)m0 * ng;
-            switch (M - m0) {   // a constant R per case: the accumulators stay in registers
-                case 1: q6x8_rows(l, h, s, dn, xm, x32m, xsm, ng, K, 1, out + m0); break;
-                case 2: q6x8_rows(l, h, s, dn, xm, x32m, xsm, ng, K, 2, out + m0); break;
-                case 3: q6x8_rows(l, h, s, dn, xm, x32m, xsm, ng, K, 3, out + m0); break;
-                default: q6x8_rows(l, h, s, dn, xm, x32m, xsm, ng, K, 4, out + m0); break;
-            }
-        }
+        q6x8_rowsM(l, h, s, dn, xl, x32, xs, ng, K, M, 8, out);
 #else
         for (int m = 0; m < M; m++) out[m] = 0.f;
         for (int g = 0; g < ng; g++) {
