@@ -64,7 +64,7 @@ static inline void q4_pair_layout1(const int16_t *xq, int ng, int16_t *xp) {
     if (g < ng) memcpy(xp + g * 32, xq + g * 32, 32 * sizeof(int16_t));
 }
 
-// M rows of xq [M, K] in q4_pair_layout1, in scratch where activations() left room (as q6k_order's rows: mode 0
+// M rows of xq [M, K] in q4_pair_layout1, in scratch where activations() left room (as Q6_K's planes: mode 0
 // after its pieces, else where the prepared float rows were, quantized by then)
 static inline const int16_t *q4_pair_layout(const int16_t *xq, int M, int K, int mode, void *scratch,
                                            const float *sums) {
