@@ -22,6 +22,7 @@ BENCHES = {
     "serve": "kvchat.bench.serve",
     "resume": "kvchat.bench.resume",
     "latency": "kvchat.bench.latency",
+    "attention": "kvchat.bench.attention",
 }
 
 
@@ -275,7 +276,7 @@ def build_parser(benches: bool = True) -> argparse.ArgumentParser:
     again = sub.add_parser("replay", help="a saved chat or a text under another cache mode: where its answers part")
     replay.add_arguments(again)
     again.set_defaults(func=replay.cmd_replay)
-    bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, serve, resume, latency)")
+    bench = sub.add_parser("bench", help="benchmarks (speed, memory, quality, passkey, serve, resume, latency, attention)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
         p = bsub.add_parser(name)
