@@ -58,9 +58,14 @@ def _history(engine, n: int) -> list[int]:
 
 def _steps(engine, fmt: str, history: list[int], steps: int) -> tuple[float, float]:
     """The median seconds of a decode step after `history`, and the bytes the session's cache then holds."""
+    from kvchat.engine.errors import UserError
+    from kvchat.engine.runtime.overflow import BudgetFull
     session = engine.new_session(cache=CacheConfig(k_format=fmt, v_format=fmt, budget_mb=4096), prefix_cache=False)
     try:
-        token = int(session.append(history, all_logits=False)[-1].argmax())
+        try:
+            token = int(session.append(history, all_logits=False)[-1].argmax())
+        except BudgetFull as exc:       # a cache past the model's context: the option's fault, one line
+            raise UserError(f"--contexts: {exc}") from None
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()

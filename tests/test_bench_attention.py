@@ -45,3 +45,11 @@ def test_bad_options_are_one_line(bad):
     from kvchat.cli.terminal import build_parser
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "attention", *bad])
+
+
+def test_a_cache_past_the_models_context_is_one_line(tmp_path):
+    env = dict(os.environ, KVCHAT_CACHE_DIR=str(seeded(tmp_path / "cache")), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "kvchat.cli.main", "bench", "attention", "--model", "preset:tiny:Q4_0",
+                          "--contexts", "32,5000", "--steps", "2", "--modes", "bf16", "--runs", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and "context of 2,048 tokens" in run.stderr
