@@ -14,6 +14,7 @@ import os
 import statistics
 import time
 
+from kvchat.bench.models import history_ids, mode_list
 from kvchat.engine.config import CacheConfig, EngineConfig
 
 MODES = ("bf16", "int8", "int4", "fp8", "fp32")
@@ -30,30 +31,16 @@ def _ints(text: str) -> list[int]:
     return got
 
 
-def _modes(text: str) -> list[str]:
-    got = [m for m in text.split(",") if m]
-    bad = [m for m in got if m not in MODES]
-    if bad or not got:
-        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(MODES)}")
-    return got
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, a .gguf or HF folder, or preset:NAME:TYPE[:LAYERS]")
     parser.add_argument("--contexts", type=_ints, default=[256, 2048], help="the short and the long cache, in tokens")
-    parser.add_argument("--modes", type=_modes, default=["bf16", "int8", "int4"], help=f"from: {', '.join(MODES)}")
+    parser.add_argument("--modes", type=mode_list(MODES),
+                        default=["bf16", "int8", "int4"], help=f"from: {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed at each length")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
 
-
-def _history(engine, n: int) -> list[int]:
-    try:
-        from kvchat.engine.text.samples import load_tokens
-        return load_tokens(engine.tokenizer, "stream", n)
-    except Exception:      # noqa: BLE001 - the shipped text is missing: the benchmark's own filler
-        from kvchat.bench.models import prompt_ids
-        return prompt_ids(engine.tokenizer, n)
 
 
 def _steps(engine, fmt: str, history: list[int], steps: int) -> tuple[float, float]:
@@ -101,7 +88,7 @@ def run(args) -> dict:
     engine = Engine.load(EngineConfig(model=resolve_model(args.model), device="cpu", num_threads=threads))
     engine.runner.set_budget(max(engine.budget_mb, 4096))
     short, long = args.contexts
-    ids = _history(engine, long)
+    ids = history_ids(engine.tokenizer, long)
     buf = torch.ones(STREAM_BYTES // 4)
     stream_read(buf)                                  # its pages touched once, untimed
     step: dict = {}
@@ -126,12 +113,12 @@ def run(args) -> dict:
     for mode in args.modes:
         s, l_ = statistics.median(step[(mode, short)]), statistics.median(step[(mode, long)])
         added = l_ - s
-        per_token = (held[(mode, long)] - held[(mode, short)]) / (long - short)
-        rate = per_token * (long - short) / added / 1e9 if added > 0 else None
+        extra = held[(mode, long)] - held[(mode, short)]           # the bytes the longer cache adds
+        rate = extra / added / 1e9 if added > 0 else None
         result["modes"][mode] = {
             "step_ms": {str(short): _spread([x * 1e3 for x in step[(mode, short)]]),
                         str(long): _spread([x * 1e3 for x in step[(mode, long)]])},
-            "bytes_per_token": per_token,
+            "bytes_per_token": extra / (long - short),
             "added_ms_per_1k_tokens": added * 1e3 / (long - short) * 1000,
             "read_gb_s": rate,
             "ratio_vs_stream": rate / stream["median"] if rate else None,
@@ -150,6 +137,7 @@ def summarize(r: dict) -> str:
         rate = (f"the cache read at {m['read_gb_s']:.1f} GB/s = {m['ratio_vs_stream']:.2f}x streaming"
                 if m["read_gb_s"] else "no cost measured (the longer steps were not slower)")
         lines.append(f"  {mode:<5} {a['median']:.2f} -> {b['median']:.2f} ms a step, "
-                     f"{m['added_ms_per_1k_tokens']:.2f} ms per 1,000 cached tokens of {m['bytes_per_token'] / 1024:.1f} "
+                     f"{m['added_ms_per_1k_tokens']:.2f} ms per 1,000 cached tokens of "
+                     f"{m['bytes_per_token'] / 1024:.1f} "
                      f"KiB each: {rate}")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ import statistics
 import time
 
 from kvchat.bench import llamacpp
+from kvchat.bench.models import history_ids, mode_list
 from kvchat.engine.config import CacheConfig, EngineConfig
 
 MODES = {"bf16": ("bf16", 1), "int8": ("int8", 8), "int4": ("int4", 2)}    # kvchat format, llama.cpp ggml type
@@ -32,31 +33,17 @@ def _ints(text: str) -> list[int]:
     return got
 
 
-def _modes(text: str) -> list[str]:
-    got = [m for m in text.split(",") if m]
-    bad = [m for m in got if m not in MODES]
-    if bad or not got:
-        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(MODES)}")
-    return got
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, a .gguf or HF folder, or preset:NAME:TYPE[:LAYERS]")
     parser.add_argument("--contexts", type=_ints, default=list(CONTEXTS), help="cached tokens before the message")
     parser.add_argument("--message-tokens", type=int, default=24)
-    parser.add_argument("--modes", type=_modes, default=["bf16", "int8"], help=f"from: {', '.join(MODES)}")
+    parser.add_argument("--modes", type=mode_list(MODES),
+                        default=["bf16", "int8"], help=f"from: {', '.join(MODES)}")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-llamacpp", action="store_true")
 
-
-def _tokens(engine, n: int) -> list[int]:
-    try:
-        from kvchat.engine.text.samples import load_tokens
-        return load_tokens(engine.tokenizer, "stream", n)
-    except Exception:      # noqa: BLE001 - the shipped text is missing: the benchmark's own filler
-        from kvchat.bench.models import prompt_ids
-        return prompt_ids(engine.tokenizer, n)
 
 
 def _kvchat_once(engine, fmt: str, history: list[int], message: list[int]) -> float:
@@ -96,7 +83,7 @@ def run(args) -> dict:
     engine = Engine.load(EngineConfig(model=spec, device="cpu", num_threads=threads))
     engine.runner.set_budget(max(engine.budget_mb, 4096))
     longest = max(args.contexts)
-    ids = _tokens(engine, longest + args.message_tokens)
+    ids = history_ids(engine.tokenizer, longest + args.message_tokens)
     message_at = {n: ids[n:n + args.message_tokens] for n in args.contexts}
     peers = {}
     if not args.no_llamacpp and path and str(path).endswith(".gguf"):

@@ -20,6 +20,26 @@ def model_path(spec: str) -> str:
     return str(locate(spec).path)
 
 
+def history_ids(tokenizer, n: int) -> list[int]:
+    """n token ids of a conversation's past: the shipped stream text, or prompt_ids' filler where it is missing."""
+    try:
+        from kvchat.engine.text.samples import load_tokens
+        return load_tokens(tokenizer, "stream", n)
+    except Exception:      # noqa: BLE001 - the shipped text is missing: the benchmark's own filler
+        return prompt_ids(tokenizer, n)
+
+
+def mode_list(names):
+    """An argparse type: comma-separated cache modes, each one of names."""
+    def parse(text: str) -> list[str]:
+        import argparse
+        got = [m for m in text.split(",") if m]
+        if not got or any(m not in names for m in got):
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(names)}")
+        return got
+    return parse
+
+
 def prompt_ids(tokenizer, n: int) -> list[int]:
     try:
         from kvchat.engine.text.samples import load_text
