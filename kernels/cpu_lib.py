@@ -454,7 +454,8 @@ class QLin(ctypes.Structure):
                 ("ssup", ctypes.c_void_p), ("zsup", ctypes.c_void_p), ("bits", ctypes.c_int), ("kind", ctypes.c_int),
                 ("per", ctypes.c_int), ("group", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int),
                 ("act", ctypes.c_int),      # activation bits: 8 for int8, 0 (or 16) for int16
-                ("high", ctypes.c_void_p)]  # bits 4: q5's fifth bits, or None
+                ("high", ctypes.c_void_p),  # bits 4: q5's fifth bits, or None
+                ("bias", ctypes.c_void_p)]  # float32 [N] added before any residual, or None
 
 
 class QLayer(ctypes.Structure):

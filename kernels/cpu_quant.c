@@ -1273,6 +1273,7 @@ typedef struct {
     int bits, kind, per, group, N, K;
     int act;                    // activation bits: 8 for int8 (gemv8), anything else int16
     const uint8_t *high;        // bits 4: q5's fifth bits [N, K/8], or NULL
+    const float *bias;          // [N] added to the product before any residual (gpt-oss's q | k | v and o), or NULL
 } qlin_t;
 
 // One decoder layer: the four linears (qkv, o, gate_up, down), each up to 3 parts side by side.
@@ -1355,6 +1356,7 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
             float *ym = y + (size_t)m0 * ldy + col;
             const float *rm = resid ? resid + (size_t)m0 * l->N : NULL;
             int lm = mode | (l->act == 8 ? ACT8 : 0);
+            if (l->bias) rm = NULL;                     // the product, then its bias, then the residual (below)
             if (l->bits == 4 && l->kind != KIND_MXFP4)
                 q4_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->N, ym, ldy, scratch, lm, norm_w, eps,
                            rm, l->kind, l->ssup, l->zsup, l->per, l->high);
@@ -1366,6 +1368,13 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
             else
                 q8_gemv_ld(xm, rows, l->K, l->codes, l->scale, l->zero, l->group, l->N, ym, ldy, scratch, lm,
                            norm_w, eps, rm, l->kind, l->ssup, l->zsup, l->per);
+            if (l->bias)                                // the Python path's order: y += bias, then y += residual
+                for (int m = 0; m < rows; m++)
+                    for (int n = 0; n < l->N; n++) {
+                        float *o = ym + (size_t)m * ldy + n;
+                        *o += l->bias[n];
+                        if (resid) *o += resid[(size_t)(m0 + m) * l->N + n];
+                    }
         }
     }
 }
@@ -1416,9 +1425,8 @@ typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
 // layer's output. Each layer runs exactly the calls a step through Python makes (q4_gemv / q8_gemv with
 // RMSNorm, SwiGLU and residual fused, decode_attend), in the same order, so the bits are the same; what
 // goes is the interpreter between them. Each layer attends through one group (a KV layout of the step): a group
-// either holds decode_attend's arguments for its sequences (rows, positions, RoPE rows; no sink logits: a model
-// with them never attends this way, see LayerSpec.fused_kernel_ok) and its layers' pages (kp[i], vp[i]; bf16[i]:
-// 16-bit), or an attend function called instead (the quantized-KV library's attend_quant_layer, or the caller's
+// either holds decode_attend's arguments for its sequences (rows, positions, RoPE rows) and its layers' pages (kp[i],
+// vp[i]; bf16[i]: 16-bit) and sink logits (sinks[i], gpt-oss's), or an attend function called instead (the quantized-KV library's attend_quant_layer, or the caller's
 // own through a callback) with the layer's index in the group. Gemma's sliding and global layers are two groups.
 // 0 on success, -1 when out of memory, -2 when an attend function failed, -3 when a linear's width does not chain
 // with H, Hq, Hkv and D (or D is past decode_attend's 256) or a layer's group is out of range, before anything runs.
@@ -1432,6 +1440,7 @@ typedef struct {
     const int *bf16;
     attend_fn attend;       // not NULL: called for the group's layers instead of decode_attend
     void *ctx;
+    const float *const *sinks;  // [layers] each layer's sink logits [Hq] or NULL (gpt-oss); NULL: no layer has them
 } attn_group_t;
 
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
@@ -1444,7 +1453,7 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
                   const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
                   const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx,
                   const int *cols, int mcols, float *mass) {
-    attn_group_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off, kp, vp, bf16, attend, ctx};
+    attn_group_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off, kp, vp, bf16, attend, ctx, NULL};
     return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, 1, &one, NULL, NULL, sm_scale, cols, mcols, mass);
 }
 
@@ -1506,7 +1515,8 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         } else {
             decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, g->cos, g->sin, g->scos,
                           g->ssin, g->n_sink, g->kp[i], g->vp[i], g->bf16[i], g->new_rows, g->rows, g->off, sm_scale,
-                          NULL, att, as, cols, mcols, mass ? mass + (size_t)l * B * Hq * mcols : NULL);
+                          g->sinks ? g->sinks[i] : NULL, att, as, cols, mcols,
+                          mass ? mass + (size_t)l * B * Hq * mcols : NULL);
         }
         if (L->post_attn) {                  // Gemma: o normed, then added
             lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, NULL);

@@ -1093,11 +1093,15 @@ class PageArrays:
     pages themselves are not kept (a reset must give them back): whoever keeps these checks that they did not move
     (pages.Component.moves) and holds the components."""
 
-    def __init__(self, pages: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, pages: list[tuple[torch.Tensor, torch.Tensor]], sink_logits: list | None = None):
         n = self.n = len(pages)
         self.kp = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in pages])
         self.vp = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in pages])
         self.bf = (ctypes.c_int * n)(*[int(k.dtype == torch.bfloat16) for k, _ in pages])
+        # each layer's sink logits [Hq] as the kernel reads them (kept here), or None where no layer has them
+        self._sinks = [None if s is None else s.to("cpu", torch.float32).contiguous() for s in sink_logits or ()]
+        self.sinks = None if not any(s is not None for s in self._sinks) else \
+            (ctypes.c_void_p * n)(*[_ptr(s) for s in self._sinks])
 
     def __len__(self) -> int:
         return self.n
@@ -1149,7 +1153,8 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
             assert n_sink.dtype == torch.int32 and rows.dtype == offsets.dtype == new_rows.dtype == torch.int64
             assert rows.is_contiguous() and offsets.is_contiguous() and new_rows.is_contiguous()
             structs.append(_AttnGroup(*[_ptr(t) for t in args], ctypes.addressof(pages.kp), ctypes.addressof(pages.vp),
-                                      ctypes.addressof(pages.bf), None, None))
+                                      ctypes.addressof(pages.bf), None, None,
+                                      None if pages.sinks is None else ctypes.addressof(pages.sinks)))
     margs = (None, 0, None)
     if mass is not None:
         assert mass.out.shape[:3] == (n, b, hq)
@@ -1172,7 +1177,7 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
 class _AttnGroup(ctypes.Structure):
     """attn_group_t (cpu_quant.c): one group's way of attending in a step (decode_layers)."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("cos", "sin", "scos", "ssin", "n_sink", "new_rows", "rows",
-                                                     "off", "kp", "vp", "bf16", "attend", "ctx")]
+                                                     "off", "kp", "vp", "bf16", "attend", "ctx", "sinks")]
 
 
 def _callback(attend, b: int, hq: int, d: int, table: ctypes.Array, failure: list, keep: list):

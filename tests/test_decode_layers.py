@@ -206,3 +206,30 @@ def test_the_one_call_step_follows_the_pages_when_they_move(ggufs):
     assert moved[0] > 0, "the pages never moved during the one-call steps"
     assert torch.equal(results[0], results[1]), (results[0] - results[1]).abs().max().item()
 
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "MXFP4"])
+def test_gpt_oss_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qtype):
+    """gpt-oss's biases (q | k | v and o: the product, then the bias, then the residual, as fused() adds them), sink
+    logits and sliding / full layers (two KV groups): the one-call step gives the layer path's bits, one sequence or
+    three, past the window, over full-precision pages (the sinks read inside decode_attend) and int8 ones (the
+    QuantStep's)."""
+    from kvchat.bench.gguf_writer import ModelShape
+    shape = ModelShape("tiny-gpt-oss", 4, 256, 4, 2, 256, 64, 2048, 150000.0, False, arch="gpt-oss", window=16,
+                       experts=4, experts_used=2, expert_ffn=256, biases=True, sinks=True, yarn=(32.0, 4096))
+    engine = Engine.load(EngineConfig(model=str(write_random_gguf(tmp_path / "oss.gguf", shape, qtype, seed=3))))
+    model = engine.model
+    assert model.kernel_layers() is not None and any(L.qkv.bias is not None for L in model.layers)
+    assert all(s.sink_logits for s in model.config.layers)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (21, 5, 40)]
+    cpu_quant.kv_kernels_ready(wait=True)
+    for cache in (CacheConfig(k_format="bf16", v_format="bf16"),
+                  CacheConfig(k_format="fp32", v_format="fp32", block_size=16),
+                  CacheConfig(k_format="int8", v_format="int8", block_size=16)):
+        for group in ((prompts,) if cache.k_format == "int8" else (prompts[:1], prompts)):
+            paths = []
+            a = _decode(engine, cache, group, 24, fused=True, paths=paths)
+            b = _decode(engine, cache, group, 24, fused=False)
+            assert torch.equal(a, b), (qtype, cache, len(group), (a - b).abs().max().item())
+            assert set(paths) == ({"quant"} if cache.k_format == "int8" else {"kernel"}), paths

@@ -22,6 +22,7 @@ from kvchat.engine.runtime import backends
 from kvchat.engine.runtime.attention import softmax_attention
 from kvchat.engine.runtime.backends import quant_pages
 from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores
+from kvchat.engine.runtime.backends.full_pages import FullPagesC
 from kvchat.engine.runtime.backends.quant_pages import QuantPagesC, key_rope
 from kvchat.engine.runtime.runner import ModelRunner
 from kvchat.kernels import cpu_quant
@@ -455,20 +456,30 @@ def test_vanishing_sink_logits_give_todays_logits(models, monkeypatch, backend, 
 
 
 @needs_c
-def test_the_one_call_step_is_refused_with_sink_logits_and_the_layers_run_it(models, monkeypatch):
-    """Packed weights (the one-call C step covers the model): with sink logits FullPagesC gives the one-call step no
-    group, and each layer attends through decode_attend with them (checked against the reference)."""
+def test_the_one_call_step_reads_sink_logits_over_full_precision_pages(models, monkeypatch):
+    """Packed weights over fp32 pages: decode steps in one call, each layer's sink logits read inside decode_layers
+    (the group's PageArrays carry them), give the logits of the same steps attended layer by layer through
+    decode_attend (each checked against the reference)."""
     engine = engine_of(models, "llama", "int8")
     assert engine.model.kernel_layers() is not None
     g = torch.Generator().manual_seed(9)
     sinks = [sinks_of(g) for _ in engine.model.layers]
+    cache, ids = CacheConfig(k_format="fp32", v_format="fp32"), random_ids(engine, 60, seed=5)
+    groups = []
+    real = FullPagesC.one_call_group
+
+    def kept(self, *args):
+        groups.append(real(self, *args))
+        return groups[-1]
+    monkeypatch.setattr(FullPagesC, "one_call_group", kept)
+    one_call = drive(runner_with(engine, sinks), cache, ids)
+    assert groups and all(grp is not None and grp[0].sinks is not None for grp in groups)
+    monkeypatch.setattr(FullPagesC, "one_call_group", AttentionBackend.one_call_group)
     check = Checked(monkeypatch, sinks)
-    runner = runner_with(engine, sinks)
-    drive(runner, CacheConfig(k_format="fp32", v_format="fp32"), random_ids(engine, 60, seed=5))
+    by_layer = drive(runner_with(engine, sinks), cache, ids)
     assert max(check.errors) < 1e-4 and check.backends == {"FullPagesC"}
     assert check.calls["decode_attend"] >= 4 * len(sinks)
-    backend = next(iter(runner._backends.values()))
-    assert backend.one_call_group([], None, HQ, None) is None
+    assert all(torch.equal(a, b) for a, b in zip(one_call, by_layer))
 
 
 @needs_kv

@@ -49,10 +49,13 @@ def expert_views(linear, count: int) -> list:
 
 
 def _router_part(router) -> list | None:
-    """The router as moe_layer_rows reads it: packed, or float32 rows (bits 32), as a GGUF keeps ffn_gate_inp."""
+    """The router as moe_layer_rows reads it: packed, or float32 rows (bits 32), as a GGUF keeps ffn_gate_inp; its
+    bias is the table's router_bias, none of its own."""
+    if getattr(router, "bias", None) is not None:
+        return None
     if isinstance(router, DenseLinear):
         w = router.weight
-        if w.dtype != torch.float32 or w.device.type != "cpu" or router.bias is not None:
+        if w.dtype != torch.float32 or w.device.type != "cpu":
             return None
         return [cpu_quant.QLin(w.data_ptr(), None, None, None, None, 32, 0, 1, 32, w.shape[0], w.shape[1], 16)]
     return router.kernel_parts()
@@ -110,8 +113,10 @@ class RoutedMLP:
         decode_layers' layer table; None where the router or an expert is of a kind the kernels do not read."""
         if not self._table_checked:
             self._table_checked = True
+            own_bias = [getattr(lin, "bias", None) is not None for g in (self.gate, self.up, self.down) for lin in g]
             groups = [[_router_part(self.router)]] + [[lin.kernel_parts() for lin in group]
                                                       for group in (self.gate, self.up, self.down)]
+            groups = groups if not any(own_bias) else [[None]]      # the experts' biases are the table's
             if cpu_quant.available() and self.spec.activation != "gelu_tanh" and self.router_scale is None \
                     and all(p is not None and len(p) == 1 for group in groups for p in group):
                 s = self.spec

@@ -91,6 +91,22 @@ class _Fused:
         return None
 
 
+def _biased(parts: list, bias: torch.Tensor | None) -> list | None:
+    """A packed linear's kernel parts with its bias, each part its columns' share, which lin_apply adds as fused()
+    does: the product, then the bias, then any residual. None where the kernel cannot read the bias (float32 [N]
+    contiguous on the CPU)."""
+    if bias is None:
+        return parts
+    if bias.dtype != torch.float32 or bias.device.type != "cpu" or not bias.is_contiguous() \
+            or bias.shape != (sum(p.N for p in parts),):
+        return None
+    col = 0
+    for p in parts:
+        p.bias = bias[col:].data_ptr()
+        col += p.N
+    return parts
+
+
 class DenseLinear(_Fused):
     """y = x @ W^T (+ b); W kept in its own dtype (fp32, bf16 or fp16)."""
 
@@ -334,7 +350,7 @@ class Q4Linear(_Packed):
         return Q4Linear(self.codes[ids], self.scales.index(ids), bias=_cut(self.bias, ids))
 
     def kernel_parts(self):
-        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 4, act=self.act_bits)]
+        return _biased([cpu_quant.qlin(self.codes, self.scales, 4, act=self.act_bits)], self.bias)
 
     def _rows_ref(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_quant.q4_dequant_ref(self.codes[ids], self.scales.index(ids))
@@ -388,11 +404,12 @@ class MXFP4Linear(_Packed):
 
     def kernel_parts(self):
         """As lin_apply reads it (decode_layers, moe_layer_rows): bits 4 of kind KIND_MXFP4, the exponents as its
-        scale; None with a bias (the kernels add none)."""
-        if self.bias is not None or self.codes.device.type != "cpu":
+        scale."""
+        if self.codes.device.type != "cpu":
             return None
-        return [cpu_quant.QLin(self.codes.data_ptr(), self.e8m0.data_ptr(), None, None, None, 4, self.KERNEL_KIND, 1,
-                               32, self.out_features, self.in_features, self.act_bits)]
+        return _biased([cpu_quant.QLin(self.codes.data_ptr(), self.e8m0.data_ptr(), None, None, None, 4,
+                                       self.KERNEL_KIND, 1, 32, self.out_features, self.in_features, self.act_bits)],
+                       self.bias)
 
     def _gpu(self, x, norm, eps, swiglu, residual) -> torch.Tensor:
         """The Triton dequantize-and-multiply kernels (triton_matmul.mxfp4_matmul); the rest as _Packed._gpu."""
@@ -452,8 +469,7 @@ class Q8Linear(_Packed):
         return Q8Linear(self.codes[ids], self.scales.index(ids), bias=_cut(self.bias, ids))
 
     def kernel_parts(self):
-        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 8, self.group,
-                                                                  act=self.act_bits)]
+        return _biased([cpu_quant.qlin(self.codes, self.scales, 8, self.group, act=self.act_bits)], self.bias)
 
     def _dequant_rows(self, lo, hi, out=None, dtype=torch.float32):
         if not cpu_quant.available():
@@ -495,8 +511,7 @@ class Q6Linear(_Packed):
         return Q6Linear(self.codes[ids], self.high[ids], self.scales.index(ids), _cut(self.bias, ids))
 
     def kernel_parts(self):
-        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 6, 16, act=self.act_bits,
-                                                                  high=self.high)]
+        return _biased([cpu_quant.qlin(self.codes, self.scales, 6, 16, act=self.act_bits, high=self.high)], self.bias)
 
     def _dequant_rows(self, lo, hi, out=None, dtype=torch.float32):
         if not cpu_quant.available() or self.codes.device.type != "cpu":
@@ -592,8 +607,7 @@ class Q5Linear(_Packed):
         return Q5Linear(self.codes[ids], self.high[ids], self.scales.index(ids), _cut(self.bias, ids))
 
     def kernel_parts(self):
-        return None if self.bias is not None else [cpu_quant.qlin(self.codes, self.scales, 4, act=self.act_bits,
-                                                                  high=self.high)]
+        return _biased([cpu_quant.qlin(self.codes, self.scales, 4, act=self.act_bits, high=self.high)], self.bias)
 
     def _rows_ref(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_quant.q4_dequant_ref(self.codes[ids], self.scales.index(ids), high=self.high[ids])
@@ -647,18 +661,21 @@ class ConcatLinear(_Fused):
         return y + self.bias if self.bias is not None else y
 
     def fused(self, x, norm=None, eps=0.0, swiglu=False, residual=None, split=None, act="silu"):
-        if self.bias is not None or not all(isinstance(p, _Packed) for p in self.parts):
+        if not all(isinstance(p, _Packed) for p in self.parts):
             return super().fused(x, norm, eps, swiglu, residual, split, act)
-        # packed parts each take the norm / SwiGLU themselves (inside the kernel for decode rows), as
-        # decode_layers does: the two paths give the same bits
+        # packed parts each take the norm / SwiGLU themselves (inside the kernel for decode rows), then the bias,
+        # then the residual, as decode_layers does: the two paths give the same bits
         y = torch.cat([p.fused(x, norm=norm, eps=eps, swiglu=swiglu, split=split, act=act) for p in self.parts], -1)
+        if self.bias is not None:
+            y = y + self.bias
         return y if residual is None else residual + y
 
     def kernel_parts(self):
         parts = [p.kernel_parts() for p in self.parts]
-        if self.bias is not None or len(parts) > 3 or any(p is None for p in parts):
+        if len(parts) > 3 or any(p is None for p in parts) or (self.bias is not None and any(p.bias for q in parts
+                                                                                            for p in q)):
             return None
-        return [q for p in parts for q in p]
+        return _biased([q for p in parts for q in p], self.bias)
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts], 0)

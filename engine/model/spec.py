@@ -252,10 +252,6 @@ class LayerSpec:
         return self.linear is None and self.kv_source is None
 
     @property
-    def has_bias(self) -> bool:
-        return self.qkv_bias or self.o_bias or self.mlp_bias
-
-    @property
     def plain_qk_rows(self) -> bool:
         """Whether q and k are plain rows of the layer's projection, q's heads then k's (no output gate between, no
         other layer's KV, no values made from keys): where a partial rotation's order can be the weights' own."""
@@ -266,15 +262,15 @@ class LayerSpec:
     def fused_kernel_ok(self) -> bool:
         """Whether the one-call C step (kernels/cpu_quant.c: decode_layers) computes this layer: RMSNorm before
         attention and MLP (Gemma's (1 + w) is in the loaded weights), Qwen3's and Gemma's q/k norms, Gemma's post-norms
-        and GELU-tanh gate with a dense MLP, SwiGLU, no soft-cap, no bias, no sink logits; a
-        sliding window is the attention's (the callback's, or the caller's rows of a one-layout step); a partial
-        rotation where its order is the weights' own (plain_qk_rows: Transformer takes the rows so); a routed MLP
-        (experts) of any kind the description has (kernels/cpu_moe.h). Its weights must be packed too, which the
+        and GELU-tanh gate with a dense MLP, SwiGLU, no soft-cap; biases (lin_apply adds them) and sink logits (the
+        attention's), as gpt-oss has; a sliding window is the attention's (the callback's, or the caller's rows of a
+        one-layout step); a partial rotation where its order is the weights' own (plain_qk_rows: Transformer takes the
+        rows so); a routed MLP (experts) of any kind the description has (kernels/cpu_moe.h). Its weights must be packed too, which the
         linears say (kernel_parts)."""
         return (self.activation in ("silu", "gelu_tanh") and (self.experts is None or self.activation == "silu")
                 and (not self.post_norms or self.experts is None)
                 and (self.rope.dims is None or self.plain_qk_rows) and self.attn_softcap is None
-                and not self.has_bias and not self.sink_logits and self.linear is None and not self.attn_gate
+                and self.linear is None and not self.attn_gate
                 and (self.experts is None or not (self.experts.shared_ffn or self.experts.beside_dense
                                                   or self.experts.activation == "gelu_tanh"))
                 and self.head_dim is None

@@ -326,7 +326,7 @@ class Transformer:
 
     def kernel_layers(self):
         """The decoder layers as one table for cpu_quant.decode_layers (built once), or None where that kernel
-        does not cover this model: weights not all packed, biases, 16-bit activations, another device."""
+        does not cover this model: weights not all packed, a bias it cannot read, 16-bit activations, another device."""
         if not self._kernel_checked:
             self._kernel_checked = True
             if self.device == "cpu" and not kernels.gpu_path(self.device) and self.dtype == torch.float32 \

@@ -110,7 +110,7 @@ def kernel_covers(comps: Pages, num_heads: int) -> bool:
 class FullPagesC(FullPagesTorch):
     """Layers without soft-caps (backend_for). decode_attend rotates, stores and attends one-token decodes in one call
     per layer (a sequence's result does not depend on the others in the group); the layers attend inside the
-    one-call step (decode_layers) where they have no sink logits."""
+    one-call step (decode_layers), sink logits included."""
     name = "full-pages-c"
     _page_arrays: tuple[int, cpu_quant.PageArrays] | None = None    # (Component.moves when built, decode_layers' pages)
 
@@ -139,12 +139,10 @@ class FullPagesC(FullPagesTorch):
         return out
 
     def one_call_group(self, steps, grp: DecodeGroup, num_heads, mass):
-        if any(s.sink_logits is not None for s in self.scores):
-            return None     # decode_layers takes no sink logits (LayerSpec.fused_kernel_ok): the layers call back
         kept = self._page_arrays
         if kept is None or kept[0] != Component.moves:      # built again only once any pages moved
             kept = self._page_arrays = (Component.moves, cpu_quant.PageArrays(
-                [(kc.flat_pages(), vc.flat_pages()) for kc, vc in self.comps]))
+                [(kc.flat_pages(), vc.flat_pages()) for kc, vc in self.comps], [s.sink_logits for s in self.scores]))
         return kept[1], grp.args()
 
 
