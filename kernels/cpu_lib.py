@@ -412,8 +412,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.mxfp4_gemv.argtypes = [P, I, I, P, P, I, P, P, I, P, F, P]
     lib.mxfp4_dequant.argtypes = lib.mxfp4_dequant_bf16.argtypes = [P, P, I, I, P]
     lib.attn_decode_rot.argtypes = [P, P, I, I, I, I, P, P, I, P, I, F, P, P]
-    lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, P, P, P, P, I, P]
-    lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, P, P, P, P, I, P]
+    lib.attn_decode_batch.argtypes = [I, P, P, P, I, I, I, P, P, I, P, P, F, F, P, P, P, P, I, P]
+    lib.decode_attend.argtypes = [I, P, P, P, I, I, I, I, I, I, P, P, P, P, P, P, P, I, P, P, P, F, F, P, P, P, P, I, P]
     for f in (lib.q4_gemv, lib.q8_gemv, lib.q4_dequant, lib.q8_dequant, lib.q4_dequant_bf16, lib.q8_dequant_bf16,
               lib.q6k_gemv, lib.q6k_dequant, lib.q6k_dequant_bf16,
               lib.mxfp4_gemv, lib.mxfp4_dequant, lib.mxfp4_dequant_bf16,

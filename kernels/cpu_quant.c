@@ -1123,10 +1123,11 @@ static void row_scores(const float *q, const char *krow, int bf16, int Hkv, int 
 }
 #endif
 
-// One span [lo, hi) of one sequence's rows: scores, their exp (sum and max kept), and the weighted V sum,
-// into part (Hq x (D + 2): the sum over the span, then its max and its exp-sum).
+// One span [lo, hi) of one sequence's rows: scores (soft-capped where cap > 0: cap * tanh(s / cap), as attn_prompt
+// caps them), their exp (sum and max kept), and the weighted V sum, into part (Hq x (D + 2): the sum over the span,
+// then its max and its exp-sum).
 static void attn_span(const float *q, const float *qs, int n_sink, int Hq, int Hkv, int D, const void *kp,
-                      const void *vp, int bf16, const int64_t *rows, int L, float sm_scale, float *scores,
+                      const void *vp, int bf16, const int64_t *rows, int L, float sm_scale, float cap, float *scores,
                       float *part, int lo, int hi) {
     int g = Hq / Hkv;
     float buf[512];
@@ -1156,6 +1157,8 @@ static void attn_span(const float *q, const float *qs, int n_sink, int Hq, int H
     for (int i = 0; i < Hq; i++) {
         float *si = scores + (size_t)i * L, mx = -INFINITY, sum = 0.f;
         float *o = part + (size_t)i * (D + 2);
+        if (cap > 0.f)
+            for (int p = lo; p < hi; p++) si[p] = cap * tanhf(si[p] / cap);
         for (int p = lo; p < hi; p++) mx = si[p] > mx ? si[p] : mx;
         if (hi > lo) sum = exp_span(si, lo, hi, mx);
         o[D] = mx;
@@ -1173,12 +1176,13 @@ static inline int attn_spans(int L) { return L >= 256 ? 4 : L >= 64 ? 2 : 1; }
 // rows[off[b] : off[b + 1]]. Each sequence's rows are cut into 1, 2 or 4 spans by its own length only
 // and merged by log-sum-exp, so a sequence's output is the same bits whatever else is in the batch.
 // sink_logits [Hq] (NULL: none): the layer's learned sink logits, joining each head's softmax at the merge.
+// softcap > 0: the scores capped (Gemma 2), 0: as they are.
 // mass (NULL: not measured): [B, Hq, mcols], where each sequence's row put its attention (spans_mass), its rows'
 // columns at cols[off[b] : off[b + 1]].
 // scratch: sum over b of (Hq * L_b + 4 * Hq * (D + 2)) floats.
 void attn_decode_batch(int B, const float *q, const float *qs, const int *n_sink, int Hq, int Hkv, int D,
                        const void *kp, const void *vp, int bf16, const int64_t *rows, const int64_t *off,
-                       float sm_scale, const float *sink_logits, float *out, float *scratch,
+                       float sm_scale, float softcap, const float *sink_logits, float *out, float *scratch,
                        const int *cols, int mcols, float *mass) {
     int total = 0;
     for (int b = 0; b < B; b++) total += attn_spans((int)(off[b + 1] - off[b]));
@@ -1192,7 +1196,7 @@ void attn_decode_batch(int B, const float *q, const float *qs, const int *n_sink
         float *scores = scratch + base, *part = scores + (size_t)Hq * L + (size_t)c * Hq * (D + 2);
         int lo = (int)((long)L * c / S), hi = (int)((long)L * (c + 1) / S);
         attn_span(q + (size_t)b * Hq * D, qs + (size_t)b * Hq * D, n_sink[b], Hq, Hkv, D, kp, vp, bf16,
-                  rows + off[b], L, sm_scale, scores, part, lo, hi);
+                  rows + off[b], L, sm_scale, softcap, scores, part, lo, hi);
     }
     size_t base = 0;
     for (int b = 0; b < B; b++) {
@@ -1210,8 +1214,8 @@ void attn_decode_rot(const float *q, const float *qs, int n_sink, int Hq, int Hk
                      float sm_scale, float *out, float *scratch) {
     // one sequence: the batch of one
     int64_t off[2] = {0, L};
-    attn_decode_batch(1, q, qs, &n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, NULL, out, scratch, NULL, 0,
-                      NULL);
+    attn_decode_batch(1, q, qs, &n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, 0.f, NULL, out, scratch, NULL,
+                      0, NULL);
 }
 
 #include "cpu_prompt_attn.h"  // prompt rows over full-precision pages (attn_prompt)
@@ -1229,14 +1233,15 @@ static inline void rope_full(const float *x, const float *c, const float *s, int
 // positions (cos, sin [B, D]; scos, ssin the sinks' view of the query, or NULL when no sequence has
 // sinks), the rotated key and the value are written to page rows new_rows[b] (fp32 or bf16 pages), and
 // each sequence attends over its rows rows[off[b] : off[b + 1]] (the new row last), with the layer's sink
-// logits [Hq] or NULL, and mass as attn_decode_batch's (cols, mcols, mass: NULL, 0, NULL not measured). out: [B, Hq, D].
+// logits [Hq] or NULL, the soft-cap (0: none) and mass as attn_decode_batch's (cols, mcols, mass: NULL, 0, NULL not
+// measured). out: [B, Hq, D].
 // Everything a sequence gets depends on that sequence only: the same bits alone or in any batch.
 // scratch: 2 * B * Hq * D + (sum of Hq * L_b + 4 * Hq * (D + 2)) floats.
 void decode_attend(int B, const float *q, const float *k, const float *v, int ldq, int ldk, int ldv, int Hq, int Hkv, int D,
                    const float *cos, const float *sin, const float *scos, const float *ssin, const int *n_sink,
                    void *kp, void *vp, int bf16, const int64_t *new_rows, const int64_t *rows, const int64_t *off,
-                   float sm_scale, const float *sink_logits, float *out, float *scratch, const int *cols, int mcols,
-                   float *mass) {
+                   float sm_scale, float softcap, const float *sink_logits, float *out, float *scratch, const int *cols,
+                   int mcols, float *mass) {
     float *qr = scratch, *qs = scratch + (size_t)B * Hq * D;
     float kbuf[512];
     for (int b = 0; b < B; b++) {
@@ -1260,8 +1265,8 @@ void decode_attend(int B, const float *q, const float *k, const float *v, int ld
             }
         }
     }
-    attn_decode_batch(B, qr, scos ? qs : qr, n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, sink_logits, out,
-                      scratch + 2 * (size_t)B * Hq * D, cols, mcols, mass);
+    attn_decode_batch(B, qr, scos ? qs : qr, n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, softcap, sink_logits,
+                      out, scratch + 2 * (size_t)B * Hq * D, cols, mcols, mass);
 }
 
 // ---- a whole decode step of the decoder layers in one call -------------------------------------------
@@ -1441,6 +1446,7 @@ typedef struct {
     attend_fn attend;       // not NULL: called for the group's layers instead of decode_attend
     void *ctx;
     const float *const *sinks;  // [layers] each layer's sink logits [Hq] or NULL (gpt-oss); NULL: no layer has them
+    float softcap;              // the group's layers' soft-cap of their scores (Gemma 2), 0: none
 } attn_group_t;
 
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
@@ -1453,7 +1459,7 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
                   const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
                   const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx,
                   const int *cols, int mcols, float *mass) {
-    attn_group_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off, kp, vp, bf16, attend, ctx, NULL};
+    attn_group_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off, kp, vp, bf16, attend, ctx, NULL, 0.f};
     return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, 1, &one, NULL, NULL, sm_scale, cols, mcols, mass);
 }
 
@@ -1515,7 +1521,7 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         } else {
             decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, g->cos, g->sin, g->scos,
                           g->ssin, g->n_sink, g->kp[i], g->vp[i], g->bf16[i], g->new_rows, g->rows, g->off, sm_scale,
-                          g->sinks ? g->sinks[i] : NULL, att, as, cols, mcols,
+                          g->softcap, g->sinks ? g->sinks[i] : NULL, att, as, cols, mcols,
                           mass ? mass + (size_t)l * B * Hq * mcols : NULL);
         }
         if (L->post_attn) {                  // Gemma: o normed, then added

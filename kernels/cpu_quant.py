@@ -454,11 +454,13 @@ def attn_decode(q, q_sink, n_sink: int, k_pages, v_pages, rows, sm_scale: float)
 
 
 def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, offsets, sm_scale: float,
-                      sink_logits: torch.Tensor | None = None, mass: Mass | None = None) -> torch.Tensor:
+                      sink_logits: torch.Tensor | None = None, mass: Mass | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """B sequences' decode attention in one call: q, q_sink [B, Hq, D] fp32 rotated; n_sink [B] int32; rows the
     sequences' page rows one after another, sequence b's at rows[offsets[b]:offsets[b + 1]] (int64); sink_logits
-    [Hq] the layer's learned sink logits or None -> [B, Hq, D], each sequence's bits equal to attn_decode on it
-    alone. mass: where to measure each row's attention (Mass), or None."""
+    [Hq] the layer's learned sink logits or None; softcap: cap * tanh(score / cap) (Gemma 2) or None -> [B, Hq, D],
+    each sequence's bits equal to attn_decode on it alone. mass: where to measure each row's attention (Mass), or
+    None."""
     b, hq, d = q.shape
     hkv = k_pages.shape[-2]
     out = torch.empty(b, hq, d)
@@ -466,7 +468,8 @@ def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, o
     sink_logits = _sink_logits(sink_logits, hq)
     _lib.attn_decode_batch(b, q.data_ptr(), q_sink.data_ptr(), n_sink.data_ptr(), hq, hkv, d, k_pages.data_ptr(),
                            v_pages.data_ptr(), int(k_pages.dtype == torch.bfloat16), rows.data_ptr(),
-                           offsets.data_ptr(), float(sm_scale), _ptr(sink_logits), out.data_ptr(), scratch.data_ptr(),
+                           offsets.data_ptr(), float(sm_scale), float(softcap or 0.0), _ptr(sink_logits),
+                           out.data_ptr(), scratch.data_ptr(),
                            *Mass.args(mass, rows.shape[0], b, hq))
     return out
 
@@ -567,13 +570,14 @@ def _sink_logits(sink_logits: torch.Tensor | None, hq: int) -> torch.Tensor | No
 
 
 def decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, v_pages, new_rows, rows, offsets,
-                  sm_scale: float, sink_logits: torch.Tensor | None = None, mass: Mass | None = None) -> torch.Tensor:
+                  sm_scale: float, sink_logits: torch.Tensor | None = None, mass: Mass | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """B sequences' one new token each, from projections to attention output, in one call.
 
     q [B, Hq, D], k, v [B, Hkv, D] fp32 with contiguous rows (views of one qkv matmul's columns do), keys
     before RoPE; cos, sin [B, D] at the new tokens' positions; sink_cos, sink_sin [B, D] or None; n_sink [B]
     int32; k_pages, v_pages [R, Hkv, D] fp32 or bf16, written at new_rows [B]; rows / offsets and sink_logits as
-    for attn_decode_batch (each sequence's new row included, last), and mass -> [B, Hq, D]."""
+    for attn_decode_batch (each sequence's new row included, last), softcap and mass -> [B, Hq, D]."""
     b, hq, d = q.shape
     hkv = k_pages.shape[-2]
     for t in (q, k, v):
@@ -585,7 +589,7 @@ def decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, k_pages, v_page
     _lib.decode_attend(b, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0), hq, hkv, d,
                        cos.data_ptr(), sin.data_ptr(), _ptr(sink_cos), _ptr(sink_sin), n_sink.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
                        int(k_pages.dtype == torch.bfloat16), new_rows.data_ptr(), rows.data_ptr(), offsets.data_ptr(),
-                       float(sm_scale), _ptr(sink_logits), out.data_ptr(), scratch.data_ptr(),
+                       float(sm_scale), float(softcap or 0.0), _ptr(sink_logits), out.data_ptr(), scratch.data_ptr(),
                        *Mass.args(mass, rows.shape[0], b, hq))
     return out
 
@@ -1088,12 +1092,14 @@ class QuantStep:
 
 
 class PageArrays:
-    """decode_layers' page arguments: every layer's K and V page addresses and whether they are bf16, built once for
+    """decode_layers' page arguments: every layer's K and V page addresses and whether they are bf16, its sink logits
+    (gpt-oss) and the layers' one soft-cap (Gemma 2), built once for
     as long as the pages stay where they are (a caller keeps them across steps: 0.1 ms of every step otherwise). The
     pages themselves are not kept (a reset must give them back): whoever keeps these checks that they did not move
     (pages.Component.moves) and holds the components."""
 
-    def __init__(self, pages: list[tuple[torch.Tensor, torch.Tensor]], sink_logits: list | None = None):
+    def __init__(self, pages: list[tuple[torch.Tensor, torch.Tensor]], sink_logits: list | None = None,
+                 softcap: float | None = None):
         n = self.n = len(pages)
         self.kp = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in pages])
         self.vp = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in pages])
@@ -1102,6 +1108,7 @@ class PageArrays:
         self._sinks = [None if s is None else s.to("cpu", torch.float32).contiguous() for s in sink_logits or ()]
         self.sinks = None if not any(s is not None for s in self._sinks) else \
             (ctypes.c_void_p * n)(*[_ptr(s) for s in self._sinks])
+        self.softcap = float(softcap or 0.0)      # every layer's soft-cap of its scores (Gemma 2), 0: none
 
     def __len__(self) -> int:
         return self.n
@@ -1154,7 +1161,7 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
             assert rows.is_contiguous() and offsets.is_contiguous() and new_rows.is_contiguous()
             structs.append(_AttnGroup(*[_ptr(t) for t in args], ctypes.addressof(pages.kp), ctypes.addressof(pages.vp),
                                       ctypes.addressof(pages.bf), None, None,
-                                      None if pages.sinks is None else ctypes.addressof(pages.sinks)))
+                                      None if pages.sinks is None else ctypes.addressof(pages.sinks), pages.softcap))
     margs = (None, 0, None)
     if mass is not None:
         assert mass.out.shape[:3] == (n, b, hq)
@@ -1177,7 +1184,8 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
 class _AttnGroup(ctypes.Structure):
     """attn_group_t (cpu_quant.c): one group's way of attending in a step (decode_layers)."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("cos", "sin", "scos", "ssin", "n_sink", "new_rows", "rows",
-                                                     "off", "kp", "vp", "bf16", "attend", "ctx", "sinks")]
+                                                     "off", "kp", "vp", "bf16", "attend", "ctx", "sinks")] \
+        + [("softcap", ctypes.c_float)]
 
 
 def _callback(attend, b: int, hq: int, d: int, table: ctypes.Array, failure: list, keep: list):

@@ -154,6 +154,31 @@ def test_batched_decode_attention_equals_each_sequence_alone(dtype):
         assert torch.equal(out[b], alone), b
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_soft_caps_its_scores(dtype):
+    """Gemma 2's soft-cap inside the C decode attention: scores cap * tanh(s / cap) before the softmax, one span or
+    several, against a float64 reference; a cap past every score's reach leaves the bits of none."""
+    g = torch.Generator().manual_seed(8)
+    hq, hkv, d, cap = 4, 2, 64, 5.0
+    k_pages = torch.randn(700, hkv, d, generator=g).to(dtype)
+    v_pages = torch.randn(700, hkv, d, generator=g).to(dtype)
+    lengths = [1, 70, 300]
+    rows = [torch.randperm(700, generator=g)[:n] for n in lengths]
+    q = torch.randn(3, hq, d, generator=g) * 4                  # scores of +-10 and more: the cap bends them
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    args = (q, q, torch.zeros(3, dtype=torch.int32), k_pages, v_pages, torch.cat(rows), offsets, d ** -0.5)
+    out = cq.attn_decode_batch(*args, softcap=cap)
+    for b in range(3):
+        k = k_pages[rows[b]].double().repeat_interleave(hq // hkv, 1)         # [n, hq, d]
+        v = v_pages[rows[b]].double().repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].double(), k) * d ** -0.5
+        want = torch.einsum("hn,nhd->hd", torch.softmax(cap * torch.tanh(s / cap), -1), v)
+        assert torch.allclose(out[b].double(), want, atol=1e-5, rtol=1e-4), b
+        plain = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v)
+        assert not torch.allclose(out[b].double(), plain, atol=1e-3) or lengths[b] == 1
+    assert torch.equal(cq.attn_decode_batch(*args, softcap=None), cq.attn_decode_batch(*args))
+
+
 def test_half_scales_read_like_float_scales():
     """float16 scales and zeros (kept where the file's values are exactly float16) give the float32 results."""
     codes, scale, zero = _q4(96, 256)

@@ -233,3 +233,39 @@ def test_gpt_oss_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qt
             b = _decode(engine, cache, group, 24, fused=False)
             assert torch.equal(a, b), (qtype, cache, len(group), (a - b).abs().max().item())
             assert set(paths) == ({"quant"} if cache.k_format == "int8" else {"kernel"}), paths
+
+
+def test_gemma2_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, monkeypatch):
+    """Gemma 2's soft-capped scores (cap * tanh(s / cap) inside the C decode attention), post-norms, GELU and sliding
+    layers: the one-call step gives the layer path's bits over full-precision pages, one sequence or three, past the
+    window, and the torch attention's logits within 2e-3 of the largest (a cap of 2 bends every score); over int8 pages (whose
+    C attention takes no soft-cap) every layer's attention calls back, the same bits."""
+    from kvchat.bench.gguf_hf import write_gguf_from_hf
+    from kvchat.engine.runtime.backends.base import AttentionBackend
+    from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch
+    from tiny_models import tiny_family_dir
+    folder = tiny_family_dir(tmp_path / "g2", "gemma2", query_pre_attn_scalar=32,     # what a GGUF can say
+                             attn_logit_softcapping=2.0)
+    path = write_gguf_from_hf(folder, tmp_path / "g2.gguf", "Q4_K_M")
+    engine = Engine.load(EngineConfig(model=str(path)))
+    assert engine.model.kernel_layers() is not None
+    assert all(s.attn_softcap for s in engine.model.config.layers)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (21, 5, 40)]
+    cpu_quant.kv_kernels_ready(wait=True)
+    for cache in (CacheConfig(k_format="bf16", v_format="bf16"),
+                  CacheConfig(k_format="fp32", v_format="fp32", block_size=16),
+                  CacheConfig(k_format="int8", v_format="int8", block_size=16)):
+        for group in ((prompts,) if cache.k_format == "int8" else (prompts[:1], prompts)):
+            paths = []
+            a = _decode(engine, cache, group, 24, fused=True, paths=paths)
+            b = _decode(engine, cache, group, 24, fused=False)
+            assert torch.equal(a, b), (cache, len(group), (a - b).abs().max().item())
+            assert set(paths) == ({"callback"} if cache.k_format == "int8" else {"kernel"}), paths
+            if cache.k_format == "fp32" and len(group) == 3:
+                with monkeypatch.context() as m:        # the same steps with FullPagesTorch's attention
+                    m.setattr(FullPagesC, "attend", FullPagesTorch.attend)
+                    for name in ("prepare_decodes", "attend_decodes", "one_call_group"):
+                        m.setattr(FullPagesC, name, getattr(AttentionBackend, name))
+                    t = _decode(engine, cache, group, 24, fused=False)
+                assert (a - t).abs().max() <= 2e-3 * t.abs().max(), (a - t).abs().max().item()

@@ -90,11 +90,12 @@ def test_dense_forward_matches_transformers(tmp_path, case):
     assert err <= 1e-3 * theirs.abs().max().item(), (case, err)
     # the one-call C step computes Phi-3's layer without a window (LongRoPE's short factors are a rope table, its
     # attention factor one query scale for every layer), Qwen3's (the Llama layer plus qk_norm_rows) and Gemma 3's
-    # (post-norms and GELU in C, its sliding and global layers' attention called back) and gpt-oss's (biases in
-    # lin_apply, sink logits in the attention); the one-shot path neither windows nor biases nor sinks
+    # (post-norms and GELU in C, its sliding and global layers' attention called back), Gemma 2's (its soft-capped
+    # scores in the C attention) and gpt-oss's (biases in lin_apply, sink logits in the attention); the one-shot path
+    # neither windows nor caps nor biases nor sinks
     assert model.config.fused_kernel_ok == (case in ("phi3", "phi3-longrope", "qwen3", "qwen3_moe", "qwen3_moe-normalized",
-                                                     "mixtral", "gemma3", "gpt_oss"))
-    assert model.config.one_table_ok == (model.config.fused_kernel_ok and case not in ("gemma3", "gpt_oss"))
+                                                     "mixtral", "gemma3", "gemma2", "gpt_oss"))
+    assert model.config.one_table_ok == (model.config.fused_kernel_ok and case not in ("gemma3", "gemma2", "gpt_oss"))
 
 
 @pytest.mark.parametrize("case", list(CASES))

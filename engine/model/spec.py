@@ -262,14 +262,14 @@ class LayerSpec:
     def fused_kernel_ok(self) -> bool:
         """Whether the one-call C step (kernels/cpu_quant.c: decode_layers) computes this layer: RMSNorm before
         attention and MLP (Gemma's (1 + w) is in the loaded weights), Qwen3's and Gemma's q/k norms, Gemma's post-norms
-        and GELU-tanh gate with a dense MLP, SwiGLU, no soft-cap; biases (lin_apply adds them) and sink logits (the
-        attention's), as gpt-oss has; a sliding window is the attention's (the callback's, or the caller's rows of a
-        one-layout step); a partial rotation where its order is the weights' own (plain_qk_rows: Transformer takes the
-        rows so); a routed MLP (experts) of any kind the description has (kernels/cpu_moe.h). Its weights must be packed too, which the
-        linears say (kernel_parts)."""
+        and GELU-tanh gate with a dense MLP, SwiGLU; Gemma 2's soft-capped scores, biases (lin_apply adds them) and
+        sink logits (gpt-oss's), the last two the attention's; a sliding window is the attention's (the callback's, or
+        the caller's rows of a one-layout step); a partial rotation where its order is the weights' own (plain_qk_rows:
+        Transformer takes the rows so); a routed MLP (experts) of any kind the description has (kernels/cpu_moe.h).
+        Its weights must be packed too, which the linears say (kernel_parts)."""
         return (self.activation in ("silu", "gelu_tanh") and (self.experts is None or self.activation == "silu")
                 and (not self.post_norms or self.experts is None)
-                and (self.rope.dims is None or self.plain_qk_rows) and self.attn_softcap is None
+                and (self.rope.dims is None or self.plain_qk_rows)
                 and self.linear is None and not self.attn_gate
                 and (self.experts is None or not (self.experts.shared_ffn or self.experts.beside_dense
                                                   or self.experts.activation == "gelu_tanh"))

@@ -33,15 +33,15 @@ def choice_key(layout: KVLayout, device) -> tuple:
 def backend_for(layout: KVLayout, comps: Pages, device, num_heads: int,
                 scores: tuple[LayerScores, ...]) -> AttentionBackend:
     """The one backend for a layout's pages on a device: Triton on the GPU path; on the CPU, C where its kernels read
-    these pages, else torch. The C kernels take a layer's scale, not a soft-cap: a model with capped scores (Gemma 2)
-    attends through torch, chosen here once rather than layer by layer inside a backend."""
+    these pages, else torch. The quantized pages' C kernels take a layer's scale, not a soft-cap: quantized pages with
+    capped scores (Gemma 2) attend through torch, chosen here once rather than layer by layer inside a backend."""
     if kernels.gpu_path(device):              # CUDA (or its check on CPU tensors under triton's interpreter)
         from kvchat.engine.runtime.backends.triton_pages import FullPagesTriton, QuantPagesTriton
         kind = QuantPagesTriton if layout.quantized_components else FullPagesTriton
         return kind(layout, comps, num_heads, scores)
-    cpu = torch.device(device).type == "cpu" and all(s.softcap is None for s in scores)
+    cpu = torch.device(device).type == "cpu"
     if layout.quantized_components:
-        if cpu and any(kernel_reads(kc, vc) for kc, vc in comps):
+        if cpu and all(s.softcap is None for s in scores) and any(kernel_reads(kc, vc) for kc, vc in comps):
             return QuantPagesC(layout, comps, num_heads, scores)
         return QuantPagesTorch(layout, comps, num_heads, scores)
     if cpu and cpu_quant.available() and kernel_covers(comps, num_heads):

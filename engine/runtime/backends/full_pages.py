@@ -108,7 +108,7 @@ def kernel_covers(comps: Pages, num_heads: int) -> bool:
 
 
 class FullPagesC(FullPagesTorch):
-    """Layers without soft-caps (backend_for). decode_attend rotates, stores and attends one-token decodes in one call
+    """Full-precision pages on the CPU. decode_attend rotates, stores and attends one-token decodes in one call
     per layer (a sequence's result does not depend on the others in the group); the layers attend inside the
     one-call step (decode_layers), sink logits included."""
     name = "full-pages-c"
@@ -133,16 +133,21 @@ class FullPagesC(FullPagesTorch):
         cos, sin, sink_cos, sink_sin, n_sink, new_rows, rows, offsets = grp.args()
         mass, copies = (None, []) if watch is None else watch.kernel(steps)
         out = cpu_quant.decode_attend(q, k, v, cos, sin, sink_cos, sink_sin, n_sink, kc.flat_pages(), vc.flat_pages(),
-                                      new_rows, rows, offsets, scores.scale, sink_logits=scores.sink_logits, mass=mass)
+                                      new_rows, rows, offsets, scores.scale, sink_logits=scores.sink_logits, mass=mass,
+                                      softcap=scores.softcap)
         if copies:
             watch.done(mass, copies)
         return out
 
     def one_call_group(self, steps, grp: DecodeGroup, num_heads, mass):
+        caps = {s.softcap for s in self.scores}
+        if len(caps) > 1:
+            return None         # the call takes one soft-cap a group: layers capped apart attend through Python
         kept = self._page_arrays
         if kept is None or kept[0] != Component.moves:      # built again only once any pages moved
             kept = self._page_arrays = (Component.moves, cpu_quant.PageArrays(
-                [(kc.flat_pages(), vc.flat_pages()) for kc, vc in self.comps], [s.sink_logits for s in self.scores]))
+                [(kc.flat_pages(), vc.flat_pages()) for kc, vc in self.comps], [s.sink_logits for s in self.scores],
+                caps.pop()))
         return kept[1], grp.args()
 
 
