@@ -171,6 +171,10 @@ PRESETS = {
                              vocab=151936, rms_norm_eps=1e-6),
     "gemma-3-1b": ModelShape("gemma-3-1b", 26, 1152, 4, 1, 6912, 256, 32768, 1e6, True, arch="gemma3",
                              vocab=262144, window=512, rms_norm_eps=1e-6),
+    # google/gemma-2-2b: 26 layers of 2304, 8 / 4 heads of 256, every other layer sliding over 4,096, scores capped
+    # at 50 and logits at 30 (written as llama.cpp's converter writes them)
+    "gemma-2-2b": ModelShape("gemma-2-2b", 26, 2304, 8, 4, 9216, 256, 8192, 10000.0, True, arch="gemma2",
+                             vocab=256000, window=4096, rms_norm_eps=1e-6),
     # microsoft/Phi-4-mini-instruct's config.json: 32 layers of 3072, 24 / 8 heads of 128, three quarters rotated
     # (partial_rotary_factor 0.75), intermediate 8192, vocabulary 200,064, tied; written at its original context of
     # 4,096 without the LongRoPE factors (they change the angles, not the work a token costs)
@@ -654,6 +658,10 @@ def write_random_gguf(path: str | os.PathLike, shape: ModelShape | str, qtype: s
                              every=shape.full_every, shared_ffn=shape.shared_ffn, mtp=shape.mtp)
         if shape.window:
             writer.add_sliding_window(shape.window)
+        if shape.arch == "gemma2":
+            from kvchat.engine.model.gguf_arch import GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP
+            writer.add_attn_logit_softcapping(GEMMA2_ATTN_SOFTCAP)
+            writer.add_final_logit_softcapping(GEMMA2_FINAL_SOFTCAP)
         if shape.yarn:
             _add_yarn_keys(writer, *shape.yarn)
         writer.add_file_type(int(MIXES[qtype][2]))

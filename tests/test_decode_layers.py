@@ -269,3 +269,19 @@ def test_gemma2_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, mon
                         m.setattr(FullPagesC, name, getattr(AttentionBackend, name))
                     t = _decode(engine, cache, group, 24, fused=False)
                 assert (a - t).abs().max() <= 2e-3 * t.abs().max(), (a - t).abs().max().item()
+
+
+def test_qwen2_biases_run_in_the_one_call_step_with_the_same_bits(tmp_path):
+    """Qwen2's biased q, k and v (one packed linear, the bias added after the product as fused() adds it): the
+    one-call step gives the layer path's bits."""
+    from kvchat.bench.gguf_hf import write_gguf_from_hf
+    from tiny_models import tiny_model_dir
+    folder = tiny_model_dir(tmp_path / "q2", arch="qwen2", hidden=256, heads=4, kv_heads=2, intermediate=512)
+    engine = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "q2.gguf", "Q8_0"))))
+    assert engine.model.kernel_layers() is not None and engine.model.layers[0].qkv.bias is not None
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (21, 5)]
+    cache = CacheConfig(k_format="fp32", v_format="fp32")
+    paths = []
+    a = _decode(engine, cache, prompts, 12, fused=True, paths=paths)
+    assert torch.equal(a, _decode(engine, cache, prompts, 12, fused=False)) and set(paths) == {"kernel"}
