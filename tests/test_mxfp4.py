@@ -147,6 +147,22 @@ def test_c_gemv_matches_the_reference_for_1_to_8_rows(variant, k, act):
 
 @needs_kernels
 @pytest.mark.parametrize("act", [16, 8])
+def test_c_gemv_reads_every_exponent(variant, act):
+    """E8M0 exponents through a decode row's scales (formed eight at a time): the subnormal 2^-128 and 2^-127, and
+    runs of four across the range, each row's groups of like size, against activations scaled so that no sum
+    leaves float32: the exact product up to float32 summation."""
+    name, _ = variant
+    for lo in (0, 2, 60, 124, 252):
+        exponents, scale = range(lo, lo + 4 if lo else 2), 2.0 ** max(-100, min(100, 128 - lo))
+        codes, e8m0 = _mx(24, 1024, seed=4, exponents=exponents)
+        x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5)) * scale
+        got = cq.mxfp4_gemv(x, codes, e8m0, act=act)
+        want, size = _quantized_ref(x, codes, e8m0, act)
+        assert torch.isfinite(got).all() and ((got.double() - want).abs() <= 4e-6 * size + 1e-30).all(), (name, act)
+
+
+@needs_kernels
+@pytest.mark.parametrize("act", [16, 8])
 def test_c_gemv_fuses_norm_swiglu_and_residual(variant, act):
     """RMSNorm before, SwiGLU before and a residual after, in the kernel, as the reference composes them; the
     residual is added to exactly the plain product."""
