@@ -98,12 +98,12 @@ class ModelConfig:
     @property
     def one_table_ok(self) -> bool:
         """Whether the torch-free one-shot path (runtime/quick.py) computes the model: the one-call step's rule with
-        one rope turning whole heads and no window for every layer, no post-norms, SwiGLU, no biases or sink logits,
-        unscaled embeddings and uncapped logits (its table and its attention are the Llama layer's)."""
+        one rope turning whole heads and no window for every layer, no post-norms, SwiGLU, no biases, sink logits or
+        capped scores, unscaled embeddings and uncapped logits (its table and its attention are the Llama layer's)."""
         return (self.fused_kernel_ok and self.embed_scale == 1.0 and self.final_softcap is None
                 and all(layer.window is None and not layer.post_norms and layer.activation == "silu"
                         and layer.rope.dims is None and not (layer.qkv_bias or layer.o_bias or layer.mlp_bias)
-                        and not layer.sink_logits for layer in self.layers))
+                        and not layer.sink_logits and layer.attn_softcap is None for layer in self.layers))
 
     def with_rope_scaling(self, scaling: tuple) -> "ModelConfig":
         """This config with the model's rope scaling replaced, in every layer that used the model's rope."""
