@@ -242,3 +242,21 @@ def test_weight_fidelity_bench_on_family_files(tmp_path, case):
     r = fidelity(str(out), _ids()[:32].tolist())
     assert r["top1_agreement"] >= 0.95 and r["mean_kl"] <= 1e-3 and r["kinds"].get("q4"), (case, r)
     assert all(checks({"Q4_0": r}).values()), r
+
+
+def test_the_gemma2_preset_writes_its_caps_and_windows(tmp_path):
+    """gemma-2-2b's shape; a small file of its kind reads as Gemma 2: scores capped at 50 and logits at 30 (the keys
+    llama.cpp's converter writes), every other layer sliding, post-norms, the query scale from head_dim."""
+    g = PRESETS["gemma-2-2b"]
+    assert (g.arch, g.layers, g.hidden, g.heads, g.kv_heads, g.head_dim, g.intermediate, g.window, g.vocab) == \
+        ("gemma2", 26, 2304, 8, 4, 256, 9216, 4096, 256000)
+    shape = replace(g, layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, window=8, vocab=None)
+    path = write_random_gguf(tmp_path / "g2.gguf", shape, "Q4_K_M")
+    gf = GGUFModel(path)
+    assert gf.fields["gemma2.attn_logit_softcapping"] == 50.0 and gf.fields["gemma2.final_logit_softcapping"] == 30.0
+    mc = ModelConfig.from_gguf(gf)
+    assert mc.model_type == "gemma2" and mc.final_softcap == 30.0
+    assert [s.window for s in mc.layers] == [8, None] * 2 and all(s.attn_softcap == 50.0 and s.post_norms
+                                                                    for s in mc.layers)
+    assert all(abs(s.query_scale - 64 ** -0.5) < 1e-9 for s in mc.layers)
+    load_gguf(path, "auto")
