@@ -25,6 +25,7 @@ import torch
 
 from kvchat.bench.models import FALLBACK_TEXT, model_path, prompt_ids, resolve_model  # noqa: F401 - used here and re-exported
 from kvchat.engine.units import MIB
+from kvchat.engine.runtime.sampling import greedy_id
 
 ANSWER_PROMPT = "What is the capital of France?"
 
@@ -70,10 +71,10 @@ def _time_kvchat(engine, ids: list[int], new_tokens: int, watch: str | None = No
     if watch:
         session.watch_attention(watch)
     t0 = time.perf_counter()
-    nxt = int(session.append(ids, all_logits=False)[-1].argmax())
+    nxt = greedy_id(session.append(ids, all_logits=False)[-1])       # the engine's own greedy pick, as a chat's
     t1 = time.perf_counter()
     for _ in range(new_tokens - 1):
-        nxt = int(session.append([nxt], all_logits=False)[-1].argmax())
+        nxt = greedy_id(session.append([nxt], all_logits=False)[-1])
     t2 = time.perf_counter()
     held = session.stats()
     session.reset()

@@ -429,6 +429,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.gelu_gate_rows.restype = None
     lib.all_finite.argtypes = [P, ctypes.c_int64, I]
     lib.all_finite.restype = I
+    lib.argmax_f32.argtypes = [P, ctypes.c_int64]
+    lib.argmax_f32.restype = ctypes.c_int64
     lib.checksum64.argtypes = [P, ctypes.c_int64, P]
     lib.checksum64.restype = None
     lib.attn_prompt.argtypes = [P]

@@ -1697,6 +1697,48 @@ int all_finite(const void *p, int64_t n, int kind) {
     return !bad;
 }
 
+// ---- the greedy pick --------------------------------------------------------------------------------------------
+//
+// The first index of the largest of x [n] (torch.argmax's choice among equals), in two passes at the cache's pace
+// (torch's own took 0.44 ms over Gemma's 256,000 logits here); -1 where n < 1 or some value is NaN (the caller's
+// torch.argmax then picks, as it did).
+int64_t argmax_f32(const float *x, int64_t n) {
+    if (n < 1) return -1;
+    float mx = -INFINITY;
+    int64_t i = 0;
+    int nan = 0;
+#ifdef __AVX2__
+    if (n >= 8) {
+        __m256 m = _mm256_loadu_ps(x), bad = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+        for (i = 8; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            m = _mm256_max_ps(m, v);
+        }
+        float t[8];
+        _mm256_storeu_ps(t, m);
+        for (int j = 0; j < 8; j++) mx = t[j] > mx ? t[j] : mx;
+        nan = _mm256_movemask_ps(bad) != 0;
+    }
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) nan = 1;
+        else if (x[i] > mx) mx = x[i];
+    }
+    if (nan) return -1;
+    int64_t j = 0;
+#ifdef __AVX2__
+    const __m256 top = _mm256_set1_ps(mx);
+    for (; j + 8 <= n; j += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), top, _CMP_EQ_OQ));
+        if (hit) return j + __builtin_ctz((unsigned)hit);
+    }
+#endif
+    for (; j < n; j++)
+        if (x[j] == mx) return j;
+    return -1;
+}
+
 // ---- saved caches: a checksum at memory speed ---------------------------------------------------------------
 //
 // Eight 64-bit lanes over stripes of 64 bytes: word v of lane i in stripe s is keyed k = v ^ CHECK_KEY[i] ^ s * P

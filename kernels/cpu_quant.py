@@ -474,6 +474,15 @@ def attn_decode_batch(q, q_sink, n_sink: torch.Tensor, k_pages, v_pages, rows, o
     return out
 
 
+def argmax(t: torch.Tensor) -> int | None:
+    """The first index of the largest value of a contiguous float32 CPU vector (torch.argmax's pick), in C; None
+    where the kernels are not built, the tensor is of another kind, or it holds a NaN (torch then picks)."""
+    if not available() or t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
+        return None
+    i = _lib.argmax_f32(t.data_ptr(), t.numel())
+    return None if i < 0 else int(i)
+
+
 def all_finite(t: torch.Tensor) -> bool | None:
     """Whether every value of a contiguous float32, bfloat16 or float16 CPU tensor is finite, at memory speed;
     None where the kernels cannot tell (another dtype or layout, no kernels)."""

@@ -1,5 +1,6 @@
 """The C kernels over packed weights (kernels/cpu_quant.c) against their torch references."""
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,21 @@ def test_more_rows_than_a_matvec_takes_are_refused_not_overrun():
     with pytest.raises(AssertionError, match="at most"):
         cq.q4_gemv(x, codes, scale, zero)
     assert cq.q4_gemv(x[:cq.MAX_ROWS].contiguous(), codes, scale, zero).shape == (cq.MAX_ROWS, 16)
+
+
+def test_argmax_is_torchs_pick():
+    """The C greedy pick: torch.argmax's index over random logits, ties (the first of equals), -inf everywhere, signed
+    zeros, every length around the vector width; None (torch picks) with a NaN, another dtype or a strided view."""
+    g = torch.Generator().manual_seed(3)
+    for n in list(range(1, 20)) + [255, 256, 257, 151936]:
+        x = torch.randn(n, generator=g)
+        assert cq.argmax(x) == int(x.argmax()), n
+        x[n // 3] = x[n - 1] = x.max() + 1                      # two equal maxima: the first
+        assert cq.argmax(x) == n // 3 == int(x.argmax()), n
+    assert cq.argmax(torch.full((37,), -math.inf)) == 0 == int(torch.full((37,), -math.inf).argmax())
+    z = torch.tensor([-1.0, -0.0, 0.0, -2.0] * 5)
+    assert cq.argmax(z) == int(z.argmax()) == 1
+    x = torch.randn(100, generator=g)
+    x[70] = math.nan
+    assert cq.argmax(x) is None
+    assert cq.argmax(x.double()) is None and cq.argmax(torch.randn(40, generator=g)[::2]) is None

@@ -54,7 +54,7 @@ def test_gguf_and_folder_read_as_one_description(tmp_path, arch):
     assert from_file == replace(from_folder, rms_norm_eps=from_file.rms_norm_eps)
     assert from_file.layers == (from_file.layers[0],) * from_file.num_layers
     assert from_file.layers[0].qkv_bias == (arch == "qwen2") and not from_file.layers[0].o_bias
-    assert from_file.fused_kernel_ok == (arch != "qwen2")
+    assert from_file.fused_kernel_ok            # Qwen2's biases too: lin_apply adds them
     a = from_gguf(from_file, gf, torch.float32, "cpu", "dense")
     b = from_state_dict(from_folder, load_state_dict(Path(folder)), torch.float32, "cpu", "dense")
     for la, lb in zip(a.layers, b.layers):
@@ -70,9 +70,13 @@ def test_layer_spec_says_what_the_fused_step_covers():
     assert base.fused_kernel_ok and replace(base, qk_norm=True).fused_kernel_ok    # Qwen3's: qk_norm_rows
     gemma3 = replace(base, qk_norm=True, norm_offset=1.0, post_norms=True, activation="gelu_tanh", window=512)
     assert gemma3.fused_kernel_ok       # norm_add_rows, gelu_gate_rows; the window is the attention's
-    for change in (dict(attn_softcap=50.0), dict(qkv_bias=True), dict(o_bias=True),
-                   dict(mlp_bias=True), dict(rope=Rope(10000.0, dims=32), attn_gate=True, qk_norm=True)):
+    for change in (dict(rope=Rope(10000.0, dims=32), attn_gate=True, qk_norm=True), dict(head_dim=64),
+                   dict(value_norm=True)):
         assert not replace(base, **change).fused_kernel_ok, change
+    # Gemma 2's capped scores (the C attention caps them), biases (lin_apply adds them), gpt-oss's sink logits
+    for change in (dict(attn_softcap=50.0), dict(qkv_bias=True), dict(o_bias=True), dict(mlp_bias=True),
+                   dict(sink_logits=True)):
+        assert replace(base, **change).fused_kernel_ok, change
     # a partial rotation over plain q / k rows (Phi-3): the loader takes the rows in its order, the C step runs it
     assert replace(base, rope=Rope(10000.0, dims=32)).fused_kernel_ok
     with pytest.raises(ValueError):
@@ -134,7 +138,8 @@ def test_the_forward_reads_the_description(tiny_engine):
     capped_c = model(replace(c, final_softcap=2.0)).config     # the forward caps around the C step; the one-shot
     assert capped_c.fused_kernel_ok and not capped_c.one_table_ok      # path's own table does not
     layers = (replace(c.layers[0], attn_softcap=50.0),) + c.layers[1:]
-    assert not model(replace(c, layers=layers)).config.fused_kernel_ok      # a soft-cap: the torch step
+    capped_scores = model(replace(c, layers=layers)).config     # the C attention caps them; the one-shot path not
+    assert capped_scores.fused_kernel_ok and not capped_scores.one_table_ok
     qkv = m.layers[0].qkv
     layers = (replace(c.layers[0], rope=Rope(c.rope_theta, dims=c.head_dim // 2)),) + c.layers[1:]
     turned = model(replace(c, layers=layers))

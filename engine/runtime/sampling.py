@@ -65,9 +65,17 @@ def sample(logits: "torch.Tensor", params: SamplingParams, recent_ids: Sequence[
     import torch         # here, so that the one-shot path can import this module without torch
     logits = processed(logits, params, recent_ids, generated)
     if params.greedy:
-        return int(logits.argmax())
+        return greedy_id(logits)
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def greedy_id(logits: "torch.Tensor") -> int:
+    """The greedy pick of logits [vocab]: the first largest, as torch.argmax picks it, in C on the CPU where the
+    kernels are built (a fifth of torch's time over a 256,000-token vocabulary)."""
+    from kvchat.kernels import cpu_quant
+    i = cpu_quant.argmax(logits)
+    return int(logits.argmax()) if i is None else i
 
 
 def distribution(logits: "torch.Tensor", params: SamplingParams, recent_ids: Sequence[int],
