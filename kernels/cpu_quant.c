@@ -1265,8 +1265,8 @@ void decode_attend(int B, const float *q, const float *k, const float *v, int ld
             }
         }
     }
-    attn_decode_batch(B, qr, scos ? qs : qr, n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, softcap, sink_logits,
-                      out, scratch + 2 * (size_t)B * Hq * D, cols, mcols, mass);
+    attn_decode_batch(B, qr, scos ? qs : qr, n_sink, Hq, Hkv, D, kp, vp, bf16, rows, off, sm_scale, softcap,
+                      sink_logits, out, scratch + 2 * (size_t)B * Hq * D, cols, mcols, mass);
 }
 
 // ---- a whole decode step of the decoder layers in one call -------------------------------------------
@@ -1430,9 +1430,10 @@ typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
 // layer's output. Each layer runs exactly the calls a step through Python makes (q4_gemv / q8_gemv with
 // RMSNorm, SwiGLU and residual fused, decode_attend), in the same order, so the bits are the same; what
 // goes is the interpreter between them. Each layer attends through one group (a KV layout of the step): a group
-// either holds decode_attend's arguments for its sequences (rows, positions, RoPE rows) and its layers' pages (kp[i],
-// vp[i]; bf16[i]: 16-bit) and sink logits (sinks[i], gpt-oss's), or an attend function called instead (the quantized-KV library's attend_quant_layer, or the caller's
-// own through a callback) with the layer's index in the group. Gemma's sliding and global layers are two groups.
+// either holds decode_attend's arguments for its sequences (rows, positions, RoPE rows), its layers' pages (kp[i],
+// vp[i]; bf16[i]: 16-bit), sink logits (sinks[i], gpt-oss's) and soft-cap (Gemma 2's), or an attend function called
+// instead (the quantized-KV library's attend_quant_layer, or the caller's own through a callback) with the layer's
+// index in the group. Gemma's sliding and global layers are two groups.
 // 0 on success, -1 when out of memory, -2 when an attend function failed, -3 when a linear's width does not chain
 // with H, Hq, Hkv and D (or D is past decode_attend's 256) or a layer's group is out of range, before anything runs.
 // mass (NULL: not measured): [nl, B, Hq, mcols], each layer's decode_attend mass (cols as decode_attend's; the

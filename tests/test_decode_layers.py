@@ -238,8 +238,8 @@ def test_gpt_oss_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qt
 def test_gemma2_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, monkeypatch):
     """Gemma 2's soft-capped scores (cap * tanh(s / cap) inside the C decode attention), post-norms, GELU and sliding
     layers: the one-call step gives the layer path's bits over full-precision pages, one sequence or three, past the
-    window, and the torch attention's logits within 2e-3 of the largest (a cap of 2 bends every score); over int8 pages (whose
-    C attention takes no soft-cap) every layer's attention calls back, the same bits."""
+    window, and the torch attention's logits within 2e-3 of the largest (a cap of 2 bends every score); over int8
+    pages (whose C attention takes no soft-cap) every layer's attention calls back, the same bits."""
     from kvchat.bench.gguf_hf import write_gguf_from_hf
     from kvchat.engine.runtime.backends.base import AttentionBackend
     from kvchat.engine.runtime.backends.full_pages import FullPagesC, FullPagesTorch
