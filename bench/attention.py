@@ -31,7 +31,6 @@ def _ints(text: str) -> list[int]:
     return got
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, a .gguf or HF folder, or preset:NAME:TYPE[:LAYERS]")
     parser.add_argument("--contexts", type=_ints, default=[256, 2048], help="the short and the long cache, in tokens")
@@ -40,7 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed at each length")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
-
 
 
 def _steps(engine, fmt: str, history: list[int], steps: int) -> tuple[float, float]:

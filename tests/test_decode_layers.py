@@ -53,6 +53,30 @@ def _decode(engine, cache, prompts, steps, fused, paths=None):
     return torch.stack(out)
 
 
+# full-precision pages of both widths and int8 ones: the caches the windowed families' one-call tests run over
+WINDOWED_CACHES = (CacheConfig(k_format="bf16", v_format="bf16"),
+                   CacheConfig(k_format="fp32", v_format="fp32", block_size=16),
+                   CacheConfig(k_format="int8", v_format="int8", block_size=16))
+
+
+def _one_call_equals_layers(engine, prompts, steps, int8_path, more=None):
+    """Over each of WINDOWED_CACHES, the first prompt alone and all of them (int8 pages: all): the one-call step's
+    logits are the layer path's bits, and the step attended inside the kernel ("kernel") over full-precision pages, as
+    int8_path says over int8 ones. steps: decode steps, or a function of the cache giving them. more(cache, group,
+    logits): further checks on the one-call logits."""
+    cpu_quant.kv_kernels_ready(wait=True)
+    for cache in WINDOWED_CACHES:
+        n = steps(cache) if callable(steps) else steps
+        for group in ((prompts,) if cache.k_format == "int8" else (prompts[:1], prompts)):
+            paths = []
+            a = _decode(engine, cache, group, n, fused=True, paths=paths)
+            b = _decode(engine, cache, group, n, fused=False)
+            assert torch.equal(a, b), (cache, len(group), (a - b).abs().max().item())
+            assert set(paths) == ({int8_path} if cache.k_format == "int8" else {"kernel"}), paths
+            if more is not None:
+                more(cache, group, a)
+
+
 @pytest.mark.parametrize("kind", TYPES)
 def test_whole_step_kernel_equals_layer_by_layer(ggufs, kind):
     engine = Engine.load(EngineConfig(model=ggufs[kind]))
@@ -168,16 +192,7 @@ def test_gemma3_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
     assert engine.model.kernel_layers() is not None
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (21, 5, 40)]
-    cpu_quant.kv_kernels_ready(wait=True)
-    for cache in (CacheConfig(k_format="bf16", v_format="bf16"), CacheConfig(k_format="fp32", v_format="fp32",
-                                                                                block_size=16),
-                  CacheConfig(k_format="int8", v_format="int8", block_size=16)):
-        for group in ((prompts,) if cache.k_format == "int8" else (prompts[:1], prompts)):
-            paths = []
-            a = _decode(engine, cache, group, 30 if cache.k_format == "fp32" else 12, fused=True, paths=paths)
-            b = _decode(engine, cache, group, 30 if cache.k_format == "fp32" else 12, fused=False)
-            assert torch.equal(a, b), (cache, len(group), (a - b).abs().max().item())
-            assert set(paths) == ({"quant"} if cache.k_format == "int8" else {"kernel"}), paths
+    _one_call_equals_layers(engine, prompts, lambda cache: 30 if cache.k_format == "fp32" else 12, "quant")
 
 
 def test_the_one_call_step_follows_the_pages_when_they_move(ggufs):
@@ -207,7 +222,6 @@ def test_the_one_call_step_follows_the_pages_when_they_move(ggufs):
     assert torch.equal(results[0], results[1]), (results[0] - results[1]).abs().max().item()
 
 
-
 @pytest.mark.parametrize("qtype", ["Q4_K_M", "MXFP4"])
 def test_gpt_oss_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qtype):
     """gpt-oss's biases (q | k | v and o: the product, then the bias, then the residual, as fused() adds them), sink
@@ -223,16 +237,7 @@ def test_gpt_oss_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qt
     assert all(s.sink_logits for s in model.config.layers)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (21, 5, 40)]
-    cpu_quant.kv_kernels_ready(wait=True)
-    for cache in (CacheConfig(k_format="bf16", v_format="bf16"),
-                  CacheConfig(k_format="fp32", v_format="fp32", block_size=16),
-                  CacheConfig(k_format="int8", v_format="int8", block_size=16)):
-        for group in ((prompts,) if cache.k_format == "int8" else (prompts[:1], prompts)):
-            paths = []
-            a = _decode(engine, cache, group, 24, fused=True, paths=paths)
-            b = _decode(engine, cache, group, 24, fused=False)
-            assert torch.equal(a, b), (qtype, cache, len(group), (a - b).abs().max().item())
-            assert set(paths) == ({"quant"} if cache.k_format == "int8" else {"kernel"}), paths
+    _one_call_equals_layers(engine, prompts, 24, "quant")
 
 
 def test_gemma2_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, monkeypatch):
@@ -252,23 +257,16 @@ def test_gemma2_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, mon
     assert all(s.attn_softcap for s in engine.model.config.layers)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (21, 5, 40)]
-    cpu_quant.kv_kernels_ready(wait=True)
-    for cache in (CacheConfig(k_format="bf16", v_format="bf16"),
-                  CacheConfig(k_format="fp32", v_format="fp32", block_size=16),
-                  CacheConfig(k_format="int8", v_format="int8", block_size=16)):
-        for group in ((prompts,) if cache.k_format == "int8" else (prompts[:1], prompts)):
-            paths = []
-            a = _decode(engine, cache, group, 24, fused=True, paths=paths)
-            b = _decode(engine, cache, group, 24, fused=False)
-            assert torch.equal(a, b), (cache, len(group), (a - b).abs().max().item())
-            assert set(paths) == ({"callback"} if cache.k_format == "int8" else {"kernel"}), paths
-            if cache.k_format == "fp32" and len(group) == 3:
-                with monkeypatch.context() as m:        # the same steps with FullPagesTorch's attention
-                    m.setattr(FullPagesC, "attend", FullPagesTorch.attend)
-                    for name in ("prepare_decodes", "attend_decodes", "one_call_group"):
-                        m.setattr(FullPagesC, name, getattr(AttentionBackend, name))
-                    t = _decode(engine, cache, group, 24, fused=False)
-                assert (a - t).abs().max() <= 2e-3 * t.abs().max(), (a - t).abs().max().item()
+
+    def against_torch(cache, group, a):
+        if cache.k_format == "fp32" and len(group) == 3:
+            with monkeypatch.context() as m:        # the same steps with FullPagesTorch's attention
+                m.setattr(FullPagesC, "attend", FullPagesTorch.attend)
+                for name in ("prepare_decodes", "attend_decodes", "one_call_group"):
+                    m.setattr(FullPagesC, name, getattr(AttentionBackend, name))
+                t = _decode(engine, cache, group, 24, fused=False)
+            assert (a - t).abs().max() <= 2e-3 * t.abs().max(), (a - t).abs().max().item()
+    _one_call_equals_layers(engine, prompts, 24, "callback", against_torch)
 
 
 def test_qwen2_biases_run_in_the_one_call_step_with_the_same_bits(tmp_path):

@@ -113,12 +113,11 @@ class RoutedMLP:
         decode_layers' layer table; None where the router or an expert is of a kind the kernels do not read."""
         if not self._table_checked:
             self._table_checked = True
-            own_bias = [getattr(lin, "bias", None) is not None for g in (self.gate, self.up, self.down) for lin in g]
-            groups = [[_router_part(self.router)]] + [[lin.kernel_parts() for lin in group]
-                                                      for group in (self.gate, self.up, self.down)]
-            groups = groups if not any(own_bias) else [[None]]      # the experts' biases are the table's
+            experts = (self.gate, self.up, self.down)
+            own_bias = any(getattr(lin, "bias", None) is not None for g in experts for lin in g)   # the table's are
+            groups = [[_router_part(self.router)]] + [[lin.kernel_parts() for lin in group] for group in experts]
             if cpu_quant.available() and self.spec.activation != "gelu_tanh" and self.router_scale is None \
-                    and all(p is not None and len(p) == 1 for group in groups for p in group):
+                    and not own_bias and all(p is not None and len(p) == 1 for group in groups for p in group):
                 s = self.spec
                 router, gate, up, down = ([p[0] for p in group] for group in groups)
                 self._table = cpu_quant.ExpertTable(router[0], gate, up, down, self.router_bias,

@@ -672,10 +672,12 @@ class ConcatLinear(_Fused):
 
     def kernel_parts(self):
         parts = [p.kernel_parts() for p in self.parts]
-        if len(parts) > 3 or any(p is None for p in parts) or (self.bias is not None and any(p.bias for q in parts
-                                                                                            for p in q)):
+        if len(parts) > 3 or any(p is None for p in parts):
             return None
-        return _biased([q for p in parts for q in p], self.bias)
+        flat = [q for p in parts for q in p]
+        if self.bias is not None and any(q.bias for q in flat):        # a part's own bias and the whole's: not read
+            return None
+        return _biased(flat, self.bias)
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts], 0)
