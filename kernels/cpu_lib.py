@@ -443,11 +443,20 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.moe_grouped_rows.restype = I
     lib.gdn_rule.argtypes = [I, I, I, I, I, P, P, P, P, P, P, P]
     lib.gdn_rule.restype = I
+    lib.gdn_mix.argtypes = [P, I, P, I, F, P, P, P, P, P]
+    lib.gdn_mix.restype = I
     lib.qk_norm_rows.restype = None
     lib.split_blocks.argtypes = [P, ctypes.c_int64, I, I, P, P]
     lib.split_blocks.restype = None
     lib.decode_layers.restype = I
     return lib
+
+
+class GDN(ctypes.Structure):
+    """A Gated DeltaNet layer's mixer as gdn_mix reads it (kernels/cpu_gdn.h: gdn_t)."""
+    _fields_ = [("Hk", ctypes.c_int), ("Dk", ctypes.c_int), ("H", ctypes.c_int), ("Dv", ctypes.c_int),
+                ("K", ctypes.c_int), ("conv", ctypes.c_void_p), ("A", ctypes.c_void_p), ("dt_bias", ctypes.c_void_p),
+                ("norm", ctypes.c_void_p)]
 
 
 class QLin(ctypes.Structure):
@@ -464,7 +473,7 @@ class QLayer(ctypes.Structure):
     _fields_ = [("lin", (QLin * 3) * 4), ("nparts", ctypes.c_int * 4), ("norm_attn", ctypes.c_void_p),
                 ("norm_mlp", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("moe", ctypes.c_void_p), ("post_attn", ctypes.c_void_p), ("post_mlp", ctypes.c_void_p),
-                ("act", ctypes.c_int)]
+                ("act", ctypes.c_int), ("mix_in", ctypes.c_int), ("mix_out", ctypes.c_int)]
 
 
 class PromptArgs(ctypes.Structure):

@@ -1290,6 +1290,8 @@ typedef struct {
     const struct moe_s *moe;             // a routed MLP (cpu_moe.h) in place of gate_up / down; NULL: dense
     const float *post_attn, *post_mlp;   // Gemma's RMSNorms of the attention's and the MLP's outputs; NULL: none
     int act;                             // the gate's activation: 0 SiLU (SwiGLU), 1 GELU with tanh (Gemma)
+    int mix_in, mix_out;                 // > 0: the token mixer is the caller's (an attend callback: Qwen3.5's
+                                         // Gated DeltaNet and gated attention), between projections of these widths
 } qlayer_t;
 
 // y [B, H] = x + RMSNorm(y) * w, in place: a post-norm and its residual (Gemma), the one both paths call (the
@@ -1390,14 +1392,17 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
 // Whether layer L's linears chain at widths H (the residual), Hq * D (attention) and its own intermediate: a
 // table built from a damaged file's header must fail here, not read past an activation row
 static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
-    int want_n[4] = {(Hq + 2 * Hkv) * D, H, 0, H}, n[4] = {0, 0, 0, 0};
+    int mixer = L->mix_out > 0;                  // the caller's mixer: its own widths, no q / k norm here
+    if (mixer && (L->mix_in < 1 || L->q_norm)) return 0;
+    int want_n[4] = {mixer ? L->mix_in : (Hq + 2 * Hkv) * D, H, 0, H}, n[4] = {0, 0, 0, 0};
+    int attn_k = mixer ? L->mix_out : Hq * D;
     if (L->moe) {                                // attention's two linears here, the MLP the experts'
         if (L->nparts[2] || L->nparts[3] || !moe_ok(L->moe, H)) return 0;
         for (int s = 0; s < 2; s++) {
             if (L->nparts[s] < 1 || L->nparts[s] > 3 || (s == 1 && L->nparts[s] != 1)) return 0;
             for (int p = 0; p < L->nparts[s]; p++) {
                 const qlin_t *l = &L->lin[s][p];
-                if (!moe_bits_ok(l) || l->N < 1 || l->K != (s ? Hq * D : H)) return 0;
+                if (!moe_bits_ok(l) || l->N < 1 || l->K != (s ? attn_k : H)) return 0;
                 n[s] += l->N;
             }
             if (n[s] != want_n[s]) return 0;
@@ -1413,7 +1418,7 @@ static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
         }
     }
     if (n[2] % 2) return 0;                      // gate | up: two halves of the intermediate width
-    int want_k[4] = {H, Hq * D, H, n[2] / 2};
+    int want_k[4] = {H, attn_k, H, n[2] / 2};
     for (int s = 0; s < 4; s++) {
         if (s != 2 && n[s] != want_n[s]) return 0;
         for (int p = 0; p < L->nparts[s]; p++)
@@ -1423,7 +1428,8 @@ static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
 }
 
 // attend(ctx, layer, qkv [B, n_qkv], out [B, Hq * D]): attention for pages no kernel here reads (quantized
-// caches): the other library's attend_quant_layer, or the caller's own through a callback; nonzero stops the step
+// caches): the other library's attend_quant_layer, or the caller's own through a callback; nonzero stops the step.
+// A layer whose mixer is the caller's (mix_out > 0) has qkv [B, mix_in] and out [B, mix_out].
 typedef int (*attend_fn)(void *ctx, int layer, float *qkv, float *out);
 
 // B sequences' decode tokens through all layers: x [B, H] (the embeddings) becomes the last
@@ -1480,8 +1486,12 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
     if (nl < 1 || B < 1 || H < 1 || Hq < 1 || Hkv < 1 || D < 1) return -3;
     for (int g = 0; g < ng; g++)
         if (!groups[g].attend && D > 256) return -3;
-    for (int l = 0; l < nl; l++)
+    int natt = Hq * D;                           // the widest attention output: the model's, or a mixer's
+    for (int l = 0; l < nl; l++) {
         if (!layer_widths_ok(layers + l, H, Hq, Hkv, D)) return -3;
+        if (layers[l].mix_out > 0 && !groups[lgrp ? lgrp[l] : 0].attend) return -3;     // only a callback mixes
+        if (layers[l].mix_out > natt) natt = layers[l].mix_out;
+    }
     int kmax = H, nqkv = 0, ngu = 0;
     for (int l = 0; l < nl; l++)
         for (int s = 0; s < 4; s++) {
@@ -1498,13 +1508,13 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         if (!groups[g].attend && (size_t)groups[g].off[B] > nrows) nrows = (size_t)groups[g].off[B];
     size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
     size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
-    size_t floats = (size_t)B * nqkv + (size_t)B * Hq * D + (size_t)B * H + (size_t)B * ngu + attn_floats
+    size_t floats = (size_t)B * nqkv + (size_t)B * natt + (size_t)B * H + (size_t)B * ngu + attn_floats
                     + (size_t)B * ngu / 2;      // the GELU's output
     char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
     float *qkv = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63));
-    float *att = qkv + (size_t)B * nqkv, *x2 = att + (size_t)B * Hq * D, *gu = x2 + (size_t)B * H;
+    float *att = qkv + (size_t)B * nqkv, *x2 = att + (size_t)B * natt, *gu = x2 + (size_t)B * H;
     float *as = gu + (size_t)B * ngu, *gl = as + attn_floats;
     for (int l = 0; l < nl; l++) {
         const qlayer_t *L = layers + l;

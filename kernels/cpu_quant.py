@@ -21,7 +21,7 @@ import torch
 from .formats import PageFormat
 
 from . import cpu_lib
-from .cpu_lib import ATTEND_FN, BUILT, HEADER, KV_SOURCE, MAX_ROWS, SOURCE, QLayer, QLin, _build  # noqa: F401
+from .cpu_lib import ATTEND_FN, BUILT, GDN, HEADER, KV_SOURCE, MAX_ROWS, SOURCE, QLayer, QLin, _build  # noqa: F401
 
 _lib = None
 _error: str | None = None
@@ -978,16 +978,57 @@ def gdn_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return None if rc else out
 
 
+def gdn_table(conv: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor, key_heads: int,
+              key_dim: int) -> GDN | None:
+    """A Gated DeltaNet mixer's vectors as gdn_mix reads them: conv [K, C], A and dt_bias [H], norm [Dv], fp32
+    contiguous on the CPU (the struct keeps them alive); None where they are not, or the kernels are not loaded."""
+    vecs = (conv, A, dt_bias, norm)
+    if not available() or any(t.dtype != torch.float32 or not t.is_contiguous() or t.is_cuda for t in vecs):
+        return None
+    K, C = conv.shape
+    H, Dv = A.shape[0], norm.shape[0]
+    if C != 2 * key_heads * key_dim + H * Dv or dt_bias.shape != (H,):
+        return None
+    table = GDN(key_heads, key_dim, H, Dv, K, *(t.data_ptr() for t in vecs))
+    table.keep = vecs
+    return table
+
+
+def gdn_mix(table: GDN, proj: torch.Tensor, eps: float, tail: torch.Tensor, matrices: torch.Tensor,
+            new_tail: torch.Tensor | None = None, new_matrices: torch.Tensor | None = None):
+    """One sequence's T rows through a Gated DeltaNet mixer in C (cpu_gdn.h: gdn_mix): proj [T, >= C + H Dv + 2 H]
+    fp32 rows (mixed | z | b | a), the state's tail [K - 1, C] and matrices [H, Dk, Dv] (read, not written) ->
+    (out [T, H Dv] for out_proj, the new tail, the new matrices), into new_tail / new_matrices where given (not the
+    state's own). None (nothing done) where proj is not fp32 rows on the CPU."""
+    width = 2 * table.Hk * table.Dk + 2 * table.H * table.Dv + 2 * table.H
+    if proj.dtype != torch.float32 or proj.is_cuda or proj.stride(1) != 1 or proj.shape[1] < width or not (
+            tail.is_contiguous() and matrices.is_contiguous()):
+        return None
+    T = proj.shape[0]
+    new_tail = torch.empty_like(tail) if new_tail is None else new_tail
+    new_matrices = torch.empty_like(matrices) if new_matrices is None else new_matrices
+    out = torch.empty(T, table.H * table.Dv)
+    rc = _lib.gdn_mix(ctypes.byref(table), T, proj.data_ptr(), proj.stride(0), eps, tail.data_ptr(),
+                      new_tail.data_ptr(), matrices.data_ptr(), new_matrices.data_ptr(), out.data_ptr())
+    if rc == -1:
+        raise MemoryError("gdn_mix: out of memory")
+    return None if rc else (out, new_tail, new_matrices)
+
+
 def layer_table(layers: list[tuple]) -> ctypes.Array:
     """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), the two RMSNorm
     weights (fp32 contiguous), optionally the q and k norms' weights [head_dim] (Qwen3, or None), optionally
-    an ExpertTable: a routed MLP, whose layer has no gate_up and down parts (or None), and optionally Gemma's
-    (post-attention norm, post-MLP norm, activation): the norms or None, the gate's activation 0 SiLU, 1 GELU-tanh. The tensors and tables behind the
-    pointers must outlive the table."""
+    an ExpertTable: a routed MLP, whose layer has no gate_up and down parts (or None), optionally Gemma's
+    (post-attention norm, post-MLP norm, activation): the norms or None, the gate's activation 0 SiLU, 1 GELU-tanh,
+    and optionally `mixer`: True where the layer's token mixer is the caller's (called back between the projections,
+    at their own widths: Qwen3.5's Gated DeltaNet and gated attention; no q / k norms then). The tensors and tables
+    behind the pointers must outlive the table."""
     table = (QLayer * len(layers))()
     for t, (slots, norm_attn, norm_mlp, *rest) in zip(table, layers):
         qk, moe = rest[:2], rest[2] if len(rest) > 2 else None
         post = rest[3] if len(rest) > 3 else None       # (post_attn, post_mlp, act) or None
+        if len(rest) > 4 and rest[4]:                   # the caller's mixer, between these widths
+            t.mix_in, t.mix_out = sum(part.N for part in slots[0]), slots[1][0].K
         if post is not None:
             if post[0] is not None:
                 t.post_attn, t.post_mlp = post[0].data_ptr(), post[1].data_ptr()
@@ -1159,7 +1200,12 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
             structs.append(_AttnGroup(*(None,) * 11, ctypes.cast(_kv_lib.attend_quant_layer, ctypes.c_void_p),
                                       ctypes.addressof(group.struct)))
         elif callable(group):
-            structs.append(_AttnGroup(*(None,) * 11, ctypes.cast(_callback(group, b, hq, d, table, failure, keep),
+            widths = {}                             # the group's layer index -> (qkv, output) widths
+            for layer, row in enumerate(table):
+                if (layer_group is None or layer_group[layer] == g):
+                    widths[layer if layer_index is None else layer_index[layer]] = (
+                        sum(row.lin[0][j].N for j in range(row.nparts[0])), row.mix_out or hq * d)
+            structs.append(_AttnGroup(*(None,) * 11, ctypes.cast(_callback(group, b, widths, failure, keep),
                                                                  ctypes.c_void_p), None))
         else:
             pages, args = group
@@ -1197,16 +1243,16 @@ class _AttnGroup(ctypes.Structure):
         + [("softcap", ctypes.c_float)]
 
 
-def _callback(attend, b: int, hq: int, d: int, table: ctypes.Array, failure: list, keep: list):
-    """attend(index, qkv) as attend_fn for decode_layers: its result copied into the kernel's buffer; an exception
-    cannot cross C: kept in failure, the step stops."""
-    n_qkv = sum(table[0].lin[0][j].N for j in range(table[0].nparts[0]))
+def _callback(attend, b: int, widths: dict, failure: list, keep: list):
+    """attend(index, qkv) as attend_fn for decode_layers: its result copied into the kernel's buffer; widths: the
+    group's layer index -> its (qkv, output) widths. An exception cannot cross C: kept in failure, the step stops."""
 
     def call(ctx, layer, qkv_ptr, out_ptr):
         try:
-            qkv = torch.frombuffer((ctypes.c_float * (b * n_qkv)).from_address(qkv_ptr), dtype=torch.float32)
-            out = torch.frombuffer((ctypes.c_float * (b * hq * d)).from_address(out_ptr), dtype=torch.float32)
-            out.view(b, hq * d).copy_(attend(layer, qkv.view(b, n_qkv)).reshape(b, hq * d))
+            n_in, n_out = widths[layer]
+            qkv = torch.frombuffer((ctypes.c_float * (b * n_in)).from_address(qkv_ptr), dtype=torch.float32)
+            out = torch.frombuffer((ctypes.c_float * (b * n_out)).from_address(out_ptr), dtype=torch.float32)
+            out.view(b, n_out).copy_(attend(layer, qkv.view(b, n_in)).reshape(b, n_out))
             return 0
         except BaseException as exc:
             failure.append(exc)

@@ -59,10 +59,10 @@ WINDOWED_CACHES = (CacheConfig(k_format="bf16", v_format="bf16"),
                    CacheConfig(k_format="int8", v_format="int8", block_size=16))
 
 
-def _one_call_equals_layers(engine, prompts, steps, int8_path, more=None):
+def _one_call_equals_layers(engine, prompts, steps, int8_path, more=None, full_path="kernel"):
     """Over each of WINDOWED_CACHES, the first prompt alone and all of them (int8 pages: all): the one-call step's
-    logits are the layer path's bits, and the step attended inside the kernel ("kernel") over full-precision pages, as
-    int8_path says over int8 ones. steps: decode steps, or a function of the cache giving them. more(cache, group,
+    logits are the layer path's bits, and the step attended as full_path says over full-precision pages (inside the
+    kernel: "kernel"), as int8_path says over int8 ones. steps: decode steps, or a function of the cache giving them. more(cache, group,
     logits): further checks on the one-call logits."""
     cpu_quant.kv_kernels_ready(wait=True)
     for cache in WINDOWED_CACHES:
@@ -72,7 +72,7 @@ def _one_call_equals_layers(engine, prompts, steps, int8_path, more=None):
             a = _decode(engine, cache, group, n, fused=True, paths=paths)
             b = _decode(engine, cache, group, n, fused=False)
             assert torch.equal(a, b), (cache, len(group), (a - b).abs().max().item())
-            assert set(paths) == ({int8_path} if cache.k_format == "int8" else {"kernel"}), paths
+            assert set(paths) == ({int8_path} if cache.k_format == "int8" else {full_path}), paths
             if more is not None:
                 more(cache, group, a)
 
@@ -283,3 +283,23 @@ def test_qwen2_biases_run_in_the_one_call_step_with_the_same_bits(tmp_path):
     paths = []
     a = _decode(engine, cache, prompts, 12, fused=True, paths=paths)
     assert torch.equal(a, _decode(engine, cache, prompts, 12, fused=False)) and set(paths) == {"kernel"}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_qwen35_layers_run_in_the_one_call_step_calling_back_for_their_mixers(tmp_path, qtype):
+    """Qwen3.5 (Gated DeltaNet layers and gated attention with a partial rotation): the one-call step runs the
+    projections and MLPs and calls back for each layer's token mixer (the state's in one C call, gdn_mix), giving the
+    layer path's bits over full-precision and int8 pages, one sequence and three; the step attends through Python
+    ("callback"). Its Qwen3.5-MoE sibling (a shared expert) keeps the layer path."""
+    from kvchat.bench.gguf_hf import write_gguf_from_hf
+    from tiny_models import tiny_family_dir
+    shape = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_value_head_dim=16)
+    folder = tiny_family_dir(tmp_path / "q35", "qwen3_5", seed=1, **shape)
+    engine = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "q35.gguf", qtype))))
+    assert engine.model.kernel_layers() is not None and engine.model.config.mixers_called_back
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+    _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
+    folder = tiny_family_dir(tmp_path / "q35moe", "qwen3_5_moe", seed=1, **shape)
+    moe = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "q35moe.gguf", qtype))))
+    assert moe.model.kernel_layers() is None

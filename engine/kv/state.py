@@ -66,7 +66,7 @@ class StepJournal:
     rows: int
     conv: torch.Tensor                           # the state before the step
     matrices: torch.Tensor
-    layers: dict                                 # layer -> (mixed [rows, C], g, beta, conv weight, LinearAttention)
+    layers: dict                                 # layer -> (proj rows, MixerWeights, LinearAttention, eps, C table)
 
 
 class RecurrentState:
@@ -146,18 +146,13 @@ class RecurrentState:
 
     def _replay(self, j: StepJournal, rows: int) -> None:
         """The state after the first `rows` rows of the journalled step: the state before it, then those rows again
-        through the convolution and the rule (linear_attention.rule, as the step ran them)."""
+        through the layer's mixer (linear_attention.mix, as the step ran them)."""
         self.conv.copy_(j.conv)
         self.matrices.copy_(j.matrices)
-        for layer, (mixed, g, beta, weight, la) in j.layers.items():
-            tail, matrices = self.layer(layer)
+        for layer, (proj, weights, la, eps, table) in j.layers.items():
             if rows:
-                x, new_tail = gdn.conv(mixed[:rows], tail, weight)
-                kd = la.key_heads * la.key_dim
-                q = x[:, :kd].view(rows, la.key_heads, la.key_dim)
-                k = x[:, kd:2 * kd].view(rows, la.key_heads, la.key_dim)
-                v = x[:, 2 * kd:].reshape(rows, la.value_heads, la.value_dim)
-                _, new_matrices = gdn.rule(q, k, v, g[:rows], beta[:rows], matrices, True)
+                tail, matrices = self.layer(layer)
+                _, new_tail, new_matrices = gdn.mix(proj[:rows], weights, la, eps, tail, matrices, True, table)
                 self.write(layer, new_tail, new_matrices)
         self.position = j.start + rows
 

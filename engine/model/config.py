@@ -96,12 +96,18 @@ class ModelConfig:
                    for layer in self.layers)
 
     @property
+    def mixers_called_back(self) -> bool:
+        """Whether some layer's token mixer is the forward's own in the one-call step (LayerSpec.mixer_called_back):
+        the step then calls back for every layer's attention."""
+        return any(layer.mixer_called_back for layer in self.layers)
+
+    @property
     def one_table_ok(self) -> bool:
         """Whether the torch-free one-shot path (runtime/quick.py) computes the model: the one-call step's rule with
         one rope turning whole heads and no window for every layer, no post-norms, SwiGLU, no biases, sink logits or
         capped scores, unscaled embeddings and uncapped logits (its table and its attention are the Llama layer's)."""
         return (self.fused_kernel_ok and self.embed_scale == 1.0 and self.final_softcap is None
-                and all(layer.window is None and not layer.post_norms and layer.activation == "silu"
+                and all(layer.window is None and not layer.mixer_called_back and not layer.post_norms and layer.activation == "silu"
                         and layer.rope.dims is None and not (layer.qkv_bias or layer.o_bias or layer.mlp_bias)
                         and not layer.sink_logits and layer.attn_softcap is None for layer in self.layers))
 

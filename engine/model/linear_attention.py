@@ -117,3 +117,30 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     o = o.float()
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * o) * F.silu(z.float())
+
+
+def mix(proj: torch.Tensor, weights, la, eps: float, tail: torch.Tensor, matrices: torch.Tensor, decode: bool,
+        table=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence's rows through a Gated DeltaNet mixer between its projections: proj [T, >= C + V + 2 H] holds each
+    row's mixed (q | k | v before the convolution) | z | b | a; weights the layer's vectors (conv, dt_bias, A, norm);
+    the state's tail and matrices are read, not written -> (outputs [T, H * Dv] float32 for out_proj: the rule's
+    outputs gated-normed, the new tail, the new matrices). With a C table (cpu_quant.gdn_table) on the CPU, the whole
+    mixer is one C call (kernels/cpu_gdn.h: gdn_mix, the one-call decode step's own); else torch, as transformers
+    computes it."""
+    if table is not None:
+        done = cpu_quant.gdn_mix(table, proj, eps, tail, matrices)
+        if done is not None:
+            return done
+    T = proj.shape[0]
+    C, V, H = la.channels, la.value_heads * la.value_dim, la.value_heads
+    b, a = proj[:, C + V:C + V + H].float(), proj[:, C + V + H:C + V + 2 * H].float()
+    beta, g = torch.sigmoid(b), weights.A * F.softplus(a + weights.dt_bias)
+    x, new_tail = conv(proj[:, :C].float(), tail, weights.conv)
+    kd = la.key_heads * la.key_dim
+    q = x[:, :kd].view(T, la.key_heads, la.key_dim)
+    k = x[:, kd:2 * kd].view(T, la.key_heads, la.key_dim)
+    v = x[:, 2 * kd:].reshape(T, H, la.value_dim)
+    o, new_matrices = rule(q, k, v, g, beta, matrices, decode)
+    z = proj[:, C:C + V].view(T, H, la.value_dim)
+    return gated_norm(o, z, weights.norm, eps).reshape(T, V), new_tail, new_matrices
+

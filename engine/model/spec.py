@@ -259,23 +259,30 @@ class LayerSpec:
                 and not self.value_norm)
 
     @property
+    def mixer_called_back(self) -> bool:
+        """Whether the one-call C step calls back for this layer's token mixer, between its projections (Qwen3.5's
+        Gated DeltaNet, and its attention whose output is gated): the forward's own mixer, in Python."""
+        return self.linear is not None or self.attn_gate
+
+    @property
     def fused_kernel_ok(self) -> bool:
         """Whether the one-call C step (kernels/cpu_quant.c: decode_layers) computes this layer: RMSNorm before
         attention and MLP (Gemma's (1 + w) is in the loaded weights), Qwen3's and Gemma's q/k norms, Gemma's post-norms
         and GELU-tanh gate with a dense MLP, SwiGLU; Gemma 2's soft-capped scores, biases (lin_apply adds them) and
         sink logits (gpt-oss's), the last two the attention's; a sliding window is the attention's (the callback's, or
         the caller's rows of a one-layout step); a partial rotation where its order is the weights' own (plain_qk_rows:
-        Transformer takes the rows so); a routed MLP (experts) of any kind the description has (kernels/cpu_moe.h).
-        Its weights must be packed too, which the linears say (kernel_parts)."""
+        Transformer takes the rows so); a routed MLP (experts) of any kind the description has (kernels/cpu_moe.h);
+        a mixer called back (mixer_called_back), with the projections and the MLP in C. Its weights must be packed
+        too, which the linears say (kernel_parts)."""
         return (self.activation in ("silu", "gelu_tanh") and (self.experts is None or self.activation == "silu")
                 and (not self.post_norms or self.experts is None)
-                and (self.rope.dims is None or self.plain_qk_rows)
-                and self.linear is None and not self.attn_gate
+                and (self.rope.dims is None or self.plain_qk_rows or self.mixer_called_back)
                 and (self.experts is None or not (self.experts.shared_ffn or self.experts.beside_dense
                                                   or self.experts.activation == "gelu_tanh"))
                 and self.head_dim is None
                 and self.kv_heads is None and self.kv_source is None and not self.value_norm
-                and not self.value_from_key and self.ffn is None and not self.output_scale and not self.rope.scaling[:1] == ("proportional",))
+                and not self.value_from_key and self.ffn is None and not self.output_scale
+                and not self.rope.scaling[:1] == ("proportional",))
 
 
 def _yarn(inv: np.ndarray, d: int, theta: float, factor: float, beta_fast: float, beta_slow: float,

@@ -24,7 +24,6 @@ from kvchat.kernels import cpu_quant
 
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.experts import RoutedMLP
-from kvchat.engine.model import linear_attention as gdn
 from kvchat.engine.model.linears import rms_norm
 from kvchat.engine.model.spec import LayerSpec
 
@@ -173,6 +172,7 @@ class Transformer:
         self._order = [None if o is None else torch.from_numpy(o).to(device) for o in orders]
         self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
         self._kernel_checked = False
+        self._gdn_tables: dict = {}         # layer -> its mixer's C form (cpu_quant.gdn_table) or None, on first use
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: Attention, all_logits: bool = False,
@@ -290,19 +290,16 @@ class Transformer:
 
     def _linear_mixer(self, i: int, L: Layer, spec: LayerSpec, proj: torch.Tensor, attention) -> torch.Tensor:
         """Gated DeltaNet (spec.LinearAttention) over the step's rows: the projections (q | k | v, z, b, a) are the
-        rows' own; the convolution and the delta rule run over each sequence's state through the callback's
-        `recurrent`. -> [T, value_heads * value_dim] in the model dtype, for out_proj."""
-        la, W = spec.linear, L.mixer
-        T = proj.shape[0]
-        C, V = la.channels, la.value_heads * la.value_dim
-        mixed = proj[:, :C].float()
-        z = proj[:, C:C + V].view(T, la.value_heads, la.value_dim)
-        b = proj[:, C + V:C + V + la.value_heads].float()
-        a = proj[:, C + V + la.value_heads:].float()
-        beta = torch.sigmoid(b)
-        g = W.A * F.softplus(a + W.dt_bias)
-        o = attention.recurrent(i, mixed, g, beta, W.conv, la)
-        o = gdn.gated_norm(o, z, W.norm, self.config.rms_norm_eps).reshape(T, V).to(self.dtype)
+        rows' own; the convolution, the delta rule and the gated norm run over each sequence's state through the
+        callback's `recurrent` (in one C call where the kernels take the layer: gdn_table). -> [T, value_heads *
+        value_dim] in the model dtype, for out_proj."""
+        W = L.mixer
+        if i not in self._gdn_tables:
+            la = spec.linear
+            self._gdn_tables[i] = None if self.device != "cpu" or self.dtype != torch.float32 else \
+                cpu_quant.gdn_table(W.conv, W.A, W.dt_bias, W.norm, la.key_heads, la.key_dim)
+        o = attention.recurrent(i, proj, W, spec.linear, self.config.rms_norm_eps, self._gdn_tables[i])
+        o = o.to(self.dtype)
         return o if W.out_order is None else o[:, W.out_order]
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -341,15 +338,15 @@ class Transformer:
                             or (L.mlp is not None and moe is None) \
                             or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
                         break
-                    qk = (L.q_norm, L.k_norm)
                     spec = self.config.layers[len(rows)]
+                    qk = (None, None) if spec.mixer_called_back else (L.q_norm, L.k_norm)    # the mixer's own
                     post = (L.post_attn_norm, L.post_mlp_norm) if spec.post_norms else (None, None)
                     if spec.post_norms and any(n is None or n.dtype != torch.float32 or not n.is_contiguous()
                                                for n in post):
                         break
                     act = 1 if spec.activation == "gelu_tanh" else 0
                     rows.append((slots + [[], []] if moe is not None else slots, *norms[:2], *qk, moe,
-                                 (*post, act)))
+                                 (*post, act), spec.mixer_called_back))
                 else:
                     self._kernel_layers = cpu_quant.layer_table(rows)
         return self._kernel_layers
@@ -371,8 +368,15 @@ class Transformer:
             kernel.run(table, x)
         else:
             def attend(layer, qkv):
+                spec = c.layers[layer]
+                if spec.linear is not None:     # the layer's Gated DeltaNet (nothing keeps a view of qkv)
+                    return self._linear_mixer(layer, self.layers[layer], spec, qkv, attention)
                 # a copy: the kernel's buffer outlives no call, so nothing may keep a view of it
-                return attention(layer, *self._split_qkv(qkv.clone())).to(self.dtype)
+                qkv = qkv.clone()
+                if spec.mixer_called_back:      # the attention's own split, norms and output gate
+                    o = self._attend(layer, self.layers[layer], spec, qkv, attention)
+                    return o.reshape(o.shape[0], -1).to(self.dtype)
+                return attention(layer, *self._split_qkv(qkv)).to(self.dtype)
             cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float())
 

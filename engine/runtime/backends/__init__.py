@@ -201,26 +201,20 @@ class StepAttention:
                 outs.append(backend.attend(local, q[sl], k[sl], v[sl], first, watch))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def recurrent(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  conv_weight: torch.Tensor, la) -> torch.Tensor:
-        """A linear-attention layer over the step's rows (engine/model/linear_attention.py): mixed [T, channels]
-        before the convolution, g and beta [T, value heads] -> outputs [T, value heads, value_dim] float32. Each
-        item starts from its conversation's state; the state after the step waits in `pending` until the step
-        commits (commit_states), so a step that fails changes no state (linear_attention.rule: in C, every row
-        one token after another; in torch, generated rows so and prompt rows in chunks)."""
-        kd = la.key_heads * la.key_dim
+    def recurrent(self, layer: int, proj: torch.Tensor, weights, la, eps: float, table=None) -> torch.Tensor:
+        """A linear-attention layer over the step's rows (engine/model/linear_attention.py: mix): proj [T, ...] each
+        row's projections (mixed | z | b | a), weights the layer's vectors, table its C form or None -> outputs
+        [T, value heads * value_dim] float32, gated-normed for out_proj. Each item starts from its conversation's
+        state; the state after the step waits in `pending` until the step commits (commit_states), so a step that
+        fails changes no state (in C every row one token after another; in torch, generated rows so and prompt rows
+        in chunks)."""
         outs = []
         for i, (conv, offset, n, decode) in enumerate(self.items):
-            rows = slice(offset, offset + n)
+            rows = proj[offset:offset + n]
             tail, matrices = conv.state.layer(layer)
-            x, tail = gdn.conv(mixed[rows], tail, conv_weight)
-            q = x[:, :kd].view(n, la.key_heads, la.key_dim)
-            k = x[:, kd:2 * kd].view(n, la.key_heads, la.key_dim)
-            v = x[:, 2 * kd:].reshape(n, la.value_heads, la.value_dim)
             if decode and n > 1:            # a verification: its rows' inputs, to take rejected drafts back
-                self.journal.setdefault(i, {})[layer] = (mixed[rows].clone(), g[rows].clone(), beta[rows].clone(),
-                                                         conv_weight, la)
-            o, matrices = gdn.rule(q, k, v, g[rows], beta[rows], matrices, decode)
+                self.journal.setdefault(i, {})[layer] = (rows.clone(), weights, la, eps, table)
+            o, tail, matrices = gdn.mix(rows, weights, la, eps, tail, matrices, decode, table)
             self.pending[(i, layer)] = (tail, matrices)
             outs.append(o)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -248,7 +242,8 @@ class StepAttention:
         per backend (Gemma's sliding and global layers: two). -> logits [B, vocab], or None where some layer's
         attention needs Python (a backend without a one-call group, chosen blocks, shared KV, a measure over more
         than one group): the runner then calls back for each layer."""
-        if self.chooser is not None or self.sources or model.kernel_layers() is None:
+        if self.chooser is not None or self.sources or model.config.mixers_called_back \
+                or model.kernel_layers() is None:
             return None
         if self.shared:         # every layer on the same runs: one backend, holding every layer
             runs, layer_group, layer_index = self.layer_runs[0], None, None
