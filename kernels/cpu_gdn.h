@@ -79,7 +79,7 @@ int gdn_rule(int T, int Hk, int H, int Dk, int Dv, const float *q, const float *
 
 // A Gated DeltaNet layer's mixer (spec.LinearAttention) between its projections, in one call: the vectors a layer
 // keeps, and its widths. C = 2 Hk Dk + H Dv channels through the convolution (q | k | v), K taps.
-typedef struct {
+typedef struct gdn_s {
     int Hk, Dk, H, Dv, K;
     const float *conv;          // [K, C]: tap j of every channel; tap K - 1 meets the newest input
     const float *A, *dt_bias;   // [H]: the decay g = A softplus(a + dt_bias), A < 0
@@ -133,3 +133,12 @@ int gdn_mix(const gdn_t *m, int T, const float *proj, int ld, float eps, const f
     free(xc);
     return rc;
 }
+
+// The states a decode step's Gated DeltaNet layers read and write, for decode_layers: n layers' worth, B sequences
+// each; entry j * B + b is layer state j's for sequence b: its tail and matrices before the step (read) and the new
+// ones (written beside them; the caller takes them when the step commits).
+typedef struct {
+    int n;
+    float **tail_in, **S_in, **tail_out, **S_out;
+} gdn_states_t;
+

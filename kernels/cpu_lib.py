@@ -420,7 +420,7 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
               lib.attn_decode_rot, lib.attn_decode_batch, lib.decode_attend):
         f.restype = None
     lib.decode_layers.argtypes = [I, P, I, P, I, F, I, I, I, P, P, P, P, P, P, P, P, P, P, P, F, P, P, P, I, P]
-    lib.decode_layers_grouped.argtypes = [I, P, I, P, I, F, I, I, I, I, P, P, P, F, P, I, P]
+    lib.decode_layers_grouped.argtypes = [I, P, I, P, I, F, I, I, I, I, P, P, P, F, P, I, P, P]
     lib.decode_layers_grouped.restype = I
     lib.qk_norm_rows.argtypes = [P, I, I, I, I, I, P, P, F]
     lib.norm_add_rows.argtypes = [P, P, I, I, P, F]
@@ -473,7 +473,14 @@ class QLayer(ctypes.Structure):
     _fields_ = [("lin", (QLin * 3) * 4), ("nparts", ctypes.c_int * 4), ("norm_attn", ctypes.c_void_p),
                 ("norm_mlp", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("moe", ctypes.c_void_p), ("post_attn", ctypes.c_void_p), ("post_mlp", ctypes.c_void_p),
-                ("act", ctypes.c_int), ("mix_in", ctypes.c_int), ("mix_out", ctypes.c_int)]
+                ("act", ctypes.c_int), ("mix_in", ctypes.c_int), ("mix_out", ctypes.c_int),
+                ("gdn", ctypes.c_void_p), ("state", ctypes.c_int), ("mix_order", ctypes.c_void_p)]
+
+
+class GDNStates(ctypes.Structure):
+    """A decode step's Gated DeltaNet states as decode_layers_grouped reads them (gdn_states_t in cpu_gdn.h)."""
+    _fields_ = [("n", ctypes.c_int)] + [(name, ctypes.POINTER(ctypes.c_void_p))
+                                        for name in ("tail_in", "S_in", "tail_out", "S_out")]
 
 
 class PromptArgs(ctypes.Structure):

@@ -1292,6 +1292,10 @@ typedef struct {
     int act;                             // the gate's activation: 0 SiLU (SwiGLU), 1 GELU with tanh (Gemma)
     int mix_in, mix_out;                 // > 0: the token mixer is the caller's (an attend callback: Qwen3.5's
                                          // Gated DeltaNet and gated attention), between projections of these widths
+    const struct gdn_s *gdn;             // a Gated DeltaNet mixer run here (cpu_gdn.h) where the step brings its
+    int state;                           // states (decode_layers_grouped), state `state` of them; else called back
+    const int64_t *mix_order;            // [mix_out]: the mixer's outputs in the order o reads them (a GGUF's stored
+                                         // columns), or NULL
 } qlayer_t;
 
 // y [B, H] = x + RMSNorm(y) * w, in place: a post-norm and its residual (Gemma), the one both paths call (the
@@ -1458,7 +1462,7 @@ typedef struct {
 
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                       int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
-                      const int *cols, int mcols, float *mass);
+                      const int *cols, int mcols, float *mass, const void *states);
 
 // every layer through one group: the pages and arguments given, or attend(ctx, layer, ...) where attend is not NULL
 int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
@@ -1467,29 +1471,42 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
                   const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx,
                   const int *cols, int mcols, float *mass) {
     attn_group_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off, kp, vp, bf16, attend, ctx, NULL, 0.f};
-    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, 1, &one, NULL, NULL, sm_scale, cols, mcols, mass);
+    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, 1, &one, NULL, NULL, sm_scale, cols, mcols, mass, NULL);
 }
 
-// layer l through groups[lgrp[l]] (0 <= lgrp[l] < ng; NULL: group 0) as its lidx[l]-th layer there (NULL: l)
+// layer l through groups[lgrp[l]] (0 <= lgrp[l] < ng; NULL: group 0) as its lidx[l]-th layer there (NULL: l);
+// states (a gdn_states_t, or NULL): the Gated DeltaNet layers' states, which run those layers' mixers here
 int decode_layers_grouped(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                           int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
-                          const int *cols, int mcols, float *mass) {
+                          const int *cols, int mcols, float *mass, const void *states) {
     if (ng < 1) return -3;
     for (int l = 0; l < nl; l++)
         if ((lgrp && (lgrp[l] < 0 || lgrp[l] >= ng)) || (lidx && lidx[l] < 0)) return -3;
-    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, ng, groups, lgrp, lidx, sm_scale, cols, mcols, mass);
+    return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, ng, groups, lgrp, lidx, sm_scale, cols, mcols, mass,
+                      states);
+}
+
+// Whether layer L's Gated DeltaNet runs here: its widths the mixer's, its state among the step's
+static int gdn_here(const qlayer_t *L, const gdn_states_t *st) {
+    if (!L->gdn || !st) return 0;
+    const gdn_t *m = L->gdn;
+    int V = m->H * m->Dv;
+    return L->mix_in == 2 * m->Hk * m->Dk + 2 * V + 2 * m->H && L->mix_out == V && L->state >= 0 && L->state < st->n
+           ? 1 : -1;
 }
 
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                       int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
-                      const int *cols, int mcols, float *mass) {
+                      const int *cols, int mcols, float *mass, const void *states) {
+    const gdn_states_t *st = states;
     if (nl < 1 || B < 1 || H < 1 || Hq < 1 || Hkv < 1 || D < 1) return -3;
     for (int g = 0; g < ng; g++)
         if (!groups[g].attend && D > 256) return -3;
     int natt = Hq * D;                           // the widest attention output: the model's, or a mixer's
     for (int l = 0; l < nl; l++) {
         if (!layer_widths_ok(layers + l, H, Hq, Hkv, D)) return -3;
-        if (layers[l].mix_out > 0 && !groups[lgrp ? lgrp[l] : 0].attend) return -3;     // only a callback mixes
+        int here = gdn_here(layers + l, st);     // else only a callback mixes
+        if (here < 0 || (layers[l].mix_out > 0 && !here && !groups[lgrp ? lgrp[l] : 0].attend)) return -3;
         if (layers[l].mix_out > natt) natt = layers[l].mix_out;
     }
     int kmax = H, nqkv = 0, ngu = 0;
@@ -1508,13 +1525,14 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         if (!groups[g].attend && (size_t)groups[g].off[B] > nrows) nrows = (size_t)groups[g].off[B];
     size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
     size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
-    size_t floats = (size_t)B * nqkv + (size_t)B * natt + (size_t)B * H + (size_t)B * ngu + attn_floats
+    size_t floats = (size_t)B * nqkv + 2 * (size_t)B * natt + (size_t)B * H + (size_t)B * ngu + attn_floats
                     + (size_t)B * ngu / 2;      // the GELU's output
     char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
     float *qkv = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63));
-    float *att = qkv + (size_t)B * nqkv, *x2 = att + (size_t)B * natt, *gu = x2 + (size_t)B * H;
+    float *att = qkv + (size_t)B * nqkv, *mixed = att + (size_t)B * natt, *x2 = mixed + (size_t)B * natt;
+    float *gu = x2 + (size_t)B * H;
     float *as = gu + (size_t)B * ngu, *gl = as + attn_floats;
     for (int l = 0; l < nl; l++) {
         const qlayer_t *L = layers + l;
@@ -1524,7 +1542,22 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         if (L->q_norm) qk_norm_rows(qkv, B, n0, Hq, Hkv, D, L->q_norm, L->k_norm, eps);
         const attn_group_t *g = groups + (lgrp ? lgrp[l] : 0);
         int i = lidx ? lidx[l] : l;          // the layer's index in its group
-        if (g->attend) {
+        if (gdn_here(L, st)) {              // the Gated DeltaNet, each sequence from its own state
+            int V = L->mix_out;
+            float *o = L->mix_order ? mixed : att;
+            for (int b = 0; b < B; b++) {
+                size_t e = (size_t)L->state * B + b;
+                int rc = gdn_mix(L->gdn, 1, qkv + (size_t)b * n0, n0, eps, st->tail_in[e], st->tail_out[e], st->S_in[e],
+                                 st->S_out[e], o + (size_t)b * V);
+                if (rc) {
+                    free(mem);
+                    return rc;
+                }
+            }
+            if (L->mix_order)
+                for (int b = 0; b < B; b++)
+                    for (int c = 0; c < V; c++) att[(size_t)b * V + c] = mixed[(size_t)b * V + L->mix_order[c]];
+        } else if (g->attend) {
             if (g->attend(g->ctx, i, qkv, att)) {
                 free(mem);
                 return -2;

@@ -21,7 +21,8 @@ import torch
 from .formats import PageFormat
 
 from . import cpu_lib
-from .cpu_lib import ATTEND_FN, BUILT, GDN, HEADER, KV_SOURCE, MAX_ROWS, SOURCE, QLayer, QLin, _build  # noqa: F401
+from .cpu_lib import (ATTEND_FN, BUILT, GDN, HEADER, KV_SOURCE, MAX_ROWS, SOURCE, GDNStates, QLayer, QLin,  # noqa: F401
+                      _build)
 
 _lib = None
 _error: str | None = None
@@ -1020,15 +1021,24 @@ def layer_table(layers: list[tuple]) -> ctypes.Array:
     weights (fp32 contiguous), optionally the q and k norms' weights [head_dim] (Qwen3, or None), optionally
     an ExpertTable: a routed MLP, whose layer has no gate_up and down parts (or None), optionally Gemma's
     (post-attention norm, post-MLP norm, activation): the norms or None, the gate's activation 0 SiLU, 1 GELU-tanh,
-    and optionally `mixer`: True where the layer's token mixer is the caller's (called back between the projections,
-    at their own widths: Qwen3.5's Gated DeltaNet and gated attention; no q / k norms then). The tensors and tables
-    behind the pointers must outlive the table."""
+    optionally `mixer`: True where the layer's token mixer is the caller's (called back between the projections,
+    at their own widths: Qwen3.5's Gated DeltaNet and gated attention; no q / k norms then), and optionally a Gated
+    DeltaNet's (gdn_table, its state's index among the step's, the order o reads its outputs in or None): the mixer
+    then runs in C where the step brings the states (decode_layers' `states`). The tensors and tables behind the
+    pointers must outlive the table."""
     table = (QLayer * len(layers))()
     for t, (slots, norm_attn, norm_mlp, *rest) in zip(table, layers):
         qk, moe = rest[:2], rest[2] if len(rest) > 2 else None
         post = rest[3] if len(rest) > 3 else None       # (post_attn, post_mlp, act) or None
         if len(rest) > 4 and rest[4]:                   # the caller's mixer, between these widths
             t.mix_in, t.mix_out = sum(part.N for part in slots[0]), slots[1][0].K
+        if len(rest) > 5 and rest[5] is not None:       # a Gated DeltaNet C can run
+            gdn, t.state, order = rest[5]
+            t.gdn = ctypes.addressof(gdn)
+            if order is not None:
+                assert order.dtype == torch.int64 and order.is_contiguous() and order.numel() == t.mix_out
+                assert torch.equal(order.sort().values, torch.arange(t.mix_out)), "not a permutation"
+                t.mix_order = order.data_ptr()
         if post is not None:
             if post[0] is not None:
                 t.post_attn, t.post_mlp = post[0].data_ptr(), post[1].data_ptr()
@@ -1166,7 +1176,7 @@ class PageArrays:
 
 def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int, groups: list,
                   layer_group: list[int] | None = None, layer_index: list[int] | None = None, sm_scale: float = 0.0,
-                  mass: Mass | None = None) -> None:
+                  mass: Mass | None = None, states: list | None = None) -> None:
     """x [B, H] fp32 contiguous (the embeddings of B sequences' new tokens) becomes the last layer's output, in
     place: each layer's linears (q4_gemv / q8_gemv with RMSNorm, SwiGLU and residual fused) and its attention, the
     same calls in the same order as a step through Python makes, so the same bits.
@@ -1180,7 +1190,9 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
       - attend(index, qkv [B, n_qkv]) -> [B, Hq, D]: the caller's own path, in Python, for caches no kernel reads. An
         exception it raises stops the step and is raised here.
     mass: each layer's decode_attend mass (Mass.out [layers, B, Hq, mcols]), for the layers over full-precision pages
-    (a QuantStep takes its own)."""
+    (a QuantStep takes its own). states: per Gated DeltaNet state index (layer_table), per sequence, its (tail,
+    matrices) before the step and the new (tail, matrices) to write, fp32 contiguous: those layers' mixers then run
+    in C; None calls back for them."""
     b, h = x.shape
     assert x.is_contiguous() and x.dtype == torch.float32
     n = len(table)
@@ -1224,8 +1236,9 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
     arr = (_AttnGroup * len(structs))(*structs)
     lgrp = None if layer_group is None else (ctypes.c_int * n)(*layer_group)
     lidx = None if layer_index is None else (ctypes.c_int * n)(*layer_index)
+    st = None if states is None else _gdn_states(states, b)
     rc = _lib.decode_layers_grouped(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, len(structs),
-                                    arr, lgrp, lidx, float(sm_scale), *margs)
+                                    arr, lgrp, lidx, float(sm_scale), *margs, None if st is None else ctypes.byref(st))
     if failure:
         raise failure[0]
     if rc == -3:
@@ -1234,6 +1247,21 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
                          "built from wrong shapes")
     if rc:
         raise MemoryError("decode_layers: out of memory for the step's buffers")
+
+
+def _gdn_states(states: list, b: int) -> GDNStates:
+    """decode_layers' states as gdn_states_t: four pointer arrays, entry j * B + sequence (the tensors are the
+    caller's, alive through the call)."""
+    arrays = [(ctypes.c_void_p * (len(states) * b))() for _ in range(4)]
+    for j, per_seq in enumerate(states):
+        assert len(per_seq) == b
+        for i, tensors in enumerate(per_seq):
+            for arr, t in zip(arrays, tensors):
+                assert t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda
+                arr[j * b + i] = t.data_ptr()
+    st = GDNStates(len(states), *(ctypes.cast(a, ctypes.POINTER(ctypes.c_void_p)) for a in arrays))
+    st.keep = arrays
+    return st
 
 
 class _AttnGroup(ctypes.Structure):

@@ -286,11 +286,16 @@ def test_qwen2_biases_run_in_the_one_call_step_with_the_same_bits(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
-def test_qwen35_layers_run_in_the_one_call_step_calling_back_for_their_mixers(tmp_path, qtype):
+def test_qwen35_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qtype, monkeypatch):
     """Qwen3.5 (Gated DeltaNet layers and gated attention with a partial rotation): the one-call step runs the
-    projections and MLPs and calls back for each layer's token mixer (the state's in one C call, gdn_mix), giving the
-    layer path's bits over full-precision and int8 pages, one sequence and three; the step attends through Python
-    ("callback"). Its Qwen3.5-MoE sibling (a shared expert) keeps the layer path."""
+    projections, the MLPs and the Gated DeltaNet mixers (gdn_mix, each sequence's state passed in, the new one
+    taken at the commit) in C and calls back for the gated attention, giving the layer path's bits over
+    full-precision and int8 pages, one sequence and three ("callback": the step attends through Python). Its
+    Qwen3.5-MoE sibling (a shared expert) keeps the layer path."""
+    from kvchat.engine.runtime.backends import StepAttention
+    states = []
+    orig = StepAttention.kernel_states
+    monkeypatch.setattr(StepAttention, "kernel_states", lambda self, layers: states.append(layers) or orig(self, layers))
     from kvchat.bench.gguf_hf import write_gguf_from_hf
     from tiny_models import tiny_family_dir
     shape = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_value_head_dim=16)
@@ -300,6 +305,7 @@ def test_qwen35_layers_run_in_the_one_call_step_calling_back_for_their_mixers(tm
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 17, 9)]
     _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
+    assert states and all(layers == [0, 1, 2] for layers in states)      # the three Gated DeltaNet layers, in C
     folder = tiny_family_dir(tmp_path / "q35moe", "qwen3_5_moe", seed=1, **shape)
     moe = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "q35moe.gguf", qtype))))
     assert moe.model.kernel_layers() is None

@@ -294,13 +294,18 @@ class Transformer:
         callback's `recurrent` (in one C call where the kernels take the layer: gdn_table). -> [T, value_heads *
         value_dim] in the model dtype, for out_proj."""
         W = L.mixer
-        if i not in self._gdn_tables:
-            la = spec.linear
-            self._gdn_tables[i] = None if self.device != "cpu" or self.dtype != torch.float32 else \
-                cpu_quant.gdn_table(W.conv, W.A, W.dt_bias, W.norm, la.key_heads, la.key_dim)
-        o = attention.recurrent(i, proj, W, spec.linear, self.config.rms_norm_eps, self._gdn_tables[i])
+        o = attention.recurrent(i, proj, W, spec.linear, self.config.rms_norm_eps, self._gdn_table(i, spec))
         o = o.to(self.dtype)
         return o if W.out_order is None else o[:, W.out_order]
+
+    def _gdn_table(self, i: int, spec: LayerSpec):
+        """Layer i's Gated DeltaNet mixer in its C form (cpu_quant.gdn_table), made on first use; None off the CPU's
+        fp32 path."""
+        if i not in self._gdn_tables:
+            W, la = self.layers[i].mixer, spec.linear
+            self._gdn_tables[i] = None if self.device != "cpu" or self.dtype != torch.float32 else \
+                cpu_quant.gdn_table(W.conv, W.A, W.dt_bias, W.norm, la.key_heads, la.key_dim)
+        return self._gdn_tables[i]
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] in the model dtype, times the description's embedding scale (Gemma: sqrt(hidden))."""
@@ -345,8 +350,12 @@ class Transformer:
                                                for n in post):
                         break
                     act = 1 if spec.activation == "gelu_tanh" else 0
+                    gdn = None
+                    if spec.linear is not None and self._gdn_table(len(rows), spec) is not None:
+                        gdn = (self._gdn_table(len(rows), spec),
+                               sum(s.linear is not None for s in self.config.layers[:len(rows)]), L.mixer.out_order)
                     rows.append((slots + [[], []] if moe is not None else slots, *norms[:2], *qk, moe,
-                                 (*post, act), spec.mixer_called_back))
+                                 (*post, act), spec.mixer_called_back, gdn))
                 else:
                     self._kernel_layers = cpu_quant.layer_table(rows)
         return self._kernel_layers
@@ -377,7 +386,11 @@ class Transformer:
                     o = self._attend(layer, self.layers[layer], spec, qkv, attention)
                     return o.reshape(o.shape[0], -1).to(self.dtype)
                 return attention(layer, *self._split_qkv(qkv)).to(self.dtype)
-            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
+            linear = [i for i, spec in enumerate(c.layers) if spec.linear is not None]
+            states = attention.kernel_states(linear) if linear and all(
+                self._gdn_table(i, c.layers[i]) is not None for i in linear) else None
+            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend],
+                                    states=states)
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float())
 
     def count_experts(self, on: bool = True) -> None:

@@ -219,6 +219,22 @@ class StepAttention:
             outs.append(o)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    def kernel_states(self, layers: list[int]) -> list:
+        """The one-call step's Gated DeltaNet states (cpu_quant.decode_layers' `states`) for the model's linear
+        layers `layers`, every item one decode row: per layer, per item, its state's (tail, matrices) and new buffers
+        the kernel writes, which wait in `pending` until the step commits, as recurrent()'s do."""
+        out = []
+        for layer in layers:
+            per_item = []
+            for i, (conv, _, n, _) in enumerate(self.items):
+                assert n == 1, "the one-call step's states are one decode row's"
+                tail, matrices = conv.state.layer(layer)
+                new = (torch.empty_like(tail), torch.empty_like(matrices))
+                self.pending[(i, layer)] = new
+                per_item.append((tail, matrices, *new))
+            out.append(per_item)
+        return out
+
     def commit_states(self) -> None:
         """The step committed: each item's conversation takes the states the step made, at its new token count; a
         verification keeps a journal of it (the state before, the rows' inputs) so rejected drafts can go back."""
