@@ -134,11 +134,14 @@ int gdn_mix(const gdn_t *m, int T, const float *proj, int ld, float eps, const f
     return rc;
 }
 
-// The states a decode step's Gated DeltaNet layers read and write, for decode_layers: n layers' worth, B sequences
-// each; entry j * B + b is layer state j's for sequence b: its tail and matrices before the step (read) and the new
-// ones (written beside them; the caller takes them when the step commits).
+// What a decode step brings its layers beside the token rows, for decode_layers: the Gated DeltaNet layers' states,
+// n layers' worth, B sequences each (entry j * B + b is state j's for sequence b: its tail and matrices before the
+// step, read, and the new ones, written beside them; the caller takes them when the step commits), and Gemma 4's
+// per-layer inputs ple [B, layers, width] (NULL: none).
 typedef struct {
     int n;
     float **tail_in, **S_in, **tail_out, **S_out;
-} gdn_states_t;
+    const float *ple;
+    int ple_layers;
+} step_inputs_t;
 

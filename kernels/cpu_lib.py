@@ -474,13 +474,16 @@ class QLayer(ctypes.Structure):
                 ("norm_mlp", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("moe", ctypes.c_void_p), ("post_attn", ctypes.c_void_p), ("post_mlp", ctypes.c_void_p),
                 ("act", ctypes.c_int), ("mix_in", ctypes.c_int), ("mix_out", ctypes.c_int),
-                ("gdn", ctypes.c_void_p), ("state", ctypes.c_int), ("mix_order", ctypes.c_void_p)]
+                ("gdn", ctypes.c_void_p), ("state", ctypes.c_int), ("mix_order", ctypes.c_void_p),
+                ("ple", QLin * 2), ("ple_norm", ctypes.c_void_p), ("scalar", ctypes.c_void_p)]
 
 
-class GDNStates(ctypes.Structure):
-    """A decode step's Gated DeltaNet states as decode_layers_grouped reads them (gdn_states_t in cpu_gdn.h)."""
+class StepInputs(ctypes.Structure):
+    """What a decode step brings its layers, as decode_layers_grouped reads it (step_inputs_t in cpu_gdn.h): the
+    Gated DeltaNet states, Gemma 4's per-layer inputs."""
     _fields_ = [("n", ctypes.c_int)] + [(name, ctypes.POINTER(ctypes.c_void_p))
-                                        for name in ("tail_in", "S_in", "tail_out", "S_out")]
+                                        for name in ("tail_in", "S_in", "tail_out", "S_out")] + [
+        ("ple", ctypes.c_void_p), ("ple_layers", ctypes.c_int)]
 
 
 class PromptArgs(ctypes.Structure):

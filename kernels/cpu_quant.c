@@ -1296,6 +1296,9 @@ typedef struct {
     int state;                           // states (decode_layers_grouped), state `state` of them; else called back
     const int64_t *mix_order;            // [mix_out]: the mixer's outputs in the order o reads them (a GGUF's stored
                                          // columns), or NULL
+    qlin_t ple[2];                       // Gemma 4's per-layer input after the MLP: gate [w, H] and proj [H, w], one
+    const float *ple_norm;               // part each (N 0: none); x += RMSNorm(proj(gelu(gate(x)) * input)) * norm
+    const float *scalar;                 // [1]: the layer's output times this (Gemma 4's layer scalar), or NULL
 } qlayer_t;
 
 // y [B, H] = x + RMSNorm(y) * w, in place: a post-norm and its residual (Gemma), the one both paths call (the
@@ -1475,7 +1478,8 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
 }
 
 // layer l through groups[lgrp[l]] (0 <= lgrp[l] < ng; NULL: group 0) as its lidx[l]-th layer there (NULL: l);
-// states (a gdn_states_t, or NULL): the Gated DeltaNet layers' states, which run those layers' mixers here
+// states (a step_inputs_t, or NULL): the Gated DeltaNet layers' states, which run those layers' mixers here, and
+// Gemma 4's per-layer inputs (a table with them runs only where they are given)
 int decode_layers_grouped(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                           int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
                           const int *cols, int mcols, float *mass, const void *states) {
@@ -1487,7 +1491,7 @@ int decode_layers_grouped(int nl, const qlayer_t *layers, int B, float *x, int H
 }
 
 // Whether layer L's Gated DeltaNet runs here: its widths the mixer's, its state among the step's
-static int gdn_here(const qlayer_t *L, const gdn_states_t *st) {
+static int gdn_here(const qlayer_t *L, const step_inputs_t *st) {
     if (!L->gdn || !st) return 0;
     const gdn_t *m = L->gdn;
     int V = m->H * m->Dv;
@@ -1495,10 +1499,36 @@ static int gdn_here(const qlayer_t *L, const gdn_states_t *st) {
            ? 1 : -1;
 }
 
+// Whether layer L's per-layer input (if any) chains at H and the step brings the inputs of all nl layers
+static int ple_ok(const qlayer_t *L, int H, const step_inputs_t *st, int nl) {
+    if (!L->ple[0].N) return 1;
+    const qlin_t *g = &L->ple[0], *p = &L->ple[1];
+    return st && st->ple && st->ple_layers == nl && L->ple_norm && moe_bits_ok(g) && moe_bits_ok(p) && g->K == H
+           && p->N == H && p->K == g->N && g->K % 32 == 0 && p->K % 32 == 0;
+}
+
+// x [B, H] += RMSNorm(proj(gelu_tanh(gate(x)) * input)) * norm: layer l's per-layer input (Gemma 4), its rows of
+// ple [B, nl, w]; the forward's calls (the linears, gelu_gate_rows over (gate | input) pairs, norm_add_rows), so the
+// same bits. buf: B * (4 w + H) floats.
+static void per_layer_input(const qlayer_t *L, int l, int nl, int B, int H, float eps, const float *ple, float *x,
+                            float *buf, void *gs) {
+    int w = L->ple[0].N;
+    float *g = buf, *pairs = g + (size_t)B * w, *h = pairs + 2 * (size_t)B * w, *y = h + (size_t)B * w;
+    lin_apply(&L->ple[0], 1, x, B, g, gs, 0, NULL, eps, NULL);
+    for (int b = 0; b < B; b++) {
+        memcpy(pairs + (size_t)b * 2 * w, g + (size_t)b * w, sizeof(float) * w);
+        memcpy(pairs + (size_t)b * 2 * w + w, ple + ((size_t)b * nl + l) * w, sizeof(float) * w);
+    }
+    gelu_gate_rows(pairs, B, w, h);
+    lin_apply(&L->ple[1], 1, h, B, y, gs, 0, NULL, eps, NULL);
+    norm_add_rows(y, x, B, H, L->ple_norm, eps);
+    memcpy(x, y, sizeof(float) * (size_t)B * H);
+}
+
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                       int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
                       const int *cols, int mcols, float *mass, const void *states) {
-    const gdn_states_t *st = states;
+    const step_inputs_t *st = states;
     if (nl < 1 || B < 1 || H < 1 || Hq < 1 || Hkv < 1 || D < 1) return -3;
     for (int g = 0; g < ng; g++)
         if (!groups[g].attend && D > 256) return -3;
@@ -1508,8 +1538,12 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         int here = gdn_here(layers + l, st);     // else only a callback mixes
         if (here < 0 || (layers[l].mix_out > 0 && !here && !groups[lgrp ? lgrp[l] : 0].attend)) return -3;
         if (layers[l].mix_out > natt) natt = layers[l].mix_out;
+        if (!ple_ok(layers + l, H, st, nl)) return -3;
     }
-    int kmax = H, nqkv = 0, ngu = 0;
+    int kmax = H, nqkv = 0, ngu = 0, wple = 0;
+    for (int l = 0; l < nl; l++)
+        if (layers[l].ple[0].N > wple) wple = layers[l].ple[0].N;
+    if (wple > kmax) kmax = wple;
     for (int l = 0; l < nl; l++)
         for (int s = 0; s < 4; s++) {
             int n = 0;
@@ -1526,14 +1560,15 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
     size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
     size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
     size_t floats = (size_t)B * nqkv + 2 * (size_t)B * natt + (size_t)B * H + (size_t)B * ngu + attn_floats
-                    + (size_t)B * ngu / 2;      // the GELU's output
+                    + (size_t)B * ngu / 2       // the GELU's output
+                    + (size_t)B * (4 * (size_t)wple + H);      // the per-layer input's gate, pairs, product, output
     char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
     float *qkv = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63));
     float *att = qkv + (size_t)B * nqkv, *mixed = att + (size_t)B * natt, *x2 = mixed + (size_t)B * natt;
     float *gu = x2 + (size_t)B * H;
-    float *as = gu + (size_t)B * ngu, *gl = as + attn_floats;
+    float *as = gu + (size_t)B * ngu, *gl = as + attn_floats, *pl = gl + (size_t)B * ngu / 2;
     for (int l = 0; l < nl; l++) {
         const qlayer_t *L = layers + l;
         int n0 = 0;
@@ -1580,23 +1615,26 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
                 free(mem);
                 return rc;
             }
-            continue;
-        }
-        lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
-        const float *hin = gu;
-        int mode = 2;                        // SwiGLU inside the down projection's kernel
-        if (L->act == 1) {                   // GELU: the activation first, then a plain GEMV
-            int F = L->lin[3][0].K;
-            gelu_gate_rows(gu, B, F, gl);
-            hin = gl;
-            mode = 0;
-        }
-        if (L->post_mlp) {
-            lin_apply(L->lin[3], L->nparts[3], hin, B, x, gs, mode, NULL, eps, NULL);
-            norm_add_rows(x, x2, B, H, L->post_mlp, eps);
         } else {
-            lin_apply(L->lin[3], L->nparts[3], hin, B, x, gs, mode, NULL, eps, x2);
+            lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
+            const float *hin = gu;
+            int mode = 2;                    // SwiGLU inside the down projection's kernel
+            if (L->act == 1) {               // GELU: the activation first, then a plain GEMV
+                int F = L->lin[3][0].K;
+                gelu_gate_rows(gu, B, F, gl);
+                hin = gl;
+                mode = 0;
+            }
+            if (L->post_mlp) {
+                lin_apply(L->lin[3], L->nparts[3], hin, B, x, gs, mode, NULL, eps, NULL);
+                norm_add_rows(x, x2, B, H, L->post_mlp, eps);
+            } else {
+                lin_apply(L->lin[3], L->nparts[3], hin, B, x, gs, mode, NULL, eps, x2);
+            }
         }
+        if (L->ple[0].N) per_layer_input(L, l, nl, B, H, eps, st->ple, x, pl, gs);
+        if (L->scalar)
+            for (size_t i = 0; i < (size_t)B * H; i++) x[i] *= *L->scalar;
     }
     free(mem);
     return 0;

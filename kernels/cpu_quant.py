@@ -21,8 +21,8 @@ import torch
 from .formats import PageFormat
 
 from . import cpu_lib
-from .cpu_lib import (ATTEND_FN, BUILT, GDN, HEADER, KV_SOURCE, MAX_ROWS, SOURCE, GDNStates, QLayer, QLin,  # noqa: F401
-                      _build)
+from .cpu_lib import (ATTEND_FN, BUILT, GDN, HEADER, KV_SOURCE, MAX_ROWS, SOURCE, QLayer, QLin,  # noqa: F401
+                      StepInputs, _build)
 
 _lib = None
 _error: str | None = None
@@ -1024,8 +1024,9 @@ def layer_table(layers: list[tuple]) -> ctypes.Array:
     optionally `mixer`: True where the layer's token mixer is the caller's (called back between the projections,
     at their own widths: Qwen3.5's Gated DeltaNet and gated attention; no q / k norms then), and optionally a Gated
     DeltaNet's (gdn_table, its state's index among the step's, the order o reads its outputs in or None): the mixer
-    then runs in C where the step brings the states (decode_layers' `states`). The tensors and tables behind the
-    pointers must outlive the table."""
+    then runs in C where the step brings the states (decode_layers' `states`), and optionally Gemma 4's (per-layer
+    input gate part, its projection part, its norm, the layer scalar [1] or None; the first three None where the
+    layer has no per-layer input). The tensors and tables behind the pointers must outlive the table."""
     table = (QLayer * len(layers))()
     for t, (slots, norm_attn, norm_mlp, *rest) in zip(table, layers):
         qk, moe = rest[:2], rest[2] if len(rest) > 2 else None
@@ -1039,6 +1040,13 @@ def layer_table(layers: list[tuple]) -> ctypes.Array:
                 assert order.dtype == torch.int64 and order.is_contiguous() and order.numel() == t.mix_out
                 assert torch.equal(order.sort().values, torch.arange(t.mix_out)), "not a permutation"
                 t.mix_order = order.data_ptr()
+        if len(rest) > 6 and rest[6] is not None:       # Gemma 4: the per-layer input, the layer scalar
+            gate, proj, norm, scalar = rest[6]
+            if gate is not None:
+                t.ple[0], t.ple[1], t.ple_norm = gate, proj, norm.data_ptr()
+            if scalar is not None:
+                assert scalar.dtype == torch.float32 and scalar.numel() == 1
+                t.scalar = scalar.data_ptr()
         if post is not None:
             if post[0] is not None:
                 t.post_attn, t.post_mlp = post[0].data_ptr(), post[1].data_ptr()
@@ -1176,7 +1184,7 @@ class PageArrays:
 
 def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv: int, d: int, groups: list,
                   layer_group: list[int] | None = None, layer_index: list[int] | None = None, sm_scale: float = 0.0,
-                  mass: Mass | None = None, states: list | None = None) -> None:
+                  mass: Mass | None = None, states: list | None = None, ple: torch.Tensor | None = None) -> None:
     """x [B, H] fp32 contiguous (the embeddings of B sequences' new tokens) becomes the last layer's output, in
     place: each layer's linears (q4_gemv / q8_gemv with RMSNorm, SwiGLU and residual fused) and its attention, the
     same calls in the same order as a step through Python makes, so the same bits.
@@ -1192,7 +1200,8 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
     mass: each layer's decode_attend mass (Mass.out [layers, B, Hq, mcols]), for the layers over full-precision pages
     (a QuantStep takes its own). states: per Gated DeltaNet state index (layer_table), per sequence, its (tail,
     matrices) before the step and the new (tail, matrices) to write, fp32 contiguous: those layers' mixers then run
-    in C; None calls back for them."""
+    in C; None calls back for them. ple: Gemma 4's per-layer inputs [B, layers, width] fp32 contiguous, for a table
+    with them."""
     b, h = x.shape
     assert x.is_contiguous() and x.dtype == torch.float32
     n = len(table)
@@ -1236,7 +1245,7 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
     arr = (_AttnGroup * len(structs))(*structs)
     lgrp = None if layer_group is None else (ctypes.c_int * n)(*layer_group)
     lidx = None if layer_index is None else (ctypes.c_int * n)(*layer_index)
-    st = None if states is None else _gdn_states(states, b)
+    st = None if states is None and ple is None else _step_inputs(states or [], b, ple, n)
     rc = _lib.decode_layers_grouped(n, ctypes.addressof(table), b, x.data_ptr(), h, float(eps), hq, hkv, d, len(structs),
                                     arr, lgrp, lidx, float(sm_scale), *margs, None if st is None else ctypes.byref(st))
     if failure:
@@ -1249,9 +1258,9 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
         raise MemoryError("decode_layers: out of memory for the step's buffers")
 
 
-def _gdn_states(states: list, b: int) -> GDNStates:
-    """decode_layers' states as gdn_states_t: four pointer arrays, entry j * B + sequence (the tensors are the
-    caller's, alive through the call)."""
+def _step_inputs(states: list, b: int, ple: torch.Tensor | None, layers: int) -> StepInputs:
+    """decode_layers' states and per-layer inputs as step_inputs_t: the states in four pointer arrays, entry j * B +
+    sequence (the tensors are the caller's, alive through the call)."""
     arrays = [(ctypes.c_void_p * (len(states) * b))() for _ in range(4)]
     for j, per_seq in enumerate(states):
         assert len(per_seq) == b
@@ -1259,7 +1268,10 @@ def _gdn_states(states: list, b: int) -> GDNStates:
             for arr, t in zip(arrays, tensors):
                 assert t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda
                 arr[j * b + i] = t.data_ptr()
-    st = GDNStates(len(states), *(ctypes.cast(a, ctypes.POINTER(ctypes.c_void_p)) for a in arrays))
+    if ple is not None:
+        assert ple.dtype == torch.float32 and ple.is_contiguous() and tuple(ple.shape[:2]) == (b, layers)
+    st = StepInputs(len(states), *(ctypes.cast(a, ctypes.POINTER(ctypes.c_void_p)) for a in arrays),
+                    None if ple is None else ple.data_ptr(), layers)
     st.keep = arrays
     return st
 

@@ -309,3 +309,18 @@ def test_qwen35_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qty
     folder = tiny_family_dir(tmp_path / "q35moe", "qwen3_5_moe", seed=1, **shape)
     moe = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "q35moe.gguf", qtype))))
     assert moe.model.kernel_layers() is None
+
+
+def test_gemma4_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
+    """Gemma 4 (heads of each layer's own width, layers reading another layer's KV, normed values, values from keys,
+    a proportional rope: attention called back between the C projections) with its per-layer inputs and layer scalars
+    in C after each MLP: the layer path's bits over full-precision and int8 pages, one sequence and three."""
+    from kvchat.bench.gguf_hf import write_gguf_from_hf
+    from test_gemma4_gguf import tiny_gemma4_dir
+    folder = tiny_gemma4_dir(tmp_path / "gemma4", seed=1, hidden_size_per_layer_input=32)    # packed: 32 wide
+    engine = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "g4.gguf", "Q8_0"))))
+    table = engine.model.kernel_layers()
+    assert table is not None and all(row.ple[0].N == 32 and row.scalar for row in table)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+    _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")

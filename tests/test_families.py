@@ -70,11 +70,13 @@ def test_layer_spec_says_what_the_fused_step_covers():
     assert base.fused_kernel_ok and replace(base, qk_norm=True).fused_kernel_ok    # Qwen3's: qk_norm_rows
     gemma3 = replace(base, qk_norm=True, norm_offset=1.0, post_norms=True, activation="gelu_tanh", window=512)
     assert gemma3.fused_kernel_ok       # norm_add_rows, gelu_gate_rows; the window is the attention's
-    for change in (dict(head_dim=64), dict(value_norm=True)):
-        assert not replace(base, **change).fused_kernel_ok, change
-    # Qwen3.5's gated attention (a partial rotation) and Gated DeltaNet: their mixers called back, the rest in C
-    gated = replace(base, rope=Rope(10000.0, dims=32), attn_gate=True, qk_norm=True)
-    assert gated.fused_kernel_ok and gated.mixer_called_back and not base.mixer_called_back
+    # Qwen3.5's gated attention (a partial rotation), Gemma 4's own head widths, shared KV, normed values and
+    # proportional rope: their mixers called back, the rest in C; a routed MLP beside a dense one stays out
+    for change in (dict(rope=Rope(10000.0, dims=32), attn_gate=True, qk_norm=True), dict(head_dim=64),
+                   dict(value_norm=True), dict(kv_source=0), dict(rope=Rope(1e6, ("proportional", 0.25)))):
+        layer = replace(base, **change)
+        assert layer.fused_kernel_ok and layer.mixer_called_back, change
+    assert not base.mixer_called_back and not gemma3.mixer_called_back
     # Gemma 2's capped scores (the C attention caps them), biases (lin_apply adds them), gpt-oss's sink logits
     for change in (dict(attn_softcap=50.0), dict(qkv_bias=True), dict(o_bias=True), dict(mlp_bias=True),
                    dict(sink_logits=True)):

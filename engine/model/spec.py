@@ -260,9 +260,14 @@ class LayerSpec:
 
     @property
     def mixer_called_back(self) -> bool:
-        """Whether the one-call C step calls back for this layer's token mixer, between its projections (Qwen3.5's
-        Gated DeltaNet, and its attention whose output is gated): the forward's own mixer, in Python."""
-        return self.linear is not None or self.attn_gate
+        """Whether the one-call C step calls back for this layer's token mixer, between its projections: the forward's
+        own mixer, in Python, where the C attention does not compute it (Qwen3.5's attention whose output is gated;
+        Gemma 4's heads of the layer's own width and count, KV read from another layer, values normed or taken from
+        the keys, its proportional rope) or the step has no form of it (a Gated DeltaNet where the step brings no
+        states; with them it runs in C)."""
+        return (self.linear is not None or self.attn_gate or self.head_dim is not None or self.kv_heads is not None
+                or self.kv_source is not None or self.value_norm or self.value_from_key
+                or self.rope.scaling[:1] == ("proportional",))
 
     @property
     def fused_kernel_ok(self) -> bool:
@@ -272,17 +277,14 @@ class LayerSpec:
         sink logits (gpt-oss's), the last two the attention's; a sliding window is the attention's (the callback's, or
         the caller's rows of a one-layout step); a partial rotation where its order is the weights' own (plain_qk_rows:
         Transformer takes the rows so); a routed MLP (experts) of any kind the description has (kernels/cpu_moe.h);
-        a mixer called back (mixer_called_back), with the projections and the MLP in C. Its weights must be packed
-        too, which the linears say (kernel_parts)."""
+        a mixer called back (mixer_called_back), with the projections and the MLP in C; an MLP of the layer's own
+        width, Gemma 4's per-layer input and layer scalar. Its weights must be packed too, which the linears say
+        (kernel_parts)."""
         return (self.activation in ("silu", "gelu_tanh") and (self.experts is None or self.activation == "silu")
                 and (not self.post_norms or self.experts is None)
                 and (self.rope.dims is None or self.plain_qk_rows or self.mixer_called_back)
                 and (self.experts is None or not (self.experts.shared_ffn or self.experts.beside_dense
-                                                  or self.experts.activation == "gelu_tanh"))
-                and self.head_dim is None
-                and self.kv_heads is None and self.kv_source is None and not self.value_norm
-                and not self.value_from_key and self.ffn is None and not self.output_scale
-                and not self.rope.scaling[:1] == ("proportional",))
+                                                  or self.experts.activation == "gelu_tanh")))
 
 
 def _yarn(inv: np.ndarray, d: int, theta: float, factor: float, beta_fast: float, beta_slow: float,

@@ -201,8 +201,8 @@ class Transformer:
             x = self._mlp(L, spec, x, split)
             if per_layer is not None:           # the layer's own input embedding, gated by its output
                 gate, proj, norm = L.ple
-                h = F.gelu(gate(x, split=split), approximate="tanh") * per_layer[:, i]
-                x = x + rms_norm(proj(h, split=split), norm, eps)
+                h = _gelu_times(gate(x, split=split), per_layer[:, i])
+                x = _post_add(x, proj(h, split=split), norm, eps)
             if L.scalar is not None:
                 x = x * L.scalar.to(x.dtype)
         if rows is not None:
@@ -298,6 +298,21 @@ class Transformer:
         o = o.to(self.dtype)
         return o if W.out_order is None else o[:, W.out_order]
 
+    @staticmethod
+    def _ple_parts(L: Layer):
+        """Layer L's per-layer input (gate part, projection part, norm) and layer scalar as layer_table takes them;
+        None where it has neither, False where the kernel cannot take them (not packed, one part each)."""
+        scalar = L.scalar if L.scalar is not None and L.scalar.dtype == torch.float32 else None
+        if L.scalar is not None and scalar is None:
+            return False
+        if L.ple is None:
+            return None if scalar is None else (None, None, None, scalar)
+        gate, proj, norm = L.ple
+        parts = [lin.kernel_parts() if hasattr(lin, "kernel_parts") else None for lin in (gate, proj)]
+        if any(p is None or len(p) != 1 for p in parts) or norm.dtype != torch.float32 or not norm.is_contiguous():
+            return False
+        return parts[0][0], parts[1][0], norm, scalar
+
     def _gdn_table(self, i: int, spec: LayerSpec):
         """Layer i's Gated DeltaNet mixer in its C form (cpu_quant.gdn_table), made on first use; None off the CPU's
         fp32 path."""
@@ -338,13 +353,13 @@ class Transformer:
                     moe = None if L.mlp is None else L.mlp.kernel_table()
                     mlp = (L.gate_up, L.down) if L.mlp is None else ()
                     slots = [lin.kernel_parts() for lin in (L.qkv, L.o, *mlp)]
-                    norms = (L.norm_attn, L.norm_mlp) + ((L.q_norm, L.k_norm) if L.q_norm is not None else ())
+                    spec = self.config.layers[len(rows)]
+                    qk = (None, None) if spec.mixer_called_back else (L.q_norm, L.k_norm)    # the mixer's own
+                    norms = (L.norm_attn, L.norm_mlp) + (qk if qk[0] is not None else ())
                     if any(p is None for p in slots) or len(slots[1]) != 1 or (L.mlp is None and len(slots[3]) != 1) \
                             or (L.mlp is not None and moe is None) \
                             or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
                         break
-                    spec = self.config.layers[len(rows)]
-                    qk = (None, None) if spec.mixer_called_back else (L.q_norm, L.k_norm)    # the mixer's own
                     post = (L.post_attn_norm, L.post_mlp_norm) if spec.post_norms else (None, None)
                     if spec.post_norms and any(n is None or n.dtype != torch.float32 or not n.is_contiguous()
                                                for n in post):
@@ -354,8 +369,11 @@ class Transformer:
                     if spec.linear is not None and self._gdn_table(len(rows), spec) is not None:
                         gdn = (self._gdn_table(len(rows), spec),
                                sum(s.linear is not None for s in self.config.layers[:len(rows)]), L.mixer.out_order)
+                    extra = self._ple_parts(L)
+                    if extra is False:
+                        break
                     rows.append((slots + [[], []] if moe is not None else slots, *norms[:2], *qk, moe,
-                                 (*post, act), spec.mixer_called_back, gdn))
+                                 (*post, act), spec.mixer_called_back, gdn, extra))
                 else:
                     self._kernel_layers = cpu_quant.layer_table(rows)
         return self._kernel_layers
@@ -373,7 +391,11 @@ class Transformer:
         if table is None:
             return None
         x = self._embed(token_ids).contiguous()
+        per_layer = self._per_layer_inputs(token_ids, x, x.shape[0])
+        ple = None if per_layer is None else per_layer.float().contiguous()
         if kernel is not None:
+            if ple is not None:                 # the backends' own step brings no per-layer inputs
+                return None
             kernel.run(table, x)
         else:
             def attend(layer, qkv):
@@ -390,7 +412,7 @@ class Transformer:
             states = attention.kernel_states(linear) if linear and all(
                 self._gdn_table(i, c.layers[i]) is not None for i in linear) else None
             cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend],
-                                    states=states)
+                                    states=states, ple=ple)
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float())
 
     def count_experts(self, on: bool = True) -> None:
@@ -449,6 +471,16 @@ class Transformer:
         """Packed kind -> number of linears, e.g. {"int4": 120, "int8": 1}."""
         from collections import Counter
         return dict(Counter(p.kind for L in self.layers for p in L.linears()) + Counter([self.lm_head.kind]))
+
+
+def _gelu_times(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(g) * p (Gemma 4's per-layer input gate): in C on the CPU in fp32 (gelu_gate_rows over (g | p)
+    pairs, the one-call step's own), torch elsewhere."""
+    if not kernels.gpu_path(g) and g.dtype == p.dtype == torch.float32:
+        out = cpu_quant.gelu_gate(torch.cat((g, p), dim=1))
+        if out is not None:
+            return out
+    return F.gelu(g, approximate="tanh") * p
 
 
 def _post_add(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
