@@ -1341,6 +1341,31 @@ void gelu_gate_rows(const float *gu, int B, int F, float *out) {
     }
 }
 
+// x [n] = cap * tanh(x / cap) in place (Gemma's final soft-cap of the logits): tanh(t) = 1 - 2 / (exp(2t) + 1) as
+// gelu_gate_rows forms it, eight at a time; a NaN stays a NaN (exp8 would clamp it)
+void softcap_rows(float *x, int64_t n, float cap) {
+    const float inv = 1.0f / cap;
+    int64_t chunks = (n + 8191) / 8192;
+    #pragma omp parallel for schedule(static) if (chunks > 1)
+    for (int64_t k = 0; k < chunks; k++) {
+        int64_t i = k * 8192, hi = i + 8192 < n ? i + 8192 : n;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), c = _mm256_set1_ps(cap);
+        const __m256 r = _mm256_set1_ps(inv);
+        for (; i + 8 <= hi; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            __m256 e = exp8(_mm256_mul_ps(two, _mm256_mul_ps(v, r)));
+            __m256 y = _mm256_mul_ps(c, _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one))));
+            _mm256_storeu_ps(x + i, _mm256_blendv_ps(y, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        }
+#endif
+        for (; i < hi; i++) {
+            float e = expf(2.f * (x[i] * inv));
+            x[i] = x[i] != x[i] ? x[i] : cap * (1.f - 2.f / (e + 1.f));
+        }
+    }
+}
+
 // The q and k heads of B rows of qkv [B, ld] (q: Hq heads of D, then k: Hkv heads) RMS-normed over D in place,
 // times q_w / k_w [D]: the one q/k norm of both paths (the Python forward calls it for every row on the CPU in
 // fp32, decode_layers between the qkv projection and attention), so they give the same bits

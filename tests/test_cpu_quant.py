@@ -280,3 +280,22 @@ def test_argmax_is_torchs_pick():
     x[70] = math.nan
     assert cq.argmax(x) is None
     assert cq.argmax(x.double()) is None and cq.argmax(torch.randn(40, generator=g)[::2]) is None
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 8191, 8193, 262144])
+def test_softcap_is_the_capped_tanh_and_keeps_nans(n):
+    """Gemma's final logit cap in C (softcap_rows, in place): cap * tanh(x / cap) within 1e-6 of the cap against
+    float64, +-inf to +-cap, a NaN left a NaN (the fault checks read it), at lengths around the vector width and the
+    threads' chunks."""
+    if not cq.available():
+        pytest.skip("the C kernels are not built here")
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 60
+    x[0] = float("nan")
+    if n > 2:
+        x[1], x[2] = float("inf"), -float("inf")
+    y = x.clone()
+    assert cq.softcap_(y, 30.0)
+    ref = torch.tanh(x.double() / 30.0) * 30.0
+    assert torch.isnan(y[0]) and (torch.isnan(y) == torch.isnan(x)).all()
+    assert float((y.double() - ref).nan_to_num().abs().max()) <= 30.0 * 1e-6
+    assert not cq.softcap_(x.double(), 30.0)

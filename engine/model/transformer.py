@@ -330,7 +330,9 @@ class Transformer:
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         """The description's final soft-cap: cap * tanh(logits / cap) (Gemma 2); None leaves them as they are."""
         cap = self.config.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None or (not kernels.gpu_path(logits) and cpu_quant.softcap_(logits, cap)):
+            return logits                       # in place in C on the CPU (the logits are the step's own)
+        return torch.tanh(logits / cap) * cap
 
     def _split_qkv(self, qkv: torch.Tensor, heads: int | None = None, kv_heads: int | None = None,
                    head_dim: int | None = None):
