@@ -876,6 +876,19 @@ def qk_norm_(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_w: torch.Tensor, k_
     return True
 
 
+def head_norm_(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> bool:
+    """x [T, heads, D] fp32 (each row's heads contiguous, rows at any stride) RMS-normed over D in place, times w
+    [D] (None: no multiplier, Gemma 4's values): qk_norm_rows, the one-call step's norm. False (nothing done) where
+    the kernel cannot."""
+    if not (available() and x.dtype == torch.float32 and x.dim() == 3 and not x.is_cuda and x.stride(2) == 1
+            and x.stride(1) == x.shape[2] and (w is None or (w.dtype == torch.float32 and w.is_contiguous()))):
+        return False
+    w = torch.ones(x.shape[2]) if w is None else w
+    _lib.qk_norm_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], 0, x.shape[2], w.data_ptr(), w.data_ptr(),
+                      float(eps))
+    return True
+
+
 def norm_add_(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> bool:
     """y [T, H] = x + RMSNorm(y) * w in place (norm_add_rows: a post-norm and its residual, the one-call step's own
     arithmetic). False (nothing done) where the kernel cannot: not fp32 contiguous CPU tensors, no kernels."""

@@ -129,9 +129,20 @@ def _rotation_order(config: ModelConfig, layers: list, device) -> tuple[list, li
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension without a multiplier, statistics in fp32 (Gemma 4's v norm)."""
+    """RMSNorm over the last dimension without a multiplier, statistics in fp32 (Gemma 4's v norm): in place in C
+    on the CPU in fp32 (x [T, heads, D] the step's own rows), torch elsewhere."""
+    if not kernels.gpu_path(x) and cpu_quant.head_norm_(x, None, eps):
+        return x
     xf = x.float()
     return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
+
+
+def _head_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head times w (q / k norms): in place in C on the CPU in fp32 (the step's own rows), torch
+    elsewhere."""
+    if not kernels.gpu_path(x) and cpu_quant.head_norm_(x, w, eps):
+        return x
+    return rms_norm(x, w, eps)
 
 
 class Transformer:
@@ -256,11 +267,10 @@ class Transformer:
             k = v = None
             if spec.kv_source is None:
                 k = qkv[:, H * hd:H * hd + kvh * hd].view(T, kvh, hd)
-                v = k if spec.value_from_key else qkv[:, H * hd + kvh * hd:].view(T, kvh, hd)
+                v = k.clone() if spec.value_from_key else qkv[:, H * hd + kvh * hd:].view(T, kvh, hd)
                 v = _unit_rms(v, eps) if spec.value_norm else v
             if spec.qk_norm:
-                q = rms_norm(q, L.q_norm, eps)
-                k = None if k is None else rms_norm(k, L.k_norm, eps)
+                q, k = _head_norm(q, L.q_norm, eps), None if k is None else _head_norm(k, L.k_norm, eps)
         else:
             if spec.qk_norm:
                 qkv = qkv.contiguous()
