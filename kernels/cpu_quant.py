@@ -1039,53 +1039,65 @@ def gdn_mix(table: GDN, proj: torch.Tensor, eps: float, tail: torch.Tensor, matr
     return None if rc else (out, new_tail, new_matrices)
 
 
-def layer_table(layers: list[tuple]) -> ctypes.Array:
-    """Per layer: the parts of (qkv, o, gate_up, down), at most 3 each (o and down: one), the two RMSNorm
-    weights (fp32 contiguous), optionally the q and k norms' weights [head_dim] (Qwen3, or None), optionally
-    an ExpertTable: a routed MLP, whose layer has no gate_up and down parts (or None), optionally Gemma's
-    (post-attention norm, post-MLP norm, activation): the norms or None, the gate's activation 0 SiLU, 1 GELU-tanh,
-    optionally `mixer`: True where the layer's token mixer is the caller's (called back between the projections,
-    at their own widths: Qwen3.5's Gated DeltaNet and gated attention; no q / k norms then), and optionally a Gated
-    DeltaNet's (gdn_table, its state's index among the step's, the order o reads its outputs in or None): the mixer
-    then runs in C where the step brings the states (decode_layers' `states`), and optionally Gemma 4's (per-layer
-    input gate part, its projection part, its norm, the layer scalar [1] or None; the first three None where the
-    layer has no per-layer input). The tensors and tables behind the pointers must outlive the table."""
+@dataclass(frozen=True, eq=False)
+class LayerRow:
+    """One decoder layer as layer_table takes it. slots: the parts of (qkv, o, gate_up, down), at most 3 each (o and
+    down one; a routed MLP's layer has no gate_up and down); the RMSNorm weights fp32 contiguous. q_norm / k_norm:
+    Qwen3's and Gemma's per-head norms [head_dim]; moe: an ExpertTable; post_attn / post_mlp: Gemma's post-norms; act:
+    the gate's activation, 0 SiLU, 1 GELU-tanh; mixer: the layer's token mixer is the caller's, called back between
+    projections at their own widths (no q / k norms then); gdn: a Gated DeltaNet C runs where the step brings its
+    states, (gdn_table, the state's index among the step's, the order o reads its outputs in or None); ple: Gemma 4's
+    per-layer input (gate part, projection part, norm); scalar: Gemma 4's layer scalar [1]."""
+    slots: list
+    norm_attn: torch.Tensor
+    norm_mlp: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    moe: object = None
+    post_attn: torch.Tensor | None = None
+    post_mlp: torch.Tensor | None = None
+    act: int = 0
+    mixer: bool = False
+    gdn: tuple | None = None
+    ple: tuple | None = None
+    scalar: torch.Tensor | None = None
+
+
+def layer_table(layers: list[LayerRow]) -> ctypes.Array:
+    """The layers as decode_layers reads them (QLayer). The tensors and tables behind the pointers must outlive the
+    table."""
     table = (QLayer * len(layers))()
-    for t, (slots, norm_attn, norm_mlp, *rest) in zip(table, layers):
-        qk, moe = rest[:2], rest[2] if len(rest) > 2 else None
-        post = rest[3] if len(rest) > 3 else None       # (post_attn, post_mlp, act) or None
-        if len(rest) > 4 and rest[4]:                   # the caller's mixer, between these widths
+    for t, row in zip(table, layers):
+        slots = row.slots
+        if row.mixer:                                   # the caller's mixer, between these widths
             t.mix_in, t.mix_out = sum(part.N for part in slots[0]), slots[1][0].K
-        if len(rest) > 5 and rest[5] is not None:       # a Gated DeltaNet C can run
-            gdn, t.state, order = rest[5]
+        if row.gdn is not None:                         # a Gated DeltaNet C can run
+            gdn, t.state, order = row.gdn
             t.gdn = ctypes.addressof(gdn)
             if order is not None:
                 assert order.dtype == torch.int64 and order.is_contiguous() and order.numel() == t.mix_out
                 assert torch.equal(order.sort().values, torch.arange(t.mix_out)), "not a permutation"
                 t.mix_order = order.data_ptr()
-        if len(rest) > 6 and rest[6] is not None:       # Gemma 4: the per-layer input, the layer scalar
-            gate, proj, norm, scalar = rest[6]
-            if gate is not None:
-                t.ple[0], t.ple[1], t.ple_norm = gate, proj, norm.data_ptr()
-            if scalar is not None:
-                assert scalar.dtype == torch.float32 and scalar.numel() == 1
-                t.scalar = scalar.data_ptr()
-        if post is not None:
-            if post[0] is not None:
-                t.post_attn, t.post_mlp = post[0].data_ptr(), post[1].data_ptr()
-            t.act = post[2]
-        if qk and qk[0] is not None:
-            t.q_norm, t.k_norm = qk[0].data_ptr(), qk[1].data_ptr()
-        if moe is not None:
-            t.moe = ctypes.addressof(moe.struct)
+        if row.ple is not None:
+            t.ple[0], t.ple[1], t.ple_norm = row.ple[0], row.ple[1], row.ple[2].data_ptr()
+        if row.scalar is not None:
+            assert row.scalar.dtype == torch.float32 and row.scalar.numel() == 1
+            t.scalar = row.scalar.data_ptr()
+        if row.post_attn is not None:
+            t.post_attn, t.post_mlp = row.post_attn.data_ptr(), row.post_mlp.data_ptr()
+        t.act = row.act
+        if row.q_norm is not None:
+            t.q_norm, t.k_norm = row.q_norm.data_ptr(), row.k_norm.data_ptr()
+        if row.moe is not None:
+            t.moe = ctypes.addressof(row.moe.struct)
             slots = list(slots[:2]) + [[], []]
         assert len(slots) == 4 and all(1 <= len(p) <= 3 for p in slots[:2]) and len(slots[1]) == 1
-        assert moe is not None or (all(1 <= len(p) <= 3 for p in slots) and len(slots[3]) == 1)
+        assert row.moe is not None or (all(1 <= len(p) <= 3 for p in slots) and len(slots[3]) == 1)
         for i, parts in enumerate(slots):
             t.nparts[i] = len(parts)
             for j, part in enumerate(parts):
                 t.lin[i][j] = part
-        t.norm_attn, t.norm_mlp = norm_attn.data_ptr(), norm_mlp.data_ptr()
+        t.norm_attn, t.norm_mlp = row.norm_attn.data_ptr(), row.norm_mlp.data_ptr()
     return table
 
 

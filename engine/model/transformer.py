@@ -308,20 +308,35 @@ class Transformer:
         o = o.to(self.dtype)
         return o if W.out_order is None else o[:, W.out_order]
 
-    @staticmethod
-    def _ple_parts(L: Layer):
-        """Layer L's per-layer input (gate part, projection part, norm) and layer scalar as layer_table takes them;
-        None where it has neither, False where the kernel cannot take them (not packed, one part each)."""
-        scalar = L.scalar if L.scalar is not None and L.scalar.dtype == torch.float32 else None
-        if L.scalar is not None and scalar is None:
-            return False
-        if L.ple is None:
-            return None if scalar is None else (None, None, None, scalar)
-        gate, proj, norm = L.ple
-        parts = [lin.kernel_parts() if hasattr(lin, "kernel_parts") else None for lin in (gate, proj)]
-        if any(p is None or len(p) != 1 for p in parts) or norm.dtype != torch.float32 or not norm.is_contiguous():
-            return False
-        return parts[0][0], parts[1][0], norm, scalar
+    def _kernel_row(self, L: Layer, spec: LayerSpec, i: int) -> "cpu_quant.LayerRow | None":
+        """Layer i as the one-call step's table takes it (cpu_quant.LayerRow), or None where the kernel cannot take
+        it: a linear not packed (or of too many parts), norms not fp32 contiguous."""
+        def fp32(*ts):
+            return all(t is not None and t.dtype == torch.float32 and t.is_contiguous() for t in ts)
+        moe = None if L.mlp is None else L.mlp.kernel_table()
+        mlp = (L.gate_up, L.down) if L.mlp is None else ()
+        slots = [lin.kernel_parts() for lin in (L.qkv, L.o, *mlp)]
+        qk = (None, None) if spec.mixer_called_back or L.q_norm is None else (L.q_norm, L.k_norm)  # else the mixer's
+        post = (L.post_attn_norm, L.post_mlp_norm) if spec.post_norms else (None, None)
+        if any(p is None for p in slots) or len(slots[1]) != 1 or (L.mlp is None and len(slots[3]) != 1) \
+                or (L.mlp is not None and moe is None) or not fp32(L.norm_attn, L.norm_mlp) \
+                or (qk[0] is not None and not fp32(*qk)) or (spec.post_norms and not fp32(*post)) \
+                or (L.scalar is not None and L.scalar.dtype != torch.float32):
+            return None
+        ple = None
+        if L.ple is not None:                   # Gemma 4's per-layer input: one packed part each
+            gate, proj, norm = L.ple
+            parts = [getattr(lin, "kernel_parts", lambda: None)() for lin in (gate, proj)]
+            if any(p is None or len(p) != 1 for p in parts) or not fp32(norm):
+                return None
+            ple = (parts[0][0], parts[1][0], norm)
+        gdn = None
+        if spec.linear is not None and self._gdn_table(i, spec) is not None:
+            gdn = (self._gdn_table(i, spec), sum(s.linear is not None for s in self.config.layers[:i]),
+                   L.mixer.out_order)
+        return cpu_quant.LayerRow(slots + [[], []] if moe is not None else slots, L.norm_attn, L.norm_mlp, *qk, moe,
+                                  *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
+                                  ple, L.scalar)
 
     def _gdn_table(self, i: int, spec: LayerSpec):
         """Layer i's Gated DeltaNet mixer in its C form (cpu_quant.gdn_table), made on first use; None off the CPU's
@@ -362,30 +377,10 @@ class Transformer:
                     and cpu_quant.available() and self.config.fused_kernel_ok:
                 rows = []
                 for L in self.layers:
-                    moe = None if L.mlp is None else L.mlp.kernel_table()
-                    mlp = (L.gate_up, L.down) if L.mlp is None else ()
-                    slots = [lin.kernel_parts() for lin in (L.qkv, L.o, *mlp)]
-                    spec = self.config.layers[len(rows)]
-                    qk = (None, None) if spec.mixer_called_back else (L.q_norm, L.k_norm)    # the mixer's own
-                    norms = (L.norm_attn, L.norm_mlp) + (qk if qk[0] is not None else ())
-                    if any(p is None for p in slots) or len(slots[1]) != 1 or (L.mlp is None and len(slots[3]) != 1) \
-                            or (L.mlp is not None and moe is None) \
-                            or any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+                    row = self._kernel_row(L, self.config.layers[len(rows)], len(rows))
+                    if row is None:
                         break
-                    post = (L.post_attn_norm, L.post_mlp_norm) if spec.post_norms else (None, None)
-                    if spec.post_norms and any(n is None or n.dtype != torch.float32 or not n.is_contiguous()
-                                               for n in post):
-                        break
-                    act = 1 if spec.activation == "gelu_tanh" else 0
-                    gdn = None
-                    if spec.linear is not None and self._gdn_table(len(rows), spec) is not None:
-                        gdn = (self._gdn_table(len(rows), spec),
-                               sum(s.linear is not None for s in self.config.layers[:len(rows)]), L.mixer.out_order)
-                    extra = self._ple_parts(L)
-                    if extra is False:
-                        break
-                    rows.append((slots + [[], []] if moe is not None else slots, *norms[:2], *qk, moe,
-                                 (*post, act), spec.mixer_called_back, gdn, extra))
+                    rows.append(row)
                 else:
                     self._kernel_layers = cpu_quant.layer_table(rows)
         return self._kernel_layers
