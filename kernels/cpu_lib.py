@@ -443,6 +443,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.moe_layer_rows.restype = I
     lib.moe_grouped_rows.argtypes = [I, I, P, P, P, P, P, P]
     lib.moe_grouped_rows.restype = I
+    lib.shared_expert_rows.argtypes = [I, I, P, P, F, P, P]
+    lib.shared_expert_rows.restype = I
     lib.gdn_rule.argtypes = [I, I, I, I, I, P, P, P, P, P, P, P]
     lib.gdn_rule.restype = I
     lib.gdn_mix.argtypes = [P, I, P, I, F, P, P, P, P, P]
@@ -474,10 +476,16 @@ class QLin(ctypes.Structure):
 class QLayer(ctypes.Structure):
     _fields_ = [("lin", (QLin * 3) * 4), ("nparts", ctypes.c_int * 4), ("norm_attn", ctypes.c_void_p),
                 ("norm_mlp", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                ("moe", ctypes.c_void_p), ("post_attn", ctypes.c_void_p), ("post_mlp", ctypes.c_void_p),
+                ("moe", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("post_attn", ctypes.c_void_p),
+                ("post_mlp", ctypes.c_void_p),
                 ("act", ctypes.c_int), ("mix_in", ctypes.c_int), ("mix_out", ctypes.c_int),
                 ("gdn", ctypes.c_void_p), ("state", ctypes.c_int), ("mix_order", ctypes.c_void_p),
                 ("ple", QLin * 2), ("ple_norm", ctypes.c_void_p), ("scalar", ctypes.c_void_p)]
+
+
+class SharedExpert(ctypes.Structure):
+    """A shared expert beside a routed MLP as shared_expert_rows reads it (shared_t in cpu_moe.h)."""
+    _fields_ = [("gu", QLin * 3), ("ngu", ctypes.c_int), ("down", QLin), ("gate", ctypes.c_void_p)]
 
 
 class StepInputs(ctypes.Structure):

@@ -142,6 +142,51 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
     return 0;
 }
 
+// A shared expert beside a routed MLP (Qwen3.5-MoE, Qwen2-MoE): every row's dense SwiGLU MLP of the same normed
+// input, scaled by sigmoid(gate . input). gu: the gate | up parts (2F wide in all), down [H, F], gate [H] fp32.
+typedef struct shared_s {
+    qlin_t gu[3];
+    int ngu;
+    qlin_t down;
+    const float *gate;
+} shared_t;
+
+static int shared_ok(const shared_t *s, int H) {
+    if (s->ngu < 1 || s->ngu > 3 || !s->gate || !moe_bits_ok(&s->down) || s->down.N != H) return 0;
+    int n = 0;
+    for (int p = 0; p < s->ngu; p++) {
+        if (!moe_bits_ok(&s->gu[p]) || s->gu[p].K != H) return 0;
+        n += s->gu[p].N;
+    }
+    return n % 2 == 0 && s->down.K == n / 2 && (n / 2) % 32 == 0;
+}
+
+// y [M, H] += the shared expert of RMSNorm(x) * norm_w (x [M, H]): the call the forward makes for its decode rows and
+// decode_layers for a layer with one (after the routed MLP), so both give the same bits. 0, -1 (out of memory) or -3
+// (widths that do not chain at H).
+int shared_expert_rows(int M, int H, const float *x, const float *norm_w, float eps, const shared_t *s, float *y) {
+    if (M < 1 || H < 1 || !shared_ok(s, H)) return -3;
+    int F = s->down.K;
+    int kmax = H > F ? H : F;
+    size_t gemv_bytes = (size_t)kmax * 2 * 7;
+    char *mem = malloc(gemv_bytes + sizeof(float) * ((size_t)2 * H + 2 * (size_t)F) + 64);
+    if (!mem) return -1;
+    void *gs = mem;
+    float *xn = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63)), *gu = xn + H, *out = gu + 2 * (size_t)F;
+    for (int r = 0; r < M; r++) {
+        prep(x + (size_t)r * H, 1, H, 1, norm_w, eps, xn);
+        lin_apply(s->gu, s->ngu, xn, 1, gu, gs, 0, NULL, 0.0f, NULL);
+        lin_apply(&s->down, 1, gu, 1, out, gs, 2, NULL, 0.0f, NULL);       // SwiGLU in the down projection
+        float logit = 0.0f;
+        for (int c = 0; c < H; c++) logit += s->gate[c] * xn[c];
+        float g = 1.0f / (1.0f + expf(-logit));
+        float *yr = y + (size_t)r * H;
+        for (int c = 0; c < H; c++) yr[c] += out[c] * g;
+    }
+    free(mem);
+    return 0;
+}
+
 // A routed MLP's prompt rows, grouped by expert, in one call (the engine's grouped path, without a Python loop over
 // experts). xn [T, H]: the rows after the norm; rows [n]: row ids expert by expert (counts[e] of them for expert e,
 // e ascending, each group in row order); wts [n]: each one's routing weight. Each group runs its expert's kernels

@@ -1288,6 +1288,7 @@ typedef struct {
     const float *norm_attn, *norm_mlp;
     const float *q_norm, *k_norm;        // Qwen3's RMSNorm of each q and k head before RoPE, [D] each; NULL: none
     const struct moe_s *moe;             // a routed MLP (cpu_moe.h) in place of gate_up / down; NULL: dense
+    const struct shared_s *shared;       // a shared expert beside it (cpu_moe.h), or NULL
     const float *post_attn, *post_mlp;   // Gemma's RMSNorms of the attention's and the MLP's outputs; NULL: none
     int act;                             // the gate's activation: 0 SiLU (SwiGLU), 1 GELU with tanh (Gemma)
     int mix_in, mix_out;                 // > 0: the token mixer is the caller's (an attend callback: Qwen3.5's
@@ -1439,8 +1440,9 @@ static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
             }
             if (n[s] != want_n[s]) return 0;
         }
-        return L->norm_attn && L->norm_mlp && !L->q_norm == !L->k_norm;
+        return L->norm_attn && L->norm_mlp && !L->q_norm == !L->k_norm && (!L->shared || shared_ok(L->shared, H));
     }
+    if (L->shared) return 0;                     // a shared expert sits beside a routed MLP
     for (int s = 0; s < 4; s++) {
         if (L->nparts[s] < 1 || L->nparts[s] > 3 || ((s == 1 || s == 3) && L->nparts[s] != 1)) return 0;
         for (int p = 0; p < L->nparts[s]; p++) {
@@ -1636,6 +1638,7 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         }
         if (L->moe) {
             int rc = moe_layer_rows(B, H, x2, L->norm_mlp, eps, L->moe, x2, x);
+            if (!rc && L->shared) rc = shared_expert_rows(B, H, x2, L->norm_mlp, eps, L->shared, x);
             if (rc) {
                 free(mem);
                 return rc;

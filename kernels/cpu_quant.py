@@ -22,7 +22,7 @@ from .formats import PageFormat
 
 from . import cpu_lib
 from .cpu_lib import (ATTEND_FN, BUILT, GDN, HEADER, KV_SOURCE, MAX_ROWS, SOURCE, QLayer, QLin,  # noqa: F401
-                      StepInputs, _build)
+                      SharedExpert, StepInputs, _build)
 
 _lib = None
 _error: str | None = None
@@ -972,6 +972,32 @@ def moe_layer(x: torch.Tensor, norm: torch.Tensor, eps: float, table: ExpertTabl
     return y
 
 
+def shared_table(gu: list, down: list, gate: torch.Tensor) -> SharedExpert | None:
+    """A shared expert as shared_expert_rows reads it: gu the gate | up linear's kernel parts (at most 3), down's (one),
+    gate its [1, H] or [H] fp32 weight (kept alive by the struct); None where they are not so, or the kernels are not
+    loaded."""
+    if not (available() and gu and len(gu) <= 3 and down and len(down) == 1 and gate.dtype == torch.float32
+            and gate.is_contiguous() and not gate.is_cuda):
+        return None
+    table = SharedExpert()
+    for j, part in enumerate(gu):
+        table.gu[j] = part
+    table.ngu, table.down, table.gate = len(gu), down[0], gate.data_ptr()
+    table.keep = gate
+    return table
+
+
+def shared_expert_(y: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, eps: float, table: SharedExpert) -> None:
+    """y [M, H] += the shared expert of RMSNorm(x) * norm for decode rows (fp32 contiguous, y in place): in C
+    (shared_expert_rows), as decode_layers computes it after a routed MLP."""
+    assert y.dtype == x.dtype == torch.float32 and y.is_contiguous() and y.shape == x.shape
+    x = x.contiguous()
+    rc = _lib.shared_expert_rows(x.shape[0], x.shape[1], x.data_ptr(), norm.data_ptr(), float(eps),
+                                 ctypes.addressof(table), y.data_ptr())
+    if rc:
+        raise RuntimeError(f"shared_expert_rows failed ({rc}): {'out of memory' if rc == -1 else 'widths do not chain'}")
+
+
 def moe_grouped(xn: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, wts: torch.Tensor, table: ExpertTable,
                 out: torch.Tensor) -> None:
     """out [T, H] fp32 (zeros or the residual) += each row's routed experts over prompt rows grouped by expert, in one
@@ -1047,7 +1073,8 @@ class LayerRow:
     the gate's activation, 0 SiLU, 1 GELU-tanh; mixer: the layer's token mixer is the caller's, called back between
     projections at their own widths (no q / k norms then); gdn: a Gated DeltaNet C runs where the step brings its
     states, (gdn_table, the state's index among the step's, the order o reads its outputs in or None); ple: Gemma 4's
-    per-layer input (gate part, projection part, norm); scalar: Gemma 4's layer scalar [1]."""
+    per-layer input (gate part, projection part, norm); scalar: Gemma 4's layer scalar [1]; shared: a shared expert
+    beside the routed MLP (shared_table)."""
     slots: list
     norm_attn: torch.Tensor
     norm_mlp: torch.Tensor
@@ -1061,6 +1088,7 @@ class LayerRow:
     gdn: tuple | None = None
     ple: tuple | None = None
     scalar: torch.Tensor | None = None
+    shared: SharedExpert | None = None
 
 
 def layer_table(layers: list[LayerRow]) -> ctypes.Array:
@@ -1090,6 +1118,7 @@ def layer_table(layers: list[LayerRow]) -> ctypes.Array:
             t.q_norm, t.k_norm = row.q_norm.data_ptr(), row.k_norm.data_ptr()
         if row.moe is not None:
             t.moe = ctypes.addressof(row.moe.struct)
+            t.shared = None if row.shared is None else ctypes.addressof(row.shared)
             slots = list(slots[:2]) + [[], []]
         assert len(slots) == 4 and all(1 <= len(p) <= 3 for p in slots[:2]) and len(slots[1]) == 1
         assert row.moe is not None or (all(1 <= len(p) <= 3 for p in slots) and len(slots[3]) == 1)

@@ -306,9 +306,34 @@ def test_qwen35_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qty
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 17, 9)]
     _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
     assert states and all(layers == [0, 1, 2] for layers in states)      # the three Gated DeltaNet layers, in C
+
+
+def test_qwen35_moe_shared_expert_runs_in_the_one_call_step_with_the_same_bits(tmp_path):
+    """Qwen3.5-MoE: the routed MLP and the shared expert beside it (SwiGLU, scaled by sigmoid(gate . x)) in C
+    (shared_expert_rows, the call the forward makes for decode rows): the layer path's bits, and the torch shared
+    expert's numbers within rounding."""
+    from kvchat.bench.gguf_hf import write_gguf_from_hf
+    from tiny_models import tiny_family_dir
+    shape = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_value_head_dim=16,
+                 shared_expert_intermediate_size=64)                  # packed: a multiple of 32
     folder = tiny_family_dir(tmp_path / "q35moe", "qwen3_5_moe", seed=1, **shape)
-    moe = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "q35moe.gguf", qtype))))
-    assert moe.model.kernel_layers() is None
+    engine = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "q35moe.gguf", "Q8_0"))))
+    model = engine.model
+    assert model.kernel_layers() is not None and all(row.shared for row in model.kernel_layers())
+    gen = torch.Generator().manual_seed(6)
+    L = model.layers[0]
+    x, y = torch.randn(3, model.config.hidden_size, generator=gen), torch.randn(3, model.config.hidden_size, generator=gen)
+    got = y.clone()
+    cpu_quant.shared_expert_(got, x, L.norm_mlp, model.config.rms_norm_eps, model._shared_table(L))
+    gu, down, gate = (lin.dequantize().double() for lin in L.shared)         # the float64 reference
+    h = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+         * L.norm_mlp.double())
+    g, u = (h @ gu.T).chunk(2, dim=-1)
+    want = y.double() + (torch.nn.functional.silu(g) * u) @ down.T * torch.sigmoid(h @ gate.T)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert not torch.allclose(got, y)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+    _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
 
 
 def test_gemma4_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):

@@ -184,6 +184,7 @@ class Transformer:
         self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
         self._kernel_checked = False
         self._gdn_tables: dict = {}         # layer -> its mixer's C form (cpu_quant.gdn_table) or None, on first use
+        self._shared_tables: dict = {}      # id(Layer) -> its shared expert's C form (cpu_quant.shared_table) or None
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: Attention, all_logits: bool = False,
@@ -228,10 +229,13 @@ class Transformer:
         """x plus the layer's MLP: dense, routed (with a shared expert, or beside a dense MLP), post-normed or not."""
         eps = self.config.rms_norm_eps
         if L.shared is not None:            # a routed MLP with a shared expert beside it
-            gu, down, gate = L.shared
-            h = rms_norm(x, L.norm_mlp, eps)
             y = L.mlp.fused(x, L.norm_mlp, eps, x, split)
-            return y + down.fused(gu(h, split=split), swiglu=True, split=split) * torch.sigmoid(gate(h, split=split))
+            table = self._shared_table(L) if y.dtype == torch.float32 and not kernels.gpu_path(x) else None
+            n = (x.shape[0] if x.shape[0] <= cpu_quant.MAX_ROWS else 0) if split is None else split
+            if table is None or not n:
+                return self._shared(L, x, y, split)
+            cpu_quant.shared_expert_(y[:n], x[:n], L.norm_mlp, eps, table)     # decode rows: the one-call step's C
+            return y if n == x.shape[0] else torch.cat((y[:n], self._shared(L, x[n:], y[n:], 0)))
         if L.mlp is not None and L.beside is None:      # a routed MLP: only the experts each row is routed to
             y = L.mlp.fused(x, L.norm_mlp, eps, None if spec.post_norms else x, split)
             return x + rms_norm(y, L.post_mlp_norm, eps) if spec.post_norms else y
@@ -244,6 +248,23 @@ class Transformer:
         if spec.post_norms:
             return _post_add(x, L.down.fused(gu, swiglu=True, split=split, act=spec.activation), L.post_mlp_norm, eps)
         return L.down.fused(gu, swiglu=True, residual=x, split=split, act=spec.activation)
+
+    def _shared(self, L: Layer, x: torch.Tensor, y: torch.Tensor, split) -> torch.Tensor:
+        """y + the shared expert of rms_norm(x), through the linears (prompt rows, or where C does not take it)."""
+        gu, down, gate = L.shared
+        h = rms_norm(x, L.norm_mlp, self.config.rms_norm_eps)
+        return y + down.fused(gu(h, split=split), swiglu=True, split=split) * torch.sigmoid(gate(h, split=split))
+
+    def _shared_table(self, L: Layer):
+        """Layer L's shared expert as the C kernels read it (cpu_quant.shared_table), made on first use; None where
+        they do not (a linear not packed, a gate that is not an fp32 row)."""
+        if id(L) not in self._shared_tables:
+            gu, down, gate = L.shared
+            parts = [getattr(lin, "kernel_parts", lambda: None)() for lin in (gu, down)]
+            weight = getattr(gate, "weight", None)
+            self._shared_tables[id(L)] = None if any(p is None for p in parts) or weight is None \
+                or gate.bias is not None or weight.shape[0] != 1 else cpu_quant.shared_table(parts[0], parts[1], weight)
+        return self._shared_tables[id(L)]
 
     def _attend(self, i: int, L: Layer, spec: LayerSpec, qkv: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Softmax attention of layer i over its KV cache (the callback's): q, k, v from the fused projection at the
@@ -318,8 +339,10 @@ class Transformer:
         slots = [lin.kernel_parts() for lin in (L.qkv, L.o, *mlp)]
         qk = (None, None) if spec.mixer_called_back or L.q_norm is None else (L.q_norm, L.k_norm)  # else the mixer's
         post = (L.post_attn_norm, L.post_mlp_norm) if spec.post_norms else (None, None)
+        shared = None if L.shared is None else self._shared_table(L)
         if any(p is None for p in slots) or len(slots[1]) != 1 or (L.mlp is None and len(slots[3]) != 1) \
                 or (L.mlp is not None and moe is None) or not fp32(L.norm_attn, L.norm_mlp) \
+                or (L.shared is not None and shared is None) \
                 or (qk[0] is not None and not fp32(*qk)) or (spec.post_norms and not fp32(*post)) \
                 or (L.scalar is not None and L.scalar.dtype != torch.float32):
             return None
@@ -336,7 +359,7 @@ class Transformer:
                    L.mixer.out_order)
         return cpu_quant.LayerRow(slots + [[], []] if moe is not None else slots, L.norm_attn, L.norm_mlp, *qk, moe,
                                   *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
-                                  ple, L.scalar)
+                                  ple, L.scalar, shared)
 
     def _gdn_table(self, i: int, spec: LayerSpec):
         """Layer i's Gated DeltaNet mixer in its C form (cpu_quant.gdn_table), made on first use; None off the CPU's
