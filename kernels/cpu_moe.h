@@ -96,14 +96,10 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
     int ids[64];
     for (int r = 0; r < M; r++) {
         prep(x + (size_t)r * H, 1, H, 1, norm_w, eps, xn);
-        if (m->router.bits == 32) {
+        if (m->router.bits == 32) {         // E dot products of H (256 x 2,048 a token: shared, vectorized)
             const float *rw = (const float *)m->router.codes;
-            for (int e = 0; e < E; e++) {
-                const float *we = rw + (size_t)e * H;
-                float d = 0.0f;
-                for (int c = 0; c < H; c++) d += we[c] * xn[c];
-                logits[e] = d;
-            }
+            #pragma omp parallel for schedule(static) if (E >= 64)
+            for (int e = 0; e < E; e++) logits[e] = dot_f32(rw + (size_t)e * H, xn, H);
         } else {
             lin_apply(&m->router, 1, xn, 1, logits, gs, 0, NULL, 0.0f, NULL);
         }
