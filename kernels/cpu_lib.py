@@ -426,9 +426,9 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.norm_add_rows.argtypes = [P, P, I, I, P, F]
     lib.norm_add_rows.restype = None
     lib.gelu_gate_rows.argtypes = [P, I, I, P]
+    lib.gelu_gate_rows.restype = None
     lib.softcap_rows.argtypes = [P, ctypes.c_int64, F]
     lib.softcap_rows.restype = None
-    lib.gelu_gate_rows.restype = None
     lib.all_finite.argtypes = [P, ctypes.c_int64, I]
     lib.all_finite.restype = I
     lib.argmax_f32.argtypes = [P, ctypes.c_int64]

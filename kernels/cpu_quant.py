@@ -876,6 +876,17 @@ def qk_norm_(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_w: torch.Tensor, k_
     return True
 
 
+def decode_split(rows: int, split: int | None) -> int:
+    """How many leading rows of a call are decode rows (the kernels' matvecs): split where the caller says, else all
+    of them up to MAX_ROWS rows, else none."""
+    if split is not None:
+        return split
+    return rows if rows <= MAX_ROWS else 0
+
+
+_ONES: dict[int, torch.Tensor] = {}         # head_norm_'s multiplier where there is none, by width
+
+
 def head_norm_(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> bool:
     """x [T, heads, D] fp32 (each row's heads contiguous, rows at any stride) RMS-normed over D in place, times w
     [D] (None: no multiplier, Gemma 4's values): qk_norm_rows, the one-call step's norm. False (nothing done) where
@@ -883,7 +894,10 @@ def head_norm_(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> bool:
     if not (available() and x.dtype == torch.float32 and x.dim() == 3 and not x.is_cuda and x.stride(2) == 1
             and x.stride(1) == x.shape[2] and (w is None or (w.dtype == torch.float32 and w.is_contiguous()))):
         return False
-    w = torch.ones(x.shape[2]) if w is None else w
+    if w is None:
+        w = _ONES.get(x.shape[2])
+        if w is None:
+            w = _ONES[x.shape[2]] = torch.ones(x.shape[2])
     _lib.qk_norm_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], 0, x.shape[2], w.data_ptr(), w.data_ptr(),
                       float(eps))
     return True
@@ -995,7 +1009,8 @@ def shared_expert_(y: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, eps: fl
     rc = _lib.shared_expert_rows(x.shape[0], x.shape[1], x.data_ptr(), norm.data_ptr(), float(eps),
                                  ctypes.addressof(table), y.data_ptr())
     if rc:
-        raise RuntimeError(f"shared_expert_rows failed ({rc}): {'out of memory' if rc == -1 else 'widths do not chain'}")
+        why = "out of memory" if rc == -1 else "widths do not chain"
+        raise RuntimeError(f"shared_expert_rows failed ({rc}): {why}")
 
 
 def moe_grouped(xn: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, wts: torch.Tensor, table: ExpertTable,
@@ -1127,7 +1142,16 @@ def layer_table(layers: list[LayerRow]) -> ctypes.Array:
             for j, part in enumerate(parts):
                 t.lin[i][j] = part
         t.norm_attn, t.norm_mlp = row.norm_attn.data_ptr(), row.norm_mlp.data_ptr()
+    table.widths = _widths(table)
     return table
+
+
+def _widths(table: ctypes.Array) -> list[tuple[int, int]]:
+    """Each layer's qkv width and its mixer's output width (0: the model's heads), for decode_layers' callbacks: kept
+    by layer_table, read from the structs for a table made otherwise (a copy)."""
+    known = getattr(table, "widths", None)
+    return known if known is not None else [
+        (sum(row.lin[0][j].N for j in range(row.nparts[0])), row.mix_out) for row in table]
 
 
 class _QStep(ctypes.Structure):
@@ -1285,11 +1309,9 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
             structs.append(_AttnGroup(*(None,) * 11, ctypes.cast(_kv_lib.attend_quant_layer, ctypes.c_void_p),
                                       ctypes.addressof(group.struct)))
         elif callable(group):
-            widths = {}                             # the group's layer index -> (qkv, output) widths
-            for layer, row in enumerate(table):
-                if (layer_group is None or layer_group[layer] == g):
-                    widths[layer if layer_index is None else layer_index[layer]] = (
-                        sum(row.lin[0][j].N for j in range(row.nparts[0])), row.mix_out or hq * d)
+            widths = {layer if layer_index is None else layer_index[layer]: (n_in, n_out or hq * d)
+                      for layer, (n_in, n_out) in enumerate(_widths(table))
+                      if layer_group is None or layer_group[layer] == g}    # the group's index -> its widths
             structs.append(_AttnGroup(*(None,) * 11, ctypes.cast(_callback(group, b, widths, failure, keep),
                                                                  ctypes.c_void_p), None))
         else:

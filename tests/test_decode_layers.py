@@ -295,7 +295,8 @@ def test_qwen35_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qty
     from kvchat.engine.runtime.backends import StepAttention
     states = []
     orig = StepAttention.kernel_states
-    monkeypatch.setattr(StepAttention, "kernel_states", lambda self, layers: states.append(layers) or orig(self, layers))
+    monkeypatch.setattr(StepAttention, "kernel_states",
+                        lambda self, layers: states.append(layers) or orig(self, layers))
     from kvchat.bench.gguf_hf import write_gguf_from_hf
     from tiny_models import tiny_family_dir
     shape = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_value_head_dim=16)
@@ -322,7 +323,7 @@ def test_qwen35_moe_shared_expert_runs_in_the_one_call_step_with_the_same_bits(t
     assert model.kernel_layers() is not None and all(row.shared for row in model.kernel_layers())
     gen = torch.Generator().manual_seed(6)
     L = model.layers[0]
-    x, y = torch.randn(3, model.config.hidden_size, generator=gen), torch.randn(3, model.config.hidden_size, generator=gen)
+    x, y = (torch.randn(3, model.config.hidden_size, generator=gen) for _ in range(2))
     got = y.clone()
     cpu_quant.shared_expert_(got, x, L.norm_mlp, model.config.rms_norm_eps, model._shared_table(L))
     gu, down, gate = (lin.dequantize().double() for lin in L.shared)         # the float64 reference

@@ -107,8 +107,8 @@ class ModelConfig:
         one rope turning whole heads and no window for every layer, no post-norms, SwiGLU, no biases, sink logits or
         capped scores, unscaled embeddings and uncapped logits (its table and its attention are the Llama layer's)."""
         return (self.fused_kernel_ok and self.embed_scale == 1.0 and self.final_softcap is None
-                and all(layer.window is None and not layer.mixer_called_back and not layer.post_norms and layer.activation == "silu"
-                        and layer.rope.dims is None and not (layer.qkv_bias or layer.o_bias or layer.mlp_bias)
+                and all(layer.window is None and not layer.mixer_called_back and not layer.post_norms
+                        and layer.activation == "silu" and layer.rope.dims is None and not (layer.qkv_bias or layer.o_bias or layer.mlp_bias)
                         and not layer.sink_logits and layer.attn_softcap is None for layer in self.layers))
 
     def with_rope_scaling(self, scaling: tuple) -> "ModelConfig":

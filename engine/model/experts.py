@@ -152,8 +152,7 @@ class RoutedMLP:
         grouped by expert through the linears."""
         dtype = x.dtype
         T = x.shape[0]
-        if split is None:
-            split = T if T <= cpu_quant.MAX_ROWS else 0
+        split = cpu_quant.decode_split(T, split)
         table = None if kernels.gpu_path(x) or x.dtype != torch.float32 else self.kernel_table()
         res = None if residual is None else residual.float()
         parts = []

@@ -243,8 +243,7 @@ class _Packed(_Fused):
         if kernels.gpu_path(x):
             return self._gpu(x, norm, eps, swiglu, residual)
         T, dtype = x.shape[0], x.dtype
-        if split is None:
-            split = T if T <= cpu_quant.MAX_ROWS else 0
+        split = cpu_quant.decode_split(T, split)
         if not cpu_quant.available():
             split = 0
         if split == T <= cpu_quant.MAX_ROWS and dtype == torch.float32 and self.bias is None:   # a decode step

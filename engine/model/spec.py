@@ -277,10 +277,9 @@ class LayerSpec:
         sink logits (gpt-oss's), the last two the attention's; a sliding window is the attention's (the callback's, or
         the caller's rows of a one-layout step); a partial rotation where its order is the weights' own (plain_qk_rows:
         Transformer takes the rows so); a routed MLP (experts) of any kind the description has, a shared expert beside
-        it (kernels/cpu_moe.h);
-        a mixer called back (mixer_called_back), with the projections and the MLP in C; an MLP of the layer's own
-        width, Gemma 4's per-layer input and layer scalar. Its weights must be packed too, which the linears say
-        (kernel_parts)."""
+        it (kernels/cpu_moe.h); a mixer called back (mixer_called_back), with the projections and the MLP in C; an
+        MLP of the layer's own width, Gemma 4's per-layer input and layer scalar. Its weights must be packed too, which
+        the linears say (kernel_parts)."""
         return (self.activation in ("silu", "gelu_tanh") and (self.experts is None or self.activation == "silu")
                 and (not self.post_norms or self.experts is None)
                 and (self.rope.dims is None or self.plain_qk_rows or self.mixer_called_back)

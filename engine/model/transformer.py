@@ -185,6 +185,7 @@ class Transformer:
         self._kernel_checked = False
         self._gdn_tables: dict = {}         # layer -> its mixer's C form (cpu_quant.gdn_table) or None, on first use
         self._shared_tables: dict = {}      # id(Layer) -> its shared expert's C form (cpu_quant.shared_table) or None
+        self._gdn_layers: list[int] = []    # the layers whose Gated DeltaNet the one-call step runs (kernel_layers)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: Attention, all_logits: bool = False,
@@ -231,7 +232,7 @@ class Transformer:
         if L.shared is not None:            # a routed MLP with a shared expert beside it
             y = L.mlp.fused(x, L.norm_mlp, eps, x, split)
             table = self._shared_table(L) if y.dtype == torch.float32 and not kernels.gpu_path(x) else None
-            n = (x.shape[0] if x.shape[0] <= cpu_quant.MAX_ROWS else 0) if split is None else split
+            n = cpu_quant.decode_split(x.shape[0], split)
             if table is None or not n:
                 return self._shared(L, x, y, split)
             cpu_quant.shared_expert_(y[:n], x[:n], L.norm_mlp, eps, table)     # decode rows: the one-call step's C
@@ -406,6 +407,9 @@ class Transformer:
                     rows.append(row)
                 else:
                     self._kernel_layers = cpu_quant.layer_table(rows)
+                    # the layers whose Gated DeltaNet runs in C: all of the model's, or none (the states' indices)
+                    gdn = [i for i, row in enumerate(rows) if row.gdn is not None]
+                    self._gdn_layers = gdn if len(gdn) == sum(s.linear is not None for s in self.config.layers) else []
         return self._kernel_layers
 
     @torch.inference_mode()
@@ -438,9 +442,7 @@ class Transformer:
                     o = self._attend(layer, self.layers[layer], spec, qkv, attention)
                     return o.reshape(o.shape[0], -1).to(self.dtype)
                 return attention(layer, *self._split_qkv(qkv)).to(self.dtype)
-            linear = [i for i, spec in enumerate(c.layers) if spec.linear is not None]
-            states = attention.kernel_states(linear) if linear and all(
-                self._gdn_table(i, c.layers[i]) is not None for i in linear) else None
+            states = attention.kernel_states(self._gdn_layers) if self._gdn_layers else None
             cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend],
                                     states=states, ple=ple)
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float())
