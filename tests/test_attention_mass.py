@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvchat.engine.model.rope import rope_table, rotate
-from kvchat.kernels import cpu_quant
+from kvchat.kernels import cpu_quant, cpu_step
 from test_sink_logits import HKV, HQ, D, _quant_pages, needs_c, needs_kv, sinks_of, with_sink
 
 
@@ -93,13 +93,13 @@ def test_the_one_call_quantized_step_measures_each_layers_mass():
         fill = 4 + b
         slots = torch.arange(n_full * bs + fill)
         pos = torch.cat((slots, slots[-1:] + 1))
-        seqs.append(cpu_quant.QuantSeq(slots, torch.arange(n_full + 1), pos, n_full, fill))
+        seqs.append(cpu_step.QuantSeq(slots, torch.arange(n_full + 1), pos, n_full, fill))
         cols.append((pos // bs).int())
     own = [[[replace(p, tail=torch.randn(bs, HKV, D, generator=g)) for p in kv] for _ in range(B)] for kv in pages]
-    comps = [(cpu_quant.kv_comp_static(p.fmt, p.data, p.scale, p.zero, torch.float32), None, p.tail)
+    comps = [(cpu_step.kv_comp_static(p.fmt, p.data, p.scale, p.zero, torch.float32), None, p.tail)
              for layer in own for kv in layer for p in kv]
     mass = cpu_quant.Mass(torch.cat(cols), torch.zeros(n_layers, B, HQ, 5))
-    step = cpu_quant.QuantStep(comps, seqs, bs, HQ, HKV, D, cos_h, sin_h, 0.2, None, mass)
+    step = cpu_step.QuantStep(comps, seqs, bs, HQ, HKV, D, cos_h, sin_h, 0.2, None, mass)
     qkv = torch.randn(B, (HQ + 2 * HKV) * D, generator=g)
     out = torch.empty(B, HQ * D)
     for layer in range(n_layers):

@@ -1,4 +1,4 @@
-"""The whole-step decode kernel (cpu_quant.decode_layers: every layer in one C call) gives the same bits as the
+"""The whole-step decode kernel (cpu_step.decode_layers: every layer in one C call) gives the same bits as the
 layer-by-layer path through Python, for every packed GGUF type (mixed q|k|v types included), one sequence or
 more than a kernel call's rows, with and without a window with sinks, full-precision caches (attended inside
 the kernel) and quantized ones (attended inside the kernel by the quantized-KV library; the blocks a step
@@ -12,7 +12,7 @@ from kvchat.bench.gguf_writer import write_random_gguf
 from kvchat.engine.kv.pages import Component
 from kvchat.engine.model.transformer import Transformer
 from kvchat.engine.runtime.backends.full_pages import kernel_covers
-from kvchat.kernels import cpu_quant
+from kvchat.kernels import cpu_quant, cpu_step
 
 TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_1", "Q6_K", "Q8_0")
 

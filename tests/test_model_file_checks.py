@@ -99,7 +99,7 @@ def test_the_kernel_refuses_a_table_whose_widths_do_not_chain(files):
     wrapper and through the torch-free path."""
     import torch
     from kvchat.engine.runtime import quick
-    from kvchat.kernels import cpu_quant
+    from kvchat.kernels import cpu_step
     make, _ = files
     path = make("good")
     engine = Engine.load(EngineConfig(model=str(path)))
@@ -108,12 +108,12 @@ def test_the_kernel_refuses_a_table_whose_widths_do_not_chain(files):
     c = engine.model.config
     x = torch.zeros(1, c.hidden_size)
     attend = lambda layer, qkv: torch.zeros(1, c.num_heads, c.head_dim)     # noqa: E731
-    cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
+    cpu_step.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
     for slot, field, value in ((3, "K", 64), (0, "N", Q + KV)):
         bad = type(table).from_buffer_copy(table)
         setattr(bad[1].lin[slot][0], field, value)
         with pytest.raises(ValueError, match="width does not match"):
-            cpu_quant.decode_layers(bad, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
+            cpu_step.decode_layers(bad, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
     m = quick.QuickModel(path)
     seq = quick.QuickSequence(m, 8)
     assert np.isfinite(seq.forward([5, 6])).all()

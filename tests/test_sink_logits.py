@@ -25,7 +25,7 @@ from kvchat.engine.runtime.backends.base import AttentionBackend, LayerScores
 from kvchat.engine.runtime.backends.full_pages import FullPagesC
 from kvchat.engine.runtime.backends.quant_pages import QuantPagesC, key_rope
 from kvchat.engine.runtime.runner import ModelRunner
-from kvchat.kernels import cpu_quant
+from kvchat.kernels import cpu_quant, cpu_step
 from kvchat.kernels.formats import page_format
 from kvchat.kernels.reference import store_blocks
 from tiny_models import random_ids, tiny_family_dir, tiny_model_dir
@@ -187,12 +187,12 @@ def test_the_one_call_quantized_step_takes_each_layers_sink_logits():
         fill = 4 + b
         slots = torch.arange(n_full * bs + fill)
         pos = torch.cat((slots, slots[-1:] + 1))
-        seqs.append(cpu_quant.QuantSeq(slots, torch.arange(n_full + 1), pos, n_full, fill))
+        seqs.append(cpu_step.QuantSeq(slots, torch.arange(n_full + 1), pos, n_full, fill))
     # each sequence its own tails (the step writes its new row there): [layer][sequence] (K, V)
     own = [[[replace(p, tail=torch.randn(bs, HKV, D, generator=g)) for p in kv] for _ in range(B)] for kv in pages]
-    comps = [(cpu_quant.kv_comp_static(p.fmt, p.data, p.scale, p.zero, torch.float32), None, p.tail)
+    comps = [(cpu_step.kv_comp_static(p.fmt, p.data, p.scale, p.zero, torch.float32), None, p.tail)
              for layer in own for kv in layer for p in kv]
-    step = cpu_quant.QuantStep(comps, seqs, bs, HQ, HKV, D, cos_h, sin_h, 0.2, sinks)
+    step = cpu_step.QuantStep(comps, seqs, bs, HQ, HKV, D, cos_h, sin_h, 0.2, sinks)
     qkv = torch.randn(B, (HQ + 2 * HKV) * D, generator=g)
     for layer in range(n_layers):
         want = [cpu_quant.attn_decode_quant(x[:HQ * D].view(HQ, D), x[HQ * D:(HQ + HKV) * D].view(HKV, D),

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from kvchat import kernels
-from kvchat.kernels import cpu_quant
+from kvchat.kernels import cpu_step
 from kvchat.kernels.formats import FULL_DTYPES, PageFormat
 
 from kvchat.engine.kv.layout import KVLayout
@@ -59,7 +59,7 @@ class Component:
         self.full_dtype, self.device = full_dtype, device
         self.tails: dict[int, torch.Tensor] = {}       # seq id -> [bs, H, D], quantized formats only
         self.heads: dict[int, torch.Tensor] = {}       # block id -> [bs, H, D], quantized formats only
-        self._kernel_static = None                     # cpu_quant.kv_comp_static, until the pages move
+        self._kernel_static = None                     # cpu_step.kv_comp_static, until the pages move
         self._flat: tuple[torch.Tensor, torch.Tensor] | None = None     # (pages["data"], its flat_pages view)
 
     @property
@@ -109,9 +109,9 @@ class Component:
         return self.pages["data"], self.pages.get("scale"), self.pages.get("zero")
 
     def kernel_static(self) -> tuple:
-        """Quantized: the pages as cpu_quant.QuantStep reads them (kv_comp_static), kept until they move."""
+        """Quantized: the pages as cpu_step.QuantStep reads them (kv_comp_static), kept until they move."""
         if self._kernel_static is None:
-            self._kernel_static = cpu_quant.kv_comp_static(self.fmt, *self.tensors(), self.full_dtype)
+            self._kernel_static = cpu_step.kv_comp_static(self.fmt, *self.tensors(), self.full_dtype)
         return self._kernel_static
 
     # ---- writes ---------------------------------------------------------------------------

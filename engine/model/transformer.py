@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvchat import kernels
-from kvchat.kernels import cpu_quant
+from kvchat.kernels import cpu_quant, cpu_step
 
 from kvchat.engine.model.config import ModelConfig
 from kvchat.engine.model.experts import RoutedMLP
@@ -330,8 +330,8 @@ class Transformer:
         o = o.to(self.dtype)
         return o if W.out_order is None else o[:, W.out_order]
 
-    def _kernel_row(self, L: Layer, spec: LayerSpec, i: int) -> "cpu_quant.LayerRow | None":
-        """Layer i as the one-call step's table takes it (cpu_quant.LayerRow), or None where the kernel cannot take
+    def _kernel_row(self, L: Layer, spec: LayerSpec, i: int) -> "cpu_step.LayerRow | None":
+        """Layer i as the one-call step's table takes it (cpu_step.LayerRow), or None where the kernel cannot take
         it: a linear not packed (or of too many parts), norms not fp32 contiguous."""
         def fp32(*ts):
             return all(t is not None and t.dtype == torch.float32 and t.is_contiguous() for t in ts)
@@ -358,7 +358,7 @@ class Transformer:
         if spec.linear is not None and self._gdn_table(i, spec) is not None:
             gdn = (self._gdn_table(i, spec), sum(s.linear is not None for s in self.config.layers[:i]),
                    L.mixer.out_order)
-        return cpu_quant.LayerRow(slots + [[], []] if moe is not None else slots, L.norm_attn, L.norm_mlp, *qk, moe,
+        return cpu_step.LayerRow(slots + [[], []] if moe is not None else slots, L.norm_attn, L.norm_mlp, *qk, moe,
                                   *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
                                   ple, L.scalar, shared)
 
@@ -393,7 +393,7 @@ class Transformer:
                 qkv[:, q_size + kv_size:].view(T, KV, D))
 
     def kernel_layers(self):
-        """The decoder layers as one table for cpu_quant.decode_layers (built once), or None where that kernel
+        """The decoder layers as one table for cpu_step.decode_layers (built once), or None where that kernel
         does not cover this model: weights not all packed, a bias it cannot read, 16-bit activations, another device."""
         if not self._kernel_checked:
             self._kernel_checked = True
@@ -406,7 +406,7 @@ class Transformer:
                         break
                     rows.append(row)
                 else:
-                    self._kernel_layers = cpu_quant.layer_table(rows)
+                    self._kernel_layers = cpu_step.layer_table(rows)
                     # the layers whose Gated DeltaNet runs in C: all of the model's, or none (the states' indices)
                     gdn = [i for i, row in enumerate(rows) if row.gdn is not None]
                     self._gdn_layers = gdn if len(gdn) == sum(s.linear is not None for s in self.config.layers) else []
@@ -416,7 +416,7 @@ class Transformer:
     def forward_decode(self, token_ids: torch.Tensor, attention: Attention | None = None,
                        kernel: DecodeKernel | None = None) -> torch.Tensor | None:
         """One decode token for each of B sequences through every layer in one kernel call (see
-        cpu_quant.decode_layers), then the output head -> logits [B, vocab]; the same bits as forward() with
+        cpu_step.decode_layers), then the output head -> logits [B, vocab]; the same bits as forward() with
         rows = all and num_decode = B. Either `attention`, forward()'s callback, called from the kernel for each
         layer, or `kernel`, an attention backend's whole step (its attention inside the kernel). None where the
         kernel does not cover this model (kernel_layers)."""
@@ -443,7 +443,7 @@ class Transformer:
                     return o.reshape(o.shape[0], -1).to(self.dtype)
                 return attention(layer, *self._split_qkv(qkv)).to(self.dtype)
             states = attention.kernel_states(self._gdn_layers) if self._gdn_layers else None
-            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend],
+            cpu_step.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend],
                                     states=states, ple=ple)
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float())
 

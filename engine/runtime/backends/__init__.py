@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvchat import kernels
-from kvchat.kernels import cpu_quant
+from kvchat.kernels import cpu_quant, cpu_step
 
 from kvchat.engine.kv.layout import KVLayout
 from kvchat.engine.kv.state import StepJournal
@@ -220,7 +220,7 @@ class StepAttention:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def kernel_states(self, layers: list[int]) -> list:
-        """The one-call step's Gated DeltaNet states (cpu_quant.decode_layers' `states`) for the model's linear
+        """The one-call step's Gated DeltaNet states (cpu_step.decode_layers' `states`) for the model's linear
         layers `layers`, every item one decode row: per layer, per item, its state's (tail, matrices) and new buffers
         the kernel writes, which wait in `pending` until the step commits, as recurrent()'s do."""
         out = []
@@ -253,7 +253,7 @@ class StepAttention:
         self.pending.clear()
 
     def decode(self, model, token_ids: torch.Tensor) -> torch.Tensor | None:
-        """The step in one kernel call through every layer, each layer attending inside it (cpu_quant.decode_layers):
+        """The step in one kernel call through every layer, each layer attending inside it (cpu_step.decode_layers):
         every item a one-token decode and each layer one run of one backend over all of them, a group of the call
         per backend (Gemma's sliding and global layers: two). -> logits [B, vocab], or None where some layer's
         attention needs Python (a backend without a one-call group, chosen blocks, shared KV, a measure over more
@@ -297,9 +297,9 @@ class StepAttention:
         scale = scales.pop() if scales else 0.0
 
         def run_layers(table, x):
-            cpu_quant.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, groups,
+            cpu_step.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, groups,
                                     layer_group, layer_index, scale, mass=mass)
-        kinds = {"quant-pages" if isinstance(g, cpu_quant.QuantStep) else "full-pages" for g in groups}
+        kinds = {"quant-pages" if isinstance(g, cpu_step.QuantStep) else "full-pages" for g in groups}
         logits = model.forward_decode(token_ids, kernel=DecodeKernel(kinds.pop() if len(kinds) == 1 else "mixed-pages",
                                                                      run_layers))
         if logits is not None:

@@ -67,7 +67,7 @@ class AttentionBackend(ABC):
 
     def one_call_group(self, steps: list, prepared: object | None, num_heads: int, mass) -> object | None:
         """This layout's part of a decode step run in one kernel call (StepAttention.decode): a group as
-        cpu_quant.decode_layers takes it, attending every layer of the layout inside the call for the run of one-token
+        cpu_step.decode_layers takes it, attending every layer of the layout inside the call for the run of one-token
         decodes `steps` (prepared: prepare_decodes'; mass: the call's measure, a cpu_quant.Mass, or None), the same
         bits as attend_decodes. None (here): the layers' attention needs Python, and the kernel calls back for it."""
         return None

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.kernels import cpu_quant
+from kvchat.kernels import cpu_quant, cpu_step
 
 from kvchat.engine.model.rope import rotate
 from kvchat.engine.runtime.attention import observe_rows, softmax_attention
@@ -78,7 +78,7 @@ class DecodeGroup:
     new_rows: torch.Tensor        # [B] the page rows of the new tokens
 
     def args(self) -> tuple:
-        """decode_attend's per-step arguments, as cpu_quant.decode_layers takes them."""
+        """decode_attend's per-step arguments, as cpu_step.decode_layers takes them."""
         return self.q_cos, self.q_sin, self.sink_cos, self.sink_sin, self.n_sink, self.new_rows, self.rows, self.offsets
 
 
@@ -112,7 +112,7 @@ class FullPagesC(FullPagesTorch):
     per layer (a sequence's result does not depend on the others in the group); the layers attend inside the
     one-call step (decode_layers), sink logits included."""
     name = "full-pages-c"
-    _page_arrays: tuple[int, cpu_quant.PageArrays] | None = None    # (Component.moves when built, decode_layers' pages)
+    _page_arrays: tuple[int, cpu_step.PageArrays] | None = None    # (Component.moves when built, decode_layers' pages)
 
     def attend(self, layer, q, k, v, st, watch=None):
         if st.one_token_decode:
@@ -145,7 +145,7 @@ class FullPagesC(FullPagesTorch):
             return None         # the call takes one soft-cap a group: layers capped apart attend through Python
         kept = self._page_arrays
         if kept is None or kept[0] != Component.moves:      # built again only once any pages moved
-            kept = self._page_arrays = (Component.moves, cpu_quant.PageArrays(
+            kept = self._page_arrays = (Component.moves, cpu_step.PageArrays(
                 [(kc.flat_pages(), vc.flat_pages()) for kc, vc in self.comps], [s.sink_logits for s in self.scores],
                 caps.pop()))
         return kept[1], grp.args()

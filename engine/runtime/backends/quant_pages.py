@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.kernels import cpu_quant
+from kvchat.kernels import cpu_quant, cpu_step
 
 from kvchat.engine.kv.pages import Component
 from kvchat.engine.model.rope import rope_table, rotate
@@ -189,9 +189,9 @@ class QuantPagesC(QuantPagesTorch):
 
 def quant_step(comps, steps: list, num_heads: int, scale: float,
                sink_logits: list[torch.Tensor | None] | None = None,
-               mass: cpu_quant.Mass | None = None) -> cpu_quant.QuantStep:
+               mass: cpu_quant.Mass | None = None) -> cpu_step.QuantStep:
     """A decode step's attention over quantized pages, every layer and sequence of one layout, for the one-call
-    step to run in C (cpu_quant.QuantStep; sink_logits: per layer, or None). After the kernel, finish_quant_step
+    step to run in C (cpu_step.QuantStep; sink_logits: per layer, or None). After the kernel, finish_quant_step
     quantizes the blocks it completed."""
     fields = [[] for _ in comps]
     seqs, key_pos = [], []
@@ -205,15 +205,15 @@ def quant_step(comps, steps: list, num_heads: int, scale: float,
         for l, (kl, vl) in enumerate(comps):
             for c in (kl, vl):
                 fields[l].append((c.kernel_static(), c.heads.get(first) if n_full else None, c.tails[sid]))
-        seqs.append(cpu_quant.QuantSeq(st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
+        seqs.append(cpu_step.QuantSeq(st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
                                        st.key_pos.contiguous(), n_full, S % bs))
         key_pos.append(int(st.key_pos.max()))
     cos_h, sin_h = rope_table(steps[0].inv_freq, max(key_pos) + 1)
-    return cpu_quant.QuantStep([f for layer in fields for f in layer], seqs, bs, num_heads, kc.num_heads,
+    return cpu_step.QuantStep([f for layer in fields for f in layer], seqs, bs, num_heads, kc.num_heads,
                                kc.head_dim, cos_h, sin_h, scale, sink_logits, mass)
 
 
-def finish_quant_step(comps, steps: list, quant: cpu_quant.QuantStep) -> None:
+def finish_quant_step(comps, steps: list, quant: cpu_step.QuantStep) -> None:
     """After quant_step's kernel: each token that filled its block's last row quantizes the block (or keeps it as
     the head), from the tail and the token's float32 rows, as store() does on the Python path."""
     bs = comps[0][0].block_size
