@@ -359,7 +359,7 @@ class Transformer:
             gdn = (self._gdn_table(i, spec), sum(s.linear is not None for s in self.config.layers[:i]),
                    L.mixer.out_order)
         return cpu_step.LayerRow(slots + [[], []] if moe is not None else slots, L.norm_attn, L.norm_mlp, *qk, moe,
-                                  *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
+                                 *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
                                   ple, L.scalar, shared)
 
     def _gdn_table(self, i: int, spec: LayerSpec):
@@ -444,7 +444,7 @@ class Transformer:
                 return attention(layer, *self._split_qkv(qkv)).to(self.dtype)
             states = attention.kernel_states(self._gdn_layers) if self._gdn_layers else None
             cpu_step.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend],
-                                    states=states, ple=ple)
+                                   states=states, ple=ple)
         return self._capped(self.lm_head.fused(x, norm=self.norm, eps=c.rms_norm_eps, split=x.shape[0]).float())
 
     def count_experts(self, on: bool = True) -> None:

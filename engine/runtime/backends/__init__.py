@@ -298,7 +298,7 @@ class StepAttention:
 
         def run_layers(table, x):
             cpu_step.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, groups,
-                                    layer_group, layer_index, scale, mass=mass)
+                                   layer_group, layer_index, scale, mass=mass)
         kinds = {"quant-pages" if isinstance(g, cpu_step.QuantStep) else "full-pages" for g in groups}
         logits = model.forward_decode(token_ids, kernel=DecodeKernel(kinds.pop() if len(kinds) == 1 else "mixed-pages",
                                                                      run_layers))

@@ -206,11 +206,11 @@ def quant_step(comps, steps: list, num_heads: int, scale: float,
             for c in (kl, vl):
                 fields[l].append((c.kernel_static(), c.heads.get(first) if n_full else None, c.tails[sid]))
         seqs.append(cpu_step.QuantSeq(st.past_slots.contiguous(), torch.tensor(seq.block_table, dtype=torch.long),
-                                       st.key_pos.contiguous(), n_full, S % bs))
+                                      st.key_pos.contiguous(), n_full, S % bs))
         key_pos.append(int(st.key_pos.max()))
     cos_h, sin_h = rope_table(steps[0].inv_freq, max(key_pos) + 1)
     return cpu_step.QuantStep([f for layer in fields for f in layer], seqs, bs, num_heads, kc.num_heads,
-                               kc.head_dim, cos_h, sin_h, scale, sink_logits, mass)
+                              kc.head_dim, cos_h, sin_h, scale, sink_logits, mass)
 
 
 def finish_quant_step(comps, steps: list, quant: cpu_step.QuantStep) -> None:
