@@ -360,7 +360,7 @@ class Transformer:
                    L.mixer.out_order)
         return cpu_step.LayerRow(slots + [[], []] if moe is not None else slots, L.norm_attn, L.norm_mlp, *qk, moe,
                                  *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
-                                  ple, L.scalar, shared)
+                                 ple, L.scalar, shared)
 
     def _gdn_table(self, i: int, spec: LayerSpec):
         """Layer i's Gated DeltaNet mixer in its C form (cpu_quant.gdn_table), made on first use; None off the CPU's
