@@ -226,6 +226,32 @@ def test_a_saved_cache_keeps_the_state_and_its_snapshots(engine, tmp_path):
         engine._warm_store = None
 
 
+def test_a_spare_state_takes_a_steps_new_state_without_a_copy(family, engine):
+    """Where the budget has room, a step writes its new state into a spare (kv/state.py), which then becomes the live
+    state: the same logits as steps that copy the state, the spare's bytes in the conversation's; with no room for
+    one, no spare and the same logits; a reset gives it back."""
+    cache = engine.runner.cache
+    before = cache.spare_bytes
+    s = engine.new_session(cache=FP32)
+    got = read(engine, s.seq, IDS)
+    state = s.seq.state
+    assert engine.runner.model.states_in_c() and state.spare is not None
+    assert cache.spare_bytes == before + state.layout.bytes                 # the pool's, apart from the state's
+    live, spare = state.matrices.data_ptr(), state.spare[1].data_ptr()
+    engine.runner.step([(s.seq, IDS[:1])])
+    assert (state.matrices.data_ptr(), state.spare[1].data_ptr()) == (spare, live)    # taken, not copied
+    kv = cache.conversation_bytes(s.seq) - state.bytes
+    s.reset()
+    assert state.spare is None and cache.spare_bytes == before
+    s.close()
+    # a budget that holds the KV and the live state, and a spare only while the KV is small: the spare goes when
+    # the blocks need its room, and every step after copies
+    tight = Engine.load(EngineConfig(model=family[1], weights="dense"))
+    s = tight.new_session(cache=FP32.with_(budget_mb=(kv + 1.5 * state.layout.bytes) / 2 ** 20))
+    assert torch.equal(read(tight, s.seq, IDS), got) and s.seq.state.spare is None
+    s.close()
+
+
 def test_a_budget_too_small_for_the_state_says_so(family):
     """The state is held from the conversation's first token: a budget that cannot hold it and one block is a
     clear error, not a crash at the first step."""
@@ -400,11 +426,12 @@ def test_state_points_count_and_give_way(engine):
     a = engine.new_session(cache=FP32, system_prompt=SYSTEM)
     a.reply(CHAT[0], GREEDY)
     points = len(cache.points.points)
-    assert points and cache._blocks.extra_bytes == points * engine.runner.state_layout.bytes
+    spares = cache.spare_bytes                  # a's state's spare (kv/state.py), room beside the points
+    assert points and cache._blocks.extra_bytes == points * engine.runner.state_layout.bytes + spares
     assert cache._blocks.held_bytes >= held + cache._blocks.extra_bytes
-    assert cache._drop_point() and cache._blocks.extra_bytes == (points - 1) * engine.runner.state_layout.bytes
+    assert cache._drop_point() and cache._blocks.extra_bytes == (points - 1) * engine.runner.state_layout.bytes + spares
     engine.clear_prefix_cache()
-    assert not cache.points.points and cache._blocks.extra_bytes == 0
+    assert not cache.points.points and cache._blocks.extra_bytes == spares
     a.close()
 
 

@@ -61,7 +61,8 @@ class KVCache:
         self.host_tier = PreemptTier(HOST_TIER_MB, "host") if torch.device(device).type == "cuda" else None
         self.points = StatePoints()        # states at block boundaries, for prefix sharing over a recurrent state
         self._replaced: dict[int, list] = {}        # a conversation's first sequence -> its latest points' keys
-        self._blocks.drop_extra = self._drop_point
+        self._blocks.drop_extra = self._drop_extra
+        self._spares: dict[int, RecurrentState] = {}     # id(state) -> a state holding a spare (hold_spare)
         self._logs: dict[int, AttentionLog] = {}    # a watched conversation's first sequence -> its attention
 
     # ---- conversations ---------------------------------------------------------------------------------------
@@ -85,6 +86,35 @@ class KVCache:
         """The conversation's state bytes (live, snapshots, a verification's journal) recounted into the budget, as
         its first group carries them: after anything that changed them (a step, a snapshot, a fork)."""
         conv.groups[0].state_bytes = conv.state.bytes if conv.state is not None else 0
+
+    def hold_spare(self, conv: Conversation) -> None:
+        """Give the conversation's recurrent state a spare (kv/state.py) where the budget has it free, so its steps
+        take their new state without copying it. Nothing is released for it: its bytes are room the budget takes back
+        first (drop_extra), and a step without one copies."""
+        state = conv.state
+        if state is None or state.spare is not None or self._blocks.free_bytes() < state.layout.bytes:
+            return
+        state.add_spare()
+        self._spares[id(state)] = state
+        self._blocks.extra_bytes += state.layout.bytes
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes the states' spares hold: in the pool's held bytes, room it takes back first."""
+        return sum(state.layout.bytes for state in self._spares.values())
+
+    def _drop_spare(self, state: RecurrentState) -> int:
+        if self._spares.pop(id(state), None) is None:
+            return 0
+        state.spare = None
+        self._blocks.extra_bytes -= state.layout.bytes
+        return state.layout.bytes
+
+    def _drop_extra(self) -> bool:
+        """Room taken back one piece at a time: a state's spare (its steps copy again), then the oldest state point."""
+        if self._spares:
+            return self._drop_spare(next(iter(self._spares.values()))) > 0
+        return self._drop_point()
 
     def snapshot(self, conv: Conversation) -> bool:
         """Keep a copy of the conversation's recurrent state where it is now (kv/state.py), room permitting: idle
@@ -118,6 +148,8 @@ class KVCache:
         log = self._logs.get(seq.members[0].seq_id)
         if log is not None:                 # nothing is cached: nothing was attended
             log.clear()
+        if seq.state is not None:
+            freed += self._drop_spare(seq.state)
         for m in seq.members:
             freed += self._blocks.free(m)
             self._pages.drop_tails(m.seq_id)

@@ -83,10 +83,14 @@ class RecurrentState:
         self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.index = {layer: j for j, layer in enumerate(layout.layers)}
         self.journal: StepJournal | None = None  # the last step's, where it was a verification
+        # a second whole state a step writes its new state into, which then becomes the live one (adopt): no copy
+        # at the commit; held between steps where the budget has room, its bytes the cache's (KVCache.hold_spare)
+        self.spare: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def bytes(self) -> int:
-        """The live state, every snapshot, and the copy a verification's journal keeps."""
+        """The live state, every snapshot, and the copy a verification's journal keeps (not the spare: the cache
+        counts it apart, as room it may take back)."""
         return self.layout.bytes * (1 + len(self.snapshots) + (self.journal is not None))
 
     def reset(self) -> None:
@@ -96,6 +100,19 @@ class RecurrentState:
         self.position = 0
         self.snapshots.clear()
         self.journal = None
+
+    def add_spare(self) -> None:
+        self.spare = (torch.empty_like(self.conv), torch.empty_like(self.matrices))
+
+    def spare_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model layer `layer`'s (conv tail, matrices) in the spare, for a step to write its new state into."""
+        j = self.index[layer]
+        return self.spare[0][j], self.spare[1][j]
+
+    def adopt(self) -> None:
+        """A step wrote every layer's new state into the spare: it becomes the live state, and the old one the
+        spare."""
+        (self.conv, self.matrices), self.spare = self.spare, (self.conv, self.matrices)
 
     def snapshot(self, limit: int = MAX_SNAPSHOTS) -> int:
         """Keep a copy of the state at its position (the oldest snapshots go past `limit`); returns the bytes it

@@ -120,15 +120,16 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
 
 
 def mix(proj: torch.Tensor, weights, la, eps: float, tail: torch.Tensor, matrices: torch.Tensor, decode: bool,
-        table=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        table=None, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sequence's rows through a Gated DeltaNet mixer between its projections: proj [T, >= C + V + 2 H] holds each
     row's mixed (q | k | v before the convolution) | z | b | a; weights the layer's vectors (conv, dt_bias, A, norm);
     the state's tail and matrices are read, not written -> (outputs [T, H * Dv] float32 for out_proj: the rule's
     outputs gated-normed, the new tail, the new matrices). With a C table (cpu_quant.gdn_table) on the CPU, the whole
     mixer is one C call (kernels/cpu_gdn.h: gdn_mix, the one-call decode step's own); else torch, as transformers
-    computes it."""
+    computes it. out: (tail, matrices) buffers apart from the state's for the C mixer's new state (torch's are its
+    own)."""
     if table is not None:
-        done = cpu_quant.gdn_mix(table, proj, eps, tail, matrices)
+        done = cpu_quant.gdn_mix(table, proj, eps, tail, matrices, *(out or ()))
         if done is not None:
             return done
     T = proj.shape[0]

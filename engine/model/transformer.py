@@ -362,6 +362,12 @@ class Transformer:
                                  *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
                                  ple, L.scalar, shared)
 
+    def states_in_c(self) -> bool:
+        """Whether every linear-attention layer's mixer runs in C, which writes a step's new state apart from the old
+        one (the runner keeps a spare state for it, kv/state.py)."""
+        linear = [(i, spec) for i, spec in enumerate(self.config.layers) if spec.linear is not None]
+        return bool(linear) and all(self._gdn_table(i, spec) is not None for i, spec in linear)
+
     def _gdn_table(self, i: int, spec: LayerSpec):
         """Layer i's Gated DeltaNet mixer in its C form (cpu_quant.gdn_table), made on first use; None off the CPU's
         fp32 path."""

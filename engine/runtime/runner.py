@@ -243,6 +243,9 @@ class ModelRunner:
             reserved = StepReservation(self.cache, [items[i] for i in order], [decode[i] for i in order],
                                        self.layer_inv_freq, self.device, keep, self.model.config.kv_sources)
             mass = self._watched(reserved)
+            if self.state_layout is not None and self.model.states_in_c():
+                for seq, _ in reserved.items:       # the step's new state written apart, taken without a copy
+                    self.cache.hold_spare(seq)
             try:
                 logits, per_row, attention = self._forward(reserved, all_logits, mass)
             except BaseException:

@@ -214,7 +214,8 @@ class StepAttention:
             tail, matrices = conv.state.layer(layer)
             if decode and n > 1:            # a verification: its rows' inputs, to take rejected drafts back
                 self.journal.setdefault(i, {})[layer] = (rows.clone(), weights, la, eps, table)
-            o, tail, matrices = gdn.mix(rows, weights, la, eps, tail, matrices, decode, table)
+            out = conv.state.spare_layer(layer) if conv.state.spare is not None else None
+            o, tail, matrices = gdn.mix(rows, weights, la, eps, tail, matrices, decode, table, out)
             self.pending[(i, layer)] = (tail, matrices)
             outs.append(o)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -229,7 +230,8 @@ class StepAttention:
             for i, (conv, _, n, _) in enumerate(self.items):
                 assert n == 1, "the one-call step's states are one decode row's"
                 tail, matrices = conv.state.layer(layer)
-                new = (torch.empty_like(tail), torch.empty_like(matrices))
+                new = conv.state.spare_layer(layer) if conv.state.spare is not None else \
+                    (torch.empty_like(tail), torch.empty_like(matrices))
                 self.pending[(i, layer)] = new
                 per_item.append((tail, matrices, *new))
             out.append(per_item)
@@ -245,8 +247,17 @@ class StepAttention:
             layers = self.journal.get(i)
             state.journal = (StepJournal(conv.num_tokens - n, n, state.conv.clone(), state.matrices.clone(), layers)
                              if layers else None)
+        adopted = set()
+        for i, (conv, _, _, _) in enumerate(self.items):        # every layer's new state in the spare: taken whole
+            state = conv.state
+            if state is not None and state.spare is not None and all(
+                    [t.data_ptr() for t in self.pending.get((i, layer), ())]
+                    == [t.data_ptr() for t in state.spare_layer(layer)] for layer in state.layout.layers):
+                state.adopt()
+                adopted.add(i)
         for (i, layer), (tail, matrices) in self.pending.items():
-            self.items[i][0].state.write(layer, tail, matrices)
+            if i not in adopted:
+                self.items[i][0].state.write(layer, tail, matrices)
         for conv, _, n, _ in self.items:
             if conv.state is not None:
                 conv.state.position = conv.num_tokens
