@@ -70,12 +70,19 @@ static void q6k_gemv_ld(const float *x, int M, int K, const uint8_t *ql, const u
     int8_t *xl = mode ? (int8_t *)scratch : (int8_t *)(((uintptr_t)(sums + (size_t)M * ng) + 63) & ~(uintptr_t)63);
     int16_t *x32 = (int16_t *)(xl + 2 * (size_t)M * K);
     q6x16_layout(xq, M, K, xl, x32);
+    int32_t *x32s = NULL;
+#ifdef KVCHAT_AVX512
+    // after x32, 64-byte aligned: within the float rows' room (mode != 0) or q4_gemv's 7 M K bytes (mode 0)
+    x32s = (int32_t *)(((uintptr_t)(x32 + 2 * (size_t)M * (K / 4)) + 63) & ~(uintptr_t)63);
+    q6x16_sums(x32, M, K, x32s);
+#endif
 #endif
     SHARED_STEPS(N, SHARE_ROWS, n) {
         const uint8_t *l = ql + (size_t)n * (K / 2), *h = qh + (size_t)n * (K / 4);
         float out[MAXM];
 #ifdef __AVX2__
-        q6x8_rowsM(l, h, sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xl, x32, xs, ng, K, M, 16, out);
+        q6x8_rowsM(l, h, sc + (size_t)n * (K / 16), d + (size_t)n * (K / 256), xl, x32, x32s, xs, ng, K, M, 16,
+                   out);
 #else
         // plain loops: the integer sum of a group can pass 2^31 (32 products of up to 4096 * 32767): 64 bits
         int16_t s16[2 * MAXG];

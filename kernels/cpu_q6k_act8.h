@@ -53,6 +53,18 @@ static void q6x16_layout(const int16_t *xq, int M, int K, int8_t *xl, int16_t *x
         }
 }
 
+#ifdef KVCHAT_AVX512
+// x32 (q6x16_layout's) -> x32s [M, K / 8] int32: per int32 lane k of a half-block (int16 lanes 2k, 2k + 1 of both
+// planes), 32 times its eight activations' sum, 256 * top + bottom: exact (|.| <= 2^23)
+static void q6x16_sums(const int16_t *x32, int M, int K, int32_t *x32s) {
+    for (int m = 0; m < M; m++) {
+        const int16_t *t = x32 + 2 * (size_t)m * (K / 4), *b = t + K / 4;
+        for (int k = 0; k < K / 8; k++)
+            x32s[(size_t)m * (K / 8) + k] = 256 * (t[2 * k] + t[2 * k + 1]) + b[2 * k] + b[2 * k + 1];
+    }
+}
+#endif
+
 // Lanes 0-7 (c = 0: groups 0, 2 from ql bytes a = 0-31) or 8-15 (c = 1: groups 1, 3, bytes 32-63) of half-block
 // h: p, q the interleaved codes, s the int16 scales [s_j x 4, s_{j+4} x 4] of 128-bit lanes j = 2c, 2c + 1
 static inline void q6x8_codes(__m256i a, __m256i hb, int c, __m256i *p, __m256i *q) {
@@ -92,19 +104,34 @@ static inline __m512i q6x8_dot_512(__m512i p, __m512i q, __m512i s, const int8_t
     __m512i b = _mm512_sub_epi16(e, _mm512_loadu_si512((const void *)(x32 + K / 4)));
     return _mm512_dpwssd_epi32(_mm512_slli_epi32(t, 8), b, s);
 }
+
+// W 16 with VNNI: the same int32 lanes (s times the exact sum of the lane's eight (q - 32) x, x = 256 t + b) as
+// 256 dpbusd(codes, t) + dpbusd(b, codes) - x32s, times s32 (the lanes' scales as int32): four dot products and no
+// 16-bit lanes to correct, the same bits as q6x8_dot_512's (every step exact: |.| < 2^31)
+static inline __m512i q6x16_dot_vnni(__m512i p, __m512i q, __m512i s32, const int8_t *x, const int32_t *x32s,
+                                     int K) {
+    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p, _mm512_loadu_si512((const void *)x));
+    t = _mm512_dpbusd_epi32(t, q, _mm512_loadu_si512((const void *)(x + 64)));
+    const int8_t *y = x + K;
+    __m512i v = _mm512_sub_epi32(_mm512_slli_epi32(t, 8), _mm512_loadu_si512((const void *)x32s));
+    v = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(v, _mm512_loadu_si512((const void *)y), p),
+                            _mm512_loadu_si512((const void *)(y + 64)), q);
+    return _mm512_mullo_epi32(v, s32);
+}
 #endif
 
 // R rows (a constant) of xl / x32 (q6x8_layout; W 16: q6x16_layout) against one weight row; xs [R, ng] the rows'
 // group scales
 static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, const uint8_t *qh,
-        const int8_t *sc, const half_t *d, const int8_t *xl, const int16_t *x32, const float *xs, int ng, int K,
-        const int R, const int W, float *out) {
+        const int8_t *sc, const half_t *d, const int8_t *xl, const int16_t *x32, const int32_t *x32s,
+        const float *xs, int ng, int K, const int R, const int W, float *out) {
 #ifdef KVCHAT_AVX512
     const __m512i pick = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
                                           5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);     // lanes 31 .. 0
     const __m512i fpick = _mm512_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2, 1, 1, 3, 3, 1, 1, 3, 3);
     const __m512i m0f = _mm512_set1_epi8(15), m33 = _mm512_set1_epi8(0x33);
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i pick32 = _mm512_setr_epi32(0, 0, 4, 4, 1, 1, 5, 5, 2, 2, 6, 6, 3, 3, 7, 7);
     __m512 acc[4];
     for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
 #else
@@ -133,12 +160,15 @@ static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, c
         __m512i lo = _mm512_ternarylogic_epi32(m0f, a, _mm512_slli_epi16(t, 4), 0xCA);
         __m512i hi = _mm512_ternarylogic_epi32(m0f, _mm512_srli_epi16(a, 4), t, 0xCA);
         __m512i p = _mm512_unpacklo_epi64(lo, hi), q = _mm512_unpackhi_epi64(lo, hi);
-        __m512i s = _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(s8));
+        __m512i s = W == 16 ? _mm512_permutexvar_epi32(pick32, _mm512_cvtepi16_epi32(_mm256_castsi128_si256(s8)))
+                            : _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(s8));
         for (int m = 0; m < R; m++) {
             size_t o = (size_t)m * K * (W / 8) + 128 * h;
             __m512 f = _mm512_permutexvar_ps(fpick, _mm512_castps128_ps512(
                 _mm_mul_ps(_mm_set1_ps(db), _mm_loadu_ps(xs + (size_t)m * ng + 4 * h))));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q6x8_dot_512(p, q, s, xl + o, x32 + o / 4, K, W)), f, acc[m]);
+            __m512i v = W == 16 ? q6x16_dot_vnni(p, q, s, xl + o, x32s + (size_t)m * (K / 8) + 16 * h, K)
+                                : q6x8_dot_512(p, q, s, xl + o, x32 + o / 4, K, W);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), f, acc[m]);
         }
 #else
         __m256i s2 = _mm256_broadcastsi128_si256(s8), p0, q0, p1, q1;
@@ -164,17 +194,18 @@ static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, c
 
 // M rows against one weight row, four at a time (W: q6x8_rows')
 static inline __attribute__((always_inline)) void q6x8_rowsM(const uint8_t *ql, const uint8_t *qh,
-        const int8_t *sc, const half_t *d, const int8_t *xl, const int16_t *x32, const float *xs, int ng, int K,
-        int M, const int W, float *out) {
+        const int8_t *sc, const half_t *d, const int8_t *xl, const int16_t *x32, const int32_t *x32s,
+        const float *xs, int ng, int K, int M, const int W, float *out) {
     for (int m0 = 0; m0 < M; m0 += 4) {
         const int8_t *xm = xl + (size_t)m0 * K * (W / 8);
         const int16_t *x32m = x32 + (size_t)m0 * (K / 4) * (W / 8);
+        const int32_t *x32sm = x32s ? x32s + (size_t)m0 * (K / 8) : NULL;
         const float *xsm = xs + (size_t)m0 * ng;
         switch (M - m0) {   // a constant R per case: the accumulators stay in registers
-            case 1: q6x8_rows(ql, qh, sc, d, xm, x32m, xsm, ng, K, 1, W, out + m0); break;
-            case 2: q6x8_rows(ql, qh, sc, d, xm, x32m, xsm, ng, K, 2, W, out + m0); break;
-            case 3: q6x8_rows(ql, qh, sc, d, xm, x32m, xsm, ng, K, 3, W, out + m0); break;
-            default: q6x8_rows(ql, qh, sc, d, xm, x32m, xsm, ng, K, 4, W, out + m0); break;
+            case 1: q6x8_rows(ql, qh, sc, d, xm, x32m, x32sm, xsm, ng, K, 1, W, out + m0); break;
+            case 2: q6x8_rows(ql, qh, sc, d, xm, x32m, x32sm, xsm, ng, K, 2, W, out + m0); break;
+            case 3: q6x8_rows(ql, qh, sc, d, xm, x32m, x32sm, xsm, ng, K, 3, W, out + m0); break;
+            default: q6x8_rows(ql, qh, sc, d, xm, x32m, x32sm, xsm, ng, K, 4, W, out + m0); break;
         }
     }
 }
@@ -200,7 +231,7 @@ static void q6k_gemv8(const float *x, int M, int K, const uint8_t *ql, const uin
         const half_t *dn = d + (size_t)n * (K / 256);
         float out[MAXM];
 #ifdef __AVX2__
-        q6x8_rowsM(l, h, s, dn, xl, x32, xs, ng, K, M, 8, out);
+        q6x8_rowsM(l, h, s, dn, xl, x32, NULL, xs, ng, K, M, 8, out);
 #else
         for (int m = 0; m < M; m++) out[m] = 0.f;
         for (int g = 0; g < ng; g++) {
