@@ -429,6 +429,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.gelu_gate_rows.restype = None
     lib.softcap_rows.argtypes = [P, ctypes.c_int64, F]
     lib.softcap_rows.restype = None
+    lib.sigmoid_mul_rows.argtypes = [P, P, ctypes.c_int64]
+    lib.sigmoid_mul_rows.restype = None
     lib.all_finite.argtypes = [P, ctypes.c_int64, I]
     lib.all_finite.restype = I
     lib.argmax_f32.argtypes = [P, ctypes.c_int64]
@@ -480,7 +482,7 @@ class QLayer(ctypes.Structure):
                 ("post_mlp", ctypes.c_void_p),
                 ("act", ctypes.c_int), ("mix_in", ctypes.c_int), ("mix_out", ctypes.c_int),
                 ("gdn", ctypes.c_void_p), ("state", ctypes.c_int), ("mix_order", ctypes.c_void_p),
-                ("ple", QLin * 2), ("ple_norm", ctypes.c_void_p), ("scalar", ctypes.c_void_p)]
+                ("ple", QLin * 2), ("ple_norm", ctypes.c_void_p), ("scalar", ctypes.c_void_p), ("gate", ctypes.c_int)]
 
 
 class SharedExpert(ctypes.Structure):

@@ -1300,6 +1300,8 @@ typedef struct {
     qlin_t ple[2];                       // Gemma 4's per-layer input after the MLP: gate [w, H] and proj [H, w], one
     const float *ple_norm;               // part each (N 0: none); x += RMSNorm(proj(gelu(gate(x)) * input)) * norm
     const float *scalar;                 // [1]: the layer's output times this (Gemma 4's layer scalar), or NULL
+    int gate;                            // > 0: Qwen3.5's output gate, Hq * D wide, between q and k of the
+                                         // projection (q | gate | k | v); the output times its sigmoid
 } qlayer_t;
 
 // y [B, H] = x + RMSNorm(y) * w, in place: a post-norm and its residual (Gemma), the one both paths call (the
@@ -1382,6 +1384,24 @@ void qk_norm_rows(float *qkv, int B, int ld, int Hq, int Hkv, int D, const float
         }
 }
 
+// o [n] *= sigmoid(g [n]), 1 / (1 + exp(-g)) in float: the output gate of both paths (Qwen3.5's gated attention;
+// the Python forward's on the CPU in fp32: cpu_quant.sigmoid_mul_), so they give the same bits
+void sigmoid_mul_rows(float *o, const float *g, int64_t n) {
+    for (int64_t i = 0; i < n; i++) o[i] *= 1.0f / (1.0f + expf(-g[i]));
+}
+
+// Qwen3.5's rows q | gate | k | v [B, ld] -> q | k | v [B, ld - gate] in place, the gates to out [B, gate]: the
+// model's layout for the norms and the attention (each row moves down over rows already moved: memmove)
+static void gate_aside(float *qkv, int B, int ld, int nq, int gate, float *out) {
+    int n = ld - gate;
+    for (int b = 0; b < B; b++) {
+        float *r = qkv + (size_t)b * ld, *to = qkv + (size_t)b * n;
+        memcpy(out + (size_t)b * gate, r + nq, sizeof(float) * gate);
+        memmove(to, r, sizeof(float) * nq);
+        memmove(to + nq, r + nq + gate, sizeof(float) * (n - nq));
+    }
+}
+
 // y [M, sum of the parts' N] = parts(x [M, K] ([M, 2K] with SwiGLU)) (+ resid [M, N], one part only), MAXM
 // rows a call as cpu_quant.py's fused() splits them
 static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float *y, void *scratch, int mode,
@@ -1427,7 +1447,8 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
 static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
     int mixer = L->mix_out > 0;                  // the caller's mixer: its own widths, no q / k norm here
     if (mixer && (L->mix_in < 1 || L->q_norm)) return 0;
-    int want_n[4] = {mixer ? L->mix_in : (Hq + 2 * Hkv) * D, H, 0, H}, n[4] = {0, 0, 0, 0};
+    if (L->gate && (mixer || L->gate != Hq * D)) return 0;
+    int want_n[4] = {mixer ? L->mix_in : (Hq + 2 * Hkv) * D + L->gate, H, 0, H}, n[4] = {0, 0, 0, 0};
     int attn_k = mixer ? L->mix_out : Hq * D;
     if (L->moe) {                                // attention's two linears here, the MLP the experts'
         if (L->nparts[2] || L->nparts[3] || !moe_ok(L->moe, H)) return 0;
@@ -1601,6 +1622,10 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         int n0 = 0;
         for (int p = 0; p < L->nparts[0]; p++) n0 += L->lin[0][p].N;
         lin_apply(L->lin[0], L->nparts[0], x, B, qkv, gs, 1, L->norm_attn, eps, NULL);
+        if (L->gate) {                       // the gates aside (into mixed, free here), q | k | v as any layer's
+            gate_aside(qkv, B, n0, Hq * D, L->gate, mixed);
+            n0 -= L->gate;
+        }
         if (L->q_norm) qk_norm_rows(qkv, B, n0, Hq, Hkv, D, L->q_norm, L->k_norm, eps);
         const attn_group_t *g = groups + (lgrp ? lgrp[l] : 0);
         int i = lidx ? lidx[l] : l;          // the layer's index in its group
@@ -1630,6 +1655,7 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
                           g->softcap, g->sinks ? g->sinks[i] : NULL, att, as, cols, mcols,
                           mass ? mass + (size_t)l * B * Hq * mcols : NULL);
         }
+        if (L->gate) sigmoid_mul_rows(att, mixed, (int64_t)B * L->gate);
         if (L->post_attn) {                  // Gemma: o normed, then added
             lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, NULL);
             norm_add_rows(x2, x, B, H, L->post_attn, eps);

@@ -923,6 +923,16 @@ def softcap_(x: torch.Tensor, cap: float) -> bool:
     return True
 
 
+def sigmoid_mul_(o: torch.Tensor, gate: torch.Tensor) -> bool:
+    """o *= sigmoid(gate) in place (sigmoid_mul_rows: Qwen3.5's output gate, the one-call step's own); False (nothing
+    done) where the two are not contiguous fp32 CPU tensors of one size or the kernels are not loaded."""
+    if not (available() and o.dtype == gate.dtype == torch.float32 and o.is_contiguous() and gate.is_contiguous()
+            and o.numel() == gate.numel() and not o.is_cuda and not gate.is_cuda):
+        return False
+    _lib.sigmoid_mul_rows(o.data_ptr(), gate.data_ptr(), o.numel())
+    return True
+
+
 def gelu_gate(gu: torch.Tensor) -> torch.Tensor | None:
     """gelu_tanh(gate) * up of gu [T, 2F] fp32 (gate | up) -> [T, F], as the one-call step computes it
     (gelu_gate_rows); None where the kernel cannot."""

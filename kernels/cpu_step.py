@@ -25,7 +25,8 @@ class LayerRow:
     projections at their own widths (no q / k norms then); gdn: a Gated DeltaNet C runs where the step brings its
     states, (gdn_table, the state's index among the step's, the order o reads its outputs in or None); ple: Gemma 4's
     per-layer input (gate part, projection part, norm); scalar: Gemma 4's layer scalar [1]; shared: a shared expert
-    beside the routed MLP (shared_table)."""
+    beside the routed MLP (shared_table); gate: Qwen3.5's output gate, its width, between q and k of the projection
+    (q | gate | k | v), 0 for none."""
     slots: list
     norm_attn: torch.Tensor
     norm_mlp: torch.Tensor
@@ -40,6 +41,7 @@ class LayerRow:
     ple: tuple | None = None
     scalar: torch.Tensor | None = None
     shared: SharedExpert | None = None
+    gate: int = 0
 
 
 def layer_table(layers: list[LayerRow]) -> ctypes.Array:
@@ -64,7 +66,7 @@ def layer_table(layers: list[LayerRow]) -> ctypes.Array:
             t.scalar = row.scalar.data_ptr()
         if row.post_attn is not None:
             t.post_attn, t.post_mlp = row.post_attn.data_ptr(), row.post_mlp.data_ptr()
-        t.act = row.act
+        t.act, t.gate = row.act, row.gate
         if row.q_norm is not None:
             t.q_norm, t.k_norm = row.q_norm.data_ptr(), row.k_norm.data_ptr()
         if row.moe is not None:
@@ -83,11 +85,12 @@ def layer_table(layers: list[LayerRow]) -> ctypes.Array:
 
 
 def _widths(table: ctypes.Array) -> list[tuple[int, int]]:
-    """Each layer's qkv width and its mixer's output width (0: the model's heads), for decode_layers' callbacks: kept
-    by layer_table, read from the structs for a table made otherwise (a copy)."""
+    """Each layer's qkv width as a callback gets it (the gates set aside) and its mixer's output width (0: the
+    model's heads), for decode_layers' callbacks: kept by layer_table, read from the structs for a table made
+    otherwise (a copy)."""
     known = getattr(table, "widths", None)
     return known if known is not None else [
-        (sum(row.lin[0][j].N for j in range(row.nparts[0])), row.mix_out) for row in table]
+        (sum(row.lin[0][j].N for j in range(row.nparts[0])) - row.gate, row.mix_out) for row in table]
 
 
 class _QStep(ctypes.Structure):

@@ -299,3 +299,20 @@ def test_softcap_is_the_capped_tanh_and_keeps_nans(n):
     assert torch.isnan(y[0]) and (torch.isnan(y) == torch.isnan(x)).all()
     assert float((y.double() - ref).nan_to_num().abs().max()) <= 30.0 * 1e-6
     assert not cq.softcap_(x.double(), 30.0)
+
+
+def test_sigmoid_gate_is_the_float64_product():
+    """Qwen3.5's output gate in C (sigmoid_mul_rows, in place): o * sigmoid(g) within 2 ulp-ish of float64 over gates
+    that saturate both ways, a NaN kept; shapes or dtypes it cannot take are left to torch (False, nothing done)."""
+    if not cq.available():
+        pytest.skip("the C kernels are not built here")
+    gen = torch.Generator().manual_seed(3)
+    o, g = torch.randn(5, 512, generator=gen), torch.randn(5, 512, generator=gen) * 40
+    g[0, 0], o[0, 1] = -200.0, float("nan")
+    got = o.clone()
+    assert cq.sigmoid_mul_(got, g)
+    want = o.double() * torch.sigmoid(g.double())
+    assert torch.isnan(got[0, 1]) and got[0, 0] == 0.0
+    torch.testing.assert_close(got.double().nan_to_num(), want.nan_to_num(), rtol=3e-7, atol=1e-30)
+    assert not cq.sigmoid_mul_(o.double(), g.double()) and not cq.sigmoid_mul_(o, g[:, :10])
+    assert not cq.sigmoid_mul_(o.t(), g.t())

@@ -287,11 +287,11 @@ def test_qwen2_biases_run_in_the_one_call_step_with_the_same_bits(tmp_path):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_qwen35_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qtype, monkeypatch):
-    """Qwen3.5 (Gated DeltaNet layers and gated attention with a partial rotation): the one-call step runs the
-    projections, the MLPs and the Gated DeltaNet mixers (gdn_mix, each sequence's state passed in, the new one
-    taken at the commit) in C and calls back for the gated attention, giving the layer path's bits over
-    full-precision and int8 pages, one sequence and three ("callback": the step attends through Python). Its
-    Qwen3.5-MoE sibling (a shared expert) keeps the layer path."""
+    """Qwen3.5 (Gated DeltaNet layers and gated attention with a partial rotation): the one-call step runs every
+    layer in C, the Gated DeltaNet mixers (gdn_mix, each sequence's state passed in, the new one taken at the
+    commit) and the gated attention (the gates set aside from the projection, the q / k norms, the attention over
+    the backend's pages, the output times the gates' sigmoid), giving the layer path's bits over full-precision and
+    int8 pages, one sequence and three."""
     from kvchat.engine.runtime.backends import StepAttention
     states = []
     orig = StepAttention.kernel_states
@@ -305,7 +305,9 @@ def test_qwen35_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, qty
     assert engine.model.kernel_layers() is not None and engine.model.config.mixers_called_back
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 17, 9)]
-    _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
+    table, c = engine.model.kernel_layers(), engine.model.config
+    assert table[3].gate == c.num_heads * c.head_dim and table[3].q_norm and not table[3].mix_out
+    _one_call_equals_layers(engine, prompts, 12, "quant")
     assert states and all(layers == [0, 1, 2] for layers in states)      # the three Gated DeltaNet layers, in C
 
 
@@ -334,7 +336,7 @@ def test_qwen35_moe_shared_expert_runs_in_the_one_call_step_with_the_same_bits(t
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     assert not torch.allclose(got, y)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 17, 9)]
-    _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
+    _one_call_equals_layers(engine, prompts, 12, "quant")      # every layer in C, the attention over the pages too
 
 
 def test_gemma4_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):

@@ -70,10 +70,13 @@ def test_layer_spec_says_what_the_fused_step_covers():
     assert base.fused_kernel_ok and replace(base, qk_norm=True).fused_kernel_ok    # Qwen3's: qk_norm_rows
     gemma3 = replace(base, qk_norm=True, norm_offset=1.0, post_norms=True, activation="gelu_tanh", window=512)
     assert gemma3.fused_kernel_ok       # norm_add_rows, gelu_gate_rows; the window is the attention's
-    # Qwen3.5's gated attention (a partial rotation), Gemma 4's own head widths, shared KV, normed values and
-    # proportional rope: their mixers called back, the rest in C; a routed MLP beside a dense one stays out
-    for change in (dict(rope=Rope(10000.0, dims=32), attn_gate=True, qk_norm=True), dict(head_dim=64),
-                   dict(value_norm=True), dict(kv_source=0), dict(rope=Rope(1e6, ("proportional", 0.25)))):
+    # Qwen3.5's gated attention with a partial rotation: in C (the order the weights' own, the gate set aside)
+    qwen35 = replace(base, rope=Rope(10000.0, dims=32), attn_gate=True, qk_norm=True)
+    assert qwen35.fused_kernel_ok and qwen35.order_in_weights and not qwen35.mixer_called_back
+    # Gemma 4's own head widths, shared KV, normed values and proportional rope: their mixers called back, the rest
+    # in C; a routed MLP beside a dense one stays out
+    for change in (dict(head_dim=64), dict(value_norm=True), dict(kv_source=0),
+                   dict(rope=Rope(1e6, ("proportional", 0.25)))):
         layer = replace(base, **change)
         assert layer.fused_kernel_ok and layer.mixer_called_back, change
     assert not base.mixer_called_back and not gemma3.mixer_called_back

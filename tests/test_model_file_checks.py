@@ -95,8 +95,8 @@ def test_shapes_the_header_does_not_give_are_refused(files, name, fields, tensor
 
 def test_the_kernel_refuses_a_table_whose_widths_do_not_chain(files):
     """decode_layers checks each linear's K (and N) against the running width before it runs: a table with
-    ffn_down's K at 64 instead of 128, or qkv one head short, fails with -3 (ValueError), through the engine's
-    wrapper and through the torch-free path."""
+    ffn_down's K at 64 instead of 128, qkv one head short, or an output gate the projection does not hold fails with
+    -3 (ValueError), through the engine's wrapper and through the torch-free path."""
     import torch
     from kvchat.engine.runtime import quick
     from kvchat.kernels import cpu_step
@@ -112,6 +112,11 @@ def test_the_kernel_refuses_a_table_whose_widths_do_not_chain(files):
     for slot, field, value in ((3, "K", 64), (0, "N", Q + KV)):
         bad = type(table).from_buffer_copy(table)
         setattr(bad[1].lin[slot][0], field, value)
+        with pytest.raises(ValueError, match="width does not match"):
+            cpu_step.decode_layers(bad, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
+    for gate in (c.num_heads * c.head_dim, 8):            # a gate beside q that the qkv rows do not hold
+        bad = type(table).from_buffer_copy(table)
+        bad[1].gate = gate
         with pytest.raises(ValueError, match="width does not match"):
             cpu_step.decode_layers(bad, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
     m = quick.QuickModel(path)

@@ -259,13 +259,22 @@ class LayerSpec:
                 and not self.value_norm)
 
     @property
+    def order_in_weights(self) -> bool:
+        """Whether a partial rotation's order can be the projection's own rows (Transformer takes the rows so): q and
+        k plain rows (plain_qk_rows), or Qwen3.5's gated queries, whose gates the same taking moves aside, between q
+        and k."""
+        return self.plain_qk_rows or (self.attn_gate and self.linear is None and self.kv_source is None
+                                      and not self.value_from_key and not self.value_norm)
+
+    @property
     def mixer_called_back(self) -> bool:
         """Whether the one-call C step calls back for this layer's token mixer, between its projections: the forward's
-        own mixer, in Python, where the C attention does not compute it (Qwen3.5's attention whose output is gated;
-        Gemma 4's heads of the layer's own width and count, KV read from another layer, values normed or taken from
-        the keys, its proportional rope) or the step has no form of it (a Gated DeltaNet where the step brings no
-        states; with them it runs in C)."""
-        return (self.linear is not None or self.attn_gate or self.head_dim is not None or self.kv_heads is not None
+        own mixer, in Python, where the C attention does not compute it (Gemma 4's heads of the layer's own width and
+        count, KV read from another layer, values normed or taken from the keys, its proportional rope; Qwen3.5's
+        output gate is C's) or the step has no form of it (a Gated DeltaNet where the step brings no states; with
+        them it runs in C)."""
+        return (self.linear is not None or (self.attn_gate and not self.order_in_weights)
+                or self.head_dim is not None or self.kv_heads is not None
                 or self.kv_source is not None or self.value_norm or self.value_from_key
                 or self.rope.scaling[:1] == ("proportional",))
 
@@ -275,14 +284,14 @@ class LayerSpec:
         attention and MLP (Gemma's (1 + w) is in the loaded weights), Qwen3's and Gemma's q/k norms, Gemma's post-norms
         and GELU-tanh gate with a dense MLP, SwiGLU; Gemma 2's soft-capped scores, biases (lin_apply adds them) and
         sink logits (gpt-oss's), the last two the attention's; a sliding window is the attention's (the callback's, or
-        the caller's rows of a one-layout step); a partial rotation where its order is the weights' own (plain_qk_rows:
-        Transformer takes the rows so); a routed MLP (experts) of any kind the description has, a shared expert beside
+        the caller's rows of a one-layout step); a partial rotation where its order is the weights' own (order_in_weights:
+        Transformer takes the rows so); Qwen3.5's output gate; a routed MLP (experts) of any kind the description has, a shared expert beside
         it (kernels/cpu_moe.h); a mixer called back (mixer_called_back), with the projections and the MLP in C; an
         MLP of the layer's own width, Gemma 4's per-layer input and layer scalar. Its weights must be packed too, which
         the linears say (kernel_parts)."""
         return (self.activation in ("silu", "gelu_tanh") and (self.experts is None or self.activation == "silu")
                 and (not self.post_norms or self.experts is None)
-                and (self.rope.dims is None or self.plain_qk_rows or self.mixer_called_back)
+                and (self.rope.dims is None or self.order_in_weights or self.mixer_called_back)
                 and (self.experts is None or not (self.experts.beside_dense
                                                   or self.experts.activation == "gelu_tanh")))
 

@@ -114,15 +114,21 @@ def _rotation_order(config: ModelConfig, layers: list, device) -> tuple[list, li
               for i, spec in enumerate(config.layers)]
     layers = list(layers)
     for i, (spec, L) in enumerate(zip(config.layers, layers)):
-        if orders[i] is None or not spec.plain_qk_rows:
+        gated = spec.attn_gate and spec.order_in_weights
+        if not gated and (orders[i] is None or not spec.order_in_weights):
             continue
         L = layers[i] = copy.copy(L)
         hd, kvh, H = config.layer_head_dim(i), config.layer_kv_heads(i), config.num_heads
-        o = torch.from_numpy(orders[i])
-        heads = lambda n, base: (base + torch.arange(n)[:, None] * hd + o).reshape(-1)   # noqa: E731
-        ids = torch.cat((heads(H, 0), heads(kvh, H * hd), torch.arange((H + kvh) * hd, L.qkv.out_features)))
+        o = torch.arange(hd) if orders[i] is None else torch.from_numpy(orders[i])
+        heads = lambda n, base, step=hd: (base + torch.arange(n)[:, None] * step + o).reshape(-1)   # noqa: E731
+        if gated:       # each head's (query | gate) -> the queries, then the gates, then k and v
+            gates = (hd + torch.arange(H)[:, None] * 2 * hd + torch.arange(hd)).reshape(-1)
+            ids = torch.cat((heads(H, 0, 2 * hd), gates, heads(kvh, 2 * H * hd),
+                             torch.arange((2 * H + kvh) * hd, L.qkv.out_features)))
+        else:
+            ids = torch.cat((heads(H, 0), heads(kvh, H * hd), torch.arange((H + kvh) * hd, L.qkv.out_features)))
         L.qkv = L.qkv.take_rows(ids.to(device))
-        if L.q_norm is not None:
+        if L.q_norm is not None and orders[i] is not None:
             L.q_norm, L.k_norm = L.q_norm[o.to(L.q_norm.device)], L.k_norm[o.to(L.k_norm.device)]
         orders[i] = None
     return layers, orders
@@ -276,14 +282,13 @@ class Transformer:
         T = qkv.shape[0]
         hd, kvh, H = c.layer_head_dim(i), c.layer_kv_heads(i), c.num_heads
         gate = None
-        if spec.attn_gate:                      # [T, H, (query | gate)], then k and v
+        if spec.attn_gate:          # q | gate | k | v (_rotation_order moved the gates aside): the gates, then q | k | v
             q_size = H * hd
-            qg = qkv[:, :2 * q_size].view(T, H, 2, hd)
-            gate = qg[:, :, 1]
-            kv = qkv[:, 2 * q_size:]
-            q = qg[:, :, 0]
-            k, v = (kv[:, :kv.shape[1] // 2].view(T, kvh, hd), kv[:, kv.shape[1] // 2:].view(T, kvh, hd))
-            q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
+            gate = qkv[:, q_size:2 * q_size].contiguous()
+            qkv = torch.cat((qkv[:, :q_size], qkv[:, 2 * q_size:]), 1)
+            q, k, v = self._split_qkv(qkv, H, kvh, hd)
+            if kernels.gpu_path(qkv) or not cpu_quant.qk_norm_(qkv, H, kvh, hd, L.q_norm, L.k_norm, eps):
+                q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
         elif spec.kv_source is not None or spec.value_from_key or spec.value_norm:
             q = qkv[:, :H * hd].view(T, H, hd)
             k = v = None
@@ -305,7 +310,12 @@ class Transformer:
         if order is not None:                   # a partial rotation as a whole-head one (Rope.permutation)
             q, k = q[..., order], k[..., order]
         o = attention(i, q, k, v)
-        return o if gate is None else o * torch.sigmoid(gate).to(o.dtype)
+        if gate is None:
+            return o
+        # on the CPU in fp32 the one-call step's own gate (in place: the output is the step's), so both give one bits
+        if not kernels.gpu_path(o) and o.is_contiguous() and cpu_quant.sigmoid_mul_(o, gate):
+            return o
+        return o * torch.sigmoid(gate).to(o.dtype)
 
     def _per_layer_inputs(self, token_ids: torch.Tensor, x: torch.Tensor, split) -> torch.Tensor | None:
         """Gemma 4's per-layer input embeddings [T, layers, width] (None without them): each token's row of the
@@ -358,9 +368,10 @@ class Transformer:
         if spec.linear is not None and self._gdn_table(i, spec) is not None:
             gdn = (self._gdn_table(i, spec), sum(s.linear is not None for s in self.config.layers[:i]),
                    L.mixer.out_order)
+        gate = self.config.num_heads * self.config.layer_head_dim(i) if spec.attn_gate else 0
         return cpu_step.LayerRow(slots + [[], []] if moe is not None else slots, L.norm_attn, L.norm_mlp, *qk, moe,
                                  *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
-                                 ple, L.scalar, shared)
+                                 ple, L.scalar, shared, gate)
 
     def states_in_c(self) -> bool:
         """Whether every linear-attention layer's mixer runs in C, which writes a step's new state apart from the old
@@ -417,6 +428,12 @@ class Transformer:
                     gdn = [i for i, row in enumerate(rows) if row.gdn is not None]
                     self._gdn_layers = gdn if len(gdn) == sum(s.linear is not None for s in self.config.layers) else []
         return self._kernel_layers
+
+    @property
+    def gdn_layers(self) -> list[int]:
+        """The layers whose Gated DeltaNet the one-call step runs in C (given their states): every linear-attention
+        layer of the model, or none; known once kernel_layers() has run."""
+        return self._gdn_layers
 
     @torch.inference_mode()
     def forward_decode(self, token_ids: torch.Tensor, attention: Attention | None = None,

@@ -269,8 +269,13 @@ class StepAttention:
         per backend (Gemma's sliding and global layers: two). -> logits [B, vocab], or None where some layer's
         attention needs Python (a backend without a one-call group, chosen blocks, shared KV, a measure over more
         than one group): the runner then calls back for each layer."""
-        if self.chooser is not None or self.sources or model.config.mixers_called_back \
-                or model.kernel_layers() is None:
+        c = model.config
+        if self.chooser is not None or self.sources or model.kernel_layers() is None:
+            return None
+        # a mixer C does not compute stays the forward's; Gated DeltaNet layers run in C from the items' states
+        linear = [i for i, spec in enumerate(c.layers) if spec.linear is not None]
+        if any(spec.mixer_called_back for spec in c.layers if spec.linear is None) \
+                or (linear and (model.gdn_layers != linear or self.mass is not None)):
             return None
         if self.shared:         # every layer on the same runs: one backend, holding every layer
             runs, layer_group, layer_index = self.layer_runs[0], None, None
@@ -280,6 +285,10 @@ class StepAttention:
             owners: dict[int, int] = {}         # id(backend) -> its group
             runs, layer_group, layer_index = [], [], []
             for layer, layer_runs in enumerate(self.layer_runs):
+                if not layer_runs and c.layers[layer].linear is not None:     # no attention: its state's, in C
+                    layer_group.append(0)
+                    layer_index.append(0)
+                    continue
                 if len(layer_runs) != 1:
                     return None
                 backend = layer_runs[0][2]
@@ -288,6 +297,8 @@ class StepAttention:
                     runs.append(layer_runs[0])
                 layer_group.append(owners[id(backend)])
                 layer_index.append(backend.local_layer(layer))
+        if not runs:
+            return None
         for i, j, _, _, steps in runs:
             if i != 0 or j != len(steps) or not steps[0].one_token_decode:
                 return None
@@ -304,12 +315,12 @@ class StepAttention:
                 scales |= {sc.scale for sc in backend.scores}
         if len(scales) > 1:
             return None
-        c = model.config
         scale = scales.pop() if scales else 0.0
 
         def run_layers(table, x):
+            states = self.kernel_states(linear) if linear else None
             cpu_step.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, groups,
-                                   layer_group, layer_index, scale, mass=mass)
+                                   layer_group, layer_index, scale, mass=mass, states=states)
         kinds = {"quant-pages" if isinstance(g, cpu_step.QuantStep) else "full-pages" for g in groups}
         logits = model.forward_decode(token_ids, kernel=DecodeKernel(kinds.pop() if len(kinds) == 1 else "mixed-pages",
                                                                      run_layers))
