@@ -109,7 +109,8 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
             int e = ids[j];
             lin_apply(m->gate + e, 1, xn, 1, gu, gs, 0, NULL, 0.0f, NULL);
             lin_apply(m->up + e, 1, xn, 1, gu + F, gs, 0, NULL, 0.0f, NULL);
-            for (int f = 0; f < F; f++) {
+            int fused = m->act == 0 && !m->gb;      // SwiGLU in the down projection's kernel, as a dense MLP's
+            for (int f = 0; !fused && f < F; f++) {
                 float g = gu[f], u = gu[F + f];
                 if (m->gb) {
                     g += m->gb[(size_t)e * F + f];
@@ -123,7 +124,7 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
                     gu[f] = g / (1.0f + expf(-m->alpha * g)) * (u + 1.0f);
                 }
             }
-            lin_apply(m->down + e, 1, gu, 1, out, gs, 0, NULL, 0.0f, NULL);
+            lin_apply(m->down + e, 1, gu, 1, out, gs, fused ? 2 : 0, NULL, 0.0f, NULL);
             for (int c = 0; c < H; c++) {
                 float v = out[c];
                 if (m->db) v += m->db[(size_t)e * H + c];
