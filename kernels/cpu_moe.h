@@ -81,18 +81,81 @@ static void moe_route(const moe_t *m, float *logits, int *ids, float *w) {
 
 // M decode rows: y [M, H] = resid + the routed MLP of RMSNorm(x) * norm_w (x, resid [M, H]; resid may be y's
 // own memory, or NULL). 0 on success, -1 out of memory, -3 when the experts do not chain at H (nothing written).
+#ifdef __AVX2__
+// One decode row against ns <= 128 q4 matrices of its input (a row's routed experts' gates and ups) in one shared loop: the
+// activations laid out once (quad_layout16's int16 planes), one parallel region, each matrix's rows as gemv_q4x's
+// decode branch computes them (the same calls, so the same bits), its outputs after the previous matrix's in y
+static void gemv_q4x_parts(const int8_t *xl, const float *xs, const float *sums, int K, const qlin_t *ls, int ns,
+                           float *y) {
+    int ng = K / 32, start[2 * 64 + 1] = {0}, col[2 * 64] = {0};
+    for (int i = 0; i < ns; i++) {
+        start[i + 1] = start[i] + (ls[i].N + 1) / 2;
+        if (i) col[i] = col[i - 1] + ls[i - 1].N;
+    }
+    SHARED_STEPS(start[ns], SHARE_ROWS / 2, p) {
+        int i = 0;
+        while (p >= start[i + 1]) i++;
+        const qlin_t *l = ls + i;
+        const void *scale = l->scale, *zero = l->zero;
+        const float *ssup = l->ssup, *zsup = l->zsup;
+        const uint8_t *codes = l->codes, *high = l->high;
+        int kind = l->kind, per = l->per, N = l->N;
+        int n = 2 * (p - start[i]), b = n + 1 < N ? n + 1 : n;
+        const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
+        const uint8_t *ra = codes + (size_t)n * (K / 2), *rb = codes + (size_t)b * (K / 2);
+        float fa[MAXG], fb[MAXG], za[MAXG], zb[MAXG], out[2];
+        prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
+        ROW2_CALL(q4x16_row2, ra, rb, ha, hb, xl);
+        y[col[i] + n] = out[0];
+        if (b != n) y[col[i] + b] = out[1];
+    }
+}
+#endif
+
+// A row's k routed experts' gates and ups of xn [H] -> gu [k, 2F] (each expert's gate | up): where all are q4 rows
+// of int16 activations (Q4_0, Q4_1, Q4_K, Q5_*), the activations prepared once and every matrix's rows in one loop
+// (gemv_q4x_parts: the bits of the lin_apply calls, one parallel region instead of 2k); else the calls
+static void gates_ups(const moe_t *m, const int *ids, int k, const float *xn, int H, float *gu, void *gs) {
+    int F = m->gate[0].N;
+#ifdef __AVX2__
+    qlin_t parts[2 * 64];
+    int q4 = 1;
+    for (int j = 0; j < k; j++) {
+        parts[2 * j] = m->gate[ids[j]], parts[2 * j + 1] = m->up[ids[j]];
+        for (int h = 0; h < 2; h++) {
+            const qlin_t *l = parts + 2 * j + h;
+            q4 &= l->bits == 4 && l->kind != KIND_MXFP4 && l->act != 8 && !l->bias && l->K == H;
+        }
+    }
+    if (q4) {
+        int16_t *xq;
+        float *xs, *sums;
+        activations(xn, 1, H, 0, NULL, 0.0f, gs, &xq, &xs, &sums);
+        int8_t *xl = (int8_t *)(sums + H / 32);
+        quad_layout16(xq, 1, H, xl);
+        gemv_q4x_parts(xl, xs, sums, H, parts, 2 * k, gu);
+        return;
+    }
+#endif
+    for (int j = 0; j < k; j++) {
+        float *o = gu + (size_t)j * 2 * F;
+        lin_apply(m->gate + ids[j], 1, xn, 1, o, gs, 0, NULL, 0.0f, NULL);
+        lin_apply(m->up + ids[j], 1, xn, 1, o + F, gs, 0, NULL, 0.0f, NULL);
+    }
+}
+
 int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps, const moe_t *m, const float *resid,
                    float *y) {
     if (M < 1 || H < 1 || !moe_ok(m, H)) return -3;
     int F = m->gate[0].N, E = m->E, k = m->k;
     int kmax = H > F ? H : F;
     size_t gemv_bytes = (size_t)kmax * 2 * 7;
-    size_t floats = (size_t)H + (size_t)E + 2 * (size_t)F + 2 * (size_t)H + 64;
+    size_t floats = (size_t)H + (size_t)E + 2 * (size_t)F * k + 2 * (size_t)H + 64;
     char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
     float *xn = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63));
-    float *logits = xn + H, *gu = logits + E, *out = gu + 2 * (size_t)F, *acc = out + H, *w = acc + H;
+    float *logits = xn + H, *gus = logits + E, *out = gus + 2 * (size_t)F * k, *acc = out + H, *w = acc + H;
     int ids[64];
     for (int r = 0; r < M; r++) {
         prep(x + (size_t)r * H, 1, H, 1, norm_w, eps, xn);
@@ -105,10 +168,10 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
         }
         moe_route(m, logits, ids, w);
         for (int c = 0; c < H; c++) acc[c] = 0.0f;
+        gates_ups(m, ids, k, xn, H, gus, gs);
         for (int j = 0; j < k; j++) {
             int e = ids[j];
-            lin_apply(m->gate + e, 1, xn, 1, gu, gs, 0, NULL, 0.0f, NULL);
-            lin_apply(m->up + e, 1, xn, 1, gu + F, gs, 0, NULL, 0.0f, NULL);
+            float *gu = gus + (size_t)j * 2 * F;
             int fused = m->act == 0 && !m->gb;      // SwiGLU in the down projection's kernel, as a dense MLP's
             for (int f = 0; !fused && f < F; f++) {
                 float g = gu[f], u = gu[F + f];
