@@ -391,6 +391,21 @@ static void quad_layout16(const int16_t *xq, int M, int K, int8_t *xl) {
 // q4 codes (bits 4) against rows of activations laid out for the four-lane loops: int8 ones (W 8, quad_layout8) or
 // int16 ones as two byte planes (W 16, quad_layout16: the same integers as a 16-bit dot product, exactly); xs, sums
 // as quantize_x8 or quantize_x give them. gemv8's loops for q4 codes, and q4_gemv_ld's.
+// One step of a decode matvec: weight rows n and b (n + 1, or n again for an odd last row) of a q4 matrix against
+// one row of activations -> out[2], their scale terms formed in the loop (gemv_q4x, and cpu_moe.h's experts in one
+// loop, so both give the same bits)
+static inline __attribute__((always_inline)) void q4x_row_pair(const int8_t *xl, const int W, const float *xs,
+        const float *sums, int K, const uint8_t *codes, const void *scale, const void *zero, int kind,
+        const float *ssup, const float *zsup, int per, const uint8_t *high, int n, int b, float *out) {
+    int ng = K / 32;
+    const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
+    const uint8_t *ra = codes + (size_t)n * (K / 2), *rb = codes + (size_t)b * (K / 2);
+    float fa[MAXG], fb[MAXG], za[MAXG], zb[MAXG];
+    prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
+    if (W == 8) ROW2_CALL(q4x8_row2, ra, rb, ha, hb, xl);
+    else ROW2_CALL(q4x16_row2, ra, rb, ha, hb, xl);
+}
+
 static void gemv_q4x(const int8_t *xl, const int W, const float *xs, const float *sums, int M, int K,
                      const uint8_t *codes, const void *scale, const void *zero, int N, float *y, int ldy,
                      const float *resid, int kind, const float *ssup, const float *zsup, int per,
@@ -399,12 +414,8 @@ static void gemv_q4x(const int8_t *xl, const int W, const float *xs, const float
     if (M == 1) {           // decode: two weight rows a step, their scale terms formed in the loop
         SHARED_STEPS((N + 1) / 2, SHARE_ROWS / 2, p) {
             int n = 2 * p, b = n + 1 < N ? n + 1 : n;      // an odd last row: computed twice, stored once
-            const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
-            const uint8_t *ra = codes + (size_t)n * (K / 2), *rb = codes + (size_t)b * (K / 2);
-            float fa[MAXG], fb[MAXG], za[MAXG], zb[MAXG], out[2];
-            prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
-            if (W == 8) ROW2_CALL(q4x8_row2, ra, rb, ha, hb, xl);
-            else ROW2_CALL(q4x16_row2, ra, rb, ha, hb, xl);
+            float out[2];
+            q4x_row_pair(xl, W, xs, sums, K, codes, scale, zero, kind, ssup, zsup, per, high, n, b, out);
             y[n] = out[0] + (resid ? resid[n] : 0.f);
             if (b != n) y[b] = out[1] + (resid ? resid[b] : 0.f);
         }

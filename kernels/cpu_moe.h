@@ -79,15 +79,13 @@ static void moe_route(const moe_t *m, float *logits, int *ids, float *w) {
     }
 }
 
-// M decode rows: y [M, H] = resid + the routed MLP of RMSNorm(x) * norm_w (x, resid [M, H]; resid may be y's
-// own memory, or NULL). 0 on success, -1 out of memory, -3 when the experts do not chain at H (nothing written).
 #ifdef __AVX2__
-// One decode row against ns <= 128 q4 matrices of its input (a row's routed experts' gates and ups) in one shared loop: the
-// activations laid out once (quad_layout16's int16 planes), one parallel region, each matrix's rows as gemv_q4x's
-// decode branch computes them (the same calls, so the same bits), its outputs after the previous matrix's in y
+// One decode row against ns <= 128 q4 matrices of its input (a row's routed experts' gates and ups) in one shared
+// loop: the activations laid out once (quad_layout16's int16 planes), one parallel region, each matrix's rows as
+// gemv_q4x's decode branch computes them (q4x_row_pair, so the same bits), its outputs after the previous one's in y
 static void gemv_q4x_parts(const int8_t *xl, const float *xs, const float *sums, int K, const qlin_t *ls, int ns,
                            float *y) {
-    int ng = K / 32, start[2 * 64 + 1] = {0}, col[2 * 64] = {0};
+    int start[2 * 64 + 1] = {0}, col[2 * 64] = {0};
     for (int i = 0; i < ns; i++) {
         start[i + 1] = start[i] + (ls[i].N + 1) / 2;
         if (i) col[i] = col[i - 1] + ls[i - 1].N;
@@ -96,18 +94,12 @@ static void gemv_q4x_parts(const int8_t *xl, const float *xs, const float *sums,
         int i = 0;
         while (p >= start[i + 1]) i++;
         const qlin_t *l = ls + i;
-        const void *scale = l->scale, *zero = l->zero;
-        const float *ssup = l->ssup, *zsup = l->zsup;
-        const uint8_t *codes = l->codes, *high = l->high;
-        int kind = l->kind, per = l->per, N = l->N;
-        int n = 2 * (p - start[i]), b = n + 1 < N ? n + 1 : n;
-        const uint8_t *ha = high ? high + (size_t)n * (K / 8) : NULL, *hb = high ? high + (size_t)b * (K / 8) : NULL;
-        const uint8_t *ra = codes + (size_t)n * (K / 2), *rb = codes + (size_t)b * (K / 2);
-        float fa[MAXG], fb[MAXG], za[MAXG], zb[MAXG], out[2];
-        prefetch_scales(scale, zero, ssup, zsup, kind, per, (size_t)n, ng);
-        ROW2_CALL(q4x16_row2, ra, rb, ha, hb, xl);
-        y[col[i] + n] = out[0];
-        if (b != n) y[col[i] + b] = out[1];
+        int n = 2 * (p - start[i]), b = n + 1 < l->N ? n + 1 : n;
+        float out[2];
+        q4x_row_pair(xl, 16, xs, sums, K, l->codes, l->scale, l->zero, l->kind, l->ssup, l->zsup, l->per, l->high,
+                     n, b, out);
+        y[col[i] + n] = out[0] + 0.f;              // as gemv_q4x stores a row without a residual
+        if (b != n) y[col[i] + b] = out[1] + 0.f;
     }
 }
 #endif
@@ -144,6 +136,8 @@ static void gates_ups(const moe_t *m, const int *ids, int k, const float *xn, in
     }
 }
 
+// M decode rows: y [M, H] = resid + the routed MLP of RMSNorm(x) * norm_w (x, resid [M, H]; resid may be y's
+// own memory, or NULL). 0 on success, -1 out of memory, -3 when the experts do not chain at H (nothing written).
 int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps, const moe_t *m, const float *resid,
                    float *y) {
     if (M < 1 || H < 1 || !moe_ok(m, H)) return -3;

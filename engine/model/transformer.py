@@ -189,6 +189,7 @@ class Transformer:
         self._order = [None if o is None else torch.from_numpy(o).to(device) for o in orders]
         self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
         self._kernel_checked = False
+        self._states_in_c: bool | None = None      # states_in_c(), found once
         self._gdn_tables: dict = {}         # layer -> its mixer's C form (cpu_quant.gdn_table) or None, on first use
         self._shared_tables: dict = {}      # id(Layer) -> its shared expert's C form (cpu_quant.shared_table) or None
         self._gdn_layers: list[int] = []    # the layers whose Gated DeltaNet the one-call step runs (kernel_layers)
@@ -283,13 +284,9 @@ class Transformer:
         hd, kvh, H = c.layer_head_dim(i), c.layer_kv_heads(i), c.num_heads
         gate = None
         if spec.attn_gate:          # q | gate | k | v (_rotation_order moved the gates aside): the gates, then q | k | v
-            q_size = H * hd
-            gate = qkv[:, q_size:2 * q_size].contiguous()
-            qkv = torch.cat((qkv[:, :q_size], qkv[:, 2 * q_size:]), 1)
-            q, k, v = self._split_qkv(qkv, H, kvh, hd)
-            if kernels.gpu_path(qkv) or not cpu_quant.qk_norm_(qkv, H, kvh, hd, L.q_norm, L.k_norm, eps):
-                q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
-        elif spec.kv_source is not None or spec.value_from_key or spec.value_norm:
+            gate = qkv[:, H * hd:2 * H * hd].contiguous()
+            qkv = torch.cat((qkv[:, :H * hd], qkv[:, 2 * H * hd:]), 1)
+        if spec.kv_source is not None or spec.value_from_key or spec.value_norm:
             q = qkv[:, :H * hd].view(T, H, hd)
             k = v = None
             if spec.kv_source is None:
@@ -375,9 +372,11 @@ class Transformer:
 
     def states_in_c(self) -> bool:
         """Whether every linear-attention layer's mixer runs in C, which writes a step's new state apart from the old
-        one (the runner keeps a spare state for it, kv/state.py)."""
-        linear = [(i, spec) for i, spec in enumerate(self.config.layers) if spec.linear is not None]
-        return bool(linear) and all(self._gdn_table(i, spec) is not None for i, spec in linear)
+        one (the runner keeps a spare state for it, kv/state.py): asked every step, found once."""
+        if self._states_in_c is None:
+            linear = [(i, spec) for i, spec in enumerate(self.config.layers) if spec.linear is not None]
+            self._states_in_c = bool(linear) and all(self._gdn_table(i, spec) is not None for i, spec in linear)
+        return self._states_in_c
 
     def _gdn_table(self, i: int, spec: LayerSpec):
         """Layer i's Gated DeltaNet mixer in its C form (cpu_quant.gdn_table), made on first use; None off the CPU's
