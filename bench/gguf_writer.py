@@ -105,9 +105,10 @@ class ModelShape:
             raise ValueError(f"{self.name}: {self.linear[1]} value heads are not a multiple of {self.linear[0]} key "
                              f"heads")
         if self.arch == "gemma4":
-            if self.experts or not (self.global_head_dim and self.full_every and self.window and self.rotary):
-                raise ValueError(f"{self.name}: a random gemma4 is dense, with global_head_dim, full_every, window "
-                                 f"and rotary")
+            if not (self.global_head_dim and self.full_every and self.window and self.rotary):
+                raise ValueError(f"{self.name}: a random gemma4 has global_head_dim, full_every, window and rotary")
+            if self.experts and not self.expert_ffn:
+                raise ValueError(f"{self.name}: Gemma 4's experts beside the dense MLP need their own expert_ffn")
             types, first = self.layer_types, self.layers - self.shared_kv
             # llama.cpp's shared layers read layer first - 1 (full) or first - 2 (sliding)
             sliding_shared = "sliding_attention" in types[first:]
@@ -215,6 +216,13 @@ PRESETS = {
     "gemma-4-e4b": ModelShape("gemma-4-e4b", 42, 2560, 8, 2, 10240, 256, 131072, 1e6, True, arch="gemma4",
                               vocab=262144, window=512, rms_norm_eps=1e-6, full_every=6, rotary=128,
                               global_head_dim=512, ple=256, shared_kv=18, rope_theta_swa=10000.0, softcap=30.0),
+    # google/gemma-4-26B-A4B (its text_config): 30 layers of 2816, 16 heads, 8 KV heads of 256 in the sliding layers
+    # (window 1,024) and 2 of 512 in the full ones, whose keys are their values (attention_k_eq_v), no KV-shared
+    # layers and no per-layer embeddings; every layer a dense MLP of 2,112 beside 128 experts of 704 (8 used)
+    "gemma-4-26b-a4b": ModelShape("gemma-4-26b-a4b", 30, 2816, 16, 8, 2112, 256, 262144, 1e6, True, arch="gemma4",
+                                  vocab=262144, window=1024, rms_norm_eps=1e-6, full_every=6, rotary=128,
+                                  global_head_dim=512, global_kv_heads=2, rope_theta_swa=10000.0, softcap=30.0,
+                                  experts=128, experts_used=8, expert_ffn=704),
 }
 
 # mix name -> (type of the 2-D layer weights, token_embd / output type, general.file_type)
@@ -415,6 +423,12 @@ def _gemma4_tensors(shape: ModelShape, vocab: int) -> list[tuple[str, tuple[int,
         out += [(b + "post_attention_norm.weight", (h,)), (b + "ffn_norm.weight", (h,)),
                 (b + "ffn_gate.weight", (f, h)), (b + "ffn_up.weight", (f, h)), (b + "ffn_down.weight", (h, f)),
                 (b + "post_ffw_norm.weight", (h,))]
+        if shape.experts:       # the 26B-A4B's routed experts beside the dense MLP, with their three norms
+            e, fe = shape.experts, shape.expert_ffn
+            out += [(b + "ffn_gate_inp.weight", (e, h)), (b + "ffn_gate_inp.scale", (h,)),
+                    (b + "ffn_gate_up_exps.weight", (e, 2 * fe, h)), (b + "ffn_down_exps.weight", (e, h, fe)),
+                    (b + "ffn_down_exps.scale", (e,)), (b + "pre_ffw_norm_2.weight", (h,)),
+                    (b + "post_ffw_norm_1.weight", (h,)), (b + "post_ffw_norm_2.weight", (h,))]
         if p:
             out += [(b + "inp_gate.weight", (p, h)), (b + "proj.weight", (h, p)), (b + "post_norm.weight", (h,))]
         out.append((b + "layer_output_scale.weight", (1,)))
@@ -472,7 +486,7 @@ def _weights(name: str, numpy_shape: tuple[int, ...], type_name: str, rng: np.ra
         return rng.uniform(0.9, 1.1, numpy_shape).astype(np.float32)
     if name == "rope_freqs.weight":
         return gemma4_rope_freqs(shape)
-    if name.endswith(".layer_output_scale.weight"):
+    if name.endswith((".layer_output_scale.weight", ".ffn_gate_inp.scale", ".ffn_down_exps.scale")):
         return rng.uniform(0.5, 1.0, numpy_shape).astype(np.float32)
     if name.endswith(".ssm_a"):          # a decay rate A = -exp(A_log): negative, as transformers initializes it
         return -rng.uniform(0.01, 16.0, numpy_shape).astype(np.float32)

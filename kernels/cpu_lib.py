@@ -427,6 +427,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     lib.norm_add_rows.restype = None
     lib.gelu_gate_rows.argtypes = [P, I, I, P]
     lib.gelu_gate_rows.restype = None
+    lib.beside_rows.argtypes = [P, P, P, I, I, P, P, P, F, P]
+    lib.beside_rows.restype = None
     lib.softcap_rows.argtypes = [P, ctypes.c_int64, F]
     lib.softcap_rows.restype = None
     lib.sigmoid_mul_rows.argtypes = [P, P, ctypes.c_int64]
@@ -482,7 +484,8 @@ class QLayer(ctypes.Structure):
                 ("post_mlp", ctypes.c_void_p),
                 ("act", ctypes.c_int), ("mix_in", ctypes.c_int), ("mix_out", ctypes.c_int),
                 ("gdn", ctypes.c_void_p), ("state", ctypes.c_int), ("mix_order", ctypes.c_void_p),
-                ("ple", QLin * 2), ("ple_norm", ctypes.c_void_p), ("scalar", ctypes.c_void_p), ("gate", ctypes.c_int)]
+                ("ple", QLin * 2), ("ple_norm", ctypes.c_void_p), ("scalar", ctypes.c_void_p), ("gate", ctypes.c_int),
+                ("beside", ctypes.c_void_p * 3)]
 
 
 class SharedExpert(ctypes.Structure):
@@ -518,4 +521,4 @@ class MoE(ctypes.Structure):
                 ("alpha", ctypes.c_float), ("limit", ctypes.c_float), ("router", QLin),
                 ("router_bias", ctypes.c_void_p), ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p),
                 ("down", ctypes.c_void_p), ("gb", ctypes.c_void_p), ("ub", ctypes.c_void_p), ("db", ctypes.c_void_p),
-                ("hits", ctypes.c_void_p)]
+                ("hits", ctypes.c_void_p), ("router_norm", ctypes.c_void_p), ("expert_scale", ctypes.c_void_p)]

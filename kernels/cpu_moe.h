@@ -7,8 +7,11 @@
 // ffn_gate_inp in F32; E dot products a row, a small share of the step). Routing: softmax over the E router logits (+ router_bias), the k largest kept (ties to the
 // lower id), renormalized to sum 1 where `normalize`; each token's experts then added in ascending id order.
 // Expert e: down_e(act(gate_e(x) + gb[e], up_e(x) + ub[e])) + db[e]; act 0: silu(g) * u (SwiGLU); act 1 (gpt-oss):
-// g = min(g, limit), u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1). gb, ub [E, F], db [E, H],
-// router_bias [E]: NULL where absent. hits [E]: tokens routed to each expert, counted where not NULL.
+// g = min(g, limit), u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1); act 2: gelu_tanh(g) * u (Gemma
+// 4). gb, ub [E, F], db [E, H], router_bias [E]: NULL where absent. hits [E]: tokens routed to each expert, counted
+// where not NULL. router_norm [H]: the router reads RMSNorm(x) * router_norm, not the experts' input (Gemma 4: its
+// learned scale times hidden ** -0.5); expert_scale [E]: each chosen weight, after the renormalization, times its
+// expert's (Gemma 4's per_expert_scale); NULL: neither.
 typedef struct moe_s {
     int E, k, act, normalize;
     float alpha, limit;
@@ -17,6 +20,7 @@ typedef struct moe_s {
     const qlin_t *gate, *up, *down;
     const float *gb, *ub, *db;
     int64_t *hits;
+    const float *router_norm, *expert_scale;
 } moe_t;
 
 // the packed kinds lin_apply runs: q4, q8, and Q6_K (bits 6, cpu_q6k.h) in whole super-blocks of 256
@@ -27,7 +31,7 @@ static int moe_bits_ok(const qlin_t *l) {
 // Whether a layer's experts chain at hidden width H; 0 for a table built from a damaged file's header.
 static int moe_ok(const moe_t *m, int H) {
     if (m->E < 1 || m->k < 1 || m->k > m->E || m->k > 64 || m->router.N != m->E || m->router.K != H
-        || (!moe_bits_ok(&m->router) && m->router.bits != 32))
+        || (!moe_bits_ok(&m->router) && m->router.bits != 32) || m->act < 0 || m->act > 2)
         return 0;
     int F = m->gate[0].N;
     for (int e = 0; e < m->E; e++) {
@@ -75,6 +79,7 @@ static void moe_route(const moe_t *m, float *logits, int *ids, float *w) {
     for (int j = 0; j < k; j++) {
         ids[j] = chosen[j];
         w[j] = m->normalize ? logits[chosen[j]] / total : logits[chosen[j]];
+        if (m->expert_scale) w[j] *= m->expert_scale[chosen[j]];
         if (m->hits) m->hits[chosen[j]]++;
     }
 }
@@ -144,21 +149,24 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
     int F = m->gate[0].N, E = m->E, k = m->k;
     int kmax = H > F ? H : F;
     size_t gemv_bytes = (size_t)kmax * 2 * 7;
-    size_t floats = (size_t)H + (size_t)E + 2 * (size_t)F * k + 2 * (size_t)H + 64;
+    size_t floats = 2 * (size_t)H + (size_t)E + 2 * (size_t)F * k + 2 * (size_t)H + 64;
     char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
     float *xn = (float *)(mem + ((gemv_bytes + 63) & ~(size_t)63));
-    float *logits = xn + H, *gus = logits + E, *out = gus + 2 * (size_t)F * k, *acc = out + H, *w = acc + H;
+    float *xr = xn + H, *logits = xr + H, *gus = logits + E, *out = gus + 2 * (size_t)F * k, *acc = out + H;
+    float *w = acc + H;
     int ids[64];
     for (int r = 0; r < M; r++) {
         prep(x + (size_t)r * H, 1, H, 1, norm_w, eps, xn);
+        const float *xin = xn;             // the router's input: the experts' own, or its own norm's
+        if (m->router_norm) xin = prep(x + (size_t)r * H, 1, H, 1, m->router_norm, eps, xr);
         if (m->router.bits == 32) {         // E dot products of H (256 x 2,048 a token: shared, vectorized)
             const float *rw = (const float *)m->router.codes;
             #pragma omp parallel for schedule(static) if (E >= 64)
-            for (int e = 0; e < E; e++) logits[e] = dot_f32(rw + (size_t)e * H, xn, H);
+            for (int e = 0; e < E; e++) logits[e] = dot_f32(rw + (size_t)e * H, xin, H);
         } else {
-            lin_apply(&m->router, 1, xn, 1, logits, gs, 0, NULL, 0.0f, NULL);
+            lin_apply(&m->router, 1, xin, 1, logits, gs, 0, NULL, 0.0f, NULL);
         }
         moe_route(m, logits, ids, w);
         for (int c = 0; c < H; c++) acc[c] = 0.0f;
@@ -167,6 +175,10 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
             int e = ids[j];
             float *gu = gus + (size_t)j * 2 * F;
             int fused = m->act == 0 && !m->gb;      // SwiGLU in the down projection's kernel, as a dense MLP's
+            if (m->act == 2 && !m->gb) {
+                gelu_mul(gu, gu + F, F, gu);
+                fused = 1;
+            }
             for (int f = 0; !fused && f < F; f++) {
                 float g = gu[f], u = gu[F + f];
                 if (m->gb) {
@@ -175,13 +187,15 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
                 }
                 if (m->act == 0) {
                     gu[f] = g / (1.0f + expf(-g)) * u;
+                } else if (m->act == 2) {
+                    gelu_mul(&g, &u, 1, gu + f);
                 } else {
                     g = g < m->limit ? g : m->limit;
                     u = u < -m->limit ? -m->limit : (u > m->limit ? m->limit : u);
                     gu[f] = g / (1.0f + expf(-m->alpha * g)) * (u + 1.0f);
                 }
             }
-            lin_apply(m->down + e, 1, gu, 1, out, gs, fused ? 2 : 0, NULL, 0.0f, NULL);
+            lin_apply(m->down + e, 1, gu, 1, out, gs, fused && m->act == 0 ? 2 : 0, NULL, 0.0f, NULL);
             for (int c = 0; c < H; c++) {
                 float v = out[c];
                 if (m->db) v += m->db[(size_t)e * H + c];
@@ -269,6 +283,10 @@ int moe_grouped_rows(int T, int H, const float *xn, const int *rows, const int *
             lin_apply(m->gate + e, 1, xb, c, g, gs, 0, NULL, 0.0f, NULL);
             lin_apply(m->up + e, 1, xb, c, u, gs, 0, NULL, 0.0f, NULL);
             for (int i = 0; i < c; i++) {
+                if (m->act == 2 && !m->gb) {
+                    gelu_mul(g + (size_t)i * F, u + (size_t)i * F, F, a + (size_t)i * F);
+                    continue;
+                }
                 for (int f = 0; f < F; f++) {
                     float gv = g[(size_t)i * F + f], uv = u[(size_t)i * F + f];
                     if (m->gb) {
@@ -277,6 +295,8 @@ int moe_grouped_rows(int T, int H, const float *xn, const int *rows, const int *
                     }
                     if (m->act == 0) {
                         a[(size_t)i * F + f] = gv / (1.0f + expf(-gv)) * uv;
+                    } else if (m->act == 2) {
+                        gelu_mul(&gv, &uv, 1, a + (size_t)i * F + f);
                     } else {
                         gv = gv < m->limit ? gv : m->limit;
                         uv = uv < -m->limit ? -m->limit : (uv > m->limit ? m->limit : uv);

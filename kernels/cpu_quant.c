@@ -1302,6 +1302,9 @@ typedef struct {
     const float *scalar;                 // [1]: the layer's output times this (Gemma 4's layer scalar), or NULL
     int gate;                            // > 0: Qwen3.5's output gate, Hq * D wide, between q and k of the
                                          // projection (q | gate | k | v); the output times its sigmoid
+    const float *beside[3];              // Gemma 4: the routed MLP (moe) beside the dense one (gate_up / down), the
+                                         // dense output's norm, the experts' input norm, their output's norm (the
+                                         // sum's is post_mlp: beside_rows); NULL: moe replaces the dense MLP
 } qlayer_t;
 
 // y [B, H] = x + RMSNorm(y) * w, in place: a post-norm and its residual (Gemma), the one both paths call (the
@@ -1316,31 +1319,54 @@ void norm_add_rows(float *y, const float *x, int B, int H, const float *w, float
     }
 }
 
-// out [B, F] = gelu_tanh(gate) * up of gu [B, 2F] (gate | up): 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715
-// g^3), tanh(u) = 1 - 2 / (exp(2u) + 1); the one GELU of both paths (gelu_gate: the Python forward on the CPU)
-void gelu_gate_rows(const float *gu, int B, int F, float *out) {
+// o [F] = gelu_tanh(g) * u (o may be g itself): 0.5 g (1 + tanh(t)), t = sqrt(2 / pi) (g + 0.044715 g^3),
+// tanh(t) = 1 - 2 / (exp(2t) + 1); the one GELU of every path (gelu_gate_rows, a GELU expert's rows)
+static void gelu_mul(const float *g, const float *u, int F, float *o) {
     const float c = 0.7978845608028654f, k = 0.044715f;
-    for (int b = 0; b < B; b++) {
-        const float *g = gu + (size_t)b * 2 * F, *u = g + F;
-        float *o = out + (size_t)b * F;
-        int i = 0;
+    int i = 0;
 #ifdef __AVX2__
-        const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(.5f);
-        for (; i + 8 <= F; i += 8) {
-            __m256 x = _mm256_loadu_ps(g + i);
-            __m256 t = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(k),
-                                     _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
-            __m256 e = exp8(_mm256_mul_ps(two, t));
-            __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th)),
-                                                  _mm256_loadu_ps(u + i)));
-        }
+    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(.5f);
+    for (; i + 8 <= F; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 t = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(k),
+                                 _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
+        __m256 e = exp8(_mm256_mul_ps(two, t));
+        __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th)),
+                                              _mm256_loadu_ps(u + i)));
+    }
 #endif
-        for (; i < F; i++) {
-            float x = g[i], t = c * (x + k * (x * (x * x)));
-            float th = 1.f - 2.f / (expf(2.f * t) + 1.f);
-            o[i] = 0.5f * x * (1.f + th) * u[i];
+    for (; i < F; i++) {
+        float x = g[i], t = c * (x + k * (x * (x * x)));
+        float th = 1.f - 2.f / (expf(2.f * t) + 1.f);
+        o[i] = 0.5f * x * (1.f + th) * u[i];
+    }
+}
+
+// out [B, F] = gelu_tanh(gate) * up of gu [B, 2F] (gate | up), the Python forward's too on the CPU (gelu_gate)
+void gelu_gate_rows(const float *gu, int B, int F, float *out) {
+    for (int b = 0; b < B; b++)
+        gelu_mul(gu + (size_t)b * 2 * F, gu + (size_t)b * 2 * F + F, F, out + (size_t)b * F);
+}
+
+// out [B, H] = x + RMSNorm(RMSNorm(dense) * pd + RMSNorm(routed) * pe) * pm: Gemma 4's MLP and its experts side by
+// side, each output normed, their sum normed and added (dense is overwritten with the sum; out may be x). The call
+// of both paths (the Python forward for every fp32 row on the CPU: beside_add), so they give the same bits.
+void beside_rows(float *dense, const float *routed, const float *x, int B, int H, const float *pd, const float *pe,
+                 const float *pm, float eps, float *out) {
+    for (int b = 0; b < B; b++) {
+        float *s = dense + (size_t)b * H, sd = 0.0f, sr = 0.0f, ss = 0.0f;
+        const float *r = routed + (size_t)b * H, *xr = x + (size_t)b * H;
+        float *o = out + (size_t)b * H;
+        for (int d = 0; d < H; d++) sd += s[d] * s[d];
+        for (int d = 0; d < H; d++) sr += r[d] * r[d];
+        float kd = 1.0f / sqrtf(sd / (float)H + eps), kr = 1.0f / sqrtf(sr / (float)H + eps);
+        for (int d = 0; d < H; d++) {
+            s[d] = s[d] * kd * pd[d] + r[d] * kr * pe[d];
+            ss += s[d] * s[d];
         }
+        float k = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int d = 0; d < H; d++) o[d] = xr[d] + s[d] * k * pm[d];
     }
 }
 
@@ -1450,7 +1476,9 @@ static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
     if (L->gate && (mixer || L->gate != Hq * D)) return 0;
     int want_n[4] = {mixer ? L->mix_in : (Hq + 2 * Hkv) * D + L->gate, H, 0, H}, n[4] = {0, 0, 0, 0};
     int attn_k = mixer ? L->mix_out : Hq * D;
-    if (L->moe) {                                // attention's two linears here, the MLP the experts'
+    if (L->moe && L->beside[0]) {                // Gemma 4: the experts beside a dense MLP checked below
+        if (!moe_ok(L->moe, H) || L->shared || !L->beside[1] || !L->beside[2] || !L->post_mlp) return 0;
+    } else if (L->moe) {                         // attention's two linears here, the MLP the experts'
         if (L->nparts[2] || L->nparts[3] || !moe_ok(L->moe, H)) return 0;
         for (int s = 0; s < 2; s++) {
             if (L->nparts[s] < 1 || L->nparts[s] > 3 || (s == 1 && L->nparts[s] != 1)) return 0;
@@ -1463,7 +1491,7 @@ static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
         }
         return L->norm_attn && L->norm_mlp && !L->q_norm == !L->k_norm && (!L->shared || shared_ok(L->shared, H));
     }
-    if (L->shared) return 0;                     // a shared expert sits beside a routed MLP
+    if ((L->shared && !L->moe) || (L->beside[0] && !L->moe)) return 0;    // each sits beside a routed MLP
     for (int s = 0; s < 4; s++) {
         if (L->nparts[s] < 1 || L->nparts[s] > 3 || ((s == 1 || s == 3) && L->nparts[s] != 1)) return 0;
         for (int p = 0; p < L->nparts[s]; p++) {
@@ -1609,7 +1637,8 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
     size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
     size_t floats = (size_t)B * nqkv + 2 * (size_t)B * natt + (size_t)B * H + (size_t)B * ngu + attn_floats
                     + (size_t)B * ngu / 2       // the GELU's output
-                    + (size_t)B * (4 * (size_t)wple + H);      // the per-layer input's gate, pairs, product, output
+                    + (size_t)B * (4 * (size_t)wple + H)       // the per-layer input's gate, pairs, product, output
+                    + 2 * (size_t)B * H;                       // a dense MLP's and its experts' outputs (Gemma 4)
     char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
@@ -1617,6 +1646,7 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
     float *att = qkv + (size_t)B * nqkv, *mixed = att + (size_t)B * natt, *x2 = mixed + (size_t)B * natt;
     float *gu = x2 + (size_t)B * H;
     float *as = gu + (size_t)B * ngu, *gl = as + attn_floats, *pl = gl + (size_t)B * ngu / 2;
+    float *dn = pl + (size_t)B * (4 * (size_t)wple + H), *rt = dn + (size_t)B * H;
     for (int l = 0; l < nl; l++) {
         const qlayer_t *L = layers + l;
         int n0 = 0;
@@ -1662,7 +1692,21 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
         } else {
             lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, x);
         }
-        if (L->moe) {
+        if (L->moe && L->beside[0]) {       // Gemma 4: the dense MLP, the experts, each normed, their sum normed
+            lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
+            const float *hin = gu;
+            if (L->act == 1) {
+                gelu_gate_rows(gu, B, L->lin[3][0].K, gl);
+                hin = gl;
+            }
+            lin_apply(L->lin[3], L->nparts[3], hin, B, dn, gs, L->act == 1 ? 0 : 2, NULL, eps, NULL);
+            int rc = moe_layer_rows(B, H, x2, L->beside[1], eps, L->moe, NULL, rt);
+            if (rc) {
+                free(mem);
+                return rc;
+            }
+            beside_rows(dn, rt, x2, B, H, L->beside[0], L->beside[2], L->post_mlp, eps, x);
+        } else if (L->moe) {
             int rc = moe_layer_rows(B, H, x2, L->norm_mlp, eps, L->moe, x2, x);
             if (!rc && L->shared) rc = shared_expert_rows(B, H, x2, L->norm_mlp, eps, L->shared, x);
             if (rc) {

@@ -913,6 +913,22 @@ def norm_add_(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> 
     return True
 
 
+def beside_add(x: torch.Tensor, dense: torch.Tensor, routed: torch.Tensor, norms: tuple, post: torch.Tensor,
+               eps: float) -> torch.Tensor | None:
+    """x + RMSNorm(RMSNorm(dense) * norms[0] + RMSNorm(routed) * norms[2]) * post over [T, H] rows (Gemma 4's MLP and
+    its experts side by side; norms: the Layer's beside) in C (beside_rows, the one-call step's own arithmetic;
+    dense is overwritten); None (nothing done) where the kernel cannot: not fp32 contiguous CPU tensors."""
+    ws = (norms[0], norms[2], post)
+    ts = (x, dense, routed, *ws)
+    if not (available() and all(t.dtype == torch.float32 and t.is_contiguous() and not t.is_cuda for t in ts)
+            and dense.dim() == 2 and x.shape == dense.shape == routed.shape):
+        return None
+    out = torch.empty_like(dense)
+    _lib.beside_rows(dense.data_ptr(), routed.data_ptr(), x.data_ptr(), dense.shape[0], dense.shape[1],
+                     *(w.data_ptr() for w in ws), float(eps), out.data_ptr())
+    return out
+
+
 def softcap_(x: torch.Tensor, cap: float) -> bool:
     """x = cap * tanh(x / cap) in place (softcap_rows: Gemma's final logit cap, 0.06 instead of 0.45 ms over
     262,144 logits); False (nothing done) where x is not a contiguous fp32 CPU tensor or the kernels are not
@@ -964,17 +980,21 @@ def qlin(codes: torch.Tensor, scale, bits: int, group: int = 32, act: int = 16,
 
 class ExpertTable:
     """A routed MLP as moe_layer_rows reads it (cpu_lib.MoE): the router and E gate, up and down linears (QLin
-    each), their biases, the routing settings; `hits` [E] int64 counts the tokens routed to each expert."""
+    each), their biases, the routing settings (act 0 SwiGLU, 1 gpt-oss's, 2 GELU-tanh; router_norm: the router's own
+    input norm, expert_scale: each expert's weight multiplier, Gemma 4's); `hits` [E] int64 counts the tokens routed
+    to each expert."""
 
     def __init__(self, router: QLin, gate: list, up: list, down: list, router_bias, biases: tuple, used: int,
-                 normalize: bool, act: int, alpha: float, limit: float):
+                 normalize: bool, act: int, alpha: float, limit: float, router_norm: torch.Tensor | None = None,
+                 expert_scale: torch.Tensor | None = None):
         self.count = len(gate)
         self._arrays = [(QLin * self.count)(*parts) for parts in (gate, up, down)]
-        self._keep = [None if b is None else b.float().contiguous() for b in (router_bias, *biases)]
+        self._keep = [None if b is None else b.float().contiguous()
+                      for b in (router_bias, *biases, router_norm, expert_scale)]
         self.hits = torch.zeros(self.count, dtype=torch.int64)
         self.struct = cpu_lib.MoE(self.count, used, act, int(normalize), alpha, limit, router, _ptr(self._keep[0]),
-                                  *(ctypes.addressof(a) for a in self._arrays), *(_ptr(b) for b in self._keep[1:]),
-                                  None)
+                                  *(ctypes.addressof(a) for a in self._arrays), *(_ptr(b) for b in self._keep[1:4]),
+                                  None, *(_ptr(b) for b in self._keep[4:]))
 
     def counting(self, on: bool) -> None:
         """Count the tokens routed to each expert (into hits) or not."""

@@ -26,7 +26,8 @@ class LayerRow:
     states, (gdn_table, the state's index among the step's, the order o reads its outputs in or None); ple: Gemma 4's
     per-layer input (gate part, projection part, norm); scalar: Gemma 4's layer scalar [1]; shared: a shared expert
     beside the routed MLP (shared_table); gate: Qwen3.5's output gate, its width, between q and k of the projection
-    (q | gate | k | v), 0 for none."""
+    (q | gate | k | v), 0 for none; beside: Gemma 4's routed MLP (moe) beside the dense one (slots' gate_up and
+    down), (the dense output's norm, the experts' input norm, their output's norm), post_mlp their sum's norm."""
     slots: list
     norm_attn: torch.Tensor
     norm_mlp: torch.Tensor
@@ -42,6 +43,7 @@ class LayerRow:
     scalar: torch.Tensor | None = None
     shared: SharedExpert | None = None
     gate: int = 0
+    beside: tuple | None = None
 
 
 def layer_table(layers: list[LayerRow]) -> ctypes.Array:
@@ -72,9 +74,16 @@ def layer_table(layers: list[LayerRow]) -> ctypes.Array:
         if row.moe is not None:
             t.moe = ctypes.addressof(row.moe.struct)
             t.shared = None if row.shared is None else ctypes.addressof(row.shared)
-            slots = list(slots[:2]) + [[], []]
+            if row.beside is None:
+                slots = list(slots[:2]) + [[], []]
+            else:                                       # beside the dense MLP: its norms (all three, fp32)
+                assert len(row.beside) == 3 and row.post_mlp is not None
+                for j, w in enumerate(row.beside):
+                    assert w.dtype == torch.float32 and w.is_contiguous()
+                    t.beside[j] = w.data_ptr()
         assert len(slots) == 4 and all(1 <= len(p) <= 3 for p in slots[:2]) and len(slots[1]) == 1
-        assert row.moe is not None or (all(1 <= len(p) <= 3 for p in slots) and len(slots[3]) == 1)
+        assert (row.moe is not None and row.beside is None) or (all(1 <= len(p) <= 3 for p in slots)
+                                                                and len(slots[3]) == 1)
         for i, parts in enumerate(slots):
             t.nparts[i] = len(parts)
             for j, part in enumerate(parts):

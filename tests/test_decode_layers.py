@@ -352,3 +352,39 @@ def test_gemma4_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 17, 9)]
     _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gemma4_experts_beside_the_dense_mlp_run_in_the_one_call_step(tmp_path, qtype):
+    """Gemma 4's mixture of experts (26B-A4B): GELU experts beside the dense MLP, the router reading its own norm
+    (router.scale), each chosen weight times its expert's scale, the dense and the routed outputs each normed, their
+    sum normed and added: in C (moe_layer_rows with the router's norm, beside_rows), the call the forward makes for
+    decode rows, so the one-call step gives the layer path's bits; and the C experts against float64."""
+    from kvchat.bench.gguf_hf import write_gguf_from_hf
+    from test_gemma4_gguf import MOE, tiny_gemma4_dir
+    folder = tiny_gemma4_dir(tmp_path / "g4moe", seed=2, hidden_size_per_layer_input=0, **MOE)     # as 26B-A4B
+    engine = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "g4moe.gguf", qtype))))
+    model = engine.model
+    table = model.kernel_layers()
+    assert table is not None and all(row.moe and row.beside[0] and row.nparts[2] for row in table)
+    L, eps = model.layers[0], model.config.rms_norm_eps
+    mlp = L.mlp
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, model.config.hidden_size, generator=gen) * 3
+    got = cpu_quant.moe_layer(x, L.beside[1], eps, mlp.kernel_table(), None).double()
+    xd = x.double()
+    unit = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    logits = (unit * mlp.router_scale.double()) @ mlp.router.dequantize().double().T
+    w, ids = logits.softmax(-1).topk(mlp.spec.used, dim=-1)
+    w = w / w.sum(-1, keepdim=True) * mlp.expert_scale.double()[ids]
+    xn = unit * L.beside[1].double()
+    want = torch.zeros_like(xd)
+    for r in range(x.shape[0]):
+        for j in range(mlp.spec.used):
+            e = int(ids[r, j])
+            g, u = (xn[r] @ lin.dequantize().double().T for lin in (mlp.gate[e], mlp.up[e]))
+            act = torch.nn.functional.gelu(g, approximate="tanh") * u
+            want[r] += w[r, j] * (act @ mlp.down[e].dequantize().double().T)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+    _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")

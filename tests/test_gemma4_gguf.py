@@ -226,6 +226,21 @@ def test_the_e4b_preset_reads_back_as_the_published_config(tmp_path, layers):
     assert path.stat().st_blocks * 512 < 64 * 2**20          # sparse: the weights were not written
 
 
+def test_the_26b_a4b_preset_reads_back_as_the_published_config(tmp_path):
+    """The random 26B-A4B (zeros, sparse) reads as google/gemma-4-26B-A4B's text config: 128 experts of 704 (8 used)
+    beside a dense MLP of 2,112 in every layer, global layers of 2 KV heads of 512 whose keys are their values."""
+    path = write_random_gguf(tmp_path / "a4b.gguf", "gemma-4-26b-a4b", "Q4_K_M", weights=False)
+    cfg = header_config(path)
+    assert cfg["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 5
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["global_head_dim"]) == (2816, 2112, 16, 8, 256, 512)
+    assert (cfg["attention_k_eq_v"], cfg["num_global_key_value_heads"], cfg["num_kv_shared_layers"],
+            cfg["hidden_size_per_layer_input"]) == (True, 2, 0, 0)
+    assert (cfg["enable_moe_block"], cfg["num_experts"], cfg["top_k_experts"], cfg["moe_intermediate_size"]) == (
+        True, 128, 8, 704)
+    assert (cfg["sliding_window"], cfg["final_logit_softcapping"]) == (1024, 30.0)
+
+
 def test_a_cut_too_short_for_both_shared_kinds_is_refused():
     """Seven layers end full, full: no sliding layer can be shared after a full one, as llama.cpp reads them."""
     with pytest.raises(ValueError, match="keep 8 layers at least"):

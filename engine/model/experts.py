@@ -24,6 +24,7 @@ from kvchat.engine.model.spec import Experts
 
 
 KERNEL_GROUP_ROWS = 32      # an expert's prompt rows up to this many go through the packed kernels, not the GEMM
+_ACTS = {"silu": 0, "swiglu_oai": 1, "gelu_tanh": 2}     # Experts.activation -> the C kernels' act
 
 
 def expert_views(linear, count: int) -> list:
@@ -116,13 +117,15 @@ class RoutedMLP:
             experts = (self.gate, self.up, self.down)
             own_bias = any(getattr(lin, "bias", None) is not None for g in experts for lin in g)   # the table's are
             groups = [[_router_part(self.router)]] + [[lin.kernel_parts() for lin in group] for group in experts]
-            if cpu_quant.available() and self.spec.activation != "gelu_tanh" and self.router_scale is None \
-                    and not own_bias and all(p is not None and len(p) == 1 for group in groups for p in group):
+            scales = [t for t in (self.router_scale, self.expert_scale) if t is not None]
+            if cpu_quant.available() and not own_bias and all(t.device.type == "cpu" for t in scales) \
+                    and all(p is not None and len(p) == 1 for group in groups for p in group):
                 s = self.spec
                 router, gate, up, down = ([p[0] for p in group] for group in groups)
                 self._table = cpu_quant.ExpertTable(router[0], gate, up, down, self.router_bias,
                                                     (self.gate_bias, self.up_bias, self.down_bias), s.used,
-                                                    s.normalize, int(s.activation == "swiglu_oai"), s.alpha, s.limit)
+                                                    s.normalize, _ACTS[s.activation], s.alpha, s.limit,
+                                                    self.router_scale, self.expert_scale)
                 self._table.counting(self.hits is not None)
         return self._table
 

@@ -285,15 +285,16 @@ class LayerSpec:
         and GELU-tanh gate with a dense MLP, SwiGLU; Gemma 2's soft-capped scores, biases (lin_apply adds them) and
         sink logits (gpt-oss's), the last two the attention's; a sliding window is the attention's (the callback's, or
         the caller's rows of a one-layout step); a partial rotation where its order is the weights' own (order_in_weights:
-        Transformer takes the rows so); Qwen3.5's output gate; a routed MLP (experts) of any kind the description has, a shared expert beside
-        it (kernels/cpu_moe.h); a mixer called back (mixer_called_back), with the projections and the MLP in C; an
-        MLP of the layer's own width, Gemma 4's per-layer input and layer scalar. Its weights must be packed too, which
-        the linears say (kernel_parts)."""
-        return (self.activation in ("silu", "gelu_tanh") and (self.experts is None or self.activation == "silu")
-                and (not self.post_norms or self.experts is None)
-                and (self.rope.dims is None or self.order_in_weights or self.mixer_called_back)
-                and (self.experts is None or not (self.experts.beside_dense
-                                                  or self.experts.activation == "gelu_tanh")))
+        Transformer takes the rows so); Qwen3.5's output gate; a routed MLP (experts) of any kind the description
+        has, a shared expert beside it (kernels/cpu_moe.h), or Gemma 4's GELU experts beside its dense MLP; a mixer
+        called back (mixer_called_back), with the projections and the MLP in C; an MLP of the layer's own width,
+        Gemma 4's per-layer input and layer scalar. Its weights must be packed too, which the linears say
+        (kernel_parts)."""
+        ex = self.experts
+        return (self.activation in ("silu", "gelu_tanh")
+                and (ex is None or self.activation == "silu" or ex.beside_dense)
+                and (not self.post_norms or ex is None or ex.beside_dense)
+                and (self.rope.dims is None or self.order_in_weights or self.mixer_called_back))
 
 
 def _yarn(inv: np.ndarray, d: int, theta: float, factor: float, beta_fast: float, beta_slow: float,

@@ -250,9 +250,14 @@ class Transformer:
         gu = L.gate_up.fused(x, norm=L.norm_mlp, eps=eps, split=split)
         if L.beside is not None:            # Gemma 4: the dense MLP and the experts side by side, each normed after
             post_dense, pre_experts, post_experts = L.beside
-            dense = rms_norm(L.down.fused(gu, swiglu=True, split=split, act=spec.activation), post_dense, eps)
-            routed = rms_norm(L.mlp.fused(x, pre_experts, eps, None, split), post_experts, eps)
-            return x + rms_norm(dense + routed, L.post_mlp_norm, eps)
+            dense = L.down.fused(gu, swiglu=True, split=split, act=spec.activation)
+            routed = L.mlp.fused(x, pre_experts, eps, None, split)
+            out = None if kernels.gpu_path(x) else cpu_quant.beside_add(x, dense, routed, L.beside, L.post_mlp_norm,
+                                                                          eps)     # the one-call step's C
+            if out is not None:
+                return out
+            return x + rms_norm(rms_norm(dense, post_dense, eps) + rms_norm(routed, post_experts, eps),
+                                L.post_mlp_norm, eps)
         if spec.post_norms:
             return _post_add(x, L.down.fused(gu, swiglu=True, split=split, act=spec.activation), L.post_mlp_norm, eps)
         return L.down.fused(gu, swiglu=True, residual=x, split=split, act=spec.activation)
@@ -343,7 +348,7 @@ class Transformer:
         def fp32(*ts):
             return all(t is not None and t.dtype == torch.float32 and t.is_contiguous() for t in ts)
         moe = None if L.mlp is None else L.mlp.kernel_table()
-        mlp = (L.gate_up, L.down) if L.mlp is None else ()
+        mlp = (L.gate_up, L.down) if L.mlp is None or L.beside is not None else ()
         slots = [lin.kernel_parts() for lin in (L.qkv, L.o, *mlp)]
         qk = (None, None) if spec.mixer_called_back or L.q_norm is None else (L.q_norm, L.k_norm)  # else the mixer's
         post = (L.post_attn_norm, L.post_mlp_norm) if spec.post_norms else (None, None)
@@ -352,7 +357,8 @@ class Transformer:
                 or (L.mlp is not None and moe is None) or not fp32(L.norm_attn, L.norm_mlp) \
                 or (L.shared is not None and shared is None) \
                 or (qk[0] is not None and not fp32(*qk)) or (spec.post_norms and not fp32(*post)) \
-                or (L.scalar is not None and L.scalar.dtype != torch.float32):
+                or (L.scalar is not None and L.scalar.dtype != torch.float32) \
+                or (L.beside is not None and not fp32(*L.beside, L.post_mlp_norm)):
             return None
         ple = None
         if L.ple is not None:                   # Gemma 4's per-layer input: one packed part each
@@ -366,9 +372,9 @@ class Transformer:
             gdn = (self._gdn_table(i, spec), sum(s.linear is not None for s in self.config.layers[:i]),
                    L.mixer.out_order)
         gate = self.config.num_heads * self.config.layer_head_dim(i) if spec.attn_gate else 0
-        return cpu_step.LayerRow(slots + [[], []] if moe is not None else slots, L.norm_attn, L.norm_mlp, *qk, moe,
+        return cpu_step.LayerRow(slots + [[], []] if len(slots) == 2 else slots, L.norm_attn, L.norm_mlp, *qk, moe,
                                  *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
-                                 ple, L.scalar, shared, gate)
+                                 ple, L.scalar, shared, gate, L.beside)
 
     def states_in_c(self) -> bool:
         """Whether every linear-attention layer's mixer runs in C, which writes a step's new state apart from the old
