@@ -129,6 +129,8 @@ static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, c
     const __m512i pick = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
                                           5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);     // lanes 31 .. 0
     const __m512i fpick = _mm512_setr_epi32(0, 0, 2, 2, 0, 0, 2, 2, 1, 1, 3, 3, 1, 1, 3, 3);
+    const __m512i fpick4 = _mm512_add_epi32(fpick, _mm512_set1_epi32(4));
+    __m512 f8[4];
     const __m512i m0f = _mm512_set1_epi8(15), m33 = _mm512_set1_epi8(0x33);
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     const __m512i pick32 = _mm512_setr_epi32(0, 0, 4, 4, 1, 1, 5, 5, 2, 2, 6, 6, 3, 3, 7, 7);
@@ -151,7 +153,6 @@ static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, c
             _mm_prefetch((const char *)(qh + 32 * h) + PF_FAR / 2, _MM_HINT_T1);
             db = f16_to_f32(d[h >> 1]);
         }
-        __m128i s8 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * h)));
         __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
 #ifdef KVCHAT_AVX512
         __m512i a = _mm512_loadu_si512((const void *)(ql + 64 * h));
@@ -160,17 +161,22 @@ static inline __attribute__((always_inline)) void q6x8_rows(const uint8_t *ql, c
         __m512i lo = _mm512_ternarylogic_epi32(m0f, a, _mm512_slli_epi16(t, 4), 0xCA);
         __m512i hi = _mm512_ternarylogic_epi32(m0f, _mm512_srli_epi16(a, 4), t, 0xCA);
         __m512i p = _mm512_unpacklo_epi64(lo, hi), q = _mm512_unpackhi_epi64(lo, hi);
-        __m512i s = W == 16 ? _mm512_permutexvar_epi32(pick32, _mm512_cvtepi16_epi32(_mm256_castsi128_si256(s8)))
-                            : _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(s8));
+        __m128i s8x = _mm_loadl_epi64((const __m128i *)(sc + 8 * h));
+        __m512i s = W == 16 ? _mm512_permutexvar_epi32(pick32, _mm512_castsi256_si512(_mm256_cvtepi8_epi32(s8x)))
+                            : _mm512_permutexvar_epi16(pick, _mm512_castsi128_si512(_mm_cvtepi8_epi16(s8x)));
+        if (!(h & 1))               // a super-block's eight group factors d * xs, for both its half-blocks
+            for (int m = 0; m < R; m++)
+                f8[m] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(db), _mm256_loadu_ps(xs + (size_t)m * ng
+                                                                                                  + 4 * h)));
         for (int m = 0; m < R; m++) {
             size_t o = (size_t)m * K * (W / 8) + 128 * h;
-            __m512 f = _mm512_permutexvar_ps(fpick, _mm512_castps128_ps512(
-                _mm_mul_ps(_mm_set1_ps(db), _mm_loadu_ps(xs + (size_t)m * ng + 4 * h))));
+            __m512 f = _mm512_permutexvar_ps((h & 1) ? fpick4 : fpick, f8[m]);
             __m512i v = W == 16 ? q6x16_dot_vnni(p, q, s, xl + o, x32s + (size_t)m * (K / 8) + 16 * h, K)
                                 : q6x8_dot_512(p, q, s, xl + o, x32 + o / 4, K, W);
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), f, acc[m]);
         }
 #else
+        __m128i s8 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * h)));
         __m256i s2 = _mm256_broadcastsi128_si256(s8), p0, q0, p1, q1;
         __m256i s0 = _mm256_shuffle_epi8(s2, pick0), s1 = _mm256_shuffle_epi8(s2, pick1);
         q6x8_codes(_mm256_loadu_si256((const __m256i *)(ql + 64 * h)), hb, 0, &p0, &q0);

@@ -203,6 +203,35 @@ def test_decode_attention_gives_the_same_bits_in_every_simd_variant(variant_lib)
         assert torch.equal(got, want), (name, d, hq, hkv, dtype)
 
 
+def test_gemma4_gelu_and_side_by_side_norms_give_the_same_bits_in_every_variant(variant_lib):
+    """Gemma 4's GELU gate (eight lanes at a time and a scalar tail: the chosen variant's bits in every SIMD variant)
+    and its MLP and experts joined (beside_rows: three RMSNorms and the residual, the same bits in every variant), both
+    within rounding of the float64 formulas."""
+    import torch
+    from kvchat.kernels import cpu_quant
+    name, lib = variant_lib
+    g = torch.Generator().manual_seed(8)
+    gu = torch.randn(3, 2 * 45, generator=g) * 3           # 45: five lanes of eight and a tail
+    x, dense, routed = (torch.randn(3, 72, generator=g) for _ in range(3))
+    norms = tuple(torch.rand(72, generator=g) + 0.5 for _ in range(3))
+
+    def run():
+        return cpu_quant.gelu_gate(gu), cpu_quant.beside_add(x, dense.clone(), routed, norms, norms[1], 1e-6)
+    want, got = run(), _with_lib(lib, run)
+    assert torch.equal(got[1], want[1]), name               # plain loops in every variant
+    gd, ud = gu.double().chunk(2, dim=-1)
+    ref = torch.nn.functional.gelu(gd, approximate="tanh") * ud
+    assert torch.allclose(got[0].double(), ref, atol=1e-5), name
+    if name != "baseline":                                   # its exp is libm's, not the eight-lane one
+        assert torch.equal(got[0], want[0]), name
+
+    def rms(t, w):
+        t = t.double()
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    ref = x.double() + rms(rms(dense, norms[0]) + rms(routed, norms[2]), norms[1])
+    assert torch.allclose(want[1].double(), ref, atol=1e-5), name
+
+
 @pytest.mark.slow
 def test_the_kernel_checks_pass_on_the_baseline_variant():
     """What a CPU without AVX2 (and an ARM build's scalar loops) runs: the kernels' own test files, again, with
