@@ -84,6 +84,31 @@ static void moe_route(const moe_t *m, float *logits, int *ids, float *w) {
     }
 }
 
+// o [F] = expert e's activation of its gate and up rows g, u [F] (plus their biases): the one of the decode and the
+// grouped paths (o may be g: each value is read before it is written)
+static void expert_act(const moe_t *m, int e, const float *g, const float *u, int F, float *o) {
+    if (m->act == 2 && !m->gb) {
+        gelu_mul(g, u, F, o);
+        return;
+    }
+    for (int f = 0; f < F; f++) {
+        float gv = g[f], uv = u[f];
+        if (m->gb) {
+            gv += m->gb[(size_t)e * F + f];
+            uv += m->ub[(size_t)e * F + f];
+        }
+        if (m->act == 0) {
+            o[f] = gv / (1.0f + expf(-gv)) * uv;
+        } else if (m->act == 2) {
+            gelu_mul(&gv, &uv, 1, o + f);
+        } else {
+            gv = gv < m->limit ? gv : m->limit;
+            uv = uv < -m->limit ? -m->limit : (uv > m->limit ? m->limit : uv);
+            o[f] = gv / (1.0f + expf(-m->alpha * gv)) * (uv + 1.0f);
+        }
+    }
+}
+
 #ifdef __AVX2__
 // One decode row against ns <= 128 q4 matrices of its input (a row's routed experts' gates and ups) in one shared
 // loop: the activations laid out once (quad_layout16's int16 planes), one parallel region, each matrix's rows as
@@ -175,27 +200,8 @@ int moe_layer_rows(int M, int H, const float *x, const float *norm_w, float eps,
             int e = ids[j];
             float *gu = gus + (size_t)j * 2 * F;
             int fused = m->act == 0 && !m->gb;      // SwiGLU in the down projection's kernel, as a dense MLP's
-            if (m->act == 2 && !m->gb) {
-                gelu_mul(gu, gu + F, F, gu);
-                fused = 1;
-            }
-            for (int f = 0; !fused && f < F; f++) {
-                float g = gu[f], u = gu[F + f];
-                if (m->gb) {
-                    g += m->gb[(size_t)e * F + f];
-                    u += m->ub[(size_t)e * F + f];
-                }
-                if (m->act == 0) {
-                    gu[f] = g / (1.0f + expf(-g)) * u;
-                } else if (m->act == 2) {
-                    gelu_mul(&g, &u, 1, gu + f);
-                } else {
-                    g = g < m->limit ? g : m->limit;
-                    u = u < -m->limit ? -m->limit : (u > m->limit ? m->limit : u);
-                    gu[f] = g / (1.0f + expf(-m->alpha * g)) * (u + 1.0f);
-                }
-            }
-            lin_apply(m->down + e, 1, gu, 1, out, gs, fused && m->act == 0 ? 2 : 0, NULL, 0.0f, NULL);
+            if (!fused) expert_act(m, e, gu, gu + F, F, gu);
+            lin_apply(m->down + e, 1, gu, 1, out, gs, fused ? 2 : 0, NULL, 0.0f, NULL);
             for (int c = 0; c < H; c++) {
                 float v = out[c];
                 if (m->db) v += m->db[(size_t)e * H + c];
@@ -282,28 +288,8 @@ int moe_grouped_rows(int T, int H, const float *xn, const int *rows, const int *
             for (int i = 0; i < c; i++) memcpy(xb + (size_t)i * H, xn + (size_t)rr[i] * H, sizeof(float) * H);
             lin_apply(m->gate + e, 1, xb, c, g, gs, 0, NULL, 0.0f, NULL);
             lin_apply(m->up + e, 1, xb, c, u, gs, 0, NULL, 0.0f, NULL);
-            for (int i = 0; i < c; i++) {
-                if (m->act == 2 && !m->gb) {
-                    gelu_mul(g + (size_t)i * F, u + (size_t)i * F, F, a + (size_t)i * F);
-                    continue;
-                }
-                for (int f = 0; f < F; f++) {
-                    float gv = g[(size_t)i * F + f], uv = u[(size_t)i * F + f];
-                    if (m->gb) {
-                        gv += m->gb[(size_t)e * F + f];
-                        uv += m->ub[(size_t)e * F + f];
-                    }
-                    if (m->act == 0) {
-                        a[(size_t)i * F + f] = gv / (1.0f + expf(-gv)) * uv;
-                    } else if (m->act == 2) {
-                        gelu_mul(&gv, &uv, 1, a + (size_t)i * F + f);
-                    } else {
-                        gv = gv < m->limit ? gv : m->limit;
-                        uv = uv < -m->limit ? -m->limit : (uv > m->limit ? m->limit : uv);
-                        a[(size_t)i * F + f] = gv / (1.0f + expf(-m->alpha * gv)) * (uv + 1.0f);
-                    }
-                }
-            }
+            for (int i = 0; i < c; i++)
+                expert_act(m, e, g + (size_t)i * F, u + (size_t)i * F, F, a + (size_t)i * F);
             lin_apply(m->down + e, 1, a, c, out, gs, 0, NULL, 0.0f, NULL);
             for (int i = 0; i < c; i++) {
                 float w = wts[at + r0 + i];
