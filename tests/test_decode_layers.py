@@ -388,3 +388,17 @@ def test_gemma4_experts_beside_the_dense_mlp_run_in_the_one_call_step(tmp_path, 
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 17, 9)]
     _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
+    # the Experts page's counts: a decode token through the one-call step counts `used` experts a layer, once each
+    s = engine.new_session(cache=CacheConfig(k_format="bf16", v_format="bf16"))
+    s.append(prompts[1])
+    for L in model.layers:
+        L.mlp.count(True)
+    try:
+        s.append(prompts[0][:1])
+        for L in model.layers:
+            hits = L.mlp.counts()
+            assert int(hits.sum()) == int((hits > 0).sum()) == mlp.spec.used and hits.max() == 1
+    finally:
+        for L in model.layers:
+            L.mlp.count(False)
+        s.close()
