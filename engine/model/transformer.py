@@ -353,7 +353,7 @@ class Transformer:
         qk = (None, None) if spec.mixer_called_back or L.q_norm is None else (L.q_norm, L.k_norm)  # else the mixer's
         post = (L.post_attn_norm, L.post_mlp_norm) if spec.post_norms else (None, None)
         shared = None if L.shared is None else self._shared_table(L)
-        if any(p is None for p in slots) or len(slots[1]) != 1 or (L.mlp is None and len(slots[3]) != 1) \
+        if any(p is None for p in slots) or len(slots[1]) != 1 or (len(slots) == 4 and len(slots[3]) != 1) \
                 or (L.mlp is not None and moe is None) or not fp32(L.norm_attn, L.norm_mlp) \
                 or (L.shared is not None and shared is None) \
                 or (qk[0] is not None and not fp32(*qk)) or (spec.post_norms and not fp32(*post)) \
