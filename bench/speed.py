@@ -288,7 +288,7 @@ def _decode_by_context(engine, path: str | None, threads: int, runs: int, steps:
             k = statistics.median(speeds[("kvchat", mode, n)])
             # what a token's attention reads: a sliding layer (Gemma) its window, a global one all n tokens
             kv_read = conversation_bytes(engine.model.config, cache, n, engine.dtype_name, str(engine.runner.device))
-            bound = copy / (engine.weight_bytes + kv_read)
+            bound = copy / (engine.model.token_read_bytes() + kv_read)
             row[n] = {"kvchat_tok_s": k, "bound_tok_s": bound, "of_bound": k / bound, "kv_bytes_read": kv_read}
             if ("llamacpp", mode, n) in speeds:
                 fa, best = llamacpp.fastest(speeds[("llamacpp", mode, n)], lower_is_better=False)
@@ -431,7 +431,7 @@ def run(args) -> dict:
                                     for key in ("decode_tok_s", "prefill_tok_s")}
     k = result["kvchat"]
     step_s = 1 / k["decode_tok_s"]
-    result["weight_read_gbs"] = engine.model.weight_bytes() / step_s / 1e9
+    result["weight_read_gbs"] = engine.model.token_read_bytes() / step_s / 1e9      # a token's reads, not residency
     result["copy_gbs"] = copy_bandwidth_gbs()
     if "kvchat_attention" in result:
         result["attention_decode_cost"] = 1 - result["kvchat_attention"]["decode_tok_s"] / k["decode_tok_s"]

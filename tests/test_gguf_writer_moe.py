@@ -358,3 +358,23 @@ def test_llama_cpp_runs_the_random_presets(tmp_path, name, mix):
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
     llm.eval([1, 2, 3, 4, 5])
     assert np.isfinite(np.asarray(llm.scores[:5])).all()
+
+
+def test_a_decode_tokens_weight_reads_count_its_routed_experts_and_one_embedding_row(tmp_path):
+    """Transformer.token_read_bytes (what `bench speed`'s weight read rate divides): a mixture of experts' token reads
+    `used` of `count` experts a layer and one row of an untied embedding table, the rest of the resident weights
+    whole; a tied dense model reads everything it holds. Checked against the file's own tensor sizes."""
+    from kvchat.bench.gguf_writer import ModelShape
+    from kvchat.engine import Engine, EngineConfig
+    shape = ModelShape("moe", 2, 256, 4, 2, 512, 64, 2048, 1e6, False, arch="qwen3moe", experts=8, experts_used=2,
+                       expert_ffn=128)
+    path = write_random_gguf(tmp_path / "moe.gguf", shape, "Q8_0")
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    experts = sum(n for name, n in sizes.items() if "_exps." in name)
+    table = sizes["token_embd.weight"]
+    model = Engine.load(EngineConfig(model=str(path))).model
+    unread = model.weight_bytes() - model.token_read_bytes()
+    want = experts * 6 / 8 + table - table / model.config.vocab_size
+    assert abs(unread - want) <= 0.01 * want, (unread, want)
+    dense = Engine.load(EngineConfig(model=str(write_random_gguf(tmp_path / "tiny.gguf", "tiny", "Q8_0")))).model
+    assert dense.table is dense.lm_head and dense.token_read_bytes() == dense.weight_bytes()

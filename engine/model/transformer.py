@@ -499,6 +499,23 @@ class Transformer:
         total = sum(lin.nbytes for lin in {id(x): x for x in linears}.values())
         return total + sum(t.numel() * t.element_size() for t in norms)
 
+    def token_read_bytes(self) -> int:
+        """Bytes of the weights one decode token reads: all of them but the routed experts it is not sent to (each
+        routed layer's experts times (count - used) / count, on average) and an embedding table's other rows (a
+        token reads its own row; a table tied to the output head is read whole there). What a weight read rate
+        divides: the resident bytes overstate a mixture of experts' reads by up to count / used."""
+        total = self.weight_bytes()
+        for L in self.layers:
+            if L.mlp is not None:
+                ex = L.mlp
+                experts = sum(lin.nbytes for lin in ex.gate + ex.up + ex.down)
+                total -= experts * (ex.spec.count - ex.spec.used) // ex.spec.count
+        tables = ([self.table] if self.table is not self.lm_head else []) + (
+            [self.per_layer[0]] if self.per_layer is not None else [])
+        for t in tables:
+            total -= t.nbytes - t.nbytes // t.out_features
+        return total
+
     def _packed(self) -> list:
         from kvchat.engine.model.linears import _Packed
         ple = list(self.per_layer[:2]) if self.per_layer is not None else []
