@@ -1601,6 +1601,22 @@ static void per_layer_input(const qlayer_t *L, int l, int nl, int B, int H, floa
     memcpy(x, y, sizeof(float) * (size_t)B * H);
 }
 
+// y [B, H] (+ resid, where not NULL) = layer L's dense MLP of RMSNorm(x2) * norm_mlp: gate | up, the gate's
+// activation (SwiGLU inside the down projection's kernel; GELU first, into gl, then a plain GEMV), down. gu: room
+// for gate | up
+static void dense_mlp(const qlayer_t *L, const float *x2, int B, float eps, float *gu, float *gl, void *gs, float *y,
+                      const float *resid) {
+    lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
+    const float *hin = gu;
+    int mode = 2;
+    if (L->act == 1) {
+        gelu_gate_rows(gu, B, L->lin[3][0].K, gl);
+        hin = gl;
+        mode = 0;
+    }
+    lin_apply(L->lin[3], L->nparts[3], hin, B, y, gs, mode, NULL, eps, resid);
+}
+
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                       int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
                       const int *cols, int mcols, float *mass, const void *states) {
@@ -1693,13 +1709,7 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
             lin_apply(L->lin[1], L->nparts[1], att, B, x2, gs, 0, NULL, eps, x);
         }
         if (L->moe && L->beside[0]) {       // Gemma 4: the dense MLP, the experts, each normed, their sum normed
-            lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
-            const float *hin = gu;
-            if (L->act == 1) {
-                gelu_gate_rows(gu, B, L->lin[3][0].K, gl);
-                hin = gl;
-            }
-            lin_apply(L->lin[3], L->nparts[3], hin, B, dn, gs, L->act == 1 ? 0 : 2, NULL, eps, NULL);
+            dense_mlp(L, x2, B, eps, gu, gl, gs, dn, NULL);
             int rc = moe_layer_rows(B, H, x2, L->beside[1], eps, L->moe, NULL, rt);
             if (rc) {
                 free(mem);
@@ -1713,22 +1723,11 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
                 free(mem);
                 return rc;
             }
+        } else if (L->post_mlp) {            // Gemma: the MLP's output normed, then added
+            dense_mlp(L, x2, B, eps, gu, gl, gs, x, NULL);
+            norm_add_rows(x, x2, B, H, L->post_mlp, eps);
         } else {
-            lin_apply(L->lin[2], L->nparts[2], x2, B, gu, gs, 1, L->norm_mlp, eps, NULL);
-            const float *hin = gu;
-            int mode = 2;                    // SwiGLU inside the down projection's kernel
-            if (L->act == 1) {               // GELU: the activation first, then a plain GEMV
-                int F = L->lin[3][0].K;
-                gelu_gate_rows(gu, B, F, gl);
-                hin = gl;
-                mode = 0;
-            }
-            if (L->post_mlp) {
-                lin_apply(L->lin[3], L->nparts[3], hin, B, x, gs, mode, NULL, eps, NULL);
-                norm_add_rows(x, x2, B, H, L->post_mlp, eps);
-            } else {
-                lin_apply(L->lin[3], L->nparts[3], hin, B, x, gs, mode, NULL, eps, x2);
-            }
+            dense_mlp(L, x2, B, eps, gu, gl, gs, x, x2);
         }
         if (L->ple[0].N) per_layer_input(L, l, nl, B, H, eps, st->ple, x, pl, gs);
         if (L->scalar)
