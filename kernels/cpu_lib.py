@@ -485,7 +485,8 @@ class QLayer(ctypes.Structure):
                 ("act", ctypes.c_int), ("mix_in", ctypes.c_int), ("mix_out", ctypes.c_int),
                 ("gdn", ctypes.c_void_p), ("state", ctypes.c_int), ("mix_order", ctypes.c_void_p),
                 ("ple", QLin * 2), ("ple_norm", ctypes.c_void_p), ("scalar", ctypes.c_void_p), ("gate", ctypes.c_int),
-                ("beside", ctypes.c_void_p * 3)]
+                ("beside", ctypes.c_void_p * 3), ("hd", ctypes.c_int), ("kvh", ctypes.c_int), ("vk", ctypes.c_int),
+                ("vnorm", ctypes.c_int), ("keep", ctypes.c_int), ("from_", ctypes.c_int)]
 
 
 class SharedExpert(ctypes.Structure):

@@ -1305,6 +1305,13 @@ typedef struct {
     const float *beside[3];              // Gemma 4: the routed MLP (moe) beside the dense one (gate_up / down), the
                                          // dense output's norm, the experts' input norm, their output's norm (the
                                          // sum's is post_mlp: beside_rows); NULL: moe replaces the dense MLP
+    int hd, kvh;                         // > 0 (Gemma 4): a mixer (mix_in, mix_out) C attends where the layer's group
+                                         // holds pages, at the layer's own head size and KV heads (own_attention); a
+                                         // callback group gets the raw projection and does the norms itself
+    int vk, vnorm;                       // values taken from the keys (before their norm); values RMS-normed per head
+    int keep, from;                      // > 0: the layer's normed keys and values kept as slot keep - 1 for layers
+                                         // over its KV; the layer projects q only and reads slot from - 1 (its
+                                         // source's pages, the source's bytes stored again as decode_attend goes)
 } qlayer_t;
 
 // y [B, H] = x + RMSNorm(y) * w, in place: a post-norm and its residual (Gemma), the one both paths call (the
@@ -1470,9 +1477,18 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
 
 // Whether layer L's linears chain at widths H (the residual), Hq * D (attention) and its own intermediate: a
 // table built from a damaged file's header must fail here, not read past an activation row
+// Whether layer L's own attention (qlayer_t.hd) chains: q [Hq, hd], keys and values at its KV heads (none where it
+// reads another layer's), the output Hq * hd wide, heads decode_attend takes
+static int own_heads_ok(const qlayer_t *L, int Hq) {
+    int hd = L->hd, kvh = L->kvh, kv = L->from ? 0 : kvh * hd * (L->vk ? 1 : 2);
+    return kvh > 0 && Hq % kvh == 0 && hd % 2 == 0 && hd <= 512 && !L->gate && !L->gdn && !(L->keep && L->from)
+           && L->keep >= 0 && L->from >= 0 && L->mix_in == Hq * hd + kv && L->mix_out == Hq * hd;
+}
+
 static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
-    int mixer = L->mix_out > 0;                  // the caller's mixer: its own widths, no q / k norm here
-    if (mixer && (L->mix_in < 1 || L->q_norm)) return 0;
+    int mixer = L->mix_out > 0;                  // the caller's mixer: its own widths, no q / k norm here (but for
+    if (mixer && (L->mix_in < 1 || (L->q_norm && !L->hd))) return 0;       // its own attention's, hd > 0)
+    if (L->hd && (!mixer || !own_heads_ok(L, Hq))) return 0;
     if (L->gate && (mixer || L->gate != Hq * D)) return 0;
     int want_n[4] = {mixer ? L->mix_in : (Hq + 2 * Hkv) * D + L->gate, H, 0, H}, n[4] = {0, 0, 0, 0};
     int attn_k = mixer ? L->mix_out : Hq * D;
@@ -1617,6 +1633,41 @@ static void dense_mlp(const qlayer_t *L, const float *x2, int B, float eps, floa
     lin_apply(L->lin[3], L->nparts[3], hin, B, y, gs, mode, NULL, eps, resid);
 }
 
+// Layer L's own attention (Gemma 4) over group g's pages as its layer i, the Python forward's steps in its order
+// (Transformer._attend): values from the keys before their norm, or the projection's; the values RMS-normed without
+// a multiplier; q and k normed; decode_attend at the layer's head size and KV heads. A layer that keeps its keys
+// and values for layers over its KV copies them (normed, before RoPE) to its slot of kept; a layer over another's KV
+// has q only and gives decode_attend the kept rows, which store the bytes the source stored and read them. vb: B
+// rows of kvh * hd for values taken from keys; kept: two such slots a kept layer (keys, then values).
+static void own_attention(const qlayer_t *L, const attn_group_t *g, int i, int B, float *qkv, int n0, int Hq,
+                          float eps, float *vb, float *kept, size_t slot, float sm_scale, float *att, float *as,
+                          const int *cols, int mcols, float *mass) {
+    static const float ones[512] = {[0 ... 511] = 1.0f};   // the values' norm's multiplier, as head_norm_'s
+    int hd = L->hd, kvh = L->kvh, kw = kvh * hd, ldk = n0, ldv = n0;
+    float *k = qkv + (size_t)Hq * hd, *v = k + kw;
+    if (L->from) {
+        k = kept + (size_t)(L->from - 1) * 2 * slot, v = k + slot, ldk = ldv = kw;
+        if (L->q_norm) qk_norm_rows(qkv, B, n0, Hq, 0, hd, L->q_norm, L->q_norm, eps);
+    } else {
+        if (L->vk) {
+            for (int b = 0; b < B; b++) memcpy(vb + (size_t)b * kw, k + (size_t)b * n0, sizeof(float) * kw);
+            v = vb, ldv = kw;
+        }
+        if (L->vnorm) qk_norm_rows(v, B, ldv, kvh, 0, hd, ones, ones, eps);
+        if (L->q_norm) qk_norm_rows(qkv, B, n0, Hq, kvh, hd, L->q_norm, L->k_norm, eps);
+        if (L->keep) {
+            float *ks = kept + (size_t)(L->keep - 1) * 2 * slot, *vs = ks + slot;
+            for (int b = 0; b < B; b++) {
+                memcpy(ks + (size_t)b * kw, k + (size_t)b * ldk, sizeof(float) * kw);
+                memcpy(vs + (size_t)b * kw, v + (size_t)b * ldv, sizeof(float) * kw);
+            }
+        }
+    }
+    decode_attend(B, qkv, k, v, n0, ldk, ldv, Hq, kvh, hd, g->cos, g->sin, g->scos, g->ssin, g->n_sink, g->kp[i],
+                  g->vp[i], g->bf16[i], g->new_rows, g->rows, g->off, sm_scale, g->softcap,
+                  g->sinks ? g->sinks[i] : NULL, att, as, cols, mcols, mass);
+}
+
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
                       int ng, const attn_group_t *groups, const int *lgrp, const int *lidx, float sm_scale,
                       const int *cols, int mcols, float *mass, const void *states) {
@@ -1625,12 +1676,23 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
     for (int g = 0; g < ng; g++)
         if (!groups[g].attend && D > 256) return -3;
     int natt = Hq * D;                           // the widest attention output: the model's, or a mixer's
+    int dmax = D, nkeep = 0, kvmax = 0;          // the widest head; slots of kept keys and values, their width
     for (int l = 0; l < nl; l++) {
-        if (!layer_widths_ok(layers + l, H, Hq, Hkv, D)) return -3;
-        int here = gdn_here(layers + l, st);     // else only a callback mixes
-        if (here < 0 || (layers[l].mix_out > 0 && !here && !groups[lgrp ? lgrp[l] : 0].attend)) return -3;
-        if (layers[l].mix_out > natt) natt = layers[l].mix_out;
-        if (!ple_ok(layers + l, H, st, nl)) return -3;
+        const qlayer_t *L = layers + l;
+        if (!layer_widths_ok(L, H, Hq, Hkv, D)) return -3;
+        int here = gdn_here(L, st);              // else only a callback mixes, or C's own attention (hd)
+        if (here < 0 || (L->mix_out > 0 && !here && !L->hd && !groups[lgrp ? lgrp[l] : 0].attend)) return -3;
+        if (L->mix_out > natt) natt = L->mix_out;
+        if (!ple_ok(L, H, st, nl)) return -3;
+        if (L->hd > dmax) dmax = L->hd;
+        if (L->keep > nkeep) nkeep = L->keep;
+        if (L->hd && L->kvh * L->hd > kvmax) kvmax = L->kvh * L->hd;
+    }
+    for (int l = 0; l < nl; l++) {               // a layer over kept keys: a slot an earlier layer of its widths keeps
+        int f = layers[l].from, ok = !f;
+        for (int e = 0; e < l && f && !ok; e++)
+            ok = layers[e].keep == f && layers[e].hd == layers[l].hd && layers[e].kvh == layers[l].kvh;
+        if (!ok) return -3;
     }
     int kmax = H, nqkv = 0, ngu = 0, wple = 0;
     for (int l = 0; l < nl; l++)
@@ -1650,11 +1712,13 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
     for (int g = 0; g < ng; g++)
         if (!groups[g].attend && (size_t)groups[g].off[B] > nrows) nrows = (size_t)groups[g].off[B];
     size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
-    size_t attn_floats = 2 * (size_t)B * Hq * D + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (D + 2);
+    size_t attn_floats = 2 * (size_t)B * Hq * dmax + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (dmax + 2);
+    size_t slot = (size_t)B * kvmax;             // one kept keys' (or values') rows
     size_t floats = (size_t)B * nqkv + 2 * (size_t)B * natt + (size_t)B * H + (size_t)B * ngu + attn_floats
                     + (size_t)B * ngu / 2       // the GELU's output
                     + (size_t)B * (4 * (size_t)wple + H)       // the per-layer input's gate, pairs, product, output
-                    + 2 * (size_t)B * H;                       // a dense MLP's and its experts' outputs (Gemma 4)
+                    + 2 * (size_t)B * H                        // a dense MLP's and its experts' outputs (Gemma 4)
+                    + slot * (1 + 2 * (size_t)nkeep);          // values from keys; kept keys and values
     char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
@@ -1663,6 +1727,7 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
     float *gu = x2 + (size_t)B * H;
     float *as = gu + (size_t)B * ngu, *gl = as + attn_floats, *pl = gl + (size_t)B * ngu / 2;
     float *dn = pl + (size_t)B * (4 * (size_t)wple + H), *rt = dn + (size_t)B * H;
+    float *vb = rt + (size_t)B * H, *kept = vb + slot;
     for (int l = 0; l < nl; l++) {
         const qlayer_t *L = layers + l;
         int n0 = 0;
@@ -1672,7 +1737,7 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
             gate_aside(qkv, B, n0, Hq * D, L->gate, mixed);
             n0 -= L->gate;
         }
-        if (L->q_norm) qk_norm_rows(qkv, B, n0, Hq, Hkv, D, L->q_norm, L->k_norm, eps);
+        if (L->q_norm && !L->hd) qk_norm_rows(qkv, B, n0, Hq, Hkv, D, L->q_norm, L->k_norm, eps);
         const attn_group_t *g = groups + (lgrp ? lgrp[l] : 0);
         int i = lidx ? lidx[l] : l;          // the layer's index in its group
         if (gdn_here(L, st)) {              // the Gated DeltaNet, each sequence from its own state
@@ -1695,6 +1760,9 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
                 free(mem);
                 return -2;
             }
+        } else if (L->hd) {
+            own_attention(L, g, i, B, qkv, n0, Hq, eps, vb, kept, slot, sm_scale, att, as, cols, mcols,
+                          mass ? mass + (size_t)l * B * Hq * mcols : NULL);
         } else {
             decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, g->cos, g->sin, g->scos,
                           g->ssin, g->n_sink, g->kp[i], g->vp[i], g->bf16[i], g->new_rows, g->rows, g->off, sm_scale,

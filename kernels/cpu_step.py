@@ -27,7 +27,10 @@ class LayerRow:
     per-layer input (gate part, projection part, norm); scalar: Gemma 4's layer scalar [1]; shared: a shared expert
     beside the routed MLP (shared_table); gate: Qwen3.5's output gate, its width, between q and k of the projection
     (q | gate | k | v), 0 for none; beside: Gemma 4's routed MLP (moe) beside the dense one (slots' gate_up and
-    down), (the dense output's norm, the experts' input norm, their output's norm), post_mlp their sum's norm."""
+    down), (the dense output's norm, the experts' input norm, their output's norm), post_mlp their sum's norm;
+    heads: a mixer C attends itself where the layer's group holds pages (Gemma 4, LayerSpec.own_heads), (head size,
+    KV heads, values from keys, values normed, keep, source): keep > 0 the slot its keys and values are kept in for
+    layers over its KV, source > 0 the slot this layer (q only) reads; q_norm / k_norm are then its own."""
     slots: list
     norm_attn: torch.Tensor
     norm_mlp: torch.Tensor
@@ -44,6 +47,7 @@ class LayerRow:
     shared: SharedExpert | None = None
     gate: int = 0
     beside: tuple | None = None
+    heads: tuple | None = None
 
 
 def layer_table(layers: list[LayerRow]) -> ctypes.Array:
@@ -69,6 +73,9 @@ def layer_table(layers: list[LayerRow]) -> ctypes.Array:
         if row.post_attn is not None:
             t.post_attn, t.post_mlp = row.post_attn.data_ptr(), row.post_mlp.data_ptr()
         t.act, t.gate = row.act, row.gate
+        if row.heads is not None:                       # its own attention, where its pages are C's
+            assert row.mixer
+            t.hd, t.kvh, t.vk, t.vnorm, t.keep, t.from_ = row.heads
         if row.q_norm is not None:
             t.q_norm, t.k_norm = row.q_norm.data_ptr(), row.k_norm.data_ptr()
         if row.moe is not None:

@@ -341,8 +341,9 @@ def test_qwen35_moe_shared_expert_runs_in_the_one_call_step_with_the_same_bits(t
 
 def test_gemma4_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
     """Gemma 4 (heads of each layer's own width, layers reading another layer's KV, normed values, values from keys,
-    a proportional rope: attention called back between the C projections) with its per-layer inputs and layer scalars
-    in C after each MLP: the layer path's bits over full-precision and int8 pages, one sequence and three."""
+    a proportional rope) with its per-layer inputs and layer scalars in C after each MLP: the layer path's bits over
+    full-precision pages, attended inside the kernel (own_attention), and over int8 pages (attention called back
+    between the C projections), one sequence and three."""
     from kvchat.bench.gguf_hf import write_gguf_from_hf
     from test_gemma4_gguf import tiny_gemma4_dir
     folder = tiny_gemma4_dir(tmp_path / "gemma4", seed=1, hidden_size_per_layer_input=32)    # packed: 32 wide
@@ -351,7 +352,38 @@ def test_gemma4_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
     assert table is not None and all(row.ple[0].N == 32 and row.scalar for row in table)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 17, 9)]
-    _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
+    _one_call_equals_layers(engine, prompts, 12, "callback")
+
+
+def test_the_kernel_refuses_gemma4_heads_that_do_not_chain(tmp_path):
+    """A table's own attention (Gemma 4) is checked before anything runs: a layer reading kept keys no earlier layer
+    keeps (or of other widths), a head size its projection does not hold, KV heads that do not divide the query
+    heads, a layer both keeping and reading: -3 (ValueError), where the table as built runs."""
+    from kvchat.bench.gguf_hf import write_gguf_from_hf
+    from test_gemma4_gguf import tiny_gemma4_dir
+    folder = tiny_gemma4_dir(tmp_path / "gemma4", seed=1, hidden_size_per_layer_input=0)
+    engine = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "g4.gguf", "Q8_0"))))
+    table, c = engine.model.kernel_layers(), engine.model.config
+    heads = [(row.hd, row.kvh, row.keep, row.from_) for row in table]
+    readers = [i for i, h in enumerate(heads) if h[3]]
+    assert all(h[0] for h in heads) and readers and any(h[2] for h in heads)
+    x = torch.zeros(1, c.hidden_size)
+
+    def attend(layer, qkv):
+        return torch.zeros(1, table[layer].mix_out)
+
+    def run(t):
+        cpu_step.decode_layers(t, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, [attend])
+    run(table)
+    r = readers[0]
+    keeper = next(i for i, h in enumerate(heads) if h[2] == heads[r][3])
+    edits = [(r, "from_", heads[r][3] + 5), (keeper, "keep", 0), (r, "hd", heads[r][0] + 2),
+             (0, "kvh", c.num_heads + 1), (r, "keep", heads[r][3])]
+    for layer, field, value in edits:
+        bad = type(table).from_buffer_copy(table)
+        setattr(bad[layer], field, value)
+        with pytest.raises(ValueError, match="width does not match"):
+            run(bad)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
@@ -387,7 +419,7 @@ def test_gemma4_experts_beside_the_dense_mlp_run_in_the_one_call_step(tmp_path, 
             want[r] += w[r, j] * (act @ mlp.down[e].dequantize().double().T)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 17, 9)]
-    _one_call_equals_layers(engine, prompts, 12, "callback", full_path="callback")
+    _one_call_equals_layers(engine, prompts, 12, "callback")
     # the Experts page's counts: a decode token through the one-call step counts `used` experts a layer, once each
     s = engine.new_session(cache=CacheConfig(k_format="bf16", v_format="bf16"))
     s.append(prompts[1])

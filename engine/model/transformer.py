@@ -33,12 +33,13 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 @dataclass(frozen=True)
 class DecodeKernel:
-    """An attention backend's whole decode step in C: run(table, x) takes the model's layer table
-    (Transformer.kernel_layers) and x [B, hidden] fp32, the new tokens' embeddings, and leaves the last layer's
-    output in x, every layer's attention and cache writes included. kind names the backend's pages."""
+    """An attention backend's whole decode step in C: run(table, x, ple) takes the model's layer table
+    (Transformer.kernel_layers), x [B, hidden] fp32, the new tokens' embeddings, and Gemma 4's per-layer inputs (or
+    None), and leaves the last layer's output in x, every layer's attention and cache writes included. kind names
+    the backend's pages."""
 
     kind: str
-    run: Callable[[object, torch.Tensor], None]
+    run: Callable[[object, torch.Tensor, torch.Tensor | None], None]
 
 
 class Layer:
@@ -350,7 +351,9 @@ class Transformer:
         moe = None if L.mlp is None else L.mlp.kernel_table()
         mlp = (L.gate_up, L.down) if L.mlp is None or L.beside is not None else ()
         slots = [lin.kernel_parts() for lin in (L.qkv, L.o, *mlp)]
-        qk = (None, None) if spec.mixer_called_back or L.q_norm is None else (L.q_norm, L.k_norm)  # else the mixer's
+        own = spec.own_heads                    # a mixer C attends itself where its pages are C's (Gemma 4)
+        qk = (None, None) if (spec.mixer_called_back and not own) or L.q_norm is None else \
+            (L.q_norm, L.q_norm if L.k_norm is None and spec.kv_source is not None else L.k_norm)  # q only: no k's
         post = (L.post_attn_norm, L.post_mlp_norm) if spec.post_norms else (None, None)
         shared = None if L.shared is None else self._shared_table(L)
         if any(p is None for p in slots) or len(slots[1]) != 1 or (len(slots) == 4 and len(slots[3]) != 1) \
@@ -372,9 +375,16 @@ class Transformer:
             gdn = (self._gdn_table(i, spec), sum(s.linear is not None for s in self.config.layers[:i]),
                    L.mixer.out_order)
         gate = self.config.num_heads * self.config.layer_head_dim(i) if spec.attn_gate else 0
+        heads = None
+        if own:
+            c = self.config
+            sources = c.kv_sources                          # layer -> the layer whose KV it reads
+            kept = sorted(set(sources.values()))            # the layers whose keys and values are kept, a slot each
+            heads = (c.layer_head_dim(i), c.layer_kv_heads(i), int(spec.value_from_key), int(spec.value_norm),
+                     kept.index(i) + 1 if i in kept else 0, kept.index(sources[i]) + 1 if i in sources else 0)
         return cpu_step.LayerRow(slots + [[], []] if len(slots) == 2 else slots, L.norm_attn, L.norm_mlp, *qk, moe,
                                  *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
-                                 ple, L.scalar, shared, gate, L.beside)
+                                 ple, L.scalar, shared, gate, L.beside, heads)
 
     def states_in_c(self) -> bool:
         """Whether every linear-attention layer's mixer runs in C, which writes a step's new state apart from the old
@@ -456,9 +466,7 @@ class Transformer:
         per_layer = self._per_layer_inputs(token_ids, x, x.shape[0])
         ple = None if per_layer is None else per_layer.float().contiguous()
         if kernel is not None:
-            if ple is not None:                 # the backends' own step brings no per-layer inputs
-                return None
-            kernel.run(table, x)
+            kernel.run(table, x, ple)
         else:
             def attend(layer, qkv):
                 spec = c.layers[layer]

@@ -266,18 +266,22 @@ class StepAttention:
     def decode(self, model, token_ids: torch.Tensor) -> torch.Tensor | None:
         """The step in one kernel call through every layer, each layer attending inside it (cpu_step.decode_layers):
         every item a one-token decode and each layer one run of one backend over all of them, a group of the call
-        per backend (Gemma's sliding and global layers: two). -> logits [B, vocab], or None where some layer's
-        attention needs Python (a backend without a one-call group, chosen blocks, shared KV, a measure over more
-        than one group): the runner then calls back for each layer."""
+        per backend (Gemma's sliding and global layers: two). Gemma 4's layers (LayerSpec.own_heads) attend in C
+        where their groups hold full-precision pages, a layer over another's KV as its source's layer there. ->
+        logits [B, vocab], or None where some layer's attention needs Python (a backend without a one-call group,
+        chosen blocks, a measure over more than one group or beside shared KV, Gemma 4's layers over quantized
+        pages): the runner then calls back for each layer."""
         c = model.config
-        if self.chooser is not None or self.sources or model.kernel_layers() is None:
+        if self.chooser is not None or (self.sources and self.mass is not None) or model.kernel_layers() is None:
             return None
         # a mixer C does not compute stays the forward's; Gated DeltaNet layers run in C from the items' states
         linear = [i for i, spec in enumerate(c.layers) if spec.linear is not None]
-        if any(spec.mixer_called_back for spec in c.layers if spec.linear is None) \
+        own = [i for i, spec in enumerate(c.layers) if spec.own_heads]
+        if any(spec.mixer_called_back and not spec.own_heads for spec in c.layers if spec.linear is None) \
+                or any(layer not in own for layer in self.sources) \
                 or (linear and (model.gdn_layers != linear or self.mass is not None)):
             return None
-        if self.shared:         # every layer on the same runs: one backend, holding every layer
+        if self.shared and not self.sources:    # every layer on the same runs: one backend, holding every layer
             runs, layer_group, layer_index = self.layer_runs[0], None, None
             if len(runs) != 1:
                 return None
@@ -296,9 +300,9 @@ class StepAttention:
                     owners[id(backend)] = len(runs)
                     runs.append(layer_runs[0])
                 layer_group.append(owners[id(backend)])
-                layer_index.append(backend.local_layer(layer))
-        if not runs:
-            return None
+                layer_index.append(backend.local_layer(self.sources.get(layer, layer)))     # shared KV: the source's
+        if not runs or any(type(runs[layer_group[i] if layer_group else 0][2]) is not FullPagesC for i in own):
+            return None         # Gemma 4's own attention reads full-precision pages only (the C one-call group's)
         for i, j, _, _, steps in runs:
             if i != 0 or j != len(steps) or not steps[0].one_token_decode:
                 return None
@@ -317,10 +321,10 @@ class StepAttention:
             return None
         scale = scales.pop() if scales else 0.0
 
-        def run_layers(table, x):
+        def run_layers(table, x, ple):
             states = self.kernel_states(linear) if linear else None
             cpu_step.decode_layers(table, x, c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, groups,
-                                   layer_group, layer_index, scale, mass=mass, states=states)
+                                   layer_group, layer_index, scale, mass=mass, states=states, ple=ple)
         kinds = {"quant-pages" if isinstance(g, cpu_step.QuantStep) else "full-pages" for g in groups}
         logits = model.forward_decode(token_ids, kernel=DecodeKernel(kinds.pop() if len(kinds) == 1 else "mixed-pages",
                                                                      run_layers))
