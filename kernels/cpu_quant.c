@@ -1553,6 +1553,8 @@ typedef struct {
     void *ctx;
     const float *const *sinks;  // [layers] each layer's sink logits [Hq] or NULL (gpt-oss); NULL: no layer has them
     float softcap;              // the group's layers' soft-cap of their scores (Gemma 2), 0: none
+    int normed;                 // 1: attend takes a layer's own attention (qlayer_t.hd) as q | k | v after its norms,
+                                // (Hq + 2 kvh) * hd wide (the quantized-KV library's); 0: the raw projection
 } attn_group_t;
 
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
@@ -1565,7 +1567,7 @@ int decode_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float 
                   const float *scos, const float *ssin, const int *n_sink, const int64_t *new_rows,
                   const int64_t *rows, const int64_t *off, float sm_scale, attend_fn attend, void *ctx,
                   const int *cols, int mcols, float *mass) {
-    attn_group_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off, kp, vp, bf16, attend, ctx, NULL, 0.f};
+    attn_group_t one = {cos, sin, scos, ssin, n_sink, new_rows, rows, off, kp, vp, bf16, attend, ctx, NULL, 0.f, 0};
     return run_layers(nl, layers, B, x, H, eps, Hq, Hkv, D, 1, &one, NULL, NULL, sm_scale, cols, mcols, mass, NULL);
 }
 
@@ -1639,9 +1641,9 @@ static void dense_mlp(const qlayer_t *L, const float *x2, int B, float eps, floa
 // and values for layers over its KV copies them (normed, before RoPE) to its slot of kept; a layer over another's KV
 // has q only and gives decode_attend the kept rows, which store the bytes the source stored and read them. vb: B
 // rows of kvh * hd for values taken from keys; kept: two such slots a kept layer (keys, then values).
-static void own_attention(const qlayer_t *L, const attn_group_t *g, int i, int B, float *qkv, int n0, int Hq,
-                          float eps, float *vb, float *kept, size_t slot, float sm_scale, float *att, float *as,
-                          const int *cols, int mcols, float *mass) {
+static int own_attention(const qlayer_t *L, const attn_group_t *g, int i, int B, float *qkv, int n0, int Hq,
+                         float eps, float *vb, float *kept, size_t slot, float sm_scale, float *att, float *as,
+                         const int *cols, int mcols, float *mass) {
     static const float ones[512] = {[0 ... 511] = 1.0f};   // the values' norm's multiplier, as head_norm_'s
     int hd = L->hd, kvh = L->kvh, kw = kvh * hd, ldk = n0, ldv = n0;
     float *k = qkv + (size_t)Hq * hd, *v = k + kw;
@@ -1663,9 +1665,20 @@ static void own_attention(const qlayer_t *L, const attn_group_t *g, int i, int B
             }
         }
     }
+    if (g->attend) {                             // quantized pages: q | k | v packed for the library's attend
+        int qw = Hq * hd, w = qw + 2 * kw;
+        float *p = as;                           // free until the attention, which reads the packed rows
+        for (int b = 0; b < B; b++) {
+            memcpy(p + (size_t)b * w, qkv + (size_t)b * n0, sizeof(float) * qw);
+            memcpy(p + (size_t)b * w + qw, k + (size_t)b * ldk, sizeof(float) * kw);
+            memcpy(p + (size_t)b * w + qw + kw, v + (size_t)b * ldv, sizeof(float) * kw);
+        }
+        return g->attend(g->ctx, i, p, att);
+    }
     decode_attend(B, qkv, k, v, n0, ldk, ldv, Hq, kvh, hd, g->cos, g->sin, g->scos, g->ssin, g->n_sink, g->kp[i],
                   g->vp[i], g->bf16[i], g->new_rows, g->rows, g->off, sm_scale, g->softcap,
                   g->sinks ? g->sinks[i] : NULL, att, as, cols, mcols, mass);
+    return 0;
 }
 
 static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, float eps, int Hq, int Hkv, int D,
@@ -1712,7 +1725,8 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
     for (int g = 0; g < ng; g++)
         if (!groups[g].attend && (size_t)groups[g].off[B] > nrows) nrows = (size_t)groups[g].off[B];
     size_t gemv_bytes = (size_t)(B < MAXM ? B : MAXM) * kmax * 2 * 7;
-    size_t attn_floats = 2 * (size_t)B * Hq * dmax + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (dmax + 2);
+    size_t attn_floats = 2 * (size_t)B * Hq * dmax + (size_t)Hq * nrows + 4 * (size_t)B * Hq * (dmax + 2)
+                         + 2 * (size_t)B * kvmax;          // or a packed q | k | v (own_attention's, at most this)
     size_t slot = (size_t)B * kvmax;             // one kept keys' (or values') rows
     size_t floats = (size_t)B * nqkv + 2 * (size_t)B * natt + (size_t)B * H + (size_t)B * ngu + attn_floats
                     + (size_t)B * ngu / 2       // the GELU's output
@@ -1755,14 +1769,17 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
             if (L->mix_order)
                 for (int b = 0; b < B; b++)
                     for (int c = 0; c < V; c++) att[(size_t)b * V + c] = mixed[(size_t)b * V + L->mix_order[c]];
+        } else if (L->hd && (!g->attend || g->normed)) {
+            if (own_attention(L, g, i, B, qkv, n0, Hq, eps, vb, kept, slot, sm_scale, att, as, cols, mcols,
+                              mass ? mass + (size_t)l * B * Hq * mcols : NULL)) {
+                free(mem);
+                return -2;
+            }
         } else if (g->attend) {
             if (g->attend(g->ctx, i, qkv, att)) {
                 free(mem);
                 return -2;
             }
-        } else if (L->hd) {
-            own_attention(L, g, i, B, qkv, n0, Hq, eps, vb, kept, slot, sm_scale, att, as, cols, mcols,
-                          mass ? mass + (size_t)l * B * Hq * mcols : NULL);
         } else {
             decode_attend(B, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, n0, n0, n0, Hq, Hkv, D, g->cos, g->sin, g->scos,
                           g->ssin, g->n_sink, g->kp[i], g->vp[i], g->bf16[i], g->new_rows, g->rows, g->off, sm_scale,

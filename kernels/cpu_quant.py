@@ -424,7 +424,6 @@ def mxfp4_dequant(codes: torch.Tensor, e8m0: torch.Tensor, out: torch.Tensor | N
     return out
 
 
-MAX_HEAD_DIM = 256          # the one-call step's (decode_layers, QuantStep)
 MAX_ATTEND_HEAD_DIM = 512   # the decode attention's alone (attn_decode, decode_attend, attn_decode_quant)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from . import cpu_quant
 from .cpu_lib import ATTEND_FN, QLayer, SharedExpert, StepInputs
-from .cpu_quant import (_AXES, _FULL, _KINDS, MAX_HEAD_DIM, Mass, _half_rope, _KVComp, _ptr, _sink_logits,
+from .cpu_quant import (_AXES, _FULL, _KINDS, MAX_ATTEND_HEAD_DIM, Mass, _half_rope, _KVComp, _ptr, _sink_logits,
                         kv_kernels_ready)
 from .formats import PageFormat
 
@@ -159,7 +159,7 @@ class QuantStep:
                  sink_logits: list[torch.Tensor | None] | None = None, mass: Mass | None = None):
         B = len(seqs)
         n_layers = len(comps) // (2 * B)
-        assert len(comps) == n_layers * 2 * B and d <= MAX_HEAD_DIM
+        assert len(comps) == n_layers * 2 * B and d <= MAX_ATTEND_HEAD_DIM
         for st in seqs:
             assert 0 <= st.fill < block_size and st.pos.shape[0] == st.slots.shape[0] + 1
             assert st.slots.dtype == st.table.dtype == st.pos.dtype == torch.int64
@@ -262,7 +262,7 @@ def decode_layers(table: ctypes.Array, x: torch.Tensor, eps: float, hq: int, hkv
         if isinstance(group, QuantStep):
             assert kv_kernels_ready() and group.struct.B == b
             fn = ctypes.cast(cpu_quant._kv_lib.attend_quant_layer, ctypes.c_void_p)
-            structs.append(_AttnGroup(*(None,) * 11, fn, ctypes.addressof(group.struct)))
+            structs.append(_AttnGroup(*(None,) * 11, fn, ctypes.addressof(group.struct), None, 0.0, 1))
         elif callable(group):
             widths = {layer if layer_index is None else layer_index[layer]: (n_in, n_out or hq * d)
                       for layer, (n_in, n_out) in enumerate(_widths(table))
@@ -322,7 +322,7 @@ class _AttnGroup(ctypes.Structure):
     """attn_group_t (cpu_quant.c): one group's way of attending in a step (decode_layers)."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("cos", "sin", "scos", "ssin", "n_sink", "new_rows", "rows",
                                                      "off", "kp", "vp", "bf16", "attend", "ctx", "sinks")] \
-        + [("softcap", ctypes.c_float)]
+        + [("softcap", ctypes.c_float), ("normed", ctypes.c_int)]
 
 
 def _callback(attend, b: int, widths: dict, failure: list, keep: list):

@@ -339,20 +339,23 @@ def test_qwen35_moe_shared_expert_runs_in_the_one_call_step_with_the_same_bits(t
     _one_call_equals_layers(engine, prompts, 12, "quant")      # every layer in C, the attention over the pages too
 
 
-def test_gemma4_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path):
+@pytest.mark.parametrize("shared", [2, 0])
+def test_gemma4_layers_run_in_the_one_call_step_with_the_same_bits(tmp_path, shared):
     """Gemma 4 (heads of each layer's own width, layers reading another layer's KV, normed values, values from keys,
     a proportional rope) with its per-layer inputs and layer scalars in C after each MLP: the layer path's bits over
-    full-precision pages, attended inside the kernel (own_attention), and over int8 pages (attention called back
-    between the C projections), one sequence and three."""
+    full-precision pages, attended inside the kernel (own_attention), and over int8 pages: inside the kernel through
+    the quantized-KV library's attend, or called back between the C projections where layers read another's KV (the
+    layer path stores a source's row before its readers attend), one sequence and three."""
     from kvchat.bench.gguf_hf import write_gguf_from_hf
     from test_gemma4_gguf import tiny_gemma4_dir
-    folder = tiny_gemma4_dir(tmp_path / "gemma4", seed=1, hidden_size_per_layer_input=32)    # packed: 32 wide
+    folder = tiny_gemma4_dir(tmp_path / "gemma4", seed=1, hidden_size_per_layer_input=32,    # packed: 32 wide
+                             num_kv_shared_layers=shared)
     engine = Engine.load(EngineConfig(model=str(write_gguf_from_hf(folder, tmp_path / "g4.gguf", "Q8_0"))))
     table = engine.model.kernel_layers()
     assert table is not None and all(row.ple[0].N == 32 and row.scalar for row in table)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 17, 9)]
-    _one_call_equals_layers(engine, prompts, 12, "callback")
+    _one_call_equals_layers(engine, prompts, 12, "callback" if shared else "quant")
 
 
 def test_the_kernel_refuses_gemma4_heads_that_do_not_chain(tmp_path):

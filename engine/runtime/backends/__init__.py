@@ -267,10 +267,10 @@ class StepAttention:
         """The step in one kernel call through every layer, each layer attending inside it (cpu_step.decode_layers):
         every item a one-token decode and each layer one run of one backend over all of them, a group of the call
         per backend (Gemma's sliding and global layers: two). Gemma 4's layers (LayerSpec.own_heads) attend in C
-        where their groups hold full-precision pages, a layer over another's KV as its source's layer there. ->
+        over full-precision and quantized pages, a layer over another's KV as its source's layer there. ->
         logits [B, vocab], or None where some layer's attention needs Python (a backend without a one-call group,
-        chosen blocks, a measure over more than one group or beside shared KV, Gemma 4's layers over quantized
-        pages): the runner then calls back for each layer."""
+        chosen blocks, a measure over more than one group or beside shared KV, Gemma 4's layers over pages no C
+        group reads or over quantized pages beside shared KV): the runner then calls back for each layer."""
         c = model.config
         if self.chooser is not None or (self.sources and self.mass is not None) or model.kernel_layers() is None:
             return None
@@ -301,8 +301,12 @@ class StepAttention:
                     runs.append(layer_runs[0])
                 layer_group.append(owners[id(backend)])
                 layer_index.append(backend.local_layer(self.sources.get(layer, layer)))     # shared KV: the source's
-        if not runs or any(type(runs[layer_group[i] if layer_group else 0][2]) is not FullPagesC for i in own):
-            return None         # Gemma 4's own attention reads full-precision pages only (the C one-call group's)
+        kinds = (FullPagesC,) if self.sources else (FullPagesC, QuantPagesC)
+        if not runs or any(type(runs[layer_group[i] if layer_group else 0][2]) not in kinds for i in own):
+            # Gemma 4's own attention: over the C one-call groups' pages, and not over quantized pages with layers
+            # reading another's KV: there the layer path stores each source's row before its readers attend, so a
+            # block the step completes is read quantized by them and at full precision by the source
+            return None
         for i, j, _, _, steps in runs:
             if i != 0 or j != len(steps) or not steps[0].one_token_decode:
                 return None
