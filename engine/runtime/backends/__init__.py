@@ -263,6 +263,29 @@ class StepAttention:
                 conv.state.position = conv.num_tokens
         self.pending.clear()
 
+    def _call_groups(self, c) -> tuple | None:
+        """The one-call step's groups: (runs, a run per group; layer_group; layer_index, each layer's index in its
+        group's backend, a layer over another's KV its source's), both None where every layer shares the runs; None
+        where some layer has more than one run."""
+        if self.shared and not self.sources:    # every layer on the same runs: one backend, holding every layer
+            return (self.layer_runs[0], None, None) if len(self.layer_runs[0]) == 1 else None
+        owners: dict[int, int] = {}             # id(backend) -> its group
+        runs, layer_group, layer_index = [], [], []
+        for layer, layer_runs in enumerate(self.layer_runs):
+            if not layer_runs and c.layers[layer].linear is not None:     # no attention: its state's, in C
+                layer_group.append(0)
+                layer_index.append(0)
+                continue
+            if len(layer_runs) != 1:
+                return None
+            backend = layer_runs[0][2]
+            if id(backend) not in owners:
+                owners[id(backend)] = len(runs)
+                runs.append(layer_runs[0])
+            layer_group.append(owners[id(backend)])
+            layer_index.append(backend.local_layer(self.sources.get(layer, layer)))     # shared KV: the source's
+        return runs, layer_group, layer_index
+
     def decode(self, model, token_ids: torch.Tensor) -> torch.Tensor | None:
         """The step in one kernel call through every layer, each layer attending inside it (cpu_step.decode_layers):
         every item a one-token decode and each layer one run of one backend over all of them, a group of the call
@@ -281,26 +304,10 @@ class StepAttention:
                 or any(layer not in own for layer in self.sources) \
                 or (linear and (model.gdn_layers != linear or self.mass is not None)):
             return None
-        if self.shared and not self.sources:    # every layer on the same runs: one backend, holding every layer
-            runs, layer_group, layer_index = self.layer_runs[0], None, None
-            if len(runs) != 1:
-                return None
-        else:
-            owners: dict[int, int] = {}         # id(backend) -> its group
-            runs, layer_group, layer_index = [], [], []
-            for layer, layer_runs in enumerate(self.layer_runs):
-                if not layer_runs and c.layers[layer].linear is not None:     # no attention: its state's, in C
-                    layer_group.append(0)
-                    layer_index.append(0)
-                    continue
-                if len(layer_runs) != 1:
-                    return None
-                backend = layer_runs[0][2]
-                if id(backend) not in owners:
-                    owners[id(backend)] = len(runs)
-                    runs.append(layer_runs[0])
-                layer_group.append(owners[id(backend)])
-                layer_index.append(backend.local_layer(self.sources.get(layer, layer)))     # shared KV: the source's
+        planned = self._call_groups(c)
+        if planned is None:
+            return None
+        runs, layer_group, layer_index = planned
         kinds = (FullPagesC,) if self.sources else (FullPagesC, QuantPagesC)
         if not runs or any(type(runs[layer_group[i] if layer_group else 0][2]) not in kinds for i in own):
             # Gemma 4's own attention: over the C one-call groups' pages, and not over quantized pages with layers
