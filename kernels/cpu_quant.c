@@ -1640,11 +1640,11 @@ static void dense_mlp(const qlayer_t *L, const float *x2, int B, float eps, floa
 // a multiplier; q and k normed; decode_attend at the layer's head size and KV heads. A layer that keeps its keys
 // and values for layers over its KV copies them (normed, before RoPE) to its slot of kept; a layer over another's KV
 // has q only and gives decode_attend the kept rows, which store the bytes the source stored and read them. vb: B
-// rows of kvh * hd for values taken from keys; kept: two such slots a kept layer (keys, then values).
+// rows of kvh * hd for values taken from keys; kept: two such slots a kept layer (keys, then values); ones: hd 1s,
+// the values' norm's multiplier (head_norm_'s for the forward).
 static int own_attention(const qlayer_t *L, const attn_group_t *g, int i, int B, float *qkv, int n0, int Hq,
-                         float eps, float *vb, float *kept, size_t slot, float sm_scale, float *att, float *as,
-                         const int *cols, int mcols, float *mass) {
-    static const float ones[512] = {[0 ... 511] = 1.0f};   // the values' norm's multiplier, as head_norm_'s
+                         float eps, float *vb, float *kept, size_t slot, const float *ones, float sm_scale, float *att,
+                         float *as, const int *cols, int mcols, float *mass) {
     int hd = L->hd, kvh = L->kvh, kw = kvh * hd, ldk = n0, ldv = n0;
     float *k = qkv + (size_t)Hq * hd, *v = k + kw;
     if (L->from) {
@@ -1732,7 +1732,8 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
                     + (size_t)B * ngu / 2       // the GELU's output
                     + (size_t)B * (4 * (size_t)wple + H)       // the per-layer input's gate, pairs, product, output
                     + 2 * (size_t)B * H                        // a dense MLP's and its experts' outputs (Gemma 4)
-                    + slot * (1 + 2 * (size_t)nkeep);          // values from keys; kept keys and values
+                    + slot * (1 + 2 * (size_t)nkeep)           // values from keys; kept keys and values
+                    + (size_t)dmax;                            // the values' norm's multiplier: ones
     char *mem = malloc(gemv_bytes + sizeof(float) * floats + 64);
     if (!mem) return -1;
     void *gs = mem;
@@ -1741,7 +1742,8 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
     float *gu = x2 + (size_t)B * H;
     float *as = gu + (size_t)B * ngu, *gl = as + attn_floats, *pl = gl + (size_t)B * ngu / 2;
     float *dn = pl + (size_t)B * (4 * (size_t)wple + H), *rt = dn + (size_t)B * H;
-    float *vb = rt + (size_t)B * H, *kept = vb + slot;
+    float *vb = rt + (size_t)B * H, *kept = vb + slot, *ones = kept + 2 * (size_t)nkeep * slot;
+    for (int d = 0; d < dmax; d++) ones[d] = 1.0f;
     for (int l = 0; l < nl; l++) {
         const qlayer_t *L = layers + l;
         int n0 = 0;
@@ -1770,7 +1772,7 @@ static int run_layers(int nl, const qlayer_t *layers, int B, float *x, int H, fl
                 for (int b = 0; b < B; b++)
                     for (int c = 0; c < V; c++) att[(size_t)b * V + c] = mixed[(size_t)b * V + L->mix_order[c]];
         } else if (L->hd && (!g->attend || g->normed)) {
-            if (own_attention(L, g, i, B, qkv, n0, Hq, eps, vb, kept, slot, sm_scale, att, as, cols, mcols,
+            if (own_attention(L, g, i, B, qkv, n0, Hq, eps, vb, kept, slot, ones, sm_scale, att, as, cols, mcols,
                               mass ? mass + (size_t)l * B * Hq * mcols : NULL)) {
                 free(mem);
                 return -2;
