@@ -1475,8 +1475,6 @@ static void lin_apply(const qlin_t *parts, int np, const float *x, int M, float 
 #include "cpu_moe.h"
 #include "cpu_gdn.h"        // Gated DeltaNet's recurrence (linear-attention layers)
 
-// Whether layer L's linears chain at widths H (the residual), Hq * D (attention) and its own intermediate: a
-// table built from a damaged file's header must fail here, not read past an activation row
 // Whether layer L's own attention (qlayer_t.hd) chains: q [Hq, hd], keys and values at its KV heads (none where it
 // reads another layer's), the output Hq * hd wide, heads decode_attend takes
 static int own_heads_ok(const qlayer_t *L, int Hq) {
@@ -1485,6 +1483,8 @@ static int own_heads_ok(const qlayer_t *L, int Hq) {
            && L->keep >= 0 && L->from >= 0 && L->mix_in == Hq * hd + kv && L->mix_out == Hq * hd;
 }
 
+// Whether layer L's linears chain at widths H (the residual), Hq * D (attention) and its own intermediate: a
+// table built from a damaged file's header must fail here, not read past an activation row
 static int layer_widths_ok(const qlayer_t *L, int H, int Hq, int Hkv, int D) {
     int mixer = L->mix_out > 0;                  // the caller's mixer: its own widths, no q / k norm here (but for
     if (mixer && (L->mix_in < 1 || (L->q_norm && !L->hd))) return 0;       // its own attention's, hd > 0)

@@ -271,7 +271,7 @@ class LayerSpec:
         """Whether the one-call C step's table gives this layer's token mixer its own widths, between its projections:
         the forward's own mixer, called back in Python, where the model's common attention does not compute it (Gemma
         4's heads of the layer's own width and count, KV read from another layer, values normed or taken from the keys,
-        its proportional rope: C's own_attention where the pages are full precision, own_heads; Qwen3.5's output gate
+        its proportional rope: C's own_attention where a C group reads the pages, own_heads; Qwen3.5's output gate
         is C's) or the step has no form of it (a Gated DeltaNet where the step brings no states; with them it runs in
         C)."""
         return (self.linear is not None or (self.attn_gate and not self.order_in_weights)
@@ -281,10 +281,10 @@ class LayerSpec:
 
     @property
     def own_heads(self) -> bool:
-        """Whether the one-call step attends this called-back layer in C itself where the layer's KV group holds
-        full-precision pages (run_layers' own_attention): a softmax attention called back only for Gemma 4's
-        reasons (heads of its own width and count, KV read from another layer, values normed or taken from the
-        keys, its proportional rope, a whole-head rotation), no output gate."""
+        """Whether the one-call step attends this called-back layer in C itself where a C group reads the layer's
+        pages (run_layers' own_attention; StepAttention.decode says where): a softmax attention called back only
+        for Gemma 4's reasons (heads of its own width and count, KV read from another layer, values normed or taken
+        from the keys, its proportional rope, a whole-head rotation), no output gate."""
         return self.mixer_called_back and self.linear is None and not self.attn_gate and self.rope.dims is None
 
     @property

@@ -191,6 +191,7 @@ class Transformer:
         self._kernel_layers = None          # decode_layers' table, built on first use (kernel_layers)
         self._kernel_checked = False
         self._states_in_c: bool | None = None      # states_in_c(), found once
+        self._own_attention: tuple | None = None    # own_attention(), found once
         self._gdn_tables: dict = {}         # layer -> its mixer's C form (cpu_quant.gdn_table) or None, on first use
         self._shared_tables: dict = {}      # id(Layer) -> its shared expert's C form (cpu_quant.shared_table) or None
         self._gdn_layers: list[int] = []    # the layers whose Gated DeltaNet the one-call step runs (kernel_layers)
@@ -385,6 +386,16 @@ class Transformer:
         return cpu_step.LayerRow(slots + [[], []] if len(slots) == 2 else slots, L.norm_attn, L.norm_mlp, *qk, moe,
                                  *post, 1 if spec.activation == "gelu_tanh" else 0, spec.mixer_called_back, gdn,
                                  ple, L.scalar, shared, gate, L.beside, heads)
+
+    def own_attention(self) -> tuple[tuple[int, ...], bool]:
+        """(The layers whose attention the one-call step computes at their own widths (LayerSpec.own_heads), whether
+        some other attention layer's mixer is the forward's, called back): asked every decode step, found once."""
+        if self._own_attention is None:
+            layers = self.config.layers
+            self._own_attention = (tuple(i for i, spec in enumerate(layers) if spec.own_heads),
+                                   any(spec.mixer_called_back and not spec.own_heads for spec in layers
+                                       if spec.linear is None))
+        return self._own_attention
 
     def states_in_c(self) -> bool:
         """Whether every linear-attention layer's mixer runs in C, which writes a step's new state apart from the old

@@ -299,17 +299,16 @@ class StepAttention:
             return None
         # a mixer C does not compute stays the forward's; Gated DeltaNet layers run in C from the items' states
         linear = [i for i, spec in enumerate(c.layers) if spec.linear is not None]
-        own = [i for i, spec in enumerate(c.layers) if spec.own_heads]
-        if any(spec.mixer_called_back and not spec.own_heads for spec in c.layers if spec.linear is None) \
-                or any(layer not in own for layer in self.sources) \
+        own, called_back = model.own_attention()
+        if called_back or any(layer not in own for layer in self.sources) \
                 or (linear and (model.gdn_layers != linear or self.mass is not None)):
             return None
         planned = self._call_groups(c)
         if planned is None:
             return None
         runs, layer_group, layer_index = planned
-        kinds = (FullPagesC,) if self.sources else (FullPagesC, QuantPagesC)
-        if not runs or any(type(runs[layer_group[i] if layer_group else 0][2]) not in kinds for i in own):
+        readers = (FullPagesC,) if self.sources else (FullPagesC, QuantPagesC)
+        if not runs or any(type(runs[layer_group[i] if layer_group else 0][2]) not in readers for i in own):
             # Gemma 4's own attention: over the C one-call groups' pages, and not over quantized pages with layers
             # reading another's KV: there the layer path stores each source's row before its readers attend, so a
             # block the step completes is read quantized by them and at full precision by the source
