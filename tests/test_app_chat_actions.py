@@ -333,6 +333,9 @@ def test_real_engine_regenerate_forks_without_prefill_and_arrows_keep_the_cache(
     user = window.chat.chat_messages()[2]
     user.start_edit()
     user.editor.setPlainText("And after that?")
+    # an edit while the window is busy is ignored by design: wait for the session, ready again after the turn (a
+    # busy host once sent the edit before it was, and the test read the old messages back)
+    qtbot.waitUntil(lambda: not window.actions.busy(), timeout=30_000)
     window.actions.edit_and_resend(user)
     qtbot.waitUntil(lambda: not window.generating, timeout=30_000)
     edited = window.dashboard.data.latest
