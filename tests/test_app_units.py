@@ -105,3 +105,23 @@ def test_gui_thread_collector_collects_cycles_on_its_timer(qtbot):
         collector.stop()
     assert gc.isenabled()
     gc.disable()              # as the autouse fixture left it; it enables collection at teardown
+
+
+def test_gui_thread_collector_freezes_only_what_no_one_froze_before(qtbot):
+    """Python unfreezes all or nothing: a collector under a caller's frozen objects (the suite's, conftest.py) leaves
+    them frozen when it stops; alone, it freezes at its start and unfreezes at its stop."""
+    import gc
+
+    from kvchat.app.shell.gc_guard import GuiThreadCollector
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    GuiThreadCollector().stop()
+    assert gc.get_freeze_count() == frozen
+    gc.unfreeze()
+    try:
+        collector = GuiThreadCollector()
+        assert gc.get_freeze_count() > 0
+        collector.stop()
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.freeze()

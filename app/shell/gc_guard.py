@@ -18,14 +18,17 @@ from PySide6.QtCore import QObject, QTimer
 class GuiThreadCollector(QObject):
     """Owns collection while it lives: automatic collection off, the objects alive at its start frozen (never
     scanned), a timer on this (the GUI) thread collecting the generations whose counts passed their thresholds.
-    stop() unfreezes and gives collection back to Python."""
+    stop() unfreezes and gives collection back to Python. Where its caller has frozen objects already (the test
+    suite freezes its imports once), it leaves them frozen, before and after: Python unfreezes all or nothing."""
 
     def __init__(self, parent: QObject | None = None, interval_ms: int = 1000):
         super().__init__(parent)
         self._was_enabled = gc.isenabled()
         self._threshold = gc.get_threshold()
         gc.disable()
-        gc.freeze()               # what exists now (the imported modules: torch, Qt) is never scanned again,
+        self._froze = gc.get_freeze_count() == 0
+        if self._froze:
+            gc.freeze()           # what exists now (the imported modules: torch, Qt) is never scanned again,
                                   # so a full collection on the GUI thread stays short
         self._timer = QTimer(self)
         self._timer.timeout.connect(self.check)
@@ -41,6 +44,7 @@ class GuiThreadCollector(QObject):
 
     def stop(self) -> None:
         self._timer.stop()
-        gc.unfreeze()
+        if self._froze:
+            gc.unfreeze()
         if self._was_enabled:
             gc.enable()
