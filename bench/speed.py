@@ -423,6 +423,7 @@ def run(args) -> dict:
         "model": engine.model_name, "path": path, "quant": engine.model.quant, "weights": engine.model.weights,
         "device": "cpu", "threads": threads, "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
         "runs": args.runs, "kernels": _kernels_label(), "cpu": _cpu_label(),
+        "prefill": engine.prefill, "prefill_why": engine.prefill_why, "activations": engine.activations,
         "weight_bytes": engine.model.weight_bytes(), "file_bytes": os.path.getsize(path) if os.path.isfile(path) else None,
     }
     for name, r in runs.items():
@@ -514,6 +515,8 @@ def summarize(r: dict) -> str:
              + (f", file {r['file_bytes'] / MIB:.0f} MiB" if r.get("file_bytes") else "") + f") on {r['threads']} "
              f"threads, {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, median of {r['runs']} "
              f"interleaved runs; kernels: {r['kernels']}" + (f"; CPU {r['cpu']}" if r.get("cpu") else "")]
+    if r.get("prefill"):
+        lines.append(f"  prompts: {r['prefill']} ({r['prefill_why']}); decode activations: {r['activations']}")
     for name in ("kvchat", "kvchat_int8", "kvchat_attention", "llamacpp", "transformers"):
         if name in r:
             s = r[name]

@@ -126,7 +126,8 @@ def prefill_measured_here() -> bool:
     return "amx_bf16" not in have and bool(have & {"avx512bf16", "avx512vnni"})
 
 
-PREFILL_RECORD = 2          # what a record was measured among: 1 fp32 and bf16, 2 with int8 (older ones: measured again)
+PREFILL_RECORD = 3          # what a record was measured among: 1 fp32 and bf16, 2 with int8, 3 keyed by the kernels'
+                            # build too (older ones: measured again)
 
 
 def _prefill_path() -> Path:
@@ -143,8 +144,10 @@ def cpu_name() -> str:
 
 
 def _machine_key() -> str:
-    """What a prefill measurement holds for: this CPU's model and features, the Python build of torch's kernels."""
-    return f"{PREFILL_RECORD}|{cpu_name()}|{','.join(sorted(cpu_features()))}"
+    """What a prefill measurement holds for: this CPU's model and features, the Python build of torch's kernels, and
+    the kernels' build (a measurement that found the avx512 build's int8 rows says nothing of the avx2 build's, which
+    has none: a forced variant, or a compiler that could not build AVX-512, is measured again)."""
+    return f"{PREFILL_RECORD}|{cpu_name()}|{','.join(sorted(cpu_features()))}|{current_variant()}"
 
 
 def prefill_record() -> tuple[str, str] | None:

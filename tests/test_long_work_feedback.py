@@ -44,6 +44,8 @@ def test_bench_speed_json_keeps_stdout_clean_and_shows_progress_on_stderr(tmp_pa
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)             # stdout is the JSON and nothing else
     assert result["runs"] == 2 and result["kvchat"]["decode_tok_s"] > 0
+    # which prompt path and decode activations the numbers are of (a forced kernel variant can change the first)
+    assert result["prefill"] in ("fp32", "bf16", "int8") and result["prefill_why"] and result["activations"] == "int16"
     progress = [line for line in run.stderr.splitlines() if line.startswith("[bench speed")]
     assert any(line.endswith("run 1/2") for line in progress) and any(line.endswith("run 2/2") for line in progress)
     assert progress[-1].split("] ", 1)[1].startswith("done in ")

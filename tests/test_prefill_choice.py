@@ -50,6 +50,20 @@ def test_a_record_measured_before_int8_is_measured_again(zen4):
     assert calls == [1] and "int8" in cpu_lib.prefill_record()[1] or not _gemm8()
 
 
+def test_a_record_holds_for_the_kernels_build_it_was_measured_with(zen4, monkeypatch):
+    """The avx512 build's measurement (its int8 rows the fastest) does not stand for the avx2 build, which has no int8
+    rows: forced (KVCHAT_CPU_VARIANT) or where AVX-512 would not build, the machine is measured again, and doctor and
+    the one-shot path say "not measured yet" until it is, not int8."""
+    calls, _ = zen4
+    monkeypatch.setattr(cpu_lib, "current_variant", lambda: "avx512")
+    cpu_lib.save_prefill_record("int8", "measured here: int8 rows 3.3x the exact fp32 GEMM")
+    assert cpu_lib.auto_prefill() == ("int8", "measured here: int8 rows 3.3x the exact fp32 GEMM")
+    monkeypatch.setattr(cpu_lib, "current_variant", lambda: "avx2")
+    assert cpu_lib.prefill_record() is None and cpu_lib.auto_prefill()[0] == "fp32"
+    monkeypatch.setattr(cpu_lib, "current_variant", lambda: "avx512")
+    assert cpu_lib.prefill_record()[0] == "int8" and calls == []
+
+
 def _gemm8() -> bool:
     from kvchat.kernels import cpu_quant
     return cpu_quant.gemm8_available()
