@@ -144,9 +144,9 @@ def cpu_name() -> str:
 
 
 def _machine_key() -> str:
-    """What a prefill measurement holds for: this CPU's model and features, the Python build of torch's kernels, and
-    the kernels' build (a measurement that found the avx512 build's int8 rows says nothing of the avx2 build's, which
-    has none: a forced variant, or a compiler that could not build AVX-512, is measured again)."""
+    """What a prefill measurement holds for: the record's version, this CPU's model and features, and the kernels'
+    build (a measurement that found the avx512 build's int8 rows says nothing of the avx2 build, which has none: a
+    forced variant, or a compiler that could not build AVX-512, is measured again)."""
     return f"{PREFILL_RECORD}|{cpu_name()}|{','.join(sorted(cpu_features()))}|{current_variant()}"
 
 
