@@ -302,7 +302,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     prefill: str = "auto"             # prompt rows over packed weights on the CPU: fp32 (exact over the dequantized
                                       # weights), bf16 (oneDNN's bf16 GEMM), int8 (activations rounded as
-                                      # llama.cpp's Q8_0, AVX-512 VNNI), or auto (measured: engine.choose_prefill)
+                                      # llama.cpp's Q8_0, AVX2 or AVX-512), or auto (measured: engine.choose_prefill)
     activations: str = "int16"        # decode rows over packed weights in the C kernels: int16 per group of 32 (exact
                                       # to ~1e-5), or int8 (llama.cpp's Q8_0 rounding: opt-in, see the README)
 

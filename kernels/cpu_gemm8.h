@@ -1,20 +1,35 @@
 // Prompt rows against packed 4-, 5- and 8-bit weights with int8 activations (EngineConfig(prefill="int8")),
-// included by cpu_quant.c in the AVX-512 VNNI build.
+// included by cpu_quant.c in the AVX-512 VNNI and AVX2 builds.
 //
 // A prompt's rows are many, so the weights are read once a call, not once a row: sixteen weight rows at a time
-// are laid out with one row per 32-bit lane (group g, element 4c..4c+3 of each row in one register), and every
-// prompt row's four int8 activations broadcast against them (VNNI's vpdpbusd: unsigned codes times signed
-// activations, 64 products an instruction). The activations are rounded per group of 32 as llama.cpp's Q8_0 rounds
+// (eight on AVX2) are laid out with one row per 32-bit lane (group g, element 4c..4c+3 of each row in one register),
+// and every prompt row's four int8 activations broadcast against them (VNNI's vpdpbusd: unsigned codes times signed
+// activations, 64 products an instruction; AVX2's maddubs: pairs of products into int16, summed in int16 as far as
+// they cannot overflow, then widened). The activations are rounded per group of 32 as llama.cpp's Q8_0 rounds
 // them (quantize_x8), the per-group float work is one multiply-add of the scales and one of the zeros for sixteen
 // outputs, and each output's sums run over the groups in order: a row's result depends only on the row, never on
-// how many rows share the call (a prompt read whole or after a restored prefix gives the same bits).
+// how many rows share the call (a prompt read whole or after a restored prefix gives the same bits). The integer sums
+// are exact and the float steps the same lane by lane, so AVX2 gives AVX-512's bits for 4- and 5-bit codes; 8-bit
+// codes stay signed on AVX2 (maddubs would overflow on unsigned ones), their zeros summed in another order.
 #pragma once
 
+#ifdef KVCHAT_AVX512
 #define GB 16           // weight rows a block: one a lane
 #define GR 8            // prompt rows a tile: their sums stay in registers
+#else
+#define GB 8
+#define GR 4            // 16 registers: four sums, four int16 sums, the codes, one activation, the constants
+#endif
+
+// 16 bits -> 16 bytes, 16 where the bit is set (q5's fifth bits)
+static inline __m128i bits_to16(uint32_t h) {
+    __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)h), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, bit), bit), _mm_set1_epi8(16));
+}
 
 // Block n0.. (nr <= GB rows) laid out: wb [ng][8][GB] the codes as unsigned bytes (q8's int8 codes + 128), sb / zb
-// [ng][GB] the scales and zeros (q8: its zeros less 128 scales; rows past nr: zeros). Returns whether any zero is
+// [ng][GB] the scales and zeros (q8 on AVX-512: its zeros less 128 scales, the codes offset; rows past nr: zeros). Returns whether any zero is
 // non-zero.
 static int gemm8_block(const void *codes, int bits, const uint8_t *high, const void *scale, const void *zero,
                        int kind, const float *ssup, const float *zsup, int per, int n0, int nr, int K,
@@ -36,22 +51,27 @@ static int gemm8_block(const void *codes, int bits, const uint8_t *high, const v
         const float *zr = row_zero(zero, zsup, per, row, ng, kind, sc, zbuf, hrow);
         for (int g = 0; g < ng; g++) {
             float z = zr ? zr[g] : 0.f;
+#ifdef KVCHAT_AVX512
             if (bits == 8) z -= 128.f * sc[g];
+#endif
             sb[g * GB + r] = sc[g];
             zb[g * GB + r] = z;
             any_zero |= z != 0.f;
             uint32_t d[8];
             if (bits == 8) {
                 __m256i w = _mm256_loadu_si256((const __m256i *)((const int8_t *)codes + row * K + g * 32));
-                _mm256_storeu_si256((__m256i *)d, _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)));
+#ifdef KVCHAT_AVX512
+                w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+#endif
+                _mm256_storeu_si256((__m256i *)d, w);
             } else {
                 __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)codes + row * (K / 2) + g * 16));
                 __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
                 __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
                 if (hrow) {
                     uint32_t h = q5_bits(hrow, g);
-                    lo = _mm_mask_add_epi8(lo, (__mmask16)(h & 0xFFFF), lo, _mm_set1_epi8(16));
-                    hi = _mm_mask_add_epi8(hi, (__mmask16)(h >> 16), hi, _mm_set1_epi8(16));
+                    lo = _mm_or_si128(lo, bits_to16(h & 0xFFFF));
+                    hi = _mm_or_si128(hi, bits_to16(h >> 16));
                 }
                 _mm_storeu_si128((__m128i *)d, lo);
                 _mm_storeu_si128((__m128i *)(d + 4), hi);
@@ -62,10 +82,12 @@ static int gemm8_block(const void *codes, int bits, const uint8_t *high, const v
     return any_zero;
 }
 
+#ifdef KVCHAT_AVX512
 // R prompt rows (xq [R, K] int8, xs / sums [R, ng]) against a laid-out block -> y [R, ldy] at the block's columns
 static inline __attribute__((always_inline)) void gemm8_tile(const uint32_t *wb, const float *sb, const float *zb,
-        int zeros, const int8_t *xq, const float *xs, const float *sums, int K, int ng, const int R, float *y,
+        int zeros, int span, const int8_t *xq, const float *xs, const float *sums, int K, int ng, const int R, float *y,
         size_t ldy, int nr) {
+    (void)span;             // VNNI sums in int32 from the start
     __m512 acc[GR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < ng; g++) {
@@ -88,6 +110,60 @@ static inline __attribute__((always_inline)) void gemm8_tile(const uint32_t *wb,
     __mmask16 keep = (__mmask16)((1u << nr) - 1);
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
 }
+#else
+// Steps c0..c0+n of a group: R rows' products summed in int16, then widened into d
+static inline __attribute__((always_inline)) void gemm8_steps16(const __m256i *w, const int8_t *xg, int K,
+        const int R, const int c0, const int n, __m256i *d) {
+    __m256i h[GR];
+    for (int r = 0; r < R; r++) h[r] = _mm256_setzero_si256();
+    for (int c = c0; c < c0 + n; c++) {
+        __m256i wc = _mm256_load_si256(w + c);
+        for (int r = 0; r < R; r++)
+            h[r] = _mm256_add_epi16(h[r], _mm256_maddubs_epi16(wc,
+                       _mm256_set1_epi32(*(const int32_t *)(xg + (size_t)r * K + 4 * c))));
+    }
+    for (int r = 0; r < R; r++) d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(h[r], _mm256_set1_epi16(1)));
+}
+
+// R prompt rows (xq [R, K] int8, xs / sums [R, ng]) against a laid-out block -> y [R, ldy] at the block's columns.
+// span: how many of a group's eight steps sum in int16 before widening (4-bit codes 8: sixteen products of at most
+// 15 x 127; 5-bit 4); 0 for signed 8-bit codes (each step's pairs of |w| x sign-carrying x widened at once).
+static inline __attribute__((always_inline)) void gemm8_tile(const uint32_t *wb, const float *sb, const float *zb,
+        int zeros, int span, const int8_t *xq, const float *xs, const float *sums, int K, int ng, const int R,
+        float *y, size_t ldy, int nr) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[GR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        __m256i d[GR];
+        for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();
+        const __m256i *w = (const __m256i *)(wb + (size_t)g * 8 * GB);
+        const int8_t *xg = xq + g * 32;
+        if (span == 8) gemm8_steps16(w, xg, K, R, 0, 8, d);
+        else if (span == 4) {
+            gemm8_steps16(w, xg, K, R, 0, 4, d);
+            gemm8_steps16(w, xg, K, R, 4, 4, d);
+        } else {
+            for (int c = 0; c < 8; c++) {
+                __m256i wc = _mm256_load_si256(w + c), aw = _mm256_abs_epi8(wc);
+                for (int r = 0; r < R; r++) {
+                    __m256i xr = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xg + (size_t)r * K + 4 * c)), wc);
+                    d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xr), ones));
+                }
+            }
+        }
+        __m256 s = _mm256_load_ps(sb + g * GB);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), _mm256_mul_ps(s, _mm256_set1_ps(xs[r * ng + g])), acc[r]);
+        if (zeros) {
+            __m256 z = _mm256_load_ps(zb + g * GB);
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(sums[r * ng + g]), acc[r]);
+        }
+    }
+    __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int r = 0; r < R; r++) _mm256_maskstore_ps(y + r * ldy, keep, acc[r]);
+}
+#endif
 
 // x [T, K] fp32 -> y [T, N]: codes q4 ([N, K/2], high: q5's fifth bits or NULL) or q8 ([N, K] int8, groups of 32)
 static int gemm8(const float *x, int T, int K, const void *codes, int bits, const uint8_t *high, const void *scale,
@@ -111,8 +187,9 @@ static int gemm8(const float *x, int T, int K, const void *codes, int bits, cons
             if (!wb || !sb) { failed = 1; continue; }
             int n0 = b * GB, nr = N - n0 < GB ? N - n0 : GB;
             int zeros = gemm8_block(codes, bits, high, scale, zero, kind, ssup, zsup, per, n0, nr, K, wb, sb, zb);
+            int span = bits == 8 ? 0 : high ? 4 : 8;
             int t = 0;
-#define GEMM8_TILE(R) gemm8_tile(wb, sb, zb, zeros, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, \
+#define GEMM8_TILE(R) gemm8_tile(wb, sb, zb, zeros, span, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, \
                                 K, ng, R, y + (size_t)t * N + n0, N, nr)
             for (; t + GR <= T; t += GR) GEMM8_TILE(GR);
             switch (T - t) {        // a constant R per case: the sums stay in registers

@@ -105,9 +105,9 @@ def choose_variant() -> tuple[str, str]:
 
 def auto_prefill() -> tuple[str, str]:
     """(precision, why) that EngineConfig(prefill="auto") gives prompt rows on this CPU: bf16 where it has AMX
-    (oneDNN's bf16 GEMM there ran 5-6x the fp32 one); on AVX-512 BF16 without AMX (Zen 4) what this machine
-    measured (prefill_record: the engine times both GEMMs once, on its first load, and keeps the answer, so every
-    later start makes the same choice); else fp32. Torch-free: quick.covers asks it too."""
+    (oneDNN's bf16 GEMM there ran 5-6x the fp32 one); without AMX, on AVX2 or AVX-512 (Zen 4, AMD EPYC), what this
+    machine measured (prefill_record: the engine times the paths once, on its first load, and keeps the answer, so
+    every later start makes the same choice); else fp32. Torch-free: quick.covers asks it too."""
     have = cpu_features()
     if "amx_bf16" in have:
         return "bf16", "the CPU's AMX multiplies bf16"
@@ -115,19 +115,19 @@ def auto_prefill() -> tuple[str, str]:
         got = prefill_record()
         if got is not None:
             return got
-        return "fp32", "AVX-512 without AMX: not measured yet (the engine measures it on its first load)"
-    return "fp32", "no AMX or AVX-512 BF16 / VNNI on this CPU"
+        return "fp32", "no AMX: not measured yet (the engine measures it on its first load)"
+    return "fp32", "no AMX, AVX-512 or AVX2 on this CPU"
 
 
 def prefill_measured_here() -> bool:
-    """Whether prefill="auto" is decided by measurement on this CPU: AVX-512 with BF16 (vdpbf16ps) or VNNI (the
-    int8 prompt rows, cpu_gemm8.h) and no AMX."""
+    """Whether prefill="auto" is decided by measurement on this CPU: no AMX, and AVX-512 BF16 (vdpbf16ps) or the
+    int8 prompt rows (cpu_gemm8.h: AVX-512 VNNI or AVX2) to weigh against the exact fp32 GEMM."""
     have = cpu_features()
-    return "amx_bf16" not in have and bool(have & {"avx512bf16", "avx512vnni"})
+    return "amx_bf16" not in have and bool(have & {"avx512bf16", "avx512vnni", "avx2"})
 
 
-PREFILL_RECORD = 3          # what a record was measured among: 1 fp32 and bf16, 2 with int8, 3 keyed by the kernels'
-                            # build too (older ones: measured again)
+PREFILL_RECORD = 4          # what a record was measured among: 1 fp32 and bf16, 2 with int8, 3 keyed by the kernels'
+                            # build too, 4 with the avx2 build's int8 rows (older ones: measured again)
 
 
 def _prefill_path() -> Path:
@@ -145,8 +145,8 @@ def cpu_name() -> str:
 
 def _machine_key() -> str:
     """What a prefill measurement holds for: the record's version, this CPU's model and features, and the kernels'
-    build (a measurement that found the avx512 build's int8 rows says nothing of the avx2 build, which has none: a
-    forced variant, or a compiler that could not build AVX-512, is measured again)."""
+    build (the avx512 build's int8 rows run twice the avx2 build's on Zen 4: a forced variant, or a compiler that
+    could not build AVX-512, is measured again)."""
     return f"{PREFILL_RECORD}|{cpu_name()}|{','.join(sorted(cpu_features()))}|{current_variant()}"
 
 

@@ -935,15 +935,15 @@ void q8_dequant_bf16(const int8_t *codes, const void *scale, const void *zero, i
     q8_dequant_to(codes, scale, zero, G, N, K, NULL, out, kind, ssup, zsup, per);
 }
 
-#ifdef KVCHAT_AVX512
-#include "cpu_gemm8.h"      // prompt rows with int8 activations, sixteen weight rows a lane each (prefill="int8")
+#ifdef __AVX2__
+#include "cpu_gemm8.h"      // prompt rows with int8 activations, a weight row a lane (prefill="int8")
 #endif
 
 // Prompt rows x [T, K] against q4 / q5 (bits 4, high) or q8 (bits 8, groups of 32) codes with int8 activations
-// -> y [T, N]. 0 done; 1 this build has no such kernel (it needs AVX-512 VNNI); 2 out of memory.
+// -> y [T, N]. 0 done; 1 this build has no such kernel (it needs AVX2); 2 out of memory.
 int gemm8_rows(const float *x, int T, int K, const void *codes, int bits, const uint8_t *high, const void *scale,
                const void *zero, int N, float *y, int kind, const float *ssup, const float *zsup, int per) {
-#ifdef KVCHAT_AVX512
+#ifdef __AVX2__
     return gemm8(x, T, K, codes, bits, high, scale, zero, kind, ssup, zsup, per, N, y);
 #else
     (void)x; (void)T; (void)K; (void)codes; (void)bits; (void)high; (void)scale; (void)zero; (void)N; (void)y;

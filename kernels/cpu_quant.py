@@ -279,7 +279,7 @@ def q4_gemv(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, norm=None, e
 
 
 def gemm8_available() -> bool:
-    """Whether this build multiplies prompt rows with int8 activations (gemm8_rows: AVX-512 VNNI)."""
+    """Whether this build multiplies prompt rows with int8 activations (gemm8_rows: AVX-512 VNNI or AVX2)."""
     if not available():
         return False
     if id(_lib) not in _gemm8_builds:         # asked once a library (the tests swap variants in)
@@ -291,7 +291,7 @@ _gemm8_builds: dict[int, bool] = {}
 
 
 # Prompt rows x [T, K] fp32 against packed codes with int8 activations (llama.cpp's Q8_0 rounding of x per group of
-# 32), sixteen weight rows a step: q4 codes [N, K/2] (bits 4, high: q5's fifth bits) or q8 codes [N, K] in groups
+# 32), sixteen weight rows a step (eight on AVX2): q4 codes [N, K/2] (bits 4, high: q5's fifth bits) or q8 codes [N, K] in groups
 # of 32 (bits 8) -> [T, N]. A row's result depends only on the row (not on T).
 def gemm8(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, bits: int = 4,
           high: torch.Tensor | None = None) -> torch.Tensor:

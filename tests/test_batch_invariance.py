@@ -23,7 +23,7 @@ def packed_engine(request, tmp_path_factory):
     if request.param.startswith("default"):
         prefill = request.param.partition("-")[2] or "fp32"
         if prefill == "int8" and not cpu_quant.gemm8_available():
-            pytest.skip("int8 prompt rows need the AVX-512 VNNI build")
+            pytest.skip("int8 prompt rows need the AVX2 or AVX-512 build")
         engine = Engine.load(EngineConfig(prefill=prefill))
         assert engine.prefill == prefill
         return engine

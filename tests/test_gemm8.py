@@ -6,7 +6,7 @@ import torch
 
 from kvchat.kernels import cpu_quant
 
-pytestmark = pytest.mark.skipif(not cpu_quant.gemm8_available(), reason="int8 prompt rows need the AVX-512 VNNI build")
+pytestmark = pytest.mark.skipif(not cpu_quant.gemm8_available(), reason="int8 prompt rows need the AVX2 or AVX-512 build")
 
 
 def _q8_0(x: torch.Tensor) -> torch.Tensor:

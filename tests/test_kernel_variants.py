@@ -183,6 +183,40 @@ def test_k_quant_scales_give_the_same_bits_in_every_variant_and_row_count(varian
             assert torch.equal(got, alone), (name, label, m)
 
 
+def test_int8_prompt_rows_give_the_same_bits_in_every_simd_variant(variant_lib):
+    """Prompt rows with int8 activations (cpu_gemm8.h): sixteen weight rows a VNNI step on AVX-512, eight a maddubs
+    step on AVX2, the same integer sums and float steps, so 4- and 5-bit codes (Q4_0, Q4_1, Q5_0, Q4_K / Q5_K's packed
+    scales) give the same bits in both; Q8_0's signed codes take another order of their zero terms on AVX2, held to
+    the chosen build within float rounding. An odd weight-row count leaves a part block either way."""
+    import torch
+    from kvchat.kernels import cpu_quant
+    from test_cpu_quant import _q4, _q8
+    name, lib = variant_lib
+    if name == "baseline":
+        pytest.skip("the baseline build has no int8 prompt rows")
+    if not cpu_quant.gemm8_available():
+        pytest.skip("the chosen build has no int8 prompt rows")
+    k, gen = 768, torch.Generator().manual_seed(8)
+    codes, scale, zero = _q4(41, k, seed=1)
+    half = scale.half()
+    high = torch.randint(0, 256, (41, k // 8), dtype=torch.uint8, generator=gen)
+    sup = lambda: (torch.rand(41, k // 256, generator=gen) * 0.01).half()     # noqa: E731
+    kp = cpu_quant.Scales(torch.randint(0, 256, (41, k // 256 * 12), dtype=torch.uint8, generator=gen),
+                          scale_sup=sup(), zero_sup=sup(), per=8, kpacked=True)
+    exact = {"q4_1": lambda x: cpu_quant.gemm8(x, codes, half, zero.half()),
+             "q4_0": lambda x: cpu_quant.gemm8(x, codes, cpu_quant.Scales(half, offset8=True)),
+             "q5_0": lambda x: cpu_quant.gemm8(x, codes, cpu_quant.Scales(half, offset8=True, centre=16), high=high),
+             "q4_k": lambda x: cpu_quant.gemm8(x, codes, kp),
+             "q5_k": lambda x: cpu_quant.gemm8(x, codes, kp, high=high)}
+    c8, s8, _ = _q8(41, k, 32, False, seed=2)
+    x = torch.randn(13, k, generator=gen) * 2
+    for label, fn in exact.items():
+        assert torch.equal(_with_lib(lib, lambda: fn(x)), fn(x)), (name, label)
+    got, want = (f(lambda: cpu_quant.gemm8(x, c8, s8.half(), bits=8)) for f in (lambda g: _with_lib(lib, g),
+                                                                                  lambda g: g()))
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+
+
 def test_decode_attention_gives_the_same_bits_in_every_simd_variant(variant_lib):
     """The decode attention's value pass holds its sums in registers, 16 lanes on AVX-512 and 8 on AVX2, four vectors
     of dimensions at a time and the rest in a plain loop: the same multiply and add per element in either, so the

@@ -1,6 +1,6 @@
-"""--prefill auto on a CPU with AVX-512 BF16 or VNNI but no AMX (Zen 4, Ice Lake): decided by measuring the fp32 and
-bf16 GEMMs and the int8 rows once, kept per machine so every later start (the engine's, the one-shot path's,
-doctor's) makes the same choice, and said with its numbers."""
+"""--prefill auto on a CPU without AMX (Zen 4, Ice Lake, AVX2 EPYC): decided by measuring the fp32 GEMM, bf16's where
+the CPU multiplies bf16, and the int8 rows once, kept per machine so every later start (the engine's, the one-shot
+path's, doctor's) makes the same choice, and said with its numbers."""
 import json
 from types import SimpleNamespace
 
@@ -29,8 +29,7 @@ def zen4(monkeypatch, tmp_path):
 
 def test_measured_once_then_kept(zen4):
     calls, folder = zen4
-    assert cpu_lib.auto_prefill() == ("fp32", "AVX-512 without AMX: not measured yet (the engine measures it "
-                                               "on its first load)")
+    assert cpu_lib.auto_prefill() == ("fp32", "no AMX: not measured yet (the engine measures it on its first load)")
     first = engine_mod.choose_prefill("auto", PACKED)
     assert first[0] in ("fp32", "bf16", "int8") and first[1].startswith("measured here: bf16 ")
     assert calls == [1]
@@ -81,13 +80,28 @@ def test_a_damaged_or_foreign_record_is_measured_again(zen4, record):
     assert calls == [1] and cpu_lib.prefill_record() is not None
 
 
-def test_amx_and_avx2_are_not_measured(monkeypatch, tmp_path):
+def test_amx_and_a_cpu_without_avx2_are_not_measured(monkeypatch, tmp_path):
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(engine_mod, "measure_prefill", lambda *a, **k: pytest.fail("measured"))
     monkeypatch.setattr(cpu_lib, "cpu_features", lambda: ZEN4 | {"amx_bf16"})
     assert engine_mod.choose_prefill("auto", PACKED) == ("bf16", "the CPU's AMX multiplies bf16")
+    monkeypatch.setattr(cpu_lib, "cpu_features", lambda: {"sse4_2"})
+    assert engine_mod.choose_prefill("auto", PACKED) == ("fp32", "no AMX, AVX-512 or AVX2 on this CPU")
+
+
+def test_avx2_weighs_the_int8_rows_against_fp32_without_bf16(monkeypatch, tmp_path):
+    """An AVX2 CPU (AMD EPYC before Zen 4) has the int8 rows (maddubs) but no bf16 multiply: measured between fp32
+    and int8 only, kept, and said."""
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_lib, "cpu_features", lambda: {"avx", "avx2", "fma", "f16c"})
-    assert engine_mod.choose_prefill("auto", PACKED) == ("fp32", "no AMX or AVX-512 BF16 / VNNI on this CPU")
+    real = engine_mod.measure_prefill
+    calls = []
+    monkeypatch.setattr(engine_mod, "measure_prefill",
+                        lambda *a, **k: calls.append(1) or real(rows=16, n=256, k=256, tries=3))
+    choice, why = engine_mod.choose_prefill("auto", PACKED)
+    assert calls == [1] and "bf16" not in why and ("int8 " in why) == _gemm8() and choice in ("fp32", "int8")
+    assert cpu_lib.auto_prefill() == (choice, why) and engine_mod.choose_prefill("auto", PACKED) == (choice, why)
+    assert calls == [1]
 
 
 def test_the_measurement_itself_times_every_path(monkeypatch):
@@ -101,4 +115,4 @@ def test_int8_where_the_build_cannot_is_the_exact_gemm_said(monkeypatch):
     from kvchat.kernels import cpu_quant
     monkeypatch.setattr(cpu_quant, "gemm8_available", lambda: False)
     choice, why = engine_mod.choose_prefill("int8", PACKED)
-    assert choice == "fp32" and "AVX-512 VNNI" in why
+    assert choice == "fp32" and "AVX2 or AVX-512" in why

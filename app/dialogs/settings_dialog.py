@@ -303,7 +303,7 @@ class SettingsDialog(QDialog):
             (self.tr("Automatic ({precision} on this CPU)").format(precision=auto), "auto"),
             (self.tr("fp32 (exact)"), "fp32"),
             (self.tr("bf16 (about 5x faster on a CPU with AMX)"), "bf16"),
-            (self.tr("int8 (rows rounded as llama.cpp does; CPUs with AVX-512 VNNI)"), "int8")], self._prefill, self.tr(
+            (self.tr("int8 (rows rounded as llama.cpp does; CPUs with AVX2)"), "int8")], self._prefill, self.tr(
             "How the model reads a prompt over packed weights. fp32 is exact; bf16 agreed with it on 97.7% of next-token "
             "choices over 512 tokens of prose (llama.cpp's own prompt path: 95.9%). Replies are decoded the same way "
             "either way."))

@@ -18,7 +18,7 @@ activations to int16 per group of 32 (llama.cpp uses int8); prefill dequantizes 
 time into a scratch buffer and runs the BLAS GEMM, so no dense copy of a weight ever persists. Where the CPU
 multiplies bf16 natively (AMX), prefill can take the slabs and the prompt rows in bf16 (`prefill_dtype`,
 EngineConfig.prefill): oneDNN's bf16 GEMM, about 5x the fp32 one there, in calls of a fixed BF16_TILE rows so
-that a row's bits never depend on the rows it is batched with. Where the CPU has AVX-512 VNNI, prompt rows can
+that a row's bits never depend on the rows it is batched with. Where the CPU has AVX2 or AVX-512, prompt rows can
 instead be rounded to int8 per group of 32 (llama.cpp's Q8_0) and multiplied by the codes themselves, sixteen weight
 rows at a time (prefill int8: cpu_quant.gemm8), with no slab at all.
 

@@ -75,13 +75,13 @@ def auto_prefill() -> tuple[str, str]:
 
 def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
     """(fp32 | bf16 | int8, why): what the packed linears give prompt rows. auto takes bf16 where the CPU has AMX,
-    whose bf16 GEMM (oneDNN, through torch) ran 5-6x the fp32 one on a 2-core Xeon with AMX; on AVX-512 without AMX
-    (Zen 4, Ice Lake) what this machine measured (measure_prefill, once, then kept); elsewhere (AVX2) fp32, which is
+    whose bf16 GEMM (oneDNN, through torch) ran 5-6x the fp32 one on a 2-core Xeon with AMX; without AMX (Zen 4,
+    Ice Lake, AVX2 EPYC) what this machine measured (measure_prefill, once, then kept); elsewhere fp32, which is
     exact over the dequantized weights. int8 asked for where the build has no gemm8 reads as fp32, said."""
     if not str(model.device).startswith("cpu") or model.weights not in ("gguf", "int8", "int4"):
         return "fp32", "dense weights: the model's own dtype"
     if asked == "int8" and not cpu_quant.gemm8_available():
-        return "fp32", "int8 asked for, but it needs the C kernels' AVX-512 VNNI build: the exact fp32 GEMM"
+        return "fp32", "int8 asked for, but it needs the C kernels' AVX2 or AVX-512 build: the exact fp32 GEMM"
     if asked != "auto":
         return asked, "asked for"
     measure_prefill_once()
@@ -101,7 +101,7 @@ def _multiplies_bf16() -> bool:
 
 
 def measure_prefill_once() -> None:
-    """On AVX-512 (BF16 or VNNI) without AMX, with nothing kept for this machine yet: measure_prefill, kept."""
+    """Without AMX, on AVX2 or AVX-512, with nothing kept for this machine yet: measure_prefill, kept."""
     if cpu_lib.prefill_measured_here() and cpu_lib.prefill_record() is None:
         cpu_lib.save_prefill_record(*measure_prefill())
 

@@ -2668,8 +2668,8 @@ A snapshot is a copy of the state at a turn boundary: regenerate, rewind and edi
         <translation>bf16（在支持 AMX 的 CPU 上约快 5 倍）</translation>
     </message>
     <message>
-        <source>int8 (rows rounded as llama.cpp does; CPUs with AVX-512 VNNI)</source>
-        <translation>int8（按 llama.cpp 的方式取整各行；需支持 AVX-512 VNNI 的 CPU）</translation>
+        <source>int8 (rows rounded as llama.cpp does; CPUs with AVX2)</source>
+        <translation>int8（按 llama.cpp 的方式取整各行；需支持 AVX2 的 CPU）</translation>
     </message>
     <message>
         <source>How the model reads a prompt over packed weights. fp32 is exact; bf16 agreed with it on 97.7% of next-token choices over 512 tokens of prose (llama.cpp&apos;s own prompt path: 95.9%). Replies are decoded the same way either way.</source>
