@@ -111,38 +111,34 @@ static inline __attribute__((always_inline)) void gemm8_tile(const uint32_t *wb,
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
 }
 #else
-// Steps c0..c0+n of a group: R rows' products summed in int16, then widened into d
-static inline __attribute__((always_inline)) void gemm8_steps16(const __m256i *w, const int8_t *xg, int K,
-        const int R, const int c0, const int n, __m256i *d) {
-    __m256i h[GR];
-    for (int r = 0; r < R; r++) h[r] = _mm256_setzero_si256();
-    for (int c = c0; c < c0 + n; c++) {
-        __m256i wc = _mm256_load_si256(w + c);
-        for (int r = 0; r < R; r++)
-            h[r] = _mm256_add_epi16(h[r], _mm256_maddubs_epi16(wc,
-                       _mm256_set1_epi32(*(const int32_t *)(xg + (size_t)r * K + 4 * c))));
-    }
-    for (int r = 0; r < R; r++) d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(h[r], _mm256_set1_epi16(1)));
-}
-
 // R prompt rows (xq [R, K] int8, xs / sums [R, ng]) against a laid-out block -> y [R, ldy] at the block's columns.
-// span: how many of a group's eight steps sum in int16 before widening (4-bit codes 8: sixteen products of at most
-// 15 x 127; 5-bit 4); 0 for signed 8-bit codes (each step's pairs of |w| x sign-carrying x widened at once).
+// span (a constant at each call): how many of a group's eight steps sum in int16 before widening (4-bit codes 8:
+// sixteen products of at most 15 x 127; 5-bit 4); 0 for signed 8-bit codes (each step's pairs of |w| x
+// sign-carrying x widened at once). The int16 sums are saturating adds that never saturate: the compiler keeps them
+// in order in their registers (a plain add it reassociated into a tree of every step's products, spilled).
 static inline __attribute__((always_inline)) void gemm8_tile(const uint32_t *wb, const float *sb, const float *zb,
-        int zeros, int span, const int8_t *xq, const float *xs, const float *sums, int K, int ng, const int R,
+        int zeros, const int span, const int8_t *xq, const float *xs, const float *sums, int K, int ng, const int R,
         float *y, size_t ldy, int nr) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[GR];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
         __m256i d[GR];
-        for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();
         const __m256i *w = (const __m256i *)(wb + (size_t)g * 8 * GB);
         const int8_t *xg = xq + g * 32;
-        if (span == 8) gemm8_steps16(w, xg, K, R, 0, 8, d);
-        else if (span == 4) {
-            gemm8_steps16(w, xg, K, R, 0, 4, d);
-            gemm8_steps16(w, xg, K, R, 4, 4, d);
+        for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();
+        if (span) {
+            for (int c0 = 0; c0 < 8; c0 += span) {
+                __m256i h[GR];
+                for (int r = 0; r < R; r++) h[r] = _mm256_setzero_si256();
+                for (int c = c0; c < c0 + span; c++) {
+                    __m256i wc = _mm256_load_si256(w + c);
+                    for (int r = 0; r < R; r++)
+                        h[r] = _mm256_adds_epi16(h[r], _mm256_maddubs_epi16(wc,
+                                   _mm256_set1_epi32(*(const int32_t *)(xg + (size_t)r * K + 4 * c))));
+                }
+                for (int r = 0; r < R; r++) d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(h[r], ones));
+            }
         } else {
             for (int c = 0; c < 8; c++) {
                 __m256i wc = _mm256_load_si256(w + c), aw = _mm256_abs_epi8(wc);
@@ -189,20 +185,28 @@ static int gemm8(const float *x, int T, int K, const void *codes, int bits, cons
             int zeros = gemm8_block(codes, bits, high, scale, zero, kind, ssup, zsup, per, n0, nr, K, wb, sb, zb);
             int span = bits == 8 ? 0 : high ? 4 : 8;
             int t = 0;
-#define GEMM8_TILE(R) gemm8_tile(wb, sb, zb, zeros, span, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng, \
-                                K, ng, R, y + (size_t)t * N + n0, N, nr)
+#define GEMM8_CALL(R, S) gemm8_tile(wb, sb, zb, zeros, S, xq + (size_t)t * K, xs + (size_t)t * ng, \
+                                   sums + (size_t)t * ng, K, ng, R, y + (size_t)t * N + n0, N, nr)
+#ifdef KVCHAT_AVX512
+#define GEMM8_TILE(R) ((void)span, GEMM8_CALL(R, 0))
+#else           // span a constant in each copy: the int16 sums unrolled into registers
+#define GEMM8_TILE(R) (span == 8 ? GEMM8_CALL(R, 8) : span == 4 ? GEMM8_CALL(R, 4) : GEMM8_CALL(R, 0))
+#endif
             for (; t + GR <= T; t += GR) GEMM8_TILE(GR);
             switch (T - t) {        // a constant R per case: the sums stay in registers
                 case 1: GEMM8_TILE(1); break;
                 case 2: GEMM8_TILE(2); break;
                 case 3: GEMM8_TILE(3); break;
+#if GR > 4
                 case 4: GEMM8_TILE(4); break;
                 case 5: GEMM8_TILE(5); break;
                 case 6: GEMM8_TILE(6); break;
                 case 7: GEMM8_TILE(7); break;
+#endif
                 default: break;
             }
 #undef GEMM8_TILE
+#undef GEMM8_CALL
         }
         free(wb);
         free(sb);
