@@ -24,23 +24,33 @@
 #include <omp.h>
 #endif
 
-typedef float vf16_t __attribute__((vector_size(64)));
-typedef float vf16u_t __attribute__((vector_size(64), aligned(4)));     // an unaligned load or store of 16 floats
-
-// acc + x * k, one rounding (fused where the build has FMA: the kernels are built without contraction)
-static inline vf16_t pa_fma(vf16_t acc, float x, vf16_t k) {
+// 16 floats: one register on AVX-512, two on AVX2 (a struct the compiler keeps in registers; a 64-byte generic
+// vector it moved through memory there), a generic vector elsewhere. pav_fma: acc + x * k, one rounding (fused where
+// the build has FMA: the kernels are built without contraction); the same per lane in every build.
 #if defined(__AVX512F__)
-    return (vf16_t)_mm512_fmadd_ps(_mm512_set1_ps(x), (__m512)k, (__m512)acc);
-#elif defined(__FMA__)
-    union { vf16_t v; __m256 h[2]; } a = {acc}, b = {k};
+typedef __m512 pav_t;
+static inline pav_t pav_zero(void) { return _mm512_setzero_ps(); }
+static inline pav_t pav_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void pav_store(float *p, pav_t v) { _mm512_storeu_ps(p, v); }
+static inline pav_t pa_fma(pav_t acc, float x, pav_t k) { return _mm512_fmadd_ps(_mm512_set1_ps(x), k, acc); }
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef struct { __m256 lo, hi; } pav_t;
+static inline pav_t pav_zero(void) { pav_t v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+static inline pav_t pav_load(const float *p) { pav_t v = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return v; }
+static inline void pav_store(float *p, pav_t v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline pav_t pa_fma(pav_t acc, float x, pav_t k) {
     __m256 xv = _mm256_set1_ps(x);
-    a.h[0] = _mm256_fmadd_ps(xv, b.h[0], a.h[0]);
-    a.h[1] = _mm256_fmadd_ps(xv, b.h[1], a.h[1]);
-    return a.v;
-#else
-    return acc + x * k;
-#endif
+    pav_t v = {_mm256_fmadd_ps(xv, k.lo, acc.lo), _mm256_fmadd_ps(xv, k.hi, acc.hi)};
+    return v;
 }
+#else
+typedef float pav_t __attribute__((vector_size(64)));
+typedef float pavu_t __attribute__((vector_size(64), aligned(4)));     // an unaligned load or store of 16 floats
+static inline pav_t pav_zero(void) { pav_t v = {0}; return v; }
+static inline pav_t pav_load(const float *p) { return *(const pavu_t *)p; }
+static inline void pav_store(float *p, pav_t v) { *(pavu_t *)p = v; }
+static inline pav_t pa_fma(pav_t acc, float x, pav_t k) { return acc + x * k; }
+#endif
 
 #define PA_TILE 16
 
@@ -51,10 +61,38 @@ static inline float pa_max(const float *s, int n) {     // the largest of s[0 ..
     __m512 v = _mm512_set1_ps(-INFINITY);
     for (; j + 16 <= n; j += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(s + j));
     m = _mm512_reduce_max_ps(v);
+#elif defined(__AVX2__)
+    __m256 v = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #endif
     for (; j < n; j++) m = s[j] > m ? s[j] : m;
     return m;
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// dst [8][8] (rows ldd floats apart) = the transpose of the 8 x 8 block at src (rows ld floats apart)
+static inline void pa_transpose8(const float *src, int ld, float *dst, int ldd) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (size_t)i * ld);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        _mm256_storeu_ps(dst + (size_t)k * ldd, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
+        _mm256_storeu_ps(dst + (size_t)(k + 4) * ldd, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
+    }
+}
+#endif
 
 // dst [16][16] = the transpose of the 16 x 16 block at src (rows ld floats apart)
 static inline void pa_transpose16(const float *src, int ld, float *dst) {
@@ -81,6 +119,9 @@ static inline void pa_transpose16(const float *src, int ld, float *dst) {
         r[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xDD);
     }
     for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + 16 * i, r[i]);
+#elif defined(__AVX2__)
+    for (int bi = 0; bi < 16; bi += 8)
+        for (int bj = 0; bj < 16; bj += 8) pa_transpose8(src + (size_t)bi * ld + bj, ld, dst + 16 * bj + bi, 16);
 #else
     for (int i = 0; i < 16; i++)
         for (int j = 0; j < 16; j++) dst[16 * j + i] = src[(size_t)i * ld + j];
@@ -132,6 +173,13 @@ static inline void pa_value(const pa_args_t *a, int h, int j, float *dst, void *
 }
 
 #define PA_CHUNK 256              // keys a task reads: chunks start at multiples of it, whatever the call
+#if defined(__AVX512F__)
+#define PA_SCORE_Q 8              // queries a pass of the scores (their sums in registers: 8 of 32; 4 of AVX2's 16)
+#define PA_VALUE_D 32             // a pass of the values: floats of each query in registers (eight chains; AVX2 four)
+#else
+#define PA_SCORE_Q 4
+#define PA_VALUE_D 16
+#endif
 
 static size_t pa_task_floats(const pa_args_t *a, int R) {
     // kt, the tile's rows, the chunk's values (vt), scores, queries, the loader's scratch
@@ -166,19 +214,20 @@ static void pa_task(const pa_args_t *a, int h, int t0, int t1, int c, int nch, f
         for (int d0 = 0; d0 < D; d0 += 16) pa_transpose16(row + d0, D, kt + (size_t)d0 * PA_TILE);
         float *s0 = S + (j0 - lo);
         int r = 0;
-        for (; r + 8 <= R; r += 8) {            // eight queries a pass: each key column loaded once for the eight,
-            vf16_t acc[8] = {{0}};              // eight chains of multiply-adds in flight
+        for (; r + PA_SCORE_Q <= R; r += PA_SCORE_Q) {     // a group of queries a pass: each key column loaded
+            pav_t acc[PA_SCORE_Q];                          // once for the group, its chains in flight
+            for (int i = 0; i < PA_SCORE_Q; i++) acc[i] = pav_zero();
             for (int d = 0; d < D; d++) {
-                vf16_t k = *(const vf16_t *)(kt + (size_t)d * PA_TILE);
-                for (int i = 0; i < 8; i++) acc[i] = pa_fma(acc[i], qv[r + i][d], k);
+                pav_t k = pav_load(kt + (size_t)d * PA_TILE);
+                for (int i = 0; i < PA_SCORE_Q; i++) acc[i] = pa_fma(acc[i], qv[r + i][d], k);
             }
-            for (int i = 0; i < 8; i++) *(vf16u_t *)(s0 + (size_t)(r + i) * PA_CHUNK) = acc[i];
+            for (int i = 0; i < PA_SCORE_Q; i++) pav_store(s0 + (size_t)(r + i) * PA_CHUNK, acc[i]);
         }
         for (; r < R; r++) {                    // the same multiply-adds in the same order, one query
-            vf16_t acc = {0};
+            pav_t acc = pav_zero();
             const float *x = qv[r];
-            for (int d = 0; d < D; d++) acc = pa_fma(acc, x[d], *(const vf16_t *)(kt + (size_t)d * PA_TILE));
-            *(vf16u_t *)(s0 + (size_t)r * PA_CHUNK) = acc;
+            for (int d = 0; d < D; d++) acc = pa_fma(acc, x[d], pav_load(kt + (size_t)d * PA_TILE));
+            pav_store(s0 + (size_t)r * PA_CHUNK, acc);
         }
     }
     // each query's exp over the chunk's keys it sees (0 .. P + t, inside its window), every other weight 0
@@ -221,33 +270,35 @@ static void pa_task(const pa_args_t *a, int h, int t0, int t1, int c, int nch, f
         float *o[4] = {o0, o1, o2, o3};
         const float *pp[4] = {p0, p1, p2, p3};
         int d0 = 0;
-        for (; d0 + 32 <= D; d0 += 32) {        // two 16-float chunks of each: eight chains in flight
-            vf16_t acc[8] = {{0}};
+        for (; PA_VALUE_D == 32 && d0 + 32 <= D; d0 += 32) {     // two 16-float chunks of each: eight chains
+            pav_t acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = pav_zero();
             for (int jj = 0; jj < nk; jj++) {
-                vf16_t v = *(const vf16_t *)(vt + (size_t)jj * D + d0), w = *(const vf16_t *)(vt + (size_t)jj * D + d0 + 16);
+                pav_t v = pav_load(vt + (size_t)jj * D + d0), w = pav_load(vt + (size_t)jj * D + d0 + 16);
                 for (int i = 0; i < 4; i++) {
                     acc[2 * i] = pa_fma(acc[2 * i], pp[i][jj], v);
                     acc[2 * i + 1] = pa_fma(acc[2 * i + 1], pp[i][jj], w);
                 }
             }
-            for (int i = 0; i < 4; i++) { memcpy(o[i] + d0, &acc[2 * i], 64); memcpy(o[i] + d0 + 16, &acc[2 * i + 1], 64); }
+            for (int i = 0; i < 4; i++) { pav_store(o[i] + d0, acc[2 * i]); pav_store(o[i] + d0 + 16, acc[2 * i + 1]); }
         }
         for (; d0 < D; d0 += 16) {
-            vf16_t acc[4] = {{0}};
+            pav_t acc[4];
+            for (int i = 0; i < 4; i++) acc[i] = pav_zero();
             for (int jj = 0; jj < nk; jj++) {
-                vf16_t v = *(const vf16_t *)(vt + (size_t)jj * D + d0);
+                pav_t v = pav_load(vt + (size_t)jj * D + d0);
                 for (int i = 0; i < 4; i++) acc[i] = pa_fma(acc[i], pp[i][jj], v);
             }
-            for (int i = 0; i < 4; i++) memcpy(o[i] + d0, &acc[i], 64);
+            for (int i = 0; i < 4; i++) pav_store(o[i] + d0, acc[i]);
         }
     }
     for (; r < R; r++) {                        // the same multiply-adds in the same order, one query
         const float *p = S + (size_t)r * PA_CHUNK;
         float *o = part + ((size_t)r * nch + c) * (D + 2);
         for (int d0 = 0; d0 < D; d0 += 16) {
-            vf16_t acc = {0};
-            for (int jj = 0; jj < nk; jj++) acc = pa_fma(acc, p[jj], *(const vf16_t *)(vt + (size_t)jj * D + d0));
-            memcpy(o + d0, &acc, sizeof acc);
+            pav_t acc = pav_zero();
+            for (int jj = 0; jj < nk; jj++) acc = pa_fma(acc, p[jj], pav_load(vt + (size_t)jj * D + d0));
+            pav_store(o + d0, acc);
         }
     }
 }

@@ -61,6 +61,25 @@ def test_attn_prompt_equals_the_torch_path_in_every_variant(case, variant):
     assert (got - want).abs().max() <= 2e-5 * max(1.0, want.abs().max().item())
 
 
+@pytest.mark.parametrize("name", [v for v in cpu_lib.runnable_variants() if v != "baseline"])
+def test_the_simd_variants_give_the_same_bits(name):
+    """AVX-512 holds 16 keys' scores in one register and AVX2 in two, with half the queries a pass and one 16-float
+    chunk of values a pass: the same multiply-add per lane in the same order, so the same bits in every case (the
+    baseline's plain loops round twice a step: held to the reference above)."""
+    lib = cpu_lib._build(variant=name)
+    for case in CASES:
+        q, kp, vp, rows, outside, sink_logits, sink_keys = _case(*case)
+        args = (q, kp, vp, rows, 0.11, case[-1], sink_keys, outside, sink_logits)
+        want = cpu_quant.attn_prompt(*args)
+        old = cpu_quant._lib
+        try:
+            cpu_quant._lib = lib
+            got = cpu_quant.attn_prompt(*args)
+        finally:
+            cpu_quant._lib = old
+        assert torch.equal(got, want), (name, case)
+
+
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"T{c[0]}-P{c[1]}")
 def test_a_row_gives_the_same_bits_in_any_chunk(case):
     """Rows 0 .. T read whole, or their last rows as a later chunk over the same keys: the same bits (as the torch
