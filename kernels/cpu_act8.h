@@ -136,11 +136,18 @@ static inline __m512i dot8_pair(const void *row, const uint8_t *high, int bits, 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define DOT2_256(lo, x0, hi, x1) _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1)
 #define DOT2_128(lo, x0, hi, x1) _mm_dpbusd_epi32(_mm_dpbusd_epi32(_mm_setzero_si128(), lo, x0), hi, x1)
+#define TOP2_256(lo, x0, hi, x1) _mm256_slli_epi32(DOT2_256(lo, x0, hi, x1), 8)
+#define TOP2_128(lo, x0, hi, x1) _mm_slli_epi32(DOT2_128(lo, x0, hi, x1), 8)
 #else       // pairs at most 2 * 31 * 127, two pairs' sum within int16: the same integers
 #define DOT2_256(lo, x0, hi, x1) _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), \
                                                    _mm256_maddubs_epi16(hi, x1)), _mm256_set1_epi16(1))
 #define DOT2_128(lo, x0, hi, x1) _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(lo, x0), _mm_maddubs_epi16(hi, x1)), \
                                                 _mm_set1_epi16(1))
+// the top bytes' sums times 256 in the widening multiply-add itself, one shift less a block: the same integers
+#define TOP2_256(lo, x0, hi, x1) _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), \
+                                                   _mm256_maddubs_epi16(hi, x1)), _mm256_set1_epi16(256))
+#define TOP2_128(lo, x0, hi, x1) _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(lo, x0), _mm_maddubs_epi16(hi, x1)), \
+                                                _mm_set1_epi16(256))
 #endif
 
 // x [M, K] int8 -> xl: each block of four groups as [x0-15 of g .. g + 3][x16-31 of g .. g + 3] (128 bytes), the code
@@ -175,7 +182,7 @@ static inline __m256i q4x8_pair(const uint8_t *c, const uint8_t *high, int g, co
     __m256i x0 = _mm256_loadu_si256((const __m256i *)xl), x1 = _mm256_loadu_si256((const __m256i *)xh);
     if (W == 8) return DOT2_256(lo, x0, hi, x1);
     __m256i b0 = _mm256_loadu_si256((const __m256i *)(xl + 128)), b1 = _mm256_loadu_si256((const __m256i *)(xh + 128));
-    return _mm256_add_epi32(_mm256_slli_epi32(DOT2_256(lo, x0, hi, x1), 8), DOT2_256(b0, lo, b1, hi));
+    return _mm256_add_epi32(TOP2_256(lo, x0, hi, x1), DOT2_256(b0, lo, b1, hi));
 }
 
 // one group (of the last ng mod 4) -> its four lanes; x: its 32 activations in element order (W 16: the top bytes,
@@ -192,7 +199,7 @@ static inline __m128i q4x8_one(const uint8_t *c, const uint8_t *high, int g, con
     __m128i x0 = _mm_loadu_si128((const __m128i *)x), x1 = _mm_loadu_si128((const __m128i *)(x + 16));
     if (W == 8) return DOT2_128(lo, x0, hi, x1);
     __m128i b0 = _mm_loadu_si128((const __m128i *)(x + 32)), b1 = _mm_loadu_si128((const __m128i *)(x + 48));
-    return _mm_add_epi32(_mm_slli_epi32(DOT2_128(lo, x0, hi, x1), 8), DOT2_128(b0, lo, b1, hi));
+    return _mm_add_epi32(TOP2_128(lo, x0, hi, x1), DOT2_128(b0, lo, b1, hi));
 }
 
 // [f[0] x 4 | f[1] x 4]
