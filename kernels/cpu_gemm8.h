@@ -215,3 +215,173 @@ static int gemm8(const float *x, int T, int K, const void *codes, int bits, cons
     free(xs);
     return failed ? 2 : 0;
 }
+
+// ---- GGUF Q6_K (cpu_q6k.h's arrays: ql [N, K/2], qh [N, K/4], sc [N, K/16] int8, d [N, K/256] float16) ----------
+// w = (d sc) (q - 32) with q a 6-bit code and a scale sc a sub-block of 16. A group of 32 spans two sub-blocks: steps
+// 0-3 of the layout are the first, 4-7 the second. Each lane sums q . x over each sub-block exactly (VNNI; AVX2's
+// pairs at most 2 x 63 x 127, two pairs' sum within int16), takes 32 times the sub-block's activation sum off and
+// multiplies by its sc, both sub-blocks in int32 (|.| < 2^26); one float multiply-add by d times the row's scale a
+// group. The same integers and float steps in both builds: the same bits.
+
+// Block n0.. (nr <= GB rows) laid out: wb the codes as gemm8_block lays them, k0 / k1 [ng][GB] the two sub-blocks'
+// scales (int32), sd [ng][GB] the super-block's d (rows past nr: zeros)
+static void gemm8_q6_block(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const half_t *dd, int n0, int nr,
+                           int K, uint32_t *wb, int32_t *k0, int32_t *k1, float *sd) {
+    int ng = K / 32;
+    const __m256i m0f = _mm256_set1_epi8(15), m03 = _mm256_set1_epi8(3);
+    for (int r = 0; r < GB; r++) {
+        if (r >= nr) {
+            for (int g = 0; g < ng; g++) {
+                k0[g * GB + r] = k1[g * GB + r] = 0;
+                sd[g * GB + r] = 0.f;
+                for (int c = 0; c < 8; c++) wb[(g * 8 + c) * GB + r] = 0;
+            }
+            continue;
+        }
+        size_t row = (size_t)(n0 + r);
+        const uint8_t *l = ql + row * (K / 2), *h = qh + row * (K / 4);
+        const int8_t *s = sc + row * (K / 16);
+        for (int g = 0; g < ng; g++) {
+            int b = g / 8, half = (g % 8) / 4, c = g % 4;
+            __m256i a = _mm256_loadu_si256((const __m256i *)(l + b * 128 + 64 * half + 32 * (c & 1)));
+            __m256i lo = _mm256_and_si256(c >> 1 ? _mm256_srli_epi16(a, 4) : a, m0f);
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(h + b * 64 + 32 * half));
+            hb = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), m03);
+            uint32_t q[8];
+            _mm256_storeu_si256((__m256i *)q, _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)));
+            for (int j = 0; j < 8; j++) wb[(g * 8 + j) * GB + r] = q[j];
+            k0[g * GB + r] = s[2 * g];
+            k1[g * GB + r] = s[2 * g + 1];
+            sd[g * GB + r] = f16_to_f32(dd[row * (K / 256) + b]);
+        }
+    }
+}
+
+#ifdef KVCHAT_AVX512
+// R prompt rows against a laid-out Q6_K block; xh [R, 2 ng]: each sub-block's activation sum times 32
+static inline __attribute__((always_inline)) void gemm8_q6_tile(const uint32_t *wb, const int32_t *k0,
+        const int32_t *k1, const float *sd, const int8_t *xq, const int32_t *xh, const float *xs, int K, int ng,
+        const int R, float *y, size_t ldy, int nr) {
+    __m512 acc[GR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        __m512i v[GR];
+        const __m512i *w = (const __m512i *)(wb + (size_t)g * 8 * GB);
+        for (int sub = 0; sub < 2; sub++) {
+            __m512i d[GR];
+            for (int r = 0; r < R; r++) d[r] = _mm512_setzero_si512();
+            for (int c = 4 * sub; c < 4 * sub + 4; c++) {
+                __m512i wc = _mm512_load_si512(w + c);
+                for (int r = 0; r < R; r++)
+                    d[r] = _mm512_dpbusd_epi32(d[r], wc, _mm512_set1_epi32(*(const int32_t *)(xq + (size_t)r * K + g * 32 + 4 * c)));
+            }
+            __m512i k = _mm512_load_si512((const __m512i *)((sub ? k1 : k0) + g * GB));
+            for (int r = 0; r < R; r++) {
+                __m512i t = _mm512_mullo_epi32(k, _mm512_sub_epi32(d[r], _mm512_set1_epi32(xh[(size_t)r * 2 * ng + 2 * g + sub])));
+                v[r] = sub ? _mm512_add_epi32(v[r], t) : t;
+            }
+        }
+        __m512 s = _mm512_load_ps(sd + g * GB);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[r]), _mm512_mul_ps(s, _mm512_set1_ps(xs[r * ng + g])), acc[r]);
+    }
+    __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+#else
+static inline __attribute__((always_inline)) void gemm8_q6_tile(const uint32_t *wb, const int32_t *k0,
+        const int32_t *k1, const float *sd, const int8_t *xq, const int32_t *xh, const float *xs, int K, int ng,
+        const int R, float *y, size_t ldy, int nr) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[GR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        __m256i v[GR];
+        const __m256i *w = (const __m256i *)(wb + (size_t)g * 8 * GB);
+        const int8_t *xg = xq + g * 32;
+        for (int sub = 0; sub < 2; sub++) {
+            __m256i d[GR];
+            for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();
+            for (int c0 = 4 * sub; c0 < 4 * sub + 4; c0 += 2) {       // two steps' pairs in int16, then widened
+                __m256i h[GR];
+                for (int r = 0; r < R; r++) h[r] = _mm256_setzero_si256();
+                for (int c = c0; c < c0 + 2; c++) {
+                    __m256i wc = _mm256_load_si256(w + c);
+                    for (int r = 0; r < R; r++)
+                        h[r] = _mm256_adds_epi16(h[r], _mm256_maddubs_epi16(wc,
+                                   _mm256_set1_epi32(*(const int32_t *)(xg + (size_t)r * K + 4 * c))));
+                }
+                for (int r = 0; r < R; r++) d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(h[r], ones));
+            }
+            __m256i k = _mm256_load_si256((const __m256i *)((sub ? k1 : k0) + g * GB));
+            for (int r = 0; r < R; r++) {
+                __m256i t = _mm256_mullo_epi32(k, _mm256_sub_epi32(d[r], _mm256_set1_epi32(xh[(size_t)r * 2 * ng + 2 * g + sub])));
+                v[r] = sub ? _mm256_add_epi32(v[r], t) : t;
+            }
+        }
+        __m256 s = _mm256_load_ps(sd + g * GB);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[r]), _mm256_mul_ps(s, _mm256_set1_ps(xs[r * ng + g])), acc[r]);
+    }
+    __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int r = 0; r < R; r++) _mm256_maskstore_ps(y + r * ldy, keep, acc[r]);
+}
+#endif
+
+// x [T, K] fp32 -> y [T, N] against Q6_K rows (K % 256 == 0)
+static int gemm8_q6(const float *x, int T, int K, const uint8_t *ql, const uint8_t *qh, const int8_t *sc,
+                    const half_t *dd, int N, float *y) {
+    int ng = K / 32;
+    if (T <= 0 || N <= 0) return 0;
+    int8_t *xq = (int8_t *)aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)T * ng * 2), *sums = xs + (size_t)T * ng;
+    int32_t *xh = (int32_t *)malloc(sizeof(int32_t) * (size_t)T * ng * 2);
+    if (!xq || !xs || !xh) { free(xq); free(xs); free(xh); return 2; }
+    int failed = 0;
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) {
+        quantize_x8(x + (size_t)t * K, 1, K, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng);
+        for (int i = 0; i < 2 * ng; i++) {          // 32 times each sub-block's sum of activations
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += xq[(size_t)t * K + 16 * i + j];
+            xh[(size_t)t * 2 * ng + i] = 32 * s;
+        }
+    }
+    int nb = (N + GB - 1) / GB;
+    #pragma omp parallel
+    {
+        uint32_t *wb = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)ng * 8 * GB);
+        int32_t *kk = (int32_t *)aligned_alloc(64, sizeof(int32_t) * (size_t)ng * GB * 2);
+        float *sd = (float *)aligned_alloc(64, sizeof(float) * (size_t)ng * GB);
+        #pragma omp for schedule(static)
+        for (int b = 0; b < nb; b++) {
+            if (!wb || !kk || !sd) { failed = 1; continue; }
+            int n0 = b * GB, nr = N - n0 < GB ? N - n0 : GB;
+            gemm8_q6_block(ql, qh, sc, dd, n0, nr, K, wb, kk, kk + (size_t)ng * GB, sd);
+            int t = 0;
+#define GEMM8_Q6(R) gemm8_q6_tile(wb, kk, kk + (size_t)ng * GB, sd, xq + (size_t)t * K, xh + (size_t)t * 2 * ng, \
+                                  xs + (size_t)t * ng, K, ng, R, y + (size_t)t * N + n0, N, nr)
+            for (; t + GR <= T; t += GR) GEMM8_Q6(GR);
+            switch (T - t) {
+                case 1: GEMM8_Q6(1); break;
+                case 2: GEMM8_Q6(2); break;
+                case 3: GEMM8_Q6(3); break;
+#if GR > 4
+                case 4: GEMM8_Q6(4); break;
+                case 5: GEMM8_Q6(5); break;
+                case 6: GEMM8_Q6(6); break;
+                case 7: GEMM8_Q6(7); break;
+#endif
+                default: break;
+            }
+#undef GEMM8_Q6
+        }
+        free(wb);
+        free(kk);
+        free(sd);
+    }
+    free(xq);
+    free(xs);
+    free(xh);
+    return failed ? 2 : 0;
+}

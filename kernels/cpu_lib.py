@@ -404,6 +404,8 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     # zsup, per -> 0, 1 (not in this build) or 2 (out of memory)
     lib.gemm8_rows.argtypes = [P, I, I, P, I, P, P, P, I, P, I, P, P, I]
     lib.gemm8_rows.restype = I
+    lib.gemm8_q6k_rows.argtypes = [P, I, I, P, P, P, P, I, P]     # x, T, K, ql, qh, sc, d, N, y
+    lib.gemm8_q6k_rows.restype = I
     lib.q4_dequant.argtypes = [P, P, P, I, I, P, I, P, P, I, P]
     lib.q8_dequant.argtypes = [P, P, P, I, I, I, P, I, P, P, I]
     lib.q4_dequant_bf16.argtypes = lib.q4_dequant.argtypes

@@ -952,6 +952,17 @@ int gemm8_rows(const float *x, int T, int K, const void *codes, int bits, const 
 #endif
 }
 
+// Prompt rows x [T, K] against Q6_K rows (cpu_q6k.h's arrays) with int8 activations -> y [T, N]: gemm8_rows' codes.
+int gemm8_q6k_rows(const float *x, int T, int K, const uint8_t *ql, const uint8_t *qh, const int8_t *sc,
+                   const half_t *d, int N, float *y) {
+#ifdef __AVX2__
+    return gemm8_q6(x, T, K, ql, qh, sc, d, N, y);
+#else
+    (void)x; (void)T; (void)K; (void)ql; (void)qh; (void)sc; (void)d; (void)N; (void)y;
+    return 1;
+#endif
+}
+
 #include "cpu_q6k.h"        // GGUF Q6_K kept at its own 6.5625 bits a value (bits 6 in lin_apply)
 #include "cpu_mxfp4.h"      // GGUF MXFP4 (gpt-oss's experts) at its own 4.25 bits a value
 #define KIND_MXFP4 8        // a qlin_t of bits 4 and this kind is MXFP4 (lin_apply): scale holds its E8M0 exponents

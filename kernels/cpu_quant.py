@@ -310,6 +310,19 @@ def gemm8(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, bits: int = 4,
     return y
 
 
+# Prompt rows x [T, K] fp32 against Q6_K rows (q6k_gemv's arrays) with int8 activations, as gemm8 -> [T, N]
+def gemm8_q6k(x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor, scales: Scales) -> torch.Tensor:
+    parts = _q6k_args(codes, high, scales)
+    n, k = codes.shape[0], codes.shape[1] * 2
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k, (x.shape, codes.shape)
+    y = torch.empty(x.shape[0], n)
+    got = _lib.gemm8_q6k_rows(x.data_ptr(), x.shape[0], k, *parts, n, y.data_ptr())
+    if got == 2:
+        raise MemoryError(f"int8 prompt rows: no memory for {x.shape[0]} x {k} activations")
+    assert got == 0, "gemm8 is not in this build (gemm8_available)"
+    return y
+
+
 def _check_high(codes: torch.Tensor, high: torch.Tensor | None, s: Scales) -> None:
     assert s.centre == (16 if high is not None else 8) or not s.offset8, "Q5_0's implicit zero needs its fifth bits"
     assert high is None or (high.dtype == torch.uint8 and high.is_contiguous()

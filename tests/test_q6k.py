@@ -190,6 +190,37 @@ def test_a_q6linear_runs_its_kinds_paths_and_cuts_into_expert_views():
     assert torch.equal(views[2].dequantize(), w[48:72])
 
 
+def _q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as llama.cpp's Q8_0 rounds it: per group of 32, scale max|x| / 127, to nearest."""
+    g = x.view(x.shape[0], -1, 32)
+    sc = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / torch.where(sc > 0, sc, torch.ones_like(sc))) * sc).view_as(x)
+
+
+def test_int8_prompt_rows_are_q8_0_activations_times_gguf_values(variant):
+    """Prompt rows with int8 activations over Q6_K (cpu_gemm8.h: each sub-block's scale applied in int32): the
+    float64 product of x rounded as llama.cpp's Q8_0 and gguf's own values, in every build that has them (AVX-512
+    and AVX2 with the same bits); a row's bits never depend on the rows beside it; Q6Linear takes them under int8."""
+    name, lib = variant
+    k, n = 768, 41                                  # three super-blocks, a part block of weight rows
+    data = _realistic(n, k, seed=11)
+    ql, qh, s = _parts(data)
+    w = torch.from_numpy(_gguf(data)).double()
+    x = _x(19, k, seed=12) * 3
+    x[4] = 0
+    if not _with(lib, cq.gemm8_available):
+        pytest.skip(f"the {name} build has no int8 prompt rows")
+    got = _with(lib, lambda: cq.gemm8_q6k(x, ql, qh, s))
+    ref = _q8_0(x).double() @ w.t()
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max() and torch.equal(got[4], torch.zeros(n))
+    assert torch.equal(got, cq.gemm8_q6k(x, ql, qh, s)) or not cq.gemm8_available()      # the chosen build's bits
+    for lo, hi in ((0, 1), (3, 4), (2, 11), (18, 19), (5, 12)):
+        assert torch.equal(_with(lib, lambda: cq.gemm8_q6k(x[lo:hi].contiguous(), ql, qh, s)), got[lo:hi]), (lo, hi)
+    lin = Q6Linear(ql, qh, s)
+    lin.prefill_dtype = torch.int8
+    assert torch.equal(_with(lib, lambda: lin(x)), got)
+
+
 def test_the_gpu_paths_slabs_give_the_kernels_numbers():
     """Q6Linear._gpu (dequantized slabs through torch: no Triton kernel reads Q6_K's bits) gives the CPU path's
     numbers, norm before, bias and residual after (on CPU tensors here); moved() to the GPU path widens it to the

@@ -503,8 +503,13 @@ class Q6Linear(_Packed):
         self.bias = bias
         self.out_features, self.in_features = n, half * 2
 
+    int8_rows = True
+
     def _gemv(self, x, **prep):
         return cpu_quant.q6k_gemv(x, self.codes, self.high, self.scales, act=self.act_bits, **prep)
+
+    def _gemm8(self, x):
+        return cpu_quant.gemm8_q6k(x, self.codes, self.high, self.scales)
 
     def take_rows(self, ids: torch.Tensor) -> "Q6Linear":
         return Q6Linear(self.codes[ids], self.high[ids], self.scales.index(ids), _cut(self.bias, ids))

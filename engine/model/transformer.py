@@ -543,7 +543,7 @@ class Transformer:
 
     def set_prefill(self, dtype: torch.dtype, fallback: torch.dtype = torch.float32) -> None:
         """The packed linears' prompt-row GEMM: float32 (exact over the dequantized weights), bfloat16, or int8 (the
-        kinds gemm8 reads: 4-, 5-bit and Q8_0 codes; the others, Q6_K and MXFP4, take `fallback`). The output
+        kinds gemm8 reads: 4-, 5-, 6-bit and Q8_0 codes; the others, MXFP4 and dense, take `fallback`). The output
         head keeps float32: the bf16 GEMM rounds each output to bf16, and logits near 25 rounded to steps of 0.125
         tie (the default model's first answer token on a Zen 4: 'The' and 'L' 0.11 apart, equal in bf16, so the
         torch path's greedy reply began with the other)."""

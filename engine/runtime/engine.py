@@ -89,7 +89,7 @@ def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
 
 
 def prefill_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype]:
-    """(dtype, fallback) for Transformer.set_prefill: int8 leaves the kinds gemm8 does not read (Q6_K, MXFP4) on the
+    """(dtype, fallback) for Transformer.set_prefill: int8 leaves the kinds gemm8 does not read (MXFP4, dense) on the
     bf16 GEMM where the CPU multiplies bf16 (AVX-512 BF16 or AMX), else on fp32."""
     fallback = torch.bfloat16 if _multiplies_bf16() else torch.float32
     return {"bf16": torch.bfloat16, "int8": torch.int8}.get(choice, torch.float32), fallback
