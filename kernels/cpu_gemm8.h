@@ -161,6 +161,20 @@ static inline __attribute__((always_inline)) void gemm8_tile(const uint32_t *wb,
 }
 #endif
 
+// Every prompt row of a call through TILE(R), t its first row: tiles of GR rows, then the rest with one constant R
+// (each case its own copy: the sums stay in registers)
+#if GR > 4
+#define GEMM8_REST(TILE) case 4: TILE(4); break; case 5: TILE(5); break; case 6: TILE(6); break; case 7: TILE(7); break;
+#else
+#define GEMM8_REST(TILE)
+#endif
+#define GEMM8_EACH_TILE(TILE) do { \
+        int t = 0; \
+        for (; t + GR <= T; t += GR) TILE(GR); \
+        switch (T - t) { case 1: TILE(1); break; case 2: TILE(2); break; case 3: TILE(3); break; GEMM8_REST(TILE) \
+                         default: break; } \
+    } while (0)
+
 // x [T, K] fp32 -> y [T, N]: codes q4 ([N, K/2], high: q5's fifth bits or NULL) or q8 ([N, K] int8, groups of 32)
 static int gemm8(const float *x, int T, int K, const void *codes, int bits, const uint8_t *high, const void *scale,
                  const void *zero, int kind, const float *ssup, const float *zsup, int per, int N, float *y) {
@@ -184,7 +198,6 @@ static int gemm8(const float *x, int T, int K, const void *codes, int bits, cons
             int n0 = b * GB, nr = N - n0 < GB ? N - n0 : GB;
             int zeros = gemm8_block(codes, bits, high, scale, zero, kind, ssup, zsup, per, n0, nr, K, wb, sb, zb);
             int span = bits == 8 ? 0 : high ? 4 : 8;
-            int t = 0;
 #define GEMM8_CALL(R, S) gemm8_tile(wb, sb, zb, zeros, S, xq + (size_t)t * K, xs + (size_t)t * ng, \
                                    sums + (size_t)t * ng, K, ng, R, y + (size_t)t * N + n0, N, nr)
 #ifdef KVCHAT_AVX512
@@ -192,19 +205,7 @@ static int gemm8(const float *x, int T, int K, const void *codes, int bits, cons
 #else           // span a constant in each copy: the int16 sums unrolled into registers
 #define GEMM8_TILE(R) (span == 8 ? GEMM8_CALL(R, 8) : span == 4 ? GEMM8_CALL(R, 4) : GEMM8_CALL(R, 0))
 #endif
-            for (; t + GR <= T; t += GR) GEMM8_TILE(GR);
-            switch (T - t) {        // a constant R per case: the sums stay in registers
-                case 1: GEMM8_TILE(1); break;
-                case 2: GEMM8_TILE(2); break;
-                case 3: GEMM8_TILE(3); break;
-#if GR > 4
-                case 4: GEMM8_TILE(4); break;
-                case 5: GEMM8_TILE(5); break;
-                case 6: GEMM8_TILE(6); break;
-                case 7: GEMM8_TILE(7); break;
-#endif
-                default: break;
-            }
+            GEMM8_EACH_TILE(GEMM8_TILE);
 #undef GEMM8_TILE
 #undef GEMM8_CALL
         }
@@ -358,22 +359,9 @@ static int gemm8_q6(const float *x, int T, int K, const uint8_t *ql, const uint8
             if (!wb || !kk || !sd) { failed = 1; continue; }
             int n0 = b * GB, nr = N - n0 < GB ? N - n0 : GB;
             gemm8_q6_block(ql, qh, sc, dd, n0, nr, K, wb, kk, kk + (size_t)ng * GB, sd);
-            int t = 0;
 #define GEMM8_Q6(R) gemm8_q6_tile(wb, kk, kk + (size_t)ng * GB, sd, xq + (size_t)t * K, xh + (size_t)t * 2 * ng, \
                                   xs + (size_t)t * ng, K, ng, R, y + (size_t)t * N + n0, N, nr)
-            for (; t + GR <= T; t += GR) GEMM8_Q6(GR);
-            switch (T - t) {
-                case 1: GEMM8_Q6(1); break;
-                case 2: GEMM8_Q6(2); break;
-                case 3: GEMM8_Q6(3); break;
-#if GR > 4
-                case 4: GEMM8_Q6(4); break;
-                case 5: GEMM8_Q6(5); break;
-                case 6: GEMM8_Q6(6); break;
-                case 7: GEMM8_Q6(7); break;
-#endif
-                default: break;
-            }
+            GEMM8_EACH_TILE(GEMM8_Q6);
 #undef GEMM8_Q6
         }
         free(wb);
