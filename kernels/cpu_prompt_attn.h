@@ -18,7 +18,9 @@
 // across all of them: 1.76 -> 1.29 ms for 24 rows x 9 heads over 4,120 keys of 64). The chunks of a query are merged by log-sum-exp in chunk order. Each query's arithmetic is the
 // same whatever its block, the chunk's length and the threads (keys past its own carry a weight of exactly 0, chunks
 // it does not see are skipped), so a row gives the same bits read in any chunk, as the torch path's blocks of 32
-// do. Not the torch path's bits: its GEMMs sum in another order (tests hold the two within float rounding).
+// do. Not the torch path's bits: its GEMMs sum in another order (tests hold the two within float rounding). AVX2
+// keeps half as many sums in its 16 registers a pass (PA_SCORE_Q, PA_VALUE_D), each lane's arithmetic unchanged:
+// AVX-512's bits.
 #pragma once
 #ifdef _OPENMP
 #include <omp.h>
