@@ -28,20 +28,77 @@ static inline __m128i bits_to16(uint32_t h) {
     return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, bit), bit), _mm_set1_epi8(16));
 }
 
+// The GB rows' 32 code bytes of a group (v[r], a row each) -> w [8][GB]: step c's four bytes of every row, a row a
+// lane (two 8 x 8 transposes of 32-bit words: a word at a time, the layout took a fifth of the rows' samples on Zen 4,
+// a twelfth so)
+static inline void gemm8_transpose(const __m256i *v, uint32_t *w) {
+#ifdef KVCHAT_AVX512
+    __m512i a[8], t[8], u[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm512_inserti64x4(_mm512_castsi256_si512(v[r]), v[r + 8], 1);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // u[j], j < 4: rows 0-3's words j and j + 4 (128-bit lanes 0, 1), rows 8-11's (2, 3); u[j + 4]: rows 4-7, 12-15
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int j = 0; j < 4; j++) {
+        _mm512_store_si512((__m512i *)(w + j * GB), _mm512_permutex2var_epi64(u[j], lo, u[j + 4]));
+        _mm512_store_si512((__m512i *)(w + (j + 4) * GB), _mm512_permutex2var_epi64(u[j], hi, u[j + 4]));
+    }
+#else
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {       // u[j]: rows 0-3's words j, j + 4; u[j + 4]: rows 4-7's
+        _mm256_store_si256((__m256i *)(w + j * GB), _mm256_permute2x128_si256(u[j], u[j + 4], 0x20));
+        _mm256_store_si256((__m256i *)(w + (j + 4) * GB), _mm256_permute2x128_si256(u[j], u[j + 4], 0x31));
+    }
+#endif
+}
+
+// Row `row`'s 32 code bytes of group g as gemm8_tile reads them (unsigned; q8's signed on AVX2)
+static inline __m256i gemm8_codes(const void *codes, int bits, const uint8_t *hrow, size_t row, int g, int K) {
+    if (bits == 8) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)((const int8_t *)codes + row * K + g * 32));
+#ifdef KVCHAT_AVX512
+        w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+#endif
+        return w;
+    }
+    __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)codes + row * (K / 2) + g * 16));
+    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+    if (hrow) {
+        uint32_t h = q5_bits(hrow, g);
+        lo = _mm_or_si128(lo, bits_to16(h & 0xFFFF));
+        hi = _mm_or_si128(hi, bits_to16(h >> 16));
+    }
+    return _mm256_set_m128i(hi, lo);
+}
+
 // Block n0.. (nr <= GB rows) laid out: wb [ng][8][GB] the codes as unsigned bytes (q8's int8 codes + 128), sb / zb
-// [ng][GB] the scales and zeros (q8 on AVX-512: its zeros less 128 scales, the codes offset; rows past nr: zeros). Returns whether any zero is
-// non-zero.
+// [ng][GB] the scales and zeros (q8 on AVX-512: its zeros less 128 scales, the codes offset; rows past nr: zeros).
+// Returns whether any zero is non-zero.
 static int gemm8_block(const void *codes, int bits, const uint8_t *high, const void *scale, const void *zero,
                        int kind, const float *ssup, const float *zsup, int per, int n0, int nr, int K,
                        uint32_t *wb, float *sb, float *zb) {
     int ng = K / 32, any_zero = 0;
     for (int r = 0; r < GB; r++) {
         if (r >= nr) {
-            for (int g = 0; g < ng; g++) {
-                sb[g * GB + r] = 0.f;
-                zb[g * GB + r] = 0.f;
-                for (int c = 0; c < 8; c++) wb[(g * 8 + c) * GB + r] = 0;
-            }
+            for (int g = 0; g < ng; g++) sb[g * GB + r] = zb[g * GB + r] = 0.f;
             continue;
         }
         size_t row = (size_t)(n0 + r);
@@ -57,27 +114,16 @@ static int gemm8_block(const void *codes, int bits, const uint8_t *high, const v
             sb[g * GB + r] = sc[g];
             zb[g * GB + r] = z;
             any_zero |= z != 0.f;
-            uint32_t d[8];
-            if (bits == 8) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)((const int8_t *)codes + row * K + g * 32));
-#ifdef KVCHAT_AVX512
-                w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-#endif
-                _mm256_storeu_si256((__m256i *)d, w);
-            } else {
-                __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)codes + row * (K / 2) + g * 16));
-                __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-                __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-                if (hrow) {
-                    uint32_t h = q5_bits(hrow, g);
-                    lo = _mm_or_si128(lo, bits_to16(h & 0xFFFF));
-                    hi = _mm_or_si128(hi, bits_to16(h >> 16));
-                }
-                _mm_storeu_si128((__m128i *)d, lo);
-                _mm_storeu_si128((__m128i *)(d + 4), hi);
-            }
-            for (int c = 0; c < 8; c++) wb[(g * 8 + c) * GB + r] = d[c];
         }
+    }
+    for (int g = 0; g < ng; g++) {
+        __m256i v[GB];
+        for (int r = 0; r < GB; r++) {
+            size_t row = (size_t)(n0 + r);
+            v[r] = r < nr ? gemm8_codes(codes, bits, high ? high + row * (K / 8) : NULL, row, g, K)
+                          : _mm256_setzero_si256();
+        }
+        gemm8_transpose(v, wb + (size_t)g * 8 * GB);
     }
     return any_zero;
 }
@@ -231,30 +277,31 @@ static void gemm8_q6_block(const uint8_t *ql, const uint8_t *qh, const int8_t *s
     int ng = K / 32;
     const __m256i m0f = _mm256_set1_epi8(15), m03 = _mm256_set1_epi8(3);
     for (int r = 0; r < GB; r++) {
-        if (r >= nr) {
-            for (int g = 0; g < ng; g++) {
-                k0[g * GB + r] = k1[g * GB + r] = 0;
-                sd[g * GB + r] = 0.f;
-                for (int c = 0; c < 8; c++) wb[(g * 8 + c) * GB + r] = 0;
-            }
-            continue;
-        }
         size_t row = (size_t)(n0 + r);
-        const uint8_t *l = ql + row * (K / 2), *h = qh + row * (K / 4);
         const int8_t *s = sc + row * (K / 16);
         for (int g = 0; g < ng; g++) {
-            int b = g / 8, half = (g % 8) / 4, c = g % 4;
+            k0[g * GB + r] = r < nr ? s[2 * g] : 0;
+            k1[g * GB + r] = r < nr ? s[2 * g + 1] : 0;
+            sd[g * GB + r] = r < nr ? f16_to_f32(dd[row * (K / 256) + g / 8]) : 0.f;
+        }
+    }
+    for (int g = 0; g < ng; g++) {
+        int b = g / 8, half = (g % 8) / 4, c = g % 4;
+        __m256i v[GB];
+        for (int r = 0; r < GB; r++) {
+            if (r >= nr) {
+                v[r] = _mm256_setzero_si256();
+                continue;
+            }
+            size_t row = (size_t)(n0 + r);
+            const uint8_t *l = ql + row * (K / 2), *h = qh + row * (K / 4);
             __m256i a = _mm256_loadu_si256((const __m256i *)(l + b * 128 + 64 * half + 32 * (c & 1)));
             __m256i lo = _mm256_and_si256(c >> 1 ? _mm256_srli_epi16(a, 4) : a, m0f);
             __m256i hb = _mm256_loadu_si256((const __m256i *)(h + b * 64 + 32 * half));
             hb = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), m03);
-            uint32_t q[8];
-            _mm256_storeu_si256((__m256i *)q, _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)));
-            for (int j = 0; j < 8; j++) wb[(g * 8 + j) * GB + r] = q[j];
-            k0[g * GB + r] = s[2 * g];
-            k1[g * GB + r] = s[2 * g + 1];
-            sd[g * GB + r] = f16_to_f32(dd[row * (K / 256) + b]);
+            v[r] = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
         }
+        gemm8_transpose(v, wb + (size_t)g * 8 * GB);
     }
 }
 
