@@ -1,5 +1,5 @@
-// Prompt rows against packed 4-, 5- and 8-bit weights with int8 activations (EngineConfig(prefill="int8")),
-// included by cpu_quant.c in the AVX-512 VNNI and AVX2 builds.
+// Prompt rows against packed 4-, 5-, 6- (Q6_K, at the end) and 8-bit weights with int8 activations
+// (EngineConfig(prefill="int8")), included by cpu_quant.c in the AVX-512 VNNI and AVX2 builds.
 //
 // A prompt's rows are many, so the weights are read once a call, not once a row: sixteen weight rows at a time
 // (eight on AVX2) are laid out with one row per 32-bit lane (group g, element 4c..4c+3 of each row in one register),
