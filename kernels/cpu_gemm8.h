@@ -221,18 +221,49 @@ static inline __attribute__((always_inline)) void gemm8_tile(const uint32_t *wb,
                          default: break; } \
     } while (0)
 
+// A call's prompt rows rounded once (quantize_x8): xq [T, K], xs / sums [T, K / 32]; with `halves`, xh [T, K / 16]
+// 32 times each 16 activations' sum (Q6_K's sub-blocks). 0, or 2 out of memory (nothing held).
+typedef struct { int8_t *xq; float *xs, *sums; int32_t *xh; } gemm8_x_t;
+
+static void gemm8_x_free(gemm8_x_t *a) {
+    free(a->xq);
+    free(a->xs);
+    free(a->xh);
+}
+
+static int gemm8_x(const float *x, int T, int K, int halves, gemm8_x_t *a) {
+    int ng = K / 32;
+    a->xq = (int8_t *)aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
+    a->xs = (float *)malloc(sizeof(float) * (size_t)T * ng * 2);
+    a->sums = a->xs ? a->xs + (size_t)T * ng : NULL;
+    a->xh = halves ? (int32_t *)malloc(sizeof(int32_t) * (size_t)T * ng * 2) : NULL;
+    if (!a->xq || !a->xs || (halves && !a->xh)) {
+        gemm8_x_free(a);
+        return 2;
+    }
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) {
+        const int8_t *q = a->xq + (size_t)t * K;
+        quantize_x8(x + (size_t)t * K, 1, K, a->xq + (size_t)t * K, a->xs + (size_t)t * ng, a->sums + (size_t)t * ng);
+        for (int i = 0; halves && i < 2 * ng; i++) {
+            int sum = 0;
+            for (int j = 0; j < 16; j++) sum += q[16 * i + j];
+            a->xh[(size_t)t * 2 * ng + i] = 32 * sum;
+        }
+    }
+    return 0;
+}
+
 // x [T, K] fp32 -> y [T, N]: codes q4 ([N, K/2], high: q5's fifth bits or NULL) or q8 ([N, K] int8, groups of 32)
 static int gemm8(const float *x, int T, int K, const void *codes, int bits, const uint8_t *high, const void *scale,
                  const void *zero, int kind, const float *ssup, const float *zsup, int per, int N, float *y) {
     int ng = K / 32;
+    gemm8_x_t a;
     if (T <= 0 || N <= 0) return 0;
-    int8_t *xq = (int8_t *)aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
-    float *xs = (float *)malloc(sizeof(float) * (size_t)T * ng * 2), *sums = xs + (size_t)T * ng;
-    if (!xq || !xs) { free(xq); free(xs); return 2; }
+    if (gemm8_x(x, T, K, 0, &a)) return 2;
+    const int8_t *xq = a.xq;
+    const float *xs = a.xs, *sums = a.sums;
     int failed = 0;
-    #pragma omp parallel for schedule(static)
-    for (int t = 0; t < T; t++) quantize_x8(x + (size_t)t * K, 1, K, xq + (size_t)t * K, xs + (size_t)t * ng,
-                                            sums + (size_t)t * ng);
     int nb = (N + GB - 1) / GB;
     #pragma omp parallel
     {
@@ -258,8 +289,7 @@ static int gemm8(const float *x, int T, int K, const void *codes, int bits, cons
         free(wb);
         free(sb);
     }
-    free(xq);
-    free(xs);
+    gemm8_x_free(&a);
     return failed ? 2 : 0;
 }
 
@@ -380,21 +410,13 @@ static inline __attribute__((always_inline)) void gemm8_q6_tile(const uint32_t *
 static int gemm8_q6(const float *x, int T, int K, const uint8_t *ql, const uint8_t *qh, const int8_t *sc,
                     const half_t *dd, int N, float *y) {
     int ng = K / 32;
+    gemm8_x_t a;
     if (T <= 0 || N <= 0) return 0;
-    int8_t *xq = (int8_t *)aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
-    float *xs = (float *)malloc(sizeof(float) * (size_t)T * ng * 2), *sums = xs + (size_t)T * ng;
-    int32_t *xh = (int32_t *)malloc(sizeof(int32_t) * (size_t)T * ng * 2);
-    if (!xq || !xs || !xh) { free(xq); free(xs); free(xh); return 2; }
+    if (gemm8_x(x, T, K, 1, &a)) return 2;
+    const int8_t *xq = a.xq;
+    const int32_t *xh = a.xh;
+    const float *xs = a.xs;
     int failed = 0;
-    #pragma omp parallel for schedule(static)
-    for (int t = 0; t < T; t++) {
-        quantize_x8(x + (size_t)t * K, 1, K, xq + (size_t)t * K, xs + (size_t)t * ng, sums + (size_t)t * ng);
-        for (int i = 0; i < 2 * ng; i++) {          // 32 times each sub-block's sum of activations
-            int s = 0;
-            for (int j = 0; j < 16; j++) s += xq[(size_t)t * K + 16 * i + j];
-            xh[(size_t)t * 2 * ng + i] = 32 * s;
-        }
-    }
     int nb = (N + GB - 1) / GB;
     #pragma omp parallel
     {
@@ -415,8 +437,6 @@ static int gemm8_q6(const float *x, int T, int K, const uint8_t *ql, const uint8
         free(kk);
         free(sd);
     }
-    free(xq);
-    free(xs);
-    free(xh);
+    gemm8_x_free(&a);
     return failed ? 2 : 0;
 }

@@ -291,8 +291,8 @@ _gemm8_builds: dict[int, bool] = {}
 
 
 # Prompt rows x [T, K] fp32 against packed codes with int8 activations (llama.cpp's Q8_0 rounding of x per group of
-# 32), sixteen weight rows a step (eight on AVX2): q4 codes [N, K/2] (bits 4, high: q5's fifth bits) or q8 codes [N, K] in groups
-# of 32 (bits 8) -> [T, N]. A row's result depends only on the row (not on T).
+# 32), sixteen weight rows a step (eight on AVX2): q4 codes [N, K/2] (bits 4, high: q5's fifth bits) or q8 codes
+# [N, K] in groups of 32 (bits 8) -> [T, N]. A row's result depends only on the row (not on T).
 def gemm8(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, bits: int = 4,
           high: torch.Tensor | None = None) -> torch.Tensor:
     s = _scales(scale, zero)
@@ -302,10 +302,14 @@ def gemm8(x: torch.Tensor, codes: torch.Tensor, scale, zero=None, bits: int = 4,
     if bits == 4:
         _check_high(codes, high, s)
     y = torch.empty(x.shape[0], n)
-    got = _lib.gemm8_rows(x.data_ptr(), x.shape[0], k, codes.data_ptr(), bits, _ptr(high), s.scale.data_ptr(),
-                          _ptr(s.zero), n, y.data_ptr(), *s.args())
+    return _gemm8_done(_lib.gemm8_rows(x.data_ptr(), x.shape[0], k, codes.data_ptr(), bits, _ptr(high),
+                                       s.scale.data_ptr(), _ptr(s.zero), n, y.data_ptr(), *s.args()), y, k)
+
+
+def _gemm8_done(got: int, y: torch.Tensor, k: int) -> torch.Tensor:
+    """y, once an int8 prompt-row call returned `got` (0 done, 1 not in this build, 2 out of memory)."""
     if got == 2:
-        raise MemoryError(f"int8 prompt rows: no memory for {x.shape[0]} x {k} activations")
+        raise MemoryError(f"int8 prompt rows: no memory for {y.shape[0]} x {k} activations")
     assert got == 0, "gemm8 is not in this build (gemm8_available)"
     return y
 
@@ -316,11 +320,7 @@ def gemm8_q6k(x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor, scales: 
     n, k = codes.shape[0], codes.shape[1] * 2
     assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k, (x.shape, codes.shape)
     y = torch.empty(x.shape[0], n)
-    got = _lib.gemm8_q6k_rows(x.data_ptr(), x.shape[0], k, *parts, n, y.data_ptr())
-    if got == 2:
-        raise MemoryError(f"int8 prompt rows: no memory for {x.shape[0]} x {k} activations")
-    assert got == 0, "gemm8 is not in this build (gemm8_available)"
-    return y
+    return _gemm8_done(_lib.gemm8_q6k_rows(x.data_ptr(), x.shape[0], k, *parts, n, y.data_ptr()), y, k)
 
 
 def _check_high(codes: torch.Tensor, high: torch.Tensor | None, s: Scales) -> None:

@@ -19,8 +19,8 @@ time into a scratch buffer and runs the BLAS GEMM, so no dense copy of a weight 
 multiplies bf16 natively (AMX), prefill can take the slabs and the prompt rows in bf16 (`prefill_dtype`,
 EngineConfig.prefill): oneDNN's bf16 GEMM, about 5x the fp32 one there, in calls of a fixed BF16_TILE rows so
 that a row's bits never depend on the rows it is batched with. Where the CPU has AVX2 or AVX-512, prompt rows can
-instead be rounded to int8 per group of 32 (llama.cpp's Q8_0) and multiplied by the codes themselves, sixteen weight
-rows at a time (prefill int8: cpu_quant.gemm8), with no slab at all.
+instead be rounded to int8 per group of 32 (llama.cpp's Q8_0) and multiplied by the codes themselves, eight or
+sixteen weight rows at a time (prefill int8: cpu_quant.gemm8, gemm8_q6k), with no slab at all.
 
 Past 450 lines on purpose: the kinds share one interface and one dispatch, and each is short beside the others.
 """
@@ -493,6 +493,7 @@ class Q6Linear(_Packed):
     kind = "q6"
     bits = 6
     group = 16
+    int8_rows = True
 
     def __init__(self, codes: torch.Tensor, high: torch.Tensor, scales: cpu_quant.Scales,
                  bias: torch.Tensor | None = None):
@@ -502,8 +503,6 @@ class Q6Linear(_Packed):
         self.codes, self.high, self.scales = codes.contiguous(), high.contiguous(), scales
         self.bias = bias
         self.out_features, self.in_features = n, half * 2
-
-    int8_rows = True
 
     def _gemv(self, x, **prep):
         return cpu_quant.q6k_gemv(x, self.codes, self.high, self.scales, act=self.act_bits, **prep)
