@@ -14,7 +14,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=engine.dtype, choices=["auto", "fp32", "fp16", "bf16"])
     p.add_argument("--prefill", default=engine.prefill, choices=PREFILL_MODES,
                    help="the prompt's matrix products over packed weights: bf16 (oneDNN, about 5x fp32 on a CPU "
-                        "with AMX), fp32 (exact), or auto (bf16 where the CPU has AMX)")
+                        "with AMX), int8 (llama.cpp's rounding of the rows, no dequantized weights), fp32 (exact), "
+                        "or auto (the fastest this CPU measured, once)")
     p.add_argument("--activations", default=engine.activations, choices=ACTIVATION_MODES,
                    help="decode activations over packed weights: int16 (exact to about 1e-5), or int8 (llama.cpp's "
                         "rounding: faster for several rows a step, less exact)")

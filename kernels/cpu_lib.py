@@ -104,30 +104,30 @@ def choose_variant() -> tuple[str, str]:
 
 
 def auto_prefill() -> tuple[str, str]:
-    """(precision, why) that EngineConfig(prefill="auto") gives prompt rows on this CPU: bf16 where it has AMX
-    (oneDNN's bf16 GEMM there ran 5-6x the fp32 one); without AMX, on AVX2 or AVX-512 (Zen 4, AMD EPYC), what this
-    machine measured (prefill_record: the engine times the paths once, on its first load, and keeps the answer, so
-    every later start makes the same choice); else fp32. Torch-free: quick.covers asks it too."""
+    """(precision, why) that EngineConfig(prefill="auto") gives prompt rows on this CPU: on AVX2, AVX-512 or AMX,
+    what this machine measured (prefill_record: the engine times the paths once, on its first load, and keeps the
+    answer, so every later start makes the same choice), bf16 before that where the CPU has AMX (oneDNN's bf16 GEMM
+    there ran 5-6x the fp32 one), else fp32. Torch-free: quick.covers asks it too."""
     have = cpu_features()
-    if "amx_bf16" in have:
-        return "bf16", "the CPU's AMX multiplies bf16"
     if prefill_measured_here():
         got = prefill_record()
         if got is not None:
             return got
+        if "amx_bf16" in have:
+            return "bf16", "the CPU's AMX multiplies bf16 (not measured yet: the engine measures it on its first load)"
         return "fp32", "no AMX: not measured yet (the engine measures it on its first load)"
     return "fp32", "no AMX, AVX-512 or AVX2 on this CPU"
 
 
 def prefill_measured_here() -> bool:
-    """Whether prefill="auto" is decided by measurement on this CPU: no AMX, and AVX-512 BF16 (vdpbf16ps) or the
-    int8 prompt rows (cpu_gemm8.h: AVX-512 VNNI or AVX2) to weigh against the exact fp32 GEMM."""
-    have = cpu_features()
-    return "amx_bf16" not in have and bool(have & {"avx512bf16", "avx512vnni", "avx2"})
+    """Whether prefill="auto" is decided by measurement on this CPU: bf16 multiplies (AVX-512 BF16's vdpbf16ps or
+    AMX) or the int8 prompt rows (cpu_gemm8.h: AVX-512 VNNI or AVX2) to weigh against the exact fp32 GEMM."""
+    return bool(cpu_features() & {"avx512bf16", "avx512vnni", "avx2", "amx_bf16"})
 
 
-PREFILL_RECORD = 4          # what a record was measured among: 1 fp32 and bf16, 2 with int8, 3 keyed by the kernels'
-                            # build too, 4 with the avx2 build's int8 rows (older ones: measured again)
+PREFILL_RECORD = 5          # what a record was measured among: 1 fp32 and bf16, 2 with int8, 3 keyed by the kernels'
+                            # build too, 4 with the avx2 build's int8 rows, 5 AMX CPUs too (older ones: measured
+                            # again)
 
 
 def _prefill_path() -> Path:

@@ -74,10 +74,9 @@ def auto_prefill() -> tuple[str, str]:
 
 
 def choose_prefill(asked: str, model: Transformer) -> tuple[str, str]:
-    """(fp32 | bf16 | int8, why): what the packed linears give prompt rows. auto takes bf16 where the CPU has AMX,
-    whose bf16 GEMM (oneDNN, through torch) ran 5-6x the fp32 one on a 2-core Xeon with AMX; without AMX (Zen 4,
-    Ice Lake, AVX2 EPYC) what this machine measured (measure_prefill, once, then kept); elsewhere fp32, which is
-    exact over the dequantized weights. int8 asked for where the build has no gemm8 reads as fp32, said."""
+    """(fp32 | bf16 | int8, why): what the packed linears give prompt rows. auto takes what this machine measured
+    (measure_prefill, once, then kept) on AVX2, AVX-512 or AMX (Xeon, Zen 4, Ice Lake, AVX2 EPYC); elsewhere fp32,
+    which is exact over the dequantized weights. int8 asked for where the build has no gemm8 reads as fp32, said."""
     if not str(model.device).startswith("cpu") or model.weights not in ("gguf", "int8", "int4"):
         return "fp32", "dense weights: the model's own dtype"
     if asked == "int8" and not cpu_quant.gemm8_available():
@@ -101,7 +100,7 @@ def _multiplies_bf16() -> bool:
 
 
 def measure_prefill_once() -> None:
-    """Without AMX, on AVX2 or AVX-512, with nothing kept for this machine yet: measure_prefill, kept."""
+    """On AVX2, AVX-512 or AMX, with nothing kept for this machine yet: measure_prefill, kept."""
     if cpu_lib.prefill_measured_here() and cpu_lib.prefill_record() is None:
         cpu_lib.save_prefill_record(*measure_prefill())
 
